@@ -1,0 +1,1 @@
+"""dataprep: raw interactions -> user sequences -> per-sample cost -> length-balanced shards."""

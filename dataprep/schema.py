@@ -1,0 +1,77 @@
+"""The shard-set layout: the one schema shared by dataprep (writer), training
+(reader), ftcore's ledger and the Airflow tasks.
+
+A shard set is a folder:
+
+    manifest.json            what was built, from what, and SHA-256 of every file
+    shards/rank-00000.parquet  one file per rank; row group i holds step i
+    eval.parquet             one row per user: history and the held-out targets
+    maps/users.parquet       dense user id -> raw user id
+    maps/items.parquet       dense item id -> raw item id (0 is padding)
+    rejects.parquet          rows or users rejected, with the reason
+
+Item ids are dense, 1..num_items; 0 is padding. Each training sample is one
+user's training sequence (all but the last two items, most recent `max_len + 1`
+kept): `items` is the input history (length L) and the next item at position t
+is `items[t + 1]`, or `target` at the last position.
+"""
+
+import pyarrow as pa
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+SHARDS_DIR = "shards"
+EVAL_FILE = "eval.parquet"
+USER_MAP = "maps/users.parquet"
+ITEM_MAP = "maps/items.parquet"
+REJECTS_FILE = "rejects.parquet"
+
+
+def shard_file(rank: int) -> str:
+    """Path of rank `rank`'s shard file, relative to the shard-set folder."""
+    return f"{SHARDS_DIR}/rank-{rank:05d}.parquet"
+
+
+SHARD_SCHEMA = pa.schema([
+    pa.field("sample_id", pa.int64(), nullable=False),   # unique within the shard set
+    pa.field("user_id", pa.int64(), nullable=False),     # dense user id
+    pa.field("step", pa.int32(), nullable=False),        # global step (= row group index)
+    pa.field("rank", pa.int32(), nullable=False),        # data-parallel rank
+    pa.field("length", pa.int32(), nullable=False),      # len(items)
+    pa.field("cost", pa.float64(), nullable=False),      # c(length) from the cost model
+    pa.field("items", pa.list_(pa.int32()), nullable=False),  # input history, oldest first
+    pa.field("target", pa.int32(), nullable=False),      # item after the last input
+])
+
+EVAL_SCHEMA = pa.schema([
+    pa.field("user_id", pa.int64(), nullable=False),
+    pa.field("history", pa.list_(pa.int32()), nullable=False),  # full training sequence, untruncated
+    pa.field("valid_target", pa.int32(), nullable=False),       # second-to-last item
+    pa.field("test_target", pa.int32(), nullable=False),        # last item
+])
+
+MAP_SCHEMA = pa.schema([
+    pa.field("id", pa.int64(), nullable=False),       # dense id
+    pa.field("raw_id", pa.string(), nullable=False),  # id as it appeared in the input
+])
+
+REJECTS_SCHEMA = pa.schema([
+    pa.field("source", pa.string()),   # file name
+    pa.field("line", pa.int64()),      # 1-based line or row number; null for per-user rejects
+    pa.field("user", pa.string()),     # raw user id when known
+    pa.field("reason", pa.string()),   # short snake_case reason, counted in the manifest
+    pa.field("detail", pa.string()),
+])
+
+# manifest.json keys (all required):
+#   format_version: int            FORMAT_VERSION
+#   created_at: str                ISO-8601 UTC
+#   input: {paths: [str], format: str, fingerprint: str}   fingerprint = SHA-256 over the input bytes
+#   config: {world_size, batch_size, max_len, seed, window_steps, cost_model: {a, b, c0}, tail: "drop"|"fill", ...}
+#   num_users, num_items, num_samples: int   num_items = largest dense item id
+#   steps: int                     steps per epoch; every rank has exactly this many row groups
+#   counts: {events_read, events_used, duplicates, samples_written, samples_dropped_tail, samples_filled_tail, ...}
+#   rejects: {reason: count}
+#   imbalance: {p50, p99, max, mean}        per-step max/mean rank cost
+#   bubble_fraction: float                  1 - total cost / (W * sum over steps of the max rank cost)
+#   files: {relative_path: sha256}          every file of the set but manifest.json

@@ -1,0 +1,1 @@
+"""training: the model, the training loop, evaluation, checkpoints, tracking and the launcher."""
