@@ -1,0 +1,237 @@
+"""build_shards: raw interactions -> a verified-looking shard set, atomically.
+
+read -> sequences -> leave-one-out samples -> cost -> balance plan -> Parquet files
+and manifest in a temporary folder beside `out` -> rename into place. A crash at
+any point leaves at most a `.NAME.tmp-*` folder, never a set that looks valid.
+Re-running with the same input and config on an existing set returns its
+manifest without rebuilding (Airflow retries are cheap); a different set at
+`out` is refused unless `overwrite=True`.
+"""
+
+import json
+import os
+import shutil
+import time
+import uuid
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from dataprep import balance, readers, schema, sequences
+from dataprep.cost import load_cost_model
+from dataprep.errors import DataprepError
+from dataprep.fsutil import fingerprint, sha256_file
+from dataprep.progress import Progress, stage
+
+MAX_REJECT_FRACTION = 0.05
+
+
+def _check_rejects(ev: readers.Interactions, max_fraction: float) -> None:
+    rejected = sum(t.num_rows for t in ev.rejects)
+    lines = max(ev.counts.get("lines", 0), 1)
+    if rejected and rejected > max_fraction * lines:
+        allr = pa.concat_tables(ev.rejects)
+        first = allr.take(pc.sort_indices(allr, [("source", "ascending"), ("line", "ascending")])[:1]).to_pylist()[0]
+        raise DataprepError(
+            f"{first['source']}: {rejected} of {lines} lines rejected (first: line {first['line']}, "
+            f"{first['reason']}, {first['detail']}); is --format right? "
+            f"Fix the input or raise --max-reject-fraction (now {max_fraction})")
+
+
+def _existing(out: Path, fp: str, config: dict, overwrite: bool) -> dict | None:
+    """The manifest of an identical set already at `out`, or None if `out` may be (re)written."""
+    if not out.exists():
+        return None
+    if not out.is_dir():
+        raise DataprepError(f"{out}: exists and is not a folder; choose another --out")
+    mpath = out / schema.MANIFEST
+    if mpath.exists():
+        try:
+            m = json.loads(mpath.read_text())
+        except ValueError:
+            m = {}
+        same = (m.get("format_version") == schema.FORMAT_VERSION and m.get("input", {}).get("fingerprint") == fp
+                and m.get("config") == config
+                and all((out / f).exists() for f in m.get("files", {"-": 0})))
+        if same and not overwrite:
+            return m
+        if not overwrite:
+            raise DataprepError(f"{out}: holds a different shard set (other input or settings); "
+                                "pass --overwrite to replace it or choose another --out")
+        return None
+    if any(out.iterdir()) and not overwrite:
+        raise DataprepError(f"{out}: folder is not empty and holds no shard set; pass --overwrite or choose another --out")
+    return None
+
+
+def _write_parquet(path: Path, table: pa.Table) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, path)
+
+
+def _write_shards(tmp: Path, samples: sequences.Samples, cost: np.ndarray, p: balance.Plan, quiet: bool) -> None:
+    keep = np.flatnonzero(p.step >= 0)
+    order = keep[np.lexsort((p.step[keep], p.rank[keep]))]
+    idx = pa.array(order)
+    table = pa.table({
+        "sample_id": pa.array(order.astype(np.int64)),
+        "user_id": pa.array(samples.user_id[order]),
+        "step": pa.array(p.step[order]),
+        "rank": pa.array(p.rank[order]),
+        "length": pa.array(samples.length[order]),
+        "cost": pa.array(cost[order]),
+        "items": pc.take(samples.items, idx),
+        "target": pa.array(samples.target[order]),
+    }, schema=schema.SHARD_SCHEMA)
+    # row boundaries of every (rank, step) block: all blocks are non-empty by construction
+    key = p.rank[order].astype(np.int64) * p.steps + p.step[order]
+    bounds = np.searchsorted(key, np.arange(p.world_size * p.steps + 1))
+    (tmp / schema.SHARDS_DIR).mkdir(parents=True)
+    with Progress("write", p.world_size, quiet=quiet, unit=" ranks") as bar:
+        for r in range(p.world_size):
+            with pq.ParquetWriter(tmp / schema.shard_file(r), schema.SHARD_SCHEMA) as w:
+                for s in range(p.steps):
+                    a, b = bounds[r * p.steps + s], bounds[r * p.steps + s + 1]
+                    w.write_table(table.slice(a, b - a))  # one call = one row group = one step
+            bar.update()
+
+
+def build_shards(input: "str | list[str]", fmt: str, out: str, *, world_size: int, batch_size: int, seed: int = 0,
+                 max_len: int = 50, cost_model: "str | dict | None" = None, window_steps: int | None = None,
+                 quiet: bool = True, tail: str = "fill", method: str = "auto", dedup: str = "exact",
+                 max_events: int | None = None, max_reject_fraction: float = MAX_REJECT_FRACTION,
+                 overwrite: bool = False, **reader_options) -> dict:
+    """Build a shard set at `out` and return its manifest (see dataprep.schema).
+
+    Raises DataprepError for anything the user can fix (input, settings, existing output).
+    """
+    t_all = time.monotonic()
+    paths = [str(p) for p in ([input] if isinstance(input, (str, os.PathLike)) else input)]
+    for p in paths:
+        if not Path(p).exists():
+            raise DataprepError(f"{p}: input not found; check --input")
+    if fmt not in readers.FORMATS:
+        raise DataprepError(f"--format {fmt!r}: unknown; choose one of {', '.join(readers.FORMATS)}")
+    cm = load_cost_model(cost_model)
+    k = balance.DEFAULT_WINDOW_STEPS if window_steps is None else int(window_steps)
+    if world_size < 1 or batch_size < 1 or max_len < 1 or k < 1:
+        bad = next(n for n, v in (("--world-size", world_size), ("--batch-size", batch_size), ("--max-len", max_len),
+                                  ("--window-steps", k)) if v < 1)
+        raise DataprepError(f"{bad} must be >= 1")
+    config = {"world_size": world_size, "batch_size": batch_size, "max_len": max_len, "seed": seed,
+              "window_steps": k, "cost_model": {"a": cm.a, "b": cm.b, "c0": cm.c0, "source": cm.source},
+              "tail": tail, "method": method, "dedup": dedup, "max_events": max_events,
+              "reader_options": dict(sorted(reader_options.items()))}
+    outp = Path(out)
+    timings = {}
+    with stage("fingerprint", quiet=quiet):
+        fp = fingerprint(paths)
+    existing = _existing(outp, fp, config, overwrite)
+    if existing is not None:
+        return existing
+
+    t = time.monotonic()
+    with stage("read", quiet=quiet):
+        ev = readers.read(paths, fmt, **reader_options)
+    _check_rejects(ev, max_reject_fraction)
+    timings["read_s"] = time.monotonic() - t
+    t = time.monotonic()
+    with stage("sequences", quiet=quiet):
+        seq = sequences.build_sequences(ev, dedup=dedup, max_events=max_events)
+        ev_table = sequences.eval_table(seq)
+        samples = sequences.train_samples(seq, max_len)
+    timings["sequences_s"] = time.monotonic() - t
+    n = len(samples.user_id)
+    if n == 0:
+        raise DataprepError(f"{', '.join(paths)}: no user has the 4 events a training sample needs "
+                            "(history, target, validation, test); give more data")
+    cost = cm(samples.length)
+    t = time.monotonic()
+    with stage("balance", quiet=quiet):
+        p = balance.plan(cost, world_size=world_size, batch_size=batch_size, window_steps=k, seed=seed,
+                         tail=tail, method=method)
+        st = balance.stats(p, cost)
+        st_random = balance.stats(balance.random_plan(cost, world_size=world_size, batch_size=batch_size,
+                                                      seed=seed, tail=tail), cost)
+    timings["balance_s"] = time.monotonic() - t
+
+    rejects = list(seq.rejects)
+    if p.dropped:
+        d = np.flatnonzero(p.step < 0)
+        rejects.append(pa.table({
+            "source": pa.nulls(len(d), pa.string()), "line": pa.nulls(len(d), pa.int64()),
+            "user": pc.take(seq.user_raw, pa.array(samples.user_id[d] - 1)).cast(pa.string()),
+            "reason": pa.array(["tail_dropped"] * len(d)),
+            "detail": pa.array([f"sample_id={i}" for i in d]),
+        }, schema=schema.REJECTS_SCHEMA))
+    rej = pa.concat_tables([r.cast(schema.REJECTS_SCHEMA) for r in rejects]) if rejects else schema.REJECTS_SCHEMA.empty_table()
+    by_reason = {}
+    if rej.num_rows:
+        vc = pc.value_counts(rej.column("reason")).to_pylist()
+        by_reason = {d["values"]: int(d["counts"]) for d in sorted(vc, key=lambda d: d["values"])}
+
+    outp.parent.mkdir(parents=True, exist_ok=True)
+    tmp = outp.parent / f".{outp.name}.tmp-{uuid.uuid4().hex[:8]}"
+    t = time.monotonic()
+    try:
+        tmp.mkdir()
+        _write_shards(tmp, samples, cost, p, quiet)
+        _write_parquet(tmp / schema.EVAL_FILE, ev_table)
+        _write_parquet(tmp / schema.USER_MAP, seq.user_map())
+        _write_parquet(tmp / schema.ITEM_MAP, seq.item_map())
+        _write_parquet(tmp / schema.REJECTS_FILE, rej)
+        files = {str(f.relative_to(tmp)): sha256_file(f) for f in sorted(tmp.rglob("*")) if f.is_file()}
+        timings["write_s"] = time.monotonic() - t
+        timings["total_s"] = time.monotonic() - t_all
+        manifest = {
+            "format_version": schema.FORMAT_VERSION,
+            "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "input": {"paths": [str(Path(x).resolve()) for x in paths], "format": fmt, "fingerprint": fp},
+            "config": config,
+            "num_users": seq.num_users,
+            "num_items": seq.num_items,
+            "num_samples": n,
+            "steps": p.steps,
+            "global_batch": world_size * batch_size,
+            "counts": {
+                "lines": ev.counts.get("lines", 0), "blank_lines": ev.counts.get("blank_lines", 0),
+                "events_read": len(ev),
+                "events_used": seq.counts["events_used"], "duplicates": seq.counts["duplicates"],
+                "rows_rejected": sum(t_.num_rows for t_ in ev.rejects),
+                "users_read": seq.counts["users_read"], "users_rejected": seq.counts["users_rejected"],
+                "eval_users": seq.num_users, "users_without_sample": seq.num_users - n,
+                "samples_written": n - p.dropped, "samples_dropped_tail": p.dropped,
+                "samples_filled_tail": p.filled, "samples_truncated": samples.truncated,
+                "items_truncated": samples.items_truncated, "tokens": int(samples.length.sum()),
+            },
+            "rejects": by_reason,
+            "imbalance": st["imbalance"],
+            "over_lower_bound": st["over_lower_bound"],
+            "bubble_fraction": st["bubble_fraction"],
+            "bubble_fraction_random": st_random["bubble_fraction"],
+            "bubble_fraction_lower_bound": st["bubble_fraction_lower_bound"],
+            "total_cost": float(cost[p.step >= 0].sum()),
+            "timings": {k_: round(v, 3) for k_, v in timings.items()},
+            "files": files,
+        }
+        (tmp / schema.MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        _install(tmp, outp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _install(tmp: Path, out: Path) -> None:
+    """Rename the finished set into place; an old set is moved aside first and removed after."""
+    old = None
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+        os.replace(out, old)
+    os.replace(tmp, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,12 @@
+"""Errors a user can cause in dataprep: one class, one clear line each.
+
+The CLI prints `error: <message>` and exits non-zero without a traceback; the
+Python API raises the exception for the caller (the Airflow tasks, tests).
+"""
+
+
+class DataprepError(Exception):
+    """A problem with the input, the settings or a shard set.
+
+    The message names the file, line, column or setting and says what to do.
+    """

@@ -1,0 +1,221 @@
+"""Sequences: events -> per-user item sequences (dense ids) -> leave-one-out samples.
+
+Group by user, order by time (stable: ties keep input order), drop duplicate
+events, reject users too short for leave-one-out, remap raw ids to dense ids
+(users 1..U, items 1..I, 0 is padding; ids are numbered in sorted raw-id order so
+that already-dense inputs keep their ids), then split:
+train = all but the last two items (its most recent max_len + 1 kept: input
+history + target), validation target = second-to-last, test target = last.
+Everything is numpy/pyarrow array arithmetic; no per-user Python loop.
+"""
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from dataprep.errors import DataprepError
+from dataprep.readers import Interactions, _reject_table
+from dataprep.schema import EVAL_SCHEMA, MAP_SCHEMA
+
+MIN_EVENTS = 3  # leave-one-out needs a history, a validation and a test item
+DEDUP = ("exact", "consecutive", "none")
+
+
+@dataclass
+class Sequences:
+    offsets: np.ndarray          # int64 [U+1]; user u (1-based) owns values[offsets[u-1]:offsets[u]]
+    values: np.ndarray           # int32 dense item ids, oldest first
+    user_raw: pa.Array           # raw id of dense user u at index u-1
+    item_raw: pa.Array           # raw id of dense item i at index i-1
+    rejects: list[pa.Table] = field(default_factory=list)
+    counts: dict = field(default_factory=dict)
+
+    @property
+    def num_users(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def num_items(self) -> int:
+        return len(self.item_raw)
+
+    def user_map(self) -> pa.Table:
+        return _map_table(self.user_raw)
+
+    def item_map(self) -> pa.Table:
+        return _map_table(self.item_raw)
+
+
+@dataclass
+class Samples:
+    """One training sample per user with >= 4 events (train part of length >= 2)."""
+    user_id: np.ndarray          # int64 dense user ids
+    length: np.ndarray           # int32 len(items) = min(train length - 1, max_len)
+    items: pa.ListArray          # list<int32> input history
+    target: np.ndarray           # int32 item after the history
+    truncated: int               # samples whose train part was longer than max_len + 1
+    items_truncated: int         # items cut off by truncation
+
+
+def _map_table(raw: pa.Array) -> pa.Table:
+    return pa.table({"id": pa.array(np.arange(1, len(raw) + 1, dtype=np.int64)),
+                     "raw_id": raw.cast(pa.string())}, schema=MAP_SCHEMA)
+
+
+def _codes(values: pa.Array) -> tuple[np.ndarray, pa.Array]:
+    """Dense codes 0..n-1 in sorted raw-id order, and the sorted unique raw ids."""
+    uniq = pc.unique(values)
+    uniq = pc.take(uniq, pc.sort_indices(uniq))
+    return pc.index_in(values, value_set=uniq).to_numpy().astype(np.int64), uniq
+
+
+def _order(user: np.ndarray, ts: np.ndarray) -> np.ndarray:
+    """Indices sorting by (user, ts), stable. One int64 key when it fits, else lexsort."""
+    if len(ts) == 0:
+        return np.zeros(0, np.int64)
+    t0, t1 = int(ts.min()), int(ts.max())
+    span = t1 - t0 + 1
+    nu = int(user.max()) + 1
+    if span * nu < (1 << 62):
+        return np.argsort(user * span + (ts - t0), kind="stable")
+    return np.lexsort((ts, user))
+
+
+def build_sequences(ev: Interactions, *, dedup: str = "exact", max_events: int | None = None) -> Sequences:
+    """Group, order, de-duplicate, filter and remap (see module doc)."""
+    if dedup not in DEDUP:
+        raise DataprepError(f"--dedup {dedup!r}: unknown; choose one of {', '.join(DEDUP)}")
+    n = len(ev)
+    if n == 0:
+        raise DataprepError(f"{', '.join(ev.paths)}: no valid interactions left after rejecting bad rows; "
+                            "check --format and the rejects listed above")
+    rejects = list(ev.rejects)
+    u0, _ = _codes(ev.user)
+    i0 = pc.dictionary_encode(ev.item).indices.to_numpy().astype(np.int64)
+    order = _order(u0, ev.ts)
+    us, ts, it = u0[order], ev.ts[order], i0[order]
+    same_user = np.empty(n, bool)
+    same_user[0] = False
+    np.equal(us[1:], us[:-1], out=same_user[1:])
+    dup = np.zeros(n, bool)  # in sorted order
+    if dedup != "none" and ev.has_time:
+        tie = same_user.copy()
+        tie[1:] &= ts[1:] == ts[:-1]
+        if tie.any():
+            # only events inside (user, time) ties can be exact duplicates: sort those by item
+            in_tie = tie.copy()
+            in_tie[:-1] |= tie[1:]
+            idx = np.flatnonzero(in_tie)
+            sub = idx[np.lexsort((idx, it[idx], ts[idx], us[idx]))]
+            d = (us[sub][1:] == us[sub][:-1]) & (ts[sub][1:] == ts[sub][:-1]) & (it[sub][1:] == it[sub][:-1])
+            dup[sub[1:][d]] = True
+    if dedup == "consecutive":
+        prev_kept = same_user.copy()
+        prev_kept[1:] &= it[1:] == it[:-1]
+        dup |= prev_kept
+    if dup.any():
+        di = order[dup]
+        rejects.append(_reject_by_event(ev, di, "duplicate_event",
+                                        "same user, item and time as an earlier event" if dedup == "exact"
+                                        else "same item as the user's previous event"))
+        keep = ~dup
+        order, us = order[keep], us[keep]
+    # per-user event counts (sorted order groups users together)
+    nu = int(u0.max()) + 1
+    cnt = np.bincount(us, minlength=nu)
+    bad_user = (cnt > 0) & (cnt < MIN_EVENTS)
+    reasons = [("too_short", bad_user, lambda c: f"{c} events; leave-one-out needs at least {MIN_EVENTS}")]
+    if max_events is not None:
+        long_user = cnt > max_events
+        reasons.append(("history_too_long", long_user, lambda c: f"{c} events > --max-events {max_events}"))
+    first_event = np.full(nu, -1, np.int64)
+    first_event[us[::-1]] = order[::-1]  # earliest (sorted) event of each user
+    drop_user = np.zeros(nu, bool)
+    for reason, mask, why in reasons:
+        mask = mask & ~drop_user
+        if mask.any():
+            uu = np.flatnonzero(mask)
+            fe = first_event[uu]
+            rejects.append(pa.table({
+                "source": pa.array([ev.paths[s] for s in ev.source[fe]], pa.string()),
+                "line": pa.nulls(len(uu), pa.int64()),
+                "user": pc.take(ev.user, pa.array(fe)).cast(pa.string()),
+                "reason": pa.array([reason] * len(uu), pa.string()),
+                "detail": pa.array([why(int(c)) for c in cnt[uu]], pa.string()),
+            }))
+            drop_user |= mask
+    keep_ev = ~drop_user[us]
+    order = order[keep_ev]
+    if len(order) == 0:
+        raise DataprepError(f"{', '.join(ev.paths)}: no user has the {MIN_EVENTS} events leave-one-out needs "
+                            f"({int(bad_user.sum())} users too short); give more data")
+    users_kept = ev.user.take(pa.array(order)) if not isinstance(ev.user, np.ndarray) else ev.user[order]
+    items_kept = ev.item.take(pa.array(order))
+    ucode, user_raw = _codes(users_kept)
+    icode, item_raw = _codes(items_kept)
+    cnt = np.bincount(ucode, minlength=len(user_raw))
+    offsets = np.zeros(len(user_raw) + 1, np.int64)
+    np.cumsum(cnt, out=offsets[1:])
+    # `order` is grouped by provisional user code, ordered by time inside each user;
+    # dense codes follow sorted raw ids, like the provisional ones, so groups stay contiguous.
+    counts = {
+        "events_used": int(len(order)),
+        "duplicates": int(dup.sum()),
+        "users_read": int((np.bincount(u0, minlength=nu) > 0).sum()),
+        "users_rejected": int(drop_user.sum()),
+    }
+    return Sequences(offsets=offsets, values=(icode + 1).astype(np.int32), user_raw=user_raw,
+                     item_raw=item_raw, rejects=rejects, counts=counts)
+
+
+def _reject_by_event(ev: Interactions, idx: np.ndarray, reason: str, detail: str) -> pa.Table:
+    idx = np.sort(idx)
+    return pa.table({
+        "source": pa.array([ev.paths[s] for s in ev.source[idx]], pa.string()),
+        "line": pa.array(ev.line[idx]),
+        "user": pc.take(ev.user, pa.array(idx)).cast(pa.string()),
+        "reason": pa.array([reason] * len(idx), pa.string()),
+        "detail": pa.array([detail] * len(idx), pa.string()),
+    })
+
+
+def _gather(values: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Concatenate values[starts[k]:starts[k]+lengths[k]] for all k; returns (offsets, flat)."""
+    offs = np.zeros(len(lengths) + 1, np.int64)
+    np.cumsum(lengths, out=offs[1:])
+    idx = np.arange(offs[-1], dtype=np.int64) + np.repeat(starts - offs[:-1], lengths)
+    return offs, values[idx]
+
+
+def eval_table(seq: Sequences) -> pa.Table:
+    """One row per user: full training sequence (untruncated), validation and test targets."""
+    n = np.diff(seq.offsets)
+    hist_off, hist = _gather(seq.values, seq.offsets[:-1], n - 2)
+    return pa.table({
+        "user_id": pa.array(np.arange(1, seq.num_users + 1, dtype=np.int64)),
+        "history": pa.ListArray.from_arrays(pa.array(hist_off.astype(np.int32)), pa.array(hist, pa.int32())),
+        "valid_target": pa.array(seq.values[seq.offsets[1:] - 2], pa.int32()),
+        "test_target": pa.array(seq.values[seq.offsets[1:] - 1], pa.int32()),
+    }, schema=EVAL_SCHEMA)
+
+
+def train_samples(seq: Sequences, max_len: int) -> Samples:
+    """Leave-one-out training samples, the most recent `max_len` inputs kept."""
+    if max_len < 1:
+        raise DataprepError(f"--max-len {max_len}: must be >= 1")
+    n = np.diff(seq.offsets)
+    train_len = n - 2                         # all but validation and test items
+    has = train_len >= 2                      # need one input and one target
+    users = np.flatnonzero(has) + 1
+    tl = train_len[has]
+    length = np.minimum(tl - 1, max_len)
+    end = seq.offsets[:-1][has] + tl - 1      # index of the target
+    offs, flat = _gather(seq.values, end - length, length)
+    return Samples(
+        user_id=users.astype(np.int64), length=length.astype(np.int32),
+        items=pa.LargeListArray.from_arrays(pa.array(offs), pa.array(flat, pa.int32())).cast(pa.list_(pa.int32()))
+        if offs[-1] >= (1 << 31) else pa.ListArray.from_arrays(pa.array(offs.astype(np.int32)), pa.array(flat, pa.int32())),
+        target=seq.values[end].astype(np.int32),
+        truncated=int((tl - 1 > max_len).sum()),
+        items_truncated=int(np.maximum(tl - 1 - max_len, 0).sum()))

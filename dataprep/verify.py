@@ -1,0 +1,129 @@
+"""verify_shards: prove a shard set is what its manifest says, before training trusts it.
+
+Checks: manifest readable and complete; every listed file present with its
+SHA-256 and no unlisted files; Parquet schemas; one file per rank, each with
+exactly `steps` row groups, row group i holding only step i and that rank, and
+never empty; lengths, costs and item ids consistent; every training sample
+exactly once (unique sample ids, count = samples written); the eval table and
+maps sized as the manifest says. The first problem raises DataprepError.
+"""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from dataprep import schema
+from dataprep.errors import DataprepError
+from dataprep.fsutil import sha256_file
+
+REQUIRED = ("format_version", "created_at", "input", "config", "num_users", "num_items", "num_samples",
+            "steps", "counts", "rejects", "imbalance", "bubble_fraction", "files")
+
+
+def _fail(where, msg: str):
+    raise DataprepError(f"{where}: {msg}")
+
+
+def _schema_ok(path: Path, want, rel: str) -> pq.ParquetFile:
+    try:
+        f = pq.ParquetFile(path)
+    except Exception as e:  # noqa: BLE001 - any read failure is a corrupt file
+        _fail(rel, f"not a readable Parquet file ({e}); rebuild the shard set")
+    got = f.schema_arrow
+    if not got.equals(want, check_metadata=False):
+        _fail(rel, f"schema differs from dataprep.schema: got {got}, want {want}; rebuild with this version")
+    return f
+
+
+def verify_shards(path: str, *, checksums: bool = True) -> dict:
+    """Verify the shard set at `path`; returns its manifest or raises DataprepError."""
+    root = Path(path)
+    if not root.is_dir():
+        _fail(path, "not a folder; give the shard-set folder written by `python -m dataprep shards`")
+    mpath = root / schema.MANIFEST
+    if not mpath.exists():
+        _fail(path, f"no {schema.MANIFEST}: not a shard set, or an unfinished build")
+    try:
+        m = json.loads(mpath.read_text())
+    except ValueError as e:
+        _fail(mpath, f"not valid JSON ({e}); rebuild the shard set")
+    missing = [k for k in REQUIRED if k not in m]
+    if missing:
+        _fail(mpath, f"missing keys {', '.join(missing)}; rebuild the shard set")
+    if m["format_version"] != schema.FORMAT_VERSION:
+        _fail(mpath, f"format_version {m['format_version']} but this dataprep reads {schema.FORMAT_VERSION}; rebuild")
+    cfg = m["config"]
+    w, steps = int(cfg["world_size"]), int(m["steps"])
+
+    files = m["files"]
+    on_disk = {str(f.relative_to(root)) for f in root.rglob("*") if f.is_file()} - {schema.MANIFEST}
+    if set(files) != on_disk:
+        extra, gone = sorted(on_disk - set(files)), sorted(set(files) - on_disk)
+        _fail(path, f"files differ from the manifest (missing: {gone[:5]}, unlisted: {extra[:5]}); rebuild the shard set")
+    want_files = {schema.shard_file(r) for r in range(w)} | {schema.EVAL_FILE, schema.USER_MAP, schema.ITEM_MAP,
+                                                              schema.REJECTS_FILE}
+    if want_files - set(files):
+        _fail(path, f"missing files for world size {w}: {sorted(want_files - set(files))[:5]}")
+    if checksums:
+        for rel, digest in files.items():
+            if sha256_file(root / rel) != digest:
+                _fail(root / rel, "SHA-256 differs from the manifest: the file changed or is corrupt; rebuild the shard set")
+
+    num_items = int(m["num_items"])
+    seen = []
+    cm = cfg["cost_model"]
+    for r in range(w):
+        rel = schema.shard_file(r)
+        f = _schema_ok(root / rel, schema.SHARD_SCHEMA, rel)
+        if f.num_row_groups != steps:
+            _fail(rel, f"{f.num_row_groups} row groups but the manifest says {steps} steps; every rank needs the same number")
+        t = f.read()
+        step_col = t.column("step").to_numpy()
+        counts = np.asarray([f.metadata.row_group(i).num_rows for i in range(steps)])
+        if (counts == 0).any():
+            _fail(rel, f"step {int(np.argmax(counts == 0))} is empty; every rank needs a sample in every step")
+        expect = np.repeat(np.arange(steps), counts)
+        if not np.array_equal(step_col, expect):
+            bad = int(np.argmax(step_col != expect))
+            _fail(rel, f"row {bad} has step {step_col[bad]} in row group {expect[bad]}; row group i must hold step i")
+        if (t.column("rank").to_numpy() != r).any():
+            _fail(rel, f"holds rows of another rank; expected only rank {r}")
+        length = t.column("length").to_numpy()
+        if not np.array_equal(pc.list_value_length(t.column("items")).to_numpy(), length):
+            _fail(rel, "column length differs from len(items)")
+        if (length < 1).any() or (length > int(cfg["max_len"])).any():
+            _fail(rel, f"lengths must be in 1..max_len={cfg['max_len']}")
+        want_cost = (cm["a"] * length + cm["b"]) * length + cm["c0"]
+        if not np.allclose(t.column("cost").to_numpy(), want_cost, rtol=1e-9):
+            _fail(rel, "cost differs from the manifest's cost model")
+        flat = pc.list_flatten(t.column("items"))
+        for name, col in (("items", flat), ("target", t.column("target"))):
+            if len(col) and (pc.min(col).as_py() < 1 or pc.max(col).as_py() > num_items):
+                _fail(rel, f"{name} holds ids outside 1..num_items={num_items}")
+        seen.append(t.column("sample_id").to_numpy())
+    ids = np.concatenate(seen) if seen else np.zeros(0, np.int64)
+    written = int(m["counts"]["samples_written"])
+    if len(ids) != written:
+        _fail(path, f"{len(ids)} rows in the shards but the manifest says {written} samples written")
+    u = np.unique(ids)
+    if len(u) != len(ids):
+        _fail(path, f"{len(ids) - len(u)} samples appear more than once; every sample must appear exactly once")
+    if len(u) and (u[0] < 0 or u[-1] >= int(m["num_samples"])):
+        _fail(path, f"sample ids outside 0..num_samples-1={int(m['num_samples']) - 1}")
+    if written + int(m["counts"].get("samples_dropped_tail", 0)) != int(m["num_samples"]):
+        _fail(path, "samples written + dropped tail differs from num_samples")
+
+    ev = _schema_ok(root / schema.EVAL_FILE, schema.EVAL_SCHEMA, schema.EVAL_FILE)
+    if ev.metadata.num_rows != int(m["num_users"]):
+        _fail(schema.EVAL_FILE, f"{ev.metadata.num_rows} rows but num_users is {m['num_users']}")
+    for rel, n in ((schema.USER_MAP, m["num_users"]), (schema.ITEM_MAP, num_items)):
+        f = _schema_ok(root / rel, schema.MAP_SCHEMA, rel)
+        if f.metadata.num_rows != int(n):
+            _fail(rel, f"{f.metadata.num_rows} rows but the manifest says {n}")
+    rj = _schema_ok(root / schema.REJECTS_FILE, schema.REJECTS_SCHEMA, schema.REJECTS_FILE)
+    if rj.metadata.num_rows != sum(int(v) for v in m["rejects"].values()):
+        _fail(schema.REJECTS_FILE, "row count differs from the manifest's rejects by reason")
+    return m

@@ -1,0 +1,1 @@
+"""Small self-contained workers that exercise ftcore end to end (tests, benchmarks)."""

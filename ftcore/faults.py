@@ -1,0 +1,152 @@
+"""Fault plans: what to break, where and when. One format for tests, benchmarks, the launcher
+and the Airflow chaos DAG.
+
+A plan is a JSON or TOML file with a list of faults:
+
+    [[faults]]
+    kind = "kill"            # SIGKILL a rank's process
+    group = 1
+    rank = 0                 # default 0; "all" for every rank of the group
+    at_step = 5              # or at_time = 2.5 (seconds since the launch)
+    phase = "during_allreduce"   # optional: the process kills itself in that phase
+
+    [[faults]]
+    kind = "stop"            # SIGSTOP, then SIGCONT after duration_s (0: never)
+    group = 2
+    at_step = 8
+    duration_s = 4
+
+    [[faults]]
+    kind = "raise"           # raise inside a phase of the step
+    group = 0
+    at_step = 6
+    phase = "during_allreduce"   # before_allreduce | during_allreduce | after_allreduce | vote | heal_serve
+
+    [[faults]]
+    kind = "kill_lighthouse" # SIGKILL the lighthouse, restart it after duration_s
+    at_step = 10
+    duration_s = 1
+
+    [[faults]]
+    kind = "slow"            # sleep delay_s in every step of [at_step, until_step)
+    group = 1
+    at_step = 3
+    until_step = 9
+    delay_s = 0.2
+
+Each fault fires once, on the group's first incarnation unless `incarnation` says
+otherwise. Signals and lighthouse kills at a step or time are sent by the launcher from
+outside; `raise`, `slow` and kills with a `phase` happen inside the rank.
+"""
+
+import json
+import os
+import signal
+import time
+import tomllib
+from dataclasses import dataclass, field
+
+KINDS = ("kill", "stop", "raise", "kill_lighthouse", "slow")
+PHASES = ("before_allreduce", "during_allreduce", "after_allreduce", "vote", "heal_serve")
+
+
+class PlanError(ValueError):
+    """The fault plan file is wrong; the message names the file, the fault and the key."""
+
+
+class InjectedFault(RuntimeError):
+    """Raised by a `raise` fault."""
+
+
+@dataclass
+class Fault:
+    kind: str
+    group: int = 0
+    rank: int | str = 0
+    at_step: int | None = None
+    at_time: float | None = None
+    phase: str | None = None
+    duration_s: float = 0.0
+    until_step: int | None = None
+    delay_s: float = 0.0
+    incarnation: int = 0
+    fired: bool = field(default=False, compare=False)
+
+    def targets(self, group: int, rank: int, incarnation: int) -> bool:
+        return (self.group == group and self.incarnation == incarnation
+                and (self.rank == "all" or int(self.rank) == rank))
+
+    @property
+    def in_process(self) -> bool:
+        return self.kind in ("raise", "slow") or (self.kind == "kill" and self.phase is not None)
+
+
+def load(path: str) -> list[Fault]:
+    """Read and check a plan; raises PlanError with a one-line message."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise PlanError(f"fault plan {path}: {e.strerror}") from None
+    try:
+        doc = tomllib.loads(raw.decode()) if path.endswith(".toml") else json.loads(raw)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise PlanError(f"fault plan {path}: not valid {'TOML' if path.endswith('.toml') else 'JSON'}: {e}") from None
+    return parse(doc, path)
+
+
+def parse(doc: dict | list, where: str = "fault plan") -> list[Fault]:
+    items = doc.get("faults", []) if isinstance(doc, dict) else doc
+    if not isinstance(items, list):
+        raise PlanError(f"{where}: 'faults' must be a list of tables")
+    known = set(Fault.__dataclass_fields__) - {"fired"}
+    out = []
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise PlanError(f"{where}: fault #{i + 1} is not a table")
+        unknown = set(item) - known
+        if unknown:
+            raise PlanError(f"{where}: fault #{i + 1} has unknown key(s) {sorted(unknown)}; known: {sorted(known)}")
+        try:
+            f = Fault(**item)
+        except TypeError as e:
+            raise PlanError(f"{where}: fault #{i + 1}: {e}") from None
+        if f.kind not in KINDS:
+            raise PlanError(f"{where}: fault #{i + 1}: kind {f.kind!r} is not one of {KINDS}")
+        if f.phase is not None and f.phase not in PHASES:
+            raise PlanError(f"{where}: fault #{i + 1}: phase {f.phase!r} is not one of {PHASES}")
+        if f.kind == "raise" and f.phase is None:
+            raise PlanError(f"{where}: fault #{i + 1}: a 'raise' fault needs a phase, one of {PHASES}")
+        if (f.at_step is None) == (f.at_time is None) and f.kind != "slow":
+            raise PlanError(f"{where}: fault #{i + 1}: give exactly one of at_step or at_time")
+        if f.kind == "slow" and f.at_step is None:
+            raise PlanError(f"{where}: fault #{i + 1}: a 'slow' fault needs at_step (and until_step)")
+        out.append(f)
+    return out
+
+
+class Injector:
+    """The in-process faults of one rank: called by the manager at each phase."""
+
+    def __init__(self, faults: list[Fault], group: int, rank: int, incarnation: int):
+        self.faults = [f for f in faults if f.in_process and f.targets(group, rank, incarnation)]
+        self.start = time.monotonic()
+
+    def _due(self, f: Fault, step: int) -> bool:
+        if f.at_step is not None:
+            return step >= f.at_step
+        return time.monotonic() - self.start >= (f.at_time or 0.0)
+
+    def phase(self, phase: str, step: int) -> None:
+        for f in self.faults:
+            if f.fired or f.phase != phase or not self._due(f, step):
+                continue
+            f.fired = True
+            if f.kind == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise InjectedFault(f"injected fault: raise in {phase} at step {step}")
+
+    def slow(self, step: int) -> None:
+        for f in self.faults:
+            if f.kind == "slow" and f.at_step <= step < (f.until_step if f.until_step is not None else 1 << 62):
+                time.sleep(f.delay_s)

@@ -1,0 +1,150 @@
+"""FTAR: the fault-tolerant all-reduce across replica groups.
+
+One call averages a list of tensors in place over the groups of the current quorum:
+
+1. a one-element head collective counts the groups that contribute this step
+   (a healing group, or one with no make-up work, sends zeros and is not counted);
+2. the tensors go out in buckets, all issued at once (asynchronous): large contiguous
+   tensors are reduced in place in chunks, small ones are packed together;
+3. a one-element tail collective carries an error flag, so a group that failed locally
+   in the middle of the reduce makes every group discard the step;
+4. each bucket is divided by the count as soon as it lands, while later buckets are
+   still on the wire.
+
+Every wait is bounded by a deadline and by `is_stale()` (the lighthouse has declared a
+member dead): a dead or hung peer turns the call into an FTARError, never a hang.
+"""
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_BUCKET_BYTES = 8 << 20
+
+
+class FTARError(RuntimeError):
+    """The all-reduce did not complete (peer failure, timeout, membership change)."""
+
+
+@dataclass
+class FTARResult:
+    contributors: int   # groups whose gradients are in the average
+    peer_error: bool    # some group flagged a local failure: discard the step
+
+
+class _Bucket:
+    def __init__(self, tensors: list[torch.Tensor], chunk: torch.Tensor | None = None):
+        self.tensors = tensors
+        self.chunk = chunk  # in-place view of one large tensor
+        self.flat: torch.Tensor | None = None
+
+    def buffer(self) -> torch.Tensor:
+        if self.chunk is not None:
+            return self.chunk
+        self.flat = torch.cat([t.reshape(-1) for t in self.tensors])
+        return self.flat
+
+    def finish(self, n: float) -> None:
+        if self.chunk is not None:
+            self.chunk.div_(n)
+            return
+        i = 0
+        for t in self.tensors:
+            k = t.numel()
+            torch.div(self.flat[i:i + k].view_as(t), n, out=t) if t.is_contiguous() else \
+                t.copy_(self.flat[i:i + k].view_as(t) / n)
+            i += k
+
+
+def plan(tensors: list[torch.Tensor], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[_Bucket]:
+    """Buckets in tensor order: chunks of large tensors in place, small ones packed by dtype."""
+    buckets: list[_Bucket] = []
+    small: dict[torch.dtype, list[torch.Tensor]] = {}
+    size: dict[torch.dtype, int] = {}
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if t.is_contiguous() and nbytes >= bucket_bytes // 2:
+            flat = t.view(-1)
+            step = max(bucket_bytes // t.element_size(), 1)
+            buckets += [_Bucket([t], flat[i:i + step]) for i in range(0, flat.numel(), step)]
+            continue
+        small.setdefault(t.dtype, []).append(t)
+        size[t.dtype] = size.get(t.dtype, 0) + nbytes
+        if size[t.dtype] >= bucket_bytes:
+            buckets.append(_Bucket(small.pop(t.dtype)))
+            size[t.dtype] = 0
+    buckets += [_Bucket(ts) for ts in small.values() if ts]
+    return buckets
+
+
+def _wait(fut: torch.futures.Future, deadline: float, is_stale: Callable[[], bool], what: str) -> None:
+    done = threading.Event()
+    fut.add_done_callback(lambda _: done.set())
+    while not done.wait(0.005):
+        if time.monotonic() > deadline:
+            raise FTARError(f"{what}: timed out")
+        if is_stale():
+            raise FTARError(f"{what}: a member of the quorum was declared failed")
+    try:
+        fut.value()
+    except Exception as e:  # gloo: "Connection reset by peer", "Connection closed by peer", timeouts
+        raise FTARError(f"{what}: {type(e).__name__}: {e}") from None
+
+
+def ftar(pg: dist.ProcessGroup | None, tensors: list[torch.Tensor], *, contribute: bool,
+         local_error: bool = False, timeout: float = 5.0, is_stale: Callable[[], bool] = lambda: False,
+         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+         during: Callable[[], None] | None = None) -> FTARResult:
+    """Average `tensors` in place over the replica groups of `pg` (None: this group alone).
+
+    Raises FTARError when the collective cannot complete. `during` runs after the first
+    bucket is issued (fault injection); an exception from it sets the error flag.
+    """
+    if not contribute:
+        for t in tensors:
+            t.zero_()
+    if pg is None:
+        if local_error:
+            return FTARResult(int(contribute), True)
+        during_error = False
+        if during:
+            try:
+                during()
+            except Exception:
+                during_error = True
+        return FTARResult(int(contribute), during_error)
+
+    deadline = time.monotonic() + timeout
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.SUM
+    head = torch.tensor([1.0 if contribute else 0.0], dtype=torch.float64)
+    head_fut = pg.allreduce([head], opts).get_future()
+    buckets = plan(tensors, bucket_bytes)
+    futs = []
+    for i, b in enumerate(buckets):
+        futs.append(pg.allreduce([b.buffer()], opts).get_future())
+        if i == 0 and during:
+            try:
+                during()
+            except Exception:
+                local_error = True
+    if not buckets and during:
+        try:
+            during()
+        except Exception:
+            local_error = True
+    tail = torch.tensor([1.0 if local_error else 0.0], dtype=torch.float64)
+    tail_fut = pg.allreduce([tail], opts).get_future()
+
+    _wait(head_fut, deadline, is_stale, "FTAR head")
+    n = float(head.item())
+    for i, (b, fut) in enumerate(zip(buckets, futs)):
+        _wait(fut, deadline, is_stale, f"FTAR bucket {i}")
+        if n > 0:
+            b.finish(n)
+    _wait(tail_fut, deadline, is_stale, "FTAR tail")
+    return FTARResult(int(round(n)), float(tail.item()) > 0)

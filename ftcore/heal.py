@@ -1,0 +1,136 @@
+"""Non-blocking catch-up: each rank's background server of heal snapshots, and the fetch.
+
+A healthy rank that the quorum names as a heal source copies its state (tensors cloned
+under the snapshot lock, before its optimizer step) and offers it here; its training
+goes on while the recovering rank downloads. The transfer is the tensor-only format of
+tensorfile.py over HTTP with the shared token; nothing received is unpickled.
+
+    GET /snapshot/<step>   200: the state after <step> committed steps
+                           410: this server has moved past <step>; ask for a new quorum
+                           504: no snapshot for <step> appeared within the heal timeout
+"""
+
+import http.client
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Callable
+
+import torch
+
+from ftcore import auth, tensorfile, timeouts
+
+
+class HealError(RuntimeError):
+    """The snapshot could not be fetched; the recovering group retries at the next quorum."""
+
+
+def clone_tree(tree: Any) -> Any:
+    """A deep copy of every tensor in `tree` (the snapshot must not see later updates)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().clone()
+    if isinstance(tree, dict):
+        return {k: clone_tree(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [clone_tree(v) for v in tree]
+    if isinstance(tree, tuple):
+        return tuple(clone_tree(v) for v in tree)
+    if type(tree).__module__ == "numpy" and hasattr(tree, "copy"):
+        return tree.copy()
+    return tree
+
+
+class HealServer:
+    def __init__(self, host: str = "127.0.0.1", token: str | None = None,
+                 on_serve: Callable[[int], None] | None = None):
+        self.token = token
+        self.on_serve = on_serve  # fault-injection hook, called before streaming
+        self._cond = threading.Condition()
+        self._step = -1
+        self._tree: Any = None
+        self.served = 0
+        handler = type("HealHandler", (_Handler,), {"server_obj": self})
+        self.httpd = ThreadingHTTPServer((host, 0), handler)
+        self.httpd.daemon_threads = True
+        self.address = "%s:%d" % self.httpd.server_address[:2]
+        threading.Thread(target=self.httpd.serve_forever, daemon=True, name="ftcore-heal").start()
+
+    def offer(self, step: int, tree: Any) -> None:
+        """Make a snapshot of the state after `step` commits available (clones it first)."""
+        snap = clone_tree(tree)
+        with self._cond:
+            self._step, self._tree = step, snap
+            self._cond.notify_all()
+
+    def wait_for(self, step: int, timeout: float) -> Any | None:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._step < step:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cond.wait(left)
+            return self._tree if self._step == step else "gone"
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server_obj: HealServer
+
+    def log_message(self, fmt: str, *args: Any) -> None:
+        pass
+
+    def _plain(self, code: int, msg: str) -> None:
+        raw = msg.encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "text/plain")
+        self.send_header("Content-Length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
+
+    def do_GET(self) -> None:
+        srv = self.server_obj
+        if not auth.allowed(srv.token, self.headers.get(auth.HEADER)):
+            self._plain(401, "missing or wrong token")
+            return
+        parts = self.path.strip("/").split("/")
+        if len(parts) != 2 or parts[0] != "snapshot" or not parts[1].isdigit():
+            self._plain(404, "GET /snapshot/<step>")
+            return
+        step = int(parts[1])
+        tree = srv.wait_for(step, timeouts.HEAL_TIMEOUT)
+        if tree is None:
+            self._plain(504, f"no snapshot for step {step} yet")
+            return
+        if isinstance(tree, str):
+            self._plain(410, f"step {step} is gone; this server is past it")
+            return
+        if srv.on_serve:
+            srv.on_serve(step)  # may raise (fault injection): the connection just drops
+        self.send_response(200)
+        self.send_header("Content-Type", "application/octet-stream")
+        self.end_headers()
+        tensorfile.write(tree, self.wfile, {"step": str(step)})
+        srv.served += 1
+
+
+def fetch(addr: str, step: int, token: str | None, timeout: float = timeouts.HEAL_TIMEOUT) -> Any:
+    """Download the state after `step` commits from the heal server at `addr`."""
+    host, _, port = addr.rpartition(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    try:
+        conn.request("GET", f"/snapshot/{step}", headers=auth.headers(token))
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise HealError(f"heal server {addr} answered {resp.status}: {resp.read()[:200].decode(errors='replace')}")
+        tree, meta = tensorfile.read(resp)
+        if meta.get("step") != str(step):
+            raise HealError(f"heal server {addr} sent step {meta.get('step')}, wanted {step}")
+        return tree
+    except (OSError, http.client.HTTPException, tensorfile.FormatError) as e:
+        raise HealError(f"fetching step {step} from {addr} failed: {type(e).__name__}: {e}") from None
+    finally:
+        conn.close()

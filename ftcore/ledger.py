@@ -1,0 +1,108 @@
+"""The ledger of committed batches, and the check that every sample was trained once per epoch.
+
+After each committed step every rank appends one JSON line to its own file:
+{step, epoch, row_group, kind, contributors, quorum_id, writer: [group, rank],
+ranges: [[first, last], ...]}. `contributors` are the groups whose gradients were in
+the update; every rank of a contributor trained shard `group * K + rank` at that row
+group. Every surviving writer records every committed step, so a group killed right
+after the vote still has its contribution on record; `ranges` are the writer's own
+sample ids in compact (first, last) form when it contributed.
+"""
+
+import json
+import os
+from collections import Counter
+from typing import Callable, Iterable
+
+
+def ranges(ids: Iterable[int]) -> list[list[int]]:
+    """Sorted ids as inclusive [first, last] runs: [1,2,3,7] -> [[1,3],[7,7]]."""
+    out: list[list[int]] = []
+    for i in sorted(ids):
+        if out and i == out[-1][1] + 1:
+            out[-1][1] = i
+        else:
+            out.append([i, i])
+    return out
+
+
+def expand(rs: list[list[int]]) -> list[int]:
+    return [i for a, b in rs for i in range(a, b + 1)]
+
+
+class Ledger:
+    def __init__(self, folder: str, group: int, rank: int):
+        os.makedirs(folder, exist_ok=True)
+        self.path = os.path.join(folder, f"group-{group:03d}-rank-{rank:03d}.jsonl")
+        self.group, self.rank = group, rank
+        # O_APPEND: one write per line, so a killed process leaves whole lines (at worst a torn last one).
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def record(self, step: int, epoch: int, row_group: int, kind: str, contributors: Iterable[int],
+               quorum_id: int, sample_ids: Iterable[int] | None = None) -> None:
+        line = {"step": step, "epoch": epoch, "row_group": row_group, "kind": kind,
+                "contributors": sorted(contributors), "quorum_id": quorum_id,
+                "writer": [self.group, self.rank], "ranges": ranges(sample_ids) if sample_ids is not None else None}
+        os.write(self._fd, (json.dumps(line) + "\n").encode())
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+def read(folder: str) -> list[dict]:
+    out = []
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".jsonl"):
+            with open(os.path.join(folder, name)) as f:
+                for line in f:
+                    try:
+                        out.append(json.loads(line))
+                    except json.JSONDecodeError:
+                        pass  # a torn last line of a killed writer; other writers hold that step
+    return out
+
+
+class LedgerError(AssertionError):
+    """The ledger shows a sample trained twice, never, or inconsistent records."""
+
+
+def check(folder: str, *, steps_per_epoch: int, num_groups: int, ranks_per_group: int, epochs: int,
+          sample_ids: Callable[[int, int], list[int]] | None = None) -> dict:
+    """Prove exactly-once: every (shard, row group) trained exactly once per epoch.
+
+    With `sample_ids(shard_rank, row_group)`, also every sample id once per epoch, and the
+    writers' own ranges must match the shards. Returns a summary; raises LedgerError.
+    """
+    steps: dict[int, dict] = {}
+    for rec in read(folder):
+        key = {k: rec[k] for k in ("epoch", "row_group", "kind", "contributors")}
+        seen = steps.setdefault(rec["step"], key)
+        if seen != key:
+            raise LedgerError(f"step {rec['step']}: writers disagree: {seen} vs {key}")
+        if sample_ids is not None and rec["ranges"] is not None:
+            g, k = rec["writer"]
+            want = ranges(sample_ids(g * ranks_per_group + k, rec["row_group"]))
+            if rec["ranges"] != want:
+                raise LedgerError(f"step {rec['step']}: group {g} rank {k} recorded ids {rec['ranges'][:3]}..., "
+                                  f"the shard has {want[:3]}...")
+    missing_steps = [s for s in range(max(steps, default=-1) + 1) if s not in steps]
+    if missing_steps:
+        raise LedgerError(f"committed steps {missing_steps[:10]} have no ledger record")
+    trained: dict[int, Counter] = {e: Counter() for e in range(epochs)}
+    for rec in steps.values():
+        for g in rec["contributors"]:
+            for k in range(ranks_per_group):
+                trained.setdefault(rec["epoch"], Counter())[(g * ranks_per_group + k, rec["row_group"])] += 1
+    want = {(s, rg) for s in range(num_groups * ranks_per_group) for rg in range(steps_per_epoch)}
+    for e in range(epochs):
+        twice = [x for x, c in trained[e].items() if c > 1]
+        never = sorted(want - set(trained[e]))
+        if twice or never:
+            raise LedgerError(f"epoch {e}: (shard, row group) trained twice {twice[:5]}, never {never[:5]}")
+        if sample_ids is not None:
+            ids = Counter(i for s, rg in trained[e] for i in sample_ids(s, rg))
+            dup = [i for i, c in ids.items() if c > 1]
+            if dup:
+                raise LedgerError(f"epoch {e}: sample ids {dup[:5]} trained more than once")
+    return {"steps": len(steps), "makeup_steps": sum(r["kind"] == "makeup" for r in steps.values()),
+            "epochs": epochs, "batches": sum(sum(c.values()) for c in trained.values())}

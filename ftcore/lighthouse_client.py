@@ -1,0 +1,150 @@
+"""A rank's side of the lighthouse protocol: heartbeats, quorum requests, failure reports.
+
+Heartbeats go out every HEARTBEAT_INTERVAL on one kept-alive connection, so the
+lighthouse sees this process die the moment the kernel closes that connection. Every
+message carries the full registration (group, rank, world, incarnation, step,
+addresses), so a restarted lighthouse relearns the job from the next heartbeat.
+"""
+
+import http.client
+import json
+import threading
+import time
+from typing import Any, Callable
+
+from ftcore import auth, timeouts
+
+
+class LighthouseError(RuntimeError):
+    """The lighthouse could not be reached or refused the request."""
+
+
+class Replaced(LighthouseError):
+    """This process belongs to a group incarnation that has been replaced: it must exit."""
+
+
+def _split(addr: str) -> tuple[str, int]:
+    host, _, port = addr.removeprefix("http://").rstrip("/").rpartition(":")
+    return host or "127.0.0.1", int(port)
+
+
+def call(addr: str, path: str, body: dict[str, Any] | None, token: str | None,
+         timeout: float = timeouts.RPC_TIMEOUT, method: str = "POST") -> tuple[int, Any]:
+    """One HTTP request on a fresh connection; returns (status, decoded JSON body)."""
+    host, port = _split(addr)
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        raw = json.dumps(body).encode() if body is not None else None
+        hdrs = {"Content-Type": "application/json", **auth.headers(token)}
+        conn.request(method, path, body=raw, headers=hdrs)
+        resp = conn.getresponse()
+        data = resp.read()
+        try:
+            return resp.status, json.loads(data) if data else {}
+        except json.JSONDecodeError:
+            return resp.status, data.decode(errors="replace")
+    finally:
+        conn.close()
+
+
+class LighthouseClient:
+    def __init__(self, addr: str, group: int, rank: int, world: int, incarnation: int = 0,
+                 token: str | None = None):
+        self.addr = addr
+        self.token = token
+        self.info: dict[str, Any] = {"group": group, "rank": rank, "world": world, "incarnation": incarnation,
+                                     "step": 0, "quorum_id": 0, "store": "", "heal": ""}
+        self.failed_groups: list[int] = []  # unhealthy members of the current quorum, per the last heartbeat
+        self.replaced = False
+        self.latest_quorum_id = 0  # the lighthouse's current quorum id, per the last heartbeat
+        self.on_beat: Callable[[dict[str, Any]], None] | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._conn: http.client.HTTPConnection | None = None
+
+    # ---- heartbeats ---------------------------------------------------------------
+    def start_heartbeats(self) -> None:
+        self._thread = threading.Thread(target=self._beat_loop, daemon=True, name="ftcore-heartbeat")
+        self._thread.start()
+
+    def _beat_loop(self) -> None:
+        host, port = _split(self.addr)
+        conn: http.client.HTTPConnection | None = None
+        hdrs = {"Content-Type": "application/json", **auth.headers(self.token)}
+        while not self._stop.is_set():
+            try:
+                if conn is None:
+                    conn = http.client.HTTPConnection(host, port, timeout=timeouts.RPC_TIMEOUT)
+                conn.request("POST", "/heartbeat", body=json.dumps(self.info).encode(), headers=hdrs)
+                resp = conn.getresponse()
+                data = json.loads(resp.read() or b"{}")
+                if resp.status == 409:
+                    self.replaced = True
+                elif resp.status == 200:
+                    self.failed_groups = data.get("failed", [])
+                    self.latest_quorum_id = int(data.get("quorum_id", 0))
+                    if self.on_beat:
+                        self.on_beat(data)
+            except (OSError, http.client.HTTPException, json.JSONDecodeError):
+                if conn is not None:
+                    conn.close()
+                conn = None
+            self._stop.wait(timeouts.HEARTBEAT_INTERVAL)
+        self._conn = conn  # closed by leave()/close(), after the lighthouse knows why
+
+    # ---- requests -------------------------------------------------------------------
+    def quorum(self, timeout: float = timeouts.QUORUM_TIMEOUT) -> dict[str, Any]:
+        """Block until the lighthouse answers this round; retries while it is unreachable."""
+        deadline = time.monotonic() + timeout
+        last = "no attempt"
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise LighthouseError(f"no quorum from lighthouse {self.addr} within {timeout:.1f}s ({last})")
+            try:
+                status, body = call(self.addr, "/quorum", {**self.info, "timeout": left}, self.token,
+                                    timeout=left + 1.0)
+            except (OSError, http.client.HTTPException) as e:
+                last = f"{type(e).__name__}: {e}"
+                time.sleep(min(0.05, max(left, 0)))
+                continue
+            if status == 200:
+                return body
+            if status == 409:
+                self.replaced = True
+                raise Replaced(str(body))
+            if status in (401, 400):
+                raise LighthouseError(f"lighthouse {self.addr} refused the quorum request ({status}: {body})")
+            last = f"HTTP {status}: {body}"
+
+    def _fire(self, path: str, body: dict[str, Any]) -> None:
+        try:
+            call(self.addr, path, body, self.token)
+        except (OSError, http.client.HTTPException):
+            pass  # best effort: heartbeats and timeouts cover a lost report
+
+    def register(self) -> None:
+        self._fire("/register", self.info)
+
+    def report_failure(self, quorum_id: int, error: str) -> None:
+        self._fire("/report_failure", {**self.info, "quorum_id": quorum_id, "error": error})
+
+    def event(self, kind: str, **data: Any) -> None:
+        self._fire("/event", {"kind": kind, "group": self.info["group"], "rank": self.info["rank"], **data})
+
+    def _stop_beats(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2.0)
+
+    def leave(self) -> None:
+        """Say goodbye, so the lighthouse records a clean exit rather than a failure."""
+        self._stop_beats()
+        self._fire("/leave", self.info)
+        self.close()
+
+    def close(self) -> None:
+        self._stop_beats()
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None

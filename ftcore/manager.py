@@ -1,0 +1,364 @@
+"""The manager: the FT-HSDP step protocol inside one rank of one replica group.
+
+Per step (a transaction, DESIGN.md):
+
+    start_quorum()    asynchronous: ask the lighthouse; on a new quorum_id build the
+                      cross-group process group (rank k of every group, on a fresh
+                      store prefix); start a heal fetch or offer a heal snapshot
+    allreduce(ts)     FTAR across groups: SUM / contributors, healing groups send zeros
+    should_commit()   all ranks of the group vote; commit only if every rank succeeded
+                      and the quorum has >= min_replicas groups; a recovering group
+                      loads the healed state here, before the optimizer step
+
+Errors never escape as crashes: a failed quorum, collective or heal makes the step
+fail (should_commit() is False) and the trainer retries the same batch. Data-plane
+errors are reported to the lighthouse at once so the survivors re-form without
+waiting for a heartbeat timeout.
+"""
+
+import datetime
+import json
+import math
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from ftcore import faults as faults_mod
+from ftcore import timeouts
+from ftcore.ftar import DEFAULT_BUCKET_BYTES, FTARError, ftar
+from ftcore.heal import HealServer, fetch
+from ftcore.lighthouse_client import LighthouseClient, LighthouseError, Replaced
+
+LR_POLICIES = ("none", "linear", "sqrt")
+# A group that has not committed for this long gives up (its process exits non-zero and
+# the launcher restarts it) instead of retrying forever.
+STUCK_TIMEOUT = timeouts._env("FTCORE_STUCK_TIMEOUT", 120.0)
+
+
+@dataclass
+class ManagerConfig:
+    lighthouse: str                 # host:port
+    group: int                      # this replica group, 0..num_groups-1
+    num_groups: int                 # R: replica groups the job was planned with (LR policy, make-up)
+    rank: int = 0                   # k: rank within the group
+    world: int = 1                  # K: ranks per group
+    incarnation: int = 0            # bumps each time the group is restarted
+    min_replicas: int = 1
+    lr_policy: str = "sqrt"
+    token: str | None = None
+    host: str = "127.0.0.1"
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    records: str | None = None      # append every StepRecord here as a JSON line
+
+
+def config_from_env(**overrides: Any) -> ManagerConfig:
+    """The manager's configuration from the launcher's environment (see training/launch.py)."""
+    env = os.environ
+    if not env.get("FTCORE_LIGHTHOUSE"):
+        raise ValueError("ftcore: FTCORE_LIGHTHOUSE is not set; start ranks with the launcher "
+                         "(python -m training launch) or set it to the lighthouse's host:port")
+    from ftcore import auth
+    cfg = ManagerConfig(
+        lighthouse=env["FTCORE_LIGHTHOUSE"],
+        group=int(env.get("FTREC_REPLICA_GROUP", "0")),
+        num_groups=int(env.get("FTREC_NUM_REPLICA_GROUPS", "1")),
+        rank=int(env.get("RANK", "0")),
+        world=int(env.get("WORLD_SIZE", "1")),
+        incarnation=int(env.get("FTCORE_INCARNATION", env.get("TORCHELASTIC_RESTART_COUNT", "0"))),
+        min_replicas=int(env.get("FTCORE_MIN_REPLICAS", "1")),
+        lr_policy=env.get("FTCORE_LR_POLICY", "sqrt"),
+        token=auth.token_from_env(),
+        records=env.get("FTCORE_RECORDS"),
+    )
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def faults_from_env() -> list[faults_mod.Fault]:
+    path = os.environ.get("FTCORE_FAULTS")
+    return faults_mod.load(path) if path else []
+
+
+@dataclass
+class StepRecord:
+    """One step attempt, as data (the launcher turns these into MLflow metrics/timeline)."""
+    step: int
+    quorum_id: int
+    participants: int
+    contributors: int
+    healing: bool
+    committed: bool
+    lr_scale: float
+    quorum_s: float
+    allreduce_s: float
+    t: float
+    error: str = ""
+
+
+class Manager:
+    def __init__(self, cfg: ManagerConfig, state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None],
+                 group_pg: dist.ProcessGroup | None = None, step: int = 0,
+                 faults: list[faults_mod.Fault] | None = None):
+        if cfg.lr_policy not in LR_POLICIES:
+            raise ValueError(f"ftcore: lr_policy {cfg.lr_policy!r} is not one of {LR_POLICIES}")
+        self.cfg = cfg
+        self._state_dict, self._load_state_dict = state_dict, load_state_dict
+        self._group_pg = group_pg
+        self.step = step
+        self.injector = faults_mod.Injector(faults or [], cfg.group, cfg.rank, cfg.incarnation)
+        # Rendezvous store for the cross-group groups this rank leads (as rank k of the leader group).
+        self._store = dist.TCPStore(cfg.host, 0, is_master=True, wait_for_workers=False,
+                                    timeout=datetime.timedelta(seconds=timeouts.COLLECTIVE_TIMEOUT))
+        self._stores: dict[str, dist.TCPStore] = {}
+        self.heal_server = HealServer(cfg.host, cfg.token, on_serve=self._on_serve)
+        self.client = LighthouseClient(cfg.lighthouse, cfg.group, cfg.rank, cfg.world, cfg.incarnation, cfg.token)
+        self.client.info.update(store=f"{cfg.host}:{self._store.port}", heal=self.heal_server.address, step=step)
+        self.client.start_heartbeats()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftcore-quorum")
+        self._heal_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftcore-heal")
+        self._pg: dist.ProcessGroup | None = None
+        self._pg_id: tuple[str, int] | None = None
+        self._quorum: dict[str, Any] | None = None
+        self._quorum_fut: Future | None = None
+        self._heal_fut: Future | None = None
+        self._errors: list[str] = []
+        self._contributors = 0
+        self._has_work = True
+        self._t_quorum = self._t_allreduce = 0.0
+        self._last_commit = time.monotonic()
+        self.records: list[StepRecord] = []
+        self._records_fd = (os.open(cfg.records, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+                            if cfg.records else None)
+        self.heals = 0
+
+    # ---- quorum ---------------------------------------------------------------------
+    def start_quorum(self, has_work: bool = True) -> None:
+        """Begin this step's quorum in the background. `has_work=False`: this group has no
+        batch this step (a make-up step that is not its own) and will send zeros."""
+        if self.client.replaced:
+            raise Replaced(f"replica group {self.cfg.group} incarnation {self.cfg.incarnation} was replaced")
+        if time.monotonic() - self._last_commit > STUCK_TIMEOUT:
+            raise RuntimeError(f"ftcore: replica group {self.cfg.group} has not committed a step for "
+                               f"{STUCK_TIMEOUT:.0f}s (FTCORE_STUCK_TIMEOUT); giving up so it can be restarted")
+        self._errors, self._contributors, self._has_work = [], 0, has_work
+        self._heal_fut = None
+        self._waited = False
+        self._t0 = time.monotonic()
+        self.client.info["step"] = self.step
+        self._quorum_fut = self._pool.submit(self._run_quorum)
+
+    def _run_quorum(self) -> dict[str, Any]:
+        q = self.client.quorum()
+        self._t_quorum = time.monotonic() - self._t0
+        self.client.info["quorum_id"] = q["quorum_id"]
+        g = self.cfg.group
+        if str(g) in q["heal"]:
+            src = q["heal"][str(g)]
+            addr = q["members"][str(src)]["heal"][self.cfg.rank]
+            self._heal_fut = self._heal_pool.submit(self._fetch_heal, addr, q["max_step"], src)
+        if (q["epoch"], q["quorum_id"]) != self._pg_id:
+            self._build_pg(q)
+        if g in q["heal"].values() and self.step == q["max_step"]:
+            # We are a heal source: snapshot before this step's optimizer update.
+            self.heal_server.offer(self.step, self._state_dict())
+        self._quorum = q
+        return q
+
+    def _build_pg(self, q: dict[str, Any]) -> None:
+        old, self._pg, self._pg_id = self._pg, None, None
+        if old is not None:
+            threading.Thread(target=_abort, args=(old,), daemon=True).start()
+        groups = q["groups"]
+        if len(groups) > 1:
+            leader = q["members"][str(groups[0])]["store"][self.cfg.rank]
+            store = self._stores.get(leader)
+            if store is None:
+                host, _, port = leader.rpartition(":")
+                store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                                      timeout=datetime.timedelta(seconds=timeouts.COLLECTIVE_TIMEOUT))
+                self._stores[leader] = store
+            prefix = f"ftcore/{q['epoch']}/{q['quorum_id']}/{self.cfg.rank}"
+            # A fresh prefix per quorum: the default process group cannot shrink or grow.
+            self._pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), groups.index(self.cfg.group),
+                                             len(groups), datetime.timedelta(seconds=timeouts.COLLECTIVE_TIMEOUT))
+        self._pg_id = (q["epoch"], q["quorum_id"])
+
+    def _fetch_heal(self, addr: str, step: int, src: int) -> Any:
+        t = time.monotonic()
+        self.client.event("heal_started", source=src, step=step)
+        tree = fetch(addr, step, self.cfg.token)
+        self.client.event("heal_fetched", source=src, step=step, seconds=time.monotonic() - t)
+        return tree
+
+    def _on_serve(self, step: int) -> None:
+        self.injector.phase("heal_serve", step)
+
+    def _is_stale(self) -> bool:
+        q = self._quorum
+        return q is not None and (any(g in q["groups"] for g in self.client.failed_groups)
+                                  or self.client.latest_quorum_id > q["quorum_id"])
+
+    def _fail(self, msg: str, report: bool = False) -> None:
+        self._errors.append(msg)
+        if report:
+            # Tell the lighthouse now; do not wait for a heartbeat timeout.
+            # Synchronous (a loopback call): the next quorum request must find it recorded.
+            qid = self._quorum["quorum_id"] if self._quorum else 0
+            self.client.report_failure(qid, msg)
+            pg, self._pg, self._pg_id = self._pg, None, None
+            if pg is not None:
+                threading.Thread(target=_abort, args=(pg,), daemon=True).start()
+
+    def _wait_quorum(self) -> dict[str, Any] | None:
+        """This step's quorum, or None (the error is recorded once) when there is none."""
+        if self._waited:
+            return self._quorum
+        self._waited = True
+        if self._quorum_fut is None:
+            raise RuntimeError("ftcore: call start_quorum() at the start of every step")
+        try:
+            return self._quorum_fut.result(timeout=timeouts.QUORUM_TIMEOUT + timeouts.COLLECTIVE_TIMEOUT)
+        except Replaced:
+            raise
+        except Exception as e:  # LighthouseError, store/PG construction errors, timeouts
+            self._quorum = None
+            self._fail(f"quorum: {type(e).__name__}: {e}", report=not isinstance(e, LighthouseError))
+            return None
+
+    # ---- FTAR -----------------------------------------------------------------------
+    @property
+    def healing(self) -> bool:
+        """This step, this group receives the state and sends zero gradients (waits for the quorum)."""
+        self._wait_quorum()
+        return self._heal_fut is not None
+
+    def wait_quorum(self) -> dict[str, Any] | None:
+        """Block until this step's quorum is known; None when the step already failed."""
+        return self._wait_quorum()
+
+    def set_work(self, has_work: bool) -> None:
+        """Whether this group trains a batch this step (False: it joins with zero gradients)."""
+        self._has_work = has_work
+
+    @property
+    def contributors(self) -> int:
+        return self._contributors
+
+    def allreduce(self, tensors: list[torch.Tensor]) -> None:
+        """Average `tensors` in place across replica groups (FTAR). Never raises on peer failure."""
+        t = time.monotonic()
+        q = self._wait_quorum()
+        if q is None:
+            return
+        self.injector.slow(self.step)
+        local_error = False
+        try:
+            self.injector.phase("before_allreduce", self.step)
+        except faults_mod.InjectedFault as e:
+            local_error = True
+            self._errors.append(str(e))
+        contribute = self._has_work and not self.healing
+        try:
+            res = ftar(self._pg, tensors, contribute=contribute, local_error=local_error,
+                       timeout=timeouts.COLLECTIVE_TIMEOUT, is_stale=self._is_stale,
+                       bucket_bytes=self.cfg.bucket_bytes,
+                       during=lambda: self.injector.phase("during_allreduce", self.step))
+        except FTARError as e:
+            self._fail(str(e), report=True)
+            return
+        finally:
+            self._t_allreduce = time.monotonic() - t
+        self._contributors = res.contributors
+        if res.peer_error and not local_error:
+            self._errors.append("a replica group flagged a failure during the all-reduce")
+        elif res.peer_error:
+            self._errors.append("this group failed during the all-reduce")
+        try:
+            self.injector.phase("after_allreduce", self.step)
+        except faults_mod.InjectedFault as e:
+            self._errors.append(str(e))
+
+    # ---- commit ---------------------------------------------------------------------
+    def should_commit(self) -> bool:
+        """The group's vote. True: apply the averaged update now; False: drop it and retry."""
+        q = self._wait_quorum()
+        try:
+            self.injector.phase("vote", self.step)
+        except faults_mod.InjectedFault as e:
+            self._errors.append(str(e))
+        if self._heal_fut is not None and q is not None:
+            try:
+                tree = self._heal_fut.result(timeout=timeouts.HEAL_TIMEOUT)
+                self._load_state_dict(tree)
+                self.step = q["max_step"]
+                self.heals += 1
+                self.client.event("heal_finished", step=self.step)
+            except Exception as e:  # HealError, a state that does not fit the model, a timeout
+                self._fail(f"heal: {type(e).__name__}: {e}")
+        participants = len(q["groups"]) if q else 0
+        ok = not self._errors and participants >= self.cfg.min_replicas and self._contributors > 0
+        ok = self._group_vote(ok)
+        lr = self.lr_scale()
+        if ok:
+            self.step += 1
+            self._last_commit = time.monotonic()
+            self.client.info["step"] = self.step
+        rec = StepRecord(self.step, q["quorum_id"] if q else 0, participants, self._contributors,
+                         self._heal_fut is not None, ok, lr, self._t_quorum, self._t_allreduce,
+                         time.time(), "; ".join(self._errors)[:300])
+        self.records.append(rec)
+        if self._records_fd is not None:
+            os.write(self._records_fd, (json.dumps({"group": self.cfg.group, "rank": self.cfg.rank,
+                                                    "incarnation": self.cfg.incarnation, **rec.__dict__}) + "\n").encode())
+        return ok
+
+    def _group_vote(self, ok: bool) -> bool:
+        if self.cfg.world == 1:
+            return ok
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        try:
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._group_pg)
+        except Exception as e:  # a rank of our own group died: the launcher restarts the group
+            self._errors.append(f"group vote: {e}")
+            return False
+        return bool(flag.item())
+
+    def lr_scale(self) -> float:
+        """Learning-rate multiplier for this step's participation (policy none/linear/sqrt)."""
+        live, total = max(self._contributors, 1), max(self.cfg.num_groups, 1)
+        if self.cfg.lr_policy == "linear":
+            return live / total
+        if self.cfg.lr_policy == "sqrt":
+            return math.sqrt(live / total)
+        return 1.0
+
+    @property
+    def quorum(self) -> dict[str, Any] | None:
+        return self._quorum
+
+    @property
+    def errors(self) -> list[str]:
+        return list(self._errors)
+
+    def shutdown(self, leave: bool = True) -> None:
+        if leave:
+            self.client.leave()
+        else:
+            self.client.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._heal_pool.shutdown(wait=False, cancel_futures=True)
+        self.heal_server.close()
+
+
+def _abort(pg: dist.ProcessGroup) -> None:
+    try:
+        pg.abort()
+    except Exception:
+        pass

@@ -1,0 +1,51 @@
+"""Every timeout of ftcore, in one place, each overridable by an environment variable.
+
+Order matters (see DESIGN.md): a hang is detected by the heartbeat before a collective
+gives up on it, and a collective gives up before a quorum request does:
+
+    HEARTBEAT_INTERVAL < HEARTBEAT_TIMEOUT < COLLECTIVE_TIMEOUT <= QUORUM_TIMEOUT
+
+Crashes do not wait for any of these: a killed peer resets its connections and the
+data plane reports it at once (see manager.py).
+"""
+
+import os
+
+
+def _env(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise SystemExit(f"ftcore: environment variable {name}={raw!r} is not a number of seconds")
+    if value <= 0:
+        raise SystemExit(f"ftcore: environment variable {name}={raw!r} must be > 0 seconds")
+    return value
+
+
+# How often every rank tells the lighthouse it is alive.
+HEARTBEAT_INTERVAL = _env("FTCORE_HEARTBEAT_INTERVAL", 0.05)
+# A rank silent for this long is declared failed (hangs, SIGSTOP); crashes are faster.
+HEARTBEAT_TIMEOUT = _env("FTCORE_HEARTBEAT_TIMEOUT", 2.0)
+# After a data-plane failure report, members that do not heartbeat within this
+# window are declared failed (a few heartbeat intervals).
+FAILURE_PROBE = _env("FTCORE_FAILURE_PROBE", 0.2)
+# Bound on one cross-group collective (every bucket of an FTAR) and on building a group.
+COLLECTIVE_TIMEOUT = _env("FTCORE_COLLECTIVE_TIMEOUT", 5.0)
+# Bound on one quorum request, including reconnecting to a restarting lighthouse.
+QUORUM_TIMEOUT = _env("FTCORE_QUORUM_TIMEOUT", 10.0)
+# Lighthouse: how long a round waits for a healthy but slow member before going on
+# without it (it must exceed the normal step-time skew between groups).
+JOIN_TIMEOUT = _env("FTCORE_JOIN_TIMEOUT", 5.0)
+# Bound on fetching a heal snapshot from a healthy peer.
+HEAL_TIMEOUT = _env("FTCORE_HEAL_TIMEOUT", 30.0)
+# Bound on one small control-plane HTTP call (register, heartbeat, report).
+RPC_TIMEOUT = _env("FTCORE_RPC_TIMEOUT", 2.0)
+
+if not HEARTBEAT_INTERVAL < HEARTBEAT_TIMEOUT < COLLECTIVE_TIMEOUT <= QUORUM_TIMEOUT:
+    raise SystemExit(
+        "ftcore: timeouts must satisfy FTCORE_HEARTBEAT_INTERVAL < FTCORE_HEARTBEAT_TIMEOUT < "
+        "FTCORE_COLLECTIVE_TIMEOUT <= FTCORE_QUORUM_TIMEOUT; fix those environment variables"
+    )

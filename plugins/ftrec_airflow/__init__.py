@@ -1,0 +1,13 @@
+"""ftrec_airflow: the reusable Airflow glue between the DAGs and the ftrec packages.
+
+`dags/` only wires tasks together; the work lives here and in `dataprep`/`training`:
+`settings` (where things live), `runner` (subprocesses whose logs stream into the task
+log and whose whole process group dies with the task), `steps` (what each pipeline task
+does, no Airflow inside), `tracking` (MLflow), `operators` and `links` (reusable
+"build shards" and "fault-tolerant train" operators with their MLflow and lighthouse
+links), `lighthouse_app` (the lighthouse status page inside the Airflow UI) and
+`local_run` (what `make run` calls).
+
+Nothing here imports torch, mlflow or pyarrow at module level: the DAG processor
+imports this package every time it parses a DAG file.
+"""

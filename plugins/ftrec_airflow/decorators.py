@@ -1,0 +1,117 @@
+"""Reusable TaskFlow decorators: `@build_shards_task` and `@ft_train_task`.
+
+Like `@task.bash`, the decorated function says *what* to do by returning a spec, and the
+operator does it the same way in every DAG that uses it:
+
+    @build_shards_task(outlets=[SHARDS])
+    def build_shards(data: dict) -> ShardSpec:
+        return ShardSpec(input=data["path"], fmt=data["format"], out=..., world_size=2)
+
+    @ft_train_task(retries=2)
+    def train(shards: dict) -> TrainSpec:
+        return TrainSpec(shards=shards["path"], out=..., replica_groups=2)
+
+`@build_shards_task` builds (or finds, on a retry) the shard set and records its path and
+fingerprint on the task's Asset events. `@ft_train_task` opens the task's MLflow run before
+training starts (a retry finds the same run), runs the ftcore launcher with its output
+in the task log, ends the launcher's whole process tree when the task is killed or times
+out, and links the task to its MLflow run and lighthouse status page.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from airflow.sdk import Asset
+from airflow.sdk.bases.decorator import DecoratedOperator, determine_kwargs, task_decorator_factory
+from airflow.sdk.definitions.context import context_merge
+from airflow.sdk.exceptions import AirflowException, AirflowFailException
+
+from ftrec_airflow import runner, settings, steps, tracking
+from ftrec_airflow.links import LighthouseLink, MLflowRunLink
+
+
+def _spec(op: DecoratedOperator, context, kind: type):
+    context_merge(context, op.op_kwargs)
+    kwargs = determine_kwargs(op.python_callable, op.op_args, context)
+    spec = op.python_callable(*op.op_args, **kwargs)
+    if not isinstance(spec, kind):
+        raise TypeError(f"{op.custom_operator_name} function must return a {kind.__name__}, "
+                        f"got {type(spec).__name__}")
+    return spec
+
+
+class BuildShardsOperator(DecoratedOperator):
+    """Builds the shard set the decorated function describes; returns its summary."""
+
+    custom_operator_name = "@build_shards_task"
+
+    def execute(self, context) -> dict[str, Any]:
+        spec = _spec(self, context, steps.ShardSpec)
+        try:
+            summary = steps.build_shards(spec)
+        except steps.UserError as e:
+            raise AirflowFailException(str(e)) from None
+        self.log.info("shard set %s: %s steps, %s samples, bubble %.4f%s", summary["path"],
+                      summary["steps"], summary["num_samples"], summary["bubble_fraction"] or 0.0,
+                      " (reused)" if summary["reused"] else "")
+        for outlet in self.outlets:
+            if isinstance(outlet, Asset):
+                context["outlet_events"][outlet].extra = {
+                    "path": summary["path"], "fingerprint": summary["fingerprint"],
+                    "steps": summary["steps"], "num_samples": summary["num_samples"]}
+        return summary
+
+
+class FaultTolerantTrainOperator(DecoratedOperator):
+    """Trains as the decorated function's TrainSpec says, on one MLflow run per task."""
+
+    custom_operator_name = "@ft_train_task"
+    operator_extra_links = (MLflowRunLink(), LighthouseLink())
+
+    mlflow_run_url = ""
+    _command: runner.Command | None = None
+
+    def execute(self, context) -> dict[str, Any]:
+        spec = _spec(self, context, steps.TrainSpec)
+        ti = context["ti"]
+        uri = settings.tracking_uri()
+        run_key = spec.run_key or f"{ti.dag_id}/{ti.run_id}/{ti.task_id}"
+        exp_id, run_id = tracking.ensure_run(
+            spec.experiment, run_key, run_name=spec.run_name or f"{ti.dag_id} {ti.run_id}",
+            tags={"airflow.dag_id": ti.dag_id, "airflow.run_id": ti.run_id, "airflow.task_id": ti.task_id},
+            tracking_uri=uri)
+        self.mlflow_run_url = tracking.run_url(exp_id, run_id)
+        ti.xcom_push(key="mlflow_run_id", value=run_id)  # visible while training runs
+        self.log.info("MLflow run %s (%s), store %s", run_id, self.mlflow_run_url, uri)
+        try:
+            result = steps.train(spec, run_id, uri, logger=self.log,
+                                 command_hook=lambda c: setattr(self, "_command", c))
+        except steps.UserError as e:
+            raise AirflowFailException(str(e)) from None
+        except runner.CommandFailed as e:
+            raise AirflowException(str(e)) from None  # retried: the launcher resumes from its checkpoint
+        finally:
+            self._command = None
+        return {"mlflow_run_id": run_id, "experiment_id": exp_id, "run_url": self.mlflow_run_url,
+                "tracking_uri": uri, "out": spec.out, "shards": spec.shards,
+                "checkpoint": result.get("checkpoint"), "steps": result.get("steps"),
+                "metrics": result.get("metrics", {}), "replica_groups": spec.replica_groups,
+                "ranks_per_group": spec.ranks_per_group, "fault_plan": spec.fault_plan,
+                "reused": result.get("reused", False)}
+
+    def on_kill(self) -> None:
+        if self._command is not None:
+            self._command.stop()
+
+
+def build_shards_task(python_callable=None, **kwargs):
+    """Decorate a function returning a `ShardSpec`; accepts every operator argument."""
+    return task_decorator_factory(python_callable=python_callable,
+                                  decorated_operator_class=BuildShardsOperator, **kwargs)
+
+
+def ft_train_task(python_callable=None, **kwargs):
+    """Decorate a function returning a `TrainSpec`; accepts every operator argument."""
+    return task_decorator_factory(python_callable=python_callable,
+                                  decorated_operator_class=FaultTolerantTrainOperator, **kwargs)

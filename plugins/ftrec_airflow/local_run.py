@@ -1,0 +1,166 @@
+"""`make run`: run a DAG end to end through Airflow on embedded defaults, then say where
+everything is.
+
+    PYTHONPATH=plugins python -m ftrec_airflow.local_run [--work work] [--dag ftrec_train]
+        [--set param=value ...] [--conf '{"param": value}']
+
+Sets AIRFLOW_HOME and friends so that Airflow's metadata (SQLite), task logs, the MLflow
+store (SQLite + artifacts) and every run's files live under one work folder; migrates
+the Airflow database; runs the DAG with `dag.test()` in a child process (Airflow reads
+its configuration once, at import, so the environment must be set before it starts);
+prints the test metrics, the registered model, where the MLflow store is, and the
+commands that open the Airflow and MLflow UIs on 127.0.0.1.
+"""
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from ftrec_airflow import settings
+
+SUMMARY = "last_run.json"
+MIGRATE_TIMEOUT_S = 600
+
+
+def airflow_env(work: Path) -> dict[str, str]:
+    """The environment that points Airflow, MLflow and the DAGs at `work`."""
+    root = settings.PROJECT_ROOT
+    home = work / "airflow"
+    env = {
+        "FTREC_WORK": str(work),
+        "AIRFLOW_HOME": str(home),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(root / "dags"),
+        "AIRFLOW__CORE__PLUGINS_FOLDER": str(root / "plugins"),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home / 'airflow.db'}",
+        "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
+        "AIRFLOW__API__HOST": "127.0.0.1",
+        "AIRFLOW__API__PORT": "8080",
+        "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": "http://127.0.0.1:8080/execution/",
+        "PYTHONPATH": os.pathsep.join(p for p in (str(root / "plugins"), os.environ.get("PYTHONPATH", "")) if p),
+    }
+    if not os.environ.get("MLFLOW_TRACKING_URI"):
+        env["MLFLOW_TRACKING_URI"] = f"sqlite:///{work / 'mlflow' / 'mlflow.db'}"
+    return env
+
+
+def write_env_file(work: Path, env: dict[str, str]) -> Path:
+    path = work / "env.sh"
+    text = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in sorted(env.items()))
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("# source this file to point airflow and mlflow at the work folder\n" + text)
+    os.replace(tmp, path)
+    return path
+
+
+def _parse_sets(sets: list[str]) -> dict:
+    conf = {}
+    for kv in sets:
+        key, sep, value = kv.partition("=")
+        if not sep:
+            raise SystemExit(f"error: --set {kv!r}: use param=value, e.g. --set max_steps=50")
+        try:
+            conf[key] = json.loads(value)
+        except ValueError:
+            conf[key] = value
+    return conf
+
+
+def child(dag_id: str, conf: dict, summary_path: Path) -> int:
+    """Inside the configured environment: dag.test() the DAG and write a summary."""
+    from airflow.dag_processing.dagbag import DagBag
+
+    bag = DagBag(dag_folder=os.environ["AIRFLOW__CORE__DAGS_FOLDER"])
+    if bag.import_errors:
+        for f, err in bag.import_errors.items():
+            print(f"error: {f}: {err}", file=sys.stderr)
+        return 2
+    if dag_id not in bag.dags:
+        print(f"error: no DAG {dag_id!r} in {os.environ['AIRFLOW__CORE__DAGS_FOLDER']}", file=sys.stderr)
+        return 2
+    dr = bag.dags[dag_id].test(run_conf=conf)
+    tis = {ti.task_id: ti for ti in dr.get_task_instances()}
+    xcoms = {tid: ti.xcom_pull(task_ids=tid) for tid, ti in tis.items()}
+    summary = {"dag_id": dag_id, "run_id": dr.run_id, "state": str(dr.state),
+               "tasks": {tid: str(ti.state) for tid, ti in tis.items()},
+               "run_folder": str(settings.run_folder(dag_id, dr.run_id)),
+               "xcom": {k: v for k, v in xcoms.items() if isinstance(v, (dict, list, str, int, float))}}
+    tmp = summary_path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(summary, indent=1, default=str))
+    os.replace(tmp, summary_path)
+    return 0 if summary["state"].endswith("success") else 1
+
+
+def report(summary: dict, work: Path, env_file: Path) -> str:
+    lines = [f"DAG {summary['dag_id']} run {summary['run_id']}: {summary['state']}"]
+    lines += [f"  {tid:16s} {state}" for tid, state in summary["tasks"].items()]
+    ev = summary["xcom"].get("evaluate") or {}
+    metrics = ev.get("metrics", {})
+    if metrics:
+        lines.append("test metrics:")
+        lines += [f"  {k:24s} {v:.4f}" for k, v in sorted(metrics.items()) if k.startswith("test/")]
+    reg = summary["xcom"].get("register_model")
+    if isinstance(reg, dict):
+        lines.append(f"registered model: {reg.get('name')} version {reg.get('version')}")
+    tr = summary["xcom"].get("train") or {}
+    uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{work / 'mlflow' / 'mlflow.db'}"
+    lines += [
+        f"run folder:     {summary['run_folder']}",
+        f"MLflow store:   {uri}" + (f"  (run {tr['mlflow_run_id']})" if tr.get("mlflow_run_id") else ""),
+        f"Airflow home:   {work / 'airflow'}  (metadata: {work / 'airflow' / 'airflow.db'})",
+        "open the UIs on 127.0.0.1:",
+        f"  MLflow:  .venv/bin/mlflow ui --backend-store-uri {uri} --host 127.0.0.1 --port 5000",
+        f"  Airflow: . {env_file} && .venv/bin/airflow standalone   # http://127.0.0.1:8080, "
+        f"password in {work / 'airflow' / 'simple_auth_manager_passwords.json.generated'}",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ftrec_airflow.local_run", description=__doc__.splitlines()[0])
+    p.add_argument("--work", default=str(settings.work_root()), help="work folder (default: <project>/work)")
+    p.add_argument("--dag", default="ftrec_train")
+    p.add_argument("--conf", default="{}", help="DAG run conf as JSON")
+    p.add_argument("--set", action="append", default=[], metavar="PARAM=VALUE", help="one DAG param")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    try:
+        conf = {**json.loads(a.conf), **_parse_sets(a.set)}
+    except ValueError as e:
+        print(f"error: --conf is not JSON ({e})", file=sys.stderr)
+        return 2
+    work = Path(a.work).resolve()
+    summary_path = work / SUMMARY
+    if a.child:
+        return child(a.dag, conf, summary_path)
+
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "airflow").mkdir(exist_ok=True)
+    env = {**os.environ, **airflow_env(work)}
+    env_file = write_env_file(work, airflow_env(work))
+    bindir = Path(sys.executable).parent
+    airflow = str(bindir / "airflow") if (bindir / "airflow").exists() else "airflow"
+    print(f"airflow db migrate ({work / 'airflow' / 'airflow.db'})", flush=True)
+    mig = subprocess.run([airflow, "db", "migrate"], env=env, capture_output=True, text=True,
+                         timeout=MIGRATE_TIMEOUT_S)
+    if mig.returncode != 0:
+        print(mig.stdout[-3000:] + mig.stderr[-3000:], file=sys.stderr)
+        print("error: airflow db migrate failed (output above)", file=sys.stderr)
+        return 1
+    summary_path.unlink(missing_ok=True)
+    rc = subprocess.call([sys.executable, "-m", "ftrec_airflow.local_run", "--child", "--work", str(work),
+                          "--dag", a.dag, "--conf", json.dumps(conf)], env=env)
+    if not summary_path.exists():
+        print(f"error: the DAG run did not complete (exit code {rc}); see the output above", file=sys.stderr)
+        return rc or 1
+    summary = json.loads(summary_path.read_text())
+    print("\n" + report(summary, work, env_file))
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""The ftrec pipeline as the DAGs call it: the params every training DAG takes, and the
+body of each task (params and upstream results in, a small JSON-able dict out).
+
+The DAG files only declare tasks and wire them; these functions hold the decisions
+(where a run's files go, which errors are worth a retry) so the three DAGs agree.
+A user error becomes `AirflowFailException` (fail now, no retry); anything else raises as
+is and the task's retries apply.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from airflow.sdk import Param, get_current_context
+from airflow.sdk.exceptions import AirflowFailException
+
+from ftrec_airflow import settings, steps
+
+GATE_METRIC = "test/sampled/ndcg@10"
+
+
+def params(**defaults: Any) -> dict[str, Param]:
+    """The training DAGs' params, with `defaults` replacing the default values."""
+    d = {"data_source": "auto", "data_format": "iclrec", "synth_users": 2000, "synth_items": 1000,
+         "max_len": 50, "batch_size": 128, "replica_groups": 2 if steps.USE_LAUNCHER else 1, "ranks_per_group": 1, "world_size": None,
+         "epochs": 0, "max_steps": 0, "fault_plan": "", "mlflow_experiment": settings.DEFAULT_EXPERIMENT,
+         "model_name": settings.DEFAULT_MODEL_NAME, "gate_metric": GATE_METRIC, "gate_min": 0.0,
+         "train_overrides": [], "seed": 0}
+    unknown = set(defaults) - set(d)
+    if unknown:
+        raise TypeError(f"unknown params: {sorted(unknown)}")
+    d.update(defaults)
+    return {
+        "data_source": Param(d["data_source"], type="string", description=(
+            "Interaction data: a file or folder path, 'synthetic' (generated into the run folder) "
+            "or 'auto' (../shared/data/beauty.txt when present, otherwise synthetic).")),
+        "data_format": Param(d["data_format"], type="string", enum=list(steps.FORMATS), description=(
+            "Format of data_source: iclrec (user item item ...), sasrec (user item per line), "
+            "movielens (ratings.dat/.csv), events (Parquet/CSV with user, item, timestamp).")),
+        "synth_users": Param(d["synth_users"], type="integer", minimum=10,
+                             description="Users of generated data (data_source=synthetic)."),
+        "synth_items": Param(d["synth_items"], type="integer", minimum=10,
+                             description="Items of generated data (data_source=synthetic)."),
+        "max_len": Param(d["max_len"], type="integer", minimum=2, maximum=8192,
+                         description="Longest history kept per user (most recent items)."),
+        "batch_size": Param(d["batch_size"], type="integer", minimum=1,
+                            description="Samples per rank and step (dataprep --batch-size)."),
+        "replica_groups": Param(d["replica_groups"], type="integer", minimum=1, description=(
+            "R: data-parallel replica groups, the unit of fault tolerance (FT-HSDP).")),
+        "ranks_per_group": Param(d["ranks_per_group"], type="integer", minimum=1,
+                                 description="K: ranks inside one replica group."),
+        "world_size": Param(d["world_size"], type=["null", "integer"], minimum=1, description=(
+            "Shard count W; empty means R*K (the only value the launcher accepts).")),
+        "epochs": Param(d["epochs"], type="integer", minimum=0,
+                        description="Training epochs; 0 keeps the trainer's default."),
+        "max_steps": Param(d["max_steps"], type="integer", minimum=0,
+                           description="Stop after this many committed steps; 0: no limit."),
+        "fault_plan": Param(d["fault_plan"], type="string", description=(
+            "Faults to inject (ftcore plan): a TOML/JSON file path or inline JSON; empty for none.")),
+        "mlflow_experiment": Param(d["mlflow_experiment"], type="string", minLength=1,
+                                   description="MLflow experiment of the training run."),
+        "model_name": Param(d["model_name"], type="string", minLength=1,
+                            description="MLflow registered model the gated model is added to."),
+        "gate_metric": Param(d["gate_metric"], type="string", description=(
+            "Evaluation metric of the quality gate, <split>/<protocol>/<metric>, e.g. test/full/hr@10.")),
+        "gate_min": Param(d["gate_min"], type="number", description=(
+            "The model is registered only if gate_metric >= gate_min; otherwise register_model fails.")),
+        "train_overrides": Param(d["train_overrides"], type="array", items={"type": "string"}, description=(
+            "Extra trainer settings section.key=value (training/config.py), e.g. model.dim=32.")),
+        "seed": Param(d["seed"], type="integer", description="Seed of data generation, sharding and training."),
+    }
+
+
+def run_dir() -> Path:
+    """The current DAG run's folder (settings.run_folder)."""
+    ctx = get_current_context()
+    return settings.run_folder(ctx["ti"].dag_id, ctx["run_id"])
+
+
+def _user_errors(fn, *args, **kwargs):
+    try:
+        return fn(*args, **kwargs)
+    except steps.UserError as e:
+        raise AirflowFailException(str(e)) from None
+
+
+def topology(p: dict) -> tuple[int, int, int]:
+    r, k = int(p["replica_groups"]), int(p["ranks_per_group"])
+    w = p.get("world_size")
+    if w not in (None, "", r * k):
+        raise AirflowFailException(f"param world_size={w} must equal replica_groups*ranks_per_group={r * k}; "
+                                   "leave it empty")
+    return r, k, r * k
+
+
+def ingest_validate(p: dict) -> dict[str, Any]:
+    topology(p)
+    return _user_errors(steps.ingest, p["data_source"], p["data_format"], run_dir(),
+                        synth_users=int(p["synth_users"]), synth_items=int(p["synth_items"]),
+                        seed=int(p["seed"]))
+
+
+def shard_spec(p: dict, data: dict) -> steps.ShardSpec:
+    return steps.ShardSpec(input=data["path"], fmt=data["format"], out=str(run_dir() / "shards"),
+                           world_size=topology(p)[2], batch_size=int(p["batch_size"]),
+                           max_len=int(p["max_len"]), seed=int(p["seed"]))
+
+
+def verify_shards(shards: dict) -> dict[str, Any]:
+    return _user_errors(steps.verify_shards, shards["path"])
+
+
+def train_spec(p: dict, shards: dict, *, init_checkpoint: str = "", out_name: str = "train") -> steps.TrainSpec:
+    r, k, _ = topology(p)
+    plan = p.get("fault_plan") or ""
+    return steps.TrainSpec(
+        shards=shards["path"], out=str(run_dir() / out_name), replica_groups=r, ranks_per_group=k,
+        fault_plan=plan if isinstance(plan, str) else json.dumps(plan),
+        max_steps=int(p["max_steps"]), epochs=int(p["epochs"]), experiment=p["mlflow_experiment"],
+        init_checkpoint=init_checkpoint, overrides=list(p.get("train_overrides") or []) + [f"train.seed={int(p['seed'])}"])
+
+
+def evaluate(trained: dict) -> dict[str, Any]:
+    """Evaluate the trained checkpoint; the metrics go on the training's MLflow run as eval/..."""
+    from ftrec_airflow import tracking
+    out = run_dir() / "eval.json"
+    fresh = not out.exists()
+    metrics = _user_errors(steps.evaluate, trained["checkpoint"], trained["shards"], str(out))
+    if fresh:
+        tracking.log_metrics(trained["mlflow_run_id"], metrics, prefix="eval/", tracking_uri=trained["tracking_uri"])
+    return {"mlflow_run_id": trained["mlflow_run_id"], "metrics": metrics}
+
+
+def register_model(p: dict, trained: dict, evaluation: dict) -> dict[str, Any]:
+    """Register the run's model if the quality gate passes; fail with the metrics if not."""
+    from ftrec_airflow import tracking
+    try:
+        value = steps.check_gate(evaluation["metrics"], p["gate_metric"], float(p["gate_min"]))
+    except (steps.GateFailed, steps.UserError) as e:
+        raise AirflowFailException(str(e)) from None
+    ctx = get_current_context()
+    tags = {"gate_metric": p["gate_metric"], "gate_value": f"{value:.6f}", "gate_min": str(p["gate_min"]),
+            tracking.CHECKPOINT_TAG: trained["checkpoint"], "shards": trained["shards"],
+            "airflow.dag_id": ctx["ti"].dag_id, "airflow.run_id": ctx["run_id"]}
+    return tracking.register(trained["mlflow_run_id"], p["model_name"], tags=tags,
+                             tracking_uri=trained["tracking_uri"])

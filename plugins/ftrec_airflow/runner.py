@@ -1,0 +1,149 @@
+"""Run a command for an Airflow task: its output streams into the task log, and when the
+task ends for any reason (success, failure, timeout, kill from the UI) the command's
+whole process tree ends with it.
+
+The command starts in its own session (so its process group id is its pid and a signal
+to the group reaches every process it started) with a parent-death signal, so even a
+SIGKILLed task process does not leave the launcher running. Airflow's task runner turns
+SIGTERM into `on_kill()` and an execution timeout into an exception raised in the main
+thread; both end here in `stop_group`.
+"""
+
+import collections
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Sequence
+
+TERM_GRACE_S = float(os.environ.get("FTREC_TERM_GRACE_S", "10"))  # SIGTERM -> SIGKILL
+TAIL_LINES = 20  # lines of output quoted in the error when the command fails
+
+log = logging.getLogger(__name__)
+
+
+class CommandFailed(RuntimeError):
+    """The command exited non-zero; the message holds its last lines of output."""
+
+    def __init__(self, cmd: Sequence[str], returncode: int, tail: list[str]):
+        self.returncode = returncode
+        self.tail = tail
+        how = f"signal {-returncode}" if returncode < 0 else f"exit code {returncode}"
+        last = "\n".join(tail[-TAIL_LINES:])
+        super().__init__(f"{' '.join(cmd[:4])} ... failed with {how}; last output:\n{last}")
+
+
+def _die_with_parent() -> None:
+    # Linux only: the child gets SIGTERM when the task process dies, even by SIGKILL.
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float = TERM_GRACE_S) -> None:
+    """SIGTERM the command's process group, SIGKILL whatever is left after `grace_s`."""
+    pgid = proc.pid  # start_new_session: group id == leader pid
+    if not _group_alive(pgid):
+        proc.poll()
+        return
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        proc.poll()  # reap the leader so it does not linger as a zombie in the group
+        if not _group_alive(pgid):
+            return
+        time.sleep(0.05)
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+class Command:
+    """One running command. `run()` is the usual entry; keep a `Command` when something
+    else (an operator's `on_kill`) must be able to stop it from another frame."""
+
+    def __init__(self, cmd: Sequence[str], *, env: dict[str, str] | None = None,
+                 cwd: str | None = None, logger: logging.Logger | None = None):
+        self.cmd = [str(c) for c in cmd]
+        self.env = env
+        self.cwd = cwd
+        self.log = logger or log
+        self.proc: subprocess.Popen | None = None
+        self.tail: collections.deque[str] = collections.deque(maxlen=200)
+
+    def _pump(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            line = line.rstrip("\n")
+            self.tail.append(line)
+            self.log.info("%s", line)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_group(self.proc)
+
+    def run(self, timeout_s: float | None = None) -> None:
+        """Run to completion; raise `CommandFailed` on a non-zero exit, `TimeoutError`
+        past `timeout_s`. The process group is gone when this returns or raises."""
+        self.log.info("running: %s", " ".join(self.cmd))
+        self.proc = subprocess.Popen(
+            self.cmd, env=self.env, cwd=self.cwd, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, bufsize=1, errors="replace",
+            start_new_session=True, preexec_fn=_die_with_parent)
+        pump = threading.Thread(target=self._pump, name="ftrec-log-pump", daemon=True)
+        pump.start()
+        previous = None
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.getsignal(signal.SIGTERM)
+
+            def _on_term(signum, frame):
+                self.log.warning("task terminated: stopping process group %d", self.proc.pid)
+                self.stop()
+                if callable(previous):
+                    previous(signum, frame)
+            signal.signal(signal.SIGTERM, _on_term)
+        start = time.monotonic()
+        try:
+            # Wait in short slices so the main thread keeps handling signals (Airflow's
+            # execution timeout is a SIGALRM that raises here).
+            while True:
+                try:
+                    self.proc.wait(timeout=0.5)
+                    break
+                except subprocess.TimeoutExpired:
+                    if timeout_s is not None and time.monotonic() - start > timeout_s:
+                        raise TimeoutError(f"{self.cmd[0]} ran past {timeout_s:.0f} s") from None
+        finally:
+            stop_group(self.proc)  # also reaps grandchildren left behind by a clean exit
+            pump.join(timeout=5)
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+        if self.proc.returncode != 0:
+            raise CommandFailed(self.cmd, self.proc.returncode, list(self.tail))
+
+
+def run(cmd: Sequence[str], *, env: dict[str, str] | None = None, cwd: str | None = None,
+        logger: logging.Logger | None = None, timeout_s: float | None = None) -> list[str]:
+    """Run `cmd` streaming its output to `logger`; return its last lines of output."""
+    c = Command(cmd, env=env, cwd=cwd, logger=logger)
+    c.run(timeout_s)
+    return list(c.tail)

@@ -1,0 +1,287 @@
+"""What each pipeline task does, as plain functions: no Airflow in here, so they run and
+test anywhere, and the DAGs stay thin.
+
+Each step writes under the DAG run's folder and is idempotent: run twice with the same
+arguments, the second call finds the first one's finished output and returns it (every
+output appears by an atomic rename, so "finished" is "present"). Errors a user can cause
+raise `UserError` with one line naming the file or setting; the tasks turn it into a
+failure that is not retried.
+
+Heavy packages (dataprep/pyarrow, mlflow) are imported inside the functions: this
+module is imported when the DAG processor parses a DAG file.
+"""
+
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ftrec_airflow import runner, settings
+
+FORMATS = ("iclrec", "sasrec", "movielens", "events")
+# The ftcore launcher runs R replica groups of K ranks; `python -m training train` runs one
+# group. Set to False to train with the plain trainer (one replica group).
+USE_LAUNCHER = False
+SNIFF_LINES = 1000
+
+
+class UserError(ValueError):
+    """Bad input or settings: retrying will not help; the message says what to change."""
+
+
+# ---------------------------------------------------------------- ingest_validate
+
+def ingest(source: str, fmt: str, run_dir: Path, *, synth_users: int = 2000,
+           synth_items: int = 1000, seed: int = 0) -> dict[str, Any]:
+    """Resolve the data source and check it can be read.
+
+    `source` is a file or folder path, "synthetic" (generate data into the run folder) or
+    "auto" (the shared Beauty file when present, otherwise synthetic). Returns
+    {"path", "format", "bytes", "synthetic"}.
+    """
+    if source in ("", "auto"):
+        source = settings.default_source()
+        if source != "synthetic":
+            fmt = "iclrec"  # the shared Beauty file's format
+    if source == "synthetic":
+        path = Path(run_dir) / "data" / "events.txt"
+        if not path.exists():
+            from dataprep.synth import write_synthetic
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+            write_synthetic(str(tmp), users=synth_users, items=synth_items, seed=seed, fmt="sasrec")
+            os.replace(tmp, path)
+        return {"path": str(path), "format": "sasrec", "bytes": path.stat().st_size, "synthetic": True}
+
+    if fmt not in FORMATS:
+        raise UserError(f"param data_format={fmt!r}: use one of {', '.join(FORMATS)}")
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise UserError(f"param data_source: {path} does not exist; give a readable file or folder, "
+                        "'synthetic' or 'auto'")
+    if path.is_file():
+        if path.stat().st_size == 0:
+            raise UserError(f"{path}: the file is empty")
+        if fmt in ("iclrec", "sasrec"):
+            _sniff_text(path, fmt)
+    elif not any(p.is_file() for p in path.rglob("*")):
+        raise UserError(f"{path}: the folder holds no files")
+    size = path.stat().st_size if path.is_file() else sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    return {"path": str(path), "format": fmt, "bytes": size, "synthetic": False}
+
+
+def _sniff_text(path: Path, fmt: str) -> None:
+    """Check the first lines of a whitespace-separated id file, so that a wrong format
+    fails in seconds here rather than later inside dataprep."""
+    want = "2 fields (user item)" if fmt == "sasrec" else "a user and at least one item"
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for n, line in enumerate(f, 1):
+            if n > SNIFF_LINES:
+                break
+            fields = line.split()
+            if not fields:
+                continue
+            ok = len(fields) == 2 if fmt == "sasrec" else len(fields) >= 2
+            if not ok:
+                raise UserError(f"{path}, line {n}: format {fmt} expects {want}, found {len(fields)} "
+                                f"field(s); set param data_format to the file's format")
+
+
+# ---------------------------------------------------------------- build / verify shards
+
+@dataclass
+class ShardSpec:
+    """A shard set to build: what `@build_shards_task` functions return."""
+    input: str
+    fmt: str
+    out: str
+    world_size: int
+    batch_size: int = 64
+    max_len: int = 50
+    seed: int = 0
+    window_steps: int | None = None
+
+
+def _summary(manifest: dict, path: str) -> dict[str, Any]:
+    keys = ("num_users", "num_items", "num_samples", "steps", "bubble_fraction", "imbalance", "config")
+    out = {k: manifest.get(k) for k in keys}
+    out["path"] = str(path)
+    out["fingerprint"] = manifest.get("input", {}).get("fingerprint")
+    return out
+
+
+def build_shards(spec: ShardSpec) -> dict[str, Any]:
+    """Build the shard set unless the same one is already there; return its summary.
+
+    dataprep itself returns an identical existing set without rebuilding; a set left by an
+    earlier try with another input or other settings is replaced, never mixed."""
+    from dataprep.build import build_shards as _build
+    from dataprep.errors import DataprepError
+
+    out = Path(spec.out)
+    manifest_path = out / "manifest.json"
+    before = json.loads(manifest_path.read_text()) if manifest_path.exists() else None
+    args = dict(world_size=spec.world_size, batch_size=spec.batch_size, seed=spec.seed,
+                max_len=spec.max_len, window_steps=spec.window_steps, quiet=True)
+    try:
+        try:
+            manifest = _build(spec.input, spec.fmt, str(out), **args)
+        except DataprepError:
+            if not out.exists():
+                raise
+            manifest = _build(spec.input, spec.fmt, str(out), overwrite=True, **args)
+    except DataprepError as e:
+        raise UserError(str(e)) from None
+    reused = before is not None and before.get("created_at") == manifest.get("created_at")
+    return {**_summary(manifest, out), "reused": reused}
+
+
+def verify_shards(path: str) -> dict[str, Any]:
+    """Check checksums, schema and coverage of a shard set (dataprep's verify)."""
+    from dataprep.errors import DataprepError
+    from dataprep.verify import verify_shards as _verify
+    try:
+        manifest = _verify(path)
+    except DataprepError as e:
+        raise UserError(str(e)) from None
+    return _summary(manifest, path)
+
+
+# ---------------------------------------------------------------- train
+
+@dataclass
+class TrainSpec:
+    """A training run: what `@ft_train_task` functions return.
+
+    `overrides` are trainer settings `section.key=value` (training/config.py)."""
+    shards: str
+    out: str
+    replica_groups: int = 1
+    ranks_per_group: int = 1
+    fault_plan: str = ""          # path to a TOML/JSON fault plan, or inline JSON
+    max_steps: int = 0
+    epochs: int = 0               # 0: the trainer's default
+    experiment: str = settings.DEFAULT_EXPERIMENT
+    run_name: str = ""
+    run_key: str = ""             # identifies the Airflow task's run: a retry finds the same MLflow run
+    init_checkpoint: str = ""     # warm start (retrain): weights of an earlier model
+    overrides: list[str] = field(default_factory=list)
+    timeout_s: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _fault_plan_file(spec: TrainSpec) -> str:
+    plan = spec.fault_plan.strip() if isinstance(spec.fault_plan, str) else json.dumps(spec.fault_plan)
+    if not plan:
+        return ""
+    if plan.startswith(("{", "[")):
+        try:
+            json.loads(plan)
+        except json.JSONDecodeError as e:
+            raise UserError(f"param fault_plan: inline JSON does not parse ({e.msg} at column {e.colno})") from None
+        path = Path(spec.out) / "fault_plan.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(plan)
+        os.replace(tmp, path)
+        return str(path)
+    if not Path(plan).is_file():
+        raise UserError(f"param fault_plan: {plan} is not a file; give a TOML/JSON plan file or inline JSON")
+    return plan
+
+
+def train_command(spec: TrainSpec, run_id: str, tracking_uri: str) -> list[str]:
+    """The command line of one training run (the launcher, or the plain trainer)."""
+    out = Path(spec.out)
+    sets = [f"mlflow.run_id={run_id}", f"mlflow.experiment={spec.experiment}",
+            f"mlflow.tracking_uri={tracking_uri}",
+            "mlflow.register=false"]  # registration is the register_model task's, behind the gate
+    if spec.max_steps:
+        sets.append(f"train.max_steps={spec.max_steps}")
+    if spec.epochs:
+        sets.append(f"train.epochs={spec.epochs}")
+    if spec.init_checkpoint:
+        sets.append(f"train.init_checkpoint={spec.init_checkpoint}")
+    if any((out / "checkpoints").glob("step-*")):
+        sets.append("train.resume=true")  # a retry continues from its last checkpoint
+    sets += list(spec.overrides)
+    if USE_LAUNCHER:
+        cmd = [sys.executable, "-m", "training", "launch", "--shards", spec.shards,
+               "--replica-groups", str(spec.replica_groups),
+               "--ranks-per-group", str(spec.ranks_per_group), "--out", str(out)]
+        plan = _fault_plan_file(spec)
+        if plan:
+            cmd += ["--faults", plan]
+    else:
+        if spec.replica_groups * spec.ranks_per_group != 1 or spec.fault_plan:
+            raise UserError("this install trains one replica group of one rank (no launcher); "
+                            "set replica_groups=1, ranks_per_group=1 and no fault_plan")
+        cmd = [sys.executable, "-m", "training", "train", "--shards", spec.shards, "--out", str(out)]
+    for s in sets:
+        cmd += ["--set", s]
+    return cmd
+
+
+def read_result(out: str | Path) -> dict[str, Any] | None:
+    path = Path(out) / "result.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def train(spec: TrainSpec, run_id: str, tracking_uri: str, *, command_hook=None, logger=None) -> dict[str, Any]:
+    """Run training into `spec.out` on MLflow run `run_id`; return the trainer's result.json.
+
+    Idempotent: a finished result for the same MLflow run is returned as is; a run that
+    stopped midway resumes from its newest checkpoint on the same MLflow run.
+    `command_hook(cmd)` receives the `runner.Command` before it starts (for on_kill)."""
+    done = read_result(spec.out)
+    if done and done.get("mlflow_run_id") == run_id:
+        return {**done, "reused": True}
+    Path(spec.out).mkdir(parents=True, exist_ok=True)
+    cmd = runner.Command(train_command(spec, run_id, tracking_uri), logger=logger,
+                         env={**os.environ, "MLFLOW_TRACKING_URI": tracking_uri})
+    if command_hook:
+        command_hook(cmd)
+    cmd.run(spec.timeout_s)
+    result = read_result(spec.out)
+    if result is None:
+        raise RuntimeError(f"training exited 0 but wrote no {Path(spec.out) / 'result.json'}")
+    return {**result, "reused": False}
+
+
+# ---------------------------------------------------------------- evaluate
+
+def evaluate(checkpoint: str, shards: str, out_json: str, *, logger=None, timeout_s: float | None = None) -> dict:
+    """Evaluate a checkpoint on the shard set's held-out targets; return {metric: value}.
+
+    The result file appears by rename, so a retry after it exists does no work."""
+    out = Path(out_json)
+    if not out.exists():
+        tmp = out.with_name(f".{out.name}.tmp")
+        runner.run([sys.executable, "-m", "training", "eval", "--checkpoint", checkpoint,
+                    "--shards", shards, "--out", str(tmp)], logger=logger, timeout_s=timeout_s)
+        os.replace(tmp, out)
+    data = json.loads(out.read_text())
+    metrics = data.get("metrics", data)
+    return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
+
+
+# ---------------------------------------------------------------- quality gate
+
+class GateFailed(Exception):
+    """The model did not reach the quality gate; the message lists the metrics."""
+
+
+def check_gate(metrics: dict[str, float], metric: str, minimum: float) -> float:
+    """Return the gated metric's value; raise GateFailed (or UserError for an unknown
+    metric) with every metric in the message."""
+    shown = ", ".join(f"{k}={v:.4f}" for k, v in sorted(metrics.items()))
+    if metric not in metrics:
+        raise UserError(f"param gate_metric={metric!r} is not among the evaluation metrics: {shown}")
+    value = metrics[metric]
+    if not value >= minimum:
+        raise GateFailed(f"quality gate failed: {metric}={value:.4f} < {minimum}; metrics: {shown}")
+    return value

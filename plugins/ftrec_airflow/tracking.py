@@ -1,0 +1,99 @@
+"""MLflow from the Airflow side: one run per DAG run's training, found again on retry;
+evaluation metrics on that run; registration behind the quality gate; links to the UI.
+
+The training processes log their own params, metrics and recovery events on the run;
+the Airflow tasks only create it (so its id exists before training starts and a retried
+task resumes it instead of opening a second one), add evaluation metrics and register.
+mlflow is imported inside the functions: DAG files import this module at parse time.
+"""
+
+import time
+from typing import Any
+
+from ftrec_airflow import settings
+
+RUN_KEY_TAG = "ftrec.airflow_run"   # "<dag_id>/<run_id>/<task_id>": the idempotency key
+CHECKPOINT_TAG = "ftrec.checkpoint"
+
+
+def client(tracking_uri: str | None = None):
+    from mlflow.tracking import MlflowClient
+    uri = tracking_uri or settings.tracking_uri()
+    return MlflowClient(tracking_uri=uri, registry_uri=uri)
+
+
+def ensure_experiment(name: str, tracking_uri: str | None = None) -> str:
+    c = client(tracking_uri)
+    exp = c.get_experiment_by_name(name)
+    if exp is not None:
+        return exp.experiment_id
+    try:
+        return c.create_experiment(name, artifact_location=settings.artifact_root())
+    except Exception:
+        # Another task created it between our lookup and our create.
+        exp = c.get_experiment_by_name(name)
+        if exp is None:
+            raise
+        return exp.experiment_id
+
+
+def ensure_run(experiment: str, run_key: str, *, run_name: str = "", tags: dict[str, str] | None = None,
+               tracking_uri: str | None = None) -> tuple[str, str]:
+    """(experiment_id, run_id) of the run tagged `run_key`, created if there is none."""
+    c = client(tracking_uri)
+    exp_id = ensure_experiment(experiment, tracking_uri)
+    escaped = run_key.replace("'", "\\'")
+    found = c.search_runs([exp_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{escaped}'", max_results=1)
+    if found:
+        return exp_id, found[0].info.run_id
+    run = c.create_run(exp_id, run_name=run_name or None, tags={RUN_KEY_TAG: run_key, **(tags or {})})
+    return exp_id, run.info.run_id
+
+
+def run_url(experiment_id: str, run_id: str) -> str:
+    return f"{settings.mlflow_ui()}/#/experiments/{experiment_id}/runs/{run_id}"
+
+
+def log_metrics(run_id: str, metrics: dict[str, float], *, prefix: str = "",
+                tracking_uri: str | None = None) -> None:
+    from mlflow.entities import Metric
+    now = int(time.time() * 1000)
+    batch = [Metric(prefix + k, float(v), now, 0) for k, v in metrics.items()]
+    if batch:
+        client(tracking_uri).log_batch(run_id, metrics=batch)
+
+
+def run_metrics(run_id: str, tracking_uri: str | None = None) -> dict[str, float]:
+    return dict(client(tracking_uri).get_run(run_id).data.metrics)
+
+
+def metric_history(run_id: str, key: str, tracking_uri: str | None = None) -> list[tuple[int, float]]:
+    return [(m.step, m.value) for m in client(tracking_uri).get_metric_history(run_id, key)]
+
+
+def register(run_id: str, name: str, *, artifact_path: str = "model", tags: dict[str, str] | None = None,
+             tracking_uri: str | None = None) -> dict[str, Any]:
+    """Register the run's logged model as a new version of `name`, once per run:
+    a retried task finds the version it created and returns it."""
+    import mlflow
+    c = client(tracking_uri)
+    for mv in c.search_model_versions(f"name = '{name}'"):
+        if mv.run_id == run_id:
+            return {"name": name, "version": int(mv.version), "run_id": run_id, "reused": True}
+    mlflow.set_tracking_uri(tracking_uri or settings.tracking_uri())
+    mlflow.set_registry_uri(tracking_uri or settings.tracking_uri())
+    mv = mlflow.register_model(f"runs:/{run_id}/{artifact_path}", name, tags=tags or {})
+    return {"name": name, "version": int(mv.version), "run_id": run_id, "reused": False}
+
+
+def latest_version(name: str, tracking_uri: str | None = None) -> dict[str, Any] | None:
+    """The newest registered version of `name` with its tags, or None."""
+    c = client(tracking_uri)
+    try:
+        versions = c.search_model_versions(f"name = '{name}'")
+    except Exception:
+        return None
+    if not versions:
+        return None
+    mv = max(versions, key=lambda v: int(v.version))
+    return {"name": name, "version": int(mv.version), "run_id": mv.run_id, "tags": dict(mv.tags or {})}

@@ -1,0 +1,95 @@
+"""Sharded embeddings on 2 real gloo ranks are bitwise equal to an unsharded table:
+forward rows, and gradients equal to the unsharded per-rank grads summed by all-reduce."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from training.comm.sharded_embedding import (ShardedEmbedding, ShardedEmbeddingCollection,
+                                             gather_full_weight, reference_weight)
+from training.comm.spawn import run_ranks
+from training.comm.transport import make_transport
+
+pytestmark = pytest.mark.integ
+
+N, D = 103, 8  # N not divisible by K: the last shard is short
+
+
+def _batches(rank):
+    g = torch.Generator().manual_seed(10 + rank)
+    zipf = torch.distributions.Categorical(probs=1.0 / torch.arange(1, N + 1).double())
+    yield zipf.sample((4, 13)) if rank == 0 else torch.randint(0, N, (5, 11), generator=g)  # dup-heavy
+    yield torch.randint(0, N // 2, (17,), generator=g)   # every id on rank 0: a zero split
+    yield torch.tensor([0, 0, N - 1, 5], dtype=torch.int64)  # padding ids included
+    yield torch.zeros(0, dtype=torch.int64)             # an empty lookup on one step
+
+
+def _equal(rank, world_size, kind, sharding):
+    torch.manual_seed(0)
+    t = make_transport(kind)
+    ref_w = reference_weight(N, D, seed=7, padding_idx=0)
+    emb = ShardedEmbedding(N, D, t, sharding=sharding, owner=1, seed=7, padding_idx=0)
+    lo, hi = emb.row_range
+    assert torch.equal(emb.weight.detach(), ref_w[lo:hi])
+    fails, nonzero_steps = [], 0
+    for step, ids in enumerate(_batches(rank)):
+        if step == 3 and rank == 1:
+            ids = torch.randint(0, N, (9,))
+        up = torch.randn(*ids.shape, D, generator=torch.Generator().manual_seed(100 * step + rank))
+        ref = torch.nn.Parameter(ref_w.clone())
+        out_ref = F.embedding(ids, ref, padding_idx=0)
+        (out_ref * up).sum().backward()
+        dist.all_reduce(ref.grad)  # unsharded data parallelism: replicated table, summed grads
+        emb.weight.grad = None
+        out = emb(ids)
+        (out * up).sum().backward()
+        if not torch.equal(out, out_ref):
+            fails.append(f"step {step}: forward differs")
+        if not torch.equal(emb.weight.grad, ref.grad[lo:hi]):
+            fails.append(f"step {step}: grad differs by {(emb.weight.grad - ref.grad[lo:hi]).abs().max()}")
+        nonzero_steps += int(emb.weight.grad.abs().sum() > 0)
+    full = gather_full_weight(emb)
+    t.close()
+    if hi > lo and nonzero_steps < 2:
+        fails.append("gradients reached the shard in fewer than 2 steps: the test checks nothing")
+    return fails, torch.equal(full, ref_w)
+
+
+@pytest.mark.parametrize("kind,sharding", [("collective", "row"), ("smfree", "row"), ("collective", "table")])
+def test_sharded_equals_unsharded(kind, sharding):
+    for fails, full_ok in run_ranks(_equal, 2, kind, sharding, timeout_s=90):
+        assert fails == []
+        assert full_ok
+
+
+def _collection(rank, world_size):
+    t = make_transport("collective")
+    tables = {"item": (50, 4), "category": (7, 3)}
+    col = ShardedEmbeddingCollection(tables, t, sharding="table", seed=1)
+    # table i lives whole on rank i % K
+    shapes = {n: tuple(m.weight.shape) for n, m in col.items()}
+    ids = {"item": torch.tensor([[1, 2, 48], [3, 3, 0]]) + rank, "category": torch.tensor([rank, 6, 6])}
+    outs = {n: col[n](ids[n]) for n in tables}
+    refs = {n: F.embedding(ids[n], reference_weight(*tables[n], seed=1 + i)) for i, n in enumerate(tables)}
+    t.close()
+    return shapes, all(torch.equal(outs[n], refs[n]) for n in tables)
+
+
+def test_table_wise_collection():
+    (s0, ok0), (s1, ok1) = run_ranks(_collection, 2, timeout_s=60)
+    assert s0 == {"item": (50, 4), "category": (0, 3)} and s1 == {"item": (0, 4), "category": (7, 3)}
+    assert ok0 and ok1
+
+
+def _bad_ids(rank, world_size):
+    emb = ShardedEmbedding(10, 2, make_transport("collective"))
+    try:
+        emb.plan(torch.tensor([3, 10]))
+    except IndexError as e:
+        return str(e)
+
+
+def test_out_of_range_ids_are_a_clear_error():
+    msgs = run_ranks(_bad_ids, 2, timeout_s=60)
+    assert all("[0, 10)" in m and "num_items" in m for m in msgs)

@@ -1,0 +1,98 @@
+"""Transport: `collective` and `smfree` give bitwise equal results on real gloo ranks,
+smfree falls back to collective (with the reason) when it cannot run."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from training.comm.spawn import run_ranks
+from training.comm.transport import (CollectiveTransport, SmFreeTransport, TransportConfig,
+                                     make_transport)
+
+pytestmark = pytest.mark.integ
+
+
+def _ops(rank, world_size, seed):
+    """Uneven all-to-alls of several dtypes/shapes, growing past the outbox, and all-reduces."""
+    g = torch.Generator().manual_seed(seed * 100 + rank)
+    cases = []
+    for i, (dtype, tail) in enumerate([(torch.float32, (16,)), (torch.int64, ()), (torch.float32, (3, 5)),
+                                       (torch.float32, (1024,))]):
+        # split sizes: every rank knows the matrix (derived from the seed), zero splits included
+        m = torch.randint(0, 300, (world_size, world_size), generator=torch.Generator().manual_seed(seed + i))
+        m[0, world_size - 1] = 0
+        send_splits, recv_splits = m[rank].tolist(), m[:, rank].tolist()
+        send = (torch.randn(sum(send_splits), *tail, generator=g) * 1e3).to(dtype)
+        cases.append((send, send_splits, recv_splits))
+    red = [torch.randn(1000, generator=g), torch.randn(7, 3, generator=g).double()]
+    return cases, red
+
+
+def _run(rank, world_size, kind, seed, shm_dir):
+    t = make_transport(TransportConfig(kind=kind, shm_dir=shm_dir, initial_capacity=4096))
+    cases, red = _ops(rank, world_size, seed)
+    # issue everything before waiting: ops must still complete in issue order
+    handles = [t.all_to_all(*c) for c in cases] + [t.all_reduce(x) for x in red]
+    out = [h.wait() for h in handles]
+    files = sorted(os.listdir(shm_dir)) if kind == "smfree" else []
+    name = t.name
+    dist.barrier()
+    t.close()
+    dist.barrier()
+    left = [f for f in os.listdir(shm_dir) if f.startswith("ftrec-")] if kind == "smfree" else []
+    return name, out, files, left
+
+
+def test_smfree_equals_collective(tmp_path):
+    shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else str(tmp_path)
+    before = {f for f in os.listdir(shm) if f.startswith("ftrec-")}
+    coll = run_ranks(_run, 2, "collective", 3, shm, timeout_s=90)
+    sm = run_ranks(_run, 2, "smfree", 3, shm, timeout_s=90)
+    for r in range(2):
+        assert coll[r][0] == "collective" and sm[r][0] == "smfree"
+        assert len(coll[r][1]) == len(sm[r][1]) == 6
+        for a, b in zip(coll[r][1], sm[r][1]):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            assert torch.equal(a, b)
+        assert any("box" in f for f in sm[r][2]), "smfree must have used shared-memory outboxes"
+    # the rows each rank received are the ones its peers sent it
+    cases0, _ = _ops(0, 2, 3)
+    cases1, _ = _ops(1, 2, 3)
+    send, splits, _ = cases1[0]
+    assert torch.equal(sm[0][1][0][-splits[0]:] if splits[0] else sm[0][1][0][:0], send[:splits[0]])
+    # all-reduce is the sum on both ranks
+    _, red0 = _ops(0, 2, 3)
+    _, red1 = _ops(1, 2, 3)
+    assert torch.equal(sm[0][1][4], red0[0] + red1[0]) and torch.equal(sm[1][1][4], sm[0][1][4])
+    # closed transports leave no files behind
+    assert {f for f in sm[0][3]} - before == set()
+
+
+def _fallback(rank, world_size, mode, tmp):
+    if mode == "hosts":
+        cfg = TransportConfig(kind="smfree", shm_dir="/dev/shm", host_id=f"host-{rank}")
+    else:
+        cfg = TransportConfig(kind="smfree", shm_dir=os.path.join(tmp, "missing") if rank == 1 else "/dev/shm")
+    t = make_transport(cfg)
+    x = torch.arange(4.0) + rank
+    y = t.all_reduce(x).wait()
+    a2a = t.all_to_all(torch.tensor([rank * 10, rank * 10 + 1]), [1, 1], [1, 1]).wait()
+    t.close()
+    return type(t).__name__, getattr(t, "fallback_reason", ""), y, a2a
+
+
+@pytest.mark.parametrize("mode", ["hosts", "no_shm"])
+def test_fallback_to_collective(mode, tmp_path):
+    res = run_ranks(_fallback, 2, mode, str(tmp_path), timeout_s=60)
+    for name, reason, y, a2a in res:
+        assert name == "CollectiveTransport"  # every rank takes the same decision
+        assert ("different hosts" in reason) if mode == "hosts" else ("missing or not writable" in reason)
+        assert torch.equal(y, torch.tensor([1.0, 3.0, 5.0, 7.0]))
+    assert res[0][3].tolist() == [0, 10] and res[1][3].tolist() == [1, 11]
+
+
+def test_unknown_kind_is_a_config_error():
+    with pytest.raises(ValueError, match="comm.transport"):
+        make_transport(TransportConfig(kind="nvlink"))

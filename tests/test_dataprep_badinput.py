@@ -1,0 +1,184 @@
+"""Bad input: each case is a clear error (file, line/column, what to do) or a counted rejection."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from dataprep import schema
+from dataprep.build import build_shards
+from dataprep.errors import DataprepError
+from dataprep.verify import verify_shards
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _good_lines(users=20, per=6):
+    return "".join(f"{u} {100 + (u * 7 + k) % 40}\n" for u in range(1, users + 1) for k in range(per))
+
+
+def _build(p, fmt="sasrec", **kw):
+    kw.setdefault("world_size", 2)
+    kw.setdefault("batch_size", 2)
+    return build_shards(str(p), fmt, str(p.parent / "out"), **kw)
+
+
+def _rejects(p):
+    return pq.read_table(p.parent / "out" / schema.REJECTS_FILE).to_pylist()
+
+
+@pytest.mark.parametrize("bad,reason", [
+    ("5 7 9\n", "malformed_line"),
+    ("5\n", "malformed_line"),
+    ("5 abc\n", "non_integer_id"),
+    ("5 1.5\n", "non_integer_id"),
+    ("5 99999999999999999999999\n", "non_integer_id"),
+    ("-5 7\n", "negative_id"),
+])
+def test_bad_line_is_a_counted_rejection_with_its_line(tmp_path, bad, reason):
+    p = tmp_path / "in.txt"
+    good = _good_lines()
+    cut = good.index("\n", 50) + 1
+    p.write_text(good[:cut] + bad + good[cut:] + bad)
+    m = _build(p, max_reject_fraction=0.1)
+    verify_shards(str(p.parent / "out"))
+    line = good[:cut].count("\n") + 1
+    rej = [r for r in _rejects(p) if r["reason"] == reason]
+    assert [r["line"] for r in rej] == [line, good.count("\n") + 2]
+    assert rej[0]["source"] == str(p) and bad.strip()[:10] in rej[0]["detail"]
+    assert m["rejects"][reason] == 2 and m["counts"]["rows_rejected"] == 2
+    assert m["counts"]["events_read"] == good.count("\n")
+
+
+def test_too_many_bad_lines_is_an_error_naming_first_line(tmp_path):
+    p = tmp_path / "in.txt"
+    p.write_text(_good_lines(5) + "x y\n" * 10)
+    with pytest.raises(DataprepError, match=r"in\.txt: 10 of 40 lines rejected \(first: line 31, non_integer_id"):
+        _build(p)
+    assert not (tmp_path / "out").exists()
+
+
+def test_wrong_format_is_an_error(tmp_path):
+    p = tmp_path / "in.txt"
+    p.write_text("".join(f"{u} 1 2 3 4 5\n" for u in range(1, 30)))
+    with pytest.raises(DataprepError, match="is --format right"):
+        _build(p, "sasrec")
+
+
+def test_empty_and_blank_files(tmp_path):
+    p = tmp_path / "in.txt"
+    p.write_text("")
+    with pytest.raises(DataprepError, match=r"in\.txt: empty file"):
+        _build(p)
+    p.write_text("\n\n  \n")
+    with pytest.raises(DataprepError, match=r"in\.txt: empty file"):
+        _build(p, "iclrec")
+
+
+def test_blank_lines_are_skipped_and_counted(tmp_path):
+    p = tmp_path / "in.txt"
+    p.write_text("\n" + _good_lines() + "\n\n")
+    m = _build(p)
+    assert m["counts"]["blank_lines"] == 3 and m["rejects"] == {}
+
+
+def test_missing_input(tmp_path):
+    with pytest.raises(DataprepError, match="input not found"):
+        _build(tmp_path / "nope.txt")
+
+
+def test_events_missing_column_names_it(tmp_path):
+    p = tmp_path / "ev.parquet"
+    pq.write_table(pa.table({"user_id": [1, 2], "item": [3, 4], "when": [5, 6]}), p)
+    with pytest.raises(DataprepError, match=r"ev\.parquet: no column 'timestamp' \(columns: user_id, item, when\); set --time-col"):
+        _build(p, "events")
+    with pytest.raises(DataprepError, match="no column 'it'.*--item-col"):
+        _build(p, "events", item_col="it", time_col="when")
+
+
+def test_events_nulls_negative_and_duplicates(tmp_path):
+    rows = [(u, 10 + (u + k) % 7, 1000 + k) for u in range(1, 21) for k in range(6)]
+    users = [r[0] for r in rows] + [None, 3, -4, 2]
+    items = [r[1] for r in rows] + [5, None, 6, rows[6][1]]
+    ts = [r[2] for r in rows] + [1, 2, 3, rows[6][2]]  # the last row repeats row 6 exactly
+    p = tmp_path / "ev.parquet"
+    pq.write_table(pa.table({"user_id": pa.array(users, pa.int64()), "item_id": pa.array(items, pa.int64()),
+                             "timestamp": ts}), p)
+    m = _build(p, "events", max_reject_fraction=0.1)
+    assert m["rejects"] == {"duplicate_event": 1, "missing_value": 2, "negative_id": 1}
+    dup = [r for r in _rejects(p) if r["reason"] == "duplicate_event"][0]
+    assert dup["line"] == len(rows) + 4 and dup["user"] == "2"
+
+
+def test_events_bad_timestamp_is_an_error(tmp_path):
+    p = tmp_path / "ev.csv"
+    p.write_text("user_id,item_id,timestamp\n1,2,yesterday\n1,3,today\n")
+    with pytest.raises(DataprepError, match=r"ev\.csv: column 'timestamp' is not a readable timestamp"):
+        _build(p, "events")
+
+
+def test_short_users_are_counted_rejections(tmp_path):
+    p = tmp_path / "in.txt"
+    p.write_text(_good_lines() + "900 1\n900 2\n")
+    m = _build(p)
+    assert m["rejects"] == {"too_short": 1}
+    r = _rejects(p)[0]
+    assert r["user"] == "900" and "2 events" in r["detail"]
+
+
+def test_histories_far_over_max_len_are_truncated_and_counted_or_rejected(tmp_path):
+    p = tmp_path / "in.txt"
+    p.write_text(_good_lines() + "".join(f"777 {i}\n" for i in range(1, 5001)))
+    m = _build(p, max_len=10)
+    assert m["counts"]["samples_truncated"] == 1 and m["counts"]["items_truncated"] == 5000 - 3 - 10
+    m = build_shards(str(p), "sasrec", str(tmp_path / "out2"), world_size=2, batch_size=2, max_events=1000)
+    assert m["rejects"] == {"history_too_long": 1} and m["num_users"] == 20
+
+
+def test_world_size_larger_than_data_allows(tmp_path):
+    p = tmp_path / "in.txt"
+    p.write_text(_good_lines(users=5))
+    with pytest.raises(DataprepError, match="--world-size 8 is larger than the data allows: only 5 training samples"):
+        _build(p, world_size=8)
+    with pytest.raises(DataprepError, match="fewer than one global batch"):
+        _build(p, world_size=2, batch_size=4, tail="drop")
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_settings_and_cost_model(tmp_path):
+    p = tmp_path / "in.txt"
+    p.write_text(_good_lines())
+    with pytest.raises(DataprepError, match="--batch-size must be >= 1"):
+        _build(p, batch_size=0)
+    with pytest.raises(DataprepError, match="--format 'csv': unknown"):
+        _build(p, "csv")
+    (tmp_path / "cm.json").write_text('{"a": -1, "b": 0, "c0": 1}')
+    with pytest.raises(DataprepError, match="cm.json: cost model coefficient a=-1"):
+        _build(p, cost_model=str(tmp_path / "cm.json"))
+    with pytest.raises(DataprepError, match="cost model file not found"):
+        _build(p, cost_model=str(tmp_path / "none.json"))
+
+
+def test_out_is_a_non_empty_foreign_folder(tmp_path):
+    p = tmp_path / "in.txt"
+    p.write_text(_good_lines())
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    with pytest.raises(DataprepError, match="not empty and holds no shard set"):
+        _build(p)
+    assert (tmp_path / "out" / "notes.txt").read_text() == "mine"
+
+
+def test_cli_bad_input_prints_one_line_without_traceback(tmp_path):
+    p = tmp_path / "in.txt"
+    p.write_text("1 2 3\n" * 10)
+    r = subprocess.run([sys.executable, "-m", "dataprep", "shards", "--input", str(p), "--format", "sasrec",
+                        "--out", str(tmp_path / "o"), "--world-size", "2", "--batch-size", "2"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: {p}: 10 of 10 lines rejected (first: line 1, malformed_line")
+    assert "Traceback" not in r.stderr

@@ -1,0 +1,91 @@
+"""`python -m training {train,eval,launch}`: the trainer's command line.
+
+- train:  one process, or one rank of a replica group under torchrun.
+- eval:   a checkpoint on a shard set's valid/test users, both protocols.
+- launch: R replica groups x K ranks with fault tolerance (training/launch.py, ftcore).
+
+User errors (bad config, missing or mismatched shard set, unreadable checkpoint) print
+one line and exit with status 2.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+
+def _train(args) -> int:
+    from training.config import load_config
+    from training.train import train
+
+    overrides = [kv for group in (args.set or []) for kv in group]
+    cfg = load_config(args.config, overrides)
+    if args.shards:
+        cfg.data.shards = args.shards
+    if args.out:
+        cfg.train.out = args.out
+    if args.resume:
+        cfg.train.resume = True
+    result = train(cfg)
+    if result:
+        print(json.dumps({k: v for k, v in result.items() if k != "metrics"}, sort_keys=True))
+    return 0
+
+
+def _eval(args) -> int:
+    from training.evaluate import evaluate_checkpoint
+
+    overrides = [kv for group in (args.set or []) for kv in group]
+    scores = evaluate_checkpoint(args.checkpoint, args.shards, overrides)
+    text = json.dumps(scores, indent=1, sort_keys=True)
+    if args.out:
+        tmp = f"{args.out}.tmp-{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, args.out)
+    print(text)
+    return 0
+
+
+def _launch(argv: list[str]) -> int:
+    try:
+        from training.launch import main
+    except ImportError as e:
+        print(f"error: `training launch` needs training/launch.py (ftcore's launcher), which is not "
+              f"available here ({e}); use `torchrun ... -m training train` for one replica group", file=sys.stderr)
+        return 2
+    return main(argv) or 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "launch":   # the launcher parses its own flags
+        return _launch(argv[1:])
+    p = argparse.ArgumentParser(prog="python -m training", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="train on a shard set")
+    t.add_argument("--shards", help="shard-set folder (python -m dataprep shards)")
+    t.add_argument("--config", help="TOML file with [data] [model] [loss] [optim] [train] [eval] [mlflow]")
+    t.add_argument("--out", help="work folder: checkpoints/, result.json, mlflow.db")
+    t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in OUT")
+    t.add_argument("--set", action="append", nargs="+", metavar="SECTION.KEY=VALUE", help="override a setting")
+    e = sub.add_parser("eval", help="evaluate a checkpoint (leave-one-out, full and sampled)")
+    e.add_argument("--checkpoint", required=True, help="OUT/checkpoints/step-XXXXXXXX")
+    e.add_argument("--shards", required=True)
+    e.add_argument("--out", help="write the metrics as JSON here")
+    e.add_argument("--set", action="append", nargs="+", metavar="eval.KEY=VALUE", help="override an eval setting")
+    sub.add_parser("launch", help="R replica groups x K ranks with fault tolerance (see `launch --help`)")
+    args = p.parse_args(argv)
+
+    from training.checkpoint import CheckpointError
+    from training.config import ConfigError
+    from training.data import DataError
+    try:
+        return _train(args) if args.command == "train" else _eval(args)
+    except (ConfigError, DataError, CheckpointError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""Atomic checkpoints of `TrainState`, loaded without executing code.
+
+Layout (one folder per committed step):
+
+    OUT/checkpoints/step-00000120/
+        state.pt          model, optimizer, scheduler, step, data cursor, rank 0's RNG
+        rng-rank-00001.pt the RNG states of every other rank of the replica group
+        meta.json         step, config, manifest fingerprint, topology (for people and tools)
+
+Every rank writes into `step-XXXXXXXX.tmp`, the group meets at a barrier and rank 0
+renames the folder into place: a crash leaves either a complete checkpoint or a
+`.tmp` folder that nothing reads. Files are plain `torch.save` dicts of tensors and
+primitives, read back with `torch.load(weights_only=True)`, which refuses anything
+that would run code.
+"""
+
+import json
+import os
+import re
+import shutil
+
+import torch
+import torch.distributed as dist
+
+STEP_DIR = re.compile(r"^step-(\d{8})$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint the user pointed at cannot be read; the message names it."""
+
+
+def step_dir(root: str, step: int) -> str:
+    return os.path.join(root, f"step-{step:08d}")
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def save(root: str, state: dict, meta: dict, rank: int = 0, keep: int = 2) -> str:
+    """Write `state` for step meta["step"] under root; returns the final folder.
+
+    Collective when torch.distributed is initialized: every rank of the group calls it.
+    Only rank 0's state carries model/optimizer (replicas are identical); other ranks
+    contribute their RNG states.
+    """
+    final = step_dir(root, int(meta["step"]))
+    tmp = final + ".tmp"
+    if rank == 0:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    if _distributed():
+        dist.barrier()
+    if rank == 0:
+        torch.save(state, os.path.join(tmp, "state.pt"))
+        with open(os.path.join(tmp, "meta.json"), "w") as f:
+            json.dump(meta, f, indent=1, default=str)
+    else:
+        torch.save({"rng": state["rng"]}, os.path.join(tmp, f"rng-rank-{rank:05d}.pt"))
+    if _distributed():
+        dist.barrier()
+    if rank == 0:
+        if os.path.isdir(final):  # the same step saved again (a retried run): replace it
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _prune(root, keep)
+    if _distributed():
+        dist.barrier()
+    return final
+
+
+def _prune(root: str, keep: int) -> None:
+    if keep <= 0:
+        return
+    for old in list_steps(root)[:-keep]:
+        shutil.rmtree(step_dir(root, old), ignore_errors=True)
+
+
+def list_steps(root: str) -> list[int]:
+    if not os.path.isdir(root):
+        return []
+    return sorted(int(m.group(1)) for d in os.listdir(root) if (m := STEP_DIR.match(d)))
+
+
+def latest(root: str) -> str | None:
+    steps = list_steps(root)
+    return step_dir(root, steps[-1]) if steps else None
+
+
+def load(path: str, rank: int = 0) -> dict:
+    """Read a checkpoint folder (or its state.pt) without executing code; rank >= 1 gets its own RNG."""
+    folder = path if os.path.isdir(path) else os.path.dirname(path)
+    fpath = os.path.join(folder, "state.pt")
+    if not os.path.isfile(fpath):
+        raise CheckpointError(f"checkpoint {path}: no state.pt there (expected a folder like "
+                              "OUT/checkpoints/step-00000100)")
+    try:
+        state = torch.load(fpath, map_location="cpu", weights_only=True)
+    except Exception as e:  # a damaged or foreign file: one line, not a traceback
+        raise CheckpointError(f"checkpoint {fpath} cannot be loaded safely: {str(e).splitlines()[0]}") from None
+    if rank > 0:
+        rpath = os.path.join(folder, f"rng-rank-{rank:05d}.pt")
+        if not os.path.isfile(rpath):
+            raise CheckpointError(f"checkpoint {folder} has no RNG state for rank {rank}: it was written by a "
+                                  "smaller group; resume with the same number of ranks")
+        state["rng"] = torch.load(rpath, map_location="cpu", weights_only=True)["rng"]
+    return state
+
+
+def read_meta(path: str) -> dict:
+    folder = path if os.path.isdir(path) else os.path.dirname(path)
+    try:
+        with open(os.path.join(folder, "meta.json")) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"checkpoint {folder}: meta.json unreadable ({e})") from None

@@ -1,0 +1,19 @@
+"""FreeScale communication: sharded embeddings, prioritized comm overlap, SM-free transport,
+bubble accounting (see ../../shared/DESIGN.md, "FreeScale comm").
+
+Modules, one concept each:
+  transport.py          the byte mover: `collective` (torch.distributed) or `smfree`
+                        (same-host shared memory on CPU; copy engines on CUDA), with fallback
+  cuda_copy.py          the CUDA copy-engine pieces of `smfree` (UNVERIFIED here: no GPU)
+  sharded_embedding.py  row-wise / table-wise sharded tables, lookups and grads by all-to-all
+  scheduler.py          one ordered comm queue per rank; ops issued in need order, waited at use
+  pipeline.py           batches in flight: input dist of batch i+1 overlaps compute of batch i
+  bubbles.py            per rank and step: compute, exposed comm, straggler wait, idle; PNG
+  bench.py              `python -m training.comm.bench`
+  gpu_check.py          prepared <= 5 min GPU check of the CUDA claims
+"""
+
+import os
+
+# Every wait in this package is bounded; one place, with an environment override.
+COMM_TIMEOUT_S = float(os.environ.get("FTREC_COMM_TIMEOUT_S", "120"))

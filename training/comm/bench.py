@@ -1,0 +1,412 @@
+"""`python -m training.comm.bench`: FreeScale communication, side by side in one run.
+
+  exposed   exposed embedding communication per step, 2 gloo ranks on CPU:
+            blocking vs overlapped (TorchRec-style: next batch's ids prefetched, one fused
+            lookup of all features, waited before the first layer) vs prioritized (one op
+            per feature, issued history -> targets -> negatives -> next ids, each waited
+            just before its consumer)
+  slowdown  a matmul loop's slowdown while an all-to-all of the same bytes runs beside
+            it on another thread: collective (gloo) vs smfree (shared memory)
+  e2e       bubble fraction on the shared data (video.txt) and on heavy-tailed synthetic
+            lengths: random shards + blocking + collective (baseline) vs balanced +
+            prioritized + smfree (FreeScale), and each technique alone
+
+Prints tables and writes bench-results/comm.json. The step code here (`CommModel`,
+`run_training`) is a small SASRec-style model over a sharded item table; the tests reuse it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import threading
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from training.comm.bubbles import Timeline, account, max_arrivals, metrics, per_step_bubble
+from training.comm.pipeline import EmbeddingPipeline
+from training.comm.scheduler import CommScheduler, Stage
+from training.comm.sharded_embedding import ShardedEmbedding
+from training.comm.spawn import run_ranks
+from training.comm.transport import TransportConfig, make_transport
+
+ROOT = Path(__file__).resolve().parents[2]
+SHARED = ROOT.parent / "shared" / "data"
+
+
+# ----------------------------------------------------------------------------- model + steps
+
+
+class Block(nn.Module):
+    """Pre-norm causal self-attention + MLP (nanoGPT-style)."""
+
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+
+    def forward(self, x):  # (1, L, d)
+        b, L, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, L, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, L, d)
+        x = x + self.proj(a)
+        return x + self.mlp(self.ln2(x))
+
+
+class CommModel(nn.Module):
+    """The dense tower: embeddings (dim) -> d_model -> blocks -> dim; jagged over samples."""
+
+    def __init__(self, dim: int, d_model: int, layers: int, heads: int):
+        super().__init__()
+        self.inp, self.out = nn.Linear(dim, d_model), nn.Linear(d_model, dim)
+        self.blocks = nn.ModuleList(Block(d_model, heads) for _ in range(layers))
+
+    def forward(self, h: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        outs, o = [], 0
+        for L in lengths:  # jagged: no compute on padding
+            x = self.inp(h[o:o + L]).unsqueeze(0)
+            for blk in self.blocks:
+                x = blk(x)
+            outs.append(x[0])
+            o += L
+        return self.out(torch.cat(outs))
+
+
+@dataclass
+class RunConfig:
+    policy: str = "prioritized"      # blocking | overlapped | prioritized
+    fused: bool | None = None        # one lookup for all features (None: fused iff overlapped)
+    transport: str = "collective"    # collective | smfree
+    data: str = "fixed"              # fixed | lognormal | video
+    balanced: bool = False           # dataprep.balance.plan vs random_plan
+    num_items: int = 20000
+    dim: int = 256
+    d_model: int = 32
+    layers: int = 1
+    heads: int = 2
+    batch: int = 8                   # samples per rank per step
+    max_len: int = 64
+    num_neg: int = 2048
+    steps: int = 8
+    warmup: int = 2                  # first steps left out of the figures
+    lr: float = 0.05
+    seed: int = 0
+
+
+def _sequences(cfg: RunConfig, n: int) -> list[np.ndarray]:
+    """n item sequences of length L+1 (history + next items)."""
+    rng = np.random.default_rng(cfg.seed)
+    if cfg.data == "video":
+        seqs = _video_sequences(cfg.max_len)
+        idx = rng.choice(len(seqs), size=n, replace=False)
+        return [seqs[i] for i in idx]
+    if cfg.data == "fixed":
+        lens = np.full(n, cfg.max_len)
+    else:  # heavy tail: lognormal, median 20, capped
+        lens = np.clip(np.round(rng.lognormal(math.log(20), 1.1, n)), 3, cfg.max_len).astype(int)
+    zipf = 1.0 / np.arange(1, cfg.num_items + 1) ** 0.8
+    zipf /= zipf.sum()
+    return [rng.choice(cfg.num_items, size=L + 1, p=zipf) + 1 for L in lens]
+
+
+def _video_sequences(max_len: int) -> list[np.ndarray]:
+    """Training sequences of video.txt (user item pairs, oldest first): all but the last two
+    items (leave-one-out), the most recent max_len + 1 kept."""
+    a = np.loadtxt(SHARED / "video.txt", dtype=np.int64)
+    users, starts = np.unique(a[:, 0], return_index=True)
+    bounds = list(np.sort(starts)) + [len(a)]
+    seqs = []
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        items = a[s:e, 1][:-2][-(max_len + 1):]
+        if len(items) >= 2:
+            seqs.append(items)
+    return seqs
+
+
+def make_steps(cfg: RunConfig, world_size: int) -> list[list[list[np.ndarray]]]:
+    """[step][rank] -> that rank's sequences, by dataprep's balanced or random plan."""
+    from dataprep import balance
+    from dataprep.cost import DEFAULT as COST
+
+    n = world_size * cfg.batch * cfg.steps
+    seqs = _sequences(cfg, n)
+    cost = COST(np.array([len(s) - 1 for s in seqs]))
+    plan_fn = balance.plan if cfg.balanced else balance.random_plan
+    kw = {"window_steps": cfg.steps} if cfg.balanced else {}
+    p = plan_fn(cost, world_size=world_size, batch_size=cfg.batch, seed=cfg.seed, **kw)
+    out = [[[] for _ in range(world_size)] for _ in range(p.steps)]
+    for i in np.argsort(cost, kind="stable"):  # deterministic order inside a rank's batch
+        if p.step[i] >= 0:
+            out[p.step[i]][p.rank[i]].append(seqs[i])
+    return out
+
+
+def _features(seqs: list[np.ndarray], cfg: RunConfig, step: int, fused: bool) -> dict[str, torch.Tensor]:
+    hist = torch.from_numpy(np.concatenate([s[:-1] for s in seqs]))
+    tgt = torch.from_numpy(np.concatenate([s[1:] for s in seqs]))
+    g = torch.Generator().manual_seed(cfg.seed * 1000 + step)  # shared negatives, same on every rank
+    neg = torch.randint(1, cfg.num_items + 1, (cfg.num_neg,), generator=g)
+    if fused:
+        return {"all": torch.cat([hist, tgt, neg])}
+    return {"history": hist, "targets": tgt, "negatives": neg}
+
+
+STAGES = {"history": Stage.HISTORY, "targets": Stage.CANDIDATE, "negatives": Stage.NEGATIVE, "all": Stage.HISTORY}
+
+
+def run_training(rank: int, world_size: int, cfg_dict: dict) -> dict:
+    """One rank of a pipelined training run; returns losses, a weight digest, bubble figures."""
+    cfg = RunConfig(**cfg_dict)
+    fused = cfg.policy == "overlapped" if cfg.fused is None else cfg.fused
+    torch.manual_seed(cfg.seed)
+    transport = make_transport(TransportConfig(kind=cfg.transport))
+    timeline = Timeline(rank)
+    sched = CommScheduler(cfg.policy, timeline)
+    emb = ShardedEmbedding(cfg.num_items + 1, cfg.dim, transport, seed=cfg.seed, padding_idx=0)
+    model = CommModel(cfg.dim, cfg.d_model, cfg.layers, cfg.heads)
+    pipe = EmbeddingPipeline(emb, sched, STAGES)
+    dense = list(model.parameters())
+    opt = torch.optim.SGD(dense + [emb.weight], lr=cfg.lr)
+    steps = make_steps(cfg, world_size)
+    tokens = [sum(len(s) - 1 for r in st for s in r) for st in steps]  # global count: loss normalizer
+    nsteps = min(cfg.steps, len(steps))
+    cur = pipe.prefetch(_features(steps[0][rank], cfg, 0, fused))
+    losses = []
+    for i in range(nsteps):
+        sched.step = i
+        timeline.step_begin(i)
+        mine = steps[i][rank]
+        nxt = pipe.prefetch(_features(steps[i + 1][rank], cfg, i + 1, fused)) if i + 1 < nsteps else None
+        lk = pipe.lookups(cur)
+        sched.flush()
+        with timeline.compute("forward"):
+            lengths = [len(s) - 1 for s in mine]
+            T = sum(lengths)
+            if fused:
+                allx = pipe.get(lk, "all")
+                h, pos, neg = allx[:T], allx[T:2 * T], allx[2 * T:]
+            else:
+                h = pipe.get(lk, "history")
+            x = model(h, lengths)
+            if not fused:
+                pos = pipe.get(lk, "targets")
+                neg = pipe.get(lk, "negatives")
+            logits = torch.cat([(x * pos).sum(-1, keepdim=True), x @ neg.T], dim=1)
+            loss = F.cross_entropy(logits, torch.zeros(T, dtype=torch.long), reduction="sum") / tokens[i]
+        with timeline.compute("backward"):
+            loss.backward()
+        flat = torch.cat([p.grad.reshape(-1) for p in dense])
+        dense_op = sched.submit("dense_grad", Stage.DENSE_GRAD, lambda f=flat: transport.all_reduce(f).wait())
+        sched.flush()
+        pipe.finish_grads()
+        sched.wait(dense_op)
+        with timeline.compute("optimizer"):
+            o = 0
+            for p in dense:
+                p.grad.copy_(flat[o:o + p.numel()].view_as(p.grad))
+                o += p.numel()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        timeline.step_end()
+        losses.append(loss.item())
+        cur = nxt
+    arrivals = max_arrivals(sched)
+    accts = [a for a in account(timeline.steps, rank, arrivals) if a.step >= cfg.warmup]
+    digest = float(sum(p.detach().double().sum() for p in dense)) + float(emb.weight.detach().double().sum())
+    exposed = {}
+    for r in sched.records():
+        if r["step"] >= cfg.warmup:
+            exposed[r["name"]] = exposed.get(r["name"], 0.0) + r["exposed"]
+    n = max(1, nsteps - cfg.warmup)
+    out = {"losses": losses, "digest": digest, "transport": transport.name,
+           "accounts": [asdict(a) for a in accts], "metrics": metrics(accts),
+           "exposed_per_step": {k: v / n for k, v in exposed.items()},
+           "records": sched.records(), "timeline": timeline.to_json(), "arrivals": arrivals,
+           "weight_shard": emb.weight.detach().clone(),
+           "dense": [p.detach().clone() for p in dense]}
+    sched.close()
+    transport.close()
+    return out
+
+
+def summarize(results: list[dict]) -> dict:
+    """Both ranks' accounts -> run-level figures."""
+    from training.comm.bubbles import StepAccount, bubble_fraction
+    accts = [StepAccount(**a) for r in results for a in r["accounts"]]
+    n = max(1, len(accts))
+    return {"step_s": sum(a.step_time for a in accts) / n,
+            "compute_s": sum(a.compute for a in accts) / n,
+            "exposed_comm_s": sum(a.comm for a in accts) / n,
+            "straggler_s": sum(a.straggler for a in accts) / n,
+            "idle_s": sum(a.idle for a in accts) / n,
+            "bubble_fraction": bubble_fraction(accts),
+            "per_step_bubble": per_step_bubble(accts),
+            "transport": results[0]["transport"],
+            "exposed_per_op_s": results[0]["exposed_per_step"]}
+
+
+# ----------------------------------------------------------------------------- slowdown
+
+
+def _matmul_loop(n_iter: int, size: int) -> float:
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    t0 = time.perf_counter()
+    for _ in range(n_iter):
+        a @ b
+    return time.perf_counter() - t0
+
+
+def run_slowdown(rank: int, world_size: int, kind: str | None, mbytes: float, n_iter: int, size: int) -> dict:
+    """Time a matmul loop on the compute thread, alone (kind None) or while a background thread
+    keeps all-to-alls of `mbytes` per rank moving through the transport."""
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    t = make_transport(TransportConfig(kind=kind)) if kind else None
+    rows = int(mbytes * 2**20 / 4 / 256)
+    send = torch.randn(rows, 256)
+    splits = [rows // world_size] * (world_size - 1)
+    splits.append(rows - sum(splits))
+    stop, moved = threading.Event(), [0]
+    dist.barrier()
+
+    def traffic():
+        # Every rank runs the same number of ops: rank 0 decides when to stop, by an all-reduce.
+        flag = torch.zeros(1)
+        while True:
+            t.all_to_all(send, splits, splits).wait()
+            moved[0] += send.numel() * 4
+            flag.fill_(1.0 if stop.is_set() else 0.0)
+            t.all_reduce(flag).wait()
+            if flag.item() > 0:
+                return
+
+    th = None
+    if t is not None:
+        th = threading.Thread(target=traffic, daemon=True)
+        th.start()
+        time.sleep(0.05)
+    _matmul_loop(2, size)  # warm-up
+    el = _matmul_loop(n_iter, size)
+    stop.set()
+    t1 = time.perf_counter()
+    if th is not None:
+        th.join(timeout=60)
+    dist.barrier()
+    if t is not None:
+        t.close()
+    return {"matmul_s": el, "bytes_moved": moved[0], "during_s": el, "transport": t.name if t else "none"}
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def _table(rows: list[list], head: list[str]) -> str:
+    w = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+    line = lambda r: "  ".join(str(x).ljust(n) for x, n in zip(r, w))  # noqa: E731
+    return "\n".join([line(head), line(["-" * n for n in w])] + [line(r) for r in rows])
+
+
+def bench_exposed(base: RunConfig, out: dict):
+    rows, res = [], {}
+    for policy in ("blocking", "overlapped", "prioritized"):
+        r = run_ranks(run_training, 2, asdict(replace(base, policy=policy)), timeout_s=300)
+        res[policy] = summarize(r)
+        res[policy]["loss_last"] = r[0]["losses"][-1]
+    b = res["blocking"]
+    for p, s in res.items():
+        rows.append([p, f"{s['step_s'] * 1e3:.1f}", f"{s['exposed_comm_s'] * 1e3:.1f}",
+                     f"{s['exposed_comm_s'] / b['exposed_comm_s']:.2f}", f"{s['step_s'] / b['step_s']:.2f}",
+                     f"{s['bubble_fraction']:.3f}",
+                     " ".join(f"{k.split('/')[-1]}={v * 1e3:.1f}" for k, v in sorted(s["exposed_per_op_s"].items()))])
+    print("\n## exposed embedding communication (2 gloo ranks, CPU), ms per step")
+    print(_table(rows, ["policy", "step", "exposed", "exp/block", "step/block", "bubble", "exposed per op (ms)"]))
+    out["exposed"] = {"config": asdict(base), "results": res}
+
+
+def bench_slowdown(out: dict, mbytes: float, n_iter: int, size: int):
+    rows, res = [], {}
+    for kind in (None, "collective", "smfree"):
+        r = run_ranks(run_slowdown, 2, kind, mbytes, n_iter, size, timeout_s=300)
+        res[kind or "none"] = {"matmul_s": sum(x["matmul_s"] for x in r) / 2,
+                               "gbytes_per_s": sum(x["bytes_moved"] for x in r) / 2 / max(r[0]["during_s"], 1e-9) / 1e9}
+    base = res["none"]["matmul_s"]
+    for k, v in res.items():
+        rows.append([k, f"{v['matmul_s']:.3f}", f"{v['matmul_s'] / base:.2f}", f"{v['gbytes_per_s']:.2f}"])
+    print(f"\n## compute slowdown while comm overlaps ({mbytes} MB all-to-alls beside a {size}^2 matmul loop)")
+    print(_table(rows, ["transport", "matmul s", "slowdown", "GB/s moved per rank"]))
+    out["slowdown"] = {"mbytes": mbytes, "n_iter": n_iter, "size": size, "results": res}
+
+
+def bench_e2e(base: RunConfig, out: dict, datasets: list[str]):
+    configs = {
+        "baseline (random+blocking+collective)": dict(balanced=False, policy="blocking", transport="collective"),
+        "balanced only": dict(balanced=True, policy="blocking", transport="collective"),
+        "prioritized only": dict(balanced=False, policy="prioritized", transport="collective"),
+        "smfree only": dict(balanced=False, policy="blocking", transport="smfree"),
+        "FreeScale (balanced+prioritized+smfree)": dict(balanced=True, policy="prioritized", transport="smfree"),
+    }
+    res = {}
+    for data in datasets:
+        rows, res[data] = [], {}
+        for name, kw in configs.items():
+            r = run_ranks(run_training, 2, asdict(replace(base, data=data, **kw)), timeout_s=300)
+            res[data][name] = summarize(r)
+        b = res[data][next(iter(configs))]
+        for name, s in res[data].items():
+            rows.append([name, f"{s['step_s'] * 1e3:.1f}", f"{s['compute_s'] * 1e3:.1f}", f"{s['exposed_comm_s'] * 1e3:.1f}",
+                         f"{s['straggler_s'] * 1e3:.1f}", f"{s['idle_s'] * 1e3:.1f}", f"{s['bubble_fraction']:.3f}",
+                         f"{1 - s['bubble_fraction'] / b['bubble_fraction']:+.1%}", f"{s['step_s'] / b['step_s']:.2f}"])
+        print(f"\n## end-to-end bubble fraction, data={data}, 2 gloo ranks (ms per step and rank)")
+        print(_table(rows, ["config", "step", "compute", "comm", "straggler", "idle", "bubble", "fewer bubbles", "step/base"]))
+    out["e2e"] = {"config": asdict(base), "results": res}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--only", choices=["exposed", "slowdown", "e2e"], action="append")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--out", default=str(ROOT / "bench-results" / "comm.json"))
+    ap.add_argument("--png", default=str(ROOT / "bench-results" / "comm-timeline.png"))
+    args = ap.parse_args(argv)
+    which = args.only or ["exposed", "slowdown", "e2e"]
+    out: dict = {"host": os.uname().nodename, "torch": torch.__version__, "cpus": os.cpu_count()}
+    t0 = time.time()
+    if "exposed" in which:
+        bench_exposed(RunConfig(steps=args.steps, data="fixed", max_len=64, batch=8), out)
+    if "slowdown" in which:
+        bench_slowdown(out, mbytes=8.0, n_iter=30, size=384)
+    if "e2e" in which:
+        datasets = ["lognormal"] + (["video"] if (SHARED / "video.txt").exists() else [])
+        base = RunConfig(steps=args.steps, max_len=200, batch=8, dim=128, d_model=32, num_neg=1024)
+        bench_e2e(base, out, datasets)
+        # timeline PNG of the FreeScale config vs baseline on heavy-tailed data
+        from training.comm.bubbles import plot_timeline
+        for name, kw in {"baseline": dict(balanced=False, policy="blocking", transport="collective"),
+                         "freescale": dict(balanced=True, policy="prioritized", transport="smfree")}.items():
+            r = run_ranks(run_training, 2, asdict(replace(base, data="lognormal", steps=6, **kw)), timeout_s=300)
+            png = args.png.replace(".png", f"-{name}.png")
+            Path(png).parent.mkdir(parents=True, exist_ok=True)
+            plot_timeline([Timeline.from_json(x["timeline"]) for x in r], png,
+                          arrivals={int(k): v for k, v in r[0]["arrivals"].items()}, first_step=2, num_steps=4,
+                          title=f"{name}: heavy-tailed lengths, 2 ranks")
+            out.setdefault("png", []).append(png)
+    out["wall_s"] = time.time() - t0
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.out + ".tmp"
+    Path(tmp).write_text(json.dumps(out, indent=1, default=str))
+    os.replace(tmp, args.out)
+    print(f"\nwrote {args.out} ({out['wall_s']:.0f}s)")
+
+
+if __name__ == "__main__":
+    main()

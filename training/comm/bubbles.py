@@ -1,0 +1,229 @@
+"""Bubble accounting: where each rank's step time goes.
+
+Per rank and step, the compute thread's time splits into
+  compute   inside `timeline.compute(...)` (forward, backward, optimizer ...),
+  comm      blocked waiting for a comm op (exposed communication), of which
+  straggler is the part spent waiting for the last rank to arrive in that collective,
+  idle      everything else (data loading, Python between stages).
+compute + comm + idle = step time; idle is measured as the gaps between intervals, not as
+a remainder, so the sum is a check. The bubble fraction of a step is the share of the
+ranks' time not spent computing: 1 - sum(compute) / sum(step time) over ranks; of a run,
+the same sums over all its steps.
+
+Straggler wait needs the other ranks' arrival times in each op: `max_arrivals` all-reduces
+them (MAX) once per window, at a point where no comm op is in flight. Times come from
+time.perf_counter (CLOCK_MONOTONIC), one clock for all processes of a host; across hosts
+the straggler split would need clock offsets (not done; the totals do not need it).
+
+`metrics()` gives the dict the training loop's MLflow tracker logs; `plot_timeline()` the PNG
+(ranks as rows; compute / comm / straggler / idle as colours) for the run's artifacts.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Interval:
+    kind: str          # "compute" | "comm"
+    name: str
+    t0: float
+    t1: float
+    issue: int = -1    # comm: the op's issue index (same op on every rank)
+    arrival: float = 0.0  # comm: when the op began on this rank
+
+
+@dataclass
+class StepRecord:
+    step: int
+    t0: float
+    t1: float = 0.0
+    intervals: list[Interval] = field(default_factory=list)
+
+
+@dataclass
+class StepAccount:
+    rank: int
+    step: int
+    step_time: float
+    compute: float
+    comm: float          # exposed comm wait, straggler wait included
+    straggler: float
+    idle: float
+
+    @property
+    def bubble_fraction(self) -> float:
+        return 1.0 - self.compute / self.step_time if self.step_time > 0 else 0.0
+
+
+class Timeline:
+    """Records one rank's compute and comm-wait intervals, step by step (compute thread only)."""
+
+    def __init__(self, rank: int = 0, clock=time.perf_counter):
+        self.rank, self.clock = rank, clock
+        self.steps: list[StepRecord] = []
+        self._cur: StepRecord | None = None
+        self._compute: list = []   # [name, t0 or None], the outermost open compute interval
+        self._depth = 0
+
+    def step_begin(self, step: int):
+        self._cur = StepRecord(step, self.clock())
+
+    def step_end(self):
+        if self._cur is not None:
+            self._cur.t1 = self.clock()
+            self.steps.append(self._cur)
+            self._cur = None
+
+    @contextmanager
+    def compute(self, name: str):
+        self._depth += 1
+        if self._depth == 1:  # nested compute counts once, as its outermost interval
+            self._compute = [name, self.clock()]
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            if self._depth == 0:
+                name, t0 = self._compute
+                if t0 is not None:
+                    self._add(Interval("compute", name, t0, self.clock()))
+                self._compute = []
+
+    def comm_begin(self, t: float):
+        # a wait inside a compute stage splits it: intervals never overlap
+        if self._compute and self._compute[1] is not None:
+            self._add(Interval("compute", self._compute[0], self._compute[1], t))
+            self._compute[1] = None
+
+    def comm_end(self, t: float, op):
+        self._add(Interval("comm", op.name, op.t_wait0, t, op.issue, op.t_start))
+        if self._compute:
+            self._compute[1] = t
+
+    def _add(self, iv: Interval):
+        if self._cur is not None:
+            self._cur.intervals.append(iv)
+
+    def to_json(self) -> list[dict]:
+        return [asdict(s) for s in self.steps]
+
+    @staticmethod
+    def from_json(steps: list[dict]) -> list[StepRecord]:
+        return [StepRecord(s["step"], s["t0"], s["t1"], [Interval(**i) for i in s["intervals"]])
+                for s in steps]
+
+
+def max_arrivals(scheduler, group=None) -> dict[int, float]:
+    """Issue index -> latest arrival over the group's ranks. Collective; call it on every
+    rank with no comm op in flight (e.g. after a step's last wait)."""
+    arr = torch.tensor([o.t_start for o in scheduler.issued], dtype=torch.float64)
+    n = torch.tensor([arr.numel()])
+    n_max = n.clone()
+    dist.all_reduce(n_max, op=dist.ReduceOp.MAX, group=group)
+    if int(n_max) != int(n):
+        raise RuntimeError(f"ranks issued different numbers of comm ops ({int(n)} vs {int(n_max)}): "
+                           "every rank must run the same step code")
+    dist.all_reduce(arr, op=dist.ReduceOp.MAX, group=group)
+    return {i: float(t) for i, t in enumerate(arr.tolist())}
+
+
+def _overlap(a0, a1, b0, b1) -> float:
+    return max(0.0, min(a1, b1) - max(a0, b0))
+
+
+def account(steps: list[StepRecord], rank: int = 0, arrivals: dict[int, float] | None = None) -> list[StepAccount]:
+    """Per-step compute / comm / straggler / idle of one rank."""
+    out = []
+    for s in steps:
+        ivs = sorted(s.intervals, key=lambda i: i.t0)
+        compute = sum(i.t1 - i.t0 for i in ivs if i.kind == "compute")
+        comm = sum(i.t1 - i.t0 for i in ivs if i.kind == "comm")
+        straggler = 0.0
+        if arrivals:
+            for i in ivs:
+                if i.kind == "comm" and i.issue in arrivals:
+                    straggler += _overlap(i.t0, i.t1, i.arrival, arrivals[i.issue])
+        idle, t = 0.0, s.t0
+        for i in ivs:
+            idle += max(0.0, i.t0 - t)
+            t = max(t, i.t1)
+        idle += max(0.0, s.t1 - t)
+        out.append(StepAccount(rank, s.step, s.t1 - s.t0, compute, comm, straggler, idle))
+    return out
+
+
+def bubble_fraction(accounts: list[StepAccount]) -> float:
+    """1 - sum(compute) / sum(step time), over whatever ranks and steps are given."""
+    total = sum(a.step_time for a in accounts)
+    return 1.0 - sum(a.compute for a in accounts) / total if total > 0 else 0.0
+
+
+def per_step_bubble(accounts: list[StepAccount]) -> dict[int, float]:
+    by_step: dict[int, list[StepAccount]] = {}
+    for a in accounts:
+        by_step.setdefault(a.step, []).append(a)
+    return {s: bubble_fraction(v) for s, v in sorted(by_step.items())}
+
+
+def metrics(accounts: list[StepAccount], prefix: str = "comm/") -> dict[str, float]:
+    """Mean per step and rank of each part, and the bubble fraction: for MLflow log_metrics."""
+    n = max(1, len(accounts))
+    m = {f"{prefix}{k}_s": sum(getattr(a, k) for a in accounts) / n
+         for k in ("step_time", "compute", "comm", "straggler", "idle")}
+    m[f"{prefix}bubble_fraction"] = bubble_fraction(accounts)
+    return m
+
+
+def exposed_metrics(scheduler, prefix: str = "comm/exposed/", step: int | None = None) -> dict[str, float]:
+    """Exposed comm seconds per op name (for MLflow)."""
+    return {f"{prefix}{name}_s": v for name, v in scheduler.exposed_by_op(step).items()}
+
+
+COLOURS = {"compute": "#2e7d32", "comm": "#c62828", "straggler": "#ef6c00", "idle": "#bdbdbd"}
+
+
+def plot_timeline(steps_by_rank: list[list[StepRecord]], path: str, arrivals: dict[int, float] | None = None,
+                  first_step: int | None = None, num_steps: int = 5, title: str = "") -> str:
+    """PNG of a window of steps: one row per rank; idle grey, compute green, exposed comm red
+    (its straggler part orange). Written atomically; returns `path`."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    all_steps = sorted({s.step for steps in steps_by_rank for s in steps})
+    if first_step is None:
+        first_step = all_steps[0] if all_steps else 0
+    window = set(range(first_step, first_step + num_steps))
+    sel = [[s for s in steps if s.step in window] for steps in steps_by_rank]
+    t_origin = min((s.t0 for steps in sel for s in steps), default=0.0)
+    fig, ax = plt.subplots(figsize=(12, 1 + 0.6 * len(sel)))
+    for r, steps in enumerate(sel):
+        for s in steps:
+            ax.broken_barh([(s.t0 - t_origin, s.t1 - s.t0)], (r - 0.4, 0.8), color=COLOURS["idle"])
+            for i in s.intervals:
+                ax.broken_barh([(i.t0 - t_origin, i.t1 - i.t0)], (r - 0.4, 0.8), color=COLOURS[i.kind])
+                if i.kind == "comm" and arrivals and i.issue in arrivals:
+                    a0, a1 = max(i.t0, i.arrival), min(i.t1, arrivals[i.issue])
+                    if a1 > a0:
+                        ax.broken_barh([(a0 - t_origin, a1 - a0)], (r - 0.4, 0.8), color=COLOURS["straggler"])
+            ax.axvline(s.t0 - t_origin, color="black", lw=0.5)
+    ax.set_yticks(range(len(sel)), [f"rank {r}" for r in range(len(sel))])
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds")
+    ax.set_title(title or f"steps {first_step}..{first_step + num_steps - 1}")
+    from matplotlib.patches import Patch
+    ax.legend(handles=[Patch(color=c, label=k) for k, c in COLOURS.items()], loc="upper right", ncol=4, fontsize=8)
+    fig.tight_layout()
+    tmp = f"{path}.tmp-{os.getpid()}.png"
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,69 @@
+"""The CUDA half of the `smfree` transport: copy-engine transfers, no communication kernels.
+
+UNVERIFIED: written for CUDA but never run in this repository's CI (no GPU). gpu_check.py
+is the prepared script that checks it on a GPU machine; BENCHMARKS.md marks it unverified.
+
+How: the smfree outboxes live in same-host shared memory (transport.py). Here they are
+page-locked with cudaHostRegister, so `copy_(non_blocking=True)` between a CUDA tensor and
+an outbox is a cudaMemcpyAsync that the DMA copy engines execute; it is issued on a
+dedicated stream from the transport's copy thread, so no kernel occupies the SMs while the
+compute stream runs. Device -> pinned outbox on the sender, pinned outbox -> device on the
+receiver: two PCIe/C2C hops, slower than NVLink peer copies but SM-free and valid for any
+two processes on one host (also two processes sharing one GPU). The all-reduce's sum is
+the one SM user (small elementwise adds); all-to-all, the embedding traffic, has none.
+
+A peer-to-peer variant (CUDA IPC handles or torch symmetric memory, then cudaMemcpyAsync
+device to device between GPUs) would skip the host hop; not written: it needs two GPUs to
+verify and the exchange of IPC handles needs a non-pickle wire format.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def unavailable_reason() -> str | None:
+    """Why the CUDA copy-engine path cannot run in this process, or None."""
+    if not torch.cuda.is_available():
+        return "CUDA is not available in this process"
+    return None
+
+
+class CopyEngine:
+    """cudaMemcpyAsync on one dedicated stream between CUDA tensors and pinned outboxes."""
+
+    def __init__(self, transport, device):
+        self.device = torch.device(device)
+        self.stream = torch.cuda.Stream(self.device)
+        self._pinned: set[int] = set()
+
+    def record(self) -> torch.cuda.Event:
+        """An event on the caller's current stream: the copy waits for the producer's kernels."""
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    def _pin(self, host: torch.Tensor):
+        # Register the whole mapping once; later slices of it are then pinned too.
+        base = host.untyped_storage().data_ptr()
+        if base not in self._pinned:
+            size = host.untyped_storage().nbytes()
+            rc = torch.cuda.cudart().cudaHostRegister(base, size, 0)
+            if int(rc) != 0:
+                raise RuntimeError(f"cudaHostRegister failed ({rc}) for {size} bytes of shared memory")
+            self._pinned.add(base)
+
+    def to_host(self, dst: torch.Tensor, src: torch.Tensor, ready: torch.cuda.Event | None):
+        self._pin(dst)
+        with torch.cuda.stream(self.stream):
+            if ready is not None:
+                self.stream.wait_event(ready)
+            dst.copy_(src.reshape(-1).view(torch.uint8) if src.dtype != torch.uint8 else src,
+                      non_blocking=True)
+        self.stream.synchronize()  # the peers may read the outbox as soon as we publish
+
+    def to_device(self, dst: torch.Tensor, src: torch.Tensor):
+        self._pin(src)
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=True)
+        self.stream.synchronize()  # the waiter's compute stream may use `dst` after wait()

@@ -1,0 +1,194 @@
+"""Embedding tables sharded across the K ranks of one replica group.
+
+Row-wise (default): rank k holds the contiguous rows [k*B, (k+1)*B), B = ceil(N/K).
+Table-wise (an option when there are several tables, e.g. item ids and a side feature):
+a whole table lives on one owner rank; the others hold zero rows.
+
+A lookup is two all-to-alls (TorchRec calls them input dist and output dist):
+  1. input dist: each rank dedups its ids, sends the split sizes, then the ids, to the
+     owners (`exchange_ids`). It needs no weights, so the pipeline runs it a batch early.
+  2. output dist: owners gather the requested rows and send them back (`exchange_rows`).
+Backward: the gradient of every unique id is summed locally (the kernel nn.Embedding uses),
+sent back to its owner by all-to-all and added into the shard's `.grad` in source-rank order.
+With 2 ranks this is bitwise equal to an unsharded table whose gradients are summed by
+all-reduce (0 + g0 + g1 == g0 + g1); tests/test_comm_sharded.py checks forward and grads.
+
+The shard's gradient is the SUM over the group's ranks, like a SUM all-reduce of a dense
+parameter: do not all-reduce it again inside the group; if the loop averages dense grads
+(divides by K), scale shard grads the same way (`grad_scale`).
+
+FT-HSDP (ftcore): shard k of every replica group holds the same rows, so FTAR averages
+`weight` of shard rank k across replica groups exactly like a dense parameter of rank k;
+checkpoints are per rank (each rank saves its own shard; `row_range` names it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+SHARDINGS = ("row", "table")
+
+
+@dataclass
+class LookupPlan:
+    """One lookup in flight: what this rank asked for and what its peers asked of it."""
+    shape: tuple                     # ids.shape
+    unique: torch.Tensor             # sorted unique global ids
+    inverse: torch.Tensor            # position of each id in `unique`
+    send_splits: list[int]           # unique ids per owner rank
+    send_local: torch.Tensor         # `unique` as row numbers inside the owner's shard
+    recv_splits: list[int] | None = None   # ids asked of me by each rank
+    recv_local: torch.Tensor | None = None  # those ids as rows of my shard
+    extra: dict = field(default_factory=dict)
+
+
+class _Lookup(torch.autograd.Function):
+    """Attach rows fetched by all-to-all to autograd; backward routes grads to the owners."""
+
+    @staticmethod
+    def forward(ctx, weight, unique_rows, emb, plan):
+        ctx.emb, ctx.plan = emb, plan
+        return unique_rows.index_select(0, plan.inverse).view(*plan.shape, unique_rows.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        emb, plan = ctx.emb, ctx.plan
+        g = grad_out.reshape(-1, grad_out.shape[-1]).contiguous()
+        # same kernel as nn.Embedding's backward: per-row sums in occurrence order
+        grad_u = torch.ops.aten.embedding_dense_backward(g, plan.inverse, plan.unique.numel(), -1, False)
+        if emb.padding_idx is not None:
+            grad_u[plan.unique == emb.padding_idx] = 0
+        emb.grad_sink(plan, grad_u)
+        return None, None, None, None
+
+
+class ShardedEmbedding(nn.Module):
+    """One table of `num_embeddings` x `dim`, this rank's shard in `self.weight`."""
+
+    def __init__(self, num_embeddings: int, dim: int, transport, *, sharding: str = "row",
+                 owner: int = 0, padding_idx: int | None = None, init_std: float = 0.02,
+                 seed: int = 0, full_weight: torch.Tensor | None = None, grad_scale: float = 1.0):
+        super().__init__()
+        if sharding not in SHARDINGS:
+            raise ValueError(f"comm.sharding = {sharding!r} is not one of {SHARDINGS}; fix the config")
+        self.num_embeddings, self.dim = num_embeddings, dim
+        self.transport = transport
+        self.rank, self.world_size = transport.rank, transport.world_size
+        self.sharding, self.owner, self.padding_idx = sharding, owner, padding_idx
+        self.grad_scale = grad_scale
+        if sharding == "row":
+            self.block = -(-num_embeddings // self.world_size)
+            lo = min(self.rank * self.block, num_embeddings)
+            hi = min(lo + self.block, num_embeddings)
+        else:
+            self.block = num_embeddings
+            lo, hi = (0, num_embeddings) if self.rank == owner else (0, 0)
+        self.row_range = (lo, hi)
+        if full_weight is None:
+            # Every rank draws the whole table from one seed and keeps its rows, so the
+            # sharded model starts identical to the unsharded one whatever K is.
+            full_weight = reference_weight(num_embeddings, dim, seed, init_std, padding_idx)
+        self.weight = nn.Parameter(full_weight[lo:hi].clone())
+        self.grad_sink: Callable[[LookupPlan, torch.Tensor], None] = self._grad_blocking
+
+    # ---- local pieces (no communication)
+    def plan(self, ids: torch.Tensor) -> LookupPlan:
+        ids = ids.to(torch.int64)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
+            raise IndexError(f"embedding ids must lie in [0, {self.num_embeddings}); got "
+                             f"[{int(ids.min())}, {int(ids.max())}] (check num_items in the config)")
+        unique, inverse = torch.unique(ids.reshape(-1), sorted=True, return_inverse=True)
+        if self.sharding == "row":
+            owner = torch.div(unique, self.block, rounding_mode="floor")
+            local = unique - owner * self.block
+        else:
+            owner = torch.full_like(unique, self.owner)
+            local = unique
+        splits = torch.bincount(owner, minlength=self.world_size).tolist()
+        return LookupPlan(tuple(ids.shape), unique, inverse, splits, local)
+
+    def gather_rows(self, plan: LookupPlan) -> torch.Tensor:
+        """Owner side: the rows the peers asked for, read from the current weights."""
+        return self.weight.detach().index_select(0, plan.recv_local)
+
+    def attach(self, plan: LookupPlan, unique_rows: torch.Tensor) -> torch.Tensor:
+        return _Lookup.apply(self.weight, unique_rows, self, plan)
+
+    def accumulate(self, plan: LookupPlan, recv_grads: torch.Tensor):
+        """Owner side: add the grads sent back by every rank (source-rank order) into .grad."""
+        if self.weight.grad is None:
+            self.weight.grad = torch.zeros_like(self.weight)
+        if self.grad_scale != 1.0:
+            recv_grads = recv_grads * self.grad_scale
+        self.weight.grad.index_add_(0, plan.recv_local, recv_grads)
+
+    # ---- communication pieces (run on the scheduler's comm thread, or inline)
+    def exchange_ids(self, plan: LookupPlan) -> LookupPlan:
+        """Input dist: split sizes first (so owners can size buffers), then the ids."""
+        k = self.world_size
+        ones = [1] * k
+        recv_splits = self.transport.all_to_all(torch.tensor(plan.send_splits, dtype=torch.int64), ones, ones).wait()
+        plan.recv_splits = recv_splits.tolist()
+        plan.recv_local = self.transport.all_to_all(plan.send_local, plan.send_splits, plan.recv_splits).wait()
+        return plan
+
+    def exchange_rows(self, plan: LookupPlan, rows: torch.Tensor) -> torch.Tensor:
+        """Output dist: the owners' rows back to the ranks that asked, in `unique` order."""
+        return self.transport.all_to_all(rows, plan.recv_splits, plan.send_splits).wait()
+
+    def exchange_grads(self, plan: LookupPlan, grad_unique: torch.Tensor) -> torch.Tensor:
+        return self.transport.all_to_all(grad_unique, plan.send_splits, plan.recv_splits).wait()
+
+    def _grad_blocking(self, plan: LookupPlan, grad_unique: torch.Tensor):
+        self.accumulate(plan, self.exchange_grads(plan, grad_unique))
+
+    # ---- the blocking path: everything inline
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        plan = self.exchange_ids(self.plan(ids))
+        return self.attach(plan, self.exchange_rows(plan, self.gather_rows(plan)))
+
+
+class ShardedEmbeddingCollection(nn.ModuleDict):
+    """Several tables (e.g. item ids + a side feature), row-wise or table-wise.
+
+    Table-wise places table i on rank i % K: every rank serves some tables whole, and a
+    lookup of a table only talks to its owner."""
+
+    def __init__(self, tables: dict[str, tuple[int, int]], transport, *, sharding: str = "row",
+                 seed: int = 0, padding_idx: int | None = None):
+        mods = {}
+        for i, (name, (num, dim)) in enumerate(tables.items()):
+            mods[name] = ShardedEmbedding(num, dim, transport, sharding=sharding,
+                                          owner=i % transport.world_size, seed=seed + i,
+                                          padding_idx=padding_idx)
+        super().__init__(mods)
+
+
+def reference_weight(num_embeddings: int, dim: int, seed: int = 0, init_std: float = 0.02,
+                     padding_idx: int | None = None) -> torch.Tensor:
+    """The unsharded table a ShardedEmbedding with the same arguments starts from."""
+    w = torch.randn(num_embeddings, dim, generator=torch.Generator().manual_seed(seed)) * init_std
+    if padding_idx is not None:
+        w[padding_idx] = 0
+    return w
+
+
+def gather_full_weight(emb: ShardedEmbedding, group=None) -> torch.Tensor:
+    """All shards concatenated into the unsharded table (tests, checkpoints for eval)."""
+    k = emb.world_size
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(k)]
+    dist.all_gather(sizes, torch.tensor([emb.weight.shape[0]]), group=group)
+    m = int(max(s.item() for s in sizes))
+    pad = torch.zeros(m, emb.dim)
+    pad[:emb.weight.shape[0]] = emb.weight.detach()
+    bufs = [torch.zeros(m, emb.dim) for _ in range(k)]
+    dist.all_gather(bufs, pad, group=group)
+    parts = [b[:int(s.item())] for b, s in zip(bufs, sizes)]
+    if emb.sharding == "table":
+        return parts[emb.owner]
+    return torch.cat(parts)

@@ -1,0 +1,162 @@
+"""Leave-one-out evaluation: HR@K, NDCG@K and MRR under two protocols.
+
+For every user of eval.parquet:
+- valid: input = the training sequence (its last max_len items), target = valid_target;
+- test:  input = training sequence + valid_target, target = test_target.
+
+Protocols:
+- full: the target is ranked against every item 1..num_items. With
+  `eval.exclude_history = true` (default) the items already in the input history are
+  removed from the candidates (as ICLRec's published numbers do); the target itself is
+  never removed, even when the user had it before.
+- sampled: the target is ranked against 100 items drawn uniformly (with replacement,
+  fixed seed) among the items the user never interacted with (history, valid and
+  test targets), as in the SASRec paper.
+
+Ties count against the target (rank = items scoring >= target, minus itself), so an
+untrained model that scores everything equal gets the worst rank, not the best.
+Users are evaluated in batches sorted by length; everything else is vectorized.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+
+from training.config import EvalConfig
+
+
+def ranking_metrics(ranks: np.ndarray, ks: tuple[int, ...]) -> dict[str, float]:
+    """0-based ranks of the targets -> HR@k (all ks), NDCG@k (ks > 1) and MRR."""
+    ranks = np.asarray(ranks, dtype=np.float64)
+    out = {}
+    for k in ks:
+        hit = ranks < k
+        out[f"hr@{k}"] = float(hit.mean())
+        if k > 1:
+            out[f"ndcg@{k}"] = float((hit / np.log2(ranks + 2)).mean())
+    out["mrr"] = float((1.0 / (ranks + 1)).mean())
+    return out
+
+
+@dataclass
+class Split:
+    values: torch.Tensor          # inputs, jagged, users sorted by input length
+    offsets: torch.Tensor
+    targets: torch.Tensor         # [U]
+    negatives: torch.Tensor       # [U, num_negatives] sampled protocol candidates
+
+
+class EvalData:
+    """The evaluation users of a shard set, with inputs and fixed sampled negatives."""
+
+    def __init__(self, eval_path: str, num_items: int, max_len: int, cfg: EvalConfig):
+        t = pq.read_table(eval_path)
+        hist = t.column("history").combine_chunks()
+        self.num_users, self.num_items = len(t), num_items
+        lengths = hist.value_lengths().to_numpy().astype(np.int64)
+        flat = hist.flatten().to_numpy().astype(np.int64)
+        starts = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=starts[1:])
+        valid_t = t.column("valid_target").to_numpy().astype(np.int64)
+        test_t = t.column("test_target").to_numpy().astype(np.int64)
+        # Every item each user touched, as sorted keys user*(I+1)+item: vectorized membership.
+        users = np.repeat(np.arange(self.num_users), lengths)
+        stride = num_items + 1
+        seen = np.concatenate([users * stride + flat, np.arange(self.num_users) * stride + valid_t,
+                               np.arange(self.num_users) * stride + test_t])
+        self._seen = np.unique(seen)
+        rng = np.random.default_rng(cfg.seed)
+        self.splits = {
+            "valid": self._split(flat, starts, None, valid_t, max_len, rng, cfg.num_negatives),
+            "test": self._split(flat, starts, valid_t, test_t, max_len, rng, cfg.num_negatives),
+        }
+
+    def _split(self, flat, starts, extra, targets, max_len, rng, num_neg) -> Split:
+        lengths = np.diff(starts) + (0 if extra is None else 1)
+        if extra is not None:  # append the valid target after each history
+            ends = starts[1:]
+            flat = np.insert(flat, ends, extra)
+            starts = np.zeros(len(lengths) + 1, dtype=np.int64)
+            np.cumsum(lengths, out=starts[1:])
+        keep = np.minimum(lengths, max_len)                      # most recent max_len items
+        order = np.argsort(keep, kind="stable")
+        keep, first = keep[order], starts[1:][order] - keep[order]
+        offsets = np.zeros(len(keep) + 1, dtype=np.int64)
+        np.cumsum(keep, out=offsets[1:])
+        idx = np.repeat(first - offsets[:-1], keep) + np.arange(offsets[-1])
+        values = flat[idx]
+        users = order
+        negatives = self._negatives(users, rng, num_neg)
+        return Split(torch.from_numpy(values), torch.from_numpy(offsets),
+                     torch.from_numpy(targets[order]), torch.from_numpy(negatives))
+
+    def _negatives(self, users: np.ndarray, rng, num_neg: int) -> np.ndarray:
+        stride = self.num_items + 1
+        neg = rng.integers(1, self.num_items + 1, size=(len(users), num_neg))
+        for _ in range(1000):  # redraw the few that hit an item the user interacted with
+            bad = np.isin(users[:, None] * stride + neg, self._seen)
+            if not bad.any():
+                return neg
+            neg[bad] = rng.integers(1, self.num_items + 1, size=int(bad.sum()))
+        raise RuntimeError("could not draw negatives: users interacted with almost every item")
+
+
+@torch.no_grad()
+def evaluate(model, data: EvalData, cfg: EvalConfig, splits=("valid", "test")) -> dict[str, float]:
+    """Metrics named `<split>/<protocol>/<metric>`, e.g. test/full/ndcg@10."""
+    was_training = model.training
+    model.eval()
+    out: dict[str, float] = {}
+    for name in splits:
+        s = data.splits[name]
+        full_ranks, sampled_ranks = [], []
+        n = len(s.targets)
+        for lo in range(0, n, cfg.batch_size):
+            hi = min(lo + cfg.batch_size, n)
+            a, b = int(s.offsets[lo]), int(s.offsets[hi])
+            offsets = s.offsets[lo:hi + 1] - a
+            values = s.values[a:b]
+            h = model.last_hidden(values, offsets)
+            target = s.targets[lo:hi]
+            scores = model.scores(h)                                   # [B, I], column i = item i+1
+            t_score = scores.gather(1, (target - 1)[:, None])
+            if cfg.exclude_history:
+                rows = torch.repeat_interleave(torch.arange(hi - lo), offsets[1:] - offsets[:-1])
+                scores[rows, values - 1] = float("-inf")
+                scores.scatter_(1, (target - 1)[:, None], t_score)     # never exclude the target
+            full_ranks.append(((scores >= t_score).sum(1) - 1).numpy())
+            # Negatives are items the user never touched, so exclusion never hit them.
+            neg = scores.gather(1, s.negatives[lo:hi] - 1)
+            sampled_ranks.append((neg >= t_score).sum(1).numpy())
+        for proto, ranks in (("full", full_ranks), ("sampled", sampled_ranks)):
+            for k, v in ranking_metrics(np.concatenate(ranks), tuple(cfg.ks)).items():
+                out[f"{name}/{proto}/{k}"] = v
+    model.train(was_training)
+    return out
+
+
+def evaluate_checkpoint(path: str, shards_path: str, overrides: list[str] | None = None) -> dict[str, float]:
+    """`python -m training eval`: the checkpoint's model on the shard set's valid and test users."""
+    from training import checkpoint
+    from training.config import _set, config_from_dict, validate
+    from training.data import DataError, ShardSet
+    from training.model import SeqRec
+
+    meta = checkpoint.read_meta(path)
+    state = checkpoint.load(path)
+    cfg = config_from_dict(meta["config"])
+    for item in overrides or []:
+        key, _, value = item.partition("=")
+        _set(cfg, key.strip(), value.strip())
+    validate(cfg)
+    shards = ShardSet(shards_path)
+    if shards.num_items != int(meta["num_items"]):
+        raise DataError(f"checkpoint {path} was trained with {meta['num_items']} items, shard set {shards_path} "
+                        f"has {shards.num_items}: evaluate on the shard set it was trained on")
+    torch.manual_seed(0)
+    model = SeqRec(shards.num_items, cfg.model)
+    model.load_state_dict(state["model"])
+    data = EvalData(shards.eval_path, shards.num_items, cfg.model.max_len, cfg.eval)
+    return evaluate(model, data, cfg.eval)

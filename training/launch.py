@@ -1,0 +1,550 @@
+"""The replica-group launcher: R groups x K ranks on ftcore, restarted group by group.
+
+    python -m training launch --shards DIR --replica-groups R --ranks-per-group K \
+        [--lighthouse HOST:PORT] [--faults PLAN] [--out DIR] [-- trainer args]
+
+- starts a lighthouse (python -m ftcore.lighthouse) unless one is given, with a fresh
+  shared token in OUT/token, and restarts it if it dies;
+- starts R replica groups of K processes (torchrun's environment: RANK, WORLD_SIZE,
+  LOCAL_RANK, MASTER_ADDR/PORT per group) plus the ftcore environment;
+- keeps K spare processes that have already imported torch and the trainer, so a failed
+  group is back in well under a second (a cold start spends seconds in imports);
+- restarts a failed group (any rank exits non-zero or dies) with tenacity backoff, up
+  to --max-restarts; replaces a group the lighthouse has seen unhealthy for
+  --replace-after seconds while its processes live on (a hang);
+- runs the external part of a fault plan (ftcore/faults.py): signals at a step or time,
+  lighthouse kills; the in-process part reaches the ranks through FTCORE_FAULTS;
+- prefixes every log line with [g<group>r<rank>]; exits non-zero if training cannot finish;
+- at the end prints a checksum of every group's final state (OUT/replica_<g>/) and writes
+  OUT/timeline.json (lighthouse events + every step attempt of every rank), logged to
+  MLflow through training.tracking when the trainer's run is known.
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+from tenacity import RetryError, Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
+
+from ftcore import auth, faults as faults_mod
+from ftcore.lighthouse_client import call
+
+TOY = "ftcore.examples.toy"
+TRAINER = "training.__main__"
+
+
+class LaunchError(RuntimeError):
+    """A user-fixable launcher error: one line, no traceback."""
+
+
+class GroupFailed(RuntimeError):
+    pass
+
+
+@dataclass
+class LaunchConfig:
+    shards: str | None = None
+    replica_groups: int = 2
+    ranks_per_group: int = 1
+    lighthouse: str | None = None
+    faults: str | None = None
+    out: str = "work/launch"
+    worker: str = TRAINER
+    min_replicas: int = 1
+    max_restarts: int = 5
+    backoff_s: float = 0.1
+    replace_after: float = 15.0
+    timeout: float = 3600.0
+    spares: bool = True
+    lr_policy: str = "sqrt"
+    extra: list[str] = field(default_factory=list)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def checksum(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+class Proc:
+    """A child process whose output is copied line by line with a prefix."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], prefix: str, out_lock: threading.Lock,
+                 stdin: bool = False):
+        self.prefix = prefix
+        self.p = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+                                  start_new_session=True, text=True, bufsize=1)
+        self.ready = threading.Event()
+        self._lock = out_lock
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    @property
+    def pid(self) -> int:
+        return self.p.pid
+
+    def _pump(self) -> None:
+        for line in self.p.stdout:
+            if line.startswith("ftrec-spare-ready"):
+                self.ready.set()
+                continue
+            with self._lock:
+                sys.stdout.write(f"[{self.prefix}] {line}" if line.endswith("\n") else f"[{self.prefix}] {line}\n")
+                sys.stdout.flush()
+
+    def signal(self, sig: int) -> None:
+        try:
+            os.killpg(self.p.pid, sig)  # its own session: the rank and anything it started
+        except ProcessLookupError:
+            pass
+
+    def kill(self) -> None:
+        self.signal(signal.SIGKILL)
+        try:
+            self.p.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+class Launcher:
+    def __init__(self, cfg: LaunchConfig):
+        self.cfg = cfg
+        self.out = os.path.abspath(cfg.out)
+        os.makedirs(self.out, exist_ok=True)
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.t0 = time.monotonic()
+        self.groups: dict[int, list[Proc]] = {}
+        self.incarnation: dict[int, int] = {}
+        self.restarts: dict[int, int] = {g: 0 for g in range(cfg.replica_groups)}
+        self.done: set[int] = set()
+        self.failed: dict[int, str] = {}
+        self.spares: list[Proc] = []
+        self.lighthouse_proc: Proc | None = None
+        self.events: list[dict] = []
+        self.faults = faults_mod.load(cfg.faults) if cfg.faults else []
+        token_file = os.path.join(self.out, "token")
+        if cfg.lighthouse is None or not os.path.exists(token_file):
+            if cfg.lighthouse is not None and os.environ.get("FTCORE_TOKEN_FILE"):
+                token_file = os.environ["FTCORE_TOKEN_FILE"]
+            else:
+                with open(token_file, "w") as f:
+                    f.write(auth.new_token())
+                os.chmod(token_file, 0o600)
+        self.token_file = token_file
+        self.token = auth.read_token_file(token_file)
+        self.addr = cfg.lighthouse or f"127.0.0.1:{free_port()}"
+
+    # ---- logging ------------------------------------------------------------------
+    def log(self, msg: str, **data) -> None:
+        self.events.append({"t": time.time(), "kind": msg, **data})
+        with self.lock:
+            print(f"[launch] {msg} {json.dumps(data) if data else ''}".rstrip(), flush=True)
+
+    def base_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env.update(FTCORE_LIGHTHOUSE=self.addr, FTCORE_TOKEN_FILE=self.token_file,
+                   FTREC_NUM_REPLICA_GROUPS=str(self.cfg.replica_groups),
+                   FTCORE_MIN_REPLICAS=str(self.cfg.min_replicas), FTCORE_LR_POLICY=self.cfg.lr_policy,
+                   OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"), PYTHONUNBUFFERED="1")
+        env.pop("FTCORE_TOKEN", None)
+        if self.cfg.faults:
+            env["FTCORE_FAULTS"] = os.path.abspath(self.cfg.faults)
+        return env
+
+    # ---- lighthouse -----------------------------------------------------------------
+    def start_lighthouse(self) -> None:
+        argv = [sys.executable, "-m", "ftcore.lighthouse", "--bind", self.addr,
+                "--min-replicas", str(self.cfg.min_replicas), "--expected-replicas", str(self.cfg.replica_groups),
+                "--token-file", self.token_file, "--events-file", os.path.join(self.out, "lighthouse-events.jsonl")]
+        self.lighthouse_proc = Proc(argv, self.base_env(), "lighthouse", self.lock)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.lighthouse_proc.p.poll() is not None:
+                raise LaunchError(f"the lighthouse exited with status {self.lighthouse_proc.p.returncode} "
+                                  f"(is {self.addr} in use?)")
+            try:
+                if call(self.addr, "/status", None, self.token, method="GET", timeout=1)[0] == 200:
+                    return
+            except OSError:
+                time.sleep(0.05)
+        raise LaunchError(f"the lighthouse did not answer on {self.addr} within 30s")
+
+    def status(self) -> dict | None:
+        try:
+            code, body = call(self.addr, "/status", None, self.token, method="GET", timeout=1)
+            return body if code == 200 else None
+        except OSError:
+            return None
+
+    # ---- processes ------------------------------------------------------------------
+    def worker_argv(self, g: int) -> list[str]:
+        if self.cfg.worker == TRAINER:
+            return ["train", "--shards", self.cfg.shards or "", "--out", os.path.join(self.out, f"replica_{g}"),
+                    *self.cfg.extra]
+        return ["--out", self.out, *(["--shards", self.cfg.shards] if self.cfg.shards else []), *self.cfg.extra]
+
+    def rank_env(self, g: int, k: int, inc: int, master_port: int) -> dict[str, str]:
+        K = self.cfg.ranks_per_group
+        return {"FTREC_REPLICA_GROUP": str(g), "FTCORE_INCARNATION": str(inc), "RANK": str(k),
+                "LOCAL_RANK": str(k), "WORLD_SIZE": str(K), "LOCAL_WORLD_SIZE": str(K),
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port), "GROUP_RANK": str(g)}
+
+    def start_spare(self) -> Proc:
+        argv = [sys.executable, "-m", "training.launch", "--spare", self.cfg.worker]
+        return Proc(argv, self.base_env(), "spare", self.lock, stdin=True)
+
+    def refill_spares(self) -> None:
+        if self.cfg.spares and not self.stop.is_set():
+            with self.lock:
+                need = self.cfg.ranks_per_group - len(self.spares)
+            for _ in range(max(need, 0)):
+                p = self.start_spare()
+                with self.lock:
+                    self.spares.append(p)
+
+    def take_spares(self) -> list[Proc] | None:
+        with self.lock:
+            ready = [p for p in self.spares if p.ready.is_set() and p.p.poll() is None]
+            if len(ready) < self.cfg.ranks_per_group:
+                return None
+            take = ready[:self.cfg.ranks_per_group]
+            self.spares = [p for p in self.spares if p not in take]
+            return take
+
+    def start_group(self, g: int, inc: int) -> list[Proc]:
+        port = free_port()
+        argv = self.worker_argv(g)
+        spares = self.take_spares() if inc > 0 else None
+        procs = []
+        for k in range(self.cfg.ranks_per_group):
+            env = self.rank_env(g, k, inc, port)
+            if spares:
+                p = spares[k]
+                p.prefix = f"g{g}r{k}"
+                p.p.stdin.write(json.dumps({"env": env, "argv": argv}) + "\n")
+                p.p.stdin.flush()
+            else:
+                p = Proc([sys.executable, "-m", self.cfg.worker if self.cfg.worker != TRAINER else "training", *argv],
+                         {**self.base_env(), **env}, f"g{g}r{k}", self.lock)
+            procs.append(p)
+        self.groups[g], self.incarnation[g] = procs, inc
+        self.log("group_started", group=g, incarnation=inc, spare=bool(spares), pids=[p.pid for p in procs])
+        if spares:
+            threading.Thread(target=self.refill_spares, daemon=True).start()
+        return procs
+
+    def kill_group(self, g: int) -> None:
+        for p in self.groups.get(g, []):
+            p.kill()
+
+    def run_group_once(self, g: int, inc: int) -> None:
+        procs = self.start_group(g, inc)
+        while not self.stop.is_set():
+            codes = [p.p.poll() for p in procs]
+            bad = [(k, c) for k, c in enumerate(codes) if c not in (None, 0)]
+            if bad:
+                self.kill_group(g)
+                self.log("group_failed", group=g, incarnation=inc, exits={str(k): c for k, c in bad})
+                raise GroupFailed(f"group {g} rank(s) {bad}")
+            if getattr(procs[0], "replace", False):
+                self.kill_group(g)
+                self.log("group_replaced", group=g, incarnation=inc, reason="unhealthy while alive")
+                raise GroupFailed(f"group {g} hung")
+            if all(c == 0 for c in codes):
+                self.done.add(g)
+                self.log("group_finished", group=g, incarnation=inc)
+                return
+            time.sleep(0.01)
+
+    def supervise(self, g: int) -> None:
+        attempts = 0
+        try:
+            for attempt in Retrying(stop=stop_after_attempt(self.cfg.max_restarts + 1),
+                                    wait=wait_exponential(multiplier=self.cfg.backoff_s, max=10),
+                                    retry=retry_if_exception_type(GroupFailed), reraise=False):
+                with attempt:
+                    inc = attempts
+                    attempts += 1
+                    self.restarts[g] = inc
+                    self.run_group_once(g, inc)
+        except RetryError:
+            self.failed[g] = f"group {g} failed {attempts} times (--max-restarts {self.cfg.max_restarts})"
+            self.log("group_gave_up", group=g, attempts=attempts)
+            self.stop.set()
+
+    # ---- faults and hangs -----------------------------------------------------------
+    def watch(self) -> None:
+        """External faults, a dead lighthouse, hung groups."""
+        unhealthy_since: dict[int, float] = {}
+        while not self.stop.wait(0.02):
+            st = self.status()
+            now = time.monotonic()
+            lh = self.lighthouse_proc
+            if lh is not None and lh.p.poll() is not None and not getattr(lh, "planned", False):
+                self.log("lighthouse_died", code=lh.p.returncode)
+                self.start_lighthouse()
+                continue
+            steps = {gr["group"]: gr["step"] for gr in (st or {}).get("groups", [])}
+            for f in self.faults:
+                if f.fired or f.in_process:
+                    continue
+                inc = self.incarnation.get(f.group)
+                if f.kind != "kill_lighthouse" and inc != f.incarnation:
+                    continue
+                due = (f.at_time is not None and now - self.t0 >= f.at_time) or \
+                      (f.at_step is not None and (max(steps.values(), default=0) if f.kind == "kill_lighthouse"
+                                                  else steps.get(f.group, -1)) >= f.at_step)
+                if due:
+                    f.fired = True
+                    threading.Thread(target=self.fire, args=(f,), daemon=True).start()
+            if st:
+                for gr in st["groups"]:
+                    g = gr["group"]
+                    alive = g in self.groups and all(p.p.poll() is None for p in self.groups[g]) and g not in self.done
+                    if alive and not gr["healthy"] and not gr["left"] and gr["incarnation"] == self.incarnation.get(g):
+                        unhealthy_since.setdefault(g, now)
+                        if now - unhealthy_since[g] > self.cfg.replace_after:
+                            self.groups[g][0].replace = True
+                            unhealthy_since.pop(g)
+                    else:
+                        unhealthy_since.pop(g, None)
+
+    def fire(self, f: faults_mod.Fault) -> None:
+        if f.kind == "kill_lighthouse":
+            lh = self.lighthouse_proc
+            lh.planned = True
+            self.log("fault", kind="kill_lighthouse", pid=lh.pid)
+            lh.kill()
+            time.sleep(f.duration_s)
+            self.start_lighthouse()
+            self.log("lighthouse_restarted")
+            return
+        procs = self.groups.get(f.group, [])
+        targets = procs if f.rank == "all" else procs[int(f.rank):int(f.rank) + 1]
+        sig = signal.SIGKILL if f.kind == "kill" else signal.SIGSTOP
+        for p in targets:
+            self.log("fault", kind=f.kind, group=f.group, rank=f.rank, pid=p.pid)
+            p.signal(sig)
+        if f.kind == "stop" and f.duration_s > 0:
+            time.sleep(f.duration_s)
+            for p in targets:
+                p.signal(signal.SIGCONT)
+            self.log("fault_resumed", kind="stop", group=f.group)
+
+    # ---- the run ----------------------------------------------------------------------
+    def run(self) -> int:
+        if self.cfg.lighthouse is None:
+            self.start_lighthouse()
+        self.log("launch", lighthouse=self.addr, groups=self.cfg.replica_groups, ranks=self.cfg.ranks_per_group,
+                 worker=self.cfg.worker, out=self.out)
+        sups = [threading.Thread(target=self.supervise, args=(g,), daemon=True) for g in range(self.cfg.replica_groups)]
+        for t in sups:
+            t.start()
+        threading.Thread(target=self.refill_spares, daemon=True).start()
+        watcher = threading.Thread(target=self.watch, daemon=True)
+        watcher.start()
+        deadline = self.t0 + self.cfg.timeout
+        while any(t.is_alive() for t in sups) and time.monotonic() < deadline and not self.stop.is_set():
+            time.sleep(0.05)
+        timed_out = time.monotonic() >= deadline
+        self.stop.set()
+        for g in list(self.groups):
+            if g not in self.done:
+                self.kill_group(g)
+        for p in self.spares:
+            p.kill()
+        if self.lighthouse_proc is not None:
+            self.lighthouse_proc.kill()
+        code = 0
+        if timed_out:
+            self.log("timeout", seconds=self.cfg.timeout)
+            code = 1
+        if self.failed:
+            code = 1
+        sums = self.report()
+        if not code and len(sums) < self.cfg.replica_groups:
+            code = 1
+        self.write_timeline(sums, code)
+        return code
+
+    def final_state(self, g: int) -> str | None:
+        folder = os.path.join(self.out, f"replica_{g}")
+        for name in ("state.safetensors", "final.safetensors"):
+            if os.path.exists(os.path.join(folder, name)):
+                return os.path.join(folder, name)
+        return None
+
+    def report(self) -> dict[int, str]:
+        sums = {}
+        for g in range(self.cfg.replica_groups):
+            path = self.final_state(g)
+            if path:
+                sums[g] = checksum(path)
+                print(f"[launch] replica_{g} checksum {sums[g]} ({path}), restarts {self.restarts.get(g, 0)}",
+                      flush=True)
+        if len(set(sums.values())) > 1:
+            print("[launch] WARNING: replica groups ended with different states", flush=True)
+        return sums
+
+    def write_timeline(self, sums: dict[int, str], code: int) -> None:
+        events = []
+        lh_file = os.path.join(self.out, "lighthouse-events.jsonl")
+        if os.path.exists(lh_file):
+            with open(lh_file) as f:
+                events = [json.loads(line) for line in f if line.strip().startswith("{")]
+        steps = []
+        for root, _, files in os.walk(self.out):
+            for name in files:
+                if name.endswith(".jsonl") and os.path.basename(root) == "records":
+                    with open(os.path.join(root, name)) as f:
+                        for line in f:
+                            try:
+                                steps.append(json.loads(line))
+                            except json.JSONDecodeError:
+                                pass
+        summary = summarize(events + self.events, steps)
+        timeline = {"exit_code": code, "checksums": {str(g): s for g, s in sums.items()},
+                    "restarts": self.restarts, "summary": summary, "launcher_events": self.events,
+                    "lighthouse_events": events, "steps": sorted(steps, key=lambda r: r["t"])}
+        tmp = os.path.join(self.out, "timeline.json.tmp")
+        with open(tmp, "w") as f:
+            json.dump(timeline, f)
+        os.replace(tmp, os.path.join(self.out, "timeline.json"))
+        print(f"[launch] timeline {os.path.join(self.out, 'timeline.json')}: {json.dumps(summary)}", flush=True)
+        log_to_mlflow(self.out, summary, os.path.join(self.out, "timeline.json"))
+
+
+def summarize(events: list[dict], steps: list[dict]) -> dict:
+    """Recovery figures from the events and step records (pure data; MLflow-free)."""
+    fails = [e["t"] for e in events if e["kind"] in ("failure_detected",)]
+    quorums = [e for e in events if e["kind"] == "quorum_formed"]
+    heals = [e for e in events if e["kind"] == "heal_finished"]
+    committed = [s for s in steps if s.get("committed")]
+    return {
+        "failures_detected": len(fails),
+        "quorum_changes": len(quorums),
+        "heals": len(heals),
+        "step_attempts": len(steps),
+        "failed_attempts": sum(1 for s in steps if not s.get("committed")),
+        "committed_steps": len({s["step"] for s in committed}),
+        "mean_participants": (sum(s["participants"] for s in committed) / len(committed)) if committed else 0.0,
+    }
+
+
+def log_to_mlflow(out: str, summary: dict, timeline: str) -> None:
+    """Recovery metrics and the timeline on the trainer's MLflow run, when there is one."""
+    result = os.path.join(out, "replica_0", "result.json")
+    if not os.path.exists(result):
+        return
+    try:
+        with open(result) as f:
+            res = json.load(f)
+        if not res.get("mlflow_run_id") or not res.get("tracking_uri"):
+            return
+        import mlflow
+        client = mlflow.MlflowClient(tracking_uri=res["tracking_uri"])
+        for k, v in summary.items():
+            client.log_metric(res["mlflow_run_id"], f"ft/{k}", float(v))
+        client.log_artifact(res["mlflow_run_id"], timeline)
+    except Exception as e:  # tracking is best effort; the run itself succeeded
+        print(f"[launch] could not log recovery events to MLflow: {e}", flush=True)
+
+
+def _spare(worker: str) -> int:
+    """A warm process: imports done, waits for its group assignment on stdin, then runs."""
+    import importlib
+
+    import torch  # noqa: F401  (the point: pay for the import before a failure)
+    mod = importlib.import_module(worker)
+    if worker == TRAINER:
+        importlib.import_module("training.train")
+    print("ftrec-spare-ready", flush=True)
+    line = sys.stdin.readline()
+    if not line:
+        return 0
+    msg = json.loads(line)
+    os.environ.update(msg["env"])
+    return int(mod.main(msg["argv"]) or 0)
+
+
+def parse(argv: list[str]) -> LaunchConfig:
+    extra = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, extra = argv[:i], argv[i + 1:]
+    p = argparse.ArgumentParser(prog="python -m training launch", description=__doc__.split("\n\n")[0])
+    p.add_argument("--shards", help="shard set (python -m dataprep shards)")
+    p.add_argument("--replica-groups", type=int, default=2, help="R: replica groups (units of failure)")
+    p.add_argument("--ranks-per-group", type=int, default=1, help="K: ranks per replica group")
+    p.add_argument("--lighthouse", help="HOST:PORT of a running lighthouse (default: start one)")
+    p.add_argument("--faults", help="fault plan, TOML or JSON (see ftcore/faults.py)")
+    p.add_argument("--out", default="work/launch", help="output folder: replica_<g>/, timeline.json, ledger/")
+    p.add_argument("--worker", default=TRAINER, help=f"module with main(argv) run by each rank (default: the "
+                                                     f"trainer; {TOY} is a self-contained toy)")
+    p.add_argument("--min-replicas", type=int, default=1)
+    p.add_argument("--max-restarts", type=int, default=5, help="per group")
+    p.add_argument("--replace-after", type=float, default=15.0,
+                   help="seconds a live group may stay unhealthy before it is killed and restarted")
+    p.add_argument("--lr-policy", choices=("none", "linear", "sqrt"), default="sqrt")
+    p.add_argument("--timeout", type=float, default=3600.0, help="give up (non-zero exit) after this many seconds")
+    p.add_argument("--no-spares", action="store_true", help="restart groups cold (for benchmarks)")
+    a = p.parse_args(argv)
+    if a.replica_groups < 1 or a.ranks_per_group < 1:
+        raise LaunchError("--replica-groups and --ranks-per-group must be >= 1")
+    if a.worker == TRAINER and not a.shards:
+        raise LaunchError("--shards is required to launch the trainer (a folder from `python -m dataprep shards`)")
+    return LaunchConfig(a.shards, a.replica_groups, a.ranks_per_group, a.lighthouse, a.faults, a.out, a.worker,
+                        a.min_replicas, a.max_restarts, 0.1, a.replace_after, a.timeout, not a.no_spares,
+                        a.lr_policy, extra)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--spare"]:
+        return _spare(argv[1])
+    try:
+        cfg = parse(argv)
+        launcher = Launcher(cfg)
+    except (LaunchError, faults_mod.PlanError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        return launcher.run()
+    except LaunchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        launcher.stop.set()
+        for g in list(launcher.groups):
+            launcher.kill_group(g)
+        return 2
+    except KeyboardInterrupt:
+        launcher.stop.set()
+        for g in list(launcher.groups):
+            launcher.kill_group(g)
+        for p in launcher.spares:
+            p.kill()
+        if launcher.lighthouse_proc:
+            launcher.lighthouse_proc.kill()
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""Next-item losses at every position, normalized by the GLOBAL count of target tokens.
+
+Each rank returns the SUM of its per-token losses and divides it by the number of
+target tokens of the whole replica group (an all-reduced count). With gradients then
+all-reduced by SUM, the update equals that of one big batch of all the group's tokens,
+however unevenly balanced shards spread samples over the ranks.
+
+- sampled softmax with shared negatives (default): every token of the step is scored
+  against its own target and one shared set of uniformly drawn items; accidental hits
+  (a negative equal to the target) are masked out.
+- BCE with one negative per token: the SASRec training objective.
+"""
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from training.config import LossConfig
+
+
+def sampled_softmax_sum(model, h: torch.Tensor, labels: torch.Tensor, cfg: LossConfig,
+                        generator: torch.Generator) -> torch.Tensor:
+    """Sum over tokens of -log softmax(target | target + shared negatives)."""
+    negatives = torch.randint(1, model.num_items + 1, (cfg.num_negatives,), generator=generator)
+    pos = model.pair_scores(h, labels) / cfg.temperature                      # [N]
+    neg = model.scores(h, negatives) / cfg.temperature                        # [N, K]
+    neg = neg.masked_fill(negatives[None, :] == labels[:, None], float("-inf"))
+    logits = torch.cat([pos[:, None], neg], dim=1)
+    return (torch.logsumexp(logits, dim=1) - pos).sum()
+
+
+def bce_sum(model, h: torch.Tensor, labels: torch.Tensor, cfg: LossConfig,
+            generator: torch.Generator) -> torch.Tensor:
+    """Sum over tokens of -log sigmoid(target) - log sigmoid(-negative), one negative each."""
+    negatives = torch.randint(1, model.num_items + 1, labels.shape, generator=generator)
+    pos = model.pair_scores(h, labels) / cfg.temperature
+    neg = model.pair_scores(h, negatives) / cfg.temperature
+    neg_term = F.logsigmoid(-neg) * (negatives != labels)  # a drawn positive is not a negative
+    return -(F.logsigmoid(pos) + neg_term).sum()
+
+
+LOSSES = {"sampled_softmax": sampled_softmax_sum, "bce": bce_sum}
+
+
+def loss_sum(model, h, labels, cfg: LossConfig, generator: torch.Generator) -> torch.Tensor:
+    return LOSSES[cfg.kind](model, h, labels, cfg, generator)
+
+
+def start_global_counts(counts: list[float], group=None) -> tuple[torch.Tensor, object]:
+    """Start all-reducing this rank's counts (target tokens first) within the replica group.
+
+    They are known before the forward pass, so the collective overlaps the forward;
+    call `.wait()` on the returned work (None in a single process) before dividing.
+    """
+    total = torch.tensor(counts, dtype=torch.float64)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        return total, dist.all_reduce(total, group=group, async_op=True)
+    return total, None

@@ -1,0 +1,189 @@
+"""MLflow tracking that never slows or kills training.
+
+One `Tracker` per run, used from rank 0 only. Every call only puts an operation on a
+queue; a background thread sends it with tenacity retries. What cannot be sent (an
+unreachable server) stays buffered, in order, and is retried later; `close()` flushes
+with a time bound and reports what is still unsent instead of raising.
+
+Why asynchronous: one synchronous log_metrics costs ~19 ms on the SQLite store and
+opening a store takes seconds, more than a whole training step here.
+
+Store: `mlflow.tracking_uri`, else MLFLOW_TRACKING_URI, else an embedded SQLite file
+`sqlite:///<out>/mlflow.db` with artifacts under `<out>/mlartifacts`.
+"""
+
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential
+
+from training.config import MlflowConfig
+
+log = logging.getLogger("training.tracking")
+
+RETRY_ATTEMPTS = int(os.environ.get("FTREC_MLFLOW_RETRIES", "3"))
+RETRY_PAUSE_S = float(os.environ.get("FTREC_MLFLOW_RETRY_PAUSE_S", "2.0"))  # between rounds over the buffer
+HTTP_TIMEOUT_S = os.environ.get("FTREC_MLFLOW_HTTP_TIMEOUT_S", "5")
+
+
+# Errors a retry cannot fix: the op is dropped (and reported) instead of blocking the queue.
+PERMANENT = {"INVALID_PARAMETER_VALUE", "BAD_REQUEST", "RESOURCE_ALREADY_EXISTS", "INVALID_STATE"}
+
+
+def metric_name(name: str) -> str:
+    """MLflow refuses '@' in names: hr@10 is logged as hr_at_10."""
+    return name.replace("@", "_at_")
+
+
+def resolve_uri(cfg: MlflowConfig, out: str) -> tuple[str, str | None]:
+    """(tracking URI, artifact location for a new experiment or None for the server's default)."""
+    uri = cfg.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
+    if uri:
+        return uri, None
+    out = os.path.abspath(out)
+    return f"sqlite:///{os.path.join(out, 'mlflow.db')}", "file://" + os.path.join(out, "mlartifacts")
+
+
+def _transient(e: BaseException) -> bool:
+    return getattr(e, "error_code", None) not in PERMANENT
+
+
+@dataclass
+class _Op:
+    name: str
+    fn: Callable[[Any, str], None]   # fn(client, run_id)
+    tries: int = field(default=0)
+
+
+class Tracker:
+    """Asynchronous, failure-tolerant MLflow logging for one run."""
+
+    def __init__(self, cfg: MlflowConfig, out: str):
+        self.cfg = cfg
+        self.uri, self._artifact_location = resolve_uri(cfg, out)
+        self.run_id: str | None = None
+        self.errors: list[str] = []
+        self.dropped = 0   # ops the server refused as invalid (not retried)
+        self._q: queue.Queue[_Op | None] = queue.Queue()
+        self._buffer: list[_Op] = []       # ops that failed, retried in order before new ones
+        # MLflow's own HTTP retries would block for minutes on a dead server; tenacity decides here.
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", HTTP_TIMEOUT_S)
+        self._client = None
+        self._thread = threading.Thread(target=self._work, name="mlflow-tracker", daemon=True)
+        self._thread.start()
+
+    # ---- public API: all non-blocking -------------------------------------------------
+    def log_params(self, params: dict[str, Any]) -> None:
+        from mlflow.entities import Param
+        items = [Param(k, str(v)[:6000]) for k, v in params.items()]
+        for i in range(0, len(items), 100):  # MLflow takes at most 100 params per batch
+            chunk = items[i:i + 100]
+            self._put("params", lambda c, r, chunk=chunk: c.log_batch(r, params=chunk))
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+        ts = int(time.time() * 1000)
+        items = [Metric(metric_name(k), float(v), ts, step) for k, v in metrics.items()]
+        self._put("metrics", lambda c, r: c.log_batch(r, metrics=items))
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        from mlflow.entities import RunTag
+        items = [RunTag(k, str(v)) for k, v in tags.items()]
+        self._put("tags", lambda c, r: c.log_batch(r, tags=items))
+
+    def log_artifact(self, path: str, artifact_path: str | None = None) -> None:
+        self._put("artifact", lambda c, r: c.log_artifact(r, path, artifact_path))
+
+    def log_model(self, model, register: bool, name: str) -> None:
+        """Log the model with mlflow.pytorch (and register it under `name` when asked)."""
+        def send(client, run_id):
+            import mlflow
+            import mlflow.pytorch
+            mlflow.set_tracking_uri(self.uri)
+            with mlflow.start_run(run_id=run_id):
+                mlflow.pytorch.log_model(model, name="model", pip_requirements=["torch==2.13.0"],
+                                         registered_model_name=name if register else None)
+        self._put("model", send)
+
+    def close(self, status: str = "FINISHED", timeout: float = 120.0) -> int:
+        """Flush with a time bound; returns how many operations could not be sent."""
+        self._put("end", lambda c, r: c.set_terminated(r, status))
+        self._q.put(None)
+        self._thread.join(timeout)
+        unsent = self._q.qsize() + len(self._buffer) + (1 if self._thread.is_alive() else 0)
+        if unsent:
+            log.warning("mlflow: %d operation(s) not sent to %s (%s)", unsent, self.uri,
+                        self.errors[-1] if self.errors else "timed out")
+        return unsent
+
+    def wait_run_id(self, timeout: float = 60.0) -> str | None:
+        deadline = time.monotonic() + timeout
+        while self.run_id is None and time.monotonic() < deadline and self._thread.is_alive():
+            time.sleep(0.05)
+        return self.run_id
+
+    # ---- background thread ----------------------------------------------------------
+    def _put(self, name: str, fn) -> None:
+        self._q.put(_Op(name, fn))
+
+    def _start_run(self):
+        from mlflow import MlflowClient
+        client = MlflowClient(self.uri)
+        if self.cfg.run_id:
+            run = client.get_run(self.cfg.run_id)    # a retried task continues its run
+            client.update_run(run.info.run_id, status="RUNNING")
+            run_id = run.info.run_id
+        else:
+            exp = client.get_experiment_by_name(self.cfg.experiment)
+            exp_id = exp.experiment_id if exp else client.create_experiment(
+                self.cfg.experiment, artifact_location=self._artifact_location)
+            run_id = client.create_run(exp_id, run_name=self.cfg.run_name or None).info.run_id
+        self._client, self.run_id = client, run_id
+
+    def _attempt(self, op: _Op) -> bool:
+        try:
+            for attempt in Retrying(stop=stop_after_attempt(RETRY_ATTEMPTS), reraise=True,
+                                    retry=retry_if_exception(_transient),
+                                    wait=wait_exponential(multiplier=0.2, max=2)):
+                with attempt:
+                    if self.run_id is None:
+                        self._start_run()
+                    op.fn(self._client, self.run_id)
+            return True
+        except Exception as e:  # never propagate: training must go on
+            op.tries += 1
+            msg = f"{op.name}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            if getattr(e, "error_code", None) in PERMANENT:
+                log.warning("mlflow refused %s; dropped", msg)
+                self.errors.append(msg)
+                self.dropped += 1
+                return True
+            if not self.errors or self.errors[-1] != msg:
+                log.warning("mlflow unavailable (%s); keeping it buffered", msg)
+            self.errors.append(msg)
+            return False
+
+    def _work(self) -> None:
+        closing = False  # close() was called and its sentinel reached this thread
+        while True:
+            # Retry what is buffered first, in order, so metrics keep their order.
+            while self._buffer:
+                if not self._attempt(self._buffer[0]):
+                    break
+                self._buffer.pop(0)
+            if closing and self._q.empty() and all(op.tries >= 2 for op in self._buffer):
+                return  # flushed, or gave up after one more round; close() reports the rest
+            try:
+                op = self._q.get(timeout=RETRY_PAUSE_S if self._buffer else None)
+            except queue.Empty:
+                continue
+            if op is None:
+                closing = True
+            elif self._buffer or not self._attempt(op):
+                self._buffer.append(op)

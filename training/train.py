@@ -1,0 +1,219 @@
+"""The training loop. Reads top to bottom: set up, then one step transaction per batch.
+
+Every step is a transaction (../shared/DESIGN.md, ftcore):
+
+    ft.start_quorum()
+    batch = loader.peek()                  # the cursor does NOT move yet
+    forward, loss / global target count, backward
+    all-reduce gradients in the replica group (SUM)
+    ft.allreduce(gradients)                # average across replica groups
+    if ft.should_commit(): clip, optimizer.step, scheduler.step, loader.commit()
+    else:                   drop the gradients; the same batch is retried
+
+`ft` is `training.ft.LocalReplica` (one replica group) unless training/ft.py provides
+`make_replica(state=TrainState, topology=Topology)`, ftcore's implementation.
+"""
+
+import copy
+import json
+import os
+import time
+
+import torch
+
+from training import checkpoint, distributed, metrics
+from training import ft as ft_mod
+from training.config import Config, to_toml
+from training.data import BatchLoader, DataCursor, ShardSet, shard_ranks_for
+from training.evaluate import EvalData, evaluate
+from training.loss import loss_sum, start_global_counts
+from training.model import SeqRec
+from training.state import TrainState, WarmupDecay, build_optimizer
+from training.tracking import Tracker
+
+
+def log(topo, msg: str) -> None:
+    if topo.is_main:
+        print(f"[train g{topo.replica_group}] {msg}", flush=True)
+
+
+def make_replica(state: TrainState, topo: distributed.Topology):
+    factory = getattr(ft_mod, "make_replica", None)
+    return factory(state=state, topology=topo) if factory else ft_mod.LocalReplica()
+
+
+def write_json(path: str, obj: dict) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)
+
+
+def train(cfg: Config) -> dict:
+    """Train on cfg.data.shards into cfg.train.out; returns the result.json dict (rank 0)."""
+    # ---- set-up -----------------------------------------------------------------------
+    topo = distributed.init()
+    shards = ShardSet(cfg.data.shards)
+    shard_ranks = shard_ranks_for(shards.world_size, topo.num_replica_groups, topo.replica_group,
+                                  topo.group_size, topo.rank)
+    cfg.model.max_len = cfg.model.max_len or shards.max_len
+    out, ckpt_root = cfg.train.out, os.path.join(cfg.train.out, "checkpoints")
+    os.makedirs(out, exist_ok=True)
+    torch.use_deterministic_algorithms(cfg.train.deterministic, warn_only=True)
+
+    torch.manual_seed(cfg.train.seed)                      # the same initial model on every rank
+    model = SeqRec(shards.num_items, cfg.model).to(topo.device)
+    distributed.broadcast_params(model)
+    torch.manual_seed(cfg.train.seed + 7919 * (1 + topo.rank))  # dropout differs per rank, like DDP
+    generator = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + topo.rank)  # negatives
+    params = list(model.parameters())
+    optimizer = build_optimizer(model, cfg.optim)
+    steps_total = cfg.train.max_steps or cfg.train.epochs * shards.steps
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupDecay(cfg.optim, steps_total))
+    cursor = DataCursor(shards.steps, cfg.train.seed)
+    state = TrainState(model, optimizer, scheduler, cursor, generator)
+
+    resumed_from = checkpoint.latest(ckpt_root) if cfg.train.resume else None
+    if resumed_from:
+        state.load_state_dict(checkpoint.load(resumed_from, topo.rank))
+        log(topo, f"resumed from {resumed_from} (step {state.step}, epoch {cursor.epoch}, index {cursor.index})")
+    ft = make_replica(state, topo)
+    loader = BatchLoader(shards, shard_ranks, cursor, cfg.data.prefetch)
+    pad_to = cfg.model.max_len if cfg.data.pad_to_max_len else 0
+
+    tracker = Tracker(cfg.mlflow, out) if (cfg.mlflow.enabled and topo.is_main) else None
+    if tracker:
+        tracker.log_params({**cfg.flat(), **topo.as_params(), "data.fingerprint": shards.fingerprint(),
+                            "data.num_items": shards.num_items, "data.steps_per_epoch": shards.steps,
+                            "data.world_size": shards.world_size, "data.bubble_fraction":
+                            shards.manifest.get("bubble_fraction", "")})
+        tracker.set_tags({"ftrec.resumed_from": resumed_from or "", "ftrec.shards": os.path.abspath(shards.path)})
+    eval_data = EvalData(shards.eval_path, shards.num_items, cfg.model.max_len, cfg.eval) if topo.is_main else None
+    eval_every = cfg.train.eval_every or shards.steps
+    log(topo, f"{shards.num_items} items, {shards.steps} steps/epoch, {steps_total} steps, "
+              f"shards {shard_ranks}, {topo.group_size} rank(s) x {topo.num_replica_groups} group(s)")
+
+    # ---- the loop ---------------------------------------------------------------------
+    window, history = metrics.Window(), metrics.History()
+    started = time.perf_counter()
+    stop = False
+    model.train()
+    while state.step < steps_total and not stop:
+        t_step = time.perf_counter()
+        ft.start_quorum()
+        batch = loader.peek()
+        t_data = time.perf_counter()
+        values, offsets, labels = (t.to(topo.device) for t in (batch.values, batch.offsets, batch.labels))
+        padded = max(int(batch.lengths.max()), pad_to) * batch.num_samples
+        counts, pending = start_global_counts([batch.num_targets, batch.num_samples, padded])  # overlaps forward
+        h = model(values, offsets, pad_to)
+        total = loss_sum(model, h, labels, cfg.loss, generator)
+        wait = 0.0
+        if pending is not None:
+            t = time.perf_counter()
+            pending.wait()
+            wait += time.perf_counter() - t
+        loss = total / counts[0].item()       # / the GROUP's target count: one big batch
+        loss.backward()
+        t_bwd = time.perf_counter()
+        wait += distributed.allreduce_grads(params)
+        t = time.perf_counter()
+        ft.allreduce([p.grad for p in params])
+        wait += time.perf_counter() - t
+
+        if not ft.should_commit():          # another replica group failed: retry this batch
+            optimizer.zero_grad(set_to_none=True)
+            continue
+        t_opt = time.perf_counter()
+        if cfg.optim.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip)
+        lr = optimizer.param_groups[0]["lr"]
+        lr_scale = ft.lr_scale()
+        if lr_scale != 1.0:
+            for group in optimizer.param_groups:
+                group["lr"] *= lr_scale        # scheduler.step() below recomputes from the schedule
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        loader.commit()
+        state.step += 1
+        t_end = time.perf_counter()
+
+        # ---- bookkeeping: metrics, validation, checkpoints (outside step timing) ---------
+        window.record(state.step, loss.item(), lr * lr_scale,
+                      compute=(t_bwd - t_data) + (t_end - t_opt), wait=wait, step_time=t_end - t_step,
+                      data_wait=t_data - t_step, tokens=float(counts[0]), samples=float(counts[1]),
+                      padded=float(counts[2]))
+        if state.step % cfg.train.log_every == 0 or state.step == steps_total:
+            over = cfg.train.max_minutes > 0 and time.perf_counter() - started > 60 * cfg.train.max_minutes
+            per_rank, stop = metrics.gather_times(window, over)
+            if topo.is_main:
+                summary = metrics.summarize(window, per_rank)
+                history.add(window, per_rank)
+                if tracker:
+                    tracker.log_metrics(summary, state.step)
+                log(topo, f"step {state.step}/{steps_total} epoch {cursor.epoch} loss {summary['train/loss']:.4f} "
+                          f"lr {summary['train/lr']:.2e} tok/s {summary['train/tokens_per_s']:.0f} "
+                          f"pad {summary['train/padding_fraction']:.3f} wait {per_rank[:, :, 1].mean():.4f}s")
+            window = metrics.Window()
+        if state.step % eval_every == 0 and state.step < steps_total and not stop:
+            _validate(model, eval_data, cfg, tracker, state.step, topo)
+        if cfg.train.checkpoint_every and state.step % cfg.train.checkpoint_every == 0 and state.step < steps_total:
+            _save(state, cfg, shards, topo, ckpt_root)
+
+    # ---- the end: final checkpoint, test, result.json ----------------------------------
+    loader.close()
+    final = _save(state, cfg, shards, topo, ckpt_root)
+    result = {}
+    if topo.is_main:
+        scores = evaluate(model, eval_data, cfg.eval, splits=("valid", "test"))
+        log(topo, "valid " + _brief(scores, "valid") + " | test " + _brief(scores, "test"))
+        wall = time.perf_counter() - started
+        result = {"mlflow_run_id": None, "tracking_uri": tracker.uri if tracker else None,
+                  "checkpoint": os.path.abspath(final), "steps": state.step, "metrics": scores,
+                  "train_seconds": wall, "epochs_completed": cursor.epoch + cursor.index / shards.steps}
+        if tracker:
+            tracker.log_metrics(scores, state.step)
+            _log_artifacts(tracker, cfg, shards, history, out, model)
+            result["mlflow_run_id"] = tracker.wait_run_id(timeout=60)
+            unsent = tracker.close()
+            result["mlflow_unsent"] = unsent
+        write_json(os.path.join(out, "result.json"), result)
+    distributed.barrier()
+    return result
+
+
+def _brief(scores: dict, split: str) -> str:
+    return " ".join(f"{p}/{m} {scores[f'{split}/{p}/{m}']:.4f}" for p in ("full", "sampled") for m in ("hr@10", "ndcg@10"))
+
+
+def _validate(model, eval_data, cfg: Config, tracker, step: int, topo) -> dict:
+    scores = {}
+    if topo.is_main:
+        scores = evaluate(model, eval_data, cfg.eval, splits=("valid",))
+        log(topo, f"step {step} valid " + _brief(scores, "valid"))
+        if tracker:
+            tracker.log_metrics(scores, step)
+    distributed.barrier()   # the other ranks wait here, not inside the next step's all-reduce
+    return scores
+
+
+def _save(state: TrainState, cfg: Config, shards: ShardSet, topo, root: str) -> str:
+    meta = {"step": state.step, "epoch": state.cursor.epoch, "index": state.cursor.index,
+            "config": cfg.to_dict(), "num_items": shards.num_items,
+            "fingerprint": shards.fingerprint(), "shards": os.path.abspath(shards.path),
+            "ranks_per_group": topo.group_size, "replica_groups": topo.num_replica_groups}
+    return checkpoint.save(root, state.state_dict(), meta, rank=topo.rank, keep=cfg.train.keep_checkpoints)
+
+
+def _log_artifacts(tracker: Tracker, cfg: Config, shards: ShardSet, history, out: str, model) -> None:
+    art = os.path.join(out, "artifacts")
+    os.makedirs(art, exist_ok=True)
+    with open(os.path.join(art, "config.toml"), "w") as f:
+        f.write(to_toml(cfg))
+    tracker.log_artifact(os.path.join(art, "config.toml"))
+    tracker.log_artifact(os.path.join(shards.path, "manifest.json"))
+    if cfg.mlflow.plots and metrics.plot(history, os.path.join(art, "training.png")):
+        tracker.log_artifact(os.path.join(art, "training.png"))
+    if cfg.mlflow.log_model:
+        tracker.log_model(copy.deepcopy(model).cpu().eval(), cfg.mlflow.register, cfg.mlflow.model_name)
