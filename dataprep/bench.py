@@ -116,6 +116,8 @@ def main(argv=None) -> int:
     ap.add_argument("--events", type=int, default=10_000_000, help="synthetic events for prep throughput")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--skip-pandas", action="store_true")
+    ap.add_argument("--skip-throughput", action="store_true", help="balance quality only")
+    ap.add_argument("--skip-shared", action="store_true", help="synthetic data only")
     ap.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
     ap.add_argument("--out", default=str(ROOT / "bench-results" / "dataprep.json"))
     a = ap.parse_args(argv)
@@ -129,7 +131,7 @@ def main(argv=None) -> int:
     L = lengths(SynthConfig(1, 2, median_len=20, sigma=1.2, min_len=5, max_history=a.max_len),
                 np.random.default_rng(seed), a.samples)
     rows = _balance_rows(f"synthetic lognormal (<= {a.max_len})", DEFAULT(L), ws, ks, a.batch_size, seed)
-    for name, c in _shared_costs(50).items():
+    for name, c in ({} if a.skip_shared else _shared_costs(50)).items():
         rows += _balance_rows(f"{name} (max_len 50)", c, ws, ks, a.batch_size, seed)
     hdr = f"{'data':<30} {'W':>4} {'K':>5} {'steps':>6} {'random':>8} {'balanced':>9} {'reduct%':>8} {'LB bubble':>9} {'of achv%':>8} {'>LB p50%':>8} {'>LB p99%':>8} {'time s':>7}"
     print(f"balance quality: B={a.batch_size} per rank, cost c(L) = {DEFAULT.a}L^2 + {DEFAULT.b}L + {DEFAULT.c0}")
@@ -144,6 +146,8 @@ def main(argv=None) -> int:
     # 2. throughput
     thr = {}
     with tempfile.TemporaryDirectory() as tmp:
+        if a.skip_throughput:
+            return _write(a, rows, thr)
         mean = lengths(SynthConfig(1, 2), np.random.default_rng(seed), 200_000).mean()
         users = int(a.events / mean)
         path = write_synthetic(Path(tmp) / "events.txt", users=users, items=100_000, seed=seed)
@@ -167,6 +171,10 @@ def main(argv=None) -> int:
               f"   -> dataprep {thr['speedup_vs_pandas']:.1f}x")
     print(f"  build_shards total  {thr['build_shards_s']:7.2f} s  (W=8, B=256; {thr['build_shards_timings']})")
 
+    return _write(a, rows, thr)
+
+
+def _write(a, rows, thr) -> int:
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(a), "machine": platform.platform(), "cost_model": DEFAULT.to_dict(),

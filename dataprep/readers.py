@@ -325,7 +325,7 @@ def _read_events(path: str, user_col: str, item_col: str, time_col: str, default
 def _concat(parts: list[tuple[dict, list, dict]], paths: list[str], has_time: bool) -> Interactions:
     def ids(key):
         arrs = [p[0][key] for p in parts]
-        arrs = [a if isinstance(a, pa.Array) else pa.array(a, pa.int64()) for a in arrs]
+        arrs = [a if isinstance(a, pa.Array) else pa.array(np.ascontiguousarray(a, dtype=np.int64)) for a in arrs]  # no type=: zero-copy
         if len({a.type for a in arrs}) > 1:  # mixed int/string across files: compare as strings
             arrs = [a.cast(pa.string()) for a in arrs]
         return pa.concat_arrays(arrs) if len(arrs) > 1 else arrs[0]

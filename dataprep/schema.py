@@ -75,3 +75,15 @@ REJECTS_SCHEMA = pa.schema([
 #   imbalance: {p50, p99, max, mean}        per-step max/mean rank cost
 #   bubble_fraction: float                  1 - total cost / (W * sum over steps of the max rank cost)
 #   files: {relative_path: sha256}          every file of the set but manifest.json
+#
+# Added by dataprep (optional for readers; backward compatible):
+#   config.batch_size is samples per rank per step on average; a step holds about W*B samples
+#     (global_batch), split across ranks by cost, so ranks get different sample counts.
+#   config.tail: "fill" = the N mod W*B leftover samples are spread over the steps (nothing lost,
+#     counts.samples_filled_tail of them); "drop" = they are left out of the epoch
+#     (counts.samples_dropped_tail, listed in rejects.parquet with reason "tail_dropped").
+#   config.{method, dedup, max_events, reader_options}, global_batch, num_samples (training
+#   samples built; = samples_written + samples_dropped_tail), over_lower_bound {p50, p99, max}
+#   (per-step max rank cost / max(mean, largest sample) - 1), bubble_fraction_random (same
+#   samples, plain shuffled equal-count assignment), bubble_fraction_lower_bound, total_cost,
+#   timings {read_s, sequences_s, balance_s, write_s, total_s}.

@@ -91,8 +91,9 @@ def build_sequences(ev: Interactions, *, dedup: str = "exact", max_events: int |
         raise DataprepError(f"{', '.join(ev.paths)}: no valid interactions left after rejecting bad rows; "
                             "check --format and the rejects listed above")
     rejects = list(ev.rejects)
-    u0, _ = _codes(ev.user)
-    i0 = pc.dictionary_encode(ev.item).indices.to_numpy().astype(np.int64)
+    u0, u_sorted = _codes(ev.user)                 # provisional user codes, already in sorted raw order
+    enc = pc.dictionary_encode(ev.item)            # provisional item codes, first-appearance order
+    i0 = enc.indices.to_numpy().astype(np.int64)
     order = _order(u0, ev.ts)
     us, ts, it = u0[order], ev.ts[order], i0[order]
     same_user = np.empty(n, bool)
@@ -150,22 +151,30 @@ def build_sequences(ev: Interactions, *, dedup: str = "exact", max_events: int |
     if len(order) == 0:
         raise DataprepError(f"{', '.join(ev.paths)}: no user has the {MIN_EVENTS} events leave-one-out needs "
                             f"({int(bad_user.sum())} users too short); give more data")
-    users_kept = ev.user.take(pa.array(order)) if not isinstance(ev.user, np.ndarray) else ev.user[order]
-    items_kept = ev.item.take(pa.array(order))
-    ucode, user_raw = _codes(users_kept)
-    icode, item_raw = _codes(items_kept)
-    cnt = np.bincount(ucode, minlength=len(user_raw))
+    # final dense ids: rank among the kept users / items in sorted raw-id order (1-based);
+    # computed on the (small) id tables, not by hashing all events again
+    keep_user = ~drop_user & (np.bincount(us, minlength=nu) > 0)
+    dense_user = np.cumsum(keep_user)              # provisional code -> dense id (where kept)
+    user_raw = u_sorted.take(pa.array(np.flatnonzero(keep_user)))
+    it_kept = i0[order]
+    present = np.bincount(it_kept, minlength=len(enc.dictionary)) > 0
+    by_raw = pc.sort_indices(enc.dictionary).to_numpy()     # provisional codes in sorted raw order
+    rank_present = np.cumsum(present[by_raw])
+    dense_item = np.empty(len(by_raw), np.int64)
+    dense_item[by_raw] = rank_present
+    item_raw = enc.dictionary.take(pa.array(by_raw[present[by_raw]]))
+    cnt = np.bincount(dense_user[u0[order]] - 1, minlength=len(user_raw))
     offsets = np.zeros(len(user_raw) + 1, np.int64)
     np.cumsum(cnt, out=offsets[1:])
     # `order` is grouped by provisional user code, ordered by time inside each user;
-    # dense codes follow sorted raw ids, like the provisional ones, so groups stay contiguous.
+    # dense ids follow the same sorted raw order, so the groups are already in place.
     counts = {
         "events_used": int(len(order)),
         "duplicates": int(dup.sum()),
         "users_read": int((np.bincount(u0, minlength=nu) > 0).sum()),
         "users_rejected": int(drop_user.sum()),
     }
-    return Sequences(offsets=offsets, values=(icode + 1).astype(np.int32), user_raw=user_raw,
+    return Sequences(offsets=offsets, values=dense_item[it_kept].astype(np.int32), user_raw=user_raw,
                      item_raw=item_raw, rejects=rejects, counts=counts)
 
 
@@ -194,9 +203,9 @@ def eval_table(seq: Sequences) -> pa.Table:
     hist_off, hist = _gather(seq.values, seq.offsets[:-1], n - 2)
     return pa.table({
         "user_id": pa.array(np.arange(1, seq.num_users + 1, dtype=np.int64)),
-        "history": pa.ListArray.from_arrays(pa.array(hist_off.astype(np.int32)), pa.array(hist, pa.int32())),
-        "valid_target": pa.array(seq.values[seq.offsets[1:] - 2], pa.int32()),
-        "test_target": pa.array(seq.values[seq.offsets[1:] - 1], pa.int32()),
+        "history": pa.ListArray.from_arrays(pa.array(hist_off.astype(np.int32)), pa.array(hist.astype(np.int32, copy=False))),
+        "valid_target": pa.array(seq.values[seq.offsets[1:] - 2].astype(np.int32)),
+        "test_target": pa.array(seq.values[seq.offsets[1:] - 1].astype(np.int32)),
     }, schema=EVAL_SCHEMA)
 
 
@@ -214,8 +223,8 @@ def train_samples(seq: Sequences, max_len: int) -> Samples:
     offs, flat = _gather(seq.values, end - length, length)
     return Samples(
         user_id=users.astype(np.int64), length=length.astype(np.int32),
-        items=pa.LargeListArray.from_arrays(pa.array(offs), pa.array(flat, pa.int32())).cast(pa.list_(pa.int32()))
-        if offs[-1] >= (1 << 31) else pa.ListArray.from_arrays(pa.array(offs.astype(np.int32)), pa.array(flat, pa.int32())),
+        items=pa.LargeListArray.from_arrays(pa.array(offs), pa.array(flat.astype(np.int32, copy=False))).cast(pa.list_(pa.int32()))
+        if offs[-1] >= (1 << 31) else pa.ListArray.from_arrays(pa.array(offs.astype(np.int32)), pa.array(flat.astype(np.int32, copy=False))),
         target=seq.values[end].astype(np.int32),
         truncated=int((tl - 1 > max_len).sum()),
         items_truncated=int(np.maximum(tl - 1 - max_len, 0).sum()))

@@ -137,7 +137,7 @@ class Lighthouse:
         grp.left = False
         rk.store = msg.get("store", rk.store)
         rk.heal = msg.get("heal", rk.heal)
-        rk.step = int(msg.get("step", rk.step))
+        rk.step = max(rk.step, int(msg.get("step", rk.step)))  # a late heartbeat may carry an older step
         rk.last_beat = time.monotonic()
         rk.disconnected = False
         self.max_step = max(self.max_step, rk.step)
@@ -199,7 +199,7 @@ class Lighthouse:
         if self.quorum is None or self.quorum["identity"] != identity or self.force_new:
             self.quorum_id += 1
         self.force_new = False
-        steps = {g: self.groups[g].step for g in members}
+        steps = {g: min(req.step for req in self.pending[g].values()) for g in members}
         max_step = max(steps.values())
         sources = [g for g in members if steps[g] == max_step]
         healers = [g for g in members if steps[g] < max_step]

@@ -67,7 +67,7 @@ def test_calibration_reads_benchmark_files(tmp_path):
     assert cfg.fthsdp.join_stall_s == pytest.approx(0.5)
     assert {k.name: k.ft_detect_s for k in cfg.failures.kinds}["crash"] == 0.0
     # ftrec's sub-second failover leaves mostly the degraded time of the group being replaced
-    res = run(cfg.__class__(**{**cfg.__dict__}), ("fthsdp",), seeds=2)
+    res = run(cfg, ("fthsdp",), seeds=2)
     assert res["fthsdp"]["ett"]["mean"] > 0.9
     assert res["fthsdp"]["stall_per_failure_min"]["mean"] < 0.1
 
@@ -76,3 +76,22 @@ def test_calibration_defaults_when_absent(tmp_path):
     cal = calibration.load(tmp_path)
     assert all(v["source"] == "default" for v in cal["ftcore"].values())
     assert cal["cost_model"]["source"].startswith("default")
+
+
+def test_calibration_ignores_unusable_values(tmp_path):
+    (tmp_path / "ftcore.json").write_text(json.dumps({"failover_s": -1, "heal_s": "fast", "step_overhead": 3}))
+    (tmp_path / "training.json").write_text(json.dumps({"bench": {"step_overhead": 0.04, "step_s": 0.02}}))
+    cal = calibration.load(tmp_path)
+    assert cal["ftcore"]["failover_s"]["source"] == "default"
+    assert cal["ftcore"]["heal_s"]["source"] == "default"
+    assert cal["ftcore"]["step_overhead"] == {"value": 0.04, "source": str(tmp_path / "training.json")}
+    assert cal["step_s"]["value"] == 0.02
+    assert ftrec_config(SimConfig(), cal).fthsdp.step_overhead == 0.04
+
+
+def test_example_config_runs():
+    from ftcore.sim.config import load
+    cfg = load(ROOT / "ftcore" / "sim" / "example.toml", ["job.days=5", "job.seeds=2"])
+    assert cfg.job.gpus == 16384 and cfg.checkpoint.policy == "young_daly"
+    res = run(cfg)
+    assert 0 < res["sync"]["ett"]["mean"] < res["fthsdp"]["ett"]["mean"] < 1

@@ -208,3 +208,11 @@ def test_validate_rejects_bad_kinds():
     from ftcore.sim.config import SimConfigError
     with pytest.raises(SimConfigError, match="failures.kinds"):
         validate(with_(SimConfig(), failures_kinds=[FailureKind("x", 0.0, 1.0)]))
+
+
+def test_fthsdp_can_checkpoint_less_often():
+    cfg = with_(SimConfig(), job_days=5.0, checkpoint_write_s=20.0)
+    same = simulate(cfg, "fthsdp", 0)
+    rare = simulate(with_(cfg, checkpoint_fthsdp_interval_s=3600.0), "fthsdp", 0)
+    assert rare["checkpoint"] < same["checkpoint"] / 10 and rare["ett"] > same["ett"]
+    assert simulate(with_(cfg, checkpoint_fthsdp_interval_s=3600.0), "sync", 0) == simulate(cfg, "sync", 0)

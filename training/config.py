@@ -61,6 +61,7 @@ class TrainConfig:
     max_minutes: float = 0.0       # 0: no wall-clock budget; otherwise stop after it (then test)
     seed: int = 0
     resume: bool = False           # continue from the newest checkpoint under out/checkpoints
+    stop_at_step: int = 0          # leave after committing this step, schedule unchanged (preemption, tests)
     checkpoint_every: int = 500    # steps; 0: only at the end
     keep_checkpoints: int = 2
     eval_every: int = 0            # steps between validations; 0: once per epoch

@@ -473,10 +473,21 @@ def _spare(worker: str) -> int:
     """A warm process: imports done, waits for its group assignment on stdin, then runs."""
     import importlib
 
-    import torch  # noqa: F401  (the point: pay for the import before a failure)
+    import torch  # the point: pay for imports and lazy initialisation before a failure
     mod = importlib.import_module(worker)
     if worker == TRAINER:
         importlib.import_module("training.train")
+    # First use of an optimizer, autograd and gloo pulls in more modules (seconds here).
+    m = torch.nn.Linear(4, 1)
+    opt = torch.optim.AdamW(m.parameters())
+    m(torch.zeros(2, 4)).sum().backward()
+    opt.step()
+    import datetime
+
+    import torch.distributed as dist
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    dist.ProcessGroupGloo(dist.PrefixStore("warm", store), 0, 1, datetime.timedelta(seconds=5))
+    del store
     print("ftrec-spare-ready", flush=True)
     line = sys.stdin.readline()
     if not line:

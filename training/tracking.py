@@ -108,6 +108,7 @@ class Tracker:
             mlflow.set_tracking_uri(self.uri)
             with mlflow.start_run(run_id=run_id):
                 mlflow.pytorch.log_model(model, name="model", pip_requirements=["torch==2.13.0"],
+                                         serialization_format="pickle",  # pt2 needs torch.export of jagged shapes
                                          registered_model_name=name if register else None)
         self._put("model", send)
 

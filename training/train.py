@@ -65,7 +65,9 @@ def train(cfg: Config) -> dict:
     model = SeqRec(shards.num_items, cfg.model).to(topo.device)
     distributed.broadcast_params(model)
     torch.manual_seed(cfg.train.seed + 7919 * (1 + topo.rank))  # dropout differs per rank, like DDP
-    generator = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + topo.rank)  # negatives
+    # Negatives: the same stream on every rank of the group, so the group's step shares one
+    # negative set exactly as one big batch in one process would.
+    generator = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + 17)
     params = list(model.parameters())
     optimizer = build_optimizer(model, cfg.optim)
     steps_total = cfg.train.max_steps or cfg.train.epochs * shards.steps
@@ -96,7 +98,7 @@ def train(cfg: Config) -> dict:
     # ---- the loop ---------------------------------------------------------------------
     window, history = metrics.Window(), metrics.History()
     started = time.perf_counter()
-    stop = False
+    stop, saved = False, -1
     model.train()
     while state.step < steps_total and not stop:
         t_step = time.perf_counter()
@@ -112,10 +114,11 @@ def train(cfg: Config) -> dict:
         if pending is not None:
             t = time.perf_counter()
             pending.wait()
-            wait += time.perf_counter() - t
+            wait = time.perf_counter() - t
         loss = total / counts[0].item()       # / the GROUP's target count: one big batch
         loss.backward()
         t_bwd = time.perf_counter()
+        compute = t_bwd - t_data - wait
         wait += distributed.allreduce_grads(params)
         t = time.perf_counter()
         ft.allreduce([p.grad for p in params])
@@ -141,29 +144,26 @@ def train(cfg: Config) -> dict:
 
         # ---- bookkeeping: metrics, validation, checkpoints (outside step timing) ---------
         window.record(state.step, loss.item(), lr * lr_scale,
-                      compute=(t_bwd - t_data) + (t_end - t_opt), wait=wait, step_time=t_end - t_step,
+                      compute=compute + (t_end - t_opt), wait=wait, step_time=t_end - t_step,
                       data_wait=t_data - t_step, tokens=float(counts[0]), samples=float(counts[1]),
                       padded=float(counts[2]))
         if state.step % cfg.train.log_every == 0 or state.step == steps_total:
             over = cfg.train.max_minutes > 0 and time.perf_counter() - started > 60 * cfg.train.max_minutes
-            per_rank, stop = metrics.gather_times(window, over)
-            if topo.is_main:
-                summary = metrics.summarize(window, per_rank)
-                history.add(window, per_rank)
-                if tracker:
-                    tracker.log_metrics(summary, state.step)
-                log(topo, f"step {state.step}/{steps_total} epoch {cursor.epoch} loss {summary['train/loss']:.4f} "
-                          f"lr {summary['train/lr']:.2e} tok/s {summary['train/tokens_per_s']:.0f} "
-                          f"pad {summary['train/padding_fraction']:.3f} wait {per_rank[:, :, 1].mean():.4f}s")
+            stop = _flush_window(window, history, tracker, state.step, steps_total, cursor.epoch, topo, over)
             window = metrics.Window()
+        if state.step == cfg.train.stop_at_step:
+            stop = True
         if state.step % eval_every == 0 and state.step < steps_total and not stop:
             _validate(model, eval_data, cfg, tracker, state.step, topo)
-        if cfg.train.checkpoint_every and state.step % cfg.train.checkpoint_every == 0 and state.step < steps_total:
-            _save(state, cfg, shards, topo, ckpt_root)
+        if cfg.train.checkpoint_every and state.step % cfg.train.checkpoint_every == 0:
+            final, saved = _save(state, cfg, shards, topo, ckpt_root), state.step
 
     # ---- the end: final checkpoint, test, result.json ----------------------------------
+    if window.steps:  # stopped between two log steps
+        _flush_window(window, history, tracker, state.step, steps_total, cursor.epoch, topo, False)
     loader.close()
-    final = _save(state, cfg, shards, topo, ckpt_root)
+    if saved != state.step:
+        final = _save(state, cfg, shards, topo, ckpt_root)
     result = {}
     if topo.is_main:
         scores = evaluate(model, eval_data, cfg.eval, splits=("valid", "test"))
@@ -181,6 +181,20 @@ def train(cfg: Config) -> dict:
         write_json(os.path.join(out, "result.json"), result)
     distributed.barrier()
     return result
+
+
+def _flush_window(window, history, tracker, step: int, steps_total: int, epoch: int, topo, over: bool) -> bool:
+    """Gather the window's per-rank records (collective), log them from rank 0; True = stop."""
+    per_rank, stop = metrics.gather_times(window, over)
+    if topo.is_main:
+        summary = metrics.summarize(window, per_rank)
+        history.add(window, per_rank)
+        if tracker:
+            tracker.log_metrics(summary, step)
+        log(topo, f"step {step}/{steps_total} epoch {epoch} loss {summary['train/loss']:.4f} "
+                  f"lr {summary['train/lr']:.2e} tok/s {summary['train/tokens_per_s']:.0f} "
+                  f"pad {summary['train/padding_fraction']:.3f} wait {per_rank[:, :, 1].mean():.4f}s")
+    return stop
 
 
 def _brief(scores: dict, split: str) -> str:

@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dim", type=int, default=32)
     p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (pace the run)")
     a = p.parse_args(argv)
+    t_main = time.time()
     torch.set_num_threads(1)
 
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
                               group_pg=dist.group.WORLD if world > 1 else None,
                               faults=manager_mod.faults_from_env())
     ledger = ledger_mod.Ledger(os.path.join(a.out, "ledger"), g, rank)
-    print(f"toy: group {g}/{R} rank {rank}/{K} incarnation {cfg.incarnation} started", flush=True)
+    print(f"toy: group {g}/{R} rank {rank}/{K} incarnation {cfg.incarnation} started (main at {t_main:.3f}, ready at {time.time():.3f})", flush=True)
     try:
         while not sched.done:
             mgr.start_quorum()

@@ -5,7 +5,8 @@ ftcore.sim never imports dataprep or training; it reads what their benchmarks wr
 - bench-results/ftcore.json: `failover_s` (a crashed peer -> the survivors step
   again), `heal_s` (a restarted replica fetches the live state and rejoins),
   `stall_per_failure_s` (what the healthy replicas lose per failure), and, if
-  present, `step_overhead` (fraction of step time the FT step protocol adds);
+  present there or in training.json, `step_overhead` (fraction of step time the
+  FT step protocol adds);
 - bench-results/dataprep.json (or training.json): a cost model {a, b, c0};
 - bench-results/training.json: a per-step time, reported for reference.
 
@@ -85,11 +86,14 @@ def load(bench_dir: Path) -> dict:
     """What ftrec measured (or the defaults), each value with its source."""
     bench_dir = Path(bench_dir)
     out = {"ftcore": {}, "cost_model": None, "step_s": None}
-    ft = _read(bench_dir / "ftcore.json")
+    ft, tr = _read(bench_dir / "ftcore.json"), _read(bench_dir / "training.json")
     for k, default in DEFAULT_FTCORE.items():
-        v = find(ft, k) if ft is not None else None
-        out["ftcore"][k] = {"value": default if v is None else v,
-                            "source": "default" if v is None else str(bench_dir / "ftcore.json")}
+        out["ftcore"][k] = {"value": default, "source": "default"}
+        for name, doc in (("ftcore.json", ft), ("training.json", tr)):
+            v = find(doc, k) if doc is not None else None
+            if v is not None and 0 <= v and (k != "step_overhead" or v < 1):  # else: not a usable measurement
+                out["ftcore"][k] = {"value": v, "source": str(bench_dir / name)}
+                break
     for name in ("training.json", "dataprep.json"):
         cm = find_cost_model(_read(bench_dir / name))
         if cm is not None:
@@ -97,7 +101,6 @@ def load(bench_dir: Path) -> dict:
             break
     else:
         out["cost_model"] = {**DEFAULT_COST, "source": "default (dataprep's fitted default)"}
-    tr = _read(bench_dir / "training.json")
     for k in STEP_KEYS:
         v = find(tr, k) if tr is not None else None
         if v is not None:

@@ -62,6 +62,8 @@ class Checkpoint:
     policy: str = "fixed"          # "fixed" interval_s, or "young_daly" (Daly's optimum from write_s)
     interval_s: float = 240.0      # training time between checkpoints
     write_s: float = 0.0           # blocking part of a checkpoint write (0: fully asynchronous)
+    fthsdp_interval_s: float = 0.0  # FT-HSDP's own interval (it needs checkpoints only when every
+                                    # group is down, so it can write far less often); 0: the same
 
 
 @dataclass

@@ -71,25 +71,24 @@ def lr_scale(policy: str, live: np.ndarray) -> np.ndarray:
 def _recoveries(t, group, detect, n_groups, restart_s, heal_s, load_s, reconfigure_s, queue):
     """Walk the failures in time order. Returns the down intervals (start, end, group)
     and the stalls they trigger (time, duration) for failures of live groups."""
-    until = [-math.inf] * n_groups
-    since = [None] * n_groups
-    starts, ends, groups, st_at, st_dur = [], [], [], [], []
+    until = [-math.inf] * n_groups   # each group is down until then
+    since = [None] * n_groups        # start of its current (or last) down interval
+    down, stalls = [], []            # (start, end, group), (time, duration)
     for ti, gi, di in zip(t.tolist(), group.tolist(), detect.tolist()):
         u = until[gi]
         if u <= ti:  # the group was live: it leaves the job now
             if since[gi] is not None:
-                starts.append(since[gi]), ends.append(u), groups.append(gi)
+                down.append((since[gi], u, gi))
             since[gi] = ti
             if reconfigure_s is not None:
-                st_at.append(ti), st_dur.append(di + reconfigure_s)
+                stalls.append((ti, di + reconfigure_s))
         peer = n_groups > 1 and any(until[j] <= ti for j in range(n_groups) if j != gi)
         rec = di + restart_s + (heal_s if peer else load_s)
         until[gi] = (max(ti, u) if queue else ti) + rec
-    for gi in range(n_groups):
-        if since[gi] is not None:
-            starts.append(since[gi]), ends.append(until[gi]), groups.append(gi)
-    f = lambda x, dt=float: np.asarray(x, dt)  # noqa: E731
-    return f(starts), f(ends), f(groups, np.int64), f(st_at), f(st_dur)
+    down += [(since[g], until[g], g) for g in range(n_groups) if since[g] is not None]
+    d = np.array(down, float).reshape(-1, 3)
+    s = np.array(stalls, float).reshape(-1, 2)
+    return d[:, 0], d[:, 1], d[:, 2].astype(np.int64), s[:, 0], s[:, 1]
 
 
 def _busy(at: np.ndarray, dur: np.ndarray, queue: bool) -> np.ndarray:
@@ -150,6 +149,8 @@ def simulate(cfg: SimConfig, mode: str, seed: int | None = None, fails: Failures
     share = np.clip(1.0 - w_down, 0.0, 1.0)
     value = share if ft.progress == "samples" or mode == "sync" else lr_scale(ft.lr_policy, share)
     tau, write = checkpoint_interval(cfg), cfg.checkpoint.write_s
+    if mode == "fthsdp" and cfg.checkpoint.fthsdp_interval_s > 0:
+        tau = cfg.checkpoint.fthsdp_interval_s
     period = tau + write
     eff = tau / period if period > 0 and math.isfinite(period) else 1.0
     rate = running * value * eff * (1 - overhead)

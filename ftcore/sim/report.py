@@ -94,10 +94,10 @@ SENSITIVITY = [
 ]
 
 
-def sensitivity(base: SimConfig, seeds: int) -> list:
+def sensitivity(base: SimConfig, preset: dict) -> list:
     rows = []
     for label, changes in SENSITIVITY:
-        res = run(validate(with_(base, **changes)), seeds=seeds)
+        res = run(validate(with_(base, **changes))) if changes else preset
         rows.append({"assumption": label, "sync": _ett(res, "sync"), "fthsdp": _ett(res, "fthsdp"),
                      "stall_min": {m: res[m]["stall_per_failure_min"]["mean"] for m in MODES}})
     return rows
@@ -112,7 +112,8 @@ def sweep_groups(cfg: SimConfig, seeds: int) -> list:
         res = run(c, seeds=seeds)
         rows.append({"groups": r, "group_gpus": cfg.job.gpus / r, "sync": _ett(res, "sync"),
                      "fthsdp": _ett(res, "fthsdp"),
-                     "groups_down": res["fthsdp"]["groups_down"]["mean"]})
+                     "fthsdp_degraded": res["fthsdp"]["degraded"]["mean"],
+                     "fthsdp_stalled": res["fthsdp"]["stalled"]["mean"]})
     return rows
 
 
@@ -174,7 +175,7 @@ def build(cfg: SimConfig, bench_dir: Path, shared_dir: Path, sweeps: bool = True
         t1 = time.perf_counter()
         out["sweeps"] = {"seeds": seeds, "scale": sweep_scale(cfg, seeds, cal),
                          "groups": sweep_groups(cfg, seeds), "rate": sweep_rate(cfg, seeds)}
-        out["paper"]["sensitivity"] = sensitivity(paper_cfg, seeds)
+        out["paper"]["sensitivity"] = sensitivity(paper_cfg, paper)
         out["bubbles"] = sweep_bubbles(cfg, cost, source)
         out["seconds"]["sweeps"] = round(time.perf_counter() - t1, 3)
     return out
@@ -226,10 +227,12 @@ def table(rep: dict) -> str:
                          f"{_pct(x['fthsdp']):>14} {_pct(x['fthsdp_fixed_groups']):>14} "
                          f"{_pct(x['fthsdp_ftrec']):>14}")
         lines += ["", f"ETT vs replica-group count at {j['gpus']:,} GPUs:",
-                  f"  {'groups':>6} {'GPUs/group':>10} {'sync':>14} {'FT-HSDP':>14} {'groups down':>12}"]
+                  f"  {'groups':>6} {'GPUs/group':>10} {'sync':>14} {'FT-HSDP':>14} {'FT stalled':>11} "
+                  f"{'FT degraded':>12}"]
         for x in sw["groups"]:
             lines.append(f"  {x['groups']:>6} {x['group_gpus']:>10,.0f} {_pct(x['sync']):>14} "
-                         f"{_pct(x['fthsdp']):>14} {x['groups_down']:>12.2f}")
+                         f"{_pct(x['fthsdp']):>14} {100 * x['fthsdp_stalled']:>10.1f}% "
+                         f"{100 * x['fthsdp_degraded']:>11.1f}%")
         lines += ["", f"ETT vs failure rate at {j['gpus']:,} GPUs:",
                   f"  {'MTBF min':>9} {'per day':>8} {'sync':>14} {'FT-HSDP':>14}"]
         for x in sw["rate"]:

@@ -20,6 +20,7 @@ out, and links the task to its MLflow run and lighthouse status page.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from airflow.sdk import Asset
@@ -27,7 +28,7 @@ from airflow.sdk.bases.decorator import DecoratedOperator, determine_kwargs, tas
 from airflow.sdk.definitions.context import context_merge
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
-from ftrec_airflow import runner, settings, steps, tracking
+from ftrec_airflow import lighthouse, runner, settings, steps, tracking
 from ftrec_airflow.links import LighthouseLink, MLflowRunLink
 
 
@@ -84,9 +85,12 @@ class FaultTolerantTrainOperator(DecoratedOperator):
         self.mlflow_run_url = tracking.run_url(exp_id, run_id)
         ti.xcom_push(key="mlflow_run_id", value=run_id)  # visible while training runs
         self.log.info("MLflow run %s (%s), store %s", run_id, self.mlflow_run_url, uri)
+        watcher = lighthouse.Watcher(settings.run_folder(ti.dag_id, ti.run_id),
+                                     token_file=Path(spec.out) / "token")  # the launcher's shared token
         try:
-            result = steps.train(spec, run_id, uri, logger=self.log,
-                                 command_hook=lambda c: setattr(self, "_command", c))
+            with watcher:
+                result = steps.train(spec, run_id, uri, logger=self.log, on_line=watcher.see,
+                                     command_hook=lambda c: setattr(self, "_command", c))
         except steps.UserError as e:
             raise AirflowFailException(str(e)) from None
         except runner.CommandFailed as e:

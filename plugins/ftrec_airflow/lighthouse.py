@@ -36,7 +36,9 @@ def address_in(line: str) -> str | None:
     return addr if addr.startswith("http") else f"http://{addr}"
 
 
-def _token() -> str | None:
+def _token(token_file: str | Path | None = None) -> str | None:
+    if token_file and Path(token_file).is_file():
+        return Path(token_file).read_text().strip() or None
     if os.environ.get("FTCORE_TOKEN"):
         return os.environ["FTCORE_TOKEN"]
     path = os.environ.get("FTCORE_TOKEN_FILE")
@@ -45,20 +47,22 @@ def _token() -> str | None:
     return None
 
 
-def fetch_status(url: str, timeout: float = FETCH_TIMEOUT_S) -> dict[str, Any]:
+def fetch_status(url: str, timeout: float = FETCH_TIMEOUT_S, token_file: str | Path | None = None) -> dict[str, Any]:
     """GET <url>/status with the shared token; raises OSError when it does not answer."""
     req = urllib.request.Request(url.rstrip("/") + "/status")
-    token = _token()
+    token = _token(token_file)
     if token:
         req.add_header("Authorization", f"Bearer {token}")
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         return json.loads(resp.read().decode())
 
 
-def write_snapshot(run_dir: Path, url: str, status: dict | None, error: str = "") -> None:
+def write_snapshot(run_dir: Path, url: str, status: dict | None, error: str = "",
+                   token_file: str | Path | None = None) -> None:
     path = Path(run_dir) / SNAPSHOT
     path.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"url": url, "fetched_at": time.time(), "status": status, "error": error}
+    doc = {"url": url, "fetched_at": time.time(), "status": status, "error": error,
+           "token_file": str(token_file) if token_file else None}
     if status is None and path.exists():  # keep the last good status, note the error
         try:
             old = json.loads(path.read_text())
@@ -82,8 +86,9 @@ class Watcher:
     """Polls the lighthouse in a daemon thread while training runs; `see(line)` takes the
     launcher's output lines and picks up the lighthouse's address from them."""
 
-    def __init__(self, run_dir: Path, url: str = ""):
+    def __init__(self, run_dir: Path, url: str = "", token_file: str | Path | None = None):
         self.run_dir = Path(run_dir)
+        self.token_file = token_file
         self.url = url or settings.lighthouse_url()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="ftrec-lighthouse-watch", daemon=True)
@@ -96,9 +101,10 @@ class Watcher:
         if not self.url:
             return
         try:
-            write_snapshot(self.run_dir, self.url, fetch_status(self.url))
+            status = fetch_status(self.url, token_file=self.token_file)
+            write_snapshot(self.run_dir, self.url, status, token_file=self.token_file)
         except (OSError, ValueError) as e:
-            write_snapshot(self.run_dir, self.url, None, error=str(e))
+            write_snapshot(self.run_dir, self.url, None, error=str(e), token_file=self.token_file)
 
     def _loop(self) -> None:
         while not self._stop.wait(POLL_S):

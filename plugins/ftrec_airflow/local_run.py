@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ftrec_airflow import settings
+from ftrec_airflow import runner, settings
 
 SUMMARY = "last_run.json"
 MIGRATE_TIMEOUT_S = 600
@@ -126,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dag", default="ftrec_train")
     p.add_argument("--conf", default="{}", help="DAG run conf as JSON")
     p.add_argument("--set", action="append", default=[], metavar="PARAM=VALUE", help="one DAG param")
+    p.add_argument("--timeout", type=float, default=float(os.environ.get("FTREC_RUN_TIMEOUT_S", 7200)),
+                   help="give up on the DAG run after this many seconds (default 7200)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     try:
@@ -152,8 +154,19 @@ def main(argv: list[str] | None = None) -> int:
         print("error: airflow db migrate failed (output above)", file=sys.stderr)
         return 1
     summary_path.unlink(missing_ok=True)
-    rc = subprocess.call([sys.executable, "-m", "ftrec_airflow.local_run", "--child", "--work", str(work),
-                          "--dag", a.dag, "--conf", json.dumps(conf)], env=env)
+    # The child gets its own process group, so a timeout or Ctrl-C ends all it started.
+    proc = subprocess.Popen([sys.executable, "-m", "ftrec_airflow.local_run", "--child", "--work", str(work),
+                             "--dag", a.dag, "--conf", json.dumps(conf)], env=env, start_new_session=True)
+    try:
+        rc = proc.wait(timeout=a.timeout)
+    except (subprocess.TimeoutExpired, KeyboardInterrupt) as e:
+        runner.stop_group(proc)
+        if isinstance(e, KeyboardInterrupt):
+            return 130
+        print(f"error: the DAG run took longer than --timeout {a.timeout:.0f} s; stopped it", file=sys.stderr)
+        return 1
+    finally:
+        runner.stop_group(proc)
     if not summary_path.exists():
         print(f"error: the DAG run did not complete (exit code {rc}); see the output above", file=sys.stderr)
         return rc or 1

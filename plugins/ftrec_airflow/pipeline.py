@@ -10,6 +10,7 @@ is and the task's retries apply.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from airflow.sdk.exceptions import AirflowFailException
 from ftrec_airflow import settings, steps
 
 GATE_METRIC = "test/sampled/ndcg@10"
+log = logging.getLogger(__name__)
 
 
 def params(**defaults: Any) -> dict[str, Param]:
@@ -112,24 +114,31 @@ def verify_shards(shards: dict) -> dict[str, Any]:
     return _user_errors(steps.verify_shards, shards["path"])
 
 
-def train_spec(p: dict, shards: dict, *, init_checkpoint: str = "", out_name: str = "train") -> steps.TrainSpec:
+def train_spec(p: dict, shards: dict, *, base: dict | None = None) -> steps.TrainSpec:
+    """What to train; `base` (from base_model) warm-starts from an earlier model."""
     r, k, _ = topology(p)
     plan = p.get("fault_plan") or ""
+    overrides = list(p.get("train_overrides") or []) + [f"train.seed={int(p['seed'])}"]
+    if base and base.get("checkpoint"):
+        setting = warm_start_setting()
+        if setting:
+            overrides.append(f"{setting}={base['checkpoint']}")
+        else:
+            log.warning("the trainer has no warm-start setting: training from scratch, not from version %s",
+                        base.get("version"))
     return steps.TrainSpec(
-        shards=shards["path"], out=str(run_dir() / out_name), replica_groups=r, ranks_per_group=k,
+        shards=shards["path"], out=str(run_dir() / "train"), replica_groups=r, ranks_per_group=k,
         fault_plan=plan if isinstance(plan, str) else json.dumps(plan),
         max_steps=int(p["max_steps"]), epochs=int(p["epochs"]), experiment=p["mlflow_experiment"],
-        init_checkpoint=init_checkpoint, overrides=list(p.get("train_overrides") or []) + [f"train.seed={int(p['seed'])}"])
+        overrides=overrides)
 
 
 def evaluate(trained: dict) -> dict[str, Any]:
     """Evaluate the trained checkpoint; the metrics go on the training's MLflow run as eval/..."""
     from ftrec_airflow import tracking
     out = run_dir() / "eval.json"
-    fresh = not out.exists()
     metrics = _user_errors(steps.evaluate, trained["checkpoint"], trained["shards"], str(out))
-    if fresh:
-        tracking.log_metrics(trained["mlflow_run_id"], metrics, prefix="eval/", tracking_uri=trained["tracking_uri"])
+    tracking.log_metrics(trained["mlflow_run_id"], metrics, prefix="eval/", tracking_uri=trained["tracking_uri"])
     return {"mlflow_run_id": trained["mlflow_run_id"], "metrics": metrics}
 
 
@@ -146,3 +155,66 @@ def register_model(p: dict, trained: dict, evaluation: dict) -> dict[str, Any]:
             "airflow.dag_id": ctx["ti"].dag_id, "airflow.run_id": ctx["run_id"]}
     return tracking.register(trained["mlflow_run_id"], p["model_name"], tags=tags,
                              tracking_uri=trained["tracking_uri"])
+
+
+# ---------------------------------------------------------------- ftrec_retrain
+
+def new_data_source(p: dict) -> tuple[str, str]:
+    """(source, format): the newest triggering Asset event's {"path", "format"} extra when
+    the run was triggered by new interaction data, else the params."""
+    ctx = get_current_context()
+    events = ctx.get("triggering_asset_events") or {}
+    for _asset, evs in events.items():
+        for ev in reversed(list(evs)):
+            extra = getattr(ev, "extra", None) or {}
+            if extra.get("path"):
+                return extra["path"], extra.get("format", p["data_format"])
+    return p["data_source"], p["data_format"]
+
+
+def ingest_new_data(p: dict) -> dict[str, Any]:
+    source, fmt = new_data_source(p)
+    return ingest_validate({**p, "data_source": source, "data_format": fmt})
+
+
+def base_model(p: dict) -> dict[str, Any]:
+    """The newest registered version of the model and its checkpoint; {} when there is
+    none (the first retrain then trains from scratch)."""
+    from ftrec_airflow import tracking
+    latest = tracking.latest_version(p["model_name"])
+    if not latest:
+        return {}
+    ckpt = latest["tags"].get(tracking.CHECKPOINT_TAG, "")
+    return {"version": latest["version"], "run_id": latest["run_id"],
+            "checkpoint": ckpt if ckpt and Path(ckpt).exists() else ""}
+
+
+def warm_start_setting() -> str:
+    """The trainer setting that loads an earlier model's weights, or "" if this trainer
+    has none (then retraining starts from scratch, and says so)."""
+    import dataclasses
+
+    from training.config import TrainConfig
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    return next((f"train.{n}" for n in ("init_checkpoint", "init_from") if n in names), "")
+
+
+# ---------------------------------------------------------------- ftrec_chaos_drill
+
+def judge_drill(p: dict, trained: dict, max_stall_s: float) -> dict[str, Any]:
+    """Fail unless MLflow shows the recovery, survivors kept committing and the final
+    replicas are identical (ftrec_airflow.chaos)."""
+    from ftrec_airflow import chaos, tracking
+    timeline_path = Path(trained["out"]) / "timeline.json"
+    if not timeline_path.exists():
+        raise AirflowFailException(f"{timeline_path} is missing: the drill needs the ftcore launcher's timeline")
+    timeline = json.loads(timeline_path.read_text())
+    c = tracking.client(trained["tracking_uri"])
+    metrics = dict(c.get_run(trained["mlflow_run_id"]).data.metrics)
+    artifacts = [a.path for a in c.list_artifacts(trained["mlflow_run_id"])]
+    plan = chaos.load_plan(trained["fault_plan"] or "{}")
+    verdict = chaos.judge(timeline, metrics, plan, replica_groups=int(trained["replica_groups"]),
+                          max_stall_s=max_stall_s, artifacts=artifacts)
+    if not verdict.ok:
+        raise AirflowFailException("chaos drill failed: " + "; ".join(verdict.problems))
+    return {"ok": True, **verdict.facts}

@@ -82,7 +82,8 @@ class Command:
     else (an operator's `on_kill`) must be able to stop it from another frame."""
 
     def __init__(self, cmd: Sequence[str], *, env: dict[str, str] | None = None,
-                 cwd: str | None = None, logger: logging.Logger | None = None):
+                 cwd: str | None = None, logger: logging.Logger | None = None, on_line=None):
+        self.on_line = on_line  # called with every output line (e.g. to spot an address)
         self.cmd = [str(c) for c in cmd]
         self.env = env
         self.cwd = cwd
@@ -96,6 +97,11 @@ class Command:
             line = line.rstrip("\n")
             self.tail.append(line)
             self.log.info("%s", line)
+            if self.on_line is not None:
+                try:
+                    self.on_line(line)
+                except Exception:  # a watcher's bug must not stop the log pump
+                    self.log.exception("on_line callback failed")
 
     def stop(self) -> None:
         if self.proc is not None:

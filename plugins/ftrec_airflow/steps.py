@@ -166,7 +166,6 @@ class TrainSpec:
     experiment: str = settings.DEFAULT_EXPERIMENT
     run_name: str = ""
     run_key: str = ""             # identifies the Airflow task's run: a retry finds the same MLflow run
-    init_checkpoint: str = ""     # warm start (retrain): weights of an earlier model
     overrides: list[str] = field(default_factory=list)
     timeout_s: float | None = None
 
@@ -204,9 +203,7 @@ def train_command(spec: TrainSpec, run_id: str, tracking_uri: str) -> list[str]:
         sets.append(f"train.max_steps={spec.max_steps}")
     if spec.epochs:
         sets.append(f"train.epochs={spec.epochs}")
-    if spec.init_checkpoint:
-        sets.append(f"train.init_checkpoint={spec.init_checkpoint}")
-    if any((out / "checkpoints").glob("step-*")):
+    if any(out.glob("checkpoints/step-*")) or any(out.glob("replica_*/checkpoints/step-*")):
         sets.append("train.resume=true")  # a retry continues from its last checkpoint
     sets += list(spec.overrides)
     if USE_LAUNCHER:
@@ -216,6 +213,7 @@ def train_command(spec: TrainSpec, run_id: str, tracking_uri: str) -> list[str]:
         plan = _fault_plan_file(spec)
         if plan:
             cmd += ["--faults", plan]
+        cmd.append("--")  # what follows goes to every rank's trainer
     else:
         if spec.replica_groups * spec.ranks_per_group != 1 or spec.fault_plan:
             raise UserError("this install trains one replica group of one rank (no launcher); "
@@ -226,12 +224,19 @@ def train_command(spec: TrainSpec, run_id: str, tracking_uri: str) -> list[str]:
     return cmd
 
 
+def trainer_out(out: str | Path) -> Path:
+    """Where the trainer of replica group 0 writes (checkpoints/, result.json): the
+    launcher gives each group OUT/replica_<g>/."""
+    return Path(out) / "replica_0" if USE_LAUNCHER else Path(out)
+
+
 def read_result(out: str | Path) -> dict[str, Any] | None:
-    path = Path(out) / "result.json"
+    path = trainer_out(out) / "result.json"
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def train(spec: TrainSpec, run_id: str, tracking_uri: str, *, command_hook=None, logger=None) -> dict[str, Any]:
+def train(spec: TrainSpec, run_id: str, tracking_uri: str, *, command_hook=None, logger=None,
+          on_line=None) -> dict[str, Any]:
     """Run training into `spec.out` on MLflow run `run_id`; return the trainer's result.json.
 
     Idempotent: a finished result for the same MLflow run is returned as is; a run that
@@ -241,14 +246,14 @@ def train(spec: TrainSpec, run_id: str, tracking_uri: str, *, command_hook=None,
     if done and done.get("mlflow_run_id") == run_id:
         return {**done, "reused": True}
     Path(spec.out).mkdir(parents=True, exist_ok=True)
-    cmd = runner.Command(train_command(spec, run_id, tracking_uri), logger=logger,
+    cmd = runner.Command(train_command(spec, run_id, tracking_uri), logger=logger, on_line=on_line,
                          env={**os.environ, "MLFLOW_TRACKING_URI": tracking_uri})
     if command_hook:
         command_hook(cmd)
     cmd.run(spec.timeout_s)
     result = read_result(spec.out)
     if result is None:
-        raise RuntimeError(f"training exited 0 but wrote no {Path(spec.out) / 'result.json'}")
+        raise RuntimeError(f"training exited 0 but wrote no {trainer_out(spec.out) / 'result.json'}")
     return {**result, "reused": False}
 
 

@@ -7,6 +7,7 @@ task resumes it instead of opening a second one), add evaluation metrics and reg
 mlflow is imported inside the functions: DAG files import this module at parse time.
 """
 
+import re
 import time
 from typing import Any
 
@@ -54,11 +55,20 @@ def run_url(experiment_id: str, run_id: str) -> str:
     return f"{settings.mlflow_ui()}/#/experiments/{experiment_id}/runs/{run_id}"
 
 
+def metric_key(name: str) -> str:
+    """An MLflow-legal metric name: MLflow refuses '@', which ranking metrics use (hr@10)."""
+    return re.sub(r"[^A-Za-z0-9_\-. :/]", "_", name.replace("@", "_at_"))
+
+
 def log_metrics(run_id: str, metrics: dict[str, float], *, prefix: str = "",
                 tracking_uri: str | None = None) -> None:
+    """Log `metrics` on the run once: metrics the run already has are not logged again,
+    so a retried task adds nothing."""
     from mlflow.entities import Metric
+    have = run_metrics(run_id, tracking_uri)
     now = int(time.time() * 1000)
-    batch = [Metric(prefix + k, float(v), now, 0) for k, v in metrics.items()]
+    batch = [Metric(metric_key(prefix + k), float(v), now, 0) for k, v in metrics.items()
+             if metric_key(prefix + k) not in have]
     if batch:
         client(tracking_uri).log_batch(run_id, metrics=batch)
 

@@ -164,79 +164,106 @@ def _features(seqs: list[np.ndarray], cfg: RunConfig, step: int, fused: bool) ->
 STAGES = {"history": Stage.HISTORY, "targets": Stage.CANDIDATE, "negatives": Stage.NEGATIVE, "all": Stage.HISTORY}
 
 
-def run_training(rank: int, world_size: int, cfg_dict: dict) -> dict:
-    """One rank of a pipelined training run; returns losses, a weight digest, bubble figures."""
-    cfg = RunConfig(**cfg_dict)
-    fused = cfg.policy == "overlapped" if cfg.fused is None else cfg.fused
-    torch.manual_seed(cfg.seed)
-    transport = make_transport(TransportConfig(kind=cfg.transport))
-    timeline = Timeline(rank)
-    sched = CommScheduler(cfg.policy, timeline)
-    emb = ShardedEmbedding(cfg.num_items + 1, cfg.dim, transport, seed=cfg.seed, padding_idx=0)
-    model = CommModel(cfg.dim, cfg.d_model, cfg.layers, cfg.heads)
-    pipe = EmbeddingPipeline(emb, sched, STAGES)
-    dense = list(model.parameters())
-    opt = torch.optim.SGD(dense + [emb.weight], lr=cfg.lr)
-    steps = make_steps(cfg, world_size)
-    tokens = [sum(len(s) - 1 for r in st for s in r) for st in steps]  # global count: loss normalizer
-    nsteps = min(cfg.steps, len(steps))
-    cur = pipe.prefetch(_features(steps[0][rank], cfg, 0, fused))
-    losses = []
-    for i in range(nsteps):
+class PipelinedRun:
+    """One rank of a pipelined training run of CommModel over a sharded item table."""
+
+    def __init__(self, rank: int, world_size: int, cfg: RunConfig):
+        self.rank, self.cfg = rank, cfg
+        self.fused = cfg.policy == "overlapped" if cfg.fused is None else cfg.fused
+        torch.manual_seed(cfg.seed)
+        self.transport = make_transport(TransportConfig(kind=cfg.transport))
+        self.timeline = Timeline(rank)
+        self.sched = CommScheduler(cfg.policy, self.timeline)
+        self.emb = ShardedEmbedding(cfg.num_items + 1, cfg.dim, self.transport, seed=cfg.seed, padding_idx=0)
+        self.model = CommModel(cfg.dim, cfg.d_model, cfg.layers, cfg.heads)
+        self.pipe = EmbeddingPipeline(self.emb, self.sched, STAGES)
+        self.dense = list(self.model.parameters())
+        self.opt = torch.optim.SGD(self.dense + [self.emb.weight], lr=cfg.lr)
+        self.steps = make_steps(cfg, world_size)
+        self.tokens = [sum(len(s) - 1 for r in st for s in r) for st in self.steps]  # global loss normalizer
+        self.nsteps = min(cfg.steps, len(self.steps))
+        self.cur = self.pipe.prefetch(self._features(0))
+        self.losses: list[float] = []
+
+    def _features(self, i):
+        return _features(self.steps[i][self.rank], self.cfg, i, self.fused)
+
+    def step(self, i: int):
+        tl, sched, pipe, transport = self.timeline, self.sched, self.pipe, self.transport
         sched.step = i
-        timeline.step_begin(i)
-        mine = steps[i][rank]
-        nxt = pipe.prefetch(_features(steps[i + 1][rank], cfg, i + 1, fused)) if i + 1 < nsteps else None
-        lk = pipe.lookups(cur)
+        tl.step_begin(i)
+        mine = self.steps[i][self.rank]
+        nxt = pipe.prefetch(self._features(i + 1)) if i + 1 < self.nsteps else None
+        lk = pipe.lookups(self.cur)
         sched.flush()
-        with timeline.compute("forward"):
+        with tl.compute("forward"):
             lengths = [len(s) - 1 for s in mine]
             T = sum(lengths)
-            if fused:
+            if self.fused:
                 allx = pipe.get(lk, "all")
                 h, pos, neg = allx[:T], allx[T:2 * T], allx[2 * T:]
             else:
                 h = pipe.get(lk, "history")
-            x = model(h, lengths)
-            if not fused:
+            x = self.model(h, lengths)
+            if not self.fused:
                 pos = pipe.get(lk, "targets")
                 neg = pipe.get(lk, "negatives")
             logits = torch.cat([(x * pos).sum(-1, keepdim=True), x @ neg.T], dim=1)
-            loss = F.cross_entropy(logits, torch.zeros(T, dtype=torch.long), reduction="sum") / tokens[i]
-        with timeline.compute("backward"):
+            loss = F.cross_entropy(logits, torch.zeros(T, dtype=torch.long), reduction="sum") / self.tokens[i]
+        with tl.compute("backward"):
             loss.backward()
-        flat = torch.cat([p.grad.reshape(-1) for p in dense])
-        dense_op = sched.submit("dense_grad", Stage.DENSE_GRAD, lambda f=flat: transport.all_reduce(f).wait())
+        flat = torch.cat([p.grad.reshape(-1) for p in self.dense])
+        dense_op = sched.submit("dense_grad", Stage.DENSE_GRAD, lambda: transport.all_reduce(flat).wait())
         sched.flush()
         pipe.finish_grads()
         sched.wait(dense_op)
-        with timeline.compute("optimizer"):
+        with tl.compute("optimizer"):
             o = 0
-            for p in dense:
+            for p in self.dense:
                 p.grad.copy_(flat[o:o + p.numel()].view_as(p.grad))
                 o += p.numel()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        timeline.step_end()
-        losses.append(loss.item())
-        cur = nxt
-    arrivals = max_arrivals(sched)
-    accts = [a for a in account(timeline.steps, rank, arrivals) if a.step >= cfg.warmup]
-    digest = float(sum(p.detach().double().sum() for p in dense)) + float(emb.weight.detach().double().sum())
-    exposed = {}
-    for r in sched.records():
-        if r["step"] >= cfg.warmup:
-            exposed[r["name"]] = exposed.get(r["name"], 0.0) + r["exposed"]
-    n = max(1, nsteps - cfg.warmup)
-    out = {"losses": losses, "digest": digest, "transport": transport.name,
-           "accounts": [asdict(a) for a in accts], "metrics": metrics(accts),
-           "exposed_per_step": {k: v / n for k, v in exposed.items()},
-           "records": sched.records(), "timeline": timeline.to_json(), "arrivals": arrivals,
-           "weight_shard": emb.weight.detach().clone(),
-           "dense": [p.detach().clone() for p in dense]}
-    sched.close()
-    transport.close()
-    return out
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+        tl.step_end()
+        self.losses.append(loss.item())
+        self.cur = nxt
+
+    def result(self) -> dict:
+        """Collective (arrival times): call on every rank with no op in flight."""
+        cfg, sched, emb = self.cfg, self.sched, self.emb
+        arrivals = max_arrivals(sched)
+        accts = [a for a in account(self.timeline.steps, self.rank, arrivals) if a.step >= cfg.warmup]
+        digest = float(sum(p.detach().double().sum() for p in self.dense)) + float(emb.weight.detach().double().sum())
+        exposed = {}
+        for r in sched.records():
+            if r["step"] >= cfg.warmup:
+                exposed[r["name"]] = exposed.get(r["name"], 0.0) + r["exposed"]
+        n = max(1, self.nsteps - cfg.warmup)
+        out = {"losses": self.losses, "digest": digest, "transport": self.transport.name,
+               "accounts": [asdict(a) for a in accts], "metrics": metrics(accts),
+               "exposed_per_step": {k: v / n for k, v in exposed.items()},
+               "records": sched.records(), "timeline": self.timeline.to_json(), "arrivals": arrivals,
+               "weight_shard": emb.weight.detach().clone(),
+               "dense": [p.detach().clone() for p in self.dense]}
+        sched.close()
+        self.transport.close()
+        return out
+
+
+def run_training(rank: int, world_size: int, cfg_dict: dict) -> dict:
+    """One rank of one run; returns losses, weights, timeline and bubble figures."""
+    return run_interleaved(rank, world_size, [cfg_dict])[0]
+
+
+def run_interleaved(rank: int, world_size: int, cfg_dicts: list[dict]) -> list[dict]:
+    """Several runs in the same processes, their steps interleaved round-robin, so that the
+    noise of a shared machine falls on every configuration alike (side by side)."""
+    runs = [PipelinedRun(rank, world_size, RunConfig(**c)) for c in cfg_dicts]
+    for i in range(max(r.nsteps for r in runs)):
+        for r in runs:
+            if i < r.nsteps:
+                r.step(i)
+    return [r.result() for r in runs]
 
 
 def summarize(results: list[dict]) -> dict:

@@ -1,0 +1,103 @@
+"""The chaos drill's verdict: did fault-tolerant training survive the fault plan?
+
+Reads what the launcher leaves in its output folder (timeline.json: launcher and
+lighthouse events, every rank's step attempts, each group's final-state checksum) and
+the recovery metrics it logged on the MLflow run (ft/...), and checks three claims:
+
+1. MLflow shows the recovery: failures detected, quorum changes, heals (for the kinds
+   of faults the plan injects), and the timeline artifact;
+2. the survivors (groups no fault targets) never stopped committing: their committed
+   steps are 1, 2, 3, ... without a hole, and no gap between two commits is longer
+   than `max_stall_s`;
+3. every replica group ended with the same parameters and optimizer state.
+"""
+
+import json
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DEFAULT_PLAN = {"faults": [{"kind": "kill", "group": 1, "at_step": 6},
+                           {"kind": "kill_lighthouse", "at_step": 14, "duration_s": 1}]}
+GROUP_FAULTS = ("kill", "stop", "raise", "slow")
+
+
+class DrillFailed(Exception):
+    """The drill's claims do not hold; the message lists every one that failed."""
+
+
+def load_plan(plan: str | dict) -> dict:
+    if isinstance(plan, dict):
+        return plan
+    text = plan.strip()
+    if text.startswith("{"):
+        return json.loads(text)
+    path = Path(text)
+    return tomllib.loads(path.read_text()) if path.suffix == ".toml" else json.loads(path.read_text())
+
+
+def faulted_groups(plan: dict) -> set[int]:
+    return {int(f["group"]) for f in plan.get("faults", []) if f.get("kind") in GROUP_FAULTS and "group" in f}
+
+
+@dataclass
+class Verdict:
+    ok: bool
+    problems: list[str] = field(default_factory=list)
+    facts: dict[str, Any] = field(default_factory=dict)
+
+
+def judge(timeline: dict, run_metrics: dict[str, float], plan: dict, *, replica_groups: int,
+          max_stall_s: float, artifacts: list[str] | None = None) -> Verdict:
+    problems: list[str] = []
+    kinds = {f.get("kind") for f in plan.get("faults", [])}
+    faulted = faulted_groups(plan)
+
+    # 1. recovery in MLflow
+    def metric(name: str) -> float:
+        return float(run_metrics.get(f"ft/{name}", 0.0))
+    if "ft/failures_detected" not in run_metrics:
+        problems.append("MLflow run has no ft/* recovery metrics (the launcher did not log them)")
+    else:
+        if kinds & {"kill", "stop"} and metric("failures_detected") < 1:
+            problems.append("MLflow ft/failures_detected = 0 although the plan kills or stops a group")
+        if kinds & {"kill", "stop", "raise", "kill_lighthouse"} and metric("quorum_changes") < 1:
+            problems.append("MLflow ft/quorum_changes = 0 although the plan injects faults")
+        if "kill" in kinds and metric("heals") < 1:
+            problems.append("MLflow ft/heals = 0 although the plan kills a group (it never caught up)")
+    if artifacts is not None and not any(a.endswith("timeline.json") for a in artifacts):
+        problems.append("MLflow run has no timeline.json artifact")
+
+    # 2. survivors kept committing
+    survivors = [g for g in range(replica_groups) if g not in faulted]
+    stalls = {}
+    for g in survivors:
+        commits = sorted((r for r in timeline.get("steps", [])
+                          if r.get("group") == g and r.get("rank", 0) == 0 and r.get("committed")),
+                         key=lambda r: r["t"])
+        steps = [r["step"] for r in commits]
+        if not steps:
+            problems.append(f"survivor group {g} committed no step")
+            continue
+        holes = [b for a, b in zip(steps, steps[1:]) if b != a + 1]
+        if holes:
+            problems.append(f"survivor group {g} skipped or repeated steps (jumps to {holes[:5]})")
+        gaps = [b["t"] - a["t"] for a, b in zip(commits, commits[1:])]
+        stalls[g] = max(gaps, default=0.0)
+        if stalls[g] > max_stall_s:
+            problems.append(f"survivor group {g} stalled {stalls[g]:.1f} s between commits (limit {max_stall_s} s)")
+
+    # 3. identical final replicas
+    sums = timeline.get("checksums", {})
+    if len(sums) < replica_groups:
+        problems.append(f"only {len(sums)} of {replica_groups} replica groups wrote a final state")
+    elif len(set(sums.values())) != 1:
+        problems.append(f"final replicas differ: {sums}")
+    if timeline.get("exit_code", 1) != 0:
+        problems.append(f"the launcher exited with {timeline.get('exit_code')}")
+
+    facts = {"survivors": survivors, "faulted": sorted(faulted), "max_commit_gap_s": stalls,
+             "checksums": sums, "summary": timeline.get("summary", {}),
+             "recovery_metrics": {k: v for k, v in run_metrics.items() if k.startswith("ft/")}}
+    return Verdict(not problems, problems, facts)

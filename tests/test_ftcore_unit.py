@@ -1,0 +1,341 @@
+"""ftcore pieces in one process: tensor files, the make-up schedule, the ledger, fault plans,
+the lighthouse's quorum rules over real HTTP, the heal server, and FTAR over real gloo
+groups (one thread per replica group)."""
+
+import datetime
+import json
+import random
+import threading
+import time
+import urllib.request
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ftcore import faults, heal, ledger, tensorfile
+from ftcore.ftar import FTARError, ftar
+from ftcore.lighthouse import LighthouseConfig, serve
+from ftcore.lighthouse_client import LighthouseClient, call
+from ftcore.schedule import MakeupSchedule
+
+
+# ---- tensor files ------------------------------------------------------------------------
+def test_tensorfile_roundtrip_model_optimizer_and_rng(tmp_path):
+    m = torch.nn.Linear(5, 3)
+    opt = torch.optim.AdamW(m.parameters())
+    m(torch.randn(2, 5)).sum().backward()
+    opt.step()
+    tree = {"model": m.state_dict(), "opt": opt.state_dict(), "rng": torch.get_rng_state(),
+            "misc": (1, 2.5, None, "x", [True, b"\x00\x01"]), "bf16": torch.ones(3, dtype=torch.bfloat16),
+            "empty": torch.empty(0, 4), "scalar": torch.tensor(7, dtype=torch.int64)}
+    path = tmp_path / "s.safetensors"
+    tensorfile.save(tree, str(path), {"step": "3"})
+    back, meta = tensorfile.read(open(path, "rb"))
+    assert meta == {"step": "3"}
+    assert back["misc"] == tree["misc"]
+    assert back["opt"]["param_groups"] == tree["opt"]["param_groups"]
+    for k, v in tree["model"].items():
+        assert torch.equal(back["model"][k], v)
+    assert torch.equal(back["rng"], tree["rng"]) and back["bf16"].dtype == torch.bfloat16
+    assert back["empty"].shape == (0, 4) and int(back["scalar"]) == 7
+    opt2 = torch.optim.AdamW(m.parameters())
+    opt2.load_state_dict(back["opt"])  # loads into a real optimizer
+
+
+def test_tensorfile_is_safetensors_layout():
+    raw = tensorfile.dumps({"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)})
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    assert header["w"] == {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]}
+    assert (8 + n) % 8 == 0
+    assert torch.equal(torch.frombuffer(bytearray(raw[8 + n:]), dtype=torch.float32), torch.arange(6.0))
+
+
+def test_tensorfile_refuses_non_tensor_objects_and_garbage():
+    with pytest.raises(TypeError, match="cannot store"):
+        tensorfile.dumps({"f": object()})
+    with pytest.raises(tensorfile.FormatError):
+        tensorfile.loads(b"\x05\x00\x00\x00\x00\x00\x00\x00{bad}")
+
+
+# ---- schedule and ledger ---------------------------------------------------------------------
+def _simulate(steps, groups, epochs, down_prob, seed):
+    """Drive the schedule through random outages; return the committed (epoch, rg, contributors)."""
+    rnd = random.Random(seed)
+    s = MakeupSchedule(steps, groups, epochs, seed=seed)
+    log, n = [], 0
+    while not s.done:
+        n += 1
+        assert n < 10_000, "schedule never finished"
+        live = {g for g in range(groups) if rnd.random() > down_prob} or {rnd.randrange(groups)}
+        pos = s.position(live)
+        if pos is None:
+            continue
+        contributors = {g for g in live if s.works(pos, g)}
+        if not contributors:
+            continue
+        s.commit(pos, contributors)
+        log.append((pos.epoch, pos.row_group, contributors, pos.kind))
+    return log
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_schedule_trains_every_bucket_exactly_once_per_epoch(seed):
+    steps, groups, epochs = 7, 3, 2
+    log = _simulate(steps, groups, epochs, down_prob=0.3, seed=seed)
+    for e in range(epochs):
+        seen = [(g, rg) for (ep, rg, cs, _) in log if ep == e for g in cs]
+        assert sorted(seen) == sorted((g, rg) for g in range(groups) for rg in range(steps))
+    # a make-up step trains one row group only: every contributor trains the same bucket
+    assert all(kind in ("regular", "makeup") for *_, kind in log)
+
+
+def test_schedule_without_failures_has_no_makeup_steps_and_survives_state_roundtrip():
+    s = MakeupSchedule(4, 2, 2, seed=1)
+    t = MakeupSchedule(4, 2, 2, seed=1)
+    while not s.done:
+        pos = s.position({0, 1})
+        assert pos.kind == "regular"
+        s.commit(pos, {0, 1})
+        t.load_state_dict(tensorfile.loads(tensorfile.dumps(s.state_dict())))
+        assert t.state_dict() == s.state_dict()
+    assert s.order(1) != list(range(4)) or s.order(2) != list(range(4))
+
+
+def test_ledger_check_proves_exactly_once_and_catches_duplicates(tmp_path):
+    K, steps = 2, 3
+    ids = lambda shard, rg: list(range((shard * steps + rg) * 4, (shard * steps + rg) * 4 + 4))  # noqa: E731
+    writers = {(g, k): ledger.Ledger(str(tmp_path / "ok"), g, k) for g in range(2) for k in range(K)}
+    for step, rg in enumerate(range(steps)):
+        for (g, k), w in writers.items():
+            w.record(step, 0, rg, "regular", {0, 1}, 1, ids(g * K + k, rg))
+    summary = ledger.check(str(tmp_path / "ok"), steps_per_epoch=steps, num_groups=2, ranks_per_group=K,
+                           epochs=1, sample_ids=ids)
+    assert summary["steps"] == steps and summary["batches"] == steps * 2 * K
+    bad = ledger.Ledger(str(tmp_path / "bad"), 0, 0)
+    for step, rg in enumerate([0, 1, 1]):   # row group 1 twice, 2 never
+        bad.record(step, 0, rg, "regular", {0}, 1)
+    with pytest.raises(ledger.LedgerError, match="twice"):
+        ledger.check(str(tmp_path / "bad"), steps_per_epoch=3, num_groups=1, ranks_per_group=1, epochs=1)
+    assert ledger.ranges([5, 1, 2, 3, 9]) == [[1, 3], [5, 5], [9, 9]]
+
+
+# ---- fault plans -------------------------------------------------------------------------------
+def test_fault_plan_parses_toml_and_rejects_mistakes(tmp_path):
+    p = tmp_path / "plan.toml"
+    p.write_text('[[faults]]\nkind = "kill"\ngroup = 1\nat_step = 5\n\n'
+                 '[[faults]]\nkind = "raise"\ngroup = 0\nat_step = 3\nphase = "during_allreduce"\n')
+    fs = faults.load(str(p))
+    assert [f.kind for f in fs] == ["kill", "raise"] and fs[1].in_process and not fs[0].in_process
+    p.write_text('[[faults]]\nkind = "explode"\nat_step = 1\n')
+    with pytest.raises(faults.PlanError, match="kind 'explode'"):
+        faults.load(str(p))
+    p.write_text('[[faults]]\nkind = "raise"\nat_step = 1\n')
+    with pytest.raises(faults.PlanError, match="needs a phase"):
+        faults.load(str(p))
+    inj = faults.Injector(faults.parse([{"kind": "raise", "group": 0, "at_step": 2, "phase": "vote"}]), 0, 0, 0)
+    inj.phase("vote", 1)
+    with pytest.raises(faults.InjectedFault):
+        inj.phase("vote", 2)
+    inj.phase("vote", 3)  # fires once
+
+
+# ---- lighthouse over HTTP ------------------------------------------------------------------------
+@pytest.fixture
+def lighthouse():
+    servers = []
+
+    def start(**kw):
+        cfg = LighthouseConfig(bind="127.0.0.1:0", **kw)
+        server, lh = serve(cfg)
+        servers.append((server, lh))
+        return "127.0.0.1:%d" % server.server_address[1], lh
+
+    yield start
+    for server, lh in servers:
+        lh.close()
+        server.shutdown()
+        server.server_close()
+
+
+def _clients(addr, n, token=None, steps=None, start=True):
+    cs = [LighthouseClient(addr, g, 0, 1, token=token) for g in range(n)]
+    for g, c in enumerate(cs):
+        c.info.update(store=f"127.0.0.1:{1000 + g}", heal=f"127.0.0.1:{2000 + g}", step=(steps or [0] * n)[g])
+        if start:
+            c.start_heartbeats()
+    return cs
+
+
+def _ask_all(cs, timeout=5.0):
+    out = [None] * len(cs)
+
+    def ask(i):
+        out[i] = cs[i].quorum(timeout)
+    ts = [threading.Thread(target=ask, args=(i,)) for i in range(len(cs))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return out
+
+
+def test_lighthouse_quorum_heal_assignment_and_fast_reform(lighthouse):
+    addr, lh = lighthouse(min_replicas=1, expected_replicas=4, join_timeout=5.0, heartbeat_timeout=1.0)
+    cs = _clients(addr, 4, steps=[10, 10, 7, 3])
+    try:
+        qs = _ask_all(cs)
+        assert len({q["quorum_id"] for q in qs}) == 1 and qs[0]["groups"] == [0, 1, 2, 3]
+        assert qs[0]["max_step"] == 10
+        assert qs[0]["heal"] == {"2": 0, "3": 1}       # spread over the up-to-date groups
+        first = qs[0]["quorum_id"]
+        # same members again: same quorum id (no process-group rebuild)
+        for c in cs:
+            c.info["step"] = 11
+        assert {q["quorum_id"] for q in _ask_all(cs)} == {first}
+        # a member dies (its heartbeat connection closes): the others re-form at once
+        cs[3].close()
+        t = time.monotonic()
+        qs = _ask_all(cs[:3])
+        assert time.monotonic() - t < 0.9       # well inside the 1 s heartbeat timeout and 5 s join timeout
+        assert qs[0]["groups"] == [0, 1, 2] and qs[0]["quorum_id"] > first
+        kinds = [e["kind"] for e in lh.status()["events"]]
+        assert "failure_detected" in kinds and kinds.count("quorum_formed") == 2
+    finally:
+        for c in cs:
+            c.close()
+
+
+def test_lighthouse_min_replicas_majority_and_join_timeout(lighthouse):
+    addr, _ = lighthouse(min_replicas=2, join_timeout=0.3, heartbeat_timeout=2.0)
+    cs = _clients(addr, 3)
+    try:
+        time.sleep(0.2)  # all three heartbeat: healthy
+        with pytest.raises(Exception, match="no quorum"):
+            cs[0].quorum(timeout=0.8)           # one of three: below min_replicas and no majority
+        qs = _ask_all(cs[:2], timeout=3.0)      # two of three: after the join timeout
+        assert qs[0]["groups"] == [0, 1] and qs[1]["groups"] == [0, 1]
+    finally:
+        for c in cs:
+            c.close()
+
+
+def test_lighthouse_refuses_requests_without_the_token(lighthouse):
+    addr, _ = lighthouse(token="s3cret")
+    assert call(addr, "/status", None, None, method="GET")[0] == 401
+    assert call(addr, "/status", None, "wrong", method="GET")[0] == 401
+    assert call(addr, "/heartbeat", {"group": 0, "rank": 0}, None)[0] == 401
+    assert call(addr, "/quorum", {"group": 0, "rank": 0}, None)[0] == 401
+    code, st = call(addr, "/status", None, "s3cret", method="GET")
+    assert code == 200 and st["groups"] == []
+    with urllib.request.urlopen(f"http://{addr}/?token=s3cret") as r:
+        assert b"ftcore lighthouse" in r.read()
+
+
+def test_lighthouse_restart_resumes_quorum_ids_and_steps(lighthouse):
+    addr, lh = lighthouse(expected_replicas=2)
+    cs = _clients(addr, 2, steps=[5, 5])
+    try:
+        qid = _ask_all(cs)[0]["quorum_id"]
+        for c in cs:
+            c.info["quorum_id"] = qid
+    finally:
+        for c in cs:
+            c.close()
+    addr2, lh2 = lighthouse(expected_replicas=2)   # a fresh lighthouse: no memory of the job
+    cs = _clients(addr2, 2, steps=[5, 5])
+    for c in cs:
+        c.info["quorum_id"] = qid
+    try:
+        qs = _ask_all(cs)
+        assert qs[0]["quorum_id"] > qid and qs[0]["max_step"] == 5 and qs[0]["heal"] == {}
+    finally:
+        for c in cs:
+            c.close()
+
+
+# ---- heal server ------------------------------------------------------------------------------------
+def test_heal_server_serves_snapshot_to_token_holders_only():
+    srv = heal.HealServer(token="tok")
+    try:
+        w = torch.randn(4, 4)
+        orig = w.clone()
+        srv.offer(3, {"w": w, "step": 3})
+        w.add_(1.0)   # training goes on; the snapshot must not change
+        got = heal.fetch(srv.address, 3, "tok")
+        assert torch.equal(got["w"], orig) and got["step"] == 3
+        with pytest.raises(heal.HealError, match="401"):
+            heal.fetch(srv.address, 3, None)
+        with pytest.raises(heal.HealError, match="401"):
+            heal.fetch(srv.address, 3, "nope")
+        srv.offer(4, {"w": w})
+        with pytest.raises(heal.HealError, match="410"):
+            heal.fetch(srv.address, 3, "tok")
+    finally:
+        srv.close()
+
+
+# ---- FTAR over real gloo groups (one thread per replica group) ---------------------------------------
+def _groups(n):
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    pgs = [None] * n
+
+    def make(i):  # each "group" has its own store client, as separate processes would
+        client = dist.TCPStore("127.0.0.1", store.port, is_master=False, wait_for_workers=False)
+        pgs[i] = dist.ProcessGroupGloo(dist.PrefixStore("t", client), i, n, datetime.timedelta(seconds=10))
+    ts = [threading.Thread(target=make, args=(i,)) for i in range(n)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return store, pgs
+
+
+def _run_all(n, fn):
+    out, errs = [None] * n, [None] * n
+
+    def go(i):
+        try:
+            out[i] = fn(i)
+        except Exception as e:
+            errs[i] = e
+    ts = [threading.Thread(target=go, args=(i,)) for i in range(n)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(timeout=20)
+    return out, errs
+
+
+def test_ftar_averages_over_contributors_with_zeros_from_healers():
+    store, pgs = _groups(3)
+    big = [torch.full((300_000,), float(i + 1)) for i in range(3)]     # chunked in place
+    small = [[torch.full((3, 2), float(10 * (i + 1))), torch.full((5,), -1.0 * (i + 1))] for i in range(3)]
+    res, errs = _run_all(3, lambda i: ftar(pgs[i], [big[i], *small[i]], contribute=(i != 2), bucket_bytes=1 << 18))
+    assert errs == [None] * 3
+    assert [r.contributors for r in res] == [2, 2, 2] and not any(r.peer_error for r in res)
+    for i in range(3):   # (1 + 2) / 2; group 2 healed: its own values did not count
+        assert torch.equal(big[i], torch.full((300_000,), 1.5))
+        assert torch.equal(small[i][0], torch.full((3, 2), 15.0))
+        assert torch.equal(small[i][1], torch.full((5,), -1.5))
+
+
+def test_ftar_error_during_reduce_flags_the_step_on_every_group():
+    store, pgs = _groups(2)
+
+    def boom():
+        raise RuntimeError("injected")
+    res, errs = _run_all(2, lambda i: ftar(pgs[i], [torch.ones(1000)], contribute=True,
+                                           during=boom if i == 1 else None))
+    assert errs == [None, None] and all(r.peer_error for r in res)
+
+
+def test_ftar_times_out_on_a_silent_peer_instead_of_hanging():
+    store, pgs = _groups(2)
+    t = time.monotonic()
+    with pytest.raises(FTARError):
+        ftar(pgs[0], [torch.ones(10)], contribute=True, timeout=0.5)   # group 1 never joins
+    assert time.monotonic() - t < 3.5
+    with pytest.raises(FTARError, match="declared failed"):
+        ftar(pgs[1], [torch.ones(10)], contribute=True, timeout=5.0, is_stale=lambda: True)

@@ -1,0 +1,165 @@
+"""Model shapes and masking, loss normalization, and the typed config."""
+
+import pytest
+import torch
+
+from training.config import ConfigError, ModelConfig, LossConfig, load_config, to_toml
+from training.loss import loss_sum
+from training.model import SeqRec, padding_fraction
+
+KINDS = ["sasrec", "hstu"]
+
+
+def _model(kind: str, dropout: float = 0.0, num_items: int = 50, max_len: int = 12) -> SeqRec:
+    torch.manual_seed(0)
+    m = SeqRec(num_items, ModelConfig(attention=kind, dim=16, num_layers=2, num_heads=2, dropout=dropout,
+                                      max_len=max_len))
+    return m.eval()
+
+
+def _jagged(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    values = torch.tensor([x for s in seqs for x in s])
+    offsets = torch.tensor([0] + [len(s) for s in seqs]).cumsum(0)
+    return values, offsets
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_shapes(kind):
+    m = _model(kind)
+    values, offsets = _jagged([[1, 2, 3], [4], [5, 6, 7, 8, 9]])
+    h = m(values, offsets)
+    assert h.shape == (9, 16)
+    assert m.last_hidden(values, offsets).shape == (3, 16)
+    assert m.scores(h).shape == (9, 50)                      # every item 1..num_items
+    assert m.scores(h, torch.tensor([1, 2])).shape == (9, 2)
+    assert m.pair_scores(h, values).shape == (9,)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_no_position_sees_the_future(kind):
+    m = _model(kind)
+    base = [3, 9, 4, 7, 1, 8]
+    v1, o1 = _jagged([base])
+    h1 = m(v1, o1)
+    for t in range(len(base) - 1):
+        changed = base[:t + 1] + [(x % 49) + 2 for x in base[t + 1:]]   # every later item replaced
+        h2 = m(*_jagged([changed]))
+        assert torch.allclose(h1[:t + 1], h2[:t + 1], atol=1e-6), f"position <= {t} changed"
+        assert not torch.allclose(h1[t + 1:], h2[t + 1:], atol=1e-6)  # the change is visible later
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_padding_changes_nothing(kind):
+    m = _model(kind)
+    a, b = [5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+    alone = m(*_jagged([a]))
+    batched = m(*_jagged([a, b]))[:3]          # a padded to 10 inside this batch
+    padded_to_max = m(*_jagged([a]), pad_to=12)
+    assert torch.allclose(alone, batched, atol=1e-6)
+    assert torch.allclose(alone, padded_to_max, atol=1e-6)
+    # the pad item id 0 is never looked up as a real token and its row gets no gradient
+    m.train()
+    h = m(*_jagged([a, b]))
+    h.sum().backward()
+    assert torch.count_nonzero(m.item_emb.weight.grad[0]) == 0
+
+
+def test_too_long_sample_is_refused():
+    with pytest.raises(ValueError, match="max_len"):
+        _model("sasrec", max_len=4)(*_jagged([[1, 2, 3, 4, 5]]))
+
+
+def test_padding_fraction():
+    _, offsets = _jagged([[1, 2], [1, 2, 3, 4]])
+    assert padding_fraction(offsets) == pytest.approx(1 - 6 / 8)
+    assert padding_fraction(offsets, pad_to=10) == pytest.approx(1 - 6 / 20)
+
+
+def test_global_normalization_equals_one_big_batch():
+    """Two ranks' sums divided by the GLOBAL count give the big batch's gradient."""
+    m = _model("sasrec")
+    cfg = LossConfig(kind="sampled_softmax", num_negatives=20, temperature=0.1)
+    seqs = [[1, 2, 3, 4, 5, 6, 7], [8, 9], [10, 11, 12]]        # uneven: 6+1 tokens vs 2 tokens
+    labels_all = torch.tensor([2, 3, 4, 5, 6, 7, 11, 9, 20, 11, 12, 13])
+    values, offsets = _jagged(seqs)
+
+    def grads(parts):
+        m.zero_grad()
+        total = sum(len(p[0]) for p in parts)
+        g = torch.Generator().manual_seed(5)
+        for vals, offs, labs in parts:
+            state = g.get_state()                                # shared negatives: same draw per "rank"
+            loss = loss_sum(m, m(vals, offs), labs, cfg, g) / total
+            loss.backward()
+            g.set_state(state)
+        return [p.grad.clone() for p in m.parameters()]
+
+    big = grads([(values, offsets, labels_all)])
+    v1, o1 = _jagged(seqs[:1])
+    v2, o2 = _jagged(seqs[1:])
+    split = grads([(v1, o1, labels_all[:7]), (v2, o2, labels_all[7:])])
+    for a, b in zip(big, split):
+        assert torch.allclose(a, b, atol=1e-6)
+    # dividing by the LOCAL count instead would weight the 2-token rank 4.5x more per token
+    m.zero_grad()
+    g = torch.Generator().manual_seed(5)
+    for vals, offs, labs in [(v1, o1, labels_all[:7]), (v2, o2, labels_all[7:])]:
+        state = g.get_state()
+        (loss_sum(m, m(vals, offs), labs, cfg, g) / len(vals)).backward()
+        g.set_state(state)
+    assert not torch.allclose(big[0], m.pos_emb.weight.grad * 0 + [p.grad for p in m.parameters()][0], atol=1e-6)
+
+
+def test_bce_normalization_is_a_mean_over_tokens():
+    m = _model("sasrec")
+    cfg = LossConfig(kind="bce", temperature=1.0)
+    values, offsets = _jagged([[1, 2, 3], [4, 5]])
+    labels = torch.tensor([2, 3, 9, 5, 9])
+    h = m(values, offsets)
+    s = loss_sum(m, h, labels, cfg, torch.Generator().manual_seed(0))
+    neg = torch.randint(1, 51, labels.shape, generator=torch.Generator().manual_seed(0))
+    pos, negs = m.pair_scores(h, labels), m.pair_scores(h, neg)
+    expect = -(torch.nn.functional.logsigmoid(pos) + torch.nn.functional.logsigmoid(-negs) * (neg != labels)).sum()
+    assert torch.allclose(s, expect)
+
+
+def test_sampled_softmax_masks_accidental_hits():
+    """A negative equal to the target must not count against it."""
+    m = _model("sasrec", num_items=3)
+    cfg = LossConfig(num_negatives=64, temperature=0.1)
+    values, offsets = _jagged([[1, 2]])
+    labels = torch.tensor([2, 3])
+    h = m(values, offsets)
+    g = torch.Generator().manual_seed(1)
+    s = loss_sum(m, h, labels, cfg, g)
+    negs = torch.randint(1, 4, (64,), generator=torch.Generator().manual_seed(1))
+    pos = m.pair_scores(h, labels) / 0.1
+    expect = 0.0
+    for i in range(2):
+        others = negs[negs != labels[i]]
+        logits = torch.cat([pos[i:i + 1], m.scores(h[i:i + 1], others)[0] / 0.1])
+        expect += torch.logsumexp(logits, 0) - pos[i]
+    assert torch.allclose(s, expect, atol=1e-5)
+
+
+def test_config_toml_and_overrides(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('[model]\nattention = "hstu"\ndim = 32\n[optim]\nlr = 0.002\n[eval]\nks = [1, 10]\n')
+    cfg = load_config(str(f), ["model.dim=48", "train.resume=true", "optim.betas=0.9,0.95"])
+    assert (cfg.model.attention, cfg.model.dim, cfg.optim.lr) == ("hstu", 48, 0.002)
+    assert cfg.train.resume is True and cfg.optim.betas == (0.9, 0.95) and cfg.eval.ks == (1, 10)
+    again = tmp_path / "again.toml"
+    again.write_text(to_toml(cfg))
+    assert load_config(str(again)) == cfg
+
+
+@pytest.mark.parametrize("override, words", [
+    (["model.nope=1"], "unknown key 'nope'"),
+    (["nosection.x=1"], "unknown section"),
+    (["model.dim=abc"], "model.dim"),
+    (["model.attention=gru"], "model.attention"),
+    (["optim.lr"], "section.key=value"),
+])
+def test_config_errors_name_the_setting(override, words):
+    with pytest.raises(ConfigError, match=words.replace("(", r"\(")):
+        load_config(None, override)
