@@ -28,10 +28,15 @@ from dataprep.errors import DataprepError
 
 # Chosen from `python -m dataprep.bench` (see BENCHMARKS.md, "## dataprep"):
 # the smallest K that removes >= 90% of the bubble on heavy-tailed data at W=8..256.
-DEFAULT_WINDOW_STEPS = 16
+DEFAULT_WINDOW_STEPS = 64
 TAILS = ("fill", "drop")
 METHODS = ("auto", "lpt", "kk")
-KK_MAX_WORK = 50_000  # auto: run KK on a step only when items * W <= this (pure-Python merges)
+# auto: KK (pure-Python merges, ~items*W work) runs only on steps where LPT ends more than
+# KK_MIN_GAP above the lower bound, items * W <= KK_MAX_WORK, and in total at most KK_BUDGET
+# work per plan (deterministic: a work count, not a clock)
+KK_MIN_GAP = 1e-3
+KK_MAX_WORK = 50_000
+KK_BUDGET = 250_000
 
 
 @dataclass
@@ -128,7 +133,7 @@ def _windows(sizes: np.ndarray, k: int):
 
 
 def plan(cost: np.ndarray, *, world_size: int, batch_size: int, window_steps: int | None = None,
-         seed: int = 0, tail: str = "fill", method: str = "auto", progress=None) -> Plan:
+         seed: int = 0, tail: str = "fill", method: str = "auto") -> Plan:
     """Balanced assignment of samples (by cost) to steps and ranks; see the module doc."""
     if world_size < 1:
         raise DataprepError(f"--world-size {world_size}: must be >= 1")
@@ -163,17 +168,19 @@ def plan(cost: np.ndarray, *, world_size: int, batch_size: int, window_steps: in
     rank_grid, loads = lpt(grid, world_size)
     if method in ("auto", "kk"):
         lower = np.maximum(loads.sum(1) / world_size, grid[:, 0])
-        for j in range(s):
-            if method == "auto" and (sizes[j] * world_size > KK_MAX_WORK or loads[j].max() <= lower[j] * (1 + 1e-9)):
+        gap = loads.max(1) / lower - 1
+        budget = KK_BUDGET
+        for j in np.argsort(-gap, kind="stable"):  # worst steps first
+            work = int(sizes[j]) * world_size
+            if method == "auto" and (gap[j] <= KK_MIN_GAP or work > KK_MAX_WORK or work > budget):
                 continue
+            budget -= work
             r = karmarkar_karp(grid[j, : sizes[j]], world_size)
             if r is not None:
                 kl = np.bincount(r, weights=grid[j, : sizes[j]], minlength=world_size)
                 if kl.max() < loads[j].max():
                     rank_grid[j, : sizes[j]] = r
                     loads[j] = kl
-            if progress is not None:
-                progress.update(0)
     # shuffle the step order inside each window
     step_id = np.empty(s, np.int64)
     for a, b in _windows(sizes, k):

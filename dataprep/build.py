@@ -8,9 +8,11 @@ manifest without rebuilding (Airflow retries are cheap); a different set at
 `out` is refused unless `overwrite=True`.
 """
 
+import glob
 import json
 import os
 import shutil
+import socket
 import time
 import uuid
 from datetime import datetime, timezone
@@ -175,7 +177,8 @@ def build_shards(input: "str | list[str]", fmt: str, out: str, *, world_size: in
         by_reason = {d["values"]: int(d["counts"]) for d in sorted(vc, key=lambda d: d["values"])}
 
     outp.parent.mkdir(parents=True, exist_ok=True)
-    tmp = outp.parent / f".{outp.name}.tmp-{uuid.uuid4().hex[:8]}"
+    _remove_stale_temps(outp)
+    tmp = outp.parent / f".{outp.name}.tmp-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     t = time.monotonic()
     try:
         tmp.mkdir()
@@ -224,6 +227,21 @@ def build_shards(input: "str | list[str]", fmt: str, out: str, *, world_size: in
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return manifest
+
+
+def _remove_stale_temps(out: Path) -> None:
+    """Remove temporary folders that a killed build of `out` left behind (this host, dead pid)."""
+    prefix = f".{out.name}.tmp-{socket.gethostname()}-"
+    for d in out.parent.glob(f"{glob.escape(prefix)}*"):
+        pid = d.name[len(prefix):].split("-")[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)
+        except PermissionError:  # alive, another user's
+            pass
 
 
 def _install(tmp: Path, out: Path) -> None:

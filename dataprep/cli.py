@@ -11,7 +11,7 @@ from dataprep.errors import DataprepError
 
 
 def _synth(a) -> None:
-    from dataprep.synth import SYNTH_FORMATS, write_synthetic  # noqa: F401
+    from dataprep.synth import write_synthetic
     users = a.users
     if users is None:
         if a.events is None:

@@ -145,19 +145,38 @@ def _standin_step(length: int, batch: int, dim: int = 64, layers: int = 2, items
 
 
 def _training_step(length: int, batch: int):
-    """The real model's forward+backward, from `training.model.cost_probe(length, batch)`.
+    """The real model's forward+backward, imported lazily from the training package.
 
-    Contract (training package): `cost_probe(length: int, batch: int) -> Callable[[], None]`
-    returns a closure that runs one forward+backward on a batch of that shape.
+    Uses `training.model.cost_probe(length, batch) -> Callable[[], None]` when it exists;
+    otherwise builds `training.model.SeqRec(num_items, ModelConfig(max_len=length))` with its
+    default config and times forward over a jagged batch (values, offsets), scores against
+    256 shared negatives, and backward.
     """
     try:
         import training.model as tm
     except ImportError as e:
         raise DataprepError(f"--model training: cannot import training.model ({e}); use --model standin") from None
-    probe = getattr(tm, "cost_probe", None)
-    if probe is None:
-        raise DataprepError("--model training: training.model has no cost_probe(length, batch); use --model standin")
-    return probe(length, batch)
+    if hasattr(tm, "cost_probe"):
+        return tm.cost_probe(length, batch)
+    try:
+        import torch
+        from training.config import ModelConfig
+
+        torch.manual_seed(0)
+        items = 10_000
+        model = tm.SeqRec(items, ModelConfig(max_len=length))
+        values = torch.randint(1, items + 1, (batch * length,))
+        offsets = torch.arange(0, batch * length + 1, length)
+        negatives = torch.randint(1, items + 1, (256,))
+    except Exception as e:  # noqa: BLE001 - any mismatch with the training API is reported, not raised
+        raise DataprepError(f"--model training: cannot build training.model.SeqRec ({e}); "
+                            "add training.model.cost_probe(length, batch) or use --model standin") from None
+
+    def step():
+        h = model(values, offsets)
+        model.scores(h, negatives).logsumexp(-1).mean().backward()
+
+    return step
 
 
 MODELS = {"standin": _standin_step, "training": _training_step}

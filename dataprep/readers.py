@@ -113,16 +113,24 @@ class _Tokens:
             self.rejects.append(_reject_table(self.path, idx + 1, reason, details))
             self.bad |= mask
 
-    def ints(self) -> np.ndarray:
-        """All tokens of good lines as int64 (bad lines rejected first). Flat, in line order."""
+    def ints(self, skip: tuple[int, ...] = ()) -> np.ndarray:
+        """Tokens of good lines as int64 (bad lines rejected first). Flat, in line order;
+        tokens at the positions in `skip` (inside a line) are not parsed and read as 0."""
         flat = pc.list_flatten(self.tokens)
+        ntok = self.ntok_raw()
+        line_of_tok = np.repeat(np.arange(self.num_lines), ntok)
+        checked = None
+        if skip:
+            pos = np.arange(len(flat)) - np.repeat(np.cumsum(ntok) - ntok, ntok)
+            checked = ~np.isin(pos, skip)
+            flat = pc.filter(flat, pa.array(checked))
+            line_of_tok = line_of_tok[checked]
         try:
             vals = pc.cast(flat, pa.int64()).to_numpy()
             ok_tok = vals >= 0
         except pa.ArrowInvalid:
             ok_tok = np.asarray(pc.match_substring_regex(flat, _INT_TOKEN).to_numpy(zero_copy_only=False), dtype=bool)
             vals = None
-        line_of_tok = np.repeat(np.arange(self.num_lines), self.ntok_raw())
         if not ok_tok.all():
             neg = np.asarray(pc.match_substring_regex(flat, _NEG_TOKEN).to_numpy(zero_copy_only=False), dtype=bool)
             bad_neg = np.zeros(self.num_lines, bool)
@@ -133,10 +141,12 @@ class _Tokens:
             self.reject(bad_other, "non_integer_id", "ids must be integers >= 0")
         if vals is None:
             keep_tok = ~self.bad[line_of_tok]
-            good = pc.filter(flat, pa.array(keep_tok))
-            vals_good = pc.cast(good, pa.int64()).to_numpy()
             vals = np.zeros(len(flat), np.int64)
-            vals[keep_tok] = vals_good
+            vals[keep_tok] = pc.cast(pc.filter(flat, pa.array(keep_tok)), pa.int64()).to_numpy()
+        if checked is not None:
+            full = np.zeros(len(checked), np.int64)
+            full[checked] = vals
+            vals = full
         return vals
 
     def ntok_raw(self) -> np.ndarray:
@@ -154,7 +164,7 @@ def _token_events(path: str, separator: str | None, kind: str) -> tuple[dict, li
         tk.reject((tk.ntok != want) & ~tk.blank, "malformed_line", f"expected {want} fields")
     else:  # iclrec: user and at least one item
         tk.reject((tk.ntok < 2) & ~tk.blank, "malformed_line", "expected `user item [item ...]`")
-    vals = tk.ints()
+    vals = tk.ints(skip=(2,) if kind == "movielens" else ())  # movielens: the rating may be fractional
     raw_n = tk.ntok_raw()
     offsets = np.concatenate([[0], np.cumsum(raw_n)])
     good = ~tk.bad

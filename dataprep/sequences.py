@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from dataprep.errors import DataprepError
-from dataprep.readers import Interactions, _reject_table
+from dataprep.readers import Interactions
 from dataprep.schema import EVAL_SCHEMA, MAP_SCHEMA
 
 MIN_EVENTS = 3  # leave-one-out needs a history, a validation and a test item
@@ -131,7 +131,8 @@ def build_sequences(ev: Interactions, *, dedup: str = "exact", max_events: int |
         long_user = cnt > max_events
         reasons.append(("history_too_long", long_user, lambda c: f"{c} events > --max-events {max_events}"))
     first_event = np.full(nu, -1, np.int64)
-    first_event[us[::-1]] = order[::-1]  # earliest (sorted) event of each user
+    group_start = np.flatnonzero(np.r_[True, us[1:] != us[:-1]])  # `us` is grouped by user
+    first_event[us[group_start]] = order[group_start]  # each user's earliest event
     drop_user = np.zeros(nu, bool)
     for reason, mask, why in reasons:
         mask = mask & ~drop_user

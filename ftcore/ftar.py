@@ -30,6 +30,29 @@ class FTARError(RuntimeError):
     """The all-reduce did not complete (peer failure, timeout, membership change)."""
 
 
+# Collectives abandoned after a failure stay referenced here until they finish: dropping
+# a pending gloo future blocks the dropping thread until the op completes, which for a
+# hung peer is as long as the hang. A reaper forgets them once done.
+_abandoned: list[tuple[list[torch.futures.Future], object]] = []
+_abandoned_lock = threading.Lock()
+
+
+def _abandon(futs: list[torch.futures.Future], keep: object) -> None:
+    with _abandoned_lock:
+        _abandoned.append((futs, keep))
+        if len(_abandoned) == 1:
+            threading.Thread(target=_reap, daemon=True, name="ftar-reaper").start()
+
+
+def _reap() -> None:
+    while True:
+        time.sleep(0.5)
+        with _abandoned_lock:
+            _abandoned[:] = [(f, k) for f, k in _abandoned if not all(x.done() for x in f)]
+            if not _abandoned:
+                return
+
+
 @dataclass
 class FTARResult:
     contributors: int   # groups whose gradients are in the average
@@ -140,11 +163,15 @@ def ftar(pg: dist.ProcessGroup | None, tensors: list[torch.Tensor], *, contribut
     tail = torch.tensor([1.0 if local_error else 0.0], dtype=torch.float64)
     tail_fut = pg.allreduce([tail], opts).get_future()
 
-    _wait(head_fut, deadline, is_stale, "FTAR head")
-    n = float(head.item())
-    for i, (b, fut) in enumerate(zip(buckets, futs)):
-        _wait(fut, deadline, is_stale, f"FTAR bucket {i}")
-        if n > 0:
-            b.finish(n)
-    _wait(tail_fut, deadline, is_stale, "FTAR tail")
+    try:
+        _wait(head_fut, deadline, is_stale, "FTAR head")
+        n = float(head.item())
+        for i, (b, fut) in enumerate(zip(buckets, futs)):
+            _wait(fut, deadline, is_stale, f"FTAR bucket {i}")
+            if n > 0:
+                b.finish(n)
+        _wait(tail_fut, deadline, is_stale, "FTAR tail")
+    except FTARError:
+        _abandon([head_fut, *futs, tail_fut], (head, tail, buckets))
+        raise
     return FTARResult(int(round(n)), float(tail.item()) > 0)

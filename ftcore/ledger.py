@@ -6,7 +6,8 @@ ranges: [[first, last], ...]}. `contributors` are the groups whose gradients wer
 the update; every rank of a contributor trained shard `group * K + rank` at that row
 group. Every surviving writer records every committed step, so a group killed right
 after the vote still has its contribution on record; `ranges` are the writer's own
-sample ids in compact (first, last) form when it contributed.
+sample ids in compact (first, last) form when it contributed. A rank whose state is
+replaced by a heal writes a `healed_to` marker: its records before it are superseded.
 """
 
 import json
@@ -45,20 +46,32 @@ class Ledger:
                 "writer": [self.group, self.rank], "ranges": ranges(sample_ids) if sample_ids is not None else None}
         os.write(self._fd, (json.dumps(line) + "\n").encode())
 
+    def healed(self, step: int) -> None:
+        """This rank's state was replaced by a peer's at `step`: its earlier records are superseded."""
+        os.write(self._fd, (json.dumps({"healed_to": step, "writer": [self.group, self.rank]}) + "\n").encode())
+
     def close(self) -> None:
         os.close(self._fd)
 
 
-def read(folder: str) -> list[dict]:
+def read(folder: str) -> list[tuple[dict, bool]]:
+    """Every record as (record, superseded): superseded records precede a heal of their writer."""
     out = []
     for name in sorted(os.listdir(folder)):
-        if name.endswith(".jsonl"):
-            with open(os.path.join(folder, name)) as f:
-                for line in f:
-                    try:
-                        out.append(json.loads(line))
-                    except json.JSONDecodeError:
-                        pass  # a torn last line of a killed writer; other writers hold that step
+        if not name.endswith(".jsonl"):
+            continue
+        recs = []
+        with open(os.path.join(folder, name)) as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a torn last line of a killed writer; other writers hold that step
+                if "healed_to" in rec:
+                    recs = [(r, True) for r, _ in recs]
+                else:
+                    recs.append((rec, False))
+        out += recs
     return out
 
 
@@ -74,10 +87,16 @@ def check(folder: str, *, steps_per_epoch: int, num_groups: int, ranks_per_group
     writers' own ranges must match the shards. Returns a summary; raises LedgerError.
     """
     steps: dict[int, dict] = {}
-    for rec in read(folder):
+    records = read(folder)
+    # A writer that was healed may have recorded a step its peers discarded (it was cut off
+    # mid-commit); the heal overwrote that state, so its earlier records count only where
+    # no current record exists. Current records must agree exactly.
+    for rec, superseded in sorted(records, key=lambda x: x[1]):
         key = {k: rec[k] for k in ("epoch", "row_group", "kind", "contributors")}
         seen = steps.setdefault(rec["step"], key)
         if seen != key:
+            if superseded:
+                continue
             raise LedgerError(f"step {rec['step']}: writers disagree: {seen} vs {key}")
         if sample_ids is not None and rec["ranges"] is not None:
             g, k = rec["writer"]

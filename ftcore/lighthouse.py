@@ -81,7 +81,8 @@ class Request:
     rank: int
     incarnation: int
     step: int
-    t: float  # monotonic time of arrival
+    t: float          # monotonic time of arrival
+    last_quorum: int  # the last quorum id this rank trained in
 
 
 class StaleIncarnation(Exception):
@@ -99,6 +100,7 @@ class Lighthouse:
         self.max_step = 0
         self.pending: dict[int, dict[int, Request]] = {}
         self.results: dict[str, dict[str, Any]] = {}
+        self._last_wait_event = 0.0
         self.force_new = False  # a data-plane failure: the next quorum gets a new id, whoever is in it
         self.reports: dict[int, float] = {}  # quorum_id -> time of the first data-plane failure report
         self.events: collections.deque = collections.deque(maxlen=2000)
@@ -183,16 +185,20 @@ class Lighthouse:
             g for g, reqs in self.pending.items()
             if g in healthy and len(reqs) == self.groups[g].world
         )
-        if not requesting or len(requesting) < self.cfg.min_replicas or 2 * len(requesting) <= len(healthy):
-            return
+        round_start = min((req.t for reqs in self.pending.values() for req in reqs.values()), default=now)
         if self.quorum:
             fast = (set(self.quorum["groups"]) & healthy) <= set(requesting)
         else:  # first quorum (or first after a lighthouse restart): wait for the whole job
             fast = healthy <= set(requesting) and len(requesting) >= self.cfg.expected_replicas
-        round_start = min((req.t for reqs in self.pending.values() for req in reqs.values()), default=now)
         waited = now - round_start >= self.cfg.join_timeout
-        if fast or waited:
+        enough = len(requesting) >= self.cfg.min_replicas and 2 * len(requesting) > len(healthy)
+        if requesting and enough and (fast or waited):
             self._form(requesting)
+        elif now - round_start > 1.0 and now - self._last_wait_event > 1.0:
+            self._last_wait_event = now  # say why a round is stuck (status page, timeline)
+            self.event("quorum_waiting", requesting=requesting, healthy=sorted(healthy),
+                       pending={str(g): sorted(r) for g, r in self.pending.items()},
+                       previous=self.quorum["groups"] if self.quorum else None, seconds=round(now - round_start, 2))
 
     def _form(self, members: list[int]) -> None:
         identity = [[g, self.groups[g].incarnation] for g in members]
@@ -200,9 +206,19 @@ class Lighthouse:
             self.quorum_id += 1
         self.force_new = False
         steps = {g: min(req.step for req in self.pending[g].values()) for g in members}
-        max_step = max(steps.values())
-        sources = [g for g in members if steps[g] == max_step]
-        healers = [g for g in members if steps[g] < max_step]
+        # Only members of the previous quorum may serve state. A group that was left out
+        # (hung, cut off) may have committed a step the others discarded: it heals even
+        # at an equal step. After a lighthouse restart, trust the latest reported quorum.
+        if self.quorum is not None:
+            before = {(g, inc) for g, inc in self.quorum["identity"]}
+            trusted = [g for g in members if (g, self.groups[g].incarnation) in before]
+        else:
+            last = {g: min(req.last_quorum for req in self.pending[g].values()) for g in members}
+            trusted = [g for g in members if last[g] == max(last.values())]
+        trusted = trusted or members
+        max_step = max(steps[g] for g in trusted)
+        sources = [g for g in trusted if steps[g] == max_step]
+        healers = [g for g in members if g not in sources]
         heal = {str(g): sources[i % len(sources)] for i, g in enumerate(healers)}  # spread over sources
         q = {
             "quorum_id": self.quorum_id,
@@ -238,7 +254,7 @@ class Lighthouse:
         with self.lock:
             grp, _ = self._rank(msg)
             req = Request(secrets.token_hex(8), grp.group, int(msg["rank"]), grp.incarnation,
-                          int(msg.get("step", 0)), time.monotonic())
+                          int(msg.get("step", 0)), time.monotonic(), int(msg.get("quorum_id", 0)))
             self.pending.setdefault(grp.group, {})[req.rank] = req
             while req.req_id not in self.results:
                 now = time.monotonic()

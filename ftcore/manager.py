@@ -133,6 +133,7 @@ class Manager:
         self._has_work = True
         self._t_quorum = self._t_allreduce = 0.0
         self._last_commit = time.monotonic()
+        self.healed_step: int | None = None  # set by should_commit() when this step loaded a peer's state
         self.records: list[StepRecord] = []
         self._records_fd = (os.open(cfg.records, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
                             if cfg.records else None)
@@ -148,6 +149,7 @@ class Manager:
             raise RuntimeError(f"ftcore: replica group {self.cfg.group} has not committed a step for "
                                f"{STUCK_TIMEOUT:.0f}s (FTCORE_STUCK_TIMEOUT); giving up so it can be restarted")
         self._errors, self._contributors, self._has_work = [], 0, has_work
+        self.healed_step: int | None = None
         self._heal_fut = None
         self._waited = False
         self._t0 = time.monotonic()
@@ -174,7 +176,7 @@ class Manager:
     def _build_pg(self, q: dict[str, Any]) -> None:
         old, self._pg, self._pg_id = self._pg, None, None
         if old is not None:
-            threading.Thread(target=_abort, args=(old,), daemon=True).start()
+            _retire(old)
         groups = q["groups"]
         if len(groups) > 1:
             leader = q["members"][str(groups[0])]["store"][self.cfg.rank]
@@ -214,7 +216,7 @@ class Manager:
             self.client.report_failure(qid, msg)
             pg, self._pg, self._pg_id = self._pg, None, None
             if pg is not None:
-                threading.Thread(target=_abort, args=(pg,), daemon=True).start()
+                _retire(pg)
 
     def _wait_quorum(self) -> dict[str, Any] | None:
         """This step's quorum, or None (the error is recorded once) when there is none."""
@@ -298,6 +300,7 @@ class Manager:
                 tree = self._heal_fut.result(timeout=timeouts.HEAL_TIMEOUT)
                 self._load_state_dict(tree)
                 self.step = q["max_step"]
+                self.healed_step = self.step
                 self.heals += 1
                 self.client.event("heal_finished", step=self.step)
             except Exception as e:  # HealError, a state that does not fit the model, a timeout
@@ -357,8 +360,14 @@ class Manager:
         self.heal_server.close()
 
 
-def _abort(pg: dist.ProcessGroup) -> None:
-    try:
-        pg.abort()
-    except Exception:
-        pass
+_retired: list[dist.ProcessGroup] = []
+
+
+def _retire(pg: dist.ProcessGroup) -> None:
+    """Keep an old cross-group process group referenced for the life of the process.
+
+    Measured here: aborting or destroying a gloo group with a collective still pending
+    (a hung peer) blocks the calling thread, GIL held, until that collective times out,
+    which stalls this rank's training. One leaked group per quorum change is cheap.
+    """
+    _retired.append(pg)

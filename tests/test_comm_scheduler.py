@@ -9,7 +9,7 @@ from dataclasses import asdict
 import pytest
 import torch
 
-from training.comm.bench import RunConfig, run_training
+from training.comm.bench import RunConfig, run_interleaved
 from training.comm.scheduler import CommScheduler, Stage
 from training.comm.spawn import run_ranks
 
@@ -95,10 +95,10 @@ def _check_records(recs):
 
 
 def test_pipeline_order_equal_on_ranks_and_results_equal_blocking():
-    res = {}
-    for policy, transport in [("blocking", "collective"), ("prioritized", "collective"), ("prioritized", "smfree")]:
-        cfg = RunConfig(policy=policy, transport=transport, fused=False, **SMALL)
-        res[(policy, transport)] = run_ranks(run_training, 2, asdict(cfg), timeout_s=120)
+    keys = [("blocking", "collective"), ("prioritized", "collective"), ("prioritized", "smfree")]
+    cfgs = [asdict(RunConfig(policy=p, transport=t, fused=False, **SMALL)) for p, t in keys]
+    out = run_ranks(run_interleaved, 2, cfgs, timeout_s=120)  # one pair of processes, steps interleaved
+    res = {k: [out[0][j], out[1][j]] for j, k in enumerate(keys)}
     pr = res[("prioritized", "collective")]
     # identical issue order on both ranks
     assert [(r["name"], r["stage"], r["step"]) for r in pr[0]["records"]] == \

@@ -25,6 +25,10 @@ def _batches(rank):
     yield torch.zeros(0, dtype=torch.int64)             # an empty lookup on one step
 
 
+def _equal_all(rank, world_size, cases):
+    return [_equal(rank, world_size, kind, sharding) for kind, sharding in cases]
+
+
 def _equal(rank, world_size, kind, sharding):
     torch.manual_seed(0)
     t = make_transport(kind)
@@ -56,11 +60,14 @@ def _equal(rank, world_size, kind, sharding):
     return fails, torch.equal(full, ref_w)
 
 
-@pytest.mark.parametrize("kind,sharding", [("collective", "row"), ("smfree", "row"), ("collective", "table")])
-def test_sharded_equals_unsharded(kind, sharding):
-    for fails, full_ok in run_ranks(_equal, 2, kind, sharding, timeout_s=90):
-        assert fails == []
-        assert full_ok
+CASES = [("collective", "row"), ("smfree", "row"), ("collective", "table"), ("smfree", "table")]
+
+
+def test_sharded_equals_unsharded():
+    for rank_res in run_ranks(_equal_all, 2, CASES, timeout_s=120):  # one pair of processes
+        for case, (fails, full_ok) in zip(CASES, rank_res):
+            assert fails == [], case
+            assert full_ok, case
 
 
 def _collection(rank, world_size):

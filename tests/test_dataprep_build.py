@@ -167,7 +167,66 @@ def test_cli_shards_verify_and_errors(tmp_path, synth_file):
     assert not (tmp_path / "s2").exists()
 
 
-def test_cli_help_for_every_command():
+def test_cli_help_for_every_command(capsys):
+    from dataprep.cli import main
     for cmd in ("synth", "shards", "verify", "calibrate"):
-        r = _cli(cmd, "--help")
-        assert r.returncode == 0 and "usage" in r.stdout
+        with pytest.raises(SystemExit) as e:
+            main([cmd, "--help"])
+        assert e.value.code == 0 and "usage: python -m dataprep " + cmd in capsys.readouterr().out
+
+
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(lens=st.lists(st.integers(1, 80), min_size=1, max_size=60), w=st.integers(1, 6), b=st.integers(1, 5),
+       k=st.integers(1, 8), tail=st.sampled_from(["fill", "drop"]), max_len=st.integers(1, 30))
+def test_any_small_input_builds_a_set_that_verifies_or_errors_clearly(tmp_path_factory, lens, w, b, k, tail, max_len):
+    tmp = tmp_path_factory.mktemp("h")
+    p = tmp / "in.txt"
+    p.write_text("".join(f"{u} {(u * 31 + j) % 97 + 1}\n" for u, n in enumerate(lens, 1) for j in range(n)))
+    n_samples = sum(n >= 4 for n in lens)
+    try:
+        m = build_shards(str(p), "sasrec", str(tmp / "out"), world_size=w, batch_size=b, window_steps=k,
+                         tail=tail, max_len=max_len)
+    except DataprepError as e:
+        assert n_samples < w or (tail == "drop" and n_samples < w * b) or n_samples == 0 or "leave-one-out" in str(e)
+        assert not (tmp / "out").exists()
+        return
+    assert m["num_samples"] == n_samples and m["num_users"] == sum(n >= 3 for n in lens)
+    verify_shards(str(tmp / "out"))
+
+
+def test_kill_9_during_write_leaves_no_valid_set_and_next_build_cleans_up(tmp_path):
+    """A real SIGKILL in the middle of writing: no set at --out; the next build succeeds and
+    removes the dead build's temporary folder."""
+    import signal
+    import time
+
+    src = write_synthetic(tmp_path / "big.txt", users=20_000, items=2000, seed=0, max_history=100)
+    out = tmp_path / "set"
+    cmd = [sys.executable, "-m", "dataprep", "shards", "--input", src, "--format", "sasrec", "--out", str(out),
+           "--world-size", "256", "--batch-size", "1", "--quiet"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        temps = []
+        while time.monotonic() < deadline and proc.poll() is None:
+            temps = [d for d in tmp_path.glob(".set.tmp-*") if (d / "shards").exists()]
+            if temps and len(list((temps[0] / "shards").iterdir())) >= 2:
+                break
+            time.sleep(0.005)
+        assert temps and proc.poll() is None, "the build finished before it could be killed"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    assert not out.exists()
+    assert temps[0].exists()  # the dead build's folder: never named like a set
+    with pytest.raises(DataprepError):
+        verify_shards(str(temps[0]))  # and not valid-looking either: no manifest
+    m = build_shards(src, "sasrec", str(out), world_size=4, batch_size=64)
+    verify_shards(str(out))
+    assert m["num_samples"] > 0 and not temps[0].exists()

@@ -47,6 +47,7 @@ def test_movielens_dat_and_csv_sort_by_time(tmp_path):
     dat.write_text("".join(f"{u}::{i}::{r}::{t}\n" for u, i, r, t in rows))
     csv.write_text("userId,movieId,rating,timestamp\n" + "".join(f"{u},{i},{r}.0,{t}\n" for u, i, r, t in rows))
     want = {1: [29, 30, 31], 2: [12, 10, 11]}  # same-second ratings keep file order
+    dat.write_text("".join(f"{u}::{i}::{r}.5::{t}\n" for u, i, r, t in rows))  # MovieLens-10M half stars
     assert _seqs(readers.read(str(dat), "movielens")) == want
     assert _seqs(readers.read(str(csv), "movielens")) == want
 

@@ -81,12 +81,12 @@ def test_calibrate_cli_writes_a_usable_model(tmp_path):
     assert json.loads(out.read_text())["fit"]["lengths"] == [8, 32, 128]
 
 
-def test_calibrate_training_model_missing_probe_is_a_clear_error():
+def test_calibrate_times_the_training_model_when_present():
     try:
-        import training.model as tm  # noqa: F401
-        if hasattr(tm, "cost_probe"):
-            pytest.skip("training.model.cost_probe exists; covered by the training package")
+        import training.model  # noqa: F401
     except ImportError:
-        pass
-    with pytest.raises(DataprepError, match="--model training"):
-        cost.calibrate([8, 16, 32], model="training")
+        with pytest.raises(DataprepError, match="--model training"):
+            cost.calibrate([8, 16, 32], model="training")
+        return
+    m = cost.calibrate([4, 8, 16], batch=2, repeats=1, model="training")
+    assert m.source == "calibrated:training" and m(16) > 0

@@ -337,5 +337,6 @@ def test_ftar_times_out_on_a_silent_peer_instead_of_hanging():
     with pytest.raises(FTARError):
         ftar(pgs[0], [torch.ones(10)], contribute=True, timeout=0.5)   # group 1 never joins
     assert time.monotonic() - t < 3.5
+    store2, pgs2 = _groups(2)
     with pytest.raises(FTARError, match="declared failed"):
-        ftar(pgs[1], [torch.ones(10)], contribute=True, timeout=5.0, is_stale=lambda: True)
+        ftar(pgs2[0], [torch.ones(10)], contribute=True, timeout=5.0, is_stale=lambda: True)

@@ -67,6 +67,7 @@ class EvalData:
         seen = np.concatenate([users * stride + flat, np.arange(self.num_users) * stride + valid_t,
                                np.arange(self.num_users) * stride + test_t])
         self._seen = np.unique(seen)
+        self.history_items = flat
         rng = np.random.default_rng(cfg.seed)
         self.splits = {
             "valid": self._split(flat, starts, None, valid_t, max_len, rng, cfg.num_negatives),
@@ -160,3 +161,23 @@ def evaluate_checkpoint(path: str, shards_path: str, overrides: list[str] | None
     model.load_state_dict(state["model"])
     data = EvalData(shards.eval_path, shards.num_items, cfg.model.max_len, cfg.eval)
     return evaluate(model, data, cfg.eval)
+
+
+class MostPopular(torch.nn.Module):
+    """The most-popular baseline: every user gets items ranked by training-part counts.
+
+    Counts come from the eval users' training sequences only (no valid/test targets),
+    the floor that shared/data/README.md publishes.
+    """
+
+    def __init__(self, data: "EvalData"):
+        super().__init__()
+        self.register_buffer("counts", torch.bincount(torch.from_numpy(data.history_items),
+                                                      minlength=data.num_items + 1).double())
+
+    def last_hidden(self, values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(len(offsets) - 1, 1, dtype=torch.float64)
+
+    def scores(self, h: torch.Tensor, items: torch.Tensor | None = None) -> torch.Tensor:
+        c = self.counts[1:] if items is None else self.counts[items]
+        return c.expand(h.shape[0], -1).clone()

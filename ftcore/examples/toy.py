@@ -112,7 +112,10 @@ def main(argv: list[str] | None = None) -> int:
                     prm.grad.div_(world)
             mgr.set_work(works)
             mgr.allreduce([prm.grad for prm in params])
-            if mgr.should_commit():
+            commit = mgr.should_commit()
+            if mgr.healed_step is not None:
+                ledger.healed(mgr.healed_step)
+            if commit:
                 if healing:    # the schedule just arrived with the state
                     pos = sched.position(live)
                 assert pos is not None

@@ -5,10 +5,10 @@ everything is.
         [--set param=value ...] [--conf '{"param": value}']
 
 Sets AIRFLOW_HOME and friends so that Airflow's metadata (SQLite), task logs, the MLflow
-store (SQLite + artifacts) and every run's files live under one work folder; migrates
-the Airflow database; runs the DAG with `dag.test()` in a child process (Airflow reads
-its configuration once, at import, so the environment must be set before it starts);
-prints the test metrics, the registered model, where the MLflow store is, and the
+store (SQLite + artifacts) and every run's files live under one work folder; in a child
+process (Airflow reads its configuration once, at import, so the environment must be set
+before it starts) migrates the metadata database as `airflow db migrate` does and runs
+the DAG with `dag.test()`; then prints the test metrics, the registered model, where the MLflow store is, and the
 commands that open the Airflow and MLflow UIs on 127.0.0.1.
 """
 
@@ -23,7 +23,6 @@ from pathlib import Path
 from ftrec_airflow import runner, settings
 
 SUMMARY = "last_run.json"
-MIGRATE_TIMEOUT_S = 600
 
 
 def airflow_env(work: Path) -> dict[str, str]:
@@ -70,10 +69,13 @@ def _parse_sets(sets: list[str]) -> dict:
     return conf
 
 
-def child(dag_id: str, conf: dict, summary_path: Path) -> int:
+def child(dag_id: str, conf: dict, summary_path: Path, logical_date: str | None = None) -> int:
     """Inside the configured environment: dag.test() the DAG and write a summary."""
     from airflow.dag_processing.dagbag import DagBag
+    from airflow.utils import db
 
+    print(f"airflow db migrate ({os.environ['AIRFLOW__DATABASE__SQL_ALCHEMY_CONN']})", flush=True)
+    db.upgradedb()  # what `airflow db migrate` does, without starting another interpreter
     bag = DagBag(dag_folder=os.environ["AIRFLOW__CORE__DAGS_FOLDER"])
     if bag.import_errors:
         for f, err in bag.import_errors.items():
@@ -82,13 +84,20 @@ def child(dag_id: str, conf: dict, summary_path: Path) -> int:
     if dag_id not in bag.dags:
         print(f"error: no DAG {dag_id!r} in {os.environ['AIRFLOW__CORE__DAGS_FOLDER']}", file=sys.stderr)
         return 2
-    dr = bag.dags[dag_id].test(run_conf=conf)
+    when = {}
+    if logical_date:  # the same date again re-runs the same DAG run: every task a retry
+        from datetime import datetime
+        when["logical_date"] = when["run_after"] = datetime.fromisoformat(logical_date)
+    dr = bag.dags[dag_id].test(run_conf=conf, **when)
     tis = {ti.task_id: ti for ti in dr.get_task_instances()}
     xcoms = {tid: ti.xcom_pull(task_ids=tid) for tid, ti in tis.items()}
+    links = {tid: {key: ti.xcom_pull(task_ids=tid, key=f"_link_{key}") for key in ("MLflowRunLink", "LighthouseLink")}
+             for tid, ti in tis.items() if tid == "train"}
     summary = {"dag_id": dag_id, "run_id": dr.run_id, "state": str(dr.state),
                "tasks": {tid: str(ti.state) for tid, ti in tis.items()},
                "run_folder": str(settings.run_folder(dag_id, dr.run_id)),
-               "xcom": {k: v for k, v in xcoms.items() if isinstance(v, (dict, list, str, int, float))}}
+               "xcom": {k: v for k, v in xcoms.items() if isinstance(v, (dict, list, str, int, float))},
+               "links": links}
     tmp = summary_path.with_suffix(".tmp")
     tmp.write_text(json.dumps(summary, indent=1, default=str))
     os.replace(tmp, summary_path)
@@ -128,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="PARAM=VALUE", help="one DAG param")
     p.add_argument("--timeout", type=float, default=float(os.environ.get("FTREC_RUN_TIMEOUT_S", 7200)),
                    help="give up on the DAG run after this many seconds (default 7200)")
+    p.add_argument("--logical-date", help="ISO date of the DAG run; the same date again re-runs that run")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     try:
@@ -138,25 +148,18 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(a.work).resolve()
     summary_path = work / SUMMARY
     if a.child:
-        return child(a.dag, conf, summary_path)
+        return child(a.dag, conf, summary_path, a.logical_date)
 
     work.mkdir(parents=True, exist_ok=True)
     (work / "airflow").mkdir(exist_ok=True)
     env = {**os.environ, **airflow_env(work)}
     env_file = write_env_file(work, airflow_env(work))
-    bindir = Path(sys.executable).parent
-    airflow = str(bindir / "airflow") if (bindir / "airflow").exists() else "airflow"
-    print(f"airflow db migrate ({work / 'airflow' / 'airflow.db'})", flush=True)
-    mig = subprocess.run([airflow, "db", "migrate"], env=env, capture_output=True, text=True,
-                         timeout=MIGRATE_TIMEOUT_S)
-    if mig.returncode != 0:
-        print(mig.stdout[-3000:] + mig.stderr[-3000:], file=sys.stderr)
-        print("error: airflow db migrate failed (output above)", file=sys.stderr)
-        return 1
     summary_path.unlink(missing_ok=True)
     # The child gets its own process group, so a timeout or Ctrl-C ends all it started.
     proc = subprocess.Popen([sys.executable, "-m", "ftrec_airflow.local_run", "--child", "--work", str(work),
-                             "--dag", a.dag, "--conf", json.dumps(conf)], env=env, start_new_session=True)
+                             "--dag", a.dag, "--conf", json.dumps(conf),
+                             *(["--logical-date", a.logical_date] if a.logical_date else [])],
+                            env=env, start_new_session=True)
     try:
         rc = proc.wait(timeout=a.timeout)
     except (subprocess.TimeoutExpired, KeyboardInterrupt) as e:

@@ -19,7 +19,7 @@ from airflow.sdk.exceptions import AirflowFailException
 
 from ftrec_airflow import settings, steps
 
-GATE_METRIC = "test/sampled/ndcg@10"
+GATE_METRIC = "test/sampled/ndcg_at_10"  # MLflow spelling of ndcg@10
 log = logging.getLogger(__name__)
 
 
@@ -66,7 +66,8 @@ def params(**defaults: Any) -> dict[str, Param]:
         "model_name": Param(d["model_name"], type="string", minLength=1,
                             description="MLflow registered model the gated model is added to."),
         "gate_metric": Param(d["gate_metric"], type="string", description=(
-            "Evaluation metric of the quality gate, <split>/<protocol>/<metric>, e.g. test/full/hr@10.")),
+            "Evaluation metric of the quality gate, <split>/<protocol>/<metric> as MLflow shows it, "
+            "e.g. test/full/hr_at_10 (hr@10 is accepted too).")),
         "gate_min": Param(d["gate_min"], type="number", description=(
             "The model is registered only if gate_metric >= gate_min; otherwise register_model fails.")),
         "train_overrides": Param(d["train_overrides"], type="array", items={"type": "string"}, description=(
@@ -137,7 +138,8 @@ def evaluate(trained: dict) -> dict[str, Any]:
     """Evaluate the trained checkpoint; the metrics go on the training's MLflow run as eval/..."""
     from ftrec_airflow import tracking
     out = run_dir() / "eval.json"
-    metrics = _user_errors(steps.evaluate, trained["checkpoint"], trained["shards"], str(out))
+    raw = _user_errors(steps.evaluate, trained["checkpoint"], trained["shards"], str(out))
+    metrics = {tracking.metric_key(k): v for k, v in raw.items()}  # the names MLflow shows
     tracking.log_metrics(trained["mlflow_run_id"], metrics, prefix="eval/", tracking_uri=trained["tracking_uri"])
     return {"mlflow_run_id": trained["mlflow_run_id"], "metrics": metrics}
 

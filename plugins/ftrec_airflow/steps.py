@@ -122,7 +122,10 @@ def build_shards(spec: ShardSpec) -> dict[str, Any]:
 
     out = Path(spec.out)
     manifest_path = out / "manifest.json"
-    before = json.loads(manifest_path.read_text()) if manifest_path.exists() else None
+    def identity():  # a rebuilt set is renamed into place: a new inode
+        st = manifest_path.stat() if manifest_path.exists() else None
+        return st and (st.st_ino, st.st_mtime_ns)
+    before = identity()
     args = dict(world_size=spec.world_size, batch_size=spec.batch_size, seed=spec.seed,
                 max_len=spec.max_len, window_steps=spec.window_steps, quiet=True)
     try:
@@ -134,7 +137,7 @@ def build_shards(spec: ShardSpec) -> dict[str, Any]:
             manifest = _build(spec.input, spec.fmt, str(out), overwrite=True, **args)
     except DataprepError as e:
         raise UserError(str(e)) from None
-    reused = before is not None and before.get("created_at") == manifest.get("created_at")
+    reused = before is not None and before == identity()
     return {**_summary(manifest, out), "reused": reused}
 
 
@@ -283,7 +286,11 @@ class GateFailed(Exception):
 def check_gate(metrics: dict[str, float], metric: str, minimum: float) -> float:
     """Return the gated metric's value; raise GateFailed (or UserError for an unknown
     metric) with every metric in the message."""
+    from ftrec_airflow.tracking import metric_key
     shown = ", ".join(f"{k}={v:.4f}" for k, v in sorted(metrics.items()))
+    metrics = {metric_key(k): v for k, v in metrics.items()}
+    if metric_key(metric) in metrics:
+        metric = metric_key(metric)
     if metric not in metrics:
         raise UserError(f"param gate_metric={metric!r} is not among the evaluation metrics: {shown}")
     value = metrics[metric]

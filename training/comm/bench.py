@@ -170,6 +170,9 @@ class PipelinedRun:
     def __init__(self, rank: int, world_size: int, cfg: RunConfig):
         self.rank, self.cfg = rank, cfg
         self.fused = cfg.policy == "overlapped" if cfg.fused is None else cfg.fused
+        self.steps = make_steps(cfg, world_size)
+        top = max(int(s.max()) for st in self.steps for r in st for s in r)
+        cfg = self.cfg = replace(cfg, num_items=max(cfg.num_items, top))  # real data: its largest id
         torch.manual_seed(cfg.seed)
         self.transport = make_transport(TransportConfig(kind=cfg.transport))
         self.timeline = Timeline(rank)
@@ -179,7 +182,6 @@ class PipelinedRun:
         self.pipe = EmbeddingPipeline(self.emb, self.sched, STAGES)
         self.dense = list(self.model.parameters())
         self.opt = torch.optim.SGD(self.dense + [self.emb.weight], lr=cfg.lr)
-        self.steps = make_steps(cfg, world_size)
         self.tokens = [sum(len(s) - 1 for r in st for s in r) for st in self.steps]  # global loss normalizer
         self.nsteps = min(cfg.steps, len(self.steps))
         self.cur = self.pipe.prefetch(self._features(0))
@@ -293,45 +295,52 @@ def _matmul_loop(n_iter: int, size: int) -> float:
     return time.perf_counter() - t0
 
 
-def run_slowdown(rank: int, world_size: int, kind: str | None, mbytes: float, n_iter: int, size: int) -> dict:
-    """Time a matmul loop on the compute thread, alone (kind None) or while a background thread
-    keeps all-to-alls of `mbytes` per rank moving through the transport."""
-    torch.set_num_threads(1)
+def run_slowdown(rank: int, world_size: int, rounds: int, mbytes: float, n_iter: int, size: int) -> dict:
+    """Time a matmul loop on the compute thread: alone, and while a background thread keeps
+    all-to-alls of `mbytes` per rank moving through each transport. Rounds alternate the
+    three cases so that a shared machine's noise falls on all of them alike."""
     import torch.distributed as dist
-    t = make_transport(TransportConfig(kind=kind)) if kind else None
+    torch.set_num_threads(1)
+    transports = {"collective": make_transport("collective"), "smfree": make_transport("smfree")}
     rows = int(mbytes * 2**20 / 4 / 256)
     send = torch.randn(rows, 256)
     splits = [rows // world_size] * (world_size - 1)
     splits.append(rows - sum(splits))
-    stop, moved = threading.Event(), [0]
-    dist.barrier()
+    out = {k: {"matmul_s": [], "bytes": [], "ops": []} for k in ("none", *transports)}
+    _matmul_loop(3, size)  # warm-up
+    for _ in range(rounds):
+        for kind in out:
+            t = transports.get(kind)
+            stop, moved = threading.Event(), [0, 0]
+            dist.barrier()
 
-    def traffic():
-        # Every rank runs the same number of ops: rank 0 decides when to stop, by an all-reduce.
-        flag = torch.zeros(1)
-        while True:
-            t.all_to_all(send, splits, splits).wait()
-            moved[0] += send.numel() * 4
-            flag.fill_(1.0 if stop.is_set() else 0.0)
-            t.all_reduce(flag).wait()
-            if flag.item() > 0:
-                return
+            def traffic():
+                # every rank must run the same number of ops: stop when any rank is done (all-reduce)
+                flag = torch.zeros(1)
+                while True:
+                    t.all_to_all(send, splits, splits).wait()
+                    moved[0] += send.numel() * 4
+                    moved[1] += 1
+                    flag.fill_(1.0 if stop.is_set() else 0.0)
+                    if t.all_reduce(flag).wait().item() > 0:
+                        return
 
-    th = None
-    if t is not None:
-        th = threading.Thread(target=traffic, daemon=True)
-        th.start()
-        time.sleep(0.05)
-    _matmul_loop(2, size)  # warm-up
-    el = _matmul_loop(n_iter, size)
-    stop.set()
-    t1 = time.perf_counter()
-    if th is not None:
-        th.join(timeout=60)
+            th = None
+            if t is not None:
+                th = threading.Thread(target=traffic, daemon=True)
+                th.start()
+                time.sleep(0.02)
+            el = _matmul_loop(n_iter, size)
+            stop.set()
+            if th is not None:
+                th.join(timeout=120)
+            out[kind]["matmul_s"].append(el)
+            out[kind]["bytes"].append(moved[0])
+            out[kind]["ops"].append(moved[1])
     dist.barrier()
-    if t is not None:
+    for t in transports.values():
         t.close()
-    return {"matmul_s": el, "bytes_moved": moved[0], "during_s": el, "transport": t.name if t else "none"}
+    return {"results": out, "transport_names": {k: t.name for k, t in transports.items()}}
 
 
 # ----------------------------------------------------------------------------- main
@@ -345,10 +354,10 @@ def _table(rows: list[list], head: list[str]) -> str:
 
 def bench_exposed(base: RunConfig, out: dict):
     rows, res = [], {}
-    for policy in ("blocking", "overlapped", "prioritized"):
-        r = run_ranks(run_training, 2, asdict(replace(base, policy=policy)), timeout_s=300)
-        res[policy] = summarize(r)
-        res[policy]["loss_last"] = r[0]["losses"][-1]
+    policies = ("blocking", "overlapped", "prioritized")
+    r = run_ranks(run_interleaved, 2, [asdict(replace(base, policy=p)) for p in policies], timeout_s=600)
+    for j, policy in enumerate(policies):
+        res[policy] = summarize([r[0][j], r[1][j]])
     b = res["blocking"]
     for p, s in res.items():
         rows.append([p, f"{s['step_s'] * 1e3:.1f}", f"{s['exposed_comm_s'] * 1e3:.1f}",
@@ -360,21 +369,30 @@ def bench_exposed(base: RunConfig, out: dict):
     out["exposed"] = {"config": asdict(base), "results": res}
 
 
-def bench_slowdown(out: dict, mbytes: float, n_iter: int, size: int):
-    rows, res = [], {}
-    for kind in (None, "collective", "smfree"):
-        r = run_ranks(run_slowdown, 2, kind, mbytes, n_iter, size, timeout_s=300)
-        res[kind or "none"] = {"matmul_s": sum(x["matmul_s"] for x in r) / 2,
-                               "gbytes_per_s": sum(x["bytes_moved"] for x in r) / 2 / max(r[0]["during_s"], 1e-9) / 1e9}
-    base = res["none"]["matmul_s"]
-    for k, v in res.items():
-        rows.append([k, f"{v['matmul_s']:.3f}", f"{v['matmul_s'] / base:.2f}", f"{v['gbytes_per_s']:.2f}"])
-    print(f"\n## compute slowdown while comm overlaps ({mbytes} MB all-to-alls beside a {size}^2 matmul loop)")
-    print(_table(rows, ["transport", "matmul s", "slowdown", "GB/s moved per rank"]))
-    out["slowdown"] = {"mbytes": mbytes, "n_iter": n_iter, "size": size, "results": res}
+def bench_slowdown(out: dict, mbytes: float, n_iter: int, size: int, rounds: int = 3):
+    r = run_ranks(run_slowdown, 2, rounds, mbytes, n_iter, size, timeout_s=600)
+    res = {}
+    for kind in r[0]["results"]:
+        mm = [x for rr in r for x in rr["results"][kind]["matmul_s"]]
+        by = [x for rr in r for x in rr["results"][kind]["bytes"]]
+        res[kind] = {"matmul_s_median": float(np.median(mm)), "matmul_s": mm,
+                     "gbytes_per_s": float(sum(by) / sum(mm) / 1e9)}
+    base = res["none"]["matmul_s_median"]
+    for v in res.values():
+        gb = v["gbytes_per_s"] * v["matmul_s_median"]
+        v["slowdown"] = v["matmul_s_median"] / base
+        # compute time lost per GB moved: a fair figure when the transports move different amounts
+        v["lost_s_per_gb"] = (v["matmul_s_median"] - base) / gb if gb > 0 else 0.0
+    rows = [[k, f"{v['matmul_s_median']:.3f}", f"{v['slowdown']:.2f}", f"{v['gbytes_per_s']:.3f}",
+             f"{v['lost_s_per_gb']:.2f}"] for k, v in res.items()]
+    print(f"\n## compute slowdown while comm overlaps: {size}x{size} fp32 matmul loop, 1 thread per rank, "
+          f"beside back-to-back {mbytes:g} MB all-to-alls (2 ranks, median of {rounds} alternating rounds x 2 ranks)")
+    print(_table(rows, ["transport", "matmul s", "slowdown", "GB/s sent per rank", "compute s lost per GB"]))
+    out["slowdown"] = {"mbytes": mbytes, "n_iter": n_iter, "size": size, "rounds": rounds,
+                       "names": r[0]["transport_names"], "results": res}
 
 
-def bench_e2e(base: RunConfig, out: dict, datasets: list[str]):
+def bench_e2e(base: RunConfig, out: dict, datasets: list[str], png: str | None = None):
     configs = {
         "baseline (random+blocking+collective)": dict(balanced=False, policy="blocking", transport="collective"),
         "balanced only": dict(balanced=True, policy="blocking", transport="collective"),
@@ -385,9 +403,19 @@ def bench_e2e(base: RunConfig, out: dict, datasets: list[str]):
     res = {}
     for data in datasets:
         rows, res[data] = [], {}
-        for name, kw in configs.items():
-            r = run_ranks(run_training, 2, asdict(replace(base, data=data, **kw)), timeout_s=300)
-            res[data][name] = summarize(r)
+        cfgs = [asdict(replace(base, data=data, **kw)) for kw in configs.values()]
+        r = run_ranks(run_interleaved, 2, cfgs, timeout_s=600)
+        for j, name in enumerate(configs):
+            res[data][name] = summarize([r[0][j], r[1][j]])
+        if png:  # timelines of a window of steps: baseline and FreeScale
+            from training.comm.bubbles import plot_timeline
+            for j, tag in ((0, "baseline"), (len(configs) - 1, "freescale")):
+                path = png.replace(".png", f"-{data}-{tag}.png")
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
+                plot_timeline([Timeline.from_json(r[k][j]["timeline"]) for k in range(2)], path,
+                              arrivals={int(a): v for a, v in r[0][j]["arrivals"].items()},
+                              first_step=base.warmup, num_steps=4, title=f"{tag}, data={data}, 2 ranks")
+                out.setdefault("png", []).append(path)
         b = res[data][next(iter(configs))]
         for name, s in res[data].items():
             rows.append([name, f"{s['step_s'] * 1e3:.1f}", f"{s['compute_s'] * 1e3:.1f}", f"{s['exposed_comm_s'] * 1e3:.1f}",
@@ -411,22 +439,11 @@ def main(argv=None):
     if "exposed" in which:
         bench_exposed(RunConfig(steps=args.steps, data="fixed", max_len=64, batch=8), out)
     if "slowdown" in which:
-        bench_slowdown(out, mbytes=8.0, n_iter=30, size=384)
+        bench_slowdown(out, mbytes=8.0, n_iter=120, size=384)
     if "e2e" in which:
         datasets = ["lognormal"] + (["video"] if (SHARED / "video.txt").exists() else [])
         base = RunConfig(steps=args.steps, max_len=200, batch=8, dim=128, d_model=32, num_neg=1024)
-        bench_e2e(base, out, datasets)
-        # timeline PNG of the FreeScale config vs baseline on heavy-tailed data
-        from training.comm.bubbles import plot_timeline
-        for name, kw in {"baseline": dict(balanced=False, policy="blocking", transport="collective"),
-                         "freescale": dict(balanced=True, policy="prioritized", transport="smfree")}.items():
-            r = run_ranks(run_training, 2, asdict(replace(base, data="lognormal", steps=6, **kw)), timeout_s=300)
-            png = args.png.replace(".png", f"-{name}.png")
-            Path(png).parent.mkdir(parents=True, exist_ok=True)
-            plot_timeline([Timeline.from_json(x["timeline"]) for x in r], png,
-                          arrivals={int(k): v for k, v in r[0]["arrivals"].items()}, first_step=2, num_steps=4,
-                          title=f"{name}: heavy-tailed lengths, 2 ranks")
-            out.setdefault("png", []).append(png)
+        bench_e2e(base, out, datasets, args.png)
     out["wall_s"] = time.time() - t0
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     tmp = args.out + ".tmp"

@@ -132,7 +132,8 @@ class ShardedEmbedding(nn.Module):
         """Input dist: split sizes first (so owners can size buffers), then the ids."""
         k = self.world_size
         ones = [1] * k
-        recv_splits = self.transport.all_to_all(torch.tensor(plan.send_splits, dtype=torch.int64), ones, ones).wait()
+        splits = torch.tensor(plan.send_splits, dtype=torch.int64, device=plan.send_local.device)
+        recv_splits = self.transport.all_to_all(splits, ones, ones).wait()
         plan.recv_splits = recv_splits.tolist()
         plan.recv_local = self.transport.all_to_all(plan.send_local, plan.send_splits, plan.recv_splits).wait()
         return plan

@@ -1,0 +1,120 @@
+"""`dag.test()` of ftrec_train on small synthetic data, through the same entry point as
+`make run` (python -m ftrec_airflow.local_run): real Airflow metadata DB (SQLite), real
+MLflow store, real dataprep and training processes.
+
+One DAG run is made, then made again with the same logical date (every task re-runs in
+the same DAG run, as retries do); then its register_model runs once more with a quality
+gate the model cannot pass.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "plugins"))
+os.environ.setdefault("AIRFLOW_HOME", str(ROOT / "work" / "test-airflow-home"))
+
+pytestmark = pytest.mark.slow
+
+SMALL = ["--set", "data_source=synthetic", "--set", "synth_users=240", "--set", "synth_items=120",
+         "--set", "max_steps=10", "--set", "batch_size=16", "--set", "max_len=20", "--set", "replica_groups=1",
+         "--conf", json.dumps({"train_overrides": ["model.dim=16", "eval.batch_size=256"]})]
+DATE = "2026-01-02T00:00:00+00:00"
+
+
+def local_run(work: Path, *args: str, timeout: float = 400) -> tuple[int, dict | None, str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "plugins")}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    env.pop("FTREC_WORK", None)
+    r = subprocess.run([sys.executable, "-m", "ftrec_airflow.local_run", "--work", str(work),
+                        "--timeout", str(timeout - 30), *args],
+                       env=env, capture_output=True, text=True, timeout=timeout)
+    summary = work / "last_run.json"
+    return r.returncode, json.loads(summary.read_text()) if summary.exists() else None, r.stdout + r.stderr
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("ftrec-work")
+
+
+@pytest.fixture(scope="module")
+def first(work):
+    rc, summary, out = local_run(work, "--logical-date", DATE, *SMALL)
+    assert rc == 0 and summary, out[-4000:]
+    return summary, out
+
+
+def _client(work: Path):
+    from ftrec_airflow import tracking
+    return tracking.client(f"sqlite:///{work / 'mlflow' / 'mlflow.db'}")
+
+
+def test_dag_run_succeeds_and_reports(first, work):
+    summary, out = first
+    assert summary["state"].endswith("success")
+    assert set(summary["tasks"].values()) == {"success"} and len(summary["tasks"]) == 6
+    assert "test/sampled/ndcg_at_10" in out and "registered model: ftrec version 1" in out
+    assert f"sqlite:///{work / 'mlflow' / 'mlflow.db'}" in out
+    assert "mlflow ui --backend-store-uri" in out and "--host 127.0.0.1" in out and "airflow standalone" in out
+    assert (work / "airflow" / "airflow.db").exists()
+
+
+def test_mlflow_run_metrics_and_registered_version(first, work):
+    summary, _ = first
+    train = summary["xcom"]["train"]
+    c = _client(work)
+    run = c.get_run(train["mlflow_run_id"])
+    assert run.data.tags["airflow.dag_id"] == "ftrec_train" and run.data.tags["airflow.run_id"] == summary["run_id"]
+    assert run.info.artifact_uri.startswith((work / "mlflow" / "artifacts").as_uri())
+    m = run.data.metrics
+    assert "train/loss" in m and 0.0 <= m["eval/test/sampled/ndcg_at_10"] <= 1.0
+    assert m["eval/test/full/hr_at_10"] == pytest.approx(summary["xcom"]["evaluate"]["metrics"]["test/full/hr_at_10"])
+    versions = c.search_model_versions("name = 'ftrec'")
+    assert [(int(v.version), v.run_id) for v in versions] == [(1, train["mlflow_run_id"])]
+    assert versions[0].tags["gate_metric"] == "test/sampled/ndcg_at_10"
+    assert summary["xcom"]["register_model"] == {"name": "ftrec", "version": 1, "run_id": train["mlflow_run_id"],
+                                                 "reused": False}
+    links = summary["links"]["train"]
+    assert links["MLflowRunLink"].endswith(f"/runs/{train['mlflow_run_id']}")
+    assert "/ftrec/lighthouse/?dag_id=ftrec_train" in links["LighthouseLink"]
+
+
+def test_rerunning_every_task_duplicates_nothing(first, work):
+    summary, _ = first
+    run_id = summary["xcom"]["train"]["mlflow_run_id"]
+    c = _client(work)
+    exp = c.get_experiment_by_name("ftrec").experiment_id
+    loss_points = len(c.get_metric_history(run_id, "train/loss"))
+    rc, again, out = local_run(work, "--logical-date", DATE, *SMALL)
+    assert rc == 0, out[-3000:]
+    assert again["run_id"] == summary["run_id"]  # the same DAG run, every task run a second time
+    assert again["xcom"]["build_shards"]["reused"] is True
+    assert again["xcom"]["train"]["reused"] is True and again["xcom"]["train"]["mlflow_run_id"] == run_id
+    assert again["xcom"]["register_model"]["reused"] is True
+    assert len(c.search_runs([exp])) == 1  # no second MLflow run
+    assert len(c.get_metric_history(run_id, "train/loss")) == loss_points
+    assert len(c.get_metric_history(run_id, "eval/test/full/hr_at_10")) == 1
+    assert [int(v.version) for v in c.search_model_versions("name = 'ftrec'")] == [1]
+
+
+def test_quality_gate_fails_on_purpose(first, work):
+    """register_model of the same DAG run again, with a gate the model cannot pass
+    (`airflow tasks test -t`): the task fails, names every metric, registers nothing."""
+    summary, _ = first
+    env = {**os.environ, **{k: v for k, v in (l.removeprefix("export ").split("=", 1)
+                                              for l in (work / "env.sh").read_text().splitlines()
+                                              if l.startswith("export "))}}
+    env = {k: v.strip("'") for k, v in env.items()}
+    r = subprocess.run([str(Path(sys.executable).parent / "airflow"), "tasks", "test", "ftrec_train",
+                        "register_model", summary["run_id"], "-t", json.dumps({"gate_min": 1.5})],
+                       env=env, capture_output=True, text=True, timeout=180)
+    out = r.stdout + r.stderr
+    assert "AirflowFailException: quality gate failed: test/sampled/ndcg_at_10=" in out, out[-3000:]
+    assert "< 1.5" in out and "test/full/hr_at_10=" in out  # every metric is in the message
+    assert [int(v.version) for v in _client(work).search_model_versions("name = 'ftrec'")] == [1]

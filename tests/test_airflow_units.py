@@ -1,0 +1,381 @@
+"""Unit tests of the Airflow glue (plugins/ftrec_airflow) with real processes, a real
+MLflow store, a real ftcore lighthouse and the plugin's real FastAPI app; no Airflow
+scheduler (test_airflow_dag_run.py and test_airflow_integration.py run the DAGs)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "plugins"))
+# Importing airflow creates $AIRFLOW_HOME; keep it inside the (gitignored) work folder.
+os.environ.setdefault("AIRFLOW_HOME", str(ROOT / "work" / "test-airflow-home"))
+
+from ftrec_airflow import chaos, lighthouse, runner, settings, steps, tracking  # noqa: E402
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie still answers kill(0); read its state
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def _wait_dead(pid: int, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+# ---------------------------------------------------------------- runner
+
+class _Lines:
+    def __init__(self):
+        self.lines = []
+
+    def info(self, fmt, *args):
+        self.lines.append(fmt % args)
+
+    warning = exception = info
+
+
+def test_runner_streams_output_and_returns_tail():
+    log = _Lines()
+    tail = runner.run([sys.executable, "-c", "import sys\nfor i in range(3): print('line', i, flush=True)\n"
+                       "print('err', file=sys.stderr)"], logger=log)
+    assert tail == ["line 0", "line 1", "line 2", "err"]
+    assert "line 1" in log.lines and "err" in log.lines
+
+
+def test_runner_failure_quotes_the_last_lines():
+    with pytest.raises(runner.CommandFailed) as e:
+        runner.run([sys.executable, "-c", "print('error: settings x.y is wrong'); raise SystemExit(2)"],
+                   logger=_Lines())
+    assert e.value.returncode == 2
+    assert "exit code 2" in str(e.value) and "error: settings x.y is wrong" in str(e.value)
+
+
+GRANDCHILD = """
+import subprocess, sys, time
+p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+print("grandchild", p.pid, flush=True)
+time.sleep(60)
+"""
+
+
+def _run_bg(cmd: runner.Command, *args):
+    box = {}
+
+    def target():
+        try:
+            cmd.run(*args)
+        except BaseException as e:  # handed to the test
+            box["exc"] = e
+    t = threading.Thread(target=target)
+    t.start()
+    return t, box
+
+
+def _pid_from(log: _Lines, timeout: float = 20.0) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in log.lines:
+            if line.startswith("grandchild "):
+                return int(line.split()[1])
+        time.sleep(0.05)
+    raise AssertionError(f"no grandchild pid in {log.lines}")
+
+
+def test_runner_timeout_ends_the_whole_process_tree():
+    log = _Lines()
+    cmd = runner.Command([sys.executable, "-c", GRANDCHILD], logger=log)
+    t, box = _run_bg(cmd, 3)
+    grandchild = _pid_from(log)
+    t.join(30)
+    assert not t.is_alive() and isinstance(box.get("exc"), TimeoutError)
+    assert _wait_dead(grandchild), "the grandchild outlived the command's timeout"
+    assert not _alive(cmd.proc.pid)
+
+
+def test_runner_stop_from_on_kill_ends_the_whole_process_tree():
+    """What an operator's on_kill does: stop() from another frame ends leader and grandchild."""
+    log = _Lines()
+    cmd = runner.Command([sys.executable, "-c", GRANDCHILD], logger=log)
+    t, box = _run_bg(cmd)
+    grandchild = _pid_from(log)
+    cmd.stop()
+    t.join(30)
+    assert isinstance(box.get("exc"), runner.CommandFailed)
+    assert _wait_dead(grandchild)
+    assert cmd.proc.returncode == -signal.SIGTERM
+
+
+def test_runner_sigterm_to_the_task_process_ends_the_tree(tmp_path):
+    """A real task process (here a python process running Command.run in its main thread)
+    gets SIGTERM, as Airflow sends it on a kill from the UI: the command's group dies."""
+    script = tmp_path / "task.py"
+    script.write_text(
+        f"import sys; sys.path.insert(0, {str(ROOT / 'plugins')!r})\n"
+        "from ftrec_airflow import runner\n"
+        "class L:\n"
+        "    def info(self, f, *a): print(f % a, flush=True)\n"
+        "    warning = exception = info\n"
+        f"runner.run([sys.executable, '-c', {GRANDCHILD!r}], logger=L())\n")
+    task = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        line = ""
+        deadline = time.monotonic() + 30
+        while not line.startswith("grandchild") and time.monotonic() < deadline:
+            line = task.stdout.readline()
+        grandchild = int(line.split()[1])
+        task.send_signal(signal.SIGTERM)
+        task.wait(timeout=30)
+        assert _wait_dead(grandchild)
+    finally:
+        runner.stop_group(task, grace_s=1)
+
+
+# ---------------------------------------------------------------- steps
+
+def test_ingest_errors_name_the_file_and_the_setting(tmp_path):
+    with pytest.raises(steps.UserError, match="does not exist"):
+        steps.ingest(str(tmp_path / "nope.txt"), "sasrec", tmp_path)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    with pytest.raises(steps.UserError, match="empty"):
+        steps.ingest(str(empty), "sasrec", tmp_path)
+    iclrec = tmp_path / "beauty_like.txt"
+    iclrec.write_text("1 5 6 7\n2 8 9\n")
+    with pytest.raises(steps.UserError, match=r"line 1: format sasrec expects 2 fields.*data_format"):
+        steps.ingest(str(iclrec), "sasrec", tmp_path)
+    with pytest.raises(steps.UserError, match="data_format='csv'"):
+        steps.ingest(str(iclrec), "csv", tmp_path)
+    assert steps.ingest(str(iclrec), "iclrec", tmp_path)["format"] == "iclrec"
+
+
+def test_synthetic_ingest_and_build_shards_are_idempotent(tmp_path):
+    data = steps.ingest("synthetic", "sasrec", tmp_path, synth_users=120, synth_items=60, seed=3)
+    first_mtime = os.stat(data["path"]).st_mtime_ns
+    again = steps.ingest("synthetic", "sasrec", tmp_path, synth_users=120, synth_items=60, seed=3)
+    assert again == data and os.stat(data["path"]).st_mtime_ns == first_mtime
+    spec = steps.ShardSpec(input=data["path"], fmt="sasrec", out=str(tmp_path / "shards"), world_size=2,
+                           batch_size=8, max_len=20)
+    built = steps.build_shards(spec)
+    assert built["reused"] is False and built["steps"] > 0
+    files = sorted(p.name for p in (tmp_path / "shards" / "shards").iterdir())
+    assert files == ["rank-00000.parquet", "rank-00001.parquet"]
+    retried = steps.build_shards(spec)  # a retried task: same set, nothing rebuilt
+    assert retried["reused"] is True and retried["fingerprint"] == built["fingerprint"]
+    assert steps.verify_shards(built["path"])["steps"] == built["steps"]
+    # other settings in the same folder (e.g. a cleared run with another world size) replace it
+    rebuilt = steps.build_shards(steps.ShardSpec(**{**spec.__dict__, "world_size": 1}))
+    assert rebuilt["reused"] is False and rebuilt["config"]["world_size"] == 1
+
+
+def test_verify_reports_a_corrupt_shard_set(tmp_path):
+    data = steps.ingest("synthetic", "sasrec", tmp_path, synth_users=100, synth_items=50)
+    built = steps.build_shards(steps.ShardSpec(input=data["path"], fmt="sasrec", out=str(tmp_path / "s"),
+                                               world_size=1, batch_size=8))
+    shard = tmp_path / "s" / "shards" / "rank-00000.parquet"
+    shard.write_bytes(shard.read_bytes()[:-100] + b"\0" * 100)
+    with pytest.raises(steps.UserError):
+        steps.verify_shards(built["path"])
+
+
+def test_train_command_launcher_and_trainer(tmp_path, monkeypatch):
+    spec = steps.TrainSpec(shards="/s", out=str(tmp_path / "t"), replica_groups=2, ranks_per_group=1,
+                           fault_plan='{"faults": [{"kind": "kill", "group": 1, "at_step": 3}]}',
+                           max_steps=7, overrides=["model.dim=16"])
+    monkeypatch.setattr(steps, "USE_LAUNCHER", True)
+    cmd = steps.train_command(spec, "RUN", "sqlite:///x.db")
+    assert cmd[1:4] == ["-m", "training", "launch"]
+    assert cmd[cmd.index("--replica-groups") + 1] == "2"
+    plan = cmd[cmd.index("--faults") + 1]
+    assert json.loads(Path(plan).read_text())["faults"][0]["kind"] == "kill"
+    trainer_args = cmd[cmd.index("--") + 1:]
+    for s in ("mlflow.run_id=RUN", "mlflow.register=false", "train.max_steps=7", "model.dim=16"):
+        assert s in trainer_args
+    assert "train.resume=true" not in trainer_args
+    (tmp_path / "t" / "replica_0" / "checkpoints" / "step-00000004").mkdir(parents=True)
+    assert "train.resume=true" in steps.train_command(spec, "RUN", "sqlite:///x.db")  # a retry resumes
+    with pytest.raises(steps.UserError, match="fault_plan"):
+        steps.train_command(steps.TrainSpec(shards="/s", out=str(tmp_path), fault_plan="{bad"), "R", "u")
+    monkeypatch.setattr(steps, "USE_LAUNCHER", False)
+    with pytest.raises(steps.UserError, match="one replica group"):
+        steps.train_command(spec, "RUN", "u")
+    one = steps.train_command(steps.TrainSpec(shards="/s", out=str(tmp_path / "u")), "RUN", "u")
+    assert one[1:4] == ["-m", "training", "train"] and "--" not in one
+
+
+def test_quality_gate_passes_and_fails_with_every_metric():
+    metrics = {"test/sampled/ndcg_at_10": 0.31, "test/full/hr_at_10": 0.07}
+    assert steps.check_gate(metrics, "test/sampled/ndcg_at_10", 0.3) == 0.31
+    with pytest.raises(steps.GateFailed) as e:
+        steps.check_gate(metrics, "test/sampled/ndcg_at_10", 0.5)
+    assert "test/sampled/ndcg_at_10=0.3100 < 0.5" in str(e.value) and "test/full/hr_at_10=0.0700" in str(e.value)
+    with pytest.raises(steps.UserError, match="gate_metric='test/nope'"):
+        steps.check_gate(metrics, "test/nope", 0.1)
+
+
+# ---------------------------------------------------------------- tracking (real MLflow store)
+
+def test_mlflow_run_is_found_again_and_metrics_logged_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("FTREC_WORK", str(tmp_path))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    uri = settings.tracking_uri()
+    assert uri == f"sqlite:///{tmp_path / 'mlflow' / 'mlflow.db'}"
+    (tmp_path / "mlflow").mkdir()
+    exp, run = tracking.ensure_run("exp-a", "dag/run-1/train", tracking_uri=uri)
+    assert tracking.ensure_run("exp-a", "dag/run-1/train", tracking_uri=uri) == (exp, run)  # retry: same run
+    assert tracking.ensure_run("exp-a", "dag/run-2/train", tracking_uri=uri)[1] != run
+    c = tracking.client(uri)
+    assert c.get_experiment(exp).artifact_location == (tmp_path / "mlflow" / "artifacts").as_uri()
+    tracking.log_metrics(run, {"test/full/hr@10": 0.5}, prefix="eval/", tracking_uri=uri)
+    tracking.log_metrics(run, {"test/full/hr@10": 0.5}, prefix="eval/", tracking_uri=uri)
+    assert [m.value for m in c.get_metric_history(run, "eval/test/full/hr_at_10")] == [0.5]
+    assert tracking.run_url(exp, run).endswith(f"/#/experiments/{exp}/runs/{run}")
+    assert tracking.latest_version("no-such-model", tracking_uri=uri) is None
+
+
+# ---------------------------------------------------------------- chaos verdict
+
+def _timeline(gap: float = 0.1, holes: bool = False, sums=("a", "a")) -> dict:
+    steps_ = []
+    t = 100.0
+    for s in range(1, 11):
+        if holes and s == 5:
+            continue
+        t += gap if s != 6 else gap * 3
+        steps_.append({"group": 0, "rank": 0, "step": s, "committed": True, "t": t})
+    steps_.append({"group": 0, "rank": 0, "step": 6, "committed": False, "t": t})
+    return {"exit_code": 0, "checksums": {str(g): c for g, c in enumerate(sums)}, "steps": steps_}
+
+
+RECOVERED = {"ft/failures_detected": 1, "ft/quorum_changes": 3, "ft/heals": 1}
+
+
+def test_chaos_verdict_passes_a_clean_recovery():
+    v = chaos.judge(_timeline(), RECOVERED, chaos.DEFAULT_PLAN, replica_groups=2, max_stall_s=5,
+                    artifacts=["timeline.json"])
+    assert v.ok, v.problems
+    assert v.facts["survivors"] == [0] and v.facts["faulted"] == [1]
+
+
+@pytest.mark.parametrize("timeline,metrics,artifacts,expect", [
+    (_timeline(), {}, ["timeline.json"], "no ft/* recovery metrics"),
+    (_timeline(), {**RECOVERED, "ft/heals": 0}, ["timeline.json"], "ft/heals = 0"),
+    (_timeline(), RECOVERED, [], "no timeline.json artifact"),
+    (_timeline(holes=True), RECOVERED, ["timeline.json"], "skipped or repeated steps"),
+    (_timeline(gap=3.0), RECOVERED, ["timeline.json"], "stalled 9.0 s"),
+    (_timeline(sums=("a", "b")), RECOVERED, ["timeline.json"], "final replicas differ"),
+    (_timeline(sums=("a",)), RECOVERED, ["timeline.json"], "only 1 of 2 replica groups"),
+])
+def test_chaos_verdict_names_what_failed(timeline, metrics, artifacts, expect):
+    v = chaos.judge(timeline, metrics, chaos.DEFAULT_PLAN, replica_groups=2, max_stall_s=5, artifacts=artifacts)
+    assert not v.ok and any(expect in p for p in v.problems), v.problems
+
+
+def test_fault_plan_files(tmp_path):
+    toml = tmp_path / "plan.toml"
+    toml.write_text('[[faults]]\nkind = "stop"\ngroup = 2\nat_step = 3\n')
+    assert chaos.faulted_groups(chaos.load_plan(str(toml))) == {2}
+    assert chaos.faulted_groups(chaos.load_plan(json.dumps(chaos.DEFAULT_PLAN))) == {1}
+
+
+# ---------------------------------------------------------------- lighthouse page and links
+
+def test_lighthouse_address_in_launcher_output():
+    assert lighthouse.address_in('[launch] launch {"lighthouse": "127.0.0.1:60627", "groups": 2}') == \
+        "http://127.0.0.1:60627"
+    assert lighthouse.address_in('[lighthouse] {"t": 1795940043.09, "kind": "listening", '
+                                 '"address": "127.0.0.1:5000"}') == "http://127.0.0.1:5000"
+    assert lighthouse.address_in('[lighthouse] {"t": 1795940043.0908248, "kind": "lighthouse_started"}') is None
+    assert lighthouse.address_in("[g0r0] step 4 valid 0.47") is None
+
+
+@pytest.fixture
+def live_lighthouse(tmp_path, free_port):
+    token = tmp_path / "token"
+    token.write_text("s3cret")
+    proc = subprocess.Popen([sys.executable, "-m", "ftcore.lighthouse", "--bind", f"127.0.0.1:{free_port}",
+                             "--min-replicas", "1", "--token-file", str(token)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    url = f"http://127.0.0.1:{free_port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                lighthouse.fetch_status(url, token_file=token)
+                break
+            except OSError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise
+                time.sleep(0.1)
+        yield url, token, proc
+    finally:
+        runner.stop_group(proc, grace_s=2)
+
+
+def test_lighthouse_page_live_then_from_snapshot(tmp_path, monkeypatch, live_lighthouse):
+    from fastapi.testclient import TestClient
+
+    from ftrec_airflow.lighthouse_app import app
+    url, token, proc = live_lighthouse
+    monkeypatch.setenv("FTREC_WORK", str(tmp_path / "work"))
+    monkeypatch.delenv("FTREC_LIGHTHOUSE_URL", raising=False)
+    run_dir = settings.run_folder("ftrec_train", "manual__2026-01-01T00:00:00+00:00")
+    with pytest.raises(OSError):
+        lighthouse.fetch_status(url)  # no token: refused (401)
+    with lighthouse.Watcher(run_dir, token_file=token) as w:
+        w.see(f'[launch] launch {{"lighthouse": "{url[7:]}", "groups": 2}}')
+    snap = lighthouse.read_snapshot(run_dir)
+    assert snap["url"] == url and snap["status"]["min_replicas"] == 1
+    client = TestClient(app)
+    q = {"dag_id": "ftrec_train", "run_id": "manual__2026-01-01T00:00:00+00:00"}
+    live = client.get("/lighthouse/status", params=q).json()
+    assert live["live"] is True and live["status"]["events"]
+    page = client.get("/lighthouse/", params=q)
+    assert page.status_code == 200 and "ftcore lighthouse" in page.text and "live" in page.text
+    runner.stop_group(proc, grace_s=2)  # training over: the page falls back to the snapshot
+    after = client.get("/lighthouse/status", params=q).json()
+    assert after["live"] is False and after["status"]["min_replicas"] == 1 and "does not answer" in after["error"]
+    assert "snapshot of" in client.get("/lighthouse/", params=q).text
+    none = client.get("/lighthouse/status", params={"dag_id": "x", "run_id": "y"}).json()
+    assert none["status"] is None and "no lighthouse recorded" in none["error"]
+
+
+def test_operator_links_and_plugin():
+    from types import SimpleNamespace
+
+    from ftrec_airflow.decorators import BuildShardsOperator, FaultTolerantTrainOperator
+    from ftrec_airflow.links import LighthouseLink, MLflowRunLink
+    names = {link.name for link in FaultTolerantTrainOperator.operator_extra_links}
+    assert names == {"MLflow run", "Lighthouse"}
+    op = SimpleNamespace(mlflow_run_url="http://127.0.0.1:5000/#/experiments/1/runs/abc")
+    key = SimpleNamespace(dag_id="ftrec_train", run_id="manual__x+1")
+    assert MLflowRunLink().get_link(op, ti_key=key) == op.mlflow_run_url
+    assert LighthouseLink().get_link(op, ti_key=key).endswith("/ftrec/lighthouse/?dag_id=ftrec_train&run_id=manual__x%2B1")
+    assert BuildShardsOperator.custom_operator_name == "@build_shards_task"
+    sys.path.insert(0, str(ROOT / "plugins"))
+    import ftrec_plugin
+    plugin = ftrec_plugin.FtrecPlugin
+    assert plugin.fastapi_apps[0]["url_prefix"] == "/ftrec"
+    views = {v["destination"]: v for v in plugin.external_views}
+    assert views["dag_run"]["href"].startswith("/ftrec/lighthouse/?dag_id={DAG_ID}&run_id={RUN_ID}")
+    assert views["nav"]["href"] == "/ftrec/lighthouse/"

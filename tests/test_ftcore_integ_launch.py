@@ -1,0 +1,142 @@
+"""FT-HSDP end to end: the launcher, a real lighthouse, real gloo groups, real signals.
+
+Each test launches replica groups of the toy trainer (ftcore/examples/toy.py) with a
+fault plan, and checks what the papers promise: survivors keep training, a restarted
+group heals and ends bitwise identical to the others (parameters AND optimizer state),
+a failed step is discarded everywhere, and every sample is trained exactly once.
+Every process is started in its own session and ended by its process group.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ftcore import ledger, tensorfile
+from ftcore.examples.toy import sample_ids
+
+pytestmark = [pytest.mark.integ, pytest.mark.slow]
+ROOT = Path(__file__).resolve().parent.parent
+STEPS = 30
+
+
+def launch(out: Path, plan: list[dict] | None = None, groups: int = 3, ranks: int = 1, steps: int = STEPS,
+           env: dict | None = None, timeout: float = 150.0) -> tuple[int, str]:
+    args = [sys.executable, "-m", "training", "launch", "--worker", "ftcore.examples.toy",
+            "--replica-groups", str(groups), "--ranks-per-group", str(ranks), "--out", str(out),
+            "--timeout", str(timeout - 20)]
+    if plan:
+        (out.parent / f"{out.name}-plan.json").write_text(json.dumps({"faults": plan}))
+        args += ["--faults", str(out.parent / f"{out.name}-plan.json")]
+    args += ["--", "--steps", str(steps), "--step-sleep", "0.04"]
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
+    p = subprocess.Popen(args, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, start_new_session=True)
+    try:
+        stdout, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        stdout, _ = p.communicate()
+        pytest.fail(f"launcher did not finish in {timeout}s:\n{stdout[-4000:]}")
+    return p.returncode, stdout
+
+
+def states(out: Path, groups: int) -> list[bytes]:
+    return [(out / f"replica_{g}" / "state.safetensors").read_bytes() for g in range(groups)]
+
+
+def timeline(out: Path) -> dict:
+    return json.loads((out / "timeline.json").read_text())
+
+
+def check_ledger(out: Path, groups: int, ranks: int = 1, steps: int = STEPS) -> dict:
+    return ledger.check(str(out / "ledger"), steps_per_epoch=steps, num_groups=groups, ranks_per_group=ranks,
+                        epochs=1, sample_ids=lambda s, rg: sample_ids(s, rg, steps, 16))
+
+
+def assert_identical(out: Path, groups: int) -> bytes:
+    st = states(out, groups)
+    assert all(s == st[0] for s in st), "replica groups ended with different parameters/optimizer state"
+    tree = tensorfile.loads(st[0])
+    assert tree["optimizer"]["state"], "optimizer state missing from the final state"
+    return st[0]
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory) -> bytes:
+    """A fault-free run: the reference for runs whose faults must not change the result."""
+    out = tmp_path_factory.mktemp("baseline") / "run"
+    code, log = launch(out)
+    assert code == 0, log[-3000:]
+    return assert_identical(out, 3)
+
+
+def test_kill9_survivors_continue_restarted_group_heals_bitwise_identical(tmp_path):
+    out = tmp_path / "run"
+    plan = [{"kind": "kill", "group": 1, "at_step": 8},                                  # from outside
+            {"kind": "kill", "group": 2, "at_step": 20, "phase": "during_allreduce"}]    # mid all-reduce
+    code, log = launch(out, plan)
+    assert code == 0, log[-4000:]
+    assert_identical(out, 3)
+    tl = timeline(out)
+    assert tl["restarts"] == {"0": 0, "1": 1, "2": 1}
+    healed = {e["group"] for e in tl["lighthouse_events"] if e["kind"] == "heal_finished"}
+    assert {1, 2} <= healed
+    # the survivors went on with fewer participants while the others were down
+    g0 = [s for s in tl["steps"] if s["group"] == 0 and s["committed"]]
+    assert any(s["participants"] == 2 for s in g0) and g0[-1]["participants"] == 3
+    summary = check_ledger(out, 3)
+    assert summary["makeup_steps"] > 0           # the missed buckets were made up, not lost
+
+
+def test_error_mid_allreduce_discards_the_step_on_every_group(tmp_path, baseline):
+    out = tmp_path / "run"
+    plan = [{"kind": "raise", "group": 0, "at_step": 6, "phase": "during_allreduce"},
+            {"kind": "raise", "group": 2, "at_step": 12, "phase": "before_allreduce"}]
+    code, log = launch(out, plan)
+    assert code == 0, log[-4000:]
+    steps = timeline(out)["steps"]
+    for bad in (6, 12):
+        failed = {s["group"] for s in steps if not s["committed"] and s["step"] == bad}
+        assert failed == {0, 1, 2}, f"step {bad} was not discarded everywhere: {failed}"
+    # no replica applied a partial update: the result equals the fault-free run's, bit for bit
+    assert assert_identical(out, 3) == baseline
+    check_ledger(out, 3)
+
+
+def test_lighthouse_killed_and_restarted_mid_training(tmp_path, baseline):
+    out = tmp_path / "run"
+    code, log = launch(out, [{"kind": "kill_lighthouse", "at_step": 10, "duration_s": 1.5}])
+    assert code == 0, log[-4000:]
+    events = timeline(out)["lighthouse_events"]
+    assert sum(e["kind"] == "lighthouse_started" for e in events) == 2
+    # no committed step lost or repeated, no group excluded: the same result as without the outage
+    assert assert_identical(out, 3) == baseline
+    check_ledger(out, 3)
+
+
+def test_sigstop_detected_by_heartbeat_timeout_then_group_rejoins(tmp_path):
+    out = tmp_path / "run"
+    code, log = launch(out, [{"kind": "stop", "group": 2, "at_step": 6, "duration_s": 4}],
+                       env={"FTCORE_HEARTBEAT_TIMEOUT": "1.0"})
+    assert code == 0, log[-4000:]
+    tl = timeline(out)
+    detected = [e for e in tl["lighthouse_events"] if e["kind"] == "failure_detected" and e["group"] == 2]
+    assert detected and detected[0]["reason"] == "heartbeat timeout"
+    assert any(e["kind"] == "quorum_formed" and e["groups"] == [0, 1] for e in tl["lighthouse_events"])
+    assert any(e["kind"] == "heal_finished" and e["group"] == 2 for e in tl["lighthouse_events"])
+    assert_identical(out, 3)
+    check_ledger(out, 3)
+
+
+def test_two_ranks_per_group_kill_one_rank_restarts_the_group(tmp_path):
+    out = tmp_path / "run"
+    code, log = launch(out, [{"kind": "kill", "group": 0, "rank": 1, "at_step": 8}], groups=2, ranks=2, steps=20)
+    assert code == 0, log[-4000:]
+    assert timeline(out)["restarts"]["0"] == 1
+    assert_identical(out, 2)
+    check_ledger(out, 2, ranks=2, steps=20)

@@ -1,0 +1,102 @@
+"""MLflow tracking: the embedded SQLite store, a real `mlflow server` on loopback, and an
+unreachable server that must not stop training (what it could not send is flushed later)."""
+
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+from mlflow import MlflowClient
+
+from dataprep.build import build_shards
+from dataprep.synth import write_synthetic
+from training.config import MlflowConfig, load_config
+from training.tracking import Tracker
+from training.train import train
+
+SETTINGS = ["train.max_steps=6", "train.log_every=2", "model.dim=16", "train.eval_every=3"]
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> str:
+    d = tmp_path_factory.mktemp("mlf")
+    write_synthetic(str(d / "ev.txt"), users=200, items=100, seed=4, median_len=8, max_history=40)
+    build_shards(str(d / "ev.txt"), "sasrec", str(d / "shards"), world_size=1, batch_size=16, max_len=16)
+    return str(d / "shards")
+
+
+def _check_run(client: MlflowClient, run_id: str, registered: bool) -> None:
+    run = client.get_run(run_id)
+    p = run.data.params
+    assert p["model.attention"] == "sasrec" and p["data.fingerprint"] and p["topology.ranks_per_group"] == "1"
+    assert run.info.status == "FINISHED"
+    loss = client.get_metric_history(run_id, "train/loss")
+    assert [m.step for m in loss] == [2, 4, 6]
+    for key in ("test/full/hr_at_10", "test/sampled/ndcg_at_10", "valid/full/mrr", "rank0/compute_s",
+                "rank0/wait_s", "train/tokens_per_s", "train/padding_fraction", "train/samples_per_s"):
+        assert key in run.data.metrics, key
+    names = {a.path for a in client.list_artifacts(run_id)}
+    assert {"config.toml", "manifest.json", "training.png"} <= names
+    if registered:
+        versions = client.search_model_versions("name='ftrec'")
+        assert any(v.run_id == run_id for v in versions)
+
+
+def test_embedded_store(shards, tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    out = tmp_path / "run"
+    res = train(load_config(None, [f"data.shards={shards}", f"train.out={out}", *SETTINGS]))
+    assert res["tracking_uri"] == f"sqlite:///{out}/mlflow.db" and res["mlflow_unsent"] == 0
+    _check_run(MlflowClient(res["tracking_uri"]), res["mlflow_run_id"], registered=True)
+
+
+def test_unreachable_server_never_stops_training(shards, tmp_path, free_port, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{free_port}")   # nothing listens there
+    res = train(load_config(None, [f"data.shards={shards}", f"train.out={tmp_path / 'run'}", *SETTINGS,
+                                   "mlflow.log_model=false"]))
+    assert res["steps"] == 6 and res["metrics"]["test/full/hr@10"] >= 0
+    assert res["mlflow_run_id"] is None and res["mlflow_unsent"] > 0
+    assert (tmp_path / "run" / "result.json").exists()
+
+
+@pytest.mark.integ
+def test_real_server_with_buffered_metrics(shards, tmp_path, free_port, monkeypatch):
+    uri = f"http://127.0.0.1:{free_port}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    # 1. the server is not up yet: logging is buffered, nothing raises
+    early = Tracker(MlflowConfig(experiment="early"), str(tmp_path))
+    early.log_params({"when": "before the server"})
+    early.log_metrics({"probe": 1.5}, step=1)
+    early_uri_is_server = early.uri
+    # 2. a real server on loopback, in its own process group, bounded
+    mlflow_bin = os.path.join(os.path.dirname(sys.executable), "mlflow")
+    server = subprocess.Popen([mlflow_bin, "server", "--host", "127.0.0.1", "--port", str(free_port),
+                               "--backend-store-uri", f"sqlite:///{tmp_path}/server.db",
+                               "--artifacts-destination", str(tmp_path / "server-artifacts"), "--workers", "1"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if urllib.request.urlopen(f"{uri}/health", timeout=2).status == 200:
+                    break
+            except OSError:
+                pass
+            assert server.poll() is None and time.monotonic() < deadline, "mlflow server did not start"
+            time.sleep(0.5)
+        # 3. a training run against the server
+        res = train(load_config(None, [f"data.shards={shards}", f"train.out={tmp_path / 'run'}", *SETTINGS,
+                                       "mlflow.register=true"]))
+        assert res["tracking_uri"] == uri and res["mlflow_unsent"] == 0
+        client = MlflowClient(uri)
+        _check_run(client, res["mlflow_run_id"], registered=True)
+        # 4. the buffered early metrics reach the server once it is up
+        assert early_uri_is_server == uri
+        assert early.close(timeout=60) == 0
+        got = client.get_run(early.run_id)
+        assert got.data.metrics["probe"] == 1.5 and got.data.params["when"] == "before the server"
+    finally:
+        os.killpg(server.pid, 9)
+        server.wait(timeout=30)
