@@ -90,3 +90,17 @@ def test_calibrate_times_the_training_model_when_present():
         return
     m = cost.calibrate([4, 8, 16], batch=2, repeats=1, model="training")
     assert m.source == "calibrated:training" and m(16) > 0
+
+
+def test_bench_smoke_agrees_with_pandas_and_writes_json(tmp_path):
+    """The benchmark script runs end to end at a tiny size; its pandas baseline builds the same samples."""
+    out = tmp_path / "b.json"
+    r = subprocess.run([sys.executable, "-m", "dataprep.bench", "--samples", "20000", "--world-sizes", "8",
+                        "--windows", "1,64", "--events", "30000", "--repeats", "1", "--skip-shared", "--out", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    d = json.loads(out.read_text())
+    k1, k64 = d["balance"]
+    assert k64["bubble_balanced"] < k1["bubble_balanced"] < k1["bubble_random"]
+    t = d["throughput"]
+    assert t["samples"] > 0 and t["speedup_vs_pandas"] > 0 and "dataprep" in r.stdout
