@@ -137,22 +137,24 @@ def read(f: BinaryIO, max_header: int = 64 << 20) -> tuple[Any, dict[str, str]]:
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise FormatError(f"header is not JSON: {e}") from None
     meta = header.pop("__metadata__", {}) or {}
-    end = max((v["data_offsets"][1] for v in header.values()), default=0)
-    data = torch.frombuffer(_read_exact(f, end), dtype=torch.uint8) if end else torch.empty(0, dtype=torch.uint8)
-    tensors = {}
-    for name, v in header.items():
+    # Each tensor gets its own buffer (storage offset 0: torch's RNG set_state, for one,
+    # reads from the start of the storage), read in byte order straight from the stream.
+    tensors, pos = {}, 0
+    for name, v in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
         dtype = _TORCH.get(v.get("dtype"))
         if dtype is None:
             raise FormatError(f"tensor '{name}' has unknown dtype {v.get('dtype')}")
-        b, e = v["data_offsets"]
-        shape = [int(s) for s in v["shape"]]
-        if b == e:
+        b, e = (int(x) for x in v["data_offsets"])
+        if b < pos or e < b:
+            raise FormatError(f"tensor '{name}' has overlapping byte range {b}..{e}")
+        if b > pos:
+            _read_exact(f, b - pos)
+        shape = [int(x) for x in v["shape"]]
+        if e == b:
             tensors[name] = torch.empty(shape, dtype=dtype)
-            continue
-        chunk = data[b:e]
-        if b % torch.empty(0, dtype=dtype).element_size():
-            chunk = chunk.clone()  # foreign file without alignment
-        tensors[name] = chunk.view(dtype).reshape(shape)
+        else:
+            tensors[name] = torch.frombuffer(_read_exact(f, e - b), dtype=torch.uint8).view(dtype).reshape(shape)
+        pos = e
     tree = _rebuild(json.loads(meta[TREE_KEY]), tensors) if TREE_KEY in meta else tensors
     return tree, {k: v for k, v in meta.items() if k != TREE_KEY}
 

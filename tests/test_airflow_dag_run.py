@@ -21,9 +21,11 @@ os.environ.setdefault("AIRFLOW_HOME", str(ROOT / "work" / "test-airflow-home"))
 
 pytestmark = pytest.mark.slow
 
+PLAN = {"faults": [{"kind": "kill", "group": 1, "at_step": 4}]}
 SMALL = ["--set", "data_source=synthetic", "--set", "synth_users=240", "--set", "synth_items=120",
-         "--set", "max_steps=10", "--set", "batch_size=16", "--set", "max_len=20", "--set", "replica_groups=1",
-         "--conf", json.dumps({"train_overrides": ["model.dim=16", "eval.batch_size=256"]})]
+         "--set", "max_steps=10", "--set", "batch_size=16", "--set", "max_len=20", "--set", "replica_groups=2",
+         "--conf", json.dumps({"train_overrides": ["model.dim=16", "eval.batch_size=256"],
+                               "fault_plan": json.dumps(PLAN)})]
 DATE = "2026-01-02T00:00:00+00:00"
 
 
@@ -75,6 +77,10 @@ def test_mlflow_run_metrics_and_registered_version(first, work):
     m = run.data.metrics
     assert "train/loss" in m and 0.0 <= m["eval/test/sampled/ndcg_at_10"] <= 1.0
     assert m["eval/test/full/hr_at_10"] == pytest.approx(summary["xcom"]["evaluate"]["metrics"]["test/full/hr_at_10"])
+    # the fault plan killed replica group 1: the launcher's recovery events are on the run
+    assert m["ft/failures_detected"] >= 1 and m["ft/heals"] >= 1 and m["ft/quorum_changes"] >= 1
+    assert m["ft/committed_steps"] == 10
+    assert "timeline.json" in [a.path for a in c.list_artifacts(train["mlflow_run_id"])]
     versions = c.search_model_versions("name = 'ftrec'")
     assert [(int(v.version), v.run_id) for v in versions] == [(1, train["mlflow_run_id"])]
     assert versions[0].tags["gate_metric"] == "test/sampled/ndcg_at_10"
@@ -118,3 +124,20 @@ def test_quality_gate_fails_on_purpose(first, work):
     assert "AirflowFailException: quality gate failed: test/sampled/ndcg_at_10=" in out, out[-3000:]
     assert "< 1.5" in out and "test/full/hr_at_10=" in out  # every metric is in the message
     assert [int(v.version) for v in _client(work).search_model_versions("name = 'ftrec'")] == [1]
+
+
+def test_chaos_drill_checks_recovery(work):
+    """ftrec_chaos_drill with its default plan (kill group 1, then the lighthouse), small."""
+    rc, summary, out = local_run(work, "--dag", "ftrec_chaos_drill", "--set", "synth_users=300",
+                                 "--set", "max_steps=18", "--set", "max_len=20",
+                                 "--conf", json.dumps({"train_overrides": ["model.dim=16", "eval.batch_size=256"]}))
+    assert rc == 0, out[-4000:]
+    verdict = summary["xcom"]["check_recovery"]
+    assert verdict["ok"] is True and verdict["faulted"] == [1] and verdict["survivors"] == [0]
+    assert len(set(verdict["checksums"].values())) == 1 and len(verdict["checksums"]) == 2
+    assert verdict["recovery_metrics"]["ft/failures_detected"] >= 1
+    assert any(e["kind"] == "lighthouse_restarted" or e["kind"] == "fault"
+               for e in json.loads((Path(summary["run_folder"]) / "train" / "timeline.json").read_text())
+               ["launcher_events"])
+    snap = json.loads((Path(summary["run_folder"]) / "lighthouse.json").read_text())
+    assert snap["url"].startswith("http://127.0.0.1:") and snap["status"]["max_step"] >= 1

@@ -3,6 +3,8 @@ bubble fraction, the metrics dict and the PNG timeline."""
 
 from dataclasses import asdict
 
+import torch
+
 import pytest
 
 from training.comm.bench import RunConfig, run_training
@@ -82,3 +84,45 @@ def test_sums_on_real_ranks_with_a_straggler(tmp_path):
     steps = [Timeline.from_json(r["timeline"]) for r in res]
     png = plot_timeline(steps, str(tmp_path / "w.png"), arrivals={int(k): v for k, v in res[0]["arrivals"].items()})
     assert open(png, "rb").read(4) == b"\x89PNG"
+
+
+def _group_comm(rank, world_size, out):
+    import torch
+    from training.comm.integration import CommConfig, GroupComm
+    res = {}
+    for kind in ("collective", "smfree"):
+        gc = GroupComm(CommConfig(transport=kind, timeline_steps=3), rank)
+        torch.manual_seed(rank)
+        params = [torch.nn.Parameter(torch.zeros(5, 3)), torch.nn.Parameter(torch.zeros(7))]
+        grads = []
+        for step in range(4):
+            gc.step_begin(step)
+            with gc.compute("forward_backward"):
+                for p in params:
+                    p.grad = torch.randn_like(p) * (rank + 1)
+            gc.allreduce_grads(params)
+            grads.append([p.grad.clone() for p in params])
+            with gc.compute("optimizer"):
+                pass
+            gc.step_end()
+            if step == 1:
+                res.setdefault("metrics", {})[kind] = gc.window_metrics()
+        png = gc.finish(out)
+        res[kind] = (gc.transport.name, grads, png)
+    return res
+
+
+@pytest.mark.integ
+def test_group_comm_seam(tmp_path):
+    r0, r1 = run_ranks(_group_comm, 2, str(tmp_path), timeout_s=90)
+    for kind in ("collective", "smfree"):
+        assert r0[kind][0] == kind
+        for a, b, c in zip(r0[kind][1], r1[kind][1], r0["collective"][1]):
+            # both ranks hold the group's SUM, bitwise the same with either transport
+            assert all(torch.equal(x, y) and torch.equal(x, z) for x, y, z in zip(a, b, c))
+        m = r0["metrics"][kind]
+        assert m == r1["metrics"][kind]  # averaged over the group
+        assert 0 <= m["comm/bubble_fraction"] <= 1 and m["comm/comm_s"] > 0
+        assert m["comm/smfree"] == float(kind == "smfree")
+    assert r0["smfree"][2].endswith("comm_timeline.png") and r1["smfree"][2] is None
+    assert open(r0["smfree"][2], "rb").read(4) == b"\x89PNG"

@@ -76,7 +76,8 @@ class EvalConfig:
     num_negatives: int = 100       # sampled protocol: uniform items the user never interacted with
     seed: int = 12345              # fixed: every run ranks against the same negatives
     exclude_history: bool = True   # full ranking: items already in the user's history rank last
-    select_metric: str = "valid/full/ndcg@10"  # the best model by this metric is tested at the end
+    every_epoch: bool = True       # validate every train.eval_every steps (0: once per epoch)
+    final: bool = True             # valid + test at the end (into result.json)
 
 
 @dataclass

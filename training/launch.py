@@ -134,6 +134,7 @@ class Launcher:
         self.incarnation: dict[int, int] = {}
         self.restarts: dict[int, int] = {g: 0 for g in range(cfg.replica_groups)}
         self.done: set[int] = set()
+        self.late: set[int] = set()   # failed after another group had finished: not restarted
         self.failed: dict[int, str] = {}
         self.spares: list[Proc] = []
         self.lighthouse_proc: Proc | None = None
@@ -206,16 +207,20 @@ class Launcher:
         K = self.cfg.ranks_per_group
         return {"FTREC_REPLICA_GROUP": str(g), "FTCORE_INCARNATION": str(inc), "RANK": str(k),
                 "LOCAL_RANK": str(k), "WORLD_SIZE": str(K), "LOCAL_WORLD_SIZE": str(K),
-                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port), "GROUP_RANK": str(g)}
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port), "GROUP_RANK": str(g),
+                "FTREC_OUT": os.path.join(self.out, f"replica_{g}")}
 
     def start_spare(self) -> Proc:
         argv = [sys.executable, "-m", "training.launch", "--spare", self.cfg.worker]
         return Proc(argv, self.base_env(), "spare", self.lock, stdin=True)
 
-    def refill_spares(self) -> None:
+    def refill_spares(self, delay: float = 0.0) -> None:
+        # After a restart, wait: a new spare's imports would compete with the heal for CPU.
+        if self.stop.wait(delay):
+            return
         if self.cfg.spares and not self.stop.is_set():
             with self.lock:
-                need = self.cfg.ranks_per_group - len(self.spares)
+                need = 2 * self.cfg.ranks_per_group - len(self.spares)  # two failures in a row
             for _ in range(max(need, 0)):
                 p = self.start_spare()
                 with self.lock:
@@ -249,7 +254,7 @@ class Launcher:
         self.groups[g], self.incarnation[g] = procs, inc
         self.log("group_started", group=g, incarnation=inc, spare=bool(spares), pids=[p.pid for p in procs])
         if spares:
-            threading.Thread(target=self.refill_spares, daemon=True).start()
+            threading.Thread(target=self.refill_spares, args=(2.0,), daemon=True).start()
         return procs
 
     def kill_group(self, g: int) -> None:
@@ -257,6 +262,11 @@ class Launcher:
             p.kill()
 
     def run_group_once(self, g: int, inc: int) -> None:
+        if inc > 0 and self.done:
+            # Another group already finished training: there is nobody left to heal from.
+            self.log("group_not_restarted", group=g, reason="training already finished")
+            self.late.add(g)
+            return
         procs = self.start_group(g, inc)
         while not self.stop.is_set():
             codes = [p.p.poll() for p in procs]
@@ -332,7 +342,7 @@ class Launcher:
         if f.kind == "kill_lighthouse":
             lh = self.lighthouse_proc
             lh.planned = True
-            self.log("fault", kind="kill_lighthouse", pid=lh.pid)
+            self.log("fault", fault="kill_lighthouse", pid=lh.pid)
             lh.kill()
             time.sleep(f.duration_s)
             self.start_lighthouse()
@@ -342,13 +352,13 @@ class Launcher:
         targets = procs if f.rank == "all" else procs[int(f.rank):int(f.rank) + 1]
         sig = signal.SIGKILL if f.kind == "kill" else signal.SIGSTOP
         for p in targets:
-            self.log("fault", kind=f.kind, group=f.group, rank=f.rank, pid=p.pid)
+            self.log("fault", fault=f.kind, group=f.group, rank=f.rank, pid=p.pid)
             p.signal(sig)
         if f.kind == "stop" and f.duration_s > 0:
             time.sleep(f.duration_s)
             for p in targets:
                 p.signal(signal.SIGCONT)
-            self.log("fault_resumed", kind="stop", group=f.group)
+            self.log("fault_resumed", fault="stop", group=f.group)
 
     # ---- the run ----------------------------------------------------------------------
     def run(self) -> int:
@@ -381,7 +391,7 @@ class Launcher:
         if self.failed:
             code = 1
         sums = self.report()
-        if not code and len(sums) < self.cfg.replica_groups:
+        if not code and (not self.done or len(sums) < len(self.done)):
             code = 1
         self.write_timeline(sums, code)
         return code

@@ -81,12 +81,34 @@ class History:
     """What rank 0 keeps for the end-of-run plots: loss per step, per-rank step times."""
     steps: list[int] = field(default_factory=list)
     loss: list[float] = field(default_factory=list)
-    rank_times: list[torch.Tensor] = field(default_factory=list)   # [K, steps, 4] per window
+    rank_times: list[torch.Tensor] = field(default_factory=list)   # [K, steps, COLUMNS] per window
+    samples: float = 0.0
+    tokens: float = 0.0
+    padded: float = 0.0
 
     def add(self, window: Window, per_rank: torch.Tensor) -> None:
+        self.samples += window.samples
+        self.tokens += window.tokens
+        self.padded += window.padded
         self.steps += window.steps
         self.loss += per_rank[:, :, LOSS].sum(0).tolist()
         self.rank_times.append(per_rank)
+
+
+def run_summary(history: History) -> dict[str, float]:
+    """Whole-run throughput: non-padding tokens/s over the slowest rank's step times, and more."""
+    if not history.rank_times:
+        return {}
+    t = torch.cat(history.rank_times, dim=1)
+    wall = float(t[:, :, STEP_TIME].max(0).values.sum())
+    compute = t[:, :, COMPUTE]
+    return {"steps": int(t.shape[1]), "step_seconds": wall, "tokens": history.tokens,
+            "tokens_per_s": history.tokens / wall if wall else 0.0,
+            "samples_per_s": history.samples / wall if wall else 0.0,
+            "padding_fraction": 1.0 - history.tokens / history.padded if history.padded else 0.0,
+            "compute_s_per_step": float(compute.mean()),
+            "wait_s_per_step": float(t[:, :, WAIT].mean()),
+            "bubble_fraction": float(1.0 - (compute.mean(0) / compute.max(0).values.clamp_min(1e-12)).mean())}
 
 
 def plot(history: History, path: str) -> str | None:

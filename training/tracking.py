@@ -123,12 +123,6 @@ class Tracker:
                         self.errors[-1] if self.errors else "timed out")
         return unsent
 
-    def wait_run_id(self, timeout: float = 60.0) -> str | None:
-        deadline = time.monotonic() + timeout
-        while self.run_id is None and time.monotonic() < deadline and self._thread.is_alive():
-            time.sleep(0.05)
-        return self.run_id
-
     # ---- background thread ----------------------------------------------------------
     def _put(self, name: str, fn) -> None:
         self._q.put(_Op(name, fn))
@@ -178,7 +172,7 @@ class Tracker:
                 if not self._attempt(self._buffer[0]):
                     break
                 self._buffer.pop(0)
-            if closing and self._q.empty() and all(op.tries >= 2 for op in self._buffer):
+            if closing and self._q.empty() and (not self._buffer or self._buffer[0].tries >= 2):
                 return  # flushed, or gave up after one more round; close() reports the rest
             try:
                 op = self._q.get(timeout=RETRY_PAUSE_S if self._buffer else None)

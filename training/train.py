@@ -90,7 +90,7 @@ def train(cfg: Config) -> dict:
                             "data.world_size": shards.world_size, "data.bubble_fraction":
                             shards.manifest.get("bubble_fraction", "")})
         tracker.set_tags({"ftrec.resumed_from": resumed_from or "", "ftrec.shards": os.path.abspath(shards.path)})
-    eval_data = EvalData(shards.eval_path, shards.num_items, cfg.model.max_len, cfg.eval) if topo.is_main else None
+    eval_data = _LazyEval(shards, cfg)
     eval_every = cfg.train.eval_every or shards.steps
     log(topo, f"{shards.num_items} items, {shards.steps} steps/epoch, {steps_total} steps, "
               f"shards {shard_ranks}, {topo.group_size} rank(s) x {topo.num_replica_groups} group(s)")
@@ -153,7 +153,7 @@ def train(cfg: Config) -> dict:
             window = metrics.Window()
         if state.step == cfg.train.stop_at_step:
             stop = True
-        if state.step % eval_every == 0 and state.step < steps_total and not stop:
+        if cfg.eval.every_epoch and state.step % eval_every == 0 and state.step < steps_total and not stop:
             _validate(model, eval_data, cfg, tracker, state.step, topo)
         if cfg.train.checkpoint_every and state.step % cfg.train.checkpoint_every == 0:
             final, saved = _save(state, cfg, shards, topo, ckpt_root), state.step
@@ -162,25 +162,41 @@ def train(cfg: Config) -> dict:
     if window.steps:  # stopped between two log steps
         _flush_window(window, history, tracker, state.step, steps_total, cursor.epoch, topo, False)
     loader.close()
+    if hasattr(ft, "finish"):
+        ft.finish()   # ftcore: the group's final tensor-only state for the launcher, then leave the quorum
     if saved != state.step:
         final = _save(state, cfg, shards, topo, ckpt_root)
     result = {}
     if topo.is_main:
-        scores = evaluate(model, eval_data, cfg.eval, splits=("valid", "test"))
-        log(topo, "valid " + _brief(scores, "valid") + " | test " + _brief(scores, "test"))
         wall = time.perf_counter() - started
+        scores = {}
+        if cfg.eval.final:
+            scores = evaluate(model, eval_data.get(), cfg.eval, splits=("valid", "test"))
+            log(topo, "valid " + _brief(scores, "valid") + " | test " + _brief(scores, "test"))
         result = {"mlflow_run_id": None, "tracking_uri": tracker.uri if tracker else None,
                   "checkpoint": os.path.abspath(final), "steps": state.step, "metrics": scores,
-                  "train_seconds": wall, "epochs_completed": cursor.epoch + cursor.index / shards.steps}
+                  "train_seconds": wall, "epochs_completed": cursor.epoch + cursor.index / shards.steps,
+                  "throughput": metrics.run_summary(history)}
         if tracker:
             tracker.log_metrics(scores, state.step)
             _log_artifacts(tracker, cfg, shards, history, out, model)
-            result["mlflow_run_id"] = tracker.wait_run_id(timeout=60)
-            unsent = tracker.close()
-            result["mlflow_unsent"] = unsent
+            result["mlflow_unsent"] = tracker.close()
+            result["mlflow_run_id"] = tracker.run_id
         write_json(os.path.join(out, "result.json"), result)
     distributed.barrier()
     return result
+
+
+class _LazyEval:
+    """The evaluation users, loaded on first use (rank 0 only evaluates)."""
+
+    def __init__(self, shards: ShardSet, cfg: Config):
+        self.shards, self.cfg, self.data = shards, cfg, None
+
+    def get(self) -> EvalData:
+        if self.data is None:
+            self.data = EvalData(self.shards.eval_path, self.shards.num_items, self.cfg.model.max_len, self.cfg.eval)
+        return self.data
 
 
 def _flush_window(window, history, tracker, step: int, steps_total: int, epoch: int, topo, over: bool) -> bool:
@@ -204,7 +220,7 @@ def _brief(scores: dict, split: str) -> str:
 def _validate(model, eval_data, cfg: Config, tracker, step: int, topo) -> dict:
     scores = {}
     if topo.is_main:
-        scores = evaluate(model, eval_data, cfg.eval, splits=("valid",))
+        scores = evaluate(model, eval_data.get(), cfg.eval, splits=("valid",))
         log(topo, f"step {step} valid " + _brief(scores, "valid"))
         if tracker:
             tracker.log_metrics(scores, step)

@@ -52,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--dim", type=int, default=32)
     p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (pace the run)")
+    p.add_argument("--checkpoint-every", type=int, default=0,
+                   help="write OUT/checkpoint.safetensors every N steps and resume from it at start "
+                        "(the restart-everything baseline of the benchmark)")
     a = p.parse_args(argv)
     t_main = time.time()
     torch.set_num_threads(1)
@@ -83,8 +86,14 @@ def main(argv: list[str] | None = None) -> int:
         opt.load_state_dict(st["optimizer"])
         sched.load_state_dict(st["schedule"])
 
+    ckpt = os.path.join(a.out, "checkpoint.safetensors")
+    start_step = 0
+    if a.checkpoint_every and os.path.exists(ckpt):
+        st, meta = tensorfile.read(open(ckpt, "rb"))
+        load_state_dict(st)
+        start_step = int(meta["step"])
     mgr = manager_mod.Manager(cfg, state_dict, load_state_dict,
-                              group_pg=dist.group.WORLD if world > 1 else None,
+                              group_pg=dist.group.WORLD if world > 1 else None, step=start_step,
                               faults=manager_mod.faults_from_env())
     ledger = ledger_mod.Ledger(os.path.join(a.out, "ledger"), g, rank)
     print(f"toy: group {g}/{R} rank {rank}/{K} incarnation {cfg.incarnation} started (main at {t_main:.3f}, ready at {time.time():.3f})", flush=True)
@@ -129,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
                 ledger.record(mgr.step - 1, pos.epoch, pos.row_group, pos.kind, contributors, q["quorum_id"],
                               sample_ids(shard, pos.row_group, a.steps, a.batch) if g in contributors else None)
                 sched.commit(pos, contributors)
+                if a.checkpoint_every and mgr.step % a.checkpoint_every == 0 and g == min(live) and rank == 0:
+                    tensorfile.save(state_dict(), ckpt, {"step": str(mgr.step)})
             for prm in params:
                 prm.grad.zero_()
     except Replaced as e:

@@ -23,7 +23,7 @@ from ftrec_airflow import runner, settings
 FORMATS = ("iclrec", "sasrec", "movielens", "events")
 # The ftcore launcher runs R replica groups of K ranks; `python -m training train` runs one
 # group. Set to False to train with the plain trainer (one replica group).
-USE_LAUNCHER = False
+USE_LAUNCHER = True
 SNIFF_LINES = 1000
 
 

@@ -112,8 +112,8 @@ class Timeline:
         if self._cur is not None:
             self._cur.intervals.append(iv)
 
-    def to_json(self) -> list[dict]:
-        return [asdict(s) for s in self.steps]
+    def to_json(self, steps: list[StepRecord] | None = None) -> list[dict]:
+        return [asdict(s) for s in (self.steps if steps is None else steps)]
 
     @staticmethod
     def from_json(steps: list[dict]) -> list[StepRecord]:
@@ -121,10 +121,10 @@ class Timeline:
                 for s in steps]
 
 
-def max_arrivals(scheduler, group=None) -> dict[int, float]:
-    """Issue index -> latest arrival over the group's ranks. Collective; call it on every
-    rank with no comm op in flight (e.g. after a step's last wait)."""
-    arr = torch.tensor([o.t_start for o in scheduler.issued], dtype=torch.float64)
+def max_arrivals(scheduler, group=None, start: int = 0) -> dict[int, float]:
+    """Issue index (>= start) -> latest arrival over the group's ranks. Collective; call it
+    on every rank with no comm op in flight (e.g. after a step's last wait)."""
+    arr = torch.tensor([o.t_start for o in scheduler.issued[start:]], dtype=torch.float64)
     n = torch.tensor([arr.numel()])
     n_max = n.clone()
     dist.all_reduce(n_max, op=dist.ReduceOp.MAX, group=group)
@@ -132,7 +132,7 @@ def max_arrivals(scheduler, group=None) -> dict[int, float]:
         raise RuntimeError(f"ranks issued different numbers of comm ops ({int(n)} vs {int(n_max)}): "
                            "every rank must run the same step code")
     dist.all_reduce(arr, op=dist.ReduceOp.MAX, group=group)
-    return {i: float(t) for i, t in enumerate(arr.tolist())}
+    return {start + i: float(t) for i, t in enumerate(arr.tolist())}
 
 
 def _overlap(a0, a1, b0, b1) -> float:
@@ -203,25 +203,33 @@ def plot_timeline(steps_by_rank: list[list[StepRecord]], path: str, arrivals: di
         first_step = all_steps[0] if all_steps else 0
     window = set(range(first_step, first_step + num_steps))
     sel = [[s for s in steps if s.step in window] for steps in steps_by_rank]
-    t_origin = min((s.t0 for steps in sel for s in steps), default=0.0)
-    fig, ax = plt.subplots(figsize=(12, 1 + 0.6 * len(sel)))
+    # Steps are drawn back to back: what happens between two steps (evaluation, another
+    # run's steps in an interleaved benchmark) is not part of either step.
+    shift, x = {}, 0.0
+    for step in sorted({s.step for steps in sel for s in steps}):
+        here = [s for steps in sel for s in steps if s.step == step]
+        origin = min(s.t0 for s in here)
+        shift[step] = x - origin
+        x += max(s.t1 for s in here) - origin
+    fig, ax = plt.subplots(figsize=(12, 1.4 + 0.6 * len(sel)))
     for r, steps in enumerate(sel):
         for s in steps:
-            ax.broken_barh([(s.t0 - t_origin, s.t1 - s.t0)], (r - 0.4, 0.8), color=COLOURS["idle"])
+            d = shift[s.step]
+            ax.broken_barh([(s.t0 + d, s.t1 - s.t0)], (r - 0.4, 0.8), color=COLOURS["idle"])
             for i in s.intervals:
-                ax.broken_barh([(i.t0 - t_origin, i.t1 - i.t0)], (r - 0.4, 0.8), color=COLOURS[i.kind])
+                ax.broken_barh([(i.t0 + d, i.t1 - i.t0)], (r - 0.4, 0.8), color=COLOURS[i.kind])
                 if i.kind == "comm" and arrivals and i.issue in arrivals:
                     a0, a1 = max(i.t0, i.arrival), min(i.t1, arrivals[i.issue])
                     if a1 > a0:
-                        ax.broken_barh([(a0 - t_origin, a1 - a0)], (r - 0.4, 0.8), color=COLOURS["straggler"])
-            ax.axvline(s.t0 - t_origin, color="black", lw=0.5)
+                        ax.broken_barh([(a0 + d, a1 - a0)], (r - 0.4, 0.8), color=COLOURS["straggler"])
+            ax.vlines(s.t0 + d, r - 0.45, r + 0.45, color="black", lw=0.8)
     ax.set_yticks(range(len(sel)), [f"rank {r}" for r in range(len(sel))])
     ax.invert_yaxis()
-    ax.set_xlabel("seconds")
+    ax.set_xlabel("seconds (steps back to back; black line = step start)")
     ax.set_title(title or f"steps {first_step}..{first_step + num_steps - 1}")
     from matplotlib.patches import Patch
-    ax.legend(handles=[Patch(color=c, label=k) for k, c in COLOURS.items()], loc="upper right", ncol=4, fontsize=8)
-    fig.tight_layout()
+    fig.legend(handles=[Patch(color=c, label=k) for k, c in COLOURS.items()], loc="lower center", ncol=4, fontsize=8)
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
     tmp = f"{path}.tmp-{os.getpid()}.png"
     fig.savefig(tmp, dpi=100)
     plt.close(fig)

@@ -1,0 +1,321 @@
+"""ftcore benchmarks, side by side in one run: `python -m ftcore.bench [--quick]`.
+
+1. all-reduce: FTAR (the full step protocol: quorum overlapped, FTAR, vote) against a
+   plain gloo all-reduce of the same tensor in the same processes, and against
+   torchft 0.2.0's managed all-reduce (its Manager + lighthouse), 1-256 MB, 2 and 3
+   replica groups (one process each);
+2. failover and heal: the launcher with the toy trainer, 3 groups, a kill -9 schedule:
+   kill -> survivors' next commit, kill -> the returning group's first commit, and the
+   survivors' extra stall per failure;
+3. effective training time under the same kill schedule: FT-HSDP (restart the failed
+   group alone, spare process, heal) against restarting every group from the last
+   checkpoint with cold processes (what torchrun's elastic restart does).
+
+Prints tables and writes bench-results/ftcore.json (with `failover_s`, `heal_s` and
+`stall_per_failure_s` medians for the scale model).
+"""
+
+import argparse
+import datetime
+import json
+import multiprocessing as mp
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MB = 1 << 20
+
+
+# ---- 1. all-reduce --------------------------------------------------------------------------
+def _ar_worker(i: int, n: int, sizes: list[int], iters: dict, store_port: int, lh: str, tf_lh: str | None,
+               tf_port: int, q: mp.Queue) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    from ftcore.manager import Manager, ManagerConfig
+    store = dist.TCPStore("127.0.0.1", store_port, is_master=(i == 0), wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=60))
+    plain = dist.ProcessGroupGloo(dist.PrefixStore("plain", store), i, n, datetime.timedelta(seconds=60))
+    out: dict = {"plain": {}, "ftar": {}, "torchft": {}, "quorum_ms": []}
+
+    def timed(fn, size, label):
+        t = torch.ones(size // 4)
+        fn(t)  # warm-up
+        ts = []
+        for _ in range(iters[size]):
+            plain.barrier().wait()
+            t0 = time.perf_counter()
+            fn(t)
+            ts.append(time.perf_counter() - t0)
+        out[label][size] = statistics.median(ts)
+
+    for size in sizes:
+        timed(lambda t: plain.allreduce([t]).wait(), size, "plain")
+
+    mgr = Manager(ManagerConfig(lighthouse=lh, group=i, num_groups=n, min_replicas=1, bucket_bytes=32 * MB),
+                  state_dict=lambda: {}, load_state_dict=lambda s: None)
+
+    def ftar_step(t):
+        mgr.allreduce([t])
+        assert mgr.should_commit(), mgr.errors
+
+    for size in sizes:
+        t = torch.ones(size // 4)
+        ts = []
+        for k in range(iters[size] + 1):
+            mgr.start_quorum()
+            mgr.wait_quorum()       # overlapped with forward in training: not on the clock
+            out["quorum_ms"].append(mgr._t_quorum * 1e3)
+            plain.barrier().wait()
+            t0 = time.perf_counter()
+            ftar_step(t)
+            if k:
+                ts.append(time.perf_counter() - t0)
+        out["ftar"][size] = statistics.median(ts)
+    mgr.shutdown()
+
+    if tf_lh:
+        from torchft import Manager as TFManager
+        from torchft.process_group import ProcessGroupGloo as TFGloo
+        tf_store = dist.TCPStore("127.0.0.1", tf_port, is_master=True, wait_for_workers=False)
+        m = TFManager(pg=TFGloo(), load_state_dict=lambda s: None, state_dict=lambda: {}, min_replica_size=1,
+                      replica_id=f"r{i}", lighthouse_addr=tf_lh, store_addr="127.0.0.1", store_port=tf_store.port,
+                      rank=0, world_size=1, timeout=datetime.timedelta(seconds=60))
+        for size in sizes:
+            t = torch.ones(size // 4)
+            ts = []
+            for k in range(iters[size] + 1):
+                m.start_quorum()
+                m.wait_quorum()
+                plain.barrier().wait()
+                t0 = time.perf_counter()
+                m.allreduce(t).wait()
+                ok = m.should_commit()
+                if k:
+                    ts.append(time.perf_counter() - t0)
+                assert ok
+            out["torchft"][size] = statistics.median(ts)
+        m.shutdown(wait=False)
+    q.put((i, out))
+
+
+def bench_allreduce(sizes_mb: list[int], groups: list[int]) -> list[dict]:
+    from ftcore.lighthouse import LighthouseConfig, serve
+    try:
+        from torchft._torchft import LighthouseServer
+    except ImportError:
+        LighthouseServer = None
+    rows = []
+    for n in groups:
+        server, lh = serve(LighthouseConfig(bind="127.0.0.1:0", expected_replicas=n))
+        addr = "127.0.0.1:%d" % server.server_address[1]
+        tf = LighthouseServer(bind="[::]:0", min_replicas=n) if LighthouseServer else None
+        sizes = [s * MB for s in sizes_mb]
+        iters = {s: (10 if s <= 4 * MB else 5 if s <= 16 * MB else 3 if s <= 64 * MB else 2) for s in sizes}
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        port = _free_port()
+        procs = [ctx.Process(target=_ar_worker, args=(i, n, sizes, iters, port, addr,
+                                                      tf.address() if tf else None, 0, q)) for i in range(n)]
+        for p in procs:
+            p.start()
+        results = {}
+        try:
+            for _ in range(n):
+                i, out = q.get(timeout=900)
+                results[i] = out
+        finally:
+            for p in procs:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.kill()
+            lh.close()
+            server.shutdown()
+            if tf:
+                tf.shutdown()
+        for s in sizes:
+            # the slowest group sets the pace of a synchronous step
+            row = {"groups": n, "size_mb": s // MB}
+            for mode in ("plain", "ftar", "torchft"):
+                vals = [results[i][mode].get(s) for i in range(n)]
+                row[f"{mode}_ms"] = max(vals) * 1e3 if all(v is not None for v in vals) else None
+            row["ftar_over_plain"] = row["ftar_ms"] / row["plain_ms"]
+            row["torchft_over_plain"] = row["torchft_ms"] / row["plain_ms"] if row["torchft_ms"] else None
+            row["quorum_ms_median"] = statistics.median(results[0]["quorum_ms"])
+            rows.append(row)
+    return rows
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- 2./3. launcher runs -----------------------------------------------------------------------
+def _launch(out: str, plan: list[dict], steps: int, step_sleep: float, spares: bool, ckpt: int,
+            env: dict, timeout: float = 400) -> dict:
+    plan_path = out + "-plan.json"
+    with open(plan_path, "w") as f:
+        json.dump({"faults": plan}, f)
+    args = [sys.executable, "-m", "training", "launch", "--worker", "ftcore.examples.toy", "--replica-groups", "3",
+            "--out", out, "--faults", plan_path, "--max-restarts", "20", "--timeout", str(timeout)]
+    if not spares:
+        args.append("--no-spares")
+    args += ["--", "--steps", str(steps), "--step-sleep", str(step_sleep), "--dim", "64"]
+    if ckpt:
+        args += ["--checkpoint-every", str(ckpt)]
+    t0 = time.time()
+    p = subprocess.run(args, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", **env},
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout + 60,
+                       start_new_session=True)
+    if p.returncode != 0:
+        raise RuntimeError(f"launcher failed ({p.returncode}):\n{p.stdout[-3000:]}")
+    with open(os.path.join(out, "timeline.json")) as f:
+        tl = json.load(f)
+    tl["wall_s"] = time.time() - t0
+    return tl
+
+
+def failover_figures(tl: dict) -> dict:
+    kills = [e for e in tl["launcher_events"] if e["kind"] == "fault" and e.get("fault") == "kill"]
+    steps = [s for s in tl["steps"] if s["committed"]]
+    by_group: dict[int, list[dict]] = {}
+    for s in steps:
+        by_group.setdefault(s["group"], []).append(s)
+    for v in by_group.values():
+        v.sort(key=lambda s: s["t"])
+    gaps = [b["t"] - a["t"] for v in by_group.values() for a, b in zip(v, v[1:])]
+    step_s = statistics.median(gaps)
+    failover, heal, stall = [], [], []
+    for k in kills:
+        tk, g = k["t"], k["group"]
+        # survivors: the other groups that were training when the kill came
+        survivors = [h for h in by_group if h != g and any(tk - 5 * step_s <= s["t"] <= tk for s in by_group[h])]
+        firsts = []
+        for h in survivors:
+            after = [s["t"] for s in by_group[h] if s["t"] > tk]
+            if after:
+                firsts.append(after[0])
+        if firsts:
+            failover.append(max(firsts) - tk)
+        killed = max((s["incarnation"] for s in by_group.get(g, []) if s["t"] <= tk), default=0)
+        back = [s["t"] for s in by_group.get(g, []) if s["t"] > tk and s["incarnation"] > killed]
+        if back:
+            heal.append(back[0] - tk)
+            # survivors' extra stall from the kill until the returning group's first commit
+            for h in survivors:
+                window = [s["t"] for s in by_group[h] if tk - step_s * 3 <= s["t"] <= back[0] + step_s]
+                before = [s["t"] for s in by_group[h] if s["t"] <= tk]
+                if window and before:
+                    span = window[-1] - before[-1]
+                    n = sum(1 for t in window if t > before[-1])
+                    stall.append(max(span - n * step_s, 0.0))
+    return {"step_s": step_s, "failover_s": failover, "heal_s": heal, "stall_s": stall}
+
+
+def bench_failover(kills: int, steps: int) -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        # far enough apart that the launcher has a warm spare again for each failure
+        plan = [{"kind": "kill", "group": (k % 3), "at_step": 40 + 250 * k, "incarnation": k // 3}
+                for k in range(kills)]
+        steps = max(steps, 40 + 250 * kills)
+        tl = _launch(os.path.join(d, "failover"), plan, steps, 0.03, True, 0,
+                     {"FTCORE_HEARTBEAT_TIMEOUT": "5.0", "FTCORE_COLLECTIVE_TIMEOUT": "10",
+                      "FTCORE_QUORUM_TIMEOUT": "20"})
+    fig = failover_figures(tl)
+    fig["heartbeat_timeout_s"] = 5.0
+    return fig
+
+
+def bench_effective(kill_every_s: float, steps: int) -> dict:
+    res = {}
+    with tempfile.TemporaryDirectory() as d:
+        # a fault-free reference for the pure training time
+        ref = _launch(os.path.join(d, "ref"), [], steps, 0.03, True, 25, {})
+        ref_fig = failover_figures(ref)
+        for name, spares in (("ft_hsdp", True), ("restart_all", False)):
+            plan = []
+            for k in range(12):
+                at = 8.0 + kill_every_s * (k + 1)
+                if name == "ft_hsdp":   # one machine fails: its replica group restarts alone
+                    plan.append({"kind": "kill", "group": k % 3, "at_time": at, "incarnation": k // 3})
+                else:                   # the whole job restarts from the last checkpoint
+                    plan += [{"kind": "kill", "group": g, "at_time": at, "incarnation": k} for g in range(3)]
+            tl = _launch(os.path.join(d, name), plan, steps, 0.03, spares, 25, {})
+            starts = [e["t"] for e in tl["lighthouse_events"] if e["kind"] == "quorum_formed"]
+            ends = [s["t"] for s in tl["steps"]]
+            span = max(ends) - min(starts)
+            committed = len({s["step"] for s in tl["steps"] if s["committed"]})
+            kills = len({e["t"] for e in tl["launcher_events"] if e["kind"] == "fault"})
+            res[name] = {"wall_s": span, "committed_steps": committed, "failures": kills,
+                         "effective": committed * ref_fig["step_s"] / span}
+    res["ref_step_s"] = ref_fig["step_s"]
+    return res
+
+
+def _med(xs):
+    return statistics.median(xs) if xs else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ftcore.bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="smaller sizes and runs (a smoke test)")
+    p.add_argument("--skip", default="", help="comma list of parts to skip: allreduce,failover,effective")
+    p.add_argument("--out", default=os.path.join(ROOT, "bench-results", "ftcore.json"))
+    a = p.parse_args(argv)
+    skip = set(a.skip.split(",")) - {""}
+    result: dict = {"machine": f"{os.cpu_count()} cores", "torch": __import__("torch").__version__,
+                    "command": "python -m ftcore.bench" + (" --quick" if a.quick else "")}
+    if "allreduce" not in skip:
+        sizes = [1, 16] if a.quick else [1, 4, 16, 64, 256]
+        rows = bench_allreduce(sizes, [2] if a.quick else [2, 3])
+        result["allreduce"] = rows
+        print("\nall-reduce, median ms of the slowest group (FTAR includes the vote; quorum overlapped)")
+        print(f"{'groups':>6} {'MB':>5} {'plain':>9} {'FTAR':>9} {'torchft':>9} {'FTAR/plain':>11} {'torchft/plain':>14}")
+        for r in rows:
+            tf = f"{r['torchft_ms']:9.1f}" if r["torchft_ms"] else f"{'-':>9}"
+            tfr = f"{r['torchft_over_plain']:14.2f}" if r["torchft_over_plain"] else f"{'-':>14}"
+            print(f"{r['groups']:>6} {r['size_mb']:>5} {r['plain_ms']:9.1f} {r['ftar_ms']:9.1f} {tf} "
+                  f"{r['ftar_over_plain']:11.2f} {tfr}")
+    if "failover" not in skip:
+        fig = bench_failover(2 if a.quick else 4, 0)
+        result["failover"] = fig
+        result["failover_s"], result["heal_s"] = _med(fig["failover_s"]), _med(fig["heal_s"])
+        result["stall_per_failure_s"] = _med(fig["stall_s"])
+        print(f"\nfailover/heal, 3 groups, toy step {fig['step_s'] * 1e3:.0f} ms, heartbeat timeout 5 s, "
+              f"{len(fig['failover_s'])} kill -9")
+        print(f"  kill -> survivors' next commit: median {result['failover_s']:.3f} s  {fmt(fig['failover_s'])}")
+        if fig["heal_s"]:
+            print(f"  kill -> returning group's first commit: median {result['heal_s']:.3f} s  {fmt(fig['heal_s'])}")
+            print(f"  survivors' extra stall per failure: median {result['stall_per_failure_s']:.3f} s  "
+                  f"{fmt(fig['stall_s'])}")
+    if "effective" not in skip:
+        eff = bench_effective(4.0 if a.quick else 6.0, 300 if a.quick else 600)
+        result["effective"] = eff
+        print("\neffective training time under a kill -9 schedule (3 groups, toy trainer)")
+        for k in ("ft_hsdp", "restart_all"):
+            e = eff[k]
+            print(f"  {k:12s} failures {e['failures']:2d}  wall {e['wall_s']:6.1f} s  steps {e['committed_steps']}"
+                  f"  effective {e['effective'] * 100:5.1f}%")
+    os.makedirs(os.path.dirname(a.out), exist_ok=True)
+    tmp = a.out + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(tmp, a.out)
+    print(f"\nwrote {a.out}")
+    return 0
+
+
+def fmt(xs: list[float]) -> str:
+    return "[" + ", ".join(f"{x:.3f}" for x in xs) + "]"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

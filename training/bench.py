@@ -1,0 +1,213 @@
+"""Training benchmarks: `python -m training.bench [--part quality|throughput|window|all]`.
+
+- quality: on shared/data beauty and video, the default config trained for at most
+  `--minutes` per dataset; test HR@10 / NDCG@10 under the full and sampled protocols
+  next to the published rows of shared/data/README.md and our own most-popular floor.
+- throughput: non-padding tokens/s of the same model on (a) balanced shards (dataprep
+  default), (b) randomly assigned shards, (c) a padded-batch implementation (every
+  batch padded to max_len, random shards, as a conventional SASRec pipeline does),
+  interleaved round by round in one run; ratios against (c).
+- window: dataprep's window K (steps sorted by cost together): K=1 (random batches)
+  against the default K, same short training budget, quality and padding.
+
+Prints a table per part and writes JSON to bench-results/training-<part>.json.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import torch
+
+from dataprep import schema
+from dataprep.build import build_shards
+from training.config import EvalConfig, load_config
+from training.evaluate import EvalData, MostPopular, evaluate
+from training.train import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATA = os.path.join(os.path.dirname(ROOT), "shared", "data")
+DATASETS = {"beauty": ("beauty.txt", "iclrec"), "video": ("video.txt", "sasrec")}
+# shared/data/README.md: (sampled HR@10, NDCG@10), (full HR@10, NDCG@10)
+PUBLISHED = {
+    "beauty": {"most popular": ((0.2895, 0.1499), (0.0114, 0.0053)),
+               "SASRec paper": ((0.4854, 0.3219), None),
+               "SASRec reproduction": ((0.4669, 0.3104), None),
+               "ICLRec (history excluded)": (None, (0.0744, 0.0403))},
+    "video": {"most popular": ((0.4798, 0.2781), (0.0189, 0.0097)),
+              "SASRec paper": ((0.7410, 0.5360), None),
+              "SASRec reproduction": ((0.7318, 0.5308), None)},
+}
+BATCH_SIZE, MAX_LEN = 128, 50
+
+
+def shards_for(name: str, work: str, window_steps: int | None = None, world_size: int = 1) -> str:
+    fname, fmt = DATASETS[name]
+    path = os.path.join(DATA, fname)
+    if not os.path.isfile(path):
+        sys.exit(f"error: {path} not found (the shared datasets live in <project root>/../shared/data)")
+    out = os.path.join(work, f"{name}-w{world_size}-k{window_steps or 'default'}")
+    build_shards(path, fmt, out, world_size=world_size, batch_size=BATCH_SIZE, max_len=MAX_LEN,
+                 window_steps=window_steps)
+    return out
+
+
+def randomize(src: str, dst: str, seed: int = 0) -> str:
+    """A copy of a shard set with samples assigned to (step, rank) uniformly at random.
+
+    Same samples, same steps and ranks, the same number of samples per step as the
+    source, so only the assignment differs (the 'random' baseline of balancing).
+    """
+    m = json.load(open(os.path.join(src, schema.MANIFEST)))
+    W, steps = m["config"]["world_size"], m["steps"]
+    rows = pa.concat_tables(pq.read_table(os.path.join(src, schema.shard_file(r))) for r in range(W))
+    rows = rows.take(np.random.default_rng(seed).permutation(len(rows)))
+    per_step = np.full(steps, len(rows) // steps)
+    per_step[: len(rows) % steps] += 1
+    step_of = np.repeat(np.arange(steps), per_step)
+    within = np.arange(len(rows)) - np.repeat(np.cumsum(per_step) - per_step, per_step)
+    rank_of = (within * W // np.repeat(per_step, per_step)).astype(np.int32)
+    rows = rows.set_column(rows.schema.get_field_index("step"), "step", pa.array(step_of.astype(np.int32)))
+    rows = rows.set_column(rows.schema.get_field_index("rank"), "rank", pa.array(rank_of))
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("rank-*.parquet"))
+    for r in range(W):
+        part = rows.filter(pc.equal(rows.column("rank"), r))
+        with pq.ParquetWriter(os.path.join(dst, schema.shard_file(r)), part.schema) as w:
+            steps_col = part.column("step").to_numpy()
+            for s in range(steps):
+                w.write_table(part.filter(pa.array(steps_col == s)))
+    m["config"]["method"] = "random (training.bench)"
+    with open(os.path.join(dst, schema.MANIFEST), "w") as f:
+        json.dump(m, f, indent=1)
+    return dst
+
+
+def _row(name, sampled, full):
+    f = lambda p: f"{p[0]:.4f} / {p[1]:.4f}" if p else "n/a"  # noqa: E731
+    return f"| {name} | {f(sampled)} | {f(full)} |"
+
+
+def quality(args) -> dict:
+    results = {}
+    for name in args.datasets:
+        shards = shards_for(name, args.work)
+        data = EvalData(os.path.join(shards, schema.EVAL_FILE), json.load(open(os.path.join(shards, schema.MANIFEST)))
+                        ["num_items"], MAX_LEN, EvalConfig())
+        t = time.perf_counter()
+        pop = evaluate(MostPopular(data), data, EvalConfig(), splits=("test",))
+        pop_s = time.perf_counter() - t
+        overrides = [f"data.shards={shards}", f"train.out={os.path.join(args.work, 'quality-' + name)}",
+                     f"train.max_minutes={args.minutes}", *args.set]
+        cfg = load_config(args.config, overrides)
+        t = time.perf_counter()
+        res = train(cfg)
+        wall = time.perf_counter() - t
+        m = res["metrics"]
+        results[name] = {"test": m, "most_popular_test": pop, "wall_s": wall, "train_s": res["train_seconds"],
+                         "epochs": res["epochs_completed"], "steps": res["steps"], "throughput": res["throughput"],
+                         "most_popular_eval_s": pop_s, "config": cfg.to_dict()}
+        print(f"\n### {name}: {res['epochs_completed']:.1f} epochs, {res['train_seconds'] / 60:.1f} min training, "
+              f"{wall / 60:.1f} min wall (incl. validation and test)\n")
+        print("| model | sampled HR@10 / NDCG@10 | full HR@10 / NDCG@10 |\n|---|---|---|")
+        for row, (sampled, full) in PUBLISHED[name].items():
+            print(_row(f"{row} (published)", sampled, full))
+        print(_row("most popular (ours)", (pop["test/sampled/hr@10"], pop["test/sampled/ndcg@10"]),
+                   (pop["test/full/hr@10"], pop["test/full/ndcg@10"])))
+        print(_row(f"ftrec {cfg.model.attention}, {cfg.loss.kind}",
+                   (m["test/sampled/hr@10"], m["test/sampled/ndcg@10"]), (m["test/full/hr@10"], m["test/full/ndcg@10"])))
+        rep = PUBLISHED[name]["SASRec reproduction"][0]
+        print(f"\nratio to SASRec reproduction (sampled): HR@10 {m['test/sampled/hr@10'] / rep[0]:.3f}, "
+              f"NDCG@10 {m['test/sampled/ndcg@10'] / rep[1]:.3f}; full HR@10 vs most popular: "
+              f"{m['test/full/hr@10'] / max(pop['test/full/hr@10'], 1e-9):.1f}x")
+    return results
+
+
+def throughput(args) -> dict:
+    name = args.datasets[0]
+    balanced = shards_for(name, args.work, world_size=args.world_size)
+    random_ = randomize(balanced, balanced + "-random")
+    variants = {"balanced": (balanced, []), "random": (random_, []),
+                "padded (random, pad to max_len)": (random_, ["data.pad_to_max_len=true"])}
+    runs: dict[str, list[dict]] = {v: [] for v in variants}
+    for rnd in range(args.rounds):               # interleaved: the machine's noise hits every variant
+        for v, (shards, extra) in variants.items():
+            cfg = load_config(args.config, [f"data.shards={shards}", f"train.out={os.path.join(args.work, 'tp')}",
+                                            f"train.max_steps={args.steps}", "train.epochs=1", "mlflow.enabled=false",
+                                            "eval.every_epoch=false", "eval.final=false", "train.log_every=10",
+                                            *extra, *args.set])
+            runs[v].append(train(cfg)["throughput"])
+    base = statistics.median(r["tokens_per_s"] for r in runs["padded (random, pad to max_len)"])
+    print(f"\n### throughput on {name}: {args.steps} steps x {args.rounds} interleaved rounds, "
+          f"batch {BATCH_SIZE}, max_len {MAX_LEN}, median of rounds\n")
+    print("| variant | non-padding tokens/s | ratio vs padded | padding fraction | ms/step |\n|---|---|---|---|---|")
+    out = {}
+    for v, rs in runs.items():
+        tps = statistics.median(r["tokens_per_s"] for r in rs)
+        out[v] = {"tokens_per_s": tps, "ratio_vs_padded": tps / base, "rounds": rs,
+                  "padding_fraction": statistics.median(r["padding_fraction"] for r in rs),
+                  "step_ms": 1e3 * statistics.median(r["step_seconds"] / r["steps"] for r in rs)}
+        print(f"| {v} | {tps:,.0f} | {tps / base:.2f} | {out[v]['padding_fraction']:.3f} | {out[v]['step_ms']:.1f} |")
+    return out
+
+
+def window(args) -> dict:
+    name = args.datasets[0]
+    out = {}
+    for k in (1, None):
+        shards = shards_for(name, args.work, window_steps=k)
+        kk = json.load(open(os.path.join(shards, schema.MANIFEST)))["config"]["window_steps"]
+        cfg = load_config(args.config, [f"data.shards={shards}", f"train.out={os.path.join(args.work, f'win-{kk}')}",
+                                        f"train.epochs={args.window_epochs}", "mlflow.enabled=false",
+                                        "eval.every_epoch=false", *args.set])
+        res = train(cfg)
+        out[f"K={kk}"] = {"metrics": res["metrics"], "throughput": res["throughput"], "epochs": res["epochs_completed"]}
+    print(f"\n### dataprep window K on {name}: {args.window_epochs} epochs each, default config\n")
+    print("| K | valid full NDCG@10 | test full HR@10 / NDCG@10 | test sampled HR@10 / NDCG@10 | padding | tokens/s |")
+    print("|---|---|---|---|---|---|")
+    for k, r in out.items():
+        m, t = r["metrics"], r["throughput"]
+        print(f"| {k} | {m['valid/full/ndcg@10']:.4f} | {m['test/full/hr@10']:.4f} / {m['test/full/ndcg@10']:.4f} | "
+              f"{m['test/sampled/hr@10']:.4f} / {m['test/sampled/ndcg@10']:.4f} | {t['padding_fraction']:.3f} | "
+              f"{t['tokens_per_s']:,.0f} |")
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m training.bench", description=__doc__.splitlines()[0])
+    p.add_argument("--part", choices=["quality", "throughput", "window", "all"], default="all")
+    p.add_argument("--datasets", default="beauty,video", help="comma-separated: beauty, video")
+    p.add_argument("--minutes", type=float, default=15.0, help="training budget per dataset (quality)")
+    p.add_argument("--steps", type=int, default=40, help="steps per variant and round (throughput)")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (throughput)")
+    p.add_argument("--world-size", type=int, default=1, help="shard world size for throughput (one process reads all)")
+    p.add_argument("--window-epochs", type=int, default=6, help="epochs per K (window)")
+    p.add_argument("--config", help="TOML config (default: the trainer's defaults)")
+    p.add_argument("--set", nargs="*", default=[], help="config overrides section.key=value")
+    p.add_argument("--work", default=os.path.join(ROOT, "bench-results", "work"))
+    p.add_argument("--results", default=os.path.join(ROOT, "bench-results"))
+    args = p.parse_args(argv)
+    args.datasets = [d for d in args.datasets.split(",") if d]
+    torch.set_num_threads(1)
+    os.makedirs(args.work, exist_ok=True)
+    parts = ["quality", "throughput", "window"] if args.part == "all" else [args.part]
+    for part in parts:
+        res = {"quality": quality, "throughput": throughput, "window": window}[part](args)
+        path = os.path.join(args.results, f"training-{part}.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump({"argv": sys.argv, "results": res}, f, indent=1, default=str)
+        os.replace(path + ".tmp", path)
+        print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""The training loop's seam to FreeScale communication (one object, `GroupComm`).
+
+What the trainer (training/train.py) gets from it, selected by the `[comm]` config section:
+- `allreduce_grads(params)`: the replica group's gradient SUM through the configured
+  transport (`collective` = gloo/nccl, `smfree` = shared memory / copy engines, with
+  fallback), recorded as an exposed comm interval;
+- bubble accounting: `step_begin/step_end`, `compute(name)` around the compute stages,
+  `window_metrics()` (collective) for the MLflow window, `finish(out)` (collective) writes
+  the PNG timeline of a window of steps for the run's artifacts.
+
+Not wired into the trainer (yet): the sharded item table and the batch-ahead pipeline.
+They need the loop to exclude the shard from the group all-reduce, the parameter
+broadcast and the grad-norm clip (a global norm over shards), to gather the table before
+rank-0 evaluation and model logging, to checkpoint per rank, and the loader to expose
+batch i+1 while batch i runs; bench.py's loop (`PipelinedRun`) shows the full use.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from training.comm.bubbles import Timeline, account, max_arrivals, metrics, plot_timeline
+from training.comm.scheduler import CommScheduler, Stage
+from training.comm.transport import KINDS, TransportConfig, all_gather_json, make_transport
+
+
+@dataclass
+class CommConfig:
+    transport: str = "collective"   # "collective" | "smfree": the group's gradient all-reduce
+    bubbles: bool = True            # per-step compute / comm / straggler / idle accounting
+    timeline_steps: int = 8         # steps in the PNG timeline (the last full window)
+
+
+def validate(cfg: CommConfig) -> list[tuple[bool, str]]:
+    return [(cfg.transport in KINDS, f"comm.transport must be one of {', '.join(KINDS)}"),
+            (cfg.timeline_steps >= 1, "comm.timeline_steps must be >= 1")]
+
+
+class GroupComm:
+    def __init__(self, cfg: CommConfig, rank: int = 0, device: str | torch.device = "cpu"):
+        self.cfg = cfg
+        self.active = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        self.transport = make_transport(TransportConfig(kind=cfg.transport), device=str(device)) if self.active else None
+        self.timeline = Timeline(rank) if cfg.bubbles else None
+        self.sched = CommScheduler("blocking", self.timeline)
+        self._window_start = 0   # index into timeline.steps of the first step not yet logged
+        self._logged_ops = 0
+
+    # ---- step structure (compute thread)
+    def step_begin(self, step: int):
+        self.sched.step = step
+        if self.timeline is not None:
+            self.timeline.step_begin(step)
+
+    def step_end(self):
+        if self.timeline is not None:
+            self.timeline.step_end()
+
+    def compute(self, name: str):
+        return self.timeline.compute(name) if self.timeline is not None else nullcontext()
+
+    def abort_step(self):
+        """A step that will be retried (no commit): leave it out of the accounting."""
+        if self.timeline is not None:
+            self.timeline._cur = None
+
+    # ---- the group's gradient all-reduce
+    def allreduce_grads(self, params: list[torch.nn.Parameter]) -> float:
+        """SUM the gradients over the group's ranks in one flat buffer; returns seconds blocked."""
+        if not self.active:
+            return 0.0
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        op = self.sched.submit("dense_grad", Stage.DENSE_GRAD, lambda: self.transport.all_reduce(flat).wait())
+        i = 0
+        for p, g in zip(params, grads):
+            if p.grad is None:
+                p.grad = g
+            p.grad.copy_(flat[i:i + g.numel()].view_as(g))
+            i += g.numel()
+        return op.exposed
+
+    # ---- reporting (collective: every rank of the group calls them at the same point)
+    def window_metrics(self) -> dict[str, float]:
+        """Bubble metrics of the steps since the last call, averaged over the group's ranks
+        (for `tracker.log_metrics` on rank 0). Collective when the group has several ranks."""
+        if self.timeline is None:
+            return {}
+        steps = self.timeline.steps[self._window_start:]
+        self._window_start = len(self.timeline.steps)
+        arrivals = max_arrivals(self.sched, start=self._logged_ops) if self.active else None
+        self._logged_ops = len(self.sched.issued)
+        m = metrics(account(steps, self.timeline.rank, arrivals))
+        if self.active:
+            keys = sorted(m)
+            t = torch.tensor([m[k] for k in keys], dtype=torch.float64)
+            dist.all_reduce(t)
+            m = {k: float(v) / dist.get_world_size() for k, v in zip(keys, t.tolist())}
+        if self.transport is not None:
+            m["comm/smfree"] = float(self.transport.name == "smfree")
+        return m
+
+    def finish(self, out_dir: str) -> str | None:
+        """Gather every rank's timeline and write the PNG of the last `timeline_steps` steps on
+        rank 0; returns its path there (None elsewhere). Collective."""
+        if self.timeline is None:
+            return None
+        steps = self.timeline.steps[-self.cfg.timeline_steps:]
+        mine = self.timeline.to_json(steps)
+        per_rank = all_gather_json(mine) if self.active else [mine]
+        arrivals = max_arrivals(self.sched) if self.active else None
+        path = None
+        if self.timeline.rank == 0 and steps:
+            os.makedirs(out_dir, exist_ok=True)
+            path = plot_timeline([Timeline.from_json(s) for s in per_rank], os.path.join(out_dir, "comm_timeline.png"),
+                                 arrivals=arrivals, first_step=steps[0].step, num_steps=len(steps),
+                                 title="compute / exposed comm / straggler / idle per rank")
+        if self.transport is not None:
+            self.transport.close()
+        return path
