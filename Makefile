@@ -17,9 +17,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 run: setup
-	$(BIN)/python -m dataprep synth --out $(WORK)/run/events.txt --users 3000 --items 2000 --seed 0 --quiet
-	$(BIN)/python -m dataprep shards --input $(WORK)/run/events.txt --format sasrec --out $(WORK)/run/shards --world-size 2 --batch-size 64 --max-len 50 --quiet
-	$(BIN)/python -m training train --shards $(WORK)/run/shards --out $(WORK)/run/train
+	PYTHONPATH=plugins $(BIN)/python -m ftrec_airflow.local_run --work $(WORK) $(RUN_ARGS)
 
 test: setup
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests

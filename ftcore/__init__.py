@@ -1,4 +1,41 @@
 """ftcore: FT-HSDP fault-tolerant runtime (lighthouse, FTAR, commit vote, catch-up).
 
 Depends on torch and the standard library only; never on training, dataprep or Airflow.
+
+The replica group (K ranks) is the unit of failure; one failed group restarts alone
+while the others keep training, and the returning group catches up from a healthy one.
+
+    lighthouse.py         control plane: membership, quorum, heal assignments, events
+                          (`python -m ftcore.lighthouse`, GET /status, HTML page)
+    lighthouse_client.py  a rank's heartbeats, quorum requests and failure reports
+    manager.py            the per-rank step protocol: start_quorum / allreduce / should_commit
+    ftar.py               the fault-tolerant all-reduce across groups
+    heal.py               non-blocking catch-up: background snapshot server and fetch
+    tensorfile.py         tensor-only serialization (safetensors layout, stdlib + torch)
+    schedule.py           exactly-once data: the replicated schedule with make-up steps
+    ledger.py             the ledger of committed batches and the exactly-once check
+    faults.py             fault plans (tests, benchmarks, launcher, chaos DAG)
+    timeouts.py           every timeout, with its environment override
+    auth.py               the shared token
+    examples/toy.py       a self-contained trainer on all of the above
+    bench.py              `python -m ftcore.bench`
+
+Failure handling, in the order things happen after a `kill -9` of one group:
+
+1. the survivors' FTAR raises within milliseconds (the peer's sockets reset); they
+   report to the lighthouse, which has also seen the dead rank's heartbeat connection
+   close; the step is discarded (nothing applied) and retried with the same batch;
+2. the next quorum round forms at once without the dead group (a new quorum_id, so a
+   new gloo group on a fresh store prefix); the survivors commit, with the learning
+   rate scaled by the LR policy (sqrt(live/total) by default);
+3. the launcher hands the group to a warm spare process; it registers, joins the next
+   round, is told to heal from a healthy group, fetches that group's snapshot of step n
+   (taken before n's optimizer step) in the background, contributes zeros to step n's
+   FTAR, loads the snapshot, applies the same averaged update and is bitwise identical.
+
+A hang (SIGSTOP) is found by the heartbeat timeout instead; the survivors' waiting
+FTAR notices the lighthouse's verdict and gives up at once. A group left out of a
+quorum may have committed a step the others discarded (it got the last bytes of an
+all-reduce they gave up on), so the lighthouse only takes heal sources from the
+previous quorum's members and always heals a returning group, even at an equal step.
 """

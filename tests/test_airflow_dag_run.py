@@ -141,3 +141,17 @@ def test_chaos_drill_checks_recovery(work):
                ["launcher_events"])
     snap = json.loads((Path(summary["run_folder"]) / "lighthouse.json").read_text())
     assert snap["url"].startswith("http://127.0.0.1:") and snap["status"]["max_step"] >= 1
+
+
+def test_retrain_starts_from_the_registered_model(first, work):
+    """ftrec_retrain after ftrec_train in the same work folder: it finds version 1 and its
+    checkpoint, refreshes the shards and registers version 2."""
+    summary, _ = first
+    rc, again, out = local_run(work, "--dag", "ftrec_retrain", *SMALL, "--set", "max_steps=6", "--set", "fault_plan=")
+    assert rc == 0, out[-4000:]
+    base = again["xcom"]["base_model"]
+    assert base["version"] == 1 and base["run_id"] == summary["xcom"]["train"]["mlflow_run_id"]
+    assert Path(base["checkpoint"]).is_dir()
+    assert again["xcom"]["build_shards"]["reused"] is False  # shards rebuilt for this run
+    reg = again["xcom"]["register_model"]
+    assert reg["version"] == 2 and reg["run_id"] == again["xcom"]["train"]["mlflow_run_id"] != base["run_id"]

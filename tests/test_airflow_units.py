@@ -379,3 +379,16 @@ def test_operator_links_and_plugin():
     views = {v["destination"]: v for v in plugin.external_views}
     assert views["dag_run"]["href"].startswith("/ftrec/lighthouse/?dag_id={DAG_ID}&run_id={RUN_ID}")
     assert views["nav"]["href"] == "/ftrec/lighthouse/"
+
+
+def test_retrain_reads_new_data_from_the_triggering_asset_event(monkeypatch):
+    from types import SimpleNamespace
+
+    from ftrec_airflow import pipeline
+    p = {"data_source": "auto", "data_format": "iclrec"}
+    event = SimpleNamespace(extra={"path": "/data/new.txt", "format": "sasrec"})
+    monkeypatch.setattr(pipeline, "get_current_context",
+                        lambda: {"triggering_asset_events": {"ftrec_interactions": [event]}})
+    assert pipeline.new_data_source(p) == ("/data/new.txt", "sasrec")
+    monkeypatch.setattr(pipeline, "get_current_context", lambda: {"triggering_asset_events": {}})
+    assert pipeline.new_data_source(p) == ("auto", "iclrec")  # the daily run: the params

@@ -95,7 +95,7 @@ def _group_comm(rank, world_size, out):
         torch.manual_seed(rank)
         params = [torch.nn.Parameter(torch.zeros(5, 3)), torch.nn.Parameter(torch.zeros(7))]
         grads = []
-        for step in range(4):
+        for step in range(6):
             gc.step_begin(step)
             with gc.compute("forward_backward"):
                 for p in params:
@@ -105,10 +105,11 @@ def _group_comm(rank, world_size, out):
             with gc.compute("optimizer"):
                 pass
             gc.step_end()
-            if step == 1:
+            if step in (1, 4):
                 res.setdefault("metrics", {})[kind] = gc.window_metrics()
+        kept = (len(gc.timeline.steps), len(gc.sched.issued))  # pruned to the PNG's window
         png = gc.finish(out)
-        res[kind] = (gc.transport.name, grads, png)
+        res[kind] = (gc.transport.name, grads, png, kept)
     return res
 
 
@@ -124,5 +125,6 @@ def test_group_comm_seam(tmp_path):
         assert m == r1["metrics"][kind]  # averaged over the group
         assert 0 <= m["comm/bubble_fraction"] <= 1 and m["comm/comm_s"] > 0
         assert m["comm/smfree"] == float(kind == "smfree")
+        assert r0[kind][3] == (4, 4)  # the last 3 steps kept at step 4's window, plus step 5
     assert r0["smfree"][2].endswith("comm_timeline.png") and r1["smfree"][2] is None
     assert open(r0["smfree"][2], "rb").read(4) == b"\x89PNG"

@@ -45,11 +45,15 @@ def _run(rank, world_size, kind, seed, shm_dir):
     return name, out, files, left
 
 
+def _both(rank, world_size, seed, shm_dir):
+    return [_run(rank, world_size, kind, seed, shm_dir) for kind in ("collective", "smfree")]
+
+
 def test_smfree_equals_collective(tmp_path):
     shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else str(tmp_path)
     before = {f for f in os.listdir(shm) if f.startswith("ftrec-")}
-    coll = run_ranks(_run, 2, "collective", 3, shm, timeout_s=90)
-    sm = run_ranks(_run, 2, "smfree", 3, shm, timeout_s=90)
+    per_rank = run_ranks(_both, 2, 3, shm, timeout_s=90)  # one pair of processes
+    coll, sm = [r[0] for r in per_rank], [r[1] for r in per_rank]
     for r in range(2):
         assert coll[r][0] == "collective" and sm[r][0] == "smfree"
         assert len(coll[r][1]) == len(sm[r][1]) == 6
@@ -71,11 +75,14 @@ def test_smfree_equals_collective(tmp_path):
 
 
 def _fallback(rank, world_size, mode, tmp):
+    device = "cpu"
     if mode == "hosts":
         cfg = TransportConfig(kind="smfree", shm_dir="/dev/shm", host_id=f"host-{rank}")
+    elif mode == "no_cuda":  # CUDA tensors asked for, no CUDA here: no copy-engine path
+        cfg, device = TransportConfig(kind="smfree"), "cuda"
     else:
         cfg = TransportConfig(kind="smfree", shm_dir=os.path.join(tmp, "missing") if rank == 1 else "/dev/shm")
-    t = make_transport(cfg)
+    t = make_transport(cfg, device=device)
     x = torch.arange(4.0) + rank
     y = t.all_reduce(x).wait()
     a2a = t.all_to_all(torch.tensor([rank * 10, rank * 10 + 1]), [1, 1], [1, 1]).wait()
@@ -83,12 +90,25 @@ def _fallback(rank, world_size, mode, tmp):
     return type(t).__name__, getattr(t, "fallback_reason", ""), y, a2a
 
 
-@pytest.mark.parametrize("mode", ["hosts", "no_shm"])
-def test_fallback_to_collective(mode, tmp_path):
-    res = run_ranks(_fallback, 2, mode, str(tmp_path), timeout_s=60)
+MODES = ["hosts", "no_shm", "no_cuda"]
+
+
+def _fallbacks(rank, world_size, tmp):
+    return [_fallback(rank, world_size, m, tmp) for m in MODES]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA fallback")
+def test_fallback_to_collective(tmp_path):
+    per_rank = run_ranks(_fallbacks, 2, str(tmp_path), timeout_s=90)  # one pair of processes
+    for i, mode in enumerate(MODES):
+        _check_fallback(mode, [per_rank[0][i], per_rank[1][i]])
+
+
+def _check_fallback(mode, res):
     for name, reason, y, a2a in res:
         assert name == "CollectiveTransport"  # every rank takes the same decision
-        assert ("different hosts" in reason) if mode == "hosts" else ("missing or not writable" in reason)
+        expect = {"hosts": "different hosts", "no_shm": "missing or not writable", "no_cuda": "CUDA is not available"}
+        assert expect[mode] in reason
         assert torch.equal(y, torch.tensor([1.0, 3.0, 5.0, 7.0]))
     assert res[0][3].tolist() == [0, 10] and res[1][3].tolist() == [1, 11]
 

@@ -219,9 +219,15 @@ def to_toml(cfg: Config) -> str:
 
 
 def config_from_dict(doc: dict[str, Any]) -> Config:
-    """The inverse of Config.to_dict (a checkpoint's meta.json); unknown keys are an error."""
+    """The inverse of Config.to_dict (a checkpoint's meta.json).
+
+    Keys this version no longer knows (an older checkpoint) are skipped: they cannot
+    change the model that the checkpoint's tensors define.
+    """
     cfg = Config()
     for section, table in doc.items():
+        sec = getattr(cfg, section, None)
         for key, value in table.items():
-            _set(cfg, f"{section}.{key}", value)
+            if sec is not None and hasattr(sec, key):
+                _set(cfg, f"{section}.{key}", value)
     return validate(cfg)

@@ -202,6 +202,8 @@ class BatchLoader:
         here = self.cursor.ahead(0)
         if self._pool is None:
             return self._read(*here)
+        for pos in [p for p in self._pending if p < here]:   # the cursor jumped (a heal loaded a state)
+            self._pending.pop(pos).cancel()
         for i in range(self.prefetch + 1):
             pos = self.cursor.ahead(i)
             if pos not in self._pending:
@@ -215,10 +217,6 @@ class BatchLoader:
         """The step at the cursor was applied: move on and forget its batch."""
         self._pending.pop(self.cursor.ahead(0), None)
         self.cursor.advance()
-
-    def reset(self) -> None:
-        """Drop read-ahead batches (after the cursor was loaded from a checkpoint)."""
-        self._pending.clear()
 
     def close(self) -> None:
         if self._pool is not None:

@@ -76,6 +76,13 @@ def allreduce_grads(params: list[torch.nn.Parameter]) -> float:
     return waited
 
 
+def comm_device() -> torch.device:
+    """Where small collective buffers must live: nccl reduces CUDA tensors only."""
+    if active() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def barrier() -> None:
     if active():
         dist.barrier()

@@ -18,6 +18,7 @@ untrained model that scores everything equal gets the worst rank, not the best.
 Users are evaluated in batches sorted by length; everything else is vectorized.
 """
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -109,6 +110,7 @@ def evaluate(model, data: EvalData, cfg: EvalConfig, splits=("valid", "test")) -
     """Metrics named `<split>/<protocol>/<metric>`, e.g. test/full/ndcg@10."""
     was_training = model.training
     model.eval()
+    dev = next(itertools.chain(model.parameters(), model.buffers())).device
     out: dict[str, float] = {}
     for name in splits:
         s = data.splits[name]
@@ -117,20 +119,20 @@ def evaluate(model, data: EvalData, cfg: EvalConfig, splits=("valid", "test")) -
         for lo in range(0, n, cfg.batch_size):
             hi = min(lo + cfg.batch_size, n)
             a, b = int(s.offsets[lo]), int(s.offsets[hi])
-            offsets = s.offsets[lo:hi + 1] - a
-            values = s.values[a:b]
+            offsets = (s.offsets[lo:hi + 1] - a).to(dev)
+            values = s.values[a:b].to(dev)
             h = model.last_hidden(values, offsets)
-            target = s.targets[lo:hi]
+            target = s.targets[lo:hi].to(dev)
             scores = model.scores(h)                                   # [B, I], column i = item i+1
             t_score = scores.gather(1, (target - 1)[:, None])
             if cfg.exclude_history:
-                rows = torch.repeat_interleave(torch.arange(hi - lo), offsets[1:] - offsets[:-1])
+                rows = torch.repeat_interleave(torch.arange(hi - lo, device=dev), offsets[1:] - offsets[:-1])
                 scores[rows, values - 1] = float("-inf")
                 scores.scatter_(1, (target - 1)[:, None], t_score)     # never exclude the target
-            full_ranks.append(((scores >= t_score).sum(1) - 1).numpy())
+            full_ranks.append(((scores >= t_score).sum(1) - 1).cpu().numpy())
             # Negatives are items the user never touched, so exclusion never hit them.
-            neg = scores.gather(1, s.negatives[lo:hi] - 1)
-            sampled_ranks.append((neg >= t_score).sum(1).numpy())
+            neg = scores.gather(1, s.negatives[lo:hi].to(dev) - 1)
+            sampled_ranks.append((neg >= t_score).sum(1).cpu().numpy())
         for proto, ranks in (("full", full_ranks), ("sampled", sampled_ranks)):
             for k, v in ranking_metrics(np.concatenate(ranks), tuple(cfg.ks)).items():
                 out[f"{name}/{proto}/{k}"] = v

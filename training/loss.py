@@ -15,13 +15,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from training import distributed
 from training.config import LossConfig
 
 
 def sampled_softmax_sum(model, h: torch.Tensor, labels: torch.Tensor, cfg: LossConfig,
                         generator: torch.Generator) -> torch.Tensor:
     """Sum over tokens of -log softmax(target | target + shared negatives)."""
-    negatives = torch.randint(1, model.num_items + 1, (cfg.num_negatives,), generator=generator)
+    # drawn on the CPU generator (its state is checkpointed), then moved to the model's device
+    negatives = torch.randint(1, model.num_items + 1, (cfg.num_negatives,), generator=generator).to(h.device)
     pos = model.pair_scores(h, labels) / cfg.temperature                      # [N]
     neg = model.scores(h, negatives) / cfg.temperature                        # [N, K]
     neg = neg.masked_fill(negatives[None, :] == labels[:, None], float("-inf"))
@@ -32,7 +34,7 @@ def sampled_softmax_sum(model, h: torch.Tensor, labels: torch.Tensor, cfg: LossC
 def bce_sum(model, h: torch.Tensor, labels: torch.Tensor, cfg: LossConfig,
             generator: torch.Generator) -> torch.Tensor:
     """Sum over tokens of -log sigmoid(target) - log sigmoid(-negative), one negative each."""
-    negatives = torch.randint(1, model.num_items + 1, labels.shape, generator=generator)
+    negatives = torch.randint(1, model.num_items + 1, labels.shape, generator=generator).to(h.device)
     pos = model.pair_scores(h, labels) / cfg.temperature
     neg = model.pair_scores(h, negatives) / cfg.temperature
     neg_term = F.logsigmoid(-neg) * (negatives != labels)  # a drawn positive is not a negative
@@ -52,7 +54,7 @@ def start_global_counts(counts: list[float], group=None) -> tuple[torch.Tensor, 
     They are known before the forward pass, so the collective overlaps the forward;
     call `.wait()` on the returned work (None in a single process) before dividing.
     """
-    total = torch.tensor(counts, dtype=torch.float64)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+    total = torch.tensor(counts, dtype=torch.float64, device=distributed.comm_device())
+    if distributed.active():
         return total, dist.all_reduce(total, group=group, async_op=True)
     return total, None

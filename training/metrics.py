@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from training import distributed
+
 # columns of a rank's per-step record; LOSS is the rank's share of the group's mean loss
 COMPUTE, WAIT, STEP_TIME, DATA_WAIT, LOSS = range(5)
 COLUMNS = 5
@@ -47,10 +49,11 @@ def gather_times(window: Window, stop: bool, group=None) -> tuple[torch.Tensor, 
     mine = torch.tensor(window.times, dtype=torch.float64).reshape(-1, COLUMNS)
     flag = torch.full((1, COLUMNS), 1.0 if stop else 0.0, dtype=torch.float64)
     mine = torch.cat([mine, flag])
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+    if distributed.active():
+        mine = mine.to(distributed.comm_device())
         parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
         dist.all_gather(parts, mine, group=group)
-        allt = torch.stack(parts)
+        allt = torch.stack(parts).cpu()
     else:
         allt = mine[None]
     return allt[:, :-1], bool(allt[:, -1, 0].max() > 0)

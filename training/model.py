@@ -38,8 +38,9 @@ class Jagged:
 def jagged_index(offsets: torch.Tensor, pad_to: int = 0) -> Jagged:
     lengths = offsets[1:] - offsets[:-1]
     n = int(offsets[-1])
-    batch_idx = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
-    pos = torch.arange(n) - offsets[:-1][batch_idx]
+    dev = offsets.device
+    batch_idx = torch.repeat_interleave(torch.arange(len(lengths), device=dev), lengths)
+    pos = torch.arange(n, device=dev) - offsets[:-1][batch_idx]
     max_len = max(int(lengths.max()) if len(lengths) else 0, pad_to)
     return Jagged(lengths, batch_idx, pos, max_len)
 
@@ -124,8 +125,8 @@ class SeqRec(nn.Module):
         x[j.batch_idx, j.pos] = self.drop(tok)
         # Query t may see keys 0..t of its own sample; pads are never keys. Pad queries
         # (t >= length) still see real keys, so no softmax row is empty.
-        valid = torch.arange(L)[None, :] < j.lengths[:, None]                  # [B, L]
-        causal = torch.ones(L, L, dtype=torch.bool).tril()                    # [L, L]
+        valid = torch.arange(L, device=x.device)[None, :] < j.lengths[:, None]          # [B, L]
+        causal = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()           # [L, L]
         mask = causal[None] & valid[:, None, :]                               # [B, L, L]
         for block in self.blocks:
             x = block(x, mask)

@@ -166,6 +166,8 @@ def train(cfg: Config) -> dict:
         ft.finish()   # ftcore: the group's final tensor-only state for the launcher, then leave the quorum
     if saved != state.step:
         final = _save(state, cfg, shards, topo, ckpt_root)
+    if hasattr(ft, "finish"):   # ftcore: leave the quorum, write the group's final state
+        ft.finish()
     result = {}
     if topo.is_main:
         wall = time.perf_counter() - started

@@ -76,26 +76,36 @@ class Timeline:
     def step_begin(self, step: int):
         self._cur = StepRecord(step, self.clock())
 
+    def step_abort(self):
+        """Drop the open step (it will be retried)."""
+        self._cur, self._compute, self._depth = None, [], 0
+
     def step_end(self):
         if self._cur is not None:
             self._cur.t1 = self.clock()
             self.steps.append(self._cur)
             self._cur = None
 
-    @contextmanager
-    def compute(self, name: str):
+    def compute_begin(self, name: str):
         self._depth += 1
         if self._depth == 1:  # nested compute counts once, as its outermost interval
             self._compute = [name, self.clock()]
+
+    def compute_end(self):
+        self._depth -= 1
+        if self._depth == 0:
+            name, t0 = self._compute
+            if t0 is not None:
+                self._add(Interval("compute", name, t0, self.clock()))
+            self._compute = []
+
+    @contextmanager
+    def compute(self, name: str):
+        self.compute_begin(name)
         try:
             yield
         finally:
-            self._depth -= 1
-            if self._depth == 0:
-                name, t0 = self._compute
-                if t0 is not None:
-                    self._add(Interval("compute", name, t0, self.clock()))
-                self._compute = []
+            self.compute_end()
 
     def comm_begin(self, t: float):
         # a wait inside a compute stage splits it: intervals never overlap
@@ -124,7 +134,8 @@ class Timeline:
 def max_arrivals(scheduler, group=None, start: int = 0) -> dict[int, float]:
     """Issue index (>= start) -> latest arrival over the group's ranks. Collective; call it
     on every rank with no comm op in flight (e.g. after a step's last wait)."""
-    arr = torch.tensor([o.t_start for o in scheduler.issued[start:]], dtype=torch.float64)
+    ops = [o for o in scheduler.issued if o.issue >= start]
+    arr = torch.tensor([o.t_start for o in ops], dtype=torch.float64)
     n = torch.tensor([arr.numel()])
     n_max = n.clone()
     dist.all_reduce(n_max, op=dist.ReduceOp.MAX, group=group)
@@ -132,7 +143,7 @@ def max_arrivals(scheduler, group=None, start: int = 0) -> dict[int, float]:
         raise RuntimeError(f"ranks issued different numbers of comm ops ({int(n)} vs {int(n_max)}): "
                            "every rank must run the same step code")
     dist.all_reduce(arr, op=dist.ReduceOp.MAX, group=group)
-    return {start + i: float(t) for i, t in enumerate(arr.tolist())}
+    return {o.issue: float(t) for o, t in zip(ops, arr.tolist())}
 
 
 def _overlap(a0, a1, b0, b1) -> float:

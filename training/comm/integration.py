@@ -19,26 +19,14 @@ from __future__ import annotations
 
 import os
 from contextlib import nullcontext
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from training.comm.bubbles import Timeline, account, max_arrivals, metrics, plot_timeline
 from training.comm.scheduler import CommScheduler, Stage
-from training.comm.transport import KINDS, TransportConfig, all_gather_json, make_transport
-
-
-@dataclass
-class CommConfig:
-    transport: str = "collective"   # "collective" | "smfree": the group's gradient all-reduce
-    bubbles: bool = True            # per-step compute / comm / straggler / idle accounting
-    timeline_steps: int = 8         # steps in the PNG timeline (the last full window)
-
-
-def validate(cfg: CommConfig) -> list[tuple[bool, str]]:
-    return [(cfg.transport in KINDS, f"comm.transport must be one of {', '.join(KINDS)}"),
-            (cfg.timeline_steps >= 1, "comm.timeline_steps must be >= 1")]
+from training.comm.config import CommConfig
+from training.comm.transport import TransportConfig, all_gather_json, make_transport
 
 
 class GroupComm:
@@ -64,10 +52,20 @@ class GroupComm:
     def compute(self, name: str):
         return self.timeline.compute(name) if self.timeline is not None else nullcontext()
 
+    def compute_begin(self, name: str):
+        """compute_begin/compute_end: the same as `with compute(name)`, for a loop that
+        would otherwise have to be re-indented."""
+        if self.timeline is not None:
+            self.timeline.compute_begin(name)
+
+    def compute_end(self):
+        if self.timeline is not None:
+            self.timeline.compute_end()
+
     def abort_step(self):
         """A step that will be retried (no commit): leave it out of the accounting."""
         if self.timeline is not None:
-            self.timeline._cur = None
+            self.timeline.step_abort()
 
     # ---- the group's gradient all-reduce
     def allreduce_grads(self, params: list[torch.nn.Parameter]) -> float:
@@ -92,10 +90,15 @@ class GroupComm:
         if self.timeline is None:
             return {}
         steps = self.timeline.steps[self._window_start:]
-        self._window_start = len(self.timeline.steps)
         arrivals = max_arrivals(self.sched, start=self._logged_ops) if self.active else None
-        self._logged_ops = len(self.sched.issued)
         m = metrics(account(steps, self.timeline.rank, arrivals))
+        # keep only what the PNG needs: a long run must not grow these lists
+        keep = self.cfg.timeline_steps
+        first_kept = self.timeline.steps[-keep:][0].step if self.timeline.steps else 0
+        self.sched.forget(min([o.issue for o in self.sched.issued if o.step >= first_kept], default=self.sched._next_issue))
+        self.timeline.steps = self.timeline.steps[-keep:]
+        self._window_start = len(self.timeline.steps)
+        self._logged_ops = self.sched._next_issue
         if self.active:
             keys = sorted(m)
             t = torch.tensor([m[k] for k in keys], dtype=torch.float64)

@@ -26,6 +26,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any, Callable
@@ -77,6 +78,8 @@ class CommScheduler:
         self.ops: list[CommOp] = []        # every op, in submission order
         self.issued: list[CommOp] = []     # every op, in issue order
         self._pending: list[CommOp] = []
+        self._next_issue = 0
+        self._next_seq = 0
         self._queue: queue.Queue = queue.Queue()
         self._thread = None
         if policy != "blocking":
@@ -84,7 +87,8 @@ class CommScheduler:
             self._thread.start()
 
     def submit(self, name: str, stage: Stage, fn: Callable[[], Any]) -> CommOp:
-        op = CommOp(name, Stage(stage), fn, self.step, len(self.ops), t_submit=self.clock())
+        op = CommOp(name, Stage(stage), fn, self.step, self._next_seq, t_submit=self.clock())
+        self._next_seq += 1
         self.ops.append(op)
         if self.policy == "blocking":
             # run now on the compute thread: its whole duration is exposed
@@ -120,6 +124,10 @@ class CommScheduler:
             self.timeline.comm_begin(op.t_wait0)
         try:
             result = op.future.result(timeout=COMM_TIMEOUT_S)
+        except FutureTimeout:
+            raise TimeoutError(f"comm op {op.name!r} of step {op.step} did not finish within "
+                               f"{COMM_TIMEOUT_S:.0f}s (a peer is dead or issued ops in another order; "
+                               "FTREC_COMM_TIMEOUT_S)") from None
         finally:
             op.t_wait1 = self.clock()
             op.waited = True
@@ -138,13 +146,19 @@ class CommScheduler:
     def next_step(self):
         self.step += 1
 
+    def forget(self, before_issue: int):
+        """Drop the records of waited ops issued before `before_issue` (long runs)."""
+        self.issued = [o for o in self.issued if o.issue >= before_issue or not o.waited]
+        self.ops = [o for o in self.ops if o.issue >= before_issue or not o.waited]
+
     def close(self):
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join(timeout=COMM_TIMEOUT_S)
 
     def _issue(self, op: CommOp):
-        op.issue = len(self.issued)
+        op.issue = self._next_issue
+        self._next_issue += 1
         self.issued.append(op)
 
     def _execute(self, op: CommOp):

@@ -249,12 +249,12 @@ class SmFreeTransport:
     def close(self):
         self._queue.put(None)
         self._thread.join(timeout=COMM_TIMEOUT_S)
+        self._peer_ctrl.clear()  # drop the numpy views before their maps close
+        self._ctrl_np = None
         for seg in self._peer_ctrl_seg.values():
             seg.close()
         for _, seg in self._peer_box.values():
             seg.close()
-        self._peer_ctrl.clear()
-        self._ctrl_np = None
         self._outbox.close(unlink=True)
         self._ctrl.close(unlink=True)
 
