@@ -68,7 +68,7 @@ def test_png_is_written(tmp_path):
 def test_sums_on_real_ranks_with_a_straggler(tmp_path):
     # heavy-tailed random shards: one rank computes more, the other waits in the collectives
     cfg = RunConfig(policy="prioritized", data="lognormal", balanced=False, steps=4, warmup=1, num_items=500,
-                    dim=16, d_model=16, batch=4, max_len=120, num_neg=32)
+                    dim=16, d_model=16, batch=4, max_len=80, num_neg=32)
     res = run_ranks(run_training, 2, asdict(cfg), timeout_s=120)
     straggler = 0.0
     for r in res:
@@ -89,9 +89,11 @@ def test_sums_on_real_ranks_with_a_straggler(tmp_path):
 def _group_comm(rank, world_size, out):
     import torch
     from training.comm.integration import CommConfig, GroupComm
+    from training.distributed import allreduce_grads as trainer_allreduce
     res = {}
-    for kind in ("collective", "smfree"):
-        gc = GroupComm(CommConfig(transport=kind, timeline_steps=3), rank)
+    for kind in ("collective", "smfree", "default"):
+        # "default": the trainer's own all-reduce, timed by GroupComm (comm.transport=collective)
+        gc = GroupComm(CommConfig(transport="collective" if kind == "default" else kind, timeline_steps=3), rank)
         torch.manual_seed(rank)
         params = [torch.nn.Parameter(torch.zeros(5, 3)), torch.nn.Parameter(torch.zeros(7))]
         grads = []
@@ -100,7 +102,7 @@ def _group_comm(rank, world_size, out):
             with gc.compute("forward_backward"):
                 for p in params:
                     p.grad = torch.randn_like(p) * (rank + 1)
-            gc.allreduce_grads(params)
+            gc.allreduce_grads(params, default=trainer_allreduce if kind == "default" else None)
             grads.append([p.grad.clone() for p in params])
             with gc.compute("optimizer"):
                 pass
@@ -116,14 +118,15 @@ def _group_comm(rank, world_size, out):
 @pytest.mark.integ
 def test_group_comm_seam(tmp_path):
     r0, r1 = run_ranks(_group_comm, 2, str(tmp_path), timeout_s=90)
-    for kind in ("collective", "smfree"):
-        assert r0[kind][0] == kind
+    for kind in ("collective", "smfree", "default"):
+        assert r0[kind][0] == ("collective" if kind == "default" else kind)
         for a, b, c in zip(r0[kind][1], r1[kind][1], r0["collective"][1]):
             # both ranks hold the group's SUM, bitwise the same with either transport
             assert all(torch.equal(x, y) and torch.equal(x, z) for x, y, z in zip(a, b, c))
         m = r0["metrics"][kind]
         assert m == r1["metrics"][kind]  # averaged over the group
         assert 0 <= m["comm/bubble_fraction"] <= 1 and m["comm/comm_s"] > 0
+        assert m["comm/exposed/dense_grad_s"] == pytest.approx(m["comm/comm_s"])  # the only op
         assert m["comm/smfree"] == float(kind == "smfree")
         assert r0[kind][3] == (4, 4)  # the last 3 steps kept at step 4's window, plus step 5
     assert r0["smfree"][2].endswith("comm_timeline.png") and r1["smfree"][2] is None

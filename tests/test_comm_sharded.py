@@ -63,9 +63,20 @@ def _equal(rank, world_size, kind, sharding):
 CASES = [("collective", "row"), ("smfree", "row"), ("collective", "table"), ("smfree", "table")]
 
 
-def test_sharded_equals_unsharded():
-    for rank_res in run_ranks(_equal_all, 2, CASES, timeout_s=120):  # one pair of processes
-        for case, (fails, full_ok) in zip(CASES, rank_res):
+def _everything(rank, world_size):
+    return {"equal": _equal_all(rank, world_size, CASES), "collection": _collection(rank, world_size),
+            "bad_ids": _bad_ids(rank, world_size)}
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    """Every check of this file in one pair of gloo processes (process start-up dominates)."""
+    return run_ranks(_everything, 2, timeout_s=150)
+
+
+def test_sharded_equals_unsharded(ranks):
+    for r in ranks:
+        for case, (fails, full_ok) in zip(CASES, r["equal"]):
             assert fails == [], case
             assert full_ok, case
 
@@ -83,8 +94,8 @@ def _collection(rank, world_size):
     return shapes, all(torch.equal(outs[n], refs[n]) for n in tables)
 
 
-def test_table_wise_collection():
-    (s0, ok0), (s1, ok1) = run_ranks(_collection, 2, timeout_s=60)
+def test_table_wise_collection(ranks):
+    (s0, ok0), (s1, ok1) = ranks[0]["collection"], ranks[1]["collection"]
     assert s0 == {"item": (50, 4), "category": (0, 3)} and s1 == {"item": (0, 4), "category": (7, 3)}
     assert ok0 and ok1
 
@@ -97,6 +108,6 @@ def _bad_ids(rank, world_size):
         return str(e)
 
 
-def test_out_of_range_ids_are_a_clear_error():
-    msgs = run_ranks(_bad_ids, 2, timeout_s=60)
+def test_out_of_range_ids_are_a_clear_error(ranks):
+    msgs = [r["bad_ids"] for r in ranks]
     assert all("[0, 10)" in m and "num_items" in m for m in msgs)

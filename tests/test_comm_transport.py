@@ -116,3 +116,19 @@ def _check_fallback(mode, res):
 def test_unknown_kind_is_a_config_error():
     with pytest.raises(ValueError, match="comm.transport"):
         make_transport(TransportConfig(kind="nvlink"))
+
+
+def _dies(rank, world_size):
+    make_transport(TransportConfig(kind="smfree"))
+    dist.barrier()
+    if rank == 1:
+        raise RuntimeError("rank 1 fails without closing its transport")
+    return "ok"
+
+
+def test_a_failing_rank_leaves_no_shared_memory():
+    before = set(os.listdir("/dev/shm"))
+    with pytest.raises(Exception, match="rank 1 fails"):
+        run_ranks(_dies, 2, timeout_s=60)
+    left = {f for f in set(os.listdir("/dev/shm")) - before if f.startswith("ftrec-")}
+    assert left == set()

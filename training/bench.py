@@ -142,7 +142,7 @@ def throughput(args) -> dict:
         for v, (shards, extra) in variants.items():
             cfg = load_config(args.config, [f"data.shards={shards}", f"train.out={os.path.join(args.work, 'tp')}",
                                             f"train.max_steps={args.steps}", "train.epochs=1", "mlflow.enabled=false",
-                                            "eval.every_epoch=false", "eval.final=false", "train.log_every=10",
+                                            "eval.periodic=false", "eval.final=false", "train.log_every=10",
                                             *extra, *args.set])
             runs[v].append(train(cfg)["throughput"])
     base = statistics.median(r["tokens_per_s"] for r in runs["padded (random, pad to max_len)"])
@@ -167,7 +167,7 @@ def window(args) -> dict:
         kk = json.load(open(os.path.join(shards, schema.MANIFEST)))["config"]["window_steps"]
         cfg = load_config(args.config, [f"data.shards={shards}", f"train.out={os.path.join(args.work, f'win-{kk}')}",
                                         f"train.epochs={args.window_epochs}", "mlflow.enabled=false",
-                                        "eval.every_epoch=false", *args.set])
+                                        "eval.periodic=false", *args.set])
         res = train(cfg)
         out[f"K={kk}"] = {"metrics": res["metrics"], "throughput": res["throughput"], "epochs": res["epochs_completed"]}
     print(f"\n### dataprep window K on {name}: {args.window_epochs} epochs each, default config\n")

@@ -31,20 +31,20 @@ class ModelConfig:
     num_heads: int = 1
     dropout: float = 0.3
     max_len: int = 0              # 0: take it from the manifest (dataprep's max_len)
-    similarity: str = "cosine"    # "cosine" (L2-normalized, with loss.temperature) or "dot"
+    similarity: str = "dot"       # "dot" or "cosine" (L2-normalized; then use loss.temperature ~0.05)
 
 
 @dataclass
 class LossConfig:
     kind: str = "sampled_softmax"  # "sampled_softmax" (shared negatives) or "bce" (one negative)
-    num_negatives: int = 256       # shared negatives per step for sampled softmax
-    temperature: float = 0.05      # logits are cosine similarities / temperature (sampled softmax)
+    num_negatives: int = 1024      # shared negatives per step for sampled softmax
+    temperature: float = 1.0       # logits = similarity / temperature
 
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-3               # AdamW on dense parameters
-    embedding_lr: float = 1e-3     # Adam on the item table (its own param group, no weight decay)
+    lr: float = 3e-3               # AdamW on dense parameters
+    embedding_lr: float = 3e-3     # Adam on the item table (its own param group, no weight decay)
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.98)
     warmup_steps: int = 100
@@ -56,7 +56,7 @@ class OptimConfig:
 @dataclass
 class TrainConfig:
     out: str = "work/train"
-    epochs: int = 30
+    epochs: int = 20
     max_steps: int = 0             # 0: epochs * steps per epoch
     max_minutes: float = 0.0       # 0: no wall-clock budget; otherwise stop after it (then test)
     seed: int = 0
@@ -76,7 +76,7 @@ class EvalConfig:
     num_negatives: int = 100       # sampled protocol: uniform items the user never interacted with
     seed: int = 12345              # fixed: every run ranks against the same negatives
     exclude_history: bool = True   # full ranking: items already in the user's history rank last
-    every_epoch: bool = True       # validate every train.eval_every steps (0: once per epoch)
+    periodic: bool = True          # validate every train.eval_every steps (0: once per epoch)
     final: bool = True             # valid + test at the end (into result.json)
 
 

@@ -23,7 +23,7 @@ import torch
 
 from training import checkpoint, distributed, metrics
 from training import ft as ft_mod
-from training.config import Config, to_toml
+from training.config import Config, ConfigError, to_toml
 from training.data import BatchLoader, DataCursor, ShardSet, shard_ranks_for
 from training.evaluate import EvalData, evaluate
 from training.loss import loss_sum, start_global_counts
@@ -57,6 +57,9 @@ def train(cfg: Config) -> dict:
     shard_ranks = shard_ranks_for(shards.world_size, topo.num_replica_groups, topo.replica_group,
                                   topo.group_size, topo.rank)
     cfg.model.max_len = cfg.model.max_len or shards.max_len
+    if cfg.model.max_len < shards.max_len:
+        raise ConfigError(f"model.max_len={cfg.model.max_len} is shorter than the shard set's max_len="
+                          f"{shards.max_len}; leave it 0 to take the manifest's")
     out, ckpt_root = cfg.train.out, os.path.join(cfg.train.out, "checkpoints")
     os.makedirs(out, exist_ok=True)
     torch.use_deterministic_algorithms(cfg.train.deterministic, warn_only=True)
@@ -78,6 +81,8 @@ def train(cfg: Config) -> dict:
     resumed_from = checkpoint.latest(ckpt_root) if cfg.train.resume else None
     if resumed_from:
         state.load_state_dict(checkpoint.load(resumed_from, topo.rank))
+        # the resumed run logs into the MLflow run it started, unless one is given
+        cfg.mlflow.run_id = cfg.mlflow.run_id or checkpoint.read_meta(resumed_from).get("mlflow_run_id") or ""
         log(topo, f"resumed from {resumed_from} (step {state.step}, epoch {cursor.epoch}, index {cursor.index})")
     ft = make_replica(state, topo)
     loader = BatchLoader(shards, shard_ranks, cursor, cfg.data.prefetch)
@@ -85,7 +90,10 @@ def train(cfg: Config) -> dict:
 
     tracker = Tracker(cfg.mlflow, out) if (cfg.mlflow.enabled and topo.is_main) else None
     if tracker:
-        tracker.log_params({**cfg.flat(), **topo.as_params(), "data.fingerprint": shards.fingerprint(),
+        # keys that differ between the attempts of one run would be refused by MLflow
+        volatile = {"train.resume", "train.stop_at_step", "mlflow.run_id"}
+        params = {k: v for k, v in cfg.flat().items() if k not in volatile}
+        tracker.log_params({**params, **topo.as_params(), "data.fingerprint": shards.fingerprint(),
                             "data.num_items": shards.num_items, "data.steps_per_epoch": shards.steps,
                             "data.world_size": shards.world_size, "data.bubble_fraction":
                             shards.manifest.get("bubble_fraction", "")})
@@ -153,10 +161,10 @@ def train(cfg: Config) -> dict:
             window = metrics.Window()
         if state.step == cfg.train.stop_at_step:
             stop = True
-        if cfg.eval.every_epoch and state.step % eval_every == 0 and state.step < steps_total and not stop:
+        if cfg.eval.periodic and state.step % eval_every == 0 and state.step < steps_total and not stop:
             _validate(model, eval_data, cfg, tracker, state.step, topo)
         if cfg.train.checkpoint_every and state.step % cfg.train.checkpoint_every == 0:
-            final, saved = _save(state, cfg, shards, topo, ckpt_root), state.step
+            final, saved = _save(state, cfg, shards, topo, ckpt_root, tracker), state.step
 
     # ---- the end: final checkpoint, test, result.json ----------------------------------
     if window.steps:  # stopped between two log steps
@@ -165,20 +173,21 @@ def train(cfg: Config) -> dict:
     if hasattr(ft, "finish"):
         ft.finish()   # ftcore: the group's final tensor-only state for the launcher, then leave the quorum
     if saved != state.step:
-        final = _save(state, cfg, shards, topo, ckpt_root)
+        final = _save(state, cfg, shards, topo, ckpt_root, tracker)
     if hasattr(ft, "finish"):   # ftcore: leave the quorum, write the group's final state
         ft.finish()
     result = {}
     if topo.is_main:
         wall = time.perf_counter() - started
         scores = {}
+        t_eval = time.perf_counter()
         if cfg.eval.final:
             scores = evaluate(model, eval_data.get(), cfg.eval, splits=("valid", "test"))
             log(topo, "valid " + _brief(scores, "valid") + " | test " + _brief(scores, "test"))
         result = {"mlflow_run_id": None, "tracking_uri": tracker.uri if tracker else None,
                   "checkpoint": os.path.abspath(final), "steps": state.step, "metrics": scores,
                   "train_seconds": wall, "epochs_completed": cursor.epoch + cursor.index / shards.steps,
-                  "throughput": metrics.run_summary(history)}
+                  "throughput": metrics.run_summary(history), "eval_seconds": time.perf_counter() - t_eval}
         if tracker:
             tracker.log_metrics(scores, state.step)
             _log_artifacts(tracker, cfg, shards, history, out, model)
@@ -230,8 +239,8 @@ def _validate(model, eval_data, cfg: Config, tracker, step: int, topo) -> dict:
     return scores
 
 
-def _save(state: TrainState, cfg: Config, shards: ShardSet, topo, root: str) -> str:
-    meta = {"step": state.step, "epoch": state.cursor.epoch, "index": state.cursor.index,
+def _save(state: TrainState, cfg: Config, shards: ShardSet, topo, root: str, tracker) -> str:
+    meta = {"mlflow_run_id": tracker.run_id if tracker else None,"step": state.step, "epoch": state.cursor.epoch, "index": state.cursor.index,
             "config": cfg.to_dict(), "num_items": shards.num_items,
             "fingerprint": shards.fingerprint(), "shards": os.path.abspath(shards.path),
             "ranks_per_group": topo.group_size, "replica_groups": topo.num_replica_groups}

@@ -9,6 +9,9 @@ Modules, one concept each:
   scheduler.py          one ordered comm queue per rank; ops issued in need order, waited at use
   pipeline.py           batches in flight: input dist of batch i+1 overlaps compute of batch i
   bubbles.py            per rank and step: compute, exposed comm, straggler wait, idle; PNG
+  config.py             the trainer's `[comm]` config section
+  integration.py        GroupComm: the trainer's seam (transport for grads, bubble metrics, PNG)
+  spawn.py              run a function on W real gloo ranks, bounded (tests, benchmarks)
   bench.py              `python -m training.comm.bench`
   gpu_check.py          prepared <= 5 min GPU check of the CUDA claims
 """

@@ -68,8 +68,13 @@ class GroupComm:
             self.timeline.step_abort()
 
     # ---- the group's gradient all-reduce
-    def allreduce_grads(self, params: list[torch.nn.Parameter]) -> float:
-        """SUM the gradients over the group's ranks in one flat buffer; returns seconds blocked."""
+    def allreduce_grads(self, params: list[torch.nn.Parameter], default=None) -> float:
+        """SUM the gradients over the group's ranks in one flat buffer; returns seconds blocked.
+        With the `collective` transport and `default` given (the trainer's own all-reduce,
+        `default(params) -> seconds`), that one runs, unchanged, and is only timed here."""
+        if default is not None and (self.transport is None or self.transport.name == "collective"):
+            op = self.sched.submit("dense_grad", Stage.DENSE_GRAD, lambda: default(params))
+            return op.exposed
         if not self.active:
             return 0.0
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
@@ -92,6 +97,10 @@ class GroupComm:
         steps = self.timeline.steps[self._window_start:]
         arrivals = max_arrivals(self.sched, start=self._logged_ops) if self.active else None
         m = metrics(account(steps, self.timeline.rank, arrivals))
+        for r in self.sched.records():  # exposed comm per op name, per step
+            if r["issue"] >= self._logged_ops:
+                key = f"comm/exposed/{r['name']}_s"
+                m[key] = m.get(key, 0.0) + r["exposed"] / max(1, len(steps))
         # keep only what the PNG needs: a long run must not grow these lists
         keep = self.cfg.timeline_steps
         first_kept = self.timeline.steps[-keep:][0].step if self.timeline.steps else 0

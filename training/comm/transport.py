@@ -22,6 +22,7 @@ result. Ops run in issue order (gloo: one process group; smfree: one copy thread
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import mmap
@@ -129,6 +130,20 @@ def _host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
+# Segments this process created and has not unlinked yet: removed at exit, so that a rank
+# failing with an exception leaves nothing in /dev/shm (a SIGKILL still can).
+_OWNED: set[str] = set()
+
+
+@atexit.register
+def _unlink_owned():
+    for path in list(_OWNED):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
 class _Segment:
     """A file in a tmpfs folder, mapped read-write; a uint8 tensor over its bytes."""
 
@@ -146,6 +161,8 @@ class _Segment:
             os.close(fd)
         self.size = size
         self.bytes = torch.frombuffer(self.mm, dtype=torch.uint8)
+        if create:
+            _OWNED.add(path)
 
     def close(self, unlink: bool = False):
         self.bytes = None  # drop the exported buffer before closing the map
@@ -154,6 +171,7 @@ class _Segment:
         except BufferError:
             pass  # a view is still alive somewhere; the OS reclaims the map at exit
         if unlink:
+            _OWNED.discard(self.path)
             try:
                 os.unlink(self.path)
             except FileNotFoundError:
