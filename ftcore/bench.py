@@ -32,7 +32,9 @@ MB = 1 << 20
 
 # ---- 1. all-reduce --------------------------------------------------------------------------
 def _ar_worker(i: int, n: int, sizes: list[int], iters: dict, store_port: int, lh: str, tf_lh: str | None,
-               tf_port: int, q: mp.Queue) -> None:
+               q: mp.Queue) -> None:
+    """One replica group. The modes take turns inside every iteration, so that the load of
+    this shared machine hits them alike; each timed op starts after a barrier."""
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
     import torch.distributed as dist
@@ -41,67 +43,54 @@ def _ar_worker(i: int, n: int, sizes: list[int], iters: dict, store_port: int, l
     store = dist.TCPStore("127.0.0.1", store_port, is_master=(i == 0), wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=60))
     plain = dist.ProcessGroupGloo(dist.PrefixStore("plain", store), i, n, datetime.timedelta(seconds=60))
-    out: dict = {"plain": {}, "plain_avg": {}, "ftar": {}, "torchft": {}, "quorum_ms": []}
-
-    def timed(fn, size, label):
-        t = torch.ones(size // 4)
-        fn(t)  # warm-up
-        ts = []
-        for _ in range(iters[size]):
-            plain.barrier().wait()
-            t0 = time.perf_counter()
-            fn(t)
-            ts.append(time.perf_counter() - t0)
-        out[label][size] = statistics.median(ts)
-
-    for size in sizes:
-        timed(lambda t: plain.allreduce([t]).wait(), size, "plain")
-        timed(lambda t: (plain.allreduce([t]).wait(), t.div_(n)), size, "plain_avg")   # what DDP needs
-
-    mgr = Manager(ManagerConfig(lighthouse=lh, group=i, num_groups=n, min_replicas=1, bucket_bytes=32 * MB),
+    mgr = Manager(ManagerConfig(lighthouse=lh, group=i, num_groups=n, min_replicas=1),
                   state_dict=lambda: {}, load_state_dict=lambda s: None)
+    tfm = None
+    if tf_lh:
+        from torchft import Manager as TFManager
+        from torchft.process_group import ProcessGroupGloo as TFGloo
+        tf_store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        tfm = TFManager(pg=TFGloo(), load_state_dict=lambda s: None, state_dict=lambda: {}, min_replica_size=1,
+                        replica_id=f"r{i}", lighthouse_addr=tf_lh, store_addr="127.0.0.1",
+                        store_port=tf_store.port, rank=0, world_size=1, timeout=datetime.timedelta(seconds=60))
 
     def ftar_step(t):
         mgr.allreduce([t])
         assert mgr.should_commit(), mgr.errors
 
+    def tf_step(t):
+        tfm.allreduce(t).wait()
+        assert tfm.should_commit()
+
+    modes = {"plain": lambda t: plain.allreduce([t]).wait(),
+             "plain_avg": lambda t: (plain.allreduce([t]).wait(), t.div_(n)),   # what DDP needs
+             "ftar": ftar_step}
+    if tfm is not None:
+        modes["torchft"] = tf_step
+    out: dict = {m: {} for m in modes}
+    out["quorum_ms"] = []
     for size in sizes:
         t = torch.ones(size // 4)
-        ts = []
-        for k in range(iters[size] + 1):
-            mgr.start_quorum()
-            mgr.wait_quorum()       # overlapped with forward in training: not on the clock
-            out["quorum_ms"].append(mgr._t_quorum * 1e3)
-            plain.barrier().wait()
-            t0 = time.perf_counter()
-            ftar_step(t)
-            if k:
-                ts.append(time.perf_counter() - t0)
-        out["ftar"][size] = statistics.median(ts)
-    mgr.shutdown()
-
-    if tf_lh:
-        from torchft import Manager as TFManager
-        from torchft.process_group import ProcessGroupGloo as TFGloo
-        tf_store = dist.TCPStore("127.0.0.1", tf_port, is_master=True, wait_for_workers=False)
-        m = TFManager(pg=TFGloo(), load_state_dict=lambda s: None, state_dict=lambda: {}, min_replica_size=1,
-                      replica_id=f"r{i}", lighthouse_addr=tf_lh, store_addr="127.0.0.1", store_port=tf_store.port,
-                      rank=0, world_size=1, timeout=datetime.timedelta(seconds=60))
-        for size in sizes:
-            t = torch.ones(size // 4)
-            ts = []
-            for k in range(iters[size] + 1):
-                m.start_quorum()
-                m.wait_quorum()
+        ts: dict = {m: [] for m in modes}
+        for k in range(iters[size] + 1):       # the first round warms up
+            for m, fn in modes.items():
+                if m == "ftar":
+                    mgr.start_quorum()
+                    mgr.wait_quorum()          # overlapped with forward in training: not on the clock
+                    out["quorum_ms"].append(mgr.quorum_seconds * 1e3)
+                elif m == "torchft":
+                    tfm.start_quorum()
+                    tfm.wait_quorum()
                 plain.barrier().wait()
                 t0 = time.perf_counter()
-                m.allreduce(t).wait()
-                ok = m.should_commit()
+                fn(t)
                 if k:
-                    ts.append(time.perf_counter() - t0)
-                assert ok
-            out["torchft"][size] = statistics.median(ts)
-        m.shutdown(wait=False)
+                    ts[m].append(time.perf_counter() - t0)
+        for m in modes:
+            out[m][size] = statistics.median(ts[m])
+    mgr.shutdown()
+    if tfm is not None:
+        tfm.shutdown(wait=False)
     q.put((i, out))
 
 
@@ -122,7 +111,7 @@ def bench_allreduce(sizes_mb: list[int], groups: list[int]) -> list[dict]:
         q = ctx.Queue()
         port = _free_port()
         procs = [ctx.Process(target=_ar_worker, args=(i, n, sizes, iters, port, addr,
-                                                      tf.address() if tf else None, 0, q)) for i in range(n)]
+                                                      tf.address() if tf else None, q)) for i in range(n)]
         for p in procs:
             p.start()
         results = {}
@@ -143,7 +132,7 @@ def bench_allreduce(sizes_mb: list[int], groups: list[int]) -> list[dict]:
             # the slowest group sets the pace of a synchronous step
             row = {"groups": n, "size_mb": s // MB}
             for mode in ("plain", "plain_avg", "ftar", "torchft"):
-                vals = [results[i][mode].get(s) for i in range(n)]
+                vals = [results[i].get(mode, {}).get(s) for i in range(n)]
                 row[f"{mode}_ms"] = max(vals) * 1e3 if all(v is not None for v in vals) else None
             row["ftar_over_plain"] = row["ftar_ms"] / row["plain_ms"]
             row["ftar_over_plain_avg"] = row["ftar_ms"] / row["plain_avg_ms"]

@@ -253,6 +253,11 @@ class Manager:
     def contributors(self) -> int:
         return self._contributors
 
+    @property
+    def quorum_seconds(self) -> float:
+        """How long this step's quorum took (it overlaps the forward pass)."""
+        return self._t_quorum
+
     def allreduce(self, tensors: list[torch.Tensor]) -> None:
         """Average `tensors` in place across replica groups (FTAR). Never raises on peer failure."""
         t = time.monotonic()

@@ -69,7 +69,7 @@ def test_resume_mid_epoch_is_bitwise_identical(shards, tmp_path):
 
 
 def test_round_trip_and_safe_loading(shards, tmp_path):
-    res = train(_cfg(shards, tmp_path / "rt", "train.max_steps=6", "train.checkpoint_every=3",
+    res = train(_cfg(shards, tmp_path / "rt", "train.max_steps=6", "train.checkpoint_every=3", "eval.periodic=false",
                      "train.keep_checkpoints=5"))
     root = str(tmp_path / "rt" / "checkpoints")
     assert checkpoint.list_steps(root) == [3, 6]
@@ -93,7 +93,7 @@ def test_round_trip_and_safe_loading(shards, tmp_path):
 
 
 def test_eval_cli_matches_training_result(shards, tmp_path):
-    res = train(_cfg(shards, tmp_path / "ev", "train.max_steps=8"))
+    res = train(_cfg(shards, tmp_path / "ev", "train.max_steps=8", "eval.periodic=false"))
     out = tmp_path / "metrics.json"
     p = subprocess.run([sys.executable, "-m", "training", "eval", "--checkpoint", res["checkpoint"],
                         "--shards", shards, "--out", str(out)], cwd=ROOT, capture_output=True, text=True,

@@ -105,8 +105,9 @@ def quality(args) -> dict:
         t = time.perf_counter()
         pop = evaluate(MostPopular(data), data, EvalConfig(), splits=("test",))
         pop_s = time.perf_counter() - t
+        steps = json.load(open(os.path.join(shards, schema.MANIFEST)))["steps"]
         overrides = [f"data.shards={shards}", f"train.out={os.path.join(args.work, 'quality-' + name)}",
-                     f"train.max_minutes={args.minutes}", *args.set]
+                     f"train.max_minutes={args.minutes}", f"train.eval_every={2 * steps}", *args.set]
         cfg = load_config(args.config, overrides)
         t = time.perf_counter()
         res = train(cfg)

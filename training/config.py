@@ -11,6 +11,8 @@ import tomllib
 from dataclasses import dataclass, field
 from typing import Any
 
+from training.comm.config import CommConfig, checks as comm_checks
+
 
 class ConfigError(ValueError):
     """A configuration the user gave cannot be used; the message says which setting."""
@@ -58,7 +60,7 @@ class TrainConfig:
     out: str = "work/train"
     epochs: int = 20
     max_steps: int = 0             # 0: epochs * steps per epoch
-    max_minutes: float = 0.0       # 0: no wall-clock budget; otherwise stop after it (then test)
+    max_minutes: float = 0.0       # wall-clock budget; the schedule is fitted to it at 25% (then test)
     seed: int = 0
     resume: bool = False           # continue from the newest checkpoint under out/checkpoints
     stop_at_step: int = 0          # leave after committing this step, schedule unchanged (preemption, tests)
@@ -102,6 +104,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    comm: CommConfig = field(default_factory=CommConfig)   # FreeScale communication (training/comm)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -168,7 +171,7 @@ def validate(cfg: Config) -> Config:
         (cfg.train.log_every >= 1, "train.log_every must be >= 1"),
         (cfg.data.prefetch >= 0, "data.prefetch must be >= 0"),
         (len(cfg.eval.ks) > 0 and all(k >= 1 for k in cfg.eval.ks), "eval.ks must be positive integers"),
-    ]
+    ] + comm_checks(cfg.comm)
     for ok, msg in checks:
         if not ok:
             raise ConfigError(msg)

@@ -135,6 +135,7 @@ class Launcher:
         self.restarts: dict[int, int] = {g: 0 for g in range(cfg.replica_groups)}
         self.done: set[int] = set()
         self.late: set[int] = set()   # failed after another group had finished: not restarted
+        self.user_error = False
         self.failed: dict[int, str] = {}
         self.spares: list[Proc] = []
         self.lighthouse_proc: Proc | None = None
@@ -271,7 +272,14 @@ class Launcher:
         while not self.stop.is_set():
             codes = [p.p.poll() for p in procs]
             bad = [(k, c) for k, c in enumerate(codes) if c not in (None, 0)]
-            if bad:
+            if any(c == 2 for _, c in bad):
+                # The trainer's "user error" status (bad config or data): restarting cannot help.
+                self.kill_group(g)
+                self.log("group_user_error", group=g, incarnation=inc)
+                self.failed[g] = f"group {g} exited with a usage error (status 2); see its log above"
+                self.user_error = True
+                self.stop.set()
+                return
                 self.kill_group(g)
                 self.log("group_failed", group=g, incarnation=inc, exits={str(k): c for k, c in bad})
                 raise GroupFailed(f"group {g} rank(s) {bad}")
@@ -341,6 +349,9 @@ class Launcher:
     def fire(self, f: faults_mod.Fault) -> None:
         if f.kind == "kill_lighthouse":
             lh = self.lighthouse_proc
+            if lh is None:
+                self.log("fault_skipped", fault="kill_lighthouse", reason="the lighthouse was not started here")
+                return
             lh.planned = True
             self.log("fault", fault="kill_lighthouse", pid=lh.pid)
             lh.kill()
@@ -389,7 +400,7 @@ class Launcher:
             self.log("timeout", seconds=self.cfg.timeout)
             code = 1
         if self.failed:
-            code = 1
+            code = 2 if self.user_error else 1
         sums = self.report()
         if not code and (not self.done or len(sums) < len(self.done)):
             code = 1
@@ -533,6 +544,8 @@ def parse(argv: list[str]) -> LaunchConfig:
         raise LaunchError("--replica-groups and --ranks-per-group must be >= 1")
     if a.worker == TRAINER and not a.shards:
         raise LaunchError("--shards is required to launch the trainer (a folder from `python -m dataprep shards`)")
+    if a.shards and not os.path.isfile(os.path.join(a.shards, "manifest.json")):
+        raise LaunchError(f"--shards {a.shards}: no manifest.json there; build it with `python -m dataprep shards`")
     return LaunchConfig(a.shards, a.replica_groups, a.ranks_per_group, a.lighthouse, a.faults, a.out, a.worker,
                         a.min_replicas, a.max_restarts, 0.1, a.replace_after, a.timeout, not a.no_spares,
                         a.lr_policy, extra)

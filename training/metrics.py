@@ -41,13 +41,15 @@ class Window:
         self.padded += padded
 
 
-def gather_times(window: Window, stop: bool, group=None) -> tuple[torch.Tensor, bool]:
-    """All ranks' [steps, COLUMNS] records -> [K, steps, COLUMNS], and whether any rank asked to stop.
+def gather_times(window: Window, stop: bool, proposal: float = 0.0, group=None) -> tuple[torch.Tensor, bool, float]:
+    """All ranks' [steps, COLUMNS] records -> [K, steps, COLUMNS], whether any rank asked to
+    stop, and rank 0's `proposal` (a number every rank then agrees on).
 
     Collective: every rank of the group calls it at the same step.
     """
     mine = torch.tensor(window.times, dtype=torch.float64).reshape(-1, COLUMNS)
-    flag = torch.full((1, COLUMNS), 1.0 if stop else 0.0, dtype=torch.float64)
+    flag = torch.zeros((1, COLUMNS), dtype=torch.float64)
+    flag[0, 0], flag[0, 1] = (1.0 if stop else 0.0), proposal
     mine = torch.cat([mine, flag])
     if distributed.active():
         mine = mine.to(distributed.comm_device())
@@ -56,7 +58,7 @@ def gather_times(window: Window, stop: bool, group=None) -> tuple[torch.Tensor, 
         allt = torch.stack(parts).cpu()
     else:
         allt = mine[None]
-    return allt[:, :-1], bool(allt[:, -1, 0].max() > 0)
+    return allt[:, :-1], bool(allt[:, -1, 0].max() > 0), float(allt[0, -1, 1])
 
 
 def summarize(window: Window, per_rank: torch.Tensor) -> dict[str, float]:

@@ -23,6 +23,7 @@ import torch
 
 from training import checkpoint, distributed, metrics
 from training import ft as ft_mod
+from training.comm.integration import GroupComm
 from training.config import Config, ConfigError, to_toml
 from training.data import BatchLoader, DataCursor, ShardSet, shard_ranks_for
 from training.evaluate import EvalData, evaluate
@@ -92,12 +93,13 @@ def train(cfg: Config) -> dict:
     if tracker:
         # keys that differ between the attempts of one run would be refused by MLflow
         volatile = {"train.resume", "train.stop_at_step", "mlflow.run_id"}
-        params = {k: v for k, v in cfg.flat().items() if k not in volatile}
-        tracker.log_params({**params, **topo.as_params(), "data.fingerprint": shards.fingerprint(),
+        run_params = {k: v for k, v in cfg.flat().items() if k not in volatile}
+        tracker.log_params({**run_params, **topo.as_params(), "data.fingerprint": shards.fingerprint(),
                             "data.num_items": shards.num_items, "data.steps_per_epoch": shards.steps,
                             "data.world_size": shards.world_size, "data.bubble_fraction":
                             shards.manifest.get("bubble_fraction", "")})
         tracker.set_tags({"ftrec.resumed_from": resumed_from or "", "ftrec.shards": os.path.abspath(shards.path)})
+    gcomm = GroupComm(cfg.comm, rank=topo.rank, device=topo.device)  # group all-reduce + bubble accounting
     eval_data = _LazyEval(shards, cfg)
     eval_every = cfg.train.eval_every or shards.steps
     log(topo, f"{shards.num_items} items, {shards.steps} steps/epoch, {steps_total} steps, "
@@ -106,13 +108,15 @@ def train(cfg: Config) -> dict:
     # ---- the loop ---------------------------------------------------------------------
     window, history = metrics.Window(), metrics.History()
     started = time.perf_counter()
-    stop, saved = False, -1
+    stop, saved, fitted = False, -1, False
     model.train()
     while state.step < steps_total and not stop:
         t_step = time.perf_counter()
+        gcomm.step_begin(state.step)
         ft.start_quorum()
         batch = loader.peek()
         t_data = time.perf_counter()
+        gcomm.compute_begin("forward_backward")
         values, offsets, labels = (t.to(topo.device) for t in (batch.values, batch.offsets, batch.labels))
         padded = max(int(batch.lengths.max()), pad_to) * batch.num_samples
         counts, pending = start_global_counts([batch.num_targets, batch.num_samples, padded])  # overlaps forward
@@ -126,16 +130,19 @@ def train(cfg: Config) -> dict:
         loss = total / counts[0].item()       # / the GROUP's target count: one big batch
         loss.backward()
         t_bwd = time.perf_counter()
+        gcomm.compute_end()
         compute = t_bwd - t_data - wait
-        wait += distributed.allreduce_grads(params)
+        wait += gcomm.allreduce_grads(params, default=distributed.allreduce_grads)
         t = time.perf_counter()
         ft.allreduce([p.grad for p in params])
         wait += time.perf_counter() - t
 
         if not ft.should_commit():          # another replica group failed: retry this batch
+            gcomm.abort_step()
             optimizer.zero_grad(set_to_none=True)
             continue
         t_opt = time.perf_counter()
+        gcomm.compute_begin("optimizer")
         if cfg.optim.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip)
         lr = optimizer.param_groups[0]["lr"]
@@ -148,6 +155,8 @@ def train(cfg: Config) -> dict:
         optimizer.zero_grad(set_to_none=True)
         loader.commit()
         state.step += 1
+        gcomm.compute_end()
+        gcomm.step_end()
         t_end = time.perf_counter()
 
         # ---- bookkeeping: metrics, validation, checkpoints (outside step timing) ---------
@@ -156,8 +165,18 @@ def train(cfg: Config) -> dict:
                       data_wait=t_data - t_step, tokens=float(counts[0]), samples=float(counts[1]),
                       padded=float(counts[2]))
         if state.step % cfg.train.log_every == 0 or state.step == steps_total:
-            over = cfg.train.max_minutes > 0 and time.perf_counter() - started > 60 * cfg.train.max_minutes
-            stop = _flush_window(window, history, tracker, state.step, steps_total, cursor.epoch, topo, over)
+            elapsed, budget = time.perf_counter() - started, 60 * cfg.train.max_minutes
+            proposal = 0.0
+            if budget and not fitted and elapsed > 0.25 * budget:
+                # Fit the schedule to the time budget once, at the pace seen so far (validations
+                # included), so the lr decays by the deadline. Rank 0 proposes, all ranks agree.
+                proposal = state.step * 0.95 * budget / elapsed
+            stop, proposal = _flush_window(window, history, tracker, gcomm, state.step, steps_total, cursor.epoch,
+                                           topo, bool(budget) and elapsed > budget, proposal)
+            if proposal > 0:
+                fitted, steps_total = True, max(state.step + 1, min(steps_total, int(proposal)))
+                scheduler.lr_lambdas[0].total = steps_total
+                log(topo, f"time budget {cfg.train.max_minutes} min: schedule fitted to {steps_total} steps")
             window = metrics.Window()
         if state.step == cfg.train.stop_at_step:
             stop = True
@@ -168,14 +187,13 @@ def train(cfg: Config) -> dict:
 
     # ---- the end: final checkpoint, test, result.json ----------------------------------
     if window.steps:  # stopped between two log steps
-        _flush_window(window, history, tracker, state.step, steps_total, cursor.epoch, topo, False)
+        _flush_window(window, history, tracker, gcomm, state.step, steps_total, cursor.epoch, topo, False, 0.0)
     loader.close()
     if hasattr(ft, "finish"):
         ft.finish()   # ftcore: the group's final tensor-only state for the launcher, then leave the quorum
     if saved != state.step:
         final = _save(state, cfg, shards, topo, ckpt_root, tracker)
-    if hasattr(ft, "finish"):   # ftcore: leave the quorum, write the group's final state
-        ft.finish()
+    timeline_png = gcomm.finish(os.path.join(out, "artifacts"))   # collective
     result = {}
     if topo.is_main:
         wall = time.perf_counter() - started
@@ -190,6 +208,8 @@ def train(cfg: Config) -> dict:
                   "throughput": metrics.run_summary(history), "eval_seconds": time.perf_counter() - t_eval}
         if tracker:
             tracker.log_metrics(scores, state.step)
+            if timeline_png:
+                tracker.log_artifact(timeline_png)
             _log_artifacts(tracker, cfg, shards, history, out, model)
             result["mlflow_unsent"] = tracker.close()
             result["mlflow_run_id"] = tracker.run_id
@@ -210,18 +230,23 @@ class _LazyEval:
         return self.data
 
 
-def _flush_window(window, history, tracker, step: int, steps_total: int, epoch: int, topo, over: bool) -> bool:
-    """Gather the window's per-rank records (collective), log them from rank 0; True = stop."""
-    per_rank, stop = metrics.gather_times(window, over)
+def _flush_window(window, history, tracker, gcomm, step: int, steps_total: int, epoch: int, topo,
+                  over: bool, proposal: float) -> tuple[bool, float]:
+    """Gather the window's per-rank records (collective), log them from rank 0.
+
+    Returns (stop: any rank is over its time budget, rank 0's proposal).
+    """
+    per_rank, stop, proposal = metrics.gather_times(window, over, proposal)
+    comm = gcomm.window_metrics()           # collective as well: bubble accounting of training/comm
     if topo.is_main:
-        summary = metrics.summarize(window, per_rank)
+        summary = {**metrics.summarize(window, per_rank), **comm}
         history.add(window, per_rank)
         if tracker:
             tracker.log_metrics(summary, step)
         log(topo, f"step {step}/{steps_total} epoch {epoch} loss {summary['train/loss']:.4f} "
                   f"lr {summary['train/lr']:.2e} tok/s {summary['train/tokens_per_s']:.0f} "
                   f"pad {summary['train/padding_fraction']:.3f} wait {per_rank[:, :, 1].mean():.4f}s")
-    return stop
+    return stop, proposal
 
 
 def _brief(scores: dict, split: str) -> str:
