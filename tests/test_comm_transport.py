@@ -8,8 +8,7 @@ import torch
 import torch.distributed as dist
 
 from training.comm.spawn import run_ranks
-from training.comm.transport import (CollectiveTransport, SmFreeTransport, TransportConfig,
-                                     make_transport)
+from training.comm.transport import TransportConfig, make_transport
 
 pytestmark = pytest.mark.integ
 
