@@ -163,14 +163,18 @@ def throughput(args) -> dict:
 def window(args) -> dict:
     name = args.datasets[0]
     out = {}
-    for k in (1, None):
+    # K=1 (random batches), the default K, and the default K with the loss normalized per
+    # epoch instead of per step (sorted windows make steps of short and of long histories;
+    # per-step normalization then weighs a short history's tokens more).
+    for k, norm in ((1, "step"), (None, "step"), (None, "epoch")):
         shards = shards_for(name, args.work, window_steps=k)
         kk = json.load(open(os.path.join(shards, schema.MANIFEST)))["config"]["window_steps"]
         cfg = load_config(args.config, [f"data.shards={shards}", f"train.out={os.path.join(args.work, f'win-{kk}')}",
                                         f"train.epochs={args.window_epochs}", "mlflow.enabled=false",
-                                        "eval.periodic=false", *args.set])
+                                        "eval.periodic=false", f"loss.normalize={norm}", *args.set])
         res = train(cfg)
-        out[f"K={kk}"] = {"metrics": res["metrics"], "throughput": res["throughput"], "epochs": res["epochs_completed"]}
+        out[f"K={kk}, loss.normalize={norm}"] = {"metrics": res["metrics"], "throughput": res["throughput"],
+                                                 "epochs": res["epochs_completed"]}
     print(f"\n### dataprep window K on {name}: {args.window_epochs} epochs each, default config\n")
     print("| K | valid full NDCG@10 | test full HR@10 / NDCG@10 | test sampled HR@10 / NDCG@10 | padding | tokens/s |")
     print("|---|---|---|---|---|---|")

@@ -41,6 +41,10 @@ class LossConfig:
     kind: str = "sampled_softmax"  # "sampled_softmax" (shared negatives) or "bce" (one negative)
     num_negatives: int = 1024      # shared negatives per step for sampled softmax
     temperature: float = 1.0       # logits = similarity / temperature
+    # "step": divide by this step's target count in the group (the gradient of one big batch);
+    # "epoch": by the epoch's mean count per step, so every token weighs the same over the epoch
+    # even when balanced shards put short and long histories in different steps.
+    normalize: str = "step"
 
 
 @dataclass
@@ -165,6 +169,7 @@ def validate(cfg: Config) -> Config:
         (cfg.model.dim % cfg.model.num_heads == 0, "model.dim must be divisible by model.num_heads"),
         (cfg.model.dim > 0 and cfg.model.num_layers >= 0, "model.dim must be > 0 and model.num_layers >= 0"),
         (0.0 <= cfg.model.dropout < 1.0, "model.dropout must be in [0, 1)"),
+        (cfg.loss.normalize in ("step", "epoch"), "loss.normalize must be 'step' or 'epoch'"),
         (cfg.loss.num_negatives >= 1, "loss.num_negatives must be >= 1"),
         (cfg.loss.temperature > 0, "loss.temperature must be > 0"),
         (cfg.train.epochs >= 1 or cfg.train.max_steps > 0, "train.epochs must be >= 1 (or set train.max_steps)"),

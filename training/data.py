@@ -92,6 +92,15 @@ class ShardSet:
             raise DataError(f"{self.eval_path} missing; rebuild the shard set")
 
     @property
+    def tokens_per_step(self) -> float:
+        """Mean input tokens per step over all ranks (manifest counts.tokens / steps)."""
+        tokens = self.manifest.get("counts", {}).get("tokens")
+        if not tokens:
+            raise DataError(f"{self.path}: manifest has no counts.tokens; rebuild the shard set "
+                            "or use loss.normalize=step")
+        return float(tokens) / self.steps
+
+    @property
     def eval_path(self) -> str:
         return os.path.join(self.path, schema.EVAL_FILE)
 

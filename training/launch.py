@@ -174,7 +174,7 @@ class Launcher:
 
     # ---- lighthouse -----------------------------------------------------------------
     def start_lighthouse(self) -> None:
-        argv = [sys.executable, "-m", "ftcore.lighthouse", "--bind", self.addr,
+        argv = [sys.executable, "-m", "training.launch", "--child", "ftcore.lighthouse", "--bind", self.addr,
                 "--min-replicas", str(self.cfg.min_replicas), "--expected-replicas", str(self.cfg.replica_groups),
                 "--token-file", self.token_file, "--events-file", os.path.join(self.out, "lighthouse-events.jsonl")]
         self.lighthouse_proc = Proc(argv, self.base_env(), "lighthouse", self.lock)
@@ -249,7 +249,8 @@ class Launcher:
                 p.p.stdin.write(json.dumps({"env": env, "argv": argv}) + "\n")
                 p.p.stdin.flush()
             else:
-                p = Proc([sys.executable, "-m", self.cfg.worker if self.cfg.worker != TRAINER else "training", *argv],
+                module = self.cfg.worker if self.cfg.worker != TRAINER else "training"
+                p = Proc([sys.executable, "-m", "training.launch", "--child", module, *argv],
                          {**self.base_env(), **env}, f"g{g}r{k}", self.lock)
             procs.append(p)
         self.groups[g], self.incarnation[g] = procs, inc
@@ -280,6 +281,7 @@ class Launcher:
                 self.user_error = True
                 self.stop.set()
                 return
+            if bad:
                 self.kill_group(g)
                 self.log("group_failed", group=g, incarnation=inc, exits={str(k): c for k, c in bad})
                 raise GroupFailed(f"group {g} rank(s) {bad}")
@@ -490,9 +492,31 @@ def log_to_mlflow(out: str, summary: dict, timeline: str) -> None:
         print(f"[launch] could not log recovery events to MLflow: {e}", flush=True)
 
 
+def _die_with_parent() -> None:
+    """Children live in their own sessions (so one rank can be signalled alone), which means
+    a killed launcher would leave them running: each child watches its parent instead."""
+    ppid = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == ppid:
+            time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
+    threading.Thread(target=watch, daemon=True, name="die-with-launcher").start()
+
+
+def _child(argv: list[str]) -> int:
+    """Run `python -m MODULE ARGS` as a child that ends when the launcher ends."""
+    import runpy
+    _die_with_parent()
+    sys.argv = [argv[0], *argv[1:]]
+    runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
+    return 0
+
+
 def _spare(worker: str) -> int:
     """A warm process: imports done, waits for its group assignment on stdin, then runs."""
     import importlib
+    _die_with_parent()
 
     import torch  # the point: pay for imports and lazy initialisation before a failure
     mod = importlib.import_module(worker)
@@ -555,6 +579,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--spare"]:
         return _spare(argv[1])
+    if argv[:1] == ["--child"]:
+        return _child(argv[1:])
     try:
         cfg = parse(argv)
         launcher = Launcher(cfg)

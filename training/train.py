@@ -88,6 +88,8 @@ def train(cfg: Config) -> dict:
     ft = make_replica(state, topo)
     loader = BatchLoader(shards, shard_ranks, cursor, cfg.data.prefetch)
     pad_to = cfg.model.max_len if cfg.data.pad_to_max_len else 0
+    # loss.normalize = "epoch": the group's mean target count per step (a constant of the shard set)
+    tokens_per_step = shards.tokens_per_step / topo.num_replica_groups if cfg.loss.normalize == "epoch" else 0.0
 
     tracker = Tracker(cfg.mlflow, out) if (cfg.mlflow.enabled and topo.is_main) else None
     if tracker:
@@ -127,7 +129,7 @@ def train(cfg: Config) -> dict:
             t = time.perf_counter()
             pending.wait()
             wait = time.perf_counter() - t
-        loss = total / counts[0].item()       # / the GROUP's target count: one big batch
+        loss = total / (counts[0].item() if cfg.loss.normalize == "step" else tokens_per_step)
         loss.backward()
         t_bwd = time.perf_counter()
         gcomm.compute_end()
