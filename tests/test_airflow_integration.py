@@ -7,6 +7,7 @@ group."""
 import json
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -92,8 +93,14 @@ def airflow_server(tmp_path, free_port):
                                            start_new_session=True)  # its own group: stopped whole below
         yield base, home, procs, tmp_path
     finally:
-        for p in procs.values():
-            runner.stop_group(p, grace_s=15)
+        for p in procs.values():  # SIGTERM every group first, so they shut down side by side
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 10
+        for p in procs.values():  # then SIGKILL what is left after the shared grace period
+            runner.stop_group(p, grace_s=max(0.0, deadline - time.monotonic()))
         for f in logs.values():
             f.close()
         for name, p in procs.items():

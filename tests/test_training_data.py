@@ -41,6 +41,8 @@ def test_batches_are_the_rank_files_rows_with_next_item_labels(shards):
         assert b.values[lo:hi].tolist() == r["items"]
         assert b.labels[lo:hi].tolist() == r["items"][1:] + [r["target"]]
     assert b.num_targets == sum(len(r["items"]) for r in step_rows)
+    # loss.normalize=epoch divides by the mean tokens per step of the whole set
+    assert s.tokens_per_step == pytest.approx(sum(len(r["items"]) for r in rows) / s.steps, rel=0.05)
 
 
 def test_shard_rank_mapping():

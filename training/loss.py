@@ -48,7 +48,7 @@ def loss_sum(model, h, labels, cfg: LossConfig, generator: torch.Generator) -> t
     return LOSSES[cfg.kind](model, h, labels, cfg, generator)
 
 
-def start_global_counts(counts: list[float], group=None) -> tuple[torch.Tensor, object]:
+def start_global_counts(counts: list[float]) -> tuple[torch.Tensor, object]:
     """Start all-reducing this rank's counts (target tokens first) within the replica group.
 
     They are known before the forward pass, so the collective overlaps the forward;
@@ -56,5 +56,5 @@ def start_global_counts(counts: list[float], group=None) -> tuple[torch.Tensor, 
     """
     total = torch.tensor(counts, dtype=torch.float64, device=distributed.comm_device())
     if distributed.active():
-        return total, dist.all_reduce(total, group=group, async_op=True)
+        return total, dist.all_reduce(total, async_op=True)   # the default group = this replica group
     return total, None

@@ -40,7 +40,9 @@ def airflow_env(work: Path) -> dict[str, str]:
         "AIRFLOW__API__HOST": "127.0.0.1",
         "AIRFLOW__API__PORT": "8080",
         "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": "http://127.0.0.1:8080/execution/",
-        "PYTHONPATH": os.pathsep.join(p for p in (str(root / "plugins"), os.environ.get("PYTHONPATH", "")) if p),
+        "PYTHONPATH": os.pathsep.join(dict.fromkeys(  # absolute: env.sh is sourced from anywhere
+            str(Path(p).resolve()) for p in (str(root / "plugins"), *os.environ.get("PYTHONPATH", "").split(os.pathsep))
+            if p)),
     }
     if not os.environ.get("MLFLOW_TRACKING_URI"):
         env["MLFLOW_TRACKING_URI"] = f"sqlite:///{work / 'mlflow' / 'mlflow.db'}"
@@ -50,6 +52,8 @@ def airflow_env(work: Path) -> dict[str, str]:
 def write_env_file(work: Path, env: dict[str, str]) -> Path:
     path = work / "env.sh"
     text = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in sorted(env.items()))
+    # `airflow standalone` starts its components as plain `airflow` commands: the venv must be on PATH
+    text += f'export PATH={shlex.quote(str(Path(sys.executable).parent))}:"$PATH"\n'
     tmp = path.with_suffix(".tmp")
     tmp.write_text("# source this file to point airflow and mlflow at the work folder\n" + text)
     os.replace(tmp, path)
@@ -123,7 +127,7 @@ def report(summary: dict, work: Path, env_file: Path) -> str:
         f"Airflow home:   {work / 'airflow'}  (metadata: {work / 'airflow' / 'airflow.db'})",
         "open the UIs on 127.0.0.1:",
         f"  MLflow:  .venv/bin/mlflow ui --backend-store-uri {uri} --host 127.0.0.1 --port 5000",
-        f"  Airflow: . {env_file} && .venv/bin/airflow standalone   # http://127.0.0.1:8080, "
+        f"  Airflow: . {env_file} && airflow standalone   # http://127.0.0.1:8080, "
         f"password in {work / 'airflow' / 'simple_auth_manager_passwords.json.generated'}",
     ]
     return "\n".join(lines)
