@@ -392,3 +392,20 @@ def test_retrain_reads_new_data_from_the_triggering_asset_event(monkeypatch):
     assert pipeline.new_data_source(p) == ("/data/new.txt", "sasrec")
     monkeypatch.setattr(pipeline, "get_current_context", lambda: {"triggering_asset_events": {}})
     assert pipeline.new_data_source(p) == ("auto", "iclrec")  # the daily run: the params
+
+
+ESCAPEE = """
+import subprocess, sys
+p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+print("escapee", p.pid, flush=True)
+"""
+
+
+def test_runner_ends_a_daemon_that_left_the_process_group():
+    """A command that starts a process in its own session and exits at once (as a launcher
+    might leave a restarted lighthouse behind): the runner still ends that process."""
+    log = _Lines()
+    runner.run([sys.executable, "-c", ESCAPEE], logger=log)
+    pid = int(next(line for line in log.lines if line.startswith("escapee")).split()[1])
+    assert _wait_dead(pid), "the escaped process outlived the command"
+    assert any("left behind" in line for line in log.lines)

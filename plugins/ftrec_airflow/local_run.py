@@ -36,7 +36,8 @@ def airflow_env(work: Path) -> dict[str, str]:
         "AIRFLOW__CORE__PLUGINS_FOLDER": str(root / "plugins"),
         "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
         "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home / 'airflow.db'}",
-        "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
+        # the UI's scheduler must not start ftrec_retrain's daily run by itself; unpause it there
+        "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "True",
         "AIRFLOW__API__HOST": "127.0.0.1",
         "AIRFLOW__API__PORT": "8080",
         "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": "http://127.0.0.1:8080/execution/",

@@ -4,7 +4,9 @@ whole process tree ends with it.
 
 The command starts in its own session (so its process group id is its pid and a signal
 to the group reaches every process it started) with a parent-death signal, so even a
-SIGKILLed task process does not leave the launcher running. Airflow's task runner turns
+SIGKILLed task process does not leave the launcher running. The task process also becomes
+a child subreaper: a process the command started in a session of its own (a daemon) is
+re-parented to the task when its parent exits, and is ended too. Airflow's task runner turns
 SIGTERM into `on_kill()` and an execution timeout into an exception raised in the main
 thread; both end here in `stop_group`.
 """
@@ -44,6 +46,72 @@ def _die_with_parent() -> None:
         pass
 
 
+def _become_subreaper() -> bool:
+    """Linux: orphans of our descendants (a daemon that left the command's process group,
+    whose parent then exited) are re-parented to us instead of init, so we can still end
+    them. Returns whether it worked."""
+    try:
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl(36, 1) == 0  # PR_SET_CHILD_SUBREAPER
+    except OSError:
+        return False
+
+
+def _descendants() -> set[int]:
+    import psutil  # an Airflow dependency; only needed here
+    try:
+        return {p.pid for p in psutil.Process().children(recursive=True)}
+    except psutil.Error:
+        return set()
+
+
+def _end_strays(pids: set[int], grace_s: float, logger: logging.Logger) -> None:
+    """SIGTERM, then SIGKILL after `grace_s`, the processes in `pids` still alive."""
+    import psutil
+    procs = []
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            if p.status() == psutil.STATUS_ZOMBIE:  # already dead, re-parented to us: reap it
+                os.waitpid(pid, os.WNOHANG)
+                continue
+            procs.append(p)
+        except (psutil.Error, ChildProcessError):
+            pass
+    if not procs:
+        return
+    logger.warning("ending %d process(es) the command left behind: %s", len(procs),
+                   ", ".join(f"{p.pid}" for p in procs))
+    for p in procs:
+        try:
+            p.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=5)
+
+
+def _reap(pgid: int) -> None:
+    """Collect dead members of the group that became our children (we are a subreaper):
+    a zombie still counts as a member of its group. The leader (pid == pgid) is left to
+    Popen, which needs its exit status."""
+    while True:
+        try:
+            info = os.waitid(os.P_PGID, pgid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return
+        if info is None or info.si_pid == pgid:
+            return
+        try:
+            os.waitpid(info.si_pid, 0)
+        except ChildProcessError:
+            return
+
+
 def _group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
@@ -67,6 +135,7 @@ def stop_group(proc: subprocess.Popen, grace_s: float = TERM_GRACE_S) -> None:
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline:
         proc.poll()  # reap the leader so it does not linger as a zombie in the group
+        _reap(pgid)
         if not _group_alive(pgid):
             return
         time.sleep(0.05)
@@ -75,6 +144,7 @@ def stop_group(proc: subprocess.Popen, grace_s: float = TERM_GRACE_S) -> None:
     except ProcessLookupError:
         pass
     proc.wait()
+    _reap(pgid)
 
 
 class Command:
@@ -111,6 +181,8 @@ class Command:
         """Run to completion; raise `CommandFailed` on a non-zero exit, `TimeoutError`
         past `timeout_s`. The process group is gone when this returns or raises."""
         self.log.info("running: %s", " ".join(self.cmd))
+        reaper = _become_subreaper()
+        before = _descendants() if reaper else set()
         self.proc = subprocess.Popen(
             self.cmd, env=self.env, cwd=self.cwd, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True, bufsize=1, errors="replace",
@@ -140,6 +212,8 @@ class Command:
                         raise TimeoutError(f"{self.cmd[0]} ran past {timeout_s:.0f} s") from None
         finally:
             stop_group(self.proc)  # also reaps grandchildren left behind by a clean exit
+            if reaper:  # and whatever escaped the group (its own session) but was ours
+                _end_strays(_descendants() - before - {self.proc.pid}, TERM_GRACE_S, self.log)
             pump.join(timeout=5)
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
