@@ -16,10 +16,20 @@ missed it train it, the others join with zero gradients. Make-up work for one en
 the same row group on every group that has it, so it stays balanced against itself.
 An entry whose groups are all absent waits for a later make-up phase; the last epoch
 does not end until every entry is done.
+
+In the real trainer (training/ft.py, `FTReplica`) the schedule uses the trainer's own
+epoch order (`DataCursor.order`) and travels with the healed `TrainState`. Each step,
+after the quorum, it names the batch: a regular step reads the data cursor's batch, a
+make-up step reads (epoch, row group) out of order, and a group with no batch (healing,
+or not owing that make-up entry) backpropagates nothing and sends zero gradients. The
+cursor moves only on committed regular steps, so it always equals the schedule's
+regular position; the loop ends when `done` (every epoch and every make-up entry),
+not after a fixed step count. `Position.index` of a make-up step is its queue index.
 """
 
 import random
 from dataclasses import dataclass
+from typing import Callable
 
 
 @dataclass(frozen=True)
@@ -32,16 +42,19 @@ class Position:
 
 class MakeupSchedule:
     def __init__(self, steps_per_epoch: int, num_groups: int, epochs: int, seed: int = 0,
-                 window_steps: int | None = None):
+                 window_steps: int | None = None, order: Callable[[int], list[int]] | None = None):
         if steps_per_epoch < 1 or num_groups < 1 or epochs < 1:
             raise ValueError("MakeupSchedule needs steps_per_epoch, num_groups and epochs >= 1")
         self.steps, self.num_groups, self.epochs, self.seed = steps_per_epoch, num_groups, epochs, seed
         self.window = window_steps or steps_per_epoch
+        self._order = order   # a trainer's own epoch order (training.data.DataCursor.order)
         self.epoch, self.index, self.in_makeup = 0, 0, False
         self.makeup: list[list] = []   # [epoch, row_group, [groups that still owe it]]
 
     def order(self, epoch: int) -> list[int]:
         """Row-group order of an epoch: file order first (dataprep shuffled), then seeded."""
+        if self._order is not None:
+            return self._order(epoch)
         rg = list(range(self.steps))
         if epoch > 0:
             random.Random(self.seed * 1_000_003 + epoch).shuffle(rg)

@@ -14,6 +14,7 @@ behind a data cursor that advances only when a step commits.
   stay balanced against each other.
 - `BatchLoader.peek()` returns the batch at the cursor without moving it;
   `commit()` moves it. A retried step (ft did not commit) re-reads the same batch.
+  ftcore's make-up steps (ftcore/schedule.py) read an earlier position with `peek(at)`.
 """
 
 import json
@@ -206,9 +207,14 @@ class BatchLoader:
     def _read(self, epoch: int, index: int) -> Batch:
         return read_batch(self.files, self.cursor.row_group(epoch, index))
 
-    def peek(self) -> Batch:
-        """The batch at the cursor (the cursor does not move); schedules the next ones."""
+    def peek(self, at: tuple[int, int] | None = None) -> Batch:
+        """The batch at the cursor (the cursor does not move); schedules the next ones.
+
+        `at` = (epoch, index) other than the cursor's: an ftcore make-up step, read now.
+        """
         here = self.cursor.ahead(0)
+        if at is not None and at != here:
+            return self._read(*at)
         if self._pool is None:
             return self._read(*here)
         for pos in [p for p in self._pending if p < here]:   # the cursor jumped (a heal loaded a state)
