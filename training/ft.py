@@ -6,12 +6,19 @@ one-replica-group case: nothing to agree on, every step commits. `FTReplica` is 
 ftcore-backed one, chosen by `make_replica` when the launcher (training/launch.py) set
 FTCORE_LIGHTHOUSE: the step protocol of ftcore.manager, with `TrainState` as the state
 a recovering replica group receives (model, optimizer, scheduler, step, data cursor,
-RNG), a ledger of committed batches in OUT/../ledger, and the group's final
-parameters and optimizer state in OUT/state.safetensors (tensor-only) for the
-launcher's per-group checksum.
+RNG) plus ftcore's make-up schedule, a ledger of committed batches in OUT/../ledger,
+and the group's final parameters and optimizer state in OUT/state.safetensors
+(tensor-only) for the launcher's per-group checksum.
+
+The data side of the seam: `next_batch(loader)` is the batch this group trains this step
+(None: it joins the all-reduce with zero gradients), `advance(loader)` moves the data on
+commit, `data_done(step, steps_total)` ends the loop. One group: the cursor's batch every
+step, until steps_total. FT-HSDP: what ftcore.schedule.MakeupSchedule says, so batches a
+group missed while it was down are made up (exactly once) before the run ends.
 """
 
 import os
+import time
 from typing import Any, Protocol
 
 import torch
@@ -24,6 +31,9 @@ class ReplicaSync(Protocol):
     def allreduce(self, tensors: list[torch.Tensor]) -> None: ...
     def should_commit(self) -> bool: ...
     def lr_scale(self) -> float: ...
+    def next_batch(self, loader: Any) -> Any: ...
+    def advance(self, loader: Any) -> None: ...
+    def data_done(self, step: int, steps_total: int) -> bool: ...
 
 
 class LocalReplica:
@@ -31,6 +41,15 @@ class LocalReplica:
 
     def start_quorum(self) -> None:
         pass
+
+    def next_batch(self, loader: Any) -> Any:
+        return loader.peek()
+
+    def advance(self, loader: Any) -> None:
+        loader.commit()
+
+    def data_done(self, step: int, steps_total: int) -> bool:
+        return step >= steps_total
 
     def allreduce(self, tensors: list[torch.Tensor]) -> None:
         pass
@@ -48,10 +67,11 @@ class LocalReplica:
 class FTReplica:
     """One rank of one replica group of an FT-HSDP job (ftcore.manager underneath)."""
 
-    def __init__(self, state: Any, topology: Any, out: str | None = None):
+    def __init__(self, state: Any, topology: Any, out: str | None = None, steps_total: int | None = None):
         import torch.distributed as dist
 
         from ftcore import ledger, manager
+        from ftcore.schedule import MakeupSchedule
 
         self.state, self.topo = state, topology
         cfg = manager.config_from_env()
@@ -64,37 +84,82 @@ class FTReplica:
                                        step=int(state.step), faults=manager.faults_from_env())
         self.ledger = (ledger.Ledger(os.path.join(os.path.dirname(os.path.abspath(self.out)), LEDGER_DIR),
                                      cfg.group, cfg.rank) if self.out else None)
-        self._pos: tuple[int, int] | None = None
+        # Whole epochs (ceil of steps_total): make-up work is owed per epoch. A run resumed from
+        # a checkpoint starts the schedule at its cursor; make-up work owed before it is not kept.
+        c = state.cursor
+        epochs = max(1, -(-(steps_total or c.steps_per_epoch) // c.steps_per_epoch))
+        self.schedule = MakeupSchedule(c.steps_per_epoch, cfg.num_groups, epochs, seed=c.seed, order=c.order)
+        self.schedule.epoch, self.schedule.index = c.epoch, c.index
+        self.group = cfg.group
+        self._live: set[int] = set()
+        self._pos = self._committed = None   # this step's ftcore.schedule.Position / the last committed one
+        self._ids: list[int] | None = None   # sample ids this group trained this step
 
     # ---- the state a recovering group receives ------------------------------------------
     def _state_dict(self) -> dict:
-        return self.state.state_dict()
+        return {**self.state.state_dict(), "schedule": self.schedule.state_dict()}
 
     def _load_state_dict(self, tree: dict) -> None:
         self.state.load_state_dict(tree)
+        self.schedule.load_state_dict(tree["schedule"])
 
     # ---- the step protocol --------------------------------------------------------------
     def start_quorum(self) -> None:
-        c = self.state.cursor
-        self._pos = (c.epoch, c.index)  # the batch this step trains (the cursor moves on commit)
         self.manager.start_quorum()
+
+    def next_batch(self, loader: Any) -> Any:
+        """This step's batch from the make-up schedule (waits for the quorum: it decides who
+        is live), or None: healing, someone else's make-up step, or nothing can run now."""
+        self._pos, self._ids = None, None
+        q = self.manager.wait_quorum()
+        batch = None
+        if q is not None:
+            self._live = set(q["groups"]) - {int(h) for h in q["heal"]}
+            if not self.manager.healing:   # a healing group's schedule arrives with the state
+                self._pos = self.schedule.position(self._live)
+                if self._pos is None:
+                    time.sleep(0.05)   # only absent groups' make-up work is left: wait for them
+                elif self.schedule.works(self._pos, self.group):
+                    e, rg = self._pos.epoch, self._pos.row_group
+                    batch = loader.peek((e, loader.cursor.order(e).index(rg)))
+                    self._ids = batch.sample_ids.tolist()
+        self.manager.set_work(batch is not None)
+        return batch
+
+    def advance(self, loader: Any) -> None:
+        """After a commit: the cursor moves past regular steps only (a make-up step read an
+        earlier batch), so it stays at the schedule's regular position."""
+        if self._committed.kind == "regular":
+            loader.commit()
+        c, sc = loader.cursor, self.schedule
+        if (c.epoch, c.index) != divmod(sc.epoch * sc.steps + sc.index, sc.steps):
+            raise RuntimeError(f"ftcore: data cursor ({c.epoch}, {c.index}) left the make-up schedule "
+                               f"({sc.epoch}, {sc.index})")
+
+    def data_done(self, step: int, steps_total: int) -> bool:
+        return self.schedule.done
 
     def allreduce(self, tensors: list[torch.Tensor]) -> None:
         self.manager.allreduce([t for t in tensors if t is not None])
 
     def should_commit(self) -> bool:
+        """The vote; on commit, the step goes into the ledger and the make-up schedule."""
         ok = self.manager.should_commit()
+        if self.ledger is not None and self.manager.healed_step is not None:
+            self.ledger.healed(self.manager.healed_step)
+        if not ok:
+            return False
+        pos = self._pos if self._pos is not None else self.schedule.position(self._live)  # healed: now known
+        contributors = {h for h in self._live if self.schedule.works(pos, h)}
+        if len(contributors) != self.manager.contributors:
+            raise RuntimeError(f"ftcore: schedule disagrees with FTAR: {sorted(contributors)} contributed "
+                               f"by the schedule, {self.manager.contributors} by the all-reduce")
         if self.ledger is not None:
-            if self.manager.healed_step is not None:
-                self.ledger.healed(self.manager.healed_step)
-            q = self.manager.quorum
-            if ok and q is not None:
-                epoch, index = (self.state.cursor.epoch, self.state.cursor.index) if self.manager.healing \
-                    else self._pos
-                live = set(q["groups"]) - {int(h) for h in q["heal"]}
-                self.ledger.record(self.manager.step - 1, epoch, self.state.cursor.row_group(epoch, index),
-                                   "regular", live, q["quorum_id"])
-        return ok
+            self.ledger.record(self.manager.step - 1, pos.epoch, pos.row_group, pos.kind, contributors,
+                               self.manager.quorum["quorum_id"], self._ids if self.group in contributors else None)
+        self.schedule.commit(pos, contributors)
+        self._committed = pos
+        return True
 
     def lr_scale(self) -> float:
         return self.manager.lr_scale()
@@ -109,8 +174,8 @@ class FTReplica:
         self.manager.shutdown()
 
 
-def make_replica(state: Any, topology: Any) -> ReplicaSync:
+def make_replica(state: Any, topology: Any, steps_total: int | None = None) -> ReplicaSync:
     """ftcore's replica when launched by training/launch.py, else the single-group no-op."""
     if not os.environ.get("FTCORE_LIGHTHOUSE"):
         return LocalReplica()
-    return FTReplica(state, topology)
+    return FTReplica(state, topology, steps_total=steps_total)

@@ -3,15 +3,19 @@
 Every step is a transaction (../shared/DESIGN.md, ftcore):
 
     ft.start_quorum()
-    batch = loader.peek()                  # the cursor does NOT move yet
+    batch = ft.next_batch(loader)          # the cursor does NOT move yet; None: no batch for
+                                           # this group this step (ftcore make-up), zero gradients
     forward, loss / global target count, backward
     all-reduce gradients in the replica group (SUM)
     ft.allreduce(gradients)                # average across replica groups
-    if ft.should_commit(): clip, optimizer.step, scheduler.step, loader.commit()
+    if ft.should_commit(): clip, optimizer.step, scheduler.step, ft.advance(loader)
     else:                   drop the gradients; the same batch is retried
 
+The loop ends when `ft.data_done(...)`: after steps_total steps for one group; with ftcore,
+when every epoch and every make-up step of a group that was down is done (ftcore/schedule.py).
+
 `ft` is `training.ft.LocalReplica` (one replica group) unless training/ft.py provides
-`make_replica(state=TrainState, topology=Topology)`, ftcore's implementation.
+`make_replica(state=TrainState, topology=Topology, steps_total=int)`, ftcore's implementation.
 """
 
 import copy
@@ -38,9 +42,9 @@ def log(topo, msg: str) -> None:
         print(f"[train g{topo.replica_group}] {msg}", flush=True)
 
 
-def make_replica(state: TrainState, topo: distributed.Topology):
+def make_replica(state: TrainState, topo: distributed.Topology, steps_total: int):
     factory = getattr(ft_mod, "make_replica", None)
-    return factory(state=state, topology=topo) if factory else ft_mod.LocalReplica()
+    return factory(state=state, topology=topo, steps_total=steps_total) if factory else ft_mod.LocalReplica()
 
 
 def write_json(path: str, obj: dict) -> None:
@@ -85,7 +89,7 @@ def train(cfg: Config) -> dict:
         # the resumed run logs into the MLflow run it started, unless one is given
         cfg.mlflow.run_id = cfg.mlflow.run_id or checkpoint.read_meta(resumed_from).get("mlflow_run_id") or ""
         log(topo, f"resumed from {resumed_from} (step {state.step}, epoch {cursor.epoch}, index {cursor.index})")
-    ft = make_replica(state, topo)
+    ft = make_replica(state, topo, steps_total)
     loader = BatchLoader(shards, shard_ranks, cursor, cfg.data.prefetch)
     pad_to = cfg.model.max_len if cfg.data.pad_to_max_len else 0
     # loss.normalize = "epoch": the group's mean target count per step (a constant of the shard set)
@@ -112,25 +116,30 @@ def train(cfg: Config) -> dict:
     started = time.perf_counter()
     stop, saved, fitted = False, -1, False
     model.train()
-    while state.step < steps_total and not stop:
+    while not stop and not ft.data_done(state.step, steps_total):
         t_step = time.perf_counter()
         gcomm.step_begin(state.step)
         ft.start_quorum()
-        batch = loader.peek()
+        batch = ft.next_batch(loader)
         t_data = time.perf_counter()
         gcomm.compute_begin("forward_backward")
-        values, offsets, labels = (t.to(topo.device) for t in (batch.values, batch.offsets, batch.labels))
-        padded = max(int(batch.lengths.max()), pad_to) * batch.num_samples
-        counts, pending = start_global_counts([batch.num_targets, batch.num_samples, padded])  # overlaps forward
-        h = model(values, offsets, pad_to)
-        total = loss_sum(model, h, labels, cfg.loss, generator)
         wait = 0.0
-        if pending is not None:
-            t = time.perf_counter()
-            pending.wait()
-            wait = time.perf_counter() - t
-        loss = total / (counts[0].item() if cfg.loss.normalize == "step" else tokens_per_step)
-        loss.backward()
+        if batch is None:                   # ftcore: no batch for this group: zero gradients
+            loss, counts = torch.zeros(()), torch.zeros(3, dtype=torch.float64)
+            for p in params:
+                p.grad = torch.zeros_like(p)
+        else:
+            values, offsets, labels = (t.to(topo.device) for t in (batch.values, batch.offsets, batch.labels))
+            padded = max(int(batch.lengths.max()), pad_to) * batch.num_samples
+            counts, pending = start_global_counts([batch.num_targets, batch.num_samples, padded])  # overlaps fwd
+            h = model(values, offsets, pad_to)
+            total = loss_sum(model, h, labels, cfg.loss, generator)
+            if pending is not None:
+                t = time.perf_counter()
+                pending.wait()
+                wait = time.perf_counter() - t
+            loss = total / (counts[0].item() if cfg.loss.normalize == "step" else tokens_per_step)
+            loss.backward()
         t_bwd = time.perf_counter()
         gcomm.compute_end()
         compute = t_bwd - t_data - wait
@@ -155,7 +164,7 @@ def train(cfg: Config) -> dict:
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        loader.commit()
+        ft.advance(loader)                  # the data moves on commit only
         state.step += 1
         gcomm.compute_end()
         gcomm.step_end()
