@@ -103,3 +103,56 @@ def test_eval_cli_matches_training_result(shards, tmp_path):
     assert got.keys() == res["metrics"].keys()
     for k, v in res["metrics"].items():
         assert got[k] == pytest.approx(v, abs=1e-9), k
+
+
+def test_warm_start_carries_items_by_raw_id(shards, tmp_path):
+    """Retraining on new data: known items keep their learned rows even though new raw ids
+    shift the dense ids; new items keep a fresh row; every other weight is carried as is."""
+    import pyarrow.parquet as pq
+
+    from dataprep.schema import ITEM_MAP
+    from training.model import SeqRec
+
+    first = train(_cfg(shards, tmp_path / "first", "train.epochs=1"))
+    # the same interactions plus a user whose items have raw ids that sort first ("0...")
+    src = os.path.join(os.path.dirname(shards), "ev.txt")
+    grown = tmp_path / "grown.txt"
+    grown.write_text(open(src).read() + "".join(f"99999 0{i}\n" for i in range(6)))
+    build_shards(str(grown), "sasrec", str(tmp_path / "grown"), world_size=2, batch_size=12, max_len=16)
+
+    cfg = _cfg(str(tmp_path / "grown"), tmp_path / "second", "train.epochs=1")
+    new_map = pq.read_table(tmp_path / "grown" / ITEM_MAP).to_pydict()
+    cfg.model.max_len = 16
+    model = SeqRec(max(new_map["id"]), cfg.model)
+    fresh = model.item_emb.weight.detach().clone()
+    carried = checkpoint.warm_start(model, first["checkpoint"], str(tmp_path / "grown"))
+
+    old = checkpoint.load(first["checkpoint"])["model"]
+    old_map = pq.read_table(os.path.join(shards, ITEM_MAP)).to_pydict()
+    old_row = dict(zip(old_map["raw_id"], old_map["id"]))
+    w = model.item_emb.weight.detach()
+    shifted = 0
+    for nid, raw in zip(new_map["id"], new_map["raw_id"]):
+        if raw in old_row:
+            assert torch.equal(w[nid], old["item_emb.weight"][old_row[raw]]), raw
+            shifted += nid != old_row[raw]
+        else:
+            assert torch.equal(w[nid], fresh[nid]), raw
+    assert carried == len(old_map["id"]) and shifted > 0   # ids really moved, rows followed them
+    for k, v in model.state_dict().items():
+        if k != "item_emb.weight":
+            assert torch.equal(v, old[k]), k
+
+    # and through the CLI setting, end to end
+    second = train(load_config(None, [*(f"{k}={v}" for k, v in [("data.shards", tmp_path / "grown"),
+                   ("train.out", tmp_path / "second2")]), "train.epochs=1", "mlflow.enabled=false",
+                   "model.dim=16", "model.dropout=0.2", f"train.init_checkpoint={first['checkpoint']}"]))
+    assert second["steps"] > 0
+
+
+def test_warm_start_refuses_a_different_model(shards, tmp_path):
+    first = train(_cfg(shards, tmp_path / "first", "train.epochs=1"))
+    cfg = _cfg(shards, tmp_path / "other", "train.epochs=1", "model.dim=24",
+               f"train.init_checkpoint={first['checkpoint']}")
+    with pytest.raises(checkpoint.CheckpointError, match="does not fit this model"):
+        train(cfg)

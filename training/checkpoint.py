@@ -115,3 +115,37 @@ def read_meta(path: str) -> dict:
             return json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"checkpoint {folder}: meta.json unreadable ({e})") from None
+
+
+def warm_start(model: torch.nn.Module, path: str, shards_path: str) -> int:
+    """Load an earlier model's weights into `model` (optimizer and schedule start fresh).
+
+    New data gives new dense item ids, so the item table is copied row by row through the
+    raw ids of both shard sets' item maps (dataprep/schema.py ITEM_MAP): known items keep
+    their learned embedding, new items keep their fresh initialization. Returns the number
+    of item rows carried over. Raises CheckpointError when the model shapes differ.
+    """
+    import pyarrow.parquet as pq
+
+    from dataprep.schema import ITEM_MAP
+
+    old = load(path)["model"]
+    new = model.state_dict()
+    mismatched = [k for k in new if k != "item_emb.weight" and (k not in old or old[k].shape != new[k].shape)]
+    if mismatched:
+        raise CheckpointError(f"checkpoint {path} does not fit this model ({', '.join(mismatched[:3])} differ): "
+                              "warm-start needs the same model.* settings as the earlier run")
+    old_map_path = os.path.join(read_meta(path).get("shards") or "", ITEM_MAP)
+    if not os.path.isfile(old_map_path):
+        raise CheckpointError(f"checkpoint {path}: its shard set's item map {old_map_path} is gone; "
+                              "warm-start needs it to match items by their raw ids")
+    old_ids = pq.read_table(old_map_path).to_pydict()
+    new_ids = pq.read_table(os.path.join(shards_path, ITEM_MAP)).to_pydict()
+    row_of_raw = dict(zip(old_ids["raw_id"], old_ids["id"]))
+    pairs = [(nid, row_of_raw[raw]) for nid, raw in zip(new_ids["id"], new_ids["raw_id"]) if raw in row_of_raw]
+    table = new["item_emb.weight"].clone()
+    if pairs:
+        dst, src = torch.tensor(pairs).T
+        table[dst] = old["item_emb.weight"][src]
+    model.load_state_dict({**{k: old[k] for k in new if k != "item_emb.weight"}, "item_emb.weight": table})
+    return len(pairs)

@@ -69,6 +69,7 @@ class TrainConfig:
     max_minutes: float = 0.0       # wall-clock budget; the schedule is fitted to it at 25% (then test)
     seed: int = 0
     resume: bool = False           # continue from the newest checkpoint under out/checkpoints
+    init_checkpoint: str = ""      # warm start: an earlier run's checkpoint folder (weights only)
     stop_at_step: int = 0          # leave after committing this step, schedule unchanged (preemption, tests)
     checkpoint_every: int = 500    # steps; 0: only at the end
     keep_checkpoints: int = 2

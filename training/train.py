@@ -89,6 +89,9 @@ def train(cfg: Config) -> dict:
         # the resumed run logs into the MLflow run it started, unless one is given
         cfg.mlflow.run_id = cfg.mlflow.run_id or checkpoint.read_meta(resumed_from).get("mlflow_run_id") or ""
         log(topo, f"resumed from {resumed_from} (step {state.step}, epoch {cursor.epoch}, index {cursor.index})")
+    elif cfg.train.init_checkpoint:
+        carried = checkpoint.warm_start(model, cfg.train.init_checkpoint, shards.path)
+        log(topo, f"warm start from {cfg.train.init_checkpoint}: {carried}/{shards.num_items} item embeddings carried over")
     ft = make_replica(state, topo, steps_total)
     loader = BatchLoader(shards, shard_ranks, cursor, cfg.data.prefetch)
     pad_to = cfg.model.max_len if cfg.data.pad_to_max_len else 0

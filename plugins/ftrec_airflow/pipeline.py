@@ -10,7 +10,6 @@ is and the task's retries apply.
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,6 @@ from airflow.sdk.exceptions import AirflowFailException
 from ftrec_airflow import settings, steps
 
 GATE_METRIC = "test/sampled/ndcg_at_10"  # MLflow spelling of ndcg@10
-log = logging.getLogger(__name__)
 
 
 def params(**defaults: Any) -> dict[str, Param]:
@@ -121,12 +119,7 @@ def train_spec(p: dict, shards: dict, *, base: dict | None = None) -> steps.Trai
     plan = p.get("fault_plan") or ""
     overrides = list(p.get("train_overrides") or []) + [f"train.seed={int(p['seed'])}"]
     if base and base.get("checkpoint"):
-        setting = warm_start_setting()
-        if setting:
-            overrides.append(f"{setting}={base['checkpoint']}")
-        else:
-            log.warning("the trainer has no warm-start setting: training from scratch, not from version %s",
-                        base.get("version"))
+        overrides.append(f"train.init_checkpoint={base['checkpoint']}")
     return steps.TrainSpec(
         shards=shards["path"], out=str(run_dir() / "train"), replica_groups=r, ranks_per_group=k,
         fault_plan=plan if isinstance(plan, str) else json.dumps(plan),
@@ -189,16 +182,6 @@ def base_model(p: dict) -> dict[str, Any]:
     ckpt = latest["tags"].get(tracking.CHECKPOINT_TAG, "")
     return {"version": latest["version"], "run_id": latest["run_id"],
             "checkpoint": ckpt if ckpt and Path(ckpt).exists() else ""}
-
-
-def warm_start_setting() -> str:
-    """The trainer setting that loads an earlier model's weights, or "" if this trainer
-    has none (then retraining starts from scratch, and says so)."""
-    import dataclasses
-
-    from training.config import TrainConfig
-    names = {f.name for f in dataclasses.fields(TrainConfig)}
-    return next((f"train.{n}" for n in ("init_checkpoint", "init_from") if n in names), "")
 
 
 # ---------------------------------------------------------------- ftrec_chaos_drill
