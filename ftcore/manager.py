@@ -55,6 +55,7 @@ class ManagerConfig:
     host: str = "127.0.0.1"
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     records: str | None = None      # append every StepRecord here as a JSON line
+    backend: str = "gloo"           # cross-group data plane: "gloo" (CPU tensors) or "nccl" (CUDA tensors)
 
 
 def config_from_env(**overrides: Any) -> ManagerConfig:
@@ -75,10 +76,24 @@ def config_from_env(**overrides: Any) -> ManagerConfig:
         lr_policy=env.get("FTCORE_LR_POLICY", "sqrt"),
         token=auth.token_from_env(),
         records=env.get("FTCORE_RECORDS"),
+        backend=env.get("FTCORE_BACKEND", "gloo"),
     )
     for k, v in overrides.items():
         setattr(cfg, k, v)
     return cfg
+
+
+def _new_pg(backend: str, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta) -> dist.ProcessGroup:
+    """One quorum's cross-group process group. The NCCL branch is written for CUDA tensors but
+    has not run on a GPU yet (BENCHMARKS.md, GPU claims): a hung NCCL peer needs the group to
+    be aborted, which FTAR's deadline path does not do yet."""
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    if backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, opts)
+    raise ValueError(f"ftcore: backend {backend!r} is not 'gloo' or 'nccl' (FTCORE_BACKEND)")
 
 
 def faults_from_env() -> list[faults_mod.Fault]:
@@ -188,8 +203,8 @@ class Manager:
                 self._stores[leader] = store
             prefix = f"ftcore/{q['epoch']}/{q['quorum_id']}/{self.cfg.rank}"
             # A fresh prefix per quorum: the default process group cannot shrink or grow.
-            self._pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), groups.index(self.cfg.group),
-                                             len(groups), datetime.timedelta(seconds=timeouts.COLLECTIVE_TIMEOUT))
+            self._pg = _new_pg(self.cfg.backend, dist.PrefixStore(prefix, store), groups.index(self.cfg.group),
+                               len(groups), datetime.timedelta(seconds=timeouts.COLLECTIVE_TIMEOUT))
         self._pg_id = (q["epoch"], q["quorum_id"])
 
     def _fetch_heal(self, addr: str, step: int, src: int) -> Any:

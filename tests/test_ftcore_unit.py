@@ -340,3 +340,15 @@ def test_ftar_times_out_on_a_silent_peer_instead_of_hanging():
     store2, pgs2 = _groups(2)
     with pytest.raises(FTARError, match="declared failed"):
         ftar(pgs2[0], [torch.ones(10)], contribute=True, timeout=5.0, is_stale=lambda: True)
+
+
+def test_unknown_backend_is_refused_by_name():
+    import datetime
+
+    import torch.distributed as dist
+
+    from ftcore.manager import _new_pg
+    store = dist.HashStore()
+    with pytest.raises(ValueError, match="FTCORE_BACKEND"):
+        _new_pg("mpi", store, 0, 1, datetime.timedelta(seconds=1))
+    assert isinstance(_new_pg("gloo", store, 0, 1, datetime.timedelta(seconds=5)), dist.ProcessGroupGloo)

@@ -74,7 +74,8 @@ class FTReplica:
         from ftcore.schedule import MakeupSchedule
 
         self.state, self.topo = state, topology
-        cfg = manager.config_from_env()
+        # gradients live where the model does: NCCL across groups on CUDA, gloo on CPU
+        cfg = manager.config_from_env(backend="nccl" if topology.device.type == "cuda" else "gloo")
         self.out = out or os.environ.get("FTREC_OUT")
         if self.out and not cfg.records:
             os.makedirs(os.path.join(self.out, "records"), exist_ok=True)
