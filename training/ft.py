@@ -138,6 +138,11 @@ class FTReplica:
                                f"({sc.epoch}, {sc.index})")
 
     def data_done(self, step: int, steps_total: int) -> bool:
+        # Whole epochs end when the schedule, make-up steps included, is done. A step budget
+        # that ends mid-epoch (train.max_steps) stops at that many committed steps, as a single
+        # group does; exactly-once then holds for the complete epochs only.
+        if steps_total % self.state.cursor.steps_per_epoch:
+            return self.schedule.done or step >= steps_total
         return self.schedule.done
 
     def allreduce(self, tensors: list[torch.Tensor]) -> None:
