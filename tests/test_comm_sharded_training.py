@@ -56,11 +56,12 @@ def shards(tmp_path_factory):
 
 
 @pytest.mark.integ
-@pytest.mark.parametrize("clip", ["0", "1.0"])
-def test_sharded_table_trains_like_replicated(shards, tmp_path, free_port, clip):
+@pytest.mark.parametrize("clip,transport", [("0", "collective"), ("1.0", "collective"), ("0", "smfree")])
+def test_sharded_table_trains_like_replicated(shards, tmp_path, free_port, clip, transport):
     extra = [f"optim.grad_clip={clip}"]
-    rep = _torchrun(shards, str(tmp_path / "rep"), free_port, extra)
-    shd = _torchrun(shards, str(tmp_path / "shd"), free_port, [*extra, "comm.embedding=sharded"])
+    rep = _torchrun(shards, str(tmp_path / "rep"), free_port, extra)   # replicated, gloo all-reduce
+    shd = _torchrun(shards, str(tmp_path / "shd"), free_port,
+                    [*extra, "comm.embedding=sharded", f"comm.transport={transport}"])
     assert "item table sharded row-wise over 2 ranks" in shd and "item table sharded" not in rep
     assert len(_losses(rep)) == 8 and _losses(shd) == _losses(rep)
     a = checkpoint.load(json.load(open(tmp_path / "rep" / "result.json"))["checkpoint"])
