@@ -37,12 +37,12 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def save(root: str, state: dict, meta: dict, rank: int = 0, keep: int = 2) -> str:
+def save(root: str, state: dict, meta: dict, rank: int = 0, keep: int = 2, per_rank: tuple = ("rng",)) -> str:
     """Write `state` for step meta["step"] under root; returns the final folder.
 
     Collective when torch.distributed is initialized: every rank of the group calls it.
     Only rank 0's state carries model/optimizer (replicas are identical); other ranks
-    contribute their RNG states.
+    contribute their RNG states (and the keys in `per_rank`: a sharded table's optimizer state).
     """
     final = step_dir(root, int(meta["step"]))
     tmp = final + ".tmp"
@@ -57,7 +57,7 @@ def save(root: str, state: dict, meta: dict, rank: int = 0, keep: int = 2) -> st
         with open(os.path.join(tmp, "meta.json"), "w") as f:
             json.dump(meta, f, indent=1, default=str)
     else:
-        torch.save({"rng": state["rng"]}, os.path.join(tmp, f"rng-rank-{rank:05d}.pt"))
+        torch.save({k: state[k] for k in per_rank}, os.path.join(tmp, f"rng-rank-{rank:05d}.pt"))
     if _distributed():
         dist.barrier()
     if rank == 0:
@@ -88,7 +88,7 @@ def latest(root: str) -> str | None:
     return step_dir(root, steps[-1]) if steps else None
 
 
-def load(path: str, rank: int = 0) -> dict:
+def load(path: str, rank: int = 0, per_rank: tuple = ("rng",)) -> dict:
     """Read a checkpoint folder (or its state.pt) without executing code; rank >= 1 gets its own RNG."""
     folder = path if os.path.isdir(path) else os.path.dirname(path)
     fpath = os.path.join(folder, "state.pt")
@@ -104,7 +104,12 @@ def load(path: str, rank: int = 0) -> dict:
         if not os.path.isfile(rpath):
             raise CheckpointError(f"checkpoint {folder} has no RNG state for rank {rank}: it was written by a "
                                   "smaller group; resume with the same number of ranks")
-        state["rng"] = torch.load(rpath, map_location="cpu", weights_only=True)["rng"]
+        mine = torch.load(rpath, map_location="cpu", weights_only=True)
+        missing = [k for k in per_rank if k not in mine]
+        if missing:
+            raise CheckpointError(f"checkpoint {folder}: rank {rank}'s file lacks {', '.join(missing)} (written with "
+                                  "another comm.embedding); resume with the same comm.embedding")
+        state.update({k: mine[k] for k in per_rank})
     return state
 
 

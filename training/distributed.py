@@ -88,11 +88,14 @@ def barrier() -> None:
         dist.barrier()
 
 
-def broadcast_params(model: torch.nn.Module) -> None:
-    """Start every rank from rank 0's parameters (seeded init already agrees; this makes sure)."""
+def broadcast_params(model: torch.nn.Module, exclude: tuple = ()) -> None:
+    """Start every rank from rank 0's parameters (seeded init already agrees; this makes sure).
+    `exclude`: parameters that differ per rank by design (a sharded table's shard)."""
     if active():
+        skip = {id(p) for p in exclude}
         for p in model.parameters():
-            dist.broadcast(p.data, src=0)
+            if id(p) not in skip:
+                dist.broadcast(p.data, src=0)
 
 
 def shutdown() -> None:

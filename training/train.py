@@ -28,6 +28,7 @@ import torch
 from training import checkpoint, distributed, metrics
 from training import ft as ft_mod
 from training.comm.integration import GroupComm
+from training.comm.item_table import ShardedItemTable, grad_norm_sq
 from training.config import Config, ConfigError, to_toml
 from training.data import BatchLoader, DataCursor, ShardSet, shard_ranks_for
 from training.evaluate import EvalData, evaluate
@@ -71,12 +72,22 @@ def train(cfg: Config) -> dict:
 
     torch.manual_seed(cfg.train.seed)                      # the same initial model on every rank
     model = SeqRec(shards.num_items, cfg.model).to(topo.device)
-    distributed.broadcast_params(model)
+    gcomm = GroupComm(cfg.comm, rank=topo.rank, device=topo.device)  # group all-reduce + bubble accounting
+    table = None   # comm.embedding = "sharded" with K > 1: this rank's rows of the item table
+    if cfg.comm.embedding == "sharded" and gcomm.transport is not None:
+        # every rank keeps its rows of the seeded replicated init: the full table is unchanged
+        table = ShardedItemTable(model.item_emb.weight, gcomm.transport, gcomm.sched)
+        model.item_emb = table
+        log(topo, f"item table sharded row-wise over {topo.group_size} ranks: rank 0 holds rows {table.row_range}")
+    elif cfg.comm.embedding == "sharded":
+        log(topo, "comm.embedding=sharded with 1 rank per replica group: the item table stays replicated")
+    distributed.broadcast_params(model, exclude=(table.weight,) if table else ())
     torch.manual_seed(cfg.train.seed + 7919 * (1 + topo.rank))  # dropout differs per rank, like DDP
     # Negatives: the same stream on every rank of the group, so the group's step shares one
     # negative set exactly as one big batch in one process would.
     generator = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + 17)
     params = list(model.parameters())
+    group_params = [p for p in params if table is None or p is not table.weight]  # the shard's grad is summed by flush_grads
     optimizer = build_optimizer(model, cfg.optim)
     steps_total = cfg.train.max_steps or cfg.train.epochs * shards.steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupDecay(cfg.optim, steps_total))
@@ -85,7 +96,7 @@ def train(cfg: Config) -> dict:
 
     resumed_from = checkpoint.latest(ckpt_root) if cfg.train.resume else None
     if resumed_from:
-        state.load_state_dict(checkpoint.load(resumed_from, topo.rank))
+        state.load_state_dict(_local_rows(checkpoint.load(resumed_from, topo.rank, per_rank=_per_rank(table)), table))
         # the resumed run logs into the MLflow run it started, unless one is given
         cfg.mlflow.run_id = cfg.mlflow.run_id or checkpoint.read_meta(resumed_from).get("mlflow_run_id") or ""
         log(topo, f"resumed from {resumed_from} (step {state.step}, epoch {cursor.epoch}, index {cursor.index})")
@@ -108,7 +119,6 @@ def train(cfg: Config) -> dict:
                             "data.world_size": shards.world_size, "data.bubble_fraction":
                             shards.manifest.get("bubble_fraction", "")})
         tracker.set_tags({"ftrec.resumed_from": resumed_from or "", "ftrec.shards": os.path.abspath(shards.path)})
-    gcomm = GroupComm(cfg.comm, rank=topo.rank, device=topo.device)  # group all-reduce + bubble accounting
     eval_data = _LazyEval(shards, cfg)
     eval_every = cfg.train.eval_every or shards.steps
     log(topo, f"{shards.num_items} items, {shards.steps} steps/epoch, {steps_total} steps, "
@@ -135,6 +145,8 @@ def train(cfg: Config) -> dict:
             values, offsets, labels = (t.to(topo.device) for t in (batch.values, batch.offsets, batch.labels))
             padded = max(int(batch.lengths.max()), pad_to) * batch.num_samples
             counts, pending = start_global_counts([batch.num_targets, batch.num_samples, padded])  # overlaps fwd
+            if table is not None:
+                table.step_lookups()      # history, then candidates, then negatives
             h = model(values, offsets, pad_to)
             total = loss_sum(model, h, labels, cfg.loss, generator)
             if pending is not None:
@@ -143,10 +155,12 @@ def train(cfg: Config) -> dict:
                 wait = time.perf_counter() - t
             loss = total / (counts[0].item() if cfg.loss.normalize == "step" else tokens_per_step)
             loss.backward()
+            if table is not None:
+                table.flush_grads()       # embedding grads to their owners (a SUM over the group)
         t_bwd = time.perf_counter()
         gcomm.compute_end()
         compute = t_bwd - t_data - wait
-        wait += gcomm.allreduce_grads(params, default=distributed.allreduce_grads)
+        wait += gcomm.allreduce_grads(group_params, default=distributed.allreduce_grads)
         t = time.perf_counter()
         ft.allreduce([p.grad for p in params])
         wait += time.perf_counter() - t
@@ -157,7 +171,12 @@ def train(cfg: Config) -> dict:
             continue
         t_opt = time.perf_counter()
         gcomm.compute_begin("optimizer")
-        if cfg.optim.grad_clip > 0:
+        if cfg.optim.grad_clip > 0 and table is not None:   # the global norm: shard norms all-reduced
+            dense = [p.grad for p in group_params if p.grad is not None]
+            sq = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in dense])).double() ** 2
+            norm = (sq + grad_norm_sq(table.weight)).sqrt().float()
+            torch.nn.utils.clip_grads_with_norm_(params, cfg.optim.grad_clip, norm)
+        elif cfg.optim.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip)
         lr = optimizer.param_groups[0]["lr"]
         lr_scale = ft.lr_scale()
@@ -195,9 +214,9 @@ def train(cfg: Config) -> dict:
         if state.step == cfg.train.stop_at_step:
             stop = True
         if cfg.eval.periodic and state.step % eval_every == 0 and state.step < steps_total and not stop:
-            _validate(model, eval_data, cfg, tracker, state.step, topo)
+            _validate(_full_model(model, table, topo), eval_data, cfg, tracker, state.step, topo)
         if cfg.train.checkpoint_every and state.step % cfg.train.checkpoint_every == 0:
-            final, saved = _save(state, cfg, shards, topo, ckpt_root, tracker), state.step
+            final, saved = _save(state, cfg, shards, topo, ckpt_root, tracker, table), state.step
 
     # ---- the end: final checkpoint, test, result.json ----------------------------------
     if window.steps:  # stopped between two log steps
@@ -206,7 +225,8 @@ def train(cfg: Config) -> dict:
     if hasattr(ft, "finish"):
         ft.finish()   # ftcore: the group's final tensor-only state for the launcher, then leave the quorum
     if saved != state.step:
-        final = _save(state, cfg, shards, topo, ckpt_root, tracker)
+        final = _save(state, cfg, shards, topo, ckpt_root, tracker, table)
+    model = _full_model(model, table, topo)     # collective: evaluation and model logging see the full table
     timeline_png = gcomm.finish(os.path.join(out, "artifacts"))   # collective
     result = {}
     if topo.is_main:
@@ -278,12 +298,46 @@ def _validate(model, eval_data, cfg: Config, tracker, step: int, topo) -> dict:
     return scores
 
 
-def _save(state: TrainState, cfg: Config, shards: ShardSet, topo, root: str, tracker) -> str:
+def _full_model(model, table, topo):
+    """Collective with a sharded table: rank 0 gets a copy of the model with the whole
+    table in a plain nn.Embedding (evaluation, MLflow model); the others get None."""
+    if table is None:
+        return model
+    full = table.full_weight()
+    if not topo.is_main:
+        return None
+    emb = torch.nn.Embedding(full.shape[0], full.shape[1], padding_idx=table.padding_idx)
+    emb.weight.data.copy_(full)
+    copy_ = copy.copy(model)                  # shallow: shares the dense modules, owns its item_emb
+    copy_._modules = dict(model._modules)
+    copy_.item_emb = emb.to(full.device)
+    return copy_
+
+
+def _per_rank(table) -> tuple:
+    """What each rank > 0 writes into its own checkpoint file: RNG, plus the optimizer state
+    of its shard when the table is sharded (rank 0's is in state.pt)."""
+    return ("rng", "optimizer") if table is not None else ("rng",)
+
+
+def _local_rows(state: dict, table) -> dict:
+    """A checkpoint holds the full table (eval and warm start read it); keep this rank's rows."""
+    if table is not None:
+        lo, hi = table.row_range
+        state["model"]["item_emb.weight"] = state["model"]["item_emb.weight"][lo:hi].clone()
+    return state
+
+
+def _save(state: TrainState, cfg: Config, shards: ShardSet, topo, root: str, tracker, table=None) -> str:
     meta = {"mlflow_run_id": tracker.run_id if tracker else None,"step": state.step, "epoch": state.cursor.epoch, "index": state.cursor.index,
             "config": cfg.to_dict(), "num_items": shards.num_items,
             "fingerprint": shards.fingerprint(), "shards": os.path.abspath(shards.path),
             "ranks_per_group": topo.group_size, "replica_groups": topo.num_replica_groups}
-    return checkpoint.save(root, state.state_dict(), meta, rank=topo.rank, keep=cfg.train.keep_checkpoints)
+    sd = state.state_dict()
+    if table is not None:   # collective: the checkpoint's model is the full table, as with a replicated one
+        sd["model"]["item_emb.weight"] = table.full_weight()
+        meta["embedding"] = "sharded"
+    return checkpoint.save(root, sd, meta, rank=topo.rank, keep=cfg.train.keep_checkpoints, per_rank=_per_rank(table))
 
 
 def _log_artifacts(tracker: Tracker, cfg: Config, shards: ShardSet, history, out: str, model) -> None:

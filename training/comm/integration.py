@@ -8,11 +8,12 @@ What the trainer (training/train.py) gets from it, selected by the `[comm]` conf
   `window_metrics()` (collective) for the MLflow window, `finish(out)` (collective) writes
   the PNG timeline of a window of steps for the run's artifacts.
 
-Not wired into the trainer (yet): the sharded item table and the batch-ahead pipeline.
-They need the loop to exclude the shard from the group all-reduce, the parameter
-broadcast and the grad-norm clip (a global norm over shards), to gather the table before
-rank-0 evaluation and model logging, to checkpoint per rank, and the loader to expose
-batch i+1 while batch i runs; bench.py's loop (`PipelinedRun`) shows the full use.
+The sharded item table (`comm.embedding = "sharded"`) is wired in through item_table.py:
+the trainer keeps the shard out of the group all-reduce and the parameter broadcast, clips
+with the global norm (shard norms all-reduced), gathers the table for rank-0 evaluation,
+model logging and checkpoints (which hold the full table; each rank's file adds its shard's
+optimizer state). Not wired in (yet): the batch-ahead pipeline, which needs the loader to
+expose batch i+1 while batch i runs; bench.py's loop (`PipelinedRun`) shows its use.
 """
 
 from __future__ import annotations
