@@ -19,6 +19,7 @@ import torch
 
 from dataprep.build import build_shards
 from dataprep.synth import write_synthetic
+from conftest import torchrun_train
 from training import checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -27,20 +28,7 @@ SETTINGS = ["train.max_steps=8", "model.dropout=0", "model.dim=16", "train.log_e
 
 
 def _torchrun(shards: str, out: str, port: int, extra: list[str]) -> str:
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    cmd = [torchrun, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
-           "-m", "training", "train", "--shards", shards, "--out", out, "--set", *SETTINGS, *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    p = subprocess.Popen(cmd, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         start_new_session=True)
-    try:
-        text, _ = p.communicate(timeout=240)
-    finally:
-        if p.poll() is None:          # bounded: end the whole torchrun tree by its process group
-            os.killpg(p.pid, 9)
-            p.wait()
-    assert p.returncode == 0, text[-3000:]
-    return text
+    return torchrun_train(shards, out, port, [*SETTINGS, *extra])
 
 
 def _losses(text: str) -> list[str]:

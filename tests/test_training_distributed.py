@@ -7,19 +7,17 @@ target count, gradients are summed, and the group shares one negative set per st
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from dataprep.build import build_shards
 from dataprep.synth import write_synthetic
+from conftest import torchrun_train
 from training import checkpoint
 from training.config import load_config
 from training.train import train
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SETTINGS = ["train.epochs=1", "train.max_steps=12", "model.dropout=0", "model.dim=16", "train.log_every=3",
             "mlflow.enabled=false", "optim.warmup_steps=2"]
 
@@ -33,20 +31,7 @@ def test_two_gloo_ranks_equal_one_process(tmp_path, free_port):
     shards = str(tmp_path / "shards")
     one = train(load_config(None, [f"data.shards={shards}", f"train.out={tmp_path / 'one'}", *SETTINGS]))
 
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    cmd = [torchrun, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port),
-           "-m", "training", "train", "--shards", shards, "--out", str(tmp_path / "two"),
-           "--set", *SETTINGS]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    p = subprocess.Popen(cmd, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         start_new_session=True)
-    try:
-        out, _ = p.communicate(timeout=240)
-    finally:
-        if p.poll() is None:          # bounded: end the whole torchrun tree by its process group
-            os.killpg(p.pid, 9)
-            p.wait()
-    assert p.returncode == 0, out[-3000:]
+    out = torchrun_train(shards, str(tmp_path / "two"), free_port, SETTINGS)
     assert "2 rank(s) x 1 group(s)" in out and "shards [0]" in out
     two = json.load(open(tmp_path / "two" / "result.json"))
     assert two["steps"] == one["steps"] == 12

@@ -40,39 +40,36 @@ def _number(v):
     return None
 
 
-def find(obj, key):
-    """First numeric value under `key` anywhere in a JSON tree, or None."""
-    if isinstance(obj, dict):
-        if key in obj and _number(obj[key]) is not None:
-            return _number(obj[key])
-        children = obj.values()
-    elif isinstance(obj, list):
-        children = obj
-    else:
-        return None
+def _first(obj, pick):
+    """The first non-None pick(node) over a JSON tree, depth first, or None."""
+    found = pick(obj)
+    if found is not None:
+        return found
+    children = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, list) else ()
     for c in children:
-        v = find(c, key)
+        v = _first(c, pick)
         if v is not None:
             return v
+    return None
+
+
+def find(obj, key):
+    """First numeric value under `key` anywhere in a JSON tree, or None."""
+    return _first(obj, lambda o: _number(o.get(key)) if isinstance(o, dict) and key in o else None)
+
+
+def _cost_model(o):
+    if not isinstance(o, dict):
+        return None
+    vals = [_number(o.get(k)) for k in ("a", "b", "c0")]
+    if all(v is not None and v >= 0 for v in vals) and sum(vals) > 0:
+        return dict(zip(("a", "b", "c0"), vals))
     return None
 
 
 def find_cost_model(obj):
     """First {a, b, c0} table of numbers >= 0 anywhere in a JSON tree, or None."""
-    if isinstance(obj, dict):
-        vals = [_number(obj.get(k)) for k in ("a", "b", "c0")]
-        if all(v is not None and v >= 0 for v in vals) and sum(vals) > 0:
-            return dict(zip(("a", "b", "c0"), vals))
-        children = obj.values()
-    elif isinstance(obj, list):
-        children = obj
-    else:
-        return None
-    for c in children:
-        v = find_cost_model(c)
-        if v is not None:
-            return v
-    return None
+    return _first(obj, _cost_model)
 
 
 def _read(path: Path):
