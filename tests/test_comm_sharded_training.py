@@ -5,7 +5,8 @@ With 2 ranks, dropout off and clipping off, every float addition of the sharded 
 in the order of the replicated one (training/comm/item_table.py), so per-step losses and the
 final model must be bitwise equal. With clipping on, the global norm is assembled from shard
 norms (a different summation order than one norm of the full table), so that run is compared
-with a tight tolerance.
+with a tight tolerance. Every comm.policy (the lookups inline, or submitted before the forward
+pass with the next batch's id exchange running during the step) gives the same results.
 """
 
 import json
@@ -43,17 +44,41 @@ def shards(tmp_path_factory):
     return str(d / "shards")
 
 
+@pytest.fixture(scope="module")
+def replicated(shards, tmp_path_factory):
+    """The replicated-table run per grad_clip setting, run once: (output text, out folder)."""
+    runs = {}
+
+    def get(clip: str, port: int) -> tuple[str, str]:
+        if clip not in runs:
+            out = str(tmp_path_factory.mktemp(f"rep-{clip}"))
+            runs[clip] = (_torchrun(shards, out, port, [f"optim.grad_clip={clip}"]), out)
+        return runs[clip]
+    return get
+
+
+def _result(out) -> dict:
+    return json.load(open(os.path.join(out, "result.json")))
+
+
 @pytest.mark.integ
-@pytest.mark.parametrize("clip,transport", [("0", "collective"), ("1.0", "collective"), ("0", "smfree")])
-def test_sharded_table_trains_like_replicated(shards, tmp_path, free_port, clip, transport):
-    extra = [f"optim.grad_clip={clip}"]
-    rep = _torchrun(shards, str(tmp_path / "rep"), free_port, extra)   # replicated, gloo all-reduce
-    shd = _torchrun(shards, str(tmp_path / "shd"), free_port,
-                    [*extra, "comm.embedding=sharded", f"comm.transport={transport}"])
+@pytest.mark.parametrize("clip,comm", [
+    ("0", ["comm.transport=collective"]),                                   # prioritized pipeline (default)
+    ("1.0", ["comm.transport=collective"]),
+    ("0", ["comm.transport=smfree"]),
+    ("0", ["comm.transport=collective", "comm.policy=blocking"]),          # lookups inline
+    ("0", ["comm.transport=smfree", "comm.policy=overlapped"]),            # async, FIFO
+])
+def test_sharded_table_trains_like_replicated(shards, replicated, tmp_path, free_port, clip, comm):
+    rep, rep_out = replicated(clip, free_port)          # replicated, gloo all-reduce
+    shd = _torchrun(shards, str(tmp_path / "shd"), free_port, [f"optim.grad_clip={clip}", "comm.embedding=sharded", *comm])
     assert "item table sharded row-wise over 2 ranks" in shd and "item table sharded" not in rep
     assert len(_losses(rep)) == 8 and _losses(shd) == _losses(rep)
-    a = checkpoint.load(json.load(open(tmp_path / "rep" / "result.json"))["checkpoint"])
-    r1 = json.load(open(tmp_path / "shd" / "result.json"))
+    a = checkpoint.load(_result(rep_out)["checkpoint"])
+    r1 = _result(tmp_path / "shd")
+    # the pipeline: from step 2 on, every step's id exchange ran during the step before it
+    policy = "blocking" if "comm.policy=blocking" in comm else "overlapped" if "comm.policy=overlapped" in comm else "prioritized"
+    assert r1["comm"] == {"policy": policy, "prefetch_hits": 7, "prefetch_misses": 0}
     b = checkpoint.load(r1["checkpoint"])
     assert b["model"]["item_emb.weight"].shape == a["model"]["item_emb.weight"].shape   # the full table
     for name, w in a["model"].items():
@@ -71,8 +96,22 @@ def test_sharded_table_trains_like_replicated(shards, tmp_path, free_port, clip,
     # rank 1 kept its shard's optimizer state in its own file, for an exact resume
     assert "optimizer" in checkpoint.load(r1["checkpoint"], 1, per_rank=("rng", "optimizer"))
     if clip == "0":
-        rm = json.load(open(tmp_path / "rep" / "result.json"))["metrics"]
-        assert r1["metrics"] == rm
+        assert r1["metrics"] == _result(rep_out)["metrics"]
+
+
+@pytest.mark.integ
+def test_sharded_warm_start_equals_replicated_warm_start(shards, replicated, tmp_path, free_port):
+    """Warm start loads the full table before sharding: the same run as a replicated warm start."""
+    _, rep_out = replicated("0", free_port)
+    init = [f"train.init_checkpoint={_result(rep_out)['checkpoint']}", "train.max_steps=4", "optim.grad_clip=0",
+            "eval.final=false", "loss.kind=bce"]
+    rep = _torchrun(shards, str(tmp_path / "rep"), free_port, init)
+    shd = _torchrun(shards, str(tmp_path / "shd"), free_port, [*init, "comm.embedding=sharded"])
+    assert "warm start from" in shd and "90/90 item embeddings carried over" in shd
+    assert len(_losses(rep)) == 4 and _losses(shd) == _losses(rep)
+    a = checkpoint.load(_result(tmp_path / "rep")["checkpoint"])["model"]
+    b = checkpoint.load(_result(tmp_path / "shd")["checkpoint"])["model"]
+    assert all(torch.equal(w, b[k]) for k, w in a.items())
 
 
 @pytest.mark.integ
@@ -89,12 +128,12 @@ def test_sharded_resume_is_exact(shards, tmp_path, free_port):
         assert torch.equal(w, b["model"][name]), name
 
 
-def test_sharded_with_warm_start_is_a_config_error(tmp_path):
+def test_comm_settings_are_checked(tmp_path):
     p = subprocess.run([sys.executable, "-m", "training", "train", "--shards", str(tmp_path), "--out",
-                        str(tmp_path / "o"), "--set", "comm.embedding=sharded", f"train.init_checkpoint={tmp_path}"],
+                        str(tmp_path / "o"), "--set", "comm.embedding=sharded", "comm.policy=eager"],
                        cwd=ROOT, text=True, capture_output=True, timeout=120)
     assert p.returncode != 0
-    assert "comm.embedding=sharded cannot warm-start" in p.stderr and "Traceback" not in p.stderr
+    assert "comm.policy must be one of blocking, overlapped, prioritized" in p.stderr and "Traceback" not in p.stderr
     p = subprocess.run([sys.executable, "-m", "training", "train", "--shards", str(tmp_path), "--set",
                         "comm.embedding=rowwise"], cwd=ROOT, text=True, capture_output=True, timeout=120)
     assert p.returncode != 0 and "comm.embedding must be one of replicated, sharded" in p.stderr

@@ -179,9 +179,6 @@ def validate(cfg: Config) -> Config:
         (cfg.train.log_every >= 1, "train.log_every must be >= 1"),
         (cfg.data.prefetch >= 0, "data.prefetch must be >= 0"),
         (len(cfg.eval.ks) > 0 and all(k >= 1 for k in cfg.eval.ks), "eval.ks must be positive integers"),
-        (not (cfg.comm.embedding == "sharded" and cfg.train.init_checkpoint),
-         "comm.embedding=sharded cannot warm-start from train.init_checkpoint yet: warm-start with "
-         "comm.embedding=replicated, or drop train.init_checkpoint"),
     ] + comm_checks(cfg.comm)
     for ok, msg in checks:
         if not ok:

@@ -228,6 +228,13 @@ class BatchLoader:
                 self._pending[pos] = self._pool.submit(read_batch, self.files, rg)
         return self._pending[here].result()
 
+    def peek_ahead(self, i: int = 1) -> Batch:
+        """The batch i steps after the cursor (the one expected then), from the read-ahead
+        that `peek` scheduled when it covers it."""
+        pos = self.cursor.ahead(i)
+        fut = self._pending.get(pos)
+        return fut.result() if fut is not None else self._read(*pos)
+
     def commit(self) -> None:
         """The step at the cursor was applied: move on and forget its batch."""
         self._pending.pop(self.cursor.ahead(0), None)

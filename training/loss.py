@@ -19,11 +19,19 @@ from training import distributed
 from training.config import LossConfig
 
 
+def draw_negatives(num_items: int, cfg: LossConfig, labels: torch.Tensor,
+                   generator: torch.Generator) -> torch.Tensor:
+    """The step's negatives, drawn on the CPU generator (its state is checkpointed).
+
+    Drawn before the forward pass, so a sharded item table can fetch their rows while the
+    transformer runs: shared ones for sampled softmax, one per token for BCE."""
+    shape = (cfg.num_negatives,) if cfg.kind == "sampled_softmax" else tuple(labels.shape)
+    return torch.randint(1, num_items + 1, shape, generator=generator).to(labels.device)
+
+
 def sampled_softmax_sum(model, h: torch.Tensor, labels: torch.Tensor, cfg: LossConfig,
-                        generator: torch.Generator) -> torch.Tensor:
+                        negatives: torch.Tensor) -> torch.Tensor:
     """Sum over tokens of -log softmax(target | target + shared negatives)."""
-    # drawn on the CPU generator (its state is checkpointed), then moved to the model's device
-    negatives = torch.randint(1, model.num_items + 1, (cfg.num_negatives,), generator=generator).to(h.device)
     pos = model.pair_scores(h, labels) / cfg.temperature                      # [N]
     neg = model.scores(h, negatives) / cfg.temperature                        # [N, K]
     neg = neg.masked_fill(negatives[None, :] == labels[:, None], float("-inf"))
@@ -32,9 +40,8 @@ def sampled_softmax_sum(model, h: torch.Tensor, labels: torch.Tensor, cfg: LossC
 
 
 def bce_sum(model, h: torch.Tensor, labels: torch.Tensor, cfg: LossConfig,
-            generator: torch.Generator) -> torch.Tensor:
+            negatives: torch.Tensor) -> torch.Tensor:
     """Sum over tokens of -log sigmoid(target) - log sigmoid(-negative), one negative each."""
-    negatives = torch.randint(1, model.num_items + 1, labels.shape, generator=generator).to(h.device)
     pos = model.pair_scores(h, labels) / cfg.temperature
     neg = model.pair_scores(h, negatives) / cfg.temperature
     neg_term = F.logsigmoid(-neg) * (negatives != labels)  # a drawn positive is not a negative
@@ -44,8 +51,12 @@ def bce_sum(model, h: torch.Tensor, labels: torch.Tensor, cfg: LossConfig,
 LOSSES = {"sampled_softmax": sampled_softmax_sum, "bce": bce_sum}
 
 
-def loss_sum(model, h, labels, cfg: LossConfig, generator: torch.Generator) -> torch.Tensor:
-    return LOSSES[cfg.kind](model, h, labels, cfg, generator)
+def loss_sum(model, h, labels, cfg: LossConfig, generator: torch.Generator | None = None,
+             negatives: torch.Tensor | None = None) -> torch.Tensor:
+    """The loss SUM of the step; `negatives` drawn by `draw_negatives`, or drawn here."""
+    if negatives is None:
+        negatives = draw_negatives(model.num_items, cfg, labels, generator)
+    return LOSSES[cfg.kind](model, h, labels, cfg, negatives)
 
 
 def start_global_counts(counts: list[float]) -> tuple[torch.Tensor, object]:

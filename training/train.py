@@ -32,7 +32,7 @@ from training.comm.item_table import ShardedItemTable, grad_norm_sq
 from training.config import Config, ConfigError, to_toml
 from training.data import BatchLoader, DataCursor, ShardSet, shard_ranks_for
 from training.evaluate import EvalData, evaluate
-from training.loss import loss_sum, start_global_counts
+from training.loss import draw_negatives, loss_sum, start_global_counts
 from training.model import SeqRec
 from training.state import TrainState, WarmupDecay, build_optimizer
 from training.tracking import Tracker
@@ -72,6 +72,11 @@ def train(cfg: Config) -> dict:
 
     torch.manual_seed(cfg.train.seed)                      # the same initial model on every rank
     model = SeqRec(shards.num_items, cfg.model).to(topo.device)
+    resumed_from = checkpoint.latest(ckpt_root) if cfg.train.resume else None
+    if cfg.train.init_checkpoint and not resumed_from:
+        # into the full table, before any sharding: every rank then keeps its rows of it
+        carried = checkpoint.warm_start(model, cfg.train.init_checkpoint, shards.path)
+        log(topo, f"warm start from {cfg.train.init_checkpoint}: {carried}/{shards.num_items} item embeddings carried over")
     gcomm = GroupComm(cfg.comm, rank=topo.rank, device=topo.device)  # group all-reduce + bubble accounting
     table = None   # comm.embedding = "sharded" with K > 1: this rank's rows of the item table
     if cfg.comm.embedding == "sharded" and gcomm.transport is not None:
@@ -87,22 +92,18 @@ def train(cfg: Config) -> dict:
     # negative set exactly as one big batch in one process would.
     generator = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + 17)
     params = list(model.parameters())
-    group_params = [p for p in params if table is None or p is not table.weight]  # the shard's grad is summed by flush_grads
+    group_params = [p for p in params if table is None or p is not table.weight]  # the shard's grad is summed by start/finish_grads
     optimizer = build_optimizer(model, cfg.optim)
     steps_total = cfg.train.max_steps or cfg.train.epochs * shards.steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupDecay(cfg.optim, steps_total))
     cursor = DataCursor(shards.steps, cfg.train.seed)
     state = TrainState(model, optimizer, scheduler, cursor, generator)
 
-    resumed_from = checkpoint.latest(ckpt_root) if cfg.train.resume else None
     if resumed_from:
         state.load_state_dict(_local_rows(checkpoint.load(resumed_from, topo.rank, per_rank=_per_rank(table)), table))
         # the resumed run logs into the MLflow run it started, unless one is given
         cfg.mlflow.run_id = cfg.mlflow.run_id or checkpoint.read_meta(resumed_from).get("mlflow_run_id") or ""
         log(topo, f"resumed from {resumed_from} (step {state.step}, epoch {cursor.epoch}, index {cursor.index})")
-    elif cfg.train.init_checkpoint:
-        carried = checkpoint.warm_start(model, cfg.train.init_checkpoint, shards.path)
-        log(topo, f"warm start from {cfg.train.init_checkpoint}: {carried}/{shards.num_items} item embeddings carried over")
     ft = make_replica(state, topo, steps_total)
     loader = BatchLoader(shards, shard_ranks, cursor, cfg.data.prefetch)
     pad_to = cfg.model.max_len if cfg.data.pad_to_max_len else 0
@@ -145,10 +146,15 @@ def train(cfg: Config) -> dict:
             values, offsets, labels = (t.to(topo.device) for t in (batch.values, batch.offsets, batch.labels))
             padded = max(int(batch.lengths.max()), pad_to) * batch.num_samples
             counts, pending = start_global_counts([batch.num_targets, batch.num_samples, padded])  # overlaps fwd
+            negatives = draw_negatives(shards.num_items, cfg.loss, labels, generator)
             if table is not None:
-                table.step_lookups()      # history, then candidates, then negatives
+                # this step's lookups and the next batch's id exchange, issued by comm.policy
+                ahead = loader.peek_ahead(1)
+                table.start_step(batch.step, [values, labels, negatives],
+                                 ahead.step, [ahead.values, ahead.labels])
+                gcomm.sched.flush()
             h = model(values, offsets, pad_to)
-            total = loss_sum(model, h, labels, cfg.loss, generator)
+            total = loss_sum(model, h, labels, cfg.loss, negatives=negatives)
             if pending is not None:
                 t = time.perf_counter()
                 pending.wait()
@@ -156,11 +162,17 @@ def train(cfg: Config) -> dict:
             loss = total / (counts[0].item() if cfg.loss.normalize == "step" else tokens_per_step)
             loss.backward()
             if table is not None:
-                table.flush_grads()       # embedding grads to their owners (a SUM over the group)
+                table.start_grads()       # embedding grads to their owners (a SUM over the group) ...
         t_bwd = time.perf_counter()
         gcomm.compute_end()
+        if table is not None:
+            wait += table.take_exposed()  # rows the forward pass waited for
         compute = t_bwd - t_data - wait
         wait += gcomm.allreduce_grads(group_params, default=distributed.allreduce_grads)
+        if table is not None and batch is not None:
+            t = time.perf_counter()
+            table.finish_grads()          # ... while the dense gradients were all-reduced
+            wait += time.perf_counter() - t
         t = time.perf_counter()
         ft.allreduce([p.grad for p in params])
         wait += time.perf_counter() - t
@@ -222,8 +234,11 @@ def train(cfg: Config) -> dict:
     if window.steps:  # stopped between two log steps
         _flush_window(window, history, tracker, gcomm, state.step, steps_total, cursor.epoch, topo, False, 0.0)
     loader.close()
+    if table is not None:
+        log(topo, f"comm.policy={cfg.comm.policy}: the next batch's id exchange was prefetched and used in "
+                  f"{table.prefetch_hits} of {table.prefetch_hits + table.prefetch_misses} steps")
     if hasattr(ft, "finish"):
-        ft.finish()   # ftcore: the group's final tensor-only state for the launcher, then leave the quorum
+        ft.finish(per_rank=table is not None)   # ftcore: the group's final tensor-only state for the launcher, then leave the quorum
     if saved != state.step:
         final = _save(state, cfg, shards, topo, ckpt_root, tracker, table)
     model = _full_model(model, table, topo)     # collective: evaluation and model logging see the full table
@@ -240,6 +255,9 @@ def train(cfg: Config) -> dict:
                   "checkpoint": os.path.abspath(final), "steps": state.step, "metrics": scores,
                   "train_seconds": wall, "epochs_completed": cursor.epoch + cursor.index / shards.steps,
                   "throughput": metrics.run_summary(history), "eval_seconds": time.perf_counter() - t_eval}
+        if table is not None:
+            result["comm"] = {"policy": cfg.comm.policy, "prefetch_hits": table.prefetch_hits,
+                              "prefetch_misses": table.prefetch_misses}
         if tracker:
             tracker.log_metrics(scores, state.step)
             if timeline_png:

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 TRANSPORTS = ("collective", "smfree")
 EMBEDDINGS = ("replicated", "sharded")
+POLICIES = ("blocking", "overlapped", "prioritized")   # training/comm/scheduler.py
 
 
 @dataclass
@@ -13,10 +14,15 @@ class CommConfig:
     bubbles: bool = True            # per-step compute / comm / straggler / idle accounting, logged to MLflow
     timeline_steps: int = 8         # steps in the PNG timeline artifact (the run's last ones)
     embedding: str = "replicated"   # "replicated" | "sharded": the item table row-sharded over the group's K ranks
+    # how a sharded table's lookups run: "blocking" inline where the model needs them;
+    # "overlapped" async in submission order, with batch i+1's id exchange during step i;
+    # "prioritized" the same, issued in the order compute needs them (FreeScale)
+    policy: str = "prioritized"
 
 
 def checks(cfg: CommConfig) -> list[tuple[bool, str]]:
     """(ok, message) pairs for the trainer's config validation."""
     return [(cfg.transport in TRANSPORTS, f"comm.transport must be one of {', '.join(TRANSPORTS)}"),
             (cfg.timeline_steps >= 1, "comm.timeline_steps must be >= 1"),
-            (cfg.embedding in EMBEDDINGS, f"comm.embedding must be one of {', '.join(EMBEDDINGS)}")]
+            (cfg.embedding in EMBEDDINGS, f"comm.embedding must be one of {', '.join(EMBEDDINGS)}"),
+            (cfg.policy in POLICIES, f"comm.policy must be one of {', '.join(POLICIES)}")]

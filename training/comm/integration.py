@@ -9,21 +9,28 @@ What the trainer (training/train.py) gets from it, selected by the `[comm]` conf
   the PNG timeline of a window of steps for the run's artifacts.
 
 The sharded item table (`comm.embedding = "sharded"`) is wired in through item_table.py:
-the trainer keeps the shard out of the group all-reduce and the parameter broadcast, clips
-with the global norm (shard norms all-reduced), gathers the table for rank-0 evaluation,
-model logging and checkpoints (which hold the full table; each rank's file adds its shard's
-optimizer state). Not wired in (yet): the batch-ahead pipeline, which needs the loader to
-expose batch i+1 while batch i runs; bench.py's loop (`PipelinedRun`) shows its use.
+the trainer submits a step's lookups and the next batch's id exchange before the forward
+pass, keeps the shard out of the group all-reduce and the parameter broadcast, clips with
+the global norm (shard norms all-reduced), gathers the table for rank-0 evaluation, model
+logging and checkpoints (which hold the full table; each rank's file adds its shard's
+optimizer state).
+
+Two channels, so two threads never interleave ops on one: the group's transport runs on a
+process group of its own (`self.group`), fed only by the scheduler's ordered queue (the comm
+thread); the trainer's own collectives (counts, dense all-reduce, norms, gathers) stay on
+the default process group, on the compute thread.
 """
 
 from __future__ import annotations
 
 import os
 from contextlib import nullcontext
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from training.distributed import COLLECTIVE_TIMEOUT_S
 from training.comm.bubbles import Timeline, account, max_arrivals, metrics, plot_timeline
 from training.comm.scheduler import CommScheduler, Stage
 from training.comm.config import CommConfig
@@ -34,9 +41,12 @@ class GroupComm:
     def __init__(self, cfg: CommConfig, rank: int = 0, device: str | torch.device = "cpu"):
         self.cfg = cfg
         self.active = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        self.transport = make_transport(TransportConfig(kind=cfg.transport), device=str(device)) if self.active else None
+        self.group = (dist.new_group(backend=dist.get_backend(), timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+                      if self.active else None)
+        self.transport = (make_transport(TransportConfig(kind=cfg.transport), group=self.group, device=str(device))
+                          if self.active else None)
         self.timeline = Timeline(rank) if cfg.bubbles else None
-        self.sched = CommScheduler("blocking", self.timeline)
+        self.sched = CommScheduler(cfg.policy, self.timeline)
         self._window_start = 0   # index into timeline.steps of the first step not yet logged
         self._logged_ops = 0
 
@@ -74,13 +84,14 @@ class GroupComm:
         With the `collective` transport and `default` given (the trainer's own all-reduce,
         `default(params) -> seconds`), that one runs, unchanged, and is only timed here."""
         if default is not None and (self.transport is None or self.transport.name == "collective"):
-            op = self.sched.submit("dense_grad", Stage.DENSE_GRAD, lambda: default(params))
-            return op.exposed
+            return self.sched.run_inline("dense_grad", Stage.DENSE_GRAD, lambda: default(params)).exposed
         if not self.active:
             return 0.0
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads])
+        # through the queue: the transport's ops must keep one order on every rank
         op = self.sched.submit("dense_grad", Stage.DENSE_GRAD, lambda: self.transport.all_reduce(flat).wait())
+        self.sched.wait(op)
         i = 0
         for p, g in zip(params, grads):
             if p.grad is None:
@@ -121,7 +132,11 @@ class GroupComm:
     def finish(self, out_dir: str) -> str | None:
         """Gather every rank's timeline and write the PNG of the last `timeline_steps` steps on
         rank 0; returns its path there (None elsewhere). Collective."""
+        self.sched.drain()
+        self.sched.close()
         if self.timeline is None:
+            if self.transport is not None:
+                self.transport.close()
             return None
         steps = self.timeline.steps[-self.cfg.timeline_steps:]
         mine = self.timeline.to_json(steps)

@@ -2,63 +2,141 @@
 
 `comm.embedding = "sharded"` swaps SeqRec's `item_emb` (an nn.Embedding) for
 `ShardedItemTable`: rank k keeps rows [k*B, (k+1)*B) of the very table the replicated model
-starts from, and every lookup (histories in the model, then targets, then the shared
-negatives in the loss: the order compute consumes them, `Stage` HISTORY < CANDIDATE <
-NEGATIVE) is an all-to-all through the group's transport.
+starts from, and every lookup is an all-to-all through the group's transport.
+
+A step's lookups are submitted before its forward pass, in the order compute consumes them
+(`Stage` HISTORY < CANDIDATE < NEGATIVE): the histories feed the first layer, the targets
+and the step's negatives (drawn up front, training/loss.py) only the loss, so their rows
+arrive while the transformer runs. The id exchange (input dist) of the batch expected next
+is submitted in the same flush and runs during this step's compute; next step reuses it when
+the batch is the expected one (`start_step(key=row group)`; all ranks of the group decide
+alike, from the group-wide key). Rows are always read after the previous optimizer update:
+no stale embeddings. The scheduler's policy (comm.policy) decides what runs async and in
+which order; the results are the same under every policy.
 
 Why the gradients are deferred: the replicated table sums, per row, the dense gradient of
 each lookup in the order autograd delivers them, and the group then SUMs the ranks. Here
 each lookup's per-row gradient is added into one buffer over the step's unique ids in the
-same delivery order, and `flush_grads` (after backward) sends that buffer to the owners in
-one all-to-all, where rank 0's part is added before rank 1's. With 2 ranks every float
-addition happens in the same order as in the replicated run: bitwise equal updates.
+same delivery order, and one all-to-all (`start_grads` after backward, overlapping the dense
+all-reduce; `finish_grads` before the optimizer) sends that buffer to the owners, where rank
+0's part is added before rank 1's. With 2 ranks every float addition happens in the same
+order as in the replicated run: bitwise equal updates.
 
 ftcore: rank k of every replica group holds the same rows, so ft.allreduce (FTAR) averages
-the shard like any dense parameter of rank k.
+the shard like any dense parameter of rank k, and heal fetches rank k's state from rank k.
 """
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
-from training.comm.scheduler import Stage
+from training.comm.scheduler import CommOp, CommScheduler, Stage
 from training.comm.sharded_embedding import LookupPlan, ShardedEmbedding, gather_full_weight
+
+
+@dataclass
+class _Ahead:
+    """The batch expected next: its id exchanges, submitted a step early."""
+    key: object
+    ids: list[torch.Tensor]
+    plans: list[LookupPlan]
+    ops: list[CommOp]
+
+
+FEATURES = (("history", Stage.HISTORY), ("candidate", Stage.CANDIDATE), ("negative", Stage.NEGATIVE))
 
 
 class ShardedItemTable(ShardedEmbedding):
     """`item_emb` of a SeqRec, row-sharded; `weight` is this rank's shard."""
 
-    def __init__(self, full_weight: torch.Tensor, transport, sched=None, padding_idx: int | None = 0):
+    def __init__(self, full_weight: torch.Tensor, transport, sched: CommScheduler | None = None,
+                 padding_idx: int | None = 0):
         super().__init__(full_weight.shape[0], full_weight.shape[1], transport, sharding="row",
                          padding_idx=padding_idx, full_weight=full_weight.detach().cpu())
-        self.sched = sched                      # CommScheduler: exposed-comm records per stage
+        self.sched = sched or CommScheduler("blocking")
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []   # (unique ids, grads) per lookup
-        self._stages = iter(())
+        self._ready: list[tuple[torch.Tensor, LookupPlan, CommOp, CommOp]] = []  # this step's lookups
+        self._ahead: _Ahead | None = None
+        self._grad_ops: tuple[LookupPlan, CommOp, CommOp] | None = None
+        self.prefetch_hits = self.prefetch_misses = 0
+        self.exposed_s = 0.0   # seconds the model waited for rows, since `take_exposed`
         self.grad_sink = self._defer
 
-    def step_lookups(self) -> None:
-        """Call before a step's forward: its lookups are history, candidates, negatives (in order)."""
-        self._stages = iter((Stage.HISTORY, Stage.CANDIDATE, Stage.NEGATIVE))
+    # ---- forward: lookups submitted before the model runs
+    def start_step(self, key, ids: list[torch.Tensor], next_key=None, next_ids: list[torch.Tensor] | None = None):
+        """Submit this step's lookups: `ids` = [histories, targets, negatives], the order the
+        model and the loss call the table; `key` names the batch (its row group). First the
+        id exchange of the batch expected next (`next_key`, `next_ids` = [histories, targets]):
+        a FIFO queue issues it first, the prioritized one after this step's lookups."""
+        ahead, self._ahead = self._ahead, None
+        if next_ids is not None:
+            self._ahead = self._prefetch(next_key, next_ids)
+        if ahead is not None:
+            hit = ahead.key == key
+            self.prefetch_hits += hit
+            self.prefetch_misses += not hit
+            if not hit:
+                for op in ahead.ops:   # issued a step ago: finished, or about to
+                    self.sched.wait(op)
+                ahead = None
+        self._ready = []
+        for i, ((name, stage), t) in enumerate(zip(FEATURES, ids)):
+            t = t.detach().cpu()
+            if ahead is not None and i < len(ahead.plans):
+                if not torch.equal(ahead.ids[i], t):
+                    raise RuntimeError(f"comm: the prefetched {name} ids of batch {key!r} differ from the "
+                                       "batch's own: the data under one row group changed during the run")
+                plan, ids_op = ahead.plans[i], ahead.ops[i]
+            else:
+                plan = self.plan(t)
+                ids_op = self.sched.submit(f"{name}_ids", stage, lambda p=plan: self.exchange_ids(p))
+            # gather on the comm thread too: after its ids (same stage, later submission)
+            rows_op = self.sched.submit(f"{name}_rows", stage,
+                                        lambda p=plan: self.exchange_rows(p, self.gather_rows(p)))
+            self._ready.append((t, plan, ids_op, rows_op))
 
-    def _submit(self, name: str, stage: Stage, fn):
-        if self.sched is None:
-            return fn()
-        return self.sched.submit(name, stage, fn).future.result()
+    def _prefetch(self, key, ids: list[torch.Tensor]) -> _Ahead:
+        """The id exchange (input dist) of the batch expected next step: it needs no weights,
+        so it runs while this step computes."""
+        ids = [t.detach().cpu() for t in ids]
+        plans = [self.plan(t) for t in ids]
+        ops = [self.sched.submit(f"next_{name}_ids", Stage.NEXT_INPUT, lambda p=p: self.exchange_ids(p))
+               for (name, _), p in zip(FEATURES, plans)]
+        return _Ahead(key, ids, plans, ops)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        stage = next(self._stages, Stage.NEGATIVE)
-        name = stage.name.lower()
-        plan = self._submit(f"{name}_ids", stage, lambda: self.exchange_ids(self.plan(ids.cpu())))
-        rows = self._submit(f"{name}_rows", stage, lambda: self.exchange_rows(plan, self.gather_rows(plan)))
+        if not self._ready:   # a lookup outside start_step: inline, through the same ordered queue
+            plan = self.sched.wait(self.sched.submit("lookup_ids", Stage.HISTORY,
+                                                     lambda: self.exchange_ids(self.plan(ids.cpu()))))
+            rows = self.sched.wait(self.sched.submit("lookup_rows", Stage.HISTORY,
+                                                     lambda: self.exchange_rows(plan, self.gather_rows(plan))))
+            return self.attach(plan, rows).to(ids.device)
+        t, plan, ids_op, rows_op = self._ready.pop(0)
+        if not torch.equal(ids.detach().cpu(), t):
+            raise RuntimeError("comm: the model looked up other ids than start_step() submitted "
+                               "(the order is histories, targets, negatives)")
+        t0 = time.perf_counter()
+        rows = self.sched.wait(rows_op)     # just before use: the exposed communication
+        self.sched.wait(ids_op)             # finished before its rows (one ordered queue)
+        self.exposed_s += time.perf_counter() - t0
         return self.attach(plan, rows).to(ids.device)
 
+    def take_exposed(self) -> float:
+        """Seconds the lookups blocked the compute thread since the last call."""
+        s, self.exposed_s = self.exposed_s, 0.0
+        return s
+
+    # ---- backward: one gradient all-to-all per step
     def _defer(self, plan: LookupPlan, grad_unique: torch.Tensor) -> None:
         self._pending.append((plan.unique, grad_unique))
 
-    def flush_grads(self) -> None:
-        """Collective (every rank of the group, after backward): the step's embedding
-        gradients to their owners, SUMmed into the shard's .grad."""
+    def start_grads(self) -> None:
+        """Collective (every rank of the group, after backward): submit the step's embedding
+        gradients to their owners; `finish_grads` waits and SUMs them into the shard's .grad."""
         pending, self._pending = self._pending, []
         if pending:
             ids = torch.unique(torch.cat([u for u, _ in pending]), sorted=True)
@@ -69,8 +147,17 @@ class ShardedItemTable(ShardedEmbedding):
             ids, buf = torch.zeros(0, dtype=torch.int64), torch.zeros(0, self.dim, dtype=self.weight.dtype)
         if self.padding_idx is not None:
             buf[ids == self.padding_idx] = 0
-        plan = self._submit("emb_grad_ids", Stage.EMB_GRAD, lambda: self.exchange_ids(self.plan(ids)))
-        recv = self._submit("emb_grad", Stage.EMB_GRAD, lambda: self.exchange_grads(plan, buf))
+        plan = self.plan(ids)
+        ids_op = self.sched.submit("emb_grad_ids", Stage.EMB_GRAD, lambda: self.exchange_ids(plan))
+        grads_op = self.sched.submit("emb_grad", Stage.EMB_GRAD, lambda: self.exchange_grads(plan, buf))
+        self._grad_ops = (plan, ids_op, grads_op)
+        self.sched.flush()
+
+    def finish_grads(self) -> None:
+        plan, ids_op, grads_op = self._grad_ops
+        self._grad_ops = None
+        recv = self.sched.wait(grads_op)
+        self.sched.wait(ids_op)   # finished before its grads
         self.accumulate(plan, recv)
 
     def full_weight(self) -> torch.Tensor:

@@ -34,8 +34,7 @@ from typing import Any, Callable
 import torch
 
 from training.comm import COMM_TIMEOUT_S
-
-POLICIES = ("blocking", "overlapped", "prioritized")
+from training.comm.config import POLICIES
 
 
 class Stage(IntEnum):
@@ -87,21 +86,43 @@ class CommScheduler:
             self._thread.start()
 
     def submit(self, name: str, stage: Stage, fn: Callable[[], Any]) -> CommOp:
-        op = CommOp(name, Stage(stage), fn, self.step, self._next_seq, t_submit=self.clock())
-        self._next_seq += 1
-        self.ops.append(op)
+        op = self._new_op(name, stage, fn)
         if self.policy == "blocking":
-            # run now on the compute thread: its whole duration is exposed
-            self._issue(op)
-            if self.timeline is not None:
-                self.timeline.comm_begin(self.clock())
-            self._execute(op)
-            op.t_wait0, op.t_wait1, op.waited = op.t_start, op.t_end, True
-            if self.timeline is not None:
-                self.timeline.comm_end(op.t_end, op)
+            self._inline(op)
         else:
             self._pending.append(op)
         return op
+
+    def run_inline(self, name: str, stage: Stage, fn: Callable[[], Any]) -> CommOp:
+        """Run `fn` now on the compute thread, recorded like a blocking op (whatever the
+        policy): for a collective on another channel than the queue's (the trainer's dense
+        all-reduce on the default process group)."""
+        op = self._new_op(name, stage, fn)
+        self._inline(op)
+        op.future.result()   # its error, raised here
+        return op
+
+    def drain(self):
+        """Wait for every op issued or pending (the end of a run: nothing left in flight)."""
+        self.flush()
+        for op in [o for o in self.issued if not o.waited]:
+            self.wait(op)
+
+    def _new_op(self, name: str, stage: Stage, fn: Callable[[], Any]) -> CommOp:
+        op = CommOp(name, Stage(stage), fn, self.step, self._next_seq, t_submit=self.clock())
+        self._next_seq += 1
+        self.ops.append(op)
+        return op
+
+    def _inline(self, op: CommOp):
+        # on the compute thread: its whole duration is exposed
+        self._issue(op)
+        if self.timeline is not None:
+            self.timeline.comm_begin(self.clock())
+        self._execute(op)
+        op.t_wait0, op.t_wait1, op.waited = op.t_start, op.t_end, True
+        if self.timeline is not None:
+            self.timeline.comm_end(op.t_end, op)
 
     def flush(self):
         """Hand the pending ops to the comm thread, in issue order."""
