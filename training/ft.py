@@ -8,7 +8,8 @@ FTCORE_LIGHTHOUSE: the step protocol of ftcore.manager, with `TrainState` as the
 a recovering replica group receives (model, optimizer, scheduler, step, data cursor,
 RNG) plus ftcore's make-up schedule, a ledger of committed batches in OUT/../ledger,
 and the group's final parameters and optimizer state in OUT/state.safetensors
-(tensor-only) for the launcher's per-group checksum.
+(tensor-only) for the launcher's per-group checksum; with a sharded item table every
+rank k > 0 also writes its own OUT/state.rank<k>.safetensors (its rows differ).
 
 The data side of the seam: `next_batch(loader)` is the batch this group trains this step
 (None: it joins the all-reduce with zero gradients), `advance(loader)` moves the data on
@@ -60,7 +61,7 @@ class LocalReplica:
     def lr_scale(self) -> float:
         return 1.0
 
-    def finish(self) -> None:
+    def finish(self, per_rank: bool = False) -> None:
         pass
 
 
@@ -170,13 +171,23 @@ class FTReplica:
     def lr_scale(self) -> float:
         return self.manager.lr_scale()
 
-    def finish(self) -> None:
-        """Write the group's final parameters and optimizer state (tensor-only) and leave."""
-        from ftcore import tensorfile
+    def finish(self, per_rank: bool = False) -> None:
+        """Write the group's final parameters and optimizer state (tensor-only) and leave.
 
-        if self.out and self.topo.rank == 0:
+        per_rank=False: the ranks hold the same state, rank 0 writes OUT/state.safetensors.
+        per_rank=True (a sharded item table: each rank holds different rows and their
+        optimizer state): every rank writes its own file, `final_state_file(k)`; rank 0's
+        metadata says how many there are, so the launcher's checksum covers every shard."""
+        from ftcore import tensorfile
+        from training.launch import final_state_file   # the launcher reads what this writes
+
+        k = self.topo.rank
+        if self.out and (per_rank or k == 0):
+            meta = {"step": str(self.manager.step)}
+            if per_rank:
+                meta.update(rank=str(k), ranks=str(self.topo.group_size))
             tensorfile.save({"model": self.state.model.state_dict(), "optimizer": self.state.optimizer.state_dict()},
-                            os.path.join(self.out, "state.safetensors"), {"step": str(self.manager.step)})
+                            os.path.join(self.out, final_state_file(k)), meta)
         self.manager.shutdown()
 
 

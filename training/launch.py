@@ -15,7 +15,8 @@
 - runs the external part of a fault plan (ftcore/faults.py): signals at a step or time,
   lighthouse kills; the in-process part reaches the ranks through FTCORE_FAULTS;
 - prefixes every log line with [g<group>r<rank>]; exits non-zero if training cannot finish;
-- at the end prints a checksum of every group's final state (OUT/replica_<g>/) and writes
+- at the end prints a checksum of every group's final state (OUT/replica_<g>/: every
+  rank's file when the ranks' states differ, a sharded item table) and writes
   OUT/timeline.json (lighthouse events + every step attempt of every rank), logged to
   MLflow through training.tracking when the trainer's run is known.
 """
@@ -74,12 +75,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def checksum(path: str) -> str:
+def final_state_file(rank: int) -> str:
+    """A rank's final state file in OUT/replica_<g>/ (training/ft.py writes it): rank 0's is the
+    group's; ranks k > 0 write their own only when their state differs (a sharded item table)."""
+    return "state.safetensors" if rank == 0 else f"state.rank{rank}.safetensors"
+
+
+def checksum(paths: str | list[str]) -> str:
+    """sha256 (16 hex digits) of the files' bytes, concatenated in the order given (rank
+    order). One file: the hash of that file, as before; the files are safetensors, each
+    self-delimiting, so the concatenation names one set of files."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
+    for path in [paths] if isinstance(paths, str) else paths:
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
     return h.hexdigest()[:16]
+
+
+def state_metadata(path: str) -> dict[str, str]:
+    """The `__metadata__` of a safetensors file, read from its header alone (no torch here)."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        if not 0 < n <= 64 << 20:
+            raise ValueError(f"{path}: not a safetensors file (header length {n})")
+        return json.loads(f.read(n)).get("__metadata__") or {}
 
 
 class Proc:
@@ -409,20 +429,44 @@ class Launcher:
         self.write_timeline(sums, code)
         return code
 
-    def final_state(self, g: int) -> str | None:
+    def final_state(self, g: int) -> list[str] | None:
+        """The group's final state files in rank order, or None if it has none (or lacks a
+        rank's file that rank 0's metadata announces: the state is incomplete)."""
         folder = os.path.join(self.out, f"replica_{g}")
-        for name in ("state.safetensors", "final.safetensors"):
-            if os.path.exists(os.path.join(folder, name)):
-                return os.path.join(folder, name)
-        return None
+        first = os.path.join(folder, final_state_file(0))
+        if not os.path.exists(first):
+            legacy = os.path.join(folder, "final.safetensors")
+            return [legacy] if os.path.exists(legacy) else None
+        try:
+            meta = state_metadata(first)
+            ranks = int(meta.get("ranks", "1"))
+            # Only the files rank 0 announces: a stale state.rank<k> from an earlier sharded run
+            # in the same folder is not part of this run's state.
+            paths = [first, *(os.path.join(folder, final_state_file(k)) for k in range(1, ranks))]
+            missing = [p for p in paths if not os.path.exists(p)]
+            if missing:
+                print(f"[launch] replica_{g}: final state incomplete, {len(missing)} of {ranks} rank file(s) "
+                      f"missing ({missing[0]})", flush=True)
+                return None
+            stale = [p for p in paths[1:] if state_metadata(p).get("step") != meta.get("step")]
+            if stale:
+                print(f"[launch] replica_{g}: final state incomplete, {stale[0]} is from another step than "
+                      f"{first} (step {meta.get('step')})", flush=True)
+                return None
+        except (OSError, ValueError) as e:
+            print(f"[launch] replica_{g}: cannot read its final state: {e}", flush=True)
+            return None
+        return paths
 
     def report(self) -> dict[int, str]:
+        """A checksum of every group's final state (all its rank files); warns when they differ."""
         sums = {}
         for g in range(self.cfg.replica_groups):
-            path = self.final_state(g)
-            if path:
-                sums[g] = checksum(path)
-                print(f"[launch] replica_{g} checksum {sums[g]} ({path}), restarts {self.restarts.get(g, 0)}",
+            paths = self.final_state(g)
+            if paths:
+                sums[g] = checksum(paths)
+                where = paths[0] if len(paths) == 1 else f"{paths[0]} + {len(paths) - 1} rank file(s)"
+                print(f"[launch] replica_{g} checksum {sums[g]} ({where}), restarts {self.restarts.get(g, 0)}",
                       flush=True)
         if len(set(sums.values())) > 1:
             print("[launch] WARNING: replica groups ended with different states", flush=True)

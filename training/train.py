@@ -129,6 +129,7 @@ def train(cfg: Config) -> dict:
     window, history = metrics.Window(), metrics.History()
     started = time.perf_counter()
     stop, saved, fitted = False, -1, False
+    comm_totals = {"lookup_wait_s": 0.0, "emb_grad_wait_s": 0.0}   # a sharded table's exposed comm, rank 0
     model.train()
     while not stop and not ft.data_done(state.step, steps_total):
         t_step = time.perf_counter()
@@ -166,12 +167,15 @@ def train(cfg: Config) -> dict:
         t_bwd = time.perf_counter()
         gcomm.compute_end()
         if table is not None:
-            wait += table.take_exposed()  # rows the forward pass waited for
+            lookup_wait = table.take_exposed()  # rows the forward pass waited for
+            comm_totals["lookup_wait_s"] += lookup_wait
+            wait += lookup_wait
         compute = t_bwd - t_data - wait
         wait += gcomm.allreduce_grads(group_params, default=distributed.allreduce_grads)
         if table is not None and batch is not None:
             t = time.perf_counter()
             table.finish_grads()          # ... while the dense gradients were all-reduced
+            comm_totals["emb_grad_wait_s"] += time.perf_counter() - t
             wait += time.perf_counter() - t
         t = time.perf_counter()
         ft.allreduce([p.grad for p in params])
@@ -257,7 +261,7 @@ def train(cfg: Config) -> dict:
                   "throughput": metrics.run_summary(history), "eval_seconds": time.perf_counter() - t_eval}
         if table is not None:
             result["comm"] = {"policy": cfg.comm.policy, "prefetch_hits": table.prefetch_hits,
-                              "prefetch_misses": table.prefetch_misses}
+                              "prefetch_misses": table.prefetch_misses, **comm_totals}
         if tracker:
             tracker.log_metrics(scores, state.step)
             if timeline_png:

@@ -28,7 +28,6 @@ the shard like any dense parameter of rank k, and heal fetches rank k's state fr
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -63,7 +62,7 @@ class ShardedItemTable(ShardedEmbedding):
         self._ahead: _Ahead | None = None
         self._grad_ops: tuple[LookupPlan, CommOp, CommOp] | None = None
         self.prefetch_hits = self.prefetch_misses = 0
-        self.exposed_s = 0.0   # seconds the model waited for rows, since `take_exposed`
+        self._lookup_ops: list[CommOp] = []   # lookup ops whose exposed time is not yet taken
         self.grad_sink = self._defer
 
     # ---- forward: lookups submitted before the model runs
@@ -98,6 +97,7 @@ class ShardedItemTable(ShardedEmbedding):
             rows_op = self.sched.submit(f"{name}_rows", stage,
                                         lambda p=plan: self.exchange_rows(p, self.gather_rows(p)))
             self._ready.append((t, plan, ids_op, rows_op))
+            self._lookup_ops += [rows_op] if ahead is not None and i < len(ahead.plans) else [ids_op, rows_op]
 
     def _prefetch(self, key, ids: list[torch.Tensor]) -> _Ahead:
         """The id exchange (input dist) of the batch expected next step: it needs no weights,
@@ -106,6 +106,7 @@ class ShardedItemTable(ShardedEmbedding):
         plans = [self.plan(t) for t in ids]
         ops = [self.sched.submit(f"next_{name}_ids", Stage.NEXT_INPUT, lambda p=p: self.exchange_ids(p))
                for (name, _), p in zip(FEATURES, plans)]
+        self._lookup_ops += ops
         return _Ahead(key, ids, plans, ops)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -119,16 +120,16 @@ class ShardedItemTable(ShardedEmbedding):
         if not torch.equal(ids.detach().cpu(), t):
             raise RuntimeError("comm: the model looked up other ids than start_step() submitted "
                                "(the order is histories, targets, negatives)")
-        t0 = time.perf_counter()
         rows = self.sched.wait(rows_op)     # just before use: the exposed communication
         self.sched.wait(ids_op)             # finished before its rows (one ordered queue)
-        self.exposed_s += time.perf_counter() - t0
         return self.attach(plan, rows).to(ids.device)
 
     def take_exposed(self) -> float:
-        """Seconds the lookups blocked the compute thread since the last call."""
-        s, self.exposed_s = self.exposed_s, 0.0
-        return s
+        """Seconds the lookups blocked the compute thread (inline under `blocking`, waiting
+        for them otherwise), over the lookup ops waited since the last call."""
+        done = [op for op in self._lookup_ops if op.waited]
+        self._lookup_ops = [op for op in self._lookup_ops if not op.waited]
+        return sum(op.exposed for op in done)
 
     # ---- backward: one gradient all-to-all per step
     def _defer(self, plan: LookupPlan, grad_unique: torch.Tensor) -> None:
