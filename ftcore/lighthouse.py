@@ -68,6 +68,7 @@ class Group:
     ranks: dict[int, Rank] = field(default_factory=dict)
     healthy: bool = False
     left: bool = False
+    leaving: bool = False  # a rank said goodbye: the group is ending cleanly, rank by rank
 
     @property
     def step(self) -> int:
@@ -170,7 +171,7 @@ class Lighthouse:
                 grp.healthy = ok
                 if ok:
                     self.event("group_healthy", group=grp.group, incarnation=grp.incarnation, step=grp.step)
-                elif not grp.left:
+                elif not (grp.left or grp.leaving):
                     why = ("connection closed" if any(r.disconnected for r in grp.ranks.values())
                            else "heartbeat timeout")
                     self.event("failure_detected", group=grp.group, incarnation=grp.incarnation, reason=why)
@@ -308,6 +309,7 @@ class Lighthouse:
             if grp is None or grp.incarnation != int(msg.get("incarnation", 0)):
                 return
             grp.ranks.pop(int(msg["rank"]), None)
+            grp.leaving = True   # its other ranks leave next: not a failure
             if not grp.ranks and not grp.left:
                 grp.left = True
                 grp.healthy = False

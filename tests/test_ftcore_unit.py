@@ -207,6 +207,26 @@ def test_lighthouse_quorum_heal_assignment_and_fast_reform(lighthouse):
             c.close()
 
 
+def test_lighthouse_a_group_leaving_rank_by_rank_is_not_a_failure(lighthouse):
+    """K = 2: the first rank's goodbye leaves the group short of a rank; that is a clean exit
+    in progress, not a failure (a real failure still is, see the test above)."""
+    addr, lh = lighthouse(min_replicas=1, heartbeat_timeout=0.3)
+    cs = [LighthouseClient(addr, 0, r, 2) for r in range(2)]
+    try:
+        for c in cs:
+            c.start_heartbeats()
+        time.sleep(0.3)
+        cs[0].leave()
+        time.sleep(0.8)                          # past the heartbeat timeout of the rank that left
+        cs[1].leave()
+        kinds = [e["kind"] for e in lh.status()["events"]]
+        assert "group_healthy" in kinds and kinds.count("group_left") == 1
+        assert "failure_detected" not in kinds, kinds
+    finally:
+        for c in cs:
+            c.close()
+
+
 def test_lighthouse_min_replicas_majority_and_join_timeout(lighthouse):
     addr, _ = lighthouse(min_replicas=2, join_timeout=0.3, heartbeat_timeout=2.0)
     cs = _clients(addr, 3)
