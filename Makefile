@@ -29,6 +29,7 @@ bench: setup
 	$(BIN)/python -m ftcore.bench
 	$(BIN)/python -m ftcore.sim
 	$(BIN)/python -m training.comm.bench
+	$(BIN)/python -m training.comm.bench_trainer
 
 clean:
 	rm -rf $(WORK) bench-results

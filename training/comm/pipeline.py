@@ -16,6 +16,11 @@ Step i, as the training loop runs it:
 The ids all-to-all of batch i+1 runs while batch i computes; the rows of batch i are fetched
 after step i-1's optimizer update, so results equal the unpipelined model exactly (no stale
 embeddings). Features map to the consumer stage that orders them (`Stage`).
+
+This general form (any features, one grad all-to-all per feature as autograd produces it)
+drives bench.py's model. The trainer's item table (item_table.py) runs the same pipeline for
+its three lookups but sends the step's embedding grads in one all-to-all after backward, the
+price of summing them in the replicated table's order (bitwise equal results).
 """
 
 from __future__ import annotations
