@@ -8,6 +8,16 @@ group. Every surviving writer records every committed step, so a group killed ri
 after the vote still has its contribution on record; `ranges` are the writer's own
 sample ids in compact (first, last) form when it contributed. A rank whose state is
 replaced by a heal writes a `healed_to` marker: its records before it are superseded.
+
+Every process writes a `resumed_to` marker at its first quorum, with the step the job
+goes on from (the quorum's max step): the writer's earlier records of that step or later
+are dropped, as the job's history from there on is made after the marker. This keeps a
+whole-job resume exactly-once: every group relaunches from its own newest checkpoint, the
+job goes on from the highest, and the steps after it that the earlier attempt recorded
+are trained again. (A restarted group's record of a step its peers discarded goes the
+same way.) Earlier records stay: current when the writer's own state goes on, superseded
+when it heals. Limit: a writer that never rejoins a resumed job writes no marker, and its
+records after the resume point disagree with the re-trained ones (LedgerError).
 """
 
 import json
@@ -50,12 +60,17 @@ class Ledger:
         """This rank's state was replaced by a peer's at `step`: its earlier records are superseded."""
         os.write(self._fd, (json.dumps({"healed_to": step, "writer": [self.group, self.rank]}) + "\n").encode())
 
+    def resumed(self, step: int) -> None:
+        """This process joined the job at `step`: this writer's earlier records of steps >= it are void."""
+        os.write(self._fd, (json.dumps({"resumed_to": step, "writer": [self.group, self.rank]}) + "\n").encode())
+
     def close(self) -> None:
         os.close(self._fd)
 
 
 def read(folder: str) -> list[tuple[dict, bool]]:
-    """Every record as (record, superseded): superseded records precede a heal of their writer."""
+    """Every record as (record, superseded): superseded records precede a heal of their writer;
+    records a `resumed_to` marker voids are left out."""
     out = []
     for name in sorted(os.listdir(folder)):
         if not name.endswith(".jsonl"):
@@ -69,6 +84,8 @@ def read(folder: str) -> list[tuple[dict, bool]]:
                     continue  # a torn last line of a killed writer; other writers hold that step
                 if "healed_to" in rec:
                     recs = [(r, True) for r, _ in recs]
+                elif "resumed_to" in rec:
+                    recs = [(r, sup) for r, sup in recs if r["step"] < rec["resumed_to"]]
                 else:
                     recs.append((rec, False))
         out += recs

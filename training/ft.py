@@ -16,6 +16,13 @@ The data side of the seam: `next_batch(loader)` is the batch this group trains t
 commit, `data_done(step, steps_total)` ends the loop. One group: the cursor's batch every
 step, until steps_total. FT-HSDP: what ftcore.schedule.MakeupSchedule says, so batches a
 group missed while it was down are made up (exactly once) before the run ends.
+
+Across a whole-job resume (an Airflow retry relaunches every group with train.resume=true):
+`state_for_checkpoint()` puts the make-up schedule into each checkpoint's meta.json and
+`load_from_checkpoint(meta)` restores it, so batches still owed when the job stopped are
+made up after it; the ledger's `resumed_to` marker voids what a writer recorded beyond the
+step it rejoins at. Groups that resume at different steps meet at the highest one (the
+lighthouse's max step); the others heal, schedule included.
 """
 
 import os
@@ -35,6 +42,8 @@ class ReplicaSync(Protocol):
     def next_batch(self, loader: Any) -> Any: ...
     def advance(self, loader: Any) -> None: ...
     def data_done(self, step: int, steps_total: int) -> bool: ...
+    def state_for_checkpoint(self) -> dict: ...
+    def load_from_checkpoint(self, meta: dict) -> None: ...
 
 
 class LocalReplica:
@@ -61,6 +70,12 @@ class LocalReplica:
     def lr_scale(self) -> float:
         return 1.0
 
+    def state_for_checkpoint(self) -> dict:
+        return {}   # the data cursor in the checkpoint says it all
+
+    def load_from_checkpoint(self, meta: dict) -> None:
+        pass
+
     def finish(self, per_rank: bool = False) -> None:
         pass
 
@@ -86,8 +101,8 @@ class FTReplica:
                                        step=int(state.step), faults=manager.faults_from_env())
         self.ledger = (ledger.Ledger(os.path.join(os.path.dirname(os.path.abspath(self.out)), LEDGER_DIR),
                                      cfg.group, cfg.rank) if self.out else None)
-        # Whole epochs (ceil of steps_total): make-up work is owed per epoch. A run resumed from
-        # a checkpoint starts the schedule at its cursor; make-up work owed before it is not kept.
+        # Whole epochs (ceil of steps_total): make-up work is owed per epoch. The schedule starts
+        # at the cursor; a resumed run then restores the make-up work owed (load_from_checkpoint).
         c = state.cursor
         epochs = max(1, -(-(steps_total or c.steps_per_epoch) // c.steps_per_epoch))
         self.schedule = MakeupSchedule(c.steps_per_epoch, cfg.num_groups, epochs, seed=c.seed, order=c.order)
@@ -96,6 +111,7 @@ class FTReplica:
         self._live: set[int] = set()
         self._pos = self._committed = None   # this step's ftcore.schedule.Position / the last committed one
         self._ids: list[int] | None = None   # sample ids this group trained this step
+        self._joined = False                 # the ledger's resumed_to marker is written
 
     # ---- the state a recovering group receives ------------------------------------------
     def _state_dict(self) -> dict:
@@ -104,6 +120,37 @@ class FTReplica:
     def _load_state_dict(self, tree: dict) -> None:
         self.state.load_state_dict(tree)
         self.schedule.load_state_dict(tree["schedule"])
+
+    # ---- across a whole-job resume ---------------------------------------------------------
+    def state_for_checkpoint(self) -> dict:
+        """meta.json's share of FT state: the make-up work owed, which the data cursor cannot
+        tell (it says where the epoch is, not which of its batches a group missed)."""
+        return {"ftcore": {"schedule": self.schedule.state_dict()}}
+
+    def load_from_checkpoint(self, meta: dict) -> None:
+        """Restore the make-up schedule saved with the checkpoint this run resumed from.
+
+        A checkpoint without it (one replica group, or written before ftcore kept it) leaves
+        the schedule at the cursor: make-up work owed before it is lost, and said so."""
+        from training.checkpoint import CheckpointError
+
+        st = (meta.get("ftcore") or {}).get("schedule")
+        where = f"checkpoint step {meta.get('step')}"
+        if st is None:
+            print(f"[ftcore g{self.group}] {where} has no make-up schedule: batches missed before it are "
+                  "not made up", flush=True)
+            return
+        epochs = self.schedule.epochs
+        try:
+            self.schedule.load_state_dict(st)
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"{where}: its ftcore schedule does not fit this run ({e}); resume with "
+                                  f"--replica-groups {st.get('num_groups', '?')} on the same shard set") from None
+        self.schedule.epochs = epochs   # this run's length decides when it ends (train.epochs)
+        c, sc = self.state.cursor, self.schedule
+        if (c.epoch, c.index) != divmod(sc.epoch * sc.steps + sc.index, sc.steps):
+            raise CheckpointError(f"{where}: its ftcore schedule is at ({sc.epoch}, {sc.index}), its data cursor "
+                                  f"at ({c.epoch}, {c.index}): meta.json does not belong to state.pt")
 
     # ---- the step protocol --------------------------------------------------------------
     def start_quorum(self) -> None:
@@ -116,6 +163,11 @@ class FTReplica:
         q = self.manager.wait_quorum()
         batch = None
         if q is not None:
+            if self.ledger is not None and not self._joined:
+                # This process joins the job at the quorum's step: whatever this writer recorded
+                # at that step or later (a whole-job resume re-trains them) is void.
+                self.ledger.resumed(int(q["max_step"]))
+                self._joined = True
             self._live = set(q["groups"]) - {int(h) for h in q["heal"]}
             if not self.manager.healing:   # a healing group's schedule arrives with the state
                 self._pos = self.schedule.position(self._live)

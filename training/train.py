@@ -105,6 +105,8 @@ def train(cfg: Config) -> dict:
         cfg.mlflow.run_id = cfg.mlflow.run_id or checkpoint.read_meta(resumed_from).get("mlflow_run_id") or ""
         log(topo, f"resumed from {resumed_from} (step {state.step}, epoch {cursor.epoch}, index {cursor.index})")
     ft = make_replica(state, topo, steps_total)
+    if resumed_from:    # ftcore: the make-up work still owed at the checkpoint
+        ft.load_from_checkpoint(checkpoint.read_meta(resumed_from))
     loader = BatchLoader(shards, shard_ranks, cursor, cfg.data.prefetch)
     pad_to = cfg.model.max_len if cfg.data.pad_to_max_len else 0
     # loss.normalize = "epoch": the group's mean target count per step (a constant of the shard set)
@@ -232,7 +234,7 @@ def train(cfg: Config) -> dict:
         if cfg.eval.periodic and state.step % eval_every == 0 and state.step < steps_total and not stop:
             _validate(_full_model(model, table, topo), eval_data, cfg, tracker, state.step, topo)
         if cfg.train.checkpoint_every and state.step % cfg.train.checkpoint_every == 0:
-            final, saved = _save(state, cfg, shards, topo, ckpt_root, tracker, table), state.step
+            final, saved = _save(state, cfg, shards, topo, ckpt_root, tracker, table, ft), state.step
 
     # ---- the end: final checkpoint, test, result.json ----------------------------------
     if window.steps:  # stopped between two log steps
@@ -244,7 +246,7 @@ def train(cfg: Config) -> dict:
     if hasattr(ft, "finish"):
         ft.finish(per_rank=table is not None)   # ftcore: the group's final tensor-only state for the launcher, then leave the quorum
     if saved != state.step:
-        final = _save(state, cfg, shards, topo, ckpt_root, tracker, table)
+        final = _save(state, cfg, shards, topo, ckpt_root, tracker, table, ft)
     model = _full_model(model, table, topo)     # collective: evaluation and model logging see the full table
     timeline_png = gcomm.finish(os.path.join(out, "artifacts"))   # collective
     result = {}
@@ -350,11 +352,13 @@ def _local_rows(state: dict, table) -> dict:
     return state
 
 
-def _save(state: TrainState, cfg: Config, shards: ShardSet, topo, root: str, tracker, table=None) -> str:
+def _save(state: TrainState, cfg: Config, shards: ShardSet, topo, root: str, tracker, table=None,
+          ft=None) -> str:
     meta = {"mlflow_run_id": tracker.run_id if tracker else None,"step": state.step, "epoch": state.cursor.epoch, "index": state.cursor.index,
             "config": cfg.to_dict(), "num_items": shards.num_items,
             "fingerprint": shards.fingerprint(), "shards": os.path.abspath(shards.path),
-            "ranks_per_group": topo.group_size, "replica_groups": topo.num_replica_groups}
+            "ranks_per_group": topo.group_size, "replica_groups": topo.num_replica_groups,
+            **(ft.state_for_checkpoint() if ft is not None else {})}   # ftcore: make-up work owed
     sd = state.state_dict()
     if table is not None:   # collective: the checkpoint's model is the full table, as with a replicated one
         sd["model"]["item_emb.weight"] = table.full_weight()

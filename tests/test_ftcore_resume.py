@@ -1,0 +1,187 @@
+"""Exactly-once across a whole-job resume: the make-up work a group owes travels in the
+checkpoints, and the ledger drops what an earlier attempt recorded past the resume point.
+
+Attempt 1 (`python -m training launch`, 2 groups x 1 rank): group 1 is killed with SIGKILL
+mid-epoch 0 and its replacement never comes up (it hangs in its start-up: SIGSTOP), so
+group 0 trains alone and group 1 owes the batches it missed. The whole job is stopped
+(SIGINT to the launcher, which SIGKILLs every group) while group 0 is in a step after its
+last checkpoint and before the end of the epoch, where make-up work runs: its ledger then
+holds steps the resumed job trains again. Attempt 2 relaunches the job with
+train.resume=true, as an Airflow retry does: group 0 resumes from its newest checkpoint,
+group 1 from an older one and heals to group 0's step, and the job runs to the end. The
+ledger over both attempts shows every sample of both epochs trained exactly once, and
+group 1 makes up in attempt 2 the batches it missed in attempt 1."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+import pyarrow.parquet as pq
+import pytest
+
+from dataprep import schema
+from ftcore import ledger
+from ftcore.schedule import MakeupSchedule
+from training import checkpoint
+
+ROOT = Path(__file__).resolve().parent.parent
+# Steps (an epoch of the synthetic set below has 9): group 1 is killed at KILL_AT; group 0's
+# last checkpoint in attempt 1 is at CKPT, it records steps up to PAST_CKPT and is stopped
+# in the next one (a `slow` fault holds it there).
+KILL_AT, CKPT, PAST_CKPT = 3, 6, 7
+TRAIN_ARGS = ["train.epochs=2", f"train.checkpoint_every={CKPT // 2}", "model.dim=16", "loss.num_negatives=16",
+              "mlflow.log_model=false", "mlflow.plots=false", "eval.batch_size=256", "eval.periodic=false"]
+
+
+def run(args: list[str], timeout: float) -> subprocess.CompletedProcess:
+    p = subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, start_new_session=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, _ = p.communicate()
+        pytest.fail(f"{args[:3]} did not finish in {timeout}s:\n{out[-4000:]}")
+    return subprocess.CompletedProcess(args, p.returncode, out)
+
+
+def launch_until(args: list[str], done: Callable[[], bool], timeout: float) -> str:
+    """Run the launcher until `done()`, then stop the whole job with SIGINT (the launcher
+    SIGKILLs every group it started); returns its output."""
+    p = subprocess.Popen([sys.executable, "-m", "training", "launch", *args], cwd=ROOT, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    lines: list[str] = []
+
+    def pump() -> None:
+        for line in p.stdout:
+            lines.append(line)
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + timeout
+        while not done():
+            if p.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"launcher: the awaited state was not reached (exit {p.poll()}):\n"
+                            f"{''.join(lines)[-5000:]}")
+            time.sleep(0.1)
+    finally:
+        # SIGINT first, also on failure: the launcher SIGKILLs its groups, the hung one included
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGINT)
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    reader.join(timeout=5)
+    return "".join(lines)
+
+
+def records(folder: Path, writer: list[int] | None = None) -> list[dict]:
+    """The ledger's current records (of one writer)."""
+    if not folder.is_dir():
+        return []
+    return [r for r, sup in ledger.read(str(folder)) if not sup and writer in (None, r["writer"])]
+
+
+@pytest.mark.integ
+@pytest.mark.slow
+def test_whole_job_resume_makes_up_missed_batches_exactly_once(tmp_path):
+    events, shards, out = tmp_path / "events.txt", tmp_path / "shards", tmp_path / "run"
+    r = run(["-m", "dataprep", "synth", "--out", str(events), "--users", "600", "--items", "200", "--quiet"], 120)
+    assert r.returncode == 0, r.stdout[-2000:]
+    r = run(["-m", "dataprep", "shards", "--input", str(events), "--format", "sasrec", "--out", str(shards),
+             "--world-size", "2", "--batch-size", "32", "--max-len", "20", "--quiet"], 180)
+    assert r.returncode == 0, r.stdout[-2000:]
+    steps = json.loads((shards / schema.MANIFEST).read_text())["steps"]
+    assert steps > PAST_CKPT + 1, f"the shard set has {steps} steps per epoch: the stop must fall inside epoch 0"
+
+    # ---- attempt 1: group 1 down from KILL_AT on, the job stopped after PAST_CKPT ------------
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"faults": [
+        {"kind": "kill", "group": 1, "at_step": KILL_AT},
+        # its replacement (a cold start: --no-spares) hangs before it ever reaches the lighthouse
+        {"kind": "stop", "group": 1, "incarnation": 1, "at_time": 0, "duration_s": 0},
+        # group 0 holds in the step after PAST_CKPT until the job is stopped
+        {"kind": "slow", "group": 0, "at_step": PAST_CKPT + 1, "until_step": PAST_CKPT + 2, "delay_s": 120}]}))
+    led = out / "ledger"
+    log1 = launch_until(["--shards", str(shards), "--replica-groups", "2", "--ranks-per-group", "1",
+                         "--out", str(out), "--faults", str(plan), "--no-spares", "--timeout", "150", "--",
+                         "--set", *TRAIN_ARGS],
+                        lambda: any(r["step"] == PAST_CKPT for r in records(led, [0, 0])), 150)
+    assert '"fault": "kill", "group": 1' in log1, log1[-4000:]
+    late = [r["step"] for r in records(led, [1, 0]) if r["step"] > KILL_AT]
+    assert not late, f"group 1 came back in attempt 1 (it recorded steps {late})"
+    assert checkpoint.list_steps(str(out / "replica_0" / "checkpoints"))[-1] == CKPT
+    # what the resumed job owes group 1: the batches it missed before group 0's checkpoint
+    missed = {(r["epoch"], r["row_group"]) for r in records(led) if r["step"] < CKPT and 1 not in r["contributors"]}
+    assert missed and all(e == 0 for e, _ in missed), f"group 1 missed {missed}: no make-up work was owed"
+
+    # ---- attempt 2: the whole job relaunched from its checkpoints, to the end --------------
+    r = run(["-m", "training", "launch", "--shards", str(shards), "--replica-groups", "2", "--ranks-per-group", "1",
+             "--out", str(out), "--timeout", "150", "--", "--set", *TRAIN_ARGS, "train.resume=true"], 180)
+    assert r.returncode == 0, r.stdout[-5000:]
+    assert f"step-{CKPT:08d} (step {CKPT}," in r.stdout, "group 0 did not resume from its checkpoint"
+
+    ids = {}
+
+    def sample_ids(shard: int, row_group: int) -> list[int]:
+        if (shard, row_group) not in ids:
+            pf = pq.ParquetFile(shards / schema.shard_file(shard))
+            ids[shard, row_group] = pf.read_row_group(row_group, columns=["sample_id"]).column(0).to_pylist()
+        return ids[shard, row_group]
+
+    # every sample of both epochs once, over both attempts
+    summary = ledger.check(str(led), steps_per_epoch=steps, num_groups=2, ranks_per_group=1,
+                           epochs=2, sample_ids=sample_ids)
+    assert summary["batches"] == 2 * 2 * steps
+    made_up = {(r["epoch"], r["row_group"]) for r in records(led)
+               if r["kind"] == "makeup" and r["step"] >= CKPT and r["contributors"] == [1]}
+    assert missed <= made_up, f"attempt 2 made up {sorted(made_up)}, group 1 missed {sorted(missed)} in attempt 1"
+    # the groups met at one state: group 1 healed from group 0 (schedule included) and stayed with it
+    s0 = (out / "replica_0" / "state.safetensors").read_bytes()
+    s1 = (out / "replica_1" / "state.safetensors").read_bytes()
+    assert s0 == s1, "the groups ended with different states"
+
+
+def _ledger_lines(folder: Path, lines: list[dict]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "group-000-rank-000.jsonl", "a") as f:
+        for line in lines:
+            f.write(json.dumps(line) + "\n")
+
+
+def _rec(step: int, rg: int, contributors: list[int]) -> dict:
+    return {"step": step, "epoch": 0, "row_group": rg, "kind": "regular", "contributors": contributors,
+            "quorum_id": 1, "writer": [0, 0], "ranges": None}
+
+
+def test_resumed_to_drops_the_writers_later_records_only(tmp_path):
+    """Records at or after the marker's step are gone; earlier ones stay current; a heal
+    after it still supersedes (not drops) what came before."""
+    led = tmp_path / "ledger"
+    _ledger_lines(led, [_rec(0, 0, [0]), _rec(1, 1, [0]), _rec(2, 2, [0]), {"resumed_to": 1, "writer": [0, 0]},
+                        _rec(1, 5, [0])])
+    assert [(r["step"], r["row_group"], sup) for r, sup in ledger.read(str(led))] == [(0, 0, False), (1, 5, False)]
+    _ledger_lines(led, [{"healed_to": 2, "writer": [0, 0]}, _rec(2, 6, [0])])
+    assert [(r["step"], sup) for r, sup in ledger.read(str(led))] == [(0, True), (1, True), (2, False)]
+
+
+def test_schedule_survives_json_and_keeps_this_runs_epochs():
+    """What a checkpoint's meta.json carries is enough to rebuild the make-up work owed."""
+    sc = MakeupSchedule(4, 2, 2)
+    for _ in range(3):
+        sc.commit(sc.position({0}), {0})
+    restored = MakeupSchedule(4, 2, 2)
+    restored.load_state_dict(json.loads(json.dumps(sc.state_dict())))
+    assert restored.makeup == [[0, 0, [1]], [0, 1, [1]], [0, 2, [1]]] and restored.index == 3
+    with pytest.raises(ValueError, match="2 groups"):
+        MakeupSchedule(4, 3, 2).load_state_dict(sc.state_dict())
