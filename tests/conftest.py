@@ -1,7 +1,10 @@
 """Fixtures shared by every area's tests."""
 
 import os
+import signal
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -51,3 +54,34 @@ def torchrun_train(shards: str, out: str, port: int, settings: list[str], nproc:
             p.wait()
     assert p.returncode == 0, text[-3000:]
     return text
+
+
+def run_python(args: list[str], timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python *args` from the project root in a process group of its own, bounded: on timeout
+    the whole group is SIGKILLed and the test fails with the tail of the output."""
+    p = subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, start_new_session=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})})
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, _ = p.communicate()
+        pytest.fail(f"{args[:3]} did not finish in {timeout}s:\n{out[-4000:]}")
+    return subprocess.CompletedProcess(args, p.returncode, out)
+
+
+def shard_sample_ids(shards: Path):
+    """`sample_ids(shard, row_group)` for ftcore.ledger.check, read from a shard set's files."""
+    import pyarrow.parquet as pq
+
+    from dataprep import schema
+
+    ids: dict[tuple[int, int], list[int]] = {}
+
+    def sample_ids(shard: int, row_group: int) -> list[int]:
+        if (shard, row_group) not in ids:
+            pf = pq.ParquetFile(Path(shards) / schema.shard_file(shard))
+            ids[shard, row_group] = pf.read_row_group(row_group, columns=["sample_id"]).column(0).to_pylist()
+        return ids[shard, row_group]
+    return sample_ids

@@ -18,14 +18,9 @@ Every process runs in its own session and is ended by its process group.
 
 import hashlib
 import json
-import os
 import re
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -33,6 +28,7 @@ from dataprep import schema
 from dataprep.build import build_shards
 from dataprep.synth import write_synthetic
 from ftcore import ledger, tensorfile
+from conftest import run_python, shard_sample_ids
 from training import checkpoint
 from training.launch import TOY, LaunchConfig, Launcher
 
@@ -47,7 +43,7 @@ SETTINGS = [f"train.epochs={EPOCHS}", "model.dropout=0", "optim.grad_clip=0", "m
 def launch(shards: Path, out: Path, extra: list[str], plan: list[dict] | None = None, spares: bool = True,
            timeout: float = 200.0) -> str:
     """`python -m training launch` with 2 groups x 2 ranks; returns its log (asserts exit 0)."""
-    args = [sys.executable, "-m", "training", "launch", "--shards", str(shards), "--replica-groups", "2",
+    args = ["-m", "training", "launch", "--shards", str(shards), "--replica-groups", "2",
             "--ranks-per-group", "2", "--out", str(out), "--timeout", str(timeout - 20)]
     if plan:
         (out.parent / f"{out.name}-plan.json").write_text(json.dumps({"faults": plan}))
@@ -55,18 +51,10 @@ def launch(shards: Path, out: Path, extra: list[str], plan: list[dict] | None = 
     if not spares:
         args.append("--no-spares")     # no restart expected: save the 2 cores 4 warm processes
     args += ["--", "--set", *SETTINGS, *extra]
-    p = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         start_new_session=True,
-                         env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
-    try:
-        log, _ = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        log, _ = p.communicate()
-        pytest.fail(f"launcher did not finish in {timeout}s:\n{log[-4000:]}")
-    (out.parent / f"{out.name}.log").write_text(log)   # the whole story, for a failure's post-mortem
-    assert p.returncode == 0, log[-5000:]
-    return log
+    r = run_python(args, timeout)
+    (out.parent / f"{out.name}.log").write_text(r.stdout)   # the whole story, for a failure's post-mortem
+    assert r.returncode == 0, r.stdout[-5000:]
+    return r.stdout
 
 
 def rank_files(out: Path, g: int) -> list[Path]:
@@ -153,13 +141,7 @@ def test_sharded_table_kill9_group_heals_shard_by_shard_exactly_once(shards, tmp
     assert healed == {0, 1}
     assert_groups_identical(out, log)
 
-    ids = {}
-
-    def sample_ids(shard: int, row_group: int) -> list[int]:
-        if (shard, row_group) not in ids:
-            pf = pq.ParquetFile(shards / schema.shard_file(shard))
-            ids[shard, row_group] = pf.read_row_group(row_group, columns=["sample_id"]).column(0).to_pylist()
-        return ids[shard, row_group]
+    sample_ids = shard_sample_ids(shards)
 
     summary = ledger.check(str(out / "ledger"), steps_per_epoch=steps, num_groups=2, ranks_per_group=2,
                            epochs=EPOCHS, sample_ids=sample_ids)

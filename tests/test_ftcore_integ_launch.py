@@ -8,15 +8,12 @@ Every process is started in its own session and ended by its process group.
 """
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from ftcore import ledger, tensorfile
+from conftest import run_python
 from ftcore.examples.toy import sample_ids
 
 pytestmark = [pytest.mark.integ, pytest.mark.slow]
@@ -26,23 +23,15 @@ STEPS = 30
 
 def launch(out: Path, plan: list[dict] | None = None, groups: int = 3, ranks: int = 1, steps: int = STEPS,
            env: dict | None = None, timeout: float = 150.0) -> tuple[int, str]:
-    args = [sys.executable, "-m", "training", "launch", "--worker", "ftcore.examples.toy",
+    args = ["-m", "training", "launch", "--worker", "ftcore.examples.toy",
             "--replica-groups", str(groups), "--ranks-per-group", str(ranks), "--out", str(out),
             "--timeout", str(timeout - 20)]
     if plan:
         (out.parent / f"{out.name}-plan.json").write_text(json.dumps({"faults": plan}))
         args += ["--faults", str(out.parent / f"{out.name}-plan.json")]
     args += ["--", "--steps", str(steps), "--step-sleep", "0.04"]
-    full_env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
-    p = subprocess.Popen(args, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True, start_new_session=True)
-    try:
-        stdout, _ = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        stdout, _ = p.communicate()
-        pytest.fail(f"launcher did not finish in {timeout}s:\n{stdout[-4000:]}")
-    return p.returncode, stdout
+    r = run_python(args, timeout, env)
+    return r.returncode, r.stdout
 
 
 def states(out: Path, groups: int) -> list[bytes]:

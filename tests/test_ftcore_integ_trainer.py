@@ -6,45 +6,29 @@ every epoch trained exactly once, with the ids the trainer actually read. The re
 timeline reaches the trainer's MLflow run."""
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
 
 from dataprep import schema
 from ftcore import ledger
+from conftest import run_python, shard_sample_ids
 
 pytestmark = [pytest.mark.integ, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run(args: list[str], timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
-    p = subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True, start_new_session=True,
-                         env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})})
-    try:
-        out, _ = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, _ = p.communicate()
-        pytest.fail(f"{args[:3]} did not finish in {timeout}s:\n{out[-4000:]}")
-    return subprocess.CompletedProcess(args, p.returncode, out)
-
 
 def test_trainer_kill9_heal_identical_states_and_timeline_in_mlflow(tmp_path):
     events, shards, out = tmp_path / "events.txt", tmp_path / "shards", tmp_path / "run"
-    r = run(["-m", "dataprep", "synth", "--out", str(events), "--users", "600", "--items", "200", "--quiet"], 120)
+    r = run_python(["-m", "dataprep", "synth", "--out", str(events), "--users", "600", "--items", "200", "--quiet"], 120)
     assert r.returncode == 0, r.stdout[-2000:]
-    r = run(["-m", "dataprep", "shards", "--input", str(events), "--format", "sasrec", "--out", str(shards),
+    r = run_python(["-m", "dataprep", "shards", "--input", str(events), "--format", "sasrec", "--out", str(shards),
              "--world-size", "2", "--batch-size", "32", "--max-len", "20", "--quiet"], 180)
     assert r.returncode == 0, r.stdout[-2000:]
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"faults": [{"kind": "kill", "group": 1, "at_step": 6}]}))
-    r = run(["-m", "training", "launch", "--shards", str(shards), "--replica-groups", "2", "--ranks-per-group", "1",
+    r = run_python(["-m", "training", "launch", "--shards", str(shards), "--replica-groups", "2", "--ranks-per-group", "1",
              "--out", str(out), "--faults", str(plan), "--timeout", "220", "--",
              "--set", "train.epochs=2", "model.dim=16", "loss.num_negatives=16", "mlflow.log_model=false",
              "mlflow.plots=false", "eval.batch_size=256"], 260)
@@ -54,13 +38,7 @@ def test_trainer_kill9_heal_identical_states_and_timeline_in_mlflow(tmp_path):
     assert s0 == s1, "the healed group ended with a different state"
     # exactly once: every (shard, row group), hence every sample id, once per epoch
     steps = json.loads((shards / schema.MANIFEST).read_text())["steps"]
-    ids = {}
-
-    def sample_ids(shard: int, row_group: int) -> list[int]:
-        if (shard, row_group) not in ids:
-            pf = pq.ParquetFile(shards / schema.shard_file(shard))
-            ids[shard, row_group] = pf.read_row_group(row_group, columns=["sample_id"]).column(0).to_pylist()
-        return ids[shard, row_group]
+    sample_ids = shard_sample_ids(shards)
 
     summary = ledger.check(str(out / "ledger"), steps_per_epoch=steps, num_groups=2, ranks_per_group=1,
                            epochs=2, sample_ids=sample_ids)

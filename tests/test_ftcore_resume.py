@@ -22,11 +22,11 @@ import time
 from pathlib import Path
 from typing import Callable
 
-import pyarrow.parquet as pq
 import pytest
 
 from dataprep import schema
 from ftcore import ledger
+from conftest import run_python, shard_sample_ids
 from ftcore.schedule import MakeupSchedule
 from training import checkpoint
 
@@ -38,18 +38,6 @@ KILL_AT, CKPT, PAST_CKPT = 3, 6, 7
 TRAIN_ARGS = ["train.epochs=2", f"train.checkpoint_every={CKPT // 2}", "model.dim=16", "loss.num_negatives=16",
               "mlflow.log_model=false", "mlflow.plots=false", "eval.batch_size=256", "eval.periodic=false"]
 
-
-def run(args: list[str], timeout: float) -> subprocess.CompletedProcess:
-    p = subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True, start_new_session=True,
-                         env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
-    try:
-        out, _ = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, _ = p.communicate()
-        pytest.fail(f"{args[:3]} did not finish in {timeout}s:\n{out[-4000:]}")
-    return subprocess.CompletedProcess(args, p.returncode, out)
 
 
 def launch_until(args: list[str], done: Callable[[], bool], timeout: float) -> str:
@@ -96,9 +84,9 @@ def records(folder: Path, writer: list[int] | None = None) -> list[dict]:
 @pytest.mark.slow
 def test_whole_job_resume_makes_up_missed_batches_exactly_once(tmp_path):
     events, shards, out = tmp_path / "events.txt", tmp_path / "shards", tmp_path / "run"
-    r = run(["-m", "dataprep", "synth", "--out", str(events), "--users", "600", "--items", "200", "--quiet"], 120)
+    r = run_python(["-m", "dataprep", "synth", "--out", str(events), "--users", "600", "--items", "200", "--quiet"], 120)
     assert r.returncode == 0, r.stdout[-2000:]
-    r = run(["-m", "dataprep", "shards", "--input", str(events), "--format", "sasrec", "--out", str(shards),
+    r = run_python(["-m", "dataprep", "shards", "--input", str(events), "--format", "sasrec", "--out", str(shards),
              "--world-size", "2", "--batch-size", "32", "--max-len", "20", "--quiet"], 180)
     assert r.returncode == 0, r.stdout[-2000:]
     steps = json.loads((shards / schema.MANIFEST).read_text())["steps"]
@@ -126,18 +114,12 @@ def test_whole_job_resume_makes_up_missed_batches_exactly_once(tmp_path):
     assert missed and all(e == 0 for e, _ in missed), f"group 1 missed {missed}: no make-up work was owed"
 
     # ---- attempt 2: the whole job relaunched from its checkpoints, to the end --------------
-    r = run(["-m", "training", "launch", "--shards", str(shards), "--replica-groups", "2", "--ranks-per-group", "1",
+    r = run_python(["-m", "training", "launch", "--shards", str(shards), "--replica-groups", "2", "--ranks-per-group", "1",
              "--out", str(out), "--timeout", "150", "--", "--set", *TRAIN_ARGS, "train.resume=true"], 180)
     assert r.returncode == 0, r.stdout[-5000:]
     assert f"step-{CKPT:08d} (step {CKPT}," in r.stdout, "group 0 did not resume from its checkpoint"
 
-    ids = {}
-
-    def sample_ids(shard: int, row_group: int) -> list[int]:
-        if (shard, row_group) not in ids:
-            pf = pq.ParquetFile(shards / schema.shard_file(shard))
-            ids[shard, row_group] = pf.read_row_group(row_group, columns=["sample_id"]).column(0).to_pylist()
-        return ids[shard, row_group]
+    sample_ids = shard_sample_ids(shards)
 
     # every sample of both epochs once, over both attempts
     summary = ledger.check(str(led), steps_per_epoch=steps, num_groups=2, ranks_per_group=1,
