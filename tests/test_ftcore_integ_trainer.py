@@ -12,7 +12,7 @@ import pytest
 
 from dataprep import schema
 from ftcore import ledger
-from conftest import run_python, shard_sample_ids
+from conftest import cli_shard_set, run_python, shard_sample_ids
 
 pytestmark = [pytest.mark.integ, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parent.parent
@@ -20,12 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_trainer_kill9_heal_identical_states_and_timeline_in_mlflow(tmp_path):
-    events, shards, out = tmp_path / "events.txt", tmp_path / "shards", tmp_path / "run"
-    r = run_python(["-m", "dataprep", "synth", "--out", str(events), "--users", "600", "--items", "200", "--quiet"], 120)
-    assert r.returncode == 0, r.stdout[-2000:]
-    r = run_python(["-m", "dataprep", "shards", "--input", str(events), "--format", "sasrec", "--out", str(shards),
-             "--world-size", "2", "--batch-size", "32", "--max-len", "20", "--quiet"], 180)
-    assert r.returncode == 0, r.stdout[-2000:]
+    shards, out = cli_shard_set(tmp_path), tmp_path / "run"
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"faults": [{"kind": "kill", "group": 1, "at_step": 6}]}))
     r = run_python(["-m", "training", "launch", "--shards", str(shards), "--replica-groups", "2", "--ranks-per-group", "1",

@@ -26,7 +26,7 @@ import pytest
 
 from dataprep import schema
 from ftcore import ledger
-from conftest import run_python, shard_sample_ids
+from conftest import cli_shard_set, run_python, shard_sample_ids
 from ftcore.schedule import MakeupSchedule
 from training import checkpoint
 
@@ -83,12 +83,7 @@ def records(folder: Path, writer: list[int] | None = None) -> list[dict]:
 @pytest.mark.integ
 @pytest.mark.slow
 def test_whole_job_resume_makes_up_missed_batches_exactly_once(tmp_path):
-    events, shards, out = tmp_path / "events.txt", tmp_path / "shards", tmp_path / "run"
-    r = run_python(["-m", "dataprep", "synth", "--out", str(events), "--users", "600", "--items", "200", "--quiet"], 120)
-    assert r.returncode == 0, r.stdout[-2000:]
-    r = run_python(["-m", "dataprep", "shards", "--input", str(events), "--format", "sasrec", "--out", str(shards),
-             "--world-size", "2", "--batch-size", "32", "--max-len", "20", "--quiet"], 180)
-    assert r.returncode == 0, r.stdout[-2000:]
+    shards, out = cli_shard_set(tmp_path), tmp_path / "run"
     steps = json.loads((shards / schema.MANIFEST).read_text())["steps"]
     assert steps > PAST_CKPT + 1, f"the shard set has {steps} steps per epoch: the stop must fall inside epoch 0"
 
