@@ -64,6 +64,21 @@ def baseline(tmp_path_factory) -> bytes:
     return assert_identical(out, 3)
 
 
+def test_a_relaunch_into_the_same_folder_reports_only_its_own_attempt(tmp_path):
+    out = tmp_path / "run"
+    firsts = []
+    for attempt in range(2):
+        code, log = launch(out, groups=2, steps=10)
+        assert code == 0, log[-3000:]
+        tl = timeline(out)
+        firsts.append(min(s["t"] for s in tl["steps"]))
+        assert tl["summary"]["committed_steps"] == 10 and tl["summary"]["failed_attempts"] == 0
+        assert tl["summary"]["step_attempts"] == 2 * 10, tl["summary"]   # 2 groups x 10 steps, this launch's
+        assert [e["kind"] for e in tl["lighthouse_events"]].count("quorum_formed") >= 1
+    assert firsts[1] > firsts[0]
+    assert_identical(out, 2)
+
+
 def test_kill9_survivors_continue_restarted_group_heals_bitwise_identical(tmp_path):
     out = tmp_path / "run"
     plan = [{"kind": "kill", "group": 1, "at_step": 8},                                  # from outside

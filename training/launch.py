@@ -150,6 +150,7 @@ class Launcher:
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.t0 = time.monotonic()
+        self.started = time.time()   # this launch's records only: a relaunch appends to OUT's files
         self.groups: dict[int, list[Proc]] = {}
         self.incarnation: dict[int, int] = {}
         self.restarts: dict[int, int] = {g: 0 for g in range(cfg.replica_groups)}
@@ -488,6 +489,10 @@ class Launcher:
                                 steps.append(json.loads(line))
                             except json.JSONDecodeError:
                                 pass
+        # A relaunch into the same OUT (an Airflow retry) appends to the files of the earlier
+        # attempts: the timeline is this launch's.
+        events = [e for e in events if e.get("t", 0) >= self.started]
+        steps = [s for s in steps if s.get("t", 0) >= self.started]
         summary = summarize(events + self.events, steps)
         timeline = {"exit_code": code, "checksums": {str(g): s for g, s in sums.items()},
                     "restarts": self.restarts, "summary": summary, "launcher_events": self.events,
