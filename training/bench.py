@@ -203,6 +203,7 @@ def main(argv=None) -> int:
     args.datasets = [d for d in args.datasets.split(",") if d]
     torch.set_num_threads(1)
     os.makedirs(args.work, exist_ok=True)
+    os.makedirs(args.results, exist_ok=True)
     parts = ["quality", "throughput", "window"] if args.part == "all" else [args.part]
     for part in parts:
         res = {"quality": quality, "throughput": throughput, "window": window}[part](args)
