@@ -156,3 +156,38 @@ def test_warm_start_refuses_a_different_model(shards, tmp_path):
                f"train.init_checkpoint={first['checkpoint']}")
     with pytest.raises(checkpoint.CheckpointError, match="does not fit this model"):
         train(cfg)
+
+
+def test_best_validation_model_is_the_runs(tmp_path):
+    """eval.best_metric: the model where validation peaked, not the last, is evaluated, saved
+    under OUT/best/ and named by result.json; the last checkpoint stays for resume."""
+    write_synthetic(str(tmp_path / "ev.txt"), users=200, items=90)
+    build_shards(str(tmp_path / "ev.txt"), "sasrec", str(tmp_path / "shards"), world_size=1, batch_size=16, max_len=20)
+    shards = str(tmp_path / "shards")
+    # seeded and deterministic: on this data the full-ranking NDCG peaks mid-run (lr high, no dropout)
+    res = train(load_config(None, [f"data.shards={shards}", f"train.out={tmp_path / 'run'}", "train.epochs=12",
+                                   "mlflow.enabled=false", "model.dim=16", "loss.num_negatives=16", "model.dropout=0",
+                                   "optim.lr=0.01", "eval.best_metric=valid/full/ndcg@10"]))
+    best = res["best"]
+    assert best["metric"] == "valid/full/ndcg@10" and 0 < best["step"] < res["steps"]
+    assert os.path.basename(os.path.dirname(res["checkpoint"])) == "best"
+    assert checkpoint.read_meta(res["checkpoint"])["step"] == best["step"]
+    assert best["last_checkpoint"] == checkpoint.latest(str(tmp_path / "run" / "checkpoints"))
+    assert best["value"] == res["metrics"]["valid/full/ndcg@10"]
+    last = checkpoint.load(best["last_checkpoint"])["model"]
+    chosen = checkpoint.load(res["checkpoint"])["model"]
+    assert any(not torch.equal(last[k], chosen[k]) for k in last)
+    out = tmp_path / "metrics.json"     # the checkpoint result.json names is the model it scored
+    p = subprocess.run([sys.executable, "-m", "training", "eval", "--checkpoint", res["checkpoint"],
+                        "--shards", shards, "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr
+    got = json.load(open(out))
+    for k, v in res["metrics"].items():
+        assert got[k] == pytest.approx(v, abs=1e-9), k
+    # a metric that is not a validation metric: a clear error before or at the first validation
+    with pytest.raises(Exception, match="eval.best_metric='test/full/hr@10' needs a validation metric"):
+        load_config(None, [f"data.shards={shards}", "eval.best_metric=test/full/hr@10"])
+    with pytest.raises(Exception, match="choose one of .*valid/full/ndcg@10"):
+        train(load_config(None, [f"data.shards={shards}", f"train.out={tmp_path / 'bad'}", "train.max_steps=13",
+                                 "mlflow.enabled=false", "model.dim=16", "eval.best_metric=valid/full/ndgc@10"]))

@@ -37,20 +37,23 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def save(root: str, state: dict, meta: dict, rank: int = 0, keep: int = 2, per_rank: tuple = ("rng",)) -> str:
+def save(root: str, state: dict, meta: dict, rank: int = 0, keep: int = 2, per_rank: tuple = ("rng",),
+         distributed: bool = True) -> str:
     """Write `state` for step meta["step"] under root; returns the final folder.
 
-    Collective when torch.distributed is initialized: every rank of the group calls it.
+    Collective when torch.distributed is initialized (every rank of the group calls it),
+    unless `distributed=False` (rank 0 alone writes, e.g. a weights-only checkpoint).
     Only rank 0's state carries model/optimizer (replicas are identical); other ranks
     contribute their RNG states (and the keys in `per_rank`: a sharded table's optimizer state).
     """
     final = step_dir(root, int(meta["step"]))
     tmp = final + ".tmp"
+    collective = distributed and _distributed()
     if rank == 0:
         os.makedirs(root, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-    if _distributed():
+    if collective:
         dist.barrier()
     if rank == 0:
         torch.save(state, os.path.join(tmp, "state.pt"))
@@ -58,14 +61,14 @@ def save(root: str, state: dict, meta: dict, rank: int = 0, keep: int = 2, per_r
             json.dump(meta, f, indent=1, default=str)
     else:
         torch.save({k: state[k] for k in per_rank}, os.path.join(tmp, f"rng-rank-{rank:05d}.pt"))
-    if _distributed():
+    if collective:
         dist.barrier()
     if rank == 0:
         if os.path.isdir(final):  # the same step saved again (a retried run): replace it
             shutil.rmtree(final)
         os.replace(tmp, final)
         _prune(root, keep)
-    if _distributed():
+    if collective:
         dist.barrier()
     return final
 

@@ -87,6 +87,9 @@ class EvalConfig:
     exclude_history: bool = True   # full ranking: items already in the user's history rank last
     periodic: bool = True          # validate every train.eval_every steps (0: once per epoch)
     final: bool = True             # valid + test at the end (into result.json)
+    # "valid/sampled/ndcg@10" etc.: the run's model is the one where this validation metric
+    # peaked (periodic validations and the end), written to OUT/best/ when it is not the last
+    best_metric: str = ""
 
 
 @dataclass
@@ -179,6 +182,10 @@ def validate(cfg: Config) -> Config:
         (cfg.train.log_every >= 1, "train.log_every must be >= 1"),
         (cfg.data.prefetch >= 0, "data.prefetch must be >= 0"),
         (len(cfg.eval.ks) > 0 and all(k >= 1 for k in cfg.eval.ks), "eval.ks must be positive integers"),
+        (not cfg.eval.best_metric or (cfg.eval.best_metric.startswith("valid/") and cfg.eval.periodic
+                                      and cfg.eval.final),
+         f"eval.best_metric={cfg.eval.best_metric!r} needs a validation metric (valid/sampled/ndcg@10, "
+         "valid/full/hr@10, ...) and eval.periodic=true, eval.final=true"),
     ] + comm_checks(cfg.comm)
     for ok, msg in checks:
         if not ok:

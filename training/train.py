@@ -132,6 +132,7 @@ def train(cfg: Config) -> dict:
     started = time.perf_counter()
     stop, saved, fitted = False, -1, False
     comm_totals = {"lookup_wait_s": 0.0, "emb_grad_wait_s": 0.0}   # a sharded table's exposed comm, rank 0
+    best = _Best(cfg.eval.best_metric) if cfg.eval.best_metric and topo.is_main else None
     model.train()
     while not stop and not ft.data_done(state.step, steps_total):
         t_step = time.perf_counter()
@@ -232,7 +233,10 @@ def train(cfg: Config) -> dict:
         if state.step == cfg.train.stop_at_step:
             stop = True
         if cfg.eval.periodic and state.step % eval_every == 0 and state.step < steps_total and not stop:
-            _validate(_full_model(model, table, topo), eval_data, cfg, tracker, state.step, topo)
+            full = _full_model(model, table, topo)
+            scores = _validate(full, eval_data, cfg, tracker, state.step, topo)
+            if best is not None:
+                best.offer(scores, full, state.step)
         if cfg.train.checkpoint_every and state.step % cfg.train.checkpoint_every == 0:
             final, saved = _save(state, cfg, shards, topo, ckpt_root, tracker, table, ft), state.step
 
@@ -249,7 +253,7 @@ def train(cfg: Config) -> dict:
         final = _save(state, cfg, shards, topo, ckpt_root, tracker, table, ft)
     model = _full_model(model, table, topo)     # collective: evaluation and model logging see the full table
     timeline_png = gcomm.finish(os.path.join(out, "artifacts"))   # collective
-    result = {}
+    result, last = {}, None   # last: the final checkpoint when an earlier model is the run's
     if topo.is_main:
         wall = time.perf_counter() - started
         scores = {}
@@ -257,10 +261,20 @@ def train(cfg: Config) -> dict:
         if cfg.eval.final:
             scores = evaluate(model, eval_data.get(), cfg.eval, splits=("valid", "test"))
             log(topo, "valid " + _brief(scores, "valid") + " | test " + _brief(scores, "test"))
+            if best is not None and best.beats(scores):
+                # an earlier validation peaked higher: that model is the run's (training is over)
+                model.load_state_dict(best.state)
+                scores = evaluate(model, eval_data.get(), cfg.eval, splits=("valid", "test"))
+                last, final = final, best.save(out, _meta(state, cfg, shards, topo, tracker, ft, step=best.step))
+                log(topo, f"{best.metric} peaked at step {best.step} ({best.value:.4f}): that model is the "
+                          f"run's, in {final} | test " + _brief(scores, "test"))
         result = {"mlflow_run_id": None, "tracking_uri": tracker.uri if tracker else None,
                   "checkpoint": os.path.abspath(final), "steps": state.step, "metrics": scores,
                   "train_seconds": wall, "epochs_completed": cursor.epoch + cursor.index / shards.steps,
                   "throughput": metrics.run_summary(history), "eval_seconds": time.perf_counter() - t_eval}
+        if best is not None:
+            result["best"] = {"metric": best.metric, "step": best.step if last else state.step,
+                              "value": scores.get(best.metric), "last_checkpoint": os.path.abspath(last or final)}
         if table is not None:
             result["comm"] = {"policy": cfg.comm.policy, "prefetch_hits": table.prefetch_hits,
                               "prefetch_misses": table.prefetch_misses, **comm_totals}
@@ -322,6 +336,32 @@ def _validate(model, eval_data, cfg: Config, tracker, step: int, topo) -> dict:
     return scores
 
 
+class _Best:
+    """Rank 0's copy of the model where validation metric `metric` peaked (eval.best_metric)."""
+
+    def __init__(self, metric: str):
+        self.metric, self.value, self.step, self.state = metric, float("-inf"), -1, None
+
+    def _value(self, scores: dict) -> float:
+        if self.metric not in scores:
+            raise ConfigError(f"eval.best_metric={self.metric!r} is not a validation metric; choose one of "
+                              f"{', '.join(sorted(k for k in scores if k.startswith('valid/')))}")
+        return scores[self.metric]
+
+    def offer(self, scores: dict, model, step: int) -> None:
+        if self._value(scores) > self.value:
+            self.value, self.step = self._value(scores), step
+            self.state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+
+    def beats(self, final_scores: dict) -> bool:
+        """Strictly better than the final model: a tie keeps the last."""
+        return self.state is not None and self.value > self._value(final_scores)
+
+    def save(self, out: str, meta: dict) -> str:
+        """OUT/best/step-N: a weights-only checkpoint (`training eval` and warm start read it)."""
+        return checkpoint.save(os.path.join(out, "best"), {"model": self.state}, meta, keep=1, distributed=False)
+
+
 def _full_model(model, table, topo):
     """Collective with a sharded table: rank 0 gets a copy of the model with the whole
     table in a plain nn.Embedding (evaluation, MLflow model); the others get None."""
@@ -352,13 +392,19 @@ def _local_rows(state: dict, table) -> dict:
     return state
 
 
-def _save(state: TrainState, cfg: Config, shards: ShardSet, topo, root: str, tracker, table=None,
-          ft=None) -> str:
-    meta = {"mlflow_run_id": tracker.run_id if tracker else None,"step": state.step, "epoch": state.cursor.epoch, "index": state.cursor.index,
+def _meta(state: TrainState, cfg: Config, shards: ShardSet, topo, tracker, ft=None, step: int | None = None) -> dict:
+    """A checkpoint's meta.json: for people, `training eval`, warm start and resume."""
+    return {"mlflow_run_id": tracker.run_id if tracker else None,
+            "step": state.step if step is None else step, "epoch": state.cursor.epoch, "index": state.cursor.index,
             "config": cfg.to_dict(), "num_items": shards.num_items,
             "fingerprint": shards.fingerprint(), "shards": os.path.abspath(shards.path),
             "ranks_per_group": topo.group_size, "replica_groups": topo.num_replica_groups,
             **(ft.state_for_checkpoint() if ft is not None else {})}   # ftcore: make-up work owed
+
+
+def _save(state: TrainState, cfg: Config, shards: ShardSet, topo, root: str, tracker, table=None,
+          ft=None) -> str:
+    meta = _meta(state, cfg, shards, topo, tracker, ft)
     sd = state.state_dict()
     if table is not None:   # collective: the checkpoint's model is the full table, as with a replicated one
         sd["model"]["item_emb.weight"] = table.full_weight()
