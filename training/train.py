@@ -156,7 +156,6 @@ def train(cfg: Config) -> dict:
                 ahead = loader.peek_ahead(1)
                 table.start_step(batch.step, [values, labels, negatives],
                                  ahead.step, [ahead.values, ahead.labels])
-                gcomm.sched.flush()
             h = model(values, offsets, pad_to)
             total = loss_sum(model, h, labels, cfg.loss, negatives=negatives)
             if pending is not None:
@@ -178,8 +177,9 @@ def train(cfg: Config) -> dict:
         if table is not None and batch is not None:
             t = time.perf_counter()
             table.finish_grads()          # ... while the dense gradients were all-reduced
-            comm_totals["emb_grad_wait_s"] += time.perf_counter() - t
-            wait += time.perf_counter() - t
+            grad_wait = time.perf_counter() - t
+            comm_totals["emb_grad_wait_s"] += grad_wait
+            wait += grad_wait
         t = time.perf_counter()
         ft.allreduce([p.grad for p in params])
         wait += time.perf_counter() - t
@@ -265,7 +265,7 @@ def train(cfg: Config) -> dict:
                 # an earlier validation peaked higher: that model is the run's (training is over)
                 model.load_state_dict(best.state)
                 scores = evaluate(model, eval_data.get(), cfg.eval, splits=("valid", "test"))
-                last, final = final, best.save(out, _meta(state, cfg, shards, topo, tracker, ft, step=best.step))
+                last, final = final, best.save(out, _meta(state, cfg, shards, topo, tracker))
                 log(topo, f"{best.metric} peaked at step {best.step} ({best.value:.4f}): that model is the "
                           f"run's, in {final} | test " + _brief(scores, "test"))
         result = {"mlflow_run_id": None, "tracking_uri": tracker.uri if tracker else None,
@@ -358,7 +358,9 @@ class _Best:
         return self.state is not None and self.value > self._value(final_scores)
 
     def save(self, out: str, meta: dict) -> str:
-        """OUT/best/step-N: a weights-only checkpoint (`training eval` and warm start read it)."""
+        """OUT/best/step-N: a weights-only checkpoint (`training eval` and warm start read it);
+        `meta` is the run's, minus the data position of a state it does not hold."""
+        meta = {**{k: v for k, v in meta.items() if k not in ("epoch", "index")}, "step": self.step}
         return checkpoint.save(os.path.join(out, "best"), {"model": self.state}, meta, keep=1, distributed=False)
 
 
@@ -392,10 +394,10 @@ def _local_rows(state: dict, table) -> dict:
     return state
 
 
-def _meta(state: TrainState, cfg: Config, shards: ShardSet, topo, tracker, ft=None, step: int | None = None) -> dict:
+def _meta(state: TrainState, cfg: Config, shards: ShardSet, topo, tracker, ft=None) -> dict:
     """A checkpoint's meta.json: for people, `training eval`, warm start and resume."""
     return {"mlflow_run_id": tracker.run_id if tracker else None,
-            "step": state.step if step is None else step, "epoch": state.cursor.epoch, "index": state.cursor.index,
+            "step": state.step, "epoch": state.cursor.epoch, "index": state.cursor.index,
             "config": cfg.to_dict(), "num_items": shards.num_items,
             "fingerprint": shards.fingerprint(), "shards": os.path.abspath(shards.path),
             "ranks_per_group": topo.group_size, "replica_groups": topo.num_replica_groups,

@@ -70,7 +70,8 @@ class ShardedItemTable(ShardedEmbedding):
         """Submit this step's lookups: `ids` = [histories, targets, negatives], the order the
         model and the loss call the table; `key` names the batch (its row group). First the
         id exchange of the batch expected next (`next_key`, `next_ids` = [histories, targets]):
-        a FIFO queue issues it first, the prioritized one after this step's lookups."""
+        a FIFO queue issues it first, the prioritized one after this step's lookups. Issues
+        them all (flush) before returning."""
         ahead, self._ahead = self._ahead, None
         if next_ids is not None:
             self._ahead = self._prefetch(next_key, next_ids)
@@ -83,21 +84,24 @@ class ShardedItemTable(ShardedEmbedding):
                     self.sched.wait(op)
                 ahead = None
         self._ready = []
+        prefetched = ahead.plans if ahead is not None else []   # histories and targets only
         for i, ((name, stage), t) in enumerate(zip(FEATURES, ids)):
             t = t.detach().cpu()
-            if ahead is not None and i < len(ahead.plans):
+            if i < len(prefetched):
                 if not torch.equal(ahead.ids[i], t):
                     raise RuntimeError(f"comm: the prefetched {name} ids of batch {key!r} differ from the "
                                        "batch's own: the data under one row group changed during the run")
-                plan, ids_op = ahead.plans[i], ahead.ops[i]
+                plan, ids_op = prefetched[i], ahead.ops[i]   # already in _lookup_ops
             else:
                 plan = self.plan(t)
                 ids_op = self.sched.submit(f"{name}_ids", stage, lambda p=plan: self.exchange_ids(p))
+                self._lookup_ops.append(ids_op)
             # gather on the comm thread too: after its ids (same stage, later submission)
             rows_op = self.sched.submit(f"{name}_rows", stage,
                                         lambda p=plan: self.exchange_rows(p, self.gather_rows(p)))
             self._ready.append((t, plan, ids_op, rows_op))
-            self._lookup_ops += [rows_op] if ahead is not None and i < len(ahead.plans) else [ids_op, rows_op]
+            self._lookup_ops.append(rows_op)
+        self.sched.flush()
 
     def _prefetch(self, key, ids: list[torch.Tensor]) -> _Ahead:
         """The id exchange (input dist) of the batch expected next step: it needs no weights,
