@@ -16,6 +16,19 @@ def new_token() -> str:
     return secrets.token_urlsafe(32)
 
 
+def write_token_file(path: str) -> str:
+    """A new token in a new file at `path`, readable by its owner only from the first byte."""
+    token = new_token()
+    tmp = f"{path}.tmp-{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return token
+
+
 def read_token_file(path: str) -> str:
     try:
         with open(path) as f:

@@ -19,13 +19,20 @@ needs the shared token when one is configured. The lighthouse keeps no state tha
 matters across its own restart: groups re-register on their next heartbeat, their
 steps come with them, and the quorum id resumes above the largest one they report.
 
-    python -m ftcore.lighthouse --bind 127.0.0.1:PORT --min-replicas N
+    ftcore-lighthouse --bind HOST:PORT --token-file TOKEN [--min-replicas N]
+
+One lighthouse serves several jobs at once: every message names its job (FTCORE_JOB_ID),
+and each job has its own groups, quorum ids and lock. `GET /status?job=ID` is one job's.
+Every field a client sends is checked at the door (ids within the job, 0 <= rank < world,
+bounded integers): a bad request is a 400 and changes nothing.
 """
 
 import argparse
 import collections
 import html
 import json
+import math
+import re
 import secrets
 import sys
 import threading
@@ -35,19 +42,30 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from ftcore import auth, timeouts
+from ftcore import auth, netaddr, timeouts
 
 
 @dataclass
 class LighthouseConfig:
     bind: str = "127.0.0.1:0"
-    min_replicas: int = 1
-    expected_replicas: int = 0     # groups the job starts with: the first quorum waits for them (or the join timeout)
+    min_replicas: int = 1          # a floor: a job may ask for more (its ranks send FTCORE_MIN_REPLICAS)
+    expected_replicas: int = 0     # groups a job starts with when its ranks do not say (they send R)
     join_timeout: float = timeouts.JOIN_TIMEOUT
     heartbeat_timeout: float = timeouts.HEARTBEAT_TIMEOUT
     failure_probe: float = timeouts.FAILURE_PROBE
     token: str | None = None
     events_file: str | None = None
+
+
+# Bounds on what a client may send: ids the lighthouse cannot plan for are refused at the door.
+DEFAULT_JOB = "default"
+JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/+@=-]{0,127}")
+MAX_GROUPS = 1 << 16       # replica groups per job
+MAX_WORLD = 1 << 16        # ranks per replica group
+MAX_ID = 1 << 53           # steps, incarnations, quorum ids: integers JSON carries exactly
+MAX_JOBS = 256
+TICK_S = 0.01              # formation rounds: how often a waiting round re-checks its members
+SWEEP_S = 0.05             # health sweeps over every rank (disconnects and reports act at once)
 
 
 @dataclass
@@ -90,10 +108,34 @@ class StaleIncarnation(Exception):
     """A message from a process of a group incarnation that has been replaced."""
 
 
-class Lighthouse:
-    def __init__(self, cfg: LighthouseConfig):
-        self.cfg = cfg
-        self.epoch = secrets.token_hex(4)  # distinguishes store prefixes across lighthouse restarts
+def _int(msg: dict[str, Any], key: str, default: int | None = None, lo: int = 0, hi: int = MAX_ID) -> int:
+    """msg[key] as an int in [lo, hi); ValueError (a 400) otherwise."""
+    raw = msg.get(key, default)
+    if isinstance(raw, bool) or not isinstance(raw, (int, str)):
+        raise ValueError(f"{key} must be an integer, got {raw!r}")
+    value = int(raw)
+    if not lo <= value < hi:
+        raise ValueError(f"{key}={value} is outside [{lo}, {hi})")
+    return value
+
+
+def job_id(msg: dict[str, Any]) -> str:
+    job = msg.get("job") or DEFAULT_JOB
+    if not isinstance(job, str) or not JOB_ID.fullmatch(job):
+        raise ValueError(f"job id {job!r} must match {JOB_ID.pattern}")
+    return job
+
+
+class Job:
+    """One training job's membership and quorum: groups, pending quorum requests, heals.
+
+    Each job has its own lock, so jobs served by one lighthouse never wait on each other."""
+
+    def __init__(self, lh: "Lighthouse", name: str, num_groups: int, min_replicas: int):
+        self.lh, self.cfg, self.name = lh, lh.cfg, name
+        self.num_groups = num_groups           # 0: not declared by the ranks (any group id up to MAX_GROUPS)
+        self.min_replicas = max(lh.cfg.min_replicas, min_replicas)
+        self.expected = num_groups or lh.cfg.expected_replicas
         self.lock = threading.Condition()
         self.groups: dict[int, Group] = {}
         self.quorum: dict[str, Any] | None = None
@@ -102,50 +144,50 @@ class Lighthouse:
         self.pending: dict[int, dict[int, Request]] = {}
         self.results: dict[str, dict[str, Any]] = {}
         self._last_wait_event = 0.0
+        self._last_sweep = 0.0
+        self.failed: list[int] = []  # members of the current quorum that are not healthy (for heartbeats)
         self.force_new = False  # a data-plane failure: the next quorum gets a new id, whoever is in it
         self.reports: dict[int, float] = {}  # quorum_id -> time of the first data-plane failure report
-        self.events: collections.deque = collections.deque(maxlen=2000)
-        self.started = time.time()
-        self._events_file = open(cfg.events_file, "a") if cfg.events_file else None
-        self._stop = threading.Event()
-        self._ticker = threading.Thread(target=self._tick, daemon=True, name="lighthouse-tick")
-        self._ticker.start()
-        self.event("lighthouse_started", epoch=self.epoch, min_replicas=cfg.min_replicas)
 
-    # ---- events -------------------------------------------------------------------
     def event(self, kind: str, **data: Any) -> None:
-        ev = {"t": time.time(), "kind": kind, **data}
-        self.events.append(ev)
-        line = json.dumps(ev)
-        print(line, flush=True)
-        if self._events_file:
-            self._events_file.write(line + "\n")
-            self._events_file.flush()
+        self.lh.event(kind, job=self.name, **data)
 
     # ---- membership ---------------------------------------------------------------
     def _rank(self, msg: dict[str, Any]) -> tuple[Group, Rank]:
-        """Find or register the sender of `msg` (group, rank, world, incarnation, ...)."""
-        g, r, inc = int(msg["group"]), int(msg["rank"]), int(msg.get("incarnation", 0))
+        """Find or register the sender of `msg` (group, rank, world, incarnation, ...).
+
+        Every field is checked before anything changes: a bad message is a 400, never state."""
+        g = _int(msg, "group", hi=self.num_groups or MAX_GROUPS)
+        world = _int(msg, "world", 1, lo=1, hi=MAX_WORLD)
+        r = _int(msg, "rank", hi=world)
+        inc, step = _int(msg, "incarnation", 0), _int(msg, "step", 0)
+        qid = _int(msg, "quorum_id", 0)
+        store, heal = msg.get("store", ""), msg.get("heal", "")
+        if not (isinstance(store, str) and isinstance(heal, str) and len(store) <= 256 and len(heal) <= 256):
+            raise ValueError("store and heal must be host:port strings")
         grp = self.groups.get(g)
         if grp is not None and inc < grp.incarnation:
             raise StaleIncarnation(f"group {g} incarnation {inc} was replaced by {grp.incarnation}")
+        if grp is not None and inc == grp.incarnation and world != grp.world:
+            raise ValueError(f"group {g} incarnation {inc} has {grp.world} ranks, this rank says {world}")
         if grp is None or inc > grp.incarnation:
             if grp is not None:
                 self._drop_pending(g)
-            grp = self.groups[g] = Group(g, inc, int(msg.get("world", 1)))
-            self.event("register", group=g, incarnation=inc, world=grp.world, step=int(msg.get("step", 0)))
+            grp = self.groups[g] = Group(g, inc, world)
+            self.event("register", group=g, incarnation=inc, world=world, step=step)
         rk = grp.ranks.get(r)
         if rk is None:
             rk = grp.ranks[r] = Rank(r)
         grp.left = False
-        rk.store = msg.get("store", rk.store)
-        rk.heal = msg.get("heal", rk.heal)
-        rk.step = max(rk.step, int(msg.get("step", rk.step)))  # a late heartbeat may carry an older step
+        rk.store, rk.heal = store or rk.store, heal or rk.heal
+        rk.step = max(rk.step, step)  # a late heartbeat may carry an older step
         rk.last_beat = time.monotonic()
-        rk.disconnected = False
+        if rk.disconnected:
+            rk.disconnected = False
+            self._last_sweep = 0.0
         self.max_step = max(self.max_step, rk.step)
         # After a lighthouse restart, quorum ids resume above any a member has seen.
-        self.quorum_id = max(self.quorum_id, int(msg.get("quorum_id", 0)))
+        self.quorum_id = max(self.quorum_id, qid)
         return grp, rk
 
     def _drop_pending(self, g: int) -> None:
@@ -165,6 +207,8 @@ class Lighthouse:
         return True
 
     def _update_health(self, now: float) -> None:
+        """O(ranks): run every SWEEP_S, and at once after a disconnect or a failure report."""
+        self._last_sweep = now
         for grp in self.groups.values():
             ok = self._is_healthy(grp, now)
             if ok != grp.healthy:
@@ -175,24 +219,30 @@ class Lighthouse:
                     why = ("connection closed" if any(r.disconnected for r in grp.ranks.values())
                            else "heartbeat timeout")
                     self.event("failure_detected", group=grp.group, incarnation=grp.incarnation, reason=why)
+        self.failed = [g for g in (self.quorum["groups"] if self.quorum else [])
+                       if g in self.groups and not self.groups[g].healthy]
 
     # ---- quorum ---------------------------------------------------------------------
+    def tick(self, now: float) -> None:
+        if now - self._last_sweep >= SWEEP_S:
+            self._update_health(now)
+        if self.pending:
+            self._maybe_form(now)
+
     def _maybe_form(self, now: float) -> None:
-        self._update_health(now)
-        if not self.pending:
-            return
+        """O(groups): one formation attempt on the health of the last sweep."""
         healthy = {g for g, grp in self.groups.items() if grp.healthy}
         requesting = sorted(
             g for g, reqs in self.pending.items()
             if g in healthy and len(reqs) == self.groups[g].world
         )
-        round_start = min((req.t for reqs in self.pending.values() for req in reqs.values()), default=now)
+        round_start = min((min(req.t for req in reqs.values()) for reqs in self.pending.values()), default=now)
         if self.quorum:
             fast = (set(self.quorum["groups"]) & healthy) <= set(requesting)
         else:  # first quorum (or first after a lighthouse restart): wait for the whole job
-            fast = healthy <= set(requesting) and len(requesting) >= self.cfg.expected_replicas
+            fast = healthy <= set(requesting) and len(requesting) >= self.expected
         waited = now - round_start >= self.cfg.join_timeout
-        enough = len(requesting) >= self.cfg.min_replicas and 2 * len(requesting) > len(healthy)
+        enough = len(requesting) >= self.min_replicas and 2 * len(requesting) > len(healthy)
         if requesting and enough and (fast or waited):
             self._form(requesting)
         elif now - round_start > 1.0 and now - self._last_wait_event > 1.0:
@@ -202,10 +252,10 @@ class Lighthouse:
                        previous=self.quorum["groups"] if self.quorum else None, seconds=round(now - round_start, 2))
 
     def _form(self, members: list[int]) -> None:
+        """Build the whole quorum and every rank's reply first, then change state."""
         identity = [[g, self.groups[g].incarnation] for g in members]
-        if self.quorum is None or self.quorum["identity"] != identity or self.force_new:
-            self.quorum_id += 1
-        self.force_new = False
+        new_id = self.quorum is None or self.quorum["identity"] != identity or self.force_new
+        quorum_id = self.quorum_id + 1 if new_id else self.quorum_id
         steps = {g: min(req.step for req in self.pending[g].values()) for g in members}
         # Only members of the previous quorum may serve state. A group that was left out
         # (hung, cut off) may have committed a step the others discarded: it heals even
@@ -221,33 +271,28 @@ class Lighthouse:
         sources = [g for g in trusted if steps[g] == max_step]
         healers = [g for g in members if g not in sources]
         heal = {str(g): sources[i % len(sources)] for i, g in enumerate(healers)}  # spread over sources
-        q = {
-            "quorum_id": self.quorum_id,
-            "epoch": self.epoch,
-            "identity": identity,
-            "groups": members,
-            "max_step": max_step,
-            "heal": heal,
-            "members": {
-                str(g): {
-                    "step": steps[g],
-                    "incarnation": self.groups[g].incarnation,
-                    "store": [self.groups[g].ranks[r].store for r in range(self.groups[g].world)],
-                    "heal": [self.groups[g].ranks[r].heal for r in range(self.groups[g].world)],
-                }
-                for g in members
-            },
-        }
-        changed = self.quorum is None or self.quorum["quorum_id"] != self.quorum_id
-        self.quorum = q
-        self.max_step = max(self.max_step, max_step)
-        if changed:
-            self.event("quorum_formed", quorum_id=self.quorum_id, groups=members, max_step=max_step, heal=heal)
-        for g in healers:
-            self.event("heal_assigned", group=g, source=heal[str(g)], step=max_step, quorum_id=self.quorum_id)
+        q = {"quorum_id": quorum_id, "epoch": self.lh.epoch, "job": self.name, "identity": identity,
+             "groups": members, "max_step": max_step, "heal": heal}
+        # Each rank k gets only the two addresses it uses: rank k of the first member hosts the
+        # rendezvous of every rank k, and a healing rank k fetches from rank k of its source.
+        leader = self.groups[members[0]].ranks
+        replies = {}
         for g in members:
-            for req in self.pending.pop(g).values():
-                self.results[req.req_id] = q
+            src = self.groups[heal[str(g)]].ranks if str(g) in heal else None
+            for req in self.pending[g].values():
+                replies[req.req_id] = {**q, "store": leader[req.rank].store if req.rank in leader else "",
+                                       "heal_from": src[req.rank].heal if src and req.rank in src else ""}
+        changed = self.quorum is None or self.quorum["quorum_id"] != quorum_id
+        self.quorum, self.quorum_id, self.force_new = q, quorum_id, False
+        self.max_step = max(self.max_step, max_step)
+        self.failed = []
+        for g in members:
+            del self.pending[g]
+        self.results.update(replies)
+        if changed:
+            self.event("quorum_formed", quorum_id=quorum_id, groups=members, max_step=max_step, heal=heal)
+        for g in healers:
+            self.event("heal_assigned", group=g, source=heal[str(g)], step=max_step, quorum_id=quorum_id)
         self.lock.notify_all()
 
     def request_quorum(self, msg: dict[str, Any], timeout: float) -> dict[str, Any]:
@@ -257,103 +302,179 @@ class Lighthouse:
             req = Request(secrets.token_hex(8), grp.group, int(msg["rank"]), grp.incarnation,
                           int(msg.get("step", 0)), time.monotonic(), int(msg.get("quorum_id", 0)))
             self.pending.setdefault(grp.group, {})[req.rank] = req
+            now = time.monotonic()
+            if not grp.healthy:
+                self._update_health(now)   # a new or returning group need not wait for the sweep
+            self._maybe_form(now)          # this arrival may complete the round; the ticker does the rest
             while req.req_id not in self.results:
-                now = time.monotonic()
-                self._maybe_form(now)
-                if req.req_id in self.results:
-                    break
-                if now >= deadline:
+                left = deadline - time.monotonic()
+                if left <= 0:
                     if self.pending.get(grp.group, {}).get(req.rank) is req:
                         del self.pending[grp.group][req.rank]
                         if not self.pending[grp.group]:
                             del self.pending[grp.group]
                     return {"error": "timeout waiting for a quorum"}
-                self.lock.wait(min(0.01, deadline - now))
+                self.lock.wait(min(left, 0.5))
             return self.results.pop(req.req_id)
-
-    def _tick(self) -> None:
-        while not self._stop.wait(0.01):
-            with self.lock:
-                self._maybe_form(time.monotonic())
 
     # ---- other requests -------------------------------------------------------------
     def heartbeat(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """O(1): the failed list is the last sweep's."""
         with self.lock:
             self._rank(msg)
-            failed = []
-            if self.quorum:
-                now = time.monotonic()
-                failed = [g for g in self.quorum["groups"]
-                          if g in self.groups and not self._is_healthy(self.groups[g], now)]
-            return {"quorum_id": self.quorum["quorum_id"] if self.quorum else 0, "failed": failed}
+            return {"quorum_id": self.quorum["quorum_id"] if self.quorum else 0, "failed": self.failed}
+
+    def register(self, msg: dict[str, Any]) -> None:
+        with self.lock:
+            self._rank(msg)
 
     def disconnected(self, g: int, r: int, inc: int) -> None:
         with self.lock:
             grp = self.groups.get(g)
             if grp is not None and grp.incarnation == inc and r in grp.ranks and not grp.left:
                 grp.ranks[r].disconnected = True
-                self._maybe_form(time.monotonic())
+                self._update_health(time.monotonic())
+                if self.pending:
+                    self._maybe_form(time.monotonic())
 
     def report_failure(self, msg: dict[str, Any]) -> None:
         with self.lock:
-            qid = int(msg.get("quorum_id", 0))
+            qid = _int(msg, "quorum_id", 0)
             self.event("failure_reported", group=msg.get("group"), rank=msg.get("rank"), quorum_id=qid,
                        error=str(msg.get("error", ""))[:200])
             self.reports.setdefault(qid, time.monotonic())
             if self.quorum is not None and qid == self.quorum["quorum_id"]:
                 self.force_new = True  # the reporter's process group is broken: rebuild everyone's
+            self._last_sweep = 0.0     # probe at the next tick
 
     def leave(self, msg: dict[str, Any]) -> None:
         with self.lock:
-            grp = self.groups.get(int(msg["group"]))
-            if grp is None or grp.incarnation != int(msg.get("incarnation", 0)):
+            grp = self.groups.get(_int(msg, "group", hi=MAX_GROUPS))
+            if grp is None or grp.incarnation != _int(msg, "incarnation", 0):
                 return
-            grp.ranks.pop(int(msg["rank"]), None)
+            grp.ranks.pop(_int(msg, "rank", hi=MAX_WORLD), None)
             grp.leaving = True   # its other ranks leave next: not a failure
             if not grp.ranks and not grp.left:
                 grp.left = True
                 grp.healthy = False
                 self.event("group_left", group=grp.group, incarnation=grp.incarnation)
 
-    def client_event(self, msg: dict[str, Any]) -> None:
-        with self.lock:
-            kind = str(msg.pop("kind", "event"))
-            self.event(kind, **{k: v for k, v in msg.items() if isinstance(v, (int, float, str, list))})
-
     def status(self) -> dict[str, Any]:
         with self.lock:
             now = time.monotonic()
             return {
-                "epoch": self.epoch,
-                "uptime_s": time.time() - self.started,
-                "min_replicas": self.cfg.min_replicas,
+                "job": self.name,
+                "min_replicas": self.min_replicas,
                 "max_step": self.max_step,
-                "quorum": {k: v for k, v in self.quorum.items() if k != "members"} if self.quorum else None,
+                "quorum": dict(self.quorum) if self.quorum else None,
                 "groups": [
                     {"group": g.group, "incarnation": g.incarnation, "healthy": g.healthy, "left": g.left,
                      "step": g.step, "ranks": len(g.ranks), "world": g.world,
                      "last_beat_age_s": max((now - r.last_beat for r in g.ranks.values()), default=None)}
                     for g in sorted(self.groups.values(), key=lambda g: g.group)
                 ],
-                "events": list(self.events)[-100:],
             }
+
+
+class Lighthouse:
+    """The control plane of every job that reports to it (one `Job` each, by job id)."""
+
+    def __init__(self, cfg: LighthouseConfig):
+        self.cfg = cfg
+        self.epoch = secrets.token_hex(4)  # distinguishes store prefixes across lighthouse restarts
+        self._jobs_lock = threading.Lock()
+        self.jobs: dict[str, Job] = {}
+        self._events_lock = threading.Lock()
+        self.events: collections.deque = collections.deque(maxlen=2000)
+        self.started = time.time()
+        self._events_file = open(cfg.events_file, "a") if cfg.events_file else None
+        self._stop = threading.Event()
+        self._ticker = threading.Thread(target=self._tick, daemon=True, name="lighthouse-tick")
+        self._ticker.start()
+        self.event("lighthouse_started", epoch=self.epoch, min_replicas=cfg.min_replicas)
+
+    def event(self, kind: str, **data: Any) -> None:
+        ev = {"t": time.time(), "kind": kind, **data}
+        line = json.dumps(ev)
+        with self._events_lock:
+            self.events.append(ev)
+            print(line, flush=True)
+            if self._events_file:
+                self._events_file.write(line + "\n")
+                self._events_file.flush()
+
+    def job(self, msg: dict[str, Any], create: bool = True) -> Job | None:
+        """The job a message belongs to (created on its first registration)."""
+        name = job_id(msg)
+        with self._jobs_lock:
+            j = self.jobs.get(name)
+            if j is None and create:
+                if len(self.jobs) >= MAX_JOBS:
+                    raise ValueError(f"this lighthouse already serves {MAX_JOBS} jobs")
+                j = self.jobs[name] = Job(self, name, _int(msg, "num_groups", 0, hi=MAX_GROUPS),
+                                          _int(msg, "min_replicas", 1, hi=MAX_GROUPS))
+            return j
+
+    def _tick(self) -> None:
+        while not self._stop.wait(TICK_S):
+            for j in list(self.jobs.values()):
+                try:
+                    with j.lock:
+                        j.tick(time.monotonic())
+                except Exception as e:   # never let one job's bad state end every job's rounds
+                    self.event("tick_error", job=j.name, error=f"{type(e).__name__}: {e}"[:300])
+
+    # ---- the per-job API (the HTTP handler's and the tests' entry points) ----------------
+    def request_quorum(self, msg: dict[str, Any], timeout: float) -> dict[str, Any]:
+        return self.job(msg).request_quorum(msg, timeout)
+
+    def heartbeat(self, msg: dict[str, Any]) -> dict[str, Any]:
+        return self.job(msg).heartbeat(msg)
+
+    def report_failure(self, msg: dict[str, Any]) -> None:
+        j = self.job(msg, create=False)
+        if j is not None:
+            j.report_failure(msg)
+
+    def leave(self, msg: dict[str, Any]) -> None:
+        j = self.job(msg, create=False)
+        if j is not None:
+            j.leave(msg)
+
+    def client_event(self, msg: dict[str, Any]) -> None:
+        kind = str(msg.pop("kind", "event"))[:64]
+        job = job_id(msg)
+        self.event(kind, **{k: v for k, v in msg.items()
+                            if k not in ("t", "kind", "job") and isinstance(v, (int, float, str, list))}, job=job)
+
+    def status(self, job: str = DEFAULT_JOB) -> dict[str, Any]:
+        j = self.jobs.get(job)
+        st = j.status() if j else {"job": job, "min_replicas": self.cfg.min_replicas, "max_step": 0,
+                                   "quorum": None, "groups": []}
+        with self._events_lock:
+            events = [e for e in self.events if e.get("job", job) == job][-100:]
+        return {"epoch": self.epoch, "uptime_s": time.time() - self.started, "jobs": sorted(self.jobs),
+                **st, "events": events}
 
     def close(self) -> None:
         self._stop.set()
 
 
 def _status_html(st: dict[str, Any]) -> str:
+    e = html.escape
     rows = "".join(
-        f"<tr><td>{g['group']}</td><td>{g['incarnation']}</td><td>{'yes' if g['healthy'] else 'no'}</td>"
-        f"<td>{g['step']}</td><td>{g['ranks']}/{g['world']}</td></tr>" for g in st["groups"])
+        f"<tr><td>{e(str(g['group']))}</td><td>{e(str(g['incarnation']))}</td><td>{'yes' if g['healthy'] else 'no'}</td>"
+        f"<td>{e(str(g['step']))}</td><td>{e(str(g['ranks']))}/{e(str(g['world']))}</td></tr>" for g in st["groups"])
     q = st["quorum"] or {}
-    evs = "".join(f"<li>{time.strftime('%H:%M:%S', time.localtime(e['t']))} "
-                  f"{html.escape(json.dumps(e))}</li>" for e in reversed(st["events"][-30:]))
+    evs = "".join(f"<li>{time.strftime('%H:%M:%S', time.localtime(float(ev.get('t', 0))))} "
+                  f"{e(json.dumps(ev))}</li>" for ev in reversed(st["events"][-30:]))
+    jobs = ", ".join(f"<a href='?job={e(urllib.parse.quote(j))}'>{e(j)}</a>" for j in st["jobs"]) or "none yet"
     return (
         "<!doctype html><html><head><meta charset='utf-8'><meta http-equiv='refresh' content='2'>"
         "<title>ftcore lighthouse</title></head><body style='font-family:sans-serif'>"
-        f"<h1>ftcore lighthouse</h1><p>quorum {q.get('quorum_id', '-')}: groups {q.get('groups', [])}, "
-        f"max committed step {st['max_step']}, min replicas {st['min_replicas']}</p>"
+        f"<h1>ftcore lighthouse</h1><p>jobs: {jobs}</p><h2>job {e(st['job'])}</h2>"
+        f"<p>quorum {e(str(q.get('quorum_id', '-')))}: groups {e(str(q.get('groups', [])))}, "
+        f"max committed step {e(str(st['max_step']))}, min replicas {e(str(st['min_replicas']))}</p>"
         "<table border=1 cellpadding=4><tr><th>group</th><th>incarnation</th><th>healthy</th>"
         f"<th>step</th><th>ranks</th></tr>{rows}</table><h2>recent events</h2><ul>{evs}</ul></body></html>"
     )
@@ -367,14 +488,15 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
     def handle(self) -> None:
-        self._beat: tuple[int, int, int] | None = None
+        self._beat: tuple[Job, int, int, int] | None = None   # this connection's heartbeating rank
         try:
             super().handle()
         except (ConnectionError, OSError):
             pass
         finally:
             if self._beat is not None:
-                self.lighthouse.disconnected(*self._beat)
+                job, g, r, inc = self._beat
+                job.disconnected(g, r, inc)
 
     def _authorized(self) -> bool:
         header = self.headers.get(auth.HEADER)
@@ -397,11 +519,16 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         if not self._authorized():
             return
-        path = urllib.parse.urlparse(self.path).path
-        if path == "/status":
-            self._send(200, self.lighthouse.status())
-        elif path in ("/", "/index.html"):
-            self._send(200, _status_html(self.lighthouse.status()), "text/html; charset=utf-8")
+        url = urllib.parse.urlparse(self.path)
+        try:
+            job = job_id({"job": urllib.parse.parse_qs(url.query).get("job", [DEFAULT_JOB])[0]})
+        except ValueError as e:
+            self._send(400, {"error": f"bad request: {e}"})
+            return
+        if url.path == "/status":
+            self._send(200, self.lighthouse.status(job))
+        elif url.path in ("/", "/index.html"):
+            self._send(200, _status_html(self.lighthouse.status(job)), "text/html; charset=utf-8")
         else:
             self._send(404, {"error": f"no such path {path}"})
 
@@ -415,16 +542,21 @@ class _Handler(BaseHTTPRequestHandler):
             return
         lh = self.lighthouse
         try:
+            if not isinstance(msg, dict):
+                raise ValueError("the body must be a JSON object")
             if self.path == "/heartbeat":
-                self._beat = (int(msg["group"]), int(msg["rank"]), int(msg.get("incarnation", 0)))
-                self._send(200, lh.heartbeat(msg))
+                job = lh.job(msg)
+                reply = job.heartbeat(msg)   # validates: only then is this connection a rank's
+                self._beat = (job, int(msg["group"]), int(msg["rank"]), int(msg.get("incarnation", 0)))
+                self._send(200, reply)
             elif self.path == "/register":
-                with lh.lock:
-                    lh._rank(msg)
+                lh.job(msg).register(msg)
                 self._send(200, {"epoch": lh.epoch})
             elif self.path == "/quorum":
-                timeout = min(float(msg.get("timeout", timeouts.QUORUM_TIMEOUT)), timeouts.QUORUM_TIMEOUT)
-                q = lh.request_quorum(msg, timeout)
+                timeout = float(msg.get("timeout", timeouts.QUORUM_TIMEOUT))
+                if not math.isfinite(timeout) or timeout <= 0:
+                    raise ValueError(f"timeout={timeout} must be a positive number of seconds")
+                q = lh.request_quorum(msg, min(timeout, timeouts.QUORUM_TIMEOUT))
                 self._send(409 if q.get("error") == "stale incarnation" else 504 if "error" in q else 200, q)
             elif self.path == "/report_failure":
                 lh.report_failure(msg)
@@ -450,7 +582,10 @@ def serve(cfg: LighthouseConfig) -> tuple[ThreadingHTTPServer, Lighthouse]:
     host, _, port = cfg.bind.rpartition(":")
     lh = Lighthouse(cfg)
     handler = type("Handler", (_Handler,), {"lighthouse": lh})
-    server = ThreadingHTTPServer((host or "127.0.0.1", int(port)), handler)
+    # A connection per rank (its heartbeats) and one per quorum request: the default backlog
+    # of 5 would reset connections when a whole job (re)connects at once.
+    server_cls = type("Server", (ThreadingHTTPServer,), {"request_queue_size": 1024})
+    server = server_cls((host or "127.0.0.1", int(port)), handler)
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True, name="lighthouse-http").start()
     return server, lh
@@ -465,12 +600,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--join-timeout", type=float, default=timeouts.JOIN_TIMEOUT)
     p.add_argument("--heartbeat-timeout", type=float, default=timeouts.HEARTBEAT_TIMEOUT)
     p.add_argument("--token-file", help="file holding the shared token (else FTCORE_TOKEN / FTCORE_TOKEN_FILE)")
+    p.add_argument("--insecure", action="store_true",
+                   help="serve without a token (loopback binds only): anyone who reaches it can steer every job")
     p.add_argument("--events-file", help="append every event to this JSON-lines file")
     a = p.parse_args(argv)
     if a.min_replicas < 1:
         print("ftcore.lighthouse: --min-replicas must be >= 1", file=sys.stderr)
         return 2
     token = auth.read_token_file(a.token_file) if a.token_file else auth.token_from_env()
+    if token is None and not a.insecure:
+        print("ftcore.lighthouse: no token; give --token-file, or set FTCORE_TOKEN / FTCORE_TOKEN_FILE "
+              "(or --insecure on a loopback --bind for a throwaway run)", file=sys.stderr)
+        return 2
+    if token is None and not netaddr.is_loopback(a.bind.rpartition(":")[0].strip("[]") or "127.0.0.1"):
+        print(f"ftcore.lighthouse: refusing to serve {a.bind} without a token: --insecure is for loopback "
+              "binds only; give --token-file", file=sys.stderr)
+        return 2
     cfg = LighthouseConfig(a.bind, a.min_replicas, a.expected_replicas, a.join_timeout, a.heartbeat_timeout,
                            token=token, events_file=a.events_file)
     try:

@@ -49,11 +49,15 @@ def call(addr: str, path: str, body: dict[str, Any] | None, token: str | None,
 
 class LighthouseClient:
     def __init__(self, addr: str, group: int, rank: int, world: int, incarnation: int = 0,
-                 token: str | None = None):
+                 token: str | None = None, job: str = "default", num_groups: int = 0, min_replicas: int = 1):
         self.addr = addr
         self.token = token
-        self.info: dict[str, Any] = {"group": group, "rank": rank, "world": world, "incarnation": incarnation,
-                                     "step": 0, "quorum_id": 0, "store": "", "heal": ""}
+        # num_groups and min_replicas describe the job to a lighthouse that has not seen it yet
+        self.info: dict[str, Any] = {"job": job, "group": group, "rank": rank, "world": world,
+                                     "incarnation": incarnation, "num_groups": num_groups,
+                                     "min_replicas": min_replicas, "step": 0, "quorum_id": 0,
+                                     "store": "", "heal": ""}
+        self._qconn: http.client.HTTPConnection | None = None   # quorum requests, kept alive
         self.failed_groups: list[int] = []  # unhealthy members of the current quorum, per the last heartbeat
         self.replaced = False
         self.latest_quorum_id = 0  # the lighthouse's current quorum id, per the last heartbeat
@@ -102,10 +106,12 @@ class LighthouseClient:
             if left <= 0:
                 raise LighthouseError(f"no quorum from lighthouse {self.addr} within {timeout:.1f}s ({last})")
             try:
-                status, body = call(self.addr, "/quorum", {**self.info, "timeout": left}, self.token,
-                                    timeout=left + 1.0)
-            except (OSError, http.client.HTTPException) as e:
+                status, body = self._ask_quorum(left)
+            except (OSError, http.client.HTTPException, json.JSONDecodeError) as e:
                 last = f"{type(e).__name__}: {e}"
+                if self._qconn is not None:
+                    self._qconn.close()
+                self._qconn = None
                 time.sleep(min(0.05, max(left, 0)))
                 continue
             if status == 200:
@@ -116,6 +122,20 @@ class LighthouseClient:
             if status in (401, 400):
                 raise LighthouseError(f"lighthouse {self.addr} refused the quorum request ({status}: {body})")
             last = f"HTTP {status}: {body}"
+
+    def _ask_quorum(self, left: float) -> tuple[int, Any]:
+        """One quorum request on this rank's kept-alive connection (not one connection a step)."""
+        if self._qconn is None:
+            host, port = _split(self.addr)
+            self._qconn = http.client.HTTPConnection(host, port)
+        self._qconn.timeout = left + 1.0
+        if self._qconn.sock is not None:
+            self._qconn.sock.settimeout(left + 1.0)
+        hdrs = {"Content-Type": "application/json", **auth.headers(self.token)}
+        self._qconn.request("POST", "/quorum", body=json.dumps({**self.info, "timeout": left}).encode(), headers=hdrs)
+        resp = self._qconn.getresponse()
+        data = resp.read()
+        return resp.status, json.loads(data) if data else {}
 
     def _fire(self, path: str, body: dict[str, Any]) -> None:
         try:
@@ -130,7 +150,8 @@ class LighthouseClient:
         self._fire("/report_failure", {**self.info, "quorum_id": quorum_id, "error": error})
 
     def event(self, kind: str, **data: Any) -> None:
-        self._fire("/event", {"kind": kind, "group": self.info["group"], "rank": self.info["rank"], **data})
+        self._fire("/event", {"kind": kind, "job": self.info["job"], "group": self.info["group"],
+                              "rank": self.info["rank"], **data})
 
     def _stop_beats(self) -> None:
         self._stop.set()
@@ -145,6 +166,7 @@ class LighthouseClient:
 
     def close(self) -> None:
         self._stop_beats()
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
+        for conn in (self._conn, self._qconn):
+            if conn is not None:
+                conn.close()
+        self._conn = self._qconn = None

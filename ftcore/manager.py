@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ftcore import faults as faults_mod
-from ftcore import timeouts
+from ftcore import netaddr, timeouts
 from ftcore.ftar import DEFAULT_BUCKET_BYTES, FTARError, ftar
 from ftcore.heal import HealServer, fetch
 from ftcore.lighthouse_client import LighthouseClient, LighthouseError, Replaced
@@ -48,18 +48,42 @@ class ManagerConfig:
     num_groups: int                 # R: replica groups the job was planned with (LR policy, make-up)
     rank: int = 0                   # k: rank within the group
     world: int = 1                  # K: ranks per group
-    incarnation: int = 0            # bumps each time the group is restarted
+    incarnation: int | None = 0     # bumps each time the group is restarted; None: agreed at start (see below)
     min_replicas: int = 1
     lr_policy: str = "sqrt"
     token: str | None = None
-    host: str = "127.0.0.1"
+    host: str = ""                  # where this rank's store, heal server and gloo listen (ftcore/netaddr.py)
+    job: str = "default"            # one lighthouse serves several jobs; their quorums never mix
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     records: str | None = None      # append every StepRecord here as a JSON line
     backend: str = "gloo"           # cross-group data plane: "gloo" (CPU tensors) or "nccl" (CUDA tensors)
 
 
+# The environment of one rank: what torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK) plus these,
+# the same under `torchrun` on a cluster and under the local launcher (README, "Running on a
+# cluster"). FTCORE_TOKEN / FTCORE_TOKEN_FILE carry the lighthouse's token (ftcore/auth.py).
+ENV = {
+    "FTCORE_LIGHTHOUSE": "host:port of the lighthouse (required)",
+    "FTREC_REPLICA_GROUP": "this replica group's id, 0..R-1 (default 0)",
+    "FTREC_NUM_REPLICA_GROUPS": "R, the replica groups the job is planned with (default 1)",
+    "FTCORE_JOB_ID": "the job's id on a lighthouse that serves several jobs (default 'default')",
+    "FTCORE_HOST": "address this rank binds and advertises (default: derived, ftcore/netaddr.py)",
+    "FTCORE_INCARNATION": "this start of the group; unset: agreed by the group's ranks at start",
+    "FTCORE_MIN_REPLICAS": "fewest replica groups a step may commit with (default 1)",
+    "FTCORE_LR_POLICY": "none, linear or sqrt (default sqrt)",
+}
+
+
+def _env_int(name: str, default: str) -> int:
+    raw = os.environ.get(name, default)
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"ftcore: environment variable {name}={raw!r} is not an integer") from None
+
+
 def config_from_env(**overrides: Any) -> ManagerConfig:
-    """The manager's configuration from the launcher's environment (see training/launch.py)."""
+    """The manager's configuration from the rank's environment (ENV above)."""
     env = os.environ
     if not env.get("FTCORE_LIGHTHOUSE"):
         raise ValueError("ftcore: FTCORE_LIGHTHOUSE is not set; start ranks with the launcher "
@@ -67,14 +91,18 @@ def config_from_env(**overrides: Any) -> ManagerConfig:
     from ftcore import auth
     cfg = ManagerConfig(
         lighthouse=env["FTCORE_LIGHTHOUSE"],
-        group=int(env.get("FTREC_REPLICA_GROUP", "0")),
-        num_groups=int(env.get("FTREC_NUM_REPLICA_GROUPS", "1")),
-        rank=int(env.get("RANK", "0")),
-        world=int(env.get("WORLD_SIZE", "1")),
-        incarnation=int(env.get("FTCORE_INCARNATION", env.get("TORCHELASTIC_RESTART_COUNT", "0"))),
-        min_replicas=int(env.get("FTCORE_MIN_REPLICAS", "1")),
+        group=_env_int("FTREC_REPLICA_GROUP", "0"),
+        num_groups=_env_int("FTREC_NUM_REPLICA_GROUPS", "1"),
+        rank=_env_int("RANK", "0"),
+        world=_env_int("WORLD_SIZE", "1"),
+        # torchrun's restart count is per node (a replaced node starts at 0), so it cannot name
+        # a restart of a group that spans nodes: without FTCORE_INCARNATION the ranks agree.
+        incarnation=_env_int("FTCORE_INCARNATION", "0") if env.get("FTCORE_INCARNATION") else None,
+        min_replicas=_env_int("FTCORE_MIN_REPLICAS", "1"),
         lr_policy=env.get("FTCORE_LR_POLICY", "sqrt"),
         token=auth.token_from_env(),
+        host=netaddr.rank_host(env["FTCORE_LIGHTHOUSE"]),
+        job=env.get("FTCORE_JOB_ID") or "default",
         records=env.get("FTCORE_RECORDS"),
         backend=env.get("FTCORE_BACKEND", "gloo"),
     )
@@ -83,12 +111,28 @@ def config_from_env(**overrides: Any) -> ManagerConfig:
     return cfg
 
 
-def _new_pg(backend: str, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta) -> dist.ProcessGroup:
-    """One quorum's cross-group process group. The NCCL branch is written for CUDA tensors but
-    has not run on a GPU yet (BENCHMARKS.md, GPU claims): a hung NCCL peer needs the group to
-    be aborted, which FTAR's deadline path does not do yet."""
+def agree_incarnation(group_pg: dist.ProcessGroup | None) -> int:
+    """A new incarnation number that every rank of the group shares: rank 0's clock in
+    milliseconds, broadcast over the group. It grows across restarts by any scheduler (a
+    restart takes longer than the clock's error between two starts of rank 0)."""
+    t = torch.tensor([time.time_ns() // 1_000_000], dtype=torch.int64)
+    if group_pg is not None and dist.get_world_size(group_pg) > 1:
+        if dist.get_backend(group_pg) == "nccl":
+            t = t.cuda()
+        dist.broadcast(t, src=0, group=group_pg)
+    return int(t.item())
+
+
+def _new_pg(backend: str, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta,
+            host: str = "127.0.0.1") -> dist.ProcessGroup:
+    """One quorum's cross-group process group, its gloo listening on `host` only. The NCCL
+    branch is written for CUDA tensors but has not run on a GPU yet (BENCHMARKS.md, GPU claims):
+    a hung NCCL peer needs the group to be aborted, which FTAR's deadline path does not do yet."""
     if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, size, timeout)
+        opts = dist.ProcessGroupGloo._Options()
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+        opts._timeout = timeout
+        return dist.ProcessGroupGloo(store, rank, size, opts)
     if backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
@@ -123,17 +167,27 @@ class Manager:
                  faults: list[faults_mod.Fault] | None = None):
         if cfg.lr_policy not in LR_POLICIES:
             raise ValueError(f"ftcore: lr_policy {cfg.lr_policy!r} is not one of {LR_POLICIES}")
+        if not 0 <= cfg.group < cfg.num_groups:
+            raise ValueError(f"ftcore: replica group {cfg.group} is outside 0..{cfg.num_groups - 1} "
+                             "(FTREC_REPLICA_GROUP, FTREC_NUM_REPLICA_GROUPS)")
         self.cfg = cfg
+        cfg.host = cfg.host or netaddr.rank_host(cfg.lighthouse)
+        if cfg.incarnation is None:
+            cfg.incarnation = agree_incarnation(group_pg)
         self._state_dict, self._load_state_dict = state_dict, load_state_dict
         self._group_pg = group_pg
         self.step = step
         self.injector = faults_mod.Injector(faults or [], cfg.group, cfg.rank, cfg.incarnation)
-        # Rendezvous store for the cross-group groups this rank leads (as rank k of the leader group).
-        self._store = dist.TCPStore(cfg.host, 0, is_master=True, wait_for_workers=False,
+        # Rendezvous store for the cross-group groups this rank leads (as rank k of the leader
+        # group), on a socket bound to cfg.host alone (TCPStore's own listens everywhere).
+        self._listen = netaddr.listen_socket(cfg.host)
+        self._store = dist.TCPStore(cfg.host, self._listen.getsockname()[1], is_master=True,
+                                    wait_for_workers=False, master_listen_fd=self._listen.fileno(),
                                     timeout=datetime.timedelta(seconds=timeouts.COLLECTIVE_TIMEOUT))
         self._stores: dict[str, dist.TCPStore] = {}
         self.heal_server = HealServer(cfg.host, cfg.token, on_serve=self._on_serve)
-        self.client = LighthouseClient(cfg.lighthouse, cfg.group, cfg.rank, cfg.world, cfg.incarnation, cfg.token)
+        self.client = LighthouseClient(cfg.lighthouse, cfg.group, cfg.rank, cfg.world, cfg.incarnation, cfg.token,
+                                       job=cfg.job, num_groups=cfg.num_groups, min_replicas=cfg.min_replicas)
         self.client.info.update(store=f"{cfg.host}:{self._store.port}", heal=self.heal_server.address, step=step)
         self.client.start_heartbeats()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftcore-quorum")
@@ -177,8 +231,7 @@ class Manager:
         self.client.info["quorum_id"] = q["quorum_id"]
         g = self.cfg.group
         if str(g) in q["heal"]:
-            src = q["heal"][str(g)]
-            addr = q["members"][str(src)]["heal"][self.cfg.rank]
+            src, addr = q["heal"][str(g)], q["heal_from"]   # rank k heals from rank k of the source
             self._heal_fut = self._heal_pool.submit(self._fetch_heal, addr, q["max_step"], src)
         if (q["epoch"], q["quorum_id"]) != self._pg_id:
             self._build_pg(q)
@@ -194,7 +247,7 @@ class Manager:
             _retire(old)
         groups = q["groups"]
         if len(groups) > 1:
-            leader = q["members"][str(groups[0])]["store"][self.cfg.rank]
+            leader = q["store"]   # rank k of the first group hosts rank k's rendezvous
             store = self._stores.get(leader)
             if store is None:
                 host, _, port = leader.rpartition(":")
@@ -204,7 +257,7 @@ class Manager:
             prefix = f"ftcore/{q['epoch']}/{q['quorum_id']}/{self.cfg.rank}"
             # A fresh prefix per quorum: the default process group cannot shrink or grow.
             self._pg = _new_pg(self.cfg.backend, dist.PrefixStore(prefix, store), groups.index(self.cfg.group),
-                               len(groups), datetime.timedelta(seconds=timeouts.COLLECTIVE_TIMEOUT))
+                               len(groups), datetime.timedelta(seconds=timeouts.COLLECTIVE_TIMEOUT), self.cfg.host)
         self._pg_id = (q["epoch"], q["quorum_id"])
 
     def _fetch_heal(self, addr: str, step: int, src: int) -> Any:

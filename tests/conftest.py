@@ -87,11 +87,12 @@ def shard_sample_ids(shards: Path):
     return sample_ids
 
 
-def cli_shard_set(folder: Path, world_size: int = 2) -> Path:
+def cli_shard_set(folder: Path, world_size: int = 2, users: int = 600) -> Path:
     """A small synthetic shard set (600 users, 200 items, 32 samples per rank and step),
     built through the command line as a user would: folder/shards."""
     events, shards = Path(folder) / "events.txt", Path(folder) / "shards"
-    r = run_python(["-m", "dataprep", "synth", "--out", str(events), "--users", "600", "--items", "200", "--quiet"], 120)
+    r = run_python(["-m", "dataprep", "synth", "--out", str(events), "--users", str(users), "--items", "200",
+                    "--quiet"], 120)
     assert r.returncode == 0, r.stdout[-2000:]
     r = run_python(["-m", "dataprep", "shards", "--input", str(events), "--format", "sasrec", "--out", str(shards),
                     "--world-size", str(world_size), "--batch-size", "32", "--max-len", "20", "--quiet"], 180)

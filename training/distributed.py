@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ftcore import netaddr
+
 COLLECTIVE_TIMEOUT_S = float(os.environ.get("FTREC_COLLECTIVE_TIMEOUT_S", "300"))
 
 
@@ -36,6 +38,33 @@ class Topology:
                 "topology.device": str(self.device)}
 
 
+def _listen_where_ftcore_does() -> dist.Store | None:
+    """gloo and the group's rendezvous store listen on the rank's one address (FTCORE_HOST or
+    derived, ftcore/netaddr.py), not wherever the host name resolves, nor on every interface.
+
+    Under torchrun the agent hosts the store (TORCHELASTIC_USE_AGENT_STORE): None, use it."""
+    env = os.environ
+    ref = env.get("FTCORE_LIGHTHOUSE") or f"{env.get('MASTER_ADDR', '127.0.0.1')}:0"
+    host = netaddr.rank_host(ref)
+    if not env.get("GLOO_SOCKET_IFNAME"):
+        ifname = netaddr.interface_of(host)
+        if ifname:
+            env["GLOO_SOCKET_IFNAME"] = ifname
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or "MASTER_PORT" not in env:
+        return None
+    timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    addr, port = env.get("MASTER_ADDR", "127.0.0.1"), int(env["MASTER_PORT"])
+    if int(env.get("RANK", "0")) == 0:
+        sock = netaddr.listen_socket(addr, port)
+        _keep.append(sock)
+        return dist.TCPStore(addr, port, is_master=True, wait_for_workers=False, timeout=timeout,
+                             master_listen_fd=sock.fileno())
+    return dist.TCPStore(addr, port, is_master=False, wait_for_workers=False, timeout=timeout)
+
+
+_keep: list = []   # the store's listening socket lives as long as the process
+
+
 def init() -> Topology:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -44,8 +73,10 @@ def init() -> Topology:
     if cuda:
         torch.cuda.set_device(device)
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo",
-                                timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        store = _listen_where_ftcore_does()
+        kw = {"store": store, "rank": rank, "world_size": world} if store is not None else {}
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+                                **kw)
     return Topology(rank, world, int(os.environ.get("FTREC_REPLICA_GROUP", "0")),
                     int(os.environ.get("FTREC_NUM_REPLICA_GROUPS", "1")), device)
 

@@ -1,12 +1,18 @@
 """The replica-group launcher: R groups x K ranks on ftcore, restarted group by group.
 
     python -m training launch --shards DIR --replica-groups R --ranks-per-group K \
-        [--lighthouse HOST:PORT] [--faults PLAN] [--out DIR] [-- trainer args]
+        [--lighthouse HOST:PORT --job-id ID] [--groups 0,1] [--faults PLAN] [--out DIR] [-- trainer args]
+
+A local convenience over the cluster layout (README, "Running on a cluster"): each replica
+group is one torchrun-equivalent process group, with exactly the environment that
+`torchrun ... -m training train` gets there (`torchrun_command` prints it).
 
 - starts a lighthouse (python -m ftcore.lighthouse) unless one is given, with a fresh
-  shared token in OUT/token, and restarts it if it dies;
-- starts R replica groups of K processes (torchrun's environment: RANK, WORLD_SIZE,
-  LOCAL_RANK, MASTER_ADDR/PORT per group) plus the ftcore environment;
+  shared token in OUT/token, and restarts it if it dies; a given (standing) lighthouse is
+  reached with the token this process was given (FTCORE_TOKEN_FILE or FTCORE_TOKEN);
+- starts replica groups (all R, or the --groups this host runs) of K processes (torchrun's
+  environment: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT per group) plus the ftcore
+  environment (ftcore.manager.ENV);
 - keeps K spare processes that have already imported torch and the trainer, so a failed
   group is back in well under a second (a cold start spends seconds in imports);
 - restarts a failed group (any rank exits non-zero or dies) with tenacity backoff, up
@@ -31,6 +37,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 from dataclasses import dataclass, field
 
 from tenacity import RetryError, Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
@@ -56,6 +63,8 @@ class LaunchConfig:
     replica_groups: int = 2
     ranks_per_group: int = 1
     lighthouse: str | None = None
+    job_id: str = "default"
+    groups: list[int] | None = None   # the replica groups this launcher runs (None: all R)
     faults: str | None = None
     out: str = "work/launch"
     worker: str = TRAINER
@@ -67,6 +76,7 @@ class LaunchConfig:
     spares: bool = True
     lr_policy: str = "sqrt"
     extra: list[str] = field(default_factory=list)
+    print_commands: bool = False
 
 
 def free_port() -> int:
@@ -152,8 +162,9 @@ class Launcher:
         self.t0 = time.monotonic()
         self.started = time.time()   # this launch's records only: a relaunch appends to OUT's files
         self.groups: dict[int, list[Proc]] = {}
+        self.mine = cfg.groups if cfg.groups is not None else list(range(cfg.replica_groups))
         self.incarnation: dict[int, int] = {}
-        self.restarts: dict[int, int] = {g: 0 for g in range(cfg.replica_groups)}
+        self.restarts: dict[int, int] = {g: 0 for g in self.mine}
         self.done: set[int] = set()
         self.late: set[int] = set()   # failed after another group had finished: not restarted
         self.user_error = False
@@ -162,17 +173,20 @@ class Launcher:
         self.lighthouse_proc: Proc | None = None
         self.events: list[dict] = []
         self.faults = faults_mod.load(cfg.faults) if cfg.faults else []
-        token_file = os.path.join(self.out, "token")
-        if cfg.lighthouse is None or not os.path.exists(token_file):
-            if cfg.lighthouse is not None and os.environ.get("FTCORE_TOKEN_FILE"):
-                token_file = os.environ["FTCORE_TOKEN_FILE"]
-            else:
-                with open(token_file, "w") as f:
-                    f.write(auth.new_token())
-                os.chmod(token_file, 0o600)
-        self.token_file = token_file
-        self.token = auth.read_token_file(token_file)
+        # Our own lighthouse gets a fresh token in OUT/token; a standing one is reached with
+        # the token we were given, passed on to every rank unchanged.
+        self.token_file: str | None = None
+        if cfg.lighthouse is None:
+            self.token_file = os.path.join(self.out, "token")
+            self.token: str | None = auth.write_token_file(self.token_file)
+        else:
+            self.token_file = os.environ.get("FTCORE_TOKEN_FILE") or None
+            self.token = auth.token_from_env()
+            if self.token is None:
+                self.log("warning", message=f"no FTCORE_TOKEN_FILE or FTCORE_TOKEN for lighthouse {cfg.lighthouse}: "
+                                            "only a lighthouse started with --insecure will accept the ranks")
         self.addr = cfg.lighthouse or f"127.0.0.1:{free_port()}"
+        self.status_path = "/status?" + urllib.parse.urlencode({"job": cfg.job_id})
 
     # ---- logging ------------------------------------------------------------------
     def log(self, msg: str, **data) -> None:
@@ -184,14 +198,30 @@ class Launcher:
         env = dict(os.environ)
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        env.update(FTCORE_LIGHTHOUSE=self.addr, FTCORE_TOKEN_FILE=self.token_file,
-                   FTREC_NUM_REPLICA_GROUPS=str(self.cfg.replica_groups),
-                   FTCORE_MIN_REPLICAS=str(self.cfg.min_replicas), FTCORE_LR_POLICY=self.cfg.lr_policy,
-                   OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"), PYTHONUNBUFFERED="1")
-        env.pop("FTCORE_TOKEN", None)
+        env.update(self.job_env(), OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"), PYTHONUNBUFFERED="1")
+        if self.token_file:   # a file beats a token in every child's environment
+            env.pop("FTCORE_TOKEN", None)
         if self.cfg.faults:
             env["FTCORE_FAULTS"] = os.path.abspath(self.cfg.faults)
         return env
+
+    def job_env(self) -> dict[str, str]:
+        """What every rank of every group of this job gets (ftcore.manager.ENV), as on a cluster."""
+        env = {"FTCORE_LIGHTHOUSE": self.addr, "FTCORE_JOB_ID": self.cfg.job_id,
+               "FTREC_NUM_REPLICA_GROUPS": str(self.cfg.replica_groups),
+               "FTCORE_MIN_REPLICAS": str(self.cfg.min_replicas), "FTCORE_LR_POLICY": self.cfg.lr_policy}
+        if self.token_file:
+            env["FTCORE_TOKEN_FILE"] = self.token_file
+        return env
+
+    def torchrun_command(self, g: int) -> str:
+        """Replica group g as one torchrun job: what this launcher runs, for a cluster."""
+        import shlex
+        env = {**self.job_env(), "FTREC_REPLICA_GROUP": str(g)}
+        argv = ["torchrun", "--nnodes", "1", "--nproc-per-node", str(self.cfg.ranks_per_group),
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", "HOST:PORT", "--rdzv-id", f"{self.cfg.job_id}-g{g}",
+                "--max-restarts", str(self.cfg.max_restarts), "-m", "training", *self.worker_argv(g)]
+        return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in env.items()), *map(shlex.quote, argv)])
 
     # ---- lighthouse -----------------------------------------------------------------
     def start_lighthouse(self) -> None:
@@ -205,7 +235,7 @@ class Launcher:
                 raise LaunchError(f"the lighthouse exited with status {self.lighthouse_proc.p.returncode} "
                                   f"(is {self.addr} in use?)")
             try:
-                if call(self.addr, "/status", None, self.token, method="GET", timeout=1)[0] == 200:
+                if call(self.addr, self.status_path, None, self.token, method="GET", timeout=1)[0] == 200:
                     return
             except OSError:
                 time.sleep(0.05)
@@ -213,7 +243,7 @@ class Launcher:
 
     def status(self) -> dict | None:
         try:
-            code, body = call(self.addr, "/status", None, self.token, method="GET", timeout=1)
+            code, body = call(self.addr, self.status_path, None, self.token, method="GET", timeout=1)
             return body if code == 200 else None
         except OSError:
             return None
@@ -400,7 +430,7 @@ class Launcher:
             self.start_lighthouse()
         self.log("launch", lighthouse=self.addr, groups=self.cfg.replica_groups, ranks=self.cfg.ranks_per_group,
                  worker=self.cfg.worker, out=self.out)
-        sups = [threading.Thread(target=self.supervise, args=(g,), daemon=True) for g in range(self.cfg.replica_groups)]
+        sups = [threading.Thread(target=self.supervise, args=(g,), daemon=True) for g in self.mine]
         for t in sups:
             t.start()
         threading.Thread(target=self.refill_spares, daemon=True).start()
@@ -462,7 +492,7 @@ class Launcher:
     def report(self) -> dict[int, str]:
         """A checksum of every group's final state (all its rank files); warns when they differ."""
         sums = {}
-        for g in range(self.cfg.replica_groups):
+        for g in self.mine:
             paths = self.final_state(g)
             if paths:
                 sums[g] = checksum(paths)
@@ -479,6 +509,8 @@ class Launcher:
         if os.path.exists(lh_file):
             with open(lh_file) as f:
                 events = [json.loads(line) for line in f if line.strip().startswith("{")]
+        elif self.cfg.lighthouse:   # a standing lighthouse: its recent events of this job
+            events = (self.status() or {}).get("events", [])
         steps = []
         for root, _, files in os.walk(self.out):
             for name in files:
@@ -579,8 +611,13 @@ def _spare(worker: str) -> int:
     import datetime
 
     import torch.distributed as dist
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    dist.ProcessGroupGloo(dist.PrefixStore("warm", store), 0, 1, datetime.timedelta(seconds=5))
+    from ftcore import netaddr
+    sock = netaddr.listen_socket("127.0.0.1")
+    store = dist.TCPStore("127.0.0.1", sock.getsockname()[1], is_master=True, wait_for_workers=False,
+                          master_listen_fd=sock.fileno())
+    opts = dist.ProcessGroupGloo._Options()
+    opts._devices, opts._timeout = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")], datetime.timedelta(seconds=5)
+    dist.ProcessGroupGloo(dist.PrefixStore("warm", store), 0, 1, opts)
     del store
     print("ftrec-spare-ready", flush=True)
     line = sys.stdin.readline()
@@ -600,7 +637,14 @@ def parse(argv: list[str]) -> LaunchConfig:
     p.add_argument("--shards", help="shard set (python -m dataprep shards)")
     p.add_argument("--replica-groups", type=int, default=2, help="R: replica groups (units of failure)")
     p.add_argument("--ranks-per-group", type=int, default=1, help="K: ranks per replica group")
-    p.add_argument("--lighthouse", help="HOST:PORT of a running lighthouse (default: start one)")
+    p.add_argument("--lighthouse", help="HOST:PORT of a standing lighthouse (default: start one here); its token "
+                                        "comes from FTCORE_TOKEN_FILE or FTCORE_TOKEN")
+    p.add_argument("--job-id", default=os.environ.get("FTCORE_JOB_ID") or "default",
+                   help="this job's id on the lighthouse (jobs sharing a standing lighthouse need distinct ids)")
+    p.add_argument("--groups", help="comma-separated replica groups this launcher runs (default: all of "
+                                    "0..R-1; the others run elsewhere against the same --lighthouse)")
+    p.add_argument("--print-commands", action="store_true",
+                   help="print each replica group as one torchrun command (for a cluster) and exit")
     p.add_argument("--faults", help="fault plan, TOML or JSON (see ftcore/faults.py)")
     p.add_argument("--out", default="work/launch", help="output folder: replica_<g>/, timeline.json, ledger/")
     p.add_argument("--worker", default=TRAINER, help=f"module with main(argv) run by each rank (default: the "
@@ -615,13 +659,26 @@ def parse(argv: list[str]) -> LaunchConfig:
     a = p.parse_args(argv)
     if a.replica_groups < 1 or a.ranks_per_group < 1:
         raise LaunchError("--replica-groups and --ranks-per-group must be >= 1")
+    groups = None
+    if a.groups:
+        try:
+            groups = sorted({int(g) for g in a.groups.split(",") if g.strip()})
+        except ValueError:
+            raise LaunchError(f"--groups {a.groups!r}: give comma-separated group ids, for example 0,2") from None
+        if not groups or not all(0 <= g < a.replica_groups for g in groups):
+            raise LaunchError(f"--groups {a.groups}: every id must be in 0..{a.replica_groups - 1} (--replica-groups)")
+        if a.lighthouse is None and len(groups) < a.replica_groups:
+            raise LaunchError("--groups runs part of the job: give the --lighthouse the other groups use")
+    from ftcore.lighthouse import JOB_ID
+    if not JOB_ID.fullmatch(a.job_id):
+        raise LaunchError(f"--job-id {a.job_id!r}: use letters, digits and ._:/+@=- (up to 128, FTCORE_JOB_ID)")
     if a.worker == TRAINER and not a.shards:
         raise LaunchError("--shards is required to launch the trainer (a folder from `python -m dataprep shards`)")
     if a.shards and not os.path.isfile(os.path.join(a.shards, "manifest.json")):
         raise LaunchError(f"--shards {a.shards}: no manifest.json there; build it with `python -m dataprep shards`")
-    return LaunchConfig(a.shards, a.replica_groups, a.ranks_per_group, a.lighthouse, a.faults, a.out, a.worker,
-                        a.min_replicas, a.max_restarts, 0.1, a.replace_after, a.timeout, not a.no_spares,
-                        a.lr_policy, extra)
+    return LaunchConfig(a.shards, a.replica_groups, a.ranks_per_group, a.lighthouse, a.job_id, groups, a.faults,
+                        a.out, a.worker, a.min_replicas, a.max_restarts, 0.1, a.replace_after, a.timeout,
+                        not a.no_spares, a.lr_policy, extra, a.print_commands)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -636,6 +693,10 @@ def main(argv: list[str] | None = None) -> int:
     except (LaunchError, faults_mod.PlanError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if cfg.print_commands:
+        for g in launcher.mine:
+            print(launcher.torchrun_command(g))
+        return 0
     try:
         return launcher.run()
     except LaunchError as e:
