@@ -76,6 +76,7 @@ class Rank:
     step: int = 0          # committed steps
     last_beat: float = 0.0
     disconnected: bool = False
+    disconnected_at: float = 0.0
 
 
 @dataclass
@@ -91,6 +92,14 @@ class Group:
     @property
     def step(self) -> int:
         return min((r.step for r in self.ranks.values()), default=0)
+
+    def lost_rank(self, now: float, probe: float, heartbeat_timeout: float) -> int | None:
+        """A rank this incarnation has lost for good (connection closed for longer than a
+        reconnect takes, or silent past the heartbeat timeout): the group must restart."""
+        for rk in self.ranks.values():
+            if (rk.disconnected and now - rk.disconnected_at > probe) or now - rk.last_beat > heartbeat_timeout:
+                return rk.rank
+        return None
 
 
 @dataclass
@@ -231,6 +240,18 @@ class Job:
 
     def _maybe_form(self, now: float) -> None:
         """O(groups): one formation attempt on the health of the last sweep."""
+        for g in [g for g in self.pending if not self.groups[g].healthy]:
+            # The survivors of a group that lost a rank cannot train without it: tell them to
+            # exit now (their torchrun or launcher restarts the group) instead of letting them
+            # wait out a quorum timeout.
+            lost = self.groups[g].lost_rank(now, self.cfg.failure_probe, self.cfg.heartbeat_timeout)
+            if lost is not None:
+                for req in self.pending.pop(g).values():
+                    self.results[req.req_id] = {"error": f"replica group {g} lost rank {lost}; restart the group",
+                                                "lost": True}
+                self.lock.notify_all()
+        if not self.pending:
+            return
         healthy = {g for g, grp in self.groups.items() if grp.healthy}
         requesting = sorted(
             g for g, reqs in self.pending.items()
@@ -332,7 +353,7 @@ class Job:
         with self.lock:
             grp = self.groups.get(g)
             if grp is not None and grp.incarnation == inc and r in grp.ranks and not grp.left:
-                grp.ranks[r].disconnected = True
+                grp.ranks[r].disconnected, grp.ranks[r].disconnected_at = True, time.monotonic()
                 self._update_health(time.monotonic())
                 if self.pending:
                     self._maybe_form(time.monotonic())
@@ -557,7 +578,8 @@ class _Handler(BaseHTTPRequestHandler):
                 if not math.isfinite(timeout) or timeout <= 0:
                     raise ValueError(f"timeout={timeout} must be a positive number of seconds")
                 q = lh.request_quorum(msg, min(timeout, timeouts.QUORUM_TIMEOUT))
-                self._send(409 if q.get("error") == "stale incarnation" else 504 if "error" in q else 200, q)
+                code = 409 if q.get("error") == "stale incarnation" else 410 if q.get("lost") else 504 if "error" in q else 200
+                self._send(code, q)
             elif self.path == "/report_failure":
                 lh.report_failure(msg)
                 self._send(200, {})

@@ -23,6 +23,11 @@ class Replaced(LighthouseError):
     """This process belongs to a group incarnation that has been replaced: it must exit."""
 
 
+class GroupLost(Replaced):
+    """This process's group lost a rank (its process or its host died): it must exit so that
+    the group is restarted whole (torchrun, the scheduler or the launcher)."""
+
+
 def _split(addr: str) -> tuple[str, int]:
     host, _, port = addr.removeprefix("http://").rstrip("/").rpartition(":")
     return host or "127.0.0.1", int(port)
@@ -119,6 +124,8 @@ class LighthouseClient:
             if status == 409:
                 self.replaced = True
                 raise Replaced(str(body))
+            if status == 410:
+                raise GroupLost(f"lighthouse {self.addr}: {body.get('error') if isinstance(body, dict) else body}")
             if status in (401, 400):
                 raise LighthouseError(f"lighthouse {self.addr} refused the quorum request ({status}: {body})")
             last = f"HTTP {status}: {body}"

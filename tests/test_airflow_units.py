@@ -409,3 +409,35 @@ def test_runner_ends_a_daemon_that_left_the_process_group():
     pid = int(next(line for line in log.lines if line.startswith("escapee")).split()[1])
     assert _wait_dead(pid), "the escaped process outlived the command"
     assert any("left behind" in line for line in log.lines)
+
+
+@pytest.mark.integ
+def test_train_step_joins_a_standing_lighthouse_with_the_workers_token(tmp_path, monkeypatch, live_lighthouse):
+    """FTREC_LIGHTHOUSE_URL set: the launcher starts no lighthouse and makes no token; its
+    ranks reach the standing one (which refuses anyone without its token) under the run's job id."""
+    from conftest import cli_shard_set
+    url, token, proc = live_lighthouse
+    shards = cli_shard_set(tmp_path)
+    monkeypatch.setenv("FTREC_LIGHTHOUSE_URL", url)
+    monkeypatch.setenv("FTCORE_TOKEN_FILE", str(token))
+    monkeypatch.delenv("FTCORE_TOKEN", raising=False)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    run_key = "ftrec_train/manual__2026-12-01T00:00:00+00:00/train"
+    _, run_id = tracking.ensure_run("standing", run_key, tracking_uri=uri)
+    out = tmp_path / "t"
+    spec = steps.TrainSpec(shards=str(shards), out=str(out), replica_groups=2, max_steps=4, run_key=run_key,
+                           experiment="standing", timeout_s=240,
+                           overrides=["model.dim=16", "loss.num_negatives=16", "mlflow.log_model=false",
+                                      "mlflow.plots=false", "eval.batch_size=256"])
+    cmd = steps.train_command(spec, run_id, uri)
+    assert cmd[cmd.index("--lighthouse") + 1] == url.removeprefix("http://")
+    job = cmd[cmd.index("--job-id") + 1]
+    assert job == settings.lighthouse_job_id(run_key) and job.startswith("ftrec_train/manual__2026-12-01")
+    result = steps.train(spec, run_id, uri)
+    assert result["steps"] == 4 and result["mlflow_run_id"] == run_id
+    assert not (out / "token").exists() and not (out / "lighthouse-events.jsonl").exists()
+    st = lighthouse.fetch_status(url, token_file=token, job=job)
+    assert st["job"] == job and job in st["jobs"]
+    assert [(g["group"], g["left"]) for g in st["groups"]] == [(0, True), (1, True)]
+    assert any(e["kind"] == "quorum_formed" for e in st["events"])
+    assert lighthouse.fetch_status(url, token_file=token)["groups"] == []   # nothing under the default job

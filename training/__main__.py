@@ -1,8 +1,9 @@
-"""`python -m training {train,eval,launch}`: the trainer's command line.
+"""`python -m training {train,eval,launch}` (or `ftrec ...`): the trainer's command line.
 
 - train:  one process, or one rank of a replica group under torchrun.
 - eval:   a checkpoint on a shard set's valid/test users, both protocols.
 - launch: R replica groups x K ranks with fault tolerance (training/launch.py, ftcore).
+- data:   `ftrec data ...` is `python -m dataprep ...` (shards, verify, synth).
 
 User errors (bad config, missing or mismatched shard set, unreadable checkpoint) print
 one line and exit with status 2.
@@ -61,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "launch":   # the launcher parses its own flags
         return _launch(argv[1:])
+    if argv and argv[0] == "data":     # the console script `ftrec` also fronts dataprep
+        from dataprep.cli import main as dataprep_main
+        return dataprep_main(argv[1:])
     p = argparse.ArgumentParser(prog="python -m training", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train on a shard set")
@@ -75,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--out", help="write the metrics as JSON here")
     e.add_argument("--set", action="append", nargs="+", metavar="eval.KEY=VALUE", help="override an eval setting")
     sub.add_parser("launch", help="R replica groups x K ranks with fault tolerance (see `launch --help`)")
+    sub.add_parser("data", help="dataprep: shards, verify, synth (see `data --help`)")
     args = p.parse_args(argv)
 
     from training.checkpoint import CheckpointError

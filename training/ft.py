@@ -243,8 +243,9 @@ class FTReplica:
         self.manager.shutdown()
 
 
-def make_replica(state: Any, topology: Any, steps_total: int | None = None) -> ReplicaSync:
-    """ftcore's replica when launched by training/launch.py, else the single-group no-op."""
+def make_replica(state: Any, topology: Any, steps_total: int | None = None, out: str | None = None) -> ReplicaSync:
+    """ftcore's replica when FTCORE_LIGHTHOUSE names a lighthouse (the launcher, or torchrun
+    on a cluster), else the single-group no-op. `out`: this group's output folder."""
     if not os.environ.get("FTCORE_LIGHTHOUSE"):
         return LocalReplica()
-    return FTReplica(state, topology, steps_total=steps_total)
+    return FTReplica(state, topology, out=out, steps_total=steps_total)

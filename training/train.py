@@ -14,8 +14,8 @@ Every step is a transaction (../shared/DESIGN.md, ftcore):
 The loop ends when `ft.data_done(...)`: after steps_total steps for one group; with ftcore,
 when every epoch and every make-up step of a group that was down is done (ftcore/schedule.py).
 
-`ft` is `training.ft.LocalReplica` (one replica group) unless training/ft.py provides
-`make_replica(state=TrainState, topology=Topology, steps_total=int)`, ftcore's implementation.
+`ft` is `training.ft.make_replica(...)`: the one-group `LocalReplica`, or ftcore's `FTReplica`
+when FTCORE_LIGHTHOUSE names a lighthouse (the launcher, or torchrun on a cluster).
 """
 
 import copy
@@ -43,9 +43,6 @@ def log(topo, msg: str) -> None:
         print(f"[train g{topo.replica_group}] {msg}", flush=True)
 
 
-def make_replica(state: TrainState, topo: distributed.Topology, steps_total: int):
-    factory = getattr(ft_mod, "make_replica", None)
-    return factory(state=state, topology=topo, steps_total=steps_total) if factory else ft_mod.LocalReplica()
 
 
 def write_json(path: str, obj: dict) -> None:
@@ -104,7 +101,7 @@ def train(cfg: Config) -> dict:
         # the resumed run logs into the MLflow run it started, unless one is given
         cfg.mlflow.run_id = cfg.mlflow.run_id or checkpoint.read_meta(resumed_from).get("mlflow_run_id") or ""
         log(topo, f"resumed from {resumed_from} (step {state.step}, epoch {cursor.epoch}, index {cursor.index})")
-    ft = make_replica(state, topo, steps_total)
+    ft = ft_mod.make_replica(state, topo, steps_total, out)
     if resumed_from:    # ftcore: the make-up work still owed at the checkpoint
         ft.load_from_checkpoint(checkpoint.read_meta(resumed_from))
     loader = BatchLoader(shards, shard_ranks, cursor, cfg.data.prefetch)

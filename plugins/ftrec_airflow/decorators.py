@@ -85,8 +85,12 @@ class FaultTolerantTrainOperator(DecoratedOperator):
         self.mlflow_run_url = tracking.run_url(exp_id, run_id)
         ti.xcom_push(key="mlflow_run_id", value=run_id)  # visible while training runs
         self.log.info("MLflow run %s (%s), store %s", run_id, self.mlflow_run_url, uri)
-        watcher = lighthouse.Watcher(settings.run_folder(ti.dag_id, ti.run_id),
-                                     token_file=Path(spec.out) / "token")  # the launcher's shared token
+        spec.run_key = run_key
+        if settings.lighthouse_url():   # a standing lighthouse: this run's job on it, the worker's token
+            watcher = lighthouse.Watcher(settings.run_folder(ti.dag_id, ti.run_id),
+                                         job=settings.lighthouse_job_id(run_key))
+        else:                           # the launcher's own lighthouse and its shared token
+            watcher = lighthouse.Watcher(settings.run_folder(ti.dag_id, ti.run_id), token_file=Path(spec.out) / "token")
         try:
             with watcher:
                 result = steps.train(spec, run_id, uri, logger=self.log, on_line=watcher.see,

@@ -13,6 +13,7 @@ import os
 import re
 import threading
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -47,9 +48,12 @@ def _token(token_file: str | Path | None = None) -> str | None:
     return None
 
 
-def fetch_status(url: str, timeout: float = FETCH_TIMEOUT_S, token_file: str | Path | None = None) -> dict[str, Any]:
-    """GET <url>/status with the shared token; raises OSError when it does not answer."""
-    req = urllib.request.Request(url.rstrip("/") + "/status")
+def fetch_status(url: str, timeout: float = FETCH_TIMEOUT_S, token_file: str | Path | None = None,
+                 job: str | None = None) -> dict[str, Any]:
+    """GET <url>/status (of `job` on a standing lighthouse) with the shared token; raises
+    OSError when it does not answer."""
+    query = "?" + urllib.parse.urlencode({"job": job}) if job else ""
+    req = urllib.request.Request(url.rstrip("/") + "/status" + query)
     token = _token(token_file)
     if token:
         req.add_header("Authorization", f"Bearer {token}")
@@ -58,11 +62,11 @@ def fetch_status(url: str, timeout: float = FETCH_TIMEOUT_S, token_file: str | P
 
 
 def write_snapshot(run_dir: Path, url: str, status: dict | None, error: str = "",
-                   token_file: str | Path | None = None) -> None:
+                   token_file: str | Path | None = None, job: str | None = None) -> None:
     path = Path(run_dir) / SNAPSHOT
     path.parent.mkdir(parents=True, exist_ok=True)
     doc = {"url": url, "fetched_at": time.time(), "status": status, "error": error,
-           "token_file": str(token_file) if token_file else None}
+           "token_file": str(token_file) if token_file else None, "job": job}
     if status is None and path.exists():  # keep the last good status, note the error
         try:
             old = json.loads(path.read_text())
@@ -86,9 +90,10 @@ class Watcher:
     """Polls the lighthouse in a daemon thread while training runs; `see(line)` takes the
     launcher's output lines and picks up the lighthouse's address from them."""
 
-    def __init__(self, run_dir: Path, url: str = "", token_file: str | Path | None = None):
+    def __init__(self, run_dir: Path, url: str = "", token_file: str | Path | None = None, job: str | None = None):
         self.run_dir = Path(run_dir)
         self.token_file = token_file
+        self.job = job
         self.url = url or settings.lighthouse_url()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="ftrec-lighthouse-watch", daemon=True)
@@ -101,10 +106,10 @@ class Watcher:
         if not self.url:
             return
         try:
-            status = fetch_status(self.url, token_file=self.token_file)
-            write_snapshot(self.run_dir, self.url, status, token_file=self.token_file)
+            status = fetch_status(self.url, token_file=self.token_file, job=self.job)
+            write_snapshot(self.run_dir, self.url, status, token_file=self.token_file, job=self.job)
         except (OSError, ValueError) as e:
-            write_snapshot(self.run_dir, self.url, None, error=str(e), token_file=self.token_file)
+            write_snapshot(self.run_dir, self.url, None, error=str(e), token_file=self.token_file, job=self.job)
 
     def _loop(self) -> None:
         while not self._stop.wait(POLL_S):

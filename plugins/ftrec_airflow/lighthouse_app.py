@@ -26,7 +26,7 @@ def lookup(dag_id: str | None, run_id: str | None) -> dict[str, Any]:
     """{"source", "url", "live", "status", "fetched_at", "error"} for a DAG run's
     lighthouse, or for the standing one when no run is given."""
     snap = None
-    token_file = None
+    token_file = job = None
     url = settings.lighthouse_url()
     source = "FTREC_LIGHTHOUSE_URL" if url else "none"
     if dag_id and run_id:
@@ -34,10 +34,11 @@ def lookup(dag_id: str | None, run_id: str | None) -> dict[str, Any]:
         if snap:
             url, source = snap.get("url") or url, f"run {dag_id} / {run_id}"
             token_file = snap.get("token_file")
+            job = snap.get("job")
     doc = {"source": source, "url": url, "live": False, "status": None, "fetched_at": None, "error": ""}
     if url:
         try:
-            doc.update(status=lighthouse.fetch_status(url, timeout=1.0, token_file=token_file), live=True, fetched_at=time.time())
+            doc.update(status=lighthouse.fetch_status(url, timeout=1.0, token_file=token_file, job=job), live=True, fetched_at=time.time())
             return doc
         except (OSError, ValueError) as e:
             doc["error"] = f"lighthouse at {url} does not answer ({e})"

@@ -62,6 +62,13 @@ def lighthouse_url() -> str:
     return os.environ.get("FTREC_LIGHTHOUSE_URL", "").rstrip("/")
 
 
+def lighthouse_job_id(run_key: str) -> str:
+    """The job id one training run reports under on a standing lighthouse (ftcore's JOB_ID
+    syntax): the run key `dag/run/task`, other characters as '-', at most 128."""
+    job = re.sub(r"[^A-Za-z0-9._:/+@=-]+", "-", run_key).lstrip("._:/+@=-") or "run"
+    return job[:128]
+
+
 def slug(text: str) -> str:
     """A run id such as `manual__2026-01-01T00:00:00+00:00` as a safe folder name."""
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_") or "run"

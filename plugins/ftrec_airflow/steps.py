@@ -216,6 +216,12 @@ def train_command(spec: TrainSpec, run_id: str, tracking_uri: str) -> list[str]:
         plan = _fault_plan_file(spec)
         if plan:
             cmd += ["--faults", plan]
+        standing = settings.lighthouse_url()
+        if standing:
+            # Join the standing lighthouse under this run's own job id; the launcher passes the
+            # token this worker holds (FTCORE_TOKEN_FILE / FTCORE_TOKEN) to every rank.
+            cmd += ["--lighthouse", standing.removeprefix("http://"), "--job-id",
+                    settings.lighthouse_job_id(spec.run_key or str(out))]
         cmd.append("--")  # what follows goes to every rank's trainer
     else:
         if spec.replica_groups * spec.ranks_per_group != 1 or spec.fault_plan:
