@@ -211,13 +211,15 @@ def failover_figures(tl: dict) -> dict:
     return {"step_s": step_s, "failover_samples_s": failover, "heal_samples_s": heal, "stall_samples_s": stall}
 
 
-def bench_failover(kills: int, steps: int) -> dict:
+def bench_failover(kills: int, steps: int, spares: bool = True) -> dict:
+    """spares=False: every restart is a cold start of a new process, as torchrun's (or a
+    scheduler's) restart of a group is: imports, process group, heal."""
     with tempfile.TemporaryDirectory() as d:
         # far enough apart that the launcher has a warm spare again for each failure
         plan = [{"kind": "kill", "group": (k % 3), "at_step": 40 + 250 * k, "incarnation": k // 3}
                 for k in range(kills)]
         steps = max(steps, 40 + 250 * kills)
-        tl = _launch(os.path.join(d, "failover"), plan, steps, 0.03, True, 0,
+        tl = _launch(os.path.join(d, "failover"), plan, steps, 0.03, spares, 0,
                      {"FTCORE_HEARTBEAT_TIMEOUT": "5.0", "FTCORE_COLLECTIVE_TIMEOUT": "10",
                       "FTCORE_QUORUM_TIMEOUT": "20"})
     fig = failover_figures(tl)
@@ -291,6 +293,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"{fmt(fig['heal_samples_s'])}")
             print(f"  survivors' extra stall per failure: median {result['stall_per_failure_s']:.3f} s  "
                   f"{fmt(fig['stall_samples_s'])}")
+        cold = bench_failover(2 if a.quick else 4, 0, spares=False)
+        result["failover_cold"] = cold
+        print(f"  cold restart (a new process, as torchrun restarts a group): kill -> returning group's first "
+              f"commit: median {_med(cold['heal_samples_s']):.3f} s  {fmt(cold['heal_samples_s'])}; survivors' "
+              f"extra stall median {_med(cold['stall_samples_s']):.3f} s")
     if "effective" not in skip:
         eff = bench_effective(8.0 if a.quick else 10.0, 2 if a.quick else 3, 400 if a.quick else 800)
         result["effective"] = eff

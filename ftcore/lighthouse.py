@@ -503,6 +503,9 @@ def _status_html(st: dict[str, Any]) -> str:
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive: a heartbeat connection that closes means a dead rank
+    # Replies go out as headers, then body: with Nagle's algorithm the body waits for the
+    # client's delayed ACK (~40 ms on Linux), which every quorum round would pay.
+    disable_nagle_algorithm = True
     lighthouse: Lighthouse
 
     def log_message(self, fmt: str, *args: Any) -> None:  # quiet: events are the log

@@ -1,0 +1,195 @@
+"""The lighthouse under many ranks: heartbeat throughput, quorum latency, CPU per 1,000 ranks.
+
+    python benchmarks/lighthouse_scale.py [--ranks 64 256 1024 4096] [--seconds 8] [--json PATH]
+
+One real lighthouse process (`python -m ftcore.lighthouse`, loopback) and, in this process,
+a load generator of simulated ranks (asyncio, one kept-alive heartbeat connection and one
+quorum connection per rank, as ftcore.lighthouse_client keeps them), in groups of 8 ranks.
+Every rank heartbeats at FTCORE_HEARTBEAT_INTERVAL; every round all ranks ask for a quorum
+at once, as a job's step does. Reported per size:
+
+- heartbeats/s served and offered (ranks / interval);
+- quorum latency: from the moment the last rank of a round has sent its request to each
+  rank's reply (the lighthouse's formation and delivery), p50 and p99 over all ranks and rounds;
+- lighthouse CPU seconds per wall second, per 1,000 ranks (from /proc/<pid>/stat);
+- failure detection: one rank's heartbeat connection closed -> the lighthouse's heartbeat
+  replies name its group as failed.
+
+Both sides share this machine's cores, so the generator's own CPU limits what is offered.
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from ftcore import timeouts  # noqa: E402
+
+K = 8  # ranks per simulated replica group
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Conn:
+    """One kept-alive HTTP/1.1 connection that sends JSON POSTs and reads JSON replies."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        self.r, self.w = reader, writer
+
+    @classmethod
+    async def open(cls, port: int) -> "Conn":
+        return cls(*await asyncio.open_connection("127.0.0.1", port))
+
+    async def post(self, path: str, body: dict) -> tuple[int, dict]:
+        raw = json.dumps(body).encode()
+        self.w.write(f"POST {path} HTTP/1.1\r\nHost: lh\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(raw)}\r\n\r\n".encode() + raw)
+        status = int((await self.r.readline()).split()[1])
+        length = 0
+        while (line := await self.r.readline()) not in (b"\r\n", b""):
+            if line.lower().startswith(b"content-length:"):
+                length = int(line.split(b":")[1])
+        return status, json.loads(await self.r.readexactly(length)) if length else {}
+
+    def close(self) -> None:
+        self.w.close()
+
+
+async def run_size(n: int, port: int, seconds: float, job: str) -> dict:
+    groups = n // K
+    infos = [{"job": job, "group": g, "rank": k, "world": K, "incarnation": 0, "num_groups": groups,
+              "step": 0, "quorum_id": 0, "store": f"127.0.0.1:{1000 + k}", "heal": f"127.0.0.1:{2000 + k}"}
+             for g in range(groups) for k in range(K)]
+    beats = [await Conn.open(port) for _ in infos]
+    quorum = [await Conn.open(port) for _ in infos]
+    served = 0
+    stop = asyncio.Event()
+    failed_seen: dict[int, float] = {}
+
+    async def heartbeat(i: int) -> None:
+        nonlocal served
+        # spread the ranks' phases over one interval, as independent processes are
+        await asyncio.sleep(timeouts.HEARTBEAT_INTERVAL * i / len(infos))
+        while not stop.is_set():
+            try:
+                code, body = await beats[i].post("/heartbeat", infos[i])
+            except (ConnectionError, asyncio.IncompleteReadError, ValueError):
+                return
+            if code == 200:
+                served += 1
+                for g in body.get("failed", []):
+                    failed_seen.setdefault(g, time.monotonic())
+            await asyncio.sleep(timeouts.HEARTBEAT_INTERVAL)
+
+    tasks = [asyncio.create_task(heartbeat(i)) for i in range(len(infos))]
+    await asyncio.sleep(1.0)   # every rank registered and heartbeating
+
+    async def ask(i: int, sent: list[float], got: list[float]) -> None:
+        code, body = await quorum[i].post("/quorum", {**infos[i], "timeout": 10.0})
+        got[i] = time.monotonic() if code == 200 else float("nan")
+        if code == 200:
+            infos[i]["quorum_id"] = body["quorum_id"]
+
+    latencies: list[float] = []
+    rounds = 0
+    cpu0, t0, served0 = _cpu_seconds(LH_PID), time.monotonic(), served
+    while time.monotonic() - t0 < seconds:
+        got = [0.0] * len(infos)
+        sent: list[float] = []
+        round_tasks = [asyncio.create_task(ask(i, sent, got)) for i in range(len(infos))]
+        await asyncio.sleep(0)          # every request written before the clock starts
+        last_sent = time.monotonic()
+        await asyncio.gather(*round_tasks)
+        latencies += [g - last_sent for g in got]
+        rounds += 1
+        for info in infos:
+            info["step"] += 1
+        await asyncio.sleep(0.02)
+    wall = time.monotonic() - t0
+    cpu = _cpu_seconds(LH_PID) - cpu0
+    hb_rate = (served - served0) / wall
+
+    # failure detection: group 0's rank 0 dies (its heartbeat connection closes)
+    tasks[0].cancel()
+    t_kill = time.monotonic()
+    beats[0].close()
+    while 0 not in failed_seen and time.monotonic() - t_kill < 5:
+        await asyncio.sleep(0.002)
+    detect = failed_seen.get(0, float("nan")) - t_kill
+    stop.set()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for c in beats + quorum:
+        c.close()
+    ok = [x for x in latencies if x == x]
+    ok.sort()
+    return {"ranks": n, "groups": groups, "rounds": rounds,
+            "heartbeats_per_s": round(hb_rate), "offered_per_s": round(n / timeouts.HEARTBEAT_INTERVAL),
+            "quorum_p50_ms": round(1000 * statistics.median(ok), 2) if ok else None,
+            "quorum_p99_ms": round(1000 * ok[int(0.99 * (len(ok) - 1))], 2) if ok else None,
+            "failed_requests": len(latencies) - len(ok),
+            "lighthouse_cpu_per_1000_ranks": round(cpu / wall / (n / 1000), 3),
+            "lighthouse_cpu_s_per_s": round(cpu / wall, 3),
+            "failure_detection_ms": round(1000 * detect, 1)}
+
+
+LH_PID = 0
+
+
+def main() -> int:
+    global LH_PID
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ranks", type=int, nargs="+", default=[64, 256, 1024, 4096])
+    p.add_argument("--seconds", type=float, default=8.0, help="measured seconds per size")
+    p.add_argument("--json", default=str(ROOT / "bench-results" / "lighthouse_scale.json"))
+    a = p.parse_args()
+    port = _free_port()
+    lh = subprocess.Popen([sys.executable, "-m", "ftcore.lighthouse", "--bind", f"127.0.0.1:{port}", "--insecure"],
+                          cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    LH_PID = lh.pid
+    rows = []
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or lh.poll() is not None:
+                    raise SystemExit("the lighthouse did not start")
+                time.sleep(0.1)
+        for n in a.ranks:
+            rows.append(asyncio.run(asyncio.wait_for(run_size(n, port, a.seconds, f"bench-{n}"), a.seconds + 120)))
+            print(json.dumps(rows[-1]), flush=True)
+    finally:
+        lh.kill()
+        lh.wait()
+    cols = list(rows[0]) if rows else []
+    print("\n| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
+    for r in rows:
+        print("| " + " | ".join(str(r[c]) for c in cols) + " |")
+    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.json).write_text(json.dumps({"heartbeat_interval_s": timeouts.HEARTBEAT_INTERVAL, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
