@@ -27,6 +27,7 @@ bench: setup
 	$(BIN)/python -m dataprep.bench
 	$(BIN)/python -m training.bench
 	$(BIN)/python -m ftcore.bench
+	$(BIN)/python benchmarks/lighthouse_scale.py
 	$(BIN)/python -m ftcore.sim
 	$(BIN)/python -m training.comm.bench
 	$(BIN)/python -m training.comm.bench_trainer

@@ -5,8 +5,8 @@ Depends on torch and the standard library only; never on training, dataprep or A
 The replica group (K ranks) is the unit of failure; one failed group restarts alone
 while the others keep training, and the returning group catches up from a healthy one.
 
-    lighthouse.py         control plane: membership, quorum, heal assignments, events
-                          (`python -m ftcore.lighthouse`, GET /status, HTML page)
+    lighthouse.py         control plane: membership, quorum, heal assignments, events, one
+                          lighthouse for several jobs (`ftcore-lighthouse`, GET /status, HTML page)
     lighthouse_client.py  a rank's heartbeats, quorum requests and failure reports
     manager.py            the per-rank step protocol: start_quorum / allreduce / should_commit
     ftar.py               the fault-tolerant all-reduce across groups
@@ -17,6 +17,7 @@ while the others keep training, and the returning group catches up from a health
     faults.py             fault plans (tests, benchmarks, launcher, chaos DAG)
     timeouts.py           every timeout, with its environment override
     auth.py               the shared token
+    netaddr.py            the one address a rank binds and advertises (FTCORE_HOST or derived)
     examples/toy.py       a self-contained trainer on all of the above
     bench.py              `python -m ftcore.bench`
 
