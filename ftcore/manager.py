@@ -180,9 +180,8 @@ class Manager:
         self.injector = faults_mod.Injector(faults or [], cfg.group, cfg.rank, cfg.incarnation)
         # Rendezvous store for the cross-group groups this rank leads (as rank k of the leader
         # group), on a socket bound to cfg.host alone (TCPStore's own listens everywhere).
-        self._listen = netaddr.listen_socket(cfg.host)
-        self._store = dist.TCPStore(cfg.host, self._listen.getsockname()[1], is_master=True,
-                                    wait_for_workers=False, master_listen_fd=self._listen.fileno(),
+        fd, port = netaddr.listen_fd(cfg.host)
+        self._store = dist.TCPStore(cfg.host, port, is_master=True, wait_for_workers=False, master_listen_fd=fd,
                                     timeout=datetime.timedelta(seconds=timeouts.COLLECTIVE_TIMEOUT))
         self._stores: dict[str, dist.TCPStore] = {}
         self.heal_server = HealServer(cfg.host, cfg.token, on_serve=self._on_serve)

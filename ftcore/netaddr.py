@@ -77,16 +77,19 @@ def interface_of(host: str) -> str | None:
     return None
 
 
-def listen_socket(host: str, port: int = 0, backlog: int = 1024) -> socket.socket:
-    """A TCP socket listening on exactly (host, port), for a TCPStore's `master_listen_fd`
-    (TCPStore itself listens on every interface)."""
+def listen_fd(host: str, port: int = 0, backlog: int = 1024) -> tuple[int, int]:
+    """(fd, port) of a TCP socket listening on exactly (host, port), for a TCPStore's
+    `master_listen_fd` (TCPStore itself listens on every interface). The store owns the fd
+    and closes it: the Python socket object is detached, or it would close the fd number a
+    second time, by then someone else's."""
     s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         s.bind((host, port))
+        s.listen(backlog)
     except OSError as e:
         s.close()
         raise AddressError(f"cannot listen on {host}:{port} ({e.strerror}); FTCORE_HOST must be an "
                            "address of this host") from None
-    s.listen(backlog)
-    return s
+    port = s.getsockname()[1]
+    return s.detach(), port

@@ -55,14 +55,9 @@ def _listen_where_ftcore_does() -> dist.Store | None:
     timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
     addr, port = env.get("MASTER_ADDR", "127.0.0.1"), int(env["MASTER_PORT"])
     if int(env.get("RANK", "0")) == 0:
-        sock = netaddr.listen_socket(addr, port)
-        _keep.append(sock)
-        return dist.TCPStore(addr, port, is_master=True, wait_for_workers=False, timeout=timeout,
-                             master_listen_fd=sock.fileno())
+        fd, _ = netaddr.listen_fd(addr, port)
+        return dist.TCPStore(addr, port, is_master=True, wait_for_workers=False, timeout=timeout, master_listen_fd=fd)
     return dist.TCPStore(addr, port, is_master=False, wait_for_workers=False, timeout=timeout)
-
-
-_keep: list = []   # the store's listening socket lives as long as the process
 
 
 def init() -> Topology:

@@ -612,9 +612,8 @@ def _spare(worker: str) -> int:
 
     import torch.distributed as dist
     from ftcore import netaddr
-    sock = netaddr.listen_socket("127.0.0.1")
-    store = dist.TCPStore("127.0.0.1", sock.getsockname()[1], is_master=True, wait_for_workers=False,
-                          master_listen_fd=sock.fileno())
+    fd, port = netaddr.listen_fd("127.0.0.1")
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, master_listen_fd=fd)
     opts = dist.ProcessGroupGloo._Options()
     opts._devices, opts._timeout = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")], datetime.timedelta(seconds=5)
     dist.ProcessGroupGloo(dist.PrefixStore("warm", store), 0, 1, opts)
