@@ -8,10 +8,13 @@ quorum connection per rank, as ftcore.lighthouse_client keeps them), in groups o
 Every rank heartbeats at FTCORE_HEARTBEAT_INTERVAL; every round all ranks ask for a quorum
 at once, as a job's step does. Reported per size:
 
-- heartbeats/s served and offered (ranks / interval);
-- quorum latency: from the moment the last rank of a round has sent its request to each
-  rank's reply (the lighthouse's formation and delivery), p50 and p99 over all ranks and rounds;
-- lighthouse CPU seconds per wall second, per 1,000 ranks (from /proc/<pid>/stat);
+- heartbeats alone (3 s, ranks between steps): served per second, offered (ranks / interval),
+  lighthouse CPU seconds per wall second per 1,000 ranks (from /proc/<pid>/stat);
+- training rounds: every rank asks for a quorum at once, as a job's step does, and
+  heartbeats when no request went out within the interval (as the real client does);
+  requests/s served, and quorum latency from the moment the last rank of a round has sent
+  its request to each rank's reply (formation and delivery), p50 and p99 over all ranks and
+  rounds, and the lighthouse's CPU per 1,000 ranks;
 - failure detection: one rank's heartbeat connection closed -> the lighthouse's heartbeat
   replies name its group as failed.
 
@@ -81,6 +84,7 @@ async def run_size(n: int, port: int, seconds: float, job: str) -> dict:
     beats = [await Conn.open(port) for _ in infos]
     quorum = [await Conn.open(port) for _ in infos]
     served = 0
+    last_sent = [0.0] * len(infos)
     stop = asyncio.Event()
     failed_seen: dict[int, float] = {}
 
@@ -88,7 +92,14 @@ async def run_size(n: int, port: int, seconds: float, job: str) -> dict:
         nonlocal served
         # spread the ranks' phases over one interval, as independent processes are
         await asyncio.sleep(timeouts.HEARTBEAT_INTERVAL * i / len(infos))
+        first = True
         while not stop.is_set():
+            # as ftcore.lighthouse_client does: no beat within an interval of a quorum request
+            quiet = last_sent[i] + timeouts.HEARTBEAT_INTERVAL - time.monotonic()
+            if not first and quiet > 0:
+                await asyncio.sleep(quiet)
+                continue
+            first = False
             try:
                 code, body = await beats[i].post("/heartbeat", infos[i])
             except (ConnectionError, asyncio.IncompleteReadError, ValueError):
@@ -101,13 +112,20 @@ async def run_size(n: int, port: int, seconds: float, job: str) -> dict:
 
     tasks = [asyncio.create_task(heartbeat(i)) for i in range(len(infos))]
     await asyncio.sleep(1.0)   # every rank registered and heartbeating
+    # phase 1: heartbeats alone (ranks between steps, or in a long step)
+    cpu0, t0, served0 = _cpu_seconds(LH_PID), time.monotonic(), served
+    await asyncio.sleep(min(3.0, seconds))
+    idle_wall = time.monotonic() - t0
+    idle_cpu, idle_rate = _cpu_seconds(LH_PID) - cpu0, (served - served0) / idle_wall
 
     async def ask(i: int, sent: list[float], got: list[float]) -> None:
+        last_sent[i] = time.monotonic()
         code, body = await quorum[i].post("/quorum", {**infos[i], "timeout": 10.0})
         got[i] = time.monotonic() if code == 200 else float("nan")
         if code == 200:
             infos[i]["quorum_id"] = body["quorum_id"]
 
+    # phase 2: every rank asks for a quorum each step, heartbeating when a step is long
     latencies: list[float] = []
     rounds = 0
     cpu0, t0, served0 = _cpu_seconds(LH_PID), time.monotonic(), served
@@ -116,16 +134,16 @@ async def run_size(n: int, port: int, seconds: float, job: str) -> dict:
         sent: list[float] = []
         round_tasks = [asyncio.create_task(ask(i, sent, got)) for i in range(len(infos))]
         await asyncio.sleep(0)          # every request written before the clock starts
-        last_sent = time.monotonic()
+        round_sent = time.monotonic()
         await asyncio.gather(*round_tasks)
-        latencies += [g - last_sent for g in got]
+        latencies += [g - round_sent for g in got]
         rounds += 1
         for info in infos:
             info["step"] += 1
         await asyncio.sleep(0.02)
     wall = time.monotonic() - t0
     cpu = _cpu_seconds(LH_PID) - cpu0
-    hb_rate = (served - served0) / wall
+    req_rate = (served - served0 + rounds * len(infos)) / wall
 
     # failure detection: group 0's rank 0 dies (its heartbeat connection closes)
     tasks[0].cancel()
@@ -140,13 +158,14 @@ async def run_size(n: int, port: int, seconds: float, job: str) -> dict:
         c.close()
     ok = [x for x in latencies if x == x]
     ok.sort()
-    return {"ranks": n, "groups": groups, "rounds": rounds,
-            "heartbeats_per_s": round(hb_rate), "offered_per_s": round(n / timeouts.HEARTBEAT_INTERVAL),
+    return {"ranks": n, "groups": groups,
+            "heartbeats_per_s": round(idle_rate), "offered_per_s": round(n / timeouts.HEARTBEAT_INTERVAL),
+            "heartbeat_cpu_per_1000_ranks": round(idle_cpu / idle_wall / (n / 1000), 3),
+            "rounds": rounds, "requests_per_s": round(req_rate),
             "quorum_p50_ms": round(1000 * statistics.median(ok), 2) if ok else None,
             "quorum_p99_ms": round(1000 * ok[int(0.99 * (len(ok) - 1))], 2) if ok else None,
             "failed_requests": len(latencies) - len(ok),
-            "lighthouse_cpu_per_1000_ranks": round(cpu / wall / (n / 1000), 3),
-            "lighthouse_cpu_s_per_s": round(cpu / wall, 3),
+            "training_cpu_per_1000_ranks": round(cpu / wall / (n / 1000), 3),
             "failure_detection_ms": round(1000 * detect, 1)}
 
 

@@ -28,19 +28,20 @@ bounded integers): a bad request is a 400 and changes nothing.
 """
 
 import argparse
+import asyncio
 import collections
 import html
 import json
 import math
 import re
 import secrets
+import socket
 import sys
 import threading
 import time
 import urllib.parse
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, Callable
 
 from ftcore import auth, netaddr, timeouts
 
@@ -104,13 +105,13 @@ class Group:
 
 @dataclass
 class Request:
-    req_id: str
     group: int
     rank: int
     incarnation: int
     step: int
     t: float          # monotonic time of arrival
     last_quorum: int  # the last quorum id this rank trained in
+    deliver: Callable[[dict[str, Any]], None]   # hands the reply (a quorum or an error) to the waiter
 
 
 class StaleIncarnation(Exception):
@@ -126,6 +127,19 @@ def _int(msg: dict[str, Any], key: str, default: int | None = None, lo: int = 0,
     if not lo <= value < hi:
         raise ValueError(f"{key}={value} is outside [{lo}, {hi})")
     return value
+
+
+def rank_fields(msg: dict[str, Any], num_groups: int) -> tuple[int, int, int, int, int, int, str, str]:
+    """(group, world, rank, incarnation, step, quorum_id, store, heal) of a rank's message,
+    each checked (ValueError names the field); nothing is changed."""
+    g = _int(msg, "group", hi=num_groups or MAX_GROUPS)
+    world = _int(msg, "world", 1, lo=1, hi=MAX_WORLD)
+    r = _int(msg, "rank", hi=world)
+    inc, step, qid = _int(msg, "incarnation", 0), _int(msg, "step", 0), _int(msg, "quorum_id", 0)
+    store, heal = msg.get("store", ""), msg.get("heal", "")
+    if not (isinstance(store, str) and isinstance(heal, str) and len(store) <= 256 and len(heal) <= 256):
+        raise ValueError("store and heal must be host:port strings")
+    return g, world, r, inc, step, qid, store, heal
 
 
 def job_id(msg: dict[str, Any]) -> str:
@@ -145,13 +159,14 @@ class Job:
         self.num_groups = num_groups           # 0: not declared by the ranks (any group id up to MAX_GROUPS)
         self.min_replicas = max(lh.cfg.min_replicas, min_replicas)
         self.expected = num_groups or lh.cfg.expected_replicas
-        self.lock = threading.Condition()
+        self.lock = threading.Lock()
         self.groups: dict[int, Group] = {}
         self.quorum: dict[str, Any] | None = None
         self.quorum_id = 0
         self.max_step = 0
         self.pending: dict[int, dict[int, Request]] = {}
-        self.results: dict[str, dict[str, Any]] = {}
+        self.complete: set[int] = set()         # groups all of whose ranks are pending: formation looks at these
+        self.round_start: float | None = None   # arrival of this round's first pending request
         self._last_wait_event = 0.0
         self._last_sweep = 0.0
         self.failed: list[int] = []  # members of the current quorum that are not healthy (for heartbeats)
@@ -166,14 +181,10 @@ class Job:
         """Find or register the sender of `msg` (group, rank, world, incarnation, ...).
 
         Every field is checked before anything changes: a bad message is a 400, never state."""
-        g = _int(msg, "group", hi=self.num_groups or MAX_GROUPS)
-        world = _int(msg, "world", 1, lo=1, hi=MAX_WORLD)
-        r = _int(msg, "rank", hi=world)
-        inc, step = _int(msg, "incarnation", 0), _int(msg, "step", 0)
-        qid = _int(msg, "quorum_id", 0)
-        store, heal = msg.get("store", ""), msg.get("heal", "")
-        if not (isinstance(store, str) and isinstance(heal, str) and len(store) <= 256 and len(heal) <= 256):
-            raise ValueError("store and heal must be host:port strings")
+        if not self.num_groups and msg.get("num_groups"):   # a job first seen without its size learns it
+            self.num_groups = _int(msg, "num_groups", hi=MAX_GROUPS)
+            self.expected = self.expected or self.num_groups
+        g, world, r, inc, step, qid, store, heal = rank_fields(msg, self.num_groups)
         grp = self.groups.get(g)
         if grp is not None and inc < grp.incarnation:
             raise StaleIncarnation(f"group {g} incarnation {inc} was replaced by {grp.incarnation}")
@@ -200,8 +211,8 @@ class Job:
         return grp, rk
 
     def _drop_pending(self, g: int) -> None:
-        for req in self.pending.pop(g, {}).values():
-            self.results[req.req_id] = {"error": "stale incarnation"}
+        for req in self._pop(g).values():
+            req.deliver({"error": "stale incarnation"})
 
     def _is_healthy(self, grp: Group, now: float) -> bool:
         if grp.left or len(grp.ranks) < grp.world:
@@ -246,18 +257,13 @@ class Job:
             # wait out a quorum timeout.
             lost = self.groups[g].lost_rank(now, self.cfg.failure_probe, self.cfg.heartbeat_timeout)
             if lost is not None:
-                for req in self.pending.pop(g).values():
-                    self.results[req.req_id] = {"error": f"replica group {g} lost rank {lost}; restart the group",
-                                                "lost": True}
-                self.lock.notify_all()
+                for req in self._pop(g).values():
+                    req.deliver({"error": f"replica group {g} lost rank {lost}; restart the group", "lost": True})
         if not self.pending:
             return
         healthy = {g for g, grp in self.groups.items() if grp.healthy}
-        requesting = sorted(
-            g for g, reqs in self.pending.items()
-            if g in healthy and len(reqs) == self.groups[g].world
-        )
-        round_start = min((min(req.t for req in reqs.values()) for reqs in self.pending.values()), default=now)
+        requesting = sorted(self.complete & healthy)
+        round_start = self.round_start if self.round_start is not None else now
         if self.quorum:
             fast = (set(self.quorum["groups"]) & healthy) <= set(requesting)
         else:  # first quorum (or first after a lighthouse restart): wait for the whole job
@@ -297,46 +303,69 @@ class Job:
         # Each rank k gets only the two addresses it uses: rank k of the first member hosts the
         # rendezvous of every rank k, and a healing rank k fetches from rank k of its source.
         leader = self.groups[members[0]].ranks
-        replies = {}
+        replies = []
         for g in members:
             src = self.groups[heal[str(g)]].ranks if str(g) in heal else None
             for req in self.pending[g].values():
-                replies[req.req_id] = {**q, "store": leader[req.rank].store if req.rank in leader else "",
-                                       "heal_from": src[req.rank].heal if src and req.rank in src else ""}
+                replies.append((req, {**q, "store": leader[req.rank].store if req.rank in leader else "",
+                                      "heal_from": src[req.rank].heal if src and req.rank in src else ""}))
         changed = self.quorum is None or self.quorum["quorum_id"] != quorum_id
         self.quorum, self.quorum_id, self.force_new = q, quorum_id, False
         self.max_step = max(self.max_step, max_step)
         self.failed = []
         for g in members:
             del self.pending[g]
-        self.results.update(replies)
+        self.complete -= set(members)
+        self._restart_round()
+        for req, reply in replies:
+            req.deliver(reply)
         if changed:
             self.event("quorum_formed", quorum_id=quorum_id, groups=members, max_step=max_step, heal=heal)
         for g in healers:
             self.event("heal_assigned", group=g, source=heal[str(g)], step=max_step, quorum_id=quorum_id)
-        self.lock.notify_all()
 
-    def request_quorum(self, msg: dict[str, Any], timeout: float) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
+    def enqueue(self, msg: dict[str, Any], deliver: Callable[[dict[str, Any]], None]) -> Request:
+        """A rank's quorum request joins this round; `deliver` gets the reply when it forms
+        (maybe at once: this arrival may complete the round; the ticker does the rest)."""
         with self.lock:
             grp, _ = self._rank(msg)
-            req = Request(secrets.token_hex(8), grp.group, int(msg["rank"]), grp.incarnation,
-                          int(msg.get("step", 0)), time.monotonic(), int(msg.get("quorum_id", 0)))
-            self.pending.setdefault(grp.group, {})[req.rank] = req
             now = time.monotonic()
-            if not grp.healthy:
-                self._update_health(now)   # a new or returning group need not wait for the sweep
-            self._maybe_form(now)          # this arrival may complete the round; the ticker does the rest
-            while req.req_id not in self.results:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    if self.pending.get(grp.group, {}).get(req.rank) is req:
-                        del self.pending[grp.group][req.rank]
-                        if not self.pending[grp.group]:
-                            del self.pending[grp.group]
-                    return {"error": "timeout waiting for a quorum"}
-                self.lock.wait(min(left, 0.5))
-            return self.results.pop(req.req_id)
+            req = Request(grp.group, int(msg["rank"]), grp.incarnation, int(msg.get("step", 0)), now,
+                          int(msg.get("quorum_id", 0)), deliver)
+            reqs = self.pending.setdefault(grp.group, {})
+            old = reqs.get(req.rank)
+            if old is not None:   # the same rank asking again (a retry): the earlier waiter is gone
+                old.deliver({"error": "superseded by a newer request"})
+            reqs[req.rank] = req
+            if self.round_start is None:
+                self.round_start = now
+            if len(reqs) == grp.world:   # O(groups) formation only when a group is complete
+                self.complete.add(grp.group)
+                if not grp.healthy:
+                    self._update_health(now)   # a new or returning group need not wait for the sweep
+                self._maybe_form(now)
+            return req
+
+    def withdraw(self, req: Request) -> None:
+        """A request whose waiter gave up (timeout) leaves the round."""
+        with self.lock:
+            reqs = self.pending.get(req.group, {})
+            if reqs.get(req.rank) is req:
+                del reqs[req.rank]
+                self.complete.discard(req.group)
+                if not reqs:
+                    del self.pending[req.group]
+                self._restart_round()
+
+    def _pop(self, g: int) -> dict[int, Request]:
+        reqs = self.pending.pop(g, {})
+        self.complete.discard(g)
+        self._restart_round()
+        return reqs
+
+    def _restart_round(self) -> None:
+        """O(pending): after requests leave the round (formation, timeouts, failures)."""
+        self.round_start = min((min(r.t for r in reqs.values()) for reqs in self.pending.values()), default=None)
 
     # ---- other requests -------------------------------------------------------------
     def heartbeat(self, msg: dict[str, Any]) -> dict[str, Any]:
@@ -432,8 +461,9 @@ class Lighthouse:
             if j is None and create:
                 if len(self.jobs) >= MAX_JOBS:
                     raise ValueError(f"this lighthouse already serves {MAX_JOBS} jobs")
-                j = self.jobs[name] = Job(self, name, _int(msg, "num_groups", 0, hi=MAX_GROUPS),
-                                          _int(msg, "min_replicas", 1, hi=MAX_GROUPS))
+                num_groups = _int(msg, "num_groups", 0, hi=MAX_GROUPS)
+                rank_fields(msg, num_groups)   # a bad first message creates no job
+                j = self.jobs[name] = Job(self, name, num_groups, _int(msg, "min_replicas", 1, hi=MAX_GROUPS))
             return j
 
     def _tick(self) -> None:
@@ -446,9 +476,6 @@ class Lighthouse:
                     self.event("tick_error", job=j.name, error=f"{type(e).__name__}: {e}"[:300])
 
     # ---- the per-job API (the HTTP handler's and the tests' entry points) ----------------
-    def request_quorum(self, msg: dict[str, Any], timeout: float) -> dict[str, Any]:
-        return self.job(msg).request_quorum(msg, timeout)
-
     def heartbeat(self, msg: dict[str, Any]) -> dict[str, Any]:
         return self.job(msg).heartbeat(msg)
 
@@ -501,118 +528,213 @@ def _status_html(st: dict[str, Any]) -> str:
     )
 
 
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"  # keep-alive: a heartbeat connection that closes means a dead rank
-    # Replies go out as headers, then body: with Nagle's algorithm the body waits for the
-    # client's delayed ACK (~40 ms on Linux), which every quorum round would pay.
-    disable_nagle_algorithm = True
-    lighthouse: Lighthouse
+# ---- the HTTP server ---------------------------------------------------------------------
+# One asyncio loop in one thread serves every connection: a rank's heartbeat connection and
+# its quorum connection cost a coroutine each, not a thread; a quorum request waits on a
+# future that formation resolves. Every request is bounded before it is read.
+MAX_BODY = 1 << 20            # bytes: larger bodies get 413
+MAX_HEADERS = 64
+FIRST_REQUEST_S = 10.0        # a new connection must send its first request within this
+IDLE_S = 600.0                # a quiet connection that is not a rank's heartbeat line is closed after this
+REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 409: "Conflict",
+           410: "Gone", 413: "Payload Too Large", 431: "Request Header Fields Too Large", 504: "Gateway Timeout"}
 
-    def log_message(self, fmt: str, *args: Any) -> None:  # quiet: events are the log
+
+class _BadRequest(Exception):
+    def __init__(self, code: int, msg: str):
+        super().__init__(msg)
+        self.code = code
+
+
+async def _read_request(reader: asyncio.StreamReader) -> tuple[str, str, dict[str, str], bytes] | None:
+    """(method, target, headers, body) of the next request, None at a clean end of stream."""
+    line = await reader.readline()
+    if not line:
+        return None
+    parts = line.decode("latin-1").split()
+    if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
+        raise _BadRequest(400, "malformed request line")
+    headers: dict[str, str] = {}
+    while True:
+        h = await reader.readline()
+        if h in (b"\r\n", b"\n"):
+            break
+        if not h or len(headers) >= MAX_HEADERS:
+            raise _BadRequest(431 if h else 400, "too many or truncated headers")
+        name, sep, value = h.decode("latin-1").partition(":")
+        if not sep:
+            raise _BadRequest(400, "malformed header")
+        headers[name.strip().lower()] = value.strip()
+    raw = headers.get("content-length", "0")
+    if not (raw.isascii() and raw.isdigit()):
+        raise _BadRequest(400, "Content-Length is not a number")
+    if int(raw) > MAX_BODY:
+        raise _BadRequest(413, f"body over {MAX_BODY} bytes")
+    body = await reader.readexactly(int(raw)) if int(raw) else b""
+    return parts[0], parts[1], headers, body
+
+
+def _response(code: int, body: Any, ctype: str = "application/json") -> bytes:
+    raw = (json.dumps(body) if ctype == "application/json" else body).encode()
+    head = (f"HTTP/1.1 {code} {REASONS.get(code, 'Error')}\r\nContent-Type: {ctype}\r\n"
+            f"Content-Length: {len(raw)}\r\n\r\n")
+    return head.encode() + raw   # one write: no Nagle wait between headers and body
+
+
+class LighthouseServer:
+    """The lighthouse's HTTP/1.1 front end (stdlib asyncio), in a daemon thread."""
+
+    def __init__(self, lh: Lighthouse, host: str, port: int):
+        self.lh = lh
+        self.loop = asyncio.new_event_loop()
+        self._started = threading.Event()
+        self._error: OSError | None = None
+        self.server_address: tuple = ()
+        threading.Thread(target=self._run, args=(host, port), daemon=True, name="lighthouse-http").start()
+        self._started.wait()
+        if self._error is not None:
+            raise self._error
+
+    def _run(self, host: str, port: int) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self._srv = self.loop.run_until_complete(
+                asyncio.start_server(self._serve, host, port, backlog=1024, limit=64 << 10))
+            self.server_address = self._srv.sockets[0].getsockname()[:2]
+        except OSError as e:
+            self._error = e
+        self._started.set()
+        if self._error is None:
+            self.loop.run_forever()
+
+    def shutdown(self) -> None:
+        async def stop() -> None:
+            self._srv.close()
+            self.loop.stop()
+        if self.loop.is_running():
+            asyncio.run_coroutine_threadsafe(stop(), self.loop)
+
+    def server_close(self) -> None:
         pass
 
-    def handle(self) -> None:
-        self._beat: tuple[Job, int, int, int] | None = None   # this connection's heartbeating rank
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        beat: tuple[Job, int, int, int] | None = None   # this connection's heartbeating rank
+        served = 0
         try:
-            super().handle()
-        except (ConnectionError, OSError):
-            pass
+            while True:
+                # A rank's heartbeat line may go quiet (a stopped process): the heartbeat timeout
+                # judges that, not this server. Any other connection must speak soon and not idle.
+                limit = None if beat else IDLE_S if served else FIRST_REQUEST_S
+                try:
+                    req = await asyncio.wait_for(_read_request(reader), limit)
+                except asyncio.TimeoutError:
+                    break
+                if req is None:
+                    break
+                code, body, ctype, beat = await self._dispatch(*req, beat)
+                served += 1
+                writer.write(_response(code, body, ctype))
+                await writer.drain()
+        except _BadRequest as e:
+            writer.write(_response(e.code, {"error": str(e)}))
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError):
+            pass   # the peer went away mid-request, or sent a line over the limit
         finally:
-            if self._beat is not None:
-                job, g, r, inc = self._beat
+            if beat is not None:
+                job, g, r, inc = beat
                 job.disconnected(g, r, inc)
+            try:
+                writer.close()
+            except RuntimeError:
+                pass
 
-    def _authorized(self) -> bool:
-        header = self.headers.get(auth.HEADER)
-        if header is None:
-            qs = urllib.parse.parse_qs(urllib.parse.urlparse(self.path).query)
-            header = f"Bearer {qs['token'][0]}" if "token" in qs else None
-        if auth.allowed(self.lighthouse.cfg.token, header):
-            return True
-        self._send(401, {"error": "missing or wrong token"})
-        return False
+    def _authorized(self, headers: dict[str, str], query: dict[str, list[str]]) -> bool:
+        header = headers.get("authorization")
+        if header is None and "token" in query:
+            header = f"Bearer {query['token'][0]}"
+        return auth.allowed(self.lh.cfg.token, header)
 
-    def _send(self, code: int, body: Any, ctype: str = "application/json") -> None:
-        raw = (json.dumps(body) if ctype == "application/json" else body).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(raw)))
-        self.end_headers()
-        self.wfile.write(raw)
-
-    def do_GET(self) -> None:
-        if not self._authorized():
-            return
-        url = urllib.parse.urlparse(self.path)
+    async def _dispatch(self, method: str, target: str, headers: dict[str, str], raw: bytes,
+                        beat: tuple | None) -> tuple[int, Any, str, tuple | None]:
+        url = urllib.parse.urlparse(target)
+        query = urllib.parse.parse_qs(url.query)
+        if not self._authorized(headers, query):
+            return 401, {"error": "missing or wrong token"}, "application/json", beat
+        lh = self.lh
         try:
-            job = job_id({"job": urllib.parse.parse_qs(url.query).get("job", [DEFAULT_JOB])[0]})
-        except ValueError as e:
-            self._send(400, {"error": f"bad request: {e}"})
-            return
-        if url.path == "/status":
-            self._send(200, self.lighthouse.status(job))
-        elif url.path in ("/", "/index.html"):
-            self._send(200, _status_html(self.lighthouse.status(job)), "text/html; charset=utf-8")
-        else:
-            self._send(404, {"error": f"no such path {path}"})
-
-    def do_POST(self) -> None:
-        if not self._authorized():
-            return
-        try:
-            msg = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
-        except json.JSONDecodeError:
-            self._send(400, {"error": "body is not JSON"})
-            return
-        lh = self.lighthouse
-        try:
+            if method == "GET":
+                job = job_id({"job": query.get("job", [DEFAULT_JOB])[0]})
+                if url.path == "/status":
+                    return 200, lh.status(job), "application/json", beat
+                if url.path in ("/", "/index.html"):
+                    return 200, _status_html(lh.status(job)), "text/html; charset=utf-8", beat
+                return 404, {"error": f"no such path {url.path}"}, "application/json", beat
+            if method != "POST":
+                return 404, {"error": f"no {method} here"}, "application/json", beat
+            msg = json.loads(raw.decode("utf-8") or "{}", parse_constant=_no_constant)
             if not isinstance(msg, dict):
                 raise ValueError("the body must be a JSON object")
-            if self.path == "/heartbeat":
+            path = url.path
+            if path == "/heartbeat":
                 job = lh.job(msg)
                 reply = job.heartbeat(msg)   # validates: only then is this connection a rank's
-                self._beat = (job, int(msg["group"]), int(msg["rank"]), int(msg.get("incarnation", 0)))
-                self._send(200, reply)
-            elif self.path == "/register":
+                return 200, reply, "application/json", (job, int(msg["group"]), int(msg["rank"]),
+                                                        int(msg.get("incarnation", 0)))
+            if path == "/register":
                 lh.job(msg).register(msg)
-                self._send(200, {"epoch": lh.epoch})
-            elif self.path == "/quorum":
-                timeout = float(msg.get("timeout", timeouts.QUORUM_TIMEOUT))
-                if not math.isfinite(timeout) or timeout <= 0:
-                    raise ValueError(f"timeout={timeout} must be a positive number of seconds")
-                q = lh.request_quorum(msg, min(timeout, timeouts.QUORUM_TIMEOUT))
-                code = 409 if q.get("error") == "stale incarnation" else 410 if q.get("lost") else 504 if "error" in q else 200
-                self._send(code, q)
-            elif self.path == "/report_failure":
+                return 200, {"epoch": lh.epoch}, "application/json", beat
+            if path == "/quorum":
+                q = await self._quorum(lh.job(msg), msg)
+                code = 409 if q.get("error") == "stale incarnation" else 410 if q.get("lost") else \
+                    504 if "error" in q else 200
+                return code, q, "application/json", beat
+            if path == "/report_failure":
                 lh.report_failure(msg)
-                self._send(200, {})
-            elif self.path == "/leave":
-                self._beat = None
+            elif path == "/leave":
                 lh.leave(msg)
-                self._send(200, {})
-            elif self.path == "/event":
+                beat = None
+            elif path == "/event":
                 lh.client_event(msg)
-                self._send(200, {})
             else:
-                self._send(404, {"error": f"no such path {self.path}"})
+                return 404, {"error": f"no such path {path}"}, "application/json", beat
+            return 200, {}, "application/json", beat
         except StaleIncarnation as e:
-            self._beat = None
-            self._send(409, {"error": str(e)})
-        except (KeyError, ValueError, TypeError) as e:
-            self._send(400, {"error": f"bad request: {e!r}"})
+            return 409, {"error": str(e)}, "application/json", None
+        except (KeyError, ValueError, TypeError, UnicodeDecodeError, RecursionError) as e:
+            return 400, {"error": f"bad request: {e!r}"[:500]}, "application/json", beat
+
+    async def _quorum(self, job: Job, msg: dict[str, Any]) -> dict[str, Any]:
+        timeout = float(msg.get("timeout", timeouts.QUORUM_TIMEOUT))
+        if not math.isfinite(timeout) or timeout <= 0:
+            raise ValueError(f"timeout={timeout} must be a positive number of seconds")
+        fut = self.loop.create_future()
+
+        def deliver(reply: dict[str, Any]) -> None:   # from the ticker or this thread, under the job's lock
+            self.loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(reply))
+        req = job.enqueue(msg, deliver)
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), min(timeout, timeouts.QUORUM_TIMEOUT))
+        except asyncio.TimeoutError:
+            job.withdraw(req)
+            return fut.result() if fut.done() else {"error": "timeout waiting for a quorum"}
 
 
-def serve(cfg: LighthouseConfig) -> tuple[ThreadingHTTPServer, Lighthouse]:
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def serve(cfg: LighthouseConfig) -> tuple[LighthouseServer, Lighthouse]:
     """Start a lighthouse server in background threads; returns (server, lighthouse)."""
     host, _, port = cfg.bind.rpartition(":")
     lh = Lighthouse(cfg)
-    handler = type("Handler", (_Handler,), {"lighthouse": lh})
-    # A connection per rank (its heartbeats) and one per quorum request: the default backlog
-    # of 5 would reset connections when a whole job (re)connects at once.
-    server_cls = type("Server", (ThreadingHTTPServer,), {"request_queue_size": 1024})
-    server = server_cls((host or "127.0.0.1", int(port)), handler)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, daemon=True, name="lighthouse-http").start()
+    try:
+        server = LighthouseServer(lh, host.strip("[]") or "127.0.0.1", int(port))
+    except OSError:
+        lh.close()
+        raise
     return server, lh
 
 

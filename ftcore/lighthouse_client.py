@@ -1,7 +1,9 @@
 """A rank's side of the lighthouse protocol: heartbeats, quorum requests, failure reports.
 
 Heartbeats go out every HEARTBEAT_INTERVAL on one kept-alive connection, so the
-lighthouse sees this process die the moment the kernel closes that connection. Every
+lighthouse sees this process die the moment the kernel closes that connection; a beat
+is skipped when a quorum request (which refreshes liveness too) went out within the
+interval, so a training job's control traffic is about one request per rank and step. Every
 message carries the full registration (group, rank, world, incarnation, step,
 addresses), so a restarted lighthouse relearns the job from the next heartbeat.
 """
@@ -63,6 +65,7 @@ class LighthouseClient:
                                      "min_replicas": min_replicas, "step": 0, "quorum_id": 0,
                                      "store": "", "heal": ""}
         self._qconn: http.client.HTTPConnection | None = None   # quorum requests, kept alive
+        self._last_sent = 0.0   # monotonic time of the last quorum request (it refreshes liveness too)
         self.failed_groups: list[int] = []  # unhealthy members of the current quorum, per the last heartbeat
         self.replaced = False
         self.latest_quorum_id = 0  # the lighthouse's current quorum id, per the last heartbeat
@@ -81,6 +84,13 @@ class LighthouseClient:
         conn: http.client.HTTPConnection | None = None
         hdrs = {"Content-Type": "application/json", **auth.headers(self.token)}
         while not self._stop.is_set():
+            # A quorum request within the interval told the lighthouse this rank lives: skip this
+            # beat (a job whose steps are shorter than the interval then sends no heartbeats at all).
+            # The first beat always goes: it makes this connection the one whose close means death.
+            quiet = self._last_sent + timeouts.HEARTBEAT_INTERVAL - time.monotonic()
+            if conn is not None and quiet > 0:
+                self._stop.wait(quiet)
+                continue
             try:
                 if conn is None:
                     conn = http.client.HTTPConnection(host, port, timeout=timeouts.RPC_TIMEOUT)
@@ -139,6 +149,7 @@ class LighthouseClient:
         if self._qconn.sock is not None:
             self._qconn.sock.settimeout(left + 1.0)
         hdrs = {"Content-Type": "application/json", **auth.headers(self.token)}
+        self._last_sent = time.monotonic()
         self._qconn.request("POST", "/quorum", body=json.dumps({**self.info, "timeout": left}).encode(), headers=hdrs)
         resp = self._qconn.getresponse()
         data = resp.read()
