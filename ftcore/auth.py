@@ -1,13 +1,14 @@
 """The shared token that every ftcore HTTP request carries (lighthouse and heal servers).
 
-The token travels in the `Authorization: Bearer <token>` header. Servers compare it in
-constant time and refuse anything else with 401. Processes find the token in
+The token travels in the `Authorization: Bearer <token>` header only (never in a URL).
+Servers compare it in constant time and refuse anything else with 401. Processes find the token in
 FTCORE_TOKEN, or in the file named by FTCORE_TOKEN_FILE.
 """
 
 import hmac
 import os
 import secrets
+import sys
 
 HEADER = "Authorization"
 
@@ -33,10 +34,14 @@ def read_token_file(path: str) -> str:
     try:
         with open(path) as f:
             token = f.read().strip()
+            mode = os.fstat(f.fileno()).st_mode
     except OSError as e:
         raise SystemExit(f"ftcore: cannot read token file {path}: {e.strerror}; create it or pass another --token-file")
     if not token:
         raise SystemExit(f"ftcore: token file {path} is empty; write a secret token into it")
+    if mode & 0o077:
+        print(f"ftcore: warning: token file {path} is readable by its group or others "
+              f"(mode {mode & 0o777:o}); chmod 600 {path}", file=sys.stderr, flush=True)
     return token
 
 

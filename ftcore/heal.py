@@ -50,7 +50,9 @@ class HealServer:
         self._tree: Any = None
         self.served = 0
         handler = type("HealHandler", (_Handler,), {"server_obj": self})
-        self.httpd = ThreadingHTTPServer((host, 0), handler)
+        # a whole job's ranks may heal from this one at once: no resets from a backlog of 5
+        server_cls = type("HealHTTPServer", (ThreadingHTTPServer,), {"request_queue_size": 1024})
+        self.httpd = server_cls((host, 0), handler)
         self.httpd.daemon_threads = True
         self.address = "%s:%d" % self.httpd.server_address[:2]
         threading.Thread(target=self.httpd.serve_forever, daemon=True, name="ftcore-heal").start()
@@ -79,6 +81,8 @@ class HealServer:
 
 class _Handler(BaseHTTPRequestHandler):
     server_obj: HealServer
+    timeout = timeouts.HEAL_TIMEOUT + 5   # per-connection socket timeout: an idle client cannot hold a thread
+    disable_nagle_algorithm = True
 
     def log_message(self, fmt: str, *args: Any) -> None:
         pass
@@ -97,8 +101,11 @@ class _Handler(BaseHTTPRequestHandler):
             self._plain(401, "missing or wrong token")
             return
         parts = self.path.strip("/").split("/")
-        if len(parts) != 2 or parts[0] != "snapshot" or not parts[1].isdigit():
+        if len(parts) != 2 or parts[0] != "snapshot":
             self._plain(404, "GET /snapshot/<step>")
+            return
+        if not (parts[1].isascii() and parts[1].isdigit() and len(parts[1]) <= 15):
+            self._plain(400, "the step in /snapshot/<step> must be a non-negative integer")
             return
         step = int(parts[1])
         tree = srv.wait_for(step, timeouts.HEAL_TIMEOUT)

@@ -651,17 +651,15 @@ class LighthouseServer:
             except RuntimeError:
                 pass
 
-    def _authorized(self, headers: dict[str, str], query: dict[str, list[str]]) -> bool:
-        header = headers.get("authorization")
-        if header is None and "token" in query:
-            header = f"Bearer {query['token'][0]}"
-        return auth.allowed(self.lh.cfg.token, header)
+    def _authorized(self, headers: dict[str, str]) -> bool:
+        # header only: a token in a URL ends up in logs, histories and Referer headers
+        return auth.allowed(self.lh.cfg.token, headers.get("authorization"))
 
     async def _dispatch(self, method: str, target: str, headers: dict[str, str], raw: bytes,
                         beat: tuple | None) -> tuple[int, Any, str, tuple | None]:
         url = urllib.parse.urlparse(target)
         query = urllib.parse.parse_qs(url.query)
-        if not self._authorized(headers, query):
+        if not self._authorized(headers):
             return 401, {"error": "missing or wrong token"}, "application/json", beat
         lh = self.lh
         try:

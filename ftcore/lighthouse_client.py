@@ -165,7 +165,20 @@ class LighthouseClient:
         self._fire("/register", self.info)
 
     def report_failure(self, quorum_id: int, error: str) -> None:
-        self._fire("/report_failure", {**self.info, "quorum_id": quorum_id, "error": error})
+        """Retried within one RPC timeout: a lost report would leave the survivors waiting for
+        the failure probe or the heartbeat timeout instead of re-forming at once."""
+        body = {**self.info, "quorum_id": quorum_id, "error": error}
+        deadline = time.monotonic() + timeouts.RPC_TIMEOUT
+        while True:
+            try:
+                if call(self.addr, "/report_failure", body, self.token,
+                        timeout=max(0.1, deadline - time.monotonic()))[0] == 200:
+                    return
+            except (OSError, http.client.HTTPException):
+                pass
+            if time.monotonic() + 0.05 >= deadline:
+                return
+            time.sleep(0.05)
 
     def event(self, kind: str, **data: Any) -> None:
         self._fire("/event", {"kind": kind, "job": self.info["job"], "group": self.info["group"],

@@ -152,3 +152,78 @@ def test_a_rank_binds_one_address(monkeypatch):
         assert s.getsockname() == ("127.0.0.2", port)
     finally:
         s.close()
+
+
+def _raw(addr: str, data: bytes, timeout: float = 5.0) -> bytes:
+    """Send raw bytes on a fresh connection; the reply's bytes (b'' if it only closed)."""
+    host, port = addr.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=timeout) as s:
+        s.sendall(data)
+        out = b""
+        try:
+            while chunk := s.recv(65536):
+                out += chunk
+                if b"\r\n\r\n" in out:
+                    head, _, body = out.partition(b"\r\n\r\n")
+                    length = [int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")]
+                    if length and len(body) >= length[0]:
+                        break
+        except socket.timeout:
+            pass
+        return out
+
+
+@pytest.mark.parametrize("data,code", [
+    (b"POST /heartbeat HTTP/1.1\r\nContent-Length: 2\r\n\r\n\xff\xfe", b"400"),          # not UTF-8
+    (b"POST /heartbeat HTTP/1.1\r\nContent-Length: 8\r\n\r\nInfinity", b"400"),          # not JSON
+    (b"POST /heartbeat HTTP/1.1\r\nContent-Length: 2\r\n\r\n[]", b"400"),                # not an object
+    (b"POST /heartbeat HTTP/1.1\r\nContent-Length: abc\r\n\r\n", b"400"),                # a length that is no number
+    (b"POST /heartbeat HTTP/1.1\r\nContent-Length: 99999999\r\n\r\n", b"413"),           # over 1 MiB
+    (b"BREW /pot\r\n\r\n", b"400"),                                                      # no request line
+])
+def test_malformed_requests_get_a_status_not_a_dropped_connection(lighthouse, data, code):
+    addr, _ = lighthouse()
+    reply = _raw(addr, data)
+    assert reply.split(b" ")[1] == code, reply[:200]
+
+
+def test_the_token_travels_in_the_header_only(lighthouse):
+    addr, _ = lighthouse(token="s3cret")
+    assert call(addr, "/status?token=s3cret", None, None, method="GET")[0] == 401
+    assert call(addr, "/status", None, "s3cret", method="GET")[0] == 200
+
+
+def test_idle_and_concurrent_connections_do_not_wedge_the_lighthouse(lighthouse, monkeypatch):
+    monkeypatch.setattr(lh_mod, "FIRST_REQUEST_S", 1.0)
+    addr, _ = lighthouse()
+    host, port = addr.rsplit(":", 1)
+    idle = [socket.create_connection((host, int(port)), timeout=5) for _ in range(200)]
+    try:
+        burst = []
+        results: list[int] = []
+
+        def ask():
+            results.append(call(addr, "/status", None, None, method="GET", timeout=10)[0])
+        burst = [threading.Thread(target=ask) for _ in range(300)]
+        for t in burst:
+            t.start()
+        for t in burst:
+            t.join()
+        assert results.count(200) == 300          # none reset, none refused
+        time.sleep(1.5)                           # idle sockets that never spoke are closed by the server
+        idle[0].settimeout(2)
+        assert idle[0].recv(1) == b""
+    finally:
+        for s in idle:
+            s.close()
+
+
+def test_a_heal_server_answers_a_bad_step_with_400():
+    from ftcore import heal
+    srv = heal.HealServer(token=None)
+    try:
+        # b"\xb2" is "²" in the request line's latin-1: str.isdigit() says yes, int() says no
+        reply = _raw(srv.address, b"GET /snapshot/\xb2 HTTP/1.1\r\n\r\n")
+        assert reply.split(b" ")[1] == b"400", reply[:200]
+    finally:
+        srv.close()

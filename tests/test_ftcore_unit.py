@@ -249,8 +249,9 @@ def test_lighthouse_refuses_requests_without_the_token(lighthouse):
     assert call(addr, "/quorum", {"group": 0, "rank": 0}, None)[0] == 401
     code, st = call(addr, "/status", None, "s3cret", method="GET")
     assert code == 200 and st["groups"] == []
-    with urllib.request.urlopen(f"http://{addr}/?token=s3cret") as r:
+    with urllib.request.urlopen(urllib.request.Request(f"http://{addr}/", headers={"Authorization": "Bearer s3cret"})) as r:
         assert b"ftcore lighthouse" in r.read()
+    assert call(addr, "/status?token=s3cret", None, None, method="GET")[0] == 401   # header only
 
 
 def test_lighthouse_restart_resumes_quorum_ids_and_steps(lighthouse):
