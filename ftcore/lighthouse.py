@@ -111,7 +111,8 @@ class Request:
     step: int
     t: float          # monotonic time of arrival
     last_quorum: int  # the last quorum id this rank trained in
-    deliver: Callable[[dict[str, Any]], None]   # hands the reply (a quorum or an error) to the waiter
+    deliver: Callable[[dict[str, Any] | str], None]   # hands the reply to the waiter: a quorum (JSON text) or an error
+    deadline: float = math.inf   # monotonic: past it the request is answered with a timeout
 
 
 class StaleIncarnation(Exception):
@@ -167,9 +168,11 @@ class Job:
         self.pending: dict[int, dict[int, Request]] = {}
         self.complete: set[int] = set()         # groups all of whose ranks are pending: formation looks at these
         self.round_start: float | None = None   # arrival of this round's first pending request
+        self.next_deadline = math.inf           # the earliest deadline among pending requests
         self._last_wait_event = 0.0
         self._last_sweep = 0.0
         self.failed: list[int] = []  # members of the current quorum that are not healthy (for heartbeats)
+        self.healthy: set[int] = set()   # groups healthy at the last sweep (kept with Group.healthy)
         self.force_new = False  # a data-plane failure: the next quorum gets a new id, whoever is in it
         self.reports: dict[int, float] = {}  # quorum_id -> time of the first data-plane failure report
 
@@ -194,6 +197,7 @@ class Job:
             if grp is not None:
                 self._drop_pending(g)
             grp = self.groups[g] = Group(g, inc, world)
+            self.healthy.discard(g)   # a new incarnation is healthy once the sweep says so
             self.event("register", group=g, incarnation=inc, world=world, step=step)
         rk = grp.ranks.get(r)
         if rk is None:
@@ -233,6 +237,7 @@ class Job:
             ok = self._is_healthy(grp, now)
             if ok != grp.healthy:
                 grp.healthy = ok
+                (self.healthy.add if ok else self.healthy.discard)(grp.group)
                 if ok:
                     self.event("group_healthy", group=grp.group, incarnation=grp.incarnation, step=grp.step)
                 elif not (grp.left or grp.leaving):
@@ -248,10 +253,24 @@ class Job:
             self._update_health(now)
         if self.pending:
             self._maybe_form(now)
+        if now >= self.next_deadline:
+            self._expire(now)
+
+    def _expire(self, now: float) -> None:
+        """Answer the requests whose deadline passed (O(pending), only when one has)."""
+        for g in list(self.pending):
+            for r, req in list(self.pending[g].items()):
+                if now >= req.deadline:
+                    del self.pending[g][r]
+                    self.complete.discard(g)
+                    req.deliver({"error": "timeout waiting for a quorum"})
+            if not self.pending[g]:
+                del self.pending[g]
+        self._restart_round()
 
     def _maybe_form(self, now: float) -> None:
         """O(groups): one formation attempt on the health of the last sweep."""
-        for g in [g for g in self.pending if not self.groups[g].healthy]:
+        for g in list(self.pending.keys() - self.healthy):
             # The survivors of a group that lost a rank cannot train without it: tell them to
             # exit now (their torchrun or launcher restarts the group) instead of letting them
             # wait out a quorum timeout.
@@ -261,7 +280,7 @@ class Job:
                     req.deliver({"error": f"replica group {g} lost rank {lost}; restart the group", "lost": True})
         if not self.pending:
             return
-        healthy = {g for g, grp in self.groups.items() if grp.healthy}
+        healthy = self.healthy
         requesting = sorted(self.complete & healthy)
         round_start = self.round_start if self.round_start is not None else now
         if self.quorum:
@@ -302,13 +321,16 @@ class Job:
              "groups": members, "max_step": max_step, "heal": heal}
         # Each rank k gets only the two addresses it uses: rank k of the first member hosts the
         # rendezvous of every rank k, and a healing rank k fetches from rank k of its source.
+        # The part every rank shares is encoded once per round, not once per rank.
         leader = self.groups[members[0]].ranks
+        common = json.dumps({k: v for k, v in q.items() if k != "identity"})[:-1]
         replies = []
         for g in members:
             src = self.groups[heal[str(g)]].ranks if str(g) in heal else None
             for req in self.pending[g].values():
-                replies.append((req, {**q, "store": leader[req.rank].store if req.rank in leader else "",
-                                      "heal_from": src[req.rank].heal if src and req.rank in src else ""}))
+                store = leader[req.rank].store if req.rank in leader else ""
+                heal_from = src[req.rank].heal if src and req.rank in src else ""
+                replies.append((req, f'{common}, "store": {json.dumps(store)}, "heal_from": {json.dumps(heal_from)}}}'))
         changed = self.quorum is None or self.quorum["quorum_id"] != quorum_id
         self.quorum, self.quorum_id, self.force_new = q, quorum_id, False
         self.max_step = max(self.max_step, max_step)
@@ -324,14 +346,17 @@ class Job:
         for g in healers:
             self.event("heal_assigned", group=g, source=heal[str(g)], step=max_step, quorum_id=quorum_id)
 
-    def enqueue(self, msg: dict[str, Any], deliver: Callable[[dict[str, Any]], None]) -> Request:
+    def enqueue(self, msg: dict[str, Any], deliver: Callable[[dict[str, Any] | str], None],
+                timeout: float) -> Request:
         """A rank's quorum request joins this round; `deliver` gets the reply when it forms
-        (maybe at once: this arrival may complete the round; the ticker does the rest)."""
+        (maybe at once: this arrival may complete the round; the ticker does the rest), or a
+        timeout error after `timeout` seconds."""
         with self.lock:
             grp, _ = self._rank(msg)
             now = time.monotonic()
             req = Request(grp.group, int(msg["rank"]), grp.incarnation, int(msg.get("step", 0)), now,
-                          int(msg.get("quorum_id", 0)), deliver)
+                          int(msg.get("quorum_id", 0)), deliver, now + timeout)
+            self.next_deadline = min(self.next_deadline, req.deadline)
             reqs = self.pending.setdefault(grp.group, {})
             old = reqs.get(req.rank)
             if old is not None:   # the same rank asking again (a retry): the earlier waiter is gone
@@ -365,7 +390,9 @@ class Job:
 
     def _restart_round(self) -> None:
         """O(pending): after requests leave the round (formation, timeouts, failures)."""
-        self.round_start = min((min(r.t for r in reqs.values()) for reqs in self.pending.values()), default=None)
+        reqs = [r for rs in self.pending.values() for r in rs.values()]
+        self.round_start = min((r.t for r in reqs), default=None)
+        self.next_deadline = min((r.deadline for r in reqs), default=math.inf)
 
     # ---- other requests -------------------------------------------------------------
     def heartbeat(self, msg: dict[str, Any]) -> dict[str, Any]:
@@ -407,6 +434,7 @@ class Job:
             if not grp.ranks and not grp.left:
                 grp.left = True
                 grp.healthy = False
+                self.healthy.discard(grp.group)
                 self.event("group_left", group=grp.group, incarnation=grp.incarnation)
 
     def status(self) -> dict[str, Any]:
@@ -529,11 +557,13 @@ def _status_html(st: dict[str, Any]) -> str:
 
 
 # ---- the HTTP server ---------------------------------------------------------------------
-# One asyncio loop in one thread serves every connection: a rank's heartbeat connection and
-# its quorum connection cost a coroutine each, not a thread; a quorum request waits on a
-# future that formation resolves. Every request is bounded before it is read.
+# One asyncio loop in one thread serves every connection as a protocol object: a rank's
+# heartbeat connection and its quorum connection cost no thread and no task; a quorum
+# request is answered when formation delivers its reply. Every request is bounded before
+# it is read.
 MAX_BODY = 1 << 20            # bytes: larger bodies get 413
 MAX_HEADERS = 64
+MAX_HEAD = 16 << 10           # bytes of request line and headers
 FIRST_REQUEST_S = 10.0        # a new connection must send its first request within this
 IDLE_S = 600.0                # a quiet connection that is not a rank's heartbeat line is closed after this
 REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 409: "Conflict",
@@ -546,51 +576,116 @@ class _BadRequest(Exception):
         self.code = code
 
 
-async def _read_request(reader: asyncio.StreamReader) -> tuple[str, str, dict[str, str], bytes] | None:
-    """(method, target, headers, body) of the next request, None at a clean end of stream."""
-    line = await reader.readline()
-    if not line:
-        return None
-    parts = line.decode("latin-1").split()
-    if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
-        raise _BadRequest(400, "malformed request line")
-    headers: dict[str, str] = {}
-    while True:
-        h = await reader.readline()
-        if h in (b"\r\n", b"\n"):
-            break
-        if not h or len(headers) >= MAX_HEADERS:
-            raise _BadRequest(431 if h else 400, "too many or truncated headers")
-        name, sep, value = h.decode("latin-1").partition(":")
-        if not sep:
-            raise _BadRequest(400, "malformed header")
-        headers[name.strip().lower()] = value.strip()
-    raw = headers.get("content-length", "0")
-    if not (raw.isascii() and raw.isdigit()):
-        raise _BadRequest(400, "Content-Length is not a number")
-    if int(raw) > MAX_BODY:
-        raise _BadRequest(413, f"body over {MAX_BODY} bytes")
-    body = await reader.readexactly(int(raw)) if int(raw) else b""
-    return parts[0], parts[1], headers, body
-
-
 def _response(code: int, body: Any, ctype: str = "application/json") -> bytes:
-    raw = (json.dumps(body) if ctype == "application/json" else body).encode()
+    """`body`: an object to encode as JSON, or text already encoded (a quorum reply, HTML)."""
+    raw = (body if isinstance(body, str) else json.dumps(body)).encode()
     head = (f"HTTP/1.1 {code} {REASONS.get(code, 'Error')}\r\nContent-Type: {ctype}\r\n"
             f"Content-Length: {len(raw)}\r\n\r\n")
     return head.encode() + raw   # one write: no Nagle wait between headers and body
 
 
+class _Connection(asyncio.Protocol):
+    """One client connection: requests parsed from the byte stream as they arrive, answered in
+    order (a quorum request's answer is written when its round forms). No task, no thread."""
+
+    def __init__(self, server: "LighthouseServer"):
+        self.srv = server
+        self.buf = bytearray()
+        self.busy = False           # a request is being answered: later bytes wait (no reordering)
+        self.beat: tuple[Job, int, int, int] | None = None   # this connection's heartbeating rank
+        self.waiting: tuple[Job, Request] | None = None        # its pending quorum request
+        self.opened = self.last = time.monotonic()
+        self.served = 0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.t: asyncio.Transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.srv.conns.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.srv.conns.discard(self)
+        if self.waiting is not None:
+            job, req = self.waiting
+            job.withdraw(req)
+        if self.beat is not None:
+            job, g, r, inc = self.beat
+            job.disconnected(g, r, inc)
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        self.last = time.monotonic()
+        self._next()
+
+    def _next(self) -> None:
+        while not self.busy and not self.t.is_closing():
+            try:
+                req = self._parse()
+            except _BadRequest as e:
+                self.t.write(_response(e.code, {"error": str(e)}))
+                self.t.close()
+                return
+            if req is None:
+                return
+            self.busy = True
+            self.srv.dispatch(self, *req)
+
+    def _parse(self) -> tuple[str, str, dict[str, str], bytes] | None:
+        end = self.buf.find(b"\r\n\r\n")
+        if end < 0:
+            if len(self.buf) > MAX_HEAD:
+                raise _BadRequest(431, f"request head over {MAX_HEAD} bytes")
+            return None
+        lines = bytes(self.buf[:end]).decode("latin-1").split("\r\n")
+        parts = lines[0].split()
+        if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
+            raise _BadRequest(400, "malformed request line")
+        if len(lines) > MAX_HEADERS:
+            raise _BadRequest(431, "too many headers")
+        headers = {}
+        for h in lines[1:]:
+            name, sep, value = h.partition(":")
+            if not sep:
+                raise _BadRequest(400, "malformed header")
+            headers[name.strip().lower()] = value.strip()
+        raw = headers.get("content-length", "0")
+        if not (raw.isascii() and raw.isdigit()):
+            raise _BadRequest(400, "Content-Length is not a number")
+        n = int(raw)
+        if n > MAX_BODY:
+            raise _BadRequest(413, f"body over {MAX_BODY} bytes")
+        if len(self.buf) < end + 4 + n:
+            return None
+        body = bytes(self.buf[end + 4:end + 4 + n])
+        del self.buf[:end + 4 + n]
+        return parts[0], parts[1], headers, body
+
+    def reply(self, code: int, body: Any, ctype: str = "application/json") -> None:
+        """In the loop's thread only."""
+        self.waiting = None
+        if self.t.is_closing():
+            return
+        self.t.write(_response(code, body, ctype))
+        self.busy = False
+        self.served += 1
+        self.last = time.monotonic()
+        if self.buf:
+            self._next()
+
+
 class LighthouseServer:
-    """The lighthouse's HTTP/1.1 front end (stdlib asyncio), in a daemon thread."""
+    """The lighthouse's HTTP/1.1 front end: one asyncio loop (stdlib) in a daemon thread."""
 
     def __init__(self, lh: Lighthouse, host: str, port: int):
         self.lh = lh
         self.loop = asyncio.new_event_loop()
+        self.conns: set[_Connection] = set()
         self._started = threading.Event()
         self._error: OSError | None = None
         self.server_address: tuple = ()
-        threading.Thread(target=self._run, args=(host, port), daemon=True, name="lighthouse-http").start()
+        self._thread = threading.Thread(target=self._run, args=(host, port), daemon=True, name="lighthouse-http")
+        self._thread.start()
         self._started.wait()
         if self._error is not None:
             raise self._error
@@ -599,79 +694,54 @@ class LighthouseServer:
         asyncio.set_event_loop(self.loop)
         try:
             self._srv = self.loop.run_until_complete(
-                asyncio.start_server(self._serve, host, port, backlog=1024, limit=64 << 10))
+                self.loop.create_server(lambda: _Connection(self), host, port, backlog=1024))
             self.server_address = self._srv.sockets[0].getsockname()[:2]
         except OSError as e:
             self._error = e
         self._started.set()
         if self._error is None:
+            self.loop.call_later(1.0, self._sweep)
             self.loop.run_forever()
 
+    def _sweep(self) -> None:
+        """Close connections that never spoke or went quiet (not a rank's heartbeat line: a
+        stopped rank's silence is for the heartbeat timeout to judge)."""
+        now = time.monotonic()
+        for c in list(self.conns):
+            if c.beat is None and not c.busy and (
+                    (c.served == 0 and now - c.opened > FIRST_REQUEST_S) or now - c.last > IDLE_S):
+                c.t.close()
+        self.loop.call_later(1.0, self._sweep)
+
     def shutdown(self) -> None:
-        async def stop() -> None:
+        def stop() -> None:
             self._srv.close()
+            for c in list(self.conns):
+                c.t.abort()
             self.loop.stop()
         if self.loop.is_running():
-            asyncio.run_coroutine_threadsafe(stop(), self.loop)
+            self.loop.call_soon_threadsafe(stop)
+            self._thread.join(timeout=5)
 
     def server_close(self) -> None:
         pass
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        sock = writer.get_extra_info("socket")
-        if sock is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        beat: tuple[Job, int, int, int] | None = None   # this connection's heartbeating rank
-        served = 0
-        try:
-            while True:
-                # A rank's heartbeat line may go quiet (a stopped process): the heartbeat timeout
-                # judges that, not this server. Any other connection must speak soon and not idle.
-                limit = None if beat else IDLE_S if served else FIRST_REQUEST_S
-                try:
-                    req = await asyncio.wait_for(_read_request(reader), limit)
-                except asyncio.TimeoutError:
-                    break
-                if req is None:
-                    break
-                code, body, ctype, beat = await self._dispatch(*req, beat)
-                served += 1
-                writer.write(_response(code, body, ctype))
-                await writer.drain()
-        except _BadRequest as e:
-            writer.write(_response(e.code, {"error": str(e)}))
-        except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError):
-            pass   # the peer went away mid-request, or sent a line over the limit
-        finally:
-            if beat is not None:
-                job, g, r, inc = beat
-                job.disconnected(g, r, inc)
-            try:
-                writer.close()
-            except RuntimeError:
-                pass
-
-    def _authorized(self, headers: dict[str, str]) -> bool:
-        # header only: a token in a URL ends up in logs, histories and Referer headers
-        return auth.allowed(self.lh.cfg.token, headers.get("authorization"))
-
-    async def _dispatch(self, method: str, target: str, headers: dict[str, str], raw: bytes,
-                        beat: tuple | None) -> tuple[int, Any, str, tuple | None]:
+    def dispatch(self, conn: _Connection, method: str, target: str, headers: dict[str, str], raw: bytes) -> None:
         url = urllib.parse.urlparse(target)
-        query = urllib.parse.parse_qs(url.query)
-        if not self._authorized(headers):
-            return 401, {"error": "missing or wrong token"}, "application/json", beat
+        # header only: a token in a URL ends up in logs, histories and Referer headers
+        if not auth.allowed(self.lh.cfg.token, headers.get("authorization")):
+            return conn.reply(401, {"error": "missing or wrong token"})
         lh = self.lh
         try:
             if method == "GET":
-                job = job_id({"job": query.get("job", [DEFAULT_JOB])[0]})
+                job = job_id({"job": urllib.parse.parse_qs(url.query).get("job", [DEFAULT_JOB])[0]})
                 if url.path == "/status":
-                    return 200, lh.status(job), "application/json", beat
+                    return conn.reply(200, lh.status(job))
                 if url.path in ("/", "/index.html"):
-                    return 200, _status_html(lh.status(job)), "text/html; charset=utf-8", beat
-                return 404, {"error": f"no such path {url.path}"}, "application/json", beat
+                    return conn.reply(200, _status_html(lh.status(job)), "text/html; charset=utf-8")
+                return conn.reply(404, {"error": f"no such path {url.path}"})
             if method != "POST":
-                return 404, {"error": f"no {method} here"}, "application/json", beat
+                return conn.reply(404, {"error": f"no {method} here"})
             msg = json.loads(raw.decode("utf-8") or "{}", parse_constant=_no_constant)
             if not isinstance(msg, dict):
                 raise ValueError("the body must be a JSON object")
@@ -679,45 +749,48 @@ class LighthouseServer:
             if path == "/heartbeat":
                 job = lh.job(msg)
                 reply = job.heartbeat(msg)   # validates: only then is this connection a rank's
-                return 200, reply, "application/json", (job, int(msg["group"]), int(msg["rank"]),
-                                                        int(msg.get("incarnation", 0)))
+                conn.beat = (job, int(msg["group"]), int(msg["rank"]), int(msg.get("incarnation", 0)))
+                return conn.reply(200, reply)
             if path == "/register":
                 lh.job(msg).register(msg)
-                return 200, {"epoch": lh.epoch}, "application/json", beat
+                return conn.reply(200, {"epoch": lh.epoch})
             if path == "/quorum":
-                q = await self._quorum(lh.job(msg), msg)
-                code = 409 if q.get("error") == "stale incarnation" else 410 if q.get("lost") else \
-                    504 if "error" in q else 200
-                return code, q, "application/json", beat
+                return self._quorum(conn, lh.job(msg), msg)
             if path == "/report_failure":
                 lh.report_failure(msg)
             elif path == "/leave":
                 lh.leave(msg)
-                beat = None
+                conn.beat = None
             elif path == "/event":
                 lh.client_event(msg)
             else:
-                return 404, {"error": f"no such path {path}"}, "application/json", beat
-            return 200, {}, "application/json", beat
+                return conn.reply(404, {"error": f"no such path {path}"})
+            conn.reply(200, {})
         except StaleIncarnation as e:
-            return 409, {"error": str(e)}, "application/json", None
+            conn.beat = None
+            conn.reply(409, {"error": str(e)})
         except (KeyError, ValueError, TypeError, UnicodeDecodeError, RecursionError) as e:
-            return 400, {"error": f"bad request: {e!r}"[:500]}, "application/json", beat
+            conn.reply(400, {"error": f"bad request: {e!r}"[:500]})
 
-    async def _quorum(self, job: Job, msg: dict[str, Any]) -> dict[str, Any]:
+    def _quorum(self, conn: _Connection, job: Job, msg: dict[str, Any]) -> None:
         timeout = float(msg.get("timeout", timeouts.QUORUM_TIMEOUT))
         if not math.isfinite(timeout) or timeout <= 0:
             raise ValueError(f"timeout={timeout} must be a positive number of seconds")
-        fut = self.loop.create_future()
+        loop_thread = threading.get_ident()
 
-        def deliver(reply: dict[str, Any]) -> None:   # from the ticker or this thread, under the job's lock
-            self.loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(reply))
-        req = job.enqueue(msg, deliver)
-        try:
-            return await asyncio.wait_for(asyncio.shield(fut), min(timeout, timeouts.QUORUM_TIMEOUT))
-        except asyncio.TimeoutError:
-            job.withdraw(req)
-            return fut.result() if fut.done() else {"error": "timeout waiting for a quorum"}
+        def answer(reply: dict[str, Any] | str) -> None:
+            if isinstance(reply, str):
+                conn.reply(200, reply)
+            else:
+                conn.reply(409 if reply.get("error") == "stale incarnation" else 410 if reply.get("lost") else 504,
+                           reply)
+
+        def deliver(reply: dict[str, Any] | str) -> None:   # under the job's lock: the ticker's thread or this loop's
+            if threading.get_ident() == loop_thread:
+                self.loop.call_soon(answer, reply)    # after this request's own dispatch has returned
+            else:
+                self.loop.call_soon_threadsafe(answer, reply)
+        conn.waiting = (job, job.enqueue(msg, deliver, min(timeout, timeouts.QUORUM_TIMEOUT)))
 
 
 def _no_constant(name: str) -> Any:

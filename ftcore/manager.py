@@ -55,7 +55,7 @@ class ManagerConfig:
     host: str = ""                  # where this rank's store, heal server and gloo listen (ftcore/netaddr.py)
     job: str = "default"            # one lighthouse serves several jobs; their quorums never mix
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
-    records: str | None = None      # append every StepRecord here as a JSON line
+    records: str | None = None      # append every StepRecord here as a JSON line ("{incarnation}" is filled in)
     backend: str = "gloo"           # cross-group data plane: "gloo" (CPU tensors) or "nccl" (CUDA tensors)
 
 
@@ -203,6 +203,8 @@ class Manager:
         self._last_commit = time.monotonic()
         self.healed_step: int | None = None  # set by should_commit() when this step loaded a peer's state
         self.records: list[StepRecord] = []
+        if cfg.records:   # named after the incarnation, which may only now be agreed
+            cfg.records = cfg.records.replace("{incarnation}", str(cfg.incarnation))
         self._records_fd = (os.open(cfg.records, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
                             if cfg.records else None)
         self.heals = 0

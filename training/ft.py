@@ -95,7 +95,7 @@ class FTReplica:
         self.out = out or os.environ.get("FTREC_OUT")
         if self.out and not cfg.records:
             os.makedirs(os.path.join(self.out, "records"), exist_ok=True)
-            cfg.records = os.path.join(self.out, "records", f"rank-{cfg.rank}-inc-{cfg.incarnation}.jsonl")
+            cfg.records = os.path.join(self.out, "records", f"rank-{cfg.rank}-inc-{{incarnation}}.jsonl")
         group_pg = dist.group.WORLD if (dist.is_available() and dist.is_initialized()) else None
         self.manager = manager.Manager(cfg, self._state_dict, self._load_state_dict, group_pg=group_pg,
                                        step=int(state.step), faults=manager.faults_from_env())

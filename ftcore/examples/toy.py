@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     g, R, K = cfg.group, cfg.num_groups, cfg.world
     shard = g * K + rank
     os.makedirs(os.path.join(a.out, "records"), exist_ok=True)
-    cfg.records = cfg.records or os.path.join(a.out, "records", f"group-{g}-rank-{rank}-inc-{cfg.incarnation}.jsonl")
+    cfg.records = cfg.records or os.path.join(a.out, "records", f"group-{g}-rank-{rank}-inc-{{incarnation}}.jsonl")
 
     torch.manual_seed(0)  # the same initial model on every group and rank
     model = torch.nn.Sequential(torch.nn.Linear(a.dim, a.dim), torch.nn.ReLU(), torch.nn.Linear(a.dim, 1))
