@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 
 from dataprep import balance, readers, schema, sequences
 from dataprep.cost import load_cost_model
-from dataprep.errors import DataprepError
+from dataprep.errors import DataprepError, DifferentShardSet
 from dataprep.fsutil import fingerprint, sha256_file
 from dataprep.progress import Progress, stage
 
@@ -44,8 +44,19 @@ def _check_rejects(ev: readers.Interactions, max_fraction: float) -> None:
             f"Fix the input or raise --max-reject-fraction (now {max_fraction})")
 
 
+def _refuse_input_inside(out: Path, inputs: list[str]) -> None:
+    """A shard set replaces its folder whole: never one that holds (or is) the input."""
+    root = out.resolve()
+    for p in inputs:
+        if Path(p).resolve().is_relative_to(root):
+            raise DataprepError(f"--out {out} contains the input {p}: a shard set replaces its folder whole; "
+                                "write it to a folder of its own")
+
+
 def _existing(out: Path, fp: str, config: dict, overwrite: bool) -> dict | None:
-    """The manifest of an identical set already at `out`, or None if `out` may be (re)written."""
+    """The manifest of an identical set already at `out`, or None if `out` may be (re)written.
+
+    `overwrite` replaces a shard set only (a folder with a manifest), never a folder of other files."""
     if not out.exists():
         return None
     if not out.is_dir():
@@ -62,11 +73,12 @@ def _existing(out: Path, fp: str, config: dict, overwrite: bool) -> dict | None:
         if same and not overwrite:
             return m
         if not overwrite:
-            raise DataprepError(f"{out}: holds a different shard set (other input or settings); "
-                                "pass --overwrite to replace it or choose another --out")
+            raise DifferentShardSet(f"{out}: holds a different shard set (other input or settings); "
+                                    "pass --overwrite to replace it or choose another --out")
         return None
-    if any(out.iterdir()) and not overwrite:
-        raise DataprepError(f"{out}: folder is not empty and holds no shard set; pass --overwrite or choose another --out")
+    if any(out.iterdir()):
+        raise DataprepError(f"{out}: folder is not empty and holds no shard set (no {schema.MANIFEST}); "
+                            "choose another --out (--overwrite replaces shard sets only, never other files)")
     return None
 
 
@@ -129,6 +141,7 @@ def build_shards(input: "str | list[str]", fmt: str, out: str, *, world_size: in
               "tail": tail, "method": method, "dedup": dedup, "max_events": max_events,
               "reader_options": dict(sorted(reader_options.items()))}
     outp = Path(out)
+    _refuse_input_inside(outp, paths)
     timings = {}
     with stage("fingerprint", quiet=quiet):
         fp = fingerprint(paths)

@@ -10,3 +10,8 @@ class DataprepError(Exception):
 
     The message names the file, line, column or setting and says what to do.
     """
+
+
+class DifferentShardSet(DataprepError):
+    """The output folder holds another shard set (other input or settings): the one case where
+    replacing it (`overwrite`) is the fix, so callers may retry with it."""

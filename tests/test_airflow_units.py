@@ -441,3 +441,18 @@ def test_train_step_joins_a_standing_lighthouse_with_the_workers_token(tmp_path,
     assert [(g["group"], g["left"]) for g in st["groups"]] == [(0, True), (1, True)]
     assert any(e["kind"] == "quorum_formed" for e in st["events"])
     assert lighthouse.fetch_status(url, token_file=token)["groups"] == []   # nothing under the default job
+
+
+def test_build_step_retries_with_overwrite_only_for_another_shard_set(tmp_path):
+    from dataprep.synth import write_synthetic
+    src = write_synthetic(tmp_path / "ev.txt", users=300, items=100, seed=0)
+    out = tmp_path / "shards"
+    out.mkdir()
+    (out / "keep.txt").write_text("not a shard set")
+    with pytest.raises(steps.UserError, match="holds no shard set"):
+        steps.build_shards(steps.ShardSpec(input=str(src), fmt="sasrec", out=str(out), world_size=2, batch_size=8))
+    assert (out / "keep.txt").exists()
+    (out / "keep.txt").unlink()
+    first = steps.build_shards(steps.ShardSpec(input=str(src), fmt="sasrec", out=str(out), world_size=2, batch_size=8))
+    again = steps.build_shards(steps.ShardSpec(input=str(src), fmt="sasrec", out=str(out), world_size=4, batch_size=8))
+    assert first["config"]["world_size"] == 2 and again["config"]["world_size"] == 4 and not again["reused"]

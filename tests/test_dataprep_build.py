@@ -79,6 +79,27 @@ def test_idempotent_refuses_different_and_overwrites(tmp_path, synth_file):
     assert [p.name for p in tmp_path.iterdir()] == ["set"]  # no temp or old folder left behind
 
 
+def test_overwrite_never_deletes_what_is_not_a_shard_set(tmp_path, synth_file):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("a user's file")
+    with pytest.raises(DataprepError, match="holds no shard set"):
+        build_shards(synth_file, "sasrec", str(out), world_size=2, batch_size=8, overwrite=True)
+    assert (out / "notes.txt").read_text() == "a user's file"
+
+
+def test_an_output_folder_holding_the_input_is_refused(tmp_path, synth_file):
+    out = tmp_path / "set"
+    build_shards(synth_file, "sasrec", str(out), world_size=2, batch_size=8)
+    inside = out / "events.txt"
+    inside.write_bytes(Path(synth_file).read_bytes())
+    with pytest.raises(DataprepError, match="contains the input"):
+        build_shards(str(inside), "sasrec", str(out), world_size=4, batch_size=8, overwrite=True)
+    assert inside.exists()
+    with pytest.raises(DataprepError, match="contains the input"):   # the folder itself as input
+        build_shards(str(tmp_path), "sasrec", str(tmp_path), world_size=2, batch_size=8, overwrite=True)
+
+
 def test_crash_mid_write_leaves_nothing_valid(tmp_path, synth_file, monkeypatch):
     out = tmp_path / "set"
 

@@ -191,3 +191,38 @@ def test_best_validation_model_is_the_runs(tmp_path):
     with pytest.raises(Exception, match="choose one of .*valid/full/ndcg@10"):
         train(load_config(None, [f"data.shards={shards}", f"train.out={tmp_path / 'bad'}", "train.max_steps=13",
                                  "mlflow.enabled=false", "model.dim=16", "eval.best_metric=valid/full/ndgc@10"]))
+
+
+def _two_checkpoints(tmp_path) -> tuple[str, str]:
+    root = str(tmp_path / "checkpoints")
+    for step in (3, 6):
+        checkpoint.save(root, {"model": {"w": torch.full((64,), float(step))}, "rng": torch.zeros(2)},
+                        {"step": step})
+    return checkpoint.step_dir(root, 3), checkpoint.step_dir(root, 6)
+
+
+def test_a_checkpoint_records_and_verifies_every_files_sha256(tmp_path):
+    _, newest = _two_checkpoints(tmp_path)
+    files = checkpoint.read_meta(newest)["files"]
+    assert set(files) == {"state.pt"} and len(files["state.pt"]) == 64
+    assert torch.equal(checkpoint.load(newest)["model"]["w"], torch.full((64,), 6.0))
+    raw = bytearray(open(os.path.join(newest, "state.pt"), "rb").read())
+    raw[len(raw) // 2] ^= 0x01          # one flipped bit in the middle of the tensor bytes
+    open(os.path.join(newest, "state.pt"), "wb").write(bytes(raw))
+    with pytest.raises(checkpoint.CheckpointError, match="does not match the sha256"):
+        checkpoint.load(newest)
+    open(os.path.join(newest, "state.pt"), "wb").close()   # zero length
+    with pytest.raises(checkpoint.CheckpointError, match="0 bytes now"):
+        checkpoint.load(newest)
+
+
+def test_resume_takes_the_newest_checkpoint_that_verifies_and_says_which_it_skipped(tmp_path):
+    older, newest = _two_checkpoints(tmp_path)
+    with open(os.path.join(newest, "state.pt"), "r+b") as f:
+        f.seek(-3, 2)
+        f.write(b"xyz")
+    said = []
+    assert checkpoint.latest_verified(str(tmp_path / "checkpoints"), said.append) == older
+    assert len(said) == 1 and "step-00000006" in said[0] and "damaged" in said[0]
+    os.remove(os.path.join(older, "state.pt"))
+    assert checkpoint.latest_verified(str(tmp_path / "checkpoints"), said.append) is None

@@ -7,17 +7,22 @@ Layout (one folder per committed step):
         rng-rank-00001.pt the RNG states of every other rank of the replica group
         meta.json         step, config, manifest fingerprint, topology (for people and tools)
 
-Every rank writes into `step-XXXXXXXX.tmp`, the group meets at a barrier and rank 0
-renames the folder into place: a crash leaves either a complete checkpoint or a
-`.tmp` folder that nothing reads. Files are plain `torch.save` dicts of tensors and
-primitives, read back with `torch.load(weights_only=True)`, which refuses anything
-that would run code.
+Every rank writes into `step-XXXXXXXX.tmp` and fsyncs its file, the group meets at a
+barrier, rank 0 records every file's sha256 in meta.json, fsyncs it and renames the
+folder into place (then fsyncs the parent, so the rename survives a power loss): a crash
+leaves either a complete checkpoint or a `.tmp` folder that nothing reads. Files are
+plain `torch.save` dicts of tensors and primitives, read back with
+`torch.load(weights_only=True)`, which refuses anything that would run code, and only
+after their bytes match the recorded sha256: a damaged checkpoint is refused by name,
+and a resume falls back to the newest one that verifies (`latest_verified`).
 """
 
+import hashlib
 import json
 import os
 import re
 import shutil
+import sys
 
 import torch
 import torch.distributed as dist
@@ -31,6 +36,29 @@ class CheckpointError(ValueError):
 
 def step_dir(root: str, step: int) -> str:
     return os.path.join(root, f"step-{step:08d}")
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _save_durable(obj, path: str) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _distributed() -> bool:
@@ -56,17 +84,22 @@ def save(root: str, state: dict, meta: dict, rank: int = 0, keep: int = 2, per_r
     if collective:
         dist.barrier()
     if rank == 0:
-        torch.save(state, os.path.join(tmp, "state.pt"))
-        with open(os.path.join(tmp, "meta.json"), "w") as f:
-            json.dump(meta, f, indent=1, default=str)
+        _save_durable(state, os.path.join(tmp, "state.pt"))
     else:
-        torch.save({k: state[k] for k in per_rank}, os.path.join(tmp, f"rng-rank-{rank:05d}.pt"))
+        _save_durable({k: state[k] for k in per_rank}, os.path.join(tmp, f"rng-rank-{rank:05d}.pt"))
     if collective:
         dist.barrier()
     if rank == 0:
+        files = {n: _sha256(os.path.join(tmp, n)) for n in sorted(os.listdir(tmp)) if n.endswith(".pt")}
+        with open(os.path.join(tmp, "meta.json"), "w") as f:
+            json.dump({**meta, "files": files}, f, indent=1, default=str)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
         if os.path.isdir(final):  # the same step saved again (a retried run): replace it
             shutil.rmtree(final)
         os.replace(tmp, final)
+        _fsync_dir(root)
         _prune(root, keep)
     if collective:
         dist.barrier()
@@ -91,6 +124,37 @@ def latest(root: str) -> str | None:
     return step_dir(root, steps[-1]) if steps else None
 
 
+def verify(folder: str) -> None:
+    """Raise CheckpointError unless every file meta.json lists has the bytes it recorded.
+    Checkpoints written before hashes were recorded (no `files`) pass unchecked."""
+    files = read_meta(folder).get("files")
+    if files is None:
+        return
+    if not isinstance(files, dict) or "state.pt" not in files:
+        raise CheckpointError(f"checkpoint {folder}: meta.json's file list is damaged")
+    for name, want in files.items():
+        path = os.path.join(folder, os.path.basename(name))
+        if not os.path.isfile(path):
+            raise CheckpointError(f"checkpoint {folder}: {name} is missing")
+        if _sha256(path) != want:
+            raise CheckpointError(f"checkpoint {folder}: {name} does not match the sha256 recorded when it was "
+                                  f"written ({os.path.getsize(path)} bytes now): the file is damaged")
+
+
+def latest_verified(root: str, log=None) -> str | None:
+    """The newest checkpoint under root whose files verify; each one skipped is said, with why.
+    Every rank of a group verifies every file, so they all pick the same one."""
+    say = log or (lambda m: print(m, file=sys.stderr, flush=True))
+    for step in reversed(list_steps(root)):
+        folder = step_dir(root, step)
+        try:
+            verify(folder)
+            return folder
+        except CheckpointError as e:
+            say(f"skipping {e}; trying an older checkpoint")
+    return None
+
+
 def load(path: str, rank: int = 0, per_rank: tuple = ("rng",)) -> dict:
     """Read a checkpoint folder (or its state.pt) without executing code; rank >= 1 gets its own RNG."""
     folder = path if os.path.isdir(path) else os.path.dirname(path)
@@ -98,6 +162,8 @@ def load(path: str, rank: int = 0, per_rank: tuple = ("rng",)) -> dict:
     if not os.path.isfile(fpath):
         raise CheckpointError(f"checkpoint {path}: no state.pt there (expected a folder like "
                               "OUT/checkpoints/step-00000100)")
+    if os.path.isfile(os.path.join(folder, "meta.json")):
+        verify(folder)
     try:
         state = torch.load(fpath, map_location="cpu", weights_only=True)
     except Exception as e:  # a damaged or foreign file: one line, not a traceback

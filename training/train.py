@@ -69,7 +69,7 @@ def train(cfg: Config) -> dict:
 
     torch.manual_seed(cfg.train.seed)                      # the same initial model on every rank
     model = SeqRec(shards.num_items, cfg.model).to(topo.device)
-    resumed_from = checkpoint.latest(ckpt_root) if cfg.train.resume else None
+    resumed_from = checkpoint.latest_verified(ckpt_root, lambda m: log(topo, m)) if cfg.train.resume else None
     if cfg.train.init_checkpoint and not resumed_from:
         # into the full table, before any sharding: every rank then keeps its rows of it
         carried = checkpoint.warm_start(model, cfg.train.init_checkpoint, shards.path)

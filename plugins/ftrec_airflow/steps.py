@@ -118,7 +118,7 @@ def build_shards(spec: ShardSpec) -> dict[str, Any]:
     dataprep itself returns an identical existing set without rebuilding; a set left by an
     earlier try with another input or other settings is replaced, never mixed."""
     from dataprep.build import build_shards as _build
-    from dataprep.errors import DataprepError
+    from dataprep.errors import DataprepError, DifferentShardSet
 
     out = Path(spec.out)
     manifest_path = out / "manifest.json"
@@ -131,9 +131,7 @@ def build_shards(spec: ShardSpec) -> dict[str, Any]:
     try:
         try:
             manifest = _build(spec.input, spec.fmt, str(out), **args)
-        except DataprepError:
-            if not out.exists():
-                raise
+        except DifferentShardSet:   # an earlier try's set with other settings: replace it, nothing else
             manifest = _build(spec.input, spec.fmt, str(out), overwrite=True, **args)
     except DataprepError as e:
         raise UserError(str(e)) from None
