@@ -81,6 +81,25 @@ class Fault:
         return self.kind in ("raise", "slow") or (self.kind == "kill" and self.phase is not None)
 
 
+# What each key must hold: a plan is read once, so `group = "1"` (a fault that would never
+# fire) or `at_step = "5"` (a crash inside the rank at run time) is refused here instead.
+_COUNTS = ("group", "at_step", "until_step", "incarnation")
+_SECONDS = ("at_time", "duration_s", "delay_s")
+
+
+def _type_problem(key: str, value) -> str | None:
+    if key in ("kind", "phase"):
+        return None if isinstance(value, str) else "must be a string"
+    if key == "rank":
+        return None if value == "all" or (type(value) is int and value >= 0) else 'must be a rank >= 0 or "all"'
+    if key in _COUNTS:
+        return None if type(value) is int and value >= 0 else "must be a whole number >= 0"
+    if key in _SECONDS:
+        ok = type(value) in (int, float) and value >= 0 and value == value and value != float("inf")
+        return None if ok else "must be a number of seconds >= 0"
+    return None
+
+
 def load(path: str) -> list[Fault]:
     """Read and check a plan; raises PlanError with a one-line message."""
     try:
@@ -107,10 +126,16 @@ def parse(doc: dict | list, where: str = "fault plan") -> list[Fault]:
         unknown = set(item) - known
         if unknown:
             raise PlanError(f"{where}: fault #{i + 1} has unknown key(s) {sorted(unknown)}; known: {sorted(known)}")
+        for key, value in item.items():
+            problem = _type_problem(key, value)
+            if problem:
+                raise PlanError(f"{where}: fault #{i + 1}: {key} = {value!r} {problem}")
         try:
             f = Fault(**item)
         except TypeError as e:
             raise PlanError(f"{where}: fault #{i + 1}: {e}") from None
+        if f.until_step is not None and f.at_step is not None and f.until_step <= f.at_step:
+            raise PlanError(f"{where}: fault #{i + 1}: until_step {f.until_step} must be after at_step {f.at_step}")
         if f.kind not in KINDS:
             raise PlanError(f"{where}: fault #{i + 1}: kind {f.kind!r} is not one of {KINDS}")
         if f.phase is not None and f.phase not in PHASES:

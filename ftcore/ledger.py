@@ -25,6 +25,8 @@ import os
 from collections import Counter
 from typing import Callable, Iterable
 
+SYNC_EVERY = 16   # records between fdatasyncs (markers are synced at once)
+
 
 def ranges(ids: Iterable[int]) -> list[list[int]]:
     """Sorted ids as inclusive [first, last] runs: [1,2,3,7] -> [[1,3],[7,7]]."""
@@ -46,25 +48,42 @@ class Ledger:
         os.makedirs(folder, exist_ok=True)
         self.path = os.path.join(folder, f"group-{group:03d}-rank-{rank:03d}.jsonl")
         self.group, self.rank = group, rank
-        # O_APPEND: one write per line, so a killed process leaves whole lines (at worst a torn last one).
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        # O_APPEND: one write per line, so a killed process leaves whole lines (at worst a torn
+        # last one, on a full disk or a power loss). A writer that finds one ends it and says so,
+        # so that a torn line anywhere else is damage the reader refuses.
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+        self._unsynced = 0
+        size = os.fstat(self._fd).st_size
+        if size and os.pread(self._fd, 1, size - 1) != b"\n":
+            self._write({"torn_line_ended": True, "writer": [group, rank]}, sync=True, prefix=b"\n")
 
     def record(self, step: int, epoch: int, row_group: int, kind: str, contributors: Iterable[int],
                quorum_id: int, sample_ids: Iterable[int] | None = None) -> None:
         line = {"step": step, "epoch": epoch, "row_group": row_group, "kind": kind,
                 "contributors": sorted(contributors), "quorum_id": quorum_id,
                 "writer": [self.group, self.rank], "ranges": ranges(sample_ids) if sample_ids is not None else None}
-        os.write(self._fd, (json.dumps(line) + "\n").encode())
+        self._write(line)
 
     def healed(self, step: int) -> None:
         """This rank's state was replaced by a peer's at `step`: its earlier records are superseded."""
-        os.write(self._fd, (json.dumps({"healed_to": step, "writer": [self.group, self.rank]}) + "\n").encode())
+        self._write({"healed_to": step, "writer": [self.group, self.rank]}, sync=True)
 
     def resumed(self, step: int) -> None:
         """This process joined the job at `step`: this writer's earlier records of steps >= it are void."""
-        os.write(self._fd, (json.dumps({"resumed_to": step, "writer": [self.group, self.rank]}) + "\n").encode())
+        self._write({"resumed_to": step, "writer": [self.group, self.rank]}, sync=True)
+
+    def _write(self, rec: dict, sync: bool = False, prefix: bytes = b"") -> None:
+        """Markers are made durable at once; records every SYNC_EVERY (each step is recorded by
+        every writer of every contributing group, so a power loss costs at most a tail that the
+        other writers also hold, and `check` says so rather than passing)."""
+        os.write(self._fd, prefix + (json.dumps(rec) + "\n").encode())
+        self._unsynced += 1
+        if sync or self._unsynced >= SYNC_EVERY:
+            os.fdatasync(self._fd)
+            self._unsynced = 0
 
     def close(self) -> None:
+        os.fdatasync(self._fd)
         os.close(self._fd)
 
 
@@ -76,18 +95,30 @@ def read(folder: str) -> list[tuple[dict, bool]]:
         if not name.endswith(".jsonl"):
             continue
         recs = []
-        with open(os.path.join(folder, name)) as f:
-            for line in f:
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # a torn last line of a killed writer; other writers hold that step
-                if "healed_to" in rec:
-                    recs = [(r, True) for r, _ in recs]
-                elif "resumed_to" in rec:
-                    recs = [(r, sup) for r, sup in recs if r["step"] < rec["resumed_to"]]
-                else:
-                    recs.append((rec, False))
+        path = os.path.join(folder, name)
+        with open(path, "rb") as f:
+            lines = f.read().split(b"\n")
+        if lines and lines[-1] == b"":
+            lines.pop()
+        for n, raw in enumerate(lines, 1):
+            try:
+                rec = json.loads(raw)
+                if not isinstance(rec, dict):
+                    raise ValueError("not an object")
+            except ValueError:
+                # a torn line ends a killed writer's file, or its successor ended it with a marker
+                if n == len(lines) or b"torn_line_ended" in lines[n]:
+                    continue
+                raise LedgerError(f"{path}, line {n}: not a ledger record, and not a killed writer's last "
+                                  "line: the ledger is damaged") from None
+            if "torn_line_ended" in rec:
+                continue
+            if "healed_to" in rec:
+                recs = [(r, True) for r, _ in recs]
+            elif "resumed_to" in rec:
+                recs = [(r, sup) for r, sup in recs if r["step"] < rec["resumed_to"]]
+            else:
+                recs.append((rec, False))
         out += recs
     return out
 

@@ -456,3 +456,11 @@ def test_build_step_retries_with_overwrite_only_for_another_shard_set(tmp_path):
     first = steps.build_shards(steps.ShardSpec(input=str(src), fmt="sasrec", out=str(out), world_size=2, batch_size=8))
     again = steps.build_shards(steps.ShardSpec(input=str(src), fmt="sasrec", out=str(out), world_size=4, batch_size=8))
     assert first["config"]["world_size"] == 2 and again["config"]["world_size"] == 4 and not again["reused"]
+
+
+@pytest.mark.parametrize("run_id", ["..", "../..", ".", "a/../../b", "..hidden", "manual__..__x"])
+def test_a_run_id_never_leaves_the_runs_folder(tmp_path, monkeypatch, run_id):
+    monkeypatch.setenv("FTREC_WORK", str(tmp_path / "work"))
+    folder = settings.run_folder("ftrec_train", run_id).resolve()
+    assert folder.parent == (tmp_path / "work" / "runs" / "ftrec_train").resolve()
+    assert ".." not in folder.name and folder.name not in (".", "")

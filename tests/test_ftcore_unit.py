@@ -373,3 +373,36 @@ def test_unknown_backend_is_refused_by_name():
     with pytest.raises(ValueError, match="FTCORE_BACKEND"):
         _new_pg("mpi", store, 0, 1, datetime.timedelta(seconds=1))
     assert isinstance(_new_pg("gloo", store, 0, 1, datetime.timedelta(seconds=5)), dist.ProcessGroupGloo)
+
+
+# ---- hardening: plans, ledgers ---------------------------------------------------------------------
+@pytest.mark.parametrize("fault,msg", [
+    ({"kind": "kill", "group": "1", "at_step": 3}, "group"),
+    ({"kind": "kill", "group": 1, "at_step": "5"}, "at_step"),
+    ({"kind": "kill", "group": 1, "at_step": True}, "at_step"),
+    ({"kind": "kill", "group": -1, "at_step": 2}, "group"),
+    ({"kind": "stop", "group": 0, "at_step": 2, "duration_s": "4"}, "duration_s"),
+    ({"kind": "kill", "group": 0, "rank": "first", "at_step": 2}, "rank"),
+    ({"kind": "slow", "group": 0, "at_step": 5, "until_step": 3, "delay_s": 0.1}, "until_step"),
+])
+def test_a_fault_plan_with_a_wrong_type_is_refused_when_read(fault, msg):
+    with pytest.raises(faults.PlanError, match=msg):
+        faults.parse({"faults": [fault]}, "plan.json")
+
+
+def test_the_ledger_refuses_a_damaged_line_that_no_crash_explains(tmp_path):
+    w = ledger.Ledger(str(tmp_path), 0, 0)
+    for step in range(3):
+        w.record(step, 0, step, "regular", [0], 1, [step])
+    w.close()
+    path = tmp_path / "group-000-rank-000.jsonl"
+    lines = path.read_bytes().split(b"\n")
+    path.write_bytes(b"\n".join([lines[0], lines[1][:10], *lines[2:]]))   # torn in the middle
+    with pytest.raises(ledger.LedgerError, match="line 2"):
+        ledger.read(str(tmp_path))
+    # a killed writer's torn last line, then its successor: accepted, the fragment ignored
+    path.write_bytes(b"\n".join(lines[:2]) + b"\n" + lines[2][:7])
+    w = ledger.Ledger(str(tmp_path), 0, 0)
+    w.record(2, 0, 2, "regular", [0], 2, [2])
+    w.close()
+    assert [r["step"] for r, _ in ledger.read(str(tmp_path))] == [0, 1, 2]

@@ -70,8 +70,10 @@ def lighthouse_job_id(run_key: str) -> str:
 
 
 def slug(text: str) -> str:
-    """A run id such as `manual__2026-01-01T00:00:00+00:00` as a safe folder name."""
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_") or "run"
+    """A run id such as `manual__2026-01-01T00:00:00+00:00` as a safe folder name: one path
+    component, never `.` or `..` (a run id is user input: it must not climb out of runs/)."""
+    name = re.sub(r"\.{2,}", "_", re.sub(r"[^A-Za-z0-9_.-]+", "_", text)).strip("._")
+    return name or "run"
 
 
 def run_folder(dag_id: str, run_id: str) -> Path:
