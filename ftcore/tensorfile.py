@@ -64,10 +64,11 @@ def _rebuild(skel: Any, tensors: dict[str, torch.Tensor]) -> Any:
     if isinstance(skel, list):
         return [_rebuild(v, tensors) for v in skel]
     if isinstance(skel, dict):
-        if "$t" in skel:
-            return tensors[skel["$t"]]
-        if "$np" in skel:
-            return tensors[skel["$np"]].numpy()
+        if "$t" in skel or "$np" in skel:
+            name = skel.get("$t", skel.get("$np"))
+            if not isinstance(name, str) or name not in tensors:
+                raise FormatError(f"the tree names a tensor {name!r} the file does not hold")
+            return tensors[name] if "$t" in skel else tensors[name].numpy()
         if "$d" in skel:
             return {_rebuild(k, tensors): _rebuild(v, tensors) for k, v in skel["$d"]}
         if "$tu" in skel:
@@ -116,42 +117,89 @@ def dumps(tree: Any, metadata: dict[str, str] | None = None) -> bytes:
     return buf.getvalue()
 
 
+_CHUNK = 16 << 20
+
+
 def _read_exact(f: BinaryIO, n: int) -> bytearray:
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        k = f.readinto(view[got:])
-        if not k:
-            raise FormatError(f"stream ended after {got} of {n} bytes")
-        got += k
+    """n bytes, read in chunks: a declared size is believed only as far as bytes arrive, so a
+    lying header costs at most what the stream really holds, never an allocation of n."""
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = f.read(min(n - len(buf), _CHUNK))
+        if not chunk:
+            raise FormatError(f"stream ended after {len(buf)} of {n} bytes")
+        buf += chunk
     return buf
 
 
+def _stream_length(f: BinaryIO) -> int | None:
+    try:
+        st = os.fstat(f.fileno())
+    except (AttributeError, OSError, io.UnsupportedOperation):
+        return len(f.getbuffer()) if isinstance(f, io.BytesIO) else None
+    return st.st_size if st.st_mode & 0o170000 == 0o100000 else None   # regular files only
+
+
+def _entry(name: str, v: Any) -> tuple[torch.dtype, list[int], int, int]:
+    """(dtype, shape, begin, end) of one header entry, every field checked."""
+    if not isinstance(v, dict):
+        raise FormatError(f"tensor '{name}': header entry is not an object")
+    dtype = _TORCH.get(v.get("dtype"))
+    if dtype is None:
+        raise FormatError(f"tensor '{name}' has unknown dtype {v.get('dtype')!r}")
+    shape, offs = v.get("shape"), v.get("data_offsets")
+    if not (isinstance(shape, list) and len(shape) <= 64 and all(type(d) is int and d >= 0 for d in shape)):
+        raise FormatError(f"tensor '{name}': shape {shape!r} is not a list of sizes")
+    if not (isinstance(offs, list) and len(offs) == 2 and all(type(x) is int and x >= 0 for x in offs)):
+        raise FormatError(f"tensor '{name}': data_offsets {offs!r} is not [begin, end]")
+    numel = 1
+    for d in shape:
+        numel *= d
+    b, e = offs
+    if e - b != numel * torch.empty((), dtype=dtype).element_size():
+        raise FormatError(f"tensor '{name}': {e - b} bytes for shape {shape} of {v['dtype']}")
+    return dtype, shape, b, e
+
+
 def read(f: BinaryIO, max_header: int = 64 << 20) -> tuple[Any, dict[str, str]]:
-    """Read one tensor file from `f`: returns (tree, metadata). Raises FormatError."""
+    """Read one tensor file from `f`: returns (tree, metadata). Raises FormatError, and only
+    FormatError, for bytes that are not one (checked against the stream's length when known)."""
+    try:
+        return _read(f, max_header)
+    except FormatError:
+        raise
+    except (KeyError, TypeError, ValueError, IndexError, RecursionError, OverflowError, RuntimeError) as e:
+        raise FormatError(f"malformed tensor file: {type(e).__name__}: {str(e)[:200]}") from None
+
+
+def _read(f: BinaryIO, max_header: int) -> tuple[Any, dict[str, str]]:
+    length = _stream_length(f)
     (n,) = struct.unpack("<Q", bytes(_read_exact(f, 8)))
-    if n > max_header:
-        raise FormatError(f"header of {n} bytes is too large")
+    if n > max_header or (length is not None and 8 + n > length):
+        raise FormatError(f"header of {n} bytes is too large for this stream")
     try:
         header = json.loads(bytes(_read_exact(f, n)))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise FormatError(f"header is not JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise FormatError("header is not a JSON object")
     meta = header.pop("__metadata__", {}) or {}
+    if not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+        raise FormatError("__metadata__ is not an object of strings")
+    entries = sorted(((name, *_entry(name, v)) for name, v in header.items()), key=lambda x: x[3])
+    end = max((x[4] for x in entries), default=0)
+    if length is not None and 8 + n + end > length:
+        raise FormatError(f"tensors need {end} bytes, the stream holds {length - 8 - n}")
     # Each tensor gets its own buffer (storage offset 0: torch's RNG set_state, for one,
     # reads from the start of the storage), read in byte order straight from the stream.
     tensors, pos = {}, 0
-    for name, v in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
-        dtype = _TORCH.get(v.get("dtype"))
-        if dtype is None:
-            raise FormatError(f"tensor '{name}' has unknown dtype {v.get('dtype')}")
-        b, e = (int(x) for x in v["data_offsets"])
-        if b < pos or e < b:
+    for name, dtype, shape, b, e in entries:
+        if b < pos:
             raise FormatError(f"tensor '{name}' has overlapping byte range {b}..{e}")
         if b > pos:
             _read_exact(f, b - pos)
-        shape = [int(x) for x in v["shape"]]
         if e == b:
-            tensors[name] = torch.empty(shape, dtype=dtype)
+            tensors[name] = torch.zeros(shape, dtype=dtype)   # no bytes: no elements (checked above)
         else:
             tensors[name] = torch.frombuffer(_read_exact(f, e - b), dtype=torch.uint8).view(dtype).reshape(shape)
         pos = e

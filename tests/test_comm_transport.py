@@ -131,3 +131,24 @@ def test_a_failing_rank_leaves_no_shared_memory():
         run_ranks(_dies, 2, timeout_s=60)
     left = {f for f in set(os.listdir("/dev/shm")) - before if f.startswith("ftrec-")}
     assert left == set()
+
+
+def test_a_killed_ranks_segments_are_swept_and_a_live_ones_are_kept(tmp_path):
+    """kill -9 runs no cleanup; the kernel drops the creator's lock, which `sweep` reads."""
+    import signal
+    import subprocess
+    import sys
+
+    from training.comm import shm
+    live = shm.create(str(tmp_path / "ftrec-live-ctrl-0"), 64)
+    code = ("import os, signal, sys; from training.comm import shm; "
+            "shm.create(sys.argv[1], 4096); os.kill(os.getpid(), signal.SIGKILL)")
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "ftrec-dead-box-1-0")], timeout=60,
+                       env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))})
+    assert r.returncode == -signal.SIGKILL
+    (tmp_path / "unrelated.bin").write_bytes(b"x")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ftrec-dead-box-1-0", "ftrec-live-ctrl-0", "unrelated.bin"]
+    assert shm.sweep(str(tmp_path)) == ["ftrec-dead-box-1-0"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ftrec-live-ctrl-0", "unrelated.bin"]
+    os.close(live)
+    assert shm.sweep(str(tmp_path)) == ["ftrec-live-ctrl-0"]

@@ -46,6 +46,7 @@ from ftcore import auth, faults as faults_mod
 from ftcore.lighthouse_client import call
 
 TOY = "ftcore.examples.toy"
+SHM_DIR = "/dev/shm"   # comm.transport=smfree's default shm_dir
 TRAINER = "training.__main__"
 
 
@@ -313,6 +314,9 @@ class Launcher:
     def kill_group(self, g: int) -> None:
         for p in self.groups.get(g, []):
             p.kill()
+        # a SIGKILLed rank cannot remove its shared-memory outboxes (comm.transport=smfree)
+        from training.comm import shm
+        shm.sweep(SHM_DIR)
 
     def run_group_once(self, g: int, inc: int) -> None:
         if inc > 0 and self.done:

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from training.comm import COMM_TIMEOUT_S
+from training.comm import COMM_TIMEOUT_S, shm
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +131,8 @@ def _host_id() -> str:
 
 
 # Segments this process created and has not unlinked yet: removed at exit, so that a rank
-# failing with an exception leaves nothing in /dev/shm (a SIGKILL still can).
+# failing with an exception leaves nothing in /dev/shm. A SIGKILLed rank's segments are
+# removed by the next start's sweep or the launcher's (training/comm/shm.py).
 _OWNED: set[str] = set()
 
 
@@ -149,16 +150,18 @@ class _Segment:
 
     def __init__(self, path: str, size: int, create: bool):
         self.path = path
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = os.open(path, flags, 0o600)
+        # the creator keeps its fd (and with it the segment's lock) open until close()
+        fd = shm.create(path, size) if create else os.open(path, os.O_RDWR)
         try:
-            if create:
-                os.ftruncate(fd, size)
-            else:
+            if not create:
                 size = os.fstat(fd).st_size
             self.mm = mmap.mmap(fd, size)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        if not create:
+            os.close(fd)
+        self._fd = fd if create else None
         self.size = size
         self.bytes = torch.frombuffer(self.mm, dtype=torch.uint8)
         if create:
@@ -176,6 +179,9 @@ class _Segment:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 class _FutureHandle:
@@ -431,6 +437,7 @@ def make_transport(cfg: TransportConfig | str = "collective", group=None, device
         if not os.path.isdir(cfg.shm_dir) or not os.access(cfg.shm_dir, os.W_OK):
             reason = f"shared-memory folder {cfg.shm_dir} is missing or not writable"
         else:
+            shm.sweep(cfg.shm_dir)   # segments of ranks killed before they could remove them
             try:
                 transport = SmFreeTransport(group, cfg, prefix)
             except OSError as e:
