@@ -28,6 +28,11 @@ A plan is a JSON or TOML file with a list of faults:
     duration_s = 1
 
     [[faults]]
+    kind = "pause_lighthouse" # SIGSTOP the lighthouse, SIGCONT after duration_s
+    at_step = 10
+    duration_s = 3
+
+    [[faults]]
     kind = "slow"            # sleep delay_s in every step of [at_step, until_step)
     group = 1
     at_step = 3
@@ -46,7 +51,8 @@ import time
 import tomllib
 from dataclasses import dataclass, field
 
-KINDS = ("kill", "stop", "raise", "kill_lighthouse", "slow")
+KINDS = ("kill", "stop", "raise", "kill_lighthouse", "pause_lighthouse", "slow")
+LIGHTHOUSE_KINDS = ("kill_lighthouse", "pause_lighthouse")
 PHASES = ("before_allreduce", "during_allreduce", "after_allreduce", "vote", "heal_serve")
 
 

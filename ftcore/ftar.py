@@ -124,11 +124,14 @@ def _wait(fut: torch.futures.Future, deadline: float, is_stale: Callable[[], boo
 def ftar(pg: dist.ProcessGroup | None, tensors: list[torch.Tensor], *, contribute: bool,
          local_error: bool = False, timeout: float = 5.0, is_stale: Callable[[], bool] = lambda: False,
          bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-         during: Callable[[], None] | None = None) -> FTARResult:
+         during: Callable[[], None] | None = None, step: int = 0) -> FTARResult:
     """Average `tensors` in place over the replica groups of `pg` (None: this group alone).
 
-    Raises FTARError when the collective cannot complete. `during` runs after the first
-    bucket is issued (fault injection); an exception from it sets the error flag.
+    Raises FTARError when the collective cannot complete, or when its members were not all
+    at `step` (the head carries each member's step and a count: a collective left pending on
+    a process group by a member that gave up on it must never be averaged into another
+    step). `during` runs after the first bucket is issued (fault injection); an exception
+    from it sets the error flag.
     """
     if not contribute:
         for t in tensors:
@@ -147,7 +150,7 @@ def ftar(pg: dist.ProcessGroup | None, tensors: list[torch.Tensor], *, contribut
     deadline = time.monotonic() + timeout
     opts = dist.AllreduceOptions()
     opts.reduceOp = dist.ReduceOp.SUM
-    head = torch.tensor([1.0 if contribute else 0.0], dtype=torch.float64)
+    head = torch.tensor([1.0 if contribute else 0.0, float(step), 1.0], dtype=torch.float64)
     head_fut = pg.allreduce([head], opts).get_future()
     buckets = plan(tensors, bucket_bytes)
     futs = []
@@ -168,7 +171,10 @@ def ftar(pg: dist.ProcessGroup | None, tensors: list[torch.Tensor], *, contribut
 
     try:
         _wait(head_fut, deadline, is_stale, "FTAR head")
-        n = float(head.item())
+        n, steps, members = (float(x) for x in head.tolist())
+        if members != pg.size() or steps != members * step:
+            raise FTARError(f"FTAR head: the members were not all at step {step} (a collective left over "
+                            "from an earlier step or quorum)")
         for i, (b, fut) in enumerate(zip(buckets, futs)):
             _wait(fut, deadline, is_stale, f"FTAR bucket {i}")
             if n > 0:

@@ -56,6 +56,8 @@ class LighthouseConfig:
     failure_probe: float = timeouts.FAILURE_PROBE
     token: str | None = None
     events_file: str | None = None
+    lease: float = timeouts.LEASE      # how long a granted quorum may be reused while this lighthouse is silent
+    pause_grace: bool = True           # after a pause of its own, wait a heartbeat timeout before judging silence
 
 
 # Bounds on what a client may send: ids the lighthouse cannot plan for are refused at the door.
@@ -94,11 +96,13 @@ class Group:
     def step(self) -> int:
         return min((r.step for r in self.ranks.values()), default=0)
 
-    def lost_rank(self, now: float, probe: float, heartbeat_timeout: float) -> int | None:
+    def lost_rank(self, now: float, probe: float, heartbeat_timeout: float | None) -> int | None:
         """A rank this incarnation has lost for good (connection closed for longer than a
-        reconnect takes, or silent past the heartbeat timeout): the group must restart."""
+        reconnect takes, or silent past the heartbeat timeout, None: silence does not count):
+        the group must restart."""
         for rk in self.ranks.values():
-            if (rk.disconnected and now - rk.disconnected_at > probe) or now - rk.last_beat > heartbeat_timeout:
+            if (rk.disconnected and now - rk.disconnected_at > probe) or (
+                    heartbeat_timeout is not None and now - rk.last_beat > heartbeat_timeout):
                 return rk.rank
         return None
 
@@ -111,6 +115,8 @@ class Request:
     step: int
     t: float          # monotonic time of arrival
     last_quorum: int  # the last quorum id this rank trained in
+    last_epoch: str   # ... the epoch of the lighthouse that formed it, and its identity
+    last_identity: list
     deliver: Callable[[dict[str, Any] | str], None]   # hands the reply to the waiter: a quorum (JSON text) or an error
     deadline: float = math.inf   # monotonic: past it the request is answered with a timeout
 
@@ -223,8 +229,9 @@ class Job:
             return False
         report = self.reports.get(self.quorum["quorum_id"]) if self.quorum else None
         in_quorum = self.quorum is not None and grp.group in self.quorum["groups"]
+        silence_counts = not self.lh.in_grace(now)   # a paused lighthouse heard nobody: not their fault
         for rk in grp.ranks.values():
-            if rk.disconnected or now - rk.last_beat > self.cfg.heartbeat_timeout:
+            if rk.disconnected or (silence_counts and now - rk.last_beat > self.cfg.heartbeat_timeout):
                 return False
             if report is not None and in_quorum and rk.last_beat < report and now > report + self.cfg.failure_probe:
                 return False
@@ -232,6 +239,7 @@ class Job:
 
     def _update_health(self, now: float) -> None:
         """O(ranks): run every SWEEP_S, and at once after a disconnect or a failure report."""
+        self.lh.notice_pause(now)
         self._last_sweep = now
         for grp in self.groups.values():
             ok = self._is_healthy(grp, now)
@@ -274,7 +282,8 @@ class Job:
             # The survivors of a group that lost a rank cannot train without it: tell them to
             # exit now (their torchrun or launcher restarts the group) instead of letting them
             # wait out a quorum timeout.
-            lost = self.groups[g].lost_rank(now, self.cfg.failure_probe, self.cfg.heartbeat_timeout)
+            lost = self.groups[g].lost_rank(now, self.cfg.failure_probe,
+                                            None if self.lh.in_grace(now) else self.cfg.heartbeat_timeout)
             if lost is not None:
                 for req in self._pop(g).values():
                     req.deliver({"error": f"replica group {g} lost rank {lost}; restart the group", "lost": True})
@@ -297,11 +306,27 @@ class Job:
                        pending={str(g): sorted(r) for g, r in self.pending.items()},
                        previous=self.quorum["groups"] if self.quorum else None, seconds=round(now - round_start, 2))
 
+    def _resumed(self, members: list[int], identity: list) -> tuple[int, str] | None:
+        """After a restart of this lighthouse: the (quorum id, epoch) its members all last
+        trained in, when that quorum had exactly this membership. Resuming it keeps their
+        process groups (and a group that went on without this lighthouse, on its lease, in step)."""
+        reqs = [r for g in members for r in self.pending[g].values()]
+        first = reqs[0]
+        if first.last_epoch and first.last_identity == identity and all(
+                (r.last_quorum, r.last_epoch, r.last_identity) == (first.last_quorum, first.last_epoch, identity)
+                for r in reqs):
+            return first.last_quorum, first.last_epoch
+        return None
+
     def _form(self, members: list[int]) -> None:
         """Build the whole quorum and every rank's reply first, then change state."""
         identity = [[g, self.groups[g].incarnation] for g in members]
+        resumed = self._resumed(members, identity) if self.quorum is None and not self.force_new else None
         new_id = self.quorum is None or self.quorum["identity"] != identity or self.force_new
         quorum_id = self.quorum_id + 1 if new_id else self.quorum_id
+        epoch = self.quorum["epoch"] if self.quorum is not None and not new_id else self.lh.epoch
+        if resumed is not None:
+            quorum_id, epoch = resumed
         steps = {g: min(req.step for req in self.pending[g].values()) for g in members}
         # Only members of the previous quorum may serve state. A group that was left out
         # (hung, cut off) may have committed a step the others discarded: it heals even
@@ -317,13 +342,13 @@ class Job:
         sources = [g for g in trusted if steps[g] == max_step]
         healers = [g for g in members if g not in sources]
         heal = {str(g): sources[i % len(sources)] for i, g in enumerate(healers)}  # spread over sources
-        q = {"quorum_id": quorum_id, "epoch": self.lh.epoch, "job": self.name, "identity": identity,
-             "groups": members, "max_step": max_step, "heal": heal}
+        q = {"quorum_id": quorum_id, "epoch": epoch, "job": self.name, "identity": identity,
+             "groups": members, "max_step": max_step, "heal": heal, "lease_s": self.cfg.lease}
         # Each rank k gets only the two addresses it uses: rank k of the first member hosts the
         # rendezvous of every rank k, and a healing rank k fetches from rank k of its source.
         # The part every rank shares is encoded once per round, not once per rank.
         leader = self.groups[members[0]].ranks
-        common = json.dumps({k: v for k, v in q.items() if k != "identity"})[:-1]
+        common = json.dumps(q)[:-1]
         replies = []
         for g in members:
             src = self.groups[heal[str(g)]].ranks if str(g) in heal else None
@@ -331,7 +356,7 @@ class Job:
                 store = leader[req.rank].store if req.rank in leader else ""
                 heal_from = src[req.rank].heal if src and req.rank in src else ""
                 replies.append((req, f'{common}, "store": {json.dumps(store)}, "heal_from": {json.dumps(heal_from)}}}'))
-        changed = self.quorum is None or self.quorum["quorum_id"] != quorum_id
+        changed = self.quorum is None or self.quorum["quorum_id"] != quorum_id or self.quorum["epoch"] != epoch
         self.quorum, self.quorum_id, self.force_new = q, quorum_id, False
         self.max_step = max(self.max_step, max_step)
         self.failed = []
@@ -354,8 +379,13 @@ class Job:
         with self.lock:
             grp, _ = self._rank(msg)
             now = time.monotonic()
+            identity = msg.get("quorum_identity") or []
+            epoch = msg.get("quorum_epoch") or ""
+            if not (isinstance(identity, list) and len(identity) <= MAX_GROUPS and isinstance(epoch, str)
+                    and len(epoch) <= 64):
+                raise ValueError("quorum_identity must be a list of [group, incarnation], quorum_epoch a string")
             req = Request(grp.group, int(msg["rank"]), grp.incarnation, int(msg.get("step", 0)), now,
-                          int(msg.get("quorum_id", 0)), deliver, now + timeout)
+                          int(msg.get("quorum_id", 0)), epoch, identity, deliver, now + timeout)
             self.next_deadline = min(self.next_deadline, req.deadline)
             reqs = self.pending.setdefault(grp.group, {})
             old = reqs.get(req.rank)
@@ -467,6 +497,9 @@ class Lighthouse:
         self.started = time.time()
         self._events_file = open(cfg.events_file, "a") if cfg.events_file else None
         self._stop = threading.Event()
+        self._pause_lock = threading.Lock()
+        self.alive_at = time.monotonic()      # the last time this process was seen running
+        self.grace_until = 0.0                # after a pause: silence is not judged before this
         self._ticker = threading.Thread(target=self._tick, daemon=True, name="lighthouse-tick")
         self._ticker.start()
         self.event("lighthouse_started", epoch=self.epoch, min_replicas=cfg.min_replicas)
@@ -494,8 +527,23 @@ class Lighthouse:
                 j = self.jobs[name] = Job(self, name, num_groups, _int(msg, "min_replicas", 1, hi=MAX_GROUPS))
             return j
 
+    def notice_pause(self, now: float) -> None:
+        """Called by the ticker every TICK_S and before every health sweep: a gap far longer
+        than a tick means this process was stopped (SIGSTOP, a frozen VM, a long GC) and
+        heard nobody meanwhile, so it grants every rank a heartbeat timeout to be heard again."""
+        with self._pause_lock:
+            gap = now - self.alive_at
+            self.alive_at = max(self.alive_at, now)
+            if gap > timeouts.PAUSE_JUMP and self.cfg.pause_grace:
+                self.grace_until = now + self.cfg.heartbeat_timeout
+                self.event("lighthouse_paused", seconds=round(gap, 3), grace_s=self.cfg.heartbeat_timeout)
+
+    def in_grace(self, now: float) -> bool:
+        return now < self.grace_until
+
     def _tick(self) -> None:
         while not self._stop.wait(TICK_S):
+            self.notice_pause(time.monotonic())
             for j in list(self.jobs.values()):
                 try:
                     with j.lock:
@@ -821,6 +869,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--insecure", action="store_true",
                    help="serve without a token (loopback binds only): anyone who reaches it can steer every job")
     p.add_argument("--events-file", help="append every event to this JSON-lines file")
+    p.add_argument("--lease", type=float, default=timeouts.LEASE,
+                   help="seconds a group may go on in its last quorum while this lighthouse is silent (0: never)")
+    p.add_argument("--no-pause-grace", action="store_true",
+                   help="judge heartbeat timeouts at once after this process was paused (for comparison only)")
     a = p.parse_args(argv)
     if a.min_replicas < 1:
         print("ftcore.lighthouse: --min-replicas must be >= 1", file=sys.stderr)
@@ -835,7 +887,8 @@ def main(argv: list[str] | None = None) -> int:
               "binds only; give --token-file", file=sys.stderr)
         return 2
     cfg = LighthouseConfig(a.bind, a.min_replicas, a.expected_replicas, a.join_timeout, a.heartbeat_timeout,
-                           token=token, events_file=a.events_file)
+                           token=token, events_file=a.events_file, lease=max(a.lease, 0.0),
+                           pause_grace=not a.no_pause_grace)
     try:
         server, lh = serve(cfg)
     except OSError as e:

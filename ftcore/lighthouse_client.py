@@ -66,6 +66,7 @@ class LighthouseClient:
                                      "store": "", "heal": ""}
         self._qconn: http.client.HTTPConnection | None = None   # quorum requests, kept alive
         self._last_sent = 0.0   # monotonic time of the last quorum request (it refreshes liveness too)
+        self.last_reply = time.monotonic()   # the lighthouse's last answer of any kind
         self.failed_groups: list[int] = []  # unhealthy members of the current quorum, per the last heartbeat
         self.replaced = False
         self.latest_quorum_id = 0  # the lighthouse's current quorum id, per the last heartbeat
@@ -97,6 +98,7 @@ class LighthouseClient:
                 conn.request("POST", "/heartbeat", body=json.dumps(self.info).encode(), headers=hdrs)
                 resp = conn.getresponse()
                 data = json.loads(resp.read() or b"{}")
+                self.last_reply = time.monotonic()
                 if resp.status == 409:
                     self.replaced = True
                 elif resp.status == 200:
@@ -153,7 +155,12 @@ class LighthouseClient:
         self._qconn.request("POST", "/quorum", body=json.dumps({**self.info, "timeout": left}).encode(), headers=hdrs)
         resp = self._qconn.getresponse()
         data = resp.read()
+        self.last_reply = time.monotonic()
         return resp.status, json.loads(data) if data else {}
+
+    def silent_for(self) -> float:
+        """Seconds since the lighthouse last answered this rank (heartbeat or quorum)."""
+        return time.monotonic() - self.last_reply
 
     def _fire(self, path: str, body: dict[str, Any]) -> None:
         try:

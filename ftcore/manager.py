@@ -23,6 +23,7 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -159,6 +160,7 @@ class StepRecord:
     allreduce_s: float
     t: float
     error: str = ""
+    leased: bool = False   # the lighthouse did not answer: the step ran in the previous quorum
 
 
 class Manager:
@@ -195,6 +197,10 @@ class Manager:
         self._pg_id: tuple[str, int] | None = None
         self._quorum: dict[str, Any] | None = None
         self._quorum_fut: Future | None = None
+        self._round = 0                   # which start_quorum a background quorum call belongs to
+        self._lease_until = 0.0           # monotonic: the last granted quorum may be reused until then
+        self._last_ok = False             # the last step committed (in self._quorum)
+        self._leased = False
         self._heal_fut: Future | None = None
         self._errors: list[str] = []
         self._contributors = 0
@@ -222,14 +228,21 @@ class Manager:
         self.healed_step: int | None = None
         self._heal_fut = None
         self._waited = False
+        self._leased = False
         self._t0 = time.monotonic()
         self.client.info["step"] = self.step
-        self._quorum_fut = self._pool.submit(self._run_quorum)
+        self._round += 1
+        self._quorum_fut = self._pool.submit(self._run_quorum, self._round)
 
-    def _run_quorum(self) -> dict[str, Any]:
+    def _run_quorum(self, round_: int) -> dict[str, Any] | None:
+        if round_ != self._round:
+            return None   # a later step asked already (this one ran on a lease): nothing to do
         q = self.client.quorum()
+        if round_ != self._round:
+            return None   # answered after its step went on without it: no side effects
         self._t_quorum = time.monotonic() - self._t0
-        self.client.info["quorum_id"] = q["quorum_id"]
+        self._lease_until = time.monotonic() + min(float(q.get("lease_s", 0.0)), timeouts.LEASE)
+        self.client.info.update(quorum_id=q["quorum_id"], quorum_epoch=q["epoch"], quorum_identity=q["identity"])
         g = self.cfg.group
         if str(g) in q["heal"]:
             src, addr = q["heal"][str(g)], q["heal_from"]   # rank k heals from rank k of the source
@@ -294,14 +307,33 @@ class Manager:
         self._waited = True
         if self._quorum_fut is None:
             raise RuntimeError("ftcore: call start_quorum() at the start of every step")
+        deadline = time.monotonic() + timeouts.QUORUM_TIMEOUT + timeouts.COLLECTIVE_TIMEOUT
         try:
-            return self._quorum_fut.result(timeout=timeouts.QUORUM_TIMEOUT + timeouts.COLLECTIVE_TIMEOUT)
+            while True:
+                try:
+                    return self._quorum_fut.result(timeout=min(0.02, max(deadline - time.monotonic(), 0.001)))
+                except FutureTimeout:
+                    if self._can_lease():
+                        self._leased = True
+                        return self._quorum
+                    if time.monotonic() >= deadline:
+                        raise
         except Replaced:
             raise
         except Exception as e:  # LighthouseError, store/PG construction errors, timeouts
             self._quorum = None
             self._fail(f"quorum: {type(e).__name__}: {e}", report=not isinstance(e, LighthouseError))
             return None
+
+    def _can_lease(self) -> bool:
+        """Go on without the lighthouse: it has been silent (not merely slow to form a round:
+        it answers heartbeats at once), the last step committed in a quorum with nobody to
+        heal, and that quorum's lease has not run out."""
+        q = self._quorum
+        return (q is not None and self._last_ok and not q["heal"] and time.monotonic() < self._lease_until
+                and self.client.latest_quorum_id <= q["quorum_id"]
+                and (self._pg is not None or len(q["groups"]) == 1)
+                and self.client.silent_for() > timeouts.LIGHTHOUSE_SILENT)
 
     # ---- FTAR -----------------------------------------------------------------------
     @property
@@ -342,10 +374,12 @@ class Manager:
             self._errors.append(str(e))
         contribute = self._has_work and not self.healing
         try:
+            # a healing group joins at the step it is about to receive
+            step = q["max_step"] if self._heal_fut is not None else self.step
             res = ftar(self._pg, tensors, contribute=contribute, local_error=local_error,
                        timeout=timeouts.COLLECTIVE_TIMEOUT, is_stale=self._is_stale,
                        bucket_bytes=self.cfg.bucket_bytes,
-                       during=lambda: self.injector.phase("during_allreduce", self.step))
+                       during=lambda: self.injector.phase("during_allreduce", self.step), step=step)
         except FTARError as e:
             self._fail(str(e), report=True)
             return
@@ -381,31 +415,37 @@ class Manager:
                 self._fail(f"heal: {type(e).__name__}: {e}")
         participants = len(q["groups"]) if q else 0
         ok = not self._errors and participants >= self.cfg.min_replicas and self._contributors > 0
-        ok = self._group_vote(ok)
+        ok = self._group_vote(ok, q["quorum_id"] if q else -1)
         lr = self.lr_scale()
+        self._last_ok = ok
         if ok:
             self.step += 1
             self._last_commit = time.monotonic()
             self.client.info["step"] = self.step
         rec = StepRecord(self.step, q["quorum_id"] if q else 0, participants, self._contributors,
                          self._heal_fut is not None, ok, lr, self._t_quorum, self._t_allreduce,
-                         time.time(), "; ".join(self._errors)[:300])
+                         time.time(), "; ".join(self._errors)[:300], self._leased)
         self.records.append(rec)
         if self._records_fd is not None:
             os.write(self._records_fd, (json.dumps({"group": self.cfg.group, "rank": self.cfg.rank,
                                                     "incarnation": self.cfg.incarnation, **rec.__dict__}) + "\n").encode())
         return ok
 
-    def _group_vote(self, ok: bool) -> bool:
+    def _group_vote(self, ok: bool, quorum_id: int) -> bool:
+        """Every rank of the group succeeded, in the same quorum (one rank on a lease and another
+        in a new quorum must not both commit: their gradients were averaged over different groups)."""
         if self.cfg.world == 1:
             return ok
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        flag = torch.tensor([1 if ok else 0, quorum_id, -quorum_id], dtype=torch.int64)
         try:
             dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._group_pg)
         except Exception as e:  # a rank of our own group died: the launcher restarts the group
             self._errors.append(f"group vote: {e}")
             return False
-        return bool(flag.item())
+        if flag[1].item() != -flag[2].item():
+            self._errors.append("group vote: the group's ranks were in different quorums")
+            return False
+        return bool(flag[0].item())
 
     def lr_scale(self) -> float:
         """Learning-rate multiplier for this step's participation (policy none/linear/sqrt)."""

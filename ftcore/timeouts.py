@@ -43,6 +43,16 @@ JOIN_TIMEOUT = _env("FTCORE_JOIN_TIMEOUT", 5.0)
 HEAL_TIMEOUT = _env("FTCORE_HEAL_TIMEOUT", 30.0)
 # Bound on one small control-plane HTTP call (register, heartbeat, report).
 RPC_TIMEOUT = _env("FTCORE_RPC_TIMEOUT", 2.0)
+# Control plane through trouble: while the lighthouse answers nothing (stopped, overloaded,
+# cut off) for LIGHTHOUSE_SILENT, a group whose last step committed in an unchanged quorum
+# goes on in that quorum for up to LEASE seconds after the lighthouse last granted it
+# (FTCORE_LEASE=0: never; every step waits for the lighthouse). The data plane still sees
+# a crash at once; then the survivors wait for the lighthouse as before.
+LEASE = float(os.environ.get("FTCORE_LEASE", "10") or 0)
+LIGHTHOUSE_SILENT = _env("FTCORE_LIGHTHOUSE_SILENT", 0.5)
+# A lighthouse whose own clock jumped by more than this was paused: before it judges any
+# heartbeat timeout it waits one HEARTBEAT_TIMEOUT, so that nobody is declared dead for its pause.
+PAUSE_JUMP = _env("FTCORE_PAUSE_JUMP", 1.0)
 
 if not HEARTBEAT_INTERVAL < HEARTBEAT_TIMEOUT < COLLECTIVE_TIMEOUT <= QUORUM_TIMEOUT:
     raise SystemExit(

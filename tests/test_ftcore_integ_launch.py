@@ -150,3 +150,20 @@ def test_two_ranks_per_group_kill_one_rank_restarts_the_group(tmp_path):
     assert timeline(out)["restarts"]["0"] == 1
     assert_identical(out, 2)
     check_ledger(out, 2, ranks=2, steps=20)
+
+
+def test_a_paused_lighthouse_stops_no_group_and_declares_nobody_dead(tmp_path):
+    """SIGSTOP the lighthouse for 2 s: the groups go on in their quorum on its lease (the data
+    plane still works), and the returning lighthouse grants a grace period instead of
+    declaring everyone dead for the silence its own pause caused."""
+    out = tmp_path / "run"
+    code, log = launch(out, [{"kind": "pause_lighthouse", "at_step": 6, "duration_s": 2.0}], steps=90)
+    assert code == 0, log[-4000:]
+    tl = timeline(out)
+    kinds = [e["kind"] for e in tl["lighthouse_events"]]
+    assert "lighthouse_paused" in kinds, kinds
+    assert "failure_detected" not in kinds and "heal_finished" not in kinds, kinds
+    leased = [s for s in tl["steps"] if s.get("leased") and s["committed"]]
+    assert {s["group"] for s in leased} == {0, 1, 2}, "no group committed while the lighthouse was stopped"
+    assert_identical(out, 3)
+    check_ledger(out, 3, steps=90)

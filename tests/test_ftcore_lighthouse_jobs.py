@@ -227,3 +227,31 @@ def test_a_heal_server_answers_a_bad_step_with_400():
         assert reply.split(b" ")[1] == b"400", reply[:200]
     finally:
         srv.close()
+
+
+def test_a_restarted_lighthouse_resumes_the_quorum_its_members_report(lighthouse):
+    """Same members, same last quorum (id, epoch, identity) reported by every rank: the new
+    lighthouse hands out that quorum again, so nobody rebuilds its process group and a group
+    that went on without it (on its lease) is still in step with the others."""
+    addr, _ = lighthouse()
+    cs = _job(addr, "default", [4, 4])
+    try:
+        q = _ask_all(cs)[0]
+    finally:
+        for c in cs:
+            c.close()
+    addr2, _ = lighthouse()
+    cs = _job(addr2, "default", [4, 4])
+    for c in cs:
+        c.info.update(quorum_id=q["quorum_id"], quorum_epoch=q["epoch"], quorum_identity=q["identity"])
+    try:
+        q2 = _ask_all(cs)
+        assert {(x["quorum_id"], x["epoch"]) for x in q2} == {(q["quorum_id"], q["epoch"])}
+        cs[1].info["quorum_identity"] = [[0, 0]]          # one member remembers another quorum
+        for c in cs:
+            c.info["step"] = 5
+        q3 = _ask_all(cs)
+        assert (q3[0]["quorum_id"], q3[0]["epoch"]) == (q["quorum_id"], q["epoch"])   # kept: same members
+    finally:
+        for c in cs:
+            c.close()

@@ -383,10 +383,10 @@ class Launcher:
                 if f.fired or f.in_process:
                     continue
                 inc = self.incarnation.get(f.group)
-                if f.kind != "kill_lighthouse" and inc != f.incarnation:
+                if f.kind not in faults_mod.LIGHTHOUSE_KINDS and inc != f.incarnation:
                     continue
                 due = (f.at_time is not None and now - self.t0 >= f.at_time) or \
-                      (f.at_step is not None and (max(steps.values(), default=0) if f.kind == "kill_lighthouse"
+                      (f.at_step is not None and (max(steps.values(), default=0) if f.kind in faults_mod.LIGHTHOUSE_KINDS
                                                   else steps.get(f.group, -1)) >= f.at_step)
                 if due:
                     f.fired = True
@@ -404,11 +404,19 @@ class Launcher:
                         unhealthy_since.pop(g, None)
 
     def fire(self, f: faults_mod.Fault) -> None:
+        if f.kind in faults_mod.LIGHTHOUSE_KINDS and self.lighthouse_proc is None:
+            self.log("fault_skipped", fault=f.kind, reason="the lighthouse was not started here")
+            return
+        if f.kind == "pause_lighthouse":
+            lh = self.lighthouse_proc
+            self.log("fault", fault="pause_lighthouse", pid=lh.pid, seconds=f.duration_s)
+            lh.signal(signal.SIGSTOP)
+            time.sleep(f.duration_s)
+            lh.signal(signal.SIGCONT)
+            self.log("fault_resumed", fault="pause_lighthouse")
+            return
         if f.kind == "kill_lighthouse":
             lh = self.lighthouse_proc
-            if lh is None:
-                self.log("fault_skipped", fault="kill_lighthouse", reason="the lighthouse was not started here")
-                return
             lh.planned = True
             self.log("fault", fault="kill_lighthouse", pid=lh.pid)
             lh.kill()
