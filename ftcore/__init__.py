@@ -34,6 +34,10 @@ Failure handling, in the order things happen after a `kill -9` of one group:
    (taken before n's optimizer step) in the background, contributes zeros to step n's
    FTAR, loads the snapshot, applies the same averaged update and is bitwise identical.
 
+A silent lighthouse does not stop training: a group whose quorum is unchanged goes on in
+it for a bounded lease (manager.py), and a lighthouse that was paused grants a grace period
+before it judges anyone's silence (lighthouse.py).
+
 A hang (SIGSTOP) is found by the heartbeat timeout instead; the survivors' waiting
 FTAR notices the lighthouse's verdict and gives up at once. A group left out of a
 quorum may have committed a step the others discarded (it got the last bytes of an

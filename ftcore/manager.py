@@ -11,7 +11,9 @@ Per step (a transaction, DESIGN.md):
                       loads the healed state here, before the optimizer step
 
 Errors never escape as crashes: a failed quorum, collective or heal makes the step
-fail (should_commit() is False) and the trainer retries the same batch. Data-plane
+fail (should_commit() is False) and the trainer retries the same batch. While the
+lighthouse is silent, a step whose group committed the last one in an unchanged quorum
+runs in that quorum on its lease (timeouts.LEASE) instead of waiting. Data-plane
 errors are reported to the lighthouse at once so the survivors re-form without
 waiting for a heartbeat timeout.
 """

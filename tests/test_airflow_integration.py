@@ -145,7 +145,10 @@ def test_trigger_ftrec_train_through_the_rest_api(airflow_server):
         else xcom["value"]["mlflow_run_id"]
     assert links["MLflow run"].endswith(f"/runs/{mlflow_run}")
     assert links["Lighthouse"].startswith(f"{base}/ftrec/lighthouse/?dag_id=ftrec_train")
-    page = _call(base, f"/ftrec/lighthouse/status?dag_id=ftrec_train&run_id={q}")
+    with pytest.raises(urllib.error.HTTPError) as anonymous:   # Airflow's login guards the plugin's page too
+        _call(base, f"/ftrec/lighthouse/status?dag_id=ftrec_train&run_id={q}")
+    assert anonymous.value.code in (401, 403)
+    page = _call(base, f"/ftrec/lighthouse/status?dag_id=ftrec_train&run_id={q}", token)
     assert page["source"] in (f"run ftrec_train / {run_id}", "none")
     reg = _call(base, f"/api/v2/dags/ftrec_train/dagRuns/{q}/taskInstances/register_model/xcomEntries/return_value",
                 token)["value"]

@@ -332,21 +332,80 @@ def live_lighthouse(tmp_path, free_port):
         runner.stop_group(proc, grace_s=2)
 
 
-def test_lighthouse_page_live_then_from_snapshot(tmp_path, monkeypatch, live_lighthouse):
+@pytest.fixture
+def page_client():
+    """The plugin's app with Airflow's auth dependency answered as a logged-in reader (the
+    real check runs in test_airflow_integration.py against the API server)."""
+    from fastapi.testclient import TestClient
+
+    from ftrec_airflow import lighthouse_app
+    lighthouse_app.app.dependency_overrides[lighthouse_app.can_read_runs] = lambda: None
+    try:
+        yield TestClient(lighthouse_app.app)
+    finally:
+        lighthouse_app.app.dependency_overrides.clear()
+
+
+def test_lighthouse_page_refuses_a_caller_airflow_has_not_authenticated():
     from fastapi.testclient import TestClient
 
     from ftrec_airflow.lighthouse_app import app
+    r = TestClient(app).get("/lighthouse/status", params={"dag_id": "ftrec_train", "run_id": "r"})
+    assert r.status_code in (401, 403)
+
+
+def test_lighthouse_page_never_follows_a_planted_url_or_token_path(tmp_path, monkeypatch, page_client, free_port):
+    import socket as socket_mod
+    monkeypatch.setenv("FTREC_WORK", str(tmp_path / "work"))
+    monkeypatch.delenv("FTREC_LIGHTHOUSE_URL", raising=False)
+    secret = tmp_path / "secret.txt"
+    secret.write_text("do-not-send")
+    run_dir = settings.run_folder("ftrec_train", "planted")
+    run_dir.mkdir(parents=True)
+    seen = []
+    srv = socket_mod.socket()
+    srv.bind(("127.0.0.1", free_port))
+    srv.listen(4)
+    srv.settimeout(0.5)
+    evil = {"group": "<script>alert(1)</script>", "healthy": True, "step": "<b>", "ranks": 1, "world": 1}
+    (run_dir / lighthouse.SNAPSHOT).write_text(json.dumps({
+        "url": "http://203.0.113.7:80", "token_file": str(secret), "status": {"groups": [evil], "events": []}}))
+    doc = page_client.get("/lighthouse/status", params={"dag_id": "ftrec_train", "run_id": "planted"}).json()
+    assert doc["live"] is False and "neither FTREC_LIGHTHOUSE_URL nor on loopback" in doc["error"]
+    page = page_client.get("/lighthouse/", params={"dag_id": "ftrec_train", "run_id": "planted"}).text
+    assert "<script>alert(1)</script>" not in page and "&lt;script&gt;" in page and "<b>" not in page.split("<table>")[1]
+    # a loopback URL is contacted, but with the run's own token file only, never the planted path
+    (run_dir / lighthouse.SNAPSHOT).write_text(json.dumps({
+        "url": f"http://127.0.0.1:{free_port}", "token_file": str(secret), "status": None}))
+    t = threading.Thread(target=lambda: page_client.get("/lighthouse/status",
+                                                        params={"dag_id": "ftrec_train", "run_id": "planted"}))
+    t.start()
+    try:
+        conn, _ = srv.accept()
+        conn.settimeout(2)
+        seen.append(conn.recv(65536))
+        conn.close()
+    except OSError:
+        pass
+    t.join()
+    srv.close()
+    assert seen and b"do-not-send" not in seen[0] and b"Authorization" not in seen[0]
+
+
+def test_lighthouse_page_live_then_from_snapshot(tmp_path, monkeypatch, live_lighthouse, page_client):
     url, token, proc = live_lighthouse
     monkeypatch.setenv("FTREC_WORK", str(tmp_path / "work"))
     monkeypatch.delenv("FTREC_LIGHTHOUSE_URL", raising=False)
     run_dir = settings.run_folder("ftrec_train", "manual__2026-01-01T00:00:00+00:00")
     with pytest.raises(OSError):
         lighthouse.fetch_status(url)  # no token: refused (401)
+    (run_dir / "train").mkdir(parents=True)
+    (run_dir / "train" / "token").write_text(token.read_text())   # where the pipeline's launcher puts it
     with lighthouse.Watcher(run_dir, token_file=token) as w:
         w.see(f'[launch] launch {{"lighthouse": "{url[7:]}", "groups": 2}}')
     snap = lighthouse.read_snapshot(run_dir)
-    assert snap["url"] == url and snap["status"]["min_replicas"] == 1
-    client = TestClient(app)
+    assert snap["url"] == url and snap["status"]["min_replicas"] == 1 and "token_file" not in snap
+    client = page_client
     q = {"dag_id": "ftrec_train", "run_id": "manual__2026-01-01T00:00:00+00:00"}
     live = client.get("/lighthouse/status", params=q).json()
     assert live["live"] is True and live["status"]["events"]

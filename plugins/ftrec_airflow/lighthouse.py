@@ -61,12 +61,11 @@ def fetch_status(url: str, timeout: float = FETCH_TIMEOUT_S, token_file: str | P
         return json.loads(resp.read().decode())
 
 
-def write_snapshot(run_dir: Path, url: str, status: dict | None, error: str = "",
-                   token_file: str | Path | None = None, job: str | None = None) -> None:
+def write_snapshot(run_dir: Path, url: str, status: dict | None, error: str = "", job: str | None = None) -> None:
+    """No token and no token path in it: the page finds tokens where only ftrec puts them."""
     path = Path(run_dir) / SNAPSHOT
     path.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"url": url, "fetched_at": time.time(), "status": status, "error": error,
-           "token_file": str(token_file) if token_file else None, "job": job}
+    doc = {"url": url, "fetched_at": time.time(), "status": status, "error": error, "job": job}
     if status is None and path.exists():  # keep the last good status, note the error
         try:
             old = json.loads(path.read_text())
@@ -107,9 +106,9 @@ class Watcher:
             return
         try:
             status = fetch_status(self.url, token_file=self.token_file, job=self.job)
-            write_snapshot(self.run_dir, self.url, status, token_file=self.token_file, job=self.job)
+            write_snapshot(self.run_dir, self.url, status, job=self.job)
         except (OSError, ValueError) as e:
-            write_snapshot(self.run_dir, self.url, None, error=str(e), token_file=self.token_file, job=self.job)
+            write_snapshot(self.run_dir, self.url, None, error=str(e), job=self.job)
 
     def _loop(self) -> None:
         while not self._stop.wait(POLL_S):

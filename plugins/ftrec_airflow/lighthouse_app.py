@@ -5,8 +5,12 @@ and as a menu entry for a standing lighthouse (FTREC_LIGHTHOUSE_URL).
     GET /ftrec/lighthouse/?dag_id=D&run_id=R   HTML: groups, quorum, recent events
     GET /ftrec/lighthouse/status?dag_id=D&run_id=R   the same as JSON
 
-The page only ever contacts lighthouses it already knows (FTREC_LIGHTHOUSE_URL or the
-address a train task recorded in its run folder), never a URL taken from the request.
+Every route needs an Airflow login with read access to the DAG's runs (the auth manager's
+own checks: 401 without a login, 403 without access). The page contacts only the standing
+lighthouse (FTREC_LIGHTHOUSE_URL, with this server's FTCORE_TOKEN/FTCORE_TOKEN_FILE) or a
+run's own launcher lighthouse on loopback (with that run's token, at the pipeline's fixed
+place `<run folder>/train/token`): never a URL or a file path read from a run folder's
+files, which anyone who can write there could plant. Every value shown is escaped.
 """
 
 import html
@@ -14,12 +18,28 @@ import json
 import time
 from typing import Any
 
-from fastapi import FastAPI, Query
+from fastapi import Depends, FastAPI, Query
 from fastapi.responses import HTMLResponse
 
 from ftrec_airflow import lighthouse, settings
 
-app = FastAPI(title="ftrec lighthouse", docs_url=None, redoc_url=None, openapi_url=None)
+try:   # Airflow's own authentication and DAG-access checks (the API server's auth manager)
+    from airflow.api_fastapi.auth.managers.models.resource_details import DagAccessEntity
+    from airflow.api_fastapi.core_api.security import requires_access_dag
+    can_read_runs = requires_access_dag("GET", DagAccessEntity.RUN)
+except ImportError:   # no Airflow API server here: nobody may read the page
+    def can_read_runs() -> None:
+        from fastapi import HTTPException
+        raise HTTPException(status_code=401, detail="the lighthouse page needs Airflow's API server")
+
+app = FastAPI(title="ftrec lighthouse", docs_url=None, redoc_url=None, openapi_url=None,
+              dependencies=[Depends(can_read_runs)])
+
+
+def _loopback(url: str) -> bool:
+    from urllib.parse import urlparse
+    host = urlparse(url if "//" in url else f"http://{url}").hostname or ""
+    return host == "localhost" or host.startswith("127.") or host == "::1"
 
 
 def lookup(dag_id: str | None, run_id: str | None) -> dict[str, Any]:
@@ -27,15 +47,26 @@ def lookup(dag_id: str | None, run_id: str | None) -> dict[str, Any]:
     lighthouse, or for the standing one when no run is given."""
     snap = None
     token_file = job = None
-    url = settings.lighthouse_url()
+    url = standing = settings.lighthouse_url()
     source = "FTREC_LIGHTHOUSE_URL" if url else "none"
+    refused = ""
     if dag_id and run_id:
-        snap = lighthouse.read_snapshot(settings.run_folder(dag_id, run_id))
+        run = settings.run_folder(dag_id, run_id)
+        snap = lighthouse.read_snapshot(run)
         if snap:
-            url, source = snap.get("url") or url, f"run {dag_id} / {run_id}"
-            token_file = snap.get("token_file")
-            job = snap.get("job")
-    doc = {"source": source, "url": url, "live": False, "status": None, "fetched_at": None, "error": ""}
+            recorded = snap.get("url") if isinstance(snap.get("url"), str) else ""
+            job = snap.get("job") if isinstance(snap.get("job"), str) else None
+            source = f"run {dag_id} / {run_id}"
+            if recorded and recorded == standing:
+                url = standing                       # this server's token, from its environment
+            elif recorded and _loopback(recorded):
+                url, token_file = recorded, run / "train" / "token"   # the run's own launcher
+            else:
+                url = ""
+                if recorded:
+                    refused = (f"the run recorded lighthouse {recorded}, which is neither FTREC_LIGHTHOUSE_URL "
+                               "nor on loopback: showing its last snapshot")
+    doc = {"source": source, "url": url, "live": False, "status": None, "fetched_at": None, "error": refused}
     if url:
         try:
             doc.update(status=lighthouse.fetch_status(url, timeout=1.0, token_file=token_file, job=job), live=True, fetched_at=time.time())
@@ -50,8 +81,23 @@ def lookup(dag_id: str | None, run_id: str | None) -> dict[str, Any]:
     return doc
 
 
-def _age(seconds: float | None) -> str:
-    return "" if seconds is None else f"{seconds:.1f} s ago"
+def _num(v: Any) -> float:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else 0.0
+
+
+def _age(seconds: Any) -> str:
+    return f"{_num(seconds):.1f} s ago" if seconds is not None else ""
+
+
+def _group_row(g: dict[str, Any]) -> str:
+    """One group's row; every value escaped (a status comes from another process)."""
+    def td(v: Any) -> str:
+        return f"<td>{html.escape(str(v))}</td>"
+    ok = g.get("healthy") is True
+    ranks = f"{g.get('ranks')}/{g.get('world')}"
+    return (f"<tr>{td(g.get('group'))}{td(g.get('incarnation'))}"
+            f"<td class={'ok' if ok else 'bad'}>{'healthy' if ok else 'failed'}</td>"
+            f"{td(g.get('step'))}{td(ranks)}{td(_age(g.get('last_beat_age_s')))}</tr>")
 
 
 def render(doc: dict[str, Any]) -> str:
@@ -60,16 +106,11 @@ def render(doc: dict[str, Any]) -> str:
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(doc["fetched_at"])) if doc.get("fetched_at") else "-"
     state = "live" if doc["live"] else f"snapshot of {when}" if st else "no status"
     q = st.get("quorum") or {}
-    groups = "".join(
-        f"<tr><td>{g.get('group')}</td><td>{g.get('incarnation')}</td>"
-        f"<td class={'ok' if g.get('healthy') else 'bad'}>{'healthy' if g.get('healthy') else 'failed'}</td>"
-        f"<td>{g.get('step')}</td><td>{g.get('ranks')}/{g.get('world')}</td>"
-        f"<td>{_age(g.get('last_beat_age_s'))}</td></tr>"
-        for g in st.get("groups", []))
+    groups = "".join(_group_row(g) for g in st.get("groups", []) if isinstance(g, dict))
     events = "".join(
-        f"<tr><td>{time.strftime('%H:%M:%S', time.localtime(ev.get('t', 0)))}</td><td>{e(str(ev.get('kind', '')))}</td>"
+        f"<tr><td>{time.strftime('%H:%M:%S', time.localtime(_num(ev.get('t'))))}</td><td>{e(str(ev.get('kind', '')))}</td>"
         f"<td><code>{e(json.dumps({k: v for k, v in ev.items() if k not in ('t', 'kind')}))}</code></td></tr>"
-        for ev in reversed(st.get("events", [])[-50:]))
+        for ev in reversed(st.get("events", [])[-50:]) if isinstance(ev, dict))
     refresh = "<meta http-equiv='refresh' content='3'>" if doc["live"] else ""
     return f"""<!doctype html><html><head><meta charset='utf-8'>{refresh}<title>ftcore lighthouse</title>
 <style>body{{font-family:system-ui,sans-serif;margin:1rem}}table{{border-collapse:collapse;margin:.5rem 0}}
