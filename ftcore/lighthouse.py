@@ -175,6 +175,7 @@ class Job:
         self.complete: set[int] = set()         # groups all of whose ranks are pending: formation looks at these
         self.round_start: float | None = None   # arrival of this round's first pending request
         self.next_deadline = math.inf           # the earliest deadline among pending requests
+        self.finished_step = 0                  # the highest step a group that finished (left) reached
         self._last_wait_event = 0.0
         self._last_sweep = 0.0
         self.failed: list[int] = []  # members of the current quorum that are not healthy (for heartbeats)
@@ -339,6 +340,14 @@ class Job:
             trusted = [g for g in members if last[g] == max(last.values())]
         trusted = trusted or members
         max_step = max(steps[g] for g in trusted)
+        if self.finished_step > max_step:
+            # Training ended (a group finished at a later step and left) and nobody here holds
+            # that state: these groups must not start a history of their own from an older one.
+            for g in members:
+                for req in self._pop(g).values():
+                    req.deliver({"error": f"the job finished at step {self.finished_step}; nothing to rejoin",
+                                 "finished": True})
+            return
         sources = [g for g in trusted if steps[g] == max_step]
         healers = [g for g in members if g not in sources]
         heal = {str(g): sources[i % len(sources)] for i, g in enumerate(healers)}  # spread over sources
@@ -459,7 +468,9 @@ class Job:
             grp = self.groups.get(_int(msg, "group", hi=MAX_GROUPS))
             if grp is None or grp.incarnation != _int(msg, "incarnation", 0):
                 return
-            grp.ranks.pop(_int(msg, "rank", hi=MAX_WORLD), None)
+            rank = grp.ranks.pop(_int(msg, "rank", hi=MAX_WORLD), None)
+            if rank is not None:
+                self.finished_step = max(self.finished_step, rank.step)
             grp.leaving = True   # its other ranks leave next: not a failure
             if not grp.ranks and not grp.left:
                 grp.left = True
@@ -830,8 +841,8 @@ class LighthouseServer:
             if isinstance(reply, str):
                 conn.reply(200, reply)
             else:
-                conn.reply(409 if reply.get("error") == "stale incarnation" else 410 if reply.get("lost") else 504,
-                           reply)
+                conn.reply(409 if reply.get("error") == "stale incarnation" else
+                           410 if reply.get("lost") or reply.get("finished") else 504, reply)
 
         def deliver(reply: dict[str, Any] | str) -> None:   # under the job's lock: the ticker's thread or this loop's
             if threading.get_ident() == loop_thread:

@@ -30,6 +30,10 @@ class GroupLost(Replaced):
     the group is restarted whole (torchrun, the scheduler or the launcher)."""
 
 
+class JobFinished(Replaced):
+    """The job's training ended before this group could rejoin it: exit cleanly, writing nothing."""
+
+
 def _split(addr: str) -> tuple[str, int]:
     host, _, port = addr.removeprefix("http://").rstrip("/").rpartition(":")
     return host or "127.0.0.1", int(port)
@@ -137,7 +141,10 @@ class LighthouseClient:
                 self.replaced = True
                 raise Replaced(str(body))
             if status == 410:
-                raise GroupLost(f"lighthouse {self.addr}: {body.get('error') if isinstance(body, dict) else body}")
+                why = body.get("error") if isinstance(body, dict) else body
+                if isinstance(body, dict) and body.get("finished"):
+                    raise JobFinished(f"lighthouse {self.addr}: {why}")
+                raise GroupLost(f"lighthouse {self.addr}: {why}")
             if status in (401, 400):
                 raise LighthouseError(f"lighthouse {self.addr} refused the quorum request ({status}: {body})")
             last = f"HTTP {status}: {body}"

@@ -21,7 +21,10 @@ os.environ.setdefault("AIRFLOW_HOME", str(ROOT / "work" / "test-airflow-home"))
 
 pytestmark = pytest.mark.slow
 
-PLAN = {"faults": [{"kind": "kill", "group": 1, "at_step": 4}]}
+# group 0 is paced after the kill, so the restarted group 1 is back (and heals) before the
+# 10-step budget runs out: unpaced steps of this tiny model take ~25 ms
+PLAN = {"faults": [{"kind": "kill", "group": 1, "at_step": 4},
+                   {"kind": "slow", "group": 0, "at_step": 4, "until_step": 10, "delay_s": 0.25}]}
 SMALL = ["--set", "data_source=synthetic", "--set", "synth_users=240", "--set", "synth_items=120",
          "--set", "max_steps=10", "--set", "batch_size=16", "--set", "max_len=20", "--set", "replica_groups=2",
          "--conf", json.dumps({"train_overrides": ["model.dim=16", "eval.batch_size=256"],
@@ -128,10 +131,11 @@ def test_quality_gate_fails_on_purpose(first, work):
 
 def test_chaos_drill_checks_recovery(work):
     """ftrec_chaos_drill, small: kill replica group 1, then the lighthouse."""
+    # 30 steps: the restarted group is back (a warm spare, ~0.3 s) long before the budget ends
     plan = {"faults": [{"kind": "kill", "group": 1, "at_step": 4},
                        {"kind": "kill_lighthouse", "at_step": 8, "duration_s": 1}]}
     rc, summary, out = local_run(work, "--dag", "ftrec_chaos_drill", "--set", "synth_users=240",
-                                 "--set", "max_steps=12", "--set", "max_len=20",
+                                 "--set", "max_steps=30", "--set", "max_len=20",
                                  "--conf", json.dumps({"train_overrides": ["model.dim=16", "eval.batch_size=256"],
                                                        "fault_plan": json.dumps(plan)}))
     assert rc == 0, out[-4000:]

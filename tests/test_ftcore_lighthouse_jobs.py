@@ -255,3 +255,20 @@ def test_a_restarted_lighthouse_resumes_the_quorum_its_members_report(lighthouse
     finally:
         for c in cs:
             c.close()
+
+
+def test_a_group_restarted_after_the_job_finished_is_told_so_not_started_afresh(lighthouse):
+    from ftcore.lighthouse_client import JobFinished
+    addr, _ = lighthouse()
+    g0, g1 = _job(addr, "default", [10, 10])
+    _ask_all([g0, g1])
+    g1.close()          # group 1 dies ...
+    g0.leave()          # ... and group 0 finishes its last step and leaves
+    late = LighthouseClient(addr, 1, 0, 1, incarnation=1, num_groups=2)   # group 1 restarted, from scratch
+    late.info.update(store="127.0.0.1:1", heal="127.0.0.1:2", step=0)
+    late.start_heartbeats()
+    try:
+        with pytest.raises(JobFinished, match="finished at step 10"):
+            late.quorum(timeout=5)
+    finally:
+        late.close()

@@ -27,7 +27,12 @@ def _train(args) -> int:
         cfg.train.out = args.out
     if args.resume:
         cfg.train.resume = True
-    result = train(cfg)
+    from ftcore.lighthouse_client import JobFinished
+    try:
+        result = train(cfg)
+    except JobFinished as e:   # restarted after the job ended: nothing to rejoin, nothing to write
+        print(f"[train] {e}", flush=True)
+        return 0
     if result:
         print(json.dumps({k: v for k, v in result.items() if k != "metrics"}, sort_keys=True))
     return 0

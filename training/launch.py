@@ -345,6 +345,11 @@ class Launcher:
                 self.log("group_replaced", group=g, incarnation=inc, reason="unhealthy while alive")
                 raise GroupFailed(f"group {g} hung")
             if all(c == 0 for c in codes):
+                if inc > 0 and self.final_state(g, since=self.started) is None:
+                    # a restart that found the job finished (JobFinished): nothing to heal from
+                    self.log("group_not_needed", group=g, incarnation=inc, reason="training finished first")
+                    self.late.add(g)
+                    return
                 self.done.add(g)
                 self.log("group_finished", group=g, incarnation=inc)
                 return
@@ -472,11 +477,14 @@ class Launcher:
         self.write_timeline(sums, code)
         return code
 
-    def final_state(self, g: int) -> list[str] | None:
+    def final_state(self, g: int, since: float | None = None) -> list[str] | None:
         """The group's final state files in rank order, or None if it has none (or lacks a
-        rank's file that rank 0's metadata announces: the state is incomplete)."""
+        rank's file that rank 0's metadata announces: the state is incomplete; or, with
+        `since`, its file is older than that: an earlier launch's)."""
         folder = os.path.join(self.out, f"replica_{g}")
         first = os.path.join(folder, final_state_file(0))
+        if since is not None and os.path.exists(first) and os.path.getmtime(first) < since:
+            return None
         if not os.path.exists(first):
             legacy = os.path.join(folder, "final.safetensors")
             return [legacy] if os.path.exists(legacy) else None

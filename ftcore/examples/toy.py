@@ -22,7 +22,7 @@ import torch.distributed as dist
 from ftcore import ledger as ledger_mod
 from ftcore import manager as manager_mod
 from ftcore import tensorfile
-from ftcore.lighthouse_client import Replaced
+from ftcore.lighthouse_client import JobFinished, Replaced
 from ftcore.schedule import MakeupSchedule
 
 
@@ -142,6 +142,10 @@ def main(argv: list[str] | None = None) -> int:
                     tensorfile.save(state_dict(), ckpt, {"step": str(mgr.step)})
             for prm in params:
                 prm.grad.zero_()
+    except JobFinished as e:
+        print(f"toy: {e}; exiting", flush=True)
+        mgr.shutdown(leave=False)
+        return 0
     except Replaced as e:
         print(f"toy: {e}; exiting", flush=True)
         return 3
