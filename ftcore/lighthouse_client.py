@@ -98,7 +98,9 @@ class LighthouseClient:
                 continue
             try:
                 if conn is None:
-                    conn = http.client.HTTPConnection(host, port, timeout=timeouts.RPC_TIMEOUT)
+                    # Long enough to outlast a lighthouse pause shorter than the lease: closing
+                    # this connection is what tells the lighthouse that this rank died.
+                    conn = http.client.HTTPConnection(host, port, timeout=max(timeouts.RPC_TIMEOUT, timeouts.LEASE))
                 conn.request("POST", "/heartbeat", body=json.dumps(self.info).encode(), headers=hdrs)
                 resp = conn.getresponse()
                 data = json.loads(resp.read() or b"{}")
@@ -136,6 +138,10 @@ class LighthouseClient:
                 time.sleep(min(0.05, max(left, 0)))
                 continue
             if status == 200:
+                # A new quorum holds only members the lighthouse found healthy: what an older
+                # heartbeat said had failed is superseded (heartbeats pause while steps are short).
+                self.failed_groups = []
+                self.latest_quorum_id = max(self.latest_quorum_id, int(body.get("quorum_id", 0)))
                 return body
             if status == 409:
                 self.replaced = True
