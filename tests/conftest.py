@@ -98,3 +98,41 @@ def cli_shard_set(folder: Path, world_size: int = 2, users: int = 600) -> Path:
                     "--world-size", str(world_size), "--batch-size", "32", "--max-len", "20", "--quiet"], 180)
     assert r.returncode == 0, r.stdout[-2000:]
     return shards
+
+
+@pytest.fixture
+def lighthouse():
+    """`start(**LighthouseConfig fields)` -> ("127.0.0.1:port", Lighthouse): real servers on
+    loopback, closed after the test."""
+    from ftcore.lighthouse import LighthouseConfig, serve
+    servers = []
+
+    def start(**kw):
+        server, lh = serve(LighthouseConfig(bind="127.0.0.1:0", **kw))
+        servers.append((server, lh))
+        return "127.0.0.1:%d" % server.server_address[1], lh
+
+    yield start
+    for server, lh in servers:
+        lh.close()
+        server.shutdown()
+        server.server_close()
+
+
+def ask_all(clients, timeout: float = 5.0) -> list:
+    """Every client's quorum() at once, as the ranks of a round ask; an exception is returned
+    in its client's place."""
+    import threading
+    out: list = [None] * len(clients)
+
+    def ask(i):
+        try:
+            out[i] = clients[i].quorum(timeout)
+        except Exception as e:  # noqa: BLE001 - the test inspects it
+            out[i] = e
+    ts = [threading.Thread(target=ask, args=(i,)) for i in range(len(clients))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return out

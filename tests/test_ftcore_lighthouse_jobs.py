@@ -8,26 +8,10 @@ import time
 
 import pytest
 
+from conftest import ask_all
 from ftcore import lighthouse as lh_mod
 from ftcore import netaddr
-from ftcore.lighthouse import LighthouseConfig, serve
 from ftcore.lighthouse_client import GroupLost, LighthouseClient, call
-
-
-@pytest.fixture
-def lighthouse():
-    servers = []
-
-    def start(**kw):
-        server, lh = serve(LighthouseConfig(bind="127.0.0.1:0", **kw))
-        servers.append((server, lh))
-        return "127.0.0.1:%d" % server.server_address[1], lh
-
-    yield start
-    for server, lh in servers:
-        lh.close()
-        server.shutdown()
-        server.server_close()
 
 
 def _job(addr, job, steps, world=1):
@@ -41,27 +25,11 @@ def _job(addr, job, steps, world=1):
     return cs
 
 
-def _ask_all(cs, timeout=5.0):
-    out = [None] * len(cs)
-
-    def ask(i):
-        try:
-            out[i] = cs[i].quorum(timeout)
-        except Exception as e:   # noqa: BLE001 - the test inspects it
-            out[i] = e
-    ts = [threading.Thread(target=ask, args=(i,)) for i in range(len(cs))]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    return out
-
-
 def test_one_lighthouse_serves_two_jobs_without_mixing_them(lighthouse):
     addr, lh = lighthouse()
     a, b = _job(addr, "job-a", [5, 5]), _job(addr, "job-b", [9, 3, 9])
     try:
-        qa, qb = _ask_all(a), _ask_all(b)
+        qa, qb = ask_all(a), ask_all(b)
         assert {q["groups"] == [0, 1] for q in qa} == {True} and qa[0]["heal"] == {} and qa[0]["max_step"] == 5
         assert qb[0]["groups"] == [0, 1, 2] and qb[0]["heal"] == {"1": 0} and qb[0]["max_step"] == 9
         assert qa[0]["job"] == "job-a" and qb[0]["job"] == "job-b"
@@ -69,9 +37,9 @@ def test_one_lighthouse_serves_two_jobs_without_mixing_them(lighthouse):
         assert qb[1]["store"] == "127.0.0.1:1000" and qb[1]["heal_from"] == "127.0.0.1:2000"
         # a failure in job b re-forms job b only
         b[2].close()
-        qb2 = _ask_all(b[:2])
+        qb2 = ask_all(b[:2])
         assert qb2[0]["groups"] == [0, 1] and qb2[0]["quorum_id"] > qb[0]["quorum_id"]
-        assert {q["quorum_id"] for q in _ask_all(a)} == {qa[0]["quorum_id"]}
+        assert {q["quorum_id"] for q in ask_all(a)} == {qa[0]["quorum_id"]}
         sa, sb = lh.status("job-a"), lh.status("job-b")
         assert sa["jobs"] == ["job-a", "job-b"] and [g["group"] for g in sa["groups"]] == [0, 1]
         assert all(e.get("job", "job-a") == "job-a" for e in sa["events"])
@@ -100,7 +68,7 @@ def test_a_bad_request_is_a_400_and_wedges_nothing(lighthouse, bad):
     assert code == 400
     good = _job(addr, "default", [0, 0])
     try:
-        qs = _ask_all(good)
+        qs = ask_all(good)
         assert qs[0]["groups"] == [0, 1]     # the tick thread and the job are fine
         assert lh._ticker.is_alive()
     finally:
@@ -112,10 +80,10 @@ def test_a_group_that_lost_a_rank_is_told_to_restart_at_once(lighthouse):
     addr, _ = lighthouse(heartbeat_timeout=5.0, failure_probe=0.1)
     cs = _job(addr, "default", [0, 0], world=2)
     try:
-        _ask_all(cs)
+        ask_all(cs)
         cs[3].close()                      # group 1 rank 1 dies
         t = time.monotonic()
-        out = _ask_all(cs[:3], timeout=8.0)
+        out = ask_all(cs[:3], timeout=8.0)
         assert isinstance(out[2], GroupLost) and "lost rank 1" in str(out[2])
         assert time.monotonic() - t < 3.0  # not the 8 s quorum timeout
         assert out[0]["groups"] == [0]
@@ -236,7 +204,7 @@ def test_a_restarted_lighthouse_resumes_the_quorum_its_members_report(lighthouse
     addr, _ = lighthouse()
     cs = _job(addr, "default", [4, 4])
     try:
-        q = _ask_all(cs)[0]
+        q = ask_all(cs)[0]
     finally:
         for c in cs:
             c.close()
@@ -245,12 +213,12 @@ def test_a_restarted_lighthouse_resumes_the_quorum_its_members_report(lighthouse
     for c in cs:
         c.info.update(quorum_id=q["quorum_id"], quorum_epoch=q["epoch"], quorum_identity=q["identity"])
     try:
-        q2 = _ask_all(cs)
+        q2 = ask_all(cs)
         assert {(x["quorum_id"], x["epoch"]) for x in q2} == {(q["quorum_id"], q["epoch"])}
         cs[1].info["quorum_identity"] = [[0, 0]]          # one member remembers another quorum
         for c in cs:
             c.info["step"] = 5
-        q3 = _ask_all(cs)
+        q3 = ask_all(cs)
         assert (q3[0]["quorum_id"], q3[0]["epoch"]) == (q["quorum_id"], q["epoch"])   # kept: same members
     finally:
         for c in cs:
@@ -261,7 +229,7 @@ def test_a_group_restarted_after_the_job_finished_is_told_so_not_started_afresh(
     from ftcore.lighthouse_client import JobFinished
     addr, _ = lighthouse()
     g0, g1 = _job(addr, "default", [10, 10])
-    _ask_all([g0, g1])
+    ask_all([g0, g1])
     g1.close()          # group 1 dies ...
     g0.leave()          # ... and group 0 finishes its last step and leaves
     late = LighthouseClient(addr, 1, 0, 1, incarnation=1, num_groups=2)   # group 1 restarted, from scratch

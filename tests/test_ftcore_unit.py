@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from conftest import ask_all
 from ftcore import faults, heal, ledger, tensorfile
 from ftcore.ftar import FTARError, ftar
-from ftcore.lighthouse import LighthouseConfig, serve
 from ftcore.lighthouse_client import LighthouseClient, call
 from ftcore.schedule import MakeupSchedule
 
@@ -142,23 +142,6 @@ def test_fault_plan_parses_toml_and_rejects_mistakes(tmp_path):
 
 
 # ---- lighthouse over HTTP ------------------------------------------------------------------------
-@pytest.fixture
-def lighthouse():
-    servers = []
-
-    def start(**kw):
-        cfg = LighthouseConfig(bind="127.0.0.1:0", **kw)
-        server, lh = serve(cfg)
-        servers.append((server, lh))
-        return "127.0.0.1:%d" % server.server_address[1], lh
-
-    yield start
-    for server, lh in servers:
-        lh.close()
-        server.shutdown()
-        server.server_close()
-
-
 def _clients(addr, n, token=None, steps=None, start=True):
     cs = [LighthouseClient(addr, g, 0, 1, token=token) for g in range(n)]
     for g, c in enumerate(cs):
@@ -168,24 +151,11 @@ def _clients(addr, n, token=None, steps=None, start=True):
     return cs
 
 
-def _ask_all(cs, timeout=5.0):
-    out = [None] * len(cs)
-
-    def ask(i):
-        out[i] = cs[i].quorum(timeout)
-    ts = [threading.Thread(target=ask, args=(i,)) for i in range(len(cs))]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    return out
-
-
 def test_lighthouse_quorum_heal_assignment_and_fast_reform(lighthouse):
     addr, lh = lighthouse(min_replicas=1, expected_replicas=4, join_timeout=5.0, heartbeat_timeout=1.0)
     cs = _clients(addr, 4, steps=[10, 10, 7, 3])
     try:
-        qs = _ask_all(cs)
+        qs = ask_all(cs)
         assert len({q["quorum_id"] for q in qs}) == 1 and qs[0]["groups"] == [0, 1, 2, 3]
         assert qs[0]["max_step"] == 10
         assert qs[0]["heal"] == {"2": 0, "3": 1}       # spread over the up-to-date groups
@@ -193,11 +163,11 @@ def test_lighthouse_quorum_heal_assignment_and_fast_reform(lighthouse):
         # same members again: same quorum id (no process-group rebuild)
         for c in cs:
             c.info["step"] = 11
-        assert {q["quorum_id"] for q in _ask_all(cs)} == {first}
+        assert {q["quorum_id"] for q in ask_all(cs)} == {first}
         # a member dies (its heartbeat connection closes): the others re-form at once
         cs[3].close()
         t = time.monotonic()
-        qs = _ask_all(cs[:3])
+        qs = ask_all(cs[:3])
         assert time.monotonic() - t < 0.9       # well inside the 1 s heartbeat timeout and 5 s join timeout
         assert qs[0]["groups"] == [0, 1, 2] and qs[0]["quorum_id"] > first
         kinds = [e["kind"] for e in lh.status()["events"]]
@@ -234,7 +204,7 @@ def test_lighthouse_min_replicas_majority_and_join_timeout(lighthouse):
         time.sleep(0.2)  # all three heartbeat: healthy
         with pytest.raises(Exception, match="no quorum"):
             cs[0].quorum(timeout=0.8)           # one of three: below min_replicas and no majority
-        qs = _ask_all(cs[:2], timeout=3.0)      # two of three: after the join timeout
+        qs = ask_all(cs[:2], timeout=3.0)      # two of three: after the join timeout
         assert qs[0]["groups"] == [0, 1] and qs[1]["groups"] == [0, 1]
     finally:
         for c in cs:
@@ -258,7 +228,7 @@ def test_lighthouse_restart_resumes_quorum_ids_and_steps(lighthouse):
     addr, lh = lighthouse(expected_replicas=2)
     cs = _clients(addr, 2, steps=[5, 5])
     try:
-        qid = _ask_all(cs)[0]["quorum_id"]
+        qid = ask_all(cs)[0]["quorum_id"]
         for c in cs:
             c.info["quorum_id"] = qid
     finally:
@@ -269,7 +239,7 @@ def test_lighthouse_restart_resumes_quorum_ids_and_steps(lighthouse):
     for c in cs:
         c.info["quorum_id"] = qid
     try:
-        qs = _ask_all(cs)
+        qs = ask_all(cs)
         assert qs[0]["quorum_id"] > qid and qs[0]["max_step"] == 5 and qs[0]["heal"] == {}
     finally:
         for c in cs:

@@ -545,7 +545,7 @@ class Launcher:
         # attempts: the timeline is this launch's.
         events = [e for e in events if e.get("t", 0) >= self.started]
         steps = [s for s in steps if s.get("t", 0) >= self.started]
-        summary = summarize(events + self.events, steps)
+        summary = {**summarize(events + self.events, steps), **per_group(events, steps, self.restarts)}
         timeline = {"exit_code": code, "checksums": {str(g): s for g, s in sums.items()},
                     "restarts": self.restarts, "summary": summary, "launcher_events": self.events,
                     "lighthouse_events": events, "steps": sorted(steps, key=lambda r: r["t"])}
@@ -574,6 +574,17 @@ def summarize(events: list[dict], steps: list[dict]) -> dict:
     }
 
 
+def per_group(events: list[dict], steps: list[dict], restarts: dict[int, int]) -> dict:
+    """Each replica group's own facts, as `group<g>/...` (the job's one MLflow run holds them)."""
+    out = {}
+    for g, n in sorted(restarts.items()):
+        out[f"group{g}/restarts"] = n
+        out[f"group{g}/committed_steps"] = len({s["step"] for s in steps if s.get("group") == g and s.get("committed")})
+        out[f"group{g}/heals"] = sum(1 for e in events if e.get("kind") == "heal_finished" and e.get("group") == g
+                                     and e.get("rank", 0) == 0)
+    return out
+
+
 def log_to_mlflow(out: str, summary: dict, timeline: str) -> None:
     """Recovery metrics and the timeline on the trainer's MLflow run, when there is one."""
     result = os.path.join(out, "replica_0", "result.json")
@@ -587,7 +598,7 @@ def log_to_mlflow(out: str, summary: dict, timeline: str) -> None:
         import mlflow
         client = mlflow.MlflowClient(tracking_uri=res["tracking_uri"])
         for k, v in summary.items():
-            client.log_metric(res["mlflow_run_id"], f"ft/{k}", float(v))
+            client.log_metric(res["mlflow_run_id"], k if k.startswith("group") else f"ft/{k}", float(v))
         client.log_artifact(res["mlflow_run_id"], timeline)
     except Exception as e:  # tracking is best effort; the run itself succeeded
         print(f"[launch] could not log recovery events to MLflow: {e}", flush=True)

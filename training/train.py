@@ -109,7 +109,11 @@ def train(cfg: Config) -> dict:
     # loss.normalize = "epoch": the group's mean target count per step (a constant of the shard set)
     tokens_per_step = shards.tokens_per_step / topo.num_replica_groups if cfg.loss.normalize == "epoch" else 0.0
 
-    tracker = Tracker(cfg.mlflow, out) if (cfg.mlflow.enabled and topo.is_main) else None
+    # One MLflow run per job, one value per (metric, step): replica group 0's rank 0 tracks.
+    # The other groups train the same model; their own facts (commits, restarts, heals) reach
+    # the run as group<g>/... metrics from the launcher's timeline.
+    tracker = (Tracker(cfg.mlflow, out) if (cfg.mlflow.enabled and topo.is_main and topo.replica_group == 0)
+               else None)
     if tracker:
         # keys that differ between the attempts of one run would be refused by MLflow
         volatile = {"train.resume", "train.stop_at_step", "mlflow.run_id"}

@@ -1,0 +1,40 @@
+"""One MLflow run per job with several replica groups: 2 groups x 2 ranks under the launcher,
+logging into one run created beforehand (as the Airflow task does). Exactly one value per
+(metric, step), exactly one logged model, the registered version is that model, and each
+group's own facts arrive as group<g>/... metrics."""
+
+import collections
+
+import pytest
+from mlflow import MlflowClient
+
+from conftest import cli_shard_set, run_python
+
+pytestmark = [pytest.mark.integ, pytest.mark.slow]
+
+
+def test_two_groups_of_two_ranks_log_one_value_per_metric_and_step_and_one_model(tmp_path):
+    shards, out = cli_shard_set(tmp_path, world_size=4), tmp_path / "run"
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.create_experiment("groups")
+    run_id = client.create_run(exp).info.run_id
+    r = run_python(["-m", "training", "launch", "--shards", str(shards), "--replica-groups", "2",
+                    "--ranks-per-group", "2", "--out", str(out), "--timeout", "300", "--",
+                    "--set", "train.epochs=2", "model.dim=16", "loss.num_negatives=16", "train.log_every=2",
+                    f"mlflow.run_id={run_id}", f"mlflow.tracking_uri={uri}", "mlflow.register=true",
+                    "mlflow.model_name=groups-2x2", "mlflow.plots=false", "eval.batch_size=256"], 360)
+    assert r.returncode == 0, r.stdout[-4000:]
+    run = client.get_run(run_id)
+    for key in run.data.metrics:
+        steps = [m.step for m in client.get_metric_history(run_id, key)]
+        dup = [s for s, n in collections.Counter(steps).items() if n > 1]
+        assert not dup, f"{key}: more than one value at step(s) {dup[:5]}"
+    assert len(client.get_metric_history(run_id, "train/loss")) >= 2
+    for g in (0, 1):
+        assert run.data.metrics[f"group{g}/committed_steps"] > 0 and f"group{g}/restarts" in run.data.metrics
+    models = client.search_logged_models(experiment_ids=[exp])
+    assert len(models) == 1, [m.model_id for m in models]
+    versions = client.search_model_versions("name = 'groups-2x2'")
+    assert len(versions) == 1 and versions[0].run_id == run_id
+    assert models[0].model_id in versions[0].source or versions[0].source.endswith("/model"), versions[0].source
