@@ -562,10 +562,7 @@ class Lighthouse:
                 except Exception as e:   # never let one job's bad state end every job's rounds
                     self.event("tick_error", job=j.name, error=f"{type(e).__name__}: {e}"[:300])
 
-    # ---- the per-job API (the HTTP handler's and the tests' entry points) ----------------
-    def heartbeat(self, msg: dict[str, Any]) -> dict[str, Any]:
-        return self.job(msg).heartbeat(msg)
-
+    # ---- messages for a job that may not exist (never created by them) ----------------------
     def report_failure(self, msg: dict[str, Any]) -> None:
         j = self.job(msg, create=False)
         if j is not None:
