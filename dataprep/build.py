@@ -126,8 +126,7 @@ def build_shards(input: "str | list[str]", fmt: str, out: str, *, world_size: in
     t_all = time.monotonic()
     paths = [str(p) for p in ([input] if isinstance(input, (str, os.PathLike)) else input)]
     for p in paths:
-        if not Path(p).exists():
-            raise DataprepError(f"{p}: input not found; check --input")
+        readers.check_input(p)   # before anything reads it: a device would be read forever
     if fmt not in readers.FORMATS:
         raise DataprepError(f"--format {fmt!r}: unknown; choose one of {', '.join(readers.FORMATS)}")
     cm = load_cost_model(cost_model)

@@ -60,49 +60,70 @@ def _reject_table(source: str, lines, reason: str, details=None, users=None) -> 
     }, schema=REJECTS_SCHEMA)
 
 
-def _check_file(path: str) -> None:
+def check_input(path: str) -> None:
+    """The input exists, is a regular file or a folder, and is not an empty file."""
     p = Path(path)
     if not p.exists():
         raise DataprepError(f"{path}: input not found; check --input")
+    if not (p.is_file() or p.is_dir()):
+        raise DataprepError(f"{path}: not a regular file (a device, pipe or socket has no end to read to); "
+                            "give a file or a folder of files")
     if p.is_file() and p.stat().st_size == 0:
         raise DataprepError(f"{path}: empty file; nothing to read (give a file with interactions)")
 
 
-def _read_lines(path: str) -> pa.StringArray:
-    """Every physical line of a text file as one string (blank lines kept, so index + 1 = line number)."""
+def _read_lines(path: str) -> tuple[pa.StringArray, np.ndarray]:
+    """Every physical line of a text file as one string (blank lines kept, so index + 1 = line
+    number), and a mask of the lines that are not UTF-8 (read as empty, rejected by the caller:
+    one bad byte costs its line, not the file)."""
     try:
         t = pcsv.read_csv(
             path,
             read_options=pcsv.ReadOptions(column_names=["line"], block_size=1 << 24),
             parse_options=pcsv.ParseOptions(delimiter="\x1f", quote_char=False, escape_char=False,
                                             newlines_in_values=False, ignore_empty_lines=False),
-            convert_options=pcsv.ConvertOptions(column_types={"line": pa.string()}, strings_can_be_null=False,
+            convert_options=pcsv.ConvertOptions(column_types={"line": pa.binary()}, strings_can_be_null=False,
                                                 quoted_strings_can_be_null=False))
     except pa.ArrowInvalid as e:
         raise DataprepError(f"{path}: cannot read as text ({str(e).splitlines()[0]}); is it the right --format?") from None
     col = t.column("line")
-    return col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
+    raw = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
+    try:
+        return raw.cast(pa.string()), np.zeros(len(raw), bool)
+    except pa.ArrowInvalid:   # some line is not UTF-8: find which, line by line (only then)
+        invalid = np.zeros(len(raw), bool)
+        text = []
+        for i, b in enumerate(raw.to_pylist()):
+            try:
+                text.append(b.decode("utf-8"))
+            except UnicodeDecodeError:
+                invalid[i] = True
+                text.append("")
+        return pa.array(text, pa.string()), invalid
 
 
 class _Tokens:
     """Lines split into tokens, with bad lines identified and rejected."""
 
     def __init__(self, path: str, separator: str | None):
-        lines = _read_lines(path)
+        lines, invalid = _read_lines(path)
         self.lines = lines
         self.path = path
         self.num_lines = len(lines)
         stripped = pc.utf8_trim_whitespace(lines)
-        self.blank = np.asarray(pc.equal(stripped, "").to_numpy(zero_copy_only=False), dtype=bool)
+        self.blank = np.asarray(pc.equal(stripped, "").to_numpy(zero_copy_only=False), dtype=bool) & ~invalid
         if separator is None:
             toks = pc.split_pattern_regex(stripped, r"\s+")
         else:
             toks = pc.split_pattern(stripped, separator)
         self.tokens = toks
         self.ntok = pc.list_value_length(toks).to_numpy().astype(np.int64)
-        self.ntok[self.blank] = 0
+        self.ntok[self.blank | invalid] = 0
         self.rejects: list[pa.Table] = []
-        self.bad = self.blank.copy()
+        self.bad = self.blank | invalid
+        if invalid.any():
+            idx = np.flatnonzero(invalid)
+            self.rejects.append(_reject_table(path, idx + 1, "not_utf8", ["the line is not valid UTF-8"] * len(idx)))
 
     def reject(self, mask: np.ndarray, reason: str, what: str) -> None:
         mask = mask & ~self.bad
@@ -373,7 +394,7 @@ def read(paths: "str | list[str]", fmt: str, *, user_col: str = "user_id", item_
     defaults = (user_col, item_col, time_col) == ("user_id", "item_id", "timestamp")
     parts = []
     for p in paths:
-        _check_file(p)
+        check_input(p)
         if fmt == "sasrec":
             parts.append(_read_sasrec(p))
         elif fmt == "iclrec":

@@ -182,3 +182,21 @@ def test_cli_bad_input_prints_one_line_without_traceback(tmp_path):
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith(f"error: {p}: 10 of 10 lines rejected (first: line 1, malformed_line")
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("fmt", ["sasrec", "iclrec"])
+def test_a_line_that_is_not_utf8_is_a_counted_rejection_not_the_whole_file(tmp_path, fmt):
+    p = tmp_path / "in.txt"
+    good = _good_lines().encode() if fmt == "sasrec" else "".join(
+        f"{u} " + " ".join(str(100 + (u * 7 + k) % 40) for k in range(6)) + "\n" for u in range(1, 21)).encode()
+    cut = good.index(b"\n", 50) + 1
+    p.write_bytes(good[:cut] + b"5 \xff\xfe 7\n" + good[cut:])
+    m = _build(p, fmt=fmt, max_reject_fraction=0.1)
+    rej = [r for r in _rejects(p) if r["reason"] == "not_utf8"]
+    assert [r["line"] for r in rej] == [good[:cut].count(b"\n") + 1] and rej[0]["source"] == str(p)
+    assert m["rejects"]["not_utf8"] == 1
+
+
+def test_a_device_is_refused_at_once_not_read_until_killed(tmp_path):
+    with pytest.raises(DataprepError, match="not a regular file"):
+        build_shards("/dev/zero", "sasrec", str(tmp_path / "out"), world_size=1, batch_size=2)
