@@ -14,10 +14,18 @@ from which up-to-date group. A failed group is noticed three ways:
 A fast quorum forms as soon as every healthy member of the previous quorum asks (a
 failed member is not waited for; a new group joins at the next round); otherwise the
 round waits up to JOIN_TIMEOUT for stragglers. Every quorum needs min_replicas groups
-and a majority of the healthy groups (no split brain). Stdlib HTTP + JSON; every request
-needs the shared token when one is configured. The lighthouse keeps no state that
-matters across its own restart: groups re-register on their next heartbeat, their
-steps come with them, and the quorum id resumes above the largest one they report.
+and a majority of the healthy groups (no split brain). HTTP/1.1 + JSON on one asyncio loop
+(stdlib); every request needs the shared token in its Authorization header. The lighthouse
+keeps no state that matters across its own restart: groups re-register on their next
+heartbeat, their steps come with them, and the quorum they all report is handed out again
+(same id and epoch: nobody rebuilds a process group), else a new id above any reported.
+A lighthouse that was paused grants a grace period before it judges anyone's silence, and
+tells each quorum's members how long they may go on without it (the lease, manager.py).
+
+Cost grows linearly with ranks: a heartbeat is O(1) (the failed list comes from the last
+health sweep, every SWEEP_S), formation runs when a group's last rank arrives, over the
+complete groups, and a round's shared reply is encoded once (BENCHMARKS.md, "Lighthouse at
+scale").
 
     ftcore-lighthouse --bind HOST:PORT --token-file TOKEN [--min-replicas N]
 
