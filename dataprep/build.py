@@ -17,6 +17,7 @@ import time
 import uuid
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pyarrow as pa
@@ -118,11 +119,14 @@ def build_shards(input: "str | list[str]", fmt: str, out: str, *, world_size: in
                  max_len: int = 50, cost_model: "str | dict | None" = None, window_steps: int | None = None,
                  quiet: bool = True, tail: str = "fill", method: str = "auto", dedup: str = "exact",
                  max_events: int | None = None, max_reject_fraction: float = MAX_REJECT_FRACTION,
-                 overwrite: bool = False, **reader_options) -> dict:
+                 overwrite: bool = False, log: Callable[[str], None] | None = None, **reader_options) -> dict:
     """Build a shard set at `out` and return its manifest (see dataprep.schema).
 
+    `log` receives one line per stage as it ends (rows read, users, steps balanced, files
+    written): an Airflow task log shows the build's progress, not only its end.
     Raises DataprepError for anything the user can fix (input, settings, existing output).
     """
+    say = log or (lambda line: None)
     t_all = time.monotonic()
     paths = [str(p) for p in ([input] if isinstance(input, (str, os.PathLike)) else input)]
     for p in paths:
@@ -146,6 +150,7 @@ def build_shards(input: "str | list[str]", fmt: str, out: str, *, world_size: in
         fp = fingerprint(paths)
     existing = _existing(outp, fp, config, overwrite)
     if existing is not None:
+        say(f"dataprep: {outp} already holds this shard set ({existing.get('steps')} steps); reused")
         return existing
 
     t = time.monotonic()
@@ -153,6 +158,8 @@ def build_shards(input: "str | list[str]", fmt: str, out: str, *, world_size: in
         ev = readers.read(paths, fmt, **reader_options)
     _check_rejects(ev, max_reject_fraction)
     timings["read_s"] = time.monotonic() - t
+    say(f"dataprep: read {ev.counts.get('lines', 0)} lines, {len(ev)} events, "
+        f"{sum(r.num_rows for r in ev.rejects)} rejected ({timings['read_s']:.1f} s)")
     t = time.monotonic()
     with stage("sequences", quiet=quiet):
         seq = sequences.build_sequences(ev, dedup=dedup, max_events=max_events)
@@ -160,6 +167,8 @@ def build_shards(input: "str | list[str]", fmt: str, out: str, *, world_size: in
         samples = sequences.train_samples(seq, max_len)
     timings["sequences_s"] = time.monotonic() - t
     n = len(samples.user_id)
+    say(f"dataprep: {seq.num_users} users, {seq.num_items} items, {n} training samples "
+        f"({timings['sequences_s']:.1f} s)")
     if n == 0:
         raise DataprepError(f"{', '.join(paths)}: no user has the 4 events a training sample needs "
                             "(history, target, validation, test); give more data")
@@ -172,6 +181,8 @@ def build_shards(input: "str | list[str]", fmt: str, out: str, *, world_size: in
         st_random = balance.stats(balance.random_plan(cost, world_size=world_size, batch_size=batch_size,
                                                       seed=seed, tail=tail), cost)
     timings["balance_s"] = time.monotonic() - t
+    say(f"dataprep: {p.steps} steps balanced over {world_size} ranks, bubble {st['bubble_fraction']:.4f} "
+        f"(random shards: {st_random['bubble_fraction']:.4f}) ({timings['balance_s']:.1f} s)")
 
     rejects = list(seq.rejects)
     if p.dropped:
@@ -235,6 +246,7 @@ def build_shards(input: "str | list[str]", fmt: str, out: str, *, world_size: in
         }
         (tmp / schema.MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         _install(tmp, outp)
+        say(f"dataprep: wrote {len(files)} files to {outp} ({timings['write_s']:.1f} s)")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -523,3 +523,16 @@ def test_a_run_id_never_leaves_the_runs_folder(tmp_path, monkeypatch, run_id):
     folder = settings.run_folder("ftrec_train", run_id).resolve()
     assert folder.parent == (tmp_path / "work" / "runs" / "ftrec_train").resolve()
     assert ".." not in folder.name and folder.name not in (".", "")
+
+
+def test_build_step_reports_each_stage_as_it_goes(tmp_path):
+    from dataprep.synth import write_synthetic
+    src = write_synthetic(tmp_path / "ev.txt", users=300, items=100, seed=0)
+    lines: list[str] = []
+    spec = steps.ShardSpec(input=str(src), fmt="sasrec", out=str(tmp_path / "shards"), world_size=2, batch_size=8)
+    steps.build_shards(spec, log=lines.append)
+    assert [line.split()[1] for line in lines] == ["read", "300", lines[2].split()[1], "wrote"], lines
+    assert "steps balanced over 2 ranks" in lines[2] and "rejected" in lines[0] and "training samples" in lines[1]
+    lines.clear()
+    steps.build_shards(spec, log=lines.append)
+    assert len(lines) == 1 and "reused" in lines[0]

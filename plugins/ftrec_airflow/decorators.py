@@ -50,7 +50,7 @@ class BuildShardsOperator(DecoratedOperator):
     def execute(self, context) -> dict[str, Any]:
         spec = _spec(self, context, steps.ShardSpec)
         try:
-            summary = steps.build_shards(spec)
+            summary = steps.build_shards(spec, log=self.log.info)   # each stage in the task log as it ends
         except steps.UserError as e:
             raise AirflowFailException(str(e)) from None
         self.log.info("shard set %s: %s steps, %s samples, bubble %.4f%s", summary["path"],

@@ -112,7 +112,7 @@ def _summary(manifest: dict, path: str) -> dict[str, Any]:
     return out
 
 
-def build_shards(spec: ShardSpec) -> dict[str, Any]:
+def build_shards(spec: ShardSpec, log=None) -> dict[str, Any]:
     """Build the shard set unless the same one is already there; return its summary.
 
     dataprep itself returns an identical existing set without rebuilding; a set left by an
@@ -127,7 +127,7 @@ def build_shards(spec: ShardSpec) -> dict[str, Any]:
         return st and (st.st_ino, st.st_mtime_ns)
     before = identity()
     args = dict(world_size=spec.world_size, batch_size=spec.batch_size, seed=spec.seed,
-                max_len=spec.max_len, window_steps=spec.window_steps, quiet=True)
+                max_len=spec.max_len, window_steps=spec.window_steps, quiet=True, log=log)
     try:
         try:
             manifest = _build(spec.input, spec.fmt, str(out), **args)
