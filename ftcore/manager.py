@@ -329,10 +329,13 @@ class Manager:
 
     def _can_lease(self) -> bool:
         """Go on without the lighthouse: it has been silent (not merely slow to form a round:
-        it answers heartbeats at once), the last step committed in a quorum with nobody to
-        heal, and that quorum's lease has not run out."""
+        it answers heartbeats at once), the last step committed in a quorum of the whole job
+        (every group: none is down and waiting to rejoin, which only the lighthouse can let
+        it do, nor could the job end while one is away) with nobody to heal, and that
+        quorum's lease has not run out."""
         q = self._quorum
         return (q is not None and self._last_ok and not q["heal"] and time.monotonic() < self._lease_until
+                and len(q["groups"]) >= self.cfg.num_groups
                 and self.client.latest_quorum_id <= q["quorum_id"]
                 and (self._pg is not None or len(q["groups"]) == 1)
                 and self.client.silent_for() > timeouts.LIGHTHOUSE_SILENT)
