@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ftcore import auth, netaddr, timeouts
+from ftcore.pace import PaceJudge, PacePolicy
 
 
 @dataclass
@@ -66,6 +67,7 @@ class LighthouseConfig:
     events_file: str | None = None
     lease: float = timeouts.LEASE      # how long a granted quorum may be reused while this lighthouse is silent
     pause_grace: bool = True           # after a pause of its own, wait a heartbeat timeout before judging silence
+    pace: PacePolicy = field(default_factory=PacePolicy)   # fail-slow: exclude a group slower than its peers
 
 
 # Bounds on what a client may send: ids the lighthouse cannot plan for are refused at the door.
@@ -127,6 +129,8 @@ class Request:
     last_identity: list
     deliver: Callable[[dict[str, Any] | str], None]   # hands the reply to the waiter: a quorum (JSON text) or an error
     deadline: float = math.inf   # monotonic: past it the request is answered with a timeout
+    busy: tuple[int, float] | None = None   # (quorum id, seconds) of its last step's compute (ftcore/pace.py)
+    idle: int = -1   # the quorum id of its last step if nobody had work in it (only absent groups' is left)
 
 
 class StaleIncarnation(Exception):
@@ -155,6 +159,17 @@ def rank_fields(msg: dict[str, Any], num_groups: int) -> tuple[int, int, int, in
     if not (isinstance(store, str) and isinstance(heal, str) and len(store) <= 256 and len(heal) <= 256):
         raise ValueError("store and heal must be host:port strings")
     return g, world, r, inc, step, qid, store, heal
+
+
+def _busy_field(msg: dict[str, Any]) -> tuple[int, float] | None:
+    """A quorum request's [quorum id, seconds] of compute in its last step, or None."""
+    raw = msg.get("busy")
+    if raw is None:
+        return None
+    if not (isinstance(raw, list) and len(raw) == 2 and isinstance(raw[1], (int, float))
+            and not isinstance(raw[1], bool) and 0 <= raw[1] < 1e6):
+        raise ValueError(f"busy must be [quorum_id, seconds], got {raw!r}"[:200])
+    return _int({"quorum_id": raw[0]}, "quorum_id"), float(raw[1])
 
 
 def job_id(msg: dict[str, Any]) -> str:
@@ -190,6 +205,8 @@ class Job:
         self.healthy: set[int] = set()   # groups healthy at the last sweep (kept with Group.healthy)
         self.force_new = False  # a data-plane failure: the next quorum gets a new id, whoever is in it
         self.reports: dict[int, float] = {}  # quorum_id -> time of the first data-plane failure report
+        self.pace = PaceJudge(lh.cfg.pace)
+        self.excluded: dict[int, float] = {}   # fail-slow: group -> monotonic end of its standby
 
     def event(self, kind: str, **data: Any) -> None:
         self.lh.event(kind, job=self.name, **data)
@@ -298,7 +315,7 @@ class Job:
                     req.deliver({"error": f"replica group {g} lost rank {lost}; restart the group", "lost": True})
         if not self.pending:
             return
-        healthy = self.healthy
+        healthy = self.healthy - self.excluded.keys()   # a group on standby is not waited for, nor counted
         requesting = sorted(self.complete & healthy)
         round_start = self.round_start if self.round_start is not None else now
         if self.quorum:
@@ -337,6 +354,9 @@ class Job:
         if resumed is not None:
             quorum_id, epoch = resumed
         steps = {g: min(req.step for req in self.pending[g].values()) for g in members}
+        busy = self._busy(members)
+        idle = self.quorum is not None and all(r.idle == self.quorum["quorum_id"]
+                                               for g in members for r in self.pending[g].values())
         # Only members of the previous quorum may serve state. A group that was left out
         # (hung, cut off) may have committed a step the others discarded: it heals even
         # at an equal step. After a lighthouse restart, trust the latest reported quorum.
@@ -387,6 +407,45 @@ class Job:
             self.event("quorum_formed", quorum_id=quorum_id, groups=members, max_step=max_step, heal=heal)
         for g in healers:
             self.event("heal_assigned", group=g, source=heal[str(g)], step=max_step, quorum_id=quorum_id)
+        if idle and self.excluded:   # the work left is the excluded groups' own: let them do it
+            self.excluded = dict.fromkeys(self.excluded, 0.0)
+        self._judge_pace(busy, members)
+
+    # ---- fail-slow --------------------------------------------------------------------
+    def _busy(self, members: list[int]) -> dict[int, float]:
+        """Each member's compute in the step it just finished in the current quorum (its slowest
+        rank's), for members that all ran that step in it and nobody healed: comparable figures."""
+        if self.quorum is None or self.quorum["heal"]:
+            return {}
+        qid, out = self.quorum["quorum_id"], {}
+        for g in members:
+            figures = [r.busy[1] for r in self.pending[g].values() if r.busy is not None and r.busy[0] == qid]
+            if len(figures) == self.groups[g].world:
+                out[g] = max(figures)
+        return out if len(out) == len(members) else {}
+
+    def _judge_pace(self, busy: dict[int, float], members: list[int]) -> None:
+        self.pace.observe(busy)
+        verdict = self.pace.judge(members, {g: self.groups[g].incarnation for g in members}, self.min_replicas,
+                                  len(self.excluded))
+        if verdict is not None:
+            self.excluded[verdict.group] = time.monotonic() + verdict.probation_s
+            self.event("group_excluded", group=verdict.group, incarnation=self.groups[verdict.group].incarnation,
+                       reason="slower than its peers", ratio=verdict.ratio, busy_s=verdict.busy_s,
+                       window=self.cfg.pace.window, probation_s=verdict.probation_s)
+
+    def _standby(self, grp: Group, now: float) -> dict[str, Any] | None:
+        """The answer to a quorum request of an excluded group while its probation lasts."""
+        until = self.excluded.get(grp.group)
+        if until is None:
+            return None
+        if now < until and not self.finished_step:   # once the job ends there is nothing to wait for
+            return {"standby": True, "retry_s": round(min(until - now, 1.0), 3),
+                    "reason": f"excluded as slower than its peers for {until - now:.1f}s more"}
+        del self.excluded[grp.group]
+        self.pace.forget(grp.group)
+        self.event("group_readmitted", group=grp.group, incarnation=grp.incarnation)
+        return None
 
     def enqueue(self, msg: dict[str, Any], deliver: Callable[[dict[str, Any] | str], None],
                 timeout: float) -> Request:
@@ -394,15 +453,20 @@ class Job:
         (maybe at once: this arrival may complete the round; the ticker does the rest), or a
         timeout error after `timeout` seconds."""
         with self.lock:
-            grp, _ = self._rank(msg)
-            now = time.monotonic()
             identity = msg.get("quorum_identity") or []
             epoch = msg.get("quorum_epoch") or ""
             if not (isinstance(identity, list) and len(identity) <= MAX_GROUPS and isinstance(epoch, str)
                     and len(epoch) <= 64):
                 raise ValueError("quorum_identity must be a list of [group, incarnation], quorum_epoch a string")
+            busy, idle = _busy_field(msg), _int(msg, "idle", -1, lo=-1)
+            grp, _ = self._rank(msg)
+            now = time.monotonic()
             req = Request(grp.group, int(msg["rank"]), grp.incarnation, int(msg.get("step", 0)), now,
-                          int(msg.get("quorum_id", 0)), epoch, identity, deliver, now + timeout)
+                          int(msg.get("quorum_id", 0)), epoch, identity, deliver, now + timeout, busy, idle)
+            standby = self._standby(grp, now)
+            if standby is not None:
+                deliver(standby)
+                return req
             self.next_deadline = min(self.next_deadline, req.deadline)
             reqs = self.pending.setdefault(grp.group, {})
             old = reqs.get(req.rank)
@@ -497,6 +561,7 @@ class Job:
                 "groups": [
                     {"group": g.group, "incarnation": g.incarnation, "healthy": g.healthy, "left": g.left,
                      "step": g.step, "ranks": len(g.ranks), "world": g.world,
+                     "standby_s": round(max(self.excluded[g.group] - now, 0.0), 2) if g.group in self.excluded else None,
                      "last_beat_age_s": max((now - r.last_beat for r in g.ranks.values()), default=None)}
                     for g in sorted(self.groups.values(), key=lambda g: g.group)
                 ],
@@ -603,7 +668,8 @@ class Lighthouse:
 def _status_html(st: dict[str, Any]) -> str:
     e = html.escape
     rows = "".join(
-        f"<tr><td>{e(str(g['group']))}</td><td>{e(str(g['incarnation']))}</td><td>{'yes' if g['healthy'] else 'no'}</td>"
+        f"<tr><td>{e(str(g['group']))}</td><td>{e(str(g['incarnation']))}</td>"
+        f"<td>{'standby (slow)' if g.get('standby_s') else 'yes' if g['healthy'] else 'no'}</td>"
         f"<td>{e(str(g['step']))}</td><td>{e(str(g['ranks']))}/{e(str(g['world']))}</td></tr>" for g in st["groups"])
     q = st["quorum"] or {}
     evs = "".join(f"<li>{time.strftime('%H:%M:%S', time.localtime(float(ev.get('t', 0))))} "
@@ -846,7 +912,7 @@ class LighthouseServer:
             if isinstance(reply, str):
                 conn.reply(200, reply)
             else:
-                conn.reply(409 if reply.get("error") == "stale incarnation" else
+                conn.reply(200 if reply.get("standby") else 409 if reply.get("error") == "stale incarnation" else
                            410 if reply.get("lost") or reply.get("finished") else 504, reply)
 
         def deliver(reply: dict[str, Any] | str) -> None:   # under the job's lock: the ticker's thread or this loop's
@@ -889,9 +955,22 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds a group may go on in its last quorum while this lighthouse is silent (0: never)")
     p.add_argument("--no-pause-grace", action="store_true",
                    help="judge heartbeat timeouts at once after this process was paused (for comparison only)")
+    pace = PacePolicy()
+    p.add_argument("--slow-ratio", type=float, default=pace.ratio,
+                   help="fail-slow: exclude a group whose compute is this many times its peers' (0: never; "
+                        "FTCORE_SLOW_RATIO)")
+    p.add_argument("--slow-window", type=int, default=pace.window,
+                   help="... for this many consecutive rounds (FTCORE_SLOW_WINDOW)")
+    p.add_argument("--slow-probation", type=float, default=pace.probation_s,
+                   help="seconds an excluded group waits before it may rejoin; doubles each time (FTCORE_SLOW_PROBATION)")
     a = p.parse_args(argv)
     if a.min_replicas < 1:
         print("ftcore.lighthouse: --min-replicas must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        pace = PacePolicy(a.slow_ratio, a.slow_window, a.slow_probation, pace.min_excess_s).check()
+    except ValueError as e:
+        print(f"ftcore.lighthouse: {e}", file=sys.stderr)
         return 2
     token = auth.read_token_file(a.token_file) if a.token_file else auth.token_from_env()
     if token is None and not a.insecure:
@@ -904,7 +983,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     cfg = LighthouseConfig(a.bind, a.min_replicas, a.expected_replicas, a.join_timeout, a.heartbeat_timeout,
                            token=token, events_file=a.events_file, lease=max(a.lease, 0.0),
-                           pause_grace=not a.no_pause_grace)
+                           pause_grace=not a.no_pause_grace, pace=pace)
     try:
         server, lh = serve(cfg)
     except OSError as e:

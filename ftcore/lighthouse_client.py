@@ -34,6 +34,15 @@ class JobFinished(Replaced):
     """The job's training ended before this group could rejoin it: exit cleanly, writing nothing."""
 
 
+class Standby(LighthouseError):
+    """The lighthouse holds this group out of the quorum for now (fail-slow, ftcore/pace.py):
+    ask again after `retry_s`; the group is alive and will rejoin through a heal."""
+
+    def __init__(self, reason: str, retry_s: float):
+        super().__init__(reason)
+        self.retry_s = retry_s
+
+
 def _split(addr: str) -> tuple[str, int]:
     host, _, port = addr.removeprefix("http://").rstrip("/").rpartition(":")
     return host or "127.0.0.1", int(port)
@@ -137,6 +146,8 @@ class LighthouseClient:
                 self._qconn = None
                 time.sleep(min(0.05, max(left, 0)))
                 continue
+            if status == 200 and isinstance(body, dict) and body.get("standby"):
+                raise Standby(str(body.get("reason", "standby")), max(0.01, min(float(body.get("retry_s", 1.0)), 5.0)))
             if status == 200:
                 # A new quorum holds only members the lighthouse found healthy: what an older
                 # heartbeat said had failed is superseded (heartbeats pause while steps are short).

@@ -15,7 +15,9 @@ fail (should_commit() is False) and the trainer retries the same batch. While th
 lighthouse is silent, a step whose group committed the last one in an unchanged quorum
 runs in that quorum on its lease (timeouts.LEASE) instead of waiting. Data-plane
 errors are reported to the lighthouse at once so the survivors re-form without
-waiting for a heartbeat timeout.
+waiting for a heartbeat timeout. Each quorum request carries the compute time of the
+group's last step (fail-slow, ftcore/pace.py); a group the lighthouse holds out as slow
+gets `Standby`: its steps fail without an error report until it is readmitted and heals.
 """
 
 import datetime
@@ -36,7 +38,7 @@ from ftcore import faults as faults_mod
 from ftcore import netaddr, timeouts
 from ftcore.ftar import DEFAULT_BUCKET_BYTES, FTARError, ftar
 from ftcore.heal import HealServer, fetch
-from ftcore.lighthouse_client import LighthouseClient, LighthouseError, Replaced
+from ftcore.lighthouse_client import LighthouseClient, LighthouseError, Replaced, Standby
 
 LR_POLICIES = ("none", "linear", "sqrt")
 # A group that has not committed for this long gives up (its process exits non-zero and
@@ -209,6 +211,8 @@ class Manager:
         self._has_work = True
         self._t_quorum = self._t_allreduce = 0.0
         self._last_commit = time.monotonic()
+        self._busy: list | None = None    # [quorum id, seconds] of the last step's compute, for the lighthouse
+        self._standby_until = 0.0         # monotonic: held out as slow (Standby) until then
         self.healed_step: int | None = None  # set by should_commit() when this step loaded a peer's state
         self.records: list[StepRecord] = []
         if cfg.records:   # named after the incarnation, which may only now be agreed
@@ -233,12 +237,14 @@ class Manager:
         self._leased = False
         self._t0 = time.monotonic()
         self.client.info["step"] = self.step
+        self.client.info["busy"], self._busy = self._busy, None   # fail-slow figures ride on the request
         self._round += 1
         self._quorum_fut = self._pool.submit(self._run_quorum, self._round)
 
     def _run_quorum(self, round_: int) -> dict[str, Any] | None:
         if round_ != self._round:
             return None   # a later step asked already (this one ran on a lease): nothing to do
+        time.sleep(max(self._standby_until - time.monotonic(), 0.0))
         q = self.client.quorum()
         if round_ != self._round:
             return None   # answered after its step went on without it: no side effects
@@ -322,6 +328,12 @@ class Manager:
                         raise
         except Replaced:
             raise
+        except Standby as e:   # held out as slow: alive, not stuck; the step fails and is retried later
+            self._quorum = None
+            self._standby_until = self._last_commit = time.monotonic()
+            self._standby_until += e.retry_s
+            self._errors.append(f"standby: {e}")
+            return None
         except Exception as e:  # LighthouseError, store/PG construction errors, timeouts
             self._quorum = None
             self._fail(f"quorum: {type(e).__name__}: {e}", report=not isinstance(e, LighthouseError))
@@ -378,6 +390,8 @@ class Manager:
             local_error = True
             self._errors.append(str(e))
         contribute = self._has_work and not self.healing
+        if contribute:   # this step's compute, from its start to here: what fail-slow compares
+            self._busy = [q["quorum_id"], round(time.monotonic() - self._t0, 6)]
         try:
             # a healing group joins at the step it is about to receive
             step = q["max_step"] if self._heal_fut is not None else self.step
@@ -420,6 +434,8 @@ class Manager:
                 self._fail(f"heal: {type(e).__name__}: {e}")
         participants = len(q["groups"]) if q else 0
         ok = not self._errors and participants >= self.cfg.min_replicas and self._contributors > 0
+        # Nobody had work (only an absent group's make-up is left): the lighthouse ends its standby.
+        self.client.info["idle"] = q["quorum_id"] if q and not self._errors and not self._contributors else -1
         ok = self._group_vote(ok, q["quorum_id"] if q else -1)
         lr = self.lr_scale()
         self._last_ok = ok

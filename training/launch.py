@@ -582,6 +582,8 @@ def per_group(events: list[dict], steps: list[dict], restarts: dict[int, int]) -
         out[f"group{g}/committed_steps"] = len({s["step"] for s in steps if s.get("group") == g and s.get("committed")})
         out[f"group{g}/heals"] = sum(1 for e in events if e.get("kind") == "heal_finished" and e.get("group") == g
                                      and e.get("rank", 0) == 0)
+        out[f"group{g}/slow_exclusions"] = sum(1 for e in events if e.get("kind") == "group_excluded"
+                                               and e.get("group") == g)
     return out
 
 
