@@ -8,12 +8,26 @@ Formats (pyarrow only on the hot path):
 
 Whitespace formats are parsed by pyarrow's CSV reader when every line is clean;
 on any parse error the reader falls back to a line-by-line tokenizer that rejects
-only the bad lines, each with its 1-based line number and a reason.
+only the bad lines, each with its 1-based line number and a reason. Ids there are
+integers 0 .. 2**63-1 (others: negative_id, non_integer_id, id_out_of_range); a
+movielens .dat timestamp is an integer (else bad_timestamp).
+
+CSV events (and movielens ratings.csv) are read as strings and typed here, so one bad
+row costs that row: wrong field count (malformed_line), bytes that are not UTF-8
+(not_utf8), an empty value (missing_value), a time not of the column's kind
+(bad_timestamp; see _parse_times: epoch integers, epoch seconds with a fraction, or
+ISO-8601). Ids are int64 when every id of the column is one, else opaque strings, so
+an id above int64 is kept exactly (Parquet uint64 too). Parquet: typed columns are
+used as they are; a string time column is parsed like CSV's, row by row; a time column
+of another type, or a file pyarrow cannot read, is an error naming file and column.
+
 Bad rows become rejects; problems with a whole file (missing, empty, missing
-column) raise DataprepError naming the file and what to do.
+column, not readable) raise DataprepError naming the file and what to do.
 """
 
+import csv
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,7 +41,8 @@ from dataprep.errors import DataprepError
 from dataprep.schema import REJECTS_SCHEMA
 
 FORMATS = ("sasrec", "iclrec", "movielens", "events")
-_INT_TOKEN = r"^[0-9]{1,18}$"  # fits int64; longer digit strings are rejected as non_integer_id
+_INT_TOKEN = r"^[0-9]{1,18}$"  # fits int64 (19 digits are checked against _INT64_MAX; more: id_out_of_range)
+_INT64_MAX = str(2 ** 63 - 1)
 _NEG_TOKEN = r"^-[0-9]+$"
 
 
@@ -102,6 +117,15 @@ def _read_lines(path: str) -> tuple[pa.StringArray, np.ndarray]:
         return pa.array(text, pa.string()), invalid
 
 
+def _fill(mask) -> np.ndarray:
+    """A boolean pyarrow array as numpy, null read as False."""
+    return np.asarray(pc.fill_null(mask, False).to_numpy(zero_copy_only=False), bool)
+
+
+def _match(a: pa.Array, pattern: str) -> np.ndarray:
+    return _fill(pc.match_substring_regex(a, pattern))
+
+
 class _Tokens:
     """Lines split into tokens, with bad lines identified and rejected."""
 
@@ -150,16 +174,16 @@ class _Tokens:
             vals = pc.cast(flat, pa.int64()).to_numpy()
             ok_tok = vals >= 0
         except pa.ArrowInvalid:
-            ok_tok = np.asarray(pc.match_substring_regex(flat, _INT_TOKEN).to_numpy(zero_copy_only=False), dtype=bool)
+            ok_tok = _match(flat, _INT_TOKEN) | (_match(flat, r"^[0-9]{19}$") &  # 19 digits: compare as text
+                                                  _fill(pc.less_equal(flat, _INT64_MAX)))
             vals = None
         if not ok_tok.all():
-            neg = np.asarray(pc.match_substring_regex(flat, _NEG_TOKEN).to_numpy(zero_copy_only=False), dtype=bool)
-            bad_neg = np.zeros(self.num_lines, bool)
-            bad_neg[line_of_tok[~ok_tok & neg]] = True
-            bad_other = np.zeros(self.num_lines, bool)
-            bad_other[line_of_tok[~ok_tok & ~neg]] = True
-            self.reject(bad_neg, "negative_id", "ids must be integers >= 0")
-            self.reject(bad_other, "non_integer_id", "ids must be integers >= 0")
+            by_reason = {"negative_id": _match(flat, _NEG_TOKEN), "id_out_of_range": _match(flat, r"^[0-9]+$")}
+            by_reason["non_integer_id"] = ~by_reason["negative_id"] & ~by_reason["id_out_of_range"]
+            for reason, m in by_reason.items():
+                lines = np.zeros(self.num_lines, bool)
+                lines[line_of_tok[~ok_tok & m]] = True
+                self.reject(lines, reason, f"ids must be integers from 0 to {_INT64_MAX}")
         if vals is None:
             keep_tok = ~self.bad[line_of_tok]
             vals = np.zeros(len(flat), np.int64)
@@ -185,9 +209,17 @@ def _token_events(path: str, separator: str | None, kind: str) -> tuple[dict, li
         tk.reject((tk.ntok != want) & ~tk.blank, "malformed_line", f"expected {want} fields")
     else:  # iclrec: user and at least one item
         tk.reject((tk.ntok < 2) & ~tk.blank, "malformed_line", "expected `user item [item ...]`")
-    vals = tk.ints(skip=(2,) if kind == "movielens" else ())  # movielens: the rating may be fractional
+    vals = tk.ints(skip=(2, 3) if kind == "movielens" else ())  # movielens: the rating may be fractional
     raw_n = tk.ntok_raw()
     offsets = np.concatenate([[0], np.cumsum(raw_n)])
+    if kind == "movielens":  # the timestamp: an integer (epoch seconds), else a bad_timestamp row
+        four = np.flatnonzero(~tk.bad)
+        t, bad_t, _ = _parse_times(pc.take(pc.list_flatten(tk.tokens), pa.array(offsets[four] + 3)), int_only=True)
+        lines_bad = np.zeros(n, bool)
+        lines_bad[four[bad_t]] = True
+        tk.reject(lines_bad, "bad_timestamp", "the timestamp must be an integer (epoch seconds)")
+        ts_all = np.zeros(n, np.int64)
+        ts_all[four] = pc.fill_null(t, 0).to_numpy()
     good = ~tk.bad
     gl = np.flatnonzero(good)
     if kind == "sasrec":
@@ -198,7 +230,7 @@ def _token_events(path: str, separator: str | None, kind: str) -> tuple[dict, li
     elif kind == "movielens":
         user = vals[offsets[gl]]
         item = vals[offsets[gl] + 1]
-        ts = vals[offsets[gl] + 3]
+        ts = ts_all[gl]
         line = gl + 1
     else:  # iclrec: each line expands to ntok-1 events
         per = raw_n[gl] - 1
@@ -239,69 +271,280 @@ def _read_sasrec(path: str) -> tuple[dict, list, dict]:
              "line": np.arange(1, n + 1, dtype=np.int64)}, [], {"lines": n, "blank_lines": 0})
 
 
-def _find_col(names: list[str], wanted: str, aliases: tuple[str, ...], path: str, flag: str,
-              all_names: list[str] | None = None) -> str:
+def _find_col(names: list[str], wanted: str, aliases: tuple[str, ...], path: str, flag: str) -> str:
     for c in (wanted, *aliases):
         if c in names:
             return c
-    raise DataprepError(f"{path}: no column {wanted!r} (columns: {', '.join(all_names or names)}); "
+    raise DataprepError(f"{path}: no column {wanted!r} (columns: {', '.join(names)}); "
                         f"set {flag} to the right name")
 
 
-def _as_id(arr: pa.ChunkedArray, path: str, col: str) -> pa.Array:
+def _event_cols(names: list[str], user_col: str, item_col: str, time_col: str, defaults: bool,
+                path: str) -> tuple[str, str, str]:
+    ua = ("user", "userId", "userid", "uid") if defaults else ()
+    ia = ("item", "itemId", "movieId", "itemid", "iid") if defaults else ()
+    ta = ("time", "ts", "timestamp", "event_time") if defaults else ()
+    return (_find_col(names, user_col, ua, path, "--user-col"), _find_col(names, item_col, ia, path, "--item-col"),
+            _find_col(names, time_col, ta, path, "--time-col"))
+
+
+def _cast_rows(a: pa.Array, typ: pa.DataType) -> tuple[pa.Array, np.ndarray]:
+    """`a` cast to `typ`, and which values cast (the others read as null). One vectorized cast
+    when all do; else halves until the few bad ones are found (callers pre-filter by shape)."""
+    try:
+        return a.cast(typ), np.ones(len(a), bool)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        if len(a) <= 1:
+            return pa.nulls(len(a), typ), np.zeros(len(a), bool)
+        h = len(a) // 2
+        (x, ox), (y, oy) = _cast_rows(a.slice(0, h), typ), _cast_rows(a.slice(h), typ)
+        return pa.concat_arrays([x, y]), np.concatenate([ox, oy])
+
+
+_TIME_INT = r"^[+-]?[0-9]{1,19}$"
+_TIME_NUM = r"^[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?$"
+_TIME_ISO = r"^[0-9]{4}-[0-9]{2}-[0-9]{2}([T ][0-9]{2}(:[0-9]{2}(:[0-9]{2}(\.[0-9]{1,9})?)?)?)?(Z|[+-][0-9]{2}(:?[0-9]{2})?)?$"
+_TIME_ZONE = r"[T ][0-9:.]+(Z|[+-][0-9]{2}(:?[0-9]{2})?)$"
+
+
+def _parse_times(s: pa.Array, int_only: bool = False) -> tuple[pa.Array, np.ndarray, str]:
+    """String timestamps -> int64, row by row. Returns the values (null where missing or bad),
+    which rows are bad, and what a good value looks like. A column holds one kind of time:
+    ISO-8601 if more of its values are that than numbers (-> microseconds, UTC; times without a zone
+    read as UTC), else numbers: integers if all are (epoch, any unit, kept as they are), else seconds
+    with a fraction (-> microseconds). A value not of the column's kind is a bad row."""
+    s = pc.utf8_trim_whitespace(s)
+    n = len(s)
+    for typ in (pa.int64(),) if int_only else (pa.int64(), pa.timestamp("us")):
+        try:   # a clean column: one cast, no per-row work
+            return s.cast(typ).cast(pa.int64()), np.zeros(n, bool), ""
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+            pass
+    vals, ok = np.zeros(n, np.int64), np.zeros(n, bool)
+    is_int, is_num = _match(s, _TIME_INT), _match(s, _TIME_NUM)
+    is_iso = np.zeros(n, bool) if int_only else _match(s, _TIME_ISO)
+
+    def put(mask, typ):
+        v, good = _cast_rows(pc.filter(s, pa.array(mask)), typ)
+        vals[mask] = pc.fill_null(v.cast(pa.int64()), 0).to_numpy()
+        ok[mask] = good
+
+    if is_iso.sum() > is_num.sum():
+        zoned = is_iso & _match(s, _TIME_ZONE)
+        put(is_iso & ~zoned, pa.timestamp("us"))
+        put(zoned, pa.timestamp("us", tz="UTC"))
+        what = "an ISO-8601 time like the column's others"
+    elif int_only or is_int.sum() == is_num.sum():
+        put(is_int, pa.int64())   # 19 digits may still overflow: _cast_rows finds those
+        what = "an integer (epoch) like the column's others"
+    else:
+        us = np.round(pc.filter(s, pa.array(is_num)).cast(pa.float64()).to_numpy() * 1e6)
+        fits = np.isfinite(us) & (np.abs(us) < 2.0 ** 63)
+        vals[is_num] = np.where(fits, us, 0).astype(np.int64)
+        ok[is_num] = fits
+        what = "a number (epoch seconds) like the column's others"
+    null = np.asarray(s.is_null().to_numpy(zero_copy_only=False), bool)
+    bad = ~ok & ~null
+    return pa.array(vals, mask=~ok), bad, what
+
+
+def _as_id(arr, path: str, col: str) -> pa.Array:
     a = arr.combine_chunks() if isinstance(arr, pa.ChunkedArray) else arr
     if pa.types.is_dictionary(a.type):
         a = a.cast(a.type.value_type)
     if pa.types.is_integer(a.type):
-        return a.cast(pa.int64())
+        try:
+            return a.cast(pa.int64())
+        except pa.ArrowInvalid:   # uint64 above int64: ids are opaque, keep them exact as text
+            return a.cast(pa.string())
     if pa.types.is_string(a.type) or pa.types.is_large_string(a.type):
         return a.cast(pa.string())
     if pa.types.is_floating(a.type):
         vals = a.to_numpy(zero_copy_only=False)
         finite = np.isfinite(vals)
-        if (vals[finite] == np.round(vals[finite])).all():
-            return pa.array(np.where(finite, vals, 0).astype(np.int64), mask=~finite | np.asarray(a.is_null()))
-        raise DataprepError(f"{path}: column {col!r} holds non-integer numbers (for example {vals[finite][vals[finite] != np.round(vals[finite])][0]}); ids must be integers or strings")
+        v = vals[finite]
+        frac = v[v != np.round(v)]
+        if len(frac):
+            raise DataprepError(f"{path}: column {col!r} holds non-integer numbers (for example {frac[0]}); ids must be integers or strings")
+        if (np.abs(v) >= 2.0 ** 63).any():
+            raise DataprepError(f"{path}: column {col!r} holds numbers beyond int64 (for example {v[np.abs(v) >= 2.0 ** 63][0]:g}); "
+                                "store large ids as integers or strings, not floats")
+        return pa.array(np.where(finite, vals, 0).astype(np.int64), mask=~finite | np.asarray(a.is_null()))
     raise DataprepError(f"{path}: column {col!r} has type {a.type}; ids must be integers or strings")
 
 
-def _as_time(arr: pa.ChunkedArray, path: str, col: str) -> pa.Array:
+def _csv_ids(a: pa.Array) -> pa.Array:
+    """CSV ids typed as pyarrow would infer them, but never lossily: int64 when every id is one,
+    whole floats as integers (see _as_id); else opaque strings (an id above int64 stays exact)."""
+    try:
+        return a.cast(pa.int64())
+    except pa.ArrowInvalid:
+        pass
+    if not pc.all(pc.match_substring_regex(a, r"^[+-]?[0-9]+$")).as_py():
+        try:
+            return a.cast(pa.float64())
+        except pa.ArrowInvalid:
+            pass
+    return a
+
+
+def _as_time(arr, path: str, col: str) -> tuple[pa.Array, np.ndarray, str]:
+    """Timestamps as int64 (nulls kept) and the rows whose value is not a time (strings only)."""
     a = arr.combine_chunks() if isinstance(arr, pa.ChunkedArray) else arr
+    if pa.types.is_dictionary(a.type):
+        a = a.cast(a.type.value_type)
     t = a.type
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        return _parse_times(a.cast(pa.string()))
+    none = np.zeros(len(a), bool)
     try:
         if pa.types.is_timestamp(t):
-            return a.cast(pa.timestamp("us")).cast(pa.int64())
+            return a.cast(pa.timestamp("us")).cast(pa.int64()), none, ""
         if pa.types.is_date(t):
-            return a.cast(pa.timestamp("s")).cast(pa.int64())
+            return a.cast(pa.timestamp("s")).cast(pa.int64()), none, ""
         if pa.types.is_integer(t):
-            return a.cast(pa.int64())
+            return a.cast(pa.int64()), none, ""
         if pa.types.is_floating(t):
-            return pc.round(pc.multiply(a, 1e6)).cast(pa.int64())  # fractional seconds kept to the microsecond
-        if pa.types.is_string(t) or pa.types.is_large_string(t):
-            return a.cast(pa.timestamp("us")).cast(pa.int64())
+            return pc.round(pc.multiply(a, 1e6)).cast(pa.int64()), none, ""  # fractional seconds kept to the microsecond
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
         raise DataprepError(f"{path}: column {col!r} is not a readable timestamp ({str(e).splitlines()[0]}); "
                             "use integers (epoch) or ISO-8601 times") from None
-    raise DataprepError(f"{path}: column {col!r} has type {t}; timestamps must be integers, floats, dates or times")
+    raise DataprepError(f"{path}: column {col!r} has type {t}; timestamps must be integers, floats, dates, "
+                        "times or strings of those")
 
 
-def _table_events(path: str, table: pa.Table, user_col: str, item_col: str, time_col: str,
-                  defaults: bool, all_names: list[str] | None = None) -> tuple[dict, list, dict]:
-    names = table.column_names
-    ua = ("user", "userId", "userid", "uid") if defaults else ()
-    ia = ("item", "itemId", "movieId", "itemid", "iid") if defaults else ()
-    ta = ("time", "ts", "timestamp", "event_time") if defaults else ()
-    uc = _find_col(names, user_col, ua, path, "--user-col", all_names)
-    ic = _find_col(names, item_col, ia, path, "--item-col", all_names)
-    tc = _find_col(names, time_col, ta, path, "--time-col", all_names)
-    user = _as_id(table.column(uc), path, uc)
-    item = _as_id(table.column(ic), path, ic)
-    ts = _as_time(table.column(tc), path, tc)
-    n = len(user)
-    line0 = 2 if path.endswith(".csv") or path.endswith(".csv.gz") else 1  # header line
-    rows = np.arange(n, dtype=np.int64)
-    bad = np.zeros(n, bool)
+def _csv_header(path: str, delimiter: str) -> list[str]:
+    with pa.input_stream(path) as f:   # decompresses .gz
+        head = f.read(1 << 20)
+    first = head.split(b"\n", 1)[0].rstrip(b"\r").decode("utf-8-sig", errors="replace")
+    return next(csv.reader([first], delimiter=delimiter)) if first.strip() else []
+
+
+def _read_csv(path: str, delimiter: str, cols: tuple[str, ...]) -> tuple[pa.Table, np.ndarray, list, np.ndarray]:
+    """The three event columns of a CSV as strings: (table, each row's line number, rejected rows,
+    which rows are not UTF-8). A row with the wrong number of fields is rejected (malformed_line),
+    one with bytes that are not UTF-8 in an event column too (not_utf8); the rest is read.
+    Line = 1-based record number, header = 1 (the physical line unless a quoted value spans
+    lines); blank lines are kept as records so that the numbers stay right."""
+    def attempt(source, threads):
+        bad = []
+
+        def skip(row):
+            bad.append(row)
+            return "skip"
+        t = pcsv.read_csv(
+            source,
+            read_options=pcsv.ReadOptions(use_threads=threads, block_size=1 << 24),
+            parse_options=pcsv.ParseOptions(delimiter=delimiter, ignore_empty_lines=False, invalid_row_handler=skip),
+            convert_options=pcsv.ConvertOptions(include_columns=list(cols), column_types={c: pa.string() for c in cols},
+                                                strings_can_be_null=True))
+        return t, bad
+
+    replaced = False
+    hook = sys.unraisablehook
+    # pyarrow decodes a bad row's text before it calls the handler: bytes that are not UTF-8 make that
+    # fail, printed as "Exception ignored ..." (a traceback) before the read fails; we read again below
+    sys.unraisablehook = lambda u: None if isinstance(u.exc_value, UnicodeDecodeError) else hook(u)
+    try:
+        t, bad = attempt(path, True)
+        if bad:   # only a serial read numbers the bad rows
+            t, bad = attempt(path, False)
+    except pa.ArrowInvalid:
+        # pyarrow can neither hand over a bad row nor fill a string column holding bytes that are
+        # not UTF-8: read again with those bytes replaced (U+FFFD) and reject the rows holding one
+        with pa.input_stream(path) as f:   # decompresses .gz
+            buf = pa.py_buffer(f.read().decode("utf-8", errors="replace").encode())
+        try:
+            t, bad = attempt(buf, False)
+        except pa.ArrowInvalid as e:
+            raise DataprepError(f"{path}: cannot read as CSV events ({str(e).splitlines()[0]}); "
+                                "check --format and the file") from None
+        replaced = True
+    finally:
+        sys.unraisablehook = hook
+    invalid = np.zeros(t.num_rows, bool)
+    if replaced:
+        for c in cols:
+            invalid |= _match(t.column(c).combine_chunks(), "\ufffd")
     rejects = []
+    for reason in ("malformed_line", "not_utf8"):
+        rows = [r for r in bad if ("\ufffd" in r.text) == (reason == "not_utf8")]
+        if rows:
+            rejects.append(_reject_table(path, [r.number for r in rows], reason, [
+                f"expected {r.expected_columns} fields, got {r.actual_columns}: {r.text[:80]!r}" for r in rows]))
+    keep = np.ones(t.num_rows + len(bad) + 2, bool)   # index = line number
+    keep[:2] = False
+    keep[[r.number for r in bad]] = False
+    return t, np.flatnonzero(keep), rejects, invalid
+
+
+def _read_parquet(path: str, user_col: str, item_col: str, time_col: str, defaults: bool) -> tuple[pa.Table, tuple]:
+    dataset = None
+    try:
+        dataset = pds.dataset(path, format="parquet")
+        cols = _event_cols(dataset.schema.names, user_col, item_col, time_col, defaults, path)
+        return dataset.to_table(columns=list(cols)), cols
+    except (OSError, ValueError) as e:
+        # pyarrow reports bad content as ArrowInvalid / OSError without errno / UnicodeDecodeError;
+        # an OSError with errno (permissions, I/O) is not the file's content: the caller reports it
+        if isinstance(e, OSError) and e.errno is not None:
+            raise
+        name = path
+        if dataset is not None and Path(path).is_dir():   # which file of the folder (error path only)
+            name = next((f for f in dataset.files if not _parquet_readable(f)), path)
+        raise DataprepError(f"{name}: not a readable Parquet file ({str(e).splitlines()[0]}); it may be "
+                            "truncated, still being written or not Parquet; check the file and --format") from None
+
+
+def _parquet_readable(f: str) -> bool:
+    try:
+        pds.dataset(f, format="parquet").to_table()
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def _read_events(path: str, user_col: str, item_col: str, time_col: str, defaults: bool) -> tuple[dict, list, dict]:
+    is_csv = path.endswith((".csv", ".csv.gz", ".tsv"))
+    rejects, invalid = [], None
+    if is_csv:
+        delimiter = "\t" if path.endswith(".tsv") else ","
+        try:
+            names = _csv_header(path, delimiter)
+            if not names:
+                raise DataprepError(f"{path}: empty file; nothing to read (give a file with interactions)")
+            cols = _event_cols(names, user_col, item_col, time_col, defaults, path)
+            table, line, rejects, invalid = _read_csv(path, delimiter, cols)
+        except (OSError, ValueError) as e:   # e.g. a truncated .gz (an OSError with errno is the system's: raised)
+            if isinstance(e, OSError) and e.errno is not None:
+                raise
+            raise DataprepError(f"{path}: cannot read as CSV events ({str(e).splitlines()[0]}); check --format and the file") from None
+    else:
+        table, cols = _read_parquet(path, user_col, item_col, time_col, defaults)
+        line = np.arange(1, table.num_rows + 1, dtype=np.int64)
+    if table.num_rows == 0 and not rejects:
+        raise DataprepError(f"{path}: no rows; nothing to read (give a file with interactions)")
+    return _table_events(path, table, cols, line, rejects, invalid, is_csv)
+
+
+def _table_events(path: str, table: pa.Table, cols: tuple[str, str, str], line: np.ndarray, rejects: list,
+                  invalid: "np.ndarray | None", is_csv: bool) -> tuple[dict, list, dict]:
+    uc, ic, tc = cols
+    raw = [table.column(c).combine_chunks() for c in cols]
+    n = table.num_rows
+    blank = np.zeros(n, bool)
+    if is_csv:   # strings: trimmed, "" is missing; a row with none of the three is a blank line
+        # values of rows that are not UTF-8 are dropped first: they must not make a column text
+        drop = pa.array(invalid)
+        raw = [pc.if_else(pc.or_kleene(pc.equal(a, ""), drop), pa.scalar(None, pa.string()), a)
+               for a in (pc.utf8_trim_whitespace(a) for a in raw)]
+        blank = np.logical_and.reduce([np.asarray(a.is_null().to_numpy(zero_copy_only=False), bool) for a in raw]) & ~invalid
+        raw[0], raw[1] = _csv_ids(raw[0]), _csv_ids(raw[1])
+    user = _as_id(raw[0], path, uc)
+    item = _as_id(raw[1], path, ic)
+    ts, bad_ts, ts_what = _as_time(raw[2], path, tc)
+    skipped = sum(r.num_rows for r in rejects)   # rows the CSV reader rejected
+    bad = blank.copy()
 
     def reject(mask, reason, detail):
         nonlocal bad
@@ -309,11 +552,17 @@ def _table_events(path: str, table: pa.Table, user_col: str, item_col: str, time
         if mask.any():
             idx = np.flatnonzero(mask)
             u = pc.take(user, pa.array(idx)).cast(pa.string()).to_pylist()
-            rejects.append(_reject_table(path, idx + line0, reason, [detail] * len(idx), u))
+            det = detail(idx) if callable(detail) else [detail] * len(idx)
+            rejects.append(_reject_table(path, line[idx], reason, det, u))
             bad = bad | mask
 
+    if invalid is not None:
+        reject(invalid, "not_utf8", "a value is not valid UTF-8")
     for a, name in ((user, uc), (item, ic), (ts, tc)):
-        reject(np.asarray(a.is_null().to_numpy(zero_copy_only=False), bool), "missing_value", f"column {name!r} is empty")
+        null = np.asarray(a.is_null().to_numpy(zero_copy_only=False), bool)
+        reject(null & ~bad_ts if a is ts else null, "missing_value", f"column {name!r} is empty")  # bad times are null too
+    reject(bad_ts, "bad_timestamp", lambda idx: [
+        f"column {tc!r}: {v[:40]!r} is not {ts_what}" for v in pc.take(raw[2], pa.array(idx)).cast(pa.string()).to_pylist()])
     for a, name in ((user, uc), (item, ic)):
         if pa.types.is_integer(a.type):
             reject(np.asarray(pc.fill_null(pc.less(a, 0), False).to_numpy(zero_copy_only=False), bool),
@@ -323,34 +572,11 @@ def _table_events(path: str, table: pa.Table, user_col: str, item_col: str, time
                    "missing_value", f"column {name!r} is blank")
     keep = ~bad
     take = pa.array(np.flatnonzero(keep))
-    cols = {"user": user if keep.all() else pc.take(user, take),
-            "item": item if keep.all() else pc.take(item, take),
-            "ts": pc.fill_null(ts, 0).to_numpy()[keep] if ts.null_count else ts.to_numpy()[keep],
-            "line": rows[keep] + line0}
-    return cols, rejects, {"lines": n, "blank_lines": 0}
-
-
-def _read_events(path: str, user_col: str, item_col: str, time_col: str, defaults: bool) -> tuple[dict, list, dict]:
-    is_csv = path.endswith((".csv", ".csv.gz", ".tsv"))
-    have = None
-    try:
-        if is_csv:
-            table = pcsv.read_csv(path, parse_options=pcsv.ParseOptions(delimiter="\t" if path.endswith(".tsv") else ","))
-        else:
-            dataset = pds.dataset(path, format="parquet")
-            have = dataset.schema.names
-            cols = [c for c in have if c in {user_col, item_col, time_col, "user", "userId", "item", "itemId",
-                                             "movieId", "time", "ts", "timestamp", "uid", "iid", "userid", "itemid",
-                                             "event_time"}]
-            table = dataset.to_table(columns=cols or have)
-    except pa.ArrowInvalid as e:
-        msg = str(e).splitlines()[0]
-        if "Empty CSV file" in msg:
-            raise DataprepError(f"{path}: empty file; nothing to read (give a file with interactions)") from None
-        raise DataprepError(f"{path}: cannot read as {'CSV' if is_csv else 'Parquet'} events ({msg}); check --format and the file") from None
-    if table.num_rows == 0:
-        raise DataprepError(f"{path}: no rows; nothing to read (give a file with interactions)")
-    return _table_events(path, table, user_col, item_col, time_col, defaults, have)
+    out = {"user": user if keep.all() else pc.take(user, take),
+           "item": item if keep.all() else pc.take(item, take),
+           "ts": pc.fill_null(ts, 0).to_numpy()[keep],
+           "line": line[keep]}
+    return out, rejects, {"lines": n + skipped, "blank_lines": int(blank.sum())}
 
 
 def _concat(parts: list[tuple[dict, list, dict]], paths: list[str], has_time: bool) -> Interactions:

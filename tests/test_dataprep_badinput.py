@@ -8,7 +8,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dataprep import schema
+from dataprep import readers, schema
 from dataprep.build import build_shards
 from dataprep.errors import DataprepError
 from dataprep.verify import verify_shards
@@ -35,7 +35,7 @@ def _rejects(p):
     ("5\n", "malformed_line"),
     ("5 abc\n", "non_integer_id"),
     ("5 1.5\n", "non_integer_id"),
-    ("5 99999999999999999999999\n", "non_integer_id"),
+    ("5 99999999999999999999999\n", "id_out_of_range"),
     ("-5 7\n", "negative_id"),
 ])
 def test_bad_line_is_a_counted_rejection_with_its_line(tmp_path, bad, reason):
@@ -113,11 +113,122 @@ def test_events_nulls_negative_and_duplicates(tmp_path):
     assert dup["line"] == len(rows) + 4 and dup["user"] == "2"
 
 
-def test_events_bad_timestamp_is_an_error(tmp_path):
+def _csv_rows(users=20, per=6):
+    return [(u, 100 + (u * 7 + k) % 40, 1000 + k) for u in range(1, users + 1) for k in range(per)]
+
+
+@pytest.mark.parametrize("fmt,name,header", [
+    ("events", "ev.csv", b"user_id,item_id,timestamp"),
+    ("movielens", "ratings.csv", b"userId,movieId,rating,timestamp"),
+])
+def test_csv_bad_rows_are_counted_rejections_with_their_lines(tmp_path, fmt, name, header):
+    mk = (lambda u, i, t: f"{u},{i},{t}".encode()) if fmt == "events" else (lambda u, i, t: f"{u},{i},4.0,{t}".encode())
+    good = [mk(*r) for r in _csv_rows()]
+    bad = [(mk(3, 7, "abc"), "bad_timestamp"), (mk(3, 8, ""), "missing_value"), (mk(3, 9, "1,2") + b",2", "malformed_line"),
+           (b"3,10", "malformed_line"), (mk(3, 11, 5).replace(b"11", b"\xff1"), "not_utf8"), (b"", None)]
+    lines = good[:30] + [b for b, _ in bad] + good[30:]
+    p = tmp_path / name
+    p.write_bytes(header + b"\n" + b"\n".join(lines) + b"\n")
+    m = _build(p, fmt, max_reject_fraction=0.1)
+    got = sorted((r["line"], r["reason"]) for r in _rejects(p) if r["line"] is not None)
+    assert got == [(32 + k, reason) for k, (_, reason) in enumerate(bad) if reason]   # header = line 1
+    assert m["counts"]["events_read"] == len(good) and m["counts"]["blank_lines"] == 1
+    assert "'abc'" in [r for r in _rejects(p) if r["reason"] == "bad_timestamp"][0]["detail"]
+
+
+def test_csv_all_times_bad_is_an_error_naming_the_first(tmp_path):
     p = tmp_path / "ev.csv"
     p.write_text("user_id,item_id,timestamp\n1,2,yesterday\n1,3,today\n")
-    with pytest.raises(DataprepError, match=r"ev\.csv: column 'timestamp' is not a readable timestamp"):
+    with pytest.raises(DataprepError, match=r"ev\.csv: 2 of 2 lines rejected \(first: line 2, bad_timestamp, "
+                                            r"column 'timestamp': 'yesterday' is not"):
         _build(p, "events")
+
+
+def test_csv_iso_times_with_a_bad_one(tmp_path):
+    p = tmp_path / "ev.csv"
+    rows = [(u, i, f"2024-01-{1 + t % 28:02d}T10:00:{t % 60:02d}") for u, i, t in _csv_rows()]
+    rows[5] = (1, 5, "2024-02-30T10:00:00")   # right shape, no such day
+    rows[9] = (2, 5, "1700000000")            # epoch in an ISO column
+    p.write_text("user_id,item_id,timestamp\n" + "".join(f"{u},{i},{t}\n" for u, i, t in rows))
+    m = _build(p, "events", max_reject_fraction=0.1)
+    assert sorted((r["line"], r["reason"]) for r in _rejects(p)) == [(7, "bad_timestamp"), (11, "bad_timestamp")]
+    assert m["counts"]["events_read"] == len(rows) - 2
+
+
+def test_movielens_dat_bad_timestamp_is_its_own_reason(tmp_path):
+    p = tmp_path / "ratings.dat"
+    rows = [f"{u}::{i}::4::{t}" for u, i, t in _csv_rows()]
+    rows[3], rows[4] = "1::5::4::abc", "1::6::4::12.5"
+    p.write_text("\n".join(rows) + "\n")
+    m = _build(p, "movielens", max_reject_fraction=0.1)
+    assert [(r["line"], r["reason"]) for r in _rejects(p)] == [(4, "bad_timestamp"), (5, "bad_timestamp")]
+    assert m["rejects"] == {"bad_timestamp": 2}
+
+
+def test_ids_above_int64_are_kept_as_text_in_csv_and_parquet(tmp_path):
+    big = 99999999999999999999
+    rows = _csv_rows()
+    p = tmp_path / "ev.csv"
+    p.write_text("user_id,item_id,timestamp\n" + "".join(f"{u},{i},{t}\n" for u, i, t in rows) + f"1,{big},5000\n")
+    _build(p, "events")
+    items = pq.read_table(tmp_path / "out" / schema.ITEM_MAP).column("raw_id").to_pylist()
+    assert str(big) in items and "100" in items
+    q = tmp_path / "q" / "ev.parquet"
+    q.parent.mkdir()
+    pq.write_table(pa.table({"user_id": pa.array([u for u, _, _ in rows] + [1], pa.uint64()),
+                             "item_id": pa.array([i for _, i, _ in rows] + [2 ** 64 - 1], pa.uint64()),
+                             "timestamp": [t for _, _, t in rows] + [5000]}), q)
+    _build(q, "events")
+    assert str(2 ** 64 - 1) in pq.read_table(q.parent / "out" / schema.ITEM_MAP).column("raw_id").to_pylist()
+
+
+def _parquet_bytes(tmp_path):
+    rows = _csv_rows()
+    f = tmp_path / "good.parquet"
+    pq.write_table(pa.table({"user_id": [u for u, _, _ in rows], "item_id": [i for _, i, _ in rows],
+                             "timestamp": [t for _, _, t in rows]}), f)
+    return f.read_bytes()
+
+
+@pytest.mark.parametrize("damage", ["random", "truncated", "pages"])
+def test_corrupt_parquet_is_an_error_naming_the_file(tmp_path, damage):
+    good = _parquet_bytes(tmp_path)
+    data = {"random": bytes(range(100)), "truncated": good[:len(good) // 2],
+            "pages": good[:4] + bytes(len(good) // 2 - 4) + good[len(good) // 2:]}[damage]  # footer intact
+    p = tmp_path / "x.parquet"
+    p.write_bytes(data)
+    with pytest.raises(DataprepError, match=rf"^{p}: not a readable Parquet file") as e:
+        _build(p, "events")
+    assert "free space" not in str(e.value)
+    r = subprocess.run([sys.executable, "-m", "dataprep", "shards", "--input", str(p), "--format", "events",
+                        "--out", str(tmp_path / "o"), "--world-size", "1", "--batch-size", "2"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and r.stderr.strip().splitlines()[-1].startswith(f"error: {p}: not a readable Parquet file")
+    assert "free space" not in r.stderr and "Traceback" not in r.stderr
+
+
+def test_corrupt_parquet_in_a_folder_names_that_file(tmp_path):
+    good = _parquet_bytes(tmp_path)
+    d = tmp_path / "events"
+    d.mkdir()
+    (d / "part-0.parquet").write_bytes(good)
+    (d / "part-1.parquet").write_bytes(good[:4] + bytes(len(good) // 2 - 4) + good[len(good) // 2:])
+    with pytest.raises(DataprepError, match=rf"^{d / 'part-1.parquet'}: not a readable Parquet file"):
+        readers.read(str(d), "events")
+
+
+def test_parquet_time_column_of_the_wrong_type(tmp_path):
+    rows = _csv_rows()
+    p = tmp_path / "ev.parquet"
+    u, i = [r[0] for r in rows], [r[1] for r in rows]
+    ts = [str(r[2]) for r in rows]
+    ts[7] = "soon"
+    pq.write_table(pa.table({"user_id": u, "item_id": i, "timestamp": ts}), p)   # strings: parsed row by row
+    m = _build(p, "events", max_reject_fraction=0.1)
+    assert [(r["line"], r["reason"]) for r in _rejects(p)] == [(8, "bad_timestamp")] and m["rejects"] == {"bad_timestamp": 1}
+    pq.write_table(pa.table({"user_id": u, "item_id": i, "timestamp": [True] * len(u)}), p)
+    with pytest.raises(DataprepError, match=rf"{p}: column 'timestamp' has type bool; timestamps must be"):
+        readers.read(str(p), "events")
 
 
 def test_short_users_are_counted_rejections(tmp_path):
