@@ -7,6 +7,7 @@ import sys
 import time
 import urllib.request
 
+import mlflow
 import pytest
 from mlflow import MlflowClient
 
@@ -39,6 +40,11 @@ def _check_run(client: MlflowClient, run_id: str, registered: bool) -> None:
         assert key in run.data.metrics, key
     names = {a.path for a in client.list_artifacts(run_id)}
     assert {"config.toml", "manifest.json", "training.png"} <= names
+    # the model is a pyfunc with a signature (tests/test_training_serving.py serves it)
+    (model,) = client.search_logged_models(experiment_ids=[run.info.experiment_id],
+                                           filter_string=f"source_run_id = '{run_id}'")
+    info = mlflow.models.get_model_info(model.model_uri)
+    assert "python_function" in info.flavors and info.signature.params.params[0].name == "k"
     if registered:
         versions = client.search_model_versions("name='ftrec'")
         assert any(v.run_id == run_id for v in versions)

@@ -100,16 +100,14 @@ class Tracker:
     def log_artifact(self, path: str, artifact_path: str | None = None) -> None:
         self._put("artifact", lambda c, r: c.log_artifact(r, path, artifact_path))
 
-    def log_model(self, model, register: bool, name: str) -> None:
-        """Log the model with mlflow.pytorch (and register it under `name` when asked)."""
+    def log_model(self, exported: dict, register: bool, name: str) -> None:
+        """Log a training.serving export as the run's pyfunc "model" (registered as `name` when asked)."""
         def send(client, run_id):
             import mlflow
-            import mlflow.pytorch
+            from training import serving
             mlflow.set_tracking_uri(self.uri)
             with mlflow.start_run(run_id=run_id):
-                mlflow.pytorch.log_model(model, name="model", pip_requirements=["torch==2.13.0"],
-                                         serialization_format="pickle",  # pt2 needs torch.export of jagged shapes
-                                         registered_model_name=name if register else None)
+                serving.log_pyfunc(exported, registered_model_name=name if register else None)
         self._put("model", send)
 
     def close(self, status: str = "FINISHED", timeout: float = 120.0) -> int:

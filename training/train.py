@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from training import checkpoint, distributed, metrics
+from training import checkpoint, distributed, metrics, serving
 from training import ft as ft_mod
 from training.comm.integration import GroupComm
 from training.comm.item_table import ShardedItemTable, grad_norm_sq
@@ -425,4 +425,10 @@ def _log_artifacts(tracker: Tracker, cfg: Config, shards: ShardSet, history, out
     if cfg.mlflow.plots and metrics.plot(history, os.path.join(art, "training.png")):
         tracker.log_artifact(os.path.join(art, "training.png"))
     if cfg.mlflow.log_model:
-        tracker.log_model(copy.deepcopy(model).cpu().eval(), cfg.mlflow.register, cfg.mlflow.model_name)
+        try:
+            exported = serving.export(copy.deepcopy(model).cpu().eval(), shards.path, os.path.join(art, "serving"))
+        except Exception as e:  # a model torch.export cannot take must not cost the run its results
+            print(f"[train] model not logged: export failed ({type(e).__name__}: {e})", flush=True)
+            tracker.errors.append(f"model: export failed: {type(e).__name__}: {e}")
+        else:
+            tracker.log_model(exported, cfg.mlflow.register, cfg.mlflow.model_name)

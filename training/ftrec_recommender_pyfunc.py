@@ -1,0 +1,59 @@
+"""ftrec's recommender as an MLflow pyfunc ("model from code", logged by training/serving.py).
+
+Self-contained on purpose: it runs where only mlflow and torch are installed, so it imports
+nothing of ftrec. (The unique file name keeps it apart from other models' code in a shared
+worker image.)
+
+predict(DataFrame with column `history`: lists of raw item ids as strings, oldest first;
+        params k=10, exclude_history=True)
+    -> DataFrame with `items` (top-k raw item ids, best first) and `scores` (floats, descending).
+
+Rules:
+- raw ids the model does not know (not in the training data) are ignored;
+- a history is truncated to its newest max_len known items, the model's context;
+- exclude_history removes every known item of the whole history from the results;
+- a history with no known item gets empty lists: the model has no state to score from, and
+  it knows no popularity to fall back to.
+"""
+
+import json
+
+import mlflow
+import pandas as pd
+import torch
+from mlflow.pyfunc import PythonModel
+
+
+class FtrecRecommender(PythonModel):
+    def load_context(self, context):
+        self.program = torch.export.load(context.artifacts["program"]).module()
+        with open(context.artifacts["item_ids"]) as f:
+            self.raw_ids = json.load(f)                  # dense id i + 1 at index i
+        self.dense = {raw: i + 1 for i, raw in enumerate(self.raw_ids)}
+        self.max_len = int(context.model_config["max_len"])
+
+    def predict(self, context, model_input: pd.DataFrame, params: dict | None = None) -> pd.DataFrame:
+        params = params or {}
+        k, exclude = int(params.get("k", 10)), bool(params.get("exclude_history", True))
+        histories = [[self.dense[r] for r in map(str, h) if r in self.dense] for h in model_input["history"]]
+        rows = [i for i, h in enumerate(histories) if h]
+        out = {"items": [[] for _ in histories], "scores": [[] for _ in histories]}
+        if rows and k > 0:
+            recent = [histories[i][-self.max_len:] for i in rows]
+            batch = torch.zeros(len(rows), max(map(len, recent)), dtype=torch.int64)   # right-padded
+            for b, h in enumerate(recent):
+                batch[b, :len(h)] = torch.tensor(h)
+            with torch.no_grad():
+                scores = self.program(batch).float()
+            if exclude:
+                for b, i in enumerate(rows):
+                    scores[b, torch.tensor(histories[i]) - 1] = float("-inf")
+            top = scores.topk(min(k, scores.shape[1]), dim=1)
+            for b, i in enumerate(rows):
+                keep = torch.isfinite(top.values[b])      # fewer than k items left after exclusion
+                out["items"][i] = [self.raw_ids[j] for j in top.indices[b][keep].tolist()]
+                out["scores"][i] = top.values[b][keep].tolist()
+        return pd.DataFrame(out)
+
+
+mlflow.models.set_model(FtrecRecommender())
