@@ -1,6 +1,8 @@
 """MLflow tracking: the embedded SQLite store, a real `mlflow server` on loopback, and an
 unreachable server that must not stop training (what it could not send is flushed later)."""
 
+import importlib.metadata
+import json
 import os
 import subprocess
 import sys
@@ -9,6 +11,7 @@ import urllib.request
 
 import mlflow
 import pytest
+from conftest import ROOT
 from mlflow import MlflowClient
 
 from dataprep.build import build_shards
@@ -40,6 +43,15 @@ def _check_run(client: MlflowClient, run_id: str, registered: bool) -> None:
         assert key in run.data.metrics, key
     names = {a.path for a in client.list_artifacts(run_id)}
     assert {"config.toml", "manifest.json", "training.png"} <= names
+    # the code that trained it, and the shard set it trained on
+    assert run.data.tags["ftrec.version"] == importlib.metadata.version("ftrec")
+    if (ROOT / ".git").exists():
+        assert len(run.data.tags["ftrec.git_commit"]) == 40
+    (inp,) = run.inputs.dataset_inputs
+    assert inp.dataset.name == "shards" and inp.dataset.digest == p["data.fingerprint"][:36]
+    assert json.loads(inp.dataset.source)["uri"] == run.data.tags["ftrec.shards"]
+    assert json.loads(inp.dataset.profile) == {"samples": 200, "users": 200, "items": int(p["data.num_items"]),
+                                               "steps": int(p["data.steps_per_epoch"])}
     # the model is a pyfunc with a signature (tests/test_training_serving.py serves it)
     (model,) = client.search_logged_models(experiment_ids=[run.info.experiment_id],
                                            filter_string=f"source_run_id = '{run_id}'")
@@ -65,6 +77,22 @@ def test_unreachable_server_never_stops_training(shards, tmp_path, free_port, mo
     assert res["steps"] == 6 and res["metrics"]["test/full/hr@10"] >= 0
     assert res["mlflow_run_id"] is None and res["mlflow_unsent"] > 0
     assert (tmp_path / "run" / "result.json").exists()
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_system_metrics_while_the_run_lives(tmp_path, monkeypatch, enabled):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.2")
+    tracker = Tracker(MlflowConfig(experiment="sysm", system_metrics=enabled), str(tmp_path))
+    tracker.log_params({"a": 1})
+    deadline = time.monotonic() + 60
+    while tracker.run_id is None and time.monotonic() < deadline:   # the store opens in the background
+        time.sleep(0.1)
+    time.sleep(1.5)
+    assert tracker.close(timeout=60) == 0
+    got = MlflowClient(tracker.uri).get_run(tracker.run_id).data.metrics
+    system = {k for k in got if k.startswith("system/")}
+    assert ("system/cpu_utilization_percentage" in system) if enabled else not system
 
 
 @pytest.mark.integ

@@ -103,6 +103,7 @@ class MlflowConfig:
     model_name: str = "ftrec"
     log_model: bool = True
     plots: bool = True
+    system_metrics: bool = True    # MLflow's system/* metrics (CPU, memory, GPU) while the run trains
 
 
 @dataclass

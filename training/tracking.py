@@ -8,13 +8,19 @@ with a time bound and reports what is still unsent instead of raising.
 Why asynchronous: one synchronous log_metrics costs ~19 ms on the SQLite store and
 opening a store takes seconds, more than a whole training step here.
 
+With `mlflow.system_metrics`, MLflow's SystemMetricsMonitor samples system/* metrics (CPU,
+memory, disk, network, GPU) from the run's creation until close().
+
 Store: `mlflow.tracking_uri`, else MLFLOW_TRACKING_URI, else an embedded SQLite file
 `sqlite:///<out>/mlflow.db` with artifacts under `<out>/mlartifacts`.
 """
 
+import importlib.metadata
+import json
 import logging
 import os
 import queue
+import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
@@ -29,6 +35,9 @@ log = logging.getLogger("training.tracking")
 RETRY_ATTEMPTS = int(os.environ.get("FTREC_MLFLOW_RETRIES", "3"))
 RETRY_PAUSE_S = float(os.environ.get("FTREC_MLFLOW_RETRY_PAUSE_S", "2.0"))  # between rounds over the buffer
 HTTP_TIMEOUT_S = os.environ.get("FTREC_MLFLOW_HTTP_TIMEOUT_S", "5")
+# system/* metrics every 10 s: enough to see CPU, memory, GPU over a run at a negligible cost
+# (MLflow's MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL overrides it)
+SYSTEM_METRICS_INTERVAL_S = 10.0
 
 
 # Errors a retry cannot fix: the op is dropped (and reported) instead of blocking the queue.
@@ -47,6 +56,26 @@ def resolve_uri(cfg: MlflowConfig, out: str) -> tuple[str, str | None]:
         return uri, None
     out = os.path.abspath(out)
     return f"sqlite:///{os.path.join(out, 'mlflow.db')}", "file://" + os.path.join(out, "mlartifacts")
+
+
+def code_tags() -> dict[str, str]:
+    """ftrec.version, and ftrec.git_commit when the code is a git checkout."""
+    tags = {}
+    try:
+        tags["ftrec.version"] = importlib.metadata.version("ftrec")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        r = subprocess.run(["git", "rev-parse", "--show-toplevel", "HEAD"], cwd=root, capture_output=True,
+                           text=True, timeout=10)
+        lines = r.stdout.splitlines()
+        # the checkout must be ftrec's own, not some repository an installed copy happens to lie in
+        if r.returncode == 0 and len(lines) == 2 and os.path.samefile(lines[0], root):
+            tags["ftrec.git_commit"] = lines[1]
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return tags
 
 
 def _transient(e: BaseException) -> bool:
@@ -75,6 +104,7 @@ class Tracker:
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", HTTP_TIMEOUT_S)
         self._client = None
+        self._monitor = None               # mlflow's SystemMetricsMonitor, once the run exists
         self._thread = threading.Thread(target=self._work, name="mlflow-tracker", daemon=True)
         self._thread.start()
 
@@ -100,6 +130,14 @@ class Tracker:
     def log_artifact(self, path: str, artifact_path: str | None = None) -> None:
         self._put("artifact", lambda c, r: c.log_artifact(r, path, artifact_path))
 
+    def log_input(self, name: str, digest: str, source: str, profile: dict, context: str = "train") -> None:
+        """The run's dataset (mlflow.log_input's record): metadata only, the data stays at `source`."""
+        from mlflow.entities import Dataset, DatasetInput, InputTag
+        # the record MetaDataset(LocalArtifactDatasetSource(source)) would make, plus the profile
+        ds = Dataset(name, digest, "local", json.dumps({"uri": source}), profile=json.dumps(profile))
+        item = DatasetInput(ds, [InputTag("mlflow.data.context", context)])
+        self._put("input", lambda c, r: c.log_inputs(r, datasets=[item]))
+
     def log_model(self, exported: dict, register: bool, name: str) -> None:
         """Log a training.serving export as the run's pyfunc "model" (registered as `name` when asked)."""
         def send(client, run_id):
@@ -112,7 +150,12 @@ class Tracker:
 
     def close(self, status: str = "FINISHED", timeout: float = 120.0) -> int:
         """Flush with a time bound; returns how many operations could not be sent."""
-        self._put("end", lambda c, r: c.set_terminated(r, status))
+        def end(client, run_id):
+            if self._monitor:
+                self._monitor.finish()     # stop sampling and flush, while the run still takes metrics
+                self._monitor = None
+            client.set_terminated(run_id, status)
+        self._put("end", end)
         self._q.put(None)
         self._thread.join(timeout)
         unsent = self._q.qsize() + len(self._buffer) + (1 if self._thread.is_alive() else 0)
@@ -138,6 +181,17 @@ class Tracker:
                 self.cfg.experiment, artifact_location=self._artifact_location)
             run_id = client.create_run(exp_id, run_name=self.cfg.run_name or None).info.run_id
         self._client, self.run_id = client, run_id
+        if self.cfg.system_metrics:
+            self._start_system_metrics()
+
+    def _start_system_metrics(self) -> None:
+        try:
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+            self._monitor = SystemMetricsMonitor(self.run_id, sampling_interval=SYSTEM_METRICS_INTERVAL_S,
+                                                 resume_logging=bool(self.cfg.run_id), tracking_uri=self.uri)
+            self._monitor.start()
+        except Exception as e:  # e.g. psutil missing: the run goes on without system metrics
+            log.warning("mlflow: no system metrics (%s: %s)", type(e).__name__, e)
 
     def _attempt(self, op: _Op) -> bool:
         try:

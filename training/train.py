@@ -35,7 +35,7 @@ from training.evaluate import EvalData, evaluate
 from training.loss import draw_negatives, loss_sum, start_global_counts
 from training.model import SeqRec
 from training.state import TrainState, WarmupDecay, build_optimizer
-from training.tracking import Tracker
+from training.tracking import Tracker, code_tags
 
 
 def log(topo, msg: str) -> None:
@@ -122,7 +122,13 @@ def train(cfg: Config) -> dict:
                             "data.num_items": shards.num_items, "data.steps_per_epoch": shards.steps,
                             "data.world_size": shards.world_size, "data.bubble_fraction":
                             shards.manifest.get("bubble_fraction", "")})
-        tracker.set_tags({"ftrec.resumed_from": resumed_from or "", "ftrec.shards": os.path.abspath(shards.path)})
+        tracker.set_tags({"ftrec.resumed_from": resumed_from or "", "ftrec.shards": os.path.abspath(shards.path),
+                          **code_tags()})
+        # MLflow's dataset digest holds 36 characters: a prefix of the input fingerprint (full one in params)
+        tracker.log_input(os.path.basename(os.path.abspath(shards.path)), shards.fingerprint()[:36],
+                          os.path.abspath(shards.path), {"samples": shards.manifest.get("num_samples"),
+                                                         "users": shards.manifest.get("num_users"),
+                                                         "items": shards.num_items, "steps": shards.steps})
     eval_data = _LazyEval(shards, cfg)
     eval_every = cfg.train.eval_every or shards.steps
     log(topo, f"{shards.num_items} items, {shards.steps} steps/epoch, {steps_total} steps, "
