@@ -4,6 +4,7 @@ User errors print one line `error: ...` on stderr and exit 1 (no traceback).
 """
 
 import argparse
+import errno
 import json
 import sys
 
@@ -143,6 +144,8 @@ def main(argv=None) -> int:
         print("error: interrupted; nothing was left half-written", file=sys.stderr)
         return 130
     except OSError as e:  # disk full, permissions: name the file
-        print(f"error: {e.filename or ''}: {e.strerror or e}; check the path and free space", file=sys.stderr)
+        where = f"{e.filename}: " if e.filename else ""
+        hint = "free some space or choose another --out" if e.errno == errno.ENOSPC else "check the path and its permissions"
+        print(f"error: {where}{e.strerror or e}; {hint}", file=sys.stderr)
         return 1
     return 0

@@ -31,8 +31,14 @@ def sha256_file(path: "str | os.PathLike", chunk: int = 1 << 22) -> str:
 
 
 def fingerprint(paths: list[str]) -> str:
-    """SHA-256 over the input files' names-free content, in order (renaming a file keeps it)."""
+    """SHA-256 over the input files' names-free content, in order (renaming a file keeps it).
+    A folder (a Parquet dataset) counts as its data files in path order, skipping the
+    hidden and `_`-prefixed ones pyarrow skips too."""
     h = hashlib.sha256()
     for p in paths:
-        h.update(sha256_file(p).encode())
+        files = [p] if not os.path.isdir(p) else sorted(
+            str(f) for f in Path(p).rglob("*")
+            if f.is_file() and not any(part.startswith((".", "_")) for part in f.relative_to(p).parts))
+        for f in files:
+            h.update(sha256_file(f).encode())
     return h.hexdigest()

@@ -311,3 +311,23 @@ def test_a_line_that_is_not_utf8_is_a_counted_rejection_not_the_whole_file(tmp_p
 def test_a_device_is_refused_at_once_not_read_until_killed(tmp_path):
     with pytest.raises(DataprepError, match="not a regular file"):
         build_shards("/dev/zero", "sasrec", str(tmp_path / "out"), world_size=1, batch_size=2)
+
+
+def test_a_parquet_folder_builds_and_its_fingerprint_follows_its_content(tmp_path):
+    """A folder of Parquet parts is one input: it builds (its fingerprint hashes its data files,
+    not the folder), and changing one part changes the fingerprint."""
+    rows = _csv_rows()
+    d = tmp_path / "events"
+    d.mkdir()
+    for k, part in enumerate((rows[:60], rows[60:])):
+        pq.write_table(pa.table({"user_id": [u for u, _, _ in part], "item_id": [i for _, i, _ in part],
+                                 "timestamp": [t for _, _, t in part]}), d / f"part-{k}.parquet")
+    (d / "_SUCCESS").write_text("")   # a marker pyarrow skips: not data
+    m = build_shards(str(d), "events", str(tmp_path / "out"), world_size=2, batch_size=2)
+    assert m["num_users"] == 20
+    from dataprep.fsutil import fingerprint
+    before = fingerprint([str(d)])
+    (d / "_SUCCESS").write_text("changed")
+    assert fingerprint([str(d)]) == before
+    pq.write_table(pa.table({"user_id": [1], "item_id": [101], "timestamp": [5]}), d / "part-1.parquet")
+    assert fingerprint([str(d)]) != before
