@@ -16,7 +16,7 @@ from datetime import datetime, timedelta
 
 from airflow.sdk import Param, dag, task
 
-from ftrec_airflow import chaos, pipeline
+from ftrec_airflow import chaos, pipeline, settings
 from ftrec_airflow.decorators import build_shards_task, ft_train_task
 
 PARAMS = {
@@ -44,7 +44,7 @@ def ftrec_chaos_drill():
         return pipeline.verify_shards(shards)
 
     # No retries: a drill that needs a second try has already failed.
-    @ft_train_task(execution_timeout=timedelta(minutes=30))
+    @ft_train_task(**settings.train_task_args(), execution_timeout=timedelta(minutes=30))
     def train(shards: dict, params=None):
         return pipeline.train_spec(params, shards)
 

@@ -13,7 +13,7 @@ from datetime import datetime, timedelta
 
 from airflow.sdk import Asset, AssetOrTimeSchedule, CronTriggerTimetable, dag, task
 
-from ftrec_airflow import pipeline
+from ftrec_airflow import pipeline, settings
 from ftrec_airflow.decorators import build_shards_task, ft_train_task
 
 INTERACTIONS = Asset(name="ftrec_interactions", uri="ftrec://interactions")
@@ -42,7 +42,7 @@ def ftrec_retrain():
     def verify_shards(shards: dict) -> dict:
         return pipeline.verify_shards(shards)
 
-    @ft_train_task(**RETRY, execution_timeout=timedelta(hours=24))
+    @ft_train_task(**RETRY, **settings.train_task_args(), execution_timeout=timedelta(hours=24))
     def train(shards: dict, base: dict, params=None):
         return pipeline.train_spec(params, shards, base=base)
 

@@ -536,3 +536,59 @@ def test_build_step_reports_each_stage_as_it_goes(tmp_path):
     lines.clear()
     steps.build_shards(spec, log=lines.append)
     assert len(lines) == 1 and "reused" in lines[0]
+
+
+# ---------------------------------------------------------------- the ftrec_mlflow connection
+
+@pytest.fixture
+def no_mlflow_env(monkeypatch):
+    for k in ("MLFLOW_TRACKING_URI", "AIRFLOW_CONN_FTREC_MLFLOW", *settings.MLFLOW_CREDENTIALS):
+        monkeypatch.delenv(k, raising=False)   # restored after the test, whatever connect() set
+    return monkeypatch
+
+
+def test_mlflow_connection_then_env_then_embedded_store(tmp_path, no_mlflow_env):
+    mp = no_mlflow_env
+    mp.setenv("FTREC_WORK", str(tmp_path))
+    t = time.monotonic()
+    assert settings.mlflow_connection() == (f"sqlite:///{tmp_path / 'mlflow' / 'mlflow.db'}", {})
+    assert time.monotonic() - t < 5   # no connection: answered from the env backend, no DB wait
+    mp.setenv("MLFLOW_TRACKING_URI", "http://env-mlflow:5000")
+    mp.setenv("MLFLOW_TRACKING_TOKEN", "env-token")
+    assert settings.mlflow_connection() == ("http://env-mlflow:5000", {"MLFLOW_TRACKING_TOKEN": "env-token"})
+    # Airflow's own mechanism: a connection in AIRFLOW_CONN_<ID> (JSON) wins over the env
+    mp.setenv("AIRFLOW_CONN_FTREC_MLFLOW", json.dumps({
+        "conn_type": "http", "host": "mlflow.internal", "port": 5443, "schema": "https",
+        "login": "alice", "password": "s3cret"}))
+    uri, creds = tracking.connect()
+    assert uri == "https://mlflow.internal:5443"
+    assert creds == {"MLFLOW_TRACKING_USERNAME": "alice", "MLFLOW_TRACKING_PASSWORD": "s3cret"}
+    assert os.environ["MLFLOW_TRACKING_PASSWORD"] == "s3cret" and "MLFLOW_TRACKING_TOKEN" not in os.environ
+    env = steps.train_env(uri, creds)   # the training processes get them in their environment
+    assert env["MLFLOW_TRACKING_USERNAME"] == "alice" and env["MLFLOW_TRACKING_URI"] == uri
+    assert not any("s3cret" in a for a in steps.train_command(steps.TrainSpec(shards="/s", out=str(tmp_path / "t")),
+                                                                  "RUN", uri))
+    mp.setenv("AIRFLOW_CONN_FTREC_MLFLOW", "http://mlflow.internal:5000")   # URI form, no auth
+    assert settings.mlflow_connection() == ("http://mlflow.internal:5000", {})
+    mp.setenv("AIRFLOW_CONN_FTREC_MLFLOW", json.dumps({
+        "conn_type": "http", "extra": {"tracking_uri": "https://mlflow.example.com/prefix", "token": "tok"}}))
+    assert settings.mlflow_connection() == ("https://mlflow.example.com/prefix", {"MLFLOW_TRACKING_TOKEN": "tok"})
+
+
+# ---------------------------------------------------------------- where the train task runs
+
+def test_train_task_args_from_env_or_airflow_cfg(monkeypatch):
+    for k in ("QUEUE", "POOL", "PRIORITY_WEIGHT", "EXECUTOR_CONFIG"):
+        monkeypatch.delenv(f"FTREC_TRAIN_{k}", raising=False)
+        monkeypatch.delenv(f"AIRFLOW__FTREC__TRAIN_{k}", raising=False)
+    assert settings.train_task_args() == {}   # the operator's defaults
+    monkeypatch.setenv("FTREC_TRAIN_QUEUE", "gpu")
+    monkeypatch.setenv("FTREC_TRAIN_PRIORITY_WEIGHT", "10")
+    monkeypatch.setenv("FTREC_TRAIN_EXECUTOR_CONFIG", '{"gpus": 8}')
+    monkeypatch.setenv("AIRFLOW__FTREC__TRAIN_POOL", "trainers")   # = [ftrec] train_pool in airflow.cfg
+    monkeypatch.setenv("AIRFLOW__FTREC__TRAIN_QUEUE", "ignored")   # FTREC_TRAIN_QUEUE comes first
+    assert settings.train_task_args() == {"queue": "gpu", "pool": "trainers", "priority_weight": 10,
+                                          "executor_config": {"gpus": 8}}
+    monkeypatch.setenv("FTREC_TRAIN_EXECUTOR_CONFIG", "{nope")
+    with pytest.raises(ValueError, match="executor_config a JSON object"):
+        settings.train_task_args()

@@ -29,6 +29,8 @@ for dag_id, dag in bag.dags.items():
         "tasks": {t.task_id: {"type": type(t).__name__, "downstream": sorted(t.downstream_task_ids),
                               "retries": t.retries, "backoff": bool(t.retry_exponential_backoff),
                               "outlets": [getattr(o, "name", str(o)) for o in t.outlets],
+                              "queue": t.queue, "pool": t.pool, "priority_weight": t.priority_weight,
+                              "executor_config": t.executor_config,
                               "links": sorted(l.name for l in t.operator_extra_links),
                               "timeout": t.execution_timeout.total_seconds() if t.execution_timeout else None}
                   for t in dag.tasks},
@@ -37,19 +39,27 @@ print("JSON" + json.dumps(out, default=str))
 """
 
 
-@pytest.fixture(scope="module")
-def parsed(tmp_path_factory):
-    home = tmp_path_factory.mktemp("airflow-home")
+TRAIN_ENV = ("FTREC_TRAIN_QUEUE", "FTREC_TRAIN_POOL", "FTREC_TRAIN_PRIORITY_WEIGHT", "FTREC_TRAIN_EXECUTOR_CONFIG")
+
+
+def parse(home: Path, **extra_env: str) -> dict:
     env = {**os.environ, "AIRFLOW_HOME": str(home), "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
            "AIRFLOW__CORE__DAGS_FOLDER": str(ROOT / "dags"),
            "AIRFLOW__CORE__PLUGINS_FOLDER": str(ROOT / "plugins"),
            "PYTHONPATH": str(ROOT / "plugins")}
-    env.pop("MLFLOW_TRACKING_URI", None)
+    for k in ("MLFLOW_TRACKING_URI", *TRAIN_ENV):
+        env.pop(k, None)
+    env.update(extra_env)
     r = subprocess.run([sys.executable, "-c", PARSE, str(ROOT / "dags"), json.dumps(HEAVY)],
                        env=env, capture_output=True, text=True, timeout=120)
     line = next((l for l in r.stdout.splitlines() if l.startswith("JSON")), None)
     assert line, r.stdout[-2000:] + r.stderr[-2000:]
     return json.loads(line[4:])
+
+
+@pytest.fixture(scope="module")
+def parsed(tmp_path_factory):
+    return parse(tmp_path_factory.mktemp("airflow-home"))
 
 
 def test_dags_folder_imports_without_errors(parsed):
@@ -70,6 +80,7 @@ def test_ftrec_train_structure(parsed):
     assert t["build_shards"]["type"] == "BuildShardsOperator"
     assert t["build_shards"]["outlets"] == ["ftrec_train_shards"]
     assert t["train"]["type"] == "FaultTolerantTrainOperator"
+    assert (t["train"]["queue"], t["train"]["pool"]) == ("default", "default_pool")  # nothing configured
     assert t["train"]["links"] == ["Lighthouse", "MLflow run"]
     assert t["train"]["timeout"] == 24 * 3600
     for name in ("build_shards", "train", "evaluate", "register_model"):
@@ -116,3 +127,16 @@ def test_ftrec_chaos_drill_defaults_to_a_fault_plan(parsed):
     t = d["tasks"]
     assert t["train"]["downstream"] == ["check_recovery"] and t["train"]["retries"] == 0
     assert t["train"]["links"] == ["Lighthouse", "MLflow run"]
+
+
+def test_train_tasks_run_where_the_deployment_says(tmp_path):
+    """FTREC_TRAIN_* (or [ftrec] train_* in airflow.cfg) at parse time: the train task of
+    every DAG gets the queue, pool, priority and executor config; no other task does."""
+    parsed = parse(tmp_path, FTREC_TRAIN_QUEUE="gpu", FTREC_TRAIN_POOL="trainers",
+                   FTREC_TRAIN_PRIORITY_WEIGHT="7", FTREC_TRAIN_EXECUTOR_CONFIG='{"gpus": 2}')
+    assert parsed["errors"] == {}
+    for dag_id, d in parsed["dags"].items():
+        t = d["tasks"]
+        got = {k: t["train"][k] for k in ("queue", "pool", "priority_weight", "executor_config")}
+        assert got == {"queue": "gpu", "pool": "trainers", "priority_weight": 7, "executor_config": {"gpus": 2}}, dag_id
+        assert all((v["queue"], v["pool"]) == ("default", "default_pool") for k, v in t.items() if k != "train")

@@ -76,7 +76,7 @@ class FaultTolerantTrainOperator(DecoratedOperator):
     def execute(self, context) -> dict[str, Any]:
         spec = _spec(self, context, steps.TrainSpec)
         ti = context["ti"]
-        uri = settings.tracking_uri()
+        uri, creds = tracking.connect()   # the ftrec_mlflow connection, looked up now (never at parse)
         run_key = spec.run_key or f"{ti.dag_id}/{ti.run_id}/{ti.task_id}"
         exp_id, run_id = tracking.ensure_run(
             spec.experiment, run_key, run_name=spec.run_name or f"{ti.dag_id} {ti.run_id}",
@@ -93,7 +93,7 @@ class FaultTolerantTrainOperator(DecoratedOperator):
             watcher = lighthouse.Watcher(settings.run_folder(ti.dag_id, ti.run_id), token_file=Path(spec.out) / "token")
         try:
             with watcher:
-                result = steps.train(spec, run_id, uri, logger=self.log, on_line=watcher.see,
+                result = steps.train(spec, run_id, uri, credentials=creds, logger=self.log, on_line=watcher.see,
                                      command_hook=lambda c: setattr(self, "_command", c))
         except steps.UserError as e:
             raise AirflowFailException(str(e)) from None

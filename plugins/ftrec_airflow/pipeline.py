@@ -130,6 +130,7 @@ def train_spec(p: dict, shards: dict, *, base: dict | None = None) -> steps.Trai
 def evaluate(trained: dict) -> dict[str, Any]:
     """Evaluate the trained checkpoint; the metrics go on the training's MLflow run as eval/..."""
     from ftrec_airflow import tracking
+    tracking.connect()
     out = run_dir() / "eval.json"
     raw = _user_errors(steps.evaluate, trained["checkpoint"], trained["shards"], str(out))
     metrics = {tracking.metric_key(k): v for k, v in raw.items()}  # the names MLflow shows
@@ -144,6 +145,7 @@ def register_model(p: dict, trained: dict, evaluation: dict) -> dict[str, Any]:
         value = steps.check_gate(evaluation["metrics"], p["gate_metric"], float(p["gate_min"]))
     except (steps.GateFailed, steps.UserError) as e:
         raise AirflowFailException(str(e)) from None
+    tracking.connect()
     ctx = get_current_context()
     tags = {"gate_metric": p["gate_metric"], "gate_value": f"{value:.6f}", "gate_min": str(p["gate_min"]),
             tracking.CHECKPOINT_TAG: trained["checkpoint"], "shards": trained["shards"],
@@ -176,7 +178,8 @@ def base_model(p: dict) -> dict[str, Any]:
     """The newest registered version of the model and its checkpoint; {} when there is
     none (the first retrain then trains from scratch)."""
     from ftrec_airflow import tracking
-    latest = tracking.latest_version(p["model_name"])
+    uri, _ = tracking.connect()
+    latest = tracking.latest_version(p["model_name"], uri)
     if not latest:
         return {}
     ckpt = latest["tags"].get(tracking.CHECKPOINT_TAG, "")
@@ -190,6 +193,7 @@ def judge_drill(p: dict, trained: dict, max_stall_s: float) -> dict[str, Any]:
     """Fail unless MLflow shows the recovery, survivors kept committing and the final
     replicas are identical (ftrec_airflow.chaos)."""
     from ftrec_airflow import chaos, tracking
+    tracking.connect()
     timeline_path = Path(trained["out"]) / "timeline.json"
     if not timeline_path.exists():
         raise AirflowFailException(f"{timeline_path} is missing: the drill needs the ftcore launcher's timeline")

@@ -11,8 +11,13 @@ Environment overrides (a real deployment sets these; nothing else reads globals)
 FTREC_WORK (the work folder), MLFLOW_TRACKING_URI (a real MLflow server),
 FTREC_MLFLOW_UI (the MLflow UI base URL for links), FTREC_LIGHTHOUSE_URL (a lighthouse
 that is not started by the launcher), FTREC_SHARED_DATA (the folder holding beauty.txt).
+
+At task run time the Airflow Connection `ftrec_mlflow` comes before MLFLOW_TRACKING_URI
+(`mlflow_connection`); where the train task runs (queue, pool, ...) is parse-time
+configuration from FTREC_TRAIN_* or airflow.cfg's [ftrec] section (`train_task_args`).
 """
 
+import json
 import os
 import re
 from pathlib import Path
@@ -22,6 +27,8 @@ PROJECT_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_EXPERIMENT = "ftrec"
 DEFAULT_MODEL_NAME = "ftrec"
 DEFAULT_MLFLOW_UI = "http://127.0.0.1:5000"
+MLFLOW_CONN_ID = "ftrec_mlflow"
+MLFLOW_CREDENTIALS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
 
 
 def work_root() -> Path:
@@ -39,16 +46,77 @@ def default_source() -> str:
 
 
 def tracking_uri() -> str:
+    """MLFLOW_TRACKING_URI, else the embedded SQLite store. Safe at parse time (no Airflow
+    Connection lookup); tasks use `mlflow_connection`."""
     uri = os.environ.get("MLFLOW_TRACKING_URI")
     if uri:
         return uri
     return f"sqlite:///{work_root() / 'mlflow' / 'mlflow.db'}"
 
 
-def artifact_root() -> str | None:
+def mlflow_connection() -> tuple[str, dict[str, str]]:
+    """(tracking URI, credential env vars) for a task: the Airflow Connection `ftrec_mlflow`
+    when it exists, else `tracking_uri()` with whatever MLFLOW_TRACKING_* credentials the
+    environment has.
+
+    The connection: `extra.tracking_uri`, or schema (http/https, default http), host and
+    port; login/password are basic auth, `extra.token` (or a password without login) a
+    bearer token. Looking it up may ask the metadata DB or a secrets backend: call this
+    inside a running task only, never while a DAG file is parsed."""
+    from airflow.sdk import BaseHook
+    from airflow.sdk.exceptions import AirflowNotFoundException
+    try:
+        conn = BaseHook.get_connection(MLFLOW_CONN_ID)
+    except AirflowNotFoundException:
+        return tracking_uri(), {k: os.environ[k] for k in MLFLOW_CREDENTIALS if os.environ.get(k)}
+    extra = conn.extra_dejson
+    uri = extra.get("tracking_uri")
+    if not uri:
+        if not conn.host:
+            raise ValueError(f"Airflow connection {MLFLOW_CONN_ID}: set host (and port, schema) "
+                             "or extra.tracking_uri")
+        host = conn.host.rstrip("/")
+        if "://" not in host:
+            host = f"{conn.schema or 'http'}://{host}"
+        uri = f"{host}:{conn.port}" if conn.port else host
+    creds = {}
+    if conn.login:
+        creds |= {"MLFLOW_TRACKING_USERNAME": conn.login, "MLFLOW_TRACKING_PASSWORD": conn.password or ""}
+    token = extra.get("token") or (conn.password if not conn.login else None)
+    if token:
+        creds["MLFLOW_TRACKING_TOKEN"] = token
+    return uri, creds
+
+
+def train_task_args() -> dict:
+    """Operator arguments of the train task: where it runs. Read while the DAG file is parsed
+    (Airflow fixes queue and pool then), so only from the environment (FTREC_TRAIN_QUEUE,
+    FTREC_TRAIN_POOL, FTREC_TRAIN_PRIORITY_WEIGHT, FTREC_TRAIN_EXECUTOR_CONFIG as JSON) or
+    airflow.cfg's [ftrec] section (train_queue, ...): never Variables, which cost a
+    metadata DB query on every parse. Unset keys are left out: the operator defaults apply."""
+    from airflow.configuration import conf
+
+    def get(key: str) -> str:
+        return (os.environ.get(f"FTREC_TRAIN_{key.upper()}")
+                or conf.get("ftrec", f"train_{key}", fallback="") or "").strip()
+    args: dict = {k: get(k) for k in ("queue", "pool") if get(k)}
+    try:
+        if get("priority_weight"):
+            args["priority_weight"] = int(get("priority_weight"))
+        if get("executor_config"):
+            args["executor_config"] = json.loads(get("executor_config"))
+            if not isinstance(args["executor_config"], dict):
+                raise ValueError(f"got {get('executor_config')!r}")
+    except ValueError as e:  # shown as the DAG file's import error
+        raise ValueError(f"FTREC_TRAIN_* / [ftrec] train_*: priority_weight must be an integer and "
+                         f"executor_config a JSON object ({e})") from None
+    return args
+
+
+def artifact_root(uri: str | None = None) -> str | None:
     """Artifact location for experiments we create: beside a local SQLite store; None lets
     a tracking server decide (its --default-artifact-root or proxied artifacts)."""
-    uri = tracking_uri()
+    uri = uri or tracking_uri()
     if not uri.startswith("sqlite:///"):
         return None
     return (Path(uri[len("sqlite:///"):]).parent / "artifacts").resolve().as_uri()

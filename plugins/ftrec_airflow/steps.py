@@ -242,8 +242,15 @@ def read_result(out: str | Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def train(spec: TrainSpec, run_id: str, tracking_uri: str, *, command_hook=None, logger=None,
-          on_line=None) -> dict[str, Any]:
+def train_env(tracking_uri: str, credentials: dict[str, str] | None = None) -> dict[str, str]:
+    """The training processes' environment: the task's, the tracking URI, and the MLflow
+    credentials (MLFLOW_TRACKING_USERNAME/PASSWORD/TOKEN) in the environment, never on the
+    command line, which the task log shows."""
+    return {**os.environ, **(credentials or {}), "MLFLOW_TRACKING_URI": tracking_uri}
+
+
+def train(spec: TrainSpec, run_id: str, tracking_uri: str, *, credentials: dict[str, str] | None = None,
+          command_hook=None, logger=None, on_line=None) -> dict[str, Any]:
     """Run training into `spec.out` on MLflow run `run_id`; return the trainer's result.json.
 
     Idempotent: a finished result for the same MLflow run is returned as is; a run that
@@ -254,7 +261,7 @@ def train(spec: TrainSpec, run_id: str, tracking_uri: str, *, command_hook=None,
         return {**done, "reused": True}
     Path(spec.out).mkdir(parents=True, exist_ok=True)
     cmd = runner.Command(train_command(spec, run_id, tracking_uri), logger=logger, on_line=on_line,
-                         env={**os.environ, "MLFLOW_TRACKING_URI": tracking_uri})
+                         env=train_env(tracking_uri, credentials))
     if command_hook:
         command_hook(cmd)
     cmd.run(spec.timeout_s)

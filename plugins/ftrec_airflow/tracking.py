@@ -7,6 +7,7 @@ task resumes it instead of opening a second one), add evaluation metrics and reg
 mlflow is imported inside the functions: DAG files import this module at parse time.
 """
 
+import os
 import re
 import time
 from typing import Any
@@ -15,6 +16,19 @@ from ftrec_airflow import settings
 
 RUN_KEY_TAG = "ftrec.airflow_run"   # "<dag_id>/<run_id>/<task_id>": the idempotency key
 CHECKPOINT_TAG = "ftrec.checkpoint"
+
+def connect() -> tuple[str, dict[str, str]]:
+    """(tracking URI, credentials) of this task (settings.mlflow_connection), with the
+    credentials set in this process's environment, where MLflow's client reads them.
+    Each Airflow task runs in a process of its own: nothing leaks into another task."""
+    uri, creds = settings.mlflow_connection()
+    for k in settings.MLFLOW_CREDENTIALS:
+        if k in creds:
+            os.environ[k] = creds[k]
+        else:
+            os.environ.pop(k, None)
+    return uri, creds
+
 
 
 def client(tracking_uri: str | None = None):
@@ -29,7 +43,7 @@ def ensure_experiment(name: str, tracking_uri: str | None = None) -> str:
     if exp is not None:
         return exp.experiment_id
     try:
-        return c.create_experiment(name, artifact_location=settings.artifact_root())
+        return c.create_experiment(name, artifact_location=settings.artifact_root(tracking_uri))
     except Exception:
         # Another task created it between our lookup and our create.
         exp = c.get_experiment_by_name(name)
