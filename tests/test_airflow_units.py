@@ -592,3 +592,36 @@ def test_train_task_args_from_env_or_airflow_cfg(monkeypatch):
     monkeypatch.setenv("FTREC_TRAIN_EXECUTOR_CONFIG", "{nope")
     with pytest.raises(ValueError, match="executor_config a JSON object"):
         settings.train_task_args()
+
+
+# ---------------------------------------------------------------- test metrics once
+
+def test_evaluate_logs_only_what_the_trainer_did_not_and_the_gate_finds_it(tmp_path, monkeypatch):
+    """The trainer logged test/* on the run; evaluate adds nothing under those names and no
+    eval/ copies, only a metric the run lacks; the gate reads the run's values."""
+    from types import SimpleNamespace
+
+    from ftrec_airflow import pipeline
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("FTREC_WORK", str(tmp_path / "work"))
+    monkeypatch.delenv("AIRFLOW_CONN_FTREC_MLFLOW", raising=False)
+    monkeypatch.setattr(pipeline, "get_current_context",
+                        lambda: {"ti": SimpleNamespace(dag_id="ftrec_train"), "run_id": "r1"})
+    _, run = tracking.ensure_run("exp", "ftrec_train/r1/train", tracking_uri=uri)
+    c = tracking.client(uri)
+    c.log_metric(run, "test/sampled/ndcg_at_10", 0.3125, step=10)   # as the trainer logs its final scores
+    c.log_metric(run, "test/full/hr_at_10", 0.0625, step=10)
+    # the evaluation's result file is there: steps.evaluate reads it instead of evaluating again
+    out = pipeline.run_dir() / "eval.json"
+    out.parent.mkdir(parents=True)
+    out.write_text(json.dumps({"metrics": {"test/sampled/ndcg@10": 0.3125, "test/full/hr@10": 0.0625,
+                                           "test/full/mrr": 0.04}}))
+    trained = {"mlflow_run_id": run, "tracking_uri": uri, "checkpoint": "/ckpt", "shards": "/shards"}
+    ev = pipeline.evaluate(trained)
+    assert ev["logged"] == ["test/full/mrr"]
+    assert ev["metrics"] == {"test/sampled/ndcg_at_10": 0.3125, "test/full/hr_at_10": 0.0625, "test/full/mrr": 0.04}
+    pipeline.evaluate(trained)                                       # a retry adds nothing either
+    metrics = tracking.run_metrics(run, uri)
+    assert sorted(metrics) == ["test/full/hr_at_10", "test/full/mrr", "test/sampled/ndcg_at_10"]
+    assert len(c.get_metric_history(run, "test/sampled/ndcg_at_10")) == 1
+    assert steps.check_gate(ev["metrics"], pipeline.GATE_METRIC, 0.3) == 0.3125

@@ -101,7 +101,8 @@ def run_direct(work: Path) -> float:
                            max_steps=SMALL["max_steps"], overrides=SMALL["train_overrides"])
     result = steps.train(spec, run_id, uri)
     metrics = steps.evaluate(result["checkpoint"], shards["path"], str(run_dir / "eval.json"))
-    tracking.log_metrics(run_id, metrics, prefix="eval/", tracking_uri=uri)
+    # as the evaluate task does: only what the trainer did not log already
+    tracking.log_metrics(run_id, {tracking.metric_key(k): v for k, v in metrics.items()}, tracking_uri=uri)
     return time.perf_counter() - t
 
 

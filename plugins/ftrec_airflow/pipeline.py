@@ -10,6 +10,7 @@ is and the task's retries apply.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from airflow.sdk.exceptions import AirflowFailException
 from ftrec_airflow import settings, steps
 
 GATE_METRIC = "test/sampled/ndcg_at_10"  # MLflow spelling of ndcg@10
+log = logging.getLogger(__name__)
 
 
 def params(**defaults: Any) -> dict[str, Param]:
@@ -128,14 +130,23 @@ def train_spec(p: dict, shards: dict, *, base: dict | None = None) -> steps.Trai
 
 
 def evaluate(trained: dict) -> dict[str, Any]:
-    """Evaluate the trained checkpoint; the metrics go on the training's MLflow run as eval/..."""
+    """Evaluate the trained checkpoint. The trainer already logs its final valid/ and test/
+    metrics on the run: only metrics the run lacks are added, under the same names, so
+    MLflow shows each value once. Returns the values the run shows (the gate's input)."""
     from ftrec_airflow import tracking
     tracking.connect()
+    uri, run_id = trained["tracking_uri"], trained["mlflow_run_id"]
     out = run_dir() / "eval.json"
     raw = _user_errors(steps.evaluate, trained["checkpoint"], trained["shards"], str(out))
     metrics = {tracking.metric_key(k): v for k, v in raw.items()}  # the names MLflow shows
-    tracking.log_metrics(trained["mlflow_run_id"], metrics, prefix="eval/", tracking_uri=trained["tracking_uri"])
-    return {"mlflow_run_id": trained["mlflow_run_id"], "metrics": metrics}
+    have = tracking.run_metrics(run_id, uri)
+    for k in sorted(set(metrics) & set(have)):
+        if abs(metrics[k] - have[k]) > 1e-6:  # same checkpoint, same protocol: should not happen
+            log.warning("%s: the trainer logged %.6f, evaluation gives %.6f; keeping the run's value",
+                        k, have[k], metrics[k])
+    tracking.log_metrics(run_id, metrics, tracking_uri=uri)
+    return {"mlflow_run_id": run_id, "metrics": {k: have.get(k, v) for k, v in metrics.items()},
+            "logged": sorted(set(metrics) - set(have))}
 
 
 def register_model(p: dict, trained: dict, evaluation: dict) -> dict[str, Any]:
