@@ -17,7 +17,7 @@ def test_two_groups_of_two_ranks_log_one_value_per_metric_and_step_and_one_model
     shards, out = cli_shard_set(tmp_path, world_size=4), tmp_path / "run"
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(tracking_uri=uri)
-    exp = client.create_experiment("groups")
+    exp = client.create_experiment("groups", artifact_location=(tmp_path / "artifacts").as_uri())   # not ./mlruns
     run_id = client.create_run(exp).info.run_id
     r = run_python(["-m", "training", "launch", "--shards", str(shards), "--replica-groups", "2",
                     "--ranks-per-group", "2", "--out", str(out), "--timeout", "300", "--",
