@@ -5,6 +5,13 @@ and as a menu entry for a standing lighthouse (FTREC_LIGHTHOUSE_URL).
     GET /ftrec/lighthouse/?dag_id=D&run_id=R   HTML: groups, quorum, recent events
     GET /ftrec/lighthouse/status?dag_id=D&run_id=R   the same as JSON
 
+While the job runs the page shows the lighthouse live (groups, steps, quorum, heals). Once
+the launcher has written the run's timeline (`<run folder>/train/timeline.json`, the
+pipeline's fixed place) it tells what happened: finished or not, each group's committed
+steps, restarts, heals and exclusions, and a chart of committed steps per group over time
+with faults, failures and heals marked (training/timeline.py, the chart the launcher also
+logs to the MLflow run). A lighthouse that ended with its job is not an error then.
+
 Every route needs an Airflow login with read access to the DAG's runs (the auth manager's
 own checks: 401 without a login, 403 without access). The page contacts only the standing
 lighthouse (FTREC_LIGHTHOUSE_URL, with this server's FTCORE_TOKEN/FTCORE_TOKEN_FILE) or a
@@ -42,17 +49,25 @@ def _loopback(url: str) -> bool:
     return host == "localhost" or host.startswith("127.") or host == "::1"
 
 
+def _timeline(run: Any) -> dict[str, Any] | None:
+    try:
+        tl = json.loads((run / "train" / "timeline.json").read_text())
+        return tl if isinstance(tl, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
 def lookup(dag_id: str | None, run_id: str | None) -> dict[str, Any]:
-    """{"source", "url", "live", "status", "fetched_at", "error"} for a DAG run's
+    """{"source", "url", "live", "status", "fetched_at", "error", "timeline"} for a DAG run's
     lighthouse, or for the standing one when no run is given."""
-    snap = None
+    snap = timeline = None
     token_file = job = None
     url = standing = settings.lighthouse_url()
     source = "FTREC_LIGHTHOUSE_URL" if url else "none"
     refused = ""
     if dag_id and run_id:
         run = settings.run_folder(dag_id, run_id)
-        snap = lighthouse.read_snapshot(run)
+        snap, timeline = lighthouse.read_snapshot(run), _timeline(run)
         if snap:
             recorded = snap.get("url") if isinstance(snap.get("url"), str) else ""
             job = snap.get("job") if isinstance(snap.get("job"), str) else None
@@ -66,8 +81,9 @@ def lookup(dag_id: str | None, run_id: str | None) -> dict[str, Any]:
                 if recorded:
                     refused = (f"the run recorded lighthouse {recorded}, which is neither FTREC_LIGHTHOUSE_URL "
                                "nor on loopback: showing its last snapshot")
-    doc = {"source": source, "url": url, "live": False, "status": None, "fetched_at": None, "error": refused}
-    if url:
+    doc = {"source": source, "url": url, "live": False, "status": None, "fetched_at": None, "error": refused,
+           "timeline": timeline}
+    if url and timeline is None:   # a finished job's lighthouse has ended with it: do not ask
         try:
             doc.update(status=lighthouse.fetch_status(url, timeout=1.0, token_file=token_file, job=job), live=True, fetched_at=time.time())
             return doc
@@ -75,7 +91,7 @@ def lookup(dag_id: str | None, run_id: str | None) -> dict[str, Any]:
             doc["error"] = f"lighthouse at {url} does not answer ({e})"
     if snap:
         doc.update(status=snap.get("status"), fetched_at=snap.get("fetched_at"))
-    elif not doc["error"]:
+    elif not doc["error"] and timeline is None:
         doc["error"] = ("no lighthouse recorded for this DAG run" if dag_id else
                         "no standing lighthouse configured (set FTREC_LIGHTHOUSE_URL)")
     return doc
@@ -89,39 +105,65 @@ def _age(seconds: Any) -> str:
     return f"{_num(seconds):.1f} s ago" if seconds is not None else ""
 
 
+def _td(v: Any) -> str:
+    return f"<td>{html.escape(str(v))}</td>"
+
+
 def _group_row(g: dict[str, Any]) -> str:
     """One group's row; every value escaped (a status comes from another process)."""
-    def td(v: Any) -> str:
-        return f"<td>{html.escape(str(v))}</td>"
     ok = g.get("healthy") is True
+    state = ("standby (slow)", "warn") if g.get("standby_s") else ("left", "muted") if g.get("left") else \
+        ("healthy", "ok") if ok else ("failed", "bad")
     ranks = f"{g.get('ranks')}/{g.get('world')}"
-    return (f"<tr>{td(g.get('group'))}{td(g.get('incarnation'))}"
-            f"<td class={'ok' if ok else 'bad'}>{'healthy' if ok else 'failed'}</td>"
-            f"{td(g.get('step'))}{td(ranks)}{td(_age(g.get('last_beat_age_s')))}</tr>")
+    return (f"<tr>{_td(g.get('group'))}{_td(g.get('incarnation'))}"
+            f"<td class={state[1]}>{state[0]}</td>"
+            f"{_td(g.get('step'))}{_td(ranks)}{_td(_age(g.get('last_beat_age_s')))}</tr>")
+
+
+def _finished(tl: dict[str, Any]) -> str:
+    """A finished job's story: outcome, one row per group, the chart."""
+    from training import timeline
+    code = tl.get("exit_code")
+    sums = {r["checksum"] for r in timeline.story(tl) if r["checksum"]}
+    outcome = ("<p class=ok><b>finished</b>" if code == 0 else
+               f"<p class=bad><b>ended with exit code {html.escape(str(code))}</b>")
+    outcome += (" &middot; all groups ended with the same state</p>" if len(sums) == 1 else
+                " &middot; <span class=bad>groups ended with different states</span></p>" if len(sums) > 1 else "</p>")
+    rows = "".join(f"<tr class=group-row>{_td(r['group'])}{_td(r['last_step'])}{_td(r['restarts'])}{_td(r['failures'])}"
+                   f"{_td(r['heals'])}{_td(r['exclusions'])}<td><code>{html.escape(str(r['checksum']))}</code></td></tr>"
+                   for r in timeline.story(tl))
+    return (f"{outcome}<table><tr><th>group</th><th>committed steps</th><th>restarts</th><th>failures</th>"
+            f"<th>heals</th><th>slow exclusions</th><th>final state</th></tr>{rows}</table>"
+            f"<h3>committed steps per group</h3>{timeline.svg(tl)}")
 
 
 def render(doc: dict[str, Any]) -> str:
     e = html.escape
     st = doc.get("status") or {}
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(doc["fetched_at"])) if doc.get("fetched_at") else "-"
-    state = "live" if doc["live"] else f"snapshot of {when}" if st else "no status"
+    tl = doc.get("timeline")
+    state = "live" if doc["live"] else "finished job" if tl else f"snapshot of {when}" if st else "no status"
     q = st.get("quorum") or {}
     groups = "".join(_group_row(g) for g in st.get("groups", []) if isinstance(g, dict))
+    evs = st.get("events", []) if not tl else sorted(
+        (ev for ev in [*tl.get("launcher_events", []), *tl.get("lighthouse_events", [])] if isinstance(ev, dict)),
+        key=lambda ev: _num(ev.get("t")))
     events = "".join(
         f"<tr><td>{time.strftime('%H:%M:%S', time.localtime(_num(ev.get('t'))))}</td><td>{e(str(ev.get('kind', '')))}</td>"
         f"<td><code>{e(json.dumps({k: v for k, v in ev.items() if k not in ('t', 'kind')}))}</code></td></tr>"
-        for ev in reversed(st.get("events", [])[-50:]) if isinstance(ev, dict))
+        for ev in reversed(evs[-50:]) if isinstance(ev, dict))
     refresh = "<meta http-equiv='refresh' content='3'>" if doc["live"] else ""
+    body = _finished(tl) if tl else f"""<p>quorum <b>{e(str(q.get('quorum_id', '-')))}</b>, participants {e(str(q.get('groups', q.get('participants', '-'))))},
+max committed step <b>{e(str(st.get('max_step', '-')))}</b>, min replicas {e(str(st.get('min_replicas', '-')))}</p>
+<table><tr><th>group</th><th>incarnation</th><th>state</th><th>step</th><th>ranks</th><th>last heartbeat</th></tr>{groups}</table>"""
     return f"""<!doctype html><html><head><meta charset='utf-8'>{refresh}<title>ftcore lighthouse</title>
 <style>body{{font-family:system-ui,sans-serif;margin:1rem}}table{{border-collapse:collapse;margin:.5rem 0}}
 td,th{{border:1px solid #ccc;padding:.2rem .5rem;text-align:left}}.ok{{color:#070}}.bad{{color:#b00}}
-.muted{{color:#666}}</style></head><body>
+.muted{{color:#666}}.warn{{color:#a0a}}</style></head><body>
 <h2>ftcore lighthouse</h2>
 <p class=muted>{e(doc['source'])} &middot; {e(doc['url'] or 'no address')} &middot; {e(state)}</p>
 {f"<p class=bad>{e(doc['error'])}</p>" if doc['error'] else ''}
-<p>quorum <b>{e(str(q.get('quorum_id', '-')))}</b>, participants {e(str(q.get('groups', q.get('participants', '-'))))},
-max committed step <b>{e(str(st.get('max_step', '-')))}</b>, min replicas {e(str(st.get('min_replicas', '-')))}</p>
-<table><tr><th>group</th><th>incarnation</th><th>state</th><th>step</th><th>ranks</th><th>last heartbeat</th></tr>{groups}</table>
+{body}
 <h3>recent events</h3><table><tr><th>time</th><th>event</th><th>detail</th></tr>{events}</table>
 </body></html>"""
 

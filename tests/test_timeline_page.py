@@ -1,0 +1,75 @@
+"""A finished job tells its story: after a real chaos run (the toy trainer under the launcher,
+one group SIGKILLed mid-run, restarted and healed), the Airflow lighthouse tab says
+"finished", shows each group's committed steps, restarts and heals from the run's
+timeline.json, and draws committed steps per group over time with the fault and the heal
+marked; the same chart is a PNG for MLflow (training/timeline.py)."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import run_python
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "plugins"))
+
+pytestmark = [pytest.mark.integ]
+
+
+@pytest.fixture(scope="module")
+def chaos_timeline(tmp_path_factory):
+    d = tmp_path_factory.mktemp("chaos")
+    plan = d / "plan.json"
+    plan.write_text(json.dumps({"faults": [{"kind": "kill", "group": 1, "at_step": 15}]}))
+    r = run_python(["-m", "training", "launch", "--worker", "ftcore.examples.toy", "--replica-groups", "2",
+                    "--out", str(d / "train"), "--faults", str(plan), "--timeout", "150", "--",
+                    "--steps", "40", "--step-sleep", "0.02"], 200)
+    assert r.returncode == 0, r.stdout[-3000:]
+    return json.loads((d / "train" / "timeline.json").read_text())
+
+
+def test_series_and_story_follow_the_timeline(chaos_timeline, tmp_path):
+    from training import timeline
+    s = timeline.series(chaos_timeline)
+    assert sorted(s["groups"]) == [0, 1]
+    for pts in s["groups"].values():
+        assert [p[1] for p in pts] == sorted(p[1] for p in pts) and pts[0][0] >= 0
+    kinds = {m[2] for m in s["marks"]}
+    assert {"fault", "heal_finished"} <= kinds, kinds
+    story = {r["group"]: r for r in timeline.story(chaos_timeline)}
+    assert story[1]["restarts"] == 1 and story[1]["heals"] == 1 and story[0]["restarts"] == 0
+    assert story[0]["last_step"] == story[1]["last_step"] > 0 and story[0]["checksum"] == story[1]["checksum"]
+    assert timeline.png(chaos_timeline, str(tmp_path / "t.png")) and (tmp_path / "t.png").stat().st_size > 1000
+    assert timeline.svg({"steps": []}) == "" and not timeline.png({}, str(tmp_path / "none.png"))
+
+
+def test_the_lighthouse_tab_of_a_finished_run_tells_what_happened(chaos_timeline, tmp_path, monkeypatch):
+    from fastapi.testclient import TestClient
+
+    from ftrec_airflow import lighthouse, lighthouse_app, settings
+    monkeypatch.setenv("FTREC_WORK", str(tmp_path / "work"))
+    monkeypatch.delenv("FTREC_LIGHTHOUSE_URL", raising=False)
+    run = settings.run_folder("ftrec_chaos_drill", "manual__1")
+    (run / "train").mkdir(parents=True)
+    # the last snapshot the train task kept: its lighthouse has ended with the job
+    lighthouse.write_snapshot(run, "http://127.0.0.1:9", {"groups": [{"group": 0, "healthy": False}], "events": []})
+    tl = dict(chaos_timeline)
+    tl["lighthouse_events"] = [*tl["lighthouse_events"], {"t": tl["steps"][-1]["t"], "kind": "fault", "group": 0,
+                                                           "note": "<script>alert(1)</script>"}]
+    (run / "train" / "timeline.json").write_text(json.dumps(tl))
+    lighthouse_app.app.dependency_overrides[lighthouse_app.can_read_runs] = lambda: None
+    try:
+        client = TestClient(lighthouse_app.app)
+        q = {"dag_id": "ftrec_chaos_drill", "run_id": "manual__1"}
+        doc = client.get("/lighthouse/status", params=q).json()
+        assert doc["error"] == "" and doc["timeline"]["exit_code"] == 0
+        page = client.get("/lighthouse/", params=q).text
+    finally:
+        lighthouse_app.app.dependency_overrides.clear()
+    assert "<b>finished</b>" in page and "does not answer" not in page and ">failed<" not in page
+    assert "all groups ended with the same state" in page
+    assert page.count("class=group-row") == 2 and page.count("<polyline class='group'") == 2
+    assert "data-kind='fault'" in page and "data-kind='heal_finished'" in page
+    assert "<script>alert(1)</script>" not in page and "&lt;script&gt;" in page
