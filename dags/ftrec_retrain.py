@@ -1,12 +1,14 @@
 """ftrec_retrain: refresh the shards from the newest interaction data and continue
-training from the last registered model; daily, and whenever new interaction data is
-announced on the `ftrec_interactions` Asset.
+training from the registry's champion (`models:/<model_name>@champion`; from scratch when
+there is none); daily, and whenever new interaction data is announced on the
+`ftrec_interactions` Asset.
 
 A producer announces new data by emitting an event on the Asset with the file in its
 extra, for example through the REST API:
 `POST /api/v2/assets/events {"asset_id": ..., "extra": {"path": "/data/events.txt", "format": "sasrec"}}`,
 or from a task with `outlets=[INTERACTIONS]`. Without an event (the daily run) the
-`data_source` param is read again. The new model is registered behind the same quality gate.
+`data_source` param is read again. The new model is registered behind the same quality gate
+and becomes champion only if it beats the current champion (see ftrec_train).
 """
 
 from datetime import datetime, timedelta
@@ -50,7 +52,7 @@ def ftrec_retrain():
     def evaluate(trained: dict) -> dict:
         return pipeline.evaluate(trained)
 
-    @task(**RETRY)
+    @task(**RETRY, outlets=[pipeline.MODEL])
     def register_model(trained: dict, evaluation: dict, params=None) -> dict:
         return pipeline.register_model(params, trained, evaluation)
 

@@ -1,6 +1,10 @@
 """ftrec_train: interaction data -> length-balanced shards -> fault-tolerant training ->
 evaluation -> MLflow model registry, behind a quality gate.
 
+A version that passes the gate gets the alias `challenger`, and `champion` as well when
+it beats the champion on the gate metric; each registration is an event on the
+`ftrec_model` Asset.
+
 Trigger it with params (data source and format, topology, fault plan, MLflow experiment,
 gate). Every task writes under the DAG run's own folder and can be retried: a retry
 reuses finished output and resumes the same MLflow run. The work is in `ftrec_airflow`
@@ -41,7 +45,7 @@ def ftrec_train():
     def evaluate(trained: dict) -> dict:
         return pipeline.evaluate(trained)
 
-    @task(**RETRY)
+    @task(**RETRY, outlets=[pipeline.MODEL])
     def register_model(trained: dict, evaluation: dict, params=None) -> dict:
         return pipeline.register_model(params, trained, evaluation)
 

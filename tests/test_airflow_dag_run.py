@@ -4,11 +4,14 @@ MLflow store, real dataprep and training processes.
 
 One DAG run is made, then made again with the same logical date (every task re-runs in
 the same DAG run, as retries do); then its register_model runs once more with a quality
-gate the model cannot pass.
+gate the model cannot pass. A second DAG run trains a worse model (learning rate 0: the
+untrained initial weights), which becomes challenger but not champion; ftrec_retrain then
+warm-starts from the champion, not from that newest version.
 """
 
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -90,8 +93,11 @@ def test_mlflow_run_metrics_and_registered_version(first, work):
     versions = c.search_model_versions("name = 'ftrec'")
     assert [(int(v.version), v.run_id) for v in versions] == [(1, train["mlflow_run_id"])]
     assert versions[0].tags["gate_metric"] == "test/sampled/ndcg_at_10"
-    assert summary["xcom"]["register_model"] == {"name": "ftrec", "version": 1, "run_id": train["mlflow_run_id"],
-                                                 "reused": False}
+    assert float(versions[0].tags["gate_value"]) == m["test/sampled/ndcg_at_10"]
+    reg = summary["xcom"]["register_model"]
+    assert {k: reg[k] for k in ("name", "version", "run_id", "reused", "champion", "promoted", "aliases")} == {
+        "name": "ftrec", "version": 1, "run_id": train["mlflow_run_id"], "reused": False, "champion": 1,
+        "promoted": True, "aliases": ["challenger", "champion"]}   # the first version is champion
     links = summary["links"]["train"]
     assert links["MLflowRunLink"].endswith(f"/runs/{train['mlflow_run_id']}")
     assert "/ftrec/lighthouse/?dag_id=ftrec_train" in links["LighthouseLink"]
@@ -113,6 +119,8 @@ def test_rerunning_every_task_duplicates_nothing(first, work):
     assert len(c.get_metric_history(run_id, "train/loss")) == loss_points
     assert len(c.get_metric_history(run_id, "test/full/hr_at_10")) == 1
     assert [int(v.version) for v in c.search_model_versions("name = 'ftrec'")] == [1]
+    assert again["xcom"]["register_model"]["champion"] == 1 and again["xcom"]["register_model"]["aliases"] == [
+        "challenger", "champion"]
 
 
 def test_quality_gate_fails_on_purpose(first, work):
@@ -153,15 +161,64 @@ def test_chaos_drill_checks_recovery(work):
     assert snap["url"].startswith("http://127.0.0.1:") and snap["status"]["max_step"] >= 1
 
 
-def test_retrain_finds_the_registered_model(first, work, monkeypatch):
-    """ftrec_retrain's base_model task against the store the DAG run above filled: the
-    newest registered version and its checkpoint (the rest of ftrec_retrain is ftrec_train's
-    tasks; its wiring and schedule are in test_dags_parse.py)."""
+def model_events(work: Path) -> list[dict]:
+    """The `ftrec_model` Asset events in the Airflow metadata DB, oldest first."""
+    with sqlite3.connect(work / "airflow" / "airflow.db") as db:
+        rows = db.execute("SELECT e.extra, e.source_dag_id FROM asset_event e JOIN asset a ON a.id = e.asset_id "
+                          "WHERE a.name = 'ftrec_model' ORDER BY e.id").fetchall()
+    return [{**json.loads(extra), "dag": dag} for extra, dag in rows]
+
+
+# No fault plan: these runs are about the registry, not about recovery.
+PLAIN = [*SMALL[:-2], "--set", "fault_plan="]
+LR0 = ["optim.lr=0", "optim.embedding_lr=0"]
+
+
+@pytest.fixture(scope="module")
+def worse(first, work):
+    """A second ftrec_train run whose model keeps its initial weights."""
+    rc, summary, out = local_run(work, *PLAIN, "--conf", json.dumps(
+        {"train_overrides": ["model.dim=16", "eval.batch_size=256", *LR0]}))
+    assert rc == 0 and summary, out[-4000:]
+    return summary, out
+
+
+def test_a_worse_version_is_challenger_and_the_champion_stays(first, worse, work):
+    c = _client(work)
+    reg1, reg2 = first[0]["xcom"]["register_model"], worse[0]["xcom"]["register_model"]
+    assert reg2["version"] == 2 and reg2["gate_value"] < reg1["gate_value"], (reg1, reg2)
+    assert (reg2["champion"], reg2["promoted"], reg2["aliases"]) == (1, False, ["challenger"])
+    assert "version 2: test/sampled/ndcg_at_10" in worse[1] and "the champion is version 1" in worse[1]
+    assert int(c.get_model_version_by_alias("ftrec", "champion").version) == 1
+    assert int(c.get_model_version_by_alias("ftrec", "challenger").version) == 2
+    # each registration is an event on the ftrec_model Asset (the first run's re-run made a second one)
+    events = [e for e in model_events(work) if e["dag"] == "ftrec_train"]
+    assert [(e["version"], e["aliases"], e["champion"]) for e in events] == [
+        (1, ["challenger", "champion"], 1), (1, ["challenger", "champion"], 1), (2, ["challenger"], 1)]
+    assert events[-1]["run_id"] == worse[0]["xcom"]["train"]["mlflow_run_id"] and events[-1]["name"] == "ftrec"
+    assert events[-1]["gate_metric"] == "test/sampled/ndcg_at_10" and events[-1]["gate_value"] == reg2["gate_value"]
+
+
+def test_retrain_warm_starts_from_the_champion(first, worse, work):
+    """ftrec_retrain end to end: base_model resolves models:/ftrec@champion (version 1, not
+    the newest version 2), its training starts from version 1's checkpoint, and the new
+    version is champion exactly when it beats version 1."""
+    champion_ckpt = first[0]["xcom"]["train"]["checkpoint"]
+    rc, summary, out = local_run(work, "--dag", "ftrec_retrain", *PLAIN, "--conf", json.dumps(
+        {"train_overrides": ["model.dim=16", "eval.batch_size=256"]}))
+    assert rc == 0 and summary, out[-4000:]
+    base = summary["xcom"]["base_model"]
+    assert (base["version"], base["alias"], base["checkpoint"]) == (1, "champion", champion_ckpt)
+    run = _client(work).get_run(summary["xcom"]["train"]["mlflow_run_id"])
+    assert run.data.params["train.init_checkpoint"] == champion_ckpt
+    reg = summary["xcom"]["register_model"]
+    better = reg["gate_value"] > first[0]["xcom"]["register_model"]["gate_value"]
+    assert reg["version"] == 3 and reg["champion"] == (3 if better else 1) and reg["promoted"] is better
+    assert model_events(work)[-1]["dag"] == "ftrec_retrain" and model_events(work)[-1]["version"] == 3
+
+
+def test_no_champion_means_training_from_scratch(work, monkeypatch):
     from ftrec_airflow import pipeline
-    summary, _ = first
-    monkeypatch.setenv("FTREC_WORK", str(work))
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{work / 'mlflow' / 'mlflow.db'}")
-    base = pipeline.base_model({"model_name": "ftrec"})
-    assert base["version"] == 1 and base["run_id"] == summary["xcom"]["train"]["mlflow_run_id"]
-    assert base["checkpoint"] == summary["xcom"]["train"]["checkpoint"] and Path(base["checkpoint"]).is_dir()
+    monkeypatch.delenv("AIRFLOW_CONN_FTREC_MLFLOW", raising=False)
     assert pipeline.base_model({"model_name": "no-such-model"}) == {}

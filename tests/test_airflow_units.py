@@ -625,3 +625,44 @@ def test_evaluate_logs_only_what_the_trainer_did_not_and_the_gate_finds_it(tmp_p
     assert sorted(metrics) == ["test/full/hr_at_10", "test/full/mrr", "test/sampled/ndcg_at_10"]
     assert len(c.get_metric_history(run, "test/sampled/ndcg_at_10")) == 1
     assert steps.check_gate(ev["metrics"], pipeline.GATE_METRIC, 0.3) == 0.3125
+
+
+# ---------------------------------------------------------------- registry aliases
+
+def _version(c, name: str, metric: str, value: float, run_id: str | None = None) -> int:
+    """A registered version as register_model leaves it: its gate metric and value as tags."""
+    mv = c.create_model_version(name, source="file:///nowhere/model", run_id=run_id,
+                                tags={"gate_metric": metric, "gate_value": repr(value)})
+    return int(mv.version)
+
+
+def test_champion_moves_only_to_a_better_version_on_the_same_metric(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    c = tracking.client(uri)
+    assert tracking.by_alias("recs", tracking.CHAMPION, uri) is None   # no model yet
+    c.create_registered_model("recs")
+    assert tracking.by_alias("recs", tracking.CHAMPION, uri) is None   # a model, no alias
+    said: list[str] = []
+    m = "test/sampled/ndcg_at_10"
+
+    def promote(v, metric, value, **kw):
+        return tracking.promote("recs", v, metric, value, tracking_uri=uri, log=said.append, **kw)
+    v1 = _version(c, "recs", m, 0.30)
+    assert promote(v1, m, 0.30) == {"champion": 1, "promoted": True, "aliases": ["challenger", "champion"],
+                                    "reason": "first champion"}
+    v2 = _version(c, "recs", m, 0.25)                    # worse: challenger only
+    r = promote(v2, m, 0.25)
+    assert (r["champion"], r["promoted"], r["aliases"]) == (1, False, ["challenger"])
+    assert tracking.by_alias("recs", tracking.CHAMPION, uri)["version"] == 1
+    assert tracking.by_alias("recs", tracking.CHALLENGER, uri)["version"] == 2
+    v3 = _version(c, "recs", m, 0.35)                    # better: champion
+    assert promote(v3, m, 0.35)["champion"] == 3
+    assert promote(v3, m, 0.35) == {"champion": 3, "promoted": False, "aliases": ["challenger", "champion"],
+                                    "reason": "already the champion"}   # a retry changes nothing
+    v4 = _version(c, "recs", "test/full/hr_at_10", 0.9)  # another metric: not comparable, kept
+    r = promote(v4, "test/full/hr_at_10", 0.9)
+    assert (r["champion"], r["promoted"]) == (3, False) and "not comparable" in r["reason"]
+    assert "gated on 'test/sampled/ndcg_at_10'" in said[-1] and "keeping the champion" in said[-1]
+    r = promote(v4, "test/full/hr_at_10", 0.9, across_metrics=True)   # unless the param asks
+    assert (r["champion"], r["promoted"]) == (4, True)
+    assert tracking.by_alias("recs", tracking.CHAMPION, uri)["tags"]["gate_metric"] == "test/full/hr_at_10"

@@ -79,6 +79,7 @@ def test_ftrec_train_structure(parsed):
         "train": ["evaluate", "register_model"], "evaluate": ["register_model"], "register_model": []}
     assert t["build_shards"]["type"] == "BuildShardsOperator"
     assert t["build_shards"]["outlets"] == ["ftrec_train_shards"]
+    assert t["register_model"]["outlets"] == ["ftrec_model"]
     assert t["train"]["type"] == "FaultTolerantTrainOperator"
     assert (t["train"]["queue"], t["train"]["pool"]) == ("default", "default_pool")  # nothing configured
     assert t["train"]["links"] == ["Lighthouse", "MLflow run"]
@@ -94,7 +95,8 @@ def test_ftrec_train_params_have_types_descriptions_and_defaults(parsed):
     p = parsed["dags"]["ftrec_train"]["params"]
     want = {"data_source", "data_format", "synth_users", "synth_items", "max_len", "batch_size",
             "replica_groups", "ranks_per_group", "world_size", "epochs", "max_steps", "fault_plan",
-            "mlflow_experiment", "model_name", "gate_metric", "gate_min", "train_overrides", "seed"}
+            "mlflow_experiment", "model_name", "gate_metric", "gate_min", "promote_across_metrics",
+            "train_overrides", "seed"}
     assert set(p) == want
     for name, param in p.items():
         assert param["schema"].get("type"), name
@@ -107,6 +109,7 @@ def test_ftrec_train_params_have_types_descriptions_and_defaults(parsed):
     assert p["fault_plan"]["value"] == ""
     assert p["mlflow_experiment"]["value"] == "ftrec" and p["model_name"]["value"] == "ftrec"
     assert p["gate_metric"]["value"] == "test/sampled/ndcg_at_10" and p["gate_min"]["schema"]["type"] == "number"
+    assert p["promote_across_metrics"]["value"] is False
 
 
 def test_ftrec_retrain_runs_daily_or_on_new_data(parsed):
@@ -117,6 +120,7 @@ def test_ftrec_retrain_runs_daily_or_on_new_data(parsed):
     assert t["base_model"]["downstream"] == ["train"] and t["verify_shards"]["downstream"] == ["train"]
     assert t["train"]["downstream"] == ["evaluate", "register_model"]
     assert t["build_shards"]["outlets"] == ["ftrec_retrain_shards"]
+    assert t["register_model"]["outlets"] == ["ftrec_model"]
 
 
 def test_ftrec_chaos_drill_defaults_to_a_fault_plan(parsed):

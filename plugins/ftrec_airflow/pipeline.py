@@ -14,12 +14,15 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from airflow.sdk import Param, get_current_context
+from airflow.sdk import Asset, Param, get_current_context
 from airflow.sdk.exceptions import AirflowFailException
 
 from ftrec_airflow import settings, steps
 
 GATE_METRIC = "test/sampled/ndcg_at_10"  # MLflow spelling of ndcg@10
+# An event per gated registration (register_model's outlet): downstream DAGs schedule on it;
+# its extra says which version, its aliases and gate value (challenger only, or champion too).
+MODEL = Asset(name="ftrec_model", uri="ftrec://model/registered")
 log = logging.getLogger(__name__)
 
 
@@ -29,7 +32,7 @@ def params(**defaults: Any) -> dict[str, Param]:
          "max_len": 50, "batch_size": 128, "replica_groups": 2 if steps.USE_LAUNCHER else 1, "ranks_per_group": 1, "world_size": None,
          "epochs": 0, "max_steps": 0, "fault_plan": "", "mlflow_experiment": settings.DEFAULT_EXPERIMENT,
          "model_name": settings.DEFAULT_MODEL_NAME, "gate_metric": GATE_METRIC, "gate_min": 0.0,
-         "train_overrides": [], "seed": 0}
+         "promote_across_metrics": False, "train_overrides": [], "seed": 0}
     unknown = set(defaults) - set(d)
     if unknown:
         raise TypeError(f"unknown params: {sorted(unknown)}")
@@ -70,6 +73,9 @@ def params(**defaults: Any) -> dict[str, Param]:
             "e.g. test/full/hr_at_10 (hr@10 is accepted too).")),
         "gate_min": Param(d["gate_min"], type="number", description=(
             "The model is registered only if gate_metric >= gate_min; otherwise register_model fails.")),
+        "promote_across_metrics": Param(d["promote_across_metrics"], type="boolean", description=(
+            "A registered version becomes champion only if it beats the champion on gate_metric; "
+            "when the champion was gated on another metric it is kept, unless this is true.")),
         "train_overrides": Param(d["train_overrides"], type="array", items={"type": "string"}, description=(
             "Extra trainer settings section.key=value (training/config.py), e.g. model.dim=32.")),
         "seed": Param(d["seed"], type="integer", description="Seed of data generation, sharding and training."),
@@ -150,19 +156,27 @@ def evaluate(trained: dict) -> dict[str, Any]:
 
 
 def register_model(p: dict, trained: dict, evaluation: dict) -> dict[str, Any]:
-    """Register the run's model if the quality gate passes; fail with the metrics if not."""
+    """Register the run's model if the quality gate passes (fail with the metrics if not),
+    as `challenger`, and as `champion` when it beats the champion (tracking.promote);
+    the MODEL outlet event carries the result."""
     from ftrec_airflow import tracking
     try:
         value = steps.check_gate(evaluation["metrics"], p["gate_metric"], float(p["gate_min"]))
     except (steps.GateFailed, steps.UserError) as e:
         raise AirflowFailException(str(e)) from None
     tracking.connect()
+    uri, metric = trained["tracking_uri"], tracking.metric_key(p["gate_metric"])
     ctx = get_current_context()
-    tags = {"gate_metric": p["gate_metric"], "gate_value": f"{value:.6f}", "gate_min": str(p["gate_min"]),
+    tags = {"gate_metric": metric, "gate_value": repr(value), "gate_min": str(p["gate_min"]),
             tracking.CHECKPOINT_TAG: trained["checkpoint"], "shards": trained["shards"],
             "airflow.dag_id": ctx["ti"].dag_id, "airflow.run_id": ctx["run_id"]}
-    return tracking.register(trained["mlflow_run_id"], p["model_name"], tags=tags,
-                             tracking_uri=trained["tracking_uri"])
+    reg = tracking.register(trained["mlflow_run_id"], p["model_name"], tags=tags, tracking_uri=uri)
+    promo = tracking.promote(p["model_name"], reg["version"], metric, value, tracking_uri=uri, log=log.info,
+                             across_metrics=bool(p.get("promote_across_metrics")))
+    result = {**reg, **promo, "gate_metric": metric, "gate_value": value}
+    ctx["outlet_events"][MODEL].extra = {k: result[k] for k in (
+        "name", "version", "aliases", "run_id", "champion", "gate_metric", "gate_value")}
+    return result
 
 
 # ---------------------------------------------------------------- ftrec_retrain
@@ -186,15 +200,18 @@ def ingest_new_data(p: dict) -> dict[str, Any]:
 
 
 def base_model(p: dict) -> dict[str, Any]:
-    """The newest registered version of the model and its checkpoint; {} when there is
-    none (the first retrain then trains from scratch)."""
+    """The champion (`models:/<name>@champion`) and its checkpoint, not the newest version
+    (a newer one may have lost to it); {} when there is no champion: train from scratch."""
     from ftrec_airflow import tracking
     uri, _ = tracking.connect()
-    latest = tracking.latest_version(p["model_name"], uri)
-    if not latest:
+    champ = tracking.by_alias(p["model_name"], tracking.CHAMPION, uri)
+    if not champ:
+        log.info("model %s has no %s: training from scratch", p["model_name"], tracking.CHAMPION)
         return {}
-    ckpt = latest["tags"].get(tracking.CHECKPOINT_TAG, "")
-    return {"version": latest["version"], "run_id": latest["run_id"],
+    ckpt = champ["tags"].get(tracking.CHECKPOINT_TAG, "")
+    if ckpt and not Path(ckpt).exists():
+        log.warning("champion version %s's checkpoint %s is gone: training from scratch", champ["version"], ckpt)
+    return {"version": champ["version"], "run_id": champ["run_id"], "alias": tracking.CHAMPION,
             "checkpoint": ckpt if ckpt and Path(ckpt).exists() else ""}
 
 

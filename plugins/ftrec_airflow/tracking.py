@@ -1,9 +1,10 @@
 """MLflow from the Airflow side: one run per DAG run's training, found again on retry;
-evaluation metrics on that run; registration behind the quality gate; links to the UI.
+evaluation metrics on that run; registration behind the quality gate, with the
+`champion`/`challenger` aliases; links to the UI.
 
 The training processes log their own params, metrics and recovery events on the run;
 the Airflow tasks only create it (so its id exists before training starts and a retried
-task resumes it instead of opening a second one), add evaluation metrics and register.
+task resumes it instead of opening a second one), add evaluation metrics it lacks and register.
 mlflow is imported inside the functions: DAG files import this module at parse time.
 """
 
@@ -16,6 +17,8 @@ from ftrec_airflow import settings
 
 RUN_KEY_TAG = "ftrec.airflow_run"   # "<dag_id>/<run_id>/<task_id>": the idempotency key
 CHECKPOINT_TAG = "ftrec.checkpoint"
+CHAMPION, CHALLENGER = "champion", "challenger"   # registry aliases
+
 
 def connect() -> tuple[str, dict[str, str]]:
     """(tracking URI, credentials) of this task (settings.mlflow_connection), with the
@@ -28,7 +31,6 @@ def connect() -> tuple[str, dict[str, str]]:
         else:
             os.environ.pop(k, None)
     return uri, creds
-
 
 
 def client(tracking_uri: str | None = None):
@@ -110,6 +112,60 @@ def register(run_id: str, name: str, *, artifact_path: str = "model", tags: dict
     return {"name": name, "version": int(mv.version), "run_id": run_id, "reused": False}
 
 
+def _version(mv) -> dict[str, Any]:
+    return {"name": mv.name, "version": int(mv.version), "run_id": mv.run_id, "tags": dict(mv.tags or {}),
+            "aliases": sorted(mv.aliases or [])}
+
+
+def by_alias(name: str, alias: str, tracking_uri: str | None = None) -> dict[str, Any] | None:
+    """The version of `name` that `alias` points to, with its tags; None when there is none."""
+    from mlflow.exceptions import MlflowException
+    c = client(tracking_uri)
+    try:
+        # a missing alias is an INVALID_PARAMETER_VALUE of get_model_version_by_alias, like any
+        # bad argument: ask the model's aliases first instead of guessing from the message
+        if alias not in c.get_registered_model(name).aliases:
+            return None
+    except MlflowException as e:
+        if e.error_code == "RESOURCE_DOES_NOT_EXIST":   # no such model
+            return None
+        raise
+    return _version(c.get_model_version_by_alias(name, alias))
+
+
+def promote(name: str, version: int, metric: str, value: float, *, across_metrics: bool = False,
+            tracking_uri: str | None = None, log=print) -> dict[str, Any]:
+    """Point `challenger` at `version`, and `champion` too when it beats the champion on
+    `metric` (the champion's own gate_metric/gate_value tags: the value it was gated on).
+
+    A champion gated on another metric is not comparable: it is kept unless
+    `across_metrics`. The first gated version becomes champion. Safe to repeat (a retry
+    finds the aliases where the first try put them)."""
+    c = client(tracking_uri)
+    c.set_registered_model_alias(name, CHALLENGER, str(version))
+    champ = by_alias(name, CHAMPION, tracking_uri)
+    if champ is None:
+        promote_it, why = True, "first champion"
+    elif champ["version"] == version:
+        promote_it, why = False, "already the champion"
+    elif champ["tags"].get("gate_metric") != metric or "gate_value" not in champ["tags"]:
+        promote_it = across_metrics
+        why = (f"champion version {champ['version']} was gated on {champ['tags'].get('gate_metric')!r}, this "
+               f"version on {metric!r}: not comparable; "
+               + ("promoting it (promote_across_metrics)" if across_metrics else
+                  "keeping the champion (set promote_across_metrics to promote anyway)"))
+    else:
+        old = float(champ["tags"]["gate_value"])
+        promote_it = value > old
+        why = f"{metric} {value:.6f} {'>' if promote_it else '<='} champion version {champ['version']}'s {old:.6f}"
+    if promote_it:
+        c.set_registered_model_alias(name, CHAMPION, str(version))
+    champion = version if promote_it else champ["version"]
+    log(f"model {name} version {version}: {why}; the champion is version {champion}")
+    aliases = sorted(c.get_model_version(name, str(version)).aliases or [])
+    return {"champion": champion, "promoted": promote_it, "aliases": aliases, "reason": why}
+
+
 def latest_version(name: str, tracking_uri: str | None = None) -> dict[str, Any] | None:
     """The newest registered version of `name` with its tags, or None."""
     c = client(tracking_uri)
@@ -119,5 +175,4 @@ def latest_version(name: str, tracking_uri: str | None = None) -> dict[str, Any]
         return None
     if not versions:
         return None
-    mv = max(versions, key=lambda v: int(v.version))
-    return {"name": name, "version": int(mv.version), "run_id": mv.run_id, "tags": dict(mv.tags or {})}
+    return _version(max(versions, key=lambda v: int(v.version)))
