@@ -39,7 +39,8 @@ def test_series_and_story_follow_the_timeline(chaos_timeline, tmp_path):
     kinds = {m[2] for m in s["marks"]}
     assert {"fault", "heal_finished"} <= kinds, kinds
     story = {r["group"]: r for r in timeline.story(chaos_timeline)}
-    assert story[1]["restarts"] == 1 and story[1]["heals"] == 1 and story[0]["restarts"] == 0
+    assert story[1]["restarts"] == 1 and story[1]["heals"] == 1 and story[1]["failures"] == 1
+    assert story[0]["restarts"] == 0 and story[0]["failures"] == 0
     assert story[0]["last_step"] == story[1]["last_step"] > 0 and story[0]["checksum"] == story[1]["checksum"]
     assert timeline.png(chaos_timeline, str(tmp_path / "t.png")) and (tmp_path / "t.png").stat().st_size > 1000
     assert timeline.svg({"steps": []}) == "" and not timeline.png({}, str(tmp_path / "none.png"))

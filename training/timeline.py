@@ -34,7 +34,9 @@ def series(tl: dict[str, Any]) -> dict[str, Any]:
     times = [t for t in (_num(e.get("t")) for e in events) if t is not None]
     steps = [s for s in tl.get("steps", []) if isinstance(s, dict) and s.get("committed") and s.get("rank", 0) == 0
              and _num(s.get("t")) is not None and _num(s.get("step")) is not None]
-    t0 = min(times + [s["t"] for s in steps], default=0.0)
+    # from the first commit (or an earlier fault): the seconds ranks spend starting are not the story
+    t0 = min([s["t"] for s in steps] + [t for e in events if e.get("kind") in MARKS
+                                         for t in [_num(e.get("t"))] if t is not None], default=min(times, default=0.0))
     groups: dict[int, list[tuple[float, int]]] = {}
     for s in sorted(steps, key=lambda s: s["t"]):
         groups.setdefault(int(s.get("group", 0)), []).append((s["t"] - t0, int(s["step"])))
@@ -47,24 +49,30 @@ def series(tl: dict[str, Any]) -> dict[str, Any]:
         kind, t = e.get("kind"), _num(e.get("t"))
         if kind in MARKS and t is not None and (kind != "heal_finished" or e.get("rank", 0) == 0):
             g = e.get("group")
-            marks.append((t - t0, int(g) if isinstance(g, int) else None, kind))
+            marks.append((max(t - t0, 0.0), int(g) if isinstance(g, int) else None, kind))
     return {"t0": t0, "groups": dict(sorted(groups.items())), "marks": sorted(marks, key=lambda m: m[0])}
 
 
 def story(tl: dict[str, Any]) -> list[dict[str, Any]]:
-    """Per group: committed steps (its last), restarts, heals, exclusions, final checksum."""
+    """Per group: committed steps (its last), restarts, failures (the launcher's count: a
+    group that failed or hung), heals, exclusions, and its final state: a checksum, or why not."""
     s = series(tl)
     restarts = tl.get("restarts", {}) or {}
     checksums = tl.get("checksums", {}) or {}
+    launcher = [e for e in tl.get("launcher_events", []) if isinstance(e, dict)]
     out = []
     for g in sorted(set(s["groups"]) | {int(k) for k in restarts if str(k).isdigit()}):
         mine = [m for m in s["marks"] if m[1] == g]
+        final = checksums.get(str(g), checksums.get(g, ""))
+        if not final and any(e.get("kind") == "group_not_needed" and e.get("group") == g for e in launcher):
+            final = "not needed: training finished first"
         out.append({"group": g, "last_step": s["groups"].get(g, [(0, 0)])[-1][1],
                     "restarts": restarts.get(str(g), restarts.get(g, 0)),
+                    "failures": sum(e.get("kind") in ("group_failed", "group_replaced") and e.get("group") == g
+                                    for e in launcher),
                     "heals": sum(m[2] == "heal_finished" for m in mine),
-                    "failures": sum(m[2] in ("failure_detected", "group_failed") for m in mine),
                     "exclusions": sum(m[2] == "group_excluded" for m in mine),
-                    "checksum": checksums.get(str(g), checksums.get(g, ""))})
+                    "checksum": final})
     return out
 
 

@@ -124,7 +124,7 @@ def _finished(tl: dict[str, Any]) -> str:
     """A finished job's story: outcome, one row per group, the chart."""
     from training import timeline
     code = tl.get("exit_code")
-    sums = {r["checksum"] for r in timeline.story(tl) if r["checksum"]}
+    sums = {r["checksum"] for r in timeline.story(tl) if r["checksum"] and " " not in r["checksum"]}
     outcome = ("<p class=ok><b>finished</b>" if code == 0 else
                f"<p class=bad><b>ended with exit code {html.escape(str(code))}</b>")
     outcome += (" &middot; all groups ended with the same state</p>" if len(sums) == 1 else

@@ -1,0 +1,130 @@
+"""The Airflow UI and the MLflow UI in a real browser (headless Chromium, driven by
+Playwright), after a real DAG run with a fault: Airflow's scheduler, DAG processor and API
+server, and an MLflow tracking server on the same store, all on loopback.
+
+ftrec_train runs 2 replica groups and SIGKILLs group 1 at step 4 (the launcher restarts it). Then,
+logged in: the DAG run's "Lighthouse" tab (the plugin's external view, an iframe inside
+Airflow's React UI) shows the finished job, both groups, group 1's restart, the chart with
+the fault and the failure marked; the MLflow run the train task links to renders in the MLflow UI with its
+metrics; an anonymous browser is refused. A screenshot of the tab is kept beside the logs.
+
+Skips with the reason when Chromium or Playwright is not installed (`.ci/run` installs
+Debian's chromium; Playwright uses it, it downloads no browser of its own).
+"""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from test_airflow_integration import _call, _token, _wait, airflow_server  # noqa: F401 - the fixture
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = [pytest.mark.slow, pytest.mark.integ]
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CONF = {"data_source": "synthetic", "synth_users": 240, "synth_items": 120, "max_steps": 12,
+        "batch_size": 16, "max_len": 20, "replica_groups": 2,
+        "fault_plan": json.dumps({"faults": [{"kind": "kill", "group": 1, "at_step": 4}]}),
+        "train_overrides": ["model.dim=16", "eval.batch_size=256", "mlflow.system_metrics=false"]}
+
+
+def _needs_a_browser():
+    if CHROMIUM is None:
+        pytest.skip("no chromium on PATH (apt-get install chromium)")
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        pytest.skip("playwright is not installed (pip install -e '.[test]')")
+
+
+@pytest.fixture
+def mlflow_ui(tmp_path, monkeypatch):
+    """An MLflow tracking server on the store the pipeline uses (FTREC_WORK's SQLite file),
+    and FTREC_MLFLOW_UI pointing at it, so the train task's link opens it."""
+    _needs_a_browser()
+    store = tmp_path / "work" / "mlflow"
+    store.mkdir(parents=True)
+    with socket.socket() as s:   # its own port: free_port is the API server's
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    base = f"http://127.0.0.1:{port}"
+    log = open(tmp_path / "mlflow-server.log", "w")
+    p = subprocess.Popen([str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1",
+                          "--port", port, "--workers", "1",
+                          "--backend-store-uri", f"sqlite:///{store / 'mlflow.db'}",
+                          "--default-artifact-root", (store / "artifacts").as_uri()],
+                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    monkeypatch.setenv("FTREC_MLFLOW_UI", base)
+    try:
+        _wait("the MLflow server", lambda: urllib.request.urlopen(base + "/health", timeout=2).status == 200,
+              120, {"mlflow": p})
+        yield base
+    finally:
+        try:
+            os.killpg(p.pid, signal.SIGTERM)
+            p.wait(timeout=10)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=10)
+        log.close()
+
+
+def test_lighthouse_tab_and_mlflow_run_in_a_real_browser(mlflow_ui, airflow_server):
+    from playwright.sync_api import sync_playwright
+    base, home, procs, tmp = airflow_server
+    _wait("the API server", lambda: _call(base, "/api/v2/monitor/health"), 180, procs)
+    token = _wait("a login token", lambda: _token(base, home), 60, procs)
+    _wait("ftrec_train to be parsed", lambda: _call(base, "/api/v2/dags/ftrec_train", token), 180, procs)
+    _call(base, "/api/v2/dags/ftrec_train", token, body={"is_paused": False}, method="PATCH")
+    run_id = _call(base, "/api/v2/dags/ftrec_train/dagRuns", token, body={"logical_date": None, "conf": CONF})["dag_run_id"]
+    q = urllib.request.quote(run_id)
+
+    def finished():
+        state = _call(base, f"/api/v2/dags/ftrec_train/dagRuns/{q}", token)["state"]
+        return state if state in ("success", "failed") else None
+    assert _wait("the DAG run to finish", finished, 420, procs) == "success", f"logs in {tmp}"
+    links = _call(base, f"/api/v2/dags/ftrec_train/dagRuns/{q}/taskInstances/train/links", token)["extra_links"]
+    assert links["MLflow run"].startswith(mlflow_ui)
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"], timeout=60_000)
+        try:
+            # anonymous: Airflow's login guards the plugin's page
+            anon = browser.new_page()
+            resp = anon.goto(f"{base}/ftrec/lighthouse/?dag_id=ftrec_train&run_id={q}")
+            assert resp.status in (401, 403) and "committed steps" not in anon.content()
+
+            ctx = browser.new_context(viewport={"width": 1400, "height": 1000})
+            ctx.add_cookies([{"name": "_token", "value": token, "url": base}])
+            page = ctx.new_page()
+            page.goto(f"{base}/dags/ftrec_train/runs/{q}/plugin/ftrec-lighthouse-run", wait_until="networkidle")
+            tab = page.frame_locator("iframe").first
+            tab.locator("text=finished").first.wait_for(timeout=60_000)
+            assert tab.locator("tr.group-row").count() == 2
+            assert tab.locator("svg.ftrec-timeline polyline.group").count() == 2
+            marks = {tab.locator("svg.ftrec-timeline line.mark").nth(i).get_attribute("data-kind")
+                     for i in range(tab.locator("svg.ftrec-timeline line.mark").count())}
+            assert {"fault", "group_failed"} <= marks, marks   # (the job may end before group 1 is back)
+            restarts = tab.locator("tr.group-row").nth(1).locator("td").nth(2).inner_text()
+            assert restarts == "1", restarts
+            assert "does not answer" not in tab.locator("body").inner_text()
+            page.screenshot(path=str(tmp / "lighthouse-tab.png"), full_page=True)
+            shutil.copy(tmp / "lighthouse-tab.png", "/tmp/lighthouse-tab.png") if os.environ.get("FTREC_KEEP_SCREENSHOTS") else None
+
+            # the MLflow run the train task links to, in the MLflow UI (a React app: rendered by the browser)
+            mlflow_page = ctx.new_page()
+            mlflow_page.goto(links["MLflow run"], wait_until="domcontentloaded")   # its UI polls: never idle
+            mlflow_page.locator(f"text=ftrec_train {run_id}").first.wait_for(timeout=60_000)
+            mlflow_page.screenshot(path=str(tmp / "mlflow-run.png"))
+        finally:
+            browser.close()
+    assert (tmp / "lighthouse-tab.png").stat().st_size > 10_000
