@@ -38,3 +38,27 @@ def test_two_groups_of_two_ranks_log_one_value_per_metric_and_step_and_one_model
     versions = client.search_model_versions("name = 'groups-2x2'")
     assert len(versions) == 1 and versions[0].run_id == run_id
     assert models[0].model_id in versions[0].source or versions[0].source.endswith("/model"), versions[0].source
+
+
+def test_a_restarted_group_0_continues_the_jobs_run_instead_of_opening_another(tmp_path):
+    """Without a run made beforehand (a standalone launch), group 0's rank 0 opens the run; when
+    that rank is SIGKILLed and the launcher restarts the group, the new process logs into the
+    same run: one run per job."""
+    import json
+    shards, out = cli_shard_set(tmp_path, world_size=2), tmp_path / "run"
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.create_experiment("restart", artifact_location=(tmp_path / "artifacts").as_uri())
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"faults": [{"kind": "kill", "group": 0, "at_step": 3}]}))
+    r = run_python(["-m", "training", "launch", "--shards", str(shards), "--replica-groups", "2",
+                    "--out", str(out), "--faults", str(plan), "--timeout", "300", "--",
+                    "--set", "train.epochs=3", "model.dim=16", "loss.num_negatives=16", "train.log_every=2",
+                    "mlflow.experiment=restart", f"mlflow.tracking_uri={uri}", "mlflow.register=false",
+                    "mlflow.log_model=false", "mlflow.plots=false", "mlflow.system_metrics=false",
+                    "eval.batch_size=256"], 360)
+    assert r.returncode == 0, r.stdout[-4000:]
+    assert json.loads((out / "timeline.json").read_text())["restarts"]["0"] == 1
+    runs = client.search_runs([exp])
+    assert len(runs) == 1, [(x.info.run_id, x.info.start_time) for x in runs]
+    assert (out / "replica_0" / "mlflow_run_id").read_text() == runs[0].info.run_id

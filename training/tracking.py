@@ -41,6 +41,8 @@ SYSTEM_METRICS_INTERVAL_S = 10.0
 
 
 # Errors a retry cannot fix: the op is dropped (and reported) instead of blocking the queue.
+RUN_FILE = "mlflow_run_id"   # in the trainer's output folder: the run this job logs into
+
 PERMANENT = {"INVALID_PARAMETER_VALUE", "BAD_REQUEST", "RESOURCE_ALREADY_EXISTS", "INVALID_STATE"}
 
 
@@ -92,9 +94,11 @@ class _Op:
 class Tracker:
     """Asynchronous, failure-tolerant MLflow logging for one run."""
 
-    def __init__(self, cfg: MlflowConfig, out: str):
+    def __init__(self, cfg: MlflowConfig, out: str, continue_recorded: bool = False):
         self.cfg = cfg
         self.uri, self._artifact_location = resolve_uri(cfg, out)
+        self._out = out
+        self._continue = continue_recorded   # a restarted group of a running job: its run, not a new one
         self.run_id: str | None = None
         self.errors: list[str] = []
         self.dropped = 0   # ops the server refused as invalid (not retried)
@@ -171,8 +175,9 @@ class Tracker:
     def _start_run(self):
         from mlflow import MlflowClient
         client = MlflowClient(self.uri)
-        if self.cfg.run_id:
-            run = client.get_run(self.cfg.run_id)    # a retried task continues its run
+        run_id = self.cfg.run_id or (self._recorded_run() if self._continue else "")
+        if run_id:
+            run = client.get_run(run_id)    # a retried task, or a restarted group 0, continues its run
             client.update_run(run.info.run_id, status="RUNNING")
             run_id = run.info.run_id
         else:
@@ -180,9 +185,30 @@ class Tracker:
             exp_id = exp.experiment_id if exp else client.create_experiment(
                 self.cfg.experiment, artifact_location=self._artifact_location)
             run_id = client.create_run(exp_id, run_name=self.cfg.run_name or None).info.run_id
+            self._record_run(run_id)
         self._client, self.run_id = client, run_id
         if self.cfg.system_metrics:
             self._start_system_metrics()
+
+    # The run this output folder's job opened: a group restarted by the launcher or torchrun (a
+    # new process, no run id in its settings) logs into it instead of opening a second run. A
+    # new job in the same folder (incarnation 0) opens its own and records that one.
+    def _run_file(self) -> str:
+        return os.path.join(self._out, RUN_FILE)
+
+    def _recorded_run(self) -> str:
+        try:
+            with open(self._run_file()) as f:
+                return f.read().strip()
+        except OSError:
+            return ""
+
+    def _record_run(self, run_id: str) -> None:
+        os.makedirs(self._out, exist_ok=True)
+        tmp = f"{self._run_file()}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(run_id)
+        os.replace(tmp, self._run_file())
 
     def _start_system_metrics(self) -> None:
         try:

@@ -112,8 +112,9 @@ def train(cfg: Config) -> dict:
     # One MLflow run per job, one value per (metric, step): replica group 0's rank 0 tracks.
     # The other groups train the same model; their own facts (commits, restarts, heals) reach
     # the run as group<g>/... metrics from the launcher's timeline.
-    tracker = (Tracker(cfg.mlflow, out) if (cfg.mlflow.enabled and topo.is_main and topo.replica_group == 0)
-               else None)
+    restarted = any(int(os.environ.get(k, "0") or 0) > 0 for k in ("FTCORE_INCARNATION", "TORCHELASTIC_RESTART_COUNT"))
+    tracker = (Tracker(cfg.mlflow, out, continue_recorded=restarted)
+               if (cfg.mlflow.enabled and topo.is_main and topo.replica_group == 0) else None)
     if tracker:
         # keys that differ between the attempts of one run would be refused by MLflow
         volatile = {"train.resume", "train.stop_at_step", "mlflow.run_id"}
