@@ -164,3 +164,98 @@ def test_config_toml_and_overrides(tmp_path):
 def test_config_errors_name_the_setting(override, words):
     with pytest.raises(ConfigError, match=words.replace("(", r"\(")):
         load_config(None, override)
+
+
+# --- HSTU's relative attention bias (rab^{p,t}) ---------------------------------------------
+
+from training.model import RelativeBias, position_buckets, time_buckets  # noqa: E402
+
+
+def _hstu(rel_bias: str = "pos+time", max_len: int = 12) -> SeqRec:
+    torch.manual_seed(0)
+    m = SeqRec(50, ModelConfig(attention="hstu", dim=16, num_layers=2, num_heads=2, dropout=0.0, max_len=max_len,
+                               rel_bias=rel_bias, rel_pos_buckets=8, rel_time_buckets=40))
+    with torch.no_grad():              # weights far from their 0.02 init, so a wrong bucket shows
+        for name, p in m.named_parameters():
+            if ".rab." in name:
+                p.normal_(std=1.0)
+    return m.eval()
+
+
+def test_position_buckets_exact_then_log_spaced():
+    d = torch.arange(50)
+    b = position_buckets(d, 32, 50)
+    assert b[:16].tolist() == list(range(16))                  # exact below num_buckets / 2
+    assert (b.diff() >= 0).all() and b[16] == 16 and b[-1] == 31  # then log-spaced up to max_len
+    assert (b[32:] - b[31:-1]).sum() < 16                      # far distances share buckets
+    assert position_buckets(torch.arange(6), 32, 6).tolist() == list(range(6))   # short max_len: all exact
+    assert position_buckets(torch.arange(1024), 32, 1024).max() == 31
+
+
+def test_time_buckets_of_known_gaps():
+    gaps = torch.tensor([0, 1, 2, 3, 60, 3600, 86400, 365 * 86400, -3600])
+    # floor(ln(max(|gap|, 1)) / 0.301): 1 s and less share bucket 0, an hour 27, a day 37, a year 57
+    assert time_buckets(gaps, 128).tolist() == [0, 0, 2, 3, 13, 27, 37, 57, 27]
+    assert time_buckets(gaps, 30).max() == 29                  # capped at the last bucket
+
+
+def test_bias_shapes_and_parameters():
+    rab = RelativeBias(8, 40)
+    pos, time = torch.zeros(5, 5, dtype=torch.long), torch.zeros(3, 5, 5, dtype=torch.long)
+    assert rab(pos, None).shape == (1, 5, 5)                    # positions: one bias for the batch
+    assert rab(pos, time).shape == (3, 1, 5, 5)                 # with time: per sample, shared by heads
+    names = lambda m: {n for n, _ in m.named_parameters() if "rab" in n}  # noqa: E731
+    assert names(_hstu()) == {f"blocks.{i}.rab.{w}" for i in (0, 1) for w in ("pos_w", "time_w")}  # per layer
+    assert _hstu("pos").blocks[0].rab.time_w is None and _hstu("none").blocks[0].rab is None
+    assert names(_model("sasrec")) == set()                     # SASRec has no relative bias
+
+
+@pytest.mark.parametrize("rel_bias", ["pos+time", "pos", "none"])
+def test_timestamps_are_optional(rel_bias):
+    m = _hstu(rel_bias)
+    values, offsets = _jagged([[1, 2, 3], [4], [5, 6, 7, 8, 9]])
+    ts = torch.tensor([10, 20, 4000, 7, 0, 1, 100, 10_000, 1_000_000])
+    assert m(values, offsets).shape == m(values, offsets, timestamps=ts).shape == (9, 16)
+    with_time = m(values, offsets, timestamps=ts)
+    later = m(values, offsets, timestamps=ts * 7)                # other gaps, same order
+    assert torch.allclose(with_time, later, atol=1e-6) == (rel_bias != "pos+time")  # only pos+time reads time
+    if rel_bias == "pos":                                      # and without them pos+time is the positional model
+        both = _hstu("pos+time")
+        both.load_state_dict(m.state_dict(), strict=False)
+        assert torch.allclose(both(values, offsets), m(values, offsets), atol=1e-6)
+    s = _model("sasrec")                                       # SASRec ignores timestamps
+    assert torch.equal(s(values, offsets), s(values, offsets, timestamps=ts))
+
+
+@pytest.mark.parametrize("rel_bias", ["pos+time", "pos"])
+def test_bias_is_causal_in_items_and_timestamps(rel_bias):
+    m = _hstu(rel_bias)
+    base, ts = [3, 9, 4, 7, 1, 8], [0, 5, 600, 700, 90_000, 90_030]
+    h1 = m(*_jagged([base]), timestamps=torch.tensor(ts))
+    for t in range(len(base) - 1):
+        items = base[:t + 1] + [(x % 49) + 2 for x in base[t + 1:]]
+        times = ts[:t + 1] + [x * 3 + 11 for x in ts[t + 1:]]
+        for i2, t2 in ((items, ts), (base, times), (items, times)):
+            h2 = m(*_jagged([i2]), timestamps=torch.tensor(t2))
+            assert torch.allclose(h1[:t + 1], h2[:t + 1], atol=1e-6), f"position <= {t} changed"
+            if i2 is items or rel_bias == "pos+time":
+                assert not torch.allclose(h1[t + 1:], h2[t + 1:], atol=1e-6)  # visible later
+
+
+def test_bias_padding_changes_nothing_with_timestamps():
+    m = _hstu()
+    a, b = [5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+    ta, tb = [100, 200, 50_000], list(range(0, 10_000, 1000))
+    alone = m(*_jagged([a]), timestamps=torch.tensor(ta))
+    batched = m(*_jagged([a, b]), timestamps=torch.tensor(ta + tb))[:3]
+    padded = m(*_jagged([a]), pad_to=12, timestamps=torch.tensor(ta))
+    assert torch.allclose(alone, batched, atol=1e-6) and torch.allclose(alone, padded, atol=1e-6)
+    assert torch.allclose(m.last_hidden(*_jagged([a]), timestamps=torch.tensor(ta)), alone[-1:], atol=1e-6)
+
+
+def test_rel_bias_config_is_checked():
+    with pytest.raises(ConfigError, match="model.rel_bias"):
+        load_config(None, ["model.rel_bias=alibi"])
+    with pytest.raises(ConfigError, match="rel_pos_buckets"):
+        load_config(None, ["model.rel_pos_buckets=0"])
+    assert load_config(None, ["model.attention=hstu"]).model.rel_bias == "pos+time"   # on by default

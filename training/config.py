@@ -34,6 +34,11 @@ class ModelConfig:
     dropout: float = 0.3
     max_len: int = 0              # 0: take it from the manifest (dataprep's max_len)
     similarity: str = "dot"       # "dot" or "cosine" (L2-normalized; then use loss.temperature ~0.05)
+    # HSTU's relative attention bias (SASRec ignores it): "pos+time" (position buckets, plus
+    # time-gap buckets when the shards have timestamps), "pos" or "none"
+    rel_bias: str = "pos+time"
+    rel_pos_buckets: int = 32     # distances below half of this are exact, the rest log-spaced to max_len
+    rel_time_buckets: int = 128   # floor(ln(gap seconds) / 0.301), capped
 
 
 @dataclass
@@ -171,6 +176,9 @@ def validate(cfg: Config) -> Config:
     checks = [
         (cfg.model.attention in ("sasrec", "hstu"), "model.attention must be 'sasrec' or 'hstu'"),
         (cfg.model.similarity in ("cosine", "dot"), "model.similarity must be 'cosine' or 'dot'"),
+        (cfg.model.rel_bias in ("pos+time", "pos", "none"), "model.rel_bias must be 'pos+time', 'pos' or 'none'"),
+        (cfg.model.rel_pos_buckets >= 1 and cfg.model.rel_time_buckets >= 1,
+         "model.rel_pos_buckets and model.rel_time_buckets must be >= 1"),
         (cfg.loss.kind in ("sampled_softmax", "bce"), "loss.kind must be 'sampled_softmax' or 'bce'"),
         (cfg.optim.decay in ("cosine", "linear", "constant"), "optim.decay must be 'cosine', 'linear' or 'constant'"),
         (cfg.model.dim % cfg.model.num_heads == 0, "model.dim must be divisible by model.num_heads"),

@@ -8,8 +8,14 @@ back to jagged form: nothing after the blocks (similarities, loss) sees a pad.
 
 Two attention kinds behind `model.attention`:
 - "sasrec": softmax attention + point-wise feed-forward (Kang & McAuley, ICDM 2018).
-- "hstu": pointwise SiLU-gated attention, `SiLU(QK^T)/n` instead of softmax, with the
-  output gated by U (Zhai et al., "Actions Speak Louder than Words", ICML 2024).
+- "hstu": pointwise SiLU-gated attention, `SiLU(QK^T + rab^{p,t})/n` instead of softmax, with
+  the output gated by U (Zhai et al., "Actions Speak Louder than Words", ICML 2024). rab^{p,t}
+  is the relative attention bias (`model.rel_bias`): per layer, shared by its heads, one learned
+  scalar per bucket of the distance i - j (exact up to rel_pos_buckets / 2, then log-spaced up
+  to max_len; the authors' code has one per distance: rel_pos_buckets >= 2 * max_len) plus, when the batch has timestamps, one per bucket of |t_i - t_j| seconds
+  (floor(ln(gap) / 0.301), ~1.35x wider each, as the authors' code buckets gaps). The authors
+  bucket t_{i+1} - t_j (the time of the request each position answers); we use the query's own
+  t_i, so position i needs nothing after it and serving needs only the history.
 
 Positions count back from the most recent item (position 0 = newest), as SASRec's
 left-padded layout does, so the prediction for "what comes next" always sits at
@@ -66,10 +72,45 @@ class SasrecBlock(nn.Module):
         return x + self.drop(self.ffn(self.ln2(x)))
 
 
-class HstuBlock(nn.Module):
-    """HSTU layer: U, V, Q, K = SiLU(f1(x)); A = SiLU(QK^T)/n masked; y = f2(Norm(AV) * U)."""
+TIME_BUCKET_WIDTH = 0.301  # ln-seconds per time bucket: each bucket ~1.35x the previous one
 
-    def __init__(self, dim: int, heads: int, dropout: float, n: int):
+
+def position_buckets(d: torch.Tensor, num_buckets: int, max_len: int) -> torch.Tensor:
+    """Distance d = i - j >= 0 -> bucket: d itself below num_buckets // 2, then log-spaced up
+    to max_len (T5's scheme, causal half), so far-apart pairs share a few weights."""
+    exact = max(num_buckets // 2, 1)
+    if max_len <= exact:
+        return d.clamp(max=num_buckets - 1)
+    far = exact + (torch.log(d.clamp(min=exact).float() / exact) / math.log(max_len / exact)
+                   * (num_buckets - exact)).long()
+    return torch.where(d < exact, d, far.clamp(max=num_buckets - 1))
+
+
+def time_buckets(gap: torch.Tensor, num_buckets: int) -> torch.Tensor:
+    """|gap| in seconds -> floor(ln(max(|gap|, 1)) / 0.301), capped at num_buckets - 1."""
+    return (torch.log(gap.abs().float().clamp(min=1.0)) / TIME_BUCKET_WIDTH).long().clamp(max=num_buckets - 1)
+
+
+class RelativeBias(nn.Module):
+    """rab^{p,t} of one HSTU layer: learned scalars per position bucket and per time bucket."""
+
+    def __init__(self, pos_buckets: int, time_buckets: int):
+        super().__init__()
+        self.pos_w = nn.Parameter(torch.empty(pos_buckets).normal_(std=0.02))
+        self.time_w = nn.Parameter(torch.empty(time_buckets).normal_(std=0.02)) if time_buckets else None
+
+    def forward(self, pos: torch.Tensor, time: torch.Tensor | None) -> torch.Tensor:
+        """Bucket ids pos [L, L] and time [B, L, L] (or None) -> bias broadcastable to [B, H, L, L]."""
+        b = self.pos_w[pos]
+        if time is not None and self.time_w is not None:
+            b = b + self.time_w[time]
+        return b.unsqueeze(-3)       # one bias for all heads
+
+
+class HstuBlock(nn.Module):
+    """HSTU layer: U, V, Q, K = SiLU(f1(x)); A = SiLU(QK^T + rab)/n masked; y = f2(Norm(AV) * U)."""
+
+    def __init__(self, dim: int, heads: int, dropout: float, n: int, rab: RelativeBias | None = None):
         super().__init__()
         self.heads, self.n = heads, n  # n: fixed normalizer (max_len) so a batch's padding cannot change it
         self.ln = nn.LayerNorm(dim)
@@ -77,13 +118,17 @@ class HstuBlock(nn.Module):
         self.norm_av = nn.LayerNorm(dim)
         self.f2 = nn.Linear(dim, dim)
         self.drop = nn.Dropout(dropout)
+        self.rab = rab
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, buckets: tuple | None = None) -> torch.Tensor:
         B, L, D = x.shape
         H = self.heads
         u, v, q, k = F.silu(self.f1(self.ln(x))).split(D, dim=-1)
         q, k, v = (t.view(B, L, H, D // H).transpose(1, 2) for t in (q, k, v))
-        a = F.silu(q @ k.transpose(-1, -2)) / self.n * mask[:, None]  # no softmax: pointwise weights
+        s = q @ k.transpose(-1, -2)
+        if self.rab is not None:
+            s = s + self.rab(*buckets)                     # inside the SiLU, before the mask (the paper's A(X))
+        a = F.silu(s) / self.n * mask[:, None]  # no softmax: pointwise weights
         av = (a @ v).transpose(1, 2).reshape(B, L, D)
         return x + self.f2(self.drop(self.norm_av(av) * u))
 
@@ -102,18 +147,24 @@ class SeqRec(nn.Module):
         if cfg.attention == "sasrec":
             self.blocks = nn.ModuleList(SasrecBlock(cfg.dim, cfg.num_heads, cfg.dropout) for _ in range(cfg.num_layers))
         else:
-            self.blocks = nn.ModuleList(HstuBlock(cfg.dim, cfg.num_heads, cfg.dropout, cfg.max_len)
-                                        for _ in range(cfg.num_layers))
+            time = cfg.rel_time_buckets if cfg.rel_bias == "pos+time" else 0
+            self.blocks = nn.ModuleList(
+                HstuBlock(cfg.dim, cfg.num_heads, cfg.dropout, cfg.max_len,
+                          RelativeBias(cfg.rel_pos_buckets, time) if cfg.rel_bias != "none" else None)
+                for _ in range(cfg.num_layers))
         self.ln_out = nn.LayerNorm(cfg.dim)
         nn.init.normal_(self.item_emb.weight, std=0.02)
         nn.init.normal_(self.pos_emb.weight, std=0.02)
         with torch.no_grad():
             self.item_emb.weight[0].zero_()
 
-    def forward(self, values: torch.Tensor, offsets: torch.Tensor, pad_to: int = 0) -> torch.Tensor:
+    def forward(self, values: torch.Tensor, offsets: torch.Tensor, pad_to: int = 0,
+                timestamps: torch.Tensor | None = None) -> torch.Tensor:
         """values [N] item ids, offsets [B+1] -> hidden [N, dim], one per input token.
 
-        The hidden state at token t depends only on tokens 0..t of the same sample.
+        timestamps [N] (seconds, optional) feed HSTU's time-gap bias; without them the model
+        runs the same, with the positional bias only. The hidden state at token t depends
+        only on tokens 0..t of the same sample (and their timestamps).
         """
         j = jagged_index(offsets, pad_to)
         if j.max_len > self.cfg.max_len:
@@ -128,13 +179,32 @@ class SeqRec(nn.Module):
         valid = torch.arange(L, device=x.device)[None, :] < j.lengths[:, None]          # [B, L]
         causal = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()           # [L, L]
         mask = causal[None] & valid[:, None, :]                               # [B, L, L]
-        for block in self.blocks:
-            x = block(x, mask)
-        return self.ln_out(x[j.batch_idx, j.pos])
+        ts = None
+        if timestamps is not None:
+            ts = timestamps.new_zeros(B, L)
+            ts[j.batch_idx, j.pos] = timestamps
+        return self.ln_out(self.encode(x, mask, ts)[j.batch_idx, j.pos])
 
-    def last_hidden(self, values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    def encode(self, x: torch.Tensor, mask: torch.Tensor, timestamps: torch.Tensor | None = None) -> torch.Tensor:
+        """The blocks on a dense batch: x [B, L, d], mask [B, L, L], timestamps [B, L] or None."""
+        buckets = None
+        if self.cfg.attention == "hstu" and self.cfg.rel_bias != "none":
+            i = torch.arange(x.shape[1], device=x.device)
+            # future pairs (j > i) get bucket 0: the mask removes them after the SiLU
+            pos = position_buckets((i[:, None] - i[None]).clamp(min=0), self.cfg.rel_pos_buckets, self.cfg.max_len)
+            time = None
+            if timestamps is not None and self.cfg.rel_bias == "pos+time":
+                t = (timestamps - timestamps[:, :1]).float()   # small numbers: float32 keeps the gaps exact enough
+                time = time_buckets(t[:, :, None] - t[:, None, :], self.cfg.rel_time_buckets)
+            buckets = (pos, time)
+        for block in self.blocks:
+            x = block(x, mask) if buckets is None else block(x, mask, buckets)
+        return x
+
+    def last_hidden(self, values: torch.Tensor, offsets: torch.Tensor,
+                    timestamps: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden state after each sample's newest item: [B, dim], what predicts the next item."""
-        return self.forward(values, offsets)[offsets[1:] - 1]
+        return self.forward(values, offsets, timestamps=timestamps)[offsets[1:] - 1]
 
     def _embed_out(self, items: torch.Tensor | None) -> torch.Tensor:
         e = self.item_emb.weight[1:] if items is None else self.item_emb(items)

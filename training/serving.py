@@ -33,7 +33,8 @@ PYFUNC_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ftrec_re
 class Scorer(nn.Module):
     """SeqRec on a dense [B, L] batch: the same embeddings, mask and blocks as SeqRec.forward
     (which pads a jagged batch to this very layout), then scores of the newest position.
-    tests/test_training_serving.py checks that both give the same scores."""
+    tests/test_training_serving.py checks that both give the same scores. Item ids only: a
+    model trained on timestamps is served as SeqRec runs without them."""
 
     def __init__(self, model):
         super().__init__()
@@ -49,8 +50,7 @@ class Scorer(nn.Module):
         x = (m.item_emb(items) * math.sqrt(m.cfg.dim) + m.pos_emb(from_end)) * valid[..., None]
         causal = torch.ones(L, L, dtype=torch.bool, device=items.device).tril()
         mask = causal[None] & valid[:, None, :]
-        for block in m.blocks:
-            x = block(x, mask)
+        x = m.encode(x, mask)    # no timestamps: HSTU's time-gap bias is not served (positions only)
         h = m.ln_out(x[torch.arange(B, device=items.device), lengths - 1])  # needs lengths >= 1
         return m.scores(h)
 
