@@ -11,13 +11,13 @@ WORK    ?= work
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[airflow,test,bench]'
+	$(BIN)/pip install -q -e '.[airflow,kubernetes,test,bench]'
 	touch $(STAMP)
 
 setup: $(STAMP)
 
 run: setup
-	PYTHONPATH=plugins $(BIN)/python -m ftrec_airflow.local_run --work $(WORK) $(RUN_ARGS)
+	$(BIN)/python -m ftrec_airflow.local_run --work $(WORK) $(RUN_ARGS)
 
 test: setup
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests

@@ -7,8 +7,8 @@ it beats the champion on the gate metric; each registration is an event on the
 
 Trigger it with params (data source and format, topology, fault plan, MLflow experiment,
 gate). Every task writes under the DAG run's own folder and can be retried: a retry
-reuses finished output and resumes the same MLflow run. The work is in `ftrec_airflow`
-(plugins/) and the `dataprep`/`training` packages.
+reuses finished output and resumes the same MLflow run. The work is in the `ftrec_airflow`,
+`dataprep` and `training` packages.
 """
 
 from datetime import datetime, timedelta

@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "plugins"))
 os.environ.setdefault("AIRFLOW_HOME", str(ROOT / "work" / "test-airflow-home"))
 
 pytestmark = pytest.mark.slow
@@ -36,7 +35,7 @@ DATE = "2026-01-02T00:00:00+00:00"
 
 
 def local_run(work: Path, *args: str, timeout: float = 400) -> tuple[int, dict | None, str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "plugins")}
+    env = dict(os.environ)
     env.pop("MLFLOW_TRACKING_URI", None)
     env.pop("FTREC_WORK", None)
     r = subprocess.run([sys.executable, "-m", "ftrec_airflow.local_run", "--work", str(work),

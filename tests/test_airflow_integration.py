@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "plugins"))
 os.environ.setdefault("AIRFLOW_HOME", str(ROOT / "work" / "test-airflow-home"))
 
 from ftrec_airflow import runner  # noqa: E402
@@ -65,9 +64,9 @@ def airflow_server(tmp_path, free_port):
     base = f"http://127.0.0.1:{free_port}"
     env = {**os.environ,
            "AIRFLOW_HOME": str(home), "FTREC_WORK": str(tmp_path / "work"),
-           "PYTHONPATH": str(ROOT / "plugins"),
            "AIRFLOW__CORE__DAGS_FOLDER": str(ROOT / "dags"),
-           "AIRFLOW__CORE__PLUGINS_FOLDER": str(ROOT / "plugins"),
+           # empty: ftrec's plugin comes from its installed package's `airflow.plugins` entry point
+           "AIRFLOW__CORE__PLUGINS_FOLDER": str(home / "plugins"),
            "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
            "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
            "AIRFLOW__CORE__PARALLELISM": "2",
@@ -121,7 +120,9 @@ def test_trigger_ftrec_train_through_the_rest_api(airflow_server):
     assert dag["is_paused"] is True
     assert _call(base, "/api/v2/dags/ftrec_train", token, body={"is_paused": False}, method="PATCH")["is_paused"] is False
     plugins = _call(base, "/api/v2/plugins", token)["plugins"]
-    ftrec = next(p for p in plugins if p["name"] == "ftrec")
+    ftrec, = (p for p in plugins if p["name"] == "ftrec")   # once, through the entry point
+    assert ftrec["source"].startswith("ftrec==") and "ftrec_airflow.plugin:FtrecPlugin" in ftrec["source"]
+    assert _call(base, "/api/v2/plugins/importErrors", token)["import_errors"] == []
     assert {v["destination"] for v in ftrec["external_views"]} == {"dag_run", "nav"}
 
     run = _call(base, "/api/v2/dags/ftrec_train/dagRuns", token, body={"logical_date": None, "conf": CONF})

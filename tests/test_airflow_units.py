@@ -1,4 +1,4 @@
-"""Unit tests of the Airflow glue (plugins/ftrec_airflow) with real processes, a real
+"""Unit tests of the Airflow glue (ftrec_airflow) with real processes, a real
 MLflow store, a real ftcore lighthouse and the plugin's real FastAPI app; no Airflow
 scheduler (test_airflow_dag_run.py and test_airflow_integration.py run the DAGs)."""
 
@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "plugins"))
 # Importing airflow creates $AIRFLOW_HOME; keep it inside the (gitignored) work folder.
 os.environ.setdefault("AIRFLOW_HOME", str(ROOT / "work" / "test-airflow-home"))
 
@@ -130,7 +129,7 @@ def test_runner_sigterm_to_the_task_process_ends_the_tree(tmp_path):
     gets SIGTERM, as Airflow sends it on a kill from the UI: the command's group dies."""
     script = tmp_path / "task.py"
     script.write_text(
-        f"import sys; sys.path.insert(0, {str(ROOT / 'plugins')!r})\n"
+        "import sys\n"
         "from ftrec_airflow import runner\n"
         "class L:\n"
         "    def info(self, f, *a): print(f % a, flush=True)\n"
@@ -431,9 +430,7 @@ def test_operator_links_and_plugin():
     assert MLflowRunLink().get_link(op, ti_key=key) == op.mlflow_run_url
     assert LighthouseLink().get_link(op, ti_key=key).endswith("/ftrec/lighthouse/?dag_id=ftrec_train&run_id=manual__x%2B1")
     assert BuildShardsOperator.custom_operator_name == "@build_shards_task"
-    sys.path.insert(0, str(ROOT / "plugins"))
-    import ftrec_plugin
-    plugin = ftrec_plugin.FtrecPlugin
+    from ftrec_airflow.plugin import FtrecPlugin as plugin
     assert plugin.fastapi_apps[0]["url_prefix"] == "/ftrec"
     views = {v["destination"]: v for v in plugin.external_views}
     assert views["dag_run"]["href"].startswith("/ftrec/lighthouse/?dag_id={DAG_ID}&run_id={RUN_ID}")

@@ -45,8 +45,7 @@ TRAIN_ENV = ("FTREC_TRAIN_QUEUE", "FTREC_TRAIN_POOL", "FTREC_TRAIN_PRIORITY_WEIG
 def parse(home: Path, **extra_env: str) -> dict:
     env = {**os.environ, "AIRFLOW_HOME": str(home), "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
            "AIRFLOW__CORE__DAGS_FOLDER": str(ROOT / "dags"),
-           "AIRFLOW__CORE__PLUGINS_FOLDER": str(ROOT / "plugins"),
-           "PYTHONPATH": str(ROOT / "plugins")}
+           "AIRFLOW__CORE__PLUGINS_FOLDER": str(home / "plugins")}  # empty: the plugin is an entry point
     for k in ("MLFLOW_TRACKING_URI", *TRAIN_ENV):
         env.pop(k, None)
     env.update(extra_env)

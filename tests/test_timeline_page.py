@@ -5,7 +5,6 @@ timeline.json, and draws committed steps per group over time with the fault and 
 marked; the same chart is a PNG for MLflow (training/timeline.py)."""
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +12,6 @@ import pytest
 from conftest import run_python
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "plugins"))
 
 pytestmark = [pytest.mark.integ]
 

@@ -1,7 +1,7 @@
 """`make run`: run a DAG end to end through Airflow on embedded defaults, then say where
 everything is.
 
-    PYTHONPATH=plugins python -m ftrec_airflow.local_run [--work work] [--dag ftrec_train]
+    python -m ftrec_airflow.local_run [--work work] [--dag ftrec_train]
         [--set param=value ...] [--conf '{"param": value}']
 
 Sets AIRFLOW_HOME and friends so that Airflow's metadata (SQLite), task logs, the MLflow
@@ -33,7 +33,9 @@ def airflow_env(work: Path) -> dict[str, str]:
         "FTREC_WORK": str(work),
         "AIRFLOW_HOME": str(home),
         "AIRFLOW__CORE__DAGS_FOLDER": str(root / "dags"),
-        "AIRFLOW__CORE__PLUGINS_FOLDER": str(root / "plugins"),
+        # the plugin comes from the installed package's entry point; an empty folder of
+        # our own keeps a plugins folder set elsewhere from loading a second copy
+        "AIRFLOW__CORE__PLUGINS_FOLDER": str(home / "plugins"),
         "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
         "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home / 'airflow.db'}",
         # the UI's scheduler must not start ftrec_retrain's daily run by itself; unpause it there
@@ -41,9 +43,6 @@ def airflow_env(work: Path) -> dict[str, str]:
         "AIRFLOW__API__HOST": "127.0.0.1",
         "AIRFLOW__API__PORT": "8080",
         "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": "http://127.0.0.1:8080/execution/",
-        "PYTHONPATH": os.pathsep.join(dict.fromkeys(  # absolute: env.sh is sourced from anywhere
-            str(Path(p).resolve()) for p in (str(root / "plugins"), *os.environ.get("PYTHONPATH", "").split(os.pathsep))
-            if p)),
     }
     if not os.environ.get("MLFLOW_TRACKING_URI"):
         env["MLFLOW_TRACKING_URI"] = f"sqlite:///{work / 'mlflow' / 'mlflow.db'}"

@@ -1,8 +1,8 @@
 """What Airflow costs ftrec, side by side in one run, as ratios.
 
-    PYTHONPATH=plugins .venv/bin/python -m ftrec_airflow.bench [--repeats 5] [--skip-pipeline]
+    .venv/bin/python -m ftrec_airflow.bench [--repeats 5] [--skip-pipeline]
 
-1. Parsing: the dags folder (three ftrec DAGs) against a folder with one minimal TaskFlow
+1. Parsing: the dags folder (the ftrec DAGs) against a folder with one minimal TaskFlow
    DAG, each parsed by DagBag in a fresh interpreter (as the DAG processor does), median
    of `--repeats`; plus the heavy modules parsing imported (must be none).
 2. Orchestration: the same small pipeline (generated data, 2 replica groups, a few steps)
@@ -54,8 +54,7 @@ SMALL = {"data_source": "synthetic", "synth_users": 300, "synth_items": 150, "ma
 
 
 def _env(home: Path) -> dict[str, str]:
-    env = {**os.environ, "AIRFLOW_HOME": str(home), "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-           "PYTHONPATH": str(settings.PROJECT_ROOT / "plugins")}
+    env = {**os.environ, "AIRFLOW_HOME": str(home), "AIRFLOW__CORE__LOAD_EXAMPLES": "False"}
     env.pop("MLFLOW_TRACKING_URI", None)
     return env
 

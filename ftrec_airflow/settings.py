@@ -1,6 +1,7 @@
 """Where the pipeline keeps its files and talks to MLflow: embedded defaults, env overrides.
 
-Embedded defaults put everything under one work folder in the project:
+Embedded defaults put everything under one work folder in the project (the checkout ftrec
+runs from; an installed ftrec uses the current directory):
 
     work/airflow/               AIRFLOW_HOME (metadata in airflow.db, task logs)
     work/mlflow/mlflow.db       MLflow tracking store (SQLite)
@@ -22,7 +23,19 @@ import os
 import re
 from pathlib import Path
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _project_root() -> tuple[Path, bool]:
+    """(root, is a checkout): the checkout this package runs from (`make run`, the tests),
+    else the current directory, which then plays the project's part (./work, ../shared/data)
+    for an installed ftrec; a deployment sets FTREC_WORK anyway."""
+    here = Path(__file__).resolve().parents[1]
+    if (here / "pyproject.toml").is_file() and (here / "dags").is_dir():
+        return here, True
+    return Path.cwd(), False
+
+
+PROJECT_ROOT, IN_CHECKOUT = _project_root()
 
 DEFAULT_EXPERIMENT = "ftrec"
 DEFAULT_MODEL_NAME = "ftrec"

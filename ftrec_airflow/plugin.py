@@ -6,8 +6,9 @@
 - the operators' links (MLflow run, lighthouse) are defined on the operators in
   ftrec_airflow.decorators, so they need no registration here.
 
-Airflow loads every .py file under plugins/ as a plugin module; .airflowignore keeps it
-out of the ftrec_airflow package, which is imported as a package instead.
+Airflow finds it through the `airflow.plugins` entry point of the ftrec distribution
+(pyproject.toml), so installing ftrec is all a deployment does: nothing goes in the
+plugins folder, and a copy there would load the plugin twice.
 """
 
 from airflow.plugins_manager import AirflowPlugin
