@@ -54,7 +54,7 @@ def _refuse_input_inside(out: Path, inputs: list[str]) -> None:
                                 "write it to a folder of its own")
 
 
-def _existing(out: Path, fp: str, config: dict, overwrite: bool) -> dict | None:
+def _existing(out: Path, fp: str, config: dict, version: int, overwrite: bool) -> dict | None:
     """The manifest of an identical set already at `out`, or None if `out` may be (re)written.
 
     `overwrite` replaces a shard set only (a folder with a manifest), never a folder of other files."""
@@ -68,7 +68,7 @@ def _existing(out: Path, fp: str, config: dict, overwrite: bool) -> dict | None:
             m = json.loads(mpath.read_text())
         except ValueError:
             m = {}
-        same = (m.get("format_version") == schema.FORMAT_VERSION and m.get("input", {}).get("fingerprint") == fp
+        same = (m.get("format_version") == version and m.get("input", {}).get("fingerprint") == fp
                 and m.get("config") == config
                 and all((out / f).exists() for f in m.get("files", {"-": 0})))
         if same and not overwrite:
@@ -101,14 +101,15 @@ def _write_shards(tmp: Path, samples: sequences.Samples, cost: np.ndarray, p: ba
         "cost": pa.array(cost[order]),
         "items": pc.take(samples.items, idx),
         "target": pa.array(samples.target[order]),
-    }, schema=schema.SHARD_SCHEMA)
+        **({schema.TIMESTAMPS: pc.take(samples.timestamps, idx)} if samples.timestamps is not None else {}),
+    }, schema=schema.shard_schema(samples.timestamps is not None))
     # row boundaries of every (rank, step) block: all blocks are non-empty by construction
     key = p.rank[order].astype(np.int64) * p.steps + p.step[order]
     bounds = np.searchsorted(key, np.arange(p.world_size * p.steps + 1))
     (tmp / schema.SHARDS_DIR).mkdir(parents=True)
     with Progress("write", p.world_size, quiet=quiet, unit=" ranks") as bar:
         for r in range(p.world_size):
-            with pq.ParquetWriter(tmp / schema.shard_file(r), schema.SHARD_SCHEMA) as w:
+            with pq.ParquetWriter(tmp / schema.shard_file(r), table.schema) as w:
                 for s in range(p.steps):
                     a, b = bounds[r * p.steps + s], bounds[r * p.steps + s + 1]
                     w.write_table(table.slice(a, b - a))  # one call = one row group = one step
@@ -148,7 +149,8 @@ def build_shards(input: "str | list[str]", fmt: str, out: str, *, world_size: in
     timings = {}
     with stage("fingerprint", quiet=quiet):
         fp = fingerprint(paths)
-    existing = _existing(outp, fp, config, overwrite)
+    version = schema.format_version(fmt in readers.TIME_FORMATS)
+    existing = _existing(outp, fp, config, version, overwrite)
     if existing is not None:
         say(f"dataprep: {outp} already holds this shard set ({existing.get('steps')} steps); reused")
         return existing
@@ -214,7 +216,7 @@ def build_shards(input: "str | list[str]", fmt: str, out: str, *, world_size: in
         timings["write_s"] = time.monotonic() - t
         timings["total_s"] = time.monotonic() - t_all
         manifest = {
-            "format_version": schema.FORMAT_VERSION,
+            "format_version": version,
             "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "input": {"paths": [str(Path(x).resolve()) for x in paths], "format": fmt, "fingerprint": fp},
             "config": config,
@@ -244,6 +246,8 @@ def build_shards(input: "str | list[str]", fmt: str, out: str, *, world_size: in
             "timings": {k_: round(v, 3) for k_, v in timings.items()},
             "files": files,
         }
+        if version == 2:
+            manifest["timestamps"] = {"column": schema.TIMESTAMPS, "unit": "s", "input_unit": seq.time_unit}
         (tmp / schema.MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         _install(tmp, outp)
         say(f"dataprep: wrote {len(files)} files to {outp} ({timings['write_s']:.1f} s)")

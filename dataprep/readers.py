@@ -41,6 +41,7 @@ from dataprep.errors import DataprepError
 from dataprep.schema import REJECTS_SCHEMA
 
 FORMATS = ("sasrec", "iclrec", "movielens", "events")
+TIME_FORMATS = ("movielens", "events")  # real event times; the others order by input position
 _INT_TOKEN = r"^[0-9]{1,18}$"  # fits int64 (19 digits are checked against _INT64_MAX; more: id_out_of_range)
 _INT64_MAX = str(2 ** 63 - 1)
 _NEG_TOKEN = r"^-[0-9]+$"
@@ -632,4 +633,4 @@ def read(paths: "str | list[str]", fmt: str, *, user_col: str = "user_id", item_
                 parts.append(_token_events(p, "::", "movielens"))
         else:
             parts.append(_read_events(p, user_col, item_col, time_col, defaults))
-    return _concat(parts, paths, has_time=fmt in ("movielens", "events"))
+    return _concat(parts, paths, has_time=fmt in TIME_FORMATS)

@@ -14,11 +14,22 @@ Item ids are dense, 1..num_items; 0 is padding. Each training sample is one
 user's training sequence (all but the last two items, most recent `max_len + 1`
 kept): `items` is the input history (length L) and the next item at position t
 is `items[t + 1]`, or `target` at the last position.
+
+Inputs with real event times (formats movielens, events) add one column, `timestamps`:
+the epoch second of each input item, and eval.parquet adds the history's and the
+validation item's. Such a set is format_version 2; a set without times stays version 1,
+byte for byte what it was before timestamps existed (no empty column).
 """
 
 import pyarrow as pa
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2            # the newest version dataprep writes (2 = 1 + timestamps)
+READ_VERSIONS = (1, 2)        # what readers (verify, training) accept
+
+
+def format_version(has_time: bool) -> int:
+    return 2 if has_time else 1
+
 MANIFEST = "manifest.json"
 SHARDS_DIR = "shards"
 EVAL_FILE = "eval.parquet"
@@ -50,6 +61,22 @@ EVAL_SCHEMA = pa.schema([
     pa.field("test_target", pa.int32(), nullable=False),        # last item
 ])
 
+TIMESTAMPS = "timestamps"
+SHARD_SCHEMA_TIME = SHARD_SCHEMA.append(
+    pa.field(TIMESTAMPS, pa.list_(pa.int64()), nullable=False))       # epoch seconds of each input item
+EVAL_SCHEMA_TIME = EVAL_SCHEMA.append(
+    pa.field("history_timestamps", pa.list_(pa.int64()), nullable=False)).append(
+    pa.field("valid_timestamp", pa.int64(), nullable=False))          # the test input's last item
+
+
+def shard_schema(has_time: bool) -> pa.Schema:
+    return SHARD_SCHEMA_TIME if has_time else SHARD_SCHEMA
+
+
+def eval_schema(has_time: bool) -> pa.Schema:
+    return EVAL_SCHEMA_TIME if has_time else EVAL_SCHEMA
+
+
 MAP_SCHEMA = pa.schema([
     pa.field("id", pa.int64(), nullable=False),       # dense id
     pa.field("raw_id", pa.string(), nullable=False),  # id as it appeared in the input
@@ -64,7 +91,7 @@ REJECTS_SCHEMA = pa.schema([
 ])
 
 # manifest.json keys (all required):
-#   format_version: int            FORMAT_VERSION
+#   format_version: int            1 (no timestamps) or 2 (timestamps column), see format_version()
 #   created_at: str                ISO-8601 UTC
 #   input: {paths: [str], format: str, fingerprint: str}   fingerprint = SHA-256 over the input bytes
 #   config: {world_size, batch_size, max_len, seed, window_steps, cost_model: {a, b, c0}, tail: "drop"|"fill", ...}
@@ -87,3 +114,5 @@ REJECTS_SCHEMA = pa.schema([
 #   (per-step max rank cost / max(mean, largest sample) - 1), bubble_fraction_random (same
 #   samples, plain shuffled equal-count assignment), bubble_fraction_lower_bound, total_cost,
 #   timings {read_s, sequences_s, balance_s, write_s, total_s}.
+#   timestamps {column, unit: "s", input_unit} (version 2 only): input_unit is the unit the
+#     input's times were read in (s, ms, us or ns, from their magnitude), converted to seconds.

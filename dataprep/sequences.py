@@ -6,6 +6,8 @@ events, reject users too short for leave-one-out, remap raw ids to dense ids
 that already-dense inputs keep their ids), then split:
 train = all but the last two items (its most recent max_len + 1 kept: input
 history + target), validation target = second-to-last, test target = last.
+Inputs with real times (Interactions.has_time) carry each item's time along, in
+epoch seconds (see `seconds`); the others carry none.
 Everything is numpy/pyarrow array arithmetic; no per-user Python loop.
 """
 
@@ -17,7 +19,7 @@ import pyarrow.compute as pc
 
 from dataprep.errors import DataprepError
 from dataprep.readers import Interactions
-from dataprep.schema import EVAL_SCHEMA, MAP_SCHEMA
+from dataprep.schema import MAP_SCHEMA, eval_schema
 
 MIN_EVENTS = 3  # leave-one-out needs a history, a validation and a test item
 DEDUP = ("exact", "consecutive", "none")
@@ -31,6 +33,8 @@ class Sequences:
     item_raw: pa.Array           # raw id of dense item i at index i-1
     rejects: list[pa.Table] = field(default_factory=list)
     counts: dict = field(default_factory=dict)
+    timestamps: np.ndarray | None = None  # int64 epoch seconds of each value; None: the input has no times
+    time_unit: str = ""                   # the unit the input's times were in (see `seconds`)
 
     @property
     def num_users(self) -> int:
@@ -56,6 +60,7 @@ class Samples:
     target: np.ndarray           # int32 item after the history
     truncated: int               # samples whose train part was longer than max_len + 1
     items_truncated: int         # items cut off by truncation
+    timestamps: pa.ListArray | None = None  # list<int64> epoch seconds of each input item, or None
 
 
 def _map_table(raw: pa.Array) -> pa.Table:
@@ -80,6 +85,18 @@ def _order(user: np.ndarray, ts: np.ndarray) -> np.ndarray:
     if span * nu < (1 << 62):
         return np.argsort(user * span + (ts - t0), kind="stable")
     return np.lexsort((ts, user))
+
+
+def seconds(ts: np.ndarray) -> tuple[np.ndarray, str]:
+    """Event times -> epoch seconds, and the unit they were in. Readers keep integer times in
+    the input's own unit and give ISO-8601 and fractional times in microseconds, so the unit
+    is read from the magnitude: epoch times after 1973 are >= 1e11 in ms, >= 1e14 in us,
+    >= 1e17 in ns, and seconds stay below 1e11 until the year 5138."""
+    top = int(np.abs(ts).max()) if len(ts) else 0
+    for unit, per_second, limit in (("s", 1, 10**11), ("ms", 10**3, 10**14), ("us", 10**6, 10**17)):
+        if top < limit:
+            return ts // per_second, unit
+    return ts // 10**9, "ns"
 
 
 def build_sequences(ev: Interactions, *, dedup: str = "exact", max_events: int | None = None) -> Sequences:
@@ -175,8 +192,9 @@ def build_sequences(ev: Interactions, *, dedup: str = "exact", max_events: int |
         "users_read": int((np.bincount(u0, minlength=nu) > 0).sum()),
         "users_rejected": int(drop_user.sum()),
     }
+    ts_kept, unit = seconds(ev.ts[order]) if ev.has_time else (None, "")
     return Sequences(offsets=offsets, values=dense_item[it_kept].astype(np.int32), user_raw=user_raw,
-                     item_raw=item_raw, rejects=rejects, counts=counts)
+                     item_raw=item_raw, rejects=rejects, counts=counts, timestamps=ts_kept, time_unit=unit)
 
 
 def _reject_by_event(ev: Interactions, idx: np.ndarray, reason: str, detail: str) -> pa.Table:
@@ -202,12 +220,17 @@ def eval_table(seq: Sequences) -> pa.Table:
     """One row per user: full training sequence (untruncated), validation and test targets."""
     n = np.diff(seq.offsets)
     hist_off, hist = _gather(seq.values, seq.offsets[:-1], n - 2)
-    return pa.table({
+    cols = {
         "user_id": pa.array(np.arange(1, seq.num_users + 1, dtype=np.int64)),
         "history": pa.ListArray.from_arrays(pa.array(hist_off.astype(np.int32)), pa.array(hist.astype(np.int32, copy=False))),
         "valid_target": pa.array(seq.values[seq.offsets[1:] - 2].astype(np.int32)),
         "test_target": pa.array(seq.values[seq.offsets[1:] - 1].astype(np.int32)),
-    }, schema=EVAL_SCHEMA)
+    }
+    if seq.timestamps is not None:
+        _, hist_ts = _gather(seq.timestamps, seq.offsets[:-1], n - 2)
+        cols["history_timestamps"] = pa.ListArray.from_arrays(pa.array(hist_off.astype(np.int32)), pa.array(hist_ts))
+        cols["valid_timestamp"] = pa.array(seq.timestamps[seq.offsets[1:] - 2])
+    return pa.table(cols, schema=eval_schema(seq.timestamps is not None))
 
 
 def train_samples(seq: Sequences, max_len: int) -> Samples:
@@ -222,10 +245,14 @@ def train_samples(seq: Sequences, max_len: int) -> Samples:
     length = np.minimum(tl - 1, max_len)
     end = seq.offsets[:-1][has] + tl - 1      # index of the target
     offs, flat = _gather(seq.values, end - length, length)
+    ts = None
+    if seq.timestamps is not None:
+        _, flat_ts = _gather(seq.timestamps, end - length, length)
+        ts = pa.LargeListArray.from_arrays(pa.array(offs), pa.array(flat_ts)).cast(pa.list_(pa.int64()))
     return Samples(
         user_id=users.astype(np.int64), length=length.astype(np.int32),
         items=pa.LargeListArray.from_arrays(pa.array(offs), pa.array(flat.astype(np.int32, copy=False))).cast(pa.list_(pa.int32()))
         if offs[-1] >= (1 << 31) else pa.ListArray.from_arrays(pa.array(offs.astype(np.int32)), pa.array(flat.astype(np.int32, copy=False))),
         target=seq.values[end].astype(np.int32),
         truncated=int((tl - 1 > max_len).sum()),
-        items_truncated=int(np.maximum(tl - 1 - max_len, 0).sum()))
+        items_truncated=int(np.maximum(tl - 1 - max_len, 0).sum()), timestamps=ts)

@@ -3,7 +3,8 @@
 Checks: manifest readable and complete; every listed file present with its
 SHA-256 and no unlisted files; Parquet schemas; one file per rank, each with
 exactly `steps` row groups, row group i holding only step i and that rank, and
-never empty; lengths, costs and item ids consistent; every training sample
+never empty; lengths, costs and item ids consistent; timestamps (version 2) one per
+item, in time order within each sample; every training sample
 exactly once (unique sample ids, count = samples written); the eval table and
 maps sized as the manifest says. The first problem raises DataprepError.
 """
@@ -53,8 +54,9 @@ def verify_shards(path: str, *, checksums: bool = True) -> dict:
     missing = [k for k in REQUIRED if k not in m]
     if missing:
         _fail(mpath, f"missing keys {', '.join(missing)}; rebuild the shard set")
-    if m["format_version"] != schema.FORMAT_VERSION:
-        _fail(mpath, f"format_version {m['format_version']} but this dataprep reads {schema.FORMAT_VERSION}; rebuild")
+    if m["format_version"] not in schema.READ_VERSIONS:
+        _fail(mpath, f"format_version {m['format_version']} but this dataprep reads {schema.READ_VERSIONS}; rebuild")
+    has_time = m["format_version"] == 2
     cfg = m["config"]
     w, steps = int(cfg["world_size"]), int(m["steps"])
 
@@ -77,7 +79,7 @@ def verify_shards(path: str, *, checksums: bool = True) -> dict:
     cm = cfg["cost_model"]
     for r in range(w):
         rel = schema.shard_file(r)
-        f = _schema_ok(root / rel, schema.SHARD_SCHEMA, rel)
+        f = _schema_ok(root / rel, schema.shard_schema(has_time), rel)
         if f.num_row_groups != steps:
             _fail(rel, f"{f.num_row_groups} row groups but the manifest says {steps} steps; every rank needs the same number")
         t = f.read()
@@ -99,6 +101,15 @@ def verify_shards(path: str, *, checksums: bool = True) -> dict:
         want_cost = (cm["a"] * length + cm["b"]) * length + cm["c0"]
         if not np.allclose(t.column("cost").to_numpy(), want_cost, rtol=1e-9):
             _fail(rel, "cost differs from the manifest's cost model")
+        if has_time:
+            ts = t.column(schema.TIMESTAMPS)
+            if not np.array_equal(pc.list_value_length(ts).to_numpy(), length):
+                _fail(rel, "a sample's timestamps differ in number from its items")
+            flat_ts = pc.list_flatten(ts).to_numpy()
+            first = np.zeros(len(flat_ts), bool)
+            first[np.cumsum(length)[:-1]] = True   # each sample's first item may be earlier than the last one's
+            if (np.diff(flat_ts) < 0)[~first[1:]].any():
+                _fail(rel, "timestamps go back in time inside a sample; items must be oldest first")
         flat = pc.list_flatten(t.column("items"))
         for name, col in (("items", flat), ("target", t.column("target"))):
             if len(col) and (pc.min(col).as_py() < 1 or pc.max(col).as_py() > num_items):
@@ -116,7 +127,7 @@ def verify_shards(path: str, *, checksums: bool = True) -> dict:
     if written + int(m["counts"].get("samples_dropped_tail", 0)) != int(m["num_samples"]):
         _fail(path, "samples written + dropped tail differs from num_samples")
 
-    ev = _schema_ok(root / schema.EVAL_FILE, schema.EVAL_SCHEMA, schema.EVAL_FILE)
+    ev = _schema_ok(root / schema.EVAL_FILE, schema.eval_schema(has_time), schema.EVAL_FILE)
     if ev.metadata.num_rows != int(m["num_users"]):
         _fail(schema.EVAL_FILE, f"{ev.metadata.num_rows} rows but num_users is {m['num_users']}")
     for rel, n in ((schema.USER_MAP, m["num_users"]), (schema.ITEM_MAP, num_items)):

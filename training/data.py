@@ -39,6 +39,7 @@ class Batch:
     labels: torch.Tensor      # [N] the next item after each input token
     sample_ids: torch.Tensor  # [B]
     step: int                 # row group (step within the epoch) this batch came from
+    timestamps: torch.Tensor | None = None  # [N] epoch seconds of each input item; None: the set has none
 
     @property
     def num_targets(self) -> int:
@@ -74,9 +75,10 @@ class ShardSet:
             raise DataError(f"{mpath}: not valid JSON ({e}); rebuild the shard set") from None
         m = self.manifest
         try:
-            if m["format_version"] != schema.FORMAT_VERSION:
+            if m["format_version"] not in schema.READ_VERSIONS:
                 raise DataError(f"{mpath}: format_version {m['format_version']}, this trainer reads "
-                                f"{schema.FORMAT_VERSION}; rebuild the shard set")
+                                f"{' or '.join(map(str, schema.READ_VERSIONS))}; rebuild the shard set")
+            self.has_time = m["format_version"] == 2
             self.world_size = int(m["config"]["world_size"])
             self.max_len = int(m["config"]["max_len"])
             self.num_items = int(m["num_items"])
@@ -111,7 +113,8 @@ class ShardSet:
     def open_rank(self, rank: int) -> pq.ParquetFile:
         f = os.path.join(self.path, schema.shard_file(rank))
         pf = pq.ParquetFile(f)
-        missing = [c for c in self.REQUIRED if c not in pf.schema_arrow.names]
+        missing = [c for c in self.REQUIRED + ((schema.TIMESTAMPS,) if self.has_time else ())
+                   if c not in pf.schema_arrow.names]
         if missing:
             raise DataError(f"{f}: columns {missing} missing; rebuild the shard set")
         if pf.num_row_groups != self.steps:
@@ -177,10 +180,15 @@ class DataCursor:
 
 
 def read_batch(files: list[pq.ParquetFile], row_group: int) -> Batch:
-    """One step's rows from each file, concatenated, as a jagged batch with next-item labels."""
-    values, lengths, targets, ids = [], [], [], []
+    """One step's rows from each file, concatenated, as a jagged batch with next-item labels
+    (and each item's timestamp when the set has them)."""
+    values, lengths, targets, ids, times = [], [], [], [], []
     for pf in files:
-        t = pf.read_row_group(row_group, columns=["sample_id", "items", "target"])
+        timed = schema.TIMESTAMPS in pf.schema_arrow.names
+        t = pf.read_row_group(row_group, columns=["sample_id", "items", "target"] + [schema.TIMESTAMPS] * timed)
+        if timed:
+            ts = t.column(schema.TIMESTAMPS).combine_chunks().flatten()
+            times.append(torch.from_numpy(ts.to_numpy().astype("int64")))
         items = t.column("items").combine_chunks()
         values.append(torch.from_numpy(items.flatten().to_numpy().astype("int64")))
         lengths.append(torch.from_numpy(items.value_lengths().to_numpy().astype("int64")))
@@ -192,7 +200,7 @@ def read_batch(files: list[pq.ParquetFile], row_group: int) -> Batch:
     labels = torch.empty_like(values)
     labels[:-1] = values[1:]                 # next item inside the sample ...
     labels[offsets[1:] - 1] = targets        # ... and the sample's target after its last item
-    return Batch(values, offsets, labels, torch.cat(ids), row_group)
+    return Batch(values, offsets, labels, torch.cat(ids), row_group, torch.cat(times) if times else None)
 
 
 class BatchLoader:

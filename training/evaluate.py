@@ -16,6 +16,8 @@ Protocols:
 Ties count against the target (rank = items scoring >= target, minus itself), so an
 untrained model that scores everything equal gets the worst rank, not the best.
 Users are evaluated in batches sorted by length; everything else is vectorized.
+A shard set with timestamps (dataprep/schema.py, version 2) gives the model each input
+item's time, as training does.
 """
 
 import itertools
@@ -47,6 +49,7 @@ class Split:
     offsets: torch.Tensor
     targets: torch.Tensor         # [U]
     negatives: torch.Tensor       # [U, num_negatives] sampled protocol candidates
+    timestamps: torch.Tensor | None = None  # like values: each input item's epoch second
 
 
 class EvalData:
@@ -74,8 +77,15 @@ class EvalData:
             "valid": self._split(flat, starts, None, valid_t, max_len, rng, cfg.num_negatives),
             "test": self._split(flat, starts, valid_t, test_t, max_len, rng, cfg.num_negatives),
         }
+        if "history_timestamps" in t.column_names:    # the same inputs' times, gathered the same way
+            ts = t.column("history_timestamps").combine_chunks().flatten().to_numpy().astype(np.int64)
+            valid_ts = t.column("valid_timestamp").to_numpy().astype(np.int64)
+            for name, extra in (("valid", None), ("test", valid_ts)):
+                self.splits[name].timestamps = torch.from_numpy(self._inputs(ts, starts, extra, max_len)[0])
 
-    def _split(self, flat, starts, extra, targets, max_len, rng, num_neg) -> Split:
+    def _inputs(self, flat, starts, extra, max_len):
+        """The most recent max_len items of each input (history, + `extra` after it), users
+        sorted by input length: (values, offsets, order)."""
         lengths = np.diff(starts) + (0 if extra is None else 1)
         if extra is not None:  # append the valid target after each history
             ends = starts[1:]
@@ -88,11 +98,13 @@ class EvalData:
         offsets = np.zeros(len(keep) + 1, dtype=np.int64)
         np.cumsum(keep, out=offsets[1:])
         idx = np.repeat(first - offsets[:-1], keep) + np.arange(offsets[-1])
-        values = flat[idx]
-        users = order
+        return flat[idx], offsets, order
+
+    def _split(self, flat, starts, extra, targets, max_len, rng, num_neg) -> Split:
+        values, offsets, users = self._inputs(flat, starts, extra, max_len)
         negatives = self._negatives(users, rng, num_neg)
         return Split(torch.from_numpy(values), torch.from_numpy(offsets),
-                     torch.from_numpy(targets[order]), torch.from_numpy(negatives))
+                     torch.from_numpy(targets[users]), torch.from_numpy(negatives))
 
     def _negatives(self, users: np.ndarray, rng, num_neg: int) -> np.ndarray:
         stride = self.num_items + 1
@@ -121,7 +133,8 @@ def evaluate(model, data: EvalData, cfg: EvalConfig, splits=("valid", "test")) -
             a, b = int(s.offsets[lo]), int(s.offsets[hi])
             offsets = (s.offsets[lo:hi + 1] - a).to(dev)
             values = s.values[a:b].to(dev)
-            h = model.last_hidden(values, offsets)
+            ts = s.timestamps[a:b].to(dev) if s.timestamps is not None else None
+            h = model.last_hidden(values, offsets, timestamps=ts)
             target = s.targets[lo:hi].to(dev)
             scores = model.scores(h)                                   # [B, I], column i = item i+1
             t_score = scores.gather(1, (target - 1)[:, None])
@@ -177,7 +190,7 @@ class MostPopular(torch.nn.Module):
         self.register_buffer("counts", torch.bincount(torch.from_numpy(data.history_items),
                                                       minlength=data.num_items + 1).double())
 
-    def last_hidden(self, values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    def last_hidden(self, values: torch.Tensor, offsets: torch.Tensor, timestamps=None) -> torch.Tensor:
         return torch.zeros(len(offsets) - 1, 1, dtype=torch.float64)
 
     def scores(self, h: torch.Tensor, items: torch.Tensor | None = None) -> torch.Tensor:

@@ -164,7 +164,8 @@ def train(cfg: Config) -> dict:
                 ahead = loader.peek_ahead(1)
                 table.start_step(batch.step, [values, labels, negatives],
                                  ahead.step, [ahead.values, ahead.labels])
-            h = model(values, offsets, pad_to)
+            ts = batch.timestamps.to(topo.device) if batch.timestamps is not None else None
+            h = model(values, offsets, pad_to, timestamps=ts)
             total = loss_sum(model, h, labels, cfg.loss, negatives=negatives)
             if pending is not None:
                 t = time.perf_counter()
