@@ -194,8 +194,9 @@ def _fault_plan_file(spec: TrainSpec) -> str:
     return plan
 
 
-def train_command(spec: TrainSpec, run_id: str, tracking_uri: str) -> list[str]:
-    """The command line of one training run (the launcher, or the plain trainer)."""
+def trainer_settings(spec: TrainSpec, run_id: str, tracking_uri: str) -> list[str]:
+    """The `--set section.key=value` settings every rank's trainer gets for this run
+    (on the local launcher and in the Kubernetes pods alike)."""
     out = Path(spec.out)
     sets = [f"mlflow.run_id={run_id}", f"mlflow.experiment={spec.experiment}",
             f"mlflow.tracking_uri={tracking_uri}",
@@ -206,7 +207,13 @@ def train_command(spec: TrainSpec, run_id: str, tracking_uri: str) -> list[str]:
         sets.append(f"train.epochs={spec.epochs}")
     if any(out.glob("checkpoints/step-*")) or any(out.glob("replica_*/checkpoints/step-*")):
         sets.append("train.resume=true")  # a retry continues from its last checkpoint
-    sets += list(spec.overrides)
+    return sets + list(spec.overrides)
+
+
+def train_command(spec: TrainSpec, run_id: str, tracking_uri: str) -> list[str]:
+    """The command line of one training run (the launcher, or the plain trainer)."""
+    out = Path(spec.out)
+    sets = trainer_settings(spec, run_id, tracking_uri)
     if USE_LAUNCHER:
         cmd = [sys.executable, "-m", "training", "launch", "--shards", spec.shards,
                "--replica-groups", str(spec.replica_groups),

@@ -1,7 +1,10 @@
 """The dags folder as Airflow's DAG processor sees it: it imports with no errors, builds
-the three DAGs with the expected tasks, wiring, params and defaults, and parsing imports
-nothing heavy (no torch, mlflow, pyarrow, numpy, pandas, and none of our packages that
-pull them in). Parsed in a fresh interpreter, as the DAG processor does."""
+the four DAGs with the expected tasks, wiring, params and defaults, serializes them as the
+DAG processor stores them, and parsing imports nothing heavy (no torch, mlflow, pyarrow,
+numpy, pandas, none of our packages that pull them in, and no Kubernetes client unless the
+Kubernetes path is configured). ftrec_train_k8s parses with the cncf.kubernetes provider,
+without it (its import blocked), and unconfigured, and says why it cannot run. Parsed in a
+fresh interpreter, as the DAG processor does."""
 
 import json
 import os
@@ -12,21 +15,59 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-HEAVY = ("torch", "mlflow", "pyarrow", "numpy", "pandas", "dataprep", "training", "ftcore", "sklearn", "scipy")
+HEAVY = ("torch", "mlflow", "pyarrow", "numpy", "pandas", "dataprep", "training", "ftcore", "sklearn", "scipy",
+         "kubernetes", "airflow.providers.cncf.kubernetes")
+K8S_PROVIDER = "airflow.providers.cncf.kubernetes"
+# A sitecustomize that uninstalls the provider as far as the parsing interpreter can tell:
+# its modules and the kubernetes clients it brings do not import, and their distributions'
+# metadata is not found (Airflow's providers manager reads every installed provider's)
+HIDDEN = ("apache-airflow-providers-cncf-kubernetes", "kubernetes", "kubernetes-asyncio")
+BLOCK_PROVIDER = f"""
+import sys
+HIDDEN = {HIDDEN!r}
+class _NotInstalled:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("kubernetes", "kubernetes_asyncio") or name == {K8S_PROVIDER!r} \\
+                or name.startswith({K8S_PROVIDER!r} + "."):
+            raise ModuleNotFoundError(f"No module named {{name!r}} (blocked by the test)", name=name)
+sys.meta_path.insert(0, _NotInstalled())
+
+def _hide(metadata):
+    discover = metadata.Distribution.discover.__func__
+    def visible(cls, **kw):
+        return (d for d in discover(cls, **kw)
+                if (d.metadata["Name"] or "").lower().replace("_", "-") not in HIDDEN)
+    metadata.Distribution.discover = classmethod(visible)
+import importlib.metadata
+_hide(importlib.metadata)
+try:
+    import importlib_metadata
+    _hide(importlib_metadata)
+except ImportError:
+    pass
+"""
 
 PARSE = r"""
 import json, sys
 from airflow.dag_processing.dagbag import DagBag
+from airflow.serialization.serialized_objects import DagSerialization
 before = set(sys.modules)
 bag = DagBag(dag_folder=sys.argv[1])
-new = sorted(m for m in set(sys.modules) - before if m.split(".")[0] in json.loads(sys.argv[2]))
-out = {"errors": {k: str(v) for k, v in bag.import_errors.items()}, "heavy": new, "dags": {}}
+heavy = json.loads(sys.argv[2])
+new = sorted(m for m in set(sys.modules) - before if any(m == h or m.startswith(h + ".") for h in heavy))
+out = {"errors": {k: str(v) for k, v in bag.import_errors.items()}, "heavy": new, "dags": {}, "serialize": {}}
 for dag_id, dag in bag.dags.items():
+    try:
+        DagSerialization.to_dict(dag)   # what the DAG processor stores for the scheduler and UI
+    except Exception as e:
+        out["serialize"][dag_id] = repr(e)
     out["dags"][dag_id] = {
         "schedule": str(dag.timetable), "tags": sorted(dag.tags), "doc": bool(dag.doc_md),
+        "doc_md": dag.doc_md, "description": dag.description,
         "params": {k: {"value": p.value, "schema": p.schema, "description": p.description}
                    for k, p in dag.params.items()},
         "tasks": {t.task_id: {"type": type(t).__name__, "downstream": sorted(t.downstream_task_ids),
+                              "operator": getattr(getattr(t, "operator_class", type(t)), "__name__", ""),
                               "retries": t.retries, "backoff": bool(t.retry_exponential_backoff),
                               "outlets": [getattr(o, "name", str(o)) for o in t.outlets],
                               "queue": t.queue, "pool": t.pool, "priority_weight": t.priority_weight,
@@ -40,13 +81,15 @@ print("JSON" + json.dumps(out, default=str))
 
 
 TRAIN_ENV = ("FTREC_TRAIN_QUEUE", "FTREC_TRAIN_POOL", "FTREC_TRAIN_PRIORITY_WEIGHT", "FTREC_TRAIN_EXECUTOR_CONFIG")
+K8S_ENV = ("FTREC_K8S_IMAGE", "FTREC_K8S_NAMESPACE", "FTREC_K8S_GPU_RESOURCE", "FTREC_K8S_POD_TEMPLATE")
+DAGS = ["ftrec_chaos_drill", "ftrec_retrain", "ftrec_train", "ftrec_train_k8s"]
 
 
 def parse(home: Path, **extra_env: str) -> dict:
     env = {**os.environ, "AIRFLOW_HOME": str(home), "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
            "AIRFLOW__CORE__DAGS_FOLDER": str(ROOT / "dags"),
            "AIRFLOW__CORE__PLUGINS_FOLDER": str(home / "plugins")}  # empty: the plugin is an entry point
-    for k in ("MLFLOW_TRACKING_URI", *TRAIN_ENV):
+    for k in ("MLFLOW_TRACKING_URI", "FTREC_LIGHTHOUSE_URL", *TRAIN_ENV, *K8S_ENV):
         env.pop(k, None)
     env.update(extra_env)
     r = subprocess.run([sys.executable, "-c", PARSE, str(ROOT / "dags"), json.dumps(HEAVY)],
@@ -62,8 +105,8 @@ def parsed(tmp_path_factory):
 
 
 def test_dags_folder_imports_without_errors(parsed):
-    assert parsed["errors"] == {}
-    assert sorted(parsed["dags"]) == ["ftrec_chaos_drill", "ftrec_retrain", "ftrec_train"]
+    assert parsed["errors"] == {} and parsed["serialize"] == {}
+    assert sorted(parsed["dags"]) == DAGS
 
 
 def test_parsing_imports_nothing_heavy(parsed):
@@ -138,8 +181,53 @@ def test_train_tasks_run_where_the_deployment_says(tmp_path):
     parsed = parse(tmp_path, FTREC_TRAIN_QUEUE="gpu", FTREC_TRAIN_POOL="trainers",
                    FTREC_TRAIN_PRIORITY_WEIGHT="7", FTREC_TRAIN_EXECUTOR_CONFIG='{"gpus": 2}')
     assert parsed["errors"] == {}
-    for dag_id, d in parsed["dags"].items():
-        t = d["tasks"]
+    assert parsed["errors"] == {}
+    for dag_id in ("ftrec_chaos_drill", "ftrec_retrain", "ftrec_train"):
+        t = parsed["dags"][dag_id]["tasks"]
         got = {k: t["train"][k] for k in ("queue", "pool", "priority_weight", "executor_config")}
         assert got == {"queue": "gpu", "pool": "trainers", "priority_weight": 7, "executor_config": {"gpus": 2}}, dag_id
         assert all((v["queue"], v["pool"]) == ("default", "default_pool") for k, v in t.items() if k != "train")
+
+
+# ---------------------------------------------------------------- ftrec_train_k8s
+
+def _unavailable(d: dict) -> str:
+    assert list(d["tasks"]) == ["kubernetes_unavailable"], d["tasks"]
+    assert d["description"].startswith("unavailable: ") and "Not available here" in d["doc_md"]
+    return d["description"]
+
+
+def test_ftrec_train_k8s_unconfigured_says_what_to_set(parsed):
+    """The default: no image configured. The DAG is there, says what to set, and its file
+    imported neither the provider nor the kubernetes client (test_parsing_imports_nothing_heavy)."""
+    why = _unavailable(parsed["dags"]["ftrec_train_k8s"])
+    assert "FTREC_K8S_IMAGE" in why
+
+
+def test_ftrec_train_k8s_with_the_provider_is_the_training_pipeline_on_pods(tmp_path):
+    pytest.importorskip(K8S_PROVIDER, reason="pip install -e '.[kubernetes]' (make setup does)")
+    parsed = parse(tmp_path, FTREC_K8S_IMAGE="registry.example/ftrec:0.1.0", FTREC_K8S_NAMESPACE="recs")
+    assert parsed["errors"] == {} and parsed["serialize"] == {} and sorted(parsed["dags"]) == DAGS
+    d = parsed["dags"]["ftrec_train_k8s"]
+    t = d["tasks"]
+    assert {k: v["downstream"] for k, v in t.items()} == {
+        "ingest_validate": ["build_shards"], "build_shards": ["verify_shards"], "verify_shards": ["open_run"],
+        "open_run": ["group_pods", "trained"], "group_pods": ["train_group"], "train_group": ["trained"],
+        "trained": ["evaluate", "register_model"], "evaluate": ["register_model"], "register_model": []}
+    # one mapped task, map index = replica group: a retry is one group's pod again
+    assert t["train_group"]["type"] == "MappedOperator" and t["train_group"]["operator"] == "GroupPodOperator"
+    assert t["train_group"]["retries"] == 2 and t["train_group"]["timeout"] == 24 * 3600
+    assert t["register_model"]["outlets"] == ["ftrec_model"]
+    assert "kubernetes" in d["tags"] and d["description"] == "replica groups as Kubernetes pods"
+    assert set(d["params"]) == set(parsed["dags"]["ftrec_train"]["params"])
+
+
+def test_ftrec_train_k8s_without_the_provider_parses_and_says_why(tmp_path):
+    block = tmp_path / "block"
+    block.mkdir()
+    (block / "sitecustomize.py").write_text(BLOCK_PROVIDER)
+    parsed = parse(tmp_path / "home", FTREC_K8S_IMAGE="registry.example/ftrec:0.1.0", PYTHONPATH=str(block))
+    assert parsed["errors"] == {} and parsed["serialize"] == {} and sorted(parsed["dags"]) == DAGS
+    why = _unavailable(parsed["dags"]["ftrec_train_k8s"])
+    assert "blocked by the test" in why and "pip install 'ftrec[kubernetes]'" in why
+    assert not [m for m in parsed["heavy"] if m.startswith(("kubernetes", K8S_PROVIDER))]

@@ -1,0 +1,20 @@
+"""The pod of one replica group: KubernetesPodOperator with its GPUs given as a count, so
+that the mapped task can take them per DAG run (ranks per group is a DAG param) where the
+operator wants a V1ResourceRequirements. Imports the provider: only ftrec_train_k8s, when
+the Kubernetes path is configured, imports this (ftrec_airflow.kubernetes)."""
+
+from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
+from kubernetes.client import models as k8s
+
+
+class GroupPodOperator(KubernetesPodOperator):
+    """One replica group as one pod: `gpus` of `gpu_resource` (GPUs per pod = ranks per group;
+    an empty resource name: a CPU-only pod)."""
+
+    def __init__(self, *, gpus: int = 0, gpu_resource: str = "nvidia.com/gpu", **kwargs):
+        if gpus and gpu_resource and "container_resources" not in kwargs:
+            # limits alone: Kubernetes sets an extended resource's request to its limit
+            kwargs["container_resources"] = k8s.V1ResourceRequirements(limits={gpu_resource: str(gpus)})
+        super().__init__(**kwargs)
+        self.gpus = gpus
+        self.gpu_resource = gpu_resource
