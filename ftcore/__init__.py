@@ -9,7 +9,8 @@ while the others keep training, and the returning group catches up from a health
                           lighthouse for several jobs (`ftcore-lighthouse`, GET /status, HTML page)
     lighthouse_client.py  a rank's heartbeats, quorum requests and failure reports
     manager.py            the per-rank step protocol: start_quorum / allreduce / should_commit
-    ftar.py               the fault-tolerant all-reduce across groups
+    ftar.py               the fault-tolerant all-reduce across groups (gloo; CUDA gradients host-staged)
+    collectives.py        the one device rule: data on the group's device, control values on a gloo twin
     heal.py               non-blocking catch-up: background snapshot server and fetch
     tensorfile.py         tensor-only serialization (safetensors layout, stdlib + torch)
     schedule.py           exactly-once data: the replicated schedule with make-up steps

@@ -13,6 +13,17 @@ One call averages a list of tensors in place over the groups of the current quor
 
 Every wait is bounded by a deadline and by `is_stale()` (the lighthouse has declared a
 member dead): a dead or hung peer turns the call into an FTARError, never a hang.
+
+The head and the tail are control values (ftcore/collectives.py: CPU, gloo); the buckets are
+data. The cross-group group is gloo (ftcore.manager), also when the model is on CUDA: the
+buckets are then staged through pinned host buffers on a side stream (collectives.HostStage,
+the copy engines, no SM kernels): all copies down are queued at once, each bucket's gloo
+all-reduce starts as soon as its copy landed, and each result is copied back and divided on
+the compute stream behind an event, so no step synchronizes the device. Why host-staged gloo
+and not NCCL across groups: cross-group traffic crosses hosts, so the network bounds it, not
+the extra PCIe hop; and the CPU-driven exchange survives a peer's kill -9 (its sockets reset)
+and SIGSTOP (the deadline, the lighthouse's verdict) by abandoning the collective, which a
+blocked NCCL kernel does not allow without tearing the process down.
 """
 
 import threading
@@ -21,7 +32,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.distributed as dist
+
+from ftcore import collectives as coll
+from ftcore.collectives import CONTROL, DATA
 
 DEFAULT_BUCKET_BYTES = 8 << 20
 
@@ -70,6 +83,10 @@ class _Bucket:
             return self.chunk
         self.flat = torch.cat([t.reshape(-1) for t in self.tensors])
         return self.flat
+
+    def buffer_view(self) -> torch.Tensor:
+        """The buffer buffer() returned (finish() reads the reduced sum from it)."""
+        return self.chunk if self.chunk is not None else self.flat
 
     def finish(self, n: float) -> None:
         if self.chunk is not None:
@@ -121,17 +138,19 @@ def _wait(fut: torch.futures.Future, deadline: float, is_stale: Callable[[], boo
         raise FTARError(f"{what}: {type(e).__name__}: {e}") from None
 
 
-def ftar(pg: dist.ProcessGroup | None, tensors: list[torch.Tensor], *, contribute: bool,
+def ftar(pg, tensors: list[torch.Tensor], *, contribute: bool,
          local_error: bool = False, timeout: float = 5.0, is_stale: Callable[[], bool] = lambda: False,
          bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-         during: Callable[[], None] | None = None, step: int = 0) -> FTARResult:
+         during: Callable[[], None] | None = None, step: int = 0,
+         stage: coll.HostStage | None = None) -> FTARResult:
     """Average `tensors` in place over the replica groups of `pg` (None: this group alone).
 
     Raises FTARError when the collective cannot complete, or when its members were not all
     at `step` (the head carries each member's step and a count: a collective left pending on
     a process group by a member that gave up on it must never be averaged into another
     step). `during` runs after the first bucket is issued (fault injection); an exception
-    from it sets the error flag.
+    from it sets the error flag. `stage`: how the buckets reach the group's device (default:
+    collectives.stage_for, a HostStage for CUDA tensors over gloo; tests pass a CPU one).
     """
     if not contribute:
         for t in tensors:
@@ -147,40 +166,50 @@ def ftar(pg: dist.ProcessGroup | None, tensors: list[torch.Tensor], *, contribut
                 during_error = True
         return FTARResult(int(contribute), during_error)
 
+    g = coll.get(pg)
     deadline = time.monotonic() + timeout
-    opts = dist.AllreduceOptions()
-    opts.reduceOp = dist.ReduceOp.SUM
     head = torch.tensor([1.0 if contribute else 0.0, float(step), 1.0], dtype=torch.float64)
-    head_fut = pg.allreduce([head], opts).get_future()
+    head_fut = coll.all_reduce(head, kind=CONTROL, group=g, async_op=True).get_future()
     buckets = plan(tensors, bucket_bytes)
+    stage = stage if stage is not None else coll.stage_for(g, tensors)
+    # staged: every copy down is queued at once; bucket i goes out as soon as its copy landed
+    hosts = [stage.to_host(i, b.buffer()) for i, b in enumerate(buckets)] if stage is not None else []
     futs = []
-    for i, b in enumerate(buckets):
-        futs.append(pg.allreduce([b.buffer()], opts).get_future())
-        if i == 0 and during:
+    tail_fut = None
+    try:
+        for i, b in enumerate(buckets):
+            if stage is not None:
+                coll.wait_event(hosts[i][1], deadline, is_stale, f"FTAR bucket {i} copy to host", FTARError)
+            buf = hosts[i][0] if stage is not None else b.buffer()
+            futs.append(coll.all_reduce(buf, kind=DATA, group=g, async_op=True).get_future())
+            if i == 0 and during:
+                try:
+                    during()
+                except Exception:
+                    local_error = True
+        if not buckets and during:
             try:
                 during()
             except Exception:
                 local_error = True
-    if not buckets and during:
-        try:
-            during()
-        except Exception:
-            local_error = True
-    tail = torch.tensor([1.0 if local_error else 0.0], dtype=torch.float64)
-    tail_fut = pg.allreduce([tail], opts).get_future()
+        tail = torch.tensor([1.0 if local_error else 0.0], dtype=torch.float64)
+        tail_fut = coll.all_reduce(tail, kind=CONTROL, group=g, async_op=True).get_future()
 
-    try:
         _wait(head_fut, deadline, is_stale, "FTAR head")
         n, steps, members = (float(x) for x in head.tolist())
-        if members != pg.size() or steps != members * step:
+        if members != g.size() or steps != members * step:
             raise FTARError(f"FTAR head: the members were not all at step {step} (a collective left over "
                             "from an earlier step or quorum)")
         for i, (b, fut) in enumerate(zip(buckets, futs)):
             _wait(fut, deadline, is_stale, f"FTAR bucket {i}")
             if n > 0:
+                if stage is not None:   # the sum back into the bucket's device buffer, then divide there
+                    stage.to_device(b.buffer_view(), hosts[i][0])
                 b.finish(n)
         _wait(tail_fut, deadline, is_stale, "FTAR tail")
     except FTARError:
-        _abandon([head_fut, *futs, tail_fut], (head, tail, buckets))
+        _abandon([head_fut, *futs, *([tail_fut] if tail_fut is not None else [])], (head, buckets, hosts))
+        if stage is not None:
+            stage.drop()   # pending collectives may still write into these buffers
         raise
     return FTARResult(int(round(n)), float(tail.item()) > 0)

@@ -34,6 +34,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from ftcore import collectives as coll
 from ftcore import faults as faults_mod
 from ftcore import netaddr, timeouts
 from ftcore.ftar import DEFAULT_BUCKET_BYTES, FTARError, ftar
@@ -61,7 +62,10 @@ class ManagerConfig:
     job: str = "default"            # one lighthouse serves several jobs; their quorums never mix
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     records: str | None = None      # append every StepRecord here as a JSON line ("{incarnation}" is filled in)
-    backend: str = "gloo"           # cross-group data plane: "gloo" (CPU tensors) or "nccl" (CUDA tensors)
+    # cross-group data plane: "gloo" always, CUDA gradients host-staged (ftcore/ftar.py says why).
+    # "nccl" is fenced: opt-in only (FTCORE_BACKEND=nccl), never run on a GPU here, and a hung
+    # peer there is ended by NCCL's watchdog tearing the survivors down, not by FTAR (_new_pg).
+    backend: str = "gloo"
 
 
 # The environment of one rank: what torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK) plus these,
@@ -76,6 +80,7 @@ ENV = {
     "FTCORE_INCARNATION": "this start of the group; unset: agreed by the group's ranks at start",
     "FTCORE_MIN_REPLICAS": "fewest replica groups a step may commit with (default 1)",
     "FTCORE_LR_POLICY": "none, linear or sqrt (default sqrt)",
+    "FTCORE_BACKEND": "cross-group data plane: gloo (default; CUDA gradients host-staged) or nccl (fenced, unverified)",
 }
 
 
@@ -121,28 +126,24 @@ def agree_incarnation(group_pg: dist.ProcessGroup | None) -> int:
     milliseconds, broadcast over the group. It grows across restarts by any scheduler (a
     restart takes longer than the clock's error between two starts of rank 0)."""
     t = torch.tensor([time.time_ns() // 1_000_000], dtype=torch.int64)
-    if group_pg is not None and dist.get_world_size(group_pg) > 1:
-        if dist.get_backend(group_pg) == "nccl":
-            t = t.cuda()
-        dist.broadcast(t, src=0, group=group_pg)
+    if group_pg is not None and coll.get(group_pg).size() > 1:
+        coll.broadcast(t, 0, kind=coll.CONTROL, group=group_pg)
     return int(t.item())
 
 
 def _new_pg(backend: str, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta,
             host: str = "127.0.0.1") -> dist.ProcessGroup:
-    """One quorum's cross-group process group, its gloo listening on `host` only. The NCCL
-    branch is written for CUDA tensors but has not run on a GPU yet (BENCHMARKS.md, GPU claims):
-    a hung NCCL peer needs the group to be aborted, which FTAR's deadline path does not do yet."""
-    if backend == "gloo":
-        opts = dist.ProcessGroupGloo._Options()
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-        opts._timeout = timeout
-        return dist.ProcessGroupGloo(store, rank, size, opts)
-    if backend == "nccl":
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, size, opts)
-    raise ValueError(f"ftcore: backend {backend!r} is not 'gloo' or 'nccl' (FTCORE_BACKEND)")
+    """One quorum's cross-group process group, its gloo listening on `host` only (with a gloo
+    twin for control values beside any other backend, ftcore/collectives.py).
+
+    "nccl" is fenced (ManagerConfig.backend): written for CUDA tensors, never run on a GPU here.
+    Its hang handling is NCCL's: the group's timeout arms the watchdog, which with
+    TORCH_NCCL_ASYNC_ERROR_HANDLING=1 aborts a blocked collective by ending the process, so a
+    peer's SIGSTOP restarts the survivors too; FTAR's deadline cannot cancel an NCCL kernel."""
+    try:
+        return coll.new_pg(backend, store, rank, size, timeout, host)
+    except ValueError as e:
+        raise ValueError(f"ftcore: {e} (FTCORE_BACKEND)") from None
 
 
 def faults_from_env() -> list[faults_mod.Fault]:
@@ -459,7 +460,7 @@ class Manager:
             return ok
         flag = torch.tensor([1 if ok else 0, quorum_id, -quorum_id], dtype=torch.int64)
         try:
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._group_pg)
+            coll.all_reduce(flag, kind=coll.CONTROL, op=dist.ReduceOp.MIN, group=self._group_pg)
         except Exception as e:  # a rank of our own group died: the launcher restarts the group
             self._errors.append(f"group vote: {e}")
             return False

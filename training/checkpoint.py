@@ -27,6 +27,8 @@ import sys
 import torch
 import torch.distributed as dist
 
+from ftcore import collectives as coll
+
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 
 
@@ -82,13 +84,13 @@ def save(root: str, state: dict, meta: dict, rank: int = 0, keep: int = 2, per_r
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     if collective:
-        dist.barrier()
+        coll.barrier()
     if rank == 0:
         _save_durable(state, os.path.join(tmp, "state.pt"))
     else:
         _save_durable({k: state[k] for k in per_rank}, os.path.join(tmp, f"rng-rank-{rank:05d}.pt"))
     if collective:
-        dist.barrier()
+        coll.barrier()
     if rank == 0:
         files = {n: _sha256(os.path.join(tmp, n)) for n in sorted(os.listdir(tmp)) if n.endswith(".pt")}
         with open(os.path.join(tmp, "meta.json"), "w") as f:
@@ -102,7 +104,7 @@ def save(root: str, state: dict, meta: dict, rank: int = 0, keep: int = 2, per_r
         _fsync_dir(root)
         _prune(root, keep)
     if collective:
-        dist.barrier()
+        coll.barrier()
     return final
 
 

@@ -1,10 +1,17 @@
 """The replica group's processes: torch.distributed set-up and the gradient all-reduce.
 
 One process: no process group, nothing to reduce. Under torchrun (WORLD_SIZE > 1) the
-ranks of ONE replica group form the default process group: gloo on CPU, nccl on CUDA.
+ranks of ONE replica group form the default process group: gloo on CPU, nccl on CUDA, with
+a gloo twin for control values (ftcore/collectives.py: every collective goes through it).
 Across replica groups, gradients are averaged by the fault-tolerance seam
 (training/ft.py), not here. Which replica group this process belongs to comes from
 the launcher's environment: FTREC_REPLICA_GROUP (g) and FTREC_NUM_REPLICA_GROUPS (R).
+
+Devices: one GPU per rank (`rank_device`). NCCL inside a group: init_process_group gets a
+bounded timeout (FTREC_COLLECTIVE_TIMEOUT_S, 300 s) and TORCH_NCCL_ASYNC_ERROR_HANDLING=1, so
+NCCL's watchdog aborts a collective blocked that long by ending the process: a hung peer
+inside a group ends the group, and the launcher (or torchrun) restarts it whole while the
+other groups train on. Barriers and control values wait on the gloo twin (same timeout).
 """
 
 import datetime
@@ -15,9 +22,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ftcore import collectives as coll
 from ftcore import netaddr
+from training.config import ConfigError
 
 COLLECTIVE_TIMEOUT_S = float(os.environ.get("FTREC_COLLECTIVE_TIMEOUT_S", "300"))
+TRUE = ("1", "true", "yes")
 
 
 @dataclass
@@ -60,18 +70,51 @@ def _listen_where_ftcore_does() -> dist.Store | None:
     return dist.TCPStore(addr, port, is_master=False, wait_for_workers=False, timeout=timeout)
 
 
+def rank_device(env=os.environ, device_count: int | None = None) -> torch.device:
+    """This rank's device: CPU without CUDA; else its own GPU, LOCAL_RANK within its replica
+    group's GPUs on this host. The local launcher runs FTREC_GPU_SLOTS groups here and tells
+    each its slot (FTREC_GPU_SLOT), so group s takes GPUs s*K .. s*K+K-1; under torchrun on a
+    cluster (no slots) it is torchrun's LOCAL_RANK. Fewer GPUs than ranks is refused, unless
+    FTREC_OVERSUBSCRIBE_GPUS=1 lets groups share them (never two ranks of one group: NCCL
+    refuses two ranks on one GPU)."""
+    if device_count is None:
+        device_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device_count == 0:
+        return torch.device("cpu")
+    local, per_group = int(env.get("LOCAL_RANK", "0")), int(env.get("LOCAL_WORLD_SIZE", "1"))
+    slot, slots = int(env.get("FTREC_GPU_SLOT", "0")), int(env.get("FTREC_GPU_SLOTS", "1"))
+    need = slots * per_group
+    if per_group > device_count:
+        raise ConfigError(f"{per_group} ranks per replica group need {per_group} GPUs on this host, {device_count} "
+                          "visible: NCCL cannot put two ranks of one group on one GPU; use fewer ranks per group")
+    if need > device_count and env.get("FTREC_OVERSUBSCRIBE_GPUS", "").lower() not in TRUE:
+        raise ConfigError(f"{slots} replica group(s) x {per_group} rank(s) on this host need {need} GPUs, "
+                          f"{device_count} visible; run fewer groups here (launch --groups) or let groups share "
+                          "GPUs (launch --oversubscribe-gpus, FTREC_OVERSUBSCRIBE_GPUS=1)")
+    return torch.device("cuda", (slot * per_group + local) % device_count)
+
+
 def init() -> Topology:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    cuda = torch.cuda.is_available()
-    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}") if cuda else torch.device("cpu")
-    if cuda:
+    device = rank_device()
+    if device.type == "cuda":
         torch.cuda.set_device(device)
+    timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
     if world > 1 and not dist.is_initialized():
         store = _listen_where_ftcore_does()
         kw = {"store": store, "rank": rank, "world_size": world} if store is not None else {}
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
-                                **kw)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if backend == "nccl":
+            # the watchdog ends this process when a collective hangs past `timeout`: the group restarts
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+            kw["device_id"] = device
+        dist.init_process_group(backend, timeout=timeout, **kw)
+    if world > 1:
+        coll.setup_default(device, timeout)   # collective: the gloo twin beside NCCL
+    if device.type == "cuda":
+        print(f"[distributed] rank {rank} of group {os.environ.get('FTREC_REPLICA_GROUP', '0')} on {device} "
+              f"({torch.cuda.get_device_name(device)})", flush=True)
     return Topology(rank, world, int(os.environ.get("FTREC_REPLICA_GROUP", "0")),
                     int(os.environ.get("FTREC_NUM_REPLICA_GROUPS", "1")), device)
 
@@ -90,7 +133,7 @@ def allreduce_grads(params: list[torch.nn.Parameter]) -> float:
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])
     t = time.perf_counter()
-    dist.all_reduce(flat)
+    coll.all_reduce(flat, kind=coll.DATA)
     waited = time.perf_counter() - t
     i = 0
     for p, g in zip(params, grads):
@@ -102,16 +145,9 @@ def allreduce_grads(params: list[torch.nn.Parameter]) -> float:
     return waited
 
 
-def comm_device() -> torch.device:
-    """Where small collective buffers must live: nccl reduces CUDA tensors only."""
-    if active() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def barrier() -> None:
     if active():
-        dist.barrier()
+        coll.barrier()
 
 
 def broadcast_params(model: torch.nn.Module, exclude: tuple = ()) -> None:
@@ -121,7 +157,7 @@ def broadcast_params(model: torch.nn.Module, exclude: tuple = ()) -> None:
         skip = {id(p) for p in exclude}
         for p in model.parameters():
             if id(p) not in skip:
-                dist.broadcast(p.data, src=0)
+                coll.broadcast(p.data, 0, kind=coll.DATA)
 
 
 def shutdown() -> None:

@@ -90,8 +90,9 @@ class FTReplica:
         from ftcore.schedule import MakeupSchedule
 
         self.state, self.topo = state, topology
-        # gradients live where the model does: NCCL across groups on CUDA, gloo on CPU
-        cfg = manager.config_from_env(backend="nccl" if topology.device.type == "cuda" else "gloo")
+        # across groups always gloo (FTCORE_BACKEND, default): CUDA gradients are host-staged by
+        # FTAR (ftcore/ftar.py), so a peer's kill -9 or SIGSTOP never hangs or ends this group
+        cfg = manager.config_from_env()
         self.out = out or os.environ.get("FTREC_OUT")
         if self.out and not cfg.records:
             os.makedirs(os.path.join(self.out, "records"), exist_ok=True)

@@ -12,9 +12,9 @@ however unevenly balanced shards spread samples over the ranks.
 """
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
+from ftcore import collectives as coll
 from training import distributed
 from training.config import LossConfig
 
@@ -65,7 +65,7 @@ def start_global_counts(counts: list[float]) -> tuple[torch.Tensor, object]:
     They are known before the forward pass, so the collective overlaps the forward;
     call `.wait()` on the returned work (None in a single process) before dividing.
     """
-    total = torch.tensor(counts, dtype=torch.float64, device=distributed.comm_device())
+    total = torch.tensor(counts, dtype=torch.float64)   # counts: control values, read by the host
     if distributed.active():
-        return total, dist.all_reduce(total, async_op=True)   # the default group = this replica group
+        return total, coll.all_reduce(total, kind=coll.CONTROL, async_op=True)   # the default group = this replica group
     return total, None

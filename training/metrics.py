@@ -12,8 +12,8 @@ import os
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
+from ftcore import collectives as coll
 from training import distributed
 
 # columns of a rank's per-step record; LOSS is the rank's share of the group's mean loss
@@ -51,11 +51,8 @@ def gather_times(window: Window, stop: bool, proposal: float = 0.0, group=None) 
     flag = torch.zeros((1, COLUMNS), dtype=torch.float64)
     flag[0, 0], flag[0, 1] = (1.0 if stop else 0.0), proposal
     mine = torch.cat([mine, flag])
-    if distributed.active():
-        mine = mine.to(distributed.comm_device())
-        parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, mine, group=group)
-        allt = torch.stack(parts).cpu()
+    if distributed.active():   # timings and flags: control values (ftcore/collectives.py)
+        allt = torch.stack(coll.all_gather(mine, kind=coll.CONTROL, group=group))
     else:
         allt = mine[None]
     return allt[:, :-1], bool(allt[:, -1, 0].max() > 0), float(allt[0, -1, 1])

@@ -19,6 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from ftcore import collectives as coll
 from ftcore import ledger as ledger_mod
 from ftcore import manager as manager_mod
 from ftcore import tensorfile
@@ -62,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+    if world > 1:
+        coll.setup_default()
     cfg = manager_mod.config_from_env()
     g, R, K = cfg.group, cfg.num_groups, cfg.world
     shard = g * K + rank
@@ -117,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                 loss.backward()
             if world > 1:
                 for prm in params:
-                    dist.all_reduce(prm.grad)
+                    coll.all_reduce(prm.grad, kind=coll.DATA)
                     prm.grad.div_(world)
             mgr.set_work(works)
             mgr.allreduce([prm.grad for prm in params])
@@ -157,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                         {"step": str(mgr.step)})
         print(f"toy: group {g} finished at step {mgr.step} checksum {state_checksum(path)}", flush=True)
     if world > 1:
-        dist.barrier()
+        coll.barrier()
     mgr.shutdown()
     return 0
 

@@ -347,7 +347,7 @@ def run_slowdown(rank: int, world_size: int, rounds: int, mbytes: float, n_iter:
     """Time a matmul loop on the compute thread: alone, and while a background thread keeps
     all-to-alls of `mbytes` per rank moving through each transport. Rounds alternate the
     three cases so that a shared machine's noise falls on all of them alike."""
-    import torch.distributed as dist
+    from ftcore import collectives as coll
     torch.set_num_threads(1)
     transports = {"collective": make_transport("collective"), "smfree": make_transport("smfree")}
     rows = int(mbytes * 2**20 / 4 / 256)
@@ -360,7 +360,7 @@ def run_slowdown(rank: int, world_size: int, rounds: int, mbytes: float, n_iter:
         for kind in out:
             t = transports.get(kind)
             stop, moved = threading.Event(), [0, 0]
-            dist.barrier()
+            coll.barrier()
 
             def traffic():
                 # every rank must run the same number of ops: stop when any rank is done (all-reduce)
@@ -385,7 +385,7 @@ def run_slowdown(rank: int, world_size: int, rounds: int, mbytes: float, n_iter:
             out[kind]["matmul_s"].append(el)
             out[kind]["bytes"].append(moved[0])
             out[kind]["ops"].append(moved[1])
-    dist.barrier()
+    coll.barrier()
     for t in transports.values():
         t.close()
     return {"results": out, "transport_names": {k: t.name for k, t in transports.items()}}

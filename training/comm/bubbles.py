@@ -29,6 +29,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.distributed as dist
 
+from ftcore import collectives as coll
+
 
 @dataclass
 class Interval:
@@ -138,11 +140,11 @@ def max_arrivals(scheduler, group=None, start: int = 0) -> dict[int, float]:
     arr = torch.tensor([o.t_start for o in ops], dtype=torch.float64)
     n = torch.tensor([arr.numel()])
     n_max = n.clone()
-    dist.all_reduce(n_max, op=dist.ReduceOp.MAX, group=group)
+    coll.all_reduce(n_max, kind=coll.CONTROL, op=dist.ReduceOp.MAX, group=group)
     if int(n_max) != int(n):
         raise RuntimeError(f"ranks issued different numbers of comm ops ({int(n)} vs {int(n_max)}): "
                            "every rank must run the same step code")
-    dist.all_reduce(arr, op=dist.ReduceOp.MAX, group=group)
+    coll.all_reduce(arr, kind=coll.CONTROL, op=dist.ReduceOp.MAX, group=group)
     return {o.issue: float(t) for o, t in zip(ops, arr.tolist())}
 
 

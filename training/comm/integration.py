@@ -18,7 +18,8 @@ optimizer state).
 Two channels, so two threads never interleave ops on one: the group's transport runs on a
 process group of its own (`self.group`), fed only by the scheduler's ordered queue (the comm
 thread); the trainer's own collectives (counts, dense all-reduce, norms, gathers) stay on
-the default process group, on the compute thread.
+the default process group, on the compute thread. Each of the two has its own gloo twin for
+control values when its backend is a device one (ftcore/collectives.py).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ftcore import collectives as coll
 from training.distributed import COLLECTIVE_TIMEOUT_S
 from training.comm.bubbles import Timeline, account, max_arrivals, metrics, plot_timeline
 from training.comm.scheduler import CommScheduler, Stage
@@ -41,8 +43,8 @@ class GroupComm:
     def __init__(self, cfg: CommConfig, rank: int = 0, device: str | torch.device = "cpu"):
         self.cfg = cfg
         self.active = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        self.group = (dist.new_group(backend=dist.get_backend(), timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-                      if self.active else None)
+        self.group = (coll.new_group(backend=dist.get_backend(), timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+                                     device=device) if self.active else None)
         self.transport = (make_transport(TransportConfig(kind=cfg.transport), group=self.group, device=str(device))
                           if self.active else None)
         self.timeline = Timeline(rank) if cfg.bubbles else None
@@ -123,7 +125,7 @@ class GroupComm:
         if self.active:
             keys = sorted(m)
             t = torch.tensor([m[k] for k in keys], dtype=torch.float64)
-            dist.all_reduce(t)
+            coll.all_reduce(t, kind=coll.CONTROL)
             m = {k: float(v) / dist.get_world_size() for k, v in zip(keys, t.tolist())}
         if self.transport is not None:
             m["comm/smfree"] = float(self.transport.name == "smfree")

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ftcore import collectives as coll
 from training.comm.scheduler import CommOp, CommScheduler, Stage
 from training.comm.sharded_embedding import LookupPlan, ShardedEmbedding, gather_full_weight
 
@@ -55,7 +56,7 @@ class ShardedItemTable(ShardedEmbedding):
     def __init__(self, full_weight: torch.Tensor, transport, sched: CommScheduler | None = None,
                  padding_idx: int | None = 0):
         super().__init__(full_weight.shape[0], full_weight.shape[1], transport, sharding="row",
-                         padding_idx=padding_idx, full_weight=full_weight.detach().cpu())
+                         padding_idx=padding_idx, full_weight=full_weight.detach())   # on the model's device
         self.sched = sched or CommScheduler("blocking")
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []   # (unique ids, grads) per lookup
         self._ready: list[tuple[torch.Tensor, LookupPlan, CommOp, CommOp]] = []  # this step's lookups
@@ -144,14 +145,16 @@ class ShardedItemTable(ShardedEmbedding):
         gradients to their owners; `finish_grads` waits and SUMs them into the shard's .grad."""
         pending, self._pending = self._pending, []
         if pending:
-            ids = torch.unique(torch.cat([u for u, _ in pending]), sorted=True)
-            buf = torch.zeros(ids.numel(), self.dim, dtype=pending[0][1].dtype)
+            ids = torch.unique(torch.cat([u for u, _ in pending]), sorted=True)   # host
+            dev = pending[0][1].device
+            buf = torch.zeros(ids.numel(), self.dim, dtype=pending[0][1].dtype, device=dev)
             for u, g in pending:   # delivery order, one add per row per lookup, as autograd does
-                buf.index_add_(0, torch.searchsorted(ids, u), g)
+                buf.index_add_(0, torch.searchsorted(ids, u).to(dev), g)
         else:
-            ids, buf = torch.zeros(0, dtype=torch.int64), torch.zeros(0, self.dim, dtype=self.weight.dtype)
+            ids = torch.zeros(0, dtype=torch.int64)
+            buf = torch.zeros(0, self.dim, dtype=self.weight.dtype, device=self.weight.device)
         if self.padding_idx is not None:
-            buf[ids == self.padding_idx] = 0
+            buf[(ids == self.padding_idx).to(buf.device)] = 0
         plan = self.plan(ids)
         ids_op = self.sched.submit("emb_grad_ids", Stage.EMB_GRAD, lambda: self.exchange_ids(plan))
         grads_op = self.sched.submit("emb_grad", Stage.EMB_GRAD, lambda: self.exchange_grads(plan, buf))
@@ -172,8 +175,8 @@ class ShardedItemTable(ShardedEmbedding):
 
 def grad_norm_sq(shard: torch.nn.Parameter) -> torch.Tensor:
     """The squared norm of the whole table's gradient: shard norms all-reduced in the group."""
-    g = shard.grad if shard.grad is not None else torch.zeros(())
+    g = shard.grad if shard.grad is not None else torch.zeros((), device=shard.device)
     sq = torch.linalg.vector_norm(g.detach().double()).pow(2).reshape(1)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(sq)
+        coll.all_reduce(sq, kind=coll.DATA)   # data: made and used (clipping) on the device
     return sq[0]

@@ -17,6 +17,10 @@ The shard's gradient is the SUM over the group's ranks, like a SUM all-reduce of
 parameter: do not all-reduce it again inside the group; if the loop averages dense grads
 (divides by K), scale shard grads the same way (`grad_scale`).
 
+Devices: the shard lives where `full_weight` does (the model's device); a lookup's plan is made
+on the host (split sizes are control values), its ids, rows and gradients go to the transport
+on the shard's device (ftcore/collectives.py puts them where the group's backend needs them).
+
 FT-HSDP (ftcore): shard k of every replica group holds the same rows, so FTAR averages
 `weight` of shard rank k across replica groups exactly like a dense parameter of rank k;
 checkpoints are per rank (each rank saves its own shard; `row_range` names it).
@@ -28,8 +32,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
+
+from ftcore import collectives as coll
 
 SHARDINGS = ("row", "table")
 
@@ -62,7 +67,7 @@ class _Lookup(torch.autograd.Function):
         # same kernel as nn.Embedding's backward: per-row sums in occurrence order
         grad_u = torch.ops.aten.embedding_dense_backward(g, plan.inverse, plan.unique.numel(), -1, False)
         if emb.padding_idx is not None:
-            grad_u[plan.unique == emb.padding_idx] = 0
+            grad_u[(plan.unique == emb.padding_idx).to(grad_u.device)] = 0
         emb.grad_sink(plan, grad_u)
         return None, None, None, None
 
@@ -98,7 +103,8 @@ class ShardedEmbedding(nn.Module):
 
     # ---- local pieces (no communication)
     def plan(self, ids: torch.Tensor) -> LookupPlan:
-        ids = ids.to(torch.int64)
+        """Made on the host; the ids to send and the inverse go to the shard's device."""
+        ids = ids.detach().to("cpu", torch.int64)
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
             raise IndexError(f"embedding ids must lie in [0, {self.num_embeddings}); got "
                              f"[{int(ids.min())}, {int(ids.max())}] (check num_items in the config)")
@@ -110,7 +116,8 @@ class ShardedEmbedding(nn.Module):
             owner = torch.full_like(unique, self.owner)
             local = unique
         splits = torch.bincount(owner, minlength=self.world_size).tolist()
-        return LookupPlan(tuple(ids.shape), unique, inverse, splits, local)
+        dev = self.weight.device
+        return LookupPlan(tuple(ids.shape), unique, inverse.to(dev), splits, local.to(dev))
 
     def gather_rows(self, plan: LookupPlan) -> torch.Tensor:
         """Owner side: the rows the peers asked for, read from the current weights."""
@@ -130,11 +137,7 @@ class ShardedEmbedding(nn.Module):
     # ---- communication pieces (run on the scheduler's comm thread, or inline)
     def exchange_ids(self, plan: LookupPlan) -> LookupPlan:
         """Input dist: split sizes first (so owners can size buffers), then the ids."""
-        k = self.world_size
-        ones = [1] * k
-        splits = torch.tensor(plan.send_splits, dtype=torch.int64, device=plan.send_local.device)
-        recv_splits = self.transport.all_to_all(splits, ones, ones).wait()
-        plan.recv_splits = recv_splits.tolist()
+        plan.recv_splits = self.transport.exchange_sizes(plan.send_splits)
         plan.recv_local = self.transport.all_to_all(plan.send_local, plan.send_splits, plan.recv_splits).wait()
         return plan
 
@@ -181,14 +184,12 @@ def reference_weight(num_embeddings: int, dim: int, seed: int = 0, init_std: flo
 
 def gather_full_weight(emb: ShardedEmbedding, group=None) -> torch.Tensor:
     """All shards concatenated into the unsharded table (tests, checkpoints for eval)."""
-    k = emb.world_size
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(k)]
-    dist.all_gather(sizes, torch.tensor([emb.weight.shape[0]]), group=group)
+    sizes = coll.all_gather(torch.tensor([emb.weight.shape[0]]), kind=coll.CONTROL, group=group)
     m = int(max(s.item() for s in sizes))
-    pad = torch.zeros(m, emb.dim)
-    pad[:emb.weight.shape[0]] = emb.weight.detach()
-    bufs = [torch.zeros(m, emb.dim) for _ in range(k)]
-    dist.all_gather(bufs, pad, group=group)
+    w = emb.weight.detach()
+    pad = w.new_zeros(m, emb.dim)
+    pad[:w.shape[0]] = w
+    bufs = coll.all_gather(pad, kind=coll.DATA, group=group)
     parts = [b[:int(s.item())] for b, s in zip(bufs, sizes)]
     if emb.sharding == "table":
         return parts[emb.owner]

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ftcore import collectives as coll
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -25,12 +27,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn, rank, world_size, port, q, args, timeout_s):
+def _entry(fn, rank, world_size, port, q, args, timeout_s, backend="gloo", setup=None):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
+        if setup is not None:
+            setup(rank)   # e.g. register a backend, pick the rank's GPU
+        timeout = datetime.timedelta(seconds=timeout_s)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world_size, timeout=timeout)
+        coll.setup_default(timeout=timeout)   # a device backend gets its gloo twin
         # plain pickle to bytes: tensors travel by value, not as shared-memory handles
         # that die with this process
         q.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
@@ -48,13 +54,14 @@ class RanksFailed(RuntimeError):
     pass
 
 
-def run_ranks(fn, world_size: int, *args, timeout_s: float = 120.0) -> list:
+def run_ranks(fn, world_size: int, *args, timeout_s: float = 120.0, backend: str = "gloo", setup=None) -> list:
     """fn(rank, world_size, *args) on each rank (fn must be importable); returns the results
-    in rank order. Raises RanksFailed with the failing rank's traceback, or on timeout."""
+    in rank order. Raises RanksFailed with the failing rank's traceback, or on timeout.
+    `backend`: the default group's; `setup(rank)` (importable) runs first in each rank."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, q, args, timeout_s), daemon=True)
+    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, q, args, timeout_s, backend, setup), daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()

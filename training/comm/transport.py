@@ -3,7 +3,9 @@ one replica group.
 
 Two implementations behind one interface, chosen by config and bitwise equal in result:
 
-- `collective`: torch.distributed collectives (gloo on CPU, nccl on GPU).
+- `collective`: torch.distributed collectives (gloo on CPU, nccl on GPU), through
+  ftcore/collectives.py: rows and ids on the group's device, split sizes and setup facts as
+  control values on its gloo twin.
 - `smfree`: no communication kernels and no work on the compute thread. On CPU, each rank
   owns an outbox in same-host shared memory (/dev/shm); a copy thread per rank writes the
   outgoing rows into its outbox and copies the rows meant for it out of the peers' outboxes.
@@ -38,8 +40,9 @@ from typing import Callable, Protocol
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
+from ftcore import collectives as coll
+from ftcore.collectives import all_gather_json  # noqa: F401  (control JSON; was defined here)
 from training.comm import COMM_TIMEOUT_S, shm
 
 log = logging.getLogger(__name__)
@@ -74,6 +77,9 @@ class Transport(Protocol):
     def all_reduce(self, tensor: torch.Tensor) -> Handle:
         """Sum over the ranks, in place; wait() returns `tensor`."""
 
+    def exchange_sizes(self, sizes: list[int]) -> list[int]:
+        """sizes[p] goes to rank p; returns what every rank sent me (split sizes: control values)."""
+
     def close(self) -> None: ...
 
 
@@ -96,19 +102,18 @@ class CollectiveTransport:
 
     def __init__(self, group=None):
         self.group = group
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
+        g = coll.get(group)
+        self.rank, self.world_size = g.rank(), g.size()
 
     def all_to_all(self, send, send_splits, recv_splits):
-        send = send.contiguous()
-        out = send.new_empty((sum(recv_splits), *send.shape[1:]))
-        work = dist.all_to_all_single(out, send, list(recv_splits), list(send_splits),
-                                      group=self.group, async_op=True)
+        out, work = coll.all_to_all_single(send, send_splits, recv_splits, group=self.group, async_op=True)
         return _WorkHandle(work, out)
 
     def all_reduce(self, tensor):
-        work = dist.all_reduce(tensor, group=self.group, async_op=True)
-        return _WorkHandle(work, tensor)
+        return _WorkHandle(coll.all_reduce(tensor, kind=coll.DATA, group=self.group, async_op=True), tensor)
+
+    def exchange_sizes(self, sizes):
+        return coll.exchange_sizes(sizes, self.group)
 
     def close(self):
         pass
@@ -199,8 +204,8 @@ class SmFreeTransport:
 
     def __init__(self, group, cfg: TransportConfig, prefix: str):
         self.group = group
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
+        g = coll.get(group)
+        self.rank, self.world_size = g.rank(), g.size()
         self.cfg = cfg
         self._prefix = prefix
         self._seq = 0
@@ -248,6 +253,10 @@ class SmFreeTransport:
     def all_reduce(self, tensor):
         ready = self._ready_event(tensor)
         return self._submit(lambda: self._all_reduce(tensor, ready))
+
+    def exchange_sizes(self, sizes):
+        ones = [1] * self.world_size   # through the outboxes too: one order for all of this transport's ops
+        return self.all_to_all(torch.tensor(sizes, dtype=torch.int64), ones, ones).wait().tolist()
 
     def _ready_event(self, t: torch.Tensor):
         # CUDA: the copy stream must wait for the kernels that produce `t`, as issued now.
@@ -398,21 +407,6 @@ class SmFreeTransport:
 # ----------------------------------------------------------------------------- selection
 
 
-def all_gather_json(obj, group=None) -> list:
-    """All-gather a JSON-able object as bytes (no pickle crosses the wire)."""
-    data = torch.tensor(list(json.dumps(obj).encode()), dtype=torch.uint8)
-    k = dist.get_world_size(group)
-    n = torch.tensor([data.numel()], dtype=torch.int64)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(k)]
-    dist.all_gather(sizes, n, group=group)
-    m = int(max(s.item() for s in sizes))
-    padded = torch.zeros(m, dtype=torch.uint8)
-    padded[:data.numel()] = data
-    bufs = [torch.zeros(m, dtype=torch.uint8) for _ in range(k)]
-    dist.all_gather(bufs, padded, group=group)
-    return [json.loads(bytes(b[:int(s.item())].tolist()).decode()) for b, s in zip(bufs, sizes)]
-
-
 def make_transport(cfg: TransportConfig | str = "collective", group=None, device: str = "cpu") -> Transport:
     """The configured transport for `group`, or `collective` with a logged reason when smfree
     cannot run. Collective over `group` (it exchanges setup facts); every rank must call it.
@@ -458,5 +452,5 @@ def make_transport(cfg: TransportConfig | str = "collective", group=None, device
     if device != "cpu":
         from training.comm import cuda_copy
         transport._copy_engine = cuda_copy.CopyEngine(transport, device)
-    dist.barrier(group=group)  # every peer mapped before anyone's first op can grow an outbox
+    coll.barrier(group)  # every peer mapped before anyone's first op can grow an outbox
     return transport
