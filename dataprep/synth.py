@@ -3,6 +3,9 @@
 Item popularity follows Zipf's law (p(rank k) ~ k^-s, item ids a seeded
 permutation of the ranks); history lengths are lognormal (heavy-tailed: a
 median of tens and a tail up to thousands), clipped to [min_len, max_history].
+With `markov` > 0 an event is, with that probability, the fixed successor of the
+user's previous item (a seeded permutation), so there is a sequence to learn; 0 (the
+default) draws every event independently, as before.
 Deterministic by seed: users are generated in fixed chunks, each from its own
 seeded generator, and streamed to disk, so memory stays bounded at any size.
 Formats: sasrec (`user item` lines), iclrec (one line per user), events
@@ -38,6 +41,7 @@ class SynthConfig:
     min_len: int = 5             # 5-core-like floor
     max_history: int = 4096      # cap of the tail
     zipf: float = 1.1            # popularity exponent s
+    markov: float = 0.0          # probability that an event is its predecessor's successor item
 
 
 def lengths(cfg: SynthConfig, rng: np.random.Generator, n: int) -> np.ndarray:
@@ -51,6 +55,7 @@ def _chunks(cfg: SynthConfig):
     cdf = np.cumsum(ranks ** -cfg.zipf)
     cdf /= cdf[-1]
     item_of_rank = np.random.default_rng([cfg.seed, 0x17E5]).permutation(cfg.items).astype(np.int64) + 1
+    successor = np.random.default_rng([cfg.seed, 0x5EC]).permutation(cfg.items).astype(np.int64) + 1
     for c, u0 in enumerate(range(0, cfg.users, CHUNK_USERS)):
         rng = np.random.default_rng([cfg.seed, c])
         nu = min(CHUNK_USERS, cfg.users - u0)
@@ -58,6 +63,11 @@ def _chunks(cfg: SynthConfig):
         off = np.zeros(nu + 1, np.int64)
         np.cumsum(ln, out=off[1:])
         items = item_of_rank[np.minimum(np.searchsorted(cdf, rng.random(off[-1])), cfg.items - 1)]
+        if cfg.markov > 0:
+            follow = rng.random(off[-1]) < cfg.markov
+            follow[off[:-1]] = False                     # a user's first event follows nothing
+            for k in np.flatnonzero(follow):             # in order: chains of followers
+                items[k] = successor[items[k - 1] - 1]
         start = T0 + rng.integers(0, 365 * 86400, nu)
         gaps = 1 + rng.exponential(3600.0, off[-1]).astype(np.int64)  # >= 1 s: no ties inside a user
         gaps[off[:-1]] = 0
@@ -73,15 +83,16 @@ def _segment_cumsum(x: np.ndarray, off: np.ndarray) -> np.ndarray:
 
 def write_synthetic(path: str, *, users: int, items: int, seed: int = 0, fmt: str = "sasrec",
                     median_len: float = 20.0, sigma: float = 1.2, min_len: int = 5, max_history: int = 4096,
-                    zipf: float = 1.1, quiet: bool = True) -> str:
+                    zipf: float = 1.1, markov: float = 0.0, quiet: bool = True) -> str:
     """Write a synthetic interaction log to `path` (atomically) and return the path."""
     if fmt not in SYNTH_FORMATS:
         raise DataprepError(f"--format {fmt!r}: synth writes one of {', '.join(SYNTH_FORMATS)}")
     if users < 1 or items < 2:
         raise DataprepError("--users must be >= 1 and --items >= 2")
-    if not (1 <= min_len <= max_history) or median_len <= 0 or sigma < 0 or zipf <= 0:
-        raise DataprepError("need 1 <= --min-len <= --max-history, --median-len > 0, --sigma >= 0, --zipf > 0")
-    cfg = SynthConfig(users, items, seed, median_len, sigma, min_len, max_history, zipf)
+    if not (1 <= min_len <= max_history) or median_len <= 0 or sigma < 0 or zipf <= 0 or not 0 <= markov < 1:
+        raise DataprepError("need 1 <= --min-len <= --max-history, --median-len > 0, --sigma >= 0, --zipf > 0, "
+                            "0 <= markov < 1")
+    cfg = SynthConfig(users, items, seed, median_len, sigma, min_len, max_history, zipf, markov)
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"

@@ -44,6 +44,25 @@ def test_synth_shape_heavy_tail_and_zipf(tmp_path):
     assert top > 0.3  # the top 1% of items take a large share: Zipf, not uniform (~1%)
 
 
+def test_synth_markov_makes_a_sequence_to_learn(tmp_path):
+    kw = dict(users=400, items=300, seed=3, median_len=60, max_history=300)
+    plain = write_synthetic(tmp_path / "p.txt", **kw)
+    assert Path(write_synthetic(tmp_path / "z.txt", markov=0.0, **kw)).read_bytes() == Path(plain).read_bytes()
+    seq = sequences.build_sequences(readers.read(write_synthetic(tmp_path / "m.txt", markov=0.5, **kw), "sasrec"))
+    v, first = seq.values.astype(np.int64), np.zeros(len(seq.values), bool)
+    first[seq.offsets[:-1]] = True
+    pairs = np.stack([v[:-1], v[1:]], 1)[~first[1:]]           # consecutive events of one user
+    # each item's most frequent next item (its successor) follows it in about half of the events
+    top = {}
+    for a, b in pairs:
+        top.setdefault(a, {}).setdefault(b, 0)
+        top[a][b] += 1
+    share = sum(max(d.values()) for d in top.values()) / len(pairs)
+    assert 0.45 < share < 0.7
+    with pytest.raises(DataprepError, match="markov"):
+        write_synthetic(tmp_path / "x.txt", users=2, items=3, markov=1.0)
+
+
 def test_fit_recovers_coefficients():
     L = np.array([8, 16, 32, 64, 128, 256, 512])
     n = np.tile([4, 8], len(L))

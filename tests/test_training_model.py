@@ -201,9 +201,11 @@ def test_time_buckets_of_known_gaps():
 
 def test_bias_shapes_and_parameters():
     rab = RelativeBias(8, 40)
-    pos, time = torch.zeros(5, 5, dtype=torch.long), torch.zeros(3, 5, 5, dtype=torch.long)
-    assert rab(pos, None).shape == (1, 5, 5)                    # positions: one bias for the batch
-    assert rab(pos, time).shape == (3, 1, 5, 5)                 # with time: per sample, shared by heads
+    pos, time = torch.randint(0, 8, (5, 5)), torch.randint(0, 40, (3, 5, 5))
+    assert rab(pos).shape == (1, 5, 5)                          # positions: one bias for the batch
+    both = rab(pos * 40 + time, timed=True)
+    assert both.shape == (3, 1, 5, 5)                           # with time: per sample, shared by heads
+    assert torch.allclose(both[:, 0], rab.pos_w[pos] + rab.time_w[time])
     names = lambda m: {n for n, _ in m.named_parameters() if "rab" in n}  # noqa: E731
     assert names(_hstu()) == {f"blocks.{i}.rab.{w}" for i in (0, 1) for w in ("pos_w", "time_w")}  # per layer
     assert _hstu("pos").blocks[0].rab.time_w is None and _hstu("none").blocks[0].rab is None

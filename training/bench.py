@@ -9,6 +9,10 @@
   interleaved round by round in one run; ratios against (c).
 - window: dataprep's window K (steps sorted by cost together): K=1 (random batches)
   against the default K, same short training budget, quality and padding.
+- hstu: SASRec and HSTU (relative attention bias on, the default) one after the other at
+  the same wall-clock budget (`--minutes` each) on each dataset: beauty and video (no
+  timestamps: HSTU's positional buckets only) and `synth-long`, synthetic events with
+  timestamps and long histories (median ~200, cap 1,024) where attention dominates.
 
 Prints a table per part and writes JSON to bench-results/training-<part>.json.
 """
@@ -47,9 +51,23 @@ PUBLISHED = {
               "SASRec reproduction": ((0.7318, 0.5308), None)},
 }
 BATCH_SIZE, MAX_LEN = 128, 50
+# synth-long: lognormal lengths (median 200) capped at 1,024, Zipf items, half of the events
+# the fixed successor of the previous item (a sequence to learn), times with ~1 h mean gaps
+SYNTH_LONG = {"users": 1500, "items": 5000, "seed": 0, "median_len": 200.0, "sigma": 1.0, "max_history": 1024,
+              "markov": 0.5}
+SYNTH_LONG_BATCH, SYNTH_LONG_MAX_LEN = 16, 1024
 
 
 def shards_for(name: str, work: str, window_steps: int | None = None, world_size: int = 1) -> str:
+    if name == "synth-long":
+        from dataprep.synth import write_synthetic
+        path = os.path.join(work, "synth-long.parquet")
+        if not os.path.isfile(path):
+            write_synthetic(path, fmt="events", **SYNTH_LONG)
+        out = os.path.join(work, f"synth-long-w{world_size}")
+        build_shards(path, "events", out, world_size=world_size, batch_size=SYNTH_LONG_BATCH,
+                     max_len=SYNTH_LONG_MAX_LEN, window_steps=window_steps)
+        return out
     fname, fmt = DATASETS[name]
     path = os.path.join(DATA, fname)
     if not os.path.isfile(path):
@@ -186,10 +204,44 @@ def window(args) -> dict:
     return out
 
 
+def hstu(args) -> dict:
+    """SASRec vs HSTU, same data, same settings but model.attention, same training minutes."""
+    out = {}
+    for name in args.datasets:
+        shards = shards_for(name, args.work)
+        m = json.load(open(os.path.join(shards, schema.MANIFEST)))
+        extra = ["eval.batch_size=32"] if name == "synth-long" else []   # [B, 1024, 1024] attention in eval
+        runs = {}
+        for kind in ("sasrec", "hstu"):
+            run_out = os.path.join(args.work, f"vs-{name}-{kind}")
+            cfg = load_config(args.config, [f"data.shards={shards}", f"train.out={run_out}", "mlflow.enabled=false",
+                                            f"train.max_minutes={args.minutes}", "eval.periodic=false",
+                                            f"model.attention={kind}", *extra, *args.set])
+            res = train(cfg)
+            runs[kind] = {"test": res["metrics"], "epochs": res["epochs_completed"], "steps": res["steps"],
+                          "train_s": res["train_seconds"], "throughput": res["throughput"], "config": cfg.to_dict()}
+        out[name] = {"timestamps": m["format_version"] == 2, "runs": runs}
+    keys = [("full HR@10", "test/full/hr@10"), ("full NDCG@10", "test/full/ndcg@10"),
+            ("sampled HR@10", "test/sampled/hr@10"), ("sampled NDCG@10", "test/sampled/ndcg@10")]
+    print(f"\n### SASRec vs HSTU (relative attention bias), {args.minutes} min of training each, test split\n")
+    print("| data | times | model | " + " | ".join(k for k, _ in keys) + " | tokens/s | epochs |")
+    print("|---|---|---|" + "---|" * (len(keys) + 2))
+    for name, r in out.items():
+        a, b = r["runs"]["sasrec"], r["runs"]["hstu"]
+        for kind, x in (("SASRec", a), ("HSTU", b)):
+            print(f"| {name} | {'yes' if r['timestamps'] else 'no'} | {kind} | "
+                  + " | ".join(f"{x['test'][k]:.4f}" for _, k in keys)
+                  + f" | {x['throughput']['tokens_per_s']:,.0f} | {x['epochs']:.2f} |")
+        print(f"| {name} | | **HSTU / SASRec** | " + " | ".join(
+            f"**{b['test'][k] / max(a['test'][k], 1e-12):.3f}**" for _, k in keys)
+            + f" | **{b['throughput']['tokens_per_s'] / a['throughput']['tokens_per_s']:.2f}** | |")
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m training.bench", description=__doc__.splitlines()[0])
-    p.add_argument("--part", choices=["quality", "throughput", "window", "all"], default="all")
-    p.add_argument("--datasets", default="beauty,video", help="comma-separated: beauty, video")
+    p.add_argument("--part", choices=["quality", "throughput", "window", "hstu", "all"], default="all")
+    p.add_argument("--datasets", default="beauty,video", help="comma-separated: beauty, video, synth-long")
     p.add_argument("--minutes", type=float, default=15.0, help="training budget per dataset (quality)")
     p.add_argument("--steps", type=int, default=40, help="steps per variant and round (throughput)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (throughput)")
@@ -204,9 +256,9 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     os.makedirs(args.work, exist_ok=True)
     os.makedirs(args.results, exist_ok=True)
-    parts = ["quality", "throughput", "window"] if args.part == "all" else [args.part]
+    parts = ["quality", "throughput", "window", "hstu"] if args.part == "all" else [args.part]
     for part in parts:
-        res = {"quality": quality, "throughput": throughput, "window": window}[part](args)
+        res = {"quality": quality, "throughput": throughput, "window": window, "hstu": hstu}[part](args)
         path = os.path.join(args.results, f"training-{part}.json")
         with open(path + ".tmp", "w") as f:
             json.dump({"argv": sys.argv, "results": res}, f, indent=1, default=str)
