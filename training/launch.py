@@ -13,6 +13,9 @@ group is one torchrun-equivalent process group, with exactly the environment tha
 - starts replica groups (all R, or the --groups this host runs) of K processes (torchrun's
   environment: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT per group) plus the ftcore
   environment (ftcore.manager.ENV);
+- gives every rank its own GPU when there are GPUs: the groups this launcher runs split the
+  host's GPUs, group slot s taking GPUs s*K .. s*K+K-1 (FTREC_GPU_SLOT/FTREC_GPU_SLOTS, read by
+  training/distributed.py `rank_device`); too few GPUs is an error unless --oversubscribe-gpus;
 - keeps K spare processes that have already imported torch and the trainer, so a failed
   group is back in well under a second (a cold start spends seconds in imports);
 - restarts a failed group (any rank exits non-zero or dies) with tenacity backoff, up
@@ -78,6 +81,7 @@ class LaunchConfig:
     lr_policy: str = "sqrt"
     extra: list[str] = field(default_factory=list)
     print_commands: bool = False
+    oversubscribe_gpus: bool = False   # groups may share GPUs (never two ranks of one group)
 
 
 def free_port() -> int:
@@ -213,6 +217,8 @@ class Launcher:
                "FTCORE_MIN_REPLICAS": str(self.cfg.min_replicas), "FTCORE_LR_POLICY": self.cfg.lr_policy}
         if self.token_file:
             env["FTCORE_TOKEN_FILE"] = self.token_file
+        if self.cfg.oversubscribe_gpus:
+            env["FTREC_OVERSUBSCRIBE_GPUS"] = "1"
         return env
 
     def torchrun_command(self, g: int) -> str:
@@ -261,7 +267,9 @@ class Launcher:
         return {"FTREC_REPLICA_GROUP": str(g), "FTCORE_INCARNATION": str(inc), "RANK": str(k),
                 "LOCAL_RANK": str(k), "WORLD_SIZE": str(K), "LOCAL_WORLD_SIZE": str(K),
                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port), "GROUP_RANK": str(g),
-                "FTREC_OUT": os.path.join(self.out, f"replica_{g}")}
+                "FTREC_OUT": os.path.join(self.out, f"replica_{g}"),
+                # this host's GPUs are split over the groups run here: group slot s, K GPUs each
+                "FTREC_GPU_SLOT": str(self.mine.index(g)), "FTREC_GPU_SLOTS": str(len(self.mine))}
 
     def start_spare(self) -> Proc:
         argv = [sys.executable, "-m", "training.launch", "--spare", self.cfg.worker]
@@ -693,6 +701,9 @@ def parse(argv: list[str]) -> LaunchConfig:
     p.add_argument("--lr-policy", choices=("none", "linear", "sqrt"), default="sqrt")
     p.add_argument("--timeout", type=float, default=3600.0, help="give up (non-zero exit) after this many seconds")
     p.add_argument("--no-spares", action="store_true", help="restart groups cold (for benchmarks)")
+    p.add_argument("--oversubscribe-gpus", action="store_true",
+                   help="let replica groups share GPUs when the host has fewer than groups x ranks (tests, "
+                        "one-GPU checks); the ranks of one group always get distinct GPUs")
     a = p.parse_args(argv)
     if a.replica_groups < 1 or a.ranks_per_group < 1:
         raise LaunchError("--replica-groups and --ranks-per-group must be >= 1")
@@ -715,7 +726,8 @@ def parse(argv: list[str]) -> LaunchConfig:
         raise LaunchError(f"--shards {a.shards}: no manifest.json there; build it with `python -m dataprep shards`")
     return LaunchConfig(a.shards, a.replica_groups, a.ranks_per_group, a.lighthouse, a.job_id, groups, a.faults,
                         a.out, a.worker, a.min_replicas, a.max_restarts, 0.1, a.replace_after, a.timeout,
-                        not a.no_spares, a.lr_policy, extra, a.print_commands)
+                        not a.no_spares, a.lr_policy, extra, a.print_commands,
+                        oversubscribe_gpus=a.oversubscribe_gpus)
 
 
 def main(argv: list[str] | None = None) -> int:
