@@ -13,7 +13,7 @@ Modules, one concept each:
   integration.py        GroupComm: the trainer's seam (transport for grads, bubble metrics, PNG)
   spawn.py              run a function on W real gloo ranks, bounded (tests, benchmarks)
   bench.py              `python -m training.comm.bench`
-  gpu_check.py          prepared <= 5 min GPU check of the CUDA claims
+  gpu_check.py          the one prepared <= 5 min device script (--cpu: its smoke test)
 """
 
 import os

@@ -1,175 +1,367 @@
-"""`python -m training.comm.gpu_check`: the prepared GPU check of the CUDA claims (<= 5 min).
+"""`python -m training.comm.gpu_check`: the one prepared device script (at most 5 minutes).
 
-Never run here (no GPU): until it runs on a GPU machine, BENCHMARKS.md marks the CUDA path
-of `smfree` as unverified. On one GPU or more it measures and checks:
+Three parts, each in its own time box; a part that fails is reported and the others still run:
 
- 1. slowdown: a bf16 matmul loop on the compute stream, alone, then while the same bytes
-    move on a side stream by (a) an SM kernel (an elementwise copy, the kind of kernel a
-    communication library runs; plus NCCL all-reduce when >= 2 GPUs) and (b) the copy
-    engines (cudaMemcpyAsync device->pinned host->device, and device->device).
- 2. SM-free: the CUDA profiler sees no kernel, only memcpys, during an smfree all-to-all.
- 3. correctness: 2 processes (gloo group for setup; one GPU each, or both on GPU 0)
-    move CUDA tensors through make_transport("smfree", device="cuda"): uneven all-to-all
-    and all-reduce equal the CPU collective's result bitwise, and a ShardedEmbedding on
-    CUDA over smfree equals the CPU collective one (forward and gradients).
+ 1. ft: the real trainer on ftcore, 2 replica groups x 1 rank (2 GPUs, or both groups on
+    GPU 0 with --oversubscribe-gpus when one is lent), 50 steps; group 1 is killed with SIGKILL
+    at step 20, restarted from a spare and healed; both groups' final states must be bitwise
+    identical. Across groups FTAR is gloo with the CUDA gradients staged through pinned host
+    buffers (ftcore/ftar.py), so this is also its first run on CUDA.
+ 2. slowdown: a bf16 matmul loop on the compute stream, alone and while the same bytes move
+    beside it by (a) NCCL all-to-all (SM kernels) and (b) the smfree transport (copy engines,
+    cudaMemcpyAsync through pinned shared memory), rounds alternating in one run; the comm runs
+    for longer than the loop, so the whole loop overlaps it. Plus the CUDA kernels the profiler
+    sees during an smfree all-to-all (none expected: memcpys only).
+ 3. throughput: non-padding tokens/s of the trainer on the GPU, sasrec and hstu, at max_len
+    50, 200 and 1,024, on balanced shards (dataprep) against randomly assigned ones.
 
-Prints a table and writes bench-results/gpu_check.json. Exit code 0 only if every check
-passed.
+`--cpu`: the same code on CPU with tiny sizes (gloo instead of NCCL, smfree's shared-memory copy
+thread instead of the copy engines), so the script is known to run before a GPU is lent
+(tests/test_gpu_check_smoke.py). Its figures mean nothing.
+
+Prints a table per part and writes JSON (--out, default bench-results/gpu_check.json). Exit
+status 0 only if every check passed.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
 import os
+import signal
+import statistics
+import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import torch
 
-BUDGET_S = float(os.environ.get("FTREC_GPU_CHECK_BUDGET_S", "270"))
 ROOT = Path(__file__).resolve().parents[2]
+BUDGET_S = float(os.environ.get("FTREC_GPU_CHECK_BUDGET_S", "280"))
+
+SIZES = {   # per mode: what each part runs
+    "gpu": {"ft_users": 1600, "ft_batch": 32, "ft_steps": 50, "ft_kill": 20, "ft_dim": 64, "ft_timeout": 120,
+            "mm_size": 8192, "mm_s": 1.0, "a2a_mb": 256, "rounds": 3,
+            "tp_users": 3000, "tp_batch": 64, "tp_steps": 40, "tp_lens": (50, 200, 1024), "tp_median": 60},
+    "cpu": {"ft_users": 300, "ft_batch": 32, "ft_steps": 10, "ft_kill": 4, "ft_dim": 16, "ft_timeout": 150,
+            "mm_size": 192, "mm_s": 0.3, "a2a_mb": 2, "rounds": 1,
+            "tp_users": 150, "tp_batch": 16, "tp_steps": 4, "tp_lens": (20, 50), "tp_median": 10},
+}
 
 
-def _matmul_time(n: int, size: int, side=None, side_stream=None) -> float:
-    """Seconds for n matmuls on the default stream, with `side()` looping on side_stream."""
-    a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
-    torch.cuda.synchronize()
-    if side is not None:
-        with torch.cuda.stream(side_stream):
-            for _ in range(8):  # queue enough side work to cover the matmul loop
-                side()
+def _run(argv: list[str], timeout: float, env: dict | None = None) -> tuple[int, str]:
+    """A bounded child in its own session, ended by its process group on timeout."""
+    p = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, _ = p.communicate()
+        return 124, out
+    return p.returncode, out
+
+
+# ---- 1. ft: kill -9 one group, heal, identical states -----------------------------------------
+
+def part_ft(work: Path, sz: dict, gpus: int, budget: float) -> dict:
+    from dataprep.build import build_shards
+    from dataprep.synth import write_synthetic
+    events, shards, out = work / "ft-events.txt", work / "ft-shards", work / "ft-run"
+    write_synthetic(str(events), users=sz["ft_users"], items=300, seed=1, median_len=12, max_history=60)
+    m = build_shards(str(events), "sasrec", str(shards), world_size=2, batch_size=sz["ft_batch"], max_len=50,
+                     overwrite=True)
+    epochs = max(1, math.ceil(sz["ft_steps"] / m["steps"]))
+    plan = work / "ft-plan.json"
+    plan.write_text(json.dumps({"faults": [{"kind": "kill", "group": 1, "at_step": sz["ft_kill"]}]}))
+    argv = [sys.executable, "-m", "training", "launch", "--shards", str(shards), "--replica-groups", "2",
+            "--ranks-per-group", "1", "--out", str(out), "--faults", str(plan), "--timeout", str(int(budget - 10)),
+            *(["--oversubscribe-gpus"] if 0 < gpus < 2 else []), "--", "--set", f"train.epochs={epochs}",
+            f"model.dim={sz['ft_dim']}", "mlflow.enabled=false", "eval.periodic=false", "eval.final=false",
+            "train.log_every=10", "loss.num_negatives=64"]
+    t = time.monotonic()
+    rc, log = _run(argv, budget, {"OMP_NUM_THREADS": "1"})
+    (work / "ft-launch.log").write_text(log)
+    res = {"exit": rc, "seconds": round(time.monotonic() - t, 1), "steps": epochs * m["steps"],
+           "kill_at_step": sz["ft_kill"], "log": str(work / "ft-launch.log"),
+           "devices": sorted({line.split(" on ", 1)[1].split()[0] for line in log.splitlines()
+                              if "[distributed]" in line and " on cuda" in line})}
+    fails = [] if rc == 0 else [f"launcher exit {rc}: {log[-1500:]}"]
+    s0, s1 = out / "replica_0" / "state.safetensors", out / "replica_1" / "state.safetensors"
+    if s0.exists() and s1.exists():
+        res["identical"] = s0.read_bytes() == s1.read_bytes()
+        if not res["identical"]:
+            fails.append("the groups ended with different states")
+    else:
+        fails.append("a final state file is missing")
+    tl = out / "timeline.json"
+    if tl.exists():
+        tl = json.loads(tl.read_text())
+        res["restarts"] = tl["restarts"].get("1")
+        res["healed"] = any(e["kind"] == "heal_finished" and e.get("group") == 1 for e in tl["lighthouse_events"])
+        res["committed_steps"] = tl["summary"].get("committed_steps")
+        if res["restarts"] != 1 or not res["healed"]:
+            fails.append(f"group 1: {res['restarts']} restarts, healed {res['healed']} (want 1, True)")
+    if gpus and not res["devices"]:
+        fails.append("no rank reported a CUDA device")
+    res["fails"] = fails
+    return res
+
+
+# ---- 2. slowdown: matmul beside NCCL all-to-all and beside the copy engines ---------------------
+
+def _matmul(a, b, n: int, cuda: bool) -> float:
+    if not cuda:
+        t = time.perf_counter()
+        for _ in range(n):
+            a @ b
+        return time.perf_counter() - t
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(n):
         a @ b
     end.record()
-    torch.cuda.synchronize()
+    end.synchronize()
     return start.elapsed_time(end) / 1e3
 
 
-def check_slowdown(mbytes: int = 256, n: int = 200, size: int = 8192) -> dict:
-    nel = mbytes * 2**20 // 4
-    src = torch.randn(nel, device="cuda")
-    dst = torch.empty_like(src)
-    host = torch.empty(nel, pin_memory=True)
-    s = torch.cuda.Stream()
-    sides = {
-        "none": None,
-        "sm_copy_kernel": lambda: torch.mul(src, 1.0, out=dst),              # runs on SMs
-        "copy_engine_d2h_h2d": lambda: (host.copy_(src, non_blocking=True), dst.copy_(host, non_blocking=True)),
-        "copy_engine_d2d": lambda: dst.copy_(src, non_blocking=True),      # cudaMemcpyAsync
-    }
-    out = {}
-    _matmul_time(5, size)  # warm-up
-    for name, fn in sides.items():
-        out[name] = _matmul_time(n, size, fn, s)
-    base = out["none"]
-    return {k: {"matmul_s": v, "slowdown": v / base} for k, v in out.items()}
+def _slowdown_worker(rank: int, world: int, cuda: bool, sz: dict) -> dict:
+    from ftcore import collectives as coll
+    from training.comm.transport import TransportConfig, make_transport
+    dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    transports = {("nccl" if cuda else "gloo") + "_all_to_all": make_transport("collective", group=coll.new_group()),
+                  "smfree_copy_engines": make_transport(TransportConfig(kind="smfree"), group=coll.new_group(),
+                                                        device=str(dev))}
+    names = {k: t.name for k, t in transports.items()}
+    rows = sz["a2a_mb"] * 2**20 // (4 * 256)
+    x = torch.randn(rows, 256, device=dev)
+    splits = [rows // world] * (world - 1) + [rows - rows // world * (world - 1)]
+    side = torch.cuda.Stream(dev) if cuda else None
+
+    def ops(t, n):   # n all-to-alls back to back on the side stream; seconds
+        t0 = time.perf_counter()
+        with torch.cuda.stream(side) if cuda else _null():
+            for i in range(n):
+                t.all_to_all(x, splits, splits).wait()
+                if cuda and i % 4 == 3:
+                    side.synchronize()   # a few in flight, not n outputs of a2a_mb each
+            if cuda:
+                side.synchronize()
+        return time.perf_counter() - t0
+
+    a = torch.randn(sz["mm_size"], sz["mm_size"], device=dev, dtype=dtype)
+    b = torch.randn(sz["mm_size"], sz["mm_size"], device=dev, dtype=dtype)
+    _matmul(a, b, 3, cuda)
+    per = _matmul(a, b, 10, cuda) / 10
+    n_mm = max(5, int(sz["mm_s"] / per))
+    alone = _matmul(a, b, n_mm, cuda)
+    t_op = {}
+    for k, t in transports.items():
+        ops(t, 2)   # warm-up: pins the outboxes, builds NCCL's communicator
+        t_op[k] = ops(t, 3) / 3
+    # every rank runs the same number of ops: the slowest rank's count, covering 1.3x the loop alone
+    n_ops = {}
+    for k in transports:
+        n = torch.tensor([math.ceil(1.3 * alone / t_op[k]) + 1], dtype=torch.int64)
+        coll.all_reduce(n, kind=coll.CONTROL, op=torch.distributed.ReduceOp.MAX)
+        n_ops[k] = int(n)
+    res = {k: {"matmul_s": [], "comm_s": [], "ops": n_ops.get(k, 0)} for k in ("none", *transports)}
+    for _ in range(sz["rounds"]):
+        for k in res:
+            coll.barrier()
+            box = {}
+            th = None
+            if k != "none":
+                th = threading.Thread(target=lambda: box.update(s=ops(transports[k], n_ops[k])), daemon=True)
+                th.start()
+                time.sleep(0.01)
+            res[k]["matmul_s"].append(_matmul(a, b, n_mm, cuda))
+            if th is not None:
+                th.join(timeout=120)
+                res[k]["comm_s"].append(box.get("s", float("nan")))
+    kernels = None
+    if cuda:   # what runs on the SMs during an smfree all-to-all: memcpys only, no kernel
+        from torch.profiler import ProfilerActivity, profile
+        t = transports["smfree_copy_engines"]
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            t.all_to_all(x, splits, splits).wait()
+            torch.cuda.synchronize()
+        kernels = sorted({e.name for e in prof.events() if e.device_type.name == "CUDA"
+                          and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()})
+    coll.barrier()
+    for t in transports.values():
+        t.close()
+    return {"results": res, "names": names, "t_op_alone_s": t_op, "n_matmul": n_mm,
+            "mbytes_per_op": sz["a2a_mb"], "smfree_kernels": kernels}
 
 
-def check_no_kernels() -> dict:
-    """Count GPU kernels (not memcpys) the profiler sees during smfree all-to-alls (1 rank)."""
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def _set_gpu(rank: int) -> None:
+    torch.cuda.set_device(rank)
+
+
+def part_slowdown(sz: dict, gpus: int, budget: float) -> dict:
     from training.comm.spawn import run_ranks
-    return run_ranks(_profile_worker, 1, timeout_s=120)[0]
+    cuda = gpus > 0
+    world = min(2, gpus) if cuda else 2
+    r = run_ranks(_slowdown_worker, world, cuda, sz, timeout_s=budget, backend="nccl" if cuda else "gloo",
+                  setup=_set_gpu if cuda else None)
+    res0 = r[0]["results"]
+    base = statistics.median(x for rr in r for x in rr["results"]["none"]["matmul_s"])
+    out = {"world": world, "matmul": f"{sz['mm_size']}^2 {'bf16' if cuda else 'fp32'} x {r[0]['n_matmul']}",
+           "mbytes_per_op": sz["a2a_mb"], "names": r[0]["names"], "smfree_kernels": r[0]["smfree_kernels"],
+           "rows": {}}
+    for k in res0:
+        mm = statistics.median(x for rr in r for x in rr["results"][k]["matmul_s"])
+        row = {"matmul_s": mm, "slowdown": mm / base}
+        if k != "none":
+            comm = statistics.median(x for rr in r for x in rr["results"][k]["comm_s"])
+            ops = res0[k]["ops"]
+            row.update(ops=ops, comm_s=comm, covered=comm >= mm,
+                       gbytes_per_s_overlapped=ops * sz["a2a_mb"] * 2**20 / comm / 1e9,
+                       gbytes_per_s_alone=sz["a2a_mb"] * 2**20 / r[0]["t_op_alone_s"][k] / 1e9)
+        out["rows"][k] = row
+    fails = [f"{k}: the comm ended before the matmul loop (not fully overlapped)"
+             for k, v in out["rows"].items() if k != "none" and not v["covered"]]
+    if r[0]["names"].get("smfree_copy_engines") != "smfree":
+        fails.append("smfree fell back to the collective transport")
+    if cuda and out["smfree_kernels"]:
+        fails.append(f"smfree all-to-all launched kernels: {out['smfree_kernels']}")
+    out["fails"] = fails
+    return out
 
 
-def _profile_worker(rank, world_size):
-    from torch.profiler import ProfilerActivity, profile
+# ---- 3. throughput: non-padding tokens/s, sasrec and hstu, three lengths, balanced vs random ------
 
-    from training.comm.transport import make_transport, TransportConfig
-    torch.cuda.set_device(0)
-    t = make_transport(TransportConfig(kind="smfree"), device="cuda")
-    x = torch.randn(1 << 20, device="cuda")
-    t.all_to_all(x, [x.shape[0]], [x.shape[0]]).wait()  # warm-up, pins the outbox
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        y = t.all_to_all(x, [x.shape[0]], [x.shape[0]]).wait()
-        torch.cuda.synchronize()
-    names = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
-    kernels = [n for n in names if "memcpy" not in n.lower() and "memset" not in n.lower()]
-    ok = torch.equal(x, y)
-    t.close()
-    return {"transport": t.name, "gpu_events": len(names), "kernels": sorted(set(kernels)), "equal": ok}
+def part_throughput(work: Path, sz: dict, budget: float) -> dict:
+    from dataprep.build import build_shards
+    from dataprep.synth import write_synthetic
+    from training.bench import randomize
+    from training.config import load_config
+    from training.train import train
+    deadline = time.monotonic() + budget
+    events = work / "tp-events.txt"
+    top = max(sz["tp_lens"])
+    write_synthetic(str(events), users=sz["tp_users"], items=2000, seed=2, median_len=sz["tp_median"],
+                    max_history=top + 2)
+    rows, fails = [], []
+    sets = {}
+    for L in sz["tp_lens"]:
+        bal = work / f"tp-{L}"
+        build_shards(str(events), "sasrec", str(bal), world_size=1, batch_size=sz["tp_batch"], max_len=L,
+                     overwrite=True)
+        sets[L] = {"balanced": str(bal), "random": randomize(str(bal), str(bal) + "-random")}
 
-
-def _correct_worker(rank, world_size):
-    import torch.distributed as dist
-    from training.comm.sharded_embedding import ShardedEmbedding
-    from training.comm.transport import make_transport, TransportConfig
-    dev = f"cuda:{rank % torch.cuda.device_count()}"
-    torch.cuda.set_device(dev)
-    cpu = make_transport("collective")
-    gpu = make_transport(TransportConfig(kind="smfree"), device=dev)
-    fails = []
-    if gpu.name != "smfree":
-        fails.append(f"smfree fell back: {getattr(gpu, 'fallback_reason', '')}")
-    g = torch.Generator().manual_seed(rank)
-    m = torch.tensor([[3, 700], [5000, 0]])
-    send = torch.randn(int(m[rank].sum()), 64, generator=g)
-    a = cpu.all_to_all(send, m[rank].tolist(), m[:, rank].tolist()).wait()
-    b = gpu.all_to_all(send.to(dev), m[rank].tolist(), m[:, rank].tolist()).wait()
-    if not torch.equal(a, b.cpu()):
-        fails.append("all_to_all differs")
-    r = torch.randn(10000, generator=g)
-    ra = cpu.all_reduce(r.clone()).wait()
-    rb = gpu.all_reduce(r.clone().to(dev)).wait()
-    if not torch.equal(ra, rb.cpu()):
-        fails.append("all_reduce differs")
-    ids = torch.randint(0, 1000, (64, 20), generator=g)
-    up = torch.randn(64, 20, 32, generator=g)
-    e_cpu = ShardedEmbedding(1000, 32, cpu, seed=3)
-    e_gpu = ShardedEmbedding(1000, 32, gpu, seed=3).to(dev)
-    o1 = e_cpu(ids)
-    (o1 * up).sum().backward()
-    o2 = e_gpu(ids.to(dev))
-    (o2 * up.to(dev)).sum().backward()
-    if not torch.equal(o1, o2.cpu()):
-        fails.append("sharded forward differs")
-    if not torch.allclose(e_cpu.weight.grad, e_gpu.weight.grad.cpu(), rtol=1e-5, atol=1e-6):
-        fails.append("sharded grad differs beyond float tolerance")  # GPU kernels may sum in another order
-    dist.barrier()
-    gpu.close()
-    return fails
+    def one(shards, attention, steps):
+        cfg = load_config(None, [f"data.shards={shards}", f"train.out={work / 'tp-out'}", f"train.max_steps={steps}",
+                                 "train.epochs=1", f"train.log_every={max(1, steps // 2)}", "mlflow.enabled=false",
+                                 "eval.periodic=false", "eval.final=false", f"model.attention={attention}",
+                                 "train.checkpoint_every=0"])
+        return train(cfg)["throughput"]
+    one(sets[sz["tp_lens"][0]]["balanced"], "sasrec", 3)   # warm-up: CUDA context, kernels, allocator
+    for L in sz["tp_lens"]:
+        for attention in ("sasrec", "hstu"):
+            for kind in ("balanced", "random"):
+                if time.monotonic() > deadline:
+                    fails.append(f"time box spent before max_len {L} {attention} {kind}")
+                    continue
+                tp = one(sets[L][kind], attention, sz["tp_steps"])
+                rows.append({"max_len": L, "attention": attention, "shards": kind,
+                             "tokens_per_s": tp["tokens_per_s"], "padding_fraction": tp["padding_fraction"],
+                             "step_ms": 1e3 * tp["step_seconds"] / max(tp["steps"], 1)})
+    return {"rows": rows, "steps": sz["tp_steps"], "batch": sz["tp_batch"], "fails": fails}
 
 
-def check_correctness() -> list:
-    from training.comm.spawn import run_ranks
-    return run_ranks(_correct_worker, 2, timeout_s=150)
+# ---- main ---------------------------------------------------------------------------------------
+
+def _table(rows: list[list], head: list[str]) -> str:
+    w = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+    line = lambda r: "  ".join(str(x).ljust(n) for x, n in zip(r, w))  # noqa: E731
+    return "\n".join([line(head), line(["-" * n for n in w])] + [line(r) for r in rows])
 
 
-def main() -> int:
-    if not torch.cuda.is_available():
-        print("gpu_check: no CUDA device in this process; run it on a GPU machine", file=sys.stderr)
+def _print(res: dict) -> None:
+    ft = res.get("ft")
+    if isinstance(ft, dict):
+        print("\n## 1. ft: 2 groups x 1 rank, kill -9 group 1, heal")
+        print(_table([[ft.get("steps"), ft.get("kill_at_step"), ft.get("restarts"), ft.get("healed"),
+                       ft.get("identical"), ",".join(ft.get("devices", [])) or "-", ft.get("seconds")]],
+                     ["steps", "kill at", "restarts", "healed", "identical", "devices", "s"]))
+    sd = res.get("slowdown")
+    if isinstance(sd, dict):
+        print(f"\n## 2. slowdown of a {sd['matmul']} loop beside {sd['mbytes_per_op']} MB all-to-alls "
+              f"({sd['world']} rank(s)); smfree kernels: {sd['smfree_kernels']}")
+        print(_table([[k, f"{v['matmul_s']:.3f}", f"{v['slowdown']:.3f}", v.get("ops", "-"),
+                       f"{v['gbytes_per_s_overlapped']:.2f}" if "comm_s" in v else "-",
+                       f"{v['gbytes_per_s_alone']:.2f}" if "comm_s" in v else "-"] for k, v in sd["rows"].items()],
+                     ["side traffic", "matmul s", "slowdown", "ops", "GB/s overlapped", "GB/s alone"]))
+    tp = res.get("throughput")
+    if isinstance(tp, dict):
+        print(f"\n## 3. non-padding tokens/s, {tp['steps']} steps, batch {tp['batch']}")
+        print(_table([[r["max_len"], r["attention"], r["shards"], f"{r['tokens_per_s']:,.0f}",
+                       f"{r['padding_fraction']:.3f}", f"{r['step_ms']:.1f}"] for r in tp["rows"]],
+                     ["max_len", "attention", "shards", "tokens/s", "padding", "ms/step"]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m training.comm.gpu_check", description=__doc__.splitlines()[0])
+    p.add_argument("--cpu", action="store_true", help="tiny sizes on CPU: a smoke test of this script")
+    p.add_argument("--parts", default="ft,slowdown,throughput", help="comma-separated subset")
+    p.add_argument("--out", default=str(ROOT / "bench-results" / "gpu_check.json"))
+    p.add_argument("--work", default=None, help="scratch folder (default: next to --out)")
+    p.add_argument("--budget-s", type=float, default=BUDGET_S, help="wall-clock budget of all parts")
+    a = p.parse_args(argv)
+    gpus = torch.cuda.device_count() if (torch.cuda.is_available() and not a.cpu) else 0
+    if not gpus and not a.cpu:
+        print("gpu_check: no CUDA device in this process; run it on a GPU machine, or with --cpu", file=sys.stderr)
         return 2
-    t0 = time.time()
-    res = {"device": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(), "torch": torch.__version__}
+    sz = SIZES["cpu" if a.cpu else "gpu"]
+    out = Path(a.out)
+    work = Path(a.work) if a.work else out.parent / "gpu_check_work"
+    work.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    res = {"mode": "cpu" if a.cpu else "gpu", "gpus": gpus, "torch": torch.__version__,
+           "device": torch.cuda.get_device_name(0) if gpus else "cpu"}
+    boxes = {"ft": 0.45, "slowdown": 0.25, "throughput": 0.30}   # shares of the budget
+    parts = [x for x in a.parts.split(",") if x]
     ok = True
-    steps = [("slowdown", check_slowdown), ("no_kernels", check_no_kernels), ("correctness", check_correctness)]
-    for name, fn in steps:
-        if time.time() - t0 > BUDGET_S:
-            res[name] = "skipped: time budget spent"
-            ok = False
+    for name in parts:
+        left = a.budget_s - (time.monotonic() - t0)   # each part: its share of what is left
+        box = left * boxes[name] / sum(boxes[n] for n in parts[parts.index(name):])
+        if box < 20:
+            res[name], ok = "skipped: time budget spent", False
             continue
+        t = time.monotonic()
         try:
-            res[name] = fn()
+            if name == "ft":
+                res[name] = part_ft(work, sz, gpus, box)
+            elif name == "slowdown":
+                res[name] = part_slowdown(sz, gpus, box)
+            else:
+                res[name] = part_throughput(work, sz, box)
+            res[name]["part_s"] = round(time.monotonic() - t, 1)
+            ok &= not res[name]["fails"]
         except Exception as e:  # report and go on: one failed part must not hide the others
-            res[name] = f"error: {type(e).__name__}: {e}"
-            ok = False
-    if isinstance(res.get("no_kernels"), dict):
-        ok &= res["no_kernels"]["kernels"] == [] and res["no_kernels"]["equal"]
-    if isinstance(res.get("correctness"), list):
-        ok &= all(f == [] for f in res["correctness"])
-    res["ok"], res["wall_s"] = bool(ok), time.time() - t0
-    if isinstance(res.get("slowdown"), dict):
-        print(f"{'side traffic':24s} matmul s   slowdown")
-        for k, v in res["slowdown"].items():
-            print(f"{k:24s} {v['matmul_s']:.3f}     {v['slowdown']:.3f}")
-    print(json.dumps({k: v for k, v in res.items() if k != "slowdown"}, indent=1, default=str))
-    out = ROOT / "bench-results" / "gpu_check.json"
+            res[name], ok = f"error: {type(e).__name__}: {e}", False
+    res["ok"], res["wall_s"] = bool(ok), round(time.monotonic() - t0, 1)
+    _print(res)
+    fails = {k: v["fails"] for k, v in res.items() if isinstance(v, dict) and v.get("fails")}
+    errors = {k: v for k, v in res.items() if isinstance(v, str) and v.startswith(("error", "skipped"))}
+    print(json.dumps({"ok": res["ok"], "wall_s": res["wall_s"], "fails": fails, "errors": errors}, indent=1))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1, default=str))
+    print(f"wrote {out}")
     return 0 if ok else 1
 
 
