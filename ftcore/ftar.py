@@ -2,20 +2,26 @@
 
 One call averages a list of tensors in place over the groups of the current quorum:
 
-1. a one-element head collective counts the groups that contribute this step
-   (a healing group, or one with no make-up work, sends zeros and is not counted);
-2. the tensors go out in buckets, all issued at once (asynchronous): large contiguous
+1. the tensors go out in buckets, all issued at once (asynchronous): large contiguous
    tensors are reduced in place in chunks, small ones are packed together;
-3. a one-element tail collective carries an error flag, so a group that failed locally
-   in the middle of the reduce makes every group discard the step;
-4. each bucket is divided by the count as soon as it lands, while later buckets are
+2. the first bucket issued carries four control elements in front of its data (the "meta":
+   whether this group contributes, its step, a member count, an error flag), so a healthy
+   step costs one collective per bucket and nothing more: the sum says how many groups
+   contribute (a healing group, or one with no make-up work, sends zeros and is not
+   counted), whether every member was at the same step, and whether any group failed
+   locally (then every group discards the step);
+3. each bucket is divided by the count as soon as it lands, while later buckets are
    still on the wire.
+
+The meta rides in a packed float32/float64 bucket (exact for the small integers it sums);
+a call without one (only large or only half-precision tensors) sends it as a bucket of its
+own. A `during` hook (fault injection) runs when the exchange starts, before the meta goes.
 
 Every wait is bounded by a deadline and by `is_stale()` (the lighthouse has declared a
 member dead): a dead or hung peer turns the call into an FTARError, never a hang.
 
-The head and the tail are control values (ftcore/collectives.py: CPU, gloo); the buckets are
-data. The cross-group group is gloo (ftcore.manager), also when the model is on CUDA: the
+The buckets are data (ftcore/collectives.py), the meta with them: it is four numbers of the
+exchange itself, summed by the same collective. The cross-group group is gloo (ftcore.manager), also when the model is on CUDA: the
 buckets are then staged through pinned host buffers on a side stream (collectives.HostStage,
 the copy engines, no SM kernels): all copies down are queued at once, each bucket's gloo
 all-reduce starts as soon as its copy landed, and each result is copied back and divided on
@@ -34,9 +40,11 @@ from typing import Callable
 import torch
 
 from ftcore import collectives as coll
-from ftcore.collectives import CONTROL, DATA
+from ftcore.collectives import DATA
 
 DEFAULT_BUCKET_BYTES = 8 << 20
+META = 4            # [contributes, step mod STEP_MOD, 1, error] in front of the first bucket
+STEP_MOD = 4096     # members * STEP_MOD stays exact in float32 (< 2**24) up to 4,096 groups
 
 
 class FTARError(RuntimeError):
@@ -77,11 +85,16 @@ class _Bucket:
         self.tensors = tensors
         self.chunk = chunk  # in-place view of one large tensor
         self.flat: torch.Tensor | None = None
+        self.meta: torch.Tensor | None = None   # the call's control elements, in front of the data
 
     def buffer(self) -> torch.Tensor:
         if self.chunk is not None:
             return self.chunk
-        self.flat = torch.cat([t.reshape(-1) for t in self.tensors])
+        parts = [t.reshape(-1) for t in self.tensors]
+        if self.meta is not None:
+            dev, dtype = (parts[0].device, parts[0].dtype) if parts else (self.meta.device, self.meta.dtype)
+            parts.insert(0, self.meta.to(device=dev, dtype=dtype))
+        self.flat = torch.cat(parts)
         return self.flat
 
     def buffer_view(self) -> torch.Tensor:
@@ -92,7 +105,7 @@ class _Bucket:
         if self.chunk is not None:
             self.chunk.div_(n)
             return
-        i = 0
+        i = META if self.meta is not None else 0
         for t in self.tensors:
             k = t.numel()
             torch.div(self.flat[i:i + k].view_as(t), n, out=t) if t.is_contiguous() else \
@@ -146,10 +159,10 @@ def ftar(pg, tensors: list[torch.Tensor], *, contribute: bool,
     """Average `tensors` in place over the replica groups of `pg` (None: this group alone).
 
     Raises FTARError when the collective cannot complete, or when its members were not all
-    at `step` (the head carries each member's step and a count: a collective left pending on
+    at `step` (the meta carries each member's step and a count: a collective left pending on
     a process group by a member that gave up on it must never be averaged into another
-    step). `during` runs after the first bucket is issued (fault injection); an exception
-    from it sets the error flag. `stage`: how the buckets reach the group's device (default:
+    step). `during` runs as the exchange starts (fault injection); an exception from it sets
+    the error flag. `stage`: how the buckets reach the group's device (default:
     collectives.stage_for, a HostStage for CUDA tensors over gloo; tests pass a CPU one).
     """
     if not contribute:
@@ -168,48 +181,48 @@ def ftar(pg, tensors: list[torch.Tensor], *, contribute: bool,
 
     g = coll.get(pg)
     deadline = time.monotonic() + timeout
-    head = torch.tensor([1.0 if contribute else 0.0, float(step), 1.0], dtype=torch.float64)
-    head_fut = coll.all_reduce(head, kind=CONTROL, group=g, async_op=True).get_future()
+    if during:   # at the start of the exchange: an injected failure still reaches the meta
+        try:
+            during()
+        except Exception:
+            local_error = True
+    meta = torch.tensor([1.0 if contribute else 0.0, float(step % STEP_MOD), 1.0, 1.0 if local_error else 0.0],
+                        dtype=torch.float64)
     buckets = plan(tensors, bucket_bytes)
+    carrier = next((b for b in buckets if b.chunk is None and b.tensors[0].dtype in (torch.float32, torch.float64)),
+                   None)
+    if carrier is None:
+        carrier = _Bucket([])   # the meta alone: CPU float64, never staged
+        buckets.insert(0, carrier)
+    else:                       # issued first: its sum is needed before any bucket is divided
+        buckets.remove(carrier)
+        buckets.insert(0, carrier)
+    carrier.meta = meta
     stage = stage if stage is not None else coll.stage_for(g, tensors)
+    staged = [stage is not None and bool(b.tensors) for b in buckets]
     # staged: every copy down is queued at once; bucket i goes out as soon as its copy landed
-    hosts = [stage.to_host(i, b.buffer()) for i, b in enumerate(buckets)] if stage is not None else []
+    hosts = [stage.to_host(i, b.buffer()) if staged[i] else (b.buffer(), None) for i, b in enumerate(buckets)]
     futs = []
-    tail_fut = None
     try:
         for i, b in enumerate(buckets):
-            if stage is not None:
+            if staged[i]:
                 coll.wait_event(hosts[i][1], deadline, is_stale, f"FTAR bucket {i} copy to host", FTARError)
-            buf = hosts[i][0] if stage is not None else b.buffer()
-            futs.append(coll.all_reduce(buf, kind=DATA, group=g, async_op=True).get_future())
-            if i == 0 and during:
-                try:
-                    during()
-                except Exception:
-                    local_error = True
-        if not buckets and during:
-            try:
-                during()
-            except Exception:
-                local_error = True
-        tail = torch.tensor([1.0 if local_error else 0.0], dtype=torch.float64)
-        tail_fut = coll.all_reduce(tail, kind=CONTROL, group=g, async_op=True).get_future()
-
-        _wait(head_fut, deadline, is_stale, "FTAR head")
-        n, steps, members = (float(x) for x in head.tolist())
-        if members != g.size() or steps != members * step:
-            raise FTARError(f"FTAR head: the members were not all at step {step} (a collective left over "
+            futs.append(coll.all_reduce(hosts[i][0], kind=DATA, group=g, async_op=True).get_future())
+        _wait(futs[0], deadline, is_stale, "FTAR bucket 0")
+        n, steps, members, errors = (float(x) for x in hosts[0][0][:META].tolist())
+        if members != g.size() or steps != members * (step % STEP_MOD):
+            raise FTARError(f"FTAR: the members were not all at step {step} (a collective left over "
                             "from an earlier step or quorum)")
         for i, (b, fut) in enumerate(zip(buckets, futs)):
-            _wait(fut, deadline, is_stale, f"FTAR bucket {i}")
-            if n > 0:
-                if stage is not None:   # the sum back into the bucket's device buffer, then divide there
+            if i:
+                _wait(fut, deadline, is_stale, f"FTAR bucket {i}")
+            if n > 0 and b.tensors:
+                if staged[i]:   # the sum back into the bucket's device buffer, then divide there
                     stage.to_device(b.buffer_view(), hosts[i][0])
                 b.finish(n)
-        _wait(tail_fut, deadline, is_stale, "FTAR tail")
     except FTARError:
-        _abandon([head_fut, *futs, *([tail_fut] if tail_fut is not None else [])], (head, buckets, hosts))
+        _abandon(futs, (meta, buckets, hosts))
         if stage is not None:
             stage.drop()   # pending collectives may still write into these buffers
         raise
-    return FTARResult(int(round(n)), float(tail.item()) > 0)
+    return FTARResult(int(round(n)), errors > 0)

@@ -312,6 +312,35 @@ def test_ftar_averages_over_contributors_with_zeros_from_healers():
         assert torch.equal(small[i][1], torch.full((5,), -1.5))
 
 
+def test_ftar_costs_one_collective_per_bucket_and_carries_its_control_in_the_first(monkeypatch):
+    """The contributor count, step check and error flag ride in the first bucket: a healthy
+    step issues exactly one collective per bucket; a call with no packed float bucket (only
+    large tensors) sends the four control numbers as one bucket of their own."""
+    from ftcore import collectives as coll
+    from ftcore.ftar import plan
+    calls = []
+    real = coll._issue
+    monkeypatch.setattr(coll, "_issue", lambda kind, ts, fn: (calls.append(kind), real(kind, ts, fn))[1])
+    store, pgs = _groups(2)
+    make = lambda i: [torch.full((300_000,), float(i + 1)), torch.full((7,), float(i + 1))]   # noqa: E731
+    ts = [make(i) for i in range(2)]
+    res, errs = _run_all(2, lambda i: ftar(pgs[i], ts[i], contribute=True, bucket_bytes=1 << 18))
+    assert errs == [None, None] and [r.contributors for r in res] == [2, 2]
+    assert len(calls) == 2 * len(plan(make(0), 1 << 18)) and set(calls) == {"data"}
+    assert torch.equal(ts[0][0], torch.full((300_000,), 1.5)) and torch.equal(ts[1][1], torch.full((7,), 1.5))
+    calls.clear()
+    big = [[torch.full((300_000,), float(i + 1))] for i in range(2)]   # chunks only: the meta goes alone
+    res, errs = _run_all(2, lambda i: ftar(pgs[i], big[i], contribute=True, bucket_bytes=1 << 18))
+    assert errs == [None, None] and torch.equal(big[1][0], torch.full((300_000,), 1.5))
+    assert len(calls) == 2 * (len(plan(big[0], 1 << 18)) + 1)
+
+
+def test_ftar_refuses_members_at_different_steps():
+    store, pgs = _groups(2)
+    res, errs = _run_all(2, lambda i: ftar(pgs[i], [torch.ones(100)], contribute=True, step=7 + i))
+    assert all(isinstance(e, FTARError) and "not all at step" in str(e) for e in errs), errs
+
+
 def test_ftar_error_during_reduce_flags_the_step_on_every_group():
     store, pgs = _groups(2)
 
