@@ -166,6 +166,7 @@ class StepRecord:
     t: float
     error: str = ""
     leased: bool = False   # the lighthouse did not answer: the step ran in the previous quorum
+    requorum: bool = False  # a peer failed its exchange: it re-ran in the survivors' quorum (same batch)
 
 
 class Manager:
@@ -236,6 +237,7 @@ class Manager:
         self._heal_fut = None
         self._waited = False
         self._leased = False
+        self._reran = False
         self._t0 = time.monotonic()
         self.client.info["step"] = self.step
         self.client.info["busy"], self._busy = self._busy, None   # fail-slow figures ride on the request
@@ -250,6 +252,9 @@ class Manager:
         if round_ != self._round:
             return None   # answered after its step went on without it: no side effects
         self._t_quorum = time.monotonic() - self._t0
+        return self._apply_quorum(q)
+
+    def _apply_quorum(self, q: dict[str, Any]) -> dict[str, Any]:
         self._lease_until = time.monotonic() + min(float(q.get("lease_s", 0.0)), timeouts.LEASE)
         self.client.info.update(quorum_id=q["quorum_id"], quorum_epoch=q["epoch"], quorum_identity=q["identity"])
         g = self.cfg.group
@@ -377,8 +382,14 @@ class Manager:
         """How long this step's quorum took (it overlaps the forward pass)."""
         return self._t_quorum
 
-    def allreduce(self, tensors: list[torch.Tensor]) -> None:
-        """Average `tensors` in place across replica groups (FTAR). Never raises on peer failure."""
+    def allreduce(self, tensors: list[torch.Tensor], same_batch: Callable[[dict[str, Any]], bool] | None = None) -> None:
+        """Average `tensors` in place across replica groups (FTAR). Never raises on peer failure.
+
+        `same_batch(quorum)`: whether the batch this group computed is still its batch in that
+        quorum. Given, a peer's failure in the exchange does not cost the step: the survivors
+        take the next quorum at once, in this step, and re-run only the exchange on the
+        gradients they computed (kept as a copy while the exchange runs), when nobody is
+        ahead of them and `same_batch` says so; otherwise the step fails as without it."""
         t = time.monotonic()
         q = self._wait_quorum()
         if q is None:
@@ -393,16 +404,27 @@ class Manager:
         contribute = self._has_work and not self.healing
         if contribute:   # this step's compute, from its start to here: what fail-slow compares
             self._busy = [q["quorum_id"], round(time.monotonic() - self._t0, 6)]
+        # a healing group joins at the step it is about to receive
+        step = q["max_step"] if self._heal_fut is not None else self.step
+        saved = ([x.detach().clone() for x in tensors]
+                 if same_batch is not None and self._pg is not None and self._heal_fut is None else None)
         try:
-            # a healing group joins at the step it is about to receive
-            step = q["max_step"] if self._heal_fut is not None else self.step
-            res = ftar(self._pg, tensors, contribute=contribute, local_error=local_error,
-                       timeout=timeouts.COLLECTIVE_TIMEOUT, is_stale=self._is_stale,
-                       bucket_bytes=self.cfg.bucket_bytes,
-                       during=lambda: self.injector.phase("during_allreduce", self.step), step=step)
-        except FTARError as e:
-            self._fail(str(e), report=True)
-            return
+            try:
+                res = self._ftar(tensors, contribute, local_error, step)
+            except FTARError as e:
+                self._fail(str(e), report=True)
+                q2 = self._requorum(same_batch) if saved is not None and not local_error else None
+                if q2 is None:
+                    return
+                for x, keep in zip(tensors, saved):
+                    x.copy_(keep)
+                self._errors.remove(str(e))   # the step goes on, in the survivors' quorum
+                self._reran = True
+                try:
+                    res = self._ftar(tensors, contribute, False, step)
+                except FTARError as e2:
+                    self._fail(str(e2), report=True)
+                    return
         finally:
             self._t_allreduce = time.monotonic() - t
         self._contributors = res.contributors
@@ -414,6 +436,31 @@ class Manager:
             self.injector.phase("after_allreduce", self.step)
         except faults_mod.InjectedFault as e:
             self._errors.append(str(e))
+
+    def _ftar(self, tensors: list[torch.Tensor], contribute: bool, local_error: bool, step: int):
+        return ftar(self._pg, tensors, contribute=contribute, local_error=local_error,
+                    timeout=timeouts.COLLECTIVE_TIMEOUT, is_stale=self._is_stale, bucket_bytes=self.cfg.bucket_bytes,
+                    during=lambda: self.injector.phase("during_allreduce", self.step), step=step)
+
+    def _requorum(self, same_batch: Callable[[dict[str, Any]], bool]) -> dict[str, Any] | None:
+        """The quorum after a peer failed this step's exchange, taken now (the lighthouse already
+        knows: the peer's connection closed, and this rank just reported it), when this group
+        can re-run the exchange in it: not healing, nobody ahead, the same batch."""
+        try:
+            q = self.client.quorum()
+        except Replaced:
+            raise
+        except LighthouseError:   # unreachable, on standby: the step fails, the next one asks again
+            return None
+        if str(self.cfg.group) in q["heal"] or q["max_step"] != self.step:
+            return None
+        try:
+            self._apply_quorum(q)
+        except Exception as e:   # the new process group could not be built: as any failed step
+            self._quorum = None
+            self._fail(f"quorum: {type(e).__name__}: {e}", report=True)
+            return None
+        return q if same_batch(q) else None
 
     # ---- commit ---------------------------------------------------------------------
     def should_commit(self) -> bool:
@@ -446,7 +493,7 @@ class Manager:
             self.client.info["step"] = self.step
         rec = StepRecord(self.step, q["quorum_id"] if q else 0, participants, self._contributors,
                          self._heal_fut is not None, ok, lr, self._t_quorum, self._t_allreduce,
-                         time.time(), "; ".join(self._errors)[:300], self._leased)
+                         time.time(), "; ".join(self._errors)[:300], self._leased, self._reran)
         self.records.append(rec)
         if self._records_fd is not None:
             os.write(self._records_fd, (json.dumps({"group": self.cfg.group, "rank": self.cfg.rank,

@@ -99,6 +99,10 @@ def test_kill9_survivors_continue_restarted_group_heals_bitwise_identical(tmp_pa
     # the survivors went on with fewer participants while the others were down
     g0 = [s for s in tl["steps"] if s["group"] == 0 and s["committed"]]
     assert any(s["participants"] == 2 for s in g0) and g0[-1]["participants"] == 3
+    # group 2 died at the start of step 20's exchange: the survivors re-ran that exchange in their
+    # own quorum, on the gradients they had, and committed step 20 without a failed attempt
+    at20 = [s for s in tl["steps"] if s["group"] in (0, 1) and s["step"] == 21 and s["committed"]]
+    assert at20 and all(s["requorum"] and s["participants"] == 2 for s in at20), at20
     summary = check_ledger(out, 3)
     assert summary["makeup_steps"] > 0           # the missed buckets were made up, not lost
 

@@ -200,7 +200,16 @@ class FTReplica:
         return self.schedule.done
 
     def allreduce(self, tensors: list[torch.Tensor]) -> None:
-        self.manager.allreduce([t for t in tensors if t is not None])
+        q = self.manager.quorum
+        self.manager.allreduce([t for t in tensors if t is not None], same_batch=self._same_batch)
+        if self.manager.quorum is not None and self.manager.quorum is not q:   # re-run in the survivors' quorum
+            self._live = set(self.manager.quorum["groups"]) - {int(h) for h in self.manager.quorum["heal"]}
+
+    def _same_batch(self, q: dict) -> bool:
+        """After a peer failed the exchange: the batch computed for this step is the one the
+        schedule names in the survivors' quorum (a regular step: always; make-up: maybe not)."""
+        live = set(q["groups"]) - {int(h) for h in q["heal"]}
+        return self._pos is not None and self.schedule.position(live) == self._pos
 
     def should_commit(self) -> bool:
         """The vote; on commit, the step goes into the ledger and the make-up schedule."""

@@ -123,7 +123,13 @@ def main(argv: list[str] | None = None) -> int:
                     coll.all_reduce(prm.grad, kind=coll.DATA)
                     prm.grad.div_(world)
             mgr.set_work(works)
-            mgr.allreduce([prm.grad for prm in params])
+
+            def same_batch(q2, pos=pos):   # a peer failed the exchange: is this still our batch there?
+                return pos is not None and sched.position(set(q2["groups"]) - {int(h) for h in q2["heal"]}) == pos
+            mgr.allreduce([prm.grad for prm in params], same_batch=same_batch)
+            if mgr.quorum is not None and mgr.quorum is not q:   # re-run in the survivors' quorum
+                q = mgr.quorum
+                live = set(q["groups"]) - {int(h) for h in q["heal"]}
             commit = mgr.should_commit()
             if mgr.healed_step is not None:
                 ledger.healed(mgr.healed_step)
