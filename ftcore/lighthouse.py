@@ -380,7 +380,10 @@ class Job:
         healers = [g for g in members if g not in sources]
         heal = {str(g): sources[i % len(sources)] for i, g in enumerate(healers)}  # spread over sources
         q = {"quorum_id": quorum_id, "epoch": epoch, "job": self.name, "identity": identity,
-             "groups": members, "max_step": max_step, "heal": heal, "lease_s": self.cfg.lease}
+             "groups": members, "max_step": max_step, "heal": heal, "lease_s": self.cfg.lease,
+             # the members' compute in the step they just finished: each sees its wait for the slowest
+             "pace": [self.quorum["quorum_id"], round(max(busy.values()), 6),
+                      round(sum(busy.values()) / len(busy), 6)] if busy else None}
         # Each rank k gets only the two addresses it uses: rank k of the first member hosts the
         # rendezvous of every rank k, and a healing rank k fetches from rank k of its source.
         # The part every rank shares is encoded once per round, not once per rank.

@@ -215,6 +215,10 @@ class Manager:
         self._last_commit = time.monotonic()
         self._busy: list | None = None    # [quorum id, seconds] of the last step's compute, for the lighthouse
         self._standby_until = 0.0         # monotonic: held out as slow (Standby) until then
+        self._sent: tuple = (None, 0.0)
+        # per step of this group's that every member ran: (straggler s: waiting for the slowest
+        # group, FTAR s, the slowest group's compute s, the groups' mean compute s); drained by the trainer
+        self.pace_log: list[tuple[float, float, float, float]] = []
         self.healed_step: int | None = None  # set by should_commit() when this step loaded a peer's state
         self.records: list[StepRecord] = []
         if cfg.records:   # named after the incarnation, which may only now be agreed
@@ -241,6 +245,7 @@ class Manager:
         self._t0 = time.monotonic()
         self.client.info["step"] = self.step
         self.client.info["busy"], self._busy = self._busy, None   # fail-slow figures ride on the request
+        self._sent = (self.client.info["busy"], self._t_allreduce)   # the last step's, for its pace
         self._round += 1
         self._quorum_fut = self._pool.submit(self._run_quorum, self._round)
 
@@ -255,6 +260,9 @@ class Manager:
         return self._apply_quorum(q)
 
     def _apply_quorum(self, q: dict[str, Any]) -> dict[str, Any]:
+        pace, (busy, allreduce_s) = q.get("pace"), self._sent
+        if pace and busy and pace[0] == busy[0] and len(self.pace_log) < 10_000:
+            self.pace_log.append((max(pace[1] - busy[1], 0.0), allreduce_s, pace[1], pace[2]))
         self._lease_until = time.monotonic() + min(float(q.get("lease_s", 0.0)), timeouts.LEASE)
         self.client.info.update(quorum_id=q["quorum_id"], quorum_epoch=q["epoch"], quorum_identity=q["identity"])
         g = self.cfg.group

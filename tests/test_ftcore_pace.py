@@ -117,6 +117,22 @@ def test_the_lighthouse_holds_a_slow_group_on_standby_and_readmits_it_through_a_
             c.close()
 
 
+def test_each_quorum_tells_its_members_the_last_steps_pace(lighthouse):
+    """The round's reply carries the slowest and the mean compute of the step just finished
+    (every member's figure for the same quorum): each group's wait for the slowest is the
+    cross-group straggler time the trainer logs (ft/straggler_s)."""
+    addr, lh = lighthouse(pace=PacePolicy(ratio=0))
+    clients = _clients(addr)
+    try:
+        qid = ask_all(clients)[0]["quorum_id"]
+        qs = _round(clients, FAST, qid)
+        assert qs[0]["pace"] == [qid, 0.15, round(0.25 / 3, 6)]
+        assert _round(clients, {0: 0.1}, qs[0]["quorum_id"])[0]["pace"] is None   # not every member's figure
+    finally:
+        for c in clients:
+            c.close()
+
+
 def test_a_standby_ends_when_only_the_excluded_groups_work_is_left(lighthouse):
     addr, lh = lighthouse(pace=PacePolicy(ratio=2.0, window=3, probation_s=600))
     clients = _clients(addr)

@@ -31,6 +31,10 @@ def test_two_groups_of_two_ranks_log_one_value_per_metric_and_step_and_one_model
         dup = [s for s, n in collections.Counter(steps).items() if n > 1]
         assert not dup, f"{key}: more than one value at step(s) {dup[:5]}"
     assert len(client.get_metric_history(run_id, "train/loss")) >= 2
+    # the cross-group FTAR wait, split: waiting for the slowest group, and the transfer itself
+    for key in ("ft/straggler_s", "ft/transfer_s", "ft/bubble_fraction"):
+        assert all(m.value >= 0 for m in client.get_metric_history(run_id, key)), key
+    assert max(m.value for m in client.get_metric_history(run_id, "train/bubble_fraction")) > 0
     for g in (0, 1):
         assert run.data.metrics[f"group{g}/committed_steps"] > 0 and f"group{g}/restarts" in run.data.metrics
     models = client.search_logged_models(experiment_ids=[exp])

@@ -44,6 +44,7 @@ class ReplicaSync(Protocol):
     def data_done(self, step: int, steps_total: int) -> bool: ...
     def state_for_checkpoint(self) -> dict: ...
     def load_from_checkpoint(self, meta: dict) -> None: ...
+    def window_metrics(self) -> dict: ...
 
 
 class LocalReplica:
@@ -75,6 +76,9 @@ class LocalReplica:
 
     def load_from_checkpoint(self, meta: dict) -> None:
         pass
+
+    def window_metrics(self) -> dict:
+        return {}
 
     def finish(self, per_rank: bool = False) -> None:
         pass
@@ -232,6 +236,18 @@ class FTReplica:
 
     def lr_scale(self) -> float:
         return self.manager.lr_scale()
+
+    def window_metrics(self) -> dict:
+        """The cross-group bubble since the last call, from the lighthouse's pace figures: the
+        FTAR time split into waiting for the slowest group (straggler) and the transfer itself,
+        and the share of the groups' time not spent computing (1 - mean / slowest compute)."""
+        log, self.manager.pace_log = self.manager.pace_log, []
+        if not log:
+            return {}
+        n = len(log)
+        return {"ft/straggler_s": sum(r[0] for r in log) / n,
+                "ft/transfer_s": sum(max(r[1] - r[0], 0.0) for r in log) / n,
+                "ft/bubble_fraction": sum(1.0 - r[3] / r[2] for r in log if r[2] > 0) / n}
 
     def finish(self, per_rank: bool = False) -> None:
         """Write the group's final parameters and optimizer state (tensor-only) and leave.

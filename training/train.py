@@ -233,7 +233,7 @@ def train(cfg: Config) -> dict:
                 # included), so the lr decays by the deadline. Rank 0 proposes, all ranks agree.
                 proposal = state.step * 0.95 * budget / elapsed
             stop, proposal = _flush_window(window, history, tracker, gcomm, state.step, steps_total, cursor.epoch,
-                                           topo, bool(budget) and elapsed > budget, proposal)
+                                           topo, bool(budget) and elapsed > budget, proposal, ft)
             if proposal > 0:
                 fitted, steps_total = True, max(state.step + 1, min(steps_total, int(proposal)))
                 scheduler.lr_lambdas[0].total = steps_total
@@ -251,7 +251,7 @@ def train(cfg: Config) -> dict:
 
     # ---- the end: final checkpoint, test, result.json ----------------------------------
     if window.steps:  # stopped between two log steps
-        _flush_window(window, history, tracker, gcomm, state.step, steps_total, cursor.epoch, topo, False, 0.0)
+        _flush_window(window, history, tracker, gcomm, state.step, steps_total, cursor.epoch, topo, False, 0.0, ft)
     loader.close()
     if table is not None:
         log(topo, f"comm.policy={cfg.comm.policy}: the next batch's id exchange was prefetched and used in "
@@ -312,15 +312,19 @@ class _LazyEval:
 
 
 def _flush_window(window, history, tracker, gcomm, step: int, steps_total: int, epoch: int, topo,
-                  over: bool, proposal: float) -> tuple[bool, float]:
+                  over: bool, proposal: float, ft) -> tuple[bool, float]:
     """Gather the window's per-rank records (collective), log them from rank 0.
 
     Returns (stop: any rank is over its time budget, rank 0's proposal).
     """
     per_rank, stop, proposal = metrics.gather_times(window, over, proposal)
     comm = gcomm.window_metrics()           # collective as well: bubble accounting of training/comm
+    cross = ft.window_metrics()             # across replica groups (ftcore's pace figures)
     if topo.is_main:
-        summary = {**metrics.summarize(window, per_rank), **comm}
+        summary = {**metrics.summarize(window, per_rank), **comm, **cross}
+        if "ft/bubble_fraction" in cross:   # the job's: inside the group, then across groups
+            summary["train/bubble_fraction"] = 1.0 - (1.0 - summary["train/bubble_fraction"]) * (
+                1.0 - cross["ft/bubble_fraction"])
         history.add(window, per_rank)
         if tracker:
             tracker.log_metrics(summary, step)
