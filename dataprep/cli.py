@@ -122,8 +122,8 @@ def parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("calibrate", help="fit the cost model c(L) = a*L^2 + b*L + c0 from timings")
     s.add_argument("--out", required=True, help="JSON file to write")
-    s.add_argument("--model", choices=("standin", "training"), default="standin",
-                   help="standin: a small causal-attention model; training: training.model.cost_probe")
+    s.add_argument("--model", choices=("standin",), default="standin",
+                   help="standin: a small causal-attention model (the training model: `ftrec calibrate`)")
     s.add_argument("--lengths", default="8,16,32,64,128,256,512,1024", help="comma-separated lengths")
     s.add_argument("--batch", type=int, default=8)
     s.add_argument("--repeats", type=int, default=5)

@@ -2,8 +2,9 @@
 
 Attention grows with L^2, embeddings/FFN/loss with L, c0 is per-sample overhead.
 `calibrate` fits a, b, c0 by least squares on timed forward+backward passes of
-a model at several lengths: a stand-in causal-attention model by default, or the
-training package's real model once it exists (`model="training"`).
+a model at several lengths: a stand-in causal-attention model here, or the model a
+caller passes in (training/calibrate.py times the configured training model; dataprep
+itself imports nothing of training).
 The balancer only needs costs up to a common factor; units are microseconds.
 """
 
@@ -13,6 +14,7 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -144,55 +146,25 @@ def _standin_step(length: int, batch: int, dim: int = 64, layers: int = 2, items
     return step
 
 
-def _training_step(length: int, batch: int):
-    """The real model's forward+backward, imported lazily from the training package.
-
-    Uses `training.model.cost_probe(length, batch) -> Callable[[], None]` when it exists;
-    otherwise builds `training.model.SeqRec(num_items, ModelConfig(max_len=length))` with its
-    default config and times forward over a jagged batch (values, offsets), scores against
-    256 shared negatives, and backward.
-    """
-    try:
-        import training.model as tm
-    except ImportError as e:
-        raise DataprepError(f"--model training: cannot import training.model ({e}); use --model standin") from None
-    if hasattr(tm, "cost_probe"):
-        return tm.cost_probe(length, batch)
-    try:
-        import torch
-        from training.config import ModelConfig
-
-        torch.manual_seed(0)
-        items = 10_000
-        model = tm.SeqRec(items, ModelConfig(max_len=length))
-        values = torch.randint(1, items + 1, (batch * length,))
-        offsets = torch.arange(0, batch * length + 1, length)
-        negatives = torch.randint(1, items + 1, (256,))
-    except Exception as e:  # noqa: BLE001 - any mismatch with the training API is reported, not raised
-        raise DataprepError(f"--model training: cannot build training.model.SeqRec ({e}); "
-                            "add training.model.cost_probe(length, batch) or use --model standin") from None
-
-    def step():
-        h = model(values, offsets)
-        model.scores(h, negatives).logsumexp(-1).mean().backward()
-
-    return step
-
-
-MODELS = {"standin": _standin_step, "training": _training_step}
+MODELS = {"standin": _standin_step}   # the real model: training/calibrate.py
 
 
 def calibrate(lengths=(8, 16, 32, 64, 128, 256, 512, 1024), *, batch: int = 8, repeats: int = 5,
-              model: str = "standin", budget_s: float = 60.0, quiet: bool = True) -> CostModel:
-    """Time forward+backward per sample at each length and fit c(L). Returns the CostModel."""
+              model: str = "standin", budget_s: float = 60.0, quiet: bool = True,
+              step: Callable[[int, int], Callable[[], None]] | None = None) -> CostModel:
+    """Time forward+backward per sample at each length and fit c(L). Returns the CostModel.
+
+    `step(length, batch)` builds one timed forward+backward of the model to fit (training
+    passes its own, training/calibrate.py); without it, the named built-in stand-in."""
     import torch
 
     from dataprep.progress import Progress
 
-    if model not in MODELS:
-        raise DataprepError(f"--model {model!r}: unknown; choose one of {sorted(MODELS)}")
+    if step is None and model not in MODELS:
+        raise DataprepError(f"--model {model!r}: unknown; choose one of {sorted(MODELS)} "
+                            "(the training model: `ftrec calibrate`)")
     torch.set_num_threads(1)  # the machine is shared; one thread gives stable, comparable timings
-    make = MODELS[model]
+    make = step or MODELS[model]
     lengths = sorted(int(x) for x in lengths)
     if not lengths or lengths[0] < 1 or len(lengths) < 3:
         raise DataprepError("--lengths: give at least three lengths >= 1")

@@ -114,7 +114,8 @@ def ingest_validate(p: dict) -> dict[str, Any]:
 def shard_spec(p: dict, data: dict) -> steps.ShardSpec:
     return steps.ShardSpec(input=data["path"], fmt=data["format"], out=str(run_dir() / "shards"),
                            world_size=topology(p)[2], batch_size=int(p["batch_size"]),
-                           max_len=int(p["max_len"]), seed=int(p["seed"]))
+                           max_len=int(p["max_len"]), seed=int(p["seed"]),
+                           model_overrides=list(p.get("train_overrides") or []))   # balanced for the model trained
 
 
 def verify_shards(shards: dict) -> dict[str, Any]:

@@ -102,11 +102,15 @@ class ShardSpec:
     max_len: int = 50
     seed: int = 0
     window_steps: int | None = None
+    # the trainer's `model.KEY=VALUE` settings: the shards are balanced with that model's cost
+    # model, calibrated once per model and machine (training/calibrate.py); None: dataprep's default
+    model_overrides: list[str] | None = None
 
 
 def _summary(manifest: dict, path: str) -> dict[str, Any]:
     keys = ("num_users", "num_items", "num_samples", "steps", "bubble_fraction", "imbalance", "config")
     out = {k: manifest.get(k) for k in keys}
+    out["cost_model"] = (manifest.get("config") or {}).get("cost_model", {}).get("source")
     out["path"] = str(path)
     out["fingerprint"] = manifest.get("input", {}).get("fingerprint")
     return out
@@ -126,8 +130,15 @@ def build_shards(spec: ShardSpec, log=None) -> dict[str, Any]:
         st = manifest_path.stat() if manifest_path.exists() else None
         return st and (st.st_ino, st.st_mtime_ns)
     before = identity()
+    cost_model = None
+    if spec.model_overrides is not None:
+        from training import calibrate
+        cost_model = calibrate.cached(calibrate.model_config(spec.model_overrides), spec.max_len,
+                                      settings.work_root() / "cost-models")
+        if log:
+            log(f"cost model: {cost_model}")
     args = dict(world_size=spec.world_size, batch_size=spec.batch_size, seed=spec.seed,
-                max_len=spec.max_len, window_steps=spec.window_steps, quiet=True, log=log)
+                max_len=spec.max_len, window_steps=spec.window_steps, quiet=True, log=log, cost_model=cost_model)
     try:
         try:
             manifest = _build(spec.input, spec.fmt, str(out), **args)

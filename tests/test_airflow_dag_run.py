@@ -70,6 +70,9 @@ def test_dag_run_succeeds_and_reports(first, work):
     assert f"sqlite:///{work / 'mlflow' / 'mlflow.db'}" in out
     assert "mlflow ui --backend-store-uri" in out and "--host 127.0.0.1" in out and "airflow standalone" in out
     assert (work / "airflow" / "airflow.db").exists()
+    # the shards were balanced with the trained model's own cost model, calibrated once here
+    assert summary["xcom"]["build_shards"]["cost_model"] == "calibrated:training"
+    assert list((work / "cost-models").glob("cost-*.json"))
 
 
 def test_mlflow_run_metrics_and_registered_version(first, work):

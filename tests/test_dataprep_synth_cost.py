@@ -100,15 +100,17 @@ def test_calibrate_cli_writes_a_usable_model(tmp_path):
     assert json.loads(out.read_text())["fit"]["lengths"] == [8, 32, 128]
 
 
-def test_calibrate_times_the_training_model_when_present():
-    try:
-        import training.model  # noqa: F401
-    except ImportError:
-        with pytest.raises(DataprepError, match="--model training"):
-            cost.calibrate([8, 16, 32], model="training")
-        return
-    m = cost.calibrate([4, 8, 16], batch=2, repeats=1, model="training")
-    assert m.source == "calibrated:training" and m(16) > 0
+def test_calibrate_times_a_model_the_caller_passes_and_refuses_unknown_names():
+    """dataprep imports nothing of training: the training model's timing comes in as `step`."""
+    calls = []
+
+    def step(length, batch):
+        calls.append((length, batch))
+        return lambda: sum(range(length * batch * 50))
+    m = cost.calibrate([4, 8, 16], batch=2, repeats=1, model="mine", step=step)
+    assert m.source == "calibrated:mine" and m(16) > 0 and {L for L, _ in calls} == {4, 8, 16}
+    with pytest.raises(DataprepError, match="ftrec calibrate"):
+        cost.calibrate([8, 16, 32], model="training")
 
 
 def test_bench_smoke_agrees_with_pandas_and_writes_json(tmp_path):

@@ -4,6 +4,7 @@
 - eval:   a checkpoint on a shard set's valid/test users, both protocols.
 - launch: R replica groups x K ranks with fault tolerance (training/launch.py, ftcore).
 - data:   `ftrec data ...` is `python -m dataprep ...` (shards, verify, synth).
+- calibrate: the configured model's cost model for dataprep's balancer (training/calibrate.py).
 
 User errors (bad config, missing or mismatched shard set, unreadable checkpoint) print
 one line and exit with status 2.
@@ -67,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "launch":   # the launcher parses its own flags
         return _launch(argv[1:])
+    if argv and argv[0] == "calibrate":   # the configured model's cost model (training/calibrate.py)
+        from training.calibrate import main as calibrate_main
+        return calibrate_main(argv[1:])
     if argv and argv[0] == "data":     # the console script `ftrec` also fronts dataprep
         from dataprep.cli import main as dataprep_main
         return dataprep_main(argv[1:])
