@@ -261,3 +261,16 @@ def test_rel_bias_config_is_checked():
     with pytest.raises(ConfigError, match="rel_pos_buckets"):
         load_config(None, ["model.rel_pos_buckets=0"])
     assert load_config(None, ["model.attention=hstu"]).model.rel_bias == "pos+time"   # on by default
+
+
+def test_a_checkpoint_config_from_before_the_relative_bias_builds_the_model_it_saved():
+    """A meta.json written before HSTU had a relative attention bias has no `rel_bias`: its
+    tensors have no bias weights, so the model rebuilt from it must have none either."""
+    from training.config import Config, config_from_dict
+    old = Config().to_dict()
+    old["model"]["attention"] = "hstu"
+    del old["model"]["rel_bias"]
+    assert config_from_dict(old).model.rel_bias == "none"
+    now = Config().to_dict()
+    now["model"]["attention"] = "hstu"
+    assert config_from_dict(now).model.rel_bias == "pos+time"

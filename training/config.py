@@ -252,6 +252,8 @@ def config_from_dict(doc: dict[str, Any]) -> Config:
     change the model that the checkpoint's tensors define.
     """
     cfg = Config()
+    if "rel_bias" not in doc.get("model", {"rel_bias": None}):
+        cfg.model.rel_bias = "none"   # saved before HSTU had a relative bias: its tensors have none
     for section, table in doc.items():
         sec = getattr(cfg, section, None)
         for key, value in table.items():
