@@ -21,7 +21,7 @@ from ftrec_airflow.decorators import build_shards_task, ft_train_task
 
 PARAMS = {
     **pipeline.params(data_source="synthetic", synth_users=1000, synth_items=500, batch_size=16,
-                      replica_groups=2, max_steps=30, fault_plan=json.dumps(chaos.DEFAULT_PLAN),
+                      replica_groups=2, max_steps=80, fault_plan=json.dumps(chaos.DEFAULT_PLAN),
                       mlflow_experiment="ftrec-chaos"),
     "max_stall_s": Param(30.0, type="number", minimum=0,
                          description="Longest a survivor may go between two commits."),

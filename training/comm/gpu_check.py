@@ -232,8 +232,12 @@ def part_slowdown(sz: dict, gpus: int, budget: float) -> dict:
                        gbytes_per_s_overlapped=ops * sz["a2a_mb"] * 2**20 / comm / 1e9,
                        gbytes_per_s_alone=sz["a2a_mb"] * 2**20 / r[0]["t_op_alone_s"][k] / 1e9)
         out["rows"][k] = row
-    fails = [f"{k}: the comm ended before the matmul loop (not fully overlapped)"
-             for k, v in out["rows"].items() if k != "none" and not v["covered"]]
+    uncovered = [f"{k}: the comm ended before the matmul loop (not fully overlapped)"
+                 for k, v in out["rows"].items() if k != "none" and not v["covered"]]
+    # On CPU the comm and the matmul share the same cores, so coverage is the machine's luck:
+    # a note there, a failure only on a GPU, where the claim is about copy engines beside SMs.
+    fails = uncovered if cuda else []
+    out["notes"] = [] if cuda else uncovered
     if r[0]["names"].get("smfree_copy_engines") != "smfree":
         fails.append("smfree fell back to the collective transport")
     if cuda and out["smfree_kernels"]:
