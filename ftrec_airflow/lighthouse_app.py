@@ -123,15 +123,15 @@ def _group_row(g: dict[str, Any]) -> str:
 def _finished(tl: dict[str, Any]) -> str:
     """A finished job's story: outcome, one row per group, the chart."""
     from training import timeline
-    code = tl.get("exit_code")
-    sums = {r["checksum"] for r in timeline.story(tl) if r["checksum"] and " " not in r["checksum"]}
+    code, story = tl.get("exit_code"), timeline.story(tl)
+    sums = {r["checksum"] for r in story if r["checksum"]}
     outcome = ("<p class=ok><b>finished</b>" if code == 0 else
                f"<p class=bad><b>ended with exit code {html.escape(str(code))}</b>")
     outcome += (" &middot; all groups ended with the same state</p>" if len(sums) == 1 else
                 " &middot; <span class=bad>groups ended with different states</span></p>" if len(sums) > 1 else "</p>")
     rows = "".join(f"<tr class=group-row>{_td(r['group'])}{_td(r['last_step'])}{_td(r['restarts'])}{_td(r['failures'])}"
-                   f"{_td(r['heals'])}{_td(r['exclusions'])}<td><code>{html.escape(str(r['checksum']))}</code></td></tr>"
-                   for r in timeline.story(tl))
+                   f"{_td(r['heals'])}{_td(r['exclusions'])}<td><code>{html.escape(str(r['checksum'] or r['note']))}</code></td></tr>"
+                   for r in story)
     return (f"{outcome}<table><tr><th>group</th><th>committed steps</th><th>restarts</th><th>failures</th>"
             f"<th>heals</th><th>slow exclusions</th><th>final state</th></tr>{rows}</table>"
             f"<h3>committed steps per group</h3>{timeline.svg(tl)}")

@@ -62,7 +62,9 @@ def mlflow_ui(tmp_path, monkeypatch):
                           "--port", port, "--workers", "1",
                           "--backend-store-uri", f"sqlite:///{store / 'mlflow.db'}",
                           "--default-artifact-root", (store / "artifacts").as_uri()],
-                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                         # its job runner would leave a store under /dev/shm that nothing removes
+                         env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
     monkeypatch.setenv("FTREC_MLFLOW_UI", base)
     try:
         _wait("the MLflow server", lambda: urllib.request.urlopen(base + "/health", timeout=2).status == 200,

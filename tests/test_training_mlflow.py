@@ -109,7 +109,8 @@ def test_real_server_with_buffered_metrics(shards, tmp_path, free_port, monkeypa
     server = subprocess.Popen([mlflow_bin, "server", "--host", "127.0.0.1", "--port", str(free_port),
                                "--backend-store-uri", f"sqlite:///{tmp_path}/server.db",
                                "--artifacts-destination", str(tmp_path / "server-artifacts"), "--workers", "1"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                              env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})   # no /dev/shm job store left behind
     try:
         deadline = time.monotonic() + 120
         while True:

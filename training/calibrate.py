@@ -68,16 +68,22 @@ def machine() -> dict:
     return {"cpu": cpu, "cores": os.cpu_count(), "arch": platform.machine(), "torch": torch.__version__}
 
 
+def fit(cfg: ModelConfig, max_len: int, budget_s: float):
+    """Time `cfg`'s model at lengths up to max_len and fit c(L) (dataprep.cost.CostModel)."""
+    from dataprep.cost import calibrate
+    return calibrate(lengths_up_to(max_len), batch=8, repeats=3, model="training", budget_s=budget_s,
+                     step=probe(cfg))
+
+
 def cached(cfg: ModelConfig, max_len: int, cache_dir: str | os.PathLike, budget_s: float = 60.0) -> str:
     """The cost model file for `cfg` at lengths up to `max_len` on this machine, calibrated
     the first time (atomically written: concurrent tasks at worst both calibrate)."""
-    from dataprep.cost import calibrate, save
+    from dataprep.cost import save
     key_doc = {"model": dataclasses.asdict(cfg), "max_len": max_len, "machine": machine()}
     key = hashlib.sha256(json.dumps(key_doc, sort_keys=True).encode()).hexdigest()[:16]
     path = Path(cache_dir) / f"cost-{key}.json"
     if not path.exists():
-        m = calibrate(lengths_up_to(max_len), batch=8, repeats=3, model="training", budget_s=budget_s,
-                      step=probe(cfg))
+        m = fit(cfg, max_len, budget_s)
         m = dataclasses.replace(m, fit={**m.fit, "key": key_doc})
         path.parent.mkdir(parents=True, exist_ok=True)
         save(m, str(path))
@@ -97,9 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="JSON file to write (dataprep --cost-model reads it)")
     p.add_argument("--budget", type=float, default=120.0)
     a = p.parse_args(argv)
-    from dataprep.cost import calibrate, save
-    m = calibrate(lengths_up_to(a.max_len), batch=8, repeats=3, model="training", budget_s=a.budget,
-                  step=probe(model_config(a.set)))
+    from dataprep.cost import save
+    m = fit(model_config(a.set), a.max_len, a.budget)
     save(m, a.out)
     print(f"wrote {a.out}: c(L) = {m.a:.4g}*L^2 + {m.b:.4g}*L + {m.c0:.4g} us (r2 {m.fit['r2']})")
     return 0

@@ -55,7 +55,8 @@ def series(tl: dict[str, Any]) -> dict[str, Any]:
 
 def story(tl: dict[str, Any]) -> list[dict[str, Any]]:
     """Per group: committed steps (its last), restarts, failures (the launcher's count: a
-    group that failed or hung), heals, exclusions, and its final state: a checksum, or why not."""
+    group that failed or hung), heals, exclusions, its final state's checksum, and a note
+    saying why there is none."""
     s = series(tl)
     restarts = tl.get("restarts", {}) or {}
     checksums = tl.get("checksums", {}) or {}
@@ -64,15 +65,15 @@ def story(tl: dict[str, Any]) -> list[dict[str, Any]]:
     for g in sorted(set(s["groups"]) | {int(k) for k in restarts if str(k).isdigit()}):
         mine = [m for m in s["marks"] if m[1] == g]
         final = checksums.get(str(g), checksums.get(g, ""))
-        if not final and any(e.get("kind") == "group_not_needed" and e.get("group") == g for e in launcher):
-            final = "not needed: training finished first"
+        note = "" if final else ("not needed: training finished first" if any(
+            e.get("kind") == "group_not_needed" and e.get("group") == g for e in launcher) else "none")
         out.append({"group": g, "last_step": s["groups"].get(g, [(0, 0)])[-1][1],
                     "restarts": restarts.get(str(g), restarts.get(g, 0)),
                     "failures": sum(e.get("kind") in ("group_failed", "group_replaced") and e.get("group") == g
                                     for e in launcher),
                     "heals": sum(m[2] == "heal_finished" for m in mine),
                     "exclusions": sum(m[2] == "group_excluded" for m in mine),
-                    "checksum": final})
+                    "checksum": final, "note": note})
     return out
 
 
