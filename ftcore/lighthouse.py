@@ -131,6 +131,7 @@ class Request:
     deadline: float = math.inf   # monotonic: past it the request is answered with a timeout
     busy: tuple[int, float] | None = None   # (quorum id, seconds) of its last step's compute (ftcore/pace.py)
     idle: int = -1   # the quorum id of its last step if nobody had work in it (only absent groups' is left)
+    leased: bool = False   # sent after its step had gone on without this lighthouse: its sender ignores the reply
 
 
 class StaleIncarnation(Exception):
@@ -302,8 +303,22 @@ class Job:
                 del self.pending[g]
         self._restart_round()
 
+    def _drop_overtaken(self) -> None:
+        """A leased request (sent after its step had gone on without this lighthouse, which
+        happens as a pause ends) is for a round its group finishes on its own. Once a peer asks
+        for a later step, forming it with that peer would heal the group "up" to a step it
+        reaches anyway and leave the peer waiting for a request the group never sends: it
+        leaves the round, and the group asks again at the step it is really at."""
+        if len(self.pending) < 2:
+            return
+        top = max(r.step for rs in self.pending.values() for r in rs.values())
+        for g in [g for g, rs in self.pending.items() if all(r.leased and r.step < top for r in rs.values())]:
+            for req in self._pop(g).values():
+                req.deliver({"overtaken": True, "step": top})
+
     def _maybe_form(self, now: float) -> None:
         """O(groups): one formation attempt on the health of the last sweep."""
+        self._drop_overtaken()
         for g in list(self.pending.keys() - self.healthy):
             # The survivors of a group that lost a rank cannot train without it: tell them to
             # exit now (their torchrun or launcher restarts the group) instead of letting them
@@ -462,10 +477,13 @@ class Job:
                     and len(epoch) <= 64):
                 raise ValueError("quorum_identity must be a list of [group, incarnation], quorum_epoch a string")
             busy, idle = _busy_field(msg), _int(msg, "idle", -1, lo=-1)
+            leased = msg.get("leased", False)
+            if not isinstance(leased, bool):
+                raise ValueError(f"leased must be true or false, got {leased!r}"[:200])
             grp, _ = self._rank(msg)
             now = time.monotonic()
             req = Request(grp.group, int(msg["rank"]), grp.incarnation, int(msg.get("step", 0)), now,
-                          int(msg.get("quorum_id", 0)), epoch, identity, deliver, now + timeout, busy, idle)
+                          int(msg.get("quorum_id", 0)), epoch, identity, deliver, now + timeout, busy, idle, leased)
             standby = self._standby(grp, now)
             if standby is not None:
                 deliver(standby)
@@ -915,7 +933,7 @@ class LighthouseServer:
             if isinstance(reply, str):
                 conn.reply(200, reply)
             else:
-                conn.reply(200 if reply.get("standby") else 409 if reply.get("error") == "stale incarnation" else
+                conn.reply(200 if reply.get("standby") or reply.get("overtaken") else 409 if reply.get("error") == "stale incarnation" else
                            410 if reply.get("lost") or reply.get("finished") else 504, reply)
 
         def deliver(reply: dict[str, Any] | str) -> None:   # under the job's lock: the ticker's thread or this loop's

@@ -34,6 +34,11 @@ class JobFinished(Replaced):
     """The job's training ended before this group could rejoin it: exit cleanly, writing nothing."""
 
 
+class Overtaken(LighthouseError):
+    """A leased round's late request: a peer already asks for a later step (the sender has
+    moved on without this answer, and asks again in its current round)."""
+
+
 class Standby(LighthouseError):
     """The lighthouse holds this group out of the quorum for now (fail-slow, ftcore/pace.py):
     ask again after `retry_s`; the group is alive and will rejoin through a heal."""
@@ -129,8 +134,10 @@ class LighthouseClient:
         self._conn = conn  # closed by leave()/close(), after the lighthouse knows why
 
     # ---- requests -------------------------------------------------------------------
-    def quorum(self, timeout: float = timeouts.QUORUM_TIMEOUT) -> dict[str, Any]:
-        """Block until the lighthouse answers this round; retries while it is unreachable."""
+    def quorum(self, timeout: float = timeouts.QUORUM_TIMEOUT, info: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Block until the lighthouse answers this round; retries while it is unreachable.
+        `info`: what this rank reports for the round (its step...), fixed when the round began;
+        by default the live `self.info`, which a later commit may already have moved on."""
         deadline = time.monotonic() + timeout
         last = "no attempt"
         while True:
@@ -138,7 +145,7 @@ class LighthouseClient:
             if left <= 0:
                 raise LighthouseError(f"no quorum from lighthouse {self.addr} within {timeout:.1f}s ({last})")
             try:
-                status, body = self._ask_quorum(left)
+                status, body = self._ask_quorum(left, self.info if info is None else info)
             except (OSError, http.client.HTTPException, json.JSONDecodeError) as e:
                 last = f"{type(e).__name__}: {e}"
                 if self._qconn is not None:
@@ -146,6 +153,8 @@ class LighthouseClient:
                 self._qconn = None
                 time.sleep(min(0.05, max(left, 0)))
                 continue
+            if status == 200 and isinstance(body, dict) and body.get("overtaken"):
+                raise Overtaken(f"a peer asked for step {body.get('step')} before this leased round's request arrived")
             if status == 200 and isinstance(body, dict) and body.get("standby"):
                 raise Standby(str(body.get("reason", "standby")), max(0.01, min(float(body.get("retry_s", 1.0)), 5.0)))
             if status == 200:
@@ -166,7 +175,7 @@ class LighthouseClient:
                 raise LighthouseError(f"lighthouse {self.addr} refused the quorum request ({status}: {body})")
             last = f"HTTP {status}: {body}"
 
-    def _ask_quorum(self, left: float) -> tuple[int, Any]:
+    def _ask_quorum(self, left: float, info: dict[str, Any]) -> tuple[int, Any]:
         """One quorum request on this rank's kept-alive connection (not one connection a step)."""
         if self._qconn is None:
             host, port = _split(self.addr)
@@ -176,7 +185,7 @@ class LighthouseClient:
             self._qconn.sock.settimeout(left + 1.0)
         hdrs = {"Content-Type": "application/json", **auth.headers(self.token)}
         self._last_sent = time.monotonic()
-        self._qconn.request("POST", "/quorum", body=json.dumps({**self.info, "timeout": left}).encode(), headers=hdrs)
+        self._qconn.request("POST", "/quorum", body=json.dumps({**info, "timeout": left}).encode(), headers=hdrs)
         resp = self._qconn.getresponse()
         data = resp.read()
         self.last_reply = time.monotonic()

@@ -39,7 +39,7 @@ from ftcore import faults as faults_mod
 from ftcore import netaddr, timeouts
 from ftcore.ftar import DEFAULT_BUCKET_BYTES, FTARError, ftar
 from ftcore.heal import HealServer, fetch
-from ftcore.lighthouse_client import LighthouseClient, LighthouseError, Replaced, Standby
+from ftcore.lighthouse_client import LighthouseClient, LighthouseError, Overtaken, Replaced, Standby
 
 LR_POLICIES = ("none", "linear", "sqrt")
 # A group that has not committed for this long gives up (its process exits non-zero and
@@ -207,6 +207,9 @@ class Manager:
         self._lease_until = 0.0           # monotonic: the last granted quorum may be reused until then
         self._last_ok = False             # the last step committed (in self._quorum)
         self._leased = False
+        self._answered = False            # this round's reply was taken: the round can no longer lease
+        self._round_lock = threading.Lock()   # a round either takes its reply or leases, never both
+        self._ask: dict[str, Any] = {}    # what this round's request reports, fixed at its start
         self._heal_fut: Future | None = None
         self._errors: list[str] = []
         self._contributors = 0
@@ -240,22 +243,34 @@ class Manager:
         self.healed_step: int | None = None
         self._heal_fut = None
         self._waited = False
-        self._leased = False
         self._reran = False
         self._t0 = time.monotonic()
         self.client.info["step"] = self.step
         self.client.info["busy"], self._busy = self._busy, None   # fail-slow figures ride on the request
         self._sent = (self.client.info["busy"], self._t_allreduce)   # the last step's, for its pace
-        self._round += 1
-        self._quorum_fut = self._pool.submit(self._run_quorum, self._round)
+        with self._round_lock:
+            self._leased = self._answered = False
+            self._round += 1
+            # The request reports this step even when it goes out late (its thread was still
+            # waiting on a leased round's request) and this group has committed meanwhile: a
+            # later step in it would make the lighthouse heal the others "up" to it.
+            self._ask = dict(self.client.info)
+            self._quorum_fut = self._pool.submit(self._run_quorum, self._round, self._ask)
 
-    def _run_quorum(self, round_: int) -> dict[str, Any] | None:
+    def _run_quorum(self, round_: int, ask: dict[str, Any]) -> dict[str, Any] | None:
         if round_ != self._round:
             return None   # a later step asked already (this one ran on a lease): nothing to do
         time.sleep(max(self._standby_until - time.monotonic(), 0.0))
-        q = self.client.quorum()
-        if round_ != self._round:
-            return None   # answered after its step went on without it: no side effects
+        with self._round_lock:   # a request that leaves after its step leased says so (lighthouse _drop_overtaken)
+            ask = {**ask, "leased": self._leased}
+        try:
+            q = self.client.quorum(info=ask)
+        except Overtaken:
+            return None   # only a leased round is overtaken, and a leased round ignores its answer
+        with self._round_lock:
+            if round_ != self._round or self._leased:
+                return None   # answered after its step went on without it: no side effects
+            self._answered = True
         self._t_quorum = time.monotonic() - self._t0
         return self._apply_quorum(q)
 
@@ -335,8 +350,9 @@ class Manager:
                 try:
                     return self._quorum_fut.result(timeout=min(0.02, max(deadline - time.monotonic(), 0.001)))
                 except FutureTimeout:
-                    if self._can_lease():
-                        self._leased = True
+                    with self._round_lock:
+                        self._leased = not self._answered and self._can_lease()
+                    if self._leased:
                         return self._quorum
                     if time.monotonic() >= deadline:
                         raise
@@ -453,9 +469,12 @@ class Manager:
     def _requorum(self, same_batch: Callable[[dict[str, Any]], bool]) -> dict[str, Any] | None:
         """The quorum after a peer failed this step's exchange, taken now (the lighthouse already
         knows: the peer's connection closed, and this rank just reported it), when this group
-        can re-run the exchange in it: not healing, nobody ahead, the same batch."""
+        can re-run the exchange in it: not healing, nobody ahead, the same batch. Not on a lease:
+        that round's own request still waits on the lighthouse (and owns the connection)."""
+        if self._leased:
+            return None
         try:
-            q = self.client.quorum()
+            q = self.client.quorum(info=self._ask)
         except Replaced:
             raise
         except LighthouseError:   # unreachable, on standby: the step fails, the next one asks again

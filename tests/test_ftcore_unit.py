@@ -177,6 +177,52 @@ def test_lighthouse_quorum_heal_assignment_and_fast_reform(lighthouse):
             c.close()
 
 
+def test_a_leased_rounds_late_request_is_overtaken_not_healed(lighthouse):
+    """As a lighthouse pause ends, groups that finished step 34 on their lease send 34's request
+    late, while a peer already asks for 35: forming those together would heal the leased groups
+    to 35 and leave the peer waiting for requests they never send. The late ones are told they
+    were overtaken; the round forms once every group asks for 35, with nobody to heal."""
+    from ftcore.lighthouse_client import Overtaken
+    addr, lh = lighthouse(min_replicas=1, expected_replicas=3, join_timeout=5.0, heartbeat_timeout=2.0)
+    cs = _clients(addr, 3, steps=[34, 34, 34])
+    try:
+        assert all(isinstance(q, dict) for q in ask_all(cs))    # the quorum all three trained in
+        late = [{**c.info, "leased": True} for c in cs[:2]]
+        cs[2].info["step"] = 35
+        out: list = [None] * 3
+        ts = [threading.Thread(target=lambda i=i: out.__setitem__(i, _quorum_or_error(cs[i], late[i])))
+              for i in range(2)]
+        ts.append(threading.Thread(target=lambda: out.__setitem__(2, _quorum_or_error(cs[2], None))))
+        ts[2].start()
+        time.sleep(0.1)                      # the peer asks first; the leased requests arrive after it
+        for t in ts[:2]:
+            t.start()
+        for t in ts[:2]:
+            t.join(5)
+        assert all(isinstance(o, Overtaken) for o in out[:2]), out
+        assert ts[2].is_alive()              # the peer still waits: its request was not spent
+        for c in cs[:2]:
+            c.info["step"] = 35
+        qs = ask_all(cs[:2])
+        ts[2].join(5)
+        for q in qs + [out[2]]:
+            assert isinstance(q, dict) and q["max_step"] == 35 and q["heal"] == {}, q
+        assert "heal_assigned" not in [e["kind"] for e in lh.status()["events"]]
+        # a malformed flag is a 400, not state
+        with pytest.raises(Exception, match="400"):
+            cs[0].quorum(2.0, info={**cs[0].info, "leased": "yes"})
+    finally:
+        for c in cs:
+            c.close()
+
+
+def _quorum_or_error(client, info):
+    try:
+        return client.quorum(5.0, info=info)
+    except Exception as e:  # noqa: BLE001 - the test inspects it
+        return e
+
+
 def test_lighthouse_a_group_leaving_rank_by_rank_is_not_a_failure(lighthouse):
     """K = 2: the first rank's goodbye leaves the group short of a rank; that is a clean exit
     in progress, not a failure (a real failure still is, see the test above)."""
