@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 WORK    ?= work
 
-.PHONY: setup run test bench clean
+.PHONY: setup run test lint bench clean
 
 # Re-installs only when pyproject.toml changed since the last install.
 $(STAMP): pyproject.toml
@@ -21,6 +21,12 @@ run: setup
 
 test: setup
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+
+# ruff (lint, then the formatter's verdict) and mypy over the whole tree; settings in pyproject.toml.
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 bench: setup
 	mkdir -p bench-results
