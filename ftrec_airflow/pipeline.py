@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 def params(**defaults: Any) -> dict[str, Param]:
     """The training DAGs' params, with `defaults` replacing the default values."""
     d = {"data_source": "auto", "data_format": "iclrec", "synth_users": 2000, "synth_items": 1000,
-         "max_len": 50, "batch_size": 128, "replica_groups": 2 if steps.USE_LAUNCHER else 1, "ranks_per_group": 1, "world_size": None,
+         "max_len": 50, "batch_size": 128, "replica_groups": 2, "ranks_per_group": 1, "world_size": None,
          "epochs": 0, "max_steps": 0, "fault_plan": "", "mlflow_experiment": settings.DEFAULT_EXPERIMENT,
          "model_name": settings.DEFAULT_MODEL_NAME, "gate_metric": GATE_METRIC, "gate_min": 0.0,
          "promote_across_metrics": False, "train_overrides": [], "seed": 0}

@@ -21,9 +21,6 @@ from typing import Any
 from ftrec_airflow import runner, settings
 
 FORMATS = ("iclrec", "sasrec", "movielens", "events")
-# The ftcore launcher runs R replica groups of K ranks; `python -m training train` runs one
-# group. Set to False to train with the plain trainer (one replica group).
-USE_LAUNCHER = True
 SNIFF_LINES = 1000
 
 
@@ -222,29 +219,23 @@ def trainer_settings(spec: TrainSpec, run_id: str, tracking_uri: str) -> list[st
 
 
 def train_command(spec: TrainSpec, run_id: str, tracking_uri: str) -> list[str]:
-    """The command line of one training run (the launcher, or the plain trainer)."""
+    """The command line of one training run: the ftcore launcher (`python -m training launch`),
+    R replica groups of K ranks, even for one group of one rank."""
     out = Path(spec.out)
-    sets = trainer_settings(spec, run_id, tracking_uri)
-    if USE_LAUNCHER:
-        cmd = [sys.executable, "-m", "training", "launch", "--shards", spec.shards,
-               "--replica-groups", str(spec.replica_groups),
-               "--ranks-per-group", str(spec.ranks_per_group), "--out", str(out)]
-        plan = _fault_plan_file(spec)
-        if plan:
-            cmd += ["--faults", plan]
-        standing = settings.lighthouse_url()
-        if standing:
-            # Join the standing lighthouse under this run's own job id; the launcher passes the
-            # token this worker holds (FTCORE_TOKEN_FILE / FTCORE_TOKEN) to every rank.
-            cmd += ["--lighthouse", standing.removeprefix("http://"), "--job-id",
-                    settings.lighthouse_job_id(spec.run_key or str(out))]
-        cmd.append("--")  # what follows goes to every rank's trainer
-    else:
-        if spec.replica_groups * spec.ranks_per_group != 1 or spec.fault_plan:
-            raise UserError("this install trains one replica group of one rank (no launcher); "
-                            "set replica_groups=1, ranks_per_group=1 and no fault_plan")
-        cmd = [sys.executable, "-m", "training", "train", "--shards", spec.shards, "--out", str(out)]
-    for s in sets:
+    cmd = [sys.executable, "-m", "training", "launch", "--shards", spec.shards,
+           "--replica-groups", str(spec.replica_groups),
+           "--ranks-per-group", str(spec.ranks_per_group), "--out", str(out)]
+    plan = _fault_plan_file(spec)
+    if plan:
+        cmd += ["--faults", plan]
+    standing = settings.lighthouse_url()
+    if standing:
+        # Join the standing lighthouse under this run's own job id; the launcher passes the
+        # token this worker holds (FTCORE_TOKEN_FILE / FTCORE_TOKEN) to every rank.
+        cmd += ["--lighthouse", standing.removeprefix("http://"), "--job-id",
+                settings.lighthouse_job_id(spec.run_key or str(out))]
+    cmd.append("--")  # what follows goes to every rank's trainer
+    for s in trainer_settings(spec, run_id, tracking_uri):
         cmd += ["--set", s]
     return cmd
 
@@ -252,7 +243,7 @@ def train_command(spec: TrainSpec, run_id: str, tracking_uri: str) -> list[str]:
 def trainer_out(out: str | Path) -> Path:
     """Where the trainer of replica group 0 writes (checkpoints/, result.json): the
     launcher gives each group OUT/replica_<g>/."""
-    return Path(out) / "replica_0" if USE_LAUNCHER else Path(out)
+    return Path(out) / "replica_0"
 
 
 def read_result(out: str | Path) -> dict[str, Any] | None:

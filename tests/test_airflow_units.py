@@ -197,11 +197,10 @@ def test_verify_reports_a_corrupt_shard_set(tmp_path):
         steps.verify_shards(built["path"])
 
 
-def test_train_command_launcher_and_trainer(tmp_path, monkeypatch):
+def test_train_command_is_the_launcher(tmp_path):
     spec = steps.TrainSpec(shards="/s", out=str(tmp_path / "t"), replica_groups=2, ranks_per_group=1,
                            fault_plan='{"faults": [{"kind": "kill", "group": 1, "at_step": 3}]}',
                            max_steps=7, overrides=["model.dim=16"])
-    monkeypatch.setattr(steps, "USE_LAUNCHER", True)
     cmd = steps.train_command(spec, "RUN", "sqlite:///x.db")
     assert cmd[1:4] == ["-m", "training", "launch"]
     assert cmd[cmd.index("--replica-groups") + 1] == "2"
@@ -215,11 +214,10 @@ def test_train_command_launcher_and_trainer(tmp_path, monkeypatch):
     assert "train.resume=true" in steps.train_command(spec, "RUN", "sqlite:///x.db")  # a retry resumes
     with pytest.raises(steps.UserError, match="fault_plan"):
         steps.train_command(steps.TrainSpec(shards="/s", out=str(tmp_path), fault_plan="{bad"), "R", "u")
-    monkeypatch.setattr(steps, "USE_LAUNCHER", False)
-    with pytest.raises(steps.UserError, match="one replica group"):
-        steps.train_command(spec, "RUN", "u")
     one = steps.train_command(steps.TrainSpec(shards="/s", out=str(tmp_path / "u")), "RUN", "u")
-    assert one[1:4] == ["-m", "training", "train"] and "--" not in one
+    assert one[1:4] == ["-m", "training", "launch"] and "--faults" not in one   # one group of one rank too
+    assert one[one.index("--replica-groups") + 1] == one[one.index("--ranks-per-group") + 1] == "1"
+    assert steps.trainer_out(tmp_path / "u") == tmp_path / "u" / "replica_0"
 
 
 def test_quality_gate_passes_and_fails_with_every_metric():

@@ -146,7 +146,7 @@ def test_ftrec_train_params_have_types_descriptions_and_defaults(parsed):
     assert p["data_source"]["value"] == "auto"
     assert p["data_format"]["schema"]["enum"] == ["iclrec", "sasrec", "movielens", "events"]
     assert p["max_len"]["value"] == 50 and p["ranks_per_group"]["value"] == 1
-    assert p["replica_groups"]["value"] in (1, 2)
+    assert p["replica_groups"]["value"] == 2   # training always goes through the ftcore launcher
     assert p["world_size"]["schema"]["type"] == ["null", "integer"] and p["world_size"]["value"] is None
     assert p["fault_plan"]["value"] == ""
     assert p["mlflow_experiment"]["value"] == "ftrec" and p["model_name"]["value"] == "ftrec"
