@@ -73,7 +73,8 @@ def main() -> int:
     print(f"\nmedian commit rate on/off while slowed: "
           f"{med['on']['commits_per_s_slow_stretch'] / med['off']['commits_per_s_slow_stretch']:.2f}x; "
           f"job wall time on/off: {med['on']['job_wall_s'] / med['off']['job_wall_s']:.2f}; "
-          f"clean/off commit rate {med['clean']['commits_per_s_slow_stretch'] / med['off']['commits_per_s_slow_stretch']:.2f}x")
+          f"clean/off commit rate "
+          f"{med['clean']['commits_per_s_slow_stretch'] / med['off']['commits_per_s_slow_stretch']:.2f}x")
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps({"rows": rows, "median": med}, indent=1))
     return 0

@@ -17,7 +17,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 MIB = 1 << 20
-DISTS = {canonicalize_name(d.metadata["Name"]): d for d in md.distributions()}
+DISTS: dict[str, md.Distribution] = {canonicalize_name(d.metadata["Name"]): d for d in md.distributions()}
 
 
 def size(name: str) -> int:
@@ -25,7 +25,7 @@ def size(name: str) -> int:
     total = 0
     for f in d.files or []:
         try:
-            total += os.path.getsize(d.locate_file(f))
+            total += os.path.getsize(str(d.locate_file(f)))   # a Path here; typed as a SimplePath
         except OSError:
             pass
     return total
@@ -52,15 +52,17 @@ def mib(names: set[str]) -> float:
 
 def main() -> None:
     ftrec = DISTS["ftrec"]
-    base_reqs = [Requirement(r).name for r in ftrec.requires if "extra ==" not in r]
-    extra = {x: [Requirement(r).name for r in ftrec.requires if f'extra == "{x}"' in r] for x in ("airflow", "kubernetes")}
+    reqs = ftrec.requires or []
+    base_reqs = [Requirement(r).name for r in reqs if "extra ==" not in r]
+    extra = {x: [Requirement(r).name for r in reqs if f'extra == "{x}"' in r] for x in ("airflow", "kubernetes")}
     base = closure(base_reqs)
     airflow = closure(base_reqs + extra["airflow"])
     k8s = closure(base_reqs + extra["airflow"] + extra["kubernetes"])
     skinny_roots = [r for r in base_reqs if canonicalize_name(r) != "mlflow"] + ["mlflow-skinny"]
     skinny = closure(skinny_roots + ["pandas", "sqlalchemy", "alembic"])
     print(f"{'install':52s} {'packages':>8s} {'MiB':>7s}")
-    print(f"{'pip install ftrec (base)':52s} {len(base):8d} {mib(base):7.0f}   of which torch {size('torch') / MIB:.0f}")
+    print(f"{'pip install ftrec (base)':52s} {len(base):8d} {mib(base):7.0f}   "
+          f"of which torch {size('torch') / MIB:.0f}")
     print(f"{'pip install ftrec[airflow]':52s} {len(airflow):8d} {mib(airflow):7.0f}")
     print(f"{'pip install ftrec[airflow,kubernetes]':52s} {len(k8s):8d} {mib(k8s):7.0f}   "
           f"+{mib(k8s - airflow):.0f}: {', '.join(sorted(k8s - airflow))}")
@@ -68,7 +70,8 @@ def main() -> None:
           f"-{mib(base - skinny):.0f}: {', '.join(sorted(base - skinny, key=size, reverse=True)[:10])}, ...")
     airflow_skinny = closure(skinny_roots + ["pandas", "sqlalchemy", "alembic"] + extra["airflow"])
     print(f"{'[airflow], the same':52s} {len(airflow_skinny):8d} {mib(airflow_skinny):7.0f}   "
-          f"-{mib(airflow - airflow_skinny):.0f}: {', '.join(sorted(airflow - airflow_skinny, key=size, reverse=True)[:6])}, ...")
+          f"-{mib(airflow - airflow_skinny):.0f}: "
+          f"{', '.join(sorted(airflow - airflow_skinny, key=size, reverse=True)[:6])}, ...")
 
 
 if __name__ == "__main__":

@@ -70,11 +70,11 @@ def abuse(port: int, stop: threading.Event, tally: Counter) -> None:
         results: list[str] = []
         lock = threading.Lock()
 
-        def one() -> None:
+        def one(results: list[str], lock: threading.Lock) -> None:
             r = _raw(port, b"GET /status HTTP/1.1\r\n\r\n", timeout=10)
             with lock:
                 results.append(r)
-        ts = [threading.Thread(target=one) for _ in range(1000 if rounds == 1 else 100)]
+        ts = [threading.Thread(target=one, args=(results, lock)) for _ in range(1000 if rounds == 1 else 100)]
         for t in ts:
             t.start()
         for t in ts:
@@ -119,7 +119,7 @@ def main() -> int:
                  "mlflow.enabled=false", "eval.periodic=false", "eval.batch_size=256"],
                 env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                 start_new_session=True)
-            stop, tally = threading.Event(), Counter()
+            stop, tally = threading.Event(), Counter[str]()
             attacker = threading.Thread(target=abuse, args=(port, stop, tally))
             attacker.start()
             lat, fails = [], 0
@@ -131,6 +131,7 @@ def main() -> int:
                 time.sleep(0.5)
             stop.set()
             attacker.join()
+            assert job.stdout is not None   # stdout=PIPE
             log = job.stdout.read()
             sums = [line.split("checksum ")[1].split()[0] for line in log.splitlines() if " checksum " in line]
         finally:

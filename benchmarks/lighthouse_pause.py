@@ -52,11 +52,11 @@ def run(mode: str, pause: float, steps: int = 200) -> dict:
         if s["committed"] and s["rank"] == 0:
             commits.setdefault(s["group"], []).append(s)
     gaps, during = [], 0
-    step_s = statistics.median(b["t"] - a["t"] for v in commits.values() for a, b in zip(v, v[1:]))
+    step_s = statistics.median(b["t"] - a["t"] for v in commits.values() for a, b in zip(v, v[1:], strict=False))
     for v in commits.values():
         v.sort(key=lambda s: s["t"])
         ts = [s["t"] for s in v]
-        gaps += [b - a for a, b in zip(ts, ts[1:]) if b >= t_pause]
+        gaps += [b - a for a, b in zip(ts, ts[1:], strict=False) if b >= t_pause]
         during += sum(t_pause <= t <= t_resume for t in ts)
     kinds = [e["kind"] for e in tl["lighthouse_events"]]
     return {"mode": mode, "pause_s": round(t_resume - t_pause, 3), "step_s": round(step_s, 4),

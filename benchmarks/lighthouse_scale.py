@@ -31,6 +31,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -81,9 +82,10 @@ class Conn:
 
 async def run_size(n: int, port: int, seconds: float, job: str) -> dict:
     groups = n // K
-    infos = [{"job": job, "group": g, "rank": k, "world": K, "incarnation": 0, "num_groups": groups,
-              "step": 0, "quorum_id": 0, "store": f"127.0.0.1:{1000 + k}", "heal": f"127.0.0.1:{2000 + k}"}
-             for g in range(groups) for k in range(K)]
+    infos: list[dict[str, Any]] = [
+        {"job": job, "group": g, "rank": k, "world": K, "incarnation": 0, "num_groups": groups,
+         "step": 0, "quorum_id": 0, "store": f"127.0.0.1:{1000 + k}", "heal": f"127.0.0.1:{2000 + k}"}
+        for g in range(groups) for k in range(K)]
     beats = [await Conn.open(port) for _ in infos]
     quorum = [await Conn.open(port) for _ in infos]
     served = 0
@@ -194,7 +196,7 @@ def main() -> int:
                 break
             except OSError:
                 if time.monotonic() > deadline or lh.poll() is not None:
-                    raise SystemExit("the lighthouse did not start")
+                    raise SystemExit("the lighthouse did not start") from None
                 time.sleep(0.1)
         for n in a.ranks:
             rows.append(asyncio.run(asyncio.wait_for(run_size(n, port, a.seconds, f"bench-{n}"), a.seconds + 120)))

@@ -46,6 +46,8 @@ def _cpu() -> float:
 
 
 def reference(ref: Path, log: Path | None) -> dict:
+    wall: float | None = None   # the process's own figures: only when this run trains the reference
+    cpu: float | None = None
     if log is None:
         data = ref / "data"
         data.mkdir(exist_ok=True)
@@ -57,10 +59,7 @@ def reference(ref: Path, log: Path | None) -> dict:
                             "--device=cpu", "--num_epochs=20"], cwd=ref, stdout=f, stderr=subprocess.STDOUT,
                            timeout=4 * 3600, check=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
         wall, cpu = time.monotonic() - t0, _cpu() - cpu0
-    else:
-        wall = cpu = None
-    m = [EPOCH_LINE.search(line) for line in log.read_text().splitlines()]
-    m = [x for x in m if x and int(x.group(1)) == 20]
+    m = [x for x in (EPOCH_LINE.search(line) for line in log.read_text().splitlines()) if x and int(x.group(1)) == 20]
     if not m:
         sys.exit(f"error: {log} has no epoch-20 evaluation line")
     g = m[-1].groups()
@@ -83,6 +82,7 @@ def ftrec_train(work: Path) -> dict:
                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     t0 = None
+    assert p.stdout is not None   # stdout=PIPE
     for line in p.stdout:
         if t0 is None and "steps/epoch" in line:
             t0 = time.time()

@@ -13,7 +13,7 @@ The toy trainer (ftcore/examples/toy.py), 3 replica groups, step ~40 ms, heartbe
 - launcher, cold (`--no-spares`): a new process, as torchrun's, started by the launcher.
 
 For each: kill -> the survivors' next commit, kill -> the returning group's first commit
-(the heal time), and the survivors' extra stall, as ftcore.bench computes them.
+(the heal time), and the survivors' extra stall, as benchmarks/ftcore_bench.py computes them.
 """
 
 import argparse
@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from ftcore.bench import bench_failover, failover_figures  # noqa: E402
+from benchmarks.ftcore_bench import bench_failover, failover_figures  # noqa: E402
 
 GROUPS, STEP_SLEEP, DIM = 3, 0.03, 64
 ENV = {"FTCORE_HEARTBEAT_TIMEOUT": "5.0", "FTCORE_COLLECTIVE_TIMEOUT": "10", "FTCORE_QUORUM_TIMEOUT": "20"}
@@ -128,14 +128,15 @@ def main() -> int:
     rows = {"torchrun restart (cold)": bench_torchrun(a.kills),
             "launcher, warm spare": bench_failover(a.kills, 0, spares=True),
             "launcher, cold": bench_failover(a.kills, 0, spares=False)}
-    print(f"\n| restart | step | kill -> survivors' next commit | kill -> returning group's first commit | "
-          f"survivors' extra stall |\n|---|---|---|---|---|")
+    print("\n| restart | step | kill -> survivors' next commit | kill -> returning group's first commit | "
+          "survivors' extra stall |\n|---|---|---|---|---|")
+
+    def cell(f: dict, k: str) -> str:
+        xs = f[k]
+        return f"{_med(xs):.3f} s ({min(xs):.3f}-{max(xs):.3f})" if xs else "-"
     for name, f in rows.items():
-        def cell(k: str) -> str:
-            xs = f[k]
-            return f"{_med(xs):.3f} s ({min(xs):.3f}-{max(xs):.3f})" if xs else "-"
-        print(f"| {name} | {f['step_s'] * 1e3:.0f} ms | {cell('failover_samples_s')} | {cell('heal_samples_s')} | "
-              f"{cell('stall_samples_s')} |")
+        print(f"| {name} | {f['step_s'] * 1e3:.0f} ms | {cell(f, 'failover_samples_s')} | "
+              f"{cell(f, 'heal_samples_s')} | {cell(f, 'stall_samples_s')} |")
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(rows, indent=1))
     return 0
