@@ -12,12 +12,11 @@ ftcore/faults.py.
 """
 
 import json
-from datetime import datetime, timedelta
+from datetime import timedelta
 
 from airflow.sdk import Param, dag, task
 
-from ftrec_airflow import chaos, pipeline, settings
-from ftrec_airflow.decorators import build_shards_task, ft_train_task
+from ftrec_airflow import chaos, pipeline
 
 PARAMS = {
     **pipeline.params(data_source="synthetic", synth_users=1000, synth_items=500, batch_size=16,
@@ -26,33 +25,16 @@ PARAMS = {
     "max_stall_s": Param(30.0, type="number", minimum=0,
                          description="Longest a survivor may go between two commits."),
 }
+FT = pipeline.TrainingDag("ftrec_chaos_drill", drill=True)   # no retries, no asset events
 
 
-@dag(dag_id="ftrec_chaos_drill", schedule=None, start_date=datetime(2026, 1, 1), catchup=False,
-     max_active_runs=1, params=PARAMS, tags=["ftrec", "chaos"], doc_md=__doc__)
+@dag(**FT.dag_args(__doc__, params=PARAMS, tags=("chaos",), max_active_runs=1))
 def ftrec_chaos_drill():
-    @task
-    def ingest_validate(params=None) -> dict:
-        return pipeline.ingest_validate(params)
-
-    @build_shards_task
-    def build_shards(data: dict, params=None):
-        return pipeline.shard_spec(params, data)
-
-    @task
-    def verify_shards(shards: dict) -> dict:
-        return pipeline.verify_shards(shards)
-
-    # No retries: a drill that needs a second try has already failed.
-    @ft_train_task(**settings.train_task_args(), execution_timeout=timedelta(minutes=30))
-    def train(shards: dict, params=None):
-        return pipeline.train_spec(params, shards)
-
     @task
     def check_recovery(trained: dict, params=None) -> dict:
         return pipeline.judge_drill(params, trained, float(params["max_stall_s"]))
 
-    check_recovery(train(verify_shards(build_shards(ingest_validate()))))
+    check_recovery(FT.train(FT.shards(), timeout=timedelta(minutes=30)))
 
 
 ftrec_chaos_drill()

@@ -1,28 +1,37 @@
-"""The ftrec pipeline as the DAGs call it: the params every training DAG takes, and the
-body of each task (params and upstream results in, a small JSON-able dict out).
+"""The ftrec pipeline as the DAGs call it: the params every training DAG takes, the tasks
+they share (`TrainingDag`), and the body of each task (params and upstream results in, a
+small JSON-able dict out).
 
-The DAG files only declare tasks and wire them; these functions hold the decisions
-(where a run's files go, which errors are worth a retry) so the three DAGs agree.
-A user error becomes `AirflowFailException` (fail now, no retry); anything else raises as
-is and the task's retries apply.
+The DAG files only say which tasks they have and wire them; this module holds the
+decisions (retries, where a run's files go, which errors are worth a retry) so the DAGs
+agree. A user error becomes `AirflowFailException` (fail now, no retry); anything else
+raises as is and the task's retries apply.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from airflow.sdk import Asset, Param, get_current_context
+from airflow.sdk import Asset, Param, XComArg, get_current_context, task
 from airflow.sdk.exceptions import AirflowFailException
 
 from ftrec_airflow import settings, steps
+from ftrec_airflow.decorators import build_shards_task, ft_train_task
 
 GATE_METRIC = "test/sampled/ndcg_at_10"  # MLflow spelling of ndcg@10
 # An event per gated registration (register_model's outlet): downstream DAGs schedule on it;
 # its extra says which version, its aliases and gate value (challenger only, or champion too).
 MODEL = Asset(name="ftrec_model", uri="ftrec://model/registered")
+START = datetime(2026, 1, 1)
+# Every task of a training DAG (its default_args): 10 s, 20 s between tries
+RETRY = {"retries": 2, "retry_delay": timedelta(seconds=10), "retry_exponential_backoff": 2.0}
+# ingest_validate reads a file: one quick retry (a mount that was late), then it is the input
+INGEST_RETRY = {"retries": 1, "retry_delay": timedelta(seconds=5), "retry_exponential_backoff": 0}
 log = logging.getLogger(__name__)
 
 
@@ -80,6 +89,78 @@ def params(**defaults: Any) -> dict[str, Param]:
             "Extra trainer settings section.key=value (training/config.py), e.g. model.dim=32.")),
         "seed": Param(d["seed"], type="integer", description="Seed of data generation, sharding and training."),
     }
+
+
+class TrainingDag:
+    """The parts the training DAGs share, for one DAG: its `@dag` arguments and the tasks
+    it builds inside its `@dag` function. A DAG file says which of them it has and how
+    they connect:
+
+        FT = pipeline.TrainingDag("ftrec_train")
+
+        @dag(**FT.dag_args(__doc__, max_active_runs=4))
+        def ftrec_train():
+            trained = FT.train(FT.shards(), timeout=timedelta(hours=24))
+            FT.gate(trained)
+
+    Retries are the DAG's `default_args` (RETRY); a task that differs says so here. A
+    `drill` (ftrec_chaos_drill) retries nothing, since a drill that needs a second try has
+    already failed, and announces no shard set (its shards are nobody's input).
+    """
+
+    def __init__(self, dag_id: str, *, drill: bool = False):
+        self.dag_id = dag_id
+        self.drill = drill
+        # build_shards' outlet: an event per shard set built (path, fingerprint in its extra)
+        self.shards_asset = None if drill else Asset(name=f"{dag_id}_shards", uri=f"ftrec://shards/{dag_id}")
+
+    def dag_args(self, doc: str, *, tags: tuple[str, ...] = (), **dag: Any) -> dict[str, Any]:
+        """`@dag(**...)` arguments: the shared ones, then `dag` (schedule, params, max_active_runs, ...)."""
+        return {"dag_id": self.dag_id, "schedule": None, "start_date": START, "catchup": False,
+                "params": params(), "tags": ["ftrec", *tags], "doc_md": doc,
+                "default_args": {"retries": 0} if self.drill else dict(RETRY), **dag}
+
+    def shards(self, ingest: Callable[[dict], dict[str, Any]] | None = None) -> XComArg:
+        """ingest_validate -> build_shards -> verify_shards; returns verify_shards' summary.
+        `ingest(params)` finds the data (default `ingest_validate`: the data_source param)."""
+        read = ingest or ingest_validate
+
+        @task(task_id="ingest_validate", **({} if self.drill else INGEST_RETRY))
+        def ingest_task(params=None) -> dict:
+            return read(params)
+
+        outlets = [self.shards_asset] if self.shards_asset else []
+
+        @build_shards_task(task_id="build_shards", outlets=outlets)
+        def build_task(data: dict, params=None):
+            return shard_spec(params, data)
+
+        @task(task_id="verify_shards", retries=0)   # a corrupt shard set does not heal by retrying
+        def verify_task(shards: dict) -> dict:
+            return verify_shards(shards)
+
+        return verify_task(build_task(ingest_task()))
+
+    def train(self, shards: XComArg, base: XComArg | None = None, *, timeout: timedelta) -> XComArg:
+        """The `train` task (`@ft_train_task`) on the verified shards; `base` (a task returning
+        base_model's dict) warm-starts it. Where it runs: settings.train_task_args."""
+        @ft_train_task(task_id="train", **settings.train_task_args(), execution_timeout=timeout)
+        def train_task(shards: dict, base: dict | None = None, params=None):
+            return train_spec(params, shards, base=base)
+
+        return train_task(shards) if base is None else train_task(shards, base)
+
+    def gate(self, trained: XComArg) -> XComArg:
+        """evaluate -> register_model behind the quality gate (an event on MODEL per version)."""
+        @task(task_id="evaluate")
+        def evaluate_task(trained: dict) -> dict:
+            return evaluate(trained)
+
+        @task(task_id="register_model", outlets=[MODEL])
+        def register_task(trained: dict, evaluation: dict, params=None) -> dict:
+            return register_model(params, trained, evaluation)
+
+        return register_task(trained, evaluate_task(trained))
 
 
 def run_dir() -> Path:

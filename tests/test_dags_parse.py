@@ -129,6 +129,7 @@ def test_ftrec_train_structure(parsed):
     for name in ("build_shards", "train", "evaluate", "register_model"):
         assert t[name]["retries"] == 2 and t[name]["backoff"], name
     assert t["verify_shards"]["retries"] == 0  # a corrupt shard set does not heal by retrying
+    assert t["ingest_validate"]["retries"] == 1 and not t["ingest_validate"]["backoff"]
     assert d["schedule"].startswith("NullTimetable") or "None" in d["schedule"] or "Null" in d["schedule"]
     assert d["doc"] and "ftrec" in d["tags"]
 
@@ -172,6 +173,8 @@ def test_ftrec_chaos_drill_defaults_to_a_fault_plan(parsed):
     assert d["params"]["replica_groups"]["value"] == 2 and d["params"]["max_stall_s"]["value"] > 0
     t = d["tasks"]
     assert t["train"]["downstream"] == ["check_recovery"] and t["train"]["retries"] == 0
+    assert all(v["retries"] == 0 for v in t.values())       # a drill that needs a second try has failed
+    assert all(v["outlets"] == [] for v in t.values())      # and its shards are nobody's input
     assert t["train"]["links"] == ["Lighthouse", "MLflow run"]
 
 
