@@ -17,8 +17,8 @@ import hashlib
 import json
 import os
 import platform
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from training.config import ModelConfig
 

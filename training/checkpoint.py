@@ -217,8 +217,9 @@ def warm_start(model: torch.nn.Module, path: str, shards_path: str) -> int:
                               "warm-start needs it to match items by their raw ids")
     old_ids = pq.read_table(old_map_path).to_pydict()
     new_ids = pq.read_table(os.path.join(shards_path, ITEM_MAP)).to_pydict()
-    row_of_raw = dict(zip(old_ids["raw_id"], old_ids["id"]))
-    pairs = [(nid, row_of_raw[raw]) for nid, raw in zip(new_ids["id"], new_ids["raw_id"]) if raw in row_of_raw]
+    row_of_raw = dict(zip(old_ids["raw_id"], old_ids["id"], strict=True))
+    pairs = [(nid, row_of_raw[raw]) for nid, raw in zip(new_ids["id"], new_ids["raw_id"], strict=True)
+             if raw in row_of_raw]
     table = new["item_emb.weight"].clone()
     if pairs:
         dst, src = torch.tensor(pairs).T

@@ -67,7 +67,8 @@ class ShardSet:
         if not os.path.isdir(path):
             raise DataError(f"shard set {path} not found: build it with `python -m dataprep shards --out {path} ...`")
         if not os.path.isfile(mpath):
-            raise DataError(f"{mpath} missing: {path} is not a complete shard set (rebuild it with `python -m dataprep shards`)")
+            raise DataError(f"{mpath} missing: {path} is not a complete shard set "
+                            "(rebuild it with `python -m dataprep shards`)")
         try:
             with open(mpath) as f:
                 self.manifest = json.load(f)
@@ -84,13 +85,15 @@ class ShardSet:
             self.num_items = int(m["num_items"])
             self.steps = int(m["steps"])
         except KeyError as e:
-            raise DataError(f"{mpath}: key {e} missing; rebuild the shard set with `python -m dataprep shards`") from None
+            raise DataError(f"{mpath}: key {e} missing; "
+                            "rebuild the shard set with `python -m dataprep shards`") from None
         if self.steps < 1:
             raise DataError(f"{mpath}: the shard set has 0 steps (fewer samples than world_size x batch_size)")
         for rank in range(self.world_size):
-            f = os.path.join(path, schema.shard_file(rank))
-            if not os.path.isfile(f):
-                raise DataError(f"{f} missing: the manifest says world_size={self.world_size}; rebuild the shard set")
+            shard = os.path.join(path, schema.shard_file(rank))
+            if not os.path.isfile(shard):
+                raise DataError(f"{shard} missing: the manifest says world_size={self.world_size}; "
+                                "rebuild the shard set")
         if not os.path.isfile(self.eval_path):
             raise DataError(f"{self.eval_path} missing; rebuild the shard set")
 
@@ -182,7 +185,11 @@ class DataCursor:
 def read_batch(files: list[pq.ParquetFile], row_group: int) -> Batch:
     """One step's rows from each file, concatenated, as a jagged batch with next-item labels
     (and each item's timestamp when the set has them)."""
-    values, lengths, targets, ids, times = [], [], [], [], []
+    value_parts: list[torch.Tensor] = []
+    length_parts: list[torch.Tensor] = []
+    target_parts: list[torch.Tensor] = []
+    ids: list[torch.Tensor] = []
+    times: list[torch.Tensor] = []
     for pf in files:
         timed = schema.TIMESTAMPS in pf.schema_arrow.names
         t = pf.read_row_group(row_group, columns=["sample_id", "items", "target"] + [schema.TIMESTAMPS] * timed)
@@ -190,11 +197,12 @@ def read_batch(files: list[pq.ParquetFile], row_group: int) -> Batch:
             ts = t.column(schema.TIMESTAMPS).combine_chunks().flatten()
             times.append(torch.from_numpy(ts.to_numpy().astype("int64")))
         items = t.column("items").combine_chunks()
-        values.append(torch.from_numpy(items.flatten().to_numpy().astype("int64")))
-        lengths.append(torch.from_numpy(items.value_lengths().to_numpy().astype("int64")))
-        targets.append(torch.from_numpy(t.column("target").to_numpy().astype("int64")))
+        value_parts.append(torch.from_numpy(items.flatten().to_numpy().astype("int64")))
+        length_parts.append(torch.from_numpy(items.value_lengths().to_numpy().astype("int64")))
+        target_parts.append(torch.from_numpy(t.column("target").to_numpy().astype("int64")))
         ids.append(torch.from_numpy(t.column("sample_id").to_numpy().astype("int64")))
-    values, lengths, targets = torch.cat(values), torch.cat(lengths), torch.cat(targets)
+    values, lengths, targets = torch.cat(value_parts), torch.cat(length_parts), torch.cat(target_parts)
+    del value_parts, length_parts, target_parts    # the parts are copies: free them now
     offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
     torch.cumsum(lengths, 0, out=offsets[1:])
     labels = torch.empty_like(values)

@@ -18,6 +18,7 @@ import datetime
 import os
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -103,7 +104,7 @@ def init() -> Topology:
     timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
     if world > 1 and not dist.is_initialized():
         store = _listen_where_ftcore_does()
-        kw = {"store": store, "rank": rank, "world_size": world} if store is not None else {}
+        kw: dict[str, Any] = {"store": store, "rank": rank, "world_size": world} if store is not None else {}
         backend = "nccl" if device.type == "cuda" else "gloo"
         if backend == "nccl":
             # the watchdog ends this process when a collective hangs past `timeout`: the group restarts
@@ -136,7 +137,7 @@ def allreduce_grads(params: list[torch.nn.Parameter]) -> float:
     coll.all_reduce(flat, kind=coll.DATA)
     waited = time.perf_counter() - t
     i = 0
-    for p, g in zip(params, grads):
+    for p, g in zip(params, grads, strict=True):
         n = g.numel()
         if p.grad is None:
             p.grad = g

@@ -37,7 +37,7 @@ class FtrecRecommender(PythonModel):
         k, exclude = int(params.get("k", 10)), bool(params.get("exclude_history", True))
         histories = [[self.dense[r] for r in map(str, h) if r in self.dense] for h in model_input["history"]]
         rows = [i for i, h in enumerate(histories) if h]
-        out = {"items": [[] for _ in histories], "scores": [[] for _ in histories]}
+        out: dict[str, list[list]] = {"items": [[] for _ in histories], "scores": [[] for _ in histories]}
         if rows and k > 0:
             recent = [histories[i][-self.max_len:] for i in rows]
             batch = torch.zeros(len(rows), max(map(len, recent)), dtype=torch.int64)   # right-padded

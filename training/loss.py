@@ -20,8 +20,8 @@ from training.config import LossConfig
 
 
 def draw_negatives(num_items: int, cfg: LossConfig, labels: torch.Tensor,
-                   generator: torch.Generator) -> torch.Tensor:
-    """The step's negatives, drawn on the CPU generator (its state is checkpointed).
+                   generator: torch.Generator | None) -> torch.Tensor:
+    """The step's negatives, drawn on the CPU generator (its state is checkpointed; None: torch's default).
 
     Drawn before the forward pass, so a sharded item table can fetch their rows while the
     transformer runs: shared ones for sampled softmax, one per token for BCE."""
@@ -67,5 +67,6 @@ def start_global_counts(counts: list[float]) -> tuple[torch.Tensor, object]:
     """
     total = torch.tensor(counts, dtype=torch.float64)   # counts: control values, read by the host
     if distributed.active():
-        return total, coll.all_reduce(total, kind=coll.CONTROL, async_op=True)   # the default group = this replica group
+        # the default group = this replica group
+        return total, coll.all_reduce(total, kind=coll.CONTROL, async_op=True)
     return total, None

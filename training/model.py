@@ -106,6 +106,7 @@ class RelativeBias(nn.Module):
         `timed` pos * time_buckets + time [B, L, L] (one gather from the pos x time table
         instead of two gathers and a sum: ~40% less time on long histories)."""
         if timed:
+            assert self.time_w is not None, "timed buckets need the time table (time_buckets > 0)"
             b = (self.pos_w[:, None] + self.time_w[None, :]).flatten()[buckets]
         else:
             b = self.pos_w[buckets]
@@ -192,7 +193,7 @@ class SeqRec(nn.Module):
 
     def encode(self, x: torch.Tensor, mask: torch.Tensor, timestamps: torch.Tensor | None = None) -> torch.Tensor:
         """The blocks on a dense batch: x [B, L, d], mask [B, L, L], timestamps [B, L] or None."""
-        buckets = None
+        buckets: tuple[torch.Tensor] | tuple[torch.Tensor, bool] | None = None
         if self.cfg.attention == "hstu" and self.cfg.rel_bias != "none":
             i = torch.arange(x.shape[1], device=x.device)
             # future pairs (j > i) get bucket 0: the mask removes them after the SiLU

@@ -22,15 +22,17 @@ import torch
 
 from training.config import OptimConfig
 from training.data import DataCursor
+from training.model import SeqRec
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+def build_optimizer(model: SeqRec, cfg: OptimConfig) -> torch.optim.Optimizer:
     table = [model.item_emb.weight]
     dense = [p for n, p in model.named_parameters() if n != "item_emb.weight"]
+    beta1, beta2 = cfg.betas
     return torch.optim.AdamW([
         {"params": dense, "lr": cfg.lr, "weight_decay": cfg.weight_decay, "name": "dense"},
         {"params": table, "lr": cfg.embedding_lr, "weight_decay": 0.0, "name": "embedding"},
-    ], betas=tuple(cfg.betas))
+    ], betas=(beta1, beta2))
 
 
 class WarmupDecay:

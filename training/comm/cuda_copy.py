@@ -32,7 +32,7 @@ def unavailable_reason() -> str | None:
 class CopyEngine:
     """cudaMemcpyAsync on one dedicated stream between CUDA tensors and pinned outboxes."""
 
-    def __init__(self, transport, device):
+    def __init__(self, transport: object, device: torch.device | str | int) -> None:
         self.device = torch.device(device)
         self.stream = torch.cuda.Stream(self.device)
         self._pinned: set[int] = set()

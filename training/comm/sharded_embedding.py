@@ -28,8 +28,8 @@ checkpoints are per rank (each rank saves its own shard; `row_range` names it).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from torch import nn
@@ -121,6 +121,7 @@ class ShardedEmbedding(nn.Module):
 
     def gather_rows(self, plan: LookupPlan) -> torch.Tensor:
         """Owner side: the rows the peers asked for, read from the current weights."""
+        assert plan.recv_local is not None, "exchange_ids(plan) first"
         return self.weight.detach().index_select(0, plan.recv_local)
 
     def attach(self, plan: LookupPlan, unique_rows: torch.Tensor) -> torch.Tensor:
@@ -128,6 +129,7 @@ class ShardedEmbedding(nn.Module):
 
     def accumulate(self, plan: LookupPlan, recv_grads: torch.Tensor):
         """Owner side: add the grads sent back by every rank (source-rank order) into .grad."""
+        assert plan.recv_local is not None, "exchange_ids(plan) first"
         if self.weight.grad is None:
             self.weight.grad = torch.zeros_like(self.weight)
         if self.grad_scale != 1.0:
@@ -190,7 +192,7 @@ def gather_full_weight(emb: ShardedEmbedding, group=None) -> torch.Tensor:
     pad = w.new_zeros(m, emb.dim)
     pad[:w.shape[0]] = w
     bufs = coll.all_gather(pad, kind=coll.DATA, group=group)
-    parts = [b[:int(s.item())] for b, s in zip(bufs, sizes)]
+    parts = [b[:int(s.item())] for b, s in zip(bufs, sizes, strict=True)]
     if emb.sharding == "table":
         return parts[emb.owner]
     return torch.cat(parts)

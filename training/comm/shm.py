@@ -36,7 +36,7 @@ def create(path: str, size: int) -> int:
 
 def sweep(folder: str) -> list[str]:
     """Remove every ftrec segment in `folder` whose creator is gone; returns their names."""
-    removed = []
+    removed: list[str] = []
     try:
         names = [n for n in os.listdir(folder) if n.startswith(PREFIXES)]
     except OSError:

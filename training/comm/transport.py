@@ -25,7 +25,6 @@ result. Ops run in issue order (gloo: one process group; smfree: one copy thread
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import mmap
 import os
@@ -34,9 +33,10 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -44,6 +44,9 @@ import torch
 from ftcore import collectives as coll
 from ftcore.collectives import all_gather_json  # noqa: F401  (control JSON; was defined here)
 from training.comm import COMM_TIMEOUT_S, shm
+
+if TYPE_CHECKING:
+    from training.comm.cuda_copy import CopyEngine
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +102,7 @@ class CollectiveTransport:
     """torch.distributed collectives on `group` (gloo / nccl)."""
 
     name = "collective"
+    fallback_reason: str   # set only on the fallback from smfree (open_transport): why smfree could not run
 
     def __init__(self, group=None):
         self.group = group
@@ -168,12 +172,17 @@ class _Segment:
             os.close(fd)
         self._fd = fd if create else None
         self.size = size
-        self.bytes = torch.frombuffer(self.mm, dtype=torch.uint8)
+        self._bytes: torch.Tensor | None = torch.frombuffer(self.mm, dtype=torch.uint8)
         if create:
             _OWNED.add(path)
 
+    @property
+    def bytes(self) -> torch.Tensor:
+        assert self._bytes is not None, f"segment {self.path} used after close()"
+        return self._bytes
+
     def close(self, unlink: bool = False):
-        self.bytes = None  # drop the exported buffer before closing the map
+        self._bytes = None  # drop the exported buffer before closing the map
         try:
             self.mm.close()
         except BufferError:
@@ -218,7 +227,7 @@ class SmFreeTransport:
         self._peer_ctrl: dict[int, np.ndarray] = {}
         self._peer_ctrl_seg: dict[int, _Segment] = {}
         self._peer_box: dict[int, tuple[int, _Segment]] = {}
-        self._copy_engine = None  # set by cuda_copy when CUDA tensors go through
+        self._copy_engine: CopyEngine | None = None  # set by cuda_copy when CUDA tensors go through
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name=f"smfree-copy-{self.rank}", daemon=True)
         self._thread.start()
@@ -448,6 +457,7 @@ def make_transport(cfg: TransportConfig | str = "collective", group=None, device
         fallback = CollectiveTransport(group)
         fallback.fallback_reason = "; ".join(reasons)
         return fallback
+    assert transport is not None   # no rank gave a reason, so this one built its transport
     transport.connect()
     if device != "cpu":
         from training.comm import cuda_copy
