@@ -30,13 +30,11 @@ from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from training.ports import free_port  # noqa: E402
+
 TOKEN = "abuse-bench-token"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _raw(port: int, data: bytes, timeout: float = 5.0) -> str:
@@ -93,7 +91,7 @@ def main() -> int:
     p.add_argument("--json", default=str(ROOT / "bench-results" / "lighthouse_abuse.json"))
     a = p.parse_args()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "FTCORE_TOKEN": TOKEN}
-    port = _free_port()
+    port = free_port()
     with tempfile.TemporaryDirectory() as d:
         events, shards = Path(d) / "ev.txt", Path(d) / "shards"
         subprocess.run([sys.executable, "-m", "dataprep", "synth", "--out", str(events), "--users", "800",

@@ -37,14 +37,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from ftcore import timeouts  # noqa: E402
+from training.ports import free_port  # noqa: E402
 
 K = 8  # ranks per simulated replica group
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -182,7 +177,7 @@ def main() -> int:
     p.add_argument("--seconds", type=float, default=8.0, help="measured seconds per size")
     p.add_argument("--json", default=str(ROOT / "bench-results" / "lighthouse_scale.json"))
     a = p.parse_args()
-    port = _free_port()
+    port = free_port()
     lh = subprocess.Popen([sys.executable, "-m", "ftcore.lighthouse", "--bind", f"127.0.0.1:{port}", "--insecure"],
                           cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})

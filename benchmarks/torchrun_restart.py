@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,15 +31,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.ftcore_bench import bench_failover, failover_figures  # noqa: E402
+from training.ports import free_port  # noqa: E402
 
 GROUPS, STEP_SLEEP, DIM = 3, 0.03, 64
 ENV = {"FTCORE_HEARTBEAT_TIMEOUT": "5.0", "FTCORE_COLLECTIVE_TIMEOUT": "10", "FTCORE_QUORUM_TIMEOUT": "20"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _children(pid: int) -> list[int]:
@@ -71,7 +65,7 @@ def bench_torchrun(kills: int, timeout: float = 600) -> dict:
         out.mkdir()
         token.write_text("bench-token")
         token.chmod(0o600)
-        port = _free_port()
+        port = free_port()
         env = {**os.environ, **ENV, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
                "FTCORE_LIGHTHOUSE": f"127.0.0.1:{port}", "FTCORE_TOKEN_FILE": str(token),
                "FTREC_NUM_REPLICA_GROUPS": str(GROUPS), "FTCORE_JOB_ID": "torchrun-bench"}
@@ -85,7 +79,7 @@ def bench_torchrun(kills: int, timeout: float = 600) -> dict:
             for g in range(GROUPS):
                 agents[g] = subprocess.Popen(
                     [torchrun, "--nnodes", "1", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-                     "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--rdzv-id", f"bench-g{g}",
+                     "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", f"bench-g{g}",
                      "--max-restarts", str(kills + 2), "--monitor-interval", "0.1",
                      "-m", "ftcore.examples.toy", "--out", str(out), "--steps", str(steps),
                      "--step-sleep", str(STEP_SLEEP), "--dim", str(DIM)],

@@ -2,12 +2,13 @@
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from training import ports
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED_DATA = ROOT.parent / "shared" / "data"
@@ -23,9 +24,7 @@ def shared_data() -> Path:
 
 @pytest.fixture
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return ports.free_port()
 
 
 @pytest.fixture(autouse=True)
@@ -110,7 +109,7 @@ def lighthouse():
     def start(**kw):
         server, lh = serve(LighthouseConfig(bind="127.0.0.1:0", **kw))
         servers.append((server, lh))
-        return "127.0.0.1:%d" % server.server_address[1], lh
+        return f"127.0.0.1:{server.server_address[1]:d}", lh
 
     yield start
     for server, lh in servers:

@@ -10,21 +10,16 @@ import datetime
 import os
 import pickle
 import queue
-import socket
 import time
 import traceback
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ftcore import collectives as coll
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from training.ports import free_port  # also imported from here (tests/test_collectives_device_rule.py)
 
 
 def _entry(fn, rank, world_size, port, q, args, timeout_s, backend="gloo", setup=None):
@@ -65,7 +60,8 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 120.0, backend: str
              for r in range(world_size)]
     for p in procs:
         p.start()
-    results, deadline = {}, time.monotonic() + timeout_s
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
     try:
         while len(results) < world_size:
             left = deadline - time.monotonic()
@@ -77,7 +73,7 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 120.0, backend: str
             except queue.Empty:
                 dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
                 if dead:
-                    raise RanksFailed(f"rank {dead[0]} exited with code {procs[dead[0]].exitcode}")
+                    raise RanksFailed(f"rank {dead[0]} exited with code {procs[dead[0]].exitcode}") from None
                 continue
             if not ok:
                 raise RanksFailed(f"rank {rank} failed:\n{value}")
@@ -85,7 +81,7 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 120.0, backend: str
     finally:
         for p in procs:
             p.join(timeout=5)
-            if p.is_alive():
+            if p.is_alive() and p.pid is not None:   # alive: started, so it has a pid
                 os.kill(p.pid, 9)
                 p.join(timeout=5)
     return [results[r] for r in range(world_size)]
