@@ -26,7 +26,7 @@ import numpy as np
 
 from dataprep.errors import DataprepError
 
-# Chosen from `python -m dataprep.bench` (see BENCHMARKS.md, "## dataprep"):
+# Chosen from `python benchmarks/dataprep_bench.py` (see BENCHMARKS.md, "## dataprep"):
 # the smallest K that removes >= 90% of the bubble on heavy-tailed data at W=8..256.
 DEFAULT_WINDOW_STEPS = 64
 TAILS = ("fill", "drop")

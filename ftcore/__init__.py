@@ -20,7 +20,8 @@ while the others keep training, and the returning group catches up from a health
     auth.py               the shared token
     netaddr.py            the one address a rank binds and advertises (FTCORE_HOST or derived)
     examples/toy.py       a self-contained trainer on all of the above
-    bench.py              `python -m ftcore.bench`
+
+Measured by benchmarks/ftcore_bench.py; the scale model is benchmarks/sim (outside the package).
 
 Failure handling, in the order things happen after a `kill -9` of one group:
 

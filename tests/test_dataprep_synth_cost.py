@@ -116,7 +116,7 @@ def test_calibrate_times_a_model_the_caller_passes_and_refuses_unknown_names():
 def test_bench_smoke_agrees_with_pandas_and_writes_json(tmp_path):
     """The benchmark script runs end to end at a tiny size; its pandas baseline builds the same samples."""
     out = tmp_path / "b.json"
-    r = subprocess.run([sys.executable, "-m", "dataprep.bench", "--samples", "20000", "--world-sizes", "8",
+    r = subprocess.run([sys.executable, "benchmarks/dataprep_bench.py", "--samples", "20000", "--world-sizes", "8",
                         "--windows", "1,64", "--events", "30000", "--repeats", "1", "--skip-shared", "--out", str(out)],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]

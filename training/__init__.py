@@ -11,6 +11,6 @@ Tour (each module is one concept; train.py reads top to bottom as the loop):
 - evaluate.py    leave-one-out HR/NDCG/MRR, full ranking and sampled protocols
 - metrics.py     per-rank step timing (compute / wait), windows for logging, plots
 - tracking.py    asynchronous, failure-tolerant MLflow
-- train.py       the loop; __main__.py the CLI (train, eval, launch); bench.py the benchmarks
+- train.py       the loop; __main__.py the CLI (train, eval, launch); benchmarks/training_bench.py measures it
 - ft.py, launch.py (ftcore) and comm/ (FreeScale communication) plug into the loop.
 """

@@ -1,4 +1,4 @@
-"""`python -m dataprep.bench`: balance quality and prep throughput, side by side in one run.
+"""`python benchmarks/dataprep_bench.py`: balance quality and prep throughput, side by side in one run.
 
 1. Balance quality for W in {8, 64, 256} and several window sizes K, on synthetic
    heavy-tailed lengths (1M samples, up to 4096) and on both shared datasets:
@@ -19,7 +19,9 @@ import platform
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
@@ -29,6 +31,7 @@ from dataprep.synth import SynthConfig, lengths, write_synthetic
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = ROOT.parent / "shared" / "data"
+T = TypeVar("T")
 
 
 def _balance_rows(name: str, cost: np.ndarray, world_sizes, windows, batch: int, seed: int) -> list[dict]:
@@ -48,7 +51,8 @@ def _balance_rows(name: str, cost: np.ndarray, world_sizes, windows, batch: int,
                 "steps": p.steps, "bubble_random": rb, "bubble_balanced": bb,
                 "reduction_pct": 100 * (rb - bb) / rb if rb > 0 else 0.0,
                 "bubble_lower_bound": lb,
-                "over_lb_p50_pct": 100 * st["over_lower_bound"]["p50"], "over_lb_p99_pct": 100 * st["over_lower_bound"]["p99"],
+                "over_lb_p50_pct": 100 * st["over_lower_bound"]["p50"],
+                "over_lb_p99_pct": 100 * st["over_lower_bound"]["p99"],
                 "imbalance_p50": st["imbalance"]["p50"], "balance_s": dt})
     _achievable(rows)
     return rows
@@ -61,7 +65,8 @@ def _achievable(rows: list[dict]) -> None:
         best = min(q["bubble_lower_bound"] for q in rows if q["data"] == r["data"] and q["W"] == r["W"])
         room = r["bubble_random"] - max(best, 0.0)
         r["bubble_achievable"] = max(best, 0.0)
-        r["reduction_of_achievable_pct"] = 100 * (r["bubble_random"] - r["bubble_balanced"]) / room if room > 1e-12 else 100.0
+        r["reduction_of_achievable_pct"] = (100 * (r["bubble_random"] - r["bubble_balanced"]) / room
+                                            if room > 1e-12 else 100.0)
 
 
 def _print_balance(rows: list[dict], batch: int) -> None:
@@ -126,18 +131,19 @@ def pandas_baseline(path: str, max_len: int) -> tuple[int, int]:
     return len(out), int(out["items"].map(len).sum())
 
 
-def _best(fn, repeats: int) -> tuple[float, object]:
+def _best(fn: Callable[[], T], repeats: int) -> tuple[float, T]:
     best, res = float("inf"), None
-    for _ in range(repeats):
+    for _ in range(max(repeats, 1)):
         gc.collect()
         t = time.perf_counter()
         res = fn()
         best = min(best, time.perf_counter() - t)
+    assert res is not None
     return best, res
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dataprep.bench", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python benchmarks/dataprep_bench.py", description=__doc__.splitlines()[0])
     ap.add_argument("--samples", type=int, default=1_000_000, help="synthetic samples for balance quality")
     ap.add_argument("--max-len", type=int, default=4096, help="synthetic: longest history (cost model input)")
     ap.add_argument("--world-sizes", default="8,64,256")
@@ -180,7 +186,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         mean = lengths(SynthConfig(1, 2), np.random.default_rng(seed), 200_000).mean()
         users = int(a.events / mean)
-        path = write_synthetic(Path(tmp) / "events.txt", users=users, items=100_000, seed=seed)
+        path = write_synthetic(str(Path(tmp) / "events.txt"), users=users, items=100_000, seed=seed)
         n_events = sum(1 for _ in open(path, "rb"))
         t_ours, r_ours = _best(lambda: ours(path, 50), a.repeats)
         thr = {"events": n_events, "users": users, "dataprep_s": t_ours,

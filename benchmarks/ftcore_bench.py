@@ -1,4 +1,4 @@
-"""ftcore benchmarks, side by side in one run: `python -m ftcore.bench [--quick]`.
+"""ftcore benchmarks, side by side in one run: `python benchmarks/ftcore_bench.py [--quick]`.
 
 1. all-reduce: FTAR (the full step protocol: quorum overlapped, FTAR, vote) against a
    plain gloo all-reduce of the same tensor in the same processes, and against
@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MB = 1 << 20
@@ -42,7 +43,8 @@ def _ar_worker(i: int, n: int, sizes: list[int], iters: dict, store_port: int, l
     from ftcore.manager import Manager, ManagerConfig
     store = dist.TCPStore("127.0.0.1", store_port, is_master=(i == 0), wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=60))
-    plain = dist.ProcessGroupGloo(dist.PrefixStore("plain", store), i, n, datetime.timedelta(seconds=60))
+    # Any: torch's stubs give ProcessGroupGloo (a Backend) no collectives; allreduce and barrier exist
+    plain: Any = dist.ProcessGroupGloo(dist.PrefixStore("plain", store), i, n, datetime.timedelta(seconds=60))
     mgr = Manager(ManagerConfig(lighthouse=lh, group=i, num_groups=n, min_replicas=1),
                   state_dict=lambda: {}, load_state_dict=lambda s: None)
     tfm = None
@@ -79,6 +81,7 @@ def _ar_worker(i: int, n: int, sizes: list[int], iters: dict, store_port: int, l
                     mgr.wait_quorum()          # overlapped with forward in training: not on the clock
                     out["quorum_ms"].append(mgr.quorum_seconds * 1e3)
                 elif m == "torchft":
+                    assert tfm is not None
                     tfm.start_quorum()
                     tfm.wait_quorum()
                 plain.barrier().wait()
@@ -103,7 +106,7 @@ def bench_allreduce(sizes_mb: list[int], groups: list[int]) -> list[dict]:
     rows = []
     for n in groups:
         server, lh = serve(LighthouseConfig(bind="127.0.0.1:0", expected_replicas=n))
-        addr = "127.0.0.1:%d" % server.server_address[1]
+        addr = f"127.0.0.1:{server.server_address[1]}"
         tf = LighthouseServer(bind="[::]:0", min_replicas=n) if LighthouseServer else None
         sizes = [s * MB for s in sizes_mb]
         iters = {s: (10 if s <= 4 * MB else 6 if s <= 16 * MB else 4 if s <= 64 * MB else 3) for s in sizes}
@@ -130,7 +133,7 @@ def bench_allreduce(sizes_mb: list[int], groups: list[int]) -> list[dict]:
                 tf.shutdown()
         for s in sizes:
             # the slowest group sets the pace of a synchronous step
-            row = {"groups": n, "size_mb": s // MB}
+            row: dict[str, Any] = {"groups": n, "size_mb": s // MB}
             for mode in ("plain", "plain_avg", "ftar", "torchft"):
                 vals = [results[i].get(mode, {}).get(s) for i in range(n)]
                 row[f"{mode}_ms"] = max(vals) * 1e3 if all(v is not None for v in vals) else None
@@ -182,7 +185,7 @@ def failover_figures(tl: dict) -> dict:
         by_group.setdefault(s["group"], []).append(s)
     for v in by_group.values():
         v.sort(key=lambda s: s["t"])
-    gaps = [b["t"] - a["t"] for v in by_group.values() for a, b in zip(v, v[1:])]
+    gaps = [b["t"] - a["t"] for v in by_group.values() for a, b in zip(v, v[1:], strict=False)]
     step_s = statistics.median(gaps)
     failover, heal, stall = [], [], []
     for k in kills:
@@ -229,7 +232,7 @@ def bench_failover(kills: int, steps: int, spares: bool = True) -> dict:
 
 def bench_effective(kill_every_s: float, kills: int, steps: int) -> dict:
     """Same work (every bucket once), same kill schedule; effective = fault-free time / time taken."""
-    res = {}
+    res: dict[str, Any] = {}
 
     def span(tl: dict) -> float:
         starts = [e["t"] for e in tl["lighthouse_events"] if e["kind"] == "quorum_formed"]
@@ -259,7 +262,7 @@ def _med(xs):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ftcore.bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python benchmarks/ftcore_bench.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="smaller sizes and runs (a smoke test)")
     p.add_argument("--skip", default="", help="comma list of parts to skip: allreduce,failover,effective")
     p.add_argument("--groups", default="2,3", help="replica groups of the all-reduce part, e.g. 2,3,4")
@@ -267,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     skip = set(a.skip.split(",")) - {""}
     result: dict = {"machine": f"{os.cpu_count()} cores", "torch": __import__("torch").__version__,
-                    "command": "python -m ftcore.bench" + (" --quick" if a.quick else "")}
+                    "command": "python benchmarks/ftcore_bench.py" + (" --quick" if a.quick else "")}
     if "allreduce" not in skip:
         sizes = [1, 16] if a.quick else [1, 4, 16, 64, 256]
         rows = bench_allreduce(sizes, [2] if a.quick else [int(x) for x in a.groups.split(",")])

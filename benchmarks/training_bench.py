@@ -1,4 +1,4 @@
-"""Training benchmarks: `python -m training.bench [--part quality|throughput|window|all]`.
+"""Training benchmarks: `python benchmarks/training_bench.py [--part quality|throughput|window|all]`.
 
 - quality: on shared/data beauty and video, the default config trained for at most
   `--minutes` per dataset; test HR@10 / NDCG@10 under the full and sampled protocols
@@ -28,6 +28,7 @@ import statistics
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -45,7 +46,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(os.path.dirname(ROOT), "shared", "data")
 DATASETS = {"beauty": ("beauty.txt", "iclrec"), "video": ("video.txt", "sasrec")}
 # shared/data/README.md: (sampled HR@10, NDCG@10), (full HR@10, NDCG@10)
-PUBLISHED = {
+Pair = tuple[float, float]
+PUBLISHED: dict[str, dict[str, tuple[Pair | None, Pair | None]]] = {
     "beauty": {"most popular": ((0.2895, 0.1499), (0.0114, 0.0053)),
                "SASRec paper": ((0.4854, 0.3219), None),
                "SASRec reproduction": ((0.4669, 0.3104), None),
@@ -57,8 +59,8 @@ PUBLISHED = {
 BATCH_SIZE, MAX_LEN = 128, 50
 # synth-long: lognormal lengths (median 200) capped at 1,024, Zipf items, half of the events
 # the fixed successor of the previous item (a sequence to learn), times with ~1 h mean gaps
-SYNTH_LONG = {"users": 1500, "items": 5000, "seed": 0, "median_len": 200.0, "sigma": 1.0, "max_history": 1024,
-              "markov": 0.5}
+SYNTH_LONG: dict[str, Any] = {"users": 1500, "items": 5000, "seed": 0, "median_len": 200.0, "sigma": 1.0,
+                              "max_history": 1024, "markov": 0.5}
 SYNTH_LONG_BATCH, SYNTH_LONG_MAX_LEN = 16, 1024
 
 
@@ -107,7 +109,7 @@ def randomize(src: str, dst: str, seed: int = 0) -> str:
             steps_col = part.column("step").to_numpy()
             for s in range(steps):
                 w.write_table(part.filter(pa.array(steps_col == s)))
-    m["config"]["method"] = "random (training.bench)"
+    m["config"]["method"] = "random (benchmarks/training_bench.py)"
     with open(os.path.join(dst, schema.MANIFEST), "w") as f:
         json.dump(m, f, indent=1)
     return dst
@@ -146,8 +148,10 @@ def quality(args) -> dict:
         print(_row("most popular (ours)", (pop["test/sampled/hr@10"], pop["test/sampled/ndcg@10"]),
                    (pop["test/full/hr@10"], pop["test/full/ndcg@10"])))
         print(_row(f"ftrec {cfg.model.attention}, {cfg.loss.kind}",
-                   (m["test/sampled/hr@10"], m["test/sampled/ndcg@10"]), (m["test/full/hr@10"], m["test/full/ndcg@10"])))
+                   (m["test/sampled/hr@10"], m["test/sampled/ndcg@10"]),
+                   (m["test/full/hr@10"], m["test/full/ndcg@10"])))
         rep = PUBLISHED[name]["SASRec reproduction"][0]
+        assert rep is not None
         print(f"\nratio to SASRec reproduction (sampled): HR@10 {m['test/sampled/hr@10'] / rep[0]:.3f}, "
               f"NDCG@10 {m['test/sampled/ndcg@10'] / rep[1]:.3f}; full HR@10 vs most popular: "
               f"{m['test/full/hr@10'] / max(pop['test/full/hr@10'], 1e-9):.1f}x")
@@ -161,7 +165,7 @@ def throughput(args) -> dict:
     variants = {"balanced": (balanced, []), "random": (random_, []),
                 "padded (random, pad to max_len)": (random_, ["data.pad_to_max_len=true"])}
     runs: dict[str, list[dict]] = {v: [] for v in variants}
-    for rnd in range(args.rounds):               # interleaved: the machine's noise hits every variant
+    for _ in range(args.rounds):               # interleaved: the machine's noise hits every variant
         for v, (shards, extra) in variants.items():
             cfg = load_config(args.config, [f"data.shards={shards}", f"train.out={os.path.join(args.work, 'tp')}",
                                             f"train.max_steps={args.steps}", "train.epochs=1", "mlflow.enabled=false",
@@ -200,9 +204,10 @@ def window(args) -> dict:
     print(f"\n### dataprep window K on {name}: {args.window_epochs} epochs each, default config\n")
     print("| K | valid full NDCG@10 | test full HR@10 / NDCG@10 | test sampled HR@10 / NDCG@10 | padding | tokens/s |")
     print("|---|---|---|---|---|---|")
-    for k, r in out.items():
+    for label, r in out.items():
         m, t = r["metrics"], r["throughput"]
-        print(f"| {k} | {m['valid/full/ndcg@10']:.4f} | {m['test/full/hr@10']:.4f} / {m['test/full/ndcg@10']:.4f} | "
+        print(f"| {label} | {m['valid/full/ndcg@10']:.4f} | "
+              f"{m['test/full/hr@10']:.4f} / {m['test/full/ndcg@10']:.4f} | "
               f"{m['test/sampled/hr@10']:.4f} / {m['test/sampled/ndcg@10']:.4f} | {t['padding_fraction']:.3f} | "
               f"{t['tokens_per_s']:,.0f} |")
     return out
@@ -251,7 +256,7 @@ def hstu(args) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m training.bench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python benchmarks/training_bench.py", description=__doc__.splitlines()[0])
     p.add_argument("--part", choices=["quality", "throughput", "window", "hstu", "all"], default="all")
     p.add_argument("--datasets", default="beauty,video", help="comma-separated: beauty, video, synth-long")
     p.add_argument("--minutes", type=float, default=15.0, help="training budget per dataset (quality)")

@@ -1,6 +1,6 @@
 """What Airflow costs ftrec, side by side in one run, as ratios.
 
-    .venv/bin/python -m ftrec_airflow.bench [--repeats 5] [--skip-pipeline]
+    .venv/bin/python benchmarks/airflow_bench.py [--repeats 5] [--skip-pipeline]
 
 1. Parsing: the dags folder (the ftrec DAGs) against a folder with one minimal TaskFlow
    DAG, each parsed by DagBag in a fresh interpreter (as the DAG processor does), median
@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from ftrec_airflow import settings
 
@@ -49,8 +50,9 @@ dt = time.perf_counter() - t
 heavy = sorted({m.split(".")[0] for m in set(sys.modules) - before} & set(json.loads(sys.argv[2])))
 print("JSON" + json.dumps({"s": dt, "dags": len(bag.dags), "errors": len(bag.import_errors), "heavy": heavy}))
 """
-SMALL = {"data_source": "synthetic", "synth_users": 300, "synth_items": 150, "max_steps": 10, "batch_size": 16,
-         "max_len": 20, "replica_groups": 2, "train_overrides": ["model.dim=16", "eval.batch_size=256"]}
+SMALL: dict[str, Any] = {"data_source": "synthetic", "synth_users": 300, "synth_items": 150, "max_steps": 10,
+                         "batch_size": 16, "max_len": 20, "replica_groups": 2,
+                         "train_overrides": ["model.dim=16", "eval.batch_size=256"]}
 
 
 def _env(home: Path) -> dict[str, str]:
@@ -116,19 +118,19 @@ def run_airflow(work: Path) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ftrec_airflow.bench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python benchmarks/airflow_bench.py", description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--skip-pipeline", action="store_true", help="only the parsing comparison")
     p.add_argument("--out", default=str(settings.PROJECT_ROOT / "bench-results" / "airflow.json"))
     a = p.parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="ftrec-airflow-bench-") as tmp:
-        tmp = Path(tmp)
-        res = {"parse": bench_parse(a.repeats, tmp), "load_avg": os.getloadavg()}
+    with tempfile.TemporaryDirectory(prefix="ftrec-airflow-bench-") as tmp_dir:
+        tmp = Path(tmp_dir)
+        res: dict[str, Any] = {"parse": bench_parse(a.repeats, tmp), "load_avg": os.getloadavg()}
         if not a.skip_pipeline:
             res["pipeline"] = {"direct_s": run_direct(tmp / "direct"), "airflow_s": run_airflow(tmp / "airflow")}
     pr = res["parse"]
     print(f"{'measure':44s} {'ftrec':>9s} {'baseline':>9s} {'ratio':>7s}")
-    print(f"{'parse dags folder (s, median of %d)' % a.repeats:44s} {pr['ftrec_s']:9.3f} {pr['minimal_s']:9.3f} "
+    print(f"{f'parse dags folder (s, median of {a.repeats})':44s} {pr['ftrec_s']:9.3f} {pr['minimal_s']:9.3f} "
           f"{pr['ftrec_s'] / pr['minimal_s']:7.2f}   ({pr['ftrec_dags']} DAGs vs 1 minimal DAG)")
     print(f"{'heavy modules imported while parsing':44s} {len(pr['heavy']):9d} {'-':>9s} {'-':>7s}   {pr['heavy']}")
     if "pipeline" in res:
