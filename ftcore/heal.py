@@ -13,8 +13,9 @@ tensorfile.py over HTTP with the shared token; nothing received is unpickled.
 import http.client
 import threading
 import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -23,6 +24,10 @@ from ftcore import auth, tensorfile, timeouts
 
 class HealError(RuntimeError):
     """The snapshot could not be fetched; the recovering group retries at the next quorum."""
+
+
+class SnapshotGone(LookupError):
+    """The heal server has moved past the step asked for (it offers a later one now)."""
 
 
 def clone_tree(tree: Any) -> Any:
@@ -41,6 +46,8 @@ def clone_tree(tree: Any) -> Any:
 
 
 class HealServer:
+    """This rank's snapshot server (one thread per download), offering one step's state at a time."""
+
     def __init__(self, host: str = "127.0.0.1", token: str | None = None,
                  on_serve: Callable[[int], None] | None = None):
         self.token = token
@@ -54,7 +61,7 @@ class HealServer:
         server_cls = type("HealHTTPServer", (ThreadingHTTPServer,), {"request_queue_size": 1024})
         self.httpd = server_cls((host, 0), handler)
         self.httpd.daemon_threads = True
-        self.address = "%s:%d" % self.httpd.server_address[:2]
+        self.address = "{}:{}".format(*self.httpd.server_address[:2])
         threading.Thread(target=self.httpd.serve_forever, daemon=True, name="ftcore-heal").start()
 
     def offer(self, step: int, tree: Any) -> None:
@@ -65,6 +72,8 @@ class HealServer:
             self._cond.notify_all()
 
     def wait_for(self, step: int, timeout: float) -> Any | None:
+        """The snapshot of `step` once offered, or None when none came within `timeout`;
+        SnapshotGone when a later step is offered instead."""
         deadline = time.monotonic() + timeout
         with self._cond:
             while self._step < step:
@@ -72,7 +81,9 @@ class HealServer:
                 if left <= 0:
                     return None
                 self._cond.wait(left)
-            return self._tree if self._step == step else "gone"
+            if self._step != step:
+                raise SnapshotGone(f"step {step} is gone; this server is past it (at {self._step})")
+            return self._tree
 
     def close(self) -> None:
         self.httpd.shutdown()
@@ -108,12 +119,13 @@ class _Handler(BaseHTTPRequestHandler):
             self._plain(400, "the step in /snapshot/<step> must be a non-negative integer")
             return
         step = int(parts[1])
-        tree = srv.wait_for(step, timeouts.HEAL_TIMEOUT)
+        try:
+            tree = srv.wait_for(step, timeouts.HEAL_TIMEOUT)
+        except SnapshotGone as e:
+            self._plain(410, str(e))
+            return
         if tree is None:
             self._plain(504, f"no snapshot for step {step} yet")
-            return
-        if isinstance(tree, str):
-            self._plain(410, f"step {step} is gone; this server is past it")
             return
         if srv.on_serve:
             srv.on_serve(step)  # may raise (fault injection): the connection just drops

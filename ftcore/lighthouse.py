@@ -2,9 +2,9 @@
 
 Every rank of every replica group registers, heartbeats, and asks for a quorum once
 per step. A quorum round answers all ranks of all participating groups at once with
-the same `quorum_id` (the membership epoch: it grows whenever the set of participating
-group incarnations changes), the highest committed step, and which groups must heal
-from which up-to-date group. A failed group is noticed three ways:
+the same `quorum_id` (it grows whenever the set of participating group incarnations
+changes), the highest committed step, and which groups must heal from which up-to-date
+group. Every message has one typed definition in ftcore/messages.py. A failed group is noticed three ways:
 
 - its heartbeat connection closes (a killed process: milliseconds),
 - a survivor reports a data-plane error and the group does not heartbeat within
@@ -18,7 +18,8 @@ and a majority of the healthy groups (no split brain). HTTP/1.1 + JSON on one as
 (stdlib); every request needs the shared token in its Authorization header. The lighthouse
 keeps no state that matters across its own restart: groups re-register on their next
 heartbeat, their steps come with them, and the quorum they all report is handed out again
-(same id and epoch: nobody rebuilds a process group), else a new id above any reported.
+(same quorum id and lighthouse id: nobody rebuilds a process group), else a new id above any
+reported.
 A lighthouse that was paused grants a grace period before it judges anyone's silence, and
 tells each quorum's members how long they may go on without it (the lease, manager.py).
 
@@ -41,17 +42,33 @@ import collections
 import html
 import json
 import math
-import re
 import secrets
 import socket
 import sys
 import threading
 import time
 import urllib.parse
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from ftcore import auth, netaddr, timeouts
+from ftcore.messages import (
+    DEFAULT_JOB,
+    Busy,
+    ClientEvent,
+    FailureReport,
+    HeartbeatReply,
+    Identity,
+    OvertakenReply,
+    Pace,
+    Quorum,
+    QuorumRefused,
+    QuorumRequest,
+    RankInfo,
+    StandbyReply,
+    job_id,
+)
 from ftcore.pace import PaceJudge, PacePolicy
 
 
@@ -70,19 +87,14 @@ class LighthouseConfig:
     pace: PacePolicy = field(default_factory=PacePolicy)   # fail-slow: exclude a group slower than its peers
 
 
-# Bounds on what a client may send: ids the lighthouse cannot plan for are refused at the door.
-DEFAULT_JOB = "default"
-JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/+@=-]{0,127}")
-MAX_GROUPS = 1 << 16       # replica groups per job
-MAX_WORLD = 1 << 16        # ranks per replica group
-MAX_ID = 1 << 53           # steps, incarnations, quorum ids: integers JSON carries exactly
 MAX_JOBS = 256
 TICK_S = 0.01              # formation rounds: how often a waiting round re-checks its members
 SWEEP_S = 0.05             # health sweeps over every rank (disconnects and reports act at once)
 
 
 @dataclass
-class Rank:
+class RankRecord:
+    """What the lighthouse knows of one rank."""
     rank: int
     store: str = ""        # host:port of this rank's TCPStore (rendezvous for cross-group groups)
     heal: str = ""         # host:port of this rank's heal server
@@ -93,11 +105,12 @@ class Rank:
 
 
 @dataclass
-class Group:
+class GroupRecord:
+    """What the lighthouse knows of one incarnation of a replica group."""
     group: int
     incarnation: int
     world: int             # ranks per group (K)
-    ranks: dict[int, Rank] = field(default_factory=dict)
+    ranks: dict[int, RankRecord] = field(default_factory=dict)
     healthy: bool = False
     left: bool = False
     leaving: bool = False  # a rank said goodbye: the group is ending cleanly, rank by rank
@@ -117,67 +130,31 @@ class Group:
         return None
 
 
+Answer = StandbyReply | OvertakenReply | QuorumRefused
+# hands a quorum request's answer to its waiter: a quorum (its JSON text, encoded for the rank) or another answer
+Deliver = Callable[[str | Answer], None]
+
+
 @dataclass
 class Request:
+    """A pending quorum request (from a checked QuorumRequest)."""
     group: int
     rank: int
     incarnation: int
     step: int
     t: float          # monotonic time of arrival
     last_quorum: int  # the last quorum id this rank trained in
-    last_epoch: str   # ... the epoch of the lighthouse that formed it, and its identity
-    last_identity: list
-    deliver: Callable[[dict[str, Any] | str], None]   # hands the reply to the waiter: a quorum (JSON text) or an error
+    last_lighthouse_id: str   # ... the lighthouse that formed it, and its members
+    last_identity: Identity
+    deliver: Deliver
     deadline: float = math.inf   # monotonic: past it the request is answered with a timeout
-    busy: tuple[int, float] | None = None   # (quorum id, seconds) of its last step's compute (ftcore/pace.py)
+    busy: Busy | None = None   # its last step's compute (ftcore/pace.py)
     idle: int = -1   # the quorum id of its last step if nobody had work in it (only absent groups' is left)
     leased: bool = False   # sent after its step had gone on without this lighthouse: its sender ignores the reply
 
 
 class StaleIncarnation(Exception):
     """A message from a process of a group incarnation that has been replaced."""
-
-
-def _int(msg: dict[str, Any], key: str, default: int | None = None, lo: int = 0, hi: int = MAX_ID) -> int:
-    """msg[key] as an int in [lo, hi); ValueError (a 400) otherwise."""
-    raw = msg.get(key, default)
-    if isinstance(raw, bool) or not isinstance(raw, (int, str)):
-        raise ValueError(f"{key} must be an integer, got {raw!r}")
-    value = int(raw)
-    if not lo <= value < hi:
-        raise ValueError(f"{key}={value} is outside [{lo}, {hi})")
-    return value
-
-
-def rank_fields(msg: dict[str, Any], num_groups: int) -> tuple[int, int, int, int, int, int, str, str]:
-    """(group, world, rank, incarnation, step, quorum_id, store, heal) of a rank's message,
-    each checked (ValueError names the field); nothing is changed."""
-    g = _int(msg, "group", hi=num_groups or MAX_GROUPS)
-    world = _int(msg, "world", 1, lo=1, hi=MAX_WORLD)
-    r = _int(msg, "rank", hi=world)
-    inc, step, qid = _int(msg, "incarnation", 0), _int(msg, "step", 0), _int(msg, "quorum_id", 0)
-    store, heal = msg.get("store", ""), msg.get("heal", "")
-    if not (isinstance(store, str) and isinstance(heal, str) and len(store) <= 256 and len(heal) <= 256):
-        raise ValueError("store and heal must be host:port strings")
-    return g, world, r, inc, step, qid, store, heal
-
-
-def _busy_field(msg: dict[str, Any]) -> tuple[int, float] | None:
-    """A quorum request's [quorum id, seconds] of compute in its last step, or None."""
-    raw = msg.get("busy")
-    if raw is None:
-        return None
-    if not (isinstance(raw, list) and len(raw) == 2 and isinstance(raw[1], (int, float))
-            and not isinstance(raw[1], bool) and 0 <= raw[1] < 1e6):
-        raise ValueError(f"busy must be [quorum_id, seconds], got {raw!r}"[:200])
-    return _int({"quorum_id": raw[0]}, "quorum_id"), float(raw[1])
-
-
-def job_id(msg: dict[str, Any]) -> str:
-    job = msg.get("job") or DEFAULT_JOB
-    if not isinstance(job, str) or not JOB_ID.fullmatch(job):
-        raise ValueError(f"job id {job!r} must match {JOB_ID.pattern}")
-    return job
 
 
 class Job:
@@ -191,8 +168,8 @@ class Job:
         self.min_replicas = max(lh.cfg.min_replicas, min_replicas)
         self.expected = num_groups or lh.cfg.expected_replicas
         self.lock = threading.Lock()
-        self.groups: dict[int, Group] = {}
-        self.quorum: dict[str, Any] | None = None
+        self.groups: dict[int, GroupRecord] = {}
+        self.quorum: Quorum | None = None    # the last one formed (its shared part: no rank's addresses)
         self.quorum_id = 0
         self.max_step = 0
         self.pending: dict[int, dict[int, Request]] = {}
@@ -203,7 +180,7 @@ class Job:
         self._last_wait_event = 0.0
         self._last_sweep = 0.0
         self.failed: list[int] = []  # members of the current quorum that are not healthy (for heartbeats)
-        self.healthy: set[int] = set()   # groups healthy at the last sweep (kept with Group.healthy)
+        self.healthy: set[int] = set()   # groups healthy at the last sweep (kept with GroupRecord.healthy)
         self.force_new = False  # a data-plane failure: the next quorum gets a new id, whoever is in it
         self.reports: dict[int, float] = {}  # quorum_id -> time of the first data-plane failure report
         self.pace = PaceJudge(lh.cfg.pace)
@@ -213,30 +190,32 @@ class Job:
         self.lh.event(kind, job=self.name, **data)
 
     # ---- membership ---------------------------------------------------------------
-    def _rank(self, msg: dict[str, Any]) -> tuple[Group, Rank]:
-        """Find or register the sender of `msg` (group, rank, world, incarnation, ...).
+    def _rank(self, info: RankInfo) -> tuple[GroupRecord, RankRecord]:
+        """Find or register the sender of `info` (checked by RankInfo.parse).
 
-        Every field is checked before anything changes: a bad message is a 400, never state."""
-        if not self.num_groups and msg.get("num_groups"):   # a job first seen without its size learns it
-            self.num_groups = _int(msg, "num_groups", hi=MAX_GROUPS)
-            self.expected = self.expected or self.num_groups
-        g, world, r, inc, step, qid, store, heal = rank_fields(msg, self.num_groups)
+        Everything is checked before anything changes: a bad message is a 400, never state."""
+        g, world, r, inc, step = info.group, info.world, info.rank, info.incarnation, info.step
+        if self.num_groups and g >= self.num_groups:
+            raise ValueError(f"group={g} is outside [0, {self.num_groups})")
         grp = self.groups.get(g)
         if grp is not None and inc < grp.incarnation:
             raise StaleIncarnation(f"group {g} incarnation {inc} was replaced by {grp.incarnation}")
         if grp is not None and inc == grp.incarnation and world != grp.world:
             raise ValueError(f"group {g} incarnation {inc} has {grp.world} ranks, this rank says {world}")
+        if not self.num_groups and info.num_groups:   # a job first seen without its size learns it
+            self.num_groups = info.num_groups
+            self.expected = self.expected or self.num_groups
         if grp is None or inc > grp.incarnation:
             if grp is not None:
                 self._drop_pending(g)
-            grp = self.groups[g] = Group(g, inc, world)
+            grp = self.groups[g] = GroupRecord(g, inc, world)
             self.healthy.discard(g)   # a new incarnation is healthy once the sweep says so
             self.event("register", group=g, incarnation=inc, world=world, step=step)
         rk = grp.ranks.get(r)
         if rk is None:
-            rk = grp.ranks[r] = Rank(r)
+            rk = grp.ranks[r] = RankRecord(r)
         grp.left = False
-        rk.store, rk.heal = store or rk.store, heal or rk.heal
+        rk.store, rk.heal = info.store or rk.store, info.heal or rk.heal
         rk.step = max(rk.step, step)  # a late heartbeat may carry an older step
         rk.last_beat = time.monotonic()
         if rk.disconnected:
@@ -244,18 +223,18 @@ class Job:
             self._last_sweep = 0.0
         self.max_step = max(self.max_step, rk.step)
         # After a lighthouse restart, quorum ids resume above any a member has seen.
-        self.quorum_id = max(self.quorum_id, qid)
+        self.quorum_id = max(self.quorum_id, info.quorum_id)
         return grp, rk
 
     def _drop_pending(self, g: int) -> None:
         for req in self._pop(g).values():
-            req.deliver({"error": "stale incarnation"})
+            req.deliver(QuorumRefused("stale", "stale incarnation"))
 
-    def _is_healthy(self, grp: Group, now: float) -> bool:
+    def _is_healthy(self, grp: GroupRecord, now: float) -> bool:
         if grp.left or len(grp.ranks) < grp.world:
             return False
-        report = self.reports.get(self.quorum["quorum_id"]) if self.quorum else None
-        in_quorum = self.quorum is not None and grp.group in self.quorum["groups"]
+        report = self.reports.get(self.quorum.quorum_id) if self.quorum else None
+        in_quorum = self.quorum is not None and grp.group in self.quorum.groups
         silence_counts = not self.lh.in_grace(now)   # a paused lighthouse heard nobody: not their fault
         for rk in grp.ranks.values():
             if rk.disconnected or (silence_counts and now - rk.last_beat > self.cfg.heartbeat_timeout):
@@ -279,7 +258,7 @@ class Job:
                     why = ("connection closed" if any(r.disconnected for r in grp.ranks.values())
                            else "heartbeat timeout")
                     self.event("failure_detected", group=grp.group, incarnation=grp.incarnation, reason=why)
-        self.failed = [g for g in (self.quorum["groups"] if self.quorum else [])
+        self.failed = [g for g in (self.quorum.groups if self.quorum else ())
                        if g in self.groups and not self.groups[g].healthy]
 
     # ---- quorum ---------------------------------------------------------------------
@@ -298,7 +277,7 @@ class Job:
                 if now >= req.deadline:
                     del self.pending[g][r]
                     self.complete.discard(g)
-                    req.deliver({"error": "timeout waiting for a quorum"})
+                    req.deliver(QuorumRefused("timeout", "timeout waiting for a quorum"))
             if not self.pending[g]:
                 del self.pending[g]
         self._restart_round()
@@ -314,7 +293,7 @@ class Job:
         top = max(r.step for rs in self.pending.values() for r in rs.values())
         for g in [g for g, rs in self.pending.items() if all(r.leased and r.step < top for r in rs.values())]:
             for req in self._pop(g).values():
-                req.deliver({"overtaken": True, "step": top})
+                req.deliver(OvertakenReply(top))
 
     def _maybe_form(self, now: float) -> None:
         """O(groups): one formation attempt on the health of the last sweep."""
@@ -327,14 +306,14 @@ class Job:
                                             None if self.lh.in_grace(now) else self.cfg.heartbeat_timeout)
             if lost is not None:
                 for req in self._pop(g).values():
-                    req.deliver({"error": f"replica group {g} lost rank {lost}; restart the group", "lost": True})
+                    req.deliver(QuorumRefused("lost", f"replica group {g} lost rank {lost}; restart the group"))
         if not self.pending:
             return
         healthy = self.healthy - self.excluded.keys()   # a group on standby is not waited for, nor counted
         requesting = sorted(self.complete & healthy)
         round_start = self.round_start if self.round_start is not None else now
         if self.quorum:
-            fast = (set(self.quorum["groups"]) & healthy) <= set(requesting)
+            fast = (set(self.quorum.groups) & healthy) <= set(requesting)
         else:  # first quorum (or first after a lighthouse restart): wait for the whole job
             fast = healthy <= set(requesting) and len(requesting) >= self.expected
         waited = now - round_start >= self.cfg.join_timeout
@@ -345,38 +324,38 @@ class Job:
             self._last_wait_event = now  # say why a round is stuck (status page, timeline)
             self.event("quorum_waiting", requesting=requesting, healthy=sorted(healthy),
                        pending={str(g): sorted(r) for g, r in self.pending.items()},
-                       previous=self.quorum["groups"] if self.quorum else None, seconds=round(now - round_start, 2))
+                       previous=list(self.quorum.groups) if self.quorum else None, seconds=round(now - round_start, 2))
 
-    def _resumed(self, members: list[int], identity: list) -> tuple[int, str] | None:
-        """After a restart of this lighthouse: the (quorum id, epoch) its members all last
-        trained in, when that quorum had exactly this membership. Resuming it keeps their
+    def _resumed(self, members: list[int], identity: Identity) -> tuple[int, str] | None:
+        """After a restart of this lighthouse: the (quorum id, lighthouse id) its members all
+        last trained in, when that quorum had exactly this membership. Resuming it keeps their
         process groups (and a group that went on without this lighthouse, on its lease, in step)."""
         reqs = [r for g in members for r in self.pending[g].values()]
         first = reqs[0]
-        if first.last_epoch and first.last_identity == identity and all(
-                (r.last_quorum, r.last_epoch, r.last_identity) == (first.last_quorum, first.last_epoch, identity)
-                for r in reqs):
-            return first.last_quorum, first.last_epoch
+        if first.last_lighthouse_id and first.last_identity == identity and all(
+                (r.last_quorum, r.last_lighthouse_id, r.last_identity)
+                == (first.last_quorum, first.last_lighthouse_id, identity) for r in reqs):
+            return first.last_quorum, first.last_lighthouse_id
         return None
 
     def _form(self, members: list[int]) -> None:
         """Build the whole quorum and every rank's reply first, then change state."""
-        identity = [[g, self.groups[g].incarnation] for g in members]
+        identity = tuple((g, self.groups[g].incarnation) for g in members)
         resumed = self._resumed(members, identity) if self.quorum is None and not self.force_new else None
-        new_id = self.quorum is None or self.quorum["identity"] != identity or self.force_new
+        new_id = self.quorum is None or self.quorum.identity != identity or self.force_new
         quorum_id = self.quorum_id + 1 if new_id else self.quorum_id
-        epoch = self.quorum["epoch"] if self.quorum is not None and not new_id else self.lh.epoch
+        lighthouse_id = self.quorum.lighthouse_id if self.quorum is not None and not new_id else self.lh.lighthouse_id
         if resumed is not None:
-            quorum_id, epoch = resumed
+            quorum_id, lighthouse_id = resumed
         steps = {g: min(req.step for req in self.pending[g].values()) for g in members}
         busy = self._busy(members)
-        idle = self.quorum is not None and all(r.idle == self.quorum["quorum_id"]
+        idle = self.quorum is not None and all(r.idle == self.quorum.quorum_id
                                                for g in members for r in self.pending[g].values())
         # Only members of the previous quorum may serve state. A group that was left out
         # (hung, cut off) may have committed a step the others discarded: it heals even
         # at an equal step. After a lighthouse restart, trust the latest reported quorum.
         if self.quorum is not None:
-            before = {(g, inc) for g, inc in self.quorum["identity"]}
+            before = set(self.quorum.identity)
             trusted = [g for g in members if (g, self.groups[g].incarnation) in before]
         else:
             last = {g: min(req.last_quorum for req in self.pending[g].values()) for g in members}
@@ -388,30 +367,20 @@ class Job:
             # that state: these groups must not start a history of their own from an older one.
             for g in members:
                 for req in self._pop(g).values():
-                    req.deliver({"error": f"the job finished at step {self.finished_step}; nothing to rejoin",
-                                 "finished": True})
+                    req.deliver(QuorumRefused("finished", f"the job finished at step {self.finished_step}; "
+                                                          "nothing to rejoin"))
             return
         sources = [g for g in trusted if steps[g] == max_step]
         healers = [g for g in members if g not in sources]
-        heal = {str(g): sources[i % len(sources)] for i, g in enumerate(healers)}  # spread over sources
-        q = {"quorum_id": quorum_id, "epoch": epoch, "job": self.name, "identity": identity,
-             "groups": members, "max_step": max_step, "heal": heal, "lease_s": self.cfg.lease,
-             # the members' compute in the step they just finished: each sees its wait for the slowest
-             "pace": [self.quorum["quorum_id"], round(max(busy.values()), 6),
-                      round(sum(busy.values()) / len(busy), 6)] if busy else None}
-        # Each rank k gets only the two addresses it uses: rank k of the first member hosts the
-        # rendezvous of every rank k, and a healing rank k fetches from rank k of its source.
-        # The part every rank shares is encoded once per round, not once per rank.
-        leader = self.groups[members[0]].ranks
-        common = json.dumps(q)[:-1]
-        replies = []
-        for g in members:
-            src = self.groups[heal[str(g)]].ranks if str(g) in heal else None
-            for req in self.pending[g].values():
-                store = leader[req.rank].store if req.rank in leader else ""
-                heal_from = src[req.rank].heal if src and req.rank in src else ""
-                replies.append((req, f'{common}, "store": {json.dumps(store)}, "heal_from": {json.dumps(heal_from)}}}'))
-        changed = self.quorum is None or self.quorum["quorum_id"] != quorum_id or self.quorum["epoch"] != epoch
+        q = Quorum(quorum_id=quorum_id, lighthouse_id=lighthouse_id, job=self.name, identity=identity,
+                   groups=tuple(members), max_step=max_step,
+                   heal={g: sources[i % len(sources)] for i, g in enumerate(healers)},   # spread over sources
+                   lease_s=self.cfg.lease,
+                   # the members' compute in the step they just finished: each sees its wait for the slowest
+                   pace=Pace(self.quorum.quorum_id, round(max(busy.values()), 6),
+                             round(sum(busy.values()) / len(busy), 6)) if busy and self.quorum else None)
+        replies = self._replies(q)
+        changed = self.quorum is None or self.quorum.key != q.key
         self.quorum, self.quorum_id, self.force_new = q, quorum_id, False
         self.max_step = max(self.max_step, max_step)
         self.failed = []
@@ -422,22 +391,39 @@ class Job:
         for req, reply in replies:
             req.deliver(reply)
         if changed:
-            self.event("quorum_formed", quorum_id=quorum_id, groups=members, max_step=max_step, heal=heal)
+            self.event("quorum_formed", quorum_id=quorum_id, groups=members, max_step=max_step,
+                       heal=q.shared()["heal"])
         for g in healers:
-            self.event("heal_assigned", group=g, source=heal[str(g)], step=max_step, quorum_id=quorum_id)
+            self.event("heal_assigned", group=g, source=q.heal[g], step=max_step, quorum_id=quorum_id)
         if idle and self.excluded:   # the work left is the excluded groups' own: let them do it
             self.excluded = dict.fromkeys(self.excluded, 0.0)
         self._judge_pace(busy, members)
+
+    def _replies(self, q: Quorum) -> list[tuple[Request, str]]:
+        """Every member rank's reply. Each rank k gets only the two addresses it uses: rank k of
+        the first member hosts the rendezvous of every rank k, and a healing rank k fetches
+        from rank k of its source. The part every rank shares is encoded once per round."""
+        leader = self.groups[q.groups[0]].ranks
+        shared = q.shared_json()
+        replies = []
+        for g in q.groups:
+            src = self.groups[q.heal[g]].ranks if g in q.heal else None
+            for req in self.pending[g].values():
+                store = leader[req.rank].store if req.rank in leader else ""
+                heal_from = src[req.rank].heal if src and req.rank in src else ""
+                replies.append((req, Quorum.for_rank(shared, store, heal_from)))
+        return replies
 
     # ---- fail-slow --------------------------------------------------------------------
     def _busy(self, members: list[int]) -> dict[int, float]:
         """Each member's compute in the step it just finished in the current quorum (its slowest
         rank's), for members that all ran that step in it and nobody healed: comparable figures."""
-        if self.quorum is None or self.quorum["heal"]:
+        if self.quorum is None or self.quorum.heal:
             return {}
-        qid, out = self.quorum["quorum_id"], {}
+        qid, out = self.quorum.quorum_id, {}
         for g in members:
-            figures = [r.busy[1] for r in self.pending[g].values() if r.busy is not None and r.busy[0] == qid]
+            figures = [r.busy.seconds for r in self.pending[g].values()
+                       if r.busy is not None and r.busy.quorum_id == qid]
             if len(figures) == self.groups[g].world:
                 out[g] = max(figures)
         return out if len(out) == len(members) else {}
@@ -452,38 +438,29 @@ class Job:
                        reason="slower than its peers", ratio=verdict.ratio, busy_s=verdict.busy_s,
                        window=self.cfg.pace.window, probation_s=verdict.probation_s)
 
-    def _standby(self, grp: Group, now: float) -> dict[str, Any] | None:
+    def _standby(self, grp: GroupRecord, now: float) -> StandbyReply | None:
         """The answer to a quorum request of an excluded group while its probation lasts."""
         until = self.excluded.get(grp.group)
         if until is None:
             return None
         if now < until and not self.finished_step:   # once the job ends there is nothing to wait for
-            return {"standby": True, "retry_s": round(min(until - now, 1.0), 3),
-                    "reason": f"excluded as slower than its peers for {until - now:.1f}s more"}
+            return StandbyReply(round(min(until - now, 1.0), 3),
+                                f"excluded as slower than its peers for {until - now:.1f}s more")
         del self.excluded[grp.group]
         self.pace.forget(grp.group)
         self.event("group_readmitted", group=grp.group, incarnation=grp.incarnation)
         return None
 
-    def enqueue(self, msg: dict[str, Any], deliver: Callable[[dict[str, Any] | str], None],
-                timeout: float) -> Request:
+    def enqueue(self, ask: QuorumRequest, deliver: Deliver, timeout: float) -> Request:
         """A rank's quorum request joins this round; `deliver` gets the reply when it forms
         (maybe at once: this arrival may complete the round; the ticker does the rest), or a
         timeout error after `timeout` seconds."""
         with self.lock:
-            identity = msg.get("quorum_identity") or []
-            epoch = msg.get("quorum_epoch") or ""
-            if not (isinstance(identity, list) and len(identity) <= MAX_GROUPS and isinstance(epoch, str)
-                    and len(epoch) <= 64):
-                raise ValueError("quorum_identity must be a list of [group, incarnation], quorum_epoch a string")
-            busy, idle = _busy_field(msg), _int(msg, "idle", -1, lo=-1)
-            leased = msg.get("leased", False)
-            if not isinstance(leased, bool):
-                raise ValueError(f"leased must be true or false, got {leased!r}"[:200])
-            grp, _ = self._rank(msg)
+            grp, _ = self._rank(ask.info)
             now = time.monotonic()
-            req = Request(grp.group, int(msg["rank"]), grp.incarnation, int(msg.get("step", 0)), now,
-                          int(msg.get("quorum_id", 0)), epoch, identity, deliver, now + timeout, busy, idle, leased)
+            req = Request(grp.group, ask.info.rank, grp.incarnation, ask.info.step, now, ask.info.quorum_id,
+                          ask.quorum_lighthouse_id, ask.quorum_identity, deliver, now + timeout, ask.busy, ask.idle,
+                          ask.leased)
             standby = self._standby(grp, now)
             if standby is not None:
                 deliver(standby)
@@ -492,7 +469,7 @@ class Job:
             reqs = self.pending.setdefault(grp.group, {})
             old = reqs.get(req.rank)
             if old is not None:   # the same rank asking again (a retry): the earlier waiter is gone
-                old.deliver({"error": "superseded by a newer request"})
+                old.deliver(QuorumRefused("superseded", "superseded by a newer request"))
             reqs[req.rank] = req
             if self.round_start is None:
                 self.round_start = now
@@ -527,15 +504,11 @@ class Job:
         self.next_deadline = min((r.deadline for r in reqs), default=math.inf)
 
     # ---- other requests -------------------------------------------------------------
-    def heartbeat(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def heartbeat(self, info: RankInfo) -> HeartbeatReply:
         """O(1): the failed list is the last sweep's."""
         with self.lock:
-            self._rank(msg)
-            return {"quorum_id": self.quorum["quorum_id"] if self.quorum else 0, "failed": self.failed}
-
-    def register(self, msg: dict[str, Any]) -> None:
-        with self.lock:
-            self._rank(msg)
+            self._rank(info)
+            return HeartbeatReply(self.quorum.quorum_id if self.quorum else 0, tuple(self.failed))
 
     def disconnected(self, g: int, r: int, inc: int) -> None:
         with self.lock:
@@ -546,22 +519,21 @@ class Job:
                 if self.pending:
                     self._maybe_form(time.monotonic())
 
-    def report_failure(self, msg: dict[str, Any]) -> None:
+    def report_failure(self, report: FailureReport) -> None:
         with self.lock:
-            qid = _int(msg, "quorum_id", 0)
-            self.event("failure_reported", group=msg.get("group"), rank=msg.get("rank"), quorum_id=qid,
-                       error=str(msg.get("error", ""))[:200])
+            qid = report.quorum_id
+            self.event("failure_reported", group=report.group, rank=report.rank, quorum_id=qid, error=report.error)
             self.reports.setdefault(qid, time.monotonic())
-            if self.quorum is not None and qid == self.quorum["quorum_id"]:
+            if self.quorum is not None and qid == self.quorum.quorum_id:
                 self.force_new = True  # the reporter's process group is broken: rebuild everyone's
             self._last_sweep = 0.0     # probe at the next tick
 
-    def leave(self, msg: dict[str, Any]) -> None:
+    def leave(self, info: RankInfo) -> None:
         with self.lock:
-            grp = self.groups.get(_int(msg, "group", hi=MAX_GROUPS))
-            if grp is None or grp.incarnation != _int(msg, "incarnation", 0):
+            grp = self.groups.get(info.group)
+            if grp is None or grp.incarnation != info.incarnation:
                 return
-            rank = grp.ranks.pop(_int(msg, "rank", hi=MAX_WORLD), None)
+            rank = grp.ranks.pop(info.rank, None)
             if rank is not None:
                 self.finished_step = max(self.finished_step, rank.step)
             grp.leaving = True   # its other ranks leave next: not a failure
@@ -578,11 +550,12 @@ class Job:
                 "job": self.name,
                 "min_replicas": self.min_replicas,
                 "max_step": self.max_step,
-                "quorum": dict(self.quorum) if self.quorum else None,
+                "quorum": self.quorum.shared() if self.quorum else None,
                 "groups": [
                     {"group": g.group, "incarnation": g.incarnation, "healthy": g.healthy, "left": g.left,
                      "step": g.step, "ranks": len(g.ranks), "world": g.world,
-                     "standby_s": round(max(self.excluded[g.group] - now, 0.0), 2) if g.group in self.excluded else None,
+                     "standby_s": (round(max(self.excluded[g.group] - now, 0.0), 2)
+                                   if g.group in self.excluded else None),
                      "last_beat_age_s": max((now - r.last_beat for r in g.ranks.values()), default=None)}
                     for g in sorted(self.groups.values(), key=lambda g: g.group)
                 ],
@@ -594,7 +567,8 @@ class Lighthouse:
 
     def __init__(self, cfg: LighthouseConfig):
         self.cfg = cfg
-        self.epoch = secrets.token_hex(4)  # distinguishes store prefixes across lighthouse restarts
+        # this start of the lighthouse (ftcore/messages.py): store prefixes differ across restarts
+        self.lighthouse_id = secrets.token_hex(4)
         self._jobs_lock = threading.Lock()
         self.jobs: dict[str, Job] = {}
         self._events_lock = threading.Lock()
@@ -607,7 +581,7 @@ class Lighthouse:
         self.grace_until = 0.0                # after a pause: silence is not judged before this
         self._ticker = threading.Thread(target=self._tick, daemon=True, name="lighthouse-tick")
         self._ticker.start()
-        self.event("lighthouse_started", epoch=self.epoch, min_replicas=cfg.min_replicas)
+        self.event("lighthouse_started", lighthouse_id=self.lighthouse_id, min_replicas=cfg.min_replicas)
 
     def event(self, kind: str, **data: Any) -> None:
         ev = {"t": time.time(), "kind": kind, **data}
@@ -619,17 +593,15 @@ class Lighthouse:
                 self._events_file.write(line + "\n")
                 self._events_file.flush()
 
-    def job(self, msg: dict[str, Any], create: bool = True) -> Job | None:
-        """The job a message belongs to (created on its first registration)."""
-        name = job_id(msg)
+    def job(self, info: RankInfo) -> Job:
+        """The job a rank belongs to, created by its first message (a checked one: a bad
+        message creates no job)."""
         with self._jobs_lock:
-            j = self.jobs.get(name)
-            if j is None and create:
+            j = self.jobs.get(info.job)
+            if j is None:
                 if len(self.jobs) >= MAX_JOBS:
                     raise ValueError(f"this lighthouse already serves {MAX_JOBS} jobs")
-                num_groups = _int(msg, "num_groups", 0, hi=MAX_GROUPS)
-                rank_fields(msg, num_groups)   # a bad first message creates no job
-                j = self.jobs[name] = Job(self, name, num_groups, _int(msg, "min_replicas", 1, hi=MAX_GROUPS))
+                j = self.jobs[info.job] = Job(self, info.job, info.num_groups, info.min_replicas)
             return j
 
     def notice_pause(self, now: float) -> None:
@@ -657,21 +629,18 @@ class Lighthouse:
                     self.event("tick_error", job=j.name, error=f"{type(e).__name__}: {e}"[:300])
 
     # ---- messages for a job that may not exist (never created by them) ----------------------
-    def report_failure(self, msg: dict[str, Any]) -> None:
-        j = self.job(msg, create=False)
+    def report_failure(self, report: FailureReport) -> None:
+        j = self.jobs.get(report.job)
         if j is not None:
-            j.report_failure(msg)
+            j.report_failure(report)
 
-    def leave(self, msg: dict[str, Any]) -> None:
-        j = self.job(msg, create=False)
+    def leave(self, info: RankInfo) -> None:
+        j = self.jobs.get(info.job)
         if j is not None:
-            j.leave(msg)
+            j.leave(info)
 
-    def client_event(self, msg: dict[str, Any]) -> None:
-        kind = str(msg.pop("kind", "event"))[:64]
-        job = job_id(msg)
-        self.event(kind, **{k: v for k, v in msg.items()
-                            if k not in ("t", "kind", "job") and isinstance(v, (int, float, str, list))}, job=job)
+    def client_event(self, ev: ClientEvent) -> None:
+        self.event(ev.kind, **ev.data, job=ev.job)
 
     def status(self, job: str = DEFAULT_JOB) -> dict[str, Any]:
         j = self.jobs.get(job)
@@ -679,7 +648,7 @@ class Lighthouse:
                                    "quorum": None, "groups": []}
         with self._events_lock:
             events = [e for e in self.events if e.get("job", job) == job][-100:]
-        return {"epoch": self.epoch, "uptime_s": time.time() - self.started, "jobs": sorted(self.jobs),
+        return {"lighthouse_id": self.lighthouse_id, "uptime_s": time.time() - self.started, "jobs": sorted(self.jobs),
                 **st, "events": events}
 
     def close(self) -> None:
@@ -885,7 +854,7 @@ class LighthouseServer:
         lh = self.lh
         try:
             if method == "GET":
-                job = job_id({"job": urllib.parse.parse_qs(url.query).get("job", [DEFAULT_JOB])[0]})
+                job = job_id(urllib.parse.parse_qs(url.query).get("job", [DEFAULT_JOB])[0])
                 if url.path == "/status":
                     return conn.reply(200, lh.status(job))
                 if url.path in ("/", "/index.html"):
@@ -894,26 +863,23 @@ class LighthouseServer:
             if method != "POST":
                 return conn.reply(404, {"error": f"no {method} here"})
             msg = json.loads(raw.decode("utf-8") or "{}", parse_constant=_no_constant)
-            if not isinstance(msg, dict):
-                raise ValueError("the body must be a JSON object")
             path = url.path
             if path == "/heartbeat":
-                job = lh.job(msg)
-                reply = job.heartbeat(msg)   # validates: only then is this connection a rank's
-                conn.beat = (job, int(msg["group"]), int(msg["rank"]), int(msg.get("incarnation", 0)))
-                return conn.reply(200, reply)
-            if path == "/register":
-                lh.job(msg).register(msg)
-                return conn.reply(200, {"epoch": lh.epoch})
+                info = RankInfo.parse(msg)
+                job_ = lh.job(info)
+                reply = job_.heartbeat(info)   # validates: only then is this connection a rank's
+                conn.beat = (job_, info.group, info.rank, info.incarnation)
+                return conn.reply(200, reply.to_wire())
             if path == "/quorum":
-                return self._quorum(conn, lh.job(msg), msg)
+                ask = QuorumRequest.parse(msg)
+                return self._quorum(conn, lh.job(ask.info), ask)
             if path == "/report_failure":
-                lh.report_failure(msg)
+                lh.report_failure(FailureReport.parse(msg))
             elif path == "/leave":
-                lh.leave(msg)
+                lh.leave(RankInfo.parse(msg))
                 conn.beat = None
             elif path == "/event":
-                lh.client_event(msg)
+                lh.client_event(ClientEvent.parse(msg))
             else:
                 return conn.reply(404, {"error": f"no such path {path}"})
             conn.reply(200, {})
@@ -923,25 +889,21 @@ class LighthouseServer:
         except (KeyError, ValueError, TypeError, UnicodeDecodeError, RecursionError) as e:
             conn.reply(400, {"error": f"bad request: {e!r}"[:500]})
 
-    def _quorum(self, conn: _Connection, job: Job, msg: dict[str, Any]) -> None:
-        timeout = float(msg.get("timeout", timeouts.QUORUM_TIMEOUT))
-        if not math.isfinite(timeout) or timeout <= 0:
-            raise ValueError(f"timeout={timeout} must be a positive number of seconds")
+    def _quorum(self, conn: _Connection, job: Job, ask: QuorumRequest) -> None:
         loop_thread = threading.get_ident()
 
-        def answer(reply: dict[str, Any] | str) -> None:
-            if isinstance(reply, str):
-                conn.reply(200, reply)
+        def answer(reply: str | Answer) -> None:
+            if isinstance(reply, str):   # a quorum, encoded for this rank
+                conn.reply(Quorum.status, reply)
             else:
-                conn.reply(200 if reply.get("standby") or reply.get("overtaken") else 409 if reply.get("error") == "stale incarnation" else
-                           410 if reply.get("lost") or reply.get("finished") else 504, reply)
+                conn.reply(reply.status, reply.to_wire())
 
-        def deliver(reply: dict[str, Any] | str) -> None:   # under the job's lock: the ticker's thread or this loop's
+        def deliver(reply: str | Answer) -> None:   # under the job's lock: the ticker's thread or this loop's
             if threading.get_ident() == loop_thread:
                 self.loop.call_soon(answer, reply)    # after this request's own dispatch has returned
             else:
                 self.loop.call_soon_threadsafe(answer, reply)
-        conn.waiting = (job, job.enqueue(msg, deliver, min(timeout, timeouts.QUORUM_TIMEOUT)))
+        conn.waiting = (job, job.enqueue(ask, deliver, min(ask.timeout, timeouts.QUORUM_TIMEOUT)))
 
 
 def _no_constant(name: str) -> Any:
@@ -983,7 +945,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slow-window", type=int, default=pace.window,
                    help="... for this many consecutive rounds (FTCORE_SLOW_WINDOW)")
     p.add_argument("--slow-probation", type=float, default=pace.probation_s,
-                   help="seconds an excluded group waits before it may rejoin; doubles each time (FTCORE_SLOW_PROBATION)")
+                   help="seconds an excluded group waits before it may rejoin; doubles each time "
+                        "(FTCORE_SLOW_PROBATION)")
     a = p.parse_args(argv)
     if a.min_replicas < 1:
         print("ftcore.lighthouse: --min-replicas must be >= 1", file=sys.stderr)
@@ -1010,7 +973,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         print(f"ftcore.lighthouse: cannot listen on {a.bind}: {e.strerror}; choose another --bind", file=sys.stderr)
         return 2
-    print(json.dumps({"t": time.time(), "kind": "listening", "address": "%s:%d" % server.server_address[:2]}),
+    print(json.dumps({"t": time.time(), "kind": "listening", "address": "{}:{}".format(*server.server_address[:2])}),
           flush=True)
     try:
         threading.Event().wait()

@@ -4,17 +4,33 @@ Heartbeats go out every HEARTBEAT_INTERVAL on one kept-alive connection, so the
 lighthouse sees this process die the moment the kernel closes that connection; a beat
 is skipped when a quorum request (which refreshes liveness too) went out within the
 interval, so a training job's control traffic is about one request per rank and step. Every
-message carries the full registration (group, rank, world, incarnation, step,
-addresses), so a restarted lighthouse relearns the job from the next heartbeat.
+message carries the full registration (`RankInfo`: group, rank, world, incarnation, step,
+addresses), so a restarted lighthouse relearns the job from the next heartbeat. Every
+answer is parsed into its type from ftcore/messages.py here, once; a malformed one is a
+LighthouseError that names the field.
 """
 
 import http.client
 import json
 import threading
 import time
-from typing import Any, Callable
+from dataclasses import replace
+from typing import Any, Protocol
 
 from ftcore import auth, timeouts
+from ftcore.messages import (
+    ClientEvent,
+    FailureReport,
+    HeartbeatReply,
+    MessageError,
+    OvertakenReply,
+    Quorum,
+    QuorumRefused,
+    QuorumRequest,
+    RankInfo,
+    StandbyReply,
+    parse_quorum_answer,
+)
 
 
 class LighthouseError(RuntimeError):
@@ -72,26 +88,44 @@ def call(addr: str, path: str, body: dict[str, Any] | None, token: str | None,
         conn.close()
 
 
+class LighthouseLink(Protocol):
+    """What the manager needs of its lighthouse client (ftcore/manager.py; tests give it a fake)."""
+    info: RankInfo
+    replaced: bool
+    failed_groups: tuple[int, ...]
+    latest_quorum_id: int
+
+    def update(self, **changes: Any) -> None: ...
+    def start_heartbeats(self) -> None: ...
+    def quorum(self, timeout: float = ..., request: QuorumRequest | None = None) -> Quorum: ...
+    def silent_for(self) -> float: ...
+    def report_failure(self, quorum_id: int, error: str) -> None: ...
+    def event(self, kind: str, **data: Any) -> None: ...
+    def leave(self) -> None: ...
+    def close(self) -> None: ...
+
+
 class LighthouseClient:
-    def __init__(self, addr: str, group: int, rank: int, world: int, incarnation: int = 0,
-                 token: str | None = None, job: str = "default", num_groups: int = 0, min_replicas: int = 1):
+    """One rank's client. `info` is what this rank reports with every message; `update()`
+    replaces it (it is immutable: the heartbeat thread always sends one whole version)."""
+
+    def __init__(self, addr: str, info: RankInfo, token: str | None = None):
         self.addr = addr
         self.token = token
-        # num_groups and min_replicas describe the job to a lighthouse that has not seen it yet
-        self.info: dict[str, Any] = {"job": job, "group": group, "rank": rank, "world": world,
-                                     "incarnation": incarnation, "num_groups": num_groups,
-                                     "min_replicas": min_replicas, "step": 0, "quorum_id": 0,
-                                     "store": "", "heal": ""}
+        self.info = info
         self._qconn: http.client.HTTPConnection | None = None   # quorum requests, kept alive
         self._last_sent = 0.0   # monotonic time of the last quorum request (it refreshes liveness too)
         self.last_reply = time.monotonic()   # the lighthouse's last answer of any kind
-        self.failed_groups: list[int] = []  # unhealthy members of the current quorum, per the last heartbeat
+        self.failed_groups: tuple[int, ...] = ()  # unhealthy members of the current quorum, per the last heartbeat
         self.replaced = False
         self.latest_quorum_id = 0  # the lighthouse's current quorum id, per the last heartbeat
-        self.on_beat: Callable[[dict[str, Any]], None] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._conn: http.client.HTTPConnection | None = None
+
+    def update(self, **changes: Any) -> None:
+        """Report these RankInfo fields from now on (step=..., quorum_id=...)."""
+        self.info = replace(self.info, **changes)
 
     # ---- heartbeats ---------------------------------------------------------------
     def start_heartbeats(self) -> None:
@@ -115,18 +149,16 @@ class LighthouseClient:
                     # Long enough to outlast a lighthouse pause shorter than the lease: closing
                     # this connection is what tells the lighthouse that this rank died.
                     conn = http.client.HTTPConnection(host, port, timeout=max(timeouts.RPC_TIMEOUT, timeouts.LEASE))
-                conn.request("POST", "/heartbeat", body=json.dumps(self.info).encode(), headers=hdrs)
+                conn.request("POST", "/heartbeat", body=json.dumps(self.info.to_wire()).encode(), headers=hdrs)
                 resp = conn.getresponse()
                 data = json.loads(resp.read() or b"{}")
                 self.last_reply = time.monotonic()
                 if resp.status == 409:
                     self.replaced = True
                 elif resp.status == 200:
-                    self.failed_groups = data.get("failed", [])
-                    self.latest_quorum_id = int(data.get("quorum_id", 0))
-                    if self.on_beat:
-                        self.on_beat(data)
-            except (OSError, http.client.HTTPException, json.JSONDecodeError):
+                    beat = HeartbeatReply.parse(data)
+                    self.failed_groups, self.latest_quorum_id = beat.failed, beat.quorum_id
+            except (OSError, http.client.HTTPException, ValueError):   # ValueError: bad JSON, MessageError
                 if conn is not None:
                     conn.close()
                 conn = None
@@ -134,10 +166,11 @@ class LighthouseClient:
         self._conn = conn  # closed by leave()/close(), after the lighthouse knows why
 
     # ---- requests -------------------------------------------------------------------
-    def quorum(self, timeout: float = timeouts.QUORUM_TIMEOUT, info: dict[str, Any] | None = None) -> dict[str, Any]:
+    def quorum(self, timeout: float = timeouts.QUORUM_TIMEOUT, request: QuorumRequest | None = None) -> Quorum:
         """Block until the lighthouse answers this round; retries while it is unreachable.
-        `info`: what this rank reports for the round (its step...), fixed when the round began;
-        by default the live `self.info`, which a later commit may already have moved on."""
+        `request`: what this rank reports for the round (its step...), fixed when the round
+        began; by default one made of the current `info` alone."""
+        request = request if request is not None else QuorumRequest(self.info)
         deadline = time.monotonic() + timeout
         last = "no attempt"
         while True:
@@ -145,7 +178,7 @@ class LighthouseClient:
             if left <= 0:
                 raise LighthouseError(f"no quorum from lighthouse {self.addr} within {timeout:.1f}s ({last})")
             try:
-                status, body = self._ask_quorum(left, self.info if info is None else info)
+                status, body = self._ask_quorum(replace(request, timeout=left))
             except (OSError, http.client.HTTPException, json.JSONDecodeError) as e:
                 last = f"{type(e).__name__}: {e}"
                 if self._qconn is not None:
@@ -153,39 +186,47 @@ class LighthouseClient:
                 self._qconn = None
                 time.sleep(min(0.05, max(left, 0)))
                 continue
-            if status == 200 and isinstance(body, dict) and body.get("overtaken"):
-                raise Overtaken(f"a peer asked for step {body.get('step')} before this leased round's request arrived")
-            if status == 200 and isinstance(body, dict) and body.get("standby"):
-                raise Standby(str(body.get("reason", "standby")), max(0.01, min(float(body.get("retry_s", 1.0)), 5.0)))
             if status == 200:
-                # A new quorum holds only members the lighthouse found healthy: what an older
-                # heartbeat said had failed is superseded (heartbeats pause while steps are short).
-                self.failed_groups = []
-                self.latest_quorum_id = max(self.latest_quorum_id, int(body.get("quorum_id", 0)))
-                return body
-            if status == 409:
-                self.replaced = True
-                raise Replaced(str(body))
-            if status == 410:
-                why = body.get("error") if isinstance(body, dict) else body
-                if isinstance(body, dict) and body.get("finished"):
-                    raise JobFinished(f"lighthouse {self.addr}: {why}")
-                raise GroupLost(f"lighthouse {self.addr}: {why}")
+                return self._answer(body)
+            if status in (409, 410):
+                refused = QuorumRefused.parse(status, body)
+                if refused.reason == "stale":
+                    self.replaced = True
+                    raise Replaced(f"lighthouse {self.addr}: {refused.error}")
+                if refused.reason == "finished":
+                    raise JobFinished(f"lighthouse {self.addr}: {refused.error}")
+                raise GroupLost(f"lighthouse {self.addr}: {refused.error}")
             if status in (401, 400):
                 raise LighthouseError(f"lighthouse {self.addr} refused the quorum request ({status}: {body})")
             last = f"HTTP {status}: {body}"
 
-    def _ask_quorum(self, left: float, info: dict[str, Any]) -> tuple[int, Any]:
+    def _answer(self, body: Any) -> Quorum:
+        """A 200's body: the quorum, or the Standby / Overtaken exception."""
+        try:
+            answer = parse_quorum_answer(body)
+        except MessageError as e:
+            raise LighthouseError(f"lighthouse {self.addr} sent a malformed quorum answer: {e}") from None
+        if isinstance(answer, OvertakenReply):
+            raise Overtaken(f"a peer asked for step {answer.step} before this leased round's request arrived")
+        if isinstance(answer, StandbyReply):
+            raise Standby(answer.reason, answer.retry_s)
+        # A new quorum holds only members the lighthouse found healthy: what an older
+        # heartbeat said had failed is superseded (heartbeats pause while steps are short).
+        self.failed_groups = ()
+        self.latest_quorum_id = max(self.latest_quorum_id, answer.quorum_id)
+        return answer
+
+    def _ask_quorum(self, request: QuorumRequest) -> tuple[int, Any]:
         """One quorum request on this rank's kept-alive connection (not one connection a step)."""
         if self._qconn is None:
             host, port = _split(self.addr)
             self._qconn = http.client.HTTPConnection(host, port)
-        self._qconn.timeout = left + 1.0
+        self._qconn.timeout = request.timeout + 1.0
         if self._qconn.sock is not None:
-            self._qconn.sock.settimeout(left + 1.0)
+            self._qconn.sock.settimeout(request.timeout + 1.0)
         hdrs = {"Content-Type": "application/json", **auth.headers(self.token)}
         self._last_sent = time.monotonic()
-        self._qconn.request("POST", "/quorum", body=json.dumps({**info, "timeout": left}).encode(), headers=hdrs)
+        self._qconn.request("POST", "/quorum", body=json.dumps(request.to_wire()).encode(), headers=hdrs)
         resp = self._qconn.getresponse()
         data = resp.read()
         self.last_reply = time.monotonic()
@@ -201,13 +242,11 @@ class LighthouseClient:
         except (OSError, http.client.HTTPException):
             pass  # best effort: heartbeats and timeouts cover a lost report
 
-    def register(self) -> None:
-        self._fire("/register", self.info)
-
     def report_failure(self, quorum_id: int, error: str) -> None:
         """Retried within one RPC timeout: a lost report would leave the survivors waiting for
         the failure probe or the heartbeat timeout instead of re-forming at once."""
-        body = {**self.info, "quorum_id": quorum_id, "error": error}
+        i = self.info
+        body = FailureReport(i.job, i.group, i.rank, i.incarnation, quorum_id, error).to_wire()
         deadline = time.monotonic() + timeouts.RPC_TIMEOUT
         while True:
             try:
@@ -221,8 +260,8 @@ class LighthouseClient:
             time.sleep(0.05)
 
     def event(self, kind: str, **data: Any) -> None:
-        self._fire("/event", {"kind": kind, "job": self.info["job"], "group": self.info["group"],
-                              "rank": self.info["rank"], **data})
+        self._fire("/event", ClientEvent(kind, self.info.job,
+                                         {"group": self.info.group, "rank": self.info.rank, **data}).to_wire())
 
     def _stop_beats(self) -> None:
         self._stop.set()
@@ -232,7 +271,7 @@ class LighthouseClient:
     def leave(self) -> None:
         """Say goodbye, so the lighthouse records a clean exit rather than a failure."""
         self._stop_beats()
-        self._fire("/leave", self.info)
+        self._fire("/leave", self.info.to_wire())
         self.close()
 
     def close(self) -> None:

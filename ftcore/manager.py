@@ -1,6 +1,6 @@
 """The manager: the FT-HSDP step protocol inside one rank of one replica group.
 
-Per step (a transaction, DESIGN.md):
+Per step (a transaction: it commits on every group or on none):
 
     start_quorum()    asynchronous: ask the lighthouse; on a new quorum_id build the
                       cross-group process group (rank k of every group, on a fresh
@@ -18,6 +18,10 @@ errors are reported to the lighthouse at once so the survivors re-form without
 waiting for a heartbeat timeout. Each quorum request carries the compute time of the
 group's last step (fail-slow, ftcore/pace.py); a group the lighthouse holds out as slow
 gets `Standby`: its steps fail without an error report until it is readmitted and heals.
+
+The lighthouse client is a constructor argument (`lighthouse_client`, by default the real
+LighthouseClient), so the step protocol can be driven in one process by a fake
+(tests/test_ftcore_manager.py).
 """
 
 import datetime
@@ -26,10 +30,11 @@ import math
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
-from typing import Any, Callable
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,7 +44,11 @@ from ftcore import faults as faults_mod
 from ftcore import netaddr, timeouts
 from ftcore.ftar import DEFAULT_BUCKET_BYTES, FTARError, ftar
 from ftcore.heal import HealServer, fetch
-from ftcore.lighthouse_client import LighthouseClient, LighthouseError, Overtaken, Replaced, Standby
+from ftcore.lighthouse_client import LighthouseClient, LighthouseError, LighthouseLink, Overtaken, Replaced, Standby
+from ftcore.messages import Busy, Identity, Quorum, QuorumRequest, RankInfo
+
+# makes this rank's lighthouse client: (lighthouse host:port, what the rank reports, token)
+ClientFactory = Callable[[str, RankInfo, str | None], LighthouseLink]
 
 LR_POLICIES = ("none", "linear", "sqrt")
 # A group that has not committed for this long gives up (its process exits non-zero and
@@ -170,9 +179,12 @@ class StepRecord:
 
 
 class Manager:
+    """One rank's step protocol. `group_pg`: the process group of this replica group's own
+    ranks (None: one rank); `lighthouse_client`: makes the client (the real one by default)."""
+
     def __init__(self, cfg: ManagerConfig, state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None],
                  group_pg: dist.ProcessGroup | None = None, step: int = 0,
-                 faults: list[faults_mod.Fault] | None = None):
+                 faults: list[faults_mod.Fault] | None = None, lighthouse_client: ClientFactory = LighthouseClient):
         if cfg.lr_policy not in LR_POLICIES:
             raise ValueError(f"ftcore: lr_policy {cfg.lr_policy!r} is not one of {LR_POLICIES}")
         if not 0 <= cfg.group < cfg.num_groups:
@@ -193,15 +205,17 @@ class Manager:
                                     timeout=datetime.timedelta(seconds=timeouts.COLLECTIVE_TIMEOUT))
         self._stores: dict[str, dist.TCPStore] = {}
         self.heal_server = HealServer(cfg.host, cfg.token, on_serve=self._on_serve)
-        self.client = LighthouseClient(cfg.lighthouse, cfg.group, cfg.rank, cfg.world, cfg.incarnation, cfg.token,
-                                       job=cfg.job, num_groups=cfg.num_groups, min_replicas=cfg.min_replicas)
-        self.client.info.update(store=f"{cfg.host}:{self._store.port}", heal=self.heal_server.address, step=step)
+        info = RankInfo(group=cfg.group, rank=cfg.rank, world=cfg.world, incarnation=cfg.incarnation, job=cfg.job,
+                        num_groups=cfg.num_groups, min_replicas=cfg.min_replicas, step=step,
+                        store=f"{cfg.host}:{self._store.port}", heal=self.heal_server.address)
+        self.client = lighthouse_client(cfg.lighthouse, info, cfg.token)
         self.client.start_heartbeats()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftcore-quorum")
         self._heal_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftcore-heal")
-        self._pg: dist.ProcessGroup | None = None
-        self._pg_id: tuple[str, int] | None = None
-        self._quorum: dict[str, Any] | None = None
+        self._pg: dist.ProcessGroup | None = None      # this quorum's cross-group process group
+        self._pg_id: tuple[str, int] | None = None      # ... and the Quorum.key it was built for
+        self._quorum: Quorum | None = None
+        self._trained_in: tuple[str, Identity] = ("", ())   # lighthouse id and members of the last quorum applied
         self._quorum_fut: Future | None = None
         self._round = 0                   # which start_quorum a background quorum call belongs to
         self._lease_until = 0.0           # monotonic: the last granted quorum may be reused until then
@@ -209,62 +223,62 @@ class Manager:
         self._leased = False
         self._answered = False            # this round's reply was taken: the round can no longer lease
         self._round_lock = threading.Lock()   # a round either takes its reply or leases, never both
-        self._ask: dict[str, Any] = {}    # what this round's request reports, fixed at its start
+        self._ask = QuorumRequest(info)   # what this round's request reports, fixed at its start
         self._heal_fut: Future | None = None
         self._errors: list[str] = []
         self._contributors = 0
         self._has_work = True
         self._t_quorum = self._t_allreduce = 0.0
         self._last_commit = time.monotonic()
-        self._busy: list | None = None    # [quorum id, seconds] of the last step's compute, for the lighthouse
+        self._busy: Busy | None = None    # the last step's compute, for the lighthouse
+        self._idle = -1                   # the last step's quorum id if nobody had work in it, else -1
         self._standby_until = 0.0         # monotonic: held out as slow (Standby) until then
-        self._sent: tuple = (None, 0.0)
+        self._sent: tuple[Busy | None, float] = (None, 0.0)   # the busy figure sent, and that step's FTAR seconds
+        self._waited = False              # this step's quorum is known (wait_quorum ran)
+        self._reran = False               # this step's exchange re-ran in the survivors' quorum
         # per step of this group's that every member ran: (straggler s: waiting for the slowest
         # group, FTAR s, the slowest group's compute s, the groups' mean compute s); drained by the trainer
         self.pace_log: list[tuple[float, float, float, float]] = []
         self.healed_step: int | None = None  # set by should_commit() when this step loaded a peer's state
-        self.records: list[StepRecord] = []
         if cfg.records:   # named after the incarnation, which may only now be agreed
             cfg.records = cfg.records.replace("{incarnation}", str(cfg.incarnation))
         self._records_fd = (os.open(cfg.records, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
                             if cfg.records else None)
-        self.heals = 0
 
     # ---- quorum ---------------------------------------------------------------------
-    def start_quorum(self, has_work: bool = True) -> None:
-        """Begin this step's quorum in the background. `has_work=False`: this group has no
-        batch this step (a make-up step that is not its own) and will send zeros."""
+    def start_quorum(self) -> None:
+        """Begin this step's quorum in the background (the step has work until set_work says not)."""
         if self.client.replaced:
             raise Replaced(f"replica group {self.cfg.group} incarnation {self.cfg.incarnation} was replaced")
         if time.monotonic() - self._last_commit > STUCK_TIMEOUT:
             raise RuntimeError(f"ftcore: replica group {self.cfg.group} has not committed a step for "
                                f"{STUCK_TIMEOUT:.0f}s (FTCORE_STUCK_TIMEOUT); giving up so it can be restarted")
-        self._errors, self._contributors, self._has_work = [], 0, has_work
-        self.healed_step: int | None = None
+        self._errors, self._contributors, self._has_work = [], 0, True
+        self.healed_step = None
         self._heal_fut = None
         self._waited = False
         self._reran = False
         self._t0 = time.monotonic()
-        self.client.info["step"] = self.step
-        self.client.info["busy"], self._busy = self._busy, None   # fail-slow figures ride on the request
-        self._sent = (self.client.info["busy"], self._t_allreduce)   # the last step's, for its pace
+        self.client.update(step=self.step)
+        busy, self._busy = self._busy, None   # fail-slow figures ride on the request
+        self._sent = (busy, self._t_allreduce)   # the last step's, for its pace
         with self._round_lock:
             self._leased = self._answered = False
             self._round += 1
             # The request reports this step even when it goes out late (its thread was still
             # waiting on a leased round's request) and this group has committed meanwhile: a
             # later step in it would make the lighthouse heal the others "up" to it.
-            self._ask = dict(self.client.info)
+            self._ask = QuorumRequest(self.client.info, *self._trained_in, busy=busy, idle=self._idle)
             self._quorum_fut = self._pool.submit(self._run_quorum, self._round, self._ask)
 
-    def _run_quorum(self, round_: int, ask: dict[str, Any]) -> dict[str, Any] | None:
+    def _run_quorum(self, round_: int, ask: QuorumRequest) -> Quorum | None:
         if round_ != self._round:
             return None   # a later step asked already (this one ran on a lease): nothing to do
         time.sleep(max(self._standby_until - time.monotonic(), 0.0))
         with self._round_lock:   # a request that leaves after its step leased says so (lighthouse _drop_overtaken)
-            ask = {**ask, "leased": self._leased}
+            ask = replace(ask, leased=self._leased)
         try:
-            q = self.client.quorum(info=ask)
+            q = self.client.quorum(request=ask)
         except Overtaken:
             return None   # only a leased round is overtaken, and a leased round ignores its answer
         with self._round_lock:
@@ -274,42 +288,42 @@ class Manager:
         self._t_quorum = time.monotonic() - self._t0
         return self._apply_quorum(q)
 
-    def _apply_quorum(self, q: dict[str, Any]) -> dict[str, Any]:
-        pace, (busy, allreduce_s) = q.get("pace"), self._sent
-        if pace and busy and pace[0] == busy[0] and len(self.pace_log) < 10_000:
-            self.pace_log.append((max(pace[1] - busy[1], 0.0), allreduce_s, pace[1], pace[2]))
-        self._lease_until = time.monotonic() + min(float(q.get("lease_s", 0.0)), timeouts.LEASE)
-        self.client.info.update(quorum_id=q["quorum_id"], quorum_epoch=q["epoch"], quorum_identity=q["identity"])
+    def _apply_quorum(self, q: Quorum) -> Quorum:
+        pace, (busy, allreduce_s) = q.pace, self._sent
+        if pace is not None and busy is not None and pace.quorum_id == busy.quorum_id and len(self.pace_log) < 10_000:
+            self.pace_log.append((max(pace.slowest_s - busy.seconds, 0.0), allreduce_s, pace.slowest_s, pace.mean_s))
+        self._lease_until = time.monotonic() + min(q.lease_s, timeouts.LEASE)
+        self.client.update(quorum_id=q.quorum_id)
+        self._trained_in = (q.lighthouse_id, q.identity)
         g = self.cfg.group
-        if str(g) in q["heal"]:
-            src, addr = q["heal"][str(g)], q["heal_from"]   # rank k heals from rank k of the source
-            self._heal_fut = self._heal_pool.submit(self._fetch_heal, addr, q["max_step"], src)
-        if (q["epoch"], q["quorum_id"]) != self._pg_id:
+        if g in q.heal:   # rank k heals from rank k of the source
+            self._heal_fut = self._heal_pool.submit(self._fetch_heal, q.heal_from, q.max_step, q.heal[g])
+        if q.key != self._pg_id:
             self._build_pg(q)
-        if g in q["heal"].values() and self.step == q["max_step"]:
+        if g in q.heal.values() and self.step == q.max_step:
             # We are a heal source: snapshot before this step's optimizer update.
             self.heal_server.offer(self.step, self._state_dict())
         self._quorum = q
         return q
 
-    def _build_pg(self, q: dict[str, Any]) -> None:
+    def _build_pg(self, q: Quorum) -> None:
         old, self._pg, self._pg_id = self._pg, None, None
         if old is not None:
             _retire(old)
-        groups = q["groups"]
+        groups = q.groups
         if len(groups) > 1:
-            leader = q["store"]   # rank k of the first group hosts rank k's rendezvous
+            leader = q.store   # rank k of the first group hosts rank k's rendezvous
             store = self._stores.get(leader)
             if store is None:
                 host, _, port = leader.rpartition(":")
                 store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
                                       timeout=datetime.timedelta(seconds=timeouts.COLLECTIVE_TIMEOUT))
                 self._stores[leader] = store
-            prefix = f"ftcore/{q['epoch']}/{q['quorum_id']}/{self.cfg.rank}"
+            prefix = f"ftcore/{q.lighthouse_id}/{q.quorum_id}/{self.cfg.rank}"
             # A fresh prefix per quorum: the default process group cannot shrink or grow.
             self._pg = _new_pg(self.cfg.backend, dist.PrefixStore(prefix, store), groups.index(self.cfg.group),
                                len(groups), datetime.timedelta(seconds=timeouts.COLLECTIVE_TIMEOUT), self.cfg.host)
-        self._pg_id = (q["epoch"], q["quorum_id"])
+        self._pg_id = q.key
 
     def _fetch_heal(self, addr: str, step: int, src: int) -> Any:
         t = time.monotonic()
@@ -323,22 +337,23 @@ class Manager:
 
     def _is_stale(self) -> bool:
         q = self._quorum
-        return q is not None and (any(g in q["groups"] for g in self.client.failed_groups)
-                                  or self.client.latest_quorum_id > q["quorum_id"])
+        return q is not None and (any(g in q.groups for g in self.client.failed_groups)
+                                  or self.client.latest_quorum_id > q.quorum_id)
 
     def _fail(self, msg: str, report: bool = False) -> None:
         self._errors.append(msg)
         if report:
             # Tell the lighthouse now; do not wait for a heartbeat timeout.
             # Synchronous (a loopback call): the next quorum request must find it recorded.
-            qid = self._quorum["quorum_id"] if self._quorum else 0
+            qid = self._quorum.quorum_id if self._quorum else 0
             self.client.report_failure(qid, msg)
             pg, self._pg, self._pg_id = self._pg, None, None
             if pg is not None:
                 _retire(pg)
 
-    def _wait_quorum(self) -> dict[str, Any] | None:
-        """This step's quorum, or None (the error is recorded once) when there is none."""
+    def wait_quorum(self) -> Quorum | None:
+        """Block until this step's quorum is known: the quorum, or None when the step already
+        failed (the error is recorded once)."""
         if self._waited:
             return self._quorum
         self._waited = True
@@ -376,22 +391,18 @@ class Manager:
         it do, nor could the job end while one is away) with nobody to heal, and that
         quorum's lease has not run out."""
         q = self._quorum
-        return (q is not None and self._last_ok and not q["heal"] and time.monotonic() < self._lease_until
-                and len(q["groups"]) >= self.cfg.num_groups
-                and self.client.latest_quorum_id <= q["quorum_id"]
-                and (self._pg is not None or len(q["groups"]) == 1)
+        return (q is not None and self._last_ok and not q.heal and time.monotonic() < self._lease_until
+                and len(q.groups) >= self.cfg.num_groups
+                and self.client.latest_quorum_id <= q.quorum_id
+                and (self._pg is not None or len(q.groups) == 1)
                 and self.client.silent_for() > timeouts.LIGHTHOUSE_SILENT)
 
     # ---- FTAR -----------------------------------------------------------------------
     @property
     def healing(self) -> bool:
-        """This step, this group receives the state and sends zero gradients (waits for the quorum)."""
-        self._wait_quorum()
+        """This step, this group receives the state and sends zero gradients. Known once
+        wait_quorum() returned (before, and in a step without a quorum: False); never blocks."""
         return self._heal_fut is not None
-
-    def wait_quorum(self) -> dict[str, Any] | None:
-        """Block until this step's quorum is known; None when the step already failed."""
-        return self._wait_quorum()
 
     def set_work(self, has_work: bool) -> None:
         """Whether this group trains a batch this step (False: it joins with zero gradients)."""
@@ -406,7 +417,7 @@ class Manager:
         """How long this step's quorum took (it overlaps the forward pass)."""
         return self._t_quorum
 
-    def allreduce(self, tensors: list[torch.Tensor], same_batch: Callable[[dict[str, Any]], bool] | None = None) -> None:
+    def allreduce(self, tensors: list[torch.Tensor], same_batch: Callable[[Quorum], bool] | None = None) -> None:
         """Average `tensors` in place across replica groups (FTAR). Never raises on peer failure.
 
         `same_batch(quorum)`: whether the batch this group computed is still its batch in that
@@ -415,7 +426,7 @@ class Manager:
         gradients they computed (kept as a copy while the exchange runs), when nobody is
         ahead of them and `same_batch` says so; otherwise the step fails as without it."""
         t = time.monotonic()
-        q = self._wait_quorum()
+        q = self.wait_quorum()
         if q is None:
             return
         self.injector.slow(self.step)
@@ -427,9 +438,9 @@ class Manager:
             self._errors.append(str(e))
         contribute = self._has_work and not self.healing
         if contribute:   # this step's compute, from its start to here: what fail-slow compares
-            self._busy = [q["quorum_id"], round(time.monotonic() - self._t0, 6)]
+            self._busy = Busy(q.quorum_id, round(time.monotonic() - self._t0, 6))
         # a healing group joins at the step it is about to receive
-        step = q["max_step"] if self._heal_fut is not None else self.step
+        step = q.max_step if self._heal_fut is not None else self.step
         saved = ([x.detach().clone() for x in tensors]
                  if same_batch is not None and self._pg is not None and self._heal_fut is None else None)
         try:
@@ -437,10 +448,9 @@ class Manager:
                 res = self._ftar(tensors, contribute, local_error, step)
             except FTARError as e:
                 self._fail(str(e), report=True)
-                q2 = self._requorum(same_batch) if saved is not None and not local_error else None
-                if q2 is None:
+                if saved is None or same_batch is None or local_error or self._requorum(same_batch) is None:
                     return
-                for x, keep in zip(tensors, saved):
+                for x, keep in zip(tensors, saved, strict=True):
                     x.copy_(keep)
                 self._errors.remove(str(e))   # the step goes on, in the survivors' quorum
                 self._reran = True
@@ -466,7 +476,7 @@ class Manager:
                     timeout=timeouts.COLLECTIVE_TIMEOUT, is_stale=self._is_stale, bucket_bytes=self.cfg.bucket_bytes,
                     during=lambda: self.injector.phase("during_allreduce", self.step), step=step)
 
-    def _requorum(self, same_batch: Callable[[dict[str, Any]], bool]) -> dict[str, Any] | None:
+    def _requorum(self, same_batch: Callable[[Quorum], bool]) -> Quorum | None:
         """The quorum after a peer failed this step's exchange, taken now (the lighthouse already
         knows: the peer's connection closed, and this rank just reported it), when this group
         can re-run the exchange in it: not healing, nobody ahead, the same batch. Not on a lease:
@@ -474,12 +484,12 @@ class Manager:
         if self._leased:
             return None
         try:
-            q = self.client.quorum(info=self._ask)
+            q = self.client.quorum(request=self._ask)
         except Replaced:
             raise
         except LighthouseError:   # unreachable, on standby: the step fails, the next one asks again
             return None
-        if str(self.cfg.group) in q["heal"] or q["max_step"] != self.step:
+        if self.cfg.group in q.heal or q.max_step != self.step:
             return None
         try:
             self._apply_quorum(q)
@@ -492,7 +502,7 @@ class Manager:
     # ---- commit ---------------------------------------------------------------------
     def should_commit(self) -> bool:
         """The group's vote. True: apply the averaged update now; False: drop it and retry."""
-        q = self._wait_quorum()
+        q = self.wait_quorum()
         try:
             self.injector.phase("vote", self.step)
         except faults_mod.InjectedFault as e:
@@ -501,30 +511,28 @@ class Manager:
             try:
                 tree = self._heal_fut.result(timeout=timeouts.HEAL_TIMEOUT)
                 self._load_state_dict(tree)
-                self.step = q["max_step"]
+                self.step = q.max_step
                 self.healed_step = self.step
-                self.heals += 1
                 self.client.event("heal_finished", step=self.step)
             except Exception as e:  # HealError, a state that does not fit the model, a timeout
                 self._fail(f"heal: {type(e).__name__}: {e}")
-        participants = len(q["groups"]) if q else 0
+        participants = len(q.groups) if q else 0
         ok = not self._errors and participants >= self.cfg.min_replicas and self._contributors > 0
         # Nobody had work (only an absent group's make-up is left): the lighthouse ends its standby.
-        self.client.info["idle"] = q["quorum_id"] if q and not self._errors and not self._contributors else -1
-        ok = self._group_vote(ok, q["quorum_id"] if q else -1)
+        self._idle = q.quorum_id if q and not self._errors and not self._contributors else -1
+        ok = self._group_vote(ok, q.quorum_id if q else -1)
         lr = self.lr_scale()
         self._last_ok = ok
         if ok:
             self.step += 1
             self._last_commit = time.monotonic()
-            self.client.info["step"] = self.step
-        rec = StepRecord(self.step, q["quorum_id"] if q else 0, participants, self._contributors,
+            self.client.update(step=self.step)
+        rec = StepRecord(self.step, q.quorum_id if q else 0, participants, self._contributors,
                          self._heal_fut is not None, ok, lr, self._t_quorum, self._t_allreduce,
                          time.time(), "; ".join(self._errors)[:300], self._leased, self._reran)
-        self.records.append(rec)
         if self._records_fd is not None:
-            os.write(self._records_fd, (json.dumps({"group": self.cfg.group, "rank": self.cfg.rank,
-                                                    "incarnation": self.cfg.incarnation, **rec.__dict__}) + "\n").encode())
+            line = {"group": self.cfg.group, "rank": self.cfg.rank, "incarnation": self.cfg.incarnation, **rec.__dict__}
+            os.write(self._records_fd, (json.dumps(line) + "\n").encode())
         return ok
 
     def _group_vote(self, ok: bool, quorum_id: int) -> bool:
@@ -553,7 +561,7 @@ class Manager:
         return 1.0
 
     @property
-    def quorum(self) -> dict[str, Any] | None:
+    def quorum(self) -> Quorum | None:
         return self._quorum
 
     @property

@@ -12,17 +12,36 @@ from conftest import ask_all
 from ftcore import lighthouse as lh_mod
 from ftcore import netaddr
 from ftcore.lighthouse_client import GroupLost, LighthouseClient, call
+from ftcore.messages import QuorumRequest, RankInfo
 
 
 def _job(addr, job, steps, world=1):
     cs = []
     for g, step in enumerate(steps):
         for r in range(world):
-            c = LighthouseClient(addr, g, r, world, job=job, num_groups=len(steps))
-            c.info.update(store=f"127.0.0.1:{1000 + 10 * g + r}", heal=f"127.0.0.1:{2000 + 10 * g + r}", step=step)
+            c = LighthouseClient(addr, RankInfo(group=g, rank=r, world=world, job=job, num_groups=len(steps),
+                                                store=f"127.0.0.1:{1000 + 10 * g + r}",
+                                                heal=f"127.0.0.1:{2000 + 10 * g + r}", step=step))
             c.start_heartbeats()
             cs.append(c)
     return cs
+
+
+def _ask_all(clients, requests, timeout=5.0):
+    """ask_all with a request of each client's own (what a manager reports of its last quorum)."""
+    out: list = [None] * len(clients)
+
+    def ask(i):
+        try:
+            out[i] = clients[i].quorum(timeout, request=requests[i])
+        except Exception as e:  # noqa: BLE001 - the test inspects it
+            out[i] = e
+    ts = [threading.Thread(target=ask, args=(i,)) for i in range(len(clients))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return out
 
 
 def test_one_lighthouse_serves_two_jobs_without_mixing_them(lighthouse):
@@ -30,16 +49,16 @@ def test_one_lighthouse_serves_two_jobs_without_mixing_them(lighthouse):
     a, b = _job(addr, "job-a", [5, 5]), _job(addr, "job-b", [9, 3, 9])
     try:
         qa, qb = ask_all(a), ask_all(b)
-        assert {q["groups"] == [0, 1] for q in qa} == {True} and qa[0]["heal"] == {} and qa[0]["max_step"] == 5
-        assert qb[0]["groups"] == [0, 1, 2] and qb[0]["heal"] == {"1": 0} and qb[0]["max_step"] == 9
-        assert qa[0]["job"] == "job-a" and qb[0]["job"] == "job-b"
+        assert {q.groups == (0, 1) for q in qa} == {True} and qa[0].heal == {} and qa[0].max_step == 5
+        assert qb[0].groups == (0, 1, 2) and qb[0].heal == {1: 0} and qb[0].max_step == 9
+        assert qa[0].job == "job-a" and qb[0].job == "job-b"
         # each rank gets only its own rendezvous (rank k of the first group) and heal source
-        assert qb[1]["store"] == "127.0.0.1:1000" and qb[1]["heal_from"] == "127.0.0.1:2000"
+        assert qb[1].store == "127.0.0.1:1000" and qb[1].heal_from == "127.0.0.1:2000"
         # a failure in job b re-forms job b only
         b[2].close()
         qb2 = ask_all(b[:2])
-        assert qb2[0]["groups"] == [0, 1] and qb2[0]["quorum_id"] > qb[0]["quorum_id"]
-        assert {q["quorum_id"] for q in ask_all(a)} == {qa[0]["quorum_id"]}
+        assert qb2[0].groups == (0, 1) and qb2[0].quorum_id > qb[0].quorum_id
+        assert {q.quorum_id for q in ask_all(a)} == {qa[0].quorum_id}
         sa, sb = lh.status("job-a"), lh.status("job-b")
         assert sa["jobs"] == ["job-a", "job-b"] and [g["group"] for g in sa["groups"]] == [0, 1]
         assert all(e.get("job", "job-a") == "job-a" for e in sa["events"])
@@ -59,6 +78,8 @@ def test_one_lighthouse_serves_two_jobs_without_mixing_them(lighthouse):
     {"group": "x", "rank": 0},
     {"group": 0, "rank": 0, "job": "../../etc"},
     {"group": 0, "rank": 0, "timeout": float("nan")},
+    {"group": 0, "rank": 0, "timeout": 1, "quorum_identity": [[0]]},       # a member is [group, incarnation]
+    {"group": 0, "rank": 0, "timeout": 1, "quorum_lighthouse_id": 7},
     [1, 2, 3],
 ])
 def test_a_bad_request_is_a_400_and_wedges_nothing(lighthouse, bad):
@@ -69,7 +90,7 @@ def test_a_bad_request_is_a_400_and_wedges_nothing(lighthouse, bad):
     good = _job(addr, "default", [0, 0])
     try:
         qs = ask_all(good)
-        assert qs[0]["groups"] == [0, 1]     # the tick thread and the job are fine
+        assert qs[0].groups == (0, 1)       # the tick thread and the job are fine
         assert lh._ticker.is_alive()
     finally:
         for c in good:
@@ -77,16 +98,18 @@ def test_a_bad_request_is_a_400_and_wedges_nothing(lighthouse, bad):
 
 
 def test_a_group_that_lost_a_rank_is_told_to_restart_at_once(lighthouse):
-    addr, _ = lighthouse(heartbeat_timeout=5.0, failure_probe=0.1)
+    addr, lh = lighthouse(heartbeat_timeout=5.0, failure_probe=0.1)
     cs = _job(addr, "default", [0, 0], world=2)
     try:
         ask_all(cs)
         cs[3].close()                      # group 1 rank 1 dies
-        t = time.monotonic()
         out = ask_all(cs[:3], timeout=8.0)
+        # told by the lighthouse (a 410), not left to the 8 s quorum timeout (a LighthouseError
+        # "no quorum"), and found by the closed connection, not the 5 s heartbeat timeout
         assert isinstance(out[2], GroupLost) and "lost rank 1" in str(out[2])
-        assert time.monotonic() - t < 3.0  # not the 8 s quorum timeout
-        assert out[0]["groups"] == [0]
+        detected = [e for e in lh.status()["events"] if e["kind"] == "failure_detected"]
+        assert [(e["group"], e["reason"]) for e in detected] == [(1, "connection closed")], detected
+        assert out[0].groups == (0,)
     finally:
         for c in cs:
             c.close()
@@ -208,18 +231,21 @@ def test_a_restarted_lighthouse_resumes_the_quorum_its_members_report(lighthouse
     finally:
         for c in cs:
             c.close()
-    addr2, _ = lighthouse()
+    addr2, lh2 = lighthouse()
     cs = _job(addr2, "default", [4, 4])
     for c in cs:
-        c.info.update(quorum_id=q["quorum_id"], quorum_epoch=q["epoch"], quorum_identity=q["identity"])
+        c.update(quorum_id=q.quorum_id)
+    last = [QuorumRequest(c.info, quorum_lighthouse_id=q.lighthouse_id, quorum_identity=q.identity) for c in cs]
     try:
-        q2 = ask_all(cs)
-        assert {(x["quorum_id"], x["epoch"]) for x in q2} == {(q["quorum_id"], q["epoch"])}
-        cs[1].info["quorum_identity"] = [[0, 0]]          # one member remembers another quorum
+        q2 = _ask_all(cs, last)
+        assert q.lighthouse_id != lh2.lighthouse_id                    # another lighthouse ...
+        assert {x.key for x in q2} == {q.key}                          # ... handed out the same quorum
         for c in cs:
-            c.info["step"] = 5
-        q3 = ask_all(cs)
-        assert (q3[0]["quorum_id"], q3[0]["epoch"]) == (q["quorum_id"], q["epoch"])   # kept: same members
+            c.update(step=5)
+        last = [QuorumRequest(cs[0].info, quorum_lighthouse_id=q.lighthouse_id, quorum_identity=q.identity),
+                QuorumRequest(cs[1].info, quorum_lighthouse_id=q.lighthouse_id, quorum_identity=((0, 0),))]
+        q3 = _ask_all(cs, last)                                       # one member remembers another quorum
+        assert q3[0].key == q.key                                      # kept: same members
     finally:
         for c in cs:
             c.close()
@@ -232,8 +258,8 @@ def test_a_group_restarted_after_the_job_finished_is_told_so_not_started_afresh(
     ask_all([g0, g1])
     g1.close()          # group 1 dies ...
     g0.leave()          # ... and group 0 finishes its last step and leaves
-    late = LighthouseClient(addr, 1, 0, 1, incarnation=1, num_groups=2)   # group 1 restarted, from scratch
-    late.info.update(store="127.0.0.1:1", heal="127.0.0.1:2", step=0)
+    late = LighthouseClient(addr, RankInfo(group=1, rank=0, world=1, incarnation=1, num_groups=2,   # group 1 restarted,
+                                           store="127.0.0.1:1", heal="127.0.0.1:2", step=0))       # from scratch
     late.start_heartbeats()
     try:
         with pytest.raises(JobFinished, match="finished at step 10"):

@@ -6,12 +6,14 @@ clients, then in a real job (the toy trainer under the launcher, one group slowe
 fault plan)."""
 
 import json
+import threading
 import time
 
 import pytest
 
 from conftest import ask_all, run_python
 from ftcore.lighthouse_client import LighthouseClient, Standby, call
+from ftcore.messages import Busy, Pace, Quorum, QuorumRequest, RankInfo
 from ftcore.pace import PaceJudge, PacePolicy
 
 FAST = {0: 0.05, 1: 0.05, 2: 0.15}   # group 2 computes 3x as long
@@ -59,23 +61,40 @@ def test_exclusion_must_pay_and_respect_min_replicas_and_the_majority():
 
 
 def _clients(addr, n=3):
-    clients = [LighthouseClient(addr, g, 0, 1, 0, num_groups=n) for g in range(n)]
+    clients = [LighthouseClient(addr, RankInfo(group=g, rank=0, world=1, num_groups=n)) for g in range(n)]
     for c in clients:
         c.start_heartbeats()   # alive while on standby, as a real rank is
     return clients
 
 
+def _ask(clients, timeout: float = 5.0, **report):
+    """Every client's quorum at once, each request reporting `report` (busy=..., idle=...)
+    beside the client's info; a `busy` dict holds each group's figure (absent: none)."""
+    out: list = [None] * len(clients)
+    busy = report.pop("busy", {})
+
+    def ask(i):
+        g = clients[i].info.group
+        req = QuorumRequest(clients[i].info, busy=busy.get(g), **report)
+        try:
+            out[i] = clients[i].quorum(timeout, request=req)
+        except Exception as e:  # noqa: BLE001 - the test inspects it
+            out[i] = e
+    ts = [threading.Thread(target=ask, args=(i,)) for i in range(len(clients))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return out
+
+
 def _round(clients, busy: dict, qid: int, timeout: float = 5.0):
-    for c in clients:
-        g = c.info["group"]
-        c.info["busy"] = [qid, busy[g]] if g in busy else None
-    return ask_all(clients, timeout)
+    return _ask(clients, timeout, busy={g: Busy(qid, s) for g, s in busy.items()})
 
 
 def _rejoin_round(clients):
     """Group 2 asks first, the others a moment later: a returning group is in the round it
     asked in (otherwise the others' round forms without it and it joins the next)."""
-    import threading
     out = {}
     t = threading.Thread(target=lambda: out.update(q2=ask_all(clients[2:])[0]))
     t.start()
@@ -89,28 +108,30 @@ def test_the_lighthouse_holds_a_slow_group_on_standby_and_readmits_it_through_a_
     addr, lh = lighthouse(pace=PacePolicy(ratio=2.0, window=4, probation_s=1.5), join_timeout=30)
     clients = _clients(addr)
     try:
-        qid = ask_all(clients)[0]["quorum_id"]
+        qid = ask_all(clients)[0].quorum_id
         for _ in range(4):
             qs = _round(clients, FAST, qid)
-            assert all(isinstance(q, dict) for q in qs), qs
-            qid = qs[0]["quorum_id"]
-        # group 2 is now on standby: told so at once, and the others do not wait for it
-        # (a 30 s join timeout: a quorum within seconds means nobody waited)
-        t = time.monotonic()
+            assert all(isinstance(q, Quorum) for q in qs), qs
+            qid = qs[0].quorum_id
+        # group 2 is now on standby: told so at once, and the others do not wait for it (a
+        # 30 s join timeout: a round that waited for group 2 would outlast the requests' 5 s
+        # and say so with a quorum_waiting event after a second)
         qs = _round(clients, {}, qid)
         assert isinstance(qs[2], Standby) and 0 < qs[2].retry_s <= 1.0, qs[2]
-        assert qs[0]["groups"] == [0, 1] and time.monotonic() - t < 5
+        assert isinstance(qs[0], Quorum) and qs[0].groups == (0, 1), qs[0]
         st = lh.status()
         assert st["groups"][2]["standby_s"] > 0 and st["groups"][0]["standby_s"] is None
+        kinds = [e["kind"] for e in st["events"]]
+        assert "quorum_waiting" not in kinds[kinds.index("group_excluded"):], st["events"]
         ev = [e for e in st["events"] if e["kind"] == "group_excluded"]
         assert ev and ev[0]["group"] == 2 and ev[0]["ratio"] >= 2.0 and ev[0]["reason"]
         # after the probation it rejoins, and heals (it missed the steps the others took)
         time.sleep(1.6)
         for c in clients[:2]:
-            c.info["step"] = 5
+            c.update(step=5)
         qs = _rejoin_round(clients)
-        assert all(isinstance(q, dict) for q in qs), qs
-        assert qs[0]["groups"] == [0, 1, 2] and "2" in qs[0]["heal"]
+        assert all(isinstance(q, Quorum) for q in qs), qs
+        assert qs[0].groups == (0, 1, 2) and 2 in qs[0].heal
         assert any(e["kind"] == "group_readmitted" for e in lh.status()["events"])
     finally:
         for c in clients:
@@ -124,10 +145,10 @@ def test_each_quorum_tells_its_members_the_last_steps_pace(lighthouse):
     addr, lh = lighthouse(pace=PacePolicy(ratio=0))
     clients = _clients(addr)
     try:
-        qid = ask_all(clients)[0]["quorum_id"]
+        qid = ask_all(clients)[0].quorum_id
         qs = _round(clients, FAST, qid)
-        assert qs[0]["pace"] == [qid, 0.15, round(0.25 / 3, 6)]
-        assert _round(clients, {0: 0.1}, qs[0]["quorum_id"])[0]["pace"] is None   # not every member's figure
+        assert qs[0].pace == Pace(qid, 0.15, round(0.25 / 3, 6))
+        assert _round(clients, {0: 0.1}, qs[0].quorum_id)[0].pace is None   # not every member's figure
     finally:
         for c in clients:
             c.close()
@@ -137,17 +158,13 @@ def test_a_standby_ends_when_only_the_excluded_groups_work_is_left(lighthouse):
     addr, lh = lighthouse(pace=PacePolicy(ratio=2.0, window=3, probation_s=600))
     clients = _clients(addr)
     try:
-        qid = ask_all(clients)[0]["quorum_id"]
+        qid = ask_all(clients)[0].quorum_id
         for _ in range(3):
-            qid = _round(clients, FAST, qid)[0]["quorum_id"]
+            qid = _round(clients, FAST, qid)[0].quorum_id
         qs = _round(clients, {}, qid)
         assert isinstance(qs[2], Standby)
-        for c in clients[:2]:    # a round in which nobody had work: the make-up left is group 2's
-            c.info["idle"] = qs[0]["quorum_id"]
-        ask_all(clients[:2])
-        for c in clients[:2]:
-            c.info["idle"] = -1
-        assert isinstance(_rejoin_round(clients)[2], dict)
+        _ask(clients[:2], idle=qs[0].quorum_id)   # a round in which nobody had work: the make-up left is group 2's
+        assert isinstance(_rejoin_round(clients)[2], Quorum)
     finally:
         for c in clients:
             c.close()

@@ -1,7 +1,7 @@
 """The training loop's seam to fault tolerance.
 
-The loop treats every step as a transaction (see ../shared/DESIGN.md, ftcore):
-start_quorum -> forward/backward -> allreduce -> should_commit. `LocalReplica` is the
+The loop treats every step as a transaction that commits on every replica group or on
+none (ftcore/manager.py): start_quorum -> forward/backward -> allreduce -> should_commit. `LocalReplica` is the
 one-replica-group case: nothing to agree on, every step commits. `FTReplica` is the
 ftcore-backed one, chosen by `make_replica` when the launcher (training/launch.py) set
 FTCORE_LIGHTHOUSE: the step protocol of ftcore.manager, with `TrainState` as the state
@@ -9,7 +9,8 @@ a recovering replica group receives (model, optimizer, scheduler, step, data cur
 RNG) plus ftcore's make-up schedule, a ledger of committed batches in OUT/../ledger,
 and the group's final parameters and optimizer state in OUT/state.safetensors
 (tensor-only) for the launcher's per-group checksum; with a sharded item table every
-rank k > 0 also writes its own OUT/state.rank<k>.safetensors (its rows differ).
+rank k > 0 also writes its own OUT/state.rank<k>.safetensors (its rows differ; the layout
+is ftcore/final_state.py's).
 
 The data side of the seam: `next_batch(loader)` is the batch this group trains this step
 (None: it joins the all-reduce with zero gradients), `advance(loader)` moves the data on
@@ -25,26 +26,36 @@ step it rejoins at. Groups that resume at different steps meet at the highest on
 lighthouse's max step); the others heal, schedule included.
 """
 
+from __future__ import annotations
+
 import os
 import time
-from typing import Any, Protocol
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from ftcore.messages import Quorum
+    from ftcore.schedule import Position
 
 LEDGER_DIR = "ledger"
 
 
 class ReplicaSync(Protocol):
+    """Everything the training loop (training/train.py) calls on its replica object."""
+
     def start_quorum(self) -> None: ...
-    def allreduce(self, tensors: list[torch.Tensor]) -> None: ...
+    def next_batch(self, loader: Any) -> Any: ...
+    def allreduce(self, tensors: Sequence[torch.Tensor | None]) -> None: ...
     def should_commit(self) -> bool: ...
     def lr_scale(self) -> float: ...
-    def next_batch(self, loader: Any) -> Any: ...
     def advance(self, loader: Any) -> None: ...
     def data_done(self, step: int, steps_total: int) -> bool: ...
     def state_for_checkpoint(self) -> dict: ...
     def load_from_checkpoint(self, meta: dict) -> None: ...
     def window_metrics(self) -> dict: ...
+    def finish(self, per_rank: bool = False) -> None: ...
 
 
 class LocalReplica:
@@ -62,7 +73,7 @@ class LocalReplica:
     def data_done(self, step: int, steps_total: int) -> bool:
         return step >= steps_total
 
-    def allreduce(self, tensors: list[torch.Tensor]) -> None:
+    def allreduce(self, tensors: Sequence[torch.Tensor | None]) -> None:
         pass
 
     def should_commit(self) -> bool:
@@ -81,7 +92,7 @@ class LocalReplica:
         return {}
 
     def finish(self, per_rank: bool = False) -> None:
-        pass
+        pass   # one group: the trainer's own checkpoint is its final state
 
 
 class FTReplica:
@@ -114,7 +125,8 @@ class FTReplica:
         self.schedule.epoch, self.schedule.index = c.epoch, c.index
         self.group = cfg.group
         self._live: set[int] = set()
-        self._pos = self._committed = None   # this step's ftcore.schedule.Position / the last committed one
+        self._pos: Position | None = None        # this step's place in the schedule (None: no batch)
+        self._committed: Position | None = None  # the last committed step's
         self._ids: list[int] | None = None   # sample ids this group trained this step
         self._joined = False                 # the ledger's resumed_to marker is written
 
@@ -171,9 +183,9 @@ class FTReplica:
             if self.ledger is not None and not self._joined:
                 # This process joins the job at the quorum's step: whatever this writer recorded
                 # at that step or later (a whole-job resume re-trains them) is void.
-                self.ledger.resumed(int(q["max_step"]))
+                self.ledger.resumed(q.max_step)
                 self._joined = True
-            self._live = set(q["groups"]) - {int(h) for h in q["heal"]}
+            self._live = q.live()
             if not self.manager.healing:   # a healing group's schedule arrives with the state
                 self._pos = self.schedule.position(self._live)
                 if self._pos is None:
@@ -188,7 +200,7 @@ class FTReplica:
     def advance(self, loader: Any) -> None:
         """After a commit: the cursor moves past regular steps only (a make-up step read an
         earlier batch), so it stays at the schedule's regular position."""
-        if self._committed.kind == "regular":
+        if self._committed is not None and self._committed.kind == "regular":
             loader.commit()
         c, sc = loader.cursor, self.schedule
         if (c.epoch, c.index) != divmod(sc.epoch * sc.steps + sc.index, sc.steps):
@@ -203,17 +215,16 @@ class FTReplica:
             return self.schedule.done or step >= steps_total
         return self.schedule.done
 
-    def allreduce(self, tensors: list[torch.Tensor]) -> None:
+    def allreduce(self, tensors: Sequence[torch.Tensor | None]) -> None:
         q = self.manager.quorum
         self.manager.allreduce([t for t in tensors if t is not None], same_batch=self._same_batch)
         if self.manager.quorum is not None and self.manager.quorum is not q:   # re-run in the survivors' quorum
-            self._live = set(self.manager.quorum["groups"]) - {int(h) for h in self.manager.quorum["heal"]}
+            self._live = self.manager.quorum.live()
 
-    def _same_batch(self, q: dict) -> bool:
+    def _same_batch(self, q: Quorum) -> bool:
         """After a peer failed the exchange: the batch computed for this step is the one the
         schedule names in the survivors' quorum (a regular step: always; make-up: maybe not)."""
-        live = set(q["groups"]) - {int(h) for h in q["heal"]}
-        return self._pos is not None and self.schedule.position(live) == self._pos
+        return self._pos is not None and self.schedule.position(q.live()) == self._pos
 
     def should_commit(self) -> bool:
         """The vote; on commit, the step goes into the ledger and the make-up schedule."""
@@ -223,13 +234,16 @@ class FTReplica:
         if not ok:
             return False
         pos = self._pos if self._pos is not None else self.schedule.position(self._live)  # healed: now known
+        if pos is None:
+            raise RuntimeError("ftcore: a committed step has no place in the make-up schedule")
         contributors = {h for h in self._live if self.schedule.works(pos, h)}
         if len(contributors) != self.manager.contributors:
             raise RuntimeError(f"ftcore: schedule disagrees with FTAR: {sorted(contributors)} contributed "
                                f"by the schedule, {self.manager.contributors} by the all-reduce")
-        if self.ledger is not None:
+        q = self.manager.quorum
+        if self.ledger is not None and q is not None:
             self.ledger.record(self.manager.step - 1, pos.epoch, pos.row_group, pos.kind, contributors,
-                               self.manager.quorum["quorum_id"], self._ids if self.group in contributors else None)
+                               q.quorum_id, self._ids if self.group in contributors else None)
         self.schedule.commit(pos, contributors)
         self._committed = pos
         return True
@@ -254,10 +268,9 @@ class FTReplica:
 
         per_rank=False: the ranks hold the same state, rank 0 writes OUT/state.safetensors.
         per_rank=True (a sharded item table: each rank holds different rows and their
-        optimizer state): every rank writes its own file, `final_state_file(k)`; rank 0's
+        optimizer state): every rank writes its own file (ftcore/final_state.py); rank 0's
         metadata says how many there are, so the launcher's checksum covers every shard."""
-        from ftcore import tensorfile
-        from training.launch import final_state_file   # the launcher reads what this writes
+        from ftcore import final_state, tensorfile  # the launcher reads what this writes
 
         k = self.topo.rank
         if self.out and (per_rank or k == 0):
@@ -265,7 +278,7 @@ class FTReplica:
             if per_rank:
                 meta.update(rank=str(k), ranks=str(self.topo.group_size))
             tensorfile.save({"model": self.state.model.state_dict(), "optimizer": self.state.optimizer.state_dict()},
-                            os.path.join(self.out, final_state_file(k)), meta)
+                            os.path.join(self.out, final_state.file_name(k)), meta)
         self.manager.shutdown()
 
 

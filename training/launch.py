@@ -31,7 +31,6 @@ group is one torchrun-equivalent process group, with exactly the environment tha
 """
 
 import argparse
-import hashlib
 import json
 import os
 import signal
@@ -45,7 +44,8 @@ from dataclasses import dataclass, field
 
 from tenacity import RetryError, Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
-from ftcore import auth, faults as faults_mod
+from ftcore import auth, final_state
+from ftcore import faults as faults_mod
 from ftcore.lighthouse_client import call
 
 TOY = "ftcore.examples.toy"
@@ -88,33 +88,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def final_state_file(rank: int) -> str:
-    """A rank's final state file in OUT/replica_<g>/ (training/ft.py writes it): rank 0's is the
-    group's; ranks k > 0 write their own only when their state differs (a sharded item table)."""
-    return "state.safetensors" if rank == 0 else f"state.rank{rank}.safetensors"
-
-
-def checksum(paths: str | list[str]) -> str:
-    """sha256 (16 hex digits) of the files' bytes, concatenated in the order given (rank
-    order). One file: the hash of that file, as before; the files are safetensors, each
-    self-delimiting, so the concatenation names one set of files."""
-    h = hashlib.sha256()
-    for path in [paths] if isinstance(paths, str) else paths:
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-    return h.hexdigest()[:16]
-
-
-def state_metadata(path: str) -> dict[str, str]:
-    """The `__metadata__` of a safetensors file, read from its header alone (no torch here)."""
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        if not 0 < n <= 64 << 20:
-            raise ValueError(f"{path}: not a safetensors file (header length {n})")
-        return json.loads(f.read(n)).get("__metadata__") or {}
 
 
 class Proc:
@@ -490,24 +463,24 @@ class Launcher:
         rank's file that rank 0's metadata announces: the state is incomplete; or, with
         `since`, its file is older than that: an earlier launch's)."""
         folder = os.path.join(self.out, f"replica_{g}")
-        first = os.path.join(folder, final_state_file(0))
+        first = os.path.join(folder, final_state.file_name(0))
         if since is not None and os.path.exists(first) and os.path.getmtime(first) < since:
             return None
         if not os.path.exists(first):
             legacy = os.path.join(folder, "final.safetensors")
             return [legacy] if os.path.exists(legacy) else None
         try:
-            meta = state_metadata(first)
+            meta = final_state.metadata(first)
             ranks = int(meta.get("ranks", "1"))
             # Only the files rank 0 announces: a stale state.rank<k> from an earlier sharded run
             # in the same folder is not part of this run's state.
-            paths = [first, *(os.path.join(folder, final_state_file(k)) for k in range(1, ranks))]
+            paths = [first, *(os.path.join(folder, final_state.file_name(k)) for k in range(1, ranks))]
             missing = [p for p in paths if not os.path.exists(p)]
             if missing:
                 print(f"[launch] replica_{g}: final state incomplete, {len(missing)} of {ranks} rank file(s) "
                       f"missing ({missing[0]})", flush=True)
                 return None
-            stale = [p for p in paths[1:] if state_metadata(p).get("step") != meta.get("step")]
+            stale = [p for p in paths[1:] if final_state.metadata(p).get("step") != meta.get("step")]
             if stale:
                 print(f"[launch] replica_{g}: final state incomplete, {stale[0]} is from another step than "
                       f"{first} (step {meta.get('step')})", flush=True)
@@ -523,7 +496,7 @@ class Launcher:
         for g in self.mine:
             paths = self.final_state(g)
             if paths:
-                sums[g] = checksum(paths)
+                sums[g] = final_state.checksum(paths)
                 where = paths[0] if len(paths) == 1 else f"{paths[0]} + {len(paths) - 1} rank file(s)"
                 print(f"[launch] replica_{g} checksum {sums[g]} ({where}), restarts {self.restarts.get(g, 0)}",
                       flush=True)
@@ -717,7 +690,7 @@ def parse(argv: list[str]) -> LaunchConfig:
             raise LaunchError(f"--groups {a.groups}: every id must be in 0..{a.replica_groups - 1} (--replica-groups)")
         if a.lighthouse is None and len(groups) < a.replica_groups:
             raise LaunchError("--groups runs part of the job: give the --lighthouse the other groups use")
-    from ftcore.lighthouse import JOB_ID
+    from ftcore.messages import JOB_ID
     if not JOB_ID.fullmatch(a.job_id):
         raise LaunchError(f"--job-id {a.job_id!r}: use letters, digits and ._:/+@=- (up to 128, FTCORE_JOB_ID)")
     if a.worker == TRAINER and not a.shards:

@@ -11,41 +11,37 @@ the end the group's parameters and optimizer state in OUT/replica_<g>/state.safe
 
 import argparse
 import datetime
-import hashlib
 import os
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from ftcore import collectives as coll
+from ftcore import final_state, tensorfile
 from ftcore import ledger as ledger_mod
 from ftcore import manager as manager_mod
-from ftcore import tensorfile
 from ftcore.lighthouse_client import JobFinished, Replaced
-from ftcore.schedule import MakeupSchedule
+from ftcore.messages import Quorum
+from ftcore.schedule import MakeupSchedule, Position
 
 
-def batch(shard: int, row_group: int, steps: int, size: int, dim: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+def batch(shard: int, row_group: int, size: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The seeded batch of (shard, row group): inputs and targets."""
     g = torch.Generator().manual_seed(shard * 100_003 + row_group)
     x = torch.randn(size, dim, generator=g)
-    y = x.sum(dim=1, keepdim=True).sin()
-    first = (shard * steps + row_group) * size
-    return x, y, list(range(first, first + size))
+    return x, x.sum(dim=1, keepdim=True).sin()
 
 
 def sample_ids(shard: int, row_group: int, steps: int, size: int) -> list[int]:
+    """The sample ids of that batch (what the ledger records and its check expects)."""
     first = (shard * steps + row_group) * size
     return list(range(first, first + size))
 
 
-def state_checksum(path: str) -> str:
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()[:16]
-
-
-def main(argv: list[str] | None = None) -> int:
+def _args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m ftcore.examples.toy")
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=20, help="steps (row groups) per epoch")
@@ -56,7 +52,118 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoint-every", type=int, default=0,
                    help="write OUT/checkpoint.safetensors every N steps and resume from it at start "
                         "(the restart-everything baseline of the benchmark)")
-    a = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+@dataclass
+class Toy:
+    """One rank's model, optimizer and replicated make-up schedule."""
+    model: torch.nn.Module
+    opt: torch.optim.Optimizer
+    sched: MakeupSchedule
+    params: list[torch.nn.Parameter]
+
+    @classmethod
+    def build(cls, a: argparse.Namespace, num_groups: int) -> "Toy":
+        torch.manual_seed(0)  # the same initial model on every group and rank
+        model = torch.nn.Sequential(torch.nn.Linear(a.dim, a.dim), torch.nn.ReLU(), torch.nn.Linear(a.dim, 1))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        params = list(model.parameters())
+        for prm in params:
+            prm.grad = torch.zeros_like(prm)
+        opt.step()  # materialize optimizer state so every group's state has the same structure
+        opt.zero_grad(set_to_none=False)
+        return cls(model, opt, MakeupSchedule(a.steps, num_groups, a.epochs), params)
+
+    def grads(self) -> list[torch.Tensor]:
+        return [prm.grad for prm in self.params if prm.grad is not None]
+
+    def state_dict(self) -> dict:
+        return {"model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
+                "schedule": self.sched.state_dict()}
+
+    def load_state_dict(self, st: dict) -> None:
+        self.model.load_state_dict(st["model"])
+        self.opt.load_state_dict(st["optimizer"])
+        self.sched.load_state_dict(st["schedule"])
+
+
+@dataclass
+class Run:
+    """Where this process runs: its group's manager and ledger, its shard, its files."""
+    a: argparse.Namespace
+    mgr: manager_mod.Manager
+    ledger: ledger_mod.Ledger
+    rank: int
+    world: int
+    ckpt: str
+
+    @property
+    def shard(self) -> int:
+        return self.mgr.cfg.group * self.world + self.rank
+
+
+def _step(r: Run, toy: Toy) -> None:
+    """One step of the protocol: quorum, this group's batch (or none), FTAR, the vote."""
+    mgr, g = r.mgr, r.mgr.cfg.group
+    mgr.start_quorum()
+    # Every rank of the group runs the same collectives in every branch below.
+    q = mgr.wait_quorum()
+    healing = q is not None and mgr.healing
+    live = q.live() if q is not None else set()
+    pos = toy.sched.position(live) if q is not None else None
+    if q is not None and pos is None and not healing:
+        time.sleep(0.05)   # only absent groups' make-up work is left: wait for them
+    works = pos is not None and not healing and toy.sched.works(pos, g)
+    if r.a.step_sleep:
+        time.sleep(r.a.step_sleep)
+    toy.opt.zero_grad(set_to_none=False)
+    if works and pos is not None:
+        x, y = batch(r.shard, pos.row_group, r.a.batch, r.a.dim)
+        loss = torch.nn.functional.mse_loss(toy.model(x), y)
+        loss.backward()
+    if r.world > 1:
+        for grad in toy.grads():
+            coll.all_reduce(grad, kind=coll.DATA)
+            grad.div_(r.world)
+    mgr.set_work(works)
+
+    def same_batch(q2: Quorum) -> bool:   # a peer failed the exchange: is this still our batch there?
+        return pos is not None and toy.sched.position(q2.live()) == pos
+    mgr.allreduce(toy.grads(), same_batch=same_batch)
+    if mgr.quorum is not None and mgr.quorum is not q:   # re-run in the survivors' quorum
+        q = mgr.quorum
+        live = q.live()
+    commit = mgr.should_commit()
+    if mgr.healed_step is not None:
+        r.ledger.healed(mgr.healed_step)
+    if commit and q is not None:
+        _commit(r, toy, q, live, toy.sched.position(live) if healing else pos)   # healed: the schedule just came
+    for grad in toy.grads():
+        grad.zero_()
+
+
+def _commit(r: Run, toy: Toy, q: Quorum, live: set[int], pos: Position | None) -> None:
+    """Apply the averaged update, record the step in the ledger and the schedule."""
+    mgr, g = r.mgr, r.mgr.cfg.group
+    if pos is None:
+        raise RuntimeError("a committed step has no place in the make-up schedule")
+    contributors = {h for h in live if toy.sched.works(pos, h)}
+    if len(contributors) != mgr.contributors:
+        raise RuntimeError(f"schedule disagrees with FTAR: {sorted(contributors)} vs {mgr.contributors}")
+    scale = mgr.lr_scale()
+    for pg_ in toy.opt.param_groups:
+        pg_["lr"] = 1e-2 * scale
+    toy.opt.step()
+    r.ledger.record(mgr.step - 1, pos.epoch, pos.row_group, pos.kind, contributors, q.quorum_id,
+                    sample_ids(r.shard, pos.row_group, r.a.steps, r.a.batch) if g in contributors else None)
+    toy.sched.commit(pos, contributors)
+    if r.a.checkpoint_every and mgr.step % r.a.checkpoint_every == 0 and g == min(live) and r.rank == 0:
+        tensorfile.save(toy.state_dict(), r.ckpt, {"step": str(mgr.step)})
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _args(argv)
     t_main = time.time()
     torch.set_num_threads(1)
 
@@ -67,90 +174,26 @@ def main(argv: list[str] | None = None) -> int:
         coll.setup_default()
     cfg = manager_mod.config_from_env()
     g, R, K = cfg.group, cfg.num_groups, cfg.world
-    shard = g * K + rank
     os.makedirs(os.path.join(a.out, "records"), exist_ok=True)
     cfg.records = cfg.records or os.path.join(a.out, "records", f"group-{g}-rank-{rank}-inc-{{incarnation}}.jsonl")
 
-    torch.manual_seed(0)  # the same initial model on every group and rank
-    model = torch.nn.Sequential(torch.nn.Linear(a.dim, a.dim), torch.nn.ReLU(), torch.nn.Linear(a.dim, 1))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    sched = MakeupSchedule(a.steps, R, a.epochs)
-    params = list(model.parameters())
-    for prm in params:
-        prm.grad = torch.zeros_like(prm)
-    opt.step()  # materialize optimizer state so every group's state has the same structure
-    opt.zero_grad(set_to_none=False)
-
-    def state_dict():
-        return {"model": model.state_dict(), "optimizer": opt.state_dict(), "schedule": sched.state_dict()}
-
-    def load_state_dict(st):
-        model.load_state_dict(st["model"])
-        opt.load_state_dict(st["optimizer"])
-        sched.load_state_dict(st["schedule"])
-
+    toy = Toy.build(a, R)
     ckpt = os.path.join(a.out, "checkpoint.safetensors")
     start_step = 0
     if a.checkpoint_every and os.path.exists(ckpt):
-        st, meta = tensorfile.read(open(ckpt, "rb"))
-        load_state_dict(st)
+        with open(ckpt, "rb") as f:
+            st, meta = tensorfile.read(f)
+        toy.load_state_dict(st)
         start_step = int(meta["step"])
-    mgr = manager_mod.Manager(cfg, state_dict, load_state_dict,
+    mgr = manager_mod.Manager(cfg, toy.state_dict, toy.load_state_dict,
                               group_pg=dist.group.WORLD if world > 1 else None, step=start_step,
                               faults=manager_mod.faults_from_env())
-    ledger = ledger_mod.Ledger(os.path.join(a.out, "ledger"), g, rank)
-    print(f"toy: group {g}/{R} rank {rank}/{K} incarnation {cfg.incarnation} started (main at {t_main:.3f}, ready at {time.time():.3f})", flush=True)
+    r = Run(a, mgr, ledger_mod.Ledger(os.path.join(a.out, "ledger"), g, rank), rank, world, ckpt)
+    print(f"toy: group {g}/{R} rank {rank}/{K} incarnation {cfg.incarnation} started "
+          f"(main at {t_main:.3f}, ready at {time.time():.3f})", flush=True)
     try:
-        while not sched.done:
-            mgr.start_quorum()
-            # Every rank of the group runs the same collectives in every branch below.
-            q = mgr.wait_quorum()
-            healing = q is not None and mgr.healing
-            live = set(q["groups"]) - {int(h) for h in q["heal"]} if q is not None else set()
-            pos = sched.position(live) if q is not None else None
-            if q is not None and pos is None and not healing:
-                time.sleep(0.05)   # only absent groups' make-up work is left: wait for them
-            works = pos is not None and not healing and sched.works(pos, g)
-            if a.step_sleep:
-                time.sleep(a.step_sleep)
-            opt.zero_grad(set_to_none=False)
-            if works:
-                x, y, _ = batch(shard, pos.row_group, a.steps, a.batch, a.dim)
-                loss = torch.nn.functional.mse_loss(model(x), y)
-                loss.backward()
-            if world > 1:
-                for prm in params:
-                    coll.all_reduce(prm.grad, kind=coll.DATA)
-                    prm.grad.div_(world)
-            mgr.set_work(works)
-
-            def same_batch(q2, pos=pos):   # a peer failed the exchange: is this still our batch there?
-                return pos is not None and sched.position(set(q2["groups"]) - {int(h) for h in q2["heal"]}) == pos
-            mgr.allreduce([prm.grad for prm in params], same_batch=same_batch)
-            if mgr.quorum is not None and mgr.quorum is not q:   # re-run in the survivors' quorum
-                q = mgr.quorum
-                live = set(q["groups"]) - {int(h) for h in q["heal"]}
-            commit = mgr.should_commit()
-            if mgr.healed_step is not None:
-                ledger.healed(mgr.healed_step)
-            if commit:
-                if healing:    # the schedule just arrived with the state
-                    pos = sched.position(live)
-                assert pos is not None
-                contributors = {h for h in live if sched.works(pos, h)}
-                if len(contributors) != mgr.contributors:
-                    raise RuntimeError(f"schedule disagrees with FTAR: {sorted(contributors)} vs {mgr.contributors}")
-                scale = mgr.lr_scale()
-                for pg_ in opt.param_groups:
-                    pg_["lr"] = 1e-2 * scale
-                opt.step()
-                ledger.record(mgr.step - 1, pos.epoch, pos.row_group, pos.kind, contributors, q["quorum_id"],
-                              sample_ids(shard, pos.row_group, a.steps, a.batch) if g in contributors else None)
-                sched.commit(pos, contributors)
-                if a.checkpoint_every and mgr.step % a.checkpoint_every == 0 and g == min(live) and rank == 0:
-                    tensorfile.save(state_dict(), ckpt, {"step": str(mgr.step)})
-            for prm in params:
-                prm.grad.zero_()
+        while not toy.sched.done:
+            _step(r, toy)
     except JobFinished as e:
         print(f"toy: {e}; exiting", flush=True)
         mgr.shutdown(leave=False)
@@ -161,10 +204,10 @@ def main(argv: list[str] | None = None) -> int:
     final = os.path.join(a.out, f"replica_{g}")
     os.makedirs(final, exist_ok=True)
     if rank == 0:
-        path = os.path.join(final, "state.safetensors")
-        tensorfile.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path,
+        path = os.path.join(final, final_state.file_name(0))
+        tensorfile.save({"model": toy.model.state_dict(), "optimizer": toy.opt.state_dict()}, path,
                         {"step": str(mgr.step)})
-        print(f"toy: group {g} finished at step {mgr.step} checksum {state_checksum(path)}", flush=True)
+        print(f"toy: group {g} finished at step {mgr.step} checksum {final_state.checksum(path)}", flush=True)
     if world > 1:
         coll.barrier()
     mgr.shutdown()

@@ -1,0 +1,444 @@
+"""Every message between a rank and the lighthouse, each with one typed definition.
+
+The wire is JSON objects over HTTP/1.1 (ftcore/lighthouse.py serves them,
+ftcore/lighthouse_client.py sends them). Each message is parsed and checked once, where
+it arrives, into one of the frozen dataclasses below; past that edge everyone reads
+attributes. A malformed message is a `MessageError` (a ValueError) that names the field:
+the lighthouse answers it with 400 and changes nothing; the client raises it as a
+LighthouseError.
+
+    rank -> lighthouse                          lighthouse -> rank
+    POST /heartbeat       RankInfo              HeartbeatReply
+    POST /quorum          QuorumRequest         Quorum (200), StandbyReply (200), OvertakenReply (200),
+                                                QuorumRefused (409 stale incarnation, 410 lost rank or
+                                                job finished, 504 timeout or superseded: ask again)
+    POST /report_failure  FailureReport         {}
+    POST /leave           RankInfo              {}
+    POST /event           ClientEvent           {}
+
+Two identifiers are easy to mix up: `quorum_id` numbers the quorums of one job (it grows
+with every membership change); `lighthouse_id` is a random token that each start of a
+lighthouse process draws, so that a quorum id handed out again after a lighthouse restart
+still names a fresh store prefix (ftcore/manager.py builds its process groups under
+"ftcore/<lighthouse_id>/<quorum_id>"). Neither is the data epoch of training.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from ftcore import timeouts
+
+# Bounds on what a client may send: ids the lighthouse cannot plan for are refused at the door.
+DEFAULT_JOB = "default"
+JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/+@=-]{0,127}")
+MAX_GROUPS = 1 << 16       # replica groups per job
+MAX_WORLD = 1 << 16        # ranks per replica group
+MAX_ID = 1 << 53           # steps, incarnations, quorum ids: integers JSON carries exactly
+MAX_ADDRESS = 256          # characters of a host:port
+MAX_LIGHTHOUSE_ID = 64
+
+Identity = tuple[tuple[int, int], ...]   # a quorum's members as (group, incarnation), in member order
+
+
+class MessageError(ValueError):
+    """A message that is not what its type says; the text names the field."""
+
+
+# ---- field checks ----------------------------------------------------------------------------
+def _int(msg: dict[str, Any], key: str, default: int | None = None, lo: int = 0, hi: int = MAX_ID) -> int:
+    """msg[key] as an int in [lo, hi) (an integer, or a string of one)."""
+    raw = msg.get(key, default)
+    if isinstance(raw, bool) or not isinstance(raw, (int, str)):
+        raise MessageError(f"{key} must be an integer, got {raw!r}"[:200])
+    try:
+        value = int(raw)
+    except ValueError:
+        raise MessageError(f"{key} must be an integer, got {raw!r}"[:200]) from None
+    if not lo <= value < hi:
+        raise MessageError(f"{key}={value} is outside [{lo}, {hi})")
+    return value
+
+
+def _str(msg: dict[str, Any], key: str, default: str = "", limit: int = MAX_ADDRESS) -> str:
+    raw = msg.get(key, default)
+    if raw is None:
+        return default
+    if not isinstance(raw, str) or len(raw) > limit:
+        raise MessageError(f"{key} must be a string of at most {limit} characters, got {raw!r}"[:200])
+    return raw
+
+
+def _seconds(msg: dict[str, Any], key: str, default: float | None = None, hi: float = 1e6) -> float:
+    raw = msg.get(key, default)
+    if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not (math.isfinite(raw) and 0 <= raw < hi):
+        raise MessageError(f"{key} must be a number of seconds in [0, {hi:g}), got {raw!r}"[:200])
+    return float(raw)
+
+
+def _object(body: Any, what: str) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise MessageError(f"{what} must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def job_id(raw: Any) -> str:
+    """A job id as sent (None or "": the default job)."""
+    job = raw or DEFAULT_JOB
+    if not isinstance(job, str) or not JOB_ID.fullmatch(job):
+        raise MessageError(f"job id {job!r} must match {JOB_ID.pattern}"[:300])
+    return job
+
+
+def _identity(raw: Any, key: str) -> Identity:
+    if raw is None:
+        return ()
+    if not (isinstance(raw, list) and len(raw) <= MAX_GROUPS):
+        raise MessageError(f"{key} must be a list of [group, incarnation], got {raw!r}"[:200])
+    out = []
+    for pair in raw:
+        if not (isinstance(pair, list) and len(pair) == 2):
+            raise MessageError(f"{key} must be a list of [group, incarnation], got {pair!r} in it"[:200])
+        out.append((_int({"group": pair[0]}, "group", hi=MAX_GROUPS), _int({"incarnation": pair[1]}, "incarnation")))
+    return tuple(out)
+
+
+def _groups(raw: Any, key: str) -> tuple[int, ...]:
+    if not (isinstance(raw, list) and len(raw) <= MAX_GROUPS):
+        raise MessageError(f"{key} must be a list of group ids, got {raw!r}"[:200])
+    return tuple(_int({key: g}, key, hi=MAX_GROUPS) for g in raw)
+
+
+# ---- what a rank sends -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RankInfo:
+    """Who a rank is and where it stands. Every message carries it whole, so that a
+    restarted lighthouse relearns the job from the next heartbeat."""
+    group: int                 # this replica group
+    rank: int                  # k, within the group
+    world: int = 1             # K: ranks per group
+    incarnation: int = 0       # this start of the group
+    job: str = DEFAULT_JOB
+    num_groups: int = 0        # R, when the rank knows it (0: not said); describes the job to a new lighthouse
+    min_replicas: int = 1      # ... and the fewest groups its quorums need
+    step: int = 0              # committed steps
+    quorum_id: int = 0         # the last quorum this rank trained in (ids resume above it after a restart)
+    store: str = ""            # host:port of this rank's TCPStore (the rendezvous of cross-group groups)
+    heal: str = ""             # host:port of this rank's heal server
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"job": self.job, "group": self.group, "rank": self.rank, "world": self.world,
+                "incarnation": self.incarnation, "num_groups": self.num_groups, "min_replicas": self.min_replicas,
+                "step": self.step, "quorum_id": self.quorum_id, "store": self.store, "heal": self.heal}
+
+    @classmethod
+    def parse(cls, msg: Any) -> RankInfo:
+        """Check every field; `group` must lie within `num_groups` when the rank says it."""
+        msg = _object(msg, "a rank's message")
+        num_groups = _int(msg, "num_groups", 0, hi=MAX_GROUPS)
+        world = _int(msg, "world", 1, lo=1, hi=MAX_WORLD)
+        return cls(group=_int(msg, "group", hi=num_groups or MAX_GROUPS), rank=_int(msg, "rank", hi=world),
+                   world=world, incarnation=_int(msg, "incarnation", 0), job=job_id(msg.get("job")),
+                   num_groups=num_groups, min_replicas=_int(msg, "min_replicas", 1, hi=MAX_GROUPS),
+                   step=_int(msg, "step", 0), quorum_id=_int(msg, "quorum_id", 0),
+                   store=_str(msg, "store"), heal=_str(msg, "heal"))
+
+
+@dataclass(frozen=True)
+class Busy:
+    """A rank's compute in its last step (start of the step to its entry into FTAR), and the
+    quorum it ran in: what fail-slow compares (ftcore/pace.py)."""
+    quorum_id: int
+    seconds: float
+
+    def to_wire(self) -> list[Any]:
+        return [self.quorum_id, self.seconds]
+
+    @classmethod
+    def parse(cls, raw: Any) -> Busy | None:
+        if raw is None:
+            return None
+        if not (isinstance(raw, list) and len(raw) == 2):
+            raise MessageError(f"busy must be [quorum_id, seconds], got {raw!r}"[:200])
+        try:
+            return cls(_int({"quorum_id": raw[0]}, "quorum_id"), _seconds({"busy": raw[1]}, "busy"))
+        except MessageError:
+            raise MessageError(f"busy must be [quorum_id, seconds], got {raw!r}"[:200]) from None
+
+
+@dataclass(frozen=True)
+class QuorumRequest:
+    """A rank asks for this step's quorum. Besides its `info`: the last quorum it trained in
+    (with `info.quorum_id`; a restarted lighthouse hands that quorum out again when every
+    member reports the same), its last step's compute, and whether that step went on
+    without the lighthouse."""
+    info: RankInfo
+    quorum_lighthouse_id: str = ""     # the lighthouse that formed the rank's last quorum ("": none yet)
+    quorum_identity: Identity = ()     # that quorum's members
+    busy: Busy | None = None
+    idle: int = -1            # the quorum id of its last step if nobody had work in it, else -1
+    leased: bool = False      # sent after its step had gone on without the lighthouse: the reply is ignored
+    timeout: float = timeouts.QUORUM_TIMEOUT   # seconds the rank waits for the answer
+
+    def to_wire(self) -> dict[str, Any]:
+        return {**self.info.to_wire(), "quorum_lighthouse_id": self.quorum_lighthouse_id,
+                "quorum_identity": [list(p) for p in self.quorum_identity],
+                "busy": self.busy.to_wire() if self.busy is not None else None, "idle": self.idle,
+                "leased": self.leased, "timeout": self.timeout}
+
+    @classmethod
+    def parse(cls, msg: Any) -> QuorumRequest:
+        msg = _object(msg, "a quorum request")
+        leased = msg.get("leased", False)
+        if not isinstance(leased, bool):
+            raise MessageError(f"leased must be true or false, got {leased!r}"[:200])
+        timeout = msg.get("timeout", timeouts.QUORUM_TIMEOUT)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (
+                math.isfinite(timeout) and timeout > 0):
+            raise MessageError(f"timeout={timeout!r} must be a positive number of seconds"[:200])
+        return cls(info=RankInfo.parse(msg),
+                   quorum_lighthouse_id=_str(msg, "quorum_lighthouse_id", limit=MAX_LIGHTHOUSE_ID),
+                   quorum_identity=_identity(msg.get("quorum_identity"), "quorum_identity"),
+                   busy=Busy.parse(msg.get("busy")), idle=_int(msg, "idle", -1, lo=-1), leased=leased,
+                   timeout=float(timeout))
+
+
+@dataclass(frozen=True)
+class FailureReport:
+    """A rank's data plane failed in `quorum_id` (its peers re-form without waiting for a
+    heartbeat timeout)."""
+    job: str
+    group: int
+    rank: int
+    incarnation: int
+    quorum_id: int
+    error: str
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"job": self.job, "group": self.group, "rank": self.rank, "incarnation": self.incarnation,
+                "quorum_id": self.quorum_id, "error": self.error}
+
+    @classmethod
+    def parse(cls, msg: Any) -> FailureReport:
+        msg = _object(msg, "a failure report")
+        return cls(job=job_id(msg.get("job")), group=_int(msg, "group", hi=MAX_GROUPS),
+                   rank=_int(msg, "rank", hi=MAX_WORLD), incarnation=_int(msg, "incarnation", 0),
+                   quorum_id=_int(msg, "quorum_id", 0), error=str(msg.get("error", ""))[:200])
+
+
+@dataclass(frozen=True)
+class ClientEvent:
+    """Something a rank wants on the lighthouse's event log (heal_started, heal_finished ...):
+    a kind and flat values (numbers, strings, lists); anything else is dropped."""
+    kind: str
+    job: str = DEFAULT_JOB
+    data: dict[str, Any] = field(default_factory=dict)
+
+    RESERVED: ClassVar[tuple[str, ...]] = ("t", "kind", "job")
+
+    def to_wire(self) -> dict[str, Any]:
+        return {**self.data, "kind": self.kind, "job": self.job}
+
+    @classmethod
+    def parse(cls, msg: Any) -> ClientEvent:
+        msg = _object(msg, "an event")
+        return cls(kind=str(msg.get("kind", "event"))[:64], job=job_id(msg.get("job")),
+                   data={k: v for k, v in msg.items()
+                         if k not in cls.RESERVED and isinstance(v, (int, float, str, list))})
+
+
+# ---- what the lighthouse answers ---------------------------------------------------------------
+@dataclass(frozen=True)
+class HeartbeatReply:
+    quorum_id: int                 # the job's current quorum id (a rank in an older one is stale)
+    failed: tuple[int, ...] = ()   # members of the current quorum found unhealthy at the last sweep
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"quorum_id": self.quorum_id, "failed": list(self.failed)}
+
+    @classmethod
+    def parse(cls, body: Any) -> HeartbeatReply:
+        body = _object(body, "a heartbeat reply")
+        return cls(_int(body, "quorum_id", 0), _groups(body.get("failed", []), "failed"))
+
+
+@dataclass(frozen=True)
+class Pace:
+    """The members' compute in the step they just finished in quorum `quorum_id`: each sees
+    its own wait for the slowest (the cross-group straggler time)."""
+    quorum_id: int
+    slowest_s: float
+    mean_s: float
+
+    def to_wire(self) -> list[Any]:
+        return [self.quorum_id, self.slowest_s, self.mean_s]
+
+    @classmethod
+    def parse(cls, raw: Any) -> Pace | None:
+        if raw is None:
+            return None
+        if not (isinstance(raw, list) and len(raw) == 3):
+            raise MessageError(f"pace must be [quorum_id, slowest_s, mean_s], got {raw!r}"[:200])
+        return cls(_int({"pace": raw[0]}, "pace"), _seconds({"pace": raw[1]}, "pace"),
+                   _seconds({"pace": raw[2]}, "pace"))
+
+
+@dataclass(frozen=True)
+class Quorum:
+    """One round's answer: the members, the step they meet at, who heals from whom. The
+    lighthouse encodes the part every rank shares once per round (`shared_json`) and adds
+    each rank's two addresses to it (`for_rank`)."""
+    quorum_id: int
+    lighthouse_id: str                 # the lighthouse that formed it (a store prefix per lighthouse start)
+    job: str
+    identity: Identity                 # (group, incarnation) of every member
+    groups: tuple[int, ...]            # the members, in order (rank order of the cross-group group)
+    max_step: int                      # the step every member is at after this round's heals
+    heal: dict[int, int]               # healing group -> the group it heals from
+    lease_s: float                     # how long the members may go on in it while the lighthouse is silent
+    pace: Pace | None = None
+    store: str = ""                    # this rank's rendezvous: rank k of the first member hosts rank k's
+    heal_from: str = ""                # this rank's heal source: rank k of its source group
+
+    status: ClassVar[int] = 200
+
+    def live(self) -> set[int]:
+        """The members that train this step (everyone but the healing groups)."""
+        return set(self.groups) - self.heal.keys()
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """What names its cross-group process group: a new key, a new group."""
+        return self.lighthouse_id, self.quorum_id
+
+    def shared(self) -> dict[str, Any]:
+        """The part of the reply every rank of every member shares (GET /status shows it)."""
+        return {"quorum_id": self.quorum_id, "lighthouse_id": self.lighthouse_id, "job": self.job,
+                "identity": [list(p) for p in self.identity], "groups": list(self.groups),
+                "max_step": self.max_step, "heal": {str(g): s for g, s in self.heal.items()},
+                "lease_s": self.lease_s, "pace": self.pace.to_wire() if self.pace is not None else None}
+
+    def shared_json(self) -> str:
+        """`shared()` as JSON text lacking its closing brace: `for_rank` completes it."""
+        return json.dumps(self.shared())[:-1]
+
+    @staticmethod
+    def for_rank(shared_json: str, store: str, heal_from: str) -> str:
+        return f'{shared_json}, "store": {json.dumps(store)}, "heal_from": {json.dumps(heal_from)}}}'
+
+    def to_wire(self) -> dict[str, Any]:
+        return {**self.shared(), "store": self.store, "heal_from": self.heal_from}
+
+    @classmethod
+    def parse(cls, body: Any) -> Quorum:
+        body = _object(body, "a quorum")
+        groups = _groups(body.get("groups"), "groups")
+        if not groups:
+            raise MessageError("groups is empty: a quorum has members")
+        raw_heal = body.get("heal")
+        if not isinstance(raw_heal, dict):
+            raise MessageError(f"heal must be an object of group -> source, got {raw_heal!r}"[:200])
+        heal = {_int({"heal": g}, "heal", hi=MAX_GROUPS): _int({"heal": s}, "heal", hi=MAX_GROUPS)
+                for g, s in raw_heal.items()}
+        strays = sorted({*heal, *heal.values()} - set(groups))
+        if strays:
+            raise MessageError(f"heal names groups {strays} that are not members {list(groups)}")
+        identity = _identity(body.get("identity"), "identity")
+        if [g for g, _ in identity] != list(groups):
+            raise MessageError(f"identity {body.get('identity')!r} does not list the members {list(groups)}"[:200])
+        lighthouse_id = _str(body, "lighthouse_id", limit=MAX_LIGHTHOUSE_ID)
+        if not lighthouse_id:
+            raise MessageError("lighthouse_id is missing")
+        return cls(quorum_id=_int(body, "quorum_id"), lighthouse_id=lighthouse_id,
+                   job=job_id(body.get("job")), identity=identity, groups=groups, max_step=_int(body, "max_step"),
+                   heal=heal, lease_s=_seconds(body, "lease_s", 0.0), pace=Pace.parse(body.get("pace")),
+                   store=_str(body, "store"), heal_from=_str(body, "heal_from"))
+
+
+@dataclass(frozen=True)
+class StandbyReply:
+    """This group is held out of the quorum as slower than its peers: ask again after
+    `retry_s` (it is alive, and rejoins through a heal)."""
+    retry_s: float
+    reason: str
+
+    status: ClassVar[int] = 200
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"standby": True, "retry_s": self.retry_s, "reason": self.reason}
+
+    @classmethod
+    def parse(cls, body: dict[str, Any]) -> StandbyReply:
+        retry = body.get("retry_s", 1.0)
+        if isinstance(retry, bool) or not isinstance(retry, (int, float)) or not math.isfinite(retry):
+            raise MessageError(f"retry_s must be a number of seconds, got {retry!r}"[:200])
+        return cls(max(0.01, min(float(retry), 5.0)), str(body.get("reason", "standby")))
+
+
+@dataclass(frozen=True)
+class OvertakenReply:
+    """A leased round's late request: a peer already asks for `step` (the sender has moved on
+    without this answer and asks again in its current round)."""
+    step: int
+
+    status: ClassVar[int] = 200
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"overtaken": True, "step": self.step}
+
+    @classmethod
+    def parse(cls, body: dict[str, Any]) -> OvertakenReply:
+        return cls(_int(body, "step", 0))
+
+
+REFUSALS = {"stale": 409, "lost": 410, "finished": 410, "timeout": 504, "superseded": 504}
+
+
+@dataclass(frozen=True)
+class QuorumRefused:
+    """No quorum for this request. `reason`: "stale" (the group incarnation was replaced:
+    exit), "lost" (the group lost a rank: exit so that it restarts whole), "finished" (the
+    job ended before the group could rejoin: exit cleanly), "timeout" or "superseded" (the
+    same rank asked again): ask again."""
+    reason: str
+    error: str
+
+    def __post_init__(self) -> None:
+        if self.reason not in REFUSALS:
+            raise MessageError(f"reason {self.reason!r} is not one of {sorted(REFUSALS)}")
+
+    @property
+    def status(self) -> int:
+        return REFUSALS[self.reason]
+
+    def to_wire(self) -> dict[str, Any]:
+        flag = {"lost": True} if self.reason == "lost" else {"finished": True} if self.reason == "finished" else {}
+        return {"error": self.error, **flag}
+
+    @classmethod
+    def parse(cls, status: int, body: Any) -> QuorumRefused:
+        """A refusal from its status and body (a body that is not an object is its error text)."""
+        msg = body if isinstance(body, dict) else {"error": str(body)}
+        error = str(msg.get("error", ""))[:500]
+        if status == 409:
+            return cls("stale", error)
+        if status == 410:
+            return cls("finished" if msg.get("finished") else "lost", error)
+        return cls("superseded" if "superseded" in error else "timeout", error)
+
+
+QuorumAnswer = Quorum | StandbyReply | OvertakenReply
+
+
+def parse_quorum_answer(body: Any) -> QuorumAnswer:
+    """A 200 answer to a quorum request: a quorum, a standby or an overtaken round."""
+    body = _object(body, "a quorum answer")
+    if body.get("overtaken"):
+        return OvertakenReply.parse(body)
+    if body.get("standby"):
+        return StandbyReply.parse(body)
+    return Quorum.parse(body)
