@@ -3,13 +3,20 @@ bubble fraction, the metrics dict and the PNG timeline."""
 
 from dataclasses import asdict
 
+import pytest
 import torch
 
-import pytest
-
-from training.comm.bench import RunConfig, run_training
-from training.comm.bubbles import (Interval, StepAccount, StepRecord, Timeline, account, bubble_fraction,
-                                   metrics, plot_timeline)
+from benchmarks.comm_bench import RunConfig, run_training
+from training.comm.bubbles import (
+    Interval,
+    StepAccount,
+    StepRecord,
+    Timeline,
+    account,
+    bubble_fraction,
+    metrics,
+    plot_timeline,
+)
 from training.comm.scheduler import CommScheduler, Stage
 from training.comm.spawn import run_ranks
 
@@ -88,6 +95,7 @@ def test_sums_on_real_ranks_with_a_straggler(tmp_path):
 
 def _group_comm(rank, world_size, out):
     import torch
+
     from training.comm.integration import CommConfig, GroupComm
     from training.distributed import allreduce_grads as trainer_allreduce
     res = {}
@@ -120,9 +128,9 @@ def test_group_comm_seam(tmp_path):
     r0, r1 = run_ranks(_group_comm, 2, str(tmp_path), timeout_s=90)
     for kind in ("collective", "smfree", "default"):
         assert r0[kind][0] == ("collective" if kind == "default" else kind)
-        for a, b, c in zip(r0[kind][1], r1[kind][1], r0["collective"][1]):
+        for a, b, c in zip(r0[kind][1], r1[kind][1], r0["collective"][1], strict=True):
             # both ranks hold the group's SUM, bitwise the same with either transport
-            assert all(torch.equal(x, y) and torch.equal(x, z) for x, y, z in zip(a, b, c))
+            assert all(torch.equal(x, y) and torch.equal(x, z) for x, y, z in zip(a, b, c, strict=True))
         m = r0["metrics"][kind]
         assert m == r1["metrics"][kind]  # averaged over the group
         assert 0 <= m["comm/bubble_fraction"] <= 1 and m["comm/comm_s"] > 0

@@ -1,6 +1,7 @@
-"""The comm scheduler and the pipeline on 2 real gloo ranks: consumers never start before
-their op finished, issue order follows priority and is the same on every rank, and the
-pipelined, prioritized step computes exactly what the blocking step computes."""
+"""The comm scheduler and the trainer's sharded item table (ShardedItemTable, stepped by the
+comm benchmark's model) on 2 real gloo ranks: consumers never start before their op
+finished, issue order follows priority and is the same on every rank, and the pipelined,
+prioritized step computes exactly what the blocking step computes."""
 
 import threading
 import time
@@ -9,7 +10,7 @@ from dataclasses import asdict
 import pytest
 import torch
 
-from training.comm.bench import RunConfig, run_interleaved
+from benchmarks.comm_bench import RunConfig, run_interleaved
 from training.comm.scheduler import CommScheduler, Stage
 from training.comm.spawn import run_ranks
 
@@ -82,14 +83,17 @@ def _check_records(recs):
     for r in recs:
         by_step.setdefault(r["step"], []).append(r)
     for step, rs in by_step.items():
-        fwd = [r["name"] for r in rs if r["name"].startswith(("output_dist", "input_dist"))]
-        out = [n for n in fwd if n.startswith("output_dist")]
-        if step > 0 and out != ["output_dist/history", "output_dist/targets", "output_dist/negatives"]:
-            errs.append(f"step {step}: forward ops issued as {out}")
-        if step > 0 and fwd[:3] != out:
-            errs.append(f"step {step}: next batch's ids issued before this batch's embeddings: {fwd}")
-        names = [r["name"] for r in rs]
-        if "dense_grad" in names and any(n.startswith("output_dist") for n in names[names.index("dense_grad"):]):
+        names = [r["name"] for r in rs]   # issue order
+        rows = [n for n in names if n.endswith("_rows")]
+        if rows != ["history_rows", "candidate_rows", "negative_rows"]:
+            errs.append(f"step {step}: this batch's embeddings issued as {rows}")
+        ahead = [i for i, n in enumerate(names) if n.startswith("next_")]
+        if ahead and min(ahead) < names.index("negative_rows"):
+            errs.append(f"step {step}: next batch's ids issued before this batch's embeddings: {names}")
+        if step > 0 and any(n.endswith("_ids") and not n.startswith(("next_", "negative_", "emb_grad")) for n in names):
+            errs.append(f"step {step}: prefetched ids exchanged again: {names}")
+        if "dense_grad" in names and any(n.endswith(("_rows", "_ids")) and not n.startswith("emb_grad")
+                                         for n in names[names.index("dense_grad"):]):
             errs.append(f"step {step}: backward sync issued before forward-critical ops")
     return errs
 
@@ -113,5 +117,5 @@ def test_pipeline_order_equal_on_ranks_and_results_equal_blocking():
         for rank in range(2):
             assert r[rank]["losses"] == bl[rank]["losses"], key
             assert torch.equal(r[rank]["weight_shard"], bl[rank]["weight_shard"]), key
-            assert all(torch.equal(a, b) for a, b in zip(r[rank]["dense"], bl[rank]["dense"])), key
+            assert all(torch.equal(a, b) for a, b in zip(r[rank]["dense"], bl[rank]["dense"], strict=True)), key
     assert bl[0]["losses"][0] != bl[0]["losses"][-1]  # it trained

@@ -1,11 +1,10 @@
-"""The prepared device script (`python -m training.comm.gpu_check`) runs end to end on CPU in its
+"""The prepared device script (`python benchmarks/gpu_check.py`) runs end to end on CPU in its
 reduced mode (--cpu), so it is known to work before a GPU is lent: all three parts, the table,
 the JSON. Its CPU figures mean nothing; only that every part ran and passed its checks."""
 
 import json
 
 import pytest
-
 from conftest import run_python
 
 pytestmark = pytest.mark.integ
@@ -13,7 +12,7 @@ pytestmark = pytest.mark.integ
 
 def test_gpu_check_runs_on_cpu(tmp_path):
     out = tmp_path / "gpu_check.json"
-    r = run_python(["-m", "training.comm.gpu_check", "--cpu", "--out", str(out), "--work", str(tmp_path / "work"),
+    r = run_python(["benchmarks/gpu_check.py", "--cpu", "--out", str(out), "--work", str(tmp_path / "work"),
                     "--budget-s", "240"], 300)
     assert r.returncode == 0, r.stdout[-5000:]
     res = json.loads(out.read_text())

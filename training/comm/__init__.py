@@ -7,13 +7,13 @@ Modules, one concept each:
   cuda_copy.py          the CUDA copy-engine pieces of `smfree` (UNVERIFIED here: no GPU)
   sharded_embedding.py  row-wise / table-wise sharded tables, lookups and grads by all-to-all
   scheduler.py          one ordered comm queue per rank; ops issued in need order, waited at use
-  pipeline.py           batches in flight: input dist of batch i+1 overlaps compute of batch i
   bubbles.py            per rank and step: compute, exposed comm, straggler wait, idle; PNG
   config.py             the trainer's `[comm]` config section
   integration.py        GroupComm: the trainer's seam (transport for grads, bubble metrics, PNG)
   spawn.py              run a function on W real gloo ranks, bounded (tests, benchmarks)
-  bench.py              `python -m training.comm.bench`
-  gpu_check.py          the one prepared <= 5 min device script (--cpu: its smoke test)
+
+Measured outside the package: benchmarks/comm_bench.py, benchmarks/comm_trainer_bench.py, and
+benchmarks/gpu_check.py, the one prepared <= 5 min device script (--cpu: its smoke test).
 """
 
 import os

@@ -1,7 +1,7 @@
 """The CUDA half of the `smfree` transport: copy-engine transfers, no communication kernels.
 
-UNVERIFIED: written for CUDA but never run in this repository's CI (no GPU). gpu_check.py
-is the prepared script that checks it on a GPU machine; BENCHMARKS.md marks it unverified.
+UNVERIFIED: written for CUDA but never run in this repository's CI (no GPU).
+benchmarks/gpu_check.py is the prepared script that checks it on a GPU machine; BENCHMARKS.md marks it unverified.
 
 How: the smfree outboxes live in same-host shared memory (transport.py). Here they are
 page-locked with cudaHostRegister, so `copy_(non_blocking=True)` between a CUDA tensor and

@@ -1,4 +1,4 @@
-"""`python -m training.comm.bench_trainer`: the real trainer's sharded item table, side by side.
+"""`python benchmarks/comm_trainer_bench.py`: the real trainer's sharded item table, side by side.
 
 `python -m training train` under torchrun (2 gloo ranks on CPU, one replica group) on one
 shard set, in four configurations, each run `--rounds` times in alternating order so the
@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {
     "replicated": [],
     "blocking": ["comm.embedding=sharded", "comm.policy=blocking"],
@@ -55,7 +55,7 @@ def _run(argv: list[str], timeout: float) -> str:
     except subprocess.TimeoutExpired:
         os.killpg(p.pid, signal.SIGKILL)
         p.communicate()
-        raise SystemExit(f"bench: {' '.join(argv[:4])} ... did not finish in {timeout:.0f}s")
+        raise SystemExit(f"bench: {' '.join(argv[:4])} ... did not finish in {timeout:.0f}s") from None
     if p.returncode != 0:
         raise SystemExit(f"bench: {' '.join(argv[:4])} ... failed:\n{out[-3000:]}")
     return out
@@ -105,7 +105,7 @@ def main(argv=None) -> int:
     def med(name, f):
         return statistics.median(f(res) for res in runs[name])
 
-    rows = {}
+    rows: dict[str, dict[str, float]] = {}
     for name in CONFIGS:
         steps = med(name, lambda r: r["throughput"]["steps"])
         rows[name] = {
@@ -121,10 +121,12 @@ def main(argv=None) -> int:
     head = ["config", "step ms", "comm wait ms", "lookup wait ms", "emb-grad wait ms", "tokens/s",
             "step / blocking", "lookup wait / blocking"]
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
-    for name, r in rows.items():
-        lw = r["lookup_wait_ms"] / base["lookup_wait_ms"] if name != "replicated" and base["lookup_wait_ms"] else float("nan")
-        print(f"| {name} | {r['step_ms']:.1f} | {r['wait_ms']:.1f} | {r['lookup_wait_ms']:.1f} | "
-              f"{r['emb_grad_wait_ms']:.1f} | {r['tokens_per_s']:.0f} | {r['step_ms'] / base['step_ms']:.2f} | {lw:.2f} |")
+    for name, row in rows.items():
+        lw = (row["lookup_wait_ms"] / base["lookup_wait_ms"] if name != "replicated" and base["lookup_wait_ms"]
+              else float("nan"))
+        print(f"| {name} | {row['step_ms']:.1f} | {row['wait_ms']:.1f} | {row['lookup_wait_ms']:.1f} | "
+              f"{row['emb_grad_wait_ms']:.1f} | {row['tokens_per_s']:.0f} | {row['step_ms'] / base['step_ms']:.2f} | "
+              f"{lw:.2f} |")
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     tmp = f"{a.out}.tmp"
     with open(tmp, "w") as f:

@@ -1,4 +1,4 @@
-"""`python -m training.comm.gpu_check`: the one prepared device script (at most 5 minutes).
+"""`python benchmarks/gpu_check.py`: the one prepared device script (at most 5 minutes).
 
 Three parts, each in its own time box; a part that fails is reported and the others still run:
 
@@ -36,10 +36,13 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:   # run as a script: `benchmarks.training_bench` (part 3) lives under the root
+    sys.path.insert(0, str(ROOT))
 BUDGET_S = float(os.environ.get("FTREC_GPU_CHECK_BUDGET_S", "280"))
 
 SIZES = {   # per mode: what each part runs
@@ -169,14 +172,16 @@ def _slowdown_worker(rank: int, world: int, cuda: bool, sz: dict) -> dict:
         n = torch.tensor([math.ceil(1.3 * alone / t_op[k]) + 1], dtype=torch.int64)
         coll.all_reduce(n, kind=coll.CONTROL, op=torch.distributed.ReduceOp.MAX)
         n_ops[k] = int(n)
-    res = {k: {"matmul_s": [], "comm_s": [], "ops": n_ops.get(k, 0)} for k in ("none", *transports)}
+    res: dict[str, dict[str, Any]] = {k: {"matmul_s": [], "comm_s": [], "ops": n_ops.get(k, 0)}
+                                      for k in ("none", *transports)}
     for _ in range(sz["rounds"]):
         for k in res:
             coll.barrier()
-            box = {}
+            box: dict[str, float] = {}
             th = None
             if k != "none":
-                th = threading.Thread(target=lambda: box.update(s=ops(transports[k], n_ops[k])), daemon=True)
+                th = threading.Thread(target=lambda box=box, t=transports[k], n=n_ops[k]: box.update(s=ops(t, n)),
+                                      daemon=True)
                 th.start()
                 time.sleep(0.01)
             res[k]["matmul_s"].append(_matmul(a, b, n_mm, cuda))
@@ -249,9 +254,9 @@ def part_slowdown(sz: dict, gpus: int, budget: float) -> dict:
 # ---- 3. throughput: non-padding tokens/s, sasrec and hstu, three lengths, balanced vs random ------
 
 def part_throughput(work: Path, sz: dict, budget: float) -> dict:
+    from benchmarks.training_bench import randomize
     from dataprep.build import build_shards
     from dataprep.synth import write_synthetic
-    from training.bench import randomize
     from training.config import load_config
     from training.train import train
     deadline = time.monotonic() + budget
@@ -290,8 +295,8 @@ def part_throughput(work: Path, sz: dict, budget: float) -> dict:
 # ---- main ---------------------------------------------------------------------------------------
 
 def _table(rows: list[list], head: list[str]) -> str:
-    w = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
-    line = lambda r: "  ".join(str(x).ljust(n) for x, n in zip(r, w))  # noqa: E731
+    w = [max(len(str(x)) for x in col) for col in zip(head, *rows, strict=False)]
+    line = lambda r: "  ".join(str(x).ljust(n) for x, n in zip(r, w, strict=False))  # noqa: E731
     return "\n".join([line(head), line(["-" * n for n in w])] + [line(r) for r in rows])
 
 
@@ -319,7 +324,7 @@ def _print(res: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m training.comm.gpu_check", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python benchmarks/gpu_check.py", description=__doc__.splitlines()[0])
     p.add_argument("--cpu", action="store_true", help="tiny sizes on CPU: a smoke test of this script")
     p.add_argument("--parts", default="ft,slowdown,throughput", help="comma-separated subset")
     p.add_argument("--out", default=str(ROOT / "bench-results" / "gpu_check.json"))
@@ -335,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(a.work) if a.work else out.parent / "gpu_check_work"
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    res = {"mode": "cpu" if a.cpu else "gpu", "gpus": gpus, "torch": torch.__version__,
+    res: dict[str, Any] = {"mode": "cpu" if a.cpu else "gpu", "gpus": gpus, "torch": torch.__version__,
            "device": torch.cuda.get_device_name(0) if gpus else "cpu"}
     boxes = {"ft": 0.45, "slowdown": 0.25, "throughput": 0.30}   # shares of the budget
     parts = [x for x in a.parts.split(",") if x]

@@ -1,10 +1,10 @@
-"""`python -m training.comm.bench`: FreeScale communication, side by side in one run.
+"""`python benchmarks/comm_bench.py`: FreeScale communication, side by side in one run.
 
   exposed   exposed embedding communication per step, 2 gloo ranks on CPU:
             blocking vs overlapped (TorchRec-style: next batch's ids prefetched, one fused
-            lookup of all features, waited before the first layer) vs prioritized (one op
-            per feature, issued history -> targets -> negatives -> next ids, each waited
-            just before its consumer)
+            lookup of all features, waited before the first layer) vs prioritized (one
+            lookup per feature, issued history -> targets -> negatives -> next ids, each
+            waited just before its consumer)
   slowdown  a matmul loop's slowdown while an all-to-all of the same bytes runs beside
             it on another thread: collective (gloo) vs smfree (shared memory)
   e2e       bubble fraction on the shared data (video.txt) and on heavy-tailed synthetic
@@ -12,7 +12,11 @@
             prioritized + smfree (FreeScale), and each technique alone
 
 Prints tables and writes bench-results/comm.json. The step code here (`CommModel`,
-`run_training`) is a small SASRec-style model over a sharded item table; the tests reuse it.
+`run_training`) is a small SASRec-style model over the trainer's own sharded item table
+(`training.comm.item_table.ShardedItemTable`), driven as training/train.py drives it: a
+step's lookups and the next batch's id exchange submitted before the forward pass, the
+embedding gradients sent in one all-to-all after backward, beside the dense all-reduce. The
+comm tests (tests/test_comm_scheduler.py, tests/test_comm_bubbles.py) reuse it.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -32,13 +37,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from training.comm.bubbles import Timeline, account, max_arrivals, metrics, per_step_bubble
-from training.comm.pipeline import EmbeddingPipeline
+from training.comm.item_table import ShardedItemTable
 from training.comm.scheduler import CommScheduler, Stage
-from training.comm.sharded_embedding import ShardedEmbedding
+from training.comm.sharded_embedding import reference_weight
 from training.comm.spawn import run_ranks
 from training.comm.transport import TransportConfig, make_transport
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data"
 
 
@@ -150,7 +155,7 @@ def _video_sequences(max_len: int) -> list[np.ndarray]:
     users, starts = np.unique(a[:, 0], return_index=True)
     bounds = list(np.sort(starts)) + [len(a)]
     seqs = []
-    for s, e in zip(bounds[:-1], bounds[1:]):
+    for s, e in zip(bounds[:-1], bounds[1:], strict=True):
         items = a[s:e, 1][:-2][-(max_len + 1):]
         if len(items) >= 2:
             seqs.append(items)
@@ -177,31 +182,32 @@ def make_steps(cfg: RunConfig, world_size: int) -> list[list[list[np.ndarray]]]:
     n = world_size * cfg.batch * cfg.steps
     seqs = _sequences(cfg, n)
     cost = COST(np.array([len(s) - 1 for s in seqs]))
-    plan_fn = balance.plan if cfg.balanced else balance.random_plan
-    kw = {"window_steps": cfg.steps} if cfg.balanced else {}
-    p = plan_fn(cost, world_size=world_size, batch_size=cfg.batch, seed=cfg.seed, **kw)
-    out = [[[] for _ in range(world_size)] for _ in range(p.steps)]
+    if cfg.balanced:
+        p = balance.plan(cost, world_size=world_size, batch_size=cfg.batch, window_steps=cfg.steps, seed=cfg.seed)
+    else:
+        p = balance.random_plan(cost, world_size=world_size, batch_size=cfg.batch, seed=cfg.seed)
+    out: list[list[list[np.ndarray]]] = [[[] for _ in range(world_size)] for _ in range(p.steps)]
     for i in np.argsort(cost, kind="stable"):  # deterministic order inside a rank's batch
         if p.step[i] >= 0:
             out[p.step[i]][p.rank[i]].append(seqs[i])
     return out
 
 
-def _features(seqs: list[np.ndarray], cfg: RunConfig, step: int, fused: bool) -> dict[str, torch.Tensor]:
+def _features(seqs: list[np.ndarray], cfg: RunConfig, step: int, fused: bool) -> list[torch.Tensor]:
+    """The ids a step looks up, in ShardedItemTable's order: [histories, targets, negatives];
+    fused: one lookup of all three, concatenated (consumed by the first layer)."""
     hist = torch.from_numpy(np.concatenate([s[:-1] for s in seqs]))
     tgt = torch.from_numpy(np.concatenate([s[1:] for s in seqs]))
     g = torch.Generator().manual_seed(cfg.seed * 1000 + step)  # shared negatives, same on every rank
     neg = torch.randint(1, cfg.num_items + 1, (cfg.num_neg,), generator=g)
     if fused:
-        return {"all": torch.cat([hist, tgt, neg])}
-    return {"history": hist, "targets": tgt, "negatives": neg}
-
-
-STAGES = {"history": Stage.HISTORY, "targets": Stage.CANDIDATE, "negatives": Stage.NEGATIVE, "all": Stage.HISTORY}
+        return [torch.cat([hist, tgt, neg])]
+    return [hist, tgt, neg]
 
 
 class PipelinedRun:
-    """One rank of a pipelined training run of CommModel over a sharded item table."""
+    """One rank of a training run of CommModel whose item table is the trainer's
+    ShardedItemTable, stepped the way training/train.py steps it."""
 
     def __init__(self, rank: int, world_size: int, cfg: RunConfig):
         self.rank, self.cfg = rank, cfg
@@ -213,58 +219,62 @@ class PipelinedRun:
         self.transport = make_transport(TransportConfig(kind=cfg.transport))
         self.timeline = Timeline(rank)
         self.sched = CommScheduler(cfg.policy, self.timeline)
-        self.emb = ShardedEmbedding(cfg.num_items + 1, cfg.dim, self.transport, seed=cfg.seed, padding_idx=0)
+        full = reference_weight(cfg.num_items + 1, cfg.dim, seed=cfg.seed, padding_idx=0)
+        self.emb = ShardedItemTable(full, self.transport, self.sched, padding_idx=0)
         self.model = CommModel(cfg.dim, cfg.d_model, cfg.layers, cfg.heads)
-        self.pipe = EmbeddingPipeline(self.emb, self.sched, STAGES)
         self.dense = list(self.model.parameters())
         self.opt = torch.optim.SGD(self.dense + [self.emb.weight], lr=cfg.lr)
         self.tokens = [sum(len(s) - 1 for r in st for s in r) for st in self.steps]  # global loss normalizer
         self.nsteps = min(cfg.steps, len(self.steps))
-        self.cur = self.pipe.prefetch(self._features(0))
         self.losses: list[float] = []
 
-    def _features(self, i):
+    def _features(self, i: int) -> list[torch.Tensor]:
         return _features(self.steps[i][self.rank], self.cfg, i, self.fused)
 
     def step(self, i: int):
-        tl, sched, pipe, transport = self.timeline, self.sched, self.pipe, self.transport
+        tl, sched, emb, transport = self.timeline, self.sched, self.emb, self.transport
         sched.step = i
         tl.step_begin(i)
         mine = self.steps[i][self.rank]
-        nxt = pipe.prefetch(self._features(i + 1)) if i + 1 < self.nsteps else None
-        lk = pipe.lookups(self.cur)
-        sched.flush()
+        ids = self._features(i)
+        # the next batch's id exchange runs during this step; as in the trainer, its histories
+        # and targets (fused: its one lookup), while this step's negatives are looked up now
+        nxt = self._features(i + 1)[:2] if i + 1 < self.nsteps else None
+        emb.start_step(i, ids, i + 1, nxt)   # submits and issues (by comm.policy) before the forward pass
         with tl.compute("forward"):
             lengths = [len(s) - 1 for s in mine]
             T = sum(lengths)
             if self.fused:
-                allx = pipe.get(lk, "all")
+                allx = emb(ids[0])
                 h, pos, neg = allx[:T], allx[T:2 * T], allx[2 * T:]
             else:
-                h = pipe.get(lk, "history")
+                h = emb(ids[0])              # waits for the history rows just before the first layer
             x = self.model(h, lengths)
             if not self.fused:
-                pos = pipe.get(lk, "targets")
-                neg = pipe.get(lk, "negatives")
+                pos, neg = emb(ids[1]), emb(ids[2])
             logits = torch.cat([(x * pos).sum(-1, keepdim=True), x @ neg.T], dim=1)
             loss = F.cross_entropy(logits, torch.zeros(T, dtype=torch.long), reduction="sum") / self.tokens[i]
         with tl.compute("backward"):
             loss.backward()
-        flat = torch.cat([p.grad.reshape(-1) for p in self.dense])
+        emb.start_grads()                    # the step's embedding grads to their owners ...
+        emb.take_exposed()                   # (the lookups' waits are in the scheduler's records)
+        grads = [p.grad for p in self.dense]
+        assert all(g is not None for g in grads), "backward left a dense parameter without a gradient"
+        flat = torch.cat([g.reshape(-1) for g in grads if g is not None])
         dense_op = sched.submit("dense_grad", Stage.DENSE_GRAD, lambda: transport.all_reduce(flat).wait())
         sched.flush()
-        pipe.finish_grads()
+        emb.finish_grads()                   # ... while the dense gradients are all-reduced
         sched.wait(dense_op)
         with tl.compute("optimizer"):
             o = 0
-            for p in self.dense:
-                p.grad.copy_(flat[o:o + p.numel()].view_as(p.grad))
-                o += p.numel()
+            for g in grads:
+                assert g is not None
+                g.copy_(flat[o:o + g.numel()].view_as(g))
+                o += g.numel()
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
         tl.step_end()
         self.losses.append(loss.item())
-        self.cur = nxt
 
     def result(self) -> dict:
         """Collective (arrival times): call on every rank with no op in flight."""
@@ -272,7 +282,7 @@ class PipelinedRun:
         arrivals = max_arrivals(sched)
         accts = [a for a in account(self.timeline.steps, self.rank, arrivals) if a.step >= cfg.warmup]
         digest = float(sum(p.detach().double().sum() for p in self.dense)) + float(emb.weight.detach().double().sum())
-        exposed = {}
+        exposed: dict[str, float] = {}
         for r in sched.records():
             if r["step"] >= cfg.warmup:
                 exposed[r["name"]] = exposed.get(r["name"], 0.0) + r["exposed"]
@@ -354,7 +364,8 @@ def run_slowdown(rank: int, world_size: int, rounds: int, mbytes: float, n_iter:
     send = torch.randn(rows, 256)
     splits = [rows // world_size] * (world_size - 1)
     splits.append(rows - sum(splits))
-    out = {k: {"matmul_s": [], "bytes": [], "ops": []} for k in ("none", *transports)}
+    out: dict[str, dict[str, list[float]]] = {k: {"matmul_s": [], "bytes": [], "ops": []}
+                                              for k in ("none", *transports)}
     _matmul_loop(3, size)  # warm-up
     for _ in range(rounds):
         for kind in out:
@@ -362,7 +373,7 @@ def run_slowdown(rank: int, world_size: int, rounds: int, mbytes: float, n_iter:
             stop, moved = threading.Event(), [0, 0]
             coll.barrier()
 
-            def traffic():
+            def traffic(t=t, moved=moved, stop=stop):
                 # every rank must run the same number of ops: stop when any rank is done (all-reduce)
                 flag = torch.zeros(1)
                 while True:
@@ -395,8 +406,8 @@ def run_slowdown(rank: int, world_size: int, rounds: int, mbytes: float, n_iter:
 
 
 def _table(rows: list[list], head: list[str]) -> str:
-    w = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
-    line = lambda r: "  ".join(str(x).ljust(n) for x, n in zip(r, w))  # noqa: E731
+    w = [max(len(str(x)) for x in col) for col in zip(head, *rows, strict=False)]
+    line = lambda r: "  ".join(str(x).ljust(n) for x, n in zip(r, w, strict=False))  # noqa: E731
     return "\n".join([line(head), line(["-" * n for n in w])] + [line(r) for r in rows])
 
 
@@ -419,7 +430,7 @@ def bench_exposed(base: RunConfig, out: dict):
 
 def bench_slowdown(out: dict, mbytes: float, n_iter: int, size: int, rounds: int = 5):
     r = run_ranks(run_slowdown, 2, rounds, mbytes, n_iter, size, timeout_s=600)
-    res = {}
+    res: dict[str, dict[str, Any]] = {}
     for kind in r[0]["results"]:
         mm = [x for rr in r for x in rr["results"][kind]["matmul_s"]]
         by = [x for rr in r for x in rr["results"][kind]["bytes"]]
@@ -441,14 +452,14 @@ def bench_slowdown(out: dict, mbytes: float, n_iter: int, size: int, rounds: int
 
 
 def bench_e2e(base: RunConfig, out: dict, datasets: list[str], png: str | None = None):
-    configs = {
+    configs: dict[str, dict[str, Any]] = {
         "baseline (random+blocking+collective)": dict(balanced=False, policy="blocking", transport="collective"),
         "balanced only": dict(balanced=True, policy="blocking", transport="collective"),
         "prioritized only": dict(balanced=False, policy="prioritized", transport="collective"),
         "smfree only": dict(balanced=False, policy="blocking", transport="smfree"),
         "FreeScale (balanced+prioritized+smfree)": dict(balanced=True, policy="prioritized", transport="smfree"),
     }
-    res = {}
+    res: dict[str, dict[str, dict]] = {}
     for data in datasets:
         rows, res[data] = [], {}
         cfgs = [asdict(replace(base, data=data, **kw)) for kw in configs.values()]
@@ -470,7 +481,8 @@ def bench_e2e(base: RunConfig, out: dict, datasets: list[str], png: str | None =
             # by itself; this one measures every config against the baseline's compute time
             s["bubble_at_base_compute"] = 1 - b["compute_s"] / s["step_s"]
         for name, s in res[data].items():
-            rows.append([name, f"{s['step_s'] * 1e3:.1f}", f"{s['compute_s'] * 1e3:.1f}", f"{s['exposed_comm_s'] * 1e3:.1f}",
+            rows.append([name, f"{s['step_s'] * 1e3:.1f}", f"{s['compute_s'] * 1e3:.1f}",
+                         f"{s['exposed_comm_s'] * 1e3:.1f}",
                          f"{s['straggler_s'] * 1e3:.1f}", f"{s['idle_s'] * 1e3:.1f}", f"{s['planned_bubble']:.3f}",
                          f"{s['compute_imbalance']:.2f}", f"{s['bubble_fraction']:.3f}",
                          f"{s['bubble_at_base_compute']:.3f}",
@@ -501,7 +513,8 @@ def bench_scale(base: RunConfig, out: dict, widths=(2, 8, 64, 256)):
         n = w * cfg.batch * cfg.steps
         lens = np.array([len(x) - 1 for x in _sequences(cfg, n)])
         cost = cm(lens)
-        b_rand = balance.stats(balance.random_plan(cost, world_size=w, batch_size=cfg.batch, seed=0), cost)["bubble_fraction"]
+        b_rand = balance.stats(balance.random_plan(cost, world_size=w, batch_size=cfg.batch, seed=0),
+                               cost)["bubble_fraction"]
         b_bal = balance.stats(balance.plan(cost, world_size=w, batch_size=cfg.batch, window_steps=16, seed=0),
                               cost)["bubble_fraction"]
         proj = {}
@@ -513,14 +526,15 @@ def bench_scale(base: RunConfig, out: dict, widths=(2, 8, 64, 256)):
         rows.append([w, f"{b_rand:.3f}", f"{b_bal:.3f}", f"{base_b:.3f}", f"{proj[names[-1]]:.3f}",
                      f"{1 - proj[names[-1]] / base_b:+.1%}"])
     print("\n## projection to W ranks (cost model + measured overhead ratio; see bench_scale's docstring); "
-          f"measured at W=2: baseline {e2e[names[0]]['bubble_fraction']:.3f}, FreeScale {e2e[names[-1]]['bubble_fraction']:.3f}")
+          f"measured at W=2: baseline {e2e[names[0]]['bubble_fraction']:.3f}, "
+          f"FreeScale {e2e[names[-1]]['bubble_fraction']:.3f}")
     print(_table(rows, ["W", "imbalance bubble random", "balanced", "baseline bubble", "FreeScale bubble",
                         "fewer bubbles"]))
     out["scale"] = {"e_exposed_over_compute": e, "results": res, "model": bench_scale.__doc__}
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python benchmarks/comm_bench.py", description=__doc__.split("\n")[0])
     ap.add_argument("--only", choices=["exposed", "slowdown", "e2e"], action="append")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--out", default=str(ROOT / "bench-results" / "comm.json"))
@@ -538,7 +552,9 @@ def main(argv=None):
         base = RunConfig(steps=args.steps, max_len=200, batch=8, dim=128, d_model=64, layers=2, num_neg=1024)
         torch.set_num_threads(1)
         base = replace(base, cost=calibrate_cost(base))
-        print(f"\ncost model fitted on this model: c(L) = {base.cost[0]:.3g}*L^2 + {base.cost[1]:.3g}*L + {base.cost[2]:.3g} us")
+        assert base.cost is not None
+        a, b, c0 = base.cost
+        print(f"\ncost model fitted on this model: c(L) = {a:.3g}*L^2 + {b:.3g}*L + {c0:.3g} us")
         bench_e2e(base, out, datasets, args.png)
         bench_scale(base, out)
     out["wall_s"] = time.time() - t0
