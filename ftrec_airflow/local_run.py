@@ -2,7 +2,13 @@
 everything is.
 
     python -m ftrec_airflow.local_run [--work work] [--dag ftrec_train]
-        [--set param=value ...] [--conf '{"param": value}']
+        [--set section.key=value ...] [--conf '{"param": value}']
+
+`--set` has the trainer's syntax (training.config.parse_overrides: the value in TOML
+syntax, bare text is a string). Section `params` is the DAG's params: `--set
+params.max_steps=50`, `--set params.data_source=synthetic`. Any trainer section is a trainer
+setting, added to the `train_overrides` param: `--set train.epochs=3`, `--set model.dim=32`
+(`python -m training config --show` lists them). `--set` comes after `--conf`.
 
 Sets AIRFLOW_HOME and friends so that Airflow's metadata (SQLite), task logs, the MLflow
 store (SQLite + artifacts) and every run's files live under one work folder; in a child
@@ -13,14 +19,17 @@ commands that open the Airflow and MLflow UIs on 127.0.0.1.
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import shlex
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from ftrec_airflow import runner, settings
+from training import config  # the trainer's settings and the one --set parser (no torch)
 
 SUMMARY = "last_run.json"
 
@@ -60,17 +69,32 @@ def write_env_file(work: Path, env: dict[str, str]) -> Path:
     return path
 
 
-def _parse_sets(sets: list[str]) -> dict:
-    conf = {}
-    for kv in sets:
-        key, sep, value = kv.partition("=")
-        if not sep:
-            raise SystemExit(f"error: --set {kv!r}: use param=value, e.g. --set max_steps=50")
-        try:
-            conf[key] = json.loads(value)
-        except ValueError:
-            conf[key] = value
-    return conf
+PARAMS = "params"   # --set params.KEY=VALUE: the DAG param KEY
+
+
+def run_conf(conf: dict[str, Any], sets: list[str]) -> dict[str, Any]:
+    """The DAG run's conf: `conf` (--conf), then the `--set section.key=value` items:
+    `params.KEY` sets the DAG param KEY, a trainer setting (`train.epochs=3`) is appended to
+    the train_overrides param. ConfigError names a bad item."""
+    out = dict(conf)
+    trainer = []
+    for item in sets:
+        key, sep, _ = item.partition("=")
+        if sep and key.strip() and "." not in key:   # the param alone, as --set took it before
+            raise config.ConfigError(f"--set {item!r}: a DAG param is params.KEY=VALUE: --set params.{item.strip()}")
+        ((section, table),) = config.parse_overrides([item]).items()
+        if section == PARAMS:
+            out.update(table)
+        elif section in {f.name for f in dataclasses.fields(config.Config)}:
+            trainer.append(item)
+        else:
+            raise config.ConfigError(
+                f"--set {item!r}: unknown section {section!r}: use params.<DAG param> (e.g. params.max_steps=50) "
+                f"or a trainer setting (python -m training config --show)")
+    if trainer:
+        config.apply_overrides(config.Config(), trainer)   # a wrong name or type fails now, not in the train task
+        out["train_overrides"] = [*(out.get("train_overrides") or []), *trainer]
+    return out
 
 
 def child(dag_id: str, conf: dict, summary_path: Path, logical_date: str | None = None) -> int:
@@ -88,7 +112,12 @@ def child(dag_id: str, conf: dict, summary_path: Path, logical_date: str | None 
     if dag_id not in bag.dags:
         print(f"error: no DAG {dag_id!r} in {os.environ['AIRFLOW__CORE__DAGS_FOLDER']}", file=sys.stderr)
         return 2
-    when = {}
+    unknown = sorted(set(conf) - set(bag.dags[dag_id].params))
+    if unknown:   # the DAG would ignore them
+        print(f"error: {dag_id} has no param {', '.join(unknown)} (--conf, --set params.KEY=VALUE); "
+              f"its params: {', '.join(bag.dags[dag_id].params)}", file=sys.stderr)
+        return 2
+    when: dict[str, Any] = {}   # unset: dag.test's own defaults (logical_date NOTSET is not None)
     if logical_date:  # the same date again re-runs the same DAG run: every task a retry
         from datetime import datetime
         when["logical_date"] = when["run_after"] = datetime.fromisoformat(logical_date)
@@ -134,20 +163,32 @@ def report(summary: dict, work: Path, env_file: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ftrec_airflow.local_run", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m ftrec_airflow.local_run",
+                                description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--work", default=str(settings.work_root()), help="work folder (default: <project>/work)")
     p.add_argument("--dag", default="ftrec_train")
     p.add_argument("--conf", default="{}", help="DAG run conf as JSON")
-    p.add_argument("--set", action="append", default=[], metavar="PARAM=VALUE", help="one DAG param")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="params.KEY=VALUE: a DAG param (params.max_steps=50); a trainer setting "
+                        "(train.epochs=3, model.dim=32) joins train_overrides. The value in TOML syntax, "
+                        "bare text is a string")
     p.add_argument("--timeout", type=float, default=float(os.environ.get("FTREC_RUN_TIMEOUT_S", 7200)),
                    help="give up on the DAG run after this many seconds (default 7200)")
     p.add_argument("--logical-date", help="ISO date of the DAG run; the same date again re-runs that run")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     try:
-        conf = {**json.loads(a.conf), **_parse_sets(a.set)}
+        conf = json.loads(a.conf)
     except ValueError as e:
         print(f"error: --conf is not JSON ({e})", file=sys.stderr)
+        return 2
+    if not isinstance(conf, dict):
+        print(f"error: --conf must be a JSON object, got {a.conf!r}", file=sys.stderr)
+        return 2
+    try:
+        conf = run_conf(conf, a.set)
+    except config.ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     work = Path(a.work).resolve()
     summary_path = work / SUMMARY

@@ -27,10 +27,15 @@ pytestmark = pytest.mark.slow
 # 10-step budget runs out: unpaced steps of this tiny model take ~25 ms
 PLAN = {"faults": [{"kind": "kill", "group": 1, "at_step": 4},
                    {"kind": "slow", "group": 0, "at_step": 4, "until_step": 10, "delay_s": 0.25}]}
-SMALL = ["--set", "data_source=synthetic", "--set", "synth_users=240", "--set", "synth_items=120",
-         "--set", "max_steps=10", "--set", "batch_size=16", "--set", "max_len=20", "--set", "replica_groups=2",
-         "--conf", json.dumps({"train_overrides": ["model.dim=16", "eval.batch_size=256"],
-                               "fault_plan": json.dumps(PLAN)})]
+def sets(*items: str) -> list[str]:
+    return [w for item in items for w in ("--set", item)]
+
+
+# params.KEY is a DAG param; a trainer setting (model.dim=16) joins the train_overrides param
+SMALL = [*sets("params.data_source=synthetic", "params.synth_users=240", "params.synth_items=120",
+               "params.max_steps=10", "params.batch_size=16", "params.max_len=20", "params.replica_groups=2",
+               "model.dim=16", "eval.batch_size=256"),
+         "--conf", json.dumps({"fault_plan": json.dumps(PLAN)})]
 DATE = "2026-01-02T00:00:00+00:00"
 
 
@@ -148,8 +153,8 @@ def test_chaos_drill_checks_recovery(work):
     # heals long before the budget ends
     plan = {"faults": [{"kind": "kill", "group": 1, "at_step": 4},
                        {"kind": "kill_lighthouse", "at_step": 8, "duration_s": 1}]}
-    rc, summary, out = local_run(work, "--dag", "ftrec_chaos_drill", "--set", "synth_users=240",
-                                 "--set", "max_steps=80", "--set", "max_len=20",
+    rc, summary, out = local_run(work, "--dag", "ftrec_chaos_drill",
+                                 *sets("params.synth_users=240", "params.max_steps=80", "params.max_len=20"),
                                  "--conf", json.dumps({"train_overrides": ["model.dim=16", "eval.batch_size=256"],
                                                        "fault_plan": json.dumps(plan)}))
     assert rc == 0, out[-4000:]
@@ -173,15 +178,14 @@ def model_events(work: Path) -> list[dict]:
 
 
 # No fault plan: these runs are about the registry, not about recovery.
-PLAIN = [*SMALL[:-2], "--set", "fault_plan="]
+PLAIN = [*SMALL[:-2], *sets("params.fault_plan=")]
 LR0 = ["optim.lr=0", "optim.embedding_lr=0"]
 
 
 @pytest.fixture(scope="module")
 def worse(first, work):
     """A second ftrec_train run whose model keeps its initial weights."""
-    rc, summary, out = local_run(work, *PLAIN, "--conf", json.dumps(
-        {"train_overrides": ["model.dim=16", "eval.batch_size=256", *LR0]}))
+    rc, summary, out = local_run(work, *PLAIN, "--conf", json.dumps({"train_overrides": LR0}))
     assert rc == 0 and summary, out[-4000:]
     return summary, out
 
@@ -207,8 +211,7 @@ def test_retrain_warm_starts_from_the_champion(first, worse, work):
     the newest version 2), its training starts from version 1's checkpoint, and the new
     version is champion exactly when it beats version 1."""
     champion_ckpt = first[0]["xcom"]["train"]["checkpoint"]
-    rc, summary, out = local_run(work, "--dag", "ftrec_retrain", *PLAIN, "--conf", json.dumps(
-        {"train_overrides": ["model.dim=16", "eval.batch_size=256"]}))
+    rc, summary, out = local_run(work, "--dag", "ftrec_retrain", *PLAIN)
     assert rc == 0 and summary, out[-4000:]
     base = summary["xcom"]["base_model"]
     assert (base["version"], base["alias"], base["checkpoint"]) == (1, "champion", champion_ckpt)

@@ -230,6 +230,27 @@ def test_quality_gate_passes_and_fails_with_every_metric():
         steps.check_gate(metrics, "test/nope", 0.1)
 
 
+# ---------------------------------------------------------------- local runner: --set
+
+def test_local_run_set_is_the_trainers_syntax():
+    """`--set params.KEY=VALUE` is a DAG param (a TOML value, bare text a string); a trainer
+    setting joins train_overrides after --conf's; a bad item fails before Airflow starts."""
+    from ftrec_airflow.local_run import run_conf
+    from training.config import ConfigError
+    conf = run_conf({"train_overrides": ["model.dim=16"], "seed": 1},
+                    ["params.max_steps=10", "params.data_source=synthetic", 'params.model_name="beauty"',
+                     "params.promote_across_metrics=true", "params.fault_plan=", "train.epochs=3", "params.seed=2"])
+    assert conf == {"train_overrides": ["model.dim=16", "train.epochs=3"], "max_steps": 10, "seed": 2,
+                    "data_source": "synthetic", "model_name": "beauty", "promote_across_metrics": True,
+                    "fault_plan": ""}
+    for item, words in (("max_steps=10", "--set params.max_steps=10"), ("nope.x=1", "unknown section 'nope'"),
+                        ("model.nope=1", "unknown key 'nope'"), ("train.epochs=x", "train.epochs"),
+                        ("params.max_steps", "section.key=value")):
+        with pytest.raises(ConfigError, match=words) as e:
+            run_conf({}, [item])
+        assert repr(item) in str(e.value)
+
+
 # ---------------------------------------------------------------- tracking (real MLflow store)
 
 def test_mlflow_run_is_found_again_and_metrics_logged_once(tmp_path, monkeypatch):

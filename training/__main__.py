@@ -1,10 +1,14 @@
-"""`python -m training {train,eval,launch}` (or `ftrec ...`): the trainer's command line.
+"""`python -m training {train,eval,launch,config,...}` (or `ftrec ...`): the trainer's command line.
 
 - train:  one process, or one rank of a replica group under torchrun.
 - eval:   a checkpoint on a shard set's valid/test users, both protocols.
 - launch: R replica groups x K ranks with fault tolerance (training/launch.py, ftcore).
+- config: `config --show` lists every setting with its default and what it does.
 - data:   `ftrec data ...` is `python -m dataprep ...` (shards, verify, synth).
 - calibrate: the configured model's cost model for dataprep's balancer (training/calibrate.py).
+
+Settings come from the defaults, a TOML file (`--config`) and `--set section.key=value`
+(the value in TOML syntax: 3, 0.5, true, "text", [1, 5]; bare text is a string).
 
 User errors (bad config, missing or mismatched shard set, unreadable checkpoint) print
 one line and exit with status 2.
@@ -54,6 +58,15 @@ def _eval(args) -> int:
     return 0
 
 
+def _config(args) -> int:
+    from training.config import describe, load_config
+    if not args.show:
+        print("error: config: say what to do: --show lists every setting", file=sys.stderr)
+        return 2
+    print(describe(load_config(args.config, [kv for group in (args.set or []) for kv in group])))
+    return 0
+
+
 def _launch(argv: list[str]) -> int:
     try:
         from training.launch import main
@@ -74,19 +87,28 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "data":     # the console script `ftrec` also fronts dataprep
         from dataprep.cli import main as dataprep_main
         return dataprep_main(argv[1:])
-    p = argparse.ArgumentParser(prog="python -m training", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m training", description=__doc__.splitlines()[0],
+                                epilog="Every trainer setting, its default and what it does: "
+                                       "python -m training config --show")
     sub = p.add_subparsers(dest="command", required=True)
+    set_help = "override a setting; the value in TOML syntax, bare text is a string (config --show lists them)"
     t = sub.add_parser("train", help="train on a shard set")
     t.add_argument("--shards", help="shard-set folder (python -m dataprep shards)")
-    t.add_argument("--config", help="TOML file with [data] [model] [loss] [optim] [train] [eval] [mlflow]")
+    t.add_argument("--config", help="TOML file with [data] [model] [loss] [optim] [train] [eval] [mlflow] [comm] "
+                                    "sections (`config --show` prints one with every setting)")
     t.add_argument("--out", help="work folder: checkpoints/, result.json, mlflow.db")
     t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in OUT")
-    t.add_argument("--set", action="append", nargs="+", metavar="SECTION.KEY=VALUE", help="override a setting")
+    t.add_argument("--set", action="append", nargs="+", metavar="SECTION.KEY=VALUE", help=set_help)
     e = sub.add_parser("eval", help="evaluate a checkpoint (leave-one-out, full and sampled)")
     e.add_argument("--checkpoint", required=True, help="OUT/checkpoints/step-XXXXXXXX")
     e.add_argument("--shards", required=True)
     e.add_argument("--out", help="write the metrics as JSON here")
-    e.add_argument("--set", action="append", nargs="+", metavar="eval.KEY=VALUE", help="override an eval setting")
+    e.add_argument("--set", action="append", nargs="+", metavar="eval.KEY=VALUE",
+                   help="override an eval setting (the value in TOML syntax, bare text is a string)")
+    c = sub.add_parser("config", help="the settings: `config --show` lists each with its default and meaning")
+    c.add_argument("--show", action="store_true", help="print every setting, its value and its one line, as TOML")
+    c.add_argument("--config", help="show the values this TOML file gives instead of the defaults")
+    c.add_argument("--set", action="append", nargs="+", metavar="SECTION.KEY=VALUE", help=set_help)
     sub.add_parser("launch", help="R replica groups x K ranks with fault tolerance (see `launch --help`)")
     sub.add_parser("data", help="dataprep: shards, verify, synth (see `data --help`)")
     args = p.parse_args(argv)
@@ -95,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     from training.config import ConfigError
     from training.data import DataError
     try:
-        return _train(args) if args.command == "train" else _eval(args)
+        return {"train": _train, "eval": _eval, "config": _config}[args.command](args)
     except (ConfigError, DataError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -1,17 +1,30 @@
 """The trainer's one typed configuration: dataclasses with defaults that train well,
-loaded from a TOML file and overridden on the command line with `--set a.b=v`.
+loaded from a TOML file and overridden on the command line with `--set section.key=value`.
 
 Every component receives its own section (`cfg.model`, `cfg.optim`, ...); nothing reads
 ad-hoc globals. `ConfigError` carries a one-line message for the user.
+
+Each section's docstring has one line per setting, `name: what it does`: that line is the
+setting's documentation (`python -m training config --show` prints them with the defaults).
+Comments beside a field say why its default is what it is.
+
+`--set section.key=value` is meant to be one syntax wherever ftrec takes it (the trainer,
+the launcher's trainer arguments, `python -m ftrec_airflow.local_run`): `parse_overrides`
+reads it, the value as a TOML value (3, 0.5, true, "text", [1, 5, 10]) or, when it is not
+one, as the text itself.
 """
 
 import dataclasses
+import inspect
+import json
 import os
 import tomllib
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from training.comm.config import CommConfig, checks as comm_checks
+from training.comm.config import CommConfig
+from training.comm.config import checks as comm_checks
 
 
 class ConfigError(ValueError):
@@ -20,95 +33,170 @@ class ConfigError(ValueError):
 
 @dataclass
 class DataConfig:
-    shards: str = ""              # shard-set folder written by `python -m dataprep shards`
-    prefetch: int = 2             # row groups (steps) read ahead by the background thread
-    pad_to_max_len: bool = False  # pad every batch to manifest max_len (the padded baseline)
+    """[data] the shard set the trainer reads.
+
+    shards: shard-set folder written by `python -m dataprep shards`
+    prefetch: row groups (steps) read ahead by the background thread
+    pad_to_max_len: pad every batch to the manifest's max_len (the padded baseline)
+    """
+    shards: str = ""
+    prefetch: int = 2
+    pad_to_max_len: bool = False
 
 
 @dataclass
 class ModelConfig:
-    attention: str = "sasrec"     # "sasrec" (softmax) or "hstu" (pointwise SiLU-gated)
+    """[model] the sequence recommender (training/model.py).
+
+    attention: "sasrec" (softmax) or "hstu" (pointwise SiLU-gated)
+    dim: width of the item embeddings and of every layer
+    num_layers: attention blocks
+    num_heads: attention heads per block; must divide dim
+    dropout: dropout probability in [0, 1)
+    max_len: longest history the model reads; 0 takes the manifest's (dataprep's max_len)
+    similarity: "dot" or "cosine" (L2-normalized; then use loss.temperature ~0.05)
+    rel_bias: HSTU's relative attention bias: "pos+time", "pos" or "none" (SASRec ignores it)
+    rel_pos_buckets: position buckets; distances below half of this are exact, the rest log-spaced
+    rel_time_buckets: time-gap buckets, floor(ln(gap seconds) / 0.301), capped
+    """
+    attention: str = "sasrec"
     dim: int = 64
     num_layers: int = 2
     num_heads: int = 1
     dropout: float = 0.3
-    max_len: int = 0              # 0: take it from the manifest (dataprep's max_len)
-    similarity: str = "dot"       # "dot" or "cosine" (L2-normalized; then use loss.temperature ~0.05)
-    # HSTU's relative attention bias (SASRec ignores it): "pos+time" (position buckets, plus
-    # time-gap buckets when the shards have timestamps), "pos" or "none"
+    max_len: int = 0
+    similarity: str = "dot"
+    # "pos+time": position buckets, plus time-gap buckets when the shards have timestamps
     rel_bias: str = "pos+time"
-    rel_pos_buckets: int = 32     # distances below half of this are exact, the rest log-spaced to max_len
-    rel_time_buckets: int = 128   # floor(ln(gap seconds) / 0.301), capped
+    rel_pos_buckets: int = 32
+    rel_time_buckets: int = 128
 
 
 @dataclass
 class LossConfig:
-    kind: str = "sampled_softmax"  # "sampled_softmax" (shared negatives) or "bce" (one negative)
-    num_negatives: int = 1024      # shared negatives per step for sampled softmax
-    temperature: float = 1.0       # logits = similarity / temperature
-    # "step": divide by this step's all-reduced target count (the gradient of one big batch);
-    # "epoch" (default): by the epoch's mean global count per step, so every token weighs the
-    # same over the epoch. Balanced shards sort histories by cost inside windows, so steps
-    # differ in token count; "step" then up-weights short-history tokens (BENCHMARKS.md,
-    # window K table: beauty HR@10 0.4554 with "step" vs 0.4717 with "epoch" at K=64).
+    """[loss] the training objective (training/loss.py).
+
+    kind: "sampled_softmax" (shared negatives) or "bce" (one negative per target)
+    num_negatives: shared negatives per step for sampled softmax
+    temperature: logits = similarity / temperature
+    normalize: "epoch": divide by the epoch's mean global target count per step; "step": by this step's
+    """
+    kind: str = "sampled_softmax"
+    num_negatives: int = 1024
+    temperature: float = 1.0
+    # "step" gives the gradient of one big batch; "epoch" makes every token weigh the same
+    # over the epoch. Balanced shards sort histories by cost inside windows, so steps differ
+    # in token count; "step" then up-weights short-history tokens (BENCHMARKS.md, window K
+    # table: beauty HR@10 0.4554 with "step" vs 0.4717 with "epoch" at K=64).
     normalize: str = "epoch"
 
 
 @dataclass
 class OptimConfig:
-    lr: float = 3e-3               # AdamW on dense parameters
-    embedding_lr: float = 3e-3     # Adam on the item table (its own param group, no weight decay)
+    """[optim] optimizers and learning-rate schedule (training/state.py).
+
+    lr: AdamW learning rate of the dense parameters
+    embedding_lr: Adam learning rate of the item table (its own param group, no weight decay)
+    weight_decay: AdamW weight decay of the dense parameters
+    betas: Adam (beta1, beta2) of both optimizers
+    warmup_steps: linear warmup steps (at most a tenth of the run)
+    decay: "cosine", "linear" or "constant" after warmup
+    min_lr_ratio: the learning rate at the end, as a fraction of lr (cosine, linear)
+    grad_clip: max global gradient norm; 0 disables clipping
+    """
+    lr: float = 3e-3
+    embedding_lr: float = 3e-3
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.98)
     warmup_steps: int = 100
-    decay: str = "cosine"          # "cosine", "linear" or "constant" after warmup
+    decay: str = "cosine"
     min_lr_ratio: float = 0.1
-    grad_clip: float = 1.0         # max global grad norm; 0 disables clipping
+    grad_clip: float = 1.0
 
 
 @dataclass
 class TrainConfig:
+    """[train] the training loop (training/train.py).
+
+    out: work folder: checkpoints/, result.json, the default MLflow store
+    epochs: passes over the shard set
+    max_steps: stop after this many steps; 0: epochs * steps per epoch
+    max_minutes: wall-clock budget; the schedule is fitted to it at 25% (then test)
+    seed: seed of the initial model, dropout, negatives and the order of steps
+    resume: continue from the newest checkpoint under out/checkpoints
+    init_checkpoint: warm start: an earlier run's checkpoint folder (weights only)
+    stop_at_step: leave after committing this step, schedule unchanged (preemption, tests)
+    checkpoint_every: steps between checkpoints; 0: only at the end
+    keep_checkpoints: newest checkpoints kept; older ones are deleted
+    eval_every: steps between validations; 0: once per epoch
+    log_every: steps aggregated into one MLflow log call
+    deterministic: torch's deterministic algorithms (warn where an op has none)
+    """
     out: str = "work/train"
     epochs: int = 20
-    max_steps: int = 0             # 0: epochs * steps per epoch
-    max_minutes: float = 0.0       # wall-clock budget; the schedule is fitted to it at 25% (then test)
+    max_steps: int = 0
+    max_minutes: float = 0.0
     seed: int = 0
-    resume: bool = False           # continue from the newest checkpoint under out/checkpoints
-    init_checkpoint: str = ""      # warm start: an earlier run's checkpoint folder (weights only)
-    stop_at_step: int = 0          # leave after committing this step, schedule unchanged (preemption, tests)
-    checkpoint_every: int = 500    # steps; 0: only at the end
+    resume: bool = False
+    init_checkpoint: str = ""
+    stop_at_step: int = 0
+    checkpoint_every: int = 500
     keep_checkpoints: int = 2
-    eval_every: int = 0            # steps between validations; 0: once per epoch
-    log_every: int = 20            # steps aggregated into one MLflow log call
+    eval_every: int = 0
+    log_every: int = 20
     deterministic: bool = True
 
 
 @dataclass
 class EvalConfig:
+    """[eval] leave-one-out evaluation (training/evaluate.py).
+
+    batch_size: users scored per batch
+    ks: cutoffs of HR@k, NDCG@k
+    num_negatives: sampled protocol: uniform items the user never interacted with
+    seed: seed of the sampled negatives; fixed, so every run ranks against the same ones
+    exclude_history: full ranking: items already in the user's history rank last
+    periodic: validate every train.eval_every steps (0: once per epoch)
+    final: valid + test at the end (into result.json)
+    best_metric: "valid/sampled/ndcg@10" etc.: keep the model where it peaked (OUT/best/); "": the last
+    """
     batch_size: int = 1024
     ks: tuple[int, ...] = (1, 5, 10, 50)
-    num_negatives: int = 100       # sampled protocol: uniform items the user never interacted with
-    seed: int = 12345              # fixed: every run ranks against the same negatives
-    exclude_history: bool = True   # full ranking: items already in the user's history rank last
-    periodic: bool = True          # validate every train.eval_every steps (0: once per epoch)
-    final: bool = True             # valid + test at the end (into result.json)
-    # "valid/sampled/ndcg@10" etc.: the run's model is the one where this validation metric
-    # peaked (periodic validations and the end), written to OUT/best/ when it is not the last
+    num_negatives: int = 100
+    seed: int = 12345
+    exclude_history: bool = True
+    periodic: bool = True
+    final: bool = True
+    # the model where this validation metric peaked (periodic validations and the end) is
+    # the run's model, written to OUT/best/ when it is not the last
     best_metric: str = ""
 
 
 @dataclass
 class MlflowConfig:
+    """[mlflow] tracking and the model registry (training/tracking.py).
+
+    enabled: log the run to MLflow
+    tracking_uri: "": MLFLOW_TRACKING_URI, else sqlite:///<out>/mlflow.db
+    experiment: MLflow experiment of the run
+    run_id: resume this MLflow run (a retried task) instead of creating one
+    run_name: name of a new run; "": MLflow's
+    register: register the logged model (log_model) as a new version of model_name
+    model_name: registered model the run's model is added to
+    log_model: log the trained model (an MLflow pyfunc) as the run's "model" artifact
+    plots: log PNG plots of the training curves
+    system_metrics: MLflow's system/* metrics (CPU, memory, GPU) while the run trains
+    """
     enabled: bool = True
-    tracking_uri: str = ""         # "" : MLFLOW_TRACKING_URI, else sqlite:///<out>/mlflow.db
+    tracking_uri: str = ""
     experiment: str = "ftrec"
-    run_id: str = ""               # resume this run (a retried task) instead of creating one
+    run_id: str = ""
     run_name: str = ""
     register: bool = True
     model_name: str = "ftrec"
     log_model: bool = True
     plots: bool = True
-    system_metrics: bool = True    # MLflow's system/* metrics (CPU, memory, GPU) while the run trains
+    system_metrics: bool = True
 
 
 @dataclass
@@ -143,20 +231,23 @@ def _coerce(value: Any, typ: Any, where: str) -> Any:
                 return False
             raise ValueError(value)
         if typ in (int, float, str):
+            if typ is not str and isinstance(value, bool):   # true is not 1
+                raise ValueError(value)
             if typ is int and isinstance(value, float):
                 raise ValueError(value)
             return typ(value)
         if origin is tuple:
-            items = value if isinstance(value, (list, tuple)) else [v for v in str(value).strip("()[] ").split(",") if v.strip()]
-            args = typ.__args__
-            elem = args[0]
+            items = value if isinstance(value, (list, tuple)) else [
+                v for v in str(value).strip("()[] ").split(",") if v.strip()]
+            elem = typ.__args__[0]
             return tuple(_coerce(v, elem, where) for v in items)
     except (TypeError, ValueError):
         raise ConfigError(f"setting {where}: cannot read {value!r} as {getattr(typ, '__name__', typ)}") from None
     raise ConfigError(f"setting {where}: unsupported type {typ}")
 
 
-def _set(cfg: Config, dotted: str, value: Any) -> None:
+def _field_types(cfg: Config, dotted: str) -> dict[str, Any]:
+    """The field types of the section that `section.key` names (ConfigError if none)."""
     parts = dotted.split(".")
     if len(parts) != 2:
         raise ConfigError(f"setting {dotted!r}: use section.key, for example optim.lr=0.001")
@@ -168,7 +259,74 @@ def _set(cfg: Config, dotted: str, value: Any) -> None:
     types = {f.name: f.type for f in dataclasses.fields(sec)}
     if key not in types:
         raise ConfigError(f"setting {dotted!r}: unknown key {key!r} in [{section}] (known: {', '.join(types)})")
-    setattr(sec, key, _coerce(value, types[key], dotted))
+    return types
+
+
+def _set(cfg: Config, dotted: str, value: Any) -> None:
+    types = _field_types(cfg, dotted)
+    section, key = dotted.split(".")
+    setattr(getattr(cfg, section), key, _coerce(value, types[key], dotted))
+
+
+# ---------------------------------------------------------------- --set section.key=value
+
+def _split(item: str) -> tuple[str, str, str]:
+    """`section.key=value` -> (section, key, value text), or ConfigError naming the item."""
+    key, sep, text = item.partition("=")
+    parts = key.strip().split(".")
+    if not sep or len(parts) != 2 or not all(p.strip() for p in parts):
+        raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. --set train.epochs=3")
+    return parts[0].strip(), parts[1].strip(), text.strip()
+
+
+def parse_value(text: str) -> Any:
+    """A `--set` value: a TOML value (3, 0.5, true, "text", [1, 5, 10]), or else the text as
+    written (a bare string: beauty, /data/events.txt, valid/sampled/ndcg@10). Text that opens
+    a quoted TOML string must close it (ValueError)."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError as e:
+        if text[:1] in ('"', "'"):
+            raise ValueError(f"{text} is not a TOML string ({e})") from None
+        return text
+
+
+def _items(items: Iterable[str]) -> Iterator[tuple[str, str, str, str, Any]]:
+    """(item, section, key, text, value) of each `section.key=value` item."""
+    for item in items:
+        section, key, text = _split(item)
+        try:
+            value = parse_value(text)
+        except ValueError as e:
+            raise ConfigError(f"--set {item!r}: {e}") from None
+        yield item, section, key, text, value
+
+
+def parse_overrides(items: Iterable[str]) -> dict[str, dict[str, Any]]:
+    """`--set` items `section.key=value` -> {section: {key: value}}, the shape of a TOML
+    document (a later item for the same key wins). Each value is `parse_value`'s: a TOML
+    value or, when it is not one, the text itself, so `--set train.epochs=3`,
+    `--set data.name="beauty"` and `--set data.name=beauty` mean what they say.
+
+    Knows no sections: the caller checks the names (ConfigError names a malformed item)."""
+    out: dict[str, dict[str, Any]] = {}
+    for _item, section, key, _text, value in _items(items):
+        out.setdefault(section, {})[key] = value
+    return out
+
+
+def apply_overrides(cfg: Config, items: Iterable[str]) -> Config:
+    """Set the trainer settings of `--set` items on `cfg` (not validated: see `validate`).
+    A string setting takes the text as written unless it is a quoted TOML string, so
+    `mlflow.experiment=2026` is "2026", not a number."""
+    for item, section, key, text, value in _items(items):
+        dotted = f"{section}.{key}"
+        try:
+            types = _field_types(cfg, dotted)
+            _set(cfg, dotted, text if types[key] is str and not isinstance(value, str) else value)
+        except ConfigError as e:
+            raise ConfigError(f"--set {item!r}: {e}") from None
+    return cfg
 
 
 def validate(cfg: Config) -> Config:
@@ -202,7 +360,7 @@ def validate(cfg: Config) -> Config:
     return cfg
 
 
-def load_config(path: str | None = None, overrides: list[str] | None = None) -> Config:
+def load_config(path: str | None = None, overrides: Iterable[str] | None = None) -> Config:
     """Defaults, then the TOML file's sections, then `section.key=value` overrides."""
     cfg = Config()
     if path:
@@ -218,12 +376,18 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
                 raise ConfigError(f"config file {path}: top-level key {section!r} must be a [section]")
             for key, value in table.items():
                 _set(cfg, f"{section}.{key}", value)
-    for item in overrides or []:
-        if "=" not in item:
-            raise ConfigError(f"--set {item!r}: expected section.key=value")
-        key, value = item.split("=", 1)
-        _set(cfg, key.strip(), value.strip())
-    return validate(cfg)
+    return validate(apply_overrides(cfg, overrides or []))
+
+
+def toml_value(value: Any) -> str:
+    """`value` written as TOML (what `parse_value` reads back)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)   # JSON's string escapes are TOML's
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    return repr(value)
 
 
 def to_toml(cfg: Config) -> str:
@@ -231,16 +395,43 @@ def to_toml(cfg: Config) -> str:
     lines = []
     for section, table in cfg.to_dict().items():
         lines.append(f"[{section}]")
-        for key, value in table.items():
-            if isinstance(value, bool):
-                text = "true" if value else "false"
-            elif isinstance(value, str):
-                text = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-            elif isinstance(value, (list, tuple)):
-                text = "[" + ", ".join(repr(v) for v in value) + "]"
-            else:
-                text = repr(value)
-            lines.append(f"{key} = {text}")
+        lines += [f"{key} = {toml_value(value)}" for key, value in table.items()]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _doc(section: type) -> list[str]:
+    doc = section.__doc__ or ""
+    if doc.startswith(f"{section.__name__}("):   # the signature @dataclass writes when there is none
+        return []
+    return inspect.cleandoc(doc).splitlines()
+
+
+def setting_docs(section: type) -> dict[str, str]:
+    """{setting: its one line} from a section's docstring (its `name: what it does` lines)."""
+    names = {f.name for f in dataclasses.fields(section)}
+    docs = {}
+    for line in _doc(section):
+        name, sep, text = line.partition(": ")
+        if sep and name in names:
+            docs[name] = text.strip()
+    return docs
+
+
+def describe(cfg: Config | None = None) -> str:
+    """Every setting with its value (the defaults unless `cfg`) and its one line, as a TOML
+    file with comments: what `python -m training config --show` prints."""
+    cfg = cfg or Config()
+    lines = ["# The trainer's settings, as a TOML file for --config; --set section.key=value overrides",
+             "# one (the value in TOML syntax; bare text is a string).", ""]
+    for sec in dataclasses.fields(cfg):
+        section = getattr(cfg, sec.name)
+        title = (_doc(type(section)) or [""])[0].removeprefix(f"[{sec.name}]").strip()
+        lines.append(f"[{sec.name}]  # {title}" if title else f"[{sec.name}]")
+        docs = setting_docs(type(section))
+        for f in dataclasses.fields(section):
+            text = f"{f.name} = {toml_value(getattr(section, f.name))}"
+            lines.append(f"{text:<34s} # {docs[f.name]}" if f.name in docs else text)
         lines.append("")
     return "\n".join(lines)
 

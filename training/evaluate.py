@@ -156,17 +156,13 @@ def evaluate(model, data: EvalData, cfg: EvalConfig, splits=("valid", "test")) -
 def evaluate_checkpoint(path: str, shards_path: str, overrides: list[str] | None = None) -> dict[str, float]:
     """`python -m training eval`: the checkpoint's model on the shard set's valid and test users."""
     from training import checkpoint
-    from training.config import _set, config_from_dict, validate
+    from training.config import apply_overrides, config_from_dict, validate
     from training.data import DataError, ShardSet
     from training.model import SeqRec
 
     meta = checkpoint.read_meta(path)
     state = checkpoint.load(path)
-    cfg = config_from_dict(meta["config"])
-    for item in overrides or []:
-        key, _, value = item.partition("=")
-        _set(cfg, key.strip(), value.strip())
-    validate(cfg)
+    cfg = validate(apply_overrides(config_from_dict(meta["config"]), overrides or []))
     shards = ShardSet(shards_path)
     if shards.num_items != int(meta["num_items"]):
         raise DataError(f"checkpoint {path} was trained with {meta['num_items']} items, shard set {shards_path} "
