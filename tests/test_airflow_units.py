@@ -566,9 +566,33 @@ def no_mlflow_env(monkeypatch):
 def test_mlflow_connection_then_env_then_embedded_store(tmp_path, no_mlflow_env):
     mp = no_mlflow_env
     mp.setenv("FTREC_WORK", str(tmp_path))
-    t = time.monotonic()
-    assert settings.mlflow_connection() == (f"sqlite:///{tmp_path / 'mlflow' / 'mlflow.db'}", {})
-    assert time.monotonic() - t < 5   # no connection: answered from the env backend, no DB wait
+    # No connection anywhere: the answer comes from the environment backend alone, without
+    # asking a database-backed secrets backend or opening a database connection.
+    import sqlalchemy.event
+    import sqlalchemy.pool
+    from airflow.sdk.execution_time import supervisor
+    asked, connects = [], []
+    real = supervisor.ensure_secrets_backend_loaded
+
+    class Spy:
+        def __init__(self, backend):
+            self.backend = backend
+
+        def get_connection(self, conn_id):
+            conn = self.backend.get_connection(conn_id=conn_id)
+            asked.append((type(self.backend).__name__, conn_id, conn is not None))
+            return conn
+
+    def on_connect(*args):
+        connects.append(args)
+
+    mp.setattr(supervisor, "ensure_secrets_backend_loaded", lambda: [Spy(b) for b in real()])
+    sqlalchemy.event.listen(sqlalchemy.pool.Pool, "connect", on_connect)
+    try:
+        assert settings.mlflow_connection() == (f"sqlite:///{tmp_path / 'mlflow' / 'mlflow.db'}", {})
+    finally:
+        sqlalchemy.event.remove(sqlalchemy.pool.Pool, "connect", on_connect)
+    assert asked == [("EnvironmentVariablesBackend", settings.MLFLOW_CONN_ID, False)] and connects == []
     mp.setenv("MLFLOW_TRACKING_URI", "http://env-mlflow:5000")
     mp.setenv("MLFLOW_TRACKING_TOKEN", "env-token")
     assert settings.mlflow_connection() == ("http://env-mlflow:5000", {"MLFLOW_TRACKING_TOKEN": "env-token"})

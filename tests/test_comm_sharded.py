@@ -76,7 +76,7 @@ def ranks():
 
 def test_sharded_equals_unsharded(ranks):
     for r in ranks:
-        for case, (fails, full_ok) in zip(CASES, r["equal"]):
+        for case, (fails, full_ok) in zip(CASES, r["equal"], strict=True):
             assert fails == [], case
             assert full_ok, case
 
