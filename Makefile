@@ -28,20 +28,21 @@ lint: setup
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
+# Every benchmark lives in benchmarks/ (none in the library packages); the scale model runs as a module.
 bench: setup
 	mkdir -p bench-results
-	$(BIN)/python -m dataprep.bench
-	$(BIN)/python -m training.bench
-	$(BIN)/python -m ftcore.bench
+	$(BIN)/python benchmarks/dataprep_bench.py
+	$(BIN)/python benchmarks/training_bench.py
+	$(BIN)/python benchmarks/ftcore_bench.py
 	$(BIN)/python benchmarks/lighthouse_scale.py
 	$(BIN)/python benchmarks/lighthouse_pause.py
 	$(BIN)/python benchmarks/fail_slow.py
 	$(BIN)/python benchmarks/straggler.py
 	$(BIN)/python benchmarks/lighthouse_abuse.py
 	$(BIN)/python benchmarks/torchrun_restart.py
-	$(BIN)/python -m ftcore.sim
-	$(BIN)/python -m training.comm.bench
-	$(BIN)/python -m training.comm.bench_trainer
+	$(BIN)/python -m benchmarks.sim
+	$(BIN)/python benchmarks/comm_bench.py
+	$(BIN)/python benchmarks/comm_trainer_bench.py
 
 clean:
 	rm -rf $(WORK) bench-results

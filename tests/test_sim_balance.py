@@ -1,10 +1,23 @@
-"""Bubbles at W ranks (ftcore.sim.balance): random vs per-step LPT vs window-balanced."""
+"""Bubbles at W ranks (benchmarks.sim.balance): random vs per-step LPT vs window-balanced,
+partitioned by dataprep's own LPT and costed by dataprep's cost model (one source of truth)."""
 
 import numpy as np
 import pytest
 
-from ftcore.sim.balance import (DEFAULT_COST, LengthsError, bubble_fraction, bubbles, dataset_lengths,
-                                lengths_source, lpt_rounds)
+from benchmarks.sim import balance as sim_balance
+from benchmarks.sim.balance import (
+    LengthsError,
+    bubble_fraction,
+    bubbles,
+    dataset_lengths,
+    default_cost,
+    lengths_source,
+    partition,
+)
+from dataprep import balance as dataprep_balance
+from dataprep.cost import DEFAULT
+
+DEFAULT_COST = default_cost()
 
 
 def test_bubble_fraction_definition():
@@ -13,10 +26,19 @@ def test_bubble_fraction_definition():
     assert bubble_fraction(loads) == pytest.approx(1 - 8 / (2 * (3 + 2)))
 
 
-def test_lpt_rounds_conserves_work_and_balances():
+def test_the_model_uses_dataprep_balancer_and_default_cost_model():
+    assert DEFAULT_COST == {"a": DEFAULT.a, "b": DEFAULT.b, "c0": DEFAULT.c0}
+    assert sim_balance.lpt is dataprep_balance.lpt       # imported, not re-implemented
+    assert not hasattr(sim_balance, "DEFAULT_COST") and not hasattr(sim_balance, "lpt_rounds")
+    rng = np.random.default_rng(3)
+    costs = -np.sort(-DEFAULT(rng.integers(1, 500, (4, 16 * 8))), axis=1)
+    assert np.array_equal(partition(costs, 16), dataprep_balance.lpt(costs, 16)[1])
+
+
+def test_partition_conserves_work_and_balances():
     rng = np.random.default_rng(0)
     costs = -np.sort(-rng.lognormal(0, 1, (5, 64 * 8)), axis=1)
-    loads = lpt_rounds(costs, 64)
+    loads = partition(costs, 64)
     assert loads.shape == (5, 64)
     assert np.allclose(loads.sum(1), costs.sum(1))
     # list-scheduling bound: the busiest rank holds at most the mean plus the largest item
@@ -24,9 +46,9 @@ def test_lpt_rounds_conserves_work_and_balances():
     # without a heavy tail the partition is nearly perfect, far better than random
     even = -np.sort(-rng.uniform(1, 2, (5, 64 * 8)), axis=1)
     random_loads = rng.permuted(even, axis=1).reshape(5, 64, 8).sum(2)
-    assert bubble_fraction(lpt_rounds(even, 64)) < 0.02 < 0.1 < bubble_fraction(random_loads)
+    assert bubble_fraction(partition(even, 64)) < 0.02 < 0.1 < bubble_fraction(random_loads)
     # equal items divide evenly
-    assert bubble_fraction(lpt_rounds(np.ones((2, 40)), 8)) == 0.0
+    assert bubble_fraction(partition(np.ones((2, 40)), 8)) == 0.0
 
 
 @pytest.mark.parametrize("w", [8, 256])

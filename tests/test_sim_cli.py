@@ -1,4 +1,4 @@
-"""`python -m ftcore.sim`: table, JSON, PNG plots, calibration from benchmark files,
+"""`python -m benchmarks.sim`: table, JSON, PNG plots, calibration from benchmark files,
 clear one-line errors."""
 
 import json
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from ftcore.sim import calibration
-from ftcore.sim.config import SimConfig
-from ftcore.sim.report import ftrec_config, run
+from benchmarks.sim import calibration
+from benchmarks.sim.config import SimConfig
+from benchmarks.sim.report import ftrec_config, run
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["--set", "job.days=3", "--set", "job.seeds=2", "--set", "sweep.scales=[1024, 98304]",
@@ -19,7 +19,7 @@ SMALL = ["--set", "job.days=3", "--set", "job.seeds=2", "--set", "sweep.scales=[
 
 
 def sim(*args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "ftcore.sim", *args], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "benchmarks.sim", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -55,7 +55,8 @@ def test_calibration_reads_benchmark_files(tmp_path):
     (tmp_path / "ftcore.json").write_text(json.dumps(
         {"rows": [{"scenario": "crash", "failover_s": {"median": 0.25}, "heal_s": 1.5,
                    "stall_per_failure_s": 0.75}]}))
-    (tmp_path / "dataprep.json").write_text(json.dumps({"manifest": {"config": {"cost_model": {"a": 1, "b": 2, "c0": 3}}}}))
+    (tmp_path / "dataprep.json").write_text(
+        json.dumps({"manifest": {"config": {"cost_model": {"a": 1, "b": 2, "c0": 3}}}}))
     cal = calibration.load(tmp_path)
     assert {k: v["value"] for k, v in cal["ftcore"].items()} == \
         {"failover_s": 0.25, "heal_s": 1.5, "stall_per_failure_s": 0.75, "step_overhead": 0.0}
@@ -76,6 +77,9 @@ def test_calibration_defaults_when_absent(tmp_path):
     cal = calibration.load(tmp_path)
     assert all(v["source"] == "default" for v in cal["ftcore"].values())
     assert cal["cost_model"]["source"].startswith("default")
+    # the default cost model is dataprep's own, not a copy that can drift from it
+    from dataprep.cost import DEFAULT
+    assert {k: cal["cost_model"][k] for k in ("a", "b", "c0")} == {"a": DEFAULT.a, "b": DEFAULT.b, "c0": DEFAULT.c0}
 
 
 def test_calibration_ignores_unusable_values(tmp_path):
@@ -90,8 +94,8 @@ def test_calibration_ignores_unusable_values(tmp_path):
 
 
 def test_example_config_runs():
-    from ftcore.sim.config import load
-    cfg = load(ROOT / "ftcore" / "sim" / "example.toml", ["job.days=5", "job.seeds=2"])
+    from benchmarks.sim.config import load
+    cfg = load(ROOT / "benchmarks" / "sim" / "example.toml", ["job.days=5", "job.seeds=2"])
     assert cfg.job.gpus == 16384 and cfg.checkpoint.policy == "young_daly"
     res = run(cfg)
     assert 0 < res["sync"]["ett"]["mean"] < res["fthsdp"]["ett"]["mean"] < 1

@@ -1,4 +1,4 @@
-"""The scale model (ftcore.sim): the paper's figures, limiting cases, exact accounting
+"""The scale model (benchmarks.sim): the paper's figures, limiting cases, exact accounting
 on hand-made failure sequences, monotonicity and determinism."""
 
 import math
@@ -6,10 +6,10 @@ import math
 import numpy as np
 import pytest
 
-from ftcore.sim.config import FailureKind, SimConfig, load, validate, with_
-from ftcore.sim.engine import checkpoint_interval, simulate
-from ftcore.sim.failures import Failures, draw, job_mtbf_s
-from ftcore.sim.report import PAPER, run
+from benchmarks.sim.config import FailureKind, SimConfig, load, validate, with_
+from benchmarks.sim.engine import checkpoint_interval, simulate
+from benchmarks.sim.failures import Failures, draw, job_mtbf_s
+from benchmarks.sim.report import PAPER, run
 
 
 def mean_ett(cfg, mode, seeds=4):
@@ -163,7 +163,8 @@ def test_young_daly_interval():
 
 
 def test_failure_kinds_and_units():
-    cfg = with_(SimConfig(), job_days=5.0, failures_kinds=[FailureKind("crash", 3, 10.0), FailureKind("hang", 1, 600.0)])
+    cfg = with_(SimConfig(), job_days=5.0,
+                failures_kinds=[FailureKind("crash", 3, 10.0), FailureKind("hang", 1, 600.0)])
     f = draw(cfg, 0)
     share_hang = float(np.mean(f.kind == 1))
     assert 0.2 < share_hang < 0.3
@@ -179,7 +180,8 @@ def test_failure_kinds_and_units():
 
 def test_config_file_and_overrides(tmp_path):
     p = tmp_path / "c.toml"
-    p.write_text('[job]\ngpus = 16384\nreplica_groups = 2\n[[failures.kinds]]\nname = "crash"\nshare = 1\ndetect_s = 5\n')
+    p.write_text('[job]\ngpus = 16384\nreplica_groups = 2\n'
+                 '[[failures.kinds]]\nname = "crash"\nshare = 1\ndetect_s = 5\n')
     cfg = load(p, ["fthsdp.lr_policy=linear", "checkpoint.interval_s=600", "sweep.scales=[1024, 2048]"])
     assert cfg.job.gpus == 16384 and cfg.job.replica_groups == 2
     assert cfg.failures.kinds == [FailureKind("crash", 1.0, 5.0)]
@@ -197,7 +199,7 @@ def test_config_file_and_overrides(tmp_path):
     (["jobgpus"], ["section.key=value"]),
 ])
 def test_config_errors_name_the_setting(sets, words):
-    from ftcore.sim.config import SimConfigError
+    from benchmarks.sim.config import SimConfigError
     with pytest.raises(SimConfigError) as e:
         load(None, sets)
     assert all(w in str(e.value) for w in words), str(e.value)
@@ -205,7 +207,7 @@ def test_config_errors_name_the_setting(sets, words):
 
 
 def test_validate_rejects_bad_kinds():
-    from ftcore.sim.config import SimConfigError
+    from benchmarks.sim.config import SimConfigError
     with pytest.raises(SimConfigError, match="failures.kinds"):
         validate(with_(SimConfig(), failures_kinds=[FailureKind("x", 0.0, 1.0)]))
 

@@ -1,6 +1,7 @@
 """Calibration from ftrec's own measurements, read from benchmark JSON files.
 
-ftcore.sim never imports dataprep or training; it reads what their benchmarks wrote:
+The model takes ftrec's balancer and default cost model from dataprep (balance.py) and
+imports nothing of training; the measurements it reads from what the benchmarks wrote:
 
 - bench-results/ftcore.json: `failover_s` (a crashed peer -> the survivors step
   again), `heal_s` (a restarted replica fetches the live state and rejoins),
@@ -17,8 +18,9 @@ back to the documented defaults below, and the report says which was used.
 
 import json
 from pathlib import Path
+from typing import Any
 
-from ftcore.sim.balance import DEFAULT_COST
+from benchmarks.sim.balance import default_cost
 from ftcore.timeouts import HEARTBEAT_TIMEOUT
 
 # Used when bench-results/ftcore.json is absent. From DESIGN.md's measurements on this
@@ -63,7 +65,7 @@ def _cost_model(o):
         return None
     vals = [_number(o.get(k)) for k in ("a", "b", "c0")]
     if all(v is not None and v >= 0 for v in vals) and sum(vals) > 0:
-        return dict(zip(("a", "b", "c0"), vals))
+        return dict(zip(("a", "b", "c0"), vals, strict=True))
     return None
 
 
@@ -82,7 +84,7 @@ def _read(path: Path):
 def load(bench_dir: Path) -> dict:
     """What ftrec measured (or the defaults), each value with its source."""
     bench_dir = Path(bench_dir)
-    out = {"ftcore": {}, "cost_model": None, "step_s": None}
+    out: dict[str, Any] = {"ftcore": {}, "cost_model": None, "step_s": None}
     ft, tr = _read(bench_dir / "ftcore.json"), _read(bench_dir / "training.json")
     for k, default in DEFAULT_FTCORE.items():
         out["ftcore"][k] = {"value": default, "source": "default"}
@@ -97,7 +99,7 @@ def load(bench_dir: Path) -> dict:
             out["cost_model"] = {**cm, "source": str(bench_dir / name)}
             break
     else:
-        out["cost_model"] = {**DEFAULT_COST, "source": "default (dataprep's fitted default)"}
+        out["cost_model"] = {**default_cost(), "source": "default (dataprep.cost.DEFAULT)"}
     for k in STEP_KEYS:
         v = find(tr, k) if tr is not None else None
         if v is not None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ftcore.sim.config import SimConfig
+from benchmarks.sim.config import SimConfig
 
 
 @dataclass
@@ -54,4 +54,5 @@ def draw(cfg: SimConfig, seed: int) -> Failures:
     sizes[: n_units % r] += 1
     first = np.cumsum(sizes) - sizes
     group = np.searchsorted(first, unit, side="right") - 1
-    return Failures(t=t, group=group, kind=kind, detect=detect, ft_detect=ft_detect, weights=sizes / n_units, horizon=horizon)
+    return Failures(t=t, group=group, kind=kind, detect=detect, ft_detect=ft_detect, weights=sizes / n_units,
+                    horizon=horizon)

@@ -2,7 +2,7 @@
 
 The defaults are the paper preset: the published FT-HSDP setting (about 98K GPUs as
 12 replica groups of 8,192, a failure every 18 minutes), with the split of the
-stated totals into model parameters documented in ftcore/sim/README.md.
+stated totals into model parameters documented in benchmarks/sim/README.md.
 All times are seconds.
 """
 
@@ -211,11 +211,11 @@ def validate(cfg: SimConfig) -> SimConfig:
         raise SimConfigError(f"failures.unit_mtbf_h = {f.unit_mtbf_h}: must be >= 0 (0 = no failures)")
     if any(k.share < 0 or k.detect_s < 0 for k in f.kinds) or sum(k.share for k in f.kinds) <= 0:
         raise SimConfigError("failures.kinds: shares and detect_s must be >= 0 and the shares must not all be 0")
-    for sec in (cfg.restart, cfg.checkpoint, cfg.fthsdp):
-        for fl in fields(sec):
-            v = getattr(sec, fl.name)
+    for section in (cfg.restart, cfg.checkpoint, cfg.fthsdp):
+        for fl in fields(section):
+            v = getattr(section, fl.name)
             if isinstance(v, float) and v < 0:
-                raise SimConfigError(f"{type(sec).__name__.lower()}.{fl.name} = {v}: must be >= 0")
+                raise SimConfigError(f"{type(section).__name__.lower()}.{fl.name} = {v}: must be >= 0")
     if cfg.checkpoint.policy == "fixed" and cfg.checkpoint.interval_s <= 0:
         raise SimConfigError("checkpoint.interval_s must be > 0 with policy \"fixed\" (use a huge value for 'never')")
     if cfg.fthsdp.step_overhead >= 1:

@@ -1,4 +1,4 @@
-"""`python -m ftcore.sim`: effective training time and bubbles at scale.
+"""`python -m benchmarks.sim`: effective training time and bubbles at scale.
 
 Prints a table, writes OUT/sim.json and OUT/sim-*.png (OUT defaults to bench-results).
 """
@@ -8,15 +8,15 @@ import sys
 import time
 from pathlib import Path
 
-from ftcore.sim import report
-from ftcore.sim.balance import LengthsError
-from ftcore.sim.config import SimConfigError, load
+from benchmarks.sim import report
+from benchmarks.sim.balance import LengthsError
+from benchmarks.sim.config import SimConfigError, load
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ftcore.sim", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.sim", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="TOML file (sections job, failures, restart, checkpoint, fthsdp, balance, sweep)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
@@ -31,7 +31,7 @@ def main(argv=None) -> int:
         cfg = load(args.config, args.set)
         rep = report.build(cfg, Path(args.bench_dir), ROOT.parent / "shared" / "data", sweeps=not args.no_sweeps)
     except (SimConfigError, LengthsError) as e:
-        print(f"ftcore.sim: {e}", file=sys.stderr)
+        print(f"benchmarks.sim: {e}", file=sys.stderr)
         return 2
     out = Path(args.out)
     try:
@@ -39,7 +39,7 @@ def main(argv=None) -> int:
         rep["seconds"]["total"] = round(time.perf_counter() - t0, 3)
         report.write_json(rep, out / "sim.json")
     except OSError as e:
-        print(f"ftcore.sim: cannot write to {out}: {e}", file=sys.stderr)
+        print(f"benchmarks.sim: cannot write to {out}: {e}", file=sys.stderr)
         return 2
     try:
         print(report.table(rep))

@@ -32,8 +32,8 @@ import math
 
 import numpy as np
 
-from ftcore.sim.config import SimConfig
-from ftcore.sim.failures import Failures, draw, job_mtbf_s
+from benchmarks.sim.config import SimConfig
+from benchmarks.sim.failures import Failures, draw, job_mtbf_s
 
 MODES = ("sync", "fthsdp")
 
@@ -74,7 +74,7 @@ def _recoveries(t, group, detect, n_groups, restart_s, heal_s, load_s, reconfigu
     until = [-math.inf] * n_groups   # each group is down until then
     since = [None] * n_groups        # start of its current (or last) down interval
     down, stalls = [], []            # (start, end, group), (time, duration)
-    for ti, gi, di in zip(t.tolist(), group.tolist(), detect.tolist()):
+    for ti, gi, di in zip(t.tolist(), group.tolist(), detect.tolist(), strict=True):
         u = until[gi]
         if u <= ti:  # the group was live: it leaves the job now
             if since[gi] is not None:

@@ -2,25 +2,31 @@
 
 A synchronous step lasts as long as its slowest rank; the bubble fraction of a run
 is 1 - (total work) / (W * sum over steps of the slowest rank's work). Sample cost
-is the dataprep cost model c(L) = a L^2 + b L + c0 of history length L.
+is dataprep's cost model c(L) = a L^2 + b L + c0 of history length L (`CostModel`;
+its `DEFAULT` when no calibration is found).
 
 - random: shuffled samples, B per rank per step (a plain distributed sampler);
 - per-step LPT: each random step's W*B samples partitioned over the W ranks;
 - balanced (FreeScale-style, as dataprep builds shards): windows of K steps, samples
   sorted by cost inside a window and cut into steps, then each step partitioned.
 
-The partition is LPT by rounds: items in descending cost, W at a time, the largest
-of a round to the least-loaded rank. Vectorized over steps; a small, independent
-re-implementation so ftcore does not depend on dataprep.
+The partition is dataprep's own (`dataprep.balance.lpt`: greedy LPT, vectorized over
+steps), so the model's balancing is the one the shards get; no copy of it lives here.
 """
 
 from pathlib import Path
 
 import numpy as np
 
-# dataprep's fitted default (microseconds per sample); used when no calibration is found.
-DEFAULT_COST = {"a": 0.0488, "b": 53.6, "c0": 150.0}
+from dataprep.balance import lpt
+from dataprep.cost import DEFAULT, CostModel
+
 SHARED = ("beauty", "video")
+
+
+def default_cost() -> dict:
+    """dataprep's default cost model as {a, b, c0} (microseconds per sample)."""
+    return {"a": DEFAULT.a, "b": DEFAULT.b, "c0": DEFAULT.c0}
 
 
 class LengthsError(ValueError):
@@ -67,16 +73,9 @@ def sample_lengths(rng, n: int, source, median: float, sigma: float, max_len: in
     return rng.choice(source, n).astype(np.float64)
 
 
-def lpt_rounds(costs: np.ndarray, world_size: int) -> np.ndarray:
-    """costs [S, W*B], each row sorted descending -> per-rank loads [S, W]."""
-    s, m = costs.shape
-    loads = np.zeros((s, world_size))
-    rows = np.arange(s)[:, None]
-    for r in range(0, m, world_size):
-        chunk = costs[:, r:r + world_size]
-        target = np.argsort(loads, axis=1, kind="stable")[:, : chunk.shape[1]]
-        loads[rows, target] += chunk  # distinct ranks within a row: plain fancy indexing is exact
-    return loads
+def partition(costs: np.ndarray, world_size: int) -> np.ndarray:
+    """costs [S, W*B], each row sorted descending -> per-rank loads [S, W], by dataprep's LPT."""
+    return lpt(costs, world_size)[1]
 
 
 def bubble_fraction(loads: np.ndarray) -> float:
@@ -89,10 +88,10 @@ def bubbles(world_size: int, *, batch: int, window: int, windows: int, cost: dic
     """Bubble fractions of random, per-step LPT and window-balanced steps at W ranks."""
     steps, per_step = window * windows, world_size * batch
     L = sample_lengths(rng, steps * per_step, source, median, sigma, max_len)
-    c = (cost["a"] * L + cost["b"]) * L + cost["c0"]
+    c = CostModel(cost["a"], cost["b"], cost["c0"])(L)
     rand = c.reshape(steps, world_size, batch).sum(axis=2)
-    per_step_lpt = lpt_rounds(-np.sort(-c.reshape(steps, per_step), axis=1), world_size)
+    per_step_lpt = partition(-np.sort(-c.reshape(steps, per_step), axis=1), world_size)
     win = -np.sort(-c.reshape(windows, window * per_step), axis=1)   # sort inside each window
-    balanced = lpt_rounds(win.reshape(steps, per_step), world_size)  # consecutive cuts = steps
+    balanced = partition(win.reshape(steps, per_step), world_size)  # consecutive cuts = steps
     return {"random": bubble_fraction(rand), "per_step_lpt": bubble_fraction(per_step_lpt),
             "balanced": bubble_fraction(balanced)}

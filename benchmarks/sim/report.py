@@ -12,17 +12,19 @@ import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from ftcore.sim import balance, calibration
-from ftcore.sim.config import FailureKind, SimConfig, validate, with_
-from ftcore.sim.engine import MODES, simulate
-from ftcore.sim.failures import draw, job_mtbf_s, units
+from benchmarks.sim import balance, calibration
+from benchmarks.sim.config import FailureKind, SimConfig, validate, with_
+from benchmarks.sim.engine import MODES, simulate
+from benchmarks.sim.failures import draw, job_mtbf_s, units
 
-PAPER = {"gpus": 98_304, "replica_groups": 12, "mtbf_min": 18.0, "stall_min": {"sync": 10.0, "fthsdp": 3.0},
-         "ett": {"sync": 0.44, "fthsdp": 0.80}, "tolerance": 0.02,
-         "source": "Salpekar et al., Training LLMs with Fault Tolerant HSDP on 100,000 GPUs, arXiv 2602.00277"}
+PAPER: dict[str, Any] = {
+    "gpus": 98_304, "replica_groups": 12, "mtbf_min": 18.0, "stall_min": {"sync": 10.0, "fthsdp": 3.0},
+    "ett": {"sync": 0.44, "fthsdp": 0.80}, "tolerance": 0.02,
+    "source": "Salpekar et al., Training LLMs with Fault Tolerant HSDP on 100,000 GPUs, arXiv 2602.00277"}
 METRICS = ("ett", "stalled", "degraded", "rollback", "checkpoint", "overhead", "groups_down",
            "stall_per_failure_min", "failures")
 _T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262,
@@ -41,7 +43,7 @@ def summary(values) -> dict:
 def run(cfg: SimConfig, modes=MODES, seeds: int | None = None) -> dict:
     """{mode: {metric: summary}} over seeds job.seed .. job.seed + seeds - 1."""
     seeds = cfg.job.seeds if seeds is None else seeds
-    raw = {m: [] for m in modes}
+    raw: dict[str, list[dict]] = {m: [] for m in modes}
     for s in range(cfg.job.seed, cfg.job.seed + seeds):
         fails = draw(cfg, s)
         for m in modes:
@@ -81,7 +83,7 @@ def sweep_scale(cfg: SimConfig, seeds: int, cal: dict) -> list:
 
 
 # How the paper check moves with the assumptions that its inputs do not pin (README.md).
-SENSITIVITY = [
+SENSITIVITY: list[tuple[str, dict[str, Any]]] = [
     ("preset: restart 9 min + checkpoint every 4 min; group back after 9 min", {}),
     ("a failure during a restart restarts it (overlap = restart)", {"failures_overlap": "restart"}),
     ("checkpoint every 2 min", {"checkpoint_interval_s": 120.0}),
@@ -295,7 +297,8 @@ def plots(rep: dict, out: Path) -> list:
                color="k", zorder=5, label="published (FT-HSDP paper)")
     ax.set(xscale="log", xlabel="GPUs", ylabel="effective training time (%)", ylim=(0, 102),
            title="Effective training time vs scale")
-    ax.grid(alpha=0.3), ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
     save(fig, "sim-ett-vs-scale.png")
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
@@ -304,7 +307,8 @@ def plots(rep: dict, out: Path) -> list:
     line(ax, xs, sw["groups"], "fthsdp", "FT-HSDP")
     ax.set(xscale="log", xlabel=f"replica groups ({rep['job']['gpus']:,} GPUs)",
            ylabel="effective training time (%)", ylim=(0, 102), title="Effective training time vs replica groups")
-    ax.grid(alpha=0.3), ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
     save(fig, "sim-ett-vs-groups.png")
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
@@ -313,7 +317,8 @@ def plots(rep: dict, out: Path) -> list:
     line(ax, xs, sw["rate"], "fthsdp", "FT-HSDP")
     ax.set(xscale="log", xlabel=f"failures per day ({rep['job']['gpus']:,} GPUs)",
            ylabel="effective training time (%)", ylim=(0, 102), title="Effective training time vs failure rate")
-    ax.grid(alpha=0.3), ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
     save(fig, "sim-ett-vs-failure-rate.png")
 
     bb = rep["bubbles"]
@@ -324,6 +329,7 @@ def plots(rep: dict, out: Path) -> list:
         ax.plot(xs, [100 * r[key] for r in bb["rows"]], marker="o", ms=4, label=label)
     ax.set(xscale="log", xlabel="data-parallel ranks W", ylabel="bubble fraction (%)",
            title=f"Per-step bubbles, {bb['lengths']} lengths, {bb['batch_per_rank']} samples per rank")
-    ax.grid(alpha=0.3), ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
     save(fig, "sim-bubble-vs-world.png")
     return written
