@@ -24,14 +24,27 @@ order as in the replicated run: bitwise equal updates.
 
 ftcore: rank k of every replica group holds the same rows, so ft.allreduce (FTAR) averages
 the shard like any dense parameter of rank k, and heal fetches rank k's state from rank k.
+
+The training loop (training/train.py) sees its item table through `TrainerTable`, whatever
+`comm.embedding` says: `ShardedItemTable` owns its lookups (`start_lookups`), its gradient
+exchange (`start_grads`, `finish_grads`), its part of the global gradient norm
+(`clip_grads_`), its comm totals (`summary`) and what a checkpoint needs (the full table,
+per-rank optimizer state); `ReplicatedItemTable` is the nn.Embedding case, where each of
+those is nothing or torch's own.
 """
 
 from __future__ import annotations
 
+import copy
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from ftcore import collectives as coll
 from training.comm.scheduler import CommOp, CommScheduler, Stage
@@ -48,10 +61,70 @@ class _Ahead:
 
 
 FEATURES = (("history", Stage.HISTORY), ("candidate", Stage.CANDIDATE), ("negative", Stage.NEGATIVE))
+# the batch expected next, asked for only by a table that prefetches: (key, [histories, targets])
+Ahead = Callable[[], tuple[Any, list[torch.Tensor]]]
+
+
+class TrainerTable(Protocol):
+    """What the training loop asks of its item table, sharded or replicated."""
+    sharded: bool
+    per_rank: tuple[str, ...]   # what a rank > 0 writes into its own checkpoint file
+
+    @property
+    def rank_params(self) -> tuple[nn.Parameter, ...]:
+        """Parameters that differ per rank by design: not broadcast, not in the group all-reduce."""
+        ...
+
+    def start_lookups(self, key: Any, ids: list[torch.Tensor], ahead: Ahead) -> None: ...
+    def start_grads(self) -> None: ...
+    def take_lookup_wait(self) -> float: ...
+    def finish_grads(self) -> float: ...
+    def clip_grads_(self, params: Sequence[nn.Parameter], max_norm: float) -> None: ...
+    def full_model(self, model: nn.Module, is_main: bool) -> nn.Module | None: ...
+    def to_checkpoint(self, state: dict, meta: dict) -> None: ...
+    def from_checkpoint(self, state: dict) -> dict: ...
+    def summary(self) -> dict | None: ...
+
+
+class ReplicatedItemTable:
+    """The model's own nn.Embedding as a `TrainerTable`: its gradient joins the dense
+    all-reduce, torch clips, the model and its checkpoints hold the whole table."""
+    sharded = False
+    per_rank: tuple[str, ...] = ("rng",)
+    rank_params: tuple[nn.Parameter, ...] = ()
+
+    def start_lookups(self, key: Any, ids: list[torch.Tensor], ahead: Ahead) -> None:
+        pass
+
+    def start_grads(self) -> None:
+        pass
+
+    def take_lookup_wait(self) -> float:
+        return 0.0
+
+    def finish_grads(self) -> float:
+        return 0.0
+
+    def clip_grads_(self, params: Sequence[nn.Parameter], max_norm: float) -> None:
+        torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+    def full_model(self, model: nn.Module, is_main: bool) -> nn.Module | None:
+        return model
+
+    def to_checkpoint(self, state: dict, meta: dict) -> None:
+        pass
+
+    def from_checkpoint(self, state: dict) -> dict:
+        return state
+
+    def summary(self) -> dict | None:
+        return None
 
 
 class ShardedItemTable(ShardedEmbedding):
-    """`item_emb` of a SeqRec, row-sharded; `weight` is this rank's shard."""
+    """`item_emb` of a SeqRec, row-sharded; `weight` is this rank's shard. A `TrainerTable`."""
+    sharded = True
+    per_rank: tuple[str, ...] = ("rng", "optimizer")   # rank > 0 also keeps its shard's optimizer state
 
     def __init__(self, full_weight: torch.Tensor, transport, sched: CommScheduler | None = None,
                  padding_idx: int | None = 0):
@@ -64,9 +137,19 @@ class ShardedItemTable(ShardedEmbedding):
         self._grad_ops: tuple[LookupPlan, CommOp, CommOp] | None = None
         self.prefetch_hits = self.prefetch_misses = 0
         self._lookup_ops: list[CommOp] = []   # lookup ops whose exposed time is not yet taken
+        self.lookup_wait_s = self.emb_grad_wait_s = 0.0   # the compute thread's totals, for result.json
         self.grad_sink = self._defer
 
+    @property
+    def rank_params(self) -> tuple[nn.Parameter, ...]:
+        return (self.weight,)
+
     # ---- forward: lookups submitted before the model runs
+    def start_lookups(self, key: Any, ids: list[torch.Tensor], ahead: Ahead) -> None:
+        """The trainer's step: `start_step` with the batch expected next (`ahead()`)."""
+        next_key, next_ids = ahead()
+        self.start_step(key, ids, next_key, next_ids)
+
     def start_step(self, key, ids: list[torch.Tensor], next_key=None, next_ids: list[torch.Tensor] | None = None):
         """Submit this step's lookups: `ids` = [histories, targets, negatives], the order the
         model and the loss call the table; `key` names the batch (its row group). First the
@@ -85,21 +168,19 @@ class ShardedItemTable(ShardedEmbedding):
                     self.sched.wait(op)
                 ahead = None
         self._ready = []
-        prefetched = ahead.plans if ahead is not None else []   # histories and targets only
-        for i, ((name, stage), t) in enumerate(zip(FEATURES, ids)):
+        for i, ((name, stage), t) in enumerate(zip(FEATURES, ids, strict=False)):
             t = t.detach().cpu()
-            if i < len(prefetched):
+            if ahead is not None and i < len(ahead.plans):   # histories and targets only
                 if not torch.equal(ahead.ids[i], t):
                     raise RuntimeError(f"comm: the prefetched {name} ids of batch {key!r} differ from the "
                                        "batch's own: the data under one row group changed during the run")
-                plan, ids_op = prefetched[i], ahead.ops[i]   # already in _lookup_ops
+                plan, ids_op = ahead.plans[i], ahead.ops[i]   # already in _lookup_ops
             else:
                 plan = self.plan(t)
-                ids_op = self.sched.submit(f"{name}_ids", stage, lambda p=plan: self.exchange_ids(p))
+                ids_op = self.sched.submit(f"{name}_ids", stage, partial(self.exchange_ids, plan))
                 self._lookup_ops.append(ids_op)
             # gather on the comm thread too: after its ids (same stage, later submission)
-            rows_op = self.sched.submit(f"{name}_rows", stage,
-                                        lambda p=plan: self.exchange_rows(p, self.gather_rows(p)))
+            rows_op = self.sched.submit(f"{name}_rows", stage, partial(self._serve_rows, plan))
             self._ready.append((t, plan, ids_op, rows_op))
             self._lookup_ops.append(rows_op)
         self.sched.flush()
@@ -109,10 +190,14 @@ class ShardedItemTable(ShardedEmbedding):
         so it runs while this step computes."""
         ids = [t.detach().cpu() for t in ids]
         plans = [self.plan(t) for t in ids]
-        ops = [self.sched.submit(f"next_{name}_ids", Stage.NEXT_INPUT, lambda p=p: self.exchange_ids(p))
-               for (name, _), p in zip(FEATURES, plans)]
+        ops = [self.sched.submit(f"next_{name}_ids", Stage.NEXT_INPUT, partial(self.exchange_ids, p))
+               for (name, _), p in zip(FEATURES, plans, strict=False)]
         self._lookup_ops += ops
         return _Ahead(key, ids, plans, ops)
+
+    def _serve_rows(self, plan: LookupPlan) -> torch.Tensor:
+        """Output dist: the rows the peers asked of this rank, read now, sent back."""
+        return self.exchange_rows(plan, self.gather_rows(plan))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if not self._ready:   # a lookup outside start_step: inline, through the same ordered queue
@@ -135,6 +220,12 @@ class ShardedItemTable(ShardedEmbedding):
         done = [op for op in self._lookup_ops if op.waited]
         self._lookup_ops = [op for op in self._lookup_ops if not op.waited]
         return sum(op.exposed for op in done)
+
+    def take_lookup_wait(self) -> float:
+        """`take_exposed`, counted into the run's `lookup_wait_s`."""
+        waited = self.take_exposed()
+        self.lookup_wait_s += waited
+        return waited
 
     # ---- backward: one gradient all-to-all per step
     def _defer(self, plan: LookupPlan, grad_unique: torch.Tensor) -> None:
@@ -161,16 +252,64 @@ class ShardedItemTable(ShardedEmbedding):
         self._grad_ops = (plan, ids_op, grads_op)
         self.sched.flush()
 
-    def finish_grads(self) -> None:
+    def finish_grads(self) -> float:
+        """Wait for the gradients `start_grads` sent and add them into the shard's .grad;
+        returns the seconds that took (counted into `emb_grad_wait_s`); 0 when none were sent."""
+        if self._grad_ops is None:
+            return 0.0
+        t = time.perf_counter()
         plan, ids_op, grads_op = self._grad_ops
         self._grad_ops = None
         recv = self.sched.wait(grads_op)
         self.sched.wait(ids_op)   # finished before its grads
         self.accumulate(plan, recv)
+        waited = time.perf_counter() - t
+        self.emb_grad_wait_s += waited
+        return waited
 
+    # ---- the optimizer step
+    def clip_grads_(self, params: Sequence[nn.Parameter], max_norm: float) -> None:
+        """Clip `params` (the shard among them) to the global norm: dense grads' norm and the
+        shard norms all-reduced in the group (collective)."""
+        dense = [p.grad for p in params if p is not self.weight and p.grad is not None]
+        sq = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in dense])).double() ** 2
+        norm = (sq + grad_norm_sq(self.weight)).sqrt().float()
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+
+    # ---- the whole table: evaluation, model logging, checkpoints (collective)
     def full_weight(self) -> torch.Tensor:
         """Collective: the unsharded table (every rank gets it)."""
         return gather_full_weight(self)
+
+    def full_model(self, model: nn.Module, is_main: bool) -> nn.Module | None:
+        """Collective: rank 0 gets a copy of `model` (this table its `item_emb`) with the
+        whole table in a plain nn.Embedding; the others get None."""
+        full = self.full_weight()
+        if not is_main:
+            return None
+        emb = nn.Embedding(full.shape[0], full.shape[1], padding_idx=self.padding_idx)
+        emb.weight.data.copy_(full)
+        whole = copy.copy(model)                  # shallow: shares the dense modules, owns its item_emb
+        whole._modules = dict(model._modules)
+        whole.item_emb = emb.to(full.device)
+        return whole
+
+    def to_checkpoint(self, state: dict, meta: dict) -> None:
+        """Collective: the checkpoint's model holds the full table, as with a replicated one."""
+        state["model"]["item_emb.weight"] = self.full_weight()
+        meta["embedding"] = "sharded"
+
+    def from_checkpoint(self, state: dict) -> dict:
+        """A checkpoint holds the full table (eval and warm start read it): keep this rank's rows."""
+        lo, hi = self.row_range
+        state["model"]["item_emb.weight"] = state["model"]["item_emb.weight"][lo:hi].clone()
+        return state
+
+    def summary(self) -> dict | None:
+        """result.json's "comm": the policy, prefetch hits and misses, exposed comm totals."""
+        return {"policy": self.sched.policy, "prefetch_hits": self.prefetch_hits,
+                "prefetch_misses": self.prefetch_misses, "lookup_wait_s": self.lookup_wait_s,
+                "emb_grad_wait_s": self.emb_grad_wait_s}
 
 
 def grad_norm_sq(shard: torch.nn.Parameter) -> torch.Tensor:
