@@ -6,10 +6,16 @@ cross-group ft.allreduce: transfer plus waiting for the slowest rank, the bubble
 Every `log_every` steps the ranks all-gather their window (one small collective) and
 rank 0 turns it into one MLflow log call: means and rates over the window, per-rank
 compute and wait, and the bubble fraction 1 - mean/max of per-step compute.
+
+`StepTimer` is the step's one clock: it reads the time once at each phase boundary and feeds
+both this record and the group's bubble timeline (training/comm/integration.py, GroupComm).
 """
 
 import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -19,6 +25,84 @@ from training import distributed
 # columns of a rank's per-step record; LOSS is the rank's share of the group's mean loss
 COMPUTE, WAIT, STEP_TIME, DATA_WAIT, LOSS = range(5)
 COLUMNS = 5
+
+
+class StepTimes(NamedTuple):
+    """One committed step of one rank, in seconds (Window.record's timing columns)."""
+    compute: float     # inside compute phases, waits inside them excluded
+    wait: float        # blocked in collectives (the bubble)
+    step_time: float   # step begin to step end
+    data_wait: float   # step begin to the first compute phase (quorum, next batch)
+
+
+class PhaseSink(Protocol):
+    """Who else learns of a step's phase boundaries, at the timer's timestamps (GroupComm)."""
+    def step_begin(self, step: int, t: float | None = None) -> None: ...
+    def compute_begin(self, name: str, t: float | None = None) -> None: ...
+    def compute_end(self, t: float | None = None) -> None: ...
+    def step_end(self, t: float | None = None) -> None: ...
+    def abort_step(self) -> None: ...
+
+
+class StepTimer:
+    """The step's one clock: read once at each phase boundary, it gives the Window its
+    StepTimes and the bubble accounting (`sink`, GroupComm) the same timestamps."""
+
+    def __init__(self, sink: PhaseSink | None = None, clock: Callable[[], float] = time.perf_counter):
+        self.sink, self.clock = sink, clock
+        self._t0 = self._opened = 0.0
+        self._in_compute = False
+        self._data_wait: float | None = None
+        self._compute = self._wait = 0.0
+
+    def step_begin(self, step: int) -> None:
+        self._t0 = self.clock()
+        self._in_compute, self._data_wait, self._compute, self._wait = False, None, 0.0, 0.0
+        if self.sink is not None:
+            self.sink.step_begin(step, self._t0)
+
+    def compute_begin(self, name: str) -> None:
+        """A compute phase (forward_backward, optimizer); the first one ends the data wait."""
+        self._opened = self.clock()
+        if self._data_wait is None:
+            self._data_wait = self._opened - self._t0
+        self._in_compute = True
+        if self.sink is not None:
+            self.sink.compute_begin(name, self._opened)
+
+    def compute_end(self) -> None:
+        t = self.clock()
+        self._compute += t - self._opened
+        self._in_compute = False
+        if self.sink is not None:
+            self.sink.compute_end(t)
+
+    def wait(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)`, a blocking collective, timed as wait (not compute, inside a compute phase)."""
+        t = self.clock()
+        try:
+            return fn(*args)
+        finally:
+            self.add_wait(self.clock() - t, in_compute=self._in_compute)
+
+    def add_wait(self, seconds: float, in_compute: bool = False) -> None:
+        """Seconds blocked, measured elsewhere (the comm scheduler's exposed time of its ops);
+        `in_compute`: they passed inside a compute phase, so they are not compute."""
+        self._wait += seconds
+        if in_compute:
+            self._compute -= seconds
+
+    def abort(self) -> None:
+        """The step will be retried (no commit): nothing of it is recorded."""
+        self._in_compute = False
+        if self.sink is not None:
+            self.sink.abort_step()
+
+    def step_end(self) -> StepTimes:
+        t = self.clock()
+        if self.sink is not None:
+            self.sink.step_end(t)
+        return StepTimes(self._compute, self._wait, t - self._t0, self._data_wait or 0.0)
 
 
 @dataclass
@@ -40,6 +124,11 @@ class Window:
         self.tokens += tokens
         self.padded += padded
 
+    def record_step(self, step: int, loss_share: float, lr: float, times: StepTimes, counts: torch.Tensor) -> None:
+        """`record` with the StepTimer's times and the group's [targets, samples, padded] counts."""
+        self.record(step, loss_share, lr, **times._asdict(), tokens=float(counts[0]), samples=float(counts[1]),
+                    padded=float(counts[2]))
+
 
 def gather_times(window: Window, stop: bool, proposal: float = 0.0, group=None) -> tuple[torch.Tensor, bool, float]:
     """All ranks' [steps, COLUMNS] records -> [K, steps, COLUMNS], whether any rank asked to
@@ -56,6 +145,13 @@ def gather_times(window: Window, stop: bool, proposal: float = 0.0, group=None) 
     else:
         allt = mine[None]
     return allt[:, :-1], bool(allt[:, -1, 0].max() > 0), float(allt[0, -1, 1])
+
+
+def agree(stop: bool, proposal: float = 0.0, group=None) -> tuple[bool, float]:
+    """Whether any rank asked to stop, and rank 0's `proposal`: `gather_times` of no steps.
+    Collective: every rank of the group calls it at the same step."""
+    _, stop, proposal = gather_times(Window(), stop, proposal, group)
+    return stop, proposal
 
 
 def summarize(window: Window, per_rank: torch.Tensor) -> dict[str, float]:

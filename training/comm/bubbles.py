@@ -75,30 +75,31 @@ class Timeline:
         self._compute: list = []   # [name, t0 or None], the outermost open compute interval
         self._depth = 0
 
-    def step_begin(self, step: int):
-        self._cur = StepRecord(step, self.clock())
+    # t: a timestamp of this clock taken by the caller (the trainer's step timer), else now
+    def step_begin(self, step: int, t: float | None = None):
+        self._cur = StepRecord(step, self.clock() if t is None else t)
 
     def step_abort(self):
         """Drop the open step (it will be retried)."""
         self._cur, self._compute, self._depth = None, [], 0
 
-    def step_end(self):
+    def step_end(self, t: float | None = None):
         if self._cur is not None:
-            self._cur.t1 = self.clock()
+            self._cur.t1 = self.clock() if t is None else t
             self.steps.append(self._cur)
             self._cur = None
 
-    def compute_begin(self, name: str):
+    def compute_begin(self, name: str, t: float | None = None):
         self._depth += 1
         if self._depth == 1:  # nested compute counts once, as its outermost interval
-            self._compute = [name, self.clock()]
+            self._compute = [name, self.clock() if t is None else t]
 
-    def compute_end(self):
+    def compute_end(self, t: float | None = None):
         self._depth -= 1
         if self._depth == 0:
             name, t0 = self._compute
             if t0 is not None:
-                self._add(Interval("compute", name, t0, self.clock()))
+                self._add(Interval("compute", name, t0, self.clock() if t is None else t))
             self._compute = []
 
     @contextmanager
@@ -145,7 +146,7 @@ def max_arrivals(scheduler, group=None, start: int = 0) -> dict[int, float]:
         raise RuntimeError(f"ranks issued different numbers of comm ops ({int(n)} vs {int(n_max)}): "
                            "every rank must run the same step code")
     coll.all_reduce(arr, kind=coll.CONTROL, op=dist.ReduceOp.MAX, group=group)
-    return {o.issue: float(t) for o, t in zip(ops, arr.tolist())}
+    return {o.issue: float(t) for o, t in zip(ops, arr.tolist(), strict=True)}
 
 
 def _overlap(a0, a1, b0, b1) -> float:

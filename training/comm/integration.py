@@ -4,16 +4,18 @@ What the trainer (training/train.py) gets from it, selected by the `[comm]` conf
 - `allreduce_grads(params)`: the replica group's gradient SUM through the configured
   transport (`collective` = gloo/nccl, `smfree` = shared memory / copy engines, with
   fallback), recorded as an exposed comm interval;
-- bubble accounting: `step_begin/step_end`, `compute(name)` around the compute stages,
+- bubble accounting: `step_begin/step_end`, `compute(name)` around the compute stages (or
+  `compute_begin/compute_end`; the trainer's step timer, training/metrics.py `StepTimer`,
+  calls these with its own timestamps, so a phase is timed once for both records),
   `window_metrics()` (collective) for the MLflow window, `finish(out)` (collective) writes
   the PNG timeline of a window of steps for the run's artifacts.
 
-The sharded item table (`comm.embedding = "sharded"`) is wired in through item_table.py:
-the trainer submits a step's lookups and the next batch's id exchange before the forward
-pass, keeps the shard out of the group all-reduce and the parameter broadcast, clips with
-the global norm (shard norms all-reduced), gathers the table for rank-0 evaluation, model
-logging and checkpoints (which hold the full table; each rank's file adds its shard's
-optimizer state).
+The sharded item table (`comm.embedding = "sharded"`) is wired in through item_table.py,
+whose `TrainerTable` interface the trainer calls whatever the table: a step's lookups and
+the next batch's id exchange are submitted before the forward pass, the shard stays out of
+the group all-reduce and the parameter broadcast, clipping uses the global norm (shard
+norms all-reduced), the table is gathered for rank-0 evaluation, model logging and
+checkpoints (which hold the full table; each rank's file adds its shard's optimizer state).
 
 Two channels, so two threads never interleave ops on one: the group's transport runs on a
 process group of its own (`self.group`), fed only by the scheduler's ordered queue (the comm
@@ -32,11 +34,11 @@ import torch
 import torch.distributed as dist
 
 from ftcore import collectives as coll
-from training.distributed import COLLECTIVE_TIMEOUT_S
 from training.comm.bubbles import Timeline, account, max_arrivals, metrics, plot_timeline
-from training.comm.scheduler import CommScheduler, Stage
 from training.comm.config import CommConfig
+from training.comm.scheduler import CommScheduler, Stage
 from training.comm.transport import TransportConfig, all_gather_json, make_transport
+from training.distributed import COLLECTIVE_TIMEOUT_S
 
 
 class GroupComm:
@@ -52,28 +54,28 @@ class GroupComm:
         self._window_start = 0   # index into timeline.steps of the first step not yet logged
         self._logged_ops = 0
 
-    # ---- step structure (compute thread)
-    def step_begin(self, step: int):
+    # ---- step structure (compute thread); t: the caller's timestamp (time.perf_counter), else now
+    def step_begin(self, step: int, t: float | None = None):
         self.sched.step = step
         if self.timeline is not None:
-            self.timeline.step_begin(step)
+            self.timeline.step_begin(step, t)
 
-    def step_end(self):
+    def step_end(self, t: float | None = None):
         if self.timeline is not None:
-            self.timeline.step_end()
+            self.timeline.step_end(t)
 
     def compute(self, name: str):
         return self.timeline.compute(name) if self.timeline is not None else nullcontext()
 
-    def compute_begin(self, name: str):
-        """compute_begin/compute_end: the same as `with compute(name)`, for a loop that
-        would otherwise have to be re-indented."""
+    def compute_begin(self, name: str, t: float | None = None):
+        """compute_begin/compute_end: the same as `with compute(name)`, for a caller that times
+        its phases itself (the trainer's StepTimer)."""
         if self.timeline is not None:
-            self.timeline.compute_begin(name)
+            self.timeline.compute_begin(name, t)
 
-    def compute_end(self):
+    def compute_end(self, t: float | None = None):
         if self.timeline is not None:
-            self.timeline.compute_end()
+            self.timeline.compute_end(t)
 
     def abort_step(self):
         """A step that will be retried (no commit): leave it out of the accounting."""
@@ -87,15 +89,16 @@ class GroupComm:
         `default(params) -> seconds`), that one runs, unchanged, and is only timed here."""
         if default is not None and (self.transport is None or self.transport.name == "collective"):
             return self.sched.run_inline("dense_grad", Stage.DENSE_GRAD, lambda: default(params)).exposed
-        if not self.active:
+        transport = self.transport
+        if not self.active or transport is None:
             return 0.0
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads])
         # through the queue: the transport's ops must keep one order on every rank
-        op = self.sched.submit("dense_grad", Stage.DENSE_GRAD, lambda: self.transport.all_reduce(flat).wait())
+        op = self.sched.submit("dense_grad", Stage.DENSE_GRAD, lambda: transport.all_reduce(flat).wait())
         self.sched.wait(op)
         i = 0
-        for p, g in zip(params, grads):
+        for p, g in zip(params, grads, strict=True):
             if p.grad is None:
                 p.grad = g
             p.grad.copy_(flat[i:i + g.numel()].view_as(g))
@@ -118,7 +121,8 @@ class GroupComm:
         # keep only what the PNG needs: a long run must not grow these lists
         keep = self.cfg.timeline_steps
         first_kept = self.timeline.steps[-keep:][0].step if self.timeline.steps else 0
-        self.sched.forget(min([o.issue for o in self.sched.issued if o.step >= first_kept], default=self.sched._next_issue))
+        self.sched.forget(min([o.issue for o in self.sched.issued if o.step >= first_kept],
+                              default=self.sched._next_issue))
         self.timeline.steps = self.timeline.steps[-keep:]
         self._window_start = len(self.timeline.steps)
         self._logged_ops = self.sched._next_issue
@@ -126,7 +130,7 @@ class GroupComm:
             keys = sorted(m)
             t = torch.tensor([m[k] for k in keys], dtype=torch.float64)
             coll.all_reduce(t, kind=coll.CONTROL)
-            m = {k: float(v) / dist.get_world_size() for k, v in zip(keys, t.tolist())}
+            m = {k: float(v) / dist.get_world_size() for k, v in zip(keys, t.tolist(), strict=True)}
         if self.transport is not None:
             m["comm/smfree"] = float(self.transport.name == "smfree")
         return m
