@@ -1,6 +1,6 @@
-"""The training loop. Reads top to bottom: set up, then one step transaction per batch.
+"""The training loop: `Trainer` sets up, then runs one step transaction per batch.
 
-Every step is a transaction (../shared/DESIGN.md, ftcore):
+Every step is a transaction (../shared/DESIGN.md, ftcore), `Trainer.train_step`:
 
     ft.start_quorum()
     batch = ft.next_batch(loader)          # the cursor does NOT move yet; None: no batch for
@@ -11,26 +11,35 @@ Every step is a transaction (../shared/DESIGN.md, ftcore):
     if ft.should_commit(): clip, optimizer.step, scheduler.step, ft.advance(loader)
     else:                   drop the gradients; the same batch is retried
 
-The loop ends when `ft.data_done(...)`: after steps_total steps for one group; with ftcore,
-when every epoch and every make-up step of a group that was down is done (ftcore/schedule.py).
+The loop (`Trainer.train`) ends when `ft.data_done(...)`: after steps_total steps for one
+group; with ftcore, when every epoch and every make-up step of a group that was down is done
+(ftcore/schedule.py); or when a component stops it (train.max_minutes, train.stop_at_step).
+After each committed step the components act at their own cadence: `MetricsLog.maybe_log`
+(train.log_every), `TimeBudget.maybe_fit` (train.max_minutes), `Validator.maybe_validate`
+(train.eval_every) and `Checkpointer.maybe_save` (train.checkpoint_every).
 
 `ft` is `training.ft.make_replica(...)`: the one-group `LocalReplica`, or ftcore's `FTReplica`
-when FTCORE_LIGHTHOUSE names a lighthouse (the launcher, or torchrun on a cluster).
+when FTCORE_LIGHTHOUSE names a lighthouse (the launcher, or torchrun on a cluster). The item
+table is a `TrainerTable` (training/comm/item_table.py): sharded over the group's ranks
+(comm.embedding = "sharded"), or the model's own nn.Embedding. One `metrics.StepTimer`
+times the step's phases for both the MLflow window and the bubble accounting (GroupComm).
 """
 
 import copy
 import json
 import os
 import time
+from typing import Any, Protocol, cast
 
 import torch
 
 from training import checkpoint, distributed, metrics, serving
 from training import ft as ft_mod
 from training.comm.integration import GroupComm
-from training.comm.item_table import ShardedItemTable, grad_norm_sq
-from training.config import Config, ConfigError, to_toml
-from training.data import BatchLoader, DataCursor, ShardSet, shard_ranks_for
+from training.comm.item_table import ReplicatedItemTable, ShardedItemTable, TrainerTable
+from training.config import Config, ConfigError, TrainConfig, to_toml
+from training.data import Batch, BatchLoader, DataCursor, ShardSet, shard_ranks_for
+from training.distributed import Topology
 from training.evaluate import EvalData, evaluate
 from training.loss import draw_negatives, loss_sum, start_global_counts
 from training.model import SeqRec
@@ -38,11 +47,9 @@ from training.state import TrainState, WarmupDecay, build_optimizer
 from training.tracking import Tracker, code_tags
 
 
-def log(topo, msg: str) -> None:
+def log(topo: Topology, msg: str) -> None:
     if topo.is_main:
         print(f"[train g{topo.replica_group}] {msg}", flush=True)
-
-
 
 
 def write_json(path: str, obj: dict) -> None:
@@ -54,68 +61,110 @@ def write_json(path: str, obj: dict) -> None:
 
 def train(cfg: Config) -> dict:
     """Train on cfg.data.shards into cfg.train.out; returns the result.json dict (rank 0)."""
-    # ---- set-up -----------------------------------------------------------------------
-    topo = distributed.init()
-    shards = ShardSet(cfg.data.shards)
-    shard_ranks = shard_ranks_for(shards.world_size, topo.num_replica_groups, topo.replica_group,
-                                  topo.group_size, topo.rank)
-    cfg.model.max_len = cfg.model.max_len or shards.max_len
-    if cfg.model.max_len < shards.max_len:
-        raise ConfigError(f"model.max_len={cfg.model.max_len} is shorter than the shard set's max_len="
-                          f"{shards.max_len}; leave it 0 to take the manifest's")
-    out, ckpt_root = cfg.train.out, os.path.join(cfg.train.out, "checkpoints")
-    os.makedirs(out, exist_ok=True)
-    torch.use_deterministic_algorithms(cfg.train.deterministic, warn_only=True)
+    return Trainer(cfg).train()
 
-    torch.manual_seed(cfg.train.seed)                      # the same initial model on every rank
-    model = SeqRec(shards.num_items, cfg.model).to(topo.device)
-    resumed_from = checkpoint.latest_verified(ckpt_root, lambda m: log(topo, m)) if cfg.train.resume else None
-    if cfg.train.init_checkpoint and not resumed_from:
-        # into the full table, before any sharding: every rank then keeps its rows of it
-        carried = checkpoint.warm_start(model, cfg.train.init_checkpoint, shards.path)
-        log(topo, f"warm start from {cfg.train.init_checkpoint}: {carried}/{shards.num_items} item embeddings carried over")
-    gcomm = GroupComm(cfg.comm, rank=topo.rank, device=topo.device)  # group all-reduce + bubble accounting
-    table = None   # comm.embedding = "sharded" with K > 1: this rank's rows of the item table
-    if cfg.comm.embedding == "sharded" and gcomm.transport is not None:
-        # every rank keeps its rows of the seeded replicated init: the full table is unchanged
-        table = ShardedItemTable(model.item_emb.weight, gcomm.transport, gcomm.sched)
-        model.item_emb = table
-        log(topo, f"item table sharded row-wise over {topo.group_size} ranks: rank 0 holds rows {table.row_range}")
-    elif cfg.comm.embedding == "sharded":
-        log(topo, "comm.embedding=sharded with 1 rank per replica group: the item table stays replicated")
-    distributed.broadcast_params(model, exclude=(table.weight,) if table else ())
-    torch.manual_seed(cfg.train.seed + 7919 * (1 + topo.rank))  # dropout differs per rank, like DDP
-    # Negatives: the same stream on every rank of the group, so the group's step shares one
-    # negative set exactly as one big batch in one process would.
-    generator = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + 17)
-    params = list(model.parameters())
-    group_params = [p for p in params if table is None or p is not table.weight]  # the shard's grad is summed by start/finish_grads
-    optimizer = build_optimizer(model, cfg.optim)
-    steps_total = cfg.train.max_steps or cfg.train.epochs * shards.steps
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupDecay(cfg.optim, steps_total))
-    cursor = DataCursor(shards.steps, cfg.train.seed)
-    state = TrainState(model, optimizer, scheduler, cursor, generator)
 
-    if resumed_from:
-        state.load_state_dict(_local_rows(checkpoint.load(resumed_from, topo.rank, per_rank=_per_rank(table)), table))
+class _Work(Protocol):   # an async collective's handle (loss.start_global_counts)
+    def wait(self) -> Any: ...
+
+
+class Trainer:
+    """One rank of one replica group: the set-up, the step transaction, the loop, the end."""
+
+    def __init__(self, cfg: Config):
+        self.cfg, self.topo = cfg, distributed.init()
+        self.shards, self.shard_ranks = _open_shards(cfg, self.topo)
+        self.out, self.ckpt_root = cfg.train.out, os.path.join(cfg.train.out, "checkpoints")
+        os.makedirs(self.out, exist_ok=True)
+        torch.use_deterministic_algorithms(cfg.train.deterministic, warn_only=True)
+        resumed_from = self._build_model()
+        self.gcomm = GroupComm(cfg.comm, rank=self.topo.rank, device=self.topo.device)  # group all-reduce, bubbles
+        self.table = self._item_table()
+        distributed.broadcast_params(self.model, exclude=self.table.rank_params)
+        self._build_state()
+        if resumed_from:
+            self._resume(resumed_from)
+        self.ft = ft_mod.make_replica(self.state, self.topo, self.steps_total, self.out)
+        if resumed_from:    # ftcore: the make-up work still owed at the checkpoint
+            self.ft.load_from_checkpoint(checkpoint.read_meta(resumed_from))
+        self.loader = BatchLoader(self.shards, self.shard_ranks, self.cursor, cfg.data.prefetch)
+        self.pad_to = cfg.model.max_len if cfg.data.pad_to_max_len else 0
+        # loss.normalize = "epoch": the group's mean target count per step (a constant of the shard set)
+        self.tokens_per_step = (self.shards.tokens_per_step / self.topo.num_replica_groups
+                                if cfg.loss.normalize == "epoch" else 0.0)
+        self.tracker = self._open_tracker(resumed_from)
+        self.eval_data = _LazyEval(self.shards, cfg)
+        self.timer = metrics.StepTimer(self.gcomm)   # one clock for the window and the bubble accounting
+        self.metrics_log, self.budget = MetricsLog(self), TimeBudget(cfg.train, self.schedule, self.topo)
+        self.validator, self.checkpointer = Validator(self), Checkpointer(self)
+        self.stop, self.started = False, 0.0
+        log(self.topo, f"{self.shards.num_items} items, {self.shards.steps} steps/epoch, {self.steps_total} steps, "
+                       f"shards {self.shard_ranks}, {self.topo.group_size} rank(s) x "
+                       f"{self.topo.num_replica_groups} group(s)")
+
+    # ---- set-up ---------------------------------------------------------------------------
+    def _build_model(self) -> str | None:
+        """The seeded model (the same on every rank), warm-started from train.init_checkpoint
+        unless a checkpoint to resume from is found; returns that checkpoint."""
+        cfg, topo, shards = self.cfg, self.topo, self.shards
+        torch.manual_seed(cfg.train.seed)                      # the same initial model on every rank
+        self.model = SeqRec(shards.num_items, cfg.model).to(topo.device)
+        resumed_from = checkpoint.latest_verified(self.ckpt_root, lambda m: log(topo, m)) if cfg.train.resume else None
+        if cfg.train.init_checkpoint and not resumed_from:
+            # into the full table, before any sharding: every rank then keeps its rows of it
+            carried = checkpoint.warm_start(self.model, cfg.train.init_checkpoint, shards.path)
+            log(topo, f"warm start from {cfg.train.init_checkpoint}: {carried}/{shards.num_items} item embeddings "
+                      "carried over")
+        return resumed_from
+
+    def _item_table(self) -> TrainerTable:
+        """comm.embedding = "sharded" with K > 1 ranks: this rank's rows replace the model's table."""
+        topo, transport = self.topo, self.gcomm.transport
+        if self.cfg.comm.embedding == "sharded" and transport is not None:
+            # every rank keeps its rows of the seeded replicated init: the full table is unchanged
+            table = ShardedItemTable(self.model.item_emb.weight, transport, self.gcomm.sched)
+            self.model.add_module("item_emb", table)
+            log(topo, f"item table sharded row-wise over {topo.group_size} ranks: rank 0 holds rows {table.row_range}")
+            return table
+        if self.cfg.comm.embedding == "sharded":
+            log(topo, "comm.embedding=sharded with 1 rank per replica group: the item table stays replicated")
+        return ReplicatedItemTable()
+
+    def _build_state(self) -> None:
+        """Optimizer, lr schedule, data cursor and RNG: the TrainState checkpoints and heals carry."""
+        cfg, topo, model = self.cfg, self.topo, self.model
+        torch.manual_seed(cfg.train.seed + 7919 * (1 + topo.rank))  # dropout differs per rank, like DDP
+        # Negatives: the same stream on every rank of the group, so the group's step shares one
+        # negative set exactly as one big batch in one process would.
+        self.generator = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + 17)
+        self.params = list(model.parameters())
+        own = {id(p) for p in self.table.rank_params}   # a shard's grad is summed by the table itself
+        self.group_params = [p for p in self.params if id(p) not in own]
+        self.optimizer = build_optimizer(model, cfg.optim)
+        self.steps_total = cfg.train.max_steps or cfg.train.epochs * self.shards.steps
+        self.schedule = WarmupDecay(cfg.optim, self.steps_total)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.schedule)
+        self.cursor = DataCursor(self.shards.steps, cfg.train.seed)
+        self.state = TrainState(model, self.optimizer, self.scheduler, self.cursor, self.generator)
+
+    def _resume(self, path: str) -> None:
+        state = checkpoint.load(path, self.topo.rank, per_rank=self.table.per_rank)
+        self.state.load_state_dict(self.table.from_checkpoint(state))
         # the resumed run logs into the MLflow run it started, unless one is given
-        cfg.mlflow.run_id = cfg.mlflow.run_id or checkpoint.read_meta(resumed_from).get("mlflow_run_id") or ""
-        log(topo, f"resumed from {resumed_from} (step {state.step}, epoch {cursor.epoch}, index {cursor.index})")
-    ft = ft_mod.make_replica(state, topo, steps_total, out)
-    if resumed_from:    # ftcore: the make-up work still owed at the checkpoint
-        ft.load_from_checkpoint(checkpoint.read_meta(resumed_from))
-    loader = BatchLoader(shards, shard_ranks, cursor, cfg.data.prefetch)
-    pad_to = cfg.model.max_len if cfg.data.pad_to_max_len else 0
-    # loss.normalize = "epoch": the group's mean target count per step (a constant of the shard set)
-    tokens_per_step = shards.tokens_per_step / topo.num_replica_groups if cfg.loss.normalize == "epoch" else 0.0
+        self.cfg.mlflow.run_id = self.cfg.mlflow.run_id or checkpoint.read_meta(path).get("mlflow_run_id") or ""
+        c = self.cursor
+        log(self.topo, f"resumed from {path} (step {self.state.step}, epoch {c.epoch}, index {c.index})")
 
-    # One MLflow run per job, one value per (metric, step): replica group 0's rank 0 tracks.
-    # The other groups train the same model; their own facts (commits, restarts, heals) reach
-    # the run as group<g>/... metrics from the launcher's timeline.
-    restarted = any(int(os.environ.get(k, "0") or 0) > 0 for k in ("FTCORE_INCARNATION", "TORCHELASTIC_RESTART_COUNT"))
-    tracker = (Tracker(cfg.mlflow, out, continue_recorded=restarted)
-               if (cfg.mlflow.enabled and topo.is_main and topo.replica_group == 0) else None)
-    if tracker:
+    def _open_tracker(self, resumed_from: str | None) -> Tracker | None:
+        """One MLflow run per job, one value per (metric, step): replica group 0's rank 0 tracks.
+        The other groups train the same model; their own facts (commits, restarts, heals) reach
+        the run as group<g>/... metrics from the launcher's timeline."""
+        cfg, topo, shards = self.cfg, self.topo, self.shards
+        if not (cfg.mlflow.enabled and topo.is_main and topo.replica_group == 0):
+            return None
+        restarted = any(int(os.environ.get(k, "0") or 0) > 0
+                        for k in ("FTCORE_INCARNATION", "TORCHELASTIC_RESTART_COUNT"))
+        tracker = Tracker(cfg.mlflow, self.out, continue_recorded=restarted)
         # keys that differ between the attempts of one run would be refused by MLflow
         volatile = {"train.resume", "train.stop_at_step", "mlflow.run_id"}
         run_params = {k: v for k, v in cfg.flat().items() if k not in volatile}
@@ -123,187 +172,335 @@ def train(cfg: Config) -> dict:
                             "data.num_items": shards.num_items, "data.steps_per_epoch": shards.steps,
                             "data.world_size": shards.world_size, "data.bubble_fraction":
                             shards.manifest.get("bubble_fraction", "")})
-        tracker.set_tags({"ftrec.resumed_from": resumed_from or "", "ftrec.shards": os.path.abspath(shards.path),
-                          **code_tags()})
+        path = os.path.abspath(shards.path)
+        tracker.set_tags({"ftrec.resumed_from": resumed_from or "", "ftrec.shards": path, **code_tags()})
         # MLflow's dataset digest holds 36 characters: a prefix of the input fingerprint (full one in params)
-        tracker.log_input(os.path.basename(os.path.abspath(shards.path)), shards.fingerprint()[:36],
-                          os.path.abspath(shards.path), {"samples": shards.manifest.get("num_samples"),
-                                                         "users": shards.manifest.get("num_users"),
-                                                         "items": shards.num_items, "steps": shards.steps})
-    eval_data = _LazyEval(shards, cfg)
-    eval_every = cfg.train.eval_every or shards.steps
-    log(topo, f"{shards.num_items} items, {shards.steps} steps/epoch, {steps_total} steps, "
-              f"shards {shard_ranks}, {topo.group_size} rank(s) x {topo.num_replica_groups} group(s)")
+        tracker.log_input(os.path.basename(path), shards.fingerprint()[:36], path,
+                          {"samples": shards.manifest.get("num_samples"), "users": shards.manifest.get("num_users"),
+                           "items": shards.num_items, "steps": shards.steps})
+        return tracker
 
-    # ---- the loop ---------------------------------------------------------------------
-    window, history = metrics.Window(), metrics.History()
-    started = time.perf_counter()
-    stop, saved, fitted = False, -1, False
-    comm_totals = {"lookup_wait_s": 0.0, "emb_grad_wait_s": 0.0}   # a sharded table's exposed comm, rank 0
-    best = _Best(cfg.eval.best_metric) if cfg.eval.best_metric and topo.is_main else None
-    model.train()
-    while not stop and not ft.data_done(state.step, steps_total):
-        t_step = time.perf_counter()
-        gcomm.step_begin(state.step)
+    # ---- the loop -------------------------------------------------------------------------
+    def train(self) -> dict:
+        """Step transactions until the data is done or a component stops the run, then the end.
+        Returns the result.json dict on rank 0, {} on the other ranks."""
+        self.started = time.perf_counter()
+        self.model.train()
+        while not self.stop and not self.ft.data_done(self.state.step, self.steps_total):
+            if not self.train_step():
+                continue                   # another replica group failed: the same batch again
+            step = self.state.step
+            self.metrics_log.maybe_log(step, self.steps_total)                # collective
+            self.steps_total, over = self.budget.maybe_fit(step, self.steps_total, self.started)
+            self.stop = over or step == self.cfg.train.stop_at_step
+            self.validator.maybe_validate(step, more=not self.stop and step < self.steps_total)
+            self.checkpointer.maybe_save(step)
+        return self.finish()
+
+    def train_step(self) -> bool:
+        """One step transaction (the module docstring); False: not committed, to be retried."""
+        timer, ft = self.timer, self.ft
+        timer.step_begin(self.state.step)
         ft.start_quorum()
-        batch = ft.next_batch(loader)
-        t_data = time.perf_counter()
-        gcomm.compute_begin("forward_backward")
-        wait = 0.0
-        if batch is None:                   # ftcore: no batch for this group: zero gradients
-            loss, counts = torch.zeros(()), torch.zeros(3, dtype=torch.float64)
-            for p in params:
+        batch = ft.next_batch(self.loader)    # None: no batch for this group this step
+        timer.compute_begin("forward_backward")
+        loss, counts = self.forward_backward(batch)
+        timer.compute_end()
+        timer.add_wait(self.table.take_lookup_wait(), in_compute=True)   # rows the forward pass waited for
+        # the replica group's all-reduce (SUM); a sharded table's grads arrive meanwhile
+        timer.add_wait(self.gcomm.allreduce_grads(self.group_params, default=distributed.allreduce_grads))
+        timer.add_wait(self.table.finish_grads())
+        timer.wait(ft.allreduce, [p.grad for p in self.params])   # the average across replica groups
+        if not ft.should_commit():            # the vote: another replica group failed
+            timer.abort()
+            self.optimizer.zero_grad(set_to_none=True)
+            return False
+        timer.compute_begin("optimizer")
+        lr = self.optimizer_step()
+        ft.advance(self.loader)               # the data moves on commit only
+        self.state.step += 1
+        timer.compute_end()
+        times = timer.step_end()
+        self.metrics_log.record(self.state.step, loss, lr, times, counts)   # loss.item(): after the step's timing
+        return True
+
+    def forward_backward(self, batch: Batch | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward, loss / the group's target count, backward; returns (loss, the group's
+        [targets, samples, padded tokens]). No batch (ftcore): zero gradients."""
+        if batch is None:
+            for p in self.params:
                 p.grad = torch.zeros_like(p)
-        else:
-            values, offsets, labels = (t.to(topo.device) for t in (batch.values, batch.offsets, batch.labels))
-            padded = max(int(batch.lengths.max()), pad_to) * batch.num_samples
-            counts, pending = start_global_counts([batch.num_targets, batch.num_samples, padded])  # overlaps fwd
-            negatives = draw_negatives(shards.num_items, cfg.loss, labels, generator)
-            if table is not None:
-                # this step's lookups and the next batch's id exchange, issued by comm.policy
-                ahead = loader.peek_ahead(1)
-                table.start_step(batch.step, [values, labels, negatives],
-                                 ahead.step, [ahead.values, ahead.labels])
-            ts = batch.timestamps.to(topo.device) if batch.timestamps is not None else None
-            h = model(values, offsets, pad_to, timestamps=ts)
-            total = loss_sum(model, h, labels, cfg.loss, negatives=negatives)
-            if pending is not None:
-                t = time.perf_counter()
-                pending.wait()
-                wait = time.perf_counter() - t
-            loss = total / (counts[0].item() if cfg.loss.normalize == "step" else tokens_per_step)
-            loss.backward()
-            if table is not None:
-                table.start_grads()       # embedding grads to their owners (a SUM over the group) ...
-        t_bwd = time.perf_counter()
-        gcomm.compute_end()
-        if table is not None:
-            lookup_wait = table.take_exposed()  # rows the forward pass waited for
-            comm_totals["lookup_wait_s"] += lookup_wait
-            wait += lookup_wait
-        compute = t_bwd - t_data - wait
-        wait += gcomm.allreduce_grads(group_params, default=distributed.allreduce_grads)
-        if table is not None and batch is not None:
-            t = time.perf_counter()
-            table.finish_grads()          # ... while the dense gradients were all-reduced
-            grad_wait = time.perf_counter() - t
-            comm_totals["emb_grad_wait_s"] += grad_wait
-            wait += grad_wait
-        t = time.perf_counter()
-        ft.allreduce([p.grad for p in params])
-        wait += time.perf_counter() - t
+            return torch.zeros(()), torch.zeros(3, dtype=torch.float64)
+        cfg, dev = self.cfg, self.topo.device
+        values, offsets, labels = (t.to(dev) for t in (batch.values, batch.offsets, batch.labels))
+        padded = max(int(batch.lengths.max()), self.pad_to) * batch.num_samples
+        counts, pending = start_global_counts([batch.num_targets, batch.num_samples, padded])  # overlaps fwd
+        negatives = draw_negatives(self.shards.num_items, cfg.loss, labels, self.generator)
+        # a sharded table: this step's lookups and the next batch's id exchange, issued by comm.policy
+        self.table.start_lookups(batch.step, [values, labels, negatives], self._ahead)
+        ts = batch.timestamps.to(dev) if batch.timestamps is not None else None
+        h = self.model(values, offsets, self.pad_to, timestamps=ts)
+        total = loss_sum(self.model, h, labels, cfg.loss, negatives=negatives)
+        if pending is not None:
+            self.timer.wait(cast(_Work, pending).wait)
+        loss = total / (counts[0].item() if cfg.loss.normalize == "step" else self.tokens_per_step)
+        loss.backward()
+        self.table.start_grads()      # a sharded table's grads to their owners (a SUM over the group)
+        return loss, counts
 
-        if not ft.should_commit():          # another replica group failed: retry this batch
-            gcomm.abort_step()
-            optimizer.zero_grad(set_to_none=True)
-            continue
-        t_opt = time.perf_counter()
-        gcomm.compute_begin("optimizer")
-        if cfg.optim.grad_clip > 0 and table is not None:   # the global norm: shard norms all-reduced
-            dense = [p.grad for p in group_params if p.grad is not None]
-            sq = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in dense])).double() ** 2
-            norm = (sq + grad_norm_sq(table.weight)).sqrt().float()
-            torch.nn.utils.clip_grads_with_norm_(params, cfg.optim.grad_clip, norm)
-        elif cfg.optim.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip)
-        lr = optimizer.param_groups[0]["lr"]
-        lr_scale = ft.lr_scale()
+    def _ahead(self) -> tuple[int, list[torch.Tensor]]:
+        """The batch expected next, for a table that prefetches its id exchange."""
+        ahead = self.loader.peek_ahead(1)
+        return ahead.step, [ahead.values, ahead.labels]
+
+    def optimizer_step(self) -> float:
+        """Clip to the global norm, step at ftcore's lr scale; returns the lr the step used."""
+        if self.cfg.optim.grad_clip > 0:
+            self.table.clip_grads_(self.params, self.cfg.optim.grad_clip)
+        lr = self.optimizer.param_groups[0]["lr"]
+        lr_scale = self.ft.lr_scale()
         if lr_scale != 1.0:
-            for group in optimizer.param_groups:
+            for group in self.optimizer.param_groups:
                 group["lr"] *= lr_scale        # scheduler.step() below recomputes from the schedule
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        ft.advance(loader)                  # the data moves on commit only
-        state.step += 1
-        gcomm.compute_end()
-        gcomm.step_end()
-        t_end = time.perf_counter()
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return lr * lr_scale
 
-        # ---- bookkeeping: metrics, validation, checkpoints (outside step timing) ---------
-        window.record(state.step, loss.item(), lr * lr_scale,
-                      compute=compute + (t_end - t_opt), wait=wait, step_time=t_end - t_step,
-                      data_wait=t_data - t_step, tokens=float(counts[0]), samples=float(counts[1]),
-                      padded=float(counts[2]))
-        if state.step % cfg.train.log_every == 0 or state.step == steps_total:
-            elapsed, budget = time.perf_counter() - started, 60 * cfg.train.max_minutes
-            proposal = 0.0
-            if budget and not fitted and elapsed > 0.25 * budget:
-                # Fit the schedule to the time budget once, at the pace seen so far (validations
-                # included), so the lr decays by the deadline. Rank 0 proposes, all ranks agree.
-                proposal = state.step * 0.95 * budget / elapsed
-            stop, proposal = _flush_window(window, history, tracker, gcomm, state.step, steps_total, cursor.epoch,
-                                           topo, bool(budget) and elapsed > budget, proposal, ft)
-            if proposal > 0:
-                fitted, steps_total = True, max(state.step + 1, min(steps_total, int(proposal)))
-                scheduler.lr_lambdas[0].total = steps_total
-                log(topo, f"time budget {cfg.train.max_minutes} min: schedule fitted to {steps_total} steps")
-            window = metrics.Window()
-        if state.step == cfg.train.stop_at_step:
-            stop = True
-        if cfg.eval.periodic and state.step % eval_every == 0 and state.step < steps_total and not stop:
-            full = _full_model(model, table, topo)
-            scores = _validate(full, eval_data, cfg, tracker, state.step, topo)
-            if best is not None:
-                best.offer(scores, full, state.step)
-        if cfg.train.checkpoint_every and state.step % cfg.train.checkpoint_every == 0:
-            final, saved = _save(state, cfg, shards, topo, ckpt_root, tracker, table, ft), state.step
+    # ---- the end: final checkpoint, test, result.json --------------------------------------
+    def finish(self) -> dict:
+        """The last window, ftcore's final state, the final checkpoint; rank 0 tests and reports."""
+        self.metrics_log.flush_rest(self.state.step, self.steps_total)
+        self.loader.close()
+        comm = self.table.summary()
+        if comm is not None:
+            log(self.topo, f"comm.policy={comm['policy']}: the next batch's id exchange was prefetched and used in "
+                           f"{comm['prefetch_hits']} of {comm['prefetch_hits'] + comm['prefetch_misses']} steps")
+        # ftcore: the group's final tensor-only state for the launcher, then leave the quorum
+        self.ft.finish(per_rank=self.table.sharded)
+        final = self.checkpointer.save_final()
+        model = self.table.full_model(self.model, self.topo.is_main)   # collective: rank 0 sees the full table
+        timeline_png = self.gcomm.finish(os.path.join(self.out, "artifacts"))   # collective
+        result = self._report(model, final, timeline_png) if model is not None and self.topo.is_main else {}
+        distributed.barrier()
+        return result
 
-    # ---- the end: final checkpoint, test, result.json ----------------------------------
-    if window.steps:  # stopped between two log steps
-        _flush_window(window, history, tracker, gcomm, state.step, steps_total, cursor.epoch, topo, False, 0.0, ft)
-    loader.close()
-    if table is not None:
-        log(topo, f"comm.policy={cfg.comm.policy}: the next batch's id exchange was prefetched and used in "
-                  f"{table.prefetch_hits} of {table.prefetch_hits + table.prefetch_misses} steps")
-    if hasattr(ft, "finish"):
-        ft.finish(per_rank=table is not None)   # ftcore: the group's final tensor-only state for the launcher, then leave the quorum
-    if saved != state.step:
-        final = _save(state, cfg, shards, topo, ckpt_root, tracker, table, ft)
-    model = _full_model(model, table, topo)     # collective: evaluation and model logging see the full table
-    timeline_png = gcomm.finish(os.path.join(out, "artifacts"))   # collective
-    result, last = {}, None   # last: the final checkpoint when an earlier model is the run's
-    if topo.is_main:
-        wall = time.perf_counter() - started
-        scores = {}
+    def _report(self, model: torch.nn.Module, final: str, timeline_png: str | None) -> dict:
+        """Rank 0: the final evaluation, result.json, and the MLflow run's last metrics and artifacts."""
+        wall = time.perf_counter() - self.started
         t_eval = time.perf_counter()
-        if cfg.eval.final:
-            scores = evaluate(model, eval_data.get(), cfg.eval, splits=("valid", "test"))
-            log(topo, "valid " + _brief(scores, "valid") + " | test " + _brief(scores, "test"))
-            if best is not None and best.beats(scores):
-                # an earlier validation peaked higher: that model is the run's (training is over)
-                model.load_state_dict(best.state)
-                scores = evaluate(model, eval_data.get(), cfg.eval, splits=("valid", "test"))
-                last, final = final, best.save(out, _meta(state, cfg, shards, topo, tracker))
-                log(topo, f"{best.metric} peaked at step {best.step} ({best.value:.4f}): that model is the "
-                          f"run's, in {final} | test " + _brief(scores, "test"))
-        result = {"mlflow_run_id": None, "tracking_uri": tracker.uri if tracker else None,
-                  "checkpoint": os.path.abspath(final), "steps": state.step, "metrics": scores,
-                  "train_seconds": wall, "epochs_completed": cursor.epoch + cursor.index / shards.steps,
-                  "throughput": metrics.run_summary(history), "eval_seconds": time.perf_counter() - t_eval}
+        scores, final, last = self._final_eval(model, final)
+        c, best = self.cursor, self.validator.best
+        result: dict[str, Any] = {
+            "mlflow_run_id": None, "tracking_uri": self.tracker.uri if self.tracker else None,
+            "checkpoint": os.path.abspath(final), "steps": self.state.step, "metrics": scores,
+            "train_seconds": wall, "epochs_completed": c.epoch + c.index / self.shards.steps,
+            "throughput": metrics.run_summary(self.metrics_log.history), "eval_seconds": time.perf_counter() - t_eval}
         if best is not None:
-            result["best"] = {"metric": best.metric, "step": best.step if last else state.step,
+            result["best"] = {"metric": best.metric, "step": best.step if last else self.state.step,
                               "value": scores.get(best.metric), "last_checkpoint": os.path.abspath(last or final)}
-        if table is not None:
-            result["comm"] = {"policy": cfg.comm.policy, "prefetch_hits": table.prefetch_hits,
-                              "prefetch_misses": table.prefetch_misses, **comm_totals}
-        if tracker:
-            tracker.log_metrics(scores, state.step)
+        comm = self.table.summary()
+        if comm is not None:
+            result["comm"] = comm
+        if self.tracker:
+            self.tracker.log_metrics(scores, self.state.step)
             if timeline_png:
-                tracker.log_artifact(timeline_png)
-            _log_artifacts(tracker, cfg, shards, history, out, model)
-            result["mlflow_unsent"] = tracker.close()
-            result["mlflow_run_id"] = tracker.run_id
-        write_json(os.path.join(out, "result.json"), result)
-    distributed.barrier()
-    return result
+                self.tracker.log_artifact(timeline_png)
+            self._log_artifacts(self.tracker, model)
+            result["mlflow_unsent"] = self.tracker.close()
+            result["mlflow_run_id"] = self.tracker.run_id
+        write_json(os.path.join(self.out, "result.json"), result)
+        return result
+
+    def _final_eval(self, model: torch.nn.Module, final: str) -> tuple[dict, str, str | None]:
+        """valid + test of the final model, or of the best validated one when it peaked higher
+        (eval.best_metric); returns (scores, the run's checkpoint, the last one if not that)."""
+        scores: dict = {}
+        if not self.cfg.eval.final:
+            return scores, final, None
+        scores = evaluate(model, self.eval_data.get(), self.cfg.eval, splits=("valid", "test"))
+        log(self.topo, "valid " + _brief(scores, "valid") + " | test " + _brief(scores, "test"))
+        best = self.validator.best
+        if best is None or best.state is None or not best.beats(scores):
+            return scores, final, None
+        # an earlier validation peaked higher: that model is the run's (training is over)
+        model.load_state_dict(best.state)
+        scores = evaluate(model, self.eval_data.get(), self.cfg.eval, splits=("valid", "test"))
+        chosen = best.save(self.out, self.checkpointer.meta(with_ft=False))
+        log(self.topo, f"{best.metric} peaked at step {best.step} ({best.value:.4f}): that model is the "
+                       f"run's, in {chosen} | test " + _brief(scores, "test"))
+        return scores, chosen, final
+
+    def _log_artifacts(self, tracker: Tracker, model: torch.nn.Module) -> None:
+        cfg, art = self.cfg, os.path.join(self.out, "artifacts")
+        os.makedirs(art, exist_ok=True)
+        with open(os.path.join(art, "config.toml"), "w") as f:
+            f.write(to_toml(cfg))
+        tracker.log_artifact(os.path.join(art, "config.toml"))
+        tracker.log_artifact(os.path.join(self.shards.path, "manifest.json"))
+        if cfg.mlflow.plots and metrics.plot(self.metrics_log.history, os.path.join(art, "training.png")):
+            tracker.log_artifact(os.path.join(art, "training.png"))
+        if cfg.mlflow.log_model:
+            try:
+                exported = serving.export(copy.deepcopy(model).cpu().eval(), self.shards.path,
+                                          os.path.join(art, "serving"))
+            except Exception as e:  # a model torch.export cannot take must not cost the run its results
+                print(f"[train] model not logged: export failed ({type(e).__name__}: {e})", flush=True)
+                tracker.errors.append(f"model: export failed: {type(e).__name__}: {e}")
+            else:
+                tracker.log_model(exported, cfg.mlflow.register, cfg.mlflow.model_name)
+
+
+def _open_shards(cfg: Config, topo: Topology) -> tuple[ShardSet, list[int]]:
+    """The shard set and the shards this rank reads; model.max_len 0 takes the manifest's."""
+    shards = ShardSet(cfg.data.shards)
+    shard_ranks = shard_ranks_for(shards.world_size, topo.num_replica_groups, topo.replica_group,
+                                  topo.group_size, topo.rank)
+    cfg.model.max_len = cfg.model.max_len or shards.max_len
+    if cfg.model.max_len < shards.max_len:
+        raise ConfigError(f"model.max_len={cfg.model.max_len} is shorter than the shard set's max_len="
+                          f"{shards.max_len}; leave it 0 to take the manifest's")
+    return shards, shard_ranks
+
+
+# ---- the components: each decides its own cadence -------------------------------------------
+class MetricsLog:
+    """The committed steps' records (metrics.Window), logged every train.log_every steps and at
+    the last: gathered from the group's ranks (collective), one MLflow call and one line on rank 0."""
+
+    def __init__(self, trainer: Trainer):
+        self.t, self.every = trainer, trainer.cfg.train.log_every
+        self.window, self.history = metrics.Window(), metrics.History()
+
+    def record(self, step: int, loss: torch.Tensor, lr: float, times: metrics.StepTimes,
+               counts: torch.Tensor) -> None:
+        self.window.record_step(step, loss.item(), lr, times, counts)
+
+    def maybe_log(self, step: int, steps_total: int) -> None:
+        if step % self.every == 0 or step == steps_total:
+            self.flush(step, steps_total)
+
+    def flush_rest(self, step: int, steps_total: int) -> None:
+        """The run stopped between two log steps: the steps not yet logged."""
+        if self.window.steps:
+            self.flush(step, steps_total)
+
+    def flush(self, step: int, steps_total: int) -> None:
+        t = self.t
+        per_rank, _, _ = metrics.gather_times(self.window, False)
+        comm = t.gcomm.window_metrics()           # collective as well: bubble accounting of training/comm
+        cross = t.ft.window_metrics()             # across replica groups (ftcore's pace figures)
+        if t.topo.is_main:
+            summary = {**metrics.summarize(self.window, per_rank), **comm, **cross}
+            if "ft/bubble_fraction" in cross:     # the job's: inside the group, then across groups
+                summary["train/bubble_fraction"] = 1.0 - (1.0 - summary["train/bubble_fraction"]) * (
+                    1.0 - cross["ft/bubble_fraction"])
+            self.history.add(self.window, per_rank)
+            if t.tracker:
+                t.tracker.log_metrics(summary, step)
+            log(t.topo, f"step {step}/{steps_total} epoch {t.cursor.epoch} loss {summary['train/loss']:.4f} "
+                        f"lr {summary['train/lr']:.2e} tok/s {summary['train/tokens_per_s']:.0f} "
+                        f"pad {summary['train/padding_fraction']:.3f} wait {per_rank[:, :, 1].mean():.4f}s")
+        self.window = metrics.Window()
+
+
+class TimeBudget:
+    """train.max_minutes. Checked as often as the window is logged (train.log_every, and the
+    last step): once a quarter of the budget is spent, the lr schedule is fitted, once, to the
+    steps the pace so far allows (validations included), so the lr decays by the deadline;
+    past the budget the run stops. The group's ranks agree (one small collective per check):
+    rank 0's proposal, and a stop when any rank is over. No budget: nothing, no collective."""
+
+    def __init__(self, cfg: TrainConfig, schedule: WarmupDecay, topo: Topology):
+        self.minutes, self.seconds, self.every = cfg.max_minutes, 60 * cfg.max_minutes, cfg.log_every
+        self.schedule, self.topo, self.fitted = schedule, topo, False
+
+    def maybe_fit(self, step: int, steps_total: int, started: float) -> tuple[int, bool]:
+        """Returns (steps_total, stop)."""
+        if not self.seconds or not (step % self.every == 0 or step == steps_total):
+            return steps_total, False
+        elapsed = time.perf_counter() - started
+        proposal = step * 0.95 * self.seconds / elapsed if not self.fitted and elapsed > 0.25 * self.seconds else 0.0
+        over, proposal = metrics.agree(elapsed > self.seconds, proposal)
+        if proposal > 0:
+            self.fitted, steps_total = True, max(step + 1, min(steps_total, int(proposal)))
+            self.schedule.total = steps_total
+            log(self.topo, f"time budget {self.minutes} min: schedule fitted to {steps_total} steps")
+        return steps_total, over
+
+
+class Validator:
+    """Validation every train.eval_every steps (0: once per epoch) while training goes on
+    (eval.periodic), and rank 0's copy of the best model so far (eval.best_metric)."""
+
+    def __init__(self, trainer: Trainer):
+        cfg = trainer.cfg
+        self.t, self.every, self.enabled = trainer, cfg.train.eval_every or trainer.shards.steps, cfg.eval.periodic
+        self.best = _Best(cfg.eval.best_metric) if cfg.eval.best_metric and trainer.topo.is_main else None
+
+    def maybe_validate(self, step: int, more: bool) -> None:
+        """`more`: training goes on after this step (the end has its own evaluation)."""
+        if not (self.enabled and step % self.every == 0 and more):
+            return
+        t = self.t
+        full = t.table.full_model(t.model, t.topo.is_main)   # collective with a sharded table
+        scores = {}
+        if full is not None and t.topo.is_main:
+            scores = evaluate(full, t.eval_data.get(), t.cfg.eval, splits=("valid",))
+            log(t.topo, f"step {step} valid " + _brief(scores, "valid"))
+            if t.tracker:
+                t.tracker.log_metrics(scores, step)
+        distributed.barrier()   # the other ranks wait here, not inside the next step's all-reduce
+        if self.best is not None and full is not None:
+            self.best.offer(scores, full, step)
+
+
+class Checkpointer:
+    """OUT/checkpoints/step-N every train.checkpoint_every steps (0: only at the end) and at the
+    end: the TrainState with the full item table, per-rank files beside it, and meta.json."""
+
+    def __init__(self, trainer: Trainer):
+        self.t, self.every = trainer, trainer.cfg.train.checkpoint_every
+        self.saved, self.last = -1, ""   # the step and folder of the newest save
+
+    def maybe_save(self, step: int) -> None:
+        if self.every and step % self.every == 0:
+            self.save()
+
+    def save_final(self) -> str:
+        """The final step's checkpoint (saved now unless it was already); returns its folder."""
+        if self.saved != self.t.state.step:
+            self.save()
+        return self.last
+
+    def save(self) -> str:
+        """Collective with a sharded table (its rows gathered)."""
+        t = self.t
+        meta, sd = self.meta(), t.state.state_dict()
+        t.table.to_checkpoint(sd, meta)
+        self.last = checkpoint.save(t.ckpt_root, sd, meta, rank=t.topo.rank, keep=t.cfg.train.keep_checkpoints,
+                                    per_rank=t.table.per_rank)
+        self.saved = t.state.step
+        return self.last
+
+    def meta(self, with_ft: bool = True) -> dict:
+        """A checkpoint's meta.json: for people, `training eval`, warm start and resume;
+        `with_ft`: ftcore's make-up work owed (a resumable checkpoint's, not best/'s)."""
+        t = self.t
+        return {"mlflow_run_id": t.tracker.run_id if t.tracker else None,
+                "step": t.state.step, "epoch": t.cursor.epoch, "index": t.cursor.index,
+                "config": t.cfg.to_dict(), "num_items": t.shards.num_items,
+                "fingerprint": t.shards.fingerprint(), "shards": os.path.abspath(t.shards.path),
+                "ranks_per_group": t.topo.group_size, "replica_groups": t.topo.num_replica_groups,
+                **(t.ft.state_for_checkpoint() if with_ft else {})}
 
 
 class _LazyEval:
     """The evaluation users, loaded on first use (rank 0 only evaluates)."""
 
     def __init__(self, shards: ShardSet, cfg: Config):
-        self.shards, self.cfg, self.data = shards, cfg, None
+        self.shards, self.cfg = shards, cfg
+        self.data: EvalData | None = None
 
     def get(self) -> EvalData:
         if self.data is None:
@@ -311,49 +508,17 @@ class _LazyEval:
         return self.data
 
 
-def _flush_window(window, history, tracker, gcomm, step: int, steps_total: int, epoch: int, topo,
-                  over: bool, proposal: float, ft) -> tuple[bool, float]:
-    """Gather the window's per-rank records (collective), log them from rank 0.
-
-    Returns (stop: any rank is over its time budget, rank 0's proposal).
-    """
-    per_rank, stop, proposal = metrics.gather_times(window, over, proposal)
-    comm = gcomm.window_metrics()           # collective as well: bubble accounting of training/comm
-    cross = ft.window_metrics()             # across replica groups (ftcore's pace figures)
-    if topo.is_main:
-        summary = {**metrics.summarize(window, per_rank), **comm, **cross}
-        if "ft/bubble_fraction" in cross:   # the job's: inside the group, then across groups
-            summary["train/bubble_fraction"] = 1.0 - (1.0 - summary["train/bubble_fraction"]) * (
-                1.0 - cross["ft/bubble_fraction"])
-        history.add(window, per_rank)
-        if tracker:
-            tracker.log_metrics(summary, step)
-        log(topo, f"step {step}/{steps_total} epoch {epoch} loss {summary['train/loss']:.4f} "
-                  f"lr {summary['train/lr']:.2e} tok/s {summary['train/tokens_per_s']:.0f} "
-                  f"pad {summary['train/padding_fraction']:.3f} wait {per_rank[:, :, 1].mean():.4f}s")
-    return stop, proposal
-
-
 def _brief(scores: dict, split: str) -> str:
-    return " ".join(f"{p}/{m} {scores[f'{split}/{p}/{m}']:.4f}" for p in ("full", "sampled") for m in ("hr@10", "ndcg@10"))
-
-
-def _validate(model, eval_data, cfg: Config, tracker, step: int, topo) -> dict:
-    scores = {}
-    if topo.is_main:
-        scores = evaluate(model, eval_data.get(), cfg.eval, splits=("valid",))
-        log(topo, f"step {step} valid " + _brief(scores, "valid"))
-        if tracker:
-            tracker.log_metrics(scores, step)
-    distributed.barrier()   # the other ranks wait here, not inside the next step's all-reduce
-    return scores
+    return " ".join(f"{p}/{m} {scores[f'{split}/{p}/{m}']:.4f}"
+                    for p in ("full", "sampled") for m in ("hr@10", "ndcg@10"))
 
 
 class _Best:
     """Rank 0's copy of the model where validation metric `metric` peaked (eval.best_metric)."""
 
     def __init__(self, metric: str):
-        self.metric, self.value, self.step, self.state = metric, float("-inf"), -1, None
+        self.metric, self.value, self.step = metric, float("-inf"), -1
+        self.state: dict | None = None
 
     def _value(self, scores: dict) -> float:
         if self.metric not in scores:
@@ -361,7 +526,7 @@ class _Best:
                               f"{', '.join(sorted(k for k in scores if k.startswith('valid/')))}")
         return scores[self.metric]
 
-    def offer(self, scores: dict, model, step: int) -> None:
+    def offer(self, scores: dict, model: torch.nn.Module, step: int) -> None:
         if self._value(scores) > self.value:
             self.value, self.step = self._value(scores), step
             self.state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
@@ -375,72 +540,3 @@ class _Best:
         `meta` is the run's, minus the data position of a state it does not hold."""
         meta = {**{k: v for k, v in meta.items() if k not in ("epoch", "index")}, "step": self.step}
         return checkpoint.save(os.path.join(out, "best"), {"model": self.state}, meta, keep=1, distributed=False)
-
-
-def _full_model(model, table, topo):
-    """Collective with a sharded table: rank 0 gets a copy of the model with the whole
-    table in a plain nn.Embedding (evaluation, MLflow model); the others get None."""
-    if table is None:
-        return model
-    full = table.full_weight()
-    if not topo.is_main:
-        return None
-    emb = torch.nn.Embedding(full.shape[0], full.shape[1], padding_idx=table.padding_idx)
-    emb.weight.data.copy_(full)
-    copy_ = copy.copy(model)                  # shallow: shares the dense modules, owns its item_emb
-    copy_._modules = dict(model._modules)
-    copy_.item_emb = emb.to(full.device)
-    return copy_
-
-
-def _per_rank(table) -> tuple:
-    """What each rank > 0 writes into its own checkpoint file: RNG, plus the optimizer state
-    of its shard when the table is sharded (rank 0's is in state.pt)."""
-    return ("rng", "optimizer") if table is not None else ("rng",)
-
-
-def _local_rows(state: dict, table) -> dict:
-    """A checkpoint holds the full table (eval and warm start read it); keep this rank's rows."""
-    if table is not None:
-        lo, hi = table.row_range
-        state["model"]["item_emb.weight"] = state["model"]["item_emb.weight"][lo:hi].clone()
-    return state
-
-
-def _meta(state: TrainState, cfg: Config, shards: ShardSet, topo, tracker, ft=None) -> dict:
-    """A checkpoint's meta.json: for people, `training eval`, warm start and resume."""
-    return {"mlflow_run_id": tracker.run_id if tracker else None,
-            "step": state.step, "epoch": state.cursor.epoch, "index": state.cursor.index,
-            "config": cfg.to_dict(), "num_items": shards.num_items,
-            "fingerprint": shards.fingerprint(), "shards": os.path.abspath(shards.path),
-            "ranks_per_group": topo.group_size, "replica_groups": topo.num_replica_groups,
-            **(ft.state_for_checkpoint() if ft is not None else {})}   # ftcore: make-up work owed
-
-
-def _save(state: TrainState, cfg: Config, shards: ShardSet, topo, root: str, tracker, table=None,
-          ft=None) -> str:
-    meta = _meta(state, cfg, shards, topo, tracker, ft)
-    sd = state.state_dict()
-    if table is not None:   # collective: the checkpoint's model is the full table, as with a replicated one
-        sd["model"]["item_emb.weight"] = table.full_weight()
-        meta["embedding"] = "sharded"
-    return checkpoint.save(root, sd, meta, rank=topo.rank, keep=cfg.train.keep_checkpoints, per_rank=_per_rank(table))
-
-
-def _log_artifacts(tracker: Tracker, cfg: Config, shards: ShardSet, history, out: str, model) -> None:
-    art = os.path.join(out, "artifacts")
-    os.makedirs(art, exist_ok=True)
-    with open(os.path.join(art, "config.toml"), "w") as f:
-        f.write(to_toml(cfg))
-    tracker.log_artifact(os.path.join(art, "config.toml"))
-    tracker.log_artifact(os.path.join(shards.path, "manifest.json"))
-    if cfg.mlflow.plots and metrics.plot(history, os.path.join(art, "training.png")):
-        tracker.log_artifact(os.path.join(art, "training.png"))
-    if cfg.mlflow.log_model:
-        try:
-            exported = serving.export(copy.deepcopy(model).cpu().eval(), shards.path, os.path.join(art, "serving"))
-        except Exception as e:  # a model torch.export cannot take must not cost the run its results
-            print(f"[train] model not logged: export failed ({type(e).__name__}: {e})", flush=True)
-            tracker.errors.append(f"model: export failed: {type(e).__name__}: {e}")
-        else:
-            tracker.log_model(exported, cfg.mlflow.register, cfg.mlflow.model_name)
