@@ -15,9 +15,10 @@ import shutil
 import socket
 import time
 import uuid
-from datetime import datetime, timezone
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import pyarrow as pa
@@ -130,8 +131,8 @@ def build_shards(input: "str | list[str]", fmt: str, out: str, *, world_size: in
     say = log or (lambda line: None)
     t_all = time.monotonic()
     paths = [str(p) for p in ([input] if isinstance(input, (str, os.PathLike)) else input)]
-    for p in paths:
-        readers.check_input(p)   # before anything reads it: a device would be read forever
+    for path in paths:
+        readers.check_input(path)   # before anything reads it: a device would be read forever
     if fmt not in readers.FORMATS:
         raise DataprepError(f"--format {fmt!r}: unknown; choose one of {', '.join(readers.FORMATS)}")
     cm = load_cost_model(cost_model)
@@ -146,7 +147,6 @@ def build_shards(input: "str | list[str]", fmt: str, out: str, *, world_size: in
               "reader_options": dict(sorted(reader_options.items()))}
     outp = Path(out)
     _refuse_input_inside(outp, paths)
-    timings = {}
     with stage("fingerprint", quiet=quiet):
         fp = fingerprint(paths)
     version = schema.format_version(fmt in readers.TIME_FORMATS)
@@ -155,6 +155,36 @@ def build_shards(input: "str | list[str]", fmt: str, out: str, *, world_size: in
         say(f"dataprep: {outp} already holds this shard set ({existing.get('steps')} steps); reused")
         return existing
 
+    timings: dict[str, float] = {}
+    ev, seq, ev_table, samples = _samples(paths, fmt, config, max_reject_fraction, reader_options,
+                                          quiet=quiet, say=say, timings=timings)
+    cost = cm(samples.length)
+    p, st, st_random = _balance(cost, config, quiet=quiet, say=say, timings=timings)
+    built = _Built(ev=ev, seq=seq, eval_table=ev_table, samples=samples, cost=cost, plan=p, stats=st,
+                   stats_random=st_random)
+    head = {"format_version": version,
+            "input": {"paths": [str(Path(x).resolve()) for x in paths], "format": fmt, "fingerprint": fp},
+            "config": config}
+    return _write_set(outp, built, head, quiet=quiet, say=say, timings=timings, t_all=t_all)
+
+
+@dataclass
+class _Built:
+    """What a shard set is made of, stage by stage, before it is written."""
+    ev: readers.Interactions
+    seq: sequences.Sequences
+    eval_table: pa.Table
+    samples: sequences.Samples
+    cost: np.ndarray
+    plan: balance.Plan
+    stats: dict
+    stats_random: dict    # of random shards: what balancing gains
+
+
+def _samples(paths: list[str], fmt: str, config: dict, max_reject_fraction: float, reader_options: dict, *,
+             quiet: bool, say: Callable[[str], None], timings: dict[str, float]
+             ) -> tuple[readers.Interactions, sequences.Sequences, pa.Table, sequences.Samples]:
+    """read -> sequences -> leave-one-out samples, each stage timed and logged."""
     t = time.monotonic()
     with stage("read", quiet=quiet):
         ev = readers.read(paths, fmt, **reader_options)
@@ -164,9 +194,9 @@ def build_shards(input: "str | list[str]", fmt: str, out: str, *, world_size: in
         f"{sum(r.num_rows for r in ev.rejects)} rejected ({timings['read_s']:.1f} s)")
     t = time.monotonic()
     with stage("sequences", quiet=quiet):
-        seq = sequences.build_sequences(ev, dedup=dedup, max_events=max_events)
+        seq = sequences.build_sequences(ev, dedup=config["dedup"], max_events=config["max_events"])
         ev_table = sequences.eval_table(seq)
-        samples = sequences.train_samples(seq, max_len)
+        samples = sequences.train_samples(seq, config["max_len"])
     timings["sequences_s"] = time.monotonic() - t
     n = len(samples.user_id)
     say(f"dataprep: {seq.num_users} users, {seq.num_items} items, {n} training samples "
@@ -174,18 +204,29 @@ def build_shards(input: "str | list[str]", fmt: str, out: str, *, world_size: in
     if n == 0:
         raise DataprepError(f"{', '.join(paths)}: no user has the 4 events a training sample needs "
                             "(history, target, validation, test); give more data")
-    cost = cm(samples.length)
+    return ev, seq, ev_table, samples
+
+
+def _balance(cost: np.ndarray, config: dict, *, quiet: bool, say: Callable[[str], None],
+             timings: dict[str, float]) -> tuple[balance.Plan, dict, dict]:
+    """The balanced plan, its stats, and the stats of random shards (the manifest compares them)."""
+    c = config
     t = time.monotonic()
     with stage("balance", quiet=quiet):
-        p = balance.plan(cost, world_size=world_size, batch_size=batch_size, window_steps=k, seed=seed,
-                         tail=tail, method=method)
+        p = balance.plan(cost, world_size=c["world_size"], batch_size=c["batch_size"], window_steps=c["window_steps"],
+                         seed=c["seed"], tail=c["tail"], method=c["method"])
         st = balance.stats(p, cost)
-        st_random = balance.stats(balance.random_plan(cost, world_size=world_size, batch_size=batch_size,
-                                                      seed=seed, tail=tail), cost)
+        st_random = balance.stats(balance.random_plan(cost, world_size=c["world_size"], batch_size=c["batch_size"],
+                                                      seed=c["seed"], tail=c["tail"]), cost)
     timings["balance_s"] = time.monotonic() - t
-    say(f"dataprep: {p.steps} steps balanced over {world_size} ranks, bubble {st['bubble_fraction']:.4f} "
+    say(f"dataprep: {p.steps} steps balanced over {c['world_size']} ranks, bubble {st['bubble_fraction']:.4f} "
         f"(random shards: {st_random['bubble_fraction']:.4f}) ({timings['balance_s']:.1f} s)")
+    return p, st, st_random
 
+
+def _rejects(built: _Built) -> tuple[pa.Table, dict[str, int]]:
+    """Every rejected row (reading, sequences, samples the tail policy dropped) and counts by reason."""
+    seq, samples, p = built.seq, built.samples, built.plan
     rejects = list(seq.rejects)
     if p.dropped:
         d = np.flatnonzero(p.step < 0)
@@ -195,65 +236,82 @@ def build_shards(input: "str | list[str]", fmt: str, out: str, *, world_size: in
             "reason": pa.array(["tail_dropped"] * len(d)),
             "detail": pa.array([f"sample_id={i}" for i in d]),
         }, schema=schema.REJECTS_SCHEMA))
-    rej = pa.concat_tables([r.cast(schema.REJECTS_SCHEMA) for r in rejects]) if rejects else schema.REJECTS_SCHEMA.empty_table()
+    rej = (pa.concat_tables([r.cast(schema.REJECTS_SCHEMA) for r in rejects]) if rejects
+           else schema.REJECTS_SCHEMA.empty_table())
     by_reason = {}
     if rej.num_rows:
         vc = pc.value_counts(rej.column("reason")).to_pylist()
         by_reason = {d["values"]: int(d["counts"]) for d in sorted(vc, key=lambda d: d["values"])}
+    return rej, by_reason
 
+
+def _write_set(outp: Path, built: _Built, head: dict, *, quiet: bool, say: Callable[[str], None],
+               timings: dict[str, float], t_all: float) -> dict:
+    """Write the set into a temporary folder beside `outp`, then rename it into place."""
+    p = built.plan
+    rej, by_reason = _rejects(built)
     outp.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_temps(outp)
     tmp = outp.parent / f".{outp.name}.tmp-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     t = time.monotonic()
     try:
         tmp.mkdir()
-        _write_shards(tmp, samples, cost, p, quiet)
-        _write_parquet(tmp / schema.EVAL_FILE, ev_table)
-        _write_parquet(tmp / schema.USER_MAP, seq.user_map())
-        _write_parquet(tmp / schema.ITEM_MAP, seq.item_map())
+        _write_shards(tmp, built.samples, built.cost, p, quiet)
+        _write_parquet(tmp / schema.EVAL_FILE, built.eval_table)
+        _write_parquet(tmp / schema.USER_MAP, built.seq.user_map())
+        _write_parquet(tmp / schema.ITEM_MAP, built.seq.item_map())
         _write_parquet(tmp / schema.REJECTS_FILE, rej)
         files = {str(f.relative_to(tmp)): sha256_file(f) for f in sorted(tmp.rglob("*")) if f.is_file()}
         timings["write_s"] = time.monotonic() - t
         timings["total_s"] = time.monotonic() - t_all
-        manifest = {
-            "format_version": version,
-            "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "input": {"paths": [str(Path(x).resolve()) for x in paths], "format": fmt, "fingerprint": fp},
-            "config": config,
-            "num_users": seq.num_users,
-            "num_items": seq.num_items,
-            "num_samples": n,
-            "steps": p.steps,
-            "global_batch": world_size * batch_size,
-            "counts": {
-                "lines": ev.counts.get("lines", 0), "blank_lines": ev.counts.get("blank_lines", 0),
-                "events_read": len(ev),
-                "events_used": seq.counts["events_used"], "duplicates": seq.counts["duplicates"],
-                "rows_rejected": sum(t_.num_rows for t_ in ev.rejects),
-                "users_read": seq.counts["users_read"], "users_rejected": seq.counts["users_rejected"],
-                "eval_users": seq.num_users, "users_without_sample": seq.num_users - n,
-                "samples_written": n - p.dropped, "samples_dropped_tail": p.dropped,
-                "samples_filled_tail": p.filled, "samples_truncated": samples.truncated,
-                "items_truncated": samples.items_truncated, "tokens": int(samples.length.sum()),
-            },
-            "rejects": by_reason,
-            "imbalance": st["imbalance"],
-            "over_lower_bound": st["over_lower_bound"],
-            "bubble_fraction": st["bubble_fraction"],
-            "bubble_fraction_random": st_random["bubble_fraction"],
-            "bubble_fraction_lower_bound": st["bubble_fraction_lower_bound"],
-            "total_cost": float(cost[p.step >= 0].sum()),
-            "timings": {k_: round(v, 3) for k_, v in timings.items()},
-            "files": files,
-        }
-        if version == 2:
-            manifest["timestamps"] = {"column": schema.TIMESTAMPS, "unit": "s", "input_unit": seq.time_unit}
+        manifest = _manifest(built, head, by_reason, timings, files)
         (tmp / schema.MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         _install(tmp, outp)
         say(f"dataprep: wrote {len(files)} files to {outp} ({timings['write_s']:.1f} s)")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    return manifest
+
+
+def _manifest(built: _Built, head: dict, by_reason: dict[str, int], timings: dict[str, float],
+              files: dict[str, str]) -> dict:
+    """The manifest.json of a written set (see dataprep.schema); `head`: format_version, input, config."""
+    ev, seq, samples, p, st, cost = built.ev, built.seq, built.samples, built.plan, built.stats, built.cost
+    n = len(samples.user_id)
+    manifest = {
+        "format_version": head["format_version"],
+        "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "input": head["input"],
+        "config": head["config"],
+        "num_users": seq.num_users,
+        "num_items": seq.num_items,
+        "num_samples": n,
+        "steps": p.steps,
+        "global_batch": head["config"]["world_size"] * head["config"]["batch_size"],
+        "counts": {
+            "lines": ev.counts.get("lines", 0), "blank_lines": ev.counts.get("blank_lines", 0),
+            "events_read": len(ev),
+            "events_used": seq.counts["events_used"], "duplicates": seq.counts["duplicates"],
+            "rows_rejected": sum(t_.num_rows for t_ in ev.rejects),
+            "users_read": seq.counts["users_read"], "users_rejected": seq.counts["users_rejected"],
+            "eval_users": seq.num_users, "users_without_sample": seq.num_users - n,
+            "samples_written": n - p.dropped, "samples_dropped_tail": p.dropped,
+            "samples_filled_tail": p.filled, "samples_truncated": samples.truncated,
+            "items_truncated": samples.items_truncated, "tokens": int(samples.length.sum()),
+        },
+        "rejects": by_reason,
+        "imbalance": st["imbalance"],
+        "over_lower_bound": st["over_lower_bound"],
+        "bubble_fraction": st["bubble_fraction"],
+        "bubble_fraction_random": built.stats_random["bubble_fraction"],
+        "bubble_fraction_lower_bound": st["bubble_fraction_lower_bound"],
+        "total_cost": float(cost[p.step >= 0].sum()),
+        "timings": {k_: round(v, 3) for k_, v in timings.items()},
+        "files": files,
+    }
+    if head["format_version"] == 2:
+        manifest["timestamps"] = {"column": schema.TIMESTAMPS, "unit": "s", "input_unit": seq.time_unit}
     return manifest
 
 

@@ -112,26 +112,8 @@ def build_sequences(ev: Interactions, *, dedup: str = "exact", max_events: int |
     enc = pc.dictionary_encode(ev.item)            # provisional item codes, first-appearance order
     i0 = enc.indices.to_numpy().astype(np.int64)
     order = _order(u0, ev.ts)
-    us, ts, it = u0[order], ev.ts[order], i0[order]
-    same_user = np.empty(n, bool)
-    same_user[0] = False
-    np.equal(us[1:], us[:-1], out=same_user[1:])
-    dup = np.zeros(n, bool)  # in sorted order
-    if dedup != "none" and ev.has_time:
-        tie = same_user.copy()
-        tie[1:] &= ts[1:] == ts[:-1]
-        if tie.any():
-            # only events inside (user, time) ties can be exact duplicates: sort those by item
-            in_tie = tie.copy()
-            in_tie[:-1] |= tie[1:]
-            idx = np.flatnonzero(in_tie)
-            sub = idx[np.lexsort((idx, it[idx], ts[idx], us[idx]))]
-            d = (us[sub][1:] == us[sub][:-1]) & (ts[sub][1:] == ts[sub][:-1]) & (it[sub][1:] == it[sub][:-1])
-            dup[sub[1:][d]] = True
-    if dedup == "consecutive":
-        prev_kept = same_user.copy()
-        prev_kept[1:] &= it[1:] == it[:-1]
-        dup |= prev_kept
+    us = u0[order]
+    dup = _duplicates(us, ev.ts[order], i0[order], dedup, ev.has_time)
     if dup.any():
         di = order[dup]
         rejects.append(_reject_by_event(ev, di, "duplicate_event",
@@ -139,36 +121,13 @@ def build_sequences(ev: Interactions, *, dedup: str = "exact", max_events: int |
                                         else "same item as the user's previous event"))
         keep = ~dup
         order, us = order[keep], us[keep]
-    # per-user event counts (sorted order groups users together)
     nu = int(u0.max()) + 1
-    cnt = np.bincount(us, minlength=nu)
-    bad_user = (cnt > 0) & (cnt < MIN_EVENTS)
-    reasons = [("too_short", bad_user, lambda c: f"{c} events; leave-one-out needs at least {MIN_EVENTS}")]
-    if max_events is not None:
-        long_user = cnt > max_events
-        reasons.append(("history_too_long", long_user, lambda c: f"{c} events > --max-events {max_events}"))
-    first_event = np.full(nu, -1, np.int64)
-    group_start = np.flatnonzero(np.r_[True, us[1:] != us[:-1]])  # `us` is grouped by user
-    first_event[us[group_start]] = order[group_start]  # each user's earliest event
-    drop_user = np.zeros(nu, bool)
-    for reason, mask, why in reasons:
-        mask = mask & ~drop_user
-        if mask.any():
-            uu = np.flatnonzero(mask)
-            fe = first_event[uu]
-            rejects.append(pa.table({
-                "source": pa.array([ev.paths[s] for s in ev.source[fe]], pa.string()),
-                "line": pa.nulls(len(uu), pa.int64()),
-                "user": pc.take(ev.user, pa.array(fe)).cast(pa.string()),
-                "reason": pa.array([reason] * len(uu), pa.string()),
-                "detail": pa.array([why(int(c)) for c in cnt[uu]], pa.string()),
-            }))
-            drop_user |= mask
+    drop_user, too_short = _drop_users(ev, us, order, nu, max_events, rejects)
     keep_ev = ~drop_user[us]
     order = order[keep_ev]
     if len(order) == 0:
         raise DataprepError(f"{', '.join(ev.paths)}: no user has the {MIN_EVENTS} events leave-one-out needs "
-                            f"({int(bad_user.sum())} users too short); give more data")
+                            f"({too_short} users too short); give more data")
     # final dense ids: rank among the kept users / items in sorted raw-id order (1-based);
     # computed on the (small) id tables, not by hashing all events again
     keep_user = ~drop_user & (np.bincount(us, minlength=nu) > 0)
@@ -195,6 +154,62 @@ def build_sequences(ev: Interactions, *, dedup: str = "exact", max_events: int |
     ts_kept, unit = seconds(ev.ts[order]) if ev.has_time else (None, "")
     return Sequences(offsets=offsets, values=dense_item[it_kept].astype(np.int32), user_raw=user_raw,
                      item_raw=item_raw, rejects=rejects, counts=counts, timestamps=ts_kept, time_unit=unit)
+
+
+def _duplicates(us: np.ndarray, ts: np.ndarray, it: np.ndarray, dedup: str, has_time: bool) -> np.ndarray:
+    """Which events (users, times, items in sorted order) `dedup` drops as duplicates."""
+    n = len(us)
+    same_user = np.empty(n, bool)
+    same_user[0] = False
+    np.equal(us[1:], us[:-1], out=same_user[1:])
+    dup = np.zeros(n, bool)  # in sorted order
+    if dedup != "none" and has_time:
+        tie = same_user.copy()
+        tie[1:] &= ts[1:] == ts[:-1]
+        if tie.any():
+            # only events inside (user, time) ties can be exact duplicates: sort those by item
+            in_tie = tie.copy()
+            in_tie[:-1] |= tie[1:]
+            idx = np.flatnonzero(in_tie)
+            sub = idx[np.lexsort((idx, it[idx], ts[idx], us[idx]))]
+            d = (us[sub][1:] == us[sub][:-1]) & (ts[sub][1:] == ts[sub][:-1]) & (it[sub][1:] == it[sub][:-1])
+            dup[sub[1:][d]] = True
+    if dedup == "consecutive":
+        prev_kept = same_user.copy()
+        prev_kept[1:] &= it[1:] == it[:-1]
+        dup |= prev_kept
+    return dup
+
+
+def _drop_users(ev: Interactions, us: np.ndarray, order: np.ndarray, nu: int, max_events: int | None,
+                rejects: list[pa.Table]) -> tuple[np.ndarray, int]:
+    """(users to drop, as a mask over the `nu` user codes; how many were too short): users with
+    fewer than MIN_EVENTS events or more than `max_events`, each with a row added to `rejects`.
+    `us`, `order`: the kept events' user codes and event indices, grouped by user."""
+    cnt = np.bincount(us, minlength=nu)   # per-user event counts
+    bad_user = (cnt > 0) & (cnt < MIN_EVENTS)
+    reasons = [("too_short", bad_user, lambda c: f"{c} events; leave-one-out needs at least {MIN_EVENTS}")]
+    if max_events is not None:
+        long_user = cnt > max_events
+        reasons.append(("history_too_long", long_user, lambda c: f"{c} events > --max-events {max_events}"))
+    first_event = np.full(nu, -1, np.int64)
+    group_start = np.flatnonzero(np.r_[True, us[1:] != us[:-1]])  # `us` is grouped by user
+    first_event[us[group_start]] = order[group_start]  # each user's earliest event
+    drop_user = np.zeros(nu, bool)
+    for reason, mask, why in reasons:
+        mask = mask & ~drop_user
+        if mask.any():
+            uu = np.flatnonzero(mask)
+            fe = first_event[uu]
+            rejects.append(pa.table({
+                "source": pa.array([ev.paths[s] for s in ev.source[fe]], pa.string()),
+                "line": pa.nulls(len(uu), pa.int64()),
+                "user": pc.take(ev.user, pa.array(fe)).cast(pa.string()),
+                "reason": pa.array([reason] * len(uu), pa.string()),
+                "detail": pa.array([why(int(c)) for c in cnt[uu]], pa.string()),
+            }))
+            drop_user |= mask
+    return drop_user, int(bad_user.sum())
 
 
 def _reject_by_event(ev: Interactions, idx: np.ndarray, reason: str, detail: str) -> pa.Table:

@@ -42,6 +42,18 @@ def _schema_ok(path: Path, want, rel: str) -> pq.ParquetFile:
 def verify_shards(path: str, *, checksums: bool = True) -> dict:
     """Verify the shard set at `path`; returns its manifest or raises DataprepError."""
     root = Path(path)
+    m = _manifest(root, path)
+    has_time = m["format_version"] == 2
+    w, steps = int(m["config"]["world_size"]), int(m["steps"])
+    _check_files(root, path, m, checksums)
+    ids = [_check_rank(root, r, m, steps, has_time) for r in range(w)]
+    _check_samples(path, np.concatenate(ids) if ids else np.zeros(0, np.int64), m)
+    _check_tables(root, m, has_time)
+    return m
+
+
+def _manifest(root: Path, path: str) -> dict:
+    """The set's manifest, with the keys and a format version this dataprep reads."""
     if not root.is_dir():
         _fail(path, "not a folder; give the shard-set folder written by `python -m dataprep shards`")
     mpath = root / schema.MANIFEST
@@ -56,15 +68,18 @@ def verify_shards(path: str, *, checksums: bool = True) -> dict:
         _fail(mpath, f"missing keys {', '.join(missing)}; rebuild the shard set")
     if m["format_version"] not in schema.READ_VERSIONS:
         _fail(mpath, f"format_version {m['format_version']} but this dataprep reads {schema.READ_VERSIONS}; rebuild")
-    has_time = m["format_version"] == 2
-    cfg = m["config"]
-    w, steps = int(cfg["world_size"]), int(m["steps"])
+    return m
 
+
+def _check_files(root: Path, path: str, m: dict, checksums: bool) -> None:
+    """The files on disk are the manifest's, all there for its world size, with its checksums."""
+    w = int(m["config"]["world_size"])
     files = m["files"]
     on_disk = {str(f.relative_to(root)) for f in root.rglob("*") if f.is_file()} - {schema.MANIFEST}
     if set(files) != on_disk:
         extra, gone = sorted(on_disk - set(files)), sorted(set(files) - on_disk)
-        _fail(path, f"files differ from the manifest (missing: {gone[:5]}, unlisted: {extra[:5]}); rebuild the shard set")
+        _fail(path, f"files differ from the manifest (missing: {gone[:5]}, unlisted: {extra[:5]}); "
+                    "rebuild the shard set")
     want_files = {schema.shard_file(r) for r in range(w)} | {schema.EVAL_FILE, schema.USER_MAP, schema.ITEM_MAP,
                                                               schema.REJECTS_FILE}
     if want_files - set(files):
@@ -72,50 +87,57 @@ def verify_shards(path: str, *, checksums: bool = True) -> dict:
     if checksums:
         for rel, digest in files.items():
             if sha256_file(root / rel) != digest:
-                _fail(root / rel, "SHA-256 differs from the manifest: the file changed or is corrupt; rebuild the shard set")
+                _fail(root / rel, "SHA-256 differs from the manifest: the file changed or is corrupt; "
+                                  "rebuild the shard set")
 
-    num_items = int(m["num_items"])
-    seen = []
+
+def _check_rank(root: Path, r: int, m: dict, steps: int, has_time: bool) -> np.ndarray:
+    """Rank r's shard: one row group per step, none empty, its rows only, consistent columns;
+    returns its sample ids."""
+    cfg, num_items = m["config"], int(m["num_items"])
     cm = cfg["cost_model"]
-    for r in range(w):
-        rel = schema.shard_file(r)
-        f = _schema_ok(root / rel, schema.shard_schema(has_time), rel)
-        if f.num_row_groups != steps:
-            _fail(rel, f"{f.num_row_groups} row groups but the manifest says {steps} steps; every rank needs the same number")
-        t = f.read()
-        step_col = t.column("step").to_numpy()
-        counts = np.asarray([f.metadata.row_group(i).num_rows for i in range(steps)])
-        if (counts == 0).any():
-            _fail(rel, f"step {int(np.argmax(counts == 0))} is empty; every rank needs a sample in every step")
-        expect = np.repeat(np.arange(steps), counts)
-        if not np.array_equal(step_col, expect):
-            bad = int(np.argmax(step_col != expect))
-            _fail(rel, f"row {bad} has step {step_col[bad]} in row group {expect[bad]}; row group i must hold step i")
-        if (t.column("rank").to_numpy() != r).any():
-            _fail(rel, f"holds rows of another rank; expected only rank {r}")
-        length = t.column("length").to_numpy()
-        if not np.array_equal(pc.list_value_length(t.column("items")).to_numpy(), length):
-            _fail(rel, "column length differs from len(items)")
-        if (length < 1).any() or (length > int(cfg["max_len"])).any():
-            _fail(rel, f"lengths must be in 1..max_len={cfg['max_len']}")
-        want_cost = (cm["a"] * length + cm["b"]) * length + cm["c0"]
-        if not np.allclose(t.column("cost").to_numpy(), want_cost, rtol=1e-9):
-            _fail(rel, "cost differs from the manifest's cost model")
-        if has_time:
-            ts = t.column(schema.TIMESTAMPS)
-            if not np.array_equal(pc.list_value_length(ts).to_numpy(), length):
-                _fail(rel, "a sample's timestamps differ in number from its items")
-            flat_ts = pc.list_flatten(ts).to_numpy()
-            first = np.zeros(len(flat_ts), bool)
-            first[np.cumsum(length)[:-1]] = True   # each sample's first item may be earlier than the last one's
-            if (np.diff(flat_ts) < 0)[~first[1:]].any():
-                _fail(rel, "timestamps go back in time inside a sample; items must be oldest first")
-        flat = pc.list_flatten(t.column("items"))
-        for name, col in (("items", flat), ("target", t.column("target"))):
-            if len(col) and (pc.min(col).as_py() < 1 or pc.max(col).as_py() > num_items):
-                _fail(rel, f"{name} holds ids outside 1..num_items={num_items}")
-        seen.append(t.column("sample_id").to_numpy())
-    ids = np.concatenate(seen) if seen else np.zeros(0, np.int64)
+    rel = schema.shard_file(r)
+    f = _schema_ok(root / rel, schema.shard_schema(has_time), rel)
+    if f.num_row_groups != steps:
+        _fail(rel, f"{f.num_row_groups} row groups but the manifest says {steps} steps; "
+                   "every rank needs the same number")
+    t = f.read()
+    step_col = t.column("step").to_numpy()
+    counts = np.asarray([f.metadata.row_group(i).num_rows for i in range(steps)])
+    if (counts == 0).any():
+        _fail(rel, f"step {int(np.argmax(counts == 0))} is empty; every rank needs a sample in every step")
+    expect = np.repeat(np.arange(steps), counts)
+    if not np.array_equal(step_col, expect):
+        bad = int(np.argmax(step_col != expect))
+        _fail(rel, f"row {bad} has step {step_col[bad]} in row group {expect[bad]}; row group i must hold step i")
+    if (t.column("rank").to_numpy() != r).any():
+        _fail(rel, f"holds rows of another rank; expected only rank {r}")
+    length = t.column("length").to_numpy()
+    if not np.array_equal(pc.list_value_length(t.column("items")).to_numpy(), length):
+        _fail(rel, "column length differs from len(items)")
+    if (length < 1).any() or (length > int(cfg["max_len"])).any():
+        _fail(rel, f"lengths must be in 1..max_len={cfg['max_len']}")
+    want_cost = (cm["a"] * length + cm["b"]) * length + cm["c0"]
+    if not np.allclose(t.column("cost").to_numpy(), want_cost, rtol=1e-9):
+        _fail(rel, "cost differs from the manifest's cost model")
+    if has_time:
+        ts = t.column(schema.TIMESTAMPS)
+        if not np.array_equal(pc.list_value_length(ts).to_numpy(), length):
+            _fail(rel, "a sample's timestamps differ in number from its items")
+        flat_ts = pc.list_flatten(ts).to_numpy()
+        first = np.zeros(len(flat_ts), bool)
+        first[np.cumsum(length)[:-1]] = True   # each sample's first item may be earlier than the last one's
+        if (np.diff(flat_ts) < 0)[~first[1:]].any():
+            _fail(rel, "timestamps go back in time inside a sample; items must be oldest first")
+    flat = pc.list_flatten(t.column("items"))
+    for name, col in (("items", flat), ("target", t.column("target"))):
+        if len(col) and (pc.min(col).as_py() < 1 or pc.max(col).as_py() > num_items):
+            _fail(rel, f"{name} holds ids outside 1..num_items={num_items}")
+    return t.column("sample_id").to_numpy()
+
+
+def _check_samples(path: str, ids: np.ndarray, m: dict) -> None:
+    """Every sample written appears exactly once over the ranks (the tail policy's drops aside)."""
     written = int(m["counts"]["samples_written"])
     if len(ids) != written:
         _fail(path, f"{len(ids)} rows in the shards but the manifest says {written} samples written")
@@ -127,6 +149,10 @@ def verify_shards(path: str, *, checksums: bool = True) -> dict:
     if written + int(m["counts"].get("samples_dropped_tail", 0)) != int(m["num_samples"]):
         _fail(path, "samples written + dropped tail differs from num_samples")
 
+
+def _check_tables(root: Path, m: dict, has_time: bool) -> None:
+    """The eval table, id maps and rejects: their schemas and the manifest's row counts."""
+    num_items = int(m["num_items"])
     ev = _schema_ok(root / schema.EVAL_FILE, schema.eval_schema(has_time), schema.EVAL_FILE)
     if ev.metadata.num_rows != int(m["num_users"]):
         _fail(schema.EVAL_FILE, f"{ev.metadata.num_rows} rows but num_users is {m['num_users']}")
@@ -137,4 +163,3 @@ def verify_shards(path: str, *, checksums: bool = True) -> dict:
     rj = _schema_ok(root / schema.REJECTS_FILE, schema.REJECTS_SCHEMA, schema.REJECTS_FILE)
     if rj.metadata.num_rows != sum(int(v) for v in m["rejects"].values()):
         _fail(schema.REJECTS_FILE, "row count differs from the manifest's rejects by reason")
-    return m
