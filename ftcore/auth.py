@@ -36,7 +36,8 @@ def read_token_file(path: str) -> str:
             token = f.read().strip()
             mode = os.fstat(f.fileno()).st_mode
     except OSError as e:
-        raise SystemExit(f"ftcore: cannot read token file {path}: {e.strerror}; create it or pass another --token-file")
+        raise SystemExit(f"ftcore: cannot read token file {path}: {e.strerror}; "
+                         "create it or pass another --token-file") from None
     if not token:
         raise SystemExit(f"ftcore: token file {path} is empty; write a secret token into it")
     if mode & 0o077:

@@ -36,8 +36,9 @@ import contextvars
 import datetime
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Literal, overload
 
 import torch
 import torch.distributed as dist
@@ -49,7 +50,7 @@ CPU = torch.device("cpu")
 
 
 @dataclass(eq=False)
-class Group:
+class ProcessGroupInfo:
     """A process group as this layer sees it: where its data goes, and its control channel."""
     pg: Any                 # the data group: a c10d ProcessGroup, or a backend built on a store
     backend: str
@@ -63,7 +64,7 @@ class Group:
         return self.pg.rank()
 
 
-_groups: dict[int, Group] = {}   # id(pg) -> Group; a Group holds its pg, so the id stays unique
+_groups: dict[int, ProcessGroupInfo] = {}   # id(pg) -> its info; the info holds its pg, so the id stays unique
 # name -> (factory(store, rank, size, timeout) -> pg, device type) for groups built on a store
 _factories: dict[str, tuple[Callable, str]] = {}
 _placed: contextvars.ContextVar[tuple] = contextvars.ContextVar("ftcore_placed", default=())
@@ -74,13 +75,16 @@ def placed() -> tuple:
     return _placed.get()
 
 
-def register(pg, backend: str, device: torch.device | None = None, control=None) -> Group:
+def register(pg, backend: str, device: torch.device | str | None = None, control=None) -> ProcessGroupInfo:
     """Make `pg` known: its backend, its data device, its CPU gloo control group."""
-    if backend != "gloo" and control is None:
-        raise ValueError(f"ftcore.collectives: a {backend} group needs a gloo control group")
-    g = Group(pg, backend, CPU if backend == "gloo" else torch.device(device), control if backend != "gloo" else pg)
-    _groups[id(pg)] = g
-    return g
+    if backend == "gloo":
+        info = ProcessGroupInfo(pg, backend, CPU, pg)
+    elif control is None or device is None:
+        raise ValueError(f"ftcore.collectives: a {backend} group needs its device and a gloo control group")
+    else:
+        info = ProcessGroupInfo(pg, backend, torch.device(device), control)
+    _groups[id(pg)] = info
+    return info
 
 
 def _backend_name(pg) -> str:
@@ -90,16 +94,16 @@ def _backend_name(pg) -> str:
         return pg.name()   # a backend built on a store (ftcore's cross-group gloo groups, tests)
 
 
-def get(group=None) -> Group:
-    """The Group of `group` (a Group, a process group, or None: the default group)."""
-    if isinstance(group, Group):
+def get(group=None) -> ProcessGroupInfo:
+    """The info of `group` (a ProcessGroupInfo, a process group, or None: the default group)."""
+    if isinstance(group, ProcessGroupInfo):
         return group
     pg = dist.group.WORLD if group is None else group
     if pg is None:
         raise RuntimeError("ftcore.collectives: torch.distributed is not initialized")
-    g = _groups.get(id(pg))
-    if g is not None:
-        return g
+    info = _groups.get(id(pg))
+    if info is not None:
+        return info
     name = _backend_name(pg)
     if name == "gloo":   # CPU: data and control on the group itself
         return register(pg, "gloo")
@@ -113,7 +117,8 @@ def _device_for(device_type: str) -> torch.device:
     return torch.device(device_type)
 
 
-def setup_default(device: torch.device | str | None = None, timeout: datetime.timedelta | None = None) -> Group:
+def setup_default(device: torch.device | str | None = None,
+                  timeout: datetime.timedelta | None = None) -> ProcessGroupInfo:
     """Register the default group; beside a device backend, build its gloo twin (collective:
     every rank calls it once, right after init_process_group). Idempotent."""
     pg = dist.group.WORLD
@@ -142,7 +147,7 @@ def new_group(backend: str | None = None, timeout: datetime.timedelta | None = N
 
 
 def _gloo(store, rank: int, size: int, timeout: datetime.timedelta, host: str):
-    opts = dist.ProcessGroupGloo._Options()
+    opts = dist.ProcessGroupGloo._Options()   # type: ignore[attr-defined]  # private, absent from the stubs
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
     opts._timeout = timeout
     return dist.ProcessGroupGloo(store, rank, size, opts)
@@ -200,9 +205,6 @@ class Work:
             after()
         return True
 
-    def is_completed(self) -> bool:
-        return self._work.is_completed()
-
     def get_future(self) -> torch.futures.Future:
         fut = self._work.get_future()
         if self._after is None:
@@ -211,11 +213,11 @@ class Work:
         return fut.then(lambda f: (f.value(), after())[0])
 
 
-def _channel(g: Group, kind: str) -> tuple[Any, torch.device]:
+def _channel(info: ProcessGroupInfo, kind: str) -> tuple[Any, torch.device]:
     if kind == DATA:
-        return g.pg, g.device
+        return info.pg, info.device
     if kind == CONTROL:
-        return g.control, CPU
+        return info.control, CPU
     raise ValueError(f"ftcore.collectives: kind must be DATA or CONTROL, not {kind!r}")
 
 
@@ -241,10 +243,20 @@ def _done(work, async_op: bool, after=None) -> Work | None:
     return None
 
 
-def all_reduce(t: torch.Tensor, *, kind: str, group=None, op=dist.ReduceOp.SUM, async_op: bool = False) -> Work | None:
-    """In place over the group's ranks."""
-    g = get(group)
-    pg, dev = _channel(g, kind)
+@overload
+def all_reduce(t: torch.Tensor, *, kind: str, group: Any = None, op: Any = dist.ReduceOp.SUM,
+               async_op: Literal[True]) -> Work: ...
+@overload
+def all_reduce(t: torch.Tensor, *, kind: str, group: Any = None, op: Any = dist.ReduceOp.SUM,
+               async_op: Literal[False] = False) -> None: ...
+@overload
+def all_reduce(t: torch.Tensor, *, kind: str, group: Any = None, op: Any = dist.ReduceOp.SUM,
+               async_op: bool = False) -> Work | None: ...
+def all_reduce(t: torch.Tensor, *, kind: str, group: Any = None, op: Any = dist.ReduceOp.SUM,
+               async_op: bool = False) -> Work | None:
+    """In place over the group's ranks (async_op: returns the issued Work)."""
+    info = get(group)
+    pg, dev = _channel(info, kind)
     buf = _put(t, dev)
     opts = dist.AllreduceOptions()
     opts.reduceOp = op
@@ -254,8 +266,8 @@ def all_reduce(t: torch.Tensor, *, kind: str, group=None, op=dist.ReduceOp.SUM, 
 
 def broadcast(t: torch.Tensor, src: int = 0, *, kind: str, group=None) -> None:
     """In place, from group rank `src`."""
-    g = get(group)
-    pg, dev = _channel(g, kind)
+    info = get(group)
+    pg, dev = _channel(info, kind)
     buf = _put(t, dev)
     opts = dist.BroadcastOptions()
     opts.rootRank, opts.rootTensor = src, 0
@@ -266,10 +278,10 @@ def broadcast(t: torch.Tensor, src: int = 0, *, kind: str, group=None) -> None:
 
 def all_gather(t: torch.Tensor, *, kind: str, group=None) -> list[torch.Tensor]:
     """Every rank's `t` (same shape on every rank), in rank order, on `t`'s device."""
-    g = get(group)
-    pg, dev = _channel(g, kind)
+    info = get(group)
+    pg, dev = _channel(info, kind)
     buf = _put(t.contiguous(), dev)
-    outs = [torch.empty_like(buf) for _ in range(g.size())]
+    outs = [torch.empty_like(buf) for _ in range(info.size())]
     _issue(kind, [buf, *outs], lambda: pg.allgather([outs], [buf], AllgatherOptions())).wait()
     return [o if o.device == t.device else o.to(t.device) for o in outs]
 
@@ -278,21 +290,21 @@ def all_to_all_single(send: torch.Tensor, send_splits: list[int], recv_splits: l
                       async_op: bool = False) -> tuple[torch.Tensor, Work | None]:
     """DATA: rows send[sum(send_splits[:p]):...] go to rank p; returns (rows from every rank in
     rank order, on `send`'s device, complete after wait(); the Work, or None when not async)."""
-    g = get(group)
-    buf = _put(send.contiguous(), g.device)
+    info = get(group)
+    buf = _put(send.contiguous(), info.device)
     recv = buf.new_empty((sum(recv_splits), *buf.shape[1:]))
     out = recv if recv.device == send.device else send.new_empty(recv.shape)
-    work = _issue(DATA, [recv, buf], lambda: g.pg.alltoall_base(recv, buf, list(recv_splits), list(send_splits),
-                                                                 dist.AllToAllOptions()))
+    work = _issue(DATA, [recv, buf], lambda: info.pg.alltoall_base(recv, buf, list(recv_splits), list(send_splits),
+                                                                    dist.AllToAllOptions()))
     return out, _done(work, async_op, (lambda: out.copy_(recv)) if out is not recv else None)
 
 
 def exchange_sizes(sizes: list[int], group=None) -> list[int]:
     """CONTROL all-to-all of one integer per rank: what each rank sends me (split sizes)."""
-    g = get(group)
+    info = get(group)
     send = torch.tensor(sizes, dtype=torch.int64)
     recv = torch.empty_like(send)
-    g.control.alltoall_base(recv, send, [1] * g.size(), [1] * g.size(), dist.AllToAllOptions()).wait()
+    info.control.alltoall_base(recv, send, [1] * info.size(), [1] * info.size(), dist.AllToAllOptions()).wait()
     return recv.tolist()
 
 
@@ -309,7 +321,7 @@ def all_gather_json(obj, group=None) -> list:
     padded = torch.zeros(m, dtype=torch.uint8)
     padded[:data.numel()] = data
     bufs = all_gather(padded, kind=CONTROL, group=group)
-    return [json.loads(bytes(b[:int(s.item())].tolist()).decode()) for b, s in zip(bufs, sizes)]
+    return [json.loads(bytes(b[:int(s.item())].tolist()).decode()) for b, s in zip(bufs, sizes, strict=True)]
 
 
 # ---- host staging on the copy engines -------------------------------------------------------
@@ -336,30 +348,32 @@ class HostStage:
     def to_host(self, slot: int, src: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """Start copying `src` into host buffer `slot`; returns (buffer, event: query() True once it landed)."""
         host = self._buffer(slot, src)
-        if not self.cuda:
+        stream = self.stream
+        if stream is None:
             host.copy_(src)
             return host, _Ready()
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
-            self.stream.wait_event(ready)
+        with torch.cuda.stream(stream):
+            stream.wait_event(ready)
             host.copy_(src, non_blocking=True)
             done = torch.cuda.Event()
-            done.record(self.stream)
-        src.record_stream(self.stream)   # the caller may free `src` before the copy ran
+            done.record(stream)
+        src.record_stream(stream)   # the caller may free `src` before the copy ran
         return host, done
 
     def to_device(self, dst: torch.Tensor, host: torch.Tensor) -> None:
         """Copy `host` into `dst`; kernels issued afterwards on the current stream see the result."""
-        if not self.cuda:
+        stream = self.stream
+        if stream is None:
             dst.copy_(host)
             return
-        with torch.cuda.stream(self.stream):
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))   # dst's producers first
+        with torch.cuda.stream(stream):
+            stream.wait_stream(torch.cuda.current_stream(self.device))   # dst's producers first
             dst.copy_(host, non_blocking=True)
             done = torch.cuda.Event()
-            done.record(self.stream)
-        dst.record_stream(self.stream)
+            done.record(stream)
+        dst.record_stream(stream)
         torch.cuda.current_stream(self.device).wait_event(done)
 
     def drop(self) -> None:
@@ -377,14 +391,14 @@ _stages: dict[torch.device, HostStage] = {}
 
 def stage_for(group, tensors: list[torch.Tensor]) -> HostStage | None:
     """The HostStage that DATA `tensors` need to reach `group`'s device, or None (already there)."""
-    g = get(group)
+    info = get(group)
     devs = {t.device for t in tensors}
-    if not devs or devs == {g.device}:
+    if not devs or devs == {info.device}:
         return None
     if len(devs) > 1:
         raise ValueError(f"ftcore.collectives: tensors on several devices {sorted(map(str, devs))}")
     dev = devs.pop()
-    if dev.type != "cuda" or g.device != CPU:
+    if dev.type != "cuda" or info.device != CPU:
         return None   # another mix (host tensors for a device group): the plain staging copy
     if dev not in _stages:
         _stages[dev] = HostStage(dev)

@@ -179,5 +179,6 @@ class Injector:
 
     def slow(self, step: int) -> None:
         for f in self.faults:
-            if f.kind == "slow" and f.at_step <= step < (f.until_step if f.until_step is not None else 1 << 62):
+            until = f.until_step if f.until_step is not None else 1 << 62
+            if f.kind == "slow" and f.at_step is not None and f.at_step <= step < until:
                 time.sleep(f.delay_s)

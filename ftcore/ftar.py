@@ -21,9 +21,10 @@ Every wait is bounded by a deadline and by `is_stale()` (the lighthouse has decl
 member dead): a dead or hung peer turns the call into an FTARError, never a hang.
 
 The buckets are data (ftcore/collectives.py), the meta with them: it is four numbers of the
-exchange itself, summed by the same collective. The cross-group group is gloo (ftcore.manager), also when the model is on CUDA: the
-buckets are then staged through pinned host buffers on a side stream (collectives.HostStage,
-the copy engines, no SM kernels): all copies down are queued at once, each bucket's gloo
+exchange itself, summed by the same collective. The cross-group process group is gloo
+(ftcore.manager), also when the model is on CUDA: the buckets are then staged through
+pinned host buffers on a side stream (collectives.HostStage, the copy engines, no SM
+kernels): all copies down are queued at once, each bucket's gloo
 all-reduce starts as soon as its copy landed, and each result is copied back and divided on
 the compute stream behind an event, so no step synchronizes the device. Why host-staged gloo
 and not NCCL across groups: cross-group traffic crosses hosts, so the network bounds it, not
@@ -34,8 +35,8 @@ blocked NCCL kernel does not allow without tearing the process down.
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -99,17 +100,23 @@ class _Bucket:
 
     def buffer_view(self) -> torch.Tensor:
         """The buffer buffer() returned (finish() reads the reduced sum from it)."""
-        return self.chunk if self.chunk is not None else self.flat
+        view = self.chunk if self.chunk is not None else self.flat
+        if view is None:
+            raise RuntimeError("FTAR: a bucket was read before buffer() built it")
+        return view
 
     def finish(self, n: float) -> None:
         if self.chunk is not None:
             self.chunk.div_(n)
             return
+        flat = self.buffer_view()
         i = META if self.meta is not None else 0
         for t in self.tensors:
             k = t.numel()
-            torch.div(self.flat[i:i + k].view_as(t), n, out=t) if t.is_contiguous() else \
-                t.copy_(self.flat[i:i + k].view_as(t) / n)
+            if t.is_contiguous():
+                torch.div(flat[i:i + k].view_as(t), n, out=t)
+            else:
+                t.copy_(flat[i:i + k].view_as(t) / n)
             i += k
 
 
@@ -179,7 +186,7 @@ def ftar(pg, tensors: list[torch.Tensor], *, contribute: bool,
                 during_error = True
         return FTARResult(int(contribute), during_error)
 
-    g = coll.get(pg)
+    info = coll.get(pg)
     deadline = time.monotonic() + timeout
     if during:   # at the start of the exchange: an injected failure still reaches the meta
         try:
@@ -198,26 +205,26 @@ def ftar(pg, tensors: list[torch.Tensor], *, contribute: bool,
         buckets.remove(carrier)
         buckets.insert(0, carrier)
     carrier.meta = meta
-    stage = stage if stage is not None else coll.stage_for(g, tensors)
-    staged = [stage is not None and bool(b.tensors) for b in buckets]
+    stage = stage if stage is not None else coll.stage_for(info, tensors)
     # staged: every copy down is queued at once; bucket i goes out as soon as its copy landed
-    hosts = [stage.to_host(i, b.buffer()) if staged[i] else (b.buffer(), None) for i, b in enumerate(buckets)]
-    futs = []
+    hosts = [stage.to_host(i, b.buffer()) if stage is not None and b.tensors else (b.buffer(), None)
+             for i, b in enumerate(buckets)]
+    futs: list[torch.futures.Future] = []
     try:
-        for i, b in enumerate(buckets):
-            if staged[i]:
-                coll.wait_event(hosts[i][1], deadline, is_stale, f"FTAR bucket {i} copy to host", FTARError)
-            futs.append(coll.all_reduce(hosts[i][0], kind=DATA, group=g, async_op=True).get_future())
+        for i, (buf, landed) in enumerate(hosts):
+            if landed is not None:
+                coll.wait_event(landed, deadline, is_stale, f"FTAR bucket {i} copy to host", FTARError)
+            futs.append(coll.all_reduce(buf, kind=DATA, group=info, async_op=True).get_future())
         _wait(futs[0], deadline, is_stale, "FTAR bucket 0")
         n, steps, members, errors = (float(x) for x in hosts[0][0][:META].tolist())
-        if members != g.size() or steps != members * (step % STEP_MOD):
+        if members != info.size() or steps != members * (step % STEP_MOD):
             raise FTARError(f"FTAR: the members were not all at step {step} (a collective left over "
                             "from an earlier step or quorum)")
-        for i, (b, fut) in enumerate(zip(buckets, futs)):
+        for i, (b, fut) in enumerate(zip(buckets, futs, strict=True)):
             if i:
                 _wait(fut, deadline, is_stale, f"FTAR bucket {i}")
             if n > 0 and b.tensors:
-                if staged[i]:   # the sum back into the bucket's device buffer, then divide there
+                if stage is not None and hosts[i][1] is not None:   # staged: the sum back to the device, divided there
                     stage.to_device(b.buffer_view(), hosts[i][0])
                 b.finish(n)
     except FTARError:

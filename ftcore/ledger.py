@@ -23,7 +23,7 @@ records after the resume point disagree with the re-trained ones (LedgerError).
 import json
 import os
 from collections import Counter
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 SYNC_EVERY = 16   # records between fdatasyncs (markers are synced at once)
 
@@ -94,7 +94,7 @@ def read(folder: str) -> list[tuple[dict, bool]]:
     for name in sorted(os.listdir(folder)):
         if not name.endswith(".jsonl"):
             continue
-        recs = []
+        recs: list[tuple[dict, bool]] = []
         path = os.path.join(folder, name)
         with open(path, "rb") as f:
             lines = f.read().split(b"\n")
@@ -160,10 +160,10 @@ def check(folder: str, *, steps_per_epoch: int, num_groups: int, ranks_per_group
         for g in rec["contributors"]:
             for k in range(ranks_per_group):
                 trained.setdefault(rec["epoch"], Counter())[(g * ranks_per_group + k, rec["row_group"])] += 1
-    want = {(s, rg) for s in range(num_groups * ranks_per_group) for rg in range(steps_per_epoch)}
+    expected = {(s, rg) for s in range(num_groups * ranks_per_group) for rg in range(steps_per_epoch)}
     for e in range(epochs):
         twice = [x for x, c in trained[e].items() if c > 1]
-        never = sorted(want - set(trained[e]))
+        never = sorted(expected - set(trained[e]))
         if twice or never:
             raise LedgerError(f"epoch {e}: (shard, row group) trained twice {twice[:5]}, never {never[:5]}")
         if sample_ids is not None:

@@ -328,10 +328,8 @@ class Quorum:
 
     @staticmethod
     def for_rank(shared_json: str, store: str, heal_from: str) -> str:
+        """One rank's reply: the shared part and its own two addresses (`store`, `heal_from`)."""
         return f'{shared_json}, "store": {json.dumps(store)}, "heal_from": {json.dumps(heal_from)}}}'
-
-    def to_wire(self) -> dict[str, Any]:
-        return {**self.shared(), "store": self.store, "heal_from": self.heal_from}
 
     @classmethod
     def parse(cls, body: Any) -> Quorum:

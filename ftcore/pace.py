@@ -35,7 +35,7 @@ def _env(name: str, default: float) -> float:
     try:
         return float(raw) if raw else default
     except ValueError:
-        raise SystemExit(f"ftcore: environment variable {name}={raw!r} is not a number")
+        raise SystemExit(f"ftcore: environment variable {name}={raw!r} is not a number") from None
 
 
 @dataclass

@@ -28,8 +28,8 @@ not after a fixed step count. `Position.index` of a make-up step is its queue in
 """
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 
 @dataclass(frozen=True)

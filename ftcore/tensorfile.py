@@ -15,7 +15,7 @@ import io
 import json
 import os
 import struct
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Protocol
 
 import torch
 
@@ -83,10 +83,15 @@ def _as_bytes(t: torch.Tensor) -> memoryview:
     t = t.detach().cpu().contiguous()
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return t.reshape(-1).view(torch.uint8).numpy().data
 
 
-def write(tree: Any, f: BinaryIO, metadata: dict[str, str] | None = None) -> int:
+class Sink(Protocol):
+    """Where `write` puts the bytes: a file, a socket's stream (heal.py), a BytesIO."""
+    def write(self, data: bytes | memoryview, /) -> Any: ...
+
+
+def write(tree: Any, f: Sink, metadata: dict[str, str] | None = None) -> int:
     """Write `tree` to the binary stream `f`; returns the number of bytes written."""
     tensors: dict[str, torch.Tensor] = {}
     skel = _skeleton(tree, tensors)
@@ -144,7 +149,8 @@ def _entry(name: str, v: Any) -> tuple[torch.dtype, list[int], int, int]:
     """(dtype, shape, begin, end) of one header entry, every field checked."""
     if not isinstance(v, dict):
         raise FormatError(f"tensor '{name}': header entry is not an object")
-    dtype = _TORCH.get(v.get("dtype"))
+    raw = v.get("dtype")
+    dtype = _TORCH.get(raw) if isinstance(raw, str) else None
     if dtype is None:
         raise FormatError(f"tensor '{name}' has unknown dtype {v.get('dtype')!r}")
     shape, offs = v.get("shape"), v.get("data_offsets")
@@ -193,16 +199,17 @@ def _read(f: BinaryIO, max_header: int) -> tuple[Any, dict[str, str]]:
     # Each tensor gets its own buffer (storage offset 0: torch's RNG set_state, for one,
     # reads from the start of the storage), read in byte order straight from the stream.
     tensors, pos = {}, 0
-    for name, dtype, shape, b, e in entries:
-        if b < pos:
-            raise FormatError(f"tensor '{name}' has overlapping byte range {b}..{e}")
-        if b > pos:
-            _read_exact(f, b - pos)
-        if e == b:
+    for name, dtype, shape, begin, end_ in entries:
+        if begin < pos:
+            raise FormatError(f"tensor '{name}' has overlapping byte range {begin}..{end_}")
+        if begin > pos:
+            _read_exact(f, begin - pos)
+        if end_ == begin:
             tensors[name] = torch.zeros(shape, dtype=dtype)   # no bytes: no elements (checked above)
         else:
-            tensors[name] = torch.frombuffer(_read_exact(f, e - b), dtype=torch.uint8).view(dtype).reshape(shape)
-        pos = e
+            raw = _read_exact(f, end_ - begin)
+            tensors[name] = torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(shape)
+        pos = end_
     tree = _rebuild(json.loads(meta[TREE_KEY]), tensors) if TREE_KEY in meta else tensors
     return tree, {k: v for k, v in meta.items() if k != TREE_KEY}
 

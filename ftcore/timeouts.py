@@ -1,7 +1,8 @@
 """Every timeout of ftcore, in one place, each overridable by an environment variable.
 
-Order matters (see DESIGN.md): a hang is detected by the heartbeat before a collective
-gives up on it, and a collective gives up before a quorum request does:
+Order matters: a hang is detected by the heartbeat before a collective gives up on it
+(the survivors then learn which member failed), and a collective gives up before a quorum
+request does (a step's quorum wait outlasts its exchange):
 
     HEARTBEAT_INTERVAL < HEARTBEAT_TIMEOUT < COLLECTIVE_TIMEOUT <= QUORUM_TIMEOUT
 
@@ -19,7 +20,7 @@ def _env(name: str, default: float) -> float:
     try:
         value = float(raw)
     except ValueError:
-        raise SystemExit(f"ftcore: environment variable {name}={raw!r} is not a number of seconds")
+        raise SystemExit(f"ftcore: environment variable {name}={raw!r} is not a number of seconds") from None
     if value <= 0:
         raise SystemExit(f"ftcore: environment variable {name}={raw!r} must be > 0 seconds")
     return value

@@ -11,9 +11,9 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import run_python
 
 from ftcore import ledger, tensorfile
-from conftest import run_python
 from ftcore.examples.toy import sample_ids
 
 pytestmark = [pytest.mark.integ, pytest.mark.slow]
@@ -67,7 +67,7 @@ def baseline(tmp_path_factory) -> bytes:
 def test_a_relaunch_into_the_same_folder_reports_only_its_own_attempt(tmp_path):
     out = tmp_path / "run"
     firsts = []
-    for attempt in range(2):
+    for _ in range(2):
         code, log = launch(out, groups=2, steps=10)
         assert code == 0, log[-3000:]
         tl = timeline(out)

@@ -9,10 +9,10 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import cli_shard_set, run_python, shard_sample_ids
 
 from dataprep import schema
 from ftcore import ledger
-from conftest import cli_shard_set, run_python, shard_sample_ids
 
 pytestmark = [pytest.mark.integ, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parent.parent
@@ -23,10 +23,10 @@ def test_trainer_kill9_heal_identical_states_and_timeline_in_mlflow(tmp_path):
     shards, out = cli_shard_set(tmp_path), tmp_path / "run"
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"faults": [{"kind": "kill", "group": 1, "at_step": 6}]}))
-    r = run_python(["-m", "training", "launch", "--shards", str(shards), "--replica-groups", "2", "--ranks-per-group", "1",
-             "--out", str(out), "--faults", str(plan), "--timeout", "220", "--",
-             "--set", "train.epochs=2", "model.dim=16", "loss.num_negatives=16", "mlflow.log_model=false",
-             "mlflow.plots=false", "eval.batch_size=256"], 260)
+    r = run_python(["-m", "training", "launch", "--shards", str(shards), "--replica-groups", "2",
+                    "--ranks-per-group", "1", "--out", str(out), "--faults", str(plan), "--timeout", "220", "--",
+                    "--set", "train.epochs=2", "model.dim=16", "loss.num_negatives=16", "mlflow.log_model=false",
+                    "mlflow.plots=false", "eval.batch_size=256"], 260)
     assert r.returncode == 0, r.stdout[-5000:]
     s0 = (out / "replica_0" / "state.safetensors").read_bytes()
     s1 = (out / "replica_1" / "state.safetensors").read_bytes()

@@ -2,17 +2,19 @@
 
 Real lighthouse servers on loopback and real clients, no processes beyond this one."""
 
+import json
 import socket
 import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-
 from conftest import ask_all
+
 from ftcore import lighthouse as lh_mod
 from ftcore import netaddr
-from ftcore.lighthouse_client import GroupLost, LighthouseClient, call
-from ftcore.messages import QuorumRequest, RankInfo
+from ftcore.lighthouse_client import GroupLost, LighthouseClient, LighthouseError, call
+from ftcore.messages import Pace, Quorum, QuorumRequest, RankInfo
 
 
 def _job(addr, job, steps, world=1):
@@ -27,7 +29,7 @@ def _job(addr, job, steps, world=1):
     return cs
 
 
-def _ask_all(clients, requests, timeout=5.0):
+def _ask_all(clients, requests, timeout=5.0) -> list:
     """ask_all with a request of each client's own (what a manager reports of its last quorum)."""
     out: list = [None] * len(clients)
 
@@ -156,10 +158,11 @@ def _raw(addr: str, data: bytes, timeout: float = 5.0) -> bytes:
                 out += chunk
                 if b"\r\n\r\n" in out:
                     head, _, body = out.partition(b"\r\n\r\n")
-                    length = [int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")]
+                    length = [int(h.split(b":")[1]) for h in head.split(b"\r\n")
+                              if h.lower().startswith(b"content-length")]
                     if length and len(body) >= length[0]:
                         break
-        except socket.timeout:
+        except TimeoutError:
             pass
         return out
 
@@ -184,7 +187,7 @@ def test_the_token_travels_in_the_header_only(lighthouse):
     assert call(addr, "/status", None, "s3cret", method="GET")[0] == 200
 
 
-def test_idle_and_concurrent_connections_do_not_wedge_the_lighthouse(lighthouse, monkeypatch):
+def test_idle_and_concurrent_connections_do_not_wedge_the_lighthouse(lighthouse, monkeypatch) -> None:
     monkeypatch.setattr(lh_mod, "FIRST_REQUEST_S", 1.0)
     addr, _ = lighthouse()
     host, port = addr.rsplit(":", 1)
@@ -221,7 +224,7 @@ def test_a_heal_server_answers_a_bad_step_with_400():
 
 
 def test_a_restarted_lighthouse_resumes_the_quorum_its_members_report(lighthouse):
-    """Same members, same last quorum (id, epoch, identity) reported by every rank: the new
+    """Same members, same last quorum (id, lighthouse id, members) reported by every rank: the new
     lighthouse hands out that quorum again, so nobody rebuilds its process group and a group
     that went on without it (on its lease) is still in step with the others."""
     addr, _ = lighthouse()
@@ -266,3 +269,47 @@ def test_a_group_restarted_after_the_job_finished_is_told_so_not_started_afresh(
             late.quorum(timeout=5)
     finally:
         late.close()
+
+
+def _one_answer_server(body: dict):
+    """An HTTP server that answers every POST with `body` (200): a lighthouse gone wrong."""
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            raw = json.dumps(body).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(raw)))
+            self.end_headers()
+            self.wfile.write(raw)
+
+        def log_message(self, *args):
+            pass
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv
+
+
+@pytest.mark.parametrize("field,change", [
+    ("max_step", lambda b: b.pop("max_step")),
+    ("max_step", lambda b: b.update(max_step="later")),
+    ("heal", lambda b: b.update(heal={"5": 0})),        # a healing group that is not a member
+    ("identity", lambda b: b.update(identity=[[1, 0], [0, 0]])),
+    ("lighthouse_id", lambda b: b.pop("lighthouse_id")),
+])
+def test_a_malformed_quorum_reply_is_a_lighthouse_error_naming_the_field(field, change):
+    """What the lighthouse answers is checked once, by the client: a reply that is not a
+    quorum never reaches the manager as one."""
+    q = Quorum(quorum_id=4, lighthouse_id="ab12cd34", job="default", identity=((0, 0), (1, 2)), groups=(0, 1),
+               max_step=7, heal={1: 0}, lease_s=10.0, pace=Pace(3, 0.2, 0.15))
+    body = json.loads(Quorum.for_rank(q.shared_json(), "127.0.0.1:1000", "127.0.0.1:2000"))
+    assert Quorum.parse(body) == Quorum(**{**q.__dict__, "store": "127.0.0.1:1000", "heal_from": "127.0.0.1:2000"})
+    change(body)
+    srv = _one_answer_server(body)
+    c = LighthouseClient(f"127.0.0.1:{srv.server_address[1]}", RankInfo(group=0, rank=0))
+    try:
+        with pytest.raises(LighthouseError, match=f"malformed quorum answer: .*{field}"):
+            c.quorum(2.0)
+    finally:
+        c.close()
+        srv.shutdown()
+        srv.server_close()

@@ -10,8 +10,8 @@ import threading
 import time
 
 import pytest
-
 from conftest import ask_all, run_python
+
 from ftcore.lighthouse_client import LighthouseClient, Standby, call
 from ftcore.messages import Busy, Pace, Quorum, QuorumRequest, RankInfo
 from ftcore.pace import PaceJudge, PacePolicy

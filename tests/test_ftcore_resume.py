@@ -19,14 +19,14 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
+from conftest import cli_shard_set, run_python, shard_sample_ids
 
 from dataprep import schema
 from ftcore import ledger
-from conftest import cli_shard_set, run_python, shard_sample_ids
 from ftcore.schedule import MakeupSchedule
 from training import checkpoint
 
@@ -49,6 +49,7 @@ def launch_until(args: list[str], done: Callable[[], bool], timeout: float) -> s
     lines: list[str] = []
 
     def pump() -> None:
+        assert p.stdout is not None   # Popen(stdout=PIPE)
         for line in p.stdout:
             lines.append(line)
     reader = threading.Thread(target=pump, daemon=True)
@@ -109,8 +110,9 @@ def test_whole_job_resume_makes_up_missed_batches_exactly_once(tmp_path):
     assert missed and all(e == 0 for e, _ in missed), f"group 1 missed {missed}: no make-up work was owed"
 
     # ---- attempt 2: the whole job relaunched from its checkpoints, to the end --------------
-    r = run_python(["-m", "training", "launch", "--shards", str(shards), "--replica-groups", "2", "--ranks-per-group", "1",
-             "--out", str(out), "--timeout", "150", "--", "--set", *TRAIN_ARGS, "train.resume=true"], 180)
+    r = run_python(["-m", "training", "launch", "--shards", str(shards), "--replica-groups", "2",
+                    "--ranks-per-group", "1", "--out", str(out), "--timeout", "150", "--",
+                    "--set", *TRAIN_ARGS, "train.resume=true"], 180)
     assert r.returncode == 0, r.stdout[-5000:]
     assert f"step-{CKPT:08d} (step {CKPT}," in r.stdout, "group 0 did not resume from its checkpoint"
 

@@ -7,7 +7,8 @@ import struct
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from ftcore import tensorfile
 from ftcore.tensorfile import FormatError
@@ -16,7 +17,7 @@ VALID = tensorfile.dumps({"model": {"w": torch.arange(6.0).reshape(2, 3)}, "step
                          {"step": "3"})
 
 
-def _file(header: dict, data: bytes = b"") -> bytes:
+def _file(header: dict | list, data: bytes = b"") -> bytes:
     raw = json.dumps(header).encode()
     return struct.pack("<Q", len(raw)) + raw + data
 

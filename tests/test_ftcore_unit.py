@@ -12,8 +12,8 @@ import urllib.request
 import pytest
 import torch
 import torch.distributed as dist
-
 from conftest import ask_all
+
 from ftcore import faults, heal, ledger, tensorfile
 from ftcore.ftar import FTARError, ftar
 from ftcore.lighthouse_client import LighthouseClient, call
@@ -184,7 +184,7 @@ def test_lighthouse_quorum_heal_assignment_and_fast_reform(lighthouse):
             c.close()
 
 
-def test_a_leased_rounds_late_request_is_overtaken_not_healed(lighthouse):
+def test_a_leased_rounds_late_request_is_overtaken_not_healed(lighthouse) -> None:
     """As a lighthouse pause ends, groups that finished step 34 on their lease send 34's request
     late, while a peer already asks for 35: forming those together would heal the leased groups
     to 35 and leave the peer waiting for requests they never send. The late ones are told they
@@ -272,7 +272,8 @@ def test_lighthouse_refuses_requests_without_the_token(lighthouse):
     assert call(addr, "/quorum", {"group": 0, "rank": 0}, None)[0] == 401
     code, st = call(addr, "/status", None, "s3cret", method="GET")
     assert code == 200 and st["groups"] == []
-    with urllib.request.urlopen(urllib.request.Request(f"http://{addr}/", headers={"Authorization": "Bearer s3cret"})) as r:
+    page = urllib.request.Request(f"http://{addr}/", headers={"Authorization": "Bearer s3cret"})
+    with urllib.request.urlopen(page) as r:
         assert b"ftcore lighthouse" in r.read()
     assert call(addr, "/status?token=s3cret", None, None, method="GET")[0] == 401   # header only
 

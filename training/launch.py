@@ -100,6 +100,8 @@ class Proc:
                                   stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
                                   start_new_session=True, text=True, bufsize=1)
         self.ready = threading.Event()
+        self.replace_group = False   # its group is unhealthy while alive (a hang): kill and restart it
+        self.planned_kill = False    # killed by the fault plan (kill_lighthouse): not a death to repair
         self._lock = out_lock
         threading.Thread(target=self._pump, daemon=True).start()
 
@@ -107,7 +109,16 @@ class Proc:
     def pid(self) -> int:
         return self.p.pid
 
+    def send(self, line: str) -> None:
+        """A line on its stdin (a spare's assignment)."""
+        if self.p.stdin is None:
+            raise RuntimeError(f"{self.prefix}: started without a stdin pipe")
+        self.p.stdin.write(line + "\n")
+        self.p.stdin.flush()
+
     def _pump(self) -> None:
+        if self.p.stdout is None:   # Popen(stdout=PIPE) always has it
+            return
         for line in self.p.stdout:
             if line.startswith("ftrec-spare-ready"):
                 self.ready.set()
@@ -205,6 +216,8 @@ class Launcher:
 
     # ---- lighthouse -----------------------------------------------------------------
     def start_lighthouse(self) -> None:
+        if self.token_file is None:
+            raise LaunchError("the launcher starts a lighthouse only with a token file of its own (OUT/token)")
         argv = [sys.executable, "-m", "training.launch", "--child", "ftcore.lighthouse", "--bind", self.addr,
                 "--min-replicas", str(self.cfg.min_replicas), "--expected-replicas", str(self.cfg.replica_groups),
                 "--token-file", self.token_file, "--events-file", os.path.join(self.out, "lighthouse-events.jsonl")]
@@ -279,8 +292,7 @@ class Launcher:
             if spares:
                 p = spares[k]
                 p.prefix = f"g{g}r{k}"
-                p.p.stdin.write(json.dumps({"env": env, "argv": argv}) + "\n")
-                p.p.stdin.flush()
+                p.send(json.dumps({"env": env, "argv": argv}))
             else:
                 module = self.cfg.worker if self.cfg.worker != TRAINER else "training"
                 p = Proc([sys.executable, "-m", "training.launch", "--child", module, *argv],
@@ -321,7 +333,7 @@ class Launcher:
                 self.kill_group(g)
                 self.log("group_failed", group=g, incarnation=inc, exits={str(k): c for k, c in bad})
                 raise GroupFailed(f"group {g} rank(s) {bad}")
-            if getattr(procs[0], "replace", False):
+            if procs[0].replace_group:
                 self.kill_group(g)
                 self.log("group_replaced", group=g, incarnation=inc, reason="unhealthy while alive")
                 raise GroupFailed(f"group {g} hung")
@@ -360,7 +372,7 @@ class Launcher:
             st = self.status()
             now = time.monotonic()
             lh = self.lighthouse_proc
-            if lh is not None and lh.p.poll() is not None and not getattr(lh, "planned", False):
+            if lh is not None and lh.p.poll() is not None and not lh.planned_kill:
                 self.log("lighthouse_died", code=lh.p.returncode)
                 self.start_lighthouse()
                 continue
@@ -371,9 +383,11 @@ class Launcher:
                 inc = self.incarnation.get(f.group)
                 if f.kind not in faults_mod.LIGHTHOUSE_KINDS and inc != f.incarnation:
                     continue
-                due = (f.at_time is not None and now - self.t0 >= f.at_time) or \
-                      (f.at_step is not None and (max(steps.values(), default=0) if f.kind in faults_mod.LIGHTHOUSE_KINDS
-                                                  else steps.get(f.group, -1)) >= f.at_step)
+                # a lighthouse fault's step is the job's, any other fault's its group's
+                step = (max(steps.values(), default=0) if f.kind in faults_mod.LIGHTHOUSE_KINDS
+                        else steps.get(f.group, -1))
+                due = ((f.at_time is not None and now - self.t0 >= f.at_time)
+                       or (f.at_step is not None and step >= f.at_step))
                 if due:
                     f.fired = True
                     threading.Thread(target=self.fire, args=(f,), daemon=True).start()
@@ -384,26 +398,25 @@ class Launcher:
                     if alive and not gr["healthy"] and not gr["left"] and gr["incarnation"] == self.incarnation.get(g):
                         unhealthy_since.setdefault(g, now)
                         if now - unhealthy_since[g] > self.cfg.replace_after:
-                            self.groups[g][0].replace = True
+                            self.groups[g][0].replace_group = True
                             unhealthy_since.pop(g)
                     else:
                         unhealthy_since.pop(g, None)
 
     def fire(self, f: faults_mod.Fault) -> None:
-        if f.kind in faults_mod.LIGHTHOUSE_KINDS and self.lighthouse_proc is None:
+        lh = self.lighthouse_proc
+        if f.kind in faults_mod.LIGHTHOUSE_KINDS and lh is None:
             self.log("fault_skipped", fault=f.kind, reason="the lighthouse was not started here")
             return
-        if f.kind == "pause_lighthouse":
-            lh = self.lighthouse_proc
+        if f.kind == "pause_lighthouse" and lh is not None:
             self.log("fault", fault="pause_lighthouse", pid=lh.pid, seconds=f.duration_s)
             lh.signal(signal.SIGSTOP)
             time.sleep(f.duration_s)
             lh.signal(signal.SIGCONT)
             self.log("fault_resumed", fault="pause_lighthouse")
             return
-        if f.kind == "kill_lighthouse":
-            lh = self.lighthouse_proc
-            lh.planned = True
+        if f.kind == "kill_lighthouse" and lh is not None:
+            lh.planned_kill = True
             self.log("fault", fault="kill_lighthouse", pid=lh.pid)
             lh.kill()
             time.sleep(f.duration_s)
@@ -630,11 +643,13 @@ def _spare(worker: str) -> int:
     import datetime
 
     import torch.distributed as dist
+
     from ftcore import netaddr
     fd, port = netaddr.listen_fd("127.0.0.1")
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, master_listen_fd=fd)
-    opts = dist.ProcessGroupGloo._Options()
-    opts._devices, opts._timeout = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")], datetime.timedelta(seconds=5)
+    opts = dist.ProcessGroupGloo._Options()   # type: ignore[attr-defined]  # private, absent from the stubs
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    opts._timeout = datetime.timedelta(seconds=5)
     dist.ProcessGroupGloo(dist.PrefixStore("warm", store), 0, 1, opts)
     del store
     print("ftrec-spare-ready", flush=True)

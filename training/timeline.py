@@ -48,8 +48,8 @@ def series(tl: dict[str, Any]) -> dict[str, Any]:
     for e in events:
         kind, t = e.get("kind"), _num(e.get("t"))
         if kind in MARKS and t is not None and (kind != "heal_finished" or e.get("rank", 0) == 0):
-            g = e.get("group")
-            marks.append((max(t - t0, 0.0), int(g) if isinstance(g, int) else None, kind))
+            who = e.get("group")
+            marks.append((max(t - t0, 0.0), int(who) if isinstance(who, int) else None, kind))
     return {"t0": t0, "groups": dict(sorted(groups.items())), "marks": sorted(marks, key=lambda m: m[0])}
 
 
@@ -138,7 +138,7 @@ def png(tl: dict[str, Any], path: str) -> bool:
     for g, line in s["groups"].items():
         ax.plot([p[0] for p in line], [p[1] for p in line], label=f"group {g}", linewidth=1.2)
     seen = set()
-    for t, g, kind in s["marks"]:
+    for t, _, kind in s["marks"]:
         label, colour = MARKS[kind]
         ax.axvline(t, color=colour, linestyle="--", linewidth=0.8, label=None if kind in seen else label)
         seen.add(kind)

@@ -152,8 +152,8 @@ def _commit(r: Run, toy: Toy, q: Quorum, live: set[int], pos: Position | None) -
     if len(contributors) != mgr.contributors:
         raise RuntimeError(f"schedule disagrees with FTAR: {sorted(contributors)} vs {mgr.contributors}")
     scale = mgr.lr_scale()
-    for pg_ in toy.opt.param_groups:
-        pg_["lr"] = 1e-2 * scale
+    for param_group in toy.opt.param_groups:
+        param_group["lr"] = 1e-2 * scale
     toy.opt.step()
     r.ledger.record(mgr.step - 1, pos.epoch, pos.row_group, pos.kind, contributors, q.quorum_id,
                     sample_ids(r.shard, pos.row_group, r.a.steps, r.a.batch) if g in contributors else None)
