@@ -113,6 +113,7 @@ class LighthouseClient:
         self.addr = addr
         self.token = token
         self.info = info
+        self._info_lock = threading.Lock()   # update() from several threads loses no field
         self._qconn: http.client.HTTPConnection | None = None   # quorum requests, kept alive
         self._last_sent = 0.0   # monotonic time of the last quorum request (it refreshes liveness too)
         self.last_reply = time.monotonic()   # the lighthouse's last answer of any kind
@@ -125,7 +126,8 @@ class LighthouseClient:
 
     def update(self, **changes: Any) -> None:
         """Report these RankInfo fields from now on (step=..., quorum_id=...)."""
-        self.info = replace(self.info, **changes)
+        with self._info_lock:
+            self.info = replace(self.info, **changes)
 
     # ---- heartbeats ---------------------------------------------------------------
     def start_heartbeats(self) -> None:

@@ -1,10 +1,10 @@
 """The training loop's seam to fault tolerance.
 
 The loop treats every step as a transaction that commits on every replica group or on
-none (ftcore/manager.py): start_quorum -> forward/backward -> allreduce -> should_commit. `LocalReplica` is the
-one-replica-group case: nothing to agree on, every step commits. `FTReplica` is the
-ftcore-backed one, chosen by `make_replica` when the launcher (training/launch.py) set
-FTCORE_LIGHTHOUSE: the step protocol of ftcore.manager, with `TrainState` as the state
+none (ftcore/manager.py): start_quorum -> forward/backward -> allreduce -> should_commit.
+`LocalReplica` is the one-replica-group case: nothing to agree on, every step commits.
+`FTReplica` is the ftcore-backed one, chosen by `make_replica` when the launcher
+(training/launch.py) set FTCORE_LIGHTHOUSE: the step protocol of ftcore.manager, with `TrainState` as the state
 a recovering replica group receives (model, optimizer, scheduler, step, data cursor,
 RNG) plus ftcore's make-up schedule, a ledger of committed batches in OUT/../ledger,
 and the group's final parameters and optimizer state in OUT/state.safetensors
@@ -92,7 +92,7 @@ class LocalReplica:
         return {}
 
     def finish(self, per_rank: bool = False) -> None:
-        pass   # one group: the trainer's own checkpoint is its final state
+        pass   # without ftcore no launcher reads a final state (the trainer's checkpoints stay)
 
 
 class FTReplica:
