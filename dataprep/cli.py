@@ -18,6 +18,7 @@ def _synth(a) -> None:
         if a.events is None:
             raise DataprepError("synth: give --users or --events")
         import numpy as np
+
         from dataprep.synth import SynthConfig, lengths
         mean = lengths(SynthConfig(1, 2, a.seed, a.median_len, a.sigma, a.min_len, a.max_history, a.zipf),
                        np.random.default_rng(a.seed), 200_000).mean()
@@ -145,7 +146,8 @@ def main(argv=None) -> int:
         return 130
     except OSError as e:  # disk full, permissions: name the file
         where = f"{e.filename}: " if e.filename else ""
-        hint = "free some space or choose another --out" if e.errno == errno.ENOSPC else "check the path and its permissions"
+        hint = ("free some space or choose another --out" if e.errno == errno.ENOSPC
+                else "check the path and its permissions")
         print(f"error: {where}{e.strerror or e}; {hint}", file=sys.stderr)
         return 1
     return 0

@@ -12,9 +12,9 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -65,9 +65,11 @@ def load_cost_model(spec: "str | os.PathLike | dict | CostModel | None") -> Cost
         try:
             spec = json.loads(Path(spec).read_text())
         except FileNotFoundError:
-            raise DataprepError(f"{where}: cost model file not found; run `python -m dataprep calibrate --out {where}` or omit --cost-model") from None
+            raise DataprepError(f"{where}: cost model file not found; run `python -m dataprep calibrate --out {where}` "
+                                "or omit --cost-model") from None
         except (OSError, ValueError) as e:
-            raise DataprepError(f"{where}: not a readable JSON cost model ({e}); expected {{\"a\": .., \"b\": .., \"c0\": ..}}") from None
+            raise DataprepError(f"{where}: not a readable JSON cost model ({e}); "
+                                'expected {"a": .., "b": .., "c0": ..}') from None
     if not isinstance(spec, dict) or not {"a", "b", "c0"} <= spec.keys():
         raise DataprepError(f"{where}: cost model needs keys a, b, c0 (c(L) = a*L^2 + b*L + c0)")
     return _validate(CostModel(a=spec["a"], b=spec["b"], c0=spec["c0"], source=str(spec.get("source", "file")),
@@ -88,7 +90,7 @@ def fit(lengths, timings) -> tuple[float, float, float]:
         coef, *_ = np.linalg.lstsq(X, y, rcond=None)
         if (coef >= 0).all():
             out = dict.fromkeys(cols, 0.0)
-            out.update(zip(active, map(float, coef)))
+            out.update(zip(active, map(float, coef), strict=True))
             return out["a"], out["b"], out["c0"]
         active.pop(int(np.argmin(coef)))
     return 0.0, 0.0, float(max(y.mean(), 1e-9))
@@ -106,7 +108,7 @@ def fit_batched(L, n, t) -> tuple[float, float, float, float]:
         coef, *_ = np.linalg.lstsq(X, t * w, rcond=None)
         if (coef >= 0).all():
             out = dict.fromkeys(cols, 0.0)
-            out.update(zip(active, map(float, coef)))
+            out.update(zip(active, map(float, coef), strict=True))
             return out["a"], out["b"], out["c0"], out["overhead"]
         active.pop(int(np.argmin(coef)))
     return 0.0, 0.0, float(max((t / n).mean(), 1e-9)), 0.0
@@ -192,8 +194,9 @@ def calibrate(lengths=(8, 16, 32, 64, 128, 256, 512, 1024), *, batch: int = 8, r
                 break
     used = sorted({r[0] for r in rows})
     if len(used) < 3:
-        raise DataprepError(f"calibration ran out of its {budget_s:.0f}s budget after {len(used)} lengths; raise --budget or use shorter --lengths")
-    Ls, ns, ts = (np.asarray(c, dtype=np.float64) for c in zip(*rows))
+        raise DataprepError(f"calibration ran out of its {budget_s:.0f}s budget after {len(used)} lengths; "
+                            "raise --budget or use shorter --lengths")
+    Ls, ns, ts = (np.asarray(c, dtype=np.float64) for c in zip(*rows, strict=True))
     a, b, c0, overhead = fit_batched(Ls, ns, ts * 1e6)
     per_sample = [(a * L + b) * L + c0 for L in used]
     r2 = _r2(Ls, ns, ts * 1e6, (a, b, c0, overhead))

@@ -101,7 +101,8 @@ def _read_lines(path: str) -> tuple[pa.StringArray, np.ndarray]:
             convert_options=pcsv.ConvertOptions(column_types={"line": pa.binary()}, strings_can_be_null=False,
                                                 quoted_strings_can_be_null=False))
     except pa.ArrowInvalid as e:
-        raise DataprepError(f"{path}: cannot read as text ({str(e).splitlines()[0]}); is it the right --format?") from None
+        raise DataprepError(f"{path}: cannot read as text ({str(e).splitlines()[0]}); "
+                            "is it the right --format?") from None
     col = t.column("line")
     raw = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
     try:
@@ -304,7 +305,9 @@ def _cast_rows(a: pa.Array, typ: pa.DataType) -> tuple[pa.Array, np.ndarray]:
 
 _TIME_INT = r"^[+-]?[0-9]{1,19}$"
 _TIME_NUM = r"^[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?$"
-_TIME_ISO = r"^[0-9]{4}-[0-9]{2}-[0-9]{2}([T ][0-9]{2}(:[0-9]{2}(:[0-9]{2}(\.[0-9]{1,9})?)?)?)?(Z|[+-][0-9]{2}(:?[0-9]{2})?)?$"
+_TIME_ISO = (r"^[0-9]{4}-[0-9]{2}-[0-9]{2}"                                   # date
+             r"([T ][0-9]{2}(:[0-9]{2}(:[0-9]{2}(\.[0-9]{1,9})?)?)?)?"        # [time[:min[:sec[.frac]]]]
+             r"(Z|[+-][0-9]{2}(:?[0-9]{2})?)?$")                             # [zone]
 _TIME_ZONE = r"[T ][0-9:.]+(Z|[+-][0-9]{2}(:?[0-9]{2})?)$"
 
 
@@ -366,9 +369,11 @@ def _as_id(arr, path: str, col: str) -> pa.Array:
         v = vals[finite]
         frac = v[v != np.round(v)]
         if len(frac):
-            raise DataprepError(f"{path}: column {col!r} holds non-integer numbers (for example {frac[0]}); ids must be integers or strings")
-        if (np.abs(v) >= 2.0 ** 63).any():
-            raise DataprepError(f"{path}: column {col!r} holds numbers beyond int64 (for example {v[np.abs(v) >= 2.0 ** 63][0]:g}); "
+            raise DataprepError(f"{path}: column {col!r} holds non-integer numbers (for example {frac[0]}); "
+                                "ids must be integers or strings")
+        big = v[np.abs(v) >= 2.0 ** 63]
+        if len(big):
+            raise DataprepError(f"{path}: column {col!r} holds numbers beyond int64 (for example {big[0]:g}); "
                                 "store large ids as integers or strings, not floats")
         return pa.array(np.where(finite, vals, 0).astype(np.int64), mask=~finite | np.asarray(a.is_null()))
     raise DataprepError(f"{path}: column {col!r} has type {a.type}; ids must be integers or strings")
@@ -406,7 +411,8 @@ def _as_time(arr, path: str, col: str) -> tuple[pa.Array, np.ndarray, str]:
         if pa.types.is_integer(t):
             return a.cast(pa.int64()), none, ""
         if pa.types.is_floating(t):
-            return pc.round(pc.multiply(a, 1e6)).cast(pa.int64()), none, ""  # fractional seconds kept to the microsecond
+            # fractional seconds kept to the microsecond
+            return pc.round(pc.multiply(a, 1e6)).cast(pa.int64()), none, ""
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
         raise DataprepError(f"{path}: column {col!r} is not a readable timestamp ({str(e).splitlines()[0]}); "
                             "use integers (epoch) or ISO-8601 times") from None
@@ -507,7 +513,8 @@ def _parquet_readable(f: str) -> bool:
 
 def _read_events(path: str, user_col: str, item_col: str, time_col: str, defaults: bool) -> tuple[dict, list, dict]:
     is_csv = path.endswith((".csv", ".csv.gz", ".tsv"))
-    rejects, invalid = [], None
+    rejects: list[pa.Table] = []
+    invalid: np.ndarray | None = None
     if is_csv:
         delimiter = "\t" if path.endswith(".tsv") else ","
         try:
@@ -519,7 +526,8 @@ def _read_events(path: str, user_col: str, item_col: str, time_col: str, default
         except (OSError, ValueError) as e:   # e.g. a truncated .gz (an OSError with errno is the system's: raised)
             if isinstance(e, OSError) and e.errno is not None:
                 raise
-            raise DataprepError(f"{path}: cannot read as CSV events ({str(e).splitlines()[0]}); check --format and the file") from None
+            raise DataprepError(f"{path}: cannot read as CSV events ({str(e).splitlines()[0]}); "
+                                "check --format and the file") from None
     else:
         table, cols = _read_parquet(path, user_col, item_col, time_col, defaults)
         line = np.arange(1, table.num_rows + 1, dtype=np.int64)
@@ -535,11 +543,12 @@ def _table_events(path: str, table: pa.Table, cols: tuple[str, str, str], line: 
     n = table.num_rows
     blank = np.zeros(n, bool)
     if is_csv:   # strings: trimmed, "" is missing; a row with none of the three is a blank line
+        assert invalid is not None   # _read_csv says of every row whether it is UTF-8
         # values of rows that are not UTF-8 are dropped first: they must not make a column text
         drop = pa.array(invalid)
         raw = [pc.if_else(pc.or_kleene(pc.equal(a, ""), drop), pa.scalar(None, pa.string()), a)
                for a in (pc.utf8_trim_whitespace(a) for a in raw)]
-        blank = np.logical_and.reduce([np.asarray(a.is_null().to_numpy(zero_copy_only=False), bool) for a in raw]) & ~invalid
+        blank = np.logical_and.reduce([_fill(a.is_null()) for a in raw]) & ~invalid
         raw[0], raw[1] = _csv_ids(raw[0]), _csv_ids(raw[1])
     user = _as_id(raw[0], path, uc)
     item = _as_id(raw[1], path, ic)
@@ -560,16 +569,17 @@ def _table_events(path: str, table: pa.Table, cols: tuple[str, str, str], line: 
     if invalid is not None:
         reject(invalid, "not_utf8", "a value is not valid UTF-8")
     for a, name in ((user, uc), (item, ic), (ts, tc)):
-        null = np.asarray(a.is_null().to_numpy(zero_copy_only=False), bool)
-        reject(null & ~bad_ts if a is ts else null, "missing_value", f"column {name!r} is empty")  # bad times are null too
+        null = _fill(a.is_null())
+        # bad times are null too
+        reject(null & ~bad_ts if a is ts else null, "missing_value", f"column {name!r} is empty")
     reject(bad_ts, "bad_timestamp", lambda idx: [
-        f"column {tc!r}: {v[:40]!r} is not {ts_what}" for v in pc.take(raw[2], pa.array(idx)).cast(pa.string()).to_pylist()])
+        f"column {tc!r}: {v[:40]!r} is not {ts_what}"
+        for v in pc.take(raw[2], pa.array(idx)).cast(pa.string()).to_pylist()])
     for a, name in ((user, uc), (item, ic)):
         if pa.types.is_integer(a.type):
-            reject(np.asarray(pc.fill_null(pc.less(a, 0), False).to_numpy(zero_copy_only=False), bool),
-                   "negative_id", f"column {name!r}: ids must be >= 0")
+            reject(_fill(pc.less(a, 0)), "negative_id", f"column {name!r}: ids must be >= 0")
         else:
-            reject(np.asarray(pc.fill_null(pc.equal(pc.utf8_trim_whitespace(a), ""), False).to_numpy(zero_copy_only=False), bool),
+            reject(_fill(pc.equal(pc.utf8_trim_whitespace(a), "")),
                    "missing_value", f"column {name!r} is blank")
     keep = ~bad
     take = pa.array(np.flatnonzero(keep))
@@ -583,7 +593,8 @@ def _table_events(path: str, table: pa.Table, cols: tuple[str, str, str], line: 
 def _concat(parts: list[tuple[dict, list, dict]], paths: list[str], has_time: bool) -> Interactions:
     def ids(key):
         arrs = [p[0][key] for p in parts]
-        arrs = [a if isinstance(a, pa.Array) else pa.array(np.ascontiguousarray(a, dtype=np.int64)) for a in arrs]  # no type=: zero-copy
+        # no type=: zero-copy
+        arrs = [a if isinstance(a, pa.Array) else pa.array(np.ascontiguousarray(a, dtype=np.int64)) for a in arrs]
         if len({a.type for a in arrs}) > 1:  # mixed int/string across files: compare as strings
             arrs = [a.cast(pa.string()) for a in arrs]
         return pa.concat_arrays(arrs) if len(arrs) > 1 else arrs[0]

@@ -237,7 +237,8 @@ def eval_table(seq: Sequences) -> pa.Table:
     hist_off, hist = _gather(seq.values, seq.offsets[:-1], n - 2)
     cols = {
         "user_id": pa.array(np.arange(1, seq.num_users + 1, dtype=np.int64)),
-        "history": pa.ListArray.from_arrays(pa.array(hist_off.astype(np.int32)), pa.array(hist.astype(np.int32, copy=False))),
+        "history": pa.ListArray.from_arrays(pa.array(hist_off.astype(np.int32)),
+                                            pa.array(hist.astype(np.int32, copy=False))),
         "valid_target": pa.array(seq.values[seq.offsets[1:] - 2].astype(np.int32)),
         "test_target": pa.array(seq.values[seq.offsets[1:] - 1].astype(np.int32)),
     }
@@ -264,10 +265,11 @@ def train_samples(seq: Sequences, max_len: int) -> Samples:
     if seq.timestamps is not None:
         _, flat_ts = _gather(seq.timestamps, end - length, length)
         ts = pa.LargeListArray.from_arrays(pa.array(offs), pa.array(flat_ts)).cast(pa.list_(pa.int64()))
+    values = pa.array(flat.astype(np.int32, copy=False))
+    items = (pa.LargeListArray.from_arrays(pa.array(offs), values).cast(pa.list_(pa.int32()))
+             if offs[-1] >= (1 << 31) else pa.ListArray.from_arrays(pa.array(offs.astype(np.int32)), values))
     return Samples(
-        user_id=users.astype(np.int64), length=length.astype(np.int32),
-        items=pa.LargeListArray.from_arrays(pa.array(offs), pa.array(flat.astype(np.int32, copy=False))).cast(pa.list_(pa.int32()))
-        if offs[-1] >= (1 << 31) else pa.ListArray.from_arrays(pa.array(offs.astype(np.int32)), pa.array(flat.astype(np.int32, copy=False))),
+        user_id=users.astype(np.int64), length=length.astype(np.int32), items=items,
         target=seq.values[end].astype(np.int32),
         truncated=int((tl - 1 > max_len).sum()),
         items_truncated=int(np.maximum(tl - 1 - max_len, 0).sum()), timestamps=ts)

@@ -106,7 +106,8 @@ def write_synthetic(path: str, *, users: int, items: int, seed: int = 0, fmt: st
                     pcsv.write_csv(t, f, pcsv.WriteOptions(include_header=False, delimiter=" ", quoting_style="none"))
                 elif fmt == "iclrec":
                     lists = pa.ListArray.from_arrays(pa.array(off.astype(np.int32)), pc.cast(pa.array(it), pa.string()))
-                    line = pc.binary_join_element_wise(pc.cast(pa.array(uid), pa.string()), pc.binary_join(lists, " "), " ")
+                    line = pc.binary_join_element_wise(pc.cast(pa.array(uid), pa.string()),
+                                                       pc.binary_join(lists, " "), " ")
                     pcsv.write_csv(pa.table({"l": line}), f,
                                    pcsv.WriteOptions(include_header=False, quoting_style="none"))
                 else:

@@ -12,6 +12,7 @@ the recovery metrics it logged on the MLflow run (ft/...), and checks three clai
 3. every replica group ended with the same parameters and optimizer state.
 """
 
+import itertools
 import json
 import tomllib
 from dataclasses import dataclass, field
@@ -80,10 +81,10 @@ def judge(timeline: dict, run_metrics: dict[str, float], plan: dict, *, replica_
         if not steps:
             problems.append(f"survivor group {g} committed no step")
             continue
-        holes = [b for a, b in zip(steps, steps[1:]) if b != a + 1]
+        holes = [b for a, b in itertools.pairwise(steps) if b != a + 1]
         if holes:
             problems.append(f"survivor group {g} skipped or repeated steps (jumps to {holes[:5]})")
-        gaps = [b["t"] - a["t"] for a, b in zip(commits, commits[1:])]
+        gaps = [b["t"] - a["t"] for a, b in itertools.pairwise(commits)]
         stalls[g] = max(gaps, default=0.0)
         if stalls[g] > max_stall_s:
             problems.append(f"survivor group {g} stalled {stalls[g]:.1f} s between commits (limit {max_stall_s} s)")

@@ -32,7 +32,7 @@ from ftrec_airflow import lighthouse, runner, settings, steps, tracking
 from ftrec_airflow.links import LighthouseLink, MLflowRunLink
 
 
-def _spec(op: DecoratedOperator, context, kind: type):
+def _spec(op: BuildShardsOperator | FaultTolerantTrainOperator, context, kind: type):
     context_merge(context, op.op_kwargs)
     kwargs = determine_kwargs(op.python_callable, op.op_args, context)
     spec = op.python_callable(*op.op_args, **kwargs)

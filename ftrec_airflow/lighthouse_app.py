@@ -23,6 +23,7 @@ files, which anyone who can write there could plant. Every value shown is escape
 import html
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import Depends, FastAPI, Query
@@ -30,14 +31,19 @@ from fastapi.responses import HTMLResponse
 
 from ftrec_airflow import lighthouse, settings
 
+
+def _no_api_server() -> None:
+    from fastapi import HTTPException
+    raise HTTPException(status_code=401, detail="the lighthouse page needs Airflow's API server")
+
+
+can_read_runs: Callable[..., None] = _no_api_server   # no Airflow API server here: nobody may read the page
 try:   # Airflow's own authentication and DAG-access checks (the API server's auth manager)
     from airflow.api_fastapi.auth.managers.models.resource_details import DagAccessEntity
     from airflow.api_fastapi.core_api.security import requires_access_dag
     can_read_runs = requires_access_dag("GET", DagAccessEntity.RUN)
-except ImportError:   # no Airflow API server here: nobody may read the page
-    def can_read_runs() -> None:
-        from fastapi import HTTPException
-        raise HTTPException(status_code=401, detail="the lighthouse page needs Airflow's API server")
+except ImportError:
+    pass
 
 app = FastAPI(title="ftrec lighthouse", docs_url=None, redoc_url=None, openapi_url=None,
               dependencies=[Depends(can_read_runs)])
@@ -85,7 +91,8 @@ def lookup(dag_id: str | None, run_id: str | None) -> dict[str, Any]:
            "timeline": timeline}
     if url and timeline is None:   # a finished job's lighthouse has ended with it: do not ask
         try:
-            doc.update(status=lighthouse.fetch_status(url, timeout=1.0, token_file=token_file, job=job), live=True, fetched_at=time.time())
+            status = lighthouse.fetch_status(url, timeout=1.0, token_file=token_file, job=job)
+            doc.update(status=status, live=True, fetched_at=time.time())
             return doc
         except (OSError, ValueError) as e:
             doc["error"] = f"lighthouse at {url} does not answer ({e})"
@@ -130,7 +137,8 @@ def _finished(tl: dict[str, Any]) -> str:
     outcome += (" &middot; all groups ended with the same state</p>" if len(sums) == 1 else
                 " &middot; <span class=bad>groups ended with different states</span></p>" if len(sums) > 1 else "</p>")
     rows = "".join(f"<tr class=group-row>{_td(r['group'])}{_td(r['last_step'])}{_td(r['restarts'])}{_td(r['failures'])}"
-                   f"{_td(r['heals'])}{_td(r['exclusions'])}<td><code>{html.escape(str(r['checksum'] or r['note']))}</code></td></tr>"
+                   f"{_td(r['heals'])}{_td(r['exclusions'])}"
+                   f"<td><code>{html.escape(str(r['checksum'] or r['note']))}</code></td></tr>"
                    for r in story)
     return (f"{outcome}<table><tr><th>group</th><th>committed steps</th><th>restarts</th><th>failures</th>"
             f"<th>heals</th><th>slow exclusions</th><th>final state</th></tr>{rows}</table>"
@@ -149,13 +157,16 @@ def render(doc: dict[str, Any]) -> str:
         (ev for ev in [*tl.get("launcher_events", []), *tl.get("lighthouse_events", [])] if isinstance(ev, dict)),
         key=lambda ev: _num(ev.get("t")))
     events = "".join(
-        f"<tr><td>{time.strftime('%H:%M:%S', time.localtime(_num(ev.get('t'))))}</td><td>{e(str(ev.get('kind', '')))}</td>"
+        f"<tr><td>{time.strftime('%H:%M:%S', time.localtime(_num(ev.get('t'))))}</td>"
+        f"<td>{e(str(ev.get('kind', '')))}</td>"
         f"<td><code>{e(json.dumps({k: v for k, v in ev.items() if k not in ('t', 'kind')}))}</code></td></tr>"
         for ev in reversed(evs[-50:]) if isinstance(ev, dict))
     refresh = "<meta http-equiv='refresh' content='3'>" if doc["live"] else ""
-    body = _finished(tl) if tl else f"""<p>quorum <b>{e(str(q.get('quorum_id', '-')))}</b>, participants {e(str(q.get('groups', q.get('participants', '-'))))},
+    quorum, participants = q.get("quorum_id", "-"), q.get("groups", q.get("participants", "-"))
+    heads = "".join(f"<th>{h}</th>" for h in ("group", "incarnation", "state", "step", "ranks", "last heartbeat"))
+    body = _finished(tl) if tl else f"""<p>quorum <b>{e(str(quorum))}</b>, participants {e(str(participants))},
 max committed step <b>{e(str(st.get('max_step', '-')))}</b>, min replicas {e(str(st.get('min_replicas', '-')))}</p>
-<table><tr><th>group</th><th>incarnation</th><th>state</th><th>step</th><th>ranks</th><th>last heartbeat</th></tr>{groups}</table>"""
+<table><tr>{heads}</tr>{groups}</table>"""
     return f"""<!doctype html><html><head><meta charset='utf-8'>{refresh}<title>ftcore lighthouse</title>
 <style>body{{font-family:system-ui,sans-serif;margin:1rem}}table{{border-collapse:collapse;margin:.5rem 0}}
 td,th{{border:1px solid #ccc;padding:.2rem .5rem;text-align:left}}.ok{{color:#070}}.bad{{color:#b00}}

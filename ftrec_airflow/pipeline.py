@@ -29,9 +29,9 @@ GATE_METRIC = "test/sampled/ndcg_at_10"  # MLflow spelling of ndcg@10
 MODEL = Asset(name="ftrec_model", uri="ftrec://model/registered")
 START = datetime(2026, 1, 1)
 # Every task of a training DAG (its default_args): 10 s, 20 s between tries
-RETRY = {"retries": 2, "retry_delay": timedelta(seconds=10), "retry_exponential_backoff": 2.0}
+RETRY: dict[str, Any] = {"retries": 2, "retry_delay": timedelta(seconds=10), "retry_exponential_backoff": 2.0}
 # ingest_validate reads a file: one quick retry (a mount that was late), then it is the input
-INGEST_RETRY = {"retries": 1, "retry_delay": timedelta(seconds=5), "retry_exponential_backoff": 0}
+INGEST_RETRY: dict[str, Any] = {"retries": 1, "retry_delay": timedelta(seconds=5), "retry_exponential_backoff": 0}
 log = logging.getLogger(__name__)
 
 
@@ -160,7 +160,8 @@ class TrainingDag:
         def register_task(trained: dict, evaluation: dict, params=None) -> dict:
             return register_model(params, trained, evaluation)
 
-        return register_task(trained, evaluate_task(trained))
+        # Airflow's stubs type a task's call with its function's parameters; TaskFlow passes XComArgs
+        return register_task(trained, evaluate_task(trained))  # type: ignore[arg-type]
 
 
 def run_dir() -> Path:

@@ -24,7 +24,6 @@ import re
 from pathlib import Path
 
 
-
 def _project_root() -> tuple[Path, bool]:
     """(root, is a checkout): the checkout this package runs from (`make run`, the tests),
     else the current directory, which then plays the project's part (./work, ../shared/data)
@@ -92,7 +91,7 @@ def mlflow_connection() -> tuple[str, dict[str, str]]:
         if "://" not in host:
             host = f"{conn.schema or 'http'}://{host}"
         uri = f"{host}:{conn.port}" if conn.port else host
-    creds = {}
+    creds: dict[str, str] = {}
     if conn.login:
         creds |= {"MLFLOW_TRACKING_USERNAME": conn.login, "MLFLOW_TRACKING_PASSWORD": conn.password or ""}
     token = extra.get("token") or (conn.password if not conn.login else None)

@@ -104,7 +104,7 @@ class ShardSpec:
     model_overrides: list[str] | None = None
 
 
-def _summary(manifest: dict, path: str) -> dict[str, Any]:
+def _summary(manifest: dict, path: str | Path) -> dict[str, Any]:
     keys = ("num_users", "num_items", "num_samples", "steps", "bubble_fraction", "imbalance", "config")
     out = {k: manifest.get(k) for k in keys}
     out["cost_model"] = (manifest.get("config") or {}).get("cost_model", {}).get("source")

@@ -160,7 +160,7 @@ def promote(name: str, version: int, metric: str, value: float, *, across_metric
         why = f"{metric} {value:.6f} {'>' if promote_it else '<='} champion version {champ['version']}'s {old:.6f}"
     if promote_it:
         c.set_registered_model_alias(name, CHAMPION, str(version))
-    champion = version if promote_it else champ["version"]
+    champion = version if promote_it or champ is None else champ["version"]
     log(f"model {name} version {version}: {why}; the champion is version {champion}")
     aliases = sorted(c.get_model_version(name, str(version)).aliases or [])
     return {"champion": champion, "promoted": promote_it, "aliases": aliases, "reason": why}

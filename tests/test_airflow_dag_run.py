@@ -134,9 +134,9 @@ def test_quality_gate_fails_on_purpose(first, work):
     """register_model of the same DAG run again, with a gate the model cannot pass
     (`airflow tasks test -t`): the task fails, names every metric, registers nothing."""
     summary, _ = first
-    env = {**os.environ, **{k: v for k, v in (l.removeprefix("export ").split("=", 1)
-                                              for l in (work / "env.sh").read_text().splitlines()
-                                              if l.startswith("export ") and not l.startswith("export PATH="))}}
+    env = {**os.environ, **{k: v for k, v in (line.removeprefix("export ").split("=", 1)
+                                              for line in (work / "env.sh").read_text().splitlines()
+                                              if line.startswith("export ") and not line.startswith("export PATH="))}}
     env = {k: v.strip("'") for k, v in env.items()}
     r = subprocess.run([str(Path(sys.executable).parent / "airflow"), "tasks", "test", "ftrec_train",
                         "register_model", summary["run_id"], "-t", json.dumps({"gate_min": 1.5})],

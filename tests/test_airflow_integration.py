@@ -118,7 +118,8 @@ def test_trigger_ftrec_train_through_the_rest_api(airflow_server):
     dag = _wait("ftrec_train to be parsed", lambda: _call(base, "/api/v2/dags/ftrec_train", token),
                 START_TIMEOUT_S, procs)
     assert dag["is_paused"] is True
-    assert _call(base, "/api/v2/dags/ftrec_train", token, body={"is_paused": False}, method="PATCH")["is_paused"] is False
+    unpaused = _call(base, "/api/v2/dags/ftrec_train", token, body={"is_paused": False}, method="PATCH")
+    assert unpaused["is_paused"] is False
     plugins = _call(base, "/api/v2/plugins", token)["plugins"]
     ftrec, = (p for p in plugins if p["name"] == "ftrec")   # once, through the entry point
     assert ftrec["source"].startswith("ftrec==") and "ftrec_airflow.plugin:FtrecPlugin" in ftrec["source"]

@@ -94,7 +94,7 @@ def parse(home: Path, **extra_env: str) -> dict:
     env.update(extra_env)
     r = subprocess.run([sys.executable, "-c", PARSE, str(ROOT / "dags"), json.dumps(HEAVY)],
                        env=env, capture_output=True, text=True, timeout=120)
-    line = next((l for l in r.stdout.splitlines() if l.startswith("JSON")), None)
+    line = next((out for out in r.stdout.splitlines() if out.startswith("JSON")), None)
     assert line, r.stdout[-2000:] + r.stderr[-2000:]
     return json.loads(line[4:])
 

@@ -93,7 +93,8 @@ def test_missing_input(tmp_path):
 def test_events_missing_column_names_it(tmp_path):
     p = tmp_path / "ev.parquet"
     pq.write_table(pa.table({"user_id": [1, 2], "item": [3, 4], "when": [5, 6]}), p)
-    with pytest.raises(DataprepError, match=r"ev\.parquet: no column 'timestamp' \(columns: user_id, item, when\); set --time-col"):
+    with pytest.raises(DataprepError,
+                       match=r"ev\.parquet: no column 'timestamp' \(columns: user_id, item, when\); set --time-col"):
         _build(p, "events")
     with pytest.raises(DataprepError, match="no column 'it'.*--item-col"):
         _build(p, "events", item_col="it", time_col="when")
@@ -124,8 +125,9 @@ def _csv_rows(users=20, per=6):
 def test_csv_bad_rows_are_counted_rejections_with_their_lines(tmp_path, fmt, name, header):
     mk = (lambda u, i, t: f"{u},{i},{t}".encode()) if fmt == "events" else (lambda u, i, t: f"{u},{i},4.0,{t}".encode())
     good = [mk(*r) for r in _csv_rows()]
-    bad = [(mk(3, 7, "abc"), "bad_timestamp"), (mk(3, 8, ""), "missing_value"), (mk(3, 9, "1,2") + b",2", "malformed_line"),
-           (b"3,10", "malformed_line"), (mk(3, 11, 5).replace(b"11", b"\xff1"), "not_utf8"), (b"", None)]
+    bad = [(mk(3, 7, "abc"), "bad_timestamp"), (mk(3, 8, ""), "missing_value"),
+           (mk(3, 9, "1,2") + b",2", "malformed_line"), (b"3,10", "malformed_line"),
+           (mk(3, 11, 5).replace(b"11", b"\xff1"), "not_utf8"), (b"", None)]
     lines = good[:30] + [b for b, _ in bad] + good[30:]
     p = tmp_path / name
     p.write_bytes(header + b"\n" + b"\n".join(lines) + b"\n")
@@ -203,7 +205,8 @@ def test_corrupt_parquet_is_an_error_naming_the_file(tmp_path, damage):
     r = subprocess.run([sys.executable, "-m", "dataprep", "shards", "--input", str(p), "--format", "events",
                         "--out", str(tmp_path / "o"), "--world-size", "1", "--batch-size", "2"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 1 and r.stderr.strip().splitlines()[-1].startswith(f"error: {p}: not a readable Parquet file")
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines()[-1].startswith(f"error: {p}: not a readable Parquet file")
     assert "free space" not in r.stderr and "Traceback" not in r.stderr
 
 
@@ -225,7 +228,8 @@ def test_parquet_time_column_of_the_wrong_type(tmp_path):
     ts[7] = "soon"
     pq.write_table(pa.table({"user_id": u, "item_id": i, "timestamp": ts}), p)   # strings: parsed row by row
     m = _build(p, "events", max_reject_fraction=0.1)
-    assert [(r["line"], r["reason"]) for r in _rejects(p)] == [(8, "bad_timestamp")] and m["rejects"] == {"bad_timestamp": 1}
+    assert [(r["line"], r["reason"]) for r in _rejects(p)] == [(8, "bad_timestamp")]
+    assert m["rejects"] == {"bad_timestamp": 1}
     pq.write_table(pa.table({"user_id": u, "item_id": i, "timestamp": [True] * len(u)}), p)
     with pytest.raises(DataprepError, match=rf"{p}: column 'timestamp' has type bool; timestamps must be"):
         readers.read(str(p), "events")

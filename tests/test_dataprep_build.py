@@ -39,7 +39,7 @@ def test_synth_shards_verify_roundtrip(tmp_path, synth_file):
     m = build_shards(synth_file, "sasrec", str(out), world_size=4, batch_size=16, max_len=50, seed=3)
     assert verify_shards(str(out))["input"]["fingerprint"] == m["input"]["fingerprint"]
     assert m["config"]["world_size"] == 4 and m["steps"] == 2000 // 64
-    for r, t in enumerate(_read_all(out, 4)):
+    for r, _t in enumerate(_read_all(out, 4)):
         f = pq.ParquetFile(out / schema.shard_file(r))
         assert f.num_row_groups == m["steps"]
         for i in range(f.num_row_groups):
@@ -58,7 +58,7 @@ def test_samples_match_eval_and_leave_one_out(tmp_path, synth_file):
     out = tmp_path / "set"
     build_shards(synth_file, "sasrec", str(out), world_size=2, batch_size=8, max_len=20)
     ev = pq.read_table(out / schema.EVAL_FILE).to_pydict()
-    hist = dict(zip(ev["user_id"], ev["history"]))
+    hist = dict(zip(ev["user_id"], ev["history"], strict=True))
     rows = [row for t in _read_all(out, 2) for row in t.to_pylist()]
     for row in rows[:300]:
         h = hist[row["user_id"]]
@@ -196,7 +196,8 @@ def test_cli_help_for_every_command(capsys):
         assert e.value.code == 0 and "usage: python -m dataprep " + cmd in capsys.readouterr().out
 
 
-from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

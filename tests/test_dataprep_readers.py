@@ -20,7 +20,7 @@ def test_sasrec_fast_path_and_tokenizer_agree(tmp_path):
     lines = [f"{u} {i}" for u in (3, 1, 2) for i in (9, 8, 7, 6)]
     clean, messy = tmp_path / "clean.txt", tmp_path / "messy.txt"
     clean.write_text("\n".join(lines) + "\n")
-    messy.write_text("\n".join(l.replace(" ", "\t  ") for l in lines) + "\n\n")  # tabs, runs of blanks
+    messy.write_text("\n".join(line.replace(" ", "\t  ") for line in lines) + "\n\n")  # tabs, runs of blanks
     a, b = readers.read(str(clean), "sasrec"), readers.read(str(messy), "sasrec")
     assert _seqs(a) == _seqs(b) == {1: [9, 8, 7, 6], 2: [9, 8, 7, 6], 3: [9, 8, 7, 6]}
     assert a.line.tolist() == b.line.tolist() == list(range(1, 13))
@@ -110,7 +110,8 @@ def test_ids_up_to_int64_max_read_the_same_on_both_text_paths(tmp_path):
     p.write_text(f"{top} 1\n{top} 2\n{top} 3\nx y\n{top + 1} 3\n")   # a bad line: the tokenizer path
     ev = readers.read(str(p), "sasrec")
     assert _seqs(ev) == {top: [1, 2, 3]}
-    assert [(r["line"], r["reason"]) for t in ev.rejects for r in t.to_pylist()] == [(5, "id_out_of_range"), (4, "non_integer_id")]
+    assert [(r["line"], r["reason"]) for t in ev.rejects for r in t.to_pylist()] == [
+        (5, "id_out_of_range"), (4, "non_integer_id")]
 
 
 def test_csv_ids_above_int64_are_opaque_strings(tmp_path):

@@ -3,7 +3,8 @@
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from dataprep import readers, sequences
 
@@ -35,8 +36,8 @@ def _run(ev: readers.Interactions, max_len: int):
     smp = sequences.train_samples(seq, max_len)
     raw = seq.user_raw.to_pylist()
     got = {}
-    samples = {int(u): (it, int(tg)) for u, it, tg in zip(smp.user_id, smp.items.to_pylist(), smp.target)}
-    for u, h, v, t in zip(evt["user_id"], evt["history"], evt["valid_target"], evt["test_target"]):
+    samples = {int(u): (it, int(tg)) for u, it, tg in zip(smp.user_id, smp.items.to_pylist(), smp.target, strict=True)}
+    for u, h, v, t in zip(evt["user_id"], evt["history"], evt["valid_target"], evt["test_target"], strict=True):
         got[raw[u - 1]] = (samples.get(u), h, v, t)
     assert seq.values.min() >= 1 and seq.values.max() == seq.num_items
     return got, seq.num_items

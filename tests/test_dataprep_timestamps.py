@@ -4,13 +4,12 @@ verify -> training batch and evaluation inputs; formats without time keep versio
 import json
 import os
 import random
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import torch
 
 from dataprep import schema
 from dataprep.build import build_shards
@@ -41,7 +40,7 @@ def _events(n_users=40, seed=0):
 def timed(tmp_path_factory):
     d = tmp_path_factory.mktemp("timed")
     rows = _events()
-    iso = lambda t: datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")  # noqa: E731
+    iso = lambda t: datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")  # noqa: E731
     (d / "ev.csv").write_text("user_id,item_id,timestamp\n" + "".join(f"{u},{i},{iso(t)}\n" for u, i, t in rows))
     m = build_shards(str(d / "ev.csv"), "events", str(d / "shards"), world_size=2, batch_size=4, max_len=6)
     return str(d / "shards"), rows, m
@@ -49,7 +48,7 @@ def timed(tmp_path_factory):
 
 def _raw(shards, name):
     t = pq.read_table(os.path.join(shards, name)).sort_by("id")
-    return dict(zip(t.column("id").to_pylist(), map(int, t.column("raw_id").to_pylist())))
+    return dict(zip(t.column("id").to_pylist(), map(int, t.column("raw_id").to_pylist()), strict=True))
 
 
 def test_seconds_reads_the_unit_from_the_magnitude():
