@@ -39,7 +39,7 @@ def _run(rank, world_size, policy):
         ids = _ids(rank, key)
         nxt = _ids(rank, key + 1)[:2]
         table.start_step(key, ids, key + 1, nxt)
-        for name, t in zip(("history", "candidate", "negative"), ids):
+        for name, t in zip(("history", "candidate", "negative"), ids, strict=True):
             if not torch.equal(table(t), oracle(t)):
                 fails.append(f"step {step}: {name} rows differ from an inline lookup")
     order = [r["name"] for r in sched.records(step=len(KEYS) - 1)]

@@ -23,12 +23,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_python, shard_sample_ids
 
 from dataprep import schema
 from dataprep.build import build_shards
 from dataprep.synth import write_synthetic
 from ftcore import ledger, tensorfile
-from conftest import run_python, shard_sample_ids
 from training import checkpoint
 from training.launch import TOY, LaunchConfig, Launcher
 

@@ -17,10 +17,10 @@ import sys
 
 import pytest
 import torch
+from conftest import torchrun_train
 
 from dataprep.build import build_shards
 from dataprep.synth import write_synthetic
-from conftest import torchrun_train
 from training import checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -71,13 +71,15 @@ def _result(out) -> dict:
 ])
 def test_sharded_table_trains_like_replicated(shards, replicated, tmp_path, free_port, clip, comm):
     rep, rep_out = replicated(clip, free_port)          # replicated, gloo all-reduce
-    shd = _torchrun(shards, str(tmp_path / "shd"), free_port, [f"optim.grad_clip={clip}", "comm.embedding=sharded", *comm])
+    shd = _torchrun(shards, str(tmp_path / "shd"), free_port,
+                    [f"optim.grad_clip={clip}", "comm.embedding=sharded", *comm])
     assert "item table sharded row-wise over 2 ranks" in shd and "item table sharded" not in rep
     assert len(_losses(rep)) == 8 and _losses(shd) == _losses(rep)
     a = checkpoint.load(_result(rep_out)["checkpoint"])
     r1 = _result(tmp_path / "shd")
     # the pipeline: from step 2 on, every step's id exchange ran during the step before it
-    policy = "blocking" if "comm.policy=blocking" in comm else "overlapped" if "comm.policy=overlapped" in comm else "prioritized"
+    policy = ("blocking" if "comm.policy=blocking" in comm
+              else "overlapped" if "comm.policy=overlapped" in comm else "prioritized")
     assert {k: r1["comm"][k] for k in ("policy", "prefetch_hits", "prefetch_misses")} == \
         {"policy": policy, "prefetch_hits": 7, "prefetch_misses": 0}
     assert r1["comm"]["lookup_wait_s"] > 0 and r1["comm"]["emb_grad_wait_s"] > 0

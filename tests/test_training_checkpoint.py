@@ -45,7 +45,7 @@ def _assert_same(a, b, where=""):
             _assert_same(a[k], b[k], f"{where}.{k}")
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             _assert_same(x, y, f"{where}[{i}]")
     else:
         assert a == b, where
@@ -129,10 +129,10 @@ def test_warm_start_carries_items_by_raw_id(shards, tmp_path):
 
     old = checkpoint.load(first["checkpoint"])["model"]
     old_map = pq.read_table(os.path.join(shards, ITEM_MAP)).to_pydict()
-    old_row = dict(zip(old_map["raw_id"], old_map["id"]))
+    old_row = dict(zip(old_map["raw_id"], old_map["id"], strict=True))
     w = model.item_emb.weight.detach()
     shifted = 0
-    for nid, raw in zip(new_map["id"], new_map["raw_id"]):
+    for nid, raw in zip(new_map["id"], new_map["raw_id"], strict=True):
         if raw in old_row:
             assert torch.equal(w[nid], old["item_emb.weight"][old_row[raw]]), raw
             shifted += nid != old_row[raw]

@@ -124,8 +124,9 @@ def test_world_size_mismatch_under_torchrun(tmp_path, shards, free_port):
     d = tmp_path / "ev3"
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    p = subprocess.Popen([torchrun, "--nproc-per-node", "3", "--master-addr", "127.0.0.1", "--master-port", str(free_port),
-                          "-m", "training", "train", "--shards", shards, "--out", str(d),
+    p = subprocess.Popen([torchrun, "--nproc-per-node", "3", "--master-addr", "127.0.0.1",
+                          "--master-port", str(free_port), "-m", "training", "train", "--shards", shards,
+                          "--out", str(d),
                           "--set", "mlflow.enabled=false"], cwd=ROOT, env=env, text=True,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:

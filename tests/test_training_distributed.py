@@ -10,10 +10,10 @@ import os
 
 import pytest
 import torch
+from conftest import torchrun_train
 
 from dataprep.build import build_shards
 from dataprep.synth import write_synthetic
-from conftest import torchrun_train
 from training import checkpoint
 from training.config import load_config
 from training.train import train

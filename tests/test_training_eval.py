@@ -33,7 +33,7 @@ def tiny(tmp_path) -> str:
 def _by_user(data: EvalData, split: str):
     s = data.splits[split]
     seqs = [s.values[s.offsets[i]:s.offsets[i + 1]].tolist() for i in range(len(s.targets))]
-    return sorted(zip(seqs, s.targets.tolist(), s.negatives.tolist()))
+    return sorted(zip(seqs, s.targets.tolist(), s.negatives.tolist(), strict=True))
 
 
 def test_split_inputs_and_negatives(tiny):

@@ -6,9 +6,8 @@ group's own facts arrive as group<g>/... metrics."""
 import collections
 
 import pytest
-from mlflow import MlflowClient
-
 from conftest import cli_shard_set, run_python
+from mlflow import MlflowClient
 
 pytestmark = [pytest.mark.integ, pytest.mark.slow]
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from training.config import ConfigError, ModelConfig, LossConfig, load_config, to_toml
+from training.config import ConfigError, LossConfig, ModelConfig, load_config, to_toml
 from training.loss import loss_sum
 from training.model import SeqRec, padding_fraction
 
@@ -98,7 +98,7 @@ def test_global_normalization_equals_one_big_batch():
     v1, o1 = _jagged(seqs[:1])
     v2, o2 = _jagged(seqs[1:])
     split = grads([(v1, o1, labels_all[:7]), (v2, o2, labels_all[7:])])
-    for a, b in zip(big, split):
+    for a, b in zip(big, split, strict=True):
         assert torch.allclose(a, b, atol=1e-6)
     # dividing by the LOCAL count instead would weight the 2-token rank 4.5x more per token
     m.zero_grad()
@@ -108,7 +108,7 @@ def test_global_normalization_equals_one_big_batch():
         (loss_sum(m, m(vals, offs), labs, cfg, g) / len(vals)).backward()
         g.set_state(state)
     local = [p.grad.clone() for p in m.parameters()]
-    assert not all(torch.allclose(a, b, atol=1e-6) for a, b in zip(big, local))
+    assert not all(torch.allclose(a, b, atol=1e-6) for a, b in zip(big, local, strict=True))
 
 
 def test_bce_normalization_is_a_mean_over_tokens():

@@ -127,7 +127,7 @@ def test_logged_model_serves_raw_ids_without_ftrec(run, tmp_path):
     assert got["leaked"] == []
     assert [len(i) for i in got["items"]] == [5, 5, 5, 0, 0]   # no known item: no recommendation
     assert [len(s) for s in got["scores"]] == [5, 5, 5, 0, 0]
-    for hist, items, scores in zip(histories, got["items"], got["scores"]):
+    for hist, items, scores in zip(histories, got["items"], got["scores"], strict=True):
         assert set(items) <= set(raw_ids) and not set(items) & set(hist)
         assert scores == sorted(scores, reverse=True)
 
@@ -137,7 +137,7 @@ def test_logged_model_serves_raw_ids_without_ftrec(run, tmp_path):
     model.load_state_dict(checkpoint.load(res["checkpoint"])["model"])
     model.eval()
     dense = {r: i + 1 for i, r in enumerate(raw_ids)}
-    for hist, items, scores in zip(histories[:3], got["items"], got["scores"]):
+    for hist, items, scores in zip(histories[:3], got["items"], got["scores"], strict=False):
         known = [dense[r] for r in hist if r in dense]
         with torch.no_grad():
             s = model.scores(model.last_hidden(torch.tensor(known[-model.cfg.max_len:]),

@@ -180,6 +180,7 @@ class MostPopular(torch.nn.Module):
     Counts come from the eval users' training sequences only (no valid/test targets),
     the floor that shared/data/README.md publishes.
     """
+    counts: torch.Tensor   # a buffer: per item, its count; index 0 is padding
 
     def __init__(self, data: "EvalData"):
         super().__init__()

@@ -23,12 +23,17 @@ import queue
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential
 
 from training.config import MlflowConfig
+
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
 log = logging.getLogger("training.tracking")
 
@@ -107,8 +112,8 @@ class Tracker:
         # MLflow's own HTTP retries would block for minutes on a dead server; tenacity decides here.
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", HTTP_TIMEOUT_S)
-        self._client = None
-        self._monitor = None               # mlflow's SystemMetricsMonitor, once the run exists
+        self._client: MlflowClient | None = None
+        self._monitor: SystemMetricsMonitor | None = None   # sampling system metrics, once the run exists
         self._thread = threading.Thread(target=self._work, name="mlflow-tracker", daemon=True)
         self._thread.start()
 
@@ -146,6 +151,7 @@ class Tracker:
         """Log a training.serving export as the run's pyfunc "model" (registered as `name` when asked)."""
         def send(client, run_id):
             import mlflow
+
             from training import serving
             mlflow.set_tracking_uri(self.uri)
             with mlflow.start_run(run_id=run_id):
@@ -172,7 +178,7 @@ class Tracker:
     def _put(self, name: str, fn) -> None:
         self._q.put(_Op(name, fn))
 
-    def _start_run(self):
+    def _start_run(self) -> str:
         from mlflow import MlflowClient
         client = MlflowClient(self.uri)
         run_id = self.cfg.run_id or (self._recorded_run() if self._continue else "")
@@ -189,6 +195,7 @@ class Tracker:
         self._client, self.run_id = client, run_id
         if self.cfg.system_metrics:
             self._start_system_metrics()
+        return run_id
 
     # The run this output folder's job opened: a group restarted by the launcher or torchrun (a
     # new process, no run id in its settings) logs into it instead of opening a second run. A
@@ -225,9 +232,7 @@ class Tracker:
                                     retry=retry_if_exception(_transient),
                                     wait=wait_exponential(multiplier=0.2, max=2)):
                 with attempt:
-                    if self.run_id is None:
-                        self._start_run()
-                    op.fn(self._client, self.run_id)
+                    op.fn(self._client, self.run_id or self._start_run())
             return True
         except Exception as e:  # never propagate: training must go on
             op.tries += 1
