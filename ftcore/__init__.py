@@ -8,11 +8,14 @@ while the others keep training, and the returning group catches up from a health
     lighthouse.py         control plane: membership, quorum, heal assignments, events, one
                           lighthouse for several jobs (`ftcore-lighthouse`, GET /status, HTML page)
     lighthouse_client.py  a rank's heartbeats, quorum requests and failure reports
+    messages.py           every lighthouse message as one typed definition, parsed and checked once
+    pace.py               fail-slow: a group much slower than its peers waits on standby
     manager.py            the per-rank step protocol: start_quorum / allreduce / should_commit
     ftar.py               the fault-tolerant all-reduce across groups (gloo; CUDA gradients host-staged)
     collectives.py        the one device rule: data on the group's device, control values on a gloo twin
     heal.py               non-blocking catch-up: background snapshot server and fetch
     tensorfile.py         tensor-only serialization (safetensors layout, stdlib + torch)
+    final_state.py        a group's final-state file: its name, checksum and header (stdlib only)
     schedule.py           exactly-once data: the replicated schedule with make-up steps
     ledger.py             the ledger of committed batches and the exactly-once check
     faults.py             fault plans (tests, benchmarks, launcher, chaos DAG)

@@ -843,9 +843,6 @@ class LighthouseServer:
             self.loop.call_soon_threadsafe(stop)
             self._thread.join(timeout=5)
 
-    def server_close(self) -> None:
-        pass
-
     def dispatch(self, conn: _Connection, method: str, target: str, headers: dict[str, str], raw: bytes) -> None:
         url = urllib.parse.urlparse(target)
         # header only: a token in a URL ends up in logs, histories and Referer headers

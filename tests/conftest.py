@@ -115,7 +115,6 @@ def lighthouse():
     for server, lh in servers:
         lh.close()
         server.shutdown()
-        server.server_close()
 
 
 def ask_all(clients, timeout: float = 5.0) -> list:
