@@ -22,13 +22,14 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from training.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {
@@ -37,12 +38,6 @@ CONFIGS = {
     "overlapped": ["comm.embedding=sharded", "comm.policy=overlapped"],
     "prioritized": ["comm.embedding=sharded", "comm.policy=prioritized"],
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(argv: list[str], timeout: float) -> str:
@@ -72,7 +67,7 @@ def make_shards(work: str, items: int, users: int) -> str:
 
 def train_once(shards: str, out: str, settings: list[str], timeout: float) -> dict:
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    _run([torchrun, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+    _run([torchrun, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
           "-m", "training", "train", "--shards", shards, "--out", out, "--set", *settings], timeout)
     with open(os.path.join(out, "result.json")) as f:
         return json.load(f)

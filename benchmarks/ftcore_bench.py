@@ -27,6 +27,8 @@ import tempfile
 import time
 from typing import Any
 
+from training.ports import free_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MB = 1 << 20
 
@@ -112,7 +114,7 @@ def bench_allreduce(sizes_mb: list[int], groups: list[int]) -> list[dict]:
         iters = {s: (10 if s <= 4 * MB else 6 if s <= 16 * MB else 4 if s <= 64 * MB else 3) for s in sizes}
         ctx = mp.get_context("spawn")
         q = ctx.Queue()
-        port = _free_port()
+        port = free_port()
         procs = [ctx.Process(target=_ar_worker, args=(i, n, sizes, iters, port, addr,
                                                       tf.address() if tf else None, q)) for i in range(n)]
         for p in procs:
@@ -143,13 +145,6 @@ def bench_allreduce(sizes_mb: list[int], groups: list[int]) -> list[dict]:
             row["quorum_ms_median"] = statistics.median(results[0]["quorum_ms"])
             rows.append(row)
     return rows
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---- 2./3. launcher runs -----------------------------------------------------------------------

@@ -16,16 +16,15 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
-
 from test_airflow_integration import _call, _token, _wait, airflow_server  # noqa: F401 - the fixture
+
+from training.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.slow, pytest.mark.integ]
@@ -53,9 +52,7 @@ def mlflow_ui(tmp_path, monkeypatch):
     _needs_a_browser()
     store = tmp_path / "work" / "mlflow"
     store.mkdir(parents=True)
-    with socket.socket() as s:   # its own port: free_port is the API server's
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
+    port = str(free_port())
     base = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "mlflow-server.log", "w")
     p = subprocess.Popen([str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1",
@@ -80,14 +77,15 @@ def mlflow_ui(tmp_path, monkeypatch):
         log.close()
 
 
-def test_lighthouse_tab_and_mlflow_run_in_a_real_browser(mlflow_ui, airflow_server):
+def test_lighthouse_tab_and_mlflow_run_in_a_real_browser(mlflow_ui, airflow_server):  # noqa: F811 - the fixture
     from playwright.sync_api import sync_playwright
     base, home, procs, tmp = airflow_server
     _wait("the API server", lambda: _call(base, "/api/v2/monitor/health"), 180, procs)
     token = _wait("a login token", lambda: _token(base, home), 60, procs)
     _wait("ftrec_train to be parsed", lambda: _call(base, "/api/v2/dags/ftrec_train", token), 180, procs)
     _call(base, "/api/v2/dags/ftrec_train", token, body={"is_paused": False}, method="PATCH")
-    run_id = _call(base, "/api/v2/dags/ftrec_train/dagRuns", token, body={"logical_date": None, "conf": CONF})["dag_run_id"]
+    run_id = _call(base, "/api/v2/dags/ftrec_train/dagRuns", token,
+                   body={"logical_date": None, "conf": CONF})["dag_run_id"]
     q = urllib.request.quote(run_id)
 
     def finished():
@@ -120,7 +118,8 @@ def test_lighthouse_tab_and_mlflow_run_in_a_real_browser(mlflow_ui, airflow_serv
             assert restarts == "1", restarts
             assert "does not answer" not in tab.locator("body").inner_text()
             page.screenshot(path=str(tmp / "lighthouse-tab.png"), full_page=True)
-            shutil.copy(tmp / "lighthouse-tab.png", "/tmp/lighthouse-tab.png") if os.environ.get("FTREC_KEEP_SCREENSHOTS") else None
+            if os.environ.get("FTREC_KEEP_SCREENSHOTS"):
+                shutil.copy(tmp / "lighthouse-tab.png", "/tmp/lighthouse-tab.png")
 
             # the MLflow run the train task links to, in the MLflow UI (a React app: rendered by the browser)
             mlflow_page = ctx.new_page()

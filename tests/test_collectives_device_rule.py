@@ -12,11 +12,11 @@ import datetime
 import os
 import types
 
+import device_rule
 import pytest
 import torch
 import torch.distributed as dist
 
-import device_rule
 from dataprep.build import build_shards
 from dataprep.synth import write_synthetic
 from ftcore import collectives as coll
@@ -101,7 +101,7 @@ def _table(rank):
     table.start_grads()
     table.finish_grads()
     norm = float(grad_norm_sq(table.weight))
-    same = all(torch.equal(r.detach(), full[t]) for r, t in zip(rows, ids))
+    same = all(torch.equal(r.detach(), full[t]) for r, t in zip(rows, ids, strict=True))
     smfree = make_transport("smfree", group=coll.new_group())   # setup facts and barrier: control
     got = smfree.all_to_all(torch.arange(4.0) + 10 * rank, [2, 2], [2, 2]).wait().tolist()
     coll.barrier(smfree.group)   # both read before either unlinks its outbox

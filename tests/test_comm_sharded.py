@@ -6,8 +6,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from training.comm.sharded_embedding import (ShardedEmbedding, ShardedEmbeddingCollection,
-                                             gather_full_weight, reference_weight)
+from training.comm.sharded_embedding import (
+    ShardedEmbedding,
+    ShardedEmbeddingCollection,
+    gather_full_weight,
+    reference_weight,
+)
 from training.comm.spawn import run_ranks
 from training.comm.transport import make_transport
 

@@ -56,7 +56,7 @@ def test_smfree_equals_collective(tmp_path):
     for r in range(2):
         assert coll[r][0] == "collective" and sm[r][0] == "smfree"
         assert len(coll[r][1]) == len(sm[r][1]) == 6
-        for a, b in zip(coll[r][1], sm[r][1]):
+        for a, b in zip(coll[r][1], sm[r][1], strict=True):
             assert a.dtype == b.dtype and a.shape == b.shape
             assert torch.equal(a, b)
         assert any("box" in f for f in sm[r][2]), "smfree must have used shared-memory outboxes"
@@ -104,7 +104,7 @@ def test_fallback_to_collective(tmp_path):
 
 
 def _check_fallback(mode, res):
-    for name, reason, y, a2a in res:
+    for name, reason, y, _a2a in res:
         assert name == "CollectiveTransport"  # every rank takes the same decision
         expect = {"hosts": "different hosts", "no_shm": "missing or not writable", "no_cuda": "CUDA is not available"}
         assert expect[mode] in reason

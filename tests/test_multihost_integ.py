@@ -22,10 +22,10 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 import netns
+import pytest
 from conftest import cli_shard_set, shard_sample_ids
+
 from dataprep import schema
 from ftcore import ledger
 

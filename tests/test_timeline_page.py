@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from conftest import run_python
 
 ROOT = Path(__file__).resolve().parent.parent

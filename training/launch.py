@@ -34,7 +34,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -47,6 +46,7 @@ from tenacity import RetryError, Retrying, retry_if_exception_type, stop_after_a
 from ftcore import auth, final_state
 from ftcore import faults as faults_mod
 from ftcore.lighthouse_client import call
+from training.ports import free_port
 
 TOY = "ftcore.examples.toy"
 SHM_DIR = "/dev/shm"   # comm.transport=smfree's default shm_dir
@@ -82,12 +82,6 @@ class LaunchConfig:
     extra: list[str] = field(default_factory=list)
     print_commands: bool = False
     oversubscribe_gpus: bool = False   # groups may share GPUs (never two ranks of one group)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Proc:

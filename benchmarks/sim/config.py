@@ -11,6 +11,8 @@ import tomllib
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
+from training.config import ConfigError, parse_overrides
+
 
 class SimConfigError(ValueError):
     """A setting the user gave is wrong; the message names it and says what to do."""
@@ -236,13 +238,6 @@ def validate(cfg: SimConfig) -> SimConfig:
     return cfg
 
 
-def _parse_value(text: str):
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text  # a bare word: a string
-
-
 def load(path: "str | Path | None" = None, overrides: "list[str] | tuple" = ()) -> SimConfig:
     """Defaults <- TOML file <- `section.key=value` overrides (values in TOML syntax)."""
     cfg = SimConfig()
@@ -254,12 +249,12 @@ def load(path: "str | Path | None" = None, overrides: "list[str] | tuple" = ()) 
         except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
             raise SimConfigError(f"{path}: not a readable TOML file ({e})") from None
         cfg = _apply(cfg, data, str(path))
-    for item in overrides:
-        key, sep, text = item.partition("=")
-        parts = key.strip().split(".")
-        if not sep or len(parts) != 2 or not all(parts):
-            raise SimConfigError(f"--set {item!r}: expected section.key=value, e.g. --set job.gpus=16384")
-        cfg = _apply(cfg, {parts[0]: {parts[1]: _parse_value(text.strip())}}, "--set")
+    try:   # the one --set syntax of ftrec (the trainer's and the local runner's too)
+        data = parse_overrides(overrides)
+    except ConfigError as e:
+        raise SimConfigError(str(e)) from None
+    if data:
+        cfg = _apply(cfg, data, "--set")
     return validate(cfg)
 
 
