@@ -12,8 +12,6 @@ Formats: sasrec (`user item` lines), iclrec (one line per user), events
 (Parquet with user_id, item_id, timestamp) and events-csv.
 """
 
-import os
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +22,7 @@ import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 
 from dataprep.errors import DataprepError
+from dataprep.fsutil import atomic_writer
 from dataprep.progress import Progress
 
 SYNTH_FORMATS = ("sasrec", "iclrec", "events", "events-csv")
@@ -94,37 +93,30 @@ def write_synthetic(path: str, *, users: int, items: int, seed: int = 0, fmt: st
                             "0 <= markov < 1")
     cfg = SynthConfig(users, items, seed, median_len, sigma, min_len, max_history, zipf, markov)
     out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
     writer = None
-    try:
-        with open(tmp, "wb") as f, Progress("synth", users, quiet=quiet, unit=" users") as bar:
-            for uid, off, it, ts in _chunks(cfg):
-                ln = np.diff(off)
-                if fmt == "sasrec":
-                    t = pa.table({"u": np.repeat(uid, ln), "i": it})
-                    pcsv.write_csv(t, f, pcsv.WriteOptions(include_header=False, delimiter=" ", quoting_style="none"))
-                elif fmt == "iclrec":
-                    lists = pa.ListArray.from_arrays(pa.array(off.astype(np.int32)), pc.cast(pa.array(it), pa.string()))
-                    line = pc.binary_join_element_wise(pc.cast(pa.array(uid), pa.string()),
-                                                       pc.binary_join(lists, " "), " ")
-                    pcsv.write_csv(pa.table({"l": line}), f,
-                                   pcsv.WriteOptions(include_header=False, quoting_style="none"))
+    with atomic_writer(out, "wb") as f, Progress("synth", users, quiet=quiet, unit=" users") as bar:
+        for uid, off, it, ts in _chunks(cfg):
+            ln = np.diff(off)
+            if fmt == "sasrec":
+                t = pa.table({"u": np.repeat(uid, ln), "i": it})
+                pcsv.write_csv(t, f, pcsv.WriteOptions(include_header=False, delimiter=" ", quoting_style="none"))
+            elif fmt == "iclrec":
+                lists = pa.ListArray.from_arrays(pa.array(off.astype(np.int32)), pc.cast(pa.array(it), pa.string()))
+                line = pc.binary_join_element_wise(pc.cast(pa.array(uid), pa.string()),
+                                                   pc.binary_join(lists, " "), " ")
+                pcsv.write_csv(pa.table({"l": line}), f,
+                               pcsv.WriteOptions(include_header=False, quoting_style="none"))
+            else:
+                order = np.argsort(ts, kind="stable")  # a log: events in time order within the chunk
+                t = pa.table({"user_id": np.repeat(uid, ln)[order], "item_id": it[order], "timestamp": ts[order]})
+                if fmt == "events":
+                    if writer is None:
+                        writer = pq.ParquetWriter(f, t.schema)
+                    writer.write_table(t)
                 else:
-                    order = np.argsort(ts, kind="stable")  # a log: events in time order within the chunk
-                    t = pa.table({"user_id": np.repeat(uid, ln)[order], "item_id": it[order], "timestamp": ts[order]})
-                    if fmt == "events":
-                        if writer is None:
-                            writer = pq.ParquetWriter(f, t.schema)
-                        writer.write_table(t)
-                    else:
-                        pcsv.write_csv(t, f, pcsv.WriteOptions(include_header=writer is None))
-                        writer = writer or True
-                bar.update(len(uid))
-            if writer not in (None, True):
-                writer.close()
-        os.replace(tmp, out)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+                    pcsv.write_csv(t, f, pcsv.WriteOptions(include_header=writer is None))
+                    writer = writer or True
+            bar.update(len(uid))
+        if writer not in (None, True):
+            writer.close()
     return str(out)

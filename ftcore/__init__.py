@@ -21,6 +21,7 @@ while the others keep training, and the returning group catches up from a health
     faults.py             fault plans (tests, benchmarks, launcher, chaos DAG)
     timeouts.py           every timeout, with its environment override
     auth.py               the shared token
+    fsutil.py             the atomic file write (token file, tensor files; ftcore's own, stdlib only)
     netaddr.py            the one address a rank binds and advertises (FTCORE_HOST or derived)
     examples/toy.py       a self-contained trainer on all of the above
 

@@ -10,6 +10,8 @@ import os
 import secrets
 import sys
 
+from ftcore.fsutil import atomic_writer
+
 HEADER = "Authorization"
 
 
@@ -20,13 +22,8 @@ def new_token() -> str:
 def write_token_file(path: str) -> str:
     """A new token in a new file at `path`, readable by its owner only from the first byte."""
     token = new_token()
-    tmp = f"{path}.tmp-{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    with atomic_writer(path, perm=0o600) as f:
+        f.write(token.encode())
     return token
 
 

@@ -19,6 +19,8 @@ from typing import Any, BinaryIO, Protocol
 
 import torch
 
+from ftcore.fsutil import atomic_writer
+
 TREE_KEY = "ftcore.tree"
 _DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -219,13 +221,9 @@ def loads(raw: bytes) -> Any:
 
 
 def save(tree: Any, path: str, metadata: dict[str, str] | None = None) -> None:
-    """Write atomically: a temporary file in the same folder, then os.replace."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
+    """Write atomically: a temporary file in the same folder, fsynced, then os.replace."""
+    with atomic_writer(path) as f:
         write(tree, f, metadata)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def load(path: str) -> Any:
