@@ -16,7 +16,6 @@ one line and exit with status 2.
 
 import argparse
 import json
-import os
 import sys
 
 
@@ -50,10 +49,8 @@ def _eval(args) -> int:
     scores = evaluate_checkpoint(args.checkpoint, args.shards, overrides)
     text = json.dumps(scores, indent=1, sort_keys=True)
     if args.out:
-        tmp = f"{args.out}.tmp-{os.getpid()}"
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, args.out)
+        from dataprep.fsutil import atomic_write_text
+        atomic_write_text(args.out, text)
     print(text)
     return 0
 

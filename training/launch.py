@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 
 from tenacity import RetryError, Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
+from dataprep.fsutil import atomic_write_json
 from ftcore import auth, final_state
 from ftcore import faults as faults_mod
 from ftcore.lighthouse_client import call
@@ -537,10 +538,7 @@ class Launcher:
         timeline = {"exit_code": code, "checksums": {str(g): s for g, s in sums.items()},
                     "restarts": self.restarts, "summary": summary, "launcher_events": self.events,
                     "lighthouse_events": events, "steps": sorted(steps, key=lambda r: r["t"])}
-        tmp = os.path.join(self.out, "timeline.json.tmp")
-        with open(tmp, "w") as f:
-            json.dump(timeline, f)
-        os.replace(tmp, os.path.join(self.out, "timeline.json"))
+        atomic_write_json(os.path.join(self.out, "timeline.json"), timeline)
         print(f"[launch] timeline {os.path.join(self.out, 'timeline.json')}: {json.dumps(summary)}", flush=True)
         log_to_mlflow(self.out, summary, os.path.join(self.out, "timeline.json"))
 

@@ -11,7 +11,6 @@ compute and wait, and the bubble fraction 1 - mean/max of per-step compute.
 both this record and the group's bubble timeline (training/comm/integration.py, GroupComm).
 """
 
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
+from dataprep.fsutil import atomic_writer
 from ftcore import collectives as coll
 from training import distributed
 
@@ -228,8 +228,7 @@ def plot(history: History, path: str) -> str | None:
     b.set_ylabel("ms")
     b.legend(fontsize=7)
     fig.tight_layout()
-    tmp = path + ".tmp.png"
-    fig.savefig(tmp, dpi=90)
+    with atomic_writer(path, "wb") as f:
+        fig.savefig(f, dpi=90, format="png")
     plt.close(fig)
-    os.replace(tmp, path)
     return path

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential
 
+from dataprep.fsutil import atomic_write_text
 from training.config import MlflowConfig
 
 if TYPE_CHECKING:
@@ -211,11 +212,7 @@ class Tracker:
             return ""
 
     def _record_run(self, run_id: str) -> None:
-        os.makedirs(self._out, exist_ok=True)
-        tmp = f"{self._run_file()}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
-            f.write(run_id)
-        os.replace(tmp, self._run_file())
+        atomic_write_text(self._run_file(), run_id)   # creates the output folder too
 
     def _start_system_metrics(self) -> None:
         try:

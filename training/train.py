@@ -26,13 +26,13 @@ times the step's phases for both the MLflow window and the bubble accounting (Gr
 """
 
 import copy
-import json
 import os
 import time
 from typing import Any, Protocol, cast
 
 import torch
 
+from dataprep.fsutil import atomic_write_json
 from training import checkpoint, distributed, metrics, serving
 from training import ft as ft_mod
 from training.comm.integration import GroupComm
@@ -53,10 +53,7 @@ def log(topo: Topology, msg: str) -> None:
 
 
 def write_json(path: str, obj: dict) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1, sort_keys=True)
-    os.replace(tmp, path)
+    atomic_write_json(path, obj, indent=1, sort_keys=True)
 
 
 def train(cfg: Config) -> dict:

@@ -21,7 +21,6 @@ the straggler split would need clock offsets (not done; the totals do not need i
 
 from __future__ import annotations
 
-import os
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -29,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.distributed as dist
 
+from dataprep.fsutil import atomic_writer
 from ftcore import collectives as coll
 
 
@@ -244,8 +244,7 @@ def plot_timeline(steps_by_rank: list[list[StepRecord]], path: str, arrivals: di
     from matplotlib.patches import Patch
     fig.legend(handles=[Patch(color=c, label=k) for k, c in COLOURS.items()], loc="lower center", ncol=4, fontsize=8)
     fig.tight_layout(rect=(0, 0.12, 1, 1))
-    tmp = f"{path}.tmp-{os.getpid()}.png"
-    fig.savefig(tmp, dpi=100)
+    with atomic_writer(path, "wb") as f:
+        fig.savefig(f, dpi=100, format="png")
     plt.close(fig)
-    os.replace(tmp, path)
     return path
