@@ -72,9 +72,9 @@ def write_snapshot(run_dir: Path, url: str, status: dict | None, error: str = ""
             doc["status"], doc["fetched_at"] = old.get("status"), old.get("fetched_at")
         except ValueError:
             pass
-    tmp = path.with_name(f".{SNAPSHOT}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(doc))
-    os.replace(tmp, path)
+    from dataprep.fsutil import atomic_write_json  # here: DAG parsing imports this module, not dataprep
+
+    atomic_write_json(path, doc)
 
 
 def read_snapshot(run_dir: Path) -> dict | None:

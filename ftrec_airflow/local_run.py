@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from dataprep.fsutil import atomic_write_json, atomic_write_text
 from ftrec_airflow import runner, settings
 from training import config  # the trainer's settings and the one --set parser (no torch)
 
@@ -63,9 +64,7 @@ def write_env_file(work: Path, env: dict[str, str]) -> Path:
     text = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in sorted(env.items()))
     # `airflow standalone` starts its components as plain `airflow` commands: the venv must be on PATH
     text += f'export PATH={shlex.quote(str(Path(sys.executable).parent))}:"$PATH"\n'
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("# source this file to point airflow and mlflow at the work folder\n" + text)
-    os.replace(tmp, path)
+    atomic_write_text(path, "# source this file to point airflow and mlflow at the work folder\n" + text)
     return path
 
 
@@ -131,9 +130,7 @@ def child(dag_id: str, conf: dict, summary_path: Path, logical_date: str | None 
                "run_folder": str(settings.run_folder(dag_id, dr.run_id)),
                "xcom": {k: v for k, v in xcoms.items() if isinstance(v, (dict, list, str, int, float))},
                "links": links}
-    tmp = summary_path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(summary, indent=1, default=str))
-    os.replace(tmp, summary_path)
+    atomic_write_json(summary_path, summary, indent=1, default=str)
     return 0 if summary["state"].endswith("success") else 1
 
 

@@ -45,11 +45,8 @@ def ingest(source: str, fmt: str, run_dir: Path, *, synth_users: int = 2000,
     if source == "synthetic":
         path = Path(run_dir) / "data" / "events.txt"
         if not path.exists():
-            from dataprep.synth import write_synthetic
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-            write_synthetic(str(tmp), users=synth_users, items=synth_items, seed=seed, fmt="sasrec")
-            os.replace(tmp, path)
+            from dataprep.synth import write_synthetic  # writes atomically itself
+            write_synthetic(str(path), users=synth_users, items=synth_items, seed=seed, fmt="sasrec")
         return {"path": str(path), "format": "sasrec", "bytes": path.stat().st_size, "synthetic": True}
 
     if fmt not in FORMATS:
@@ -191,11 +188,9 @@ def _fault_plan_file(spec: TrainSpec) -> str:
             json.loads(plan)
         except json.JSONDecodeError as e:
             raise UserError(f"param fault_plan: inline JSON does not parse ({e.msg} at column {e.colno})") from None
+        from dataprep.fsutil import atomic_write_text
         path = Path(spec.out) / "fault_plan.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(plan)
-        os.replace(tmp, path)
+        atomic_write_text(path, plan)
         return str(path)
     if not Path(plan).is_file():
         raise UserError(f"param fault_plan: {plan} is not a file; give a TOML/JSON plan file or inline JSON")
@@ -285,13 +280,12 @@ def train(spec: TrainSpec, run_id: str, tracking_uri: str, *, credentials: dict[
 def evaluate(checkpoint: str, shards: str, out_json: str, *, logger=None, timeout_s: float | None = None) -> dict:
     """Evaluate a checkpoint on the shard set's held-out targets; return {metric: value}.
 
-    The result file appears by rename, so a retry after it exists does no work."""
+    `training eval --out` writes the result file atomically (whole or not at all), so a retry
+    after it exists does no work."""
     out = Path(out_json)
     if not out.exists():
-        tmp = out.with_name(f".{out.name}.tmp")
         runner.run([sys.executable, "-m", "training", "eval", "--checkpoint", checkpoint,
-                    "--shards", shards, "--out", str(tmp)], logger=logger, timeout_s=timeout_s)
-        os.replace(tmp, out)
+                    "--shards", shards, "--out", str(out)], logger=logger, timeout_s=timeout_s)
     data = json.loads(out.read_text())
     metrics = data.get("metrics", data)
     return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
