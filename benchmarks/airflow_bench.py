@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dataprep.fsutil import atomic_write_json
 from ftrec_airflow import settings
 
 HEAVY = ("torch", "mlflow", "pyarrow", "numpy", "pandas", "dataprep", "training", "ftcore")
@@ -139,10 +140,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{pl['airflow_s'] / pl['direct_s']:7.2f}")
     print(f"load average (1/5/15 min) at the end: {res['load_avg']}")
     out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp_out = out.with_suffix(".tmp")
-    tmp_out.write_text(json.dumps(res, indent=1))
-    os.replace(tmp_out, out)
+    atomic_write_json(out, res, indent=1)
     print(f"wrote {out}")
     return 0
 

@@ -22,7 +22,6 @@ comm tests (tests/test_comm_scheduler.py, tests/test_comm_bubbles.py) reuse it.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import threading
@@ -36,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dataprep.fsutil import atomic_write_json
 from training.comm.bubbles import Timeline, account, max_arrivals, metrics, per_step_bubble
 from training.comm.item_table import ShardedItemTable
 from training.comm.scheduler import CommScheduler, Stage
@@ -558,10 +558,7 @@ def main(argv: list[str] | None = None) -> None:
         bench_e2e(base, out, datasets, args.png)
         bench_scale(base, out)
     out["wall_s"] = time.time() - t0
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out + ".tmp"
-    Path(tmp).write_text(json.dumps(out, indent=1, default=str))
-    os.replace(tmp, args.out)
+    atomic_write_json(args.out, out, indent=1, default=str)
     print(f"\nwrote {args.out} ({out['wall_s']:.0f}s)")
 
 

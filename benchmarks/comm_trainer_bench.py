@@ -29,6 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from dataprep.fsutil import atomic_write_json
 from training.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -122,11 +123,7 @@ def main(argv=None) -> int:
         print(f"| {name} | {row['step_ms']:.1f} | {row['wait_ms']:.1f} | {row['lookup_wait_ms']:.1f} | "
               f"{row['emb_grad_wait_ms']:.1f} | {row['tokens_per_s']:.0f} | {row['step_ms'] / base['step_ms']:.2f} | "
               f"{lw:.2f} |")
-    os.makedirs(os.path.dirname(a.out), exist_ok=True)
-    tmp = f"{a.out}.tmp"
-    with open(tmp, "w") as f:
-        json.dump({"args": vars(a), "rows": rows, "runs": runs}, f, indent=1)
-    os.replace(tmp, a.out)
+    atomic_write_json(a.out, {"args": vars(a), "rows": rows, "runs": runs}, indent=1)
     print(f"wrote {a.out}")
     return 0
 

@@ -27,6 +27,7 @@ import tempfile
 import time
 from typing import Any
 
+from dataprep.fsutil import atomic_write_json
 from training.ports import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -310,10 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     if skip and os.path.exists(a.out):   # keep the parts this run skipped from the last full run
         with open(a.out) as f:
             result = {**json.load(f), **result}
-    tmp = a.out + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(layout(result), f, indent=1)
-    os.replace(tmp, a.out)
+    atomic_write_json(a.out, layout(result), indent=1)
     print(f"\nwrote {a.out}")
     return 0
 

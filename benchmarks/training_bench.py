@@ -38,6 +38,7 @@ import torch
 
 from dataprep import schema
 from dataprep.build import build_shards
+from dataprep.fsutil import atomic_write_json
 from training.config import EvalConfig, load_config
 from training.evaluate import EvalData, MostPopular, evaluate
 from training.train import train
@@ -277,9 +278,7 @@ def main(argv=None) -> int:
     for part in parts:
         res = {"quality": quality, "throughput": throughput, "window": window, "hstu": hstu}[part](args)
         path = os.path.join(args.results, f"training-{part}.json")
-        with open(path + ".tmp", "w") as f:
-            json.dump({"argv": sys.argv, "results": res}, f, indent=1, default=str)
-        os.replace(path + ".tmp", path)
+        atomic_write_json(path, {"argv": sys.argv, "results": res}, indent=1, default=str)
         print(f"\nwrote {path}")
     return 0
 

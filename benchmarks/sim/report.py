@@ -7,8 +7,6 @@ difference is measured with less noise than either figure alone.
 
 import json
 import math
-import os
-import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -20,6 +18,7 @@ from benchmarks.sim import balance, calibration
 from benchmarks.sim.config import FailureKind, SimConfig, validate, with_
 from benchmarks.sim.engine import MODES, simulate
 from benchmarks.sim.failures import draw, job_mtbf_s, units
+from dataprep.fsutil import atomic_write_text, atomic_writer
 
 PAPER: dict[str, Any] = {
     "gpus": 98_304, "replica_groups": 12, "mtbf_min": 18.0, "stall_min": {"sync": 10.0, "fthsdp": 3.0},
@@ -251,21 +250,8 @@ def table(rep: dict) -> str:
     return "\n".join(lines)
 
 
-def _atomic(path: Path, write) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def write_json(rep: dict, path: Path) -> None:
-    _atomic(path, lambda tmp: Path(tmp).write_text(json.dumps(rep, indent=2, default=float) + "\n"))
+    atomic_write_text(path, json.dumps(rep, indent=2, default=float) + "\n")
 
 
 def plots(rep: dict, out: Path) -> list:
@@ -277,7 +263,8 @@ def plots(rep: dict, out: Path) -> list:
 
     def save(fig, name):
         path = out / name
-        _atomic(path, lambda tmp: fig.savefig(tmp, dpi=110, bbox_inches="tight", format="png"))
+        with atomic_writer(path, "wb") as f:
+            fig.savefig(f, dpi=110, bbox_inches="tight", format="png")
         plt.close(fig)
         written.append(str(path))
 
