@@ -273,40 +273,33 @@ def plots(rep: dict, out: Path) -> list:
         e = np.array([100 * r[key]["ci95"] for r in rows])
         ax.errorbar(x, m, yerr=e, marker="o", ms=4, capsize=3, label=label, **kw)
 
+    both: list[tuple[str, str, dict[str, Any]]] = [("sync", "synchronous", {}), ("fthsdp", "FT-HSDP", {})]
+
+    def ett_plot(name, rows, x, xlabel, title, series=None, published=False):
+        """Effective training time against rows' `x` (log scale): per series (key, label, line
+        style) its mean with the 95% CI; synchronous and FT-HSDP unless `series` says otherwise."""
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        xs = [r[x] for r in rows]
+        for key, label, kw in series or both:
+            line(ax, xs, rows, key, label, **kw)
+        if published:
+            ax.scatter([pub["gpus"]] * 2, [100 * pub["ett"]["sync"], 100 * pub["ett"]["fthsdp"]], marker="*",
+                       s=140, color="k", zorder=5, label="published (FT-HSDP paper)")
+        ax.set(xscale="log", xlabel=xlabel, ylabel="effective training time (%)", ylim=(0, 102), title=title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        save(fig, name)
+
     sw, pub = rep["sweeps"], rep["paper"]["published"]
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    xs = [r["gpus"] for r in sw["scale"]]
-    line(ax, xs, sw["scale"], "sync", "synchronous")
-    line(ax, xs, sw["scale"], "fthsdp", f"FT-HSDP, groups of {rep['config']['sweep']['group_gpus']:,} GPUs")
-    line(ax, xs, sw["scale"], "fthsdp_fixed_groups", f"FT-HSDP, {sw['scale'][0]['fixed_groups']} groups", ls="--")
-    line(ax, xs, sw["scale"], "fthsdp_ftrec", "FT-HSDP with ftrec's measured failover/heal", ls=":")
-    ax.scatter([pub["gpus"]] * 2, [100 * pub["ett"]["sync"], 100 * pub["ett"]["fthsdp"]], marker="*", s=140,
-               color="k", zorder=5, label="published (FT-HSDP paper)")
-    ax.set(xscale="log", xlabel="GPUs", ylabel="effective training time (%)", ylim=(0, 102),
-           title="Effective training time vs scale")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    save(fig, "sim-ett-vs-scale.png")
-
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    xs = [r["groups"] for r in sw["groups"]]
-    line(ax, xs, sw["groups"], "sync", "synchronous")
-    line(ax, xs, sw["groups"], "fthsdp", "FT-HSDP")
-    ax.set(xscale="log", xlabel=f"replica groups ({rep['job']['gpus']:,} GPUs)",
-           ylabel="effective training time (%)", ylim=(0, 102), title="Effective training time vs replica groups")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    save(fig, "sim-ett-vs-groups.png")
-
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    xs = [r["failures_per_day"] for r in sw["rate"]]
-    line(ax, xs, sw["rate"], "sync", "synchronous")
-    line(ax, xs, sw["rate"], "fthsdp", "FT-HSDP")
-    ax.set(xscale="log", xlabel=f"failures per day ({rep['job']['gpus']:,} GPUs)",
-           ylabel="effective training time (%)", ylim=(0, 102), title="Effective training time vs failure rate")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    save(fig, "sim-ett-vs-failure-rate.png")
+    ett_plot("sim-ett-vs-scale.png", sw["scale"], "gpus", "GPUs", "Effective training time vs scale",
+             [("sync", "synchronous", {}),
+              ("fthsdp", f"FT-HSDP, groups of {rep['config']['sweep']['group_gpus']:,} GPUs", {}),
+              ("fthsdp_fixed_groups", f"FT-HSDP, {sw['scale'][0]['fixed_groups']} groups", {"ls": "--"}),
+              ("fthsdp_ftrec", "FT-HSDP with ftrec's measured failover/heal", {"ls": ":"})], published=True)
+    ett_plot("sim-ett-vs-groups.png", sw["groups"], "groups", f"replica groups ({rep['job']['gpus']:,} GPUs)",
+             "Effective training time vs replica groups")
+    ett_plot("sim-ett-vs-failure-rate.png", sw["rate"], "failures_per_day",
+             f"failures per day ({rep['job']['gpus']:,} GPUs)", "Effective training time vs failure rate")
 
     bb = rep["bubbles"]
     fig, ax = plt.subplots(figsize=(7, 4.2))
