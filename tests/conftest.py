@@ -86,6 +86,19 @@ def shard_sample_ids(shards: Path):
     return sample_ids
 
 
+def synthetic_shards(folder: "str | os.PathLike", *, users: int, items: int, seed: int, world_size: int,
+                     batch_size: int, max_len: int, median_len: float = 8, max_history: int = 40) -> Path:
+    """A synthetic `sasrec` log, folder/ev.txt (dataprep's write_synthetic), built into a
+    shard set, folder/shards (build_shards, in process); returns the shard set's folder."""
+    from dataprep.build import build_shards
+    from dataprep.synth import write_synthetic
+
+    events, shards = Path(folder) / "ev.txt", Path(folder) / "shards"
+    write_synthetic(str(events), users=users, items=items, seed=seed, median_len=median_len, max_history=max_history)
+    build_shards(str(events), "sasrec", str(shards), world_size=world_size, batch_size=batch_size, max_len=max_len)
+    return shards
+
+
 def cli_shard_set(folder: Path, world_size: int = 2, users: int = 600) -> Path:
     """A small synthetic shard set (600 users, 200 items, 32 samples per rank and step),
     built through the command line as a user would: folder/shards."""

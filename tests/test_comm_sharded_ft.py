@@ -23,11 +23,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_python, shard_sample_ids
+from conftest import run_python, shard_sample_ids, synthetic_shards
 
 from dataprep import schema
-from dataprep.build import build_shards
-from dataprep.synth import write_synthetic
 from ftcore import ledger, tensorfile
 from training import checkpoint
 from training.launch import TOY, LaunchConfig, Launcher
@@ -86,10 +84,8 @@ def table_param(state: dict) -> int:
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("sharded_ft")
-    write_synthetic(str(d / "ev.txt"), users=300, items=ITEMS, seed=5, median_len=8, max_history=40)
-    build_shards(str(d / "ev.txt"), "sasrec", str(d / "shards"), world_size=4, batch_size=8, max_len=20)
-    return d / "shards"
+    return synthetic_shards(tmp_path_factory.mktemp("sharded_ft"), users=300, items=ITEMS, seed=5, world_size=4,
+                            batch_size=8, max_len=20)
 
 
 @pytest.mark.integ

@@ -17,10 +17,8 @@ import sys
 
 import pytest
 import torch
-from conftest import torchrun_train
+from conftest import synthetic_shards, torchrun_train
 
-from dataprep.build import build_shards
-from dataprep.synth import write_synthetic
 from training import checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,10 +36,8 @@ def _losses(text: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
-    d = tmp_path_factory.mktemp("sharded")
-    write_synthetic(str(d / "ev.txt"), users=200, items=90, seed=5, median_len=8, max_history=40)
-    build_shards(str(d / "ev.txt"), "sasrec", str(d / "shards"), world_size=2, batch_size=8, max_len=20)
-    return str(d / "shards")
+    return str(synthetic_shards(tmp_path_factory.mktemp("sharded"), users=200, items=90, seed=5, world_size=2,
+                                batch_size=8, max_len=20))
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from conftest import synthetic_shards
 
 from dataprep.build import build_shards
 from dataprep.synth import write_synthetic
@@ -20,10 +21,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory) -> str:
-    d = tmp_path_factory.mktemp("ckpt")
-    write_synthetic(str(d / "ev.txt"), users=300, items=150, seed=2, median_len=8, max_history=60)
-    build_shards(str(d / "ev.txt"), "sasrec", str(d / "shards"), world_size=2, batch_size=12, max_len=16)
-    return str(d / "shards")
+    return str(synthetic_shards(tmp_path_factory.mktemp("ckpt"), users=300, items=150, seed=2, world_size=2,
+                                batch_size=12, max_len=16, max_history=60))
 
 
 def _cfg(shards: str, out, *extra: str):

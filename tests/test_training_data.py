@@ -9,10 +9,9 @@ import sys
 import pyarrow.parquet as pq
 import pytest
 import torch
+from conftest import synthetic_shards
 
 from dataprep import schema
-from dataprep.build import build_shards
-from dataprep.synth import write_synthetic
 from training.data import BatchLoader, DataCursor, DataError, ShardSet, read_batch, shard_ranks_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -20,10 +19,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory) -> str:
-    d = tmp_path_factory.mktemp("data")
-    write_synthetic(str(d / "ev.txt"), users=300, items=120, seed=1, median_len=8, max_history=60)
-    build_shards(str(d / "ev.txt"), "sasrec", str(d / "shards"), world_size=2, batch_size=8, max_len=16)
-    return str(d / "shards")
+    return str(synthetic_shards(tmp_path_factory.mktemp("data"), users=300, items=120, seed=1, world_size=2,
+                                batch_size=8, max_len=16, max_history=60))
 
 
 def test_batches_are_the_rank_files_rows_with_next_item_labels(shards):

@@ -11,11 +11,9 @@ import urllib.request
 
 import mlflow
 import pytest
-from conftest import ROOT
+from conftest import ROOT, synthetic_shards
 from mlflow import MlflowClient
 
-from dataprep.build import build_shards
-from dataprep.synth import write_synthetic
 from training.config import EvalConfig, MlflowConfig, load_config
 from training.data import ShardSet
 from training.evaluate import EvalData
@@ -27,10 +25,8 @@ SETTINGS = ["train.max_steps=6", "train.log_every=2", "model.dim=16", "train.eva
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory) -> str:
-    d = tmp_path_factory.mktemp("mlf")
-    write_synthetic(str(d / "ev.txt"), users=200, items=100, seed=4, median_len=8, max_history=40)
-    build_shards(str(d / "ev.txt"), "sasrec", str(d / "shards"), world_size=1, batch_size=16, max_len=16)
-    return str(d / "shards")
+    return str(synthetic_shards(tmp_path_factory.mktemp("mlf"), users=200, items=100, seed=4, world_size=1,
+                                batch_size=16, max_len=16))
 
 
 def random_full_hr_at_10(shards: str) -> float:
