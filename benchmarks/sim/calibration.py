@@ -23,9 +23,9 @@ from typing import Any
 from benchmarks.sim.balance import default_cost
 from ftcore.timeouts import HEARTBEAT_TIMEOUT
 
-# Used when bench-results/ftcore.json is absent. From DESIGN.md's measurements on this
-# machine: a SIGKILLed peer surfaces in ~25 ms, a fresh gloo group builds in <10 ms;
-# a quorum round trip and a retried step make it about half a second.
+# Used when bench-results/ftcore.json is absent: deliberately conservative round figures
+# (a SIGKILLed peer surfaces in ~25 ms and a fresh gloo group builds in <10 ms on the CPU
+# machines of BENCHMARKS.md; a quorum round trip and a retried step make it about half a second).
 DEFAULT_FTCORE = {"failover_s": 0.5, "heal_s": 2.0, "stall_per_failure_s": 0.5, "step_overhead": 0.0}
 STEP_KEYS = ("step_s", "step_time_s", "s_per_step", "seconds_per_step")
 

@@ -1,5 +1,5 @@
 """FreeScale communication: sharded embeddings, prioritized comm overlap, SM-free transport,
-bubble accounting (see ../../shared/DESIGN.md, "FreeScale comm").
+bubble accounting (measured by benchmarks/comm_bench.py; figures in BENCHMARKS.md, "FreeScale").
 
 Modules, one concept each:
   transport.py          the byte mover: `collective` (torch.distributed) or `smfree`

@@ -1,0 +1,179 @@
+"""Survivors' stall per failure, with the toy and with the real trainer, under plain and compound faults.
+
+    python benchmarks/stall.py [--worker toy|trainer|both] [--json PATH]
+
+The launcher runs 3 replica groups (4 for `together`) with warm spares and a fault plan:
+
+- single:      kill -9 of one group 4 times, 9 s apart (groups 2, 1, 2, 1);
+- during_heal: kill -9 of group 1; group 0, the peer it heals from, kills itself while it
+               serves that heal (a second failure during recovery): group 1 must heal again
+               from group 2, and group 0 come back and heal as well;
+- together:    4 groups, kill -9 of groups 1 and 2 at the same step (two failures at once).
+
+For every survivor (a group the faults did not touch) and every fault episode (from the
+first kill to the last returning group's first commit, plus one step), its commit gaps give:
+
+- extra stall: the episode's span minus the steps it committed times the median step time
+  (what the failure cost it beyond the steps it trained anyway);
+- longest gap beyond one step: its longest single wait, minus one step time.
+
+Goals (issue #16): extra stall per single failure <= 1 step (median of >= 4 kills); under
+compound faults no survivor waits longer than one failure-detection interval
+(FTCORE_FAILURE_PROBE, 0.2 s), and never a heartbeat timeout (FTCORE_HEARTBEAT_TIMEOUT, 2 s).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from ftcore import timeouts  # noqa: E402  (after the repo root is on the path)
+
+SCENARIOS: dict[str, tuple[int, list[list[dict]]]] = {
+    # name: (groups, episodes: the faults of each episode, fired in order, far enough apart to settle)
+    # 9 s apart: the launcher has a warm spare again for each kill (it refills one 2 s after
+    # using it, and a process takes a few seconds to import torch here)
+    "single": (3, [[{"kind": "kill", "group": g, "at_time": t, "incarnation": i}]
+                   for g, t, i in ((2, 12.0, 0), (1, 21.0, 0), (2, 30.0, 1), (1, 39.0, 1))]),
+    "during_heal": (3, [[{"kind": "kill", "group": 1, "at_step": 30},
+                         {"kind": "kill", "group": 0, "phase": "heal_serve", "at_step": 30}]]),
+    "together": (4, [[{"kind": "kill", "group": 1, "at_step": 30}, {"kind": "kill", "group": 2, "at_step": 30}]]),
+}
+
+
+def _shards(folder: str) -> str:
+    """A synthetic shard set for the real trainer (as tests/conftest.py builds one), for 3 and 4
+    groups of one rank (world size 12), about 30 steps per epoch."""
+    events, shards = os.path.join(folder, "events.txt"), os.path.join(folder, "shards")
+    for args in (["-m", "dataprep", "synth", "--out", events, "--users", "6000", "--items", "300", "--quiet"],
+                 ["-m", "dataprep", "shards", "--input", events, "--format", "sasrec", "--out", shards,
+                  "--world-size", "12", "--batch-size", "16", "--max-len", "20", "--quiet"]):
+        subprocess.run([sys.executable, *args], cwd=ROOT, check=True, timeout=300, stdout=subprocess.DEVNULL,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return shards
+
+
+# steps per run: both workers train for about a minute (toy steps 50 ms, trainer steps ~25 ms), so
+# the last kill's group is back well before the survivors run out of work and wait for its make-up
+STEPS = {"toy": 1100, "trainer": 2200}
+
+
+def launch(worker: str, groups: int, faults: list[dict], folder: str, shards: str | None) -> dict:
+    out, plan = os.path.join(folder, "run"), os.path.join(folder, "plan.json")
+    Path(plan).write_text(json.dumps({"faults": faults}))
+    args = [sys.executable, "-m", "training", "launch", "--replica-groups", str(groups), "--out", out,
+            "--faults", plan, "--max-restarts", "20", "--timeout", "500"]
+    if worker == "toy":
+        args += ["--worker", "ftcore.examples.toy", "--", "--steps", str(STEPS["toy"]), "--step-sleep", "0.04",
+                 "--dim", "64"]
+    else:
+        per_epoch = json.loads(Path(str(shards), "manifest.json").read_text())["steps"]
+        epochs = -(-STEPS["trainer"] // per_epoch)
+        args += ["--shards", str(shards), "--", "--set", f"train.epochs={epochs}", "model.dim=16",
+                 "loss.num_negatives=16", "mlflow.enabled=false", "eval.periodic=false", "eval.final=false"]
+    p = subprocess.run(args, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600,
+                       start_new_session=True)
+    if p.returncode != 0:
+        raise RuntimeError(f"launcher failed ({p.returncode}):\n{p.stdout[-3000:]}")
+    return json.loads(Path(out, "timeline.json").read_text())
+
+
+def episodes(tl: dict, groups: int, episode_faults: list[list[dict]]) -> list[dict]:
+    """Per episode: its kills' times, and each survivor's extra stall and longest gap."""
+    commits: dict[int, list[float]] = {}
+    for s in tl["steps"]:
+        if s["committed"]:
+            commits.setdefault(s["group"], []).append(s["t"])
+    for v in commits.values():
+        v.sort()
+    step_s = statistics.median(b - a for v in commits.values() for a, b in zip(v, v[1:], strict=False))
+    kills = sorted((e["t"], e["group"]) for e in tl["launcher_events"] if e["kind"] == "fault"
+                   and e.get("fault") == "kill")
+    # in-process kills (phase=...) leave no launcher event: their restart does
+    restarts = sorted((e["t"], e["group"]) for e in tl["launcher_events"]
+                      if e["kind"] == "group_started" and e.get("incarnation", 0) > 0)
+    rows, touched = [], {f["group"] for ep in episode_faults for f in ep}
+    ends = [t for t, _ in kills[1:]] + [float("inf")]
+    for t_kill, t_next in zip([t for t, _ in kills], ends, strict=True):
+        hit = {g for t, g in kills + restarts if t_kill - 0.01 <= t < min(t_next, t_kill + 30)}
+        back = [next((t for t in commits.get(g, []) if t > t_kill + 0.05), None) for g in hit]
+        if not back or None in back:
+            continue
+        end = max(b for b in back if b is not None) + step_s
+        for g in sorted(set(range(groups)) - touched):
+            before = [t for t in commits[g] if t <= t_kill]
+            inside = [t for t in commits[g] if t_kill < t <= end]
+            if not before or not inside:
+                continue
+            gaps = [b - a for a, b in zip([before[-1], *inside], inside, strict=False)]
+            rows.append({"t_kill": t_kill, "survivor": g, "groups_hit": sorted(hit), "step_s": step_s,
+                         "extra_stall_s": max(inside[-1] - before[-1] - len(inside) * step_s, 0.0),
+                         "longest_gap_beyond_step_s": max(max(gaps) - step_s, 0.0)})
+    return rows
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--worker", choices=("toy", "trainer", "both"), default="both")
+    p.add_argument("--scenarios", default=",".join(SCENARIOS))
+    p.add_argument("--json", default=str(ROOT / "bench-results" / "stall.json"))
+    p.add_argument("--keep", metavar="DIR", help="keep each run's folder (timeline.json, logs) under DIR")
+    a = p.parse_args()
+    workers = ("toy", "trainer") if a.worker == "both" else (a.worker,)
+    results: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        d = a.keep or tmp
+        os.makedirs(d, exist_ok=True)
+        shards = _shards(d) if "trainer" in workers else None
+        for worker in workers:
+            for name in a.scenarios.split(","):
+                groups, eps = SCENARIOS[name]
+                folder = tempfile.mkdtemp(dir=d, prefix=f"{worker}-{name}-")
+                t = time.time()
+                try:
+                    tl = launch(worker, groups, [f for ep in eps for f in ep], folder, shards)
+                except (RuntimeError, subprocess.TimeoutExpired) as e:   # report it, go on with the others
+                    results.append({"worker": worker, "scenario": name, "rows": [], "error": str(e)[-2000:]})
+                    print(f"{worker} {name}: {str(e)[-1500:]}", flush=True)
+                    continue
+                rows = episodes(tl, groups, eps)
+                same = len(set(tl.get("checksums", {}).values())) <= 1
+                results.append({"worker": worker, "scenario": name, "rows": rows, "wall_s": time.time() - t,
+                                "identical_states": same,
+                                "heartbeat_timeouts": sum(1 for e in tl["lighthouse_events"]
+                                                          if e.get("reason") == "heartbeat timeout")})
+                print(f"{worker} {name}: {len(rows)} samples, {time.time() - t:.0f} s", flush=True)
+    probe, hb = timeouts.FAILURE_PROBE, timeouts.HEARTBEAT_TIMEOUT
+    print(f"failure-detection interval {probe:.2f} s, heartbeat timeout {hb:.1f} s")
+    print(f"{'worker':8} {'scenario':12} {'step s':>7} {'extra stall, median (steps)':>28} "
+          f"{'longest gap beyond a step, max':>31} {'hb timeouts':>11} {'same state':>10}  samples (s)")
+    for r in results:
+        rows = r["rows"]
+        if not rows:
+            print(f"{r['worker']:8} {r['scenario']:12} no complete episode")
+            continue
+        step = rows[0]["step_s"]
+        extra = statistics.median(x["extra_stall_s"] for x in rows)
+        longest = max(x["longest_gap_beyond_step_s"] for x in rows)
+        r["summary"] = {"step_s": step, "extra_stall_median_s": extra, "extra_stall_median_steps": extra / step,
+                        "longest_gap_beyond_step_max_s": longest}
+        samples = ", ".join(f"{x['extra_stall_s']:.3f}" for x in rows)
+        print(f"{r['worker']:8} {r['scenario']:12} {step:7.3f} {extra:16.3f} ({extra / step:4.2f}) "
+              f"{longest:31.3f} {r['heartbeat_timeouts']:11d} {str(r['identical_states']):>10}  {samples}")
+    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.json).write_text(json.dumps({"failure_probe_s": probe, "heartbeat_timeout_s": hb, "runs": results},
+                                       indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
