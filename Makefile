@@ -37,6 +37,7 @@ bench: setup
 	$(BIN)/python benchmarks/lighthouse_scale.py
 	$(BIN)/python benchmarks/lighthouse_pause.py
 	$(BIN)/python benchmarks/fail_slow.py
+	$(BIN)/python benchmarks/stall.py
 	$(BIN)/python benchmarks/straggler.py
 	$(BIN)/python benchmarks/lighthouse_abuse.py
 	$(BIN)/python benchmarks/torchrun_restart.py

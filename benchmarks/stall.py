@@ -78,7 +78,8 @@ def launch(worker: str, groups: int, faults: list[dict], folder: str, shards: st
         per_epoch = json.loads(Path(str(shards), "manifest.json").read_text())["steps"]
         epochs = -(-STEPS["trainer"] // per_epoch)
         args += ["--shards", str(shards), "--", "--set", f"train.epochs={epochs}", "model.dim=16",
-                 "loss.num_negatives=16", "mlflow.enabled=false", "eval.periodic=false", "eval.final=false"]
+                 "loss.num_negatives=16", "mlflow.enabled=false", "eval.periodic=false", "eval.final=false",
+                 "train.checkpoint_every=0"]   # no checkpoint pauses inside the episodes
     p = subprocess.run(args, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600,
                        start_new_session=True)
@@ -102,8 +103,9 @@ def episodes(tl: dict, groups: int, episode_faults: list[list[dict]]) -> list[di
     restarts = sorted((e["t"], e["group"]) for e in tl["launcher_events"]
                       if e["kind"] == "group_started" and e.get("incarnation", 0) > 0)
     rows, touched = [], {f["group"] for ep in episode_faults for f in ep}
-    ends = [t for t, _ in kills[1:]] + [float("inf")]
-    for t_kill, t_next in zip([t for t, _ in kills], ends, strict=True):
+    # kills less than 2 s apart are one episode (the launcher fires a step's faults from separate threads)
+    starts = [t for i, (t, _) in enumerate(kills) if i == 0 or t - kills[i - 1][0] > 2.0]
+    for t_kill, t_next in zip(starts, [*starts[1:], float("inf")], strict=True):
         hit = {g for t, g in kills + restarts if t_kill - 0.01 <= t < min(t_next, t_kill + 30)}
         back = [next((t for t in commits.get(g, []) if t > t_kill + 0.05), None) for g in hit]
         if not back or None in back:
