@@ -28,7 +28,7 @@ from dataprep.fsutil import atomic_write_json
 from ftrec_airflow import settings
 
 HEAVY = ("torch", "mlflow", "pyarrow", "numpy", "pandas", "dataprep", "training", "ftcore")
-MINIMAL_DAG = '''
+MINIMAL_DAG = """
 from datetime import datetime
 from airflow.sdk import dag, task
 
@@ -40,7 +40,7 @@ def minimal():
     one()
 
 minimal()
-'''
+"""
 PARSE = r"""
 import json, sys, time
 from airflow.dag_processing.dagbag import DagBag
@@ -51,9 +51,16 @@ dt = time.perf_counter() - t
 heavy = sorted({m.split(".")[0] for m in set(sys.modules) - before} & set(json.loads(sys.argv[2])))
 print("JSON" + json.dumps({"s": dt, "dags": len(bag.dags), "errors": len(bag.import_errors), "heavy": heavy}))
 """
-SMALL: dict[str, Any] = {"data_source": "synthetic", "synth_users": 300, "synth_items": 150, "max_steps": 10,
-                         "batch_size": 16, "max_len": 20, "replica_groups": 2,
-                         "train_overrides": ["model.dim=16", "eval.batch_size=256"]}
+SMALL: dict[str, Any] = {
+    "data_source": "synthetic",
+    "synth_users": 300,
+    "synth_items": 150,
+    "max_steps": 10,
+    "batch_size": 16,
+    "max_len": 20,
+    "replica_groups": 2,
+    "train_overrides": ["model.dim=16", "eval.batch_size=256"],
+}
 
 
 def _env(home: Path) -> dict[str, str]:
@@ -63,8 +70,13 @@ def _env(home: Path) -> dict[str, str]:
 
 
 def parse_once(folder: Path, home: Path) -> dict:
-    r = subprocess.run([sys.executable, "-c", PARSE, str(folder), json.dumps(HEAVY)], env=_env(home),
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", PARSE, str(folder), json.dumps(HEAVY)],
+        env=_env(home),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     line = next((x for x in r.stdout.splitlines() if x.startswith("JSON")), None)
     if line is None:
         raise SystemExit(f"error: parsing {folder} failed:\n{r.stderr[-2000:]}")
@@ -79,28 +91,47 @@ def bench_parse(repeats: int, tmp: Path) -> dict:
     for _ in range(repeats):  # interleaved: both see the same machine load
         base.append(parse_once(minimal, tmp / "home"))
         ours.append(parse_once(settings.PROJECT_ROOT / "dags", tmp / "home"))
-    return {"ftrec_s": statistics.median(r["s"] for r in ours), "minimal_s": statistics.median(r["s"] for r in base),
-            "ftrec_dags": ours[0]["dags"], "errors": ours[0]["errors"], "heavy": ours[0]["heavy"],
-            "runs": {"ftrec": ours, "minimal": base}}
+    return {
+        "ftrec_s": statistics.median(r["s"] for r in ours),
+        "minimal_s": statistics.median(r["s"] for r in base),
+        "ftrec_dags": ours[0]["dags"],
+        "errors": ours[0]["errors"],
+        "heavy": ours[0]["heavy"],
+        "runs": {"ftrec": ours, "minimal": base},
+    }
 
 
 def run_direct(work: Path) -> float:
     """The pipeline without Airflow: the same step functions, launcher and evaluation."""
     from ftrec_airflow import steps, tracking
+
     os.environ["FTREC_WORK"] = str(work)
     t = time.perf_counter()
     run_dir = work / "runs" / "direct"
-    data = steps.ingest("synthetic", "sasrec", run_dir, synth_users=SMALL["synth_users"],
-                        synth_items=SMALL["synth_items"])
-    shards = steps.build_shards(steps.ShardSpec(input=data["path"], fmt=data["format"], out=str(run_dir / "shards"),
-                                                world_size=2, batch_size=SMALL["batch_size"],
-                                                max_len=SMALL["max_len"]))
+    data = steps.ingest(
+        "synthetic", "sasrec", run_dir, synth_users=SMALL["synth_users"], synth_items=SMALL["synth_items"]
+    )
+    shards = steps.build_shards(
+        steps.ShardSpec(
+            input=data["path"],
+            fmt=data["format"],
+            out=str(run_dir / "shards"),
+            world_size=2,
+            batch_size=SMALL["batch_size"],
+            max_len=SMALL["max_len"],
+        )
+    )
     steps.verify_shards(shards["path"])
     uri = settings.tracking_uri()
     (work / "mlflow").mkdir(parents=True, exist_ok=True)
     _, run_id = tracking.ensure_run("ftrec", "direct", tracking_uri=uri)
-    spec = steps.TrainSpec(shards=shards["path"], out=str(run_dir / "train"), replica_groups=2,
-                           max_steps=SMALL["max_steps"], overrides=SMALL["train_overrides"])
+    spec = steps.TrainSpec(
+        shards=shards["path"],
+        out=str(run_dir / "train"),
+        replica_groups=2,
+        max_steps=SMALL["max_steps"],
+        overrides=SMALL["train_overrides"],
+    )
     result = steps.train(spec, run_id, uri)
     metrics = steps.evaluate(result["checkpoint"], shards["path"], str(run_dir / "eval.json"))
     # as the evaluate task does: only what the trainer did not log already
@@ -110,9 +141,13 @@ def run_direct(work: Path) -> float:
 
 def run_airflow(work: Path) -> float:
     t = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "ftrec_airflow.local_run", "--work", str(work),
-                        "--conf", json.dumps(SMALL)], env=_env(work / "airflow"),
-                       capture_output=True, text=True, timeout=1200)
+    r = subprocess.run(
+        [sys.executable, "-m", "ftrec_airflow.local_run", "--work", str(work), "--conf", json.dumps(SMALL)],
+        env=_env(work / "airflow"),
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     if r.returncode != 0:
         raise SystemExit(f"error: the DAG run failed:\n{(r.stdout + r.stderr)[-3000:]}")
     return time.perf_counter() - t
@@ -131,13 +166,17 @@ def main(argv: list[str] | None = None) -> int:
             res["pipeline"] = {"direct_s": run_direct(tmp / "direct"), "airflow_s": run_airflow(tmp / "airflow")}
     pr = res["parse"]
     print(f"{'measure':44s} {'ftrec':>9s} {'baseline':>9s} {'ratio':>7s}")
-    print(f"{f'parse dags folder (s, median of {a.repeats})':44s} {pr['ftrec_s']:9.3f} {pr['minimal_s']:9.3f} "
-          f"{pr['ftrec_s'] / pr['minimal_s']:7.2f}   ({pr['ftrec_dags']} DAGs vs 1 minimal DAG)")
+    print(
+        f"{f'parse dags folder (s, median of {a.repeats})':44s} {pr['ftrec_s']:9.3f} {pr['minimal_s']:9.3f} "
+        f"{pr['ftrec_s'] / pr['minimal_s']:7.2f}   ({pr['ftrec_dags']} DAGs vs 1 minimal DAG)"
+    )
     print(f"{'heavy modules imported while parsing':44s} {len(pr['heavy']):9d} {'-':>9s} {'-':>7s}   {pr['heavy']}")
     if "pipeline" in res:
         pl = res["pipeline"]
-        print(f"{'pipeline wall time (s): Airflow vs direct':44s} {pl['airflow_s']:9.1f} {pl['direct_s']:9.1f} "
-              f"{pl['airflow_s'] / pl['direct_s']:7.2f}")
+        print(
+            f"{'pipeline wall time (s): Airflow vs direct':44s} {pl['airflow_s']:9.1f} {pl['direct_s']:9.1f} "
+            f"{pl['airflow_s'] / pl['direct_s']:7.2f}"
+        )
     print(f"load average (1/5/15 min) at the end: {res['load_avg']}")
     out = Path(a.out)
     atomic_write_json(out, res, indent=1)

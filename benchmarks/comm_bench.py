@@ -79,7 +79,7 @@ class CommModel(nn.Module):
     def forward(self, h: torch.Tensor, lengths: list[int]) -> torch.Tensor:
         outs, o = [], 0
         for L in lengths:  # jagged: no compute on padding
-            x = self.inp(h[o:o + L]).unsqueeze(0)
+            x = self.inp(h[o : o + L]).unsqueeze(0)
             for blk in self.blocks:
                 x = blk(x)
             outs.append(x[0])
@@ -89,21 +89,21 @@ class CommModel(nn.Module):
 
 @dataclass
 class RunConfig:
-    policy: str = "prioritized"      # blocking | overlapped | prioritized
-    fused: bool | None = None        # one lookup for all features (None: fused iff overlapped)
-    transport: str = "collective"    # collective | smfree
-    data: str = "fixed"              # fixed | lognormal | video
-    balanced: bool = False           # dataprep.balance.plan vs random_plan
+    policy: str = "prioritized"  # blocking | overlapped | prioritized
+    fused: bool | None = None  # one lookup for all features (None: fused iff overlapped)
+    transport: str = "collective"  # collective | smfree
+    data: str = "fixed"  # fixed | lognormal | video
+    balanced: bool = False  # dataprep.balance.plan vs random_plan
     num_items: int = 20000
     dim: int = 256
     d_model: int = 32
     layers: int = 1
     heads: int = 2
-    batch: int = 8                   # samples per rank per step
+    batch: int = 8  # samples per rank per step
     max_len: int = 64
     num_neg: int = 2048
     steps: int = 8
-    warmup: int = 2                  # first steps left out of the figures
+    warmup: int = 2  # first steps left out of the figures
     lr: float = 0.05
     seed: int = 0
     cost: tuple[float, float, float] | None = None  # (a, b, c0) of c(L); None: dataprep's default
@@ -113,6 +113,7 @@ def calibrate_cost(cfg: RunConfig, lengths=(4, 16, 48, 96, 160, 200), n: int = 4
     """Fit c(L) = a*L^2 + b*L + c0 (microseconds) by timing this model's forward+backward at
     several lengths, as dataprep's balancer expects (DESIGN: calibrate on the real model)."""
     from dataprep.cost import fit
+
     torch.manual_seed(0)
     model = CommModel(cfg.dim, cfg.d_model, cfg.layers, cfg.heads)
     neg = torch.randn(cfg.num_neg, cfg.dim)
@@ -156,7 +157,7 @@ def _video_sequences(max_len: int) -> list[np.ndarray]:
     bounds = list(np.sort(starts)) + [len(a)]
     seqs = []
     for s, e in zip(bounds[:-1], bounds[1:], strict=True):
-        items = a[s:e, 1][:-2][-(max_len + 1):]
+        items = a[s:e, 1][:-2][-(max_len + 1) :]
         if len(items) >= 2:
             seqs.append(items)
     return seqs
@@ -164,6 +165,7 @@ def _video_sequences(max_len: int) -> list[np.ndarray]:
 
 def cost_model(cfg: RunConfig):
     from dataprep.cost import DEFAULT, CostModel
+
     return CostModel(*cfg.cost, source="calibrated") if cfg.cost else DEFAULT
 
 
@@ -177,6 +179,7 @@ def planned_bubble(cfg: RunConfig, steps) -> float:
 def make_steps(cfg: RunConfig, world_size: int) -> list[list[list[np.ndarray]]]:
     """[step][rank] -> that rank's sequences, by dataprep's balanced or random plan."""
     from dataprep import balance
+
     COST = cost_model(cfg)
 
     n = world_size * cfg.batch * cfg.steps
@@ -240,15 +243,15 @@ class PipelinedRun:
         # the next batch's id exchange runs during this step; as in the trainer, its histories
         # and targets (fused: its one lookup), while this step's negatives are looked up now
         nxt = self._features(i + 1)[:2] if i + 1 < self.nsteps else None
-        emb.start_step(i, ids, i + 1, nxt)   # submits and issues (by comm.policy) before the forward pass
+        emb.start_step(i, ids, i + 1, nxt)  # submits and issues (by comm.policy) before the forward pass
         with tl.compute("forward"):
             lengths = [len(s) - 1 for s in mine]
             T = sum(lengths)
             if self.fused:
                 allx = emb(ids[0])
-                h, pos, neg = allx[:T], allx[T:2 * T], allx[2 * T:]
+                h, pos, neg = allx[:T], allx[T : 2 * T], allx[2 * T :]
             else:
-                h = emb(ids[0])              # waits for the history rows just before the first layer
+                h = emb(ids[0])  # waits for the history rows just before the first layer
             x = self.model(h, lengths)
             if not self.fused:
                 pos, neg = emb(ids[1]), emb(ids[2])
@@ -256,20 +259,20 @@ class PipelinedRun:
             loss = F.cross_entropy(logits, torch.zeros(T, dtype=torch.long), reduction="sum") / self.tokens[i]
         with tl.compute("backward"):
             loss.backward()
-        emb.start_grads()                    # the step's embedding grads to their owners ...
-        emb.take_exposed()                   # (the lookups' waits are in the scheduler's records)
+        emb.start_grads()  # the step's embedding grads to their owners ...
+        emb.take_exposed()  # (the lookups' waits are in the scheduler's records)
         grads = [p.grad for p in self.dense]
         assert all(g is not None for g in grads), "backward left a dense parameter without a gradient"
         flat = torch.cat([g.reshape(-1) for g in grads if g is not None])
         dense_op = sched.submit("dense_grad", Stage.DENSE_GRAD, lambda: transport.all_reduce(flat).wait())
         sched.flush()
-        emb.finish_grads()                   # ... while the dense gradients are all-reduced
+        emb.finish_grads()  # ... while the dense gradients are all-reduced
         sched.wait(dense_op)
         with tl.compute("optimizer"):
             o = 0
             for g in grads:
                 assert g is not None
-                g.copy_(flat[o:o + g.numel()].view_as(g))
+                g.copy_(flat[o : o + g.numel()].view_as(g))
                 o += g.numel()
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
@@ -287,13 +290,20 @@ class PipelinedRun:
             if r["step"] >= cfg.warmup:
                 exposed[r["name"]] = exposed.get(r["name"], 0.0) + r["exposed"]
         n = max(1, self.nsteps - cfg.warmup)
-        out = {"losses": self.losses, "digest": digest, "transport": self.transport.name,
-               "accounts": [asdict(a) for a in accts], "metrics": metrics(accts),
-               "planned_bubble": planned_bubble(cfg, self.steps[cfg.warmup:self.nsteps]),
-               "exposed_per_step": {k: v / n for k, v in exposed.items()},
-               "records": sched.records(), "timeline": self.timeline.to_json(), "arrivals": arrivals,
-               "weight_shard": emb.weight.detach().clone(),
-               "dense": [p.detach().clone() for p in self.dense]}
+        out = {
+            "losses": self.losses,
+            "digest": digest,
+            "transport": self.transport.name,
+            "accounts": [asdict(a) for a in accts],
+            "metrics": metrics(accts),
+            "planned_bubble": planned_bubble(cfg, self.steps[cfg.warmup : self.nsteps]),
+            "exposed_per_step": {k: v / n for k, v in exposed.items()},
+            "records": sched.records(),
+            "timeline": self.timeline.to_json(),
+            "arrivals": arrivals,
+            "weight_shard": emb.weight.detach().clone(),
+            "dense": [p.detach().clone() for p in self.dense],
+        }
         sched.close()
         self.transport.close()
         return out
@@ -318,19 +328,22 @@ def run_interleaved(rank: int, world_size: int, cfg_dicts: list[dict]) -> list[d
 def summarize(results: list[dict]) -> dict:
     """Both ranks' accounts -> run-level figures."""
     from training.comm.bubbles import StepAccount, bubble_fraction
+
     accts = [StepAccount(**a) for r in results for a in r["accounts"]]
     n = max(1, len(accts))
-    return {"step_s": sum(a.step_time for a in accts) / n,
-            "compute_s": sum(a.compute for a in accts) / n,
-            "exposed_comm_s": sum(a.comm for a in accts) / n,
-            "straggler_s": sum(a.straggler for a in accts) / n,
-            "idle_s": sum(a.idle for a in accts) / n,
-            "bubble_fraction": bubble_fraction(accts),
-            "per_step_bubble": per_step_bubble(accts),
-            "compute_imbalance": _imbalance(accts),
-            "planned_bubble": results[0].get("planned_bubble"),
-            "transport": results[0]["transport"],
-            "exposed_per_op_s": results[0]["exposed_per_step"]}
+    return {
+        "step_s": sum(a.step_time for a in accts) / n,
+        "compute_s": sum(a.compute for a in accts) / n,
+        "exposed_comm_s": sum(a.comm for a in accts) / n,
+        "straggler_s": sum(a.straggler for a in accts) / n,
+        "idle_s": sum(a.idle for a in accts) / n,
+        "bubble_fraction": bubble_fraction(accts),
+        "per_step_bubble": per_step_bubble(accts),
+        "compute_imbalance": _imbalance(accts),
+        "planned_bubble": results[0].get("planned_bubble"),
+        "transport": results[0]["transport"],
+        "exposed_per_op_s": results[0]["exposed_per_step"],
+    }
 
 
 def _imbalance(accts) -> float:
@@ -358,14 +371,16 @@ def run_slowdown(rank: int, world_size: int, rounds: int, mbytes: float, n_iter:
     all-to-alls of `mbytes` per rank moving through each transport. Rounds alternate the
     three cases so that a shared machine's noise falls on all of them alike."""
     from ftcore import collectives as coll
+
     torch.set_num_threads(1)
     transports = {"collective": make_transport("collective"), "smfree": make_transport("smfree")}
     rows = int(mbytes * 2**20 / 4 / 256)
     send = torch.randn(rows, 256)
     splits = [rows // world_size] * (world_size - 1)
     splits.append(rows - sum(splits))
-    out: dict[str, dict[str, list[float]]] = {k: {"matmul_s": [], "bytes": [], "ops": []}
-                                              for k in ("none", *transports)}
+    out: dict[str, dict[str, list[float]]] = {
+        k: {"matmul_s": [], "bytes": [], "ops": []} for k in ("none", *transports)
+    }
     _matmul_loop(3, size)  # warm-up
     for _ in range(rounds):
         for kind in out:
@@ -419,10 +434,17 @@ def bench_exposed(base: RunConfig, out: dict):
         res[policy] = summarize([r[0][j], r[1][j]])
     b = res["blocking"]
     for p, s in res.items():
-        rows.append([p, f"{s['step_s'] * 1e3:.1f}", f"{s['exposed_comm_s'] * 1e3:.1f}",
-                     f"{s['exposed_comm_s'] / b['exposed_comm_s']:.2f}", f"{s['step_s'] / b['step_s']:.2f}",
-                     f"{s['bubble_fraction']:.3f}",
-                     " ".join(f"{k}={v * 1e3:.1f}" for k, v in sorted(s["exposed_per_op_s"].items()))])
+        rows.append(
+            [
+                p,
+                f"{s['step_s'] * 1e3:.1f}",
+                f"{s['exposed_comm_s'] * 1e3:.1f}",
+                f"{s['exposed_comm_s'] / b['exposed_comm_s']:.2f}",
+                f"{s['step_s'] / b['step_s']:.2f}",
+                f"{s['bubble_fraction']:.3f}",
+                " ".join(f"{k}={v * 1e3:.1f}" for k, v in sorted(s["exposed_per_op_s"].items())),
+            ]
+        )
     print("\n## exposed embedding communication (2 gloo ranks, CPU), ms per step")
     print(_table(rows, ["policy", "step", "exposed", "exp/block", "step/block", "bubble", "exposed per op (ms)"]))
     out["exposed"] = {"config": asdict(base), "results": res}
@@ -434,21 +456,40 @@ def bench_slowdown(out: dict, mbytes: float, n_iter: int, size: int, rounds: int
     for kind in r[0]["results"]:
         mm = [x for rr in r for x in rr["results"][kind]["matmul_s"]]
         by = [x for rr in r for x in rr["results"][kind]["bytes"]]
-        res[kind] = {"matmul_s_median": float(np.median(mm)), "matmul_s": mm,
-                     "gbytes_per_s": float(sum(by) / sum(mm) / 1e9)}
+        res[kind] = {
+            "matmul_s_median": float(np.median(mm)),
+            "matmul_s": mm,
+            "gbytes_per_s": float(sum(by) / sum(mm) / 1e9),
+        }
     base = res["none"]["matmul_s_median"]
     for v in res.values():
         gb = v["gbytes_per_s"] * v["matmul_s_median"]
         v["slowdown"] = v["matmul_s_median"] / base
         # compute time lost per GB moved: a fair figure when the transports move different amounts
         v["lost_s_per_gb"] = (v["matmul_s_median"] - base) / gb if gb > 0 else 0.0
-    rows = [[k, f"{v['matmul_s_median']:.3f}", f"{v['slowdown']:.2f}", f"{v['gbytes_per_s']:.3f}",
-             f"{v['lost_s_per_gb']:.2f}"] for k, v in res.items()]
-    print(f"\n## compute slowdown while comm overlaps: {size}x{size} fp32 matmul loop, 1 thread per rank, "
-          f"beside back-to-back {mbytes:g} MB all-to-alls (2 ranks, median of {rounds} alternating rounds x 2 ranks)")
+    rows = [
+        [
+            k,
+            f"{v['matmul_s_median']:.3f}",
+            f"{v['slowdown']:.2f}",
+            f"{v['gbytes_per_s']:.3f}",
+            f"{v['lost_s_per_gb']:.2f}",
+        ]
+        for k, v in res.items()
+    ]
+    print(
+        f"\n## compute slowdown while comm overlaps: {size}x{size} fp32 matmul loop, 1 thread per rank, "
+        f"beside back-to-back {mbytes:g} MB all-to-alls (2 ranks, median of {rounds} alternating rounds x 2 ranks)"
+    )
     print(_table(rows, ["transport", "matmul s", "slowdown", "GB/s sent per rank", "compute s lost per GB"]))
-    out["slowdown"] = {"mbytes": mbytes, "n_iter": n_iter, "size": size, "rounds": rounds,
-                       "names": r[0]["transport_names"], "results": res}
+    out["slowdown"] = {
+        "mbytes": mbytes,
+        "n_iter": n_iter,
+        "size": size,
+        "rounds": rounds,
+        "names": r[0]["transport_names"],
+        "results": res,
+    }
 
 
 def bench_e2e(base: RunConfig, out: dict, datasets: list[str], png: str | None = None):
@@ -468,12 +509,18 @@ def bench_e2e(base: RunConfig, out: dict, datasets: list[str], png: str | None =
             res[data][name] = summarize([r[0][j], r[1][j]])
         if png:  # timelines of a window of steps: baseline and FreeScale
             from training.comm.bubbles import plot_timeline
+
             for j, tag in ((0, "baseline"), (len(configs) - 1, "freescale")):
                 path = png.replace(".png", f"-{data}-{tag}.png")
                 Path(path).parent.mkdir(parents=True, exist_ok=True)
-                plot_timeline([Timeline.from_json(r[k][j]["timeline"]) for k in range(2)], path,
-                              arrivals={int(a): v for a, v in r[0][j]["arrivals"].items()},
-                              first_step=base.warmup, num_steps=4, title=f"{tag}, data={data}, 2 ranks")
+                plot_timeline(
+                    [Timeline.from_json(r[k][j]["timeline"]) for k in range(2)],
+                    path,
+                    arrivals={int(a): v for a, v in r[0][j]["arrivals"].items()},
+                    first_step=base.warmup,
+                    num_steps=4,
+                    title=f"{tag}, data={data}, 2 ranks",
+                )
                 out.setdefault("png", []).append(path)
         b = res[data][next(iter(configs))]
         for s in res[data].values():
@@ -481,15 +528,42 @@ def bench_e2e(base: RunConfig, out: dict, datasets: list[str], png: str | None =
             # by itself; this one measures every config against the baseline's compute time
             s["bubble_at_base_compute"] = 1 - b["compute_s"] / s["step_s"]
         for name, s in res[data].items():
-            rows.append([name, f"{s['step_s'] * 1e3:.1f}", f"{s['compute_s'] * 1e3:.1f}",
-                         f"{s['exposed_comm_s'] * 1e3:.1f}",
-                         f"{s['straggler_s'] * 1e3:.1f}", f"{s['idle_s'] * 1e3:.1f}", f"{s['planned_bubble']:.3f}",
-                         f"{s['compute_imbalance']:.2f}", f"{s['bubble_fraction']:.3f}",
-                         f"{s['bubble_at_base_compute']:.3f}",
-                         f"{1 - s['bubble_fraction'] / b['bubble_fraction']:+.1%}", f"{s['step_s'] / b['step_s']:.2f}"])
+            rows.append(
+                [
+                    name,
+                    f"{s['step_s'] * 1e3:.1f}",
+                    f"{s['compute_s'] * 1e3:.1f}",
+                    f"{s['exposed_comm_s'] * 1e3:.1f}",
+                    f"{s['straggler_s'] * 1e3:.1f}",
+                    f"{s['idle_s'] * 1e3:.1f}",
+                    f"{s['planned_bubble']:.3f}",
+                    f"{s['compute_imbalance']:.2f}",
+                    f"{s['bubble_fraction']:.3f}",
+                    f"{s['bubble_at_base_compute']:.3f}",
+                    f"{1 - s['bubble_fraction'] / b['bubble_fraction']:+.1%}",
+                    f"{s['step_s'] / b['step_s']:.2f}",
+                ]
+            )
         print(f"\n## end-to-end bubble fraction, data={data}, 2 gloo ranks (ms per step and rank)")
-        print(_table(rows, ["config", "step", "compute", "comm", "straggler", "idle", "planned bubble",
-                            "compute max/mean", "bubble", "bubble@base compute", "fewer bubbles", "step/base"]))
+        print(
+            _table(
+                rows,
+                [
+                    "config",
+                    "step",
+                    "compute",
+                    "comm",
+                    "straggler",
+                    "idle",
+                    "planned bubble",
+                    "compute max/mean",
+                    "bubble",
+                    "bubble@base compute",
+                    "fewer bubbles",
+                    "step/base",
+                ],
+            )
+        )
     out["e2e"] = {"config": asdict(base), "results": res}
 
 
@@ -501,6 +575,7 @@ def bench_scale(base: RunConfig, out: dict, widths=(2, 8, 64, 256)):
     bandwidth constant; not modelled: OS/network jitter, whose straggler share grows with W).
     step = max compute + overhead  =>  bubble = 1 - 1 / (1 / (1 - b_imbalance) + e)."""
     from dataprep import balance
+
     e2e = out.get("e2e", {}).get("results", {}).get("lognormal")
     if not e2e:
         return
@@ -513,23 +588,38 @@ def bench_scale(base: RunConfig, out: dict, widths=(2, 8, 64, 256)):
         n = w * cfg.batch * cfg.steps
         lens = np.array([len(x) - 1 for x in _sequences(cfg, n)])
         cost = cm(lens)
-        b_rand = balance.stats(balance.random_plan(cost, world_size=w, batch_size=cfg.batch, seed=0),
-                               cost)["bubble_fraction"]
-        b_bal = balance.stats(balance.plan(cost, world_size=w, batch_size=cfg.batch, window_steps=16, seed=0),
-                              cost)["bubble_fraction"]
+        b_rand = balance.stats(balance.random_plan(cost, world_size=w, batch_size=cfg.batch, seed=0), cost)[
+            "bubble_fraction"
+        ]
+        b_bal = balance.stats(balance.plan(cost, world_size=w, batch_size=cfg.batch, window_steps=16, seed=0), cost)[
+            "bubble_fraction"
+        ]
         proj = {}
         for name in names:
             bi = b_bal if e2e[name]["planned_bubble"] < 1e-3 or "balanced" in name else b_rand
             proj[name] = 1 - 1 / (1 / (1 - bi) + e[name])
         res[w] = {"imbalance_bubble_random": b_rand, "imbalance_bubble_balanced": b_bal, "projected": proj}
         base_b = proj[names[0]]
-        rows.append([w, f"{b_rand:.3f}", f"{b_bal:.3f}", f"{base_b:.3f}", f"{proj[names[-1]]:.3f}",
-                     f"{1 - proj[names[-1]] / base_b:+.1%}"])
-    print("\n## projection to W ranks (cost model + measured overhead ratio; see bench_scale's docstring); "
-          f"measured at W=2: baseline {e2e[names[0]]['bubble_fraction']:.3f}, "
-          f"FreeScale {e2e[names[-1]]['bubble_fraction']:.3f}")
-    print(_table(rows, ["W", "imbalance bubble random", "balanced", "baseline bubble", "FreeScale bubble",
-                        "fewer bubbles"]))
+        rows.append(
+            [
+                w,
+                f"{b_rand:.3f}",
+                f"{b_bal:.3f}",
+                f"{base_b:.3f}",
+                f"{proj[names[-1]]:.3f}",
+                f"{1 - proj[names[-1]] / base_b:+.1%}",
+            ]
+        )
+    print(
+        "\n## projection to W ranks (cost model + measured overhead ratio; see bench_scale's docstring); "
+        f"measured at W=2: baseline {e2e[names[0]]['bubble_fraction']:.3f}, "
+        f"FreeScale {e2e[names[-1]]['bubble_fraction']:.3f}"
+    )
+    print(
+        _table(
+            rows, ["W", "imbalance bubble random", "balanced", "baseline bubble", "FreeScale bubble", "fewer bubbles"]
+        )
+    )
     out["scale"] = {"e_exposed_over_compute": e, "results": res, "model": bench_scale.__doc__}
 
 

@@ -44,8 +44,9 @@ CONFIGS = {
 def _run(argv: list[str], timeout: float) -> str:
     """A bounded child in its own process group, ended by that group on timeout."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    p = subprocess.Popen(argv, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         start_new_session=True)
+    p = subprocess.Popen(
+        argv, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
     try:
         out, _ = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -59,17 +60,74 @@ def _run(argv: list[str], timeout: float) -> str:
 
 def make_shards(work: str, items: int, users: int) -> str:
     events, shards = os.path.join(work, "events.txt"), os.path.join(work, "shards")
-    _run([sys.executable, "-m", "dataprep", "synth", "--out", events, "--users", str(users), "--items", str(items),
-          "--median-len", "30", "--max-history", "200", "--quiet"], 300)
-    _run([sys.executable, "-m", "dataprep", "shards", "--input", events, "--format", "sasrec", "--out", shards,
-          "--world-size", "2", "--batch-size", "32", "--max-len", "200", "--quiet"], 600)
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "dataprep",
+            "synth",
+            "--out",
+            events,
+            "--users",
+            str(users),
+            "--items",
+            str(items),
+            "--median-len",
+            "30",
+            "--max-history",
+            "200",
+            "--quiet",
+        ],
+        300,
+    )
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "dataprep",
+            "shards",
+            "--input",
+            events,
+            "--format",
+            "sasrec",
+            "--out",
+            shards,
+            "--world-size",
+            "2",
+            "--batch-size",
+            "32",
+            "--max-len",
+            "200",
+            "--quiet",
+        ],
+        600,
+    )
     return shards
 
 
 def train_once(shards: str, out: str, settings: list[str], timeout: float) -> dict:
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    _run([torchrun, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-          "-m", "training", "train", "--shards", shards, "--out", out, "--set", *settings], timeout)
+    _run(
+        [
+            torchrun,
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(free_port()),
+            "-m",
+            "training",
+            "train",
+            "--shards",
+            shards,
+            "--out",
+            out,
+            "--set",
+            *settings,
+        ],
+        timeout,
+    )
     with open(os.path.join(out, "result.json")) as f:
         return json.load(f)
 
@@ -84,9 +142,17 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", default=str(ROOT / "bench-results" / "comm-trainer.json"))
     a = ap.parse_args(argv)
-    common = [f"train.max_steps={a.steps}", f"train.log_every={a.steps}", f"model.dim={a.dim}",
-              f"loss.num_negatives={a.negatives}", "mlflow.enabled=false", "eval.periodic=false",
-              "eval.final=false", "train.checkpoint_every=0", "optim.warmup_steps=2"]
+    common = [
+        f"train.max_steps={a.steps}",
+        f"train.log_every={a.steps}",
+        f"model.dim={a.dim}",
+        f"loss.num_negatives={a.negatives}",
+        "mlflow.enabled=false",
+        "eval.periodic=false",
+        "eval.final=false",
+        "train.checkpoint_every=0",
+        "optim.warmup_steps=2",
+    ]
     runs: dict[str, list[dict]] = {name: [] for name in CONFIGS}
     with tempfile.TemporaryDirectory(prefix="ftrec-bench-") as work:
         shards = make_shards(work, a.items, a.users)
@@ -114,15 +180,28 @@ def main(argv=None) -> int:
             "steps": steps,
         }
     base = rows["blocking"]
-    head = ["config", "step ms", "comm wait ms", "lookup wait ms", "emb-grad wait ms", "tokens/s",
-            "step / blocking", "lookup wait / blocking"]
+    head = [
+        "config",
+        "step ms",
+        "comm wait ms",
+        "lookup wait ms",
+        "emb-grad wait ms",
+        "tokens/s",
+        "step / blocking",
+        "lookup wait / blocking",
+    ]
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for name, row in rows.items():
-        lw = (row["lookup_wait_ms"] / base["lookup_wait_ms"] if name != "replicated" and base["lookup_wait_ms"]
-              else float("nan"))
-        print(f"| {name} | {row['step_ms']:.1f} | {row['wait_ms']:.1f} | {row['lookup_wait_ms']:.1f} | "
-              f"{row['emb_grad_wait_ms']:.1f} | {row['tokens_per_s']:.0f} | {row['step_ms'] / base['step_ms']:.2f} | "
-              f"{lw:.2f} |")
+        lw = (
+            row["lookup_wait_ms"] / base["lookup_wait_ms"]
+            if name != "replicated" and base["lookup_wait_ms"]
+            else float("nan")
+        )
+        print(
+            f"| {name} | {row['step_ms']:.1f} | {row['wait_ms']:.1f} | {row['lookup_wait_ms']:.1f} | "
+            f"{row['emb_grad_wait_ms']:.1f} | {row['tokens_per_s']:.0f} | {row['step_ms'] / base['step_ms']:.2f} | "
+            f"{lw:.2f} |"
+        )
     atomic_write_json(a.out, {"args": vars(a), "rows": rows, "runs": runs}, indent=1)
     print(f"wrote {a.out}")
     return 0

@@ -46,14 +46,24 @@ def _balance_rows(name: str, cost: np.ndarray, world_sizes, windows, batch: int,
             dt = time.perf_counter() - t
             st = balance.stats(p, cost)
             rb, bb, lb = rnd["bubble_fraction"], st["bubble_fraction"], st["bubble_fraction_lower_bound"]
-            rows.append({
-                "data": name, "samples": int(len(cost)), "W": w, "B": batch, "K": k if k else "epoch",
-                "steps": p.steps, "bubble_random": rb, "bubble_balanced": bb,
-                "reduction_pct": 100 * (rb - bb) / rb if rb > 0 else 0.0,
-                "bubble_lower_bound": lb,
-                "over_lb_p50_pct": 100 * st["over_lower_bound"]["p50"],
-                "over_lb_p99_pct": 100 * st["over_lower_bound"]["p99"],
-                "imbalance_p50": st["imbalance"]["p50"], "balance_s": dt})
+            rows.append(
+                {
+                    "data": name,
+                    "samples": int(len(cost)),
+                    "W": w,
+                    "B": batch,
+                    "K": k if k else "epoch",
+                    "steps": p.steps,
+                    "bubble_random": rb,
+                    "bubble_balanced": bb,
+                    "reduction_pct": 100 * (rb - bb) / rb if rb > 0 else 0.0,
+                    "bubble_lower_bound": lb,
+                    "over_lb_p50_pct": 100 * st["over_lower_bound"]["p50"],
+                    "over_lb_p99_pct": 100 * st["over_lower_bound"]["p99"],
+                    "imbalance_p50": st["imbalance"]["p50"],
+                    "balance_s": dt,
+                }
+            )
     _achievable(rows)
     return rows
 
@@ -65,27 +75,34 @@ def _achievable(rows: list[dict]) -> None:
         best = min(q["bubble_lower_bound"] for q in rows if q["data"] == r["data"] and q["W"] == r["W"])
         room = r["bubble_random"] - max(best, 0.0)
         r["bubble_achievable"] = max(best, 0.0)
-        r["reduction_of_achievable_pct"] = (100 * (r["bubble_random"] - r["bubble_balanced"]) / room
-                                            if room > 1e-12 else 100.0)
+        r["reduction_of_achievable_pct"] = (
+            100 * (r["bubble_random"] - r["bubble_balanced"]) / room if room > 1e-12 else 100.0
+        )
 
 
 def _print_balance(rows: list[dict], batch: int) -> None:
     print(f"balance quality: B={batch} per rank, cost c(L) = {DEFAULT.a}L^2 + {DEFAULT.b}L + {DEFAULT.c0}")
-    print(f"{'data':<30} {'W':>4} {'K':>5} {'steps':>6} {'random':>8} {'balanced':>9} {'reduct%':>8} "
-          f"{'LB bubble':>9} {'of achv%':>8} {'>LB p50%':>8} {'>LB p99%':>8} {'time s':>7}")
+    print(
+        f"{'data':<30} {'W':>4} {'K':>5} {'steps':>6} {'random':>8} {'balanced':>9} {'reduct%':>8} "
+        f"{'LB bubble':>9} {'of achv%':>8} {'>LB p50%':>8} {'>LB p99%':>8} {'time s':>7}"
+    )
     for r in rows:
-        print(f"{r['data']:<30} {r['W']:>4} {str(r['K']):>5} {r['steps']:>6} {r['bubble_random']:>8.4f} "
-              f"{r['bubble_balanced']:>9.4f} {r['reduction_pct']:>8.1f} {max(r['bubble_lower_bound'], 0):>9.4f} "
-              f"{r['reduction_of_achievable_pct']:>8.1f} {r['over_lb_p50_pct']:>8.3f} {r['over_lb_p99_pct']:>8.3f} "
-              f"{r['balance_s']:>7.2f}")
+        print(
+            f"{r['data']:<30} {r['W']:>4} {str(r['K']):>5} {r['steps']:>6} {r['bubble_random']:>8.4f} "
+            f"{r['bubble_balanced']:>9.4f} {r['reduction_pct']:>8.1f} {max(r['bubble_lower_bound'], 0):>9.4f} "
+            f"{r['reduction_of_achievable_pct']:>8.1f} {r['over_lb_p50_pct']:>8.3f} {r['over_lb_p99_pct']:>8.3f} "
+            f"{r['balance_s']:>7.2f}"
+        )
 
 
 def _print_throughput(thr: dict) -> None:
     print(f"\nprep throughput on {thr['events']:,} synthetic events ({thr['users']:,} users), one process:")
     print(f"  dataprep sequences  {thr['dataprep_s']:7.2f} s  {thr['dataprep_events_per_s'] / 1e6:6.2f} M events/s")
     if "pandas_s" in thr:
-        print(f"  pandas baseline     {thr['pandas_s']:7.2f} s  {thr['pandas_events_per_s'] / 1e6:6.2f} M events/s"
-              f"   -> dataprep {thr['speedup_vs_pandas']:.1f}x")
+        print(
+            f"  pandas baseline     {thr['pandas_s']:7.2f} s  {thr['pandas_events_per_s'] / 1e6:6.2f} M events/s"
+            f"   -> dataprep {thr['speedup_vs_pandas']:.1f}x"
+        )
     print(f"  build_shards total  {thr['build_shards_s']:7.2f} s  (W=8, B=256; {thr['build_shards_timings']})")
 
 
@@ -124,7 +141,7 @@ def pandas_baseline(path: str, max_len: int) -> tuple[int, int]:
         train = s[:-2]
         eval_rows.append((u, train, s[-2], s[-1]))
         if len(train) >= 2:
-            t = train[-(max_len + 1):]
+            t = train[-(max_len + 1) :]
             samples.append((u, t[:-1], t[-1]))
     pd.DataFrame(eval_rows, columns=["user_id", "history", "valid_target", "test_target"])
     out = pd.DataFrame(samples, columns=["user_id", "items", "target"])
@@ -172,8 +189,11 @@ def main(argv=None) -> int:
     seed = 0
 
     # 1. balance quality
-    L = lengths(SynthConfig(1, 2, median_len=20, sigma=1.2, min_len=5, max_history=a.max_len),
-                np.random.default_rng(seed), a.samples)
+    L = lengths(
+        SynthConfig(1, 2, median_len=20, sigma=1.2, min_len=5, max_history=a.max_len),
+        np.random.default_rng(seed),
+        a.samples,
+    )
     rows = _balance_rows(f"synthetic lognormal (<= {a.max_len})", DEFAULT(L), ws, ks, a.batch_size, seed)
     for name, c in ({} if a.skip_shared else _shared_costs(50)).items():
         rows += _balance_rows(f"{name} (max_len 50)", c, ws, ks, a.batch_size, seed)
@@ -189,13 +209,20 @@ def main(argv=None) -> int:
         path = write_synthetic(str(Path(tmp) / "events.txt"), users=users, items=100_000, seed=seed)
         n_events = sum(1 for _ in open(path, "rb"))
         t_ours, r_ours = _best(lambda: ours(path, 50), a.repeats)
-        thr = {"events": n_events, "users": users, "dataprep_s": t_ours,
-               "dataprep_events_per_s": n_events / t_ours, "samples": r_ours[0], "tokens": r_ours[1]}
+        thr = {
+            "events": n_events,
+            "users": users,
+            "dataprep_s": t_ours,
+            "dataprep_events_per_s": n_events / t_ours,
+            "samples": r_ours[0],
+            "tokens": r_ours[1],
+        }
         if not a.skip_pandas:
             t_pd, r_pd = _best(lambda: pandas_baseline(path, 50), 1)
             assert r_pd == r_ours, f"pandas baseline disagrees: {r_pd} vs {r_ours}"
             thr.update({"pandas_s": t_pd, "pandas_events_per_s": n_events / t_pd, "speedup_vs_pandas": t_pd / t_ours})
         from dataprep.build import build_shards
+
         t = time.perf_counter()
         m = build_shards(path, "sasrec", str(Path(tmp) / "shards"), world_size=8, batch_size=256, max_len=50)
         thr["build_shards_s"] = time.perf_counter() - t
@@ -207,8 +234,19 @@ def main(argv=None) -> int:
 def _write(a, rows, thr) -> int:
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(a), "machine": platform.platform(), "cost_model": DEFAULT.to_dict(),
-                               "balance": rows, "throughput": thr}, indent=2) + "\n")
+    out.write_text(
+        json.dumps(
+            {
+                "args": vars(a),
+                "machine": platform.platform(),
+                "cost_model": DEFAULT.to_dict(),
+                "balance": rows,
+                "throughput": thr,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"\nwrote {out}")
     return 0
 

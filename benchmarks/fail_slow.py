@@ -35,26 +35,61 @@ MODES = {"off": {"FTCORE_SLOW_RATIO": "0"}, "on": {}, "clean": {}}
 def run(mode: str, delay: float, steps: int = 300) -> dict:
     with tempfile.TemporaryDirectory() as d:
         out, plan = os.path.join(d, "run"), os.path.join(d, "plan.json")
-        faults = [] if mode == "clean" else [{"kind": "slow", "group": 2, "at_step": 20, "until_step": 200,
-                                              "delay_s": delay}]
+        faults = (
+            []
+            if mode == "clean"
+            else [{"kind": "slow", "group": 2, "at_step": 20, "until_step": 200, "delay_s": delay}]
+        )
         Path(plan).write_text(json.dumps({"faults": faults}))
-        args = [sys.executable, "-m", "training", "launch", "--worker", "ftcore.examples.toy", "--replica-groups", "3",
-                "--out", out, "--faults", plan, "--timeout", "300", "--", "--steps", str(steps),
-                "--step-sleep", "0.03", "--dim", "64"]
+        args = [
+            sys.executable,
+            "-m",
+            "training",
+            "launch",
+            "--worker",
+            "ftcore.examples.toy",
+            "--replica-groups",
+            "3",
+            "--out",
+            out,
+            "--faults",
+            plan,
+            "--timeout",
+            "300",
+            "--",
+            "--steps",
+            str(steps),
+            "--step-sleep",
+            "0.03",
+            "--dim",
+            "64",
+        ]
         t0 = time.monotonic()
-        p = subprocess.run(args, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
-                                                **MODES[mode]},
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=400,
-                           start_new_session=True)
+        p = subprocess.run(
+            args,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **MODES[mode]},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=400,
+            start_new_session=True,
+        )
         wall = time.monotonic() - t0
         if p.returncode != 0:
             raise RuntimeError(f"{mode}: launcher failed ({p.returncode}):\n{p.stdout[-3000:]}")
         tl = json.loads(Path(out, "timeline.json").read_text())
     t = {s["step"]: s["t"] for s in tl["steps"] if s["committed"] and s["group"] == 0 and s["rank"] == 0}
     kinds = [e["kind"] for e in tl["lighthouse_events"]]
-    return {"mode": mode, "commits_per_s_slow_stretch": round(170 / (t[200] - t[30]), 2),
-            "job_wall_s": round(wall, 2), "committed_steps": max(t), "exclusions": kinds.count("group_excluded"),
-            "heals": kinds.count("heal_assigned"), "identical": len(set(tl["checksums"].values())) == 1}
+    return {
+        "mode": mode,
+        "commits_per_s_slow_stretch": round(170 / (t[200] - t[30]), 2),
+        "job_wall_s": round(wall, 2),
+        "committed_steps": max(t),
+        "exclusions": kinds.count("group_excluded"),
+        "heals": kinds.count("heal_assigned"),
+        "identical": len(set(tl["checksums"].values())) == 1,
+    }
 
 
 def main() -> int:
@@ -68,13 +103,20 @@ def main() -> int:
     print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
     for r in rows:
         print("| " + " | ".join(str(r[c]) for c in cols) + " |")
-    med = {m: {k: statistics.median(r[k] for r in rows if r["mode"] == m)
-               for k in ("commits_per_s_slow_stretch", "job_wall_s")} for m in MODES}
-    print(f"\nmedian commit rate on/off while slowed: "
-          f"{med['on']['commits_per_s_slow_stretch'] / med['off']['commits_per_s_slow_stretch']:.2f}x; "
-          f"job wall time on/off: {med['on']['job_wall_s'] / med['off']['job_wall_s']:.2f}; "
-          f"clean/off commit rate "
-          f"{med['clean']['commits_per_s_slow_stretch'] / med['off']['commits_per_s_slow_stretch']:.2f}x")
+    med = {
+        m: {
+            k: statistics.median(r[k] for r in rows if r["mode"] == m)
+            for k in ("commits_per_s_slow_stretch", "job_wall_s")
+        }
+        for m in MODES
+    }
+    print(
+        f"\nmedian commit rate on/off while slowed: "
+        f"{med['on']['commits_per_s_slow_stretch'] / med['off']['commits_per_s_slow_stretch']:.2f}x; "
+        f"job wall time on/off: {med['on']['job_wall_s'] / med['off']['job_wall_s']:.2f}; "
+        f"clean/off commit rate "
+        f"{med['clean']['commits_per_s_slow_stretch'] / med['off']['commits_per_s_slow_stretch']:.2f}x"
+    )
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps({"rows": rows, "median": med}, indent=1))
     return 0

@@ -35,29 +35,47 @@ MB = 1 << 20
 
 
 # ---- 1. all-reduce --------------------------------------------------------------------------
-def _ar_worker(i: int, n: int, sizes: list[int], iters: dict, store_port: int, lh: str, tf_lh: str | None,
-               q: mp.Queue) -> None:
+def _ar_worker(
+    i: int, n: int, sizes: list[int], iters: dict, store_port: int, lh: str, tf_lh: str | None, q: mp.Queue
+) -> None:
     """One replica group. The modes take turns inside every iteration, so that the load of
     this shared machine hits them alike; each timed op starts after a barrier."""
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
     import torch.distributed as dist
+
     torch.set_num_threads(1)
     from ftcore.manager import Manager, ManagerConfig
-    store = dist.TCPStore("127.0.0.1", store_port, is_master=(i == 0), wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=60))
+
+    store = dist.TCPStore(
+        "127.0.0.1", store_port, is_master=(i == 0), wait_for_workers=False, timeout=datetime.timedelta(seconds=60)
+    )
     # Any: torch's stubs give ProcessGroupGloo (a Backend) no collectives; allreduce and barrier exist
     plain: Any = dist.ProcessGroupGloo(dist.PrefixStore("plain", store), i, n, datetime.timedelta(seconds=60))
-    mgr = Manager(ManagerConfig(lighthouse=lh, group=i, num_groups=n, min_replicas=1),
-                  state_dict=lambda: {}, load_state_dict=lambda s: None)
+    mgr = Manager(
+        ManagerConfig(lighthouse=lh, group=i, num_groups=n, min_replicas=1),
+        state_dict=lambda: {},
+        load_state_dict=lambda s: None,
+    )
     tfm = None
     if tf_lh:
         from torchft import Manager as TFManager
         from torchft.process_group import ProcessGroupGloo as TFGloo
+
         tf_store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        tfm = TFManager(pg=TFGloo(), load_state_dict=lambda s: None, state_dict=lambda: {}, min_replica_size=1,
-                        replica_id=f"r{i}", lighthouse_addr=tf_lh, store_addr="127.0.0.1",
-                        store_port=tf_store.port, rank=0, world_size=1, timeout=datetime.timedelta(seconds=60))
+        tfm = TFManager(
+            pg=TFGloo(),
+            load_state_dict=lambda s: None,
+            state_dict=lambda: {},
+            min_replica_size=1,
+            replica_id=f"r{i}",
+            lighthouse_addr=tf_lh,
+            store_addr="127.0.0.1",
+            store_port=tf_store.port,
+            rank=0,
+            world_size=1,
+            timeout=datetime.timedelta(seconds=60),
+        )
 
     def ftar_step(t):
         mgr.allreduce([t])
@@ -67,9 +85,11 @@ def _ar_worker(i: int, n: int, sizes: list[int], iters: dict, store_port: int, l
         tfm.allreduce(t).wait()
         assert tfm.should_commit()
 
-    modes = {"plain": lambda t: plain.allreduce([t]).wait(),
-             "plain_avg": lambda t: (plain.allreduce([t]).wait(), t.div_(n)),   # what DDP needs
-             "ftar": ftar_step}
+    modes = {
+        "plain": lambda t: plain.allreduce([t]).wait(),
+        "plain_avg": lambda t: (plain.allreduce([t]).wait(), t.div_(n)),  # what DDP needs
+        "ftar": ftar_step,
+    }
     if tfm is not None:
         modes["torchft"] = tf_step
     out: dict = {m: {} for m in modes}
@@ -77,11 +97,11 @@ def _ar_worker(i: int, n: int, sizes: list[int], iters: dict, store_port: int, l
     for size in sizes:
         t = torch.ones(size // 4)
         ts: dict = {m: [] for m in modes}
-        for k in range(iters[size] + 1):       # the first round warms up
+        for k in range(iters[size] + 1):  # the first round warms up
             for m, fn in modes.items():
                 if m == "ftar":
                     mgr.start_quorum()
-                    mgr.wait_quorum()          # overlapped with forward in training: not on the clock
+                    mgr.wait_quorum()  # overlapped with forward in training: not on the clock
                     out["quorum_ms"].append(mgr.quorum_seconds * 1e3)
                 elif m == "torchft":
                     assert tfm is not None
@@ -102,6 +122,7 @@ def _ar_worker(i: int, n: int, sizes: list[int], iters: dict, store_port: int, l
 
 def bench_allreduce(sizes_mb: list[int], groups: list[int]) -> list[dict]:
     from ftcore.lighthouse import LighthouseConfig, serve
+
     try:
         from torchft._torchft import LighthouseServer
     except ImportError:
@@ -116,8 +137,10 @@ def bench_allreduce(sizes_mb: list[int], groups: list[int]) -> list[dict]:
         ctx = mp.get_context("spawn")
         q = ctx.Queue()
         port = free_port()
-        procs = [ctx.Process(target=_ar_worker, args=(i, n, sizes, iters, port, addr,
-                                                      tf.address() if tf else None, q)) for i in range(n)]
+        procs = [
+            ctx.Process(target=_ar_worker, args=(i, n, sizes, iters, port, addr, tf.address() if tf else None, q))
+            for i in range(n)
+        ]
         for p in procs:
             p.start()
         results = {}
@@ -149,22 +172,46 @@ def bench_allreduce(sizes_mb: list[int], groups: list[int]) -> list[dict]:
 
 
 # ---- 2./3. launcher runs -----------------------------------------------------------------------
-def _launch(out: str, plan: list[dict], steps: int, step_sleep: float, spares: bool, ckpt: int,
-            env: dict, timeout: float = 400) -> dict:
+def _launch(
+    out: str, plan: list[dict], steps: int, step_sleep: float, spares: bool, ckpt: int, env: dict, timeout: float = 400
+) -> dict:
     plan_path = out + "-plan.json"
     with open(plan_path, "w") as f:
         json.dump({"faults": plan}, f)
-    args = [sys.executable, "-m", "training", "launch", "--worker", "ftcore.examples.toy", "--replica-groups", "3",
-            "--out", out, "--faults", plan_path, "--max-restarts", "20", "--timeout", str(timeout)]
+    args = [
+        sys.executable,
+        "-m",
+        "training",
+        "launch",
+        "--worker",
+        "ftcore.examples.toy",
+        "--replica-groups",
+        "3",
+        "--out",
+        out,
+        "--faults",
+        plan_path,
+        "--max-restarts",
+        "20",
+        "--timeout",
+        str(timeout),
+    ]
     if not spares:
         args.append("--no-spares")
     args += ["--", "--steps", str(steps), "--step-sleep", str(step_sleep), "--dim", "64"]
     if ckpt:
         args += ["--checkpoint-every", str(ckpt)]
     t0 = time.time()
-    p = subprocess.run(args, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", **env},
-                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout + 60,
-                       start_new_session=True)
+    p = subprocess.run(
+        args,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout + 60,
+        start_new_session=True,
+    )
     if p.returncode != 0:
         raise RuntimeError(f"launcher failed ({p.returncode}):\n{p.stdout[-3000:]}")
     with open(os.path.join(out, "timeline.json")) as f:
@@ -215,12 +262,19 @@ def bench_failover(kills: int, steps: int, spares: bool = True) -> dict:
     scheduler's) restart of a group is: imports, process group, heal."""
     with tempfile.TemporaryDirectory() as d:
         # far enough apart that the launcher has a warm spare again for each failure
-        plan = [{"kind": "kill", "group": (k % 3), "at_step": 40 + 250 * k, "incarnation": k // 3}
-                for k in range(kills)]
+        plan = [
+            {"kind": "kill", "group": (k % 3), "at_step": 40 + 250 * k, "incarnation": k // 3} for k in range(kills)
+        ]
         steps = max(steps, 40 + 250 * kills)
-        tl = _launch(os.path.join(d, "failover"), plan, steps, 0.03, spares, 0,
-                     {"FTCORE_HEARTBEAT_TIMEOUT": "5.0", "FTCORE_COLLECTIVE_TIMEOUT": "10",
-                      "FTCORE_QUORUM_TIMEOUT": "20"})
+        tl = _launch(
+            os.path.join(d, "failover"),
+            plan,
+            steps,
+            0.03,
+            spares,
+            0,
+            {"FTCORE_HEARTBEAT_TIMEOUT": "5.0", "FTCORE_COLLECTIVE_TIMEOUT": "10", "FTCORE_QUORUM_TIMEOUT": "20"},
+        )
     fig = failover_figures(tl)
     fig["heartbeat_timeout_s"] = 5.0
     return fig
@@ -240,15 +294,18 @@ def bench_effective(kill_every_s: float, kills: int, steps: int) -> dict:
         for name, spares in (("ft_hsdp", True), ("restart_all", False)):
             plan = []
             for k in range(kills):
-                at = 10.0 + kill_every_s * (k + 1)   # seconds after launch (startup takes ~10 s here)
-                if name == "ft_hsdp":   # one machine fails: its replica group restarts alone
+                at = 10.0 + kill_every_s * (k + 1)  # seconds after launch (startup takes ~10 s here)
+                if name == "ft_hsdp":  # one machine fails: its replica group restarts alone
                     plan.append({"kind": "kill", "group": k % 3, "at_time": at, "incarnation": k // 3})
-                else:                   # torchrun-style: every group restarts from the last checkpoint
+                else:  # torchrun-style: every group restarts from the last checkpoint
                     plan += [{"kind": "kill", "group": g, "at_time": at, "incarnation": k} for g in range(3)]
             tl = _launch(os.path.join(d, name), plan, steps, 0.03, spares, 25, {})
             fired = len({round(e["t"], 1) for e in tl["launcher_events"] if e["kind"] == "fault"})
-            res[name] = {"wall_s": span(tl), "failures": fired,
-                         "committed_steps": len({s["step"] for s in tl["steps"] if s["committed"]})}
+            res[name] = {
+                "wall_s": span(tl),
+                "failures": fired,
+                "committed_steps": len({s["step"] for s in tl["steps"] if s["committed"]}),
+            }
             res[name]["effective"] = res["fault_free_s"] / res[name]["wall_s"]
     return res
 
@@ -265,50 +322,70 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=os.path.join(ROOT, "bench-results", "ftcore.json"))
     a = p.parse_args(argv)
     skip = set(a.skip.split(",")) - {""}
-    result: dict = {"machine": f"{os.cpu_count()} cores", "torch": __import__("torch").__version__,
-                    "command": "python benchmarks/ftcore_bench.py" + (" --quick" if a.quick else "")}
+    result: dict = {
+        "machine": f"{os.cpu_count()} cores",
+        "torch": __import__("torch").__version__,
+        "command": "python benchmarks/ftcore_bench.py" + (" --quick" if a.quick else ""),
+    }
     if "allreduce" not in skip:
         sizes = [1, 16] if a.quick else [1, 4, 16, 64, 256]
         rows = bench_allreduce(sizes, [2] if a.quick else [int(x) for x in a.groups.split(",")])
         result["allreduce"] = rows
         print("\nall-reduce, median ms of the slowest group (FTAR includes the vote; quorum overlapped)")
-        print(f"{'groups':>6} {'MB':>5} {'plain':>9} {'plain+div':>10} {'FTAR':>9} {'torchft':>9} {'FTAR/plain':>11} "
-              f"{'FTAR/(plain+div)':>17} {'torchft/plain':>14}")
+        print(
+            f"{'groups':>6} {'MB':>5} {'plain':>9} {'plain+div':>10} {'FTAR':>9} {'torchft':>9} {'FTAR/plain':>11} "
+            f"{'FTAR/(plain+div)':>17} {'torchft/plain':>14}"
+        )
         for r in rows:
             tf = f"{r['torchft_ms']:9.1f}" if r["torchft_ms"] else f"{'-':>9}"
             tfr = f"{r['torchft_over_plain']:14.2f}" if r["torchft_over_plain"] else f"{'-':>14}"
-            print(f"{r['groups']:>6} {r['size_mb']:>5} {r['plain_ms']:9.1f} {r['plain_avg_ms']:10.1f} "
-                  f"{r['ftar_ms']:9.1f} {tf} {r['ftar_over_plain']:11.2f} {r['ftar_over_plain_avg']:17.2f} {tfr}")
+            print(
+                f"{r['groups']:>6} {r['size_mb']:>5} {r['plain_ms']:9.1f} {r['plain_avg_ms']:10.1f} "
+                f"{r['ftar_ms']:9.1f} {tf} {r['ftar_over_plain']:11.2f} {r['ftar_over_plain_avg']:17.2f} {tfr}"
+            )
     if "failover" not in skip:
         fig = bench_failover(2 if a.quick else 4, 0)
         result["failover"] = fig
         result["failover_s"], result["heal_s"] = _med(fig["failover_samples_s"]), _med(fig["heal_samples_s"])
         result["stall_per_failure_s"] = _med(fig["stall_samples_s"])
-        print(f"\nfailover/heal, 3 groups, toy step {fig['step_s'] * 1e3:.0f} ms, heartbeat timeout 5 s, "
-              f"{len(fig['failover_samples_s'])} kill -9")
-        print(f"  kill -> survivors' next commit: median {result['failover_s']:.3f} s  "
-              f"{fmt(fig['failover_samples_s'])}")
+        print(
+            f"\nfailover/heal, 3 groups, toy step {fig['step_s'] * 1e3:.0f} ms, heartbeat timeout 5 s, "
+            f"{len(fig['failover_samples_s'])} kill -9"
+        )
+        print(
+            f"  kill -> survivors' next commit: median {result['failover_s']:.3f} s  {fmt(fig['failover_samples_s'])}"
+        )
         if fig["heal_samples_s"]:
-            print(f"  kill -> returning group's first commit: median {result['heal_s']:.3f} s  "
-                  f"{fmt(fig['heal_samples_s'])}")
-            print(f"  survivors' extra stall per failure: median {result['stall_per_failure_s']:.3f} s  "
-                  f"{fmt(fig['stall_samples_s'])}")
+            print(
+                f"  kill -> returning group's first commit: median {result['heal_s']:.3f} s  "
+                f"{fmt(fig['heal_samples_s'])}"
+            )
+            print(
+                f"  survivors' extra stall per failure: median {result['stall_per_failure_s']:.3f} s  "
+                f"{fmt(fig['stall_samples_s'])}"
+            )
         cold = bench_failover(2 if a.quick else 4, 0, spares=False)
         result["failover_cold"] = cold
-        print(f"  cold restart (a new process, as torchrun restarts a group): kill -> returning group's first "
-              f"commit: median {_med(cold['heal_samples_s']):.3f} s  {fmt(cold['heal_samples_s'])}; survivors' "
-              f"extra stall median {_med(cold['stall_samples_s']):.3f} s")
+        print(
+            f"  cold restart (a new process, as torchrun restarts a group): kill -> returning group's first "
+            f"commit: median {_med(cold['heal_samples_s']):.3f} s  {fmt(cold['heal_samples_s'])}; survivors' "
+            f"extra stall median {_med(cold['stall_samples_s']):.3f} s"
+        )
     if "effective" not in skip:
         eff = bench_effective(8.0 if a.quick else 10.0, 2 if a.quick else 3, 400 if a.quick else 800)
         result["effective"] = eff
-        print(f"\neffective training time under a kill -9 schedule (3 groups, toy trainer; fault-free "
-              f"{eff['fault_free_s']:.1f} s)")
+        print(
+            f"\neffective training time under a kill -9 schedule (3 groups, toy trainer; fault-free "
+            f"{eff['fault_free_s']:.1f} s)"
+        )
         for k in ("ft_hsdp", "restart_all"):
             e = eff[k]
-            print(f"  {k:12s} failures {e['failures']:2d}  wall {e['wall_s']:6.1f} s  steps {e['committed_steps']}"
-                  f"  effective {e['effective'] * 100:5.1f}%")
+            print(
+                f"  {k:12s} failures {e['failures']:2d}  wall {e['wall_s']:6.1f} s  steps {e['committed_steps']}"
+                f"  effective {e['effective'] * 100:5.1f}%"
+            )
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
-    if skip and os.path.exists(a.out):   # keep the parts this run skipped from the last full run
+    if skip and os.path.exists(a.out):  # keep the parts this run skipped from the last full run
         with open(a.out) as f:
             result = {**json.load(f), **result}
     atomic_write_json(a.out, layout(result), indent=1)

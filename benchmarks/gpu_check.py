@@ -41,24 +41,59 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:   # run as a script: `benchmarks.training_bench` (part 3) lives under the root
+if str(ROOT) not in sys.path:  # run as a script: `benchmarks.training_bench` (part 3) lives under the root
     sys.path.insert(0, str(ROOT))
 BUDGET_S = float(os.environ.get("FTREC_GPU_CHECK_BUDGET_S", "280"))
 
-SIZES = {   # per mode: what each part runs
-    "gpu": {"ft_users": 1600, "ft_batch": 32, "ft_steps": 50, "ft_kill": 20, "ft_dim": 64, "ft_timeout": 120,
-            "mm_size": 8192, "mm_s": 1.0, "a2a_mb": 256, "rounds": 3,
-            "tp_users": 3000, "tp_batch": 64, "tp_steps": 40, "tp_lens": (50, 200, 1024), "tp_median": 60},
-    "cpu": {"ft_users": 300, "ft_batch": 32, "ft_steps": 10, "ft_kill": 4, "ft_dim": 16, "ft_timeout": 150,
-            "mm_size": 192, "mm_s": 0.3, "a2a_mb": 2, "rounds": 1,
-            "tp_users": 150, "tp_batch": 16, "tp_steps": 4, "tp_lens": (20, 50), "tp_median": 10},
+SIZES = {  # per mode: what each part runs
+    "gpu": {
+        "ft_users": 1600,
+        "ft_batch": 32,
+        "ft_steps": 50,
+        "ft_kill": 20,
+        "ft_dim": 64,
+        "ft_timeout": 120,
+        "mm_size": 8192,
+        "mm_s": 1.0,
+        "a2a_mb": 256,
+        "rounds": 3,
+        "tp_users": 3000,
+        "tp_batch": 64,
+        "tp_steps": 40,
+        "tp_lens": (50, 200, 1024),
+        "tp_median": 60,
+    },
+    "cpu": {
+        "ft_users": 300,
+        "ft_batch": 32,
+        "ft_steps": 10,
+        "ft_kill": 4,
+        "ft_dim": 16,
+        "ft_timeout": 150,
+        "mm_size": 192,
+        "mm_s": 0.3,
+        "a2a_mb": 2,
+        "rounds": 1,
+        "tp_users": 150,
+        "tp_batch": 16,
+        "tp_steps": 4,
+        "tp_lens": (20, 50),
+        "tp_median": 10,
+    },
 }
 
 
 def _run(argv: list[str], timeout: float, env: dict | None = None) -> tuple[int, str]:
     """A bounded child in its own session, ended by its process group on timeout."""
-    p = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         start_new_session=True, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+    p = subprocess.Popen(
+        argv,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+    )
     try:
         out, _ = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -70,28 +105,64 @@ def _run(argv: list[str], timeout: float, env: dict | None = None) -> tuple[int,
 
 # ---- 1. ft: kill -9 one group, heal, identical states -----------------------------------------
 
+
 def part_ft(work: Path, sz: dict, gpus: int, budget: float) -> dict:
     from dataprep.build import build_shards
     from dataprep.synth import write_synthetic
+
     events, shards, out = work / "ft-events.txt", work / "ft-shards", work / "ft-run"
     write_synthetic(str(events), users=sz["ft_users"], items=300, seed=1, median_len=12, max_history=60)
-    m = build_shards(str(events), "sasrec", str(shards), world_size=2, batch_size=sz["ft_batch"], max_len=50,
-                     overwrite=True)
+    m = build_shards(
+        str(events), "sasrec", str(shards), world_size=2, batch_size=sz["ft_batch"], max_len=50, overwrite=True
+    )
     epochs = max(1, math.ceil(sz["ft_steps"] / m["steps"]))
     plan = work / "ft-plan.json"
     plan.write_text(json.dumps({"faults": [{"kind": "kill", "group": 1, "at_step": sz["ft_kill"]}]}))
-    argv = [sys.executable, "-m", "training", "launch", "--shards", str(shards), "--replica-groups", "2",
-            "--ranks-per-group", "1", "--out", str(out), "--faults", str(plan), "--timeout", str(int(budget - 10)),
-            *(["--oversubscribe-gpus"] if 0 < gpus < 2 else []), "--", "--set", f"train.epochs={epochs}",
-            f"model.dim={sz['ft_dim']}", "mlflow.enabled=false", "eval.periodic=false", "eval.final=false",
-            "train.log_every=10", "loss.num_negatives=64"]
+    argv = [
+        sys.executable,
+        "-m",
+        "training",
+        "launch",
+        "--shards",
+        str(shards),
+        "--replica-groups",
+        "2",
+        "--ranks-per-group",
+        "1",
+        "--out",
+        str(out),
+        "--faults",
+        str(plan),
+        "--timeout",
+        str(int(budget - 10)),
+        *(["--oversubscribe-gpus"] if 0 < gpus < 2 else []),
+        "--",
+        "--set",
+        f"train.epochs={epochs}",
+        f"model.dim={sz['ft_dim']}",
+        "mlflow.enabled=false",
+        "eval.periodic=false",
+        "eval.final=false",
+        "train.log_every=10",
+        "loss.num_negatives=64",
+    ]
     t = time.monotonic()
     rc, log = _run(argv, budget, {"OMP_NUM_THREADS": "1"})
     (work / "ft-launch.log").write_text(log)
-    res = {"exit": rc, "seconds": round(time.monotonic() - t, 1), "steps": epochs * m["steps"],
-           "kill_at_step": sz["ft_kill"], "log": str(work / "ft-launch.log"),
-           "devices": sorted({line.split(" on ", 1)[1].split()[0] for line in log.splitlines()
-                              if "[distributed]" in line and " on cuda" in line})}
+    res = {
+        "exit": rc,
+        "seconds": round(time.monotonic() - t, 1),
+        "steps": epochs * m["steps"],
+        "kill_at_step": sz["ft_kill"],
+        "log": str(work / "ft-launch.log"),
+        "devices": sorted(
+            {
+                line.split(" on ", 1)[1].split()[0]
+                for line in log.splitlines()
+                if "[distributed]" in line and " on cuda" in line
+            }
+        ),
+    }
     fails = [] if rc == 0 else [f"launcher exit {rc}: {log[-1500:]}"]
     s0, s1 = out / "replica_0" / "state.safetensors", out / "replica_1" / "state.safetensors"
     if s0.exists() and s1.exists():
@@ -116,6 +187,7 @@ def part_ft(work: Path, sz: dict, gpus: int, budget: float) -> dict:
 
 # ---- 2. slowdown: matmul beside NCCL all-to-all and beside the copy engines ---------------------
 
+
 def _matmul(a, b, n: int, cuda: bool) -> float:
     if not cuda:
         t = time.perf_counter()
@@ -134,24 +206,26 @@ def _matmul(a, b, n: int, cuda: bool) -> float:
 def _slowdown_worker(rank: int, world: int, cuda: bool, sz: dict) -> dict:
     from ftcore import collectives as coll
     from training.comm.transport import TransportConfig, make_transport
+
     dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
-    transports = {("nccl" if cuda else "gloo") + "_all_to_all": make_transport("collective", group=coll.new_group()),
-                  "smfree_copy_engines": make_transport(TransportConfig(kind="smfree"), group=coll.new_group(),
-                                                        device=str(dev))}
+    transports = {
+        ("nccl" if cuda else "gloo") + "_all_to_all": make_transport("collective", group=coll.new_group()),
+        "smfree_copy_engines": make_transport(TransportConfig(kind="smfree"), group=coll.new_group(), device=str(dev)),
+    }
     names = {k: t.name for k, t in transports.items()}
     rows = sz["a2a_mb"] * 2**20 // (4 * 256)
     x = torch.randn(rows, 256, device=dev)
     splits = [rows // world] * (world - 1) + [rows - rows // world * (world - 1)]
     side = torch.cuda.Stream(dev) if cuda else None
 
-    def ops(t, n):   # n all-to-alls back to back on the side stream; seconds
+    def ops(t, n):  # n all-to-alls back to back on the side stream; seconds
         t0 = time.perf_counter()
         with torch.cuda.stream(side) if cuda else _null():
             for i in range(n):
                 t.all_to_all(x, splits, splits).wait()
                 if cuda and i % 4 == 3:
-                    side.synchronize()   # a few in flight, not n outputs of a2a_mb each
+                    side.synchronize()  # a few in flight, not n outputs of a2a_mb each
             if cuda:
                 side.synchronize()
         return time.perf_counter() - t0
@@ -164,7 +238,7 @@ def _slowdown_worker(rank: int, world: int, cuda: bool, sz: dict) -> dict:
     alone = _matmul(a, b, n_mm, cuda)
     t_op = {}
     for k, t in transports.items():
-        ops(t, 2)   # warm-up: pins the outboxes, builds NCCL's communicator
+        ops(t, 2)  # warm-up: pins the outboxes, builds NCCL's communicator
         t_op[k] = ops(t, 3) / 3
     # every rank runs the same number of ops: the slowest rank's count, covering 1.3x the loop alone
     n_ops = {}
@@ -172,16 +246,18 @@ def _slowdown_worker(rank: int, world: int, cuda: bool, sz: dict) -> dict:
         n = torch.tensor([math.ceil(1.3 * alone / t_op[k]) + 1], dtype=torch.int64)
         coll.all_reduce(n, kind=coll.CONTROL, op=torch.distributed.ReduceOp.MAX)
         n_ops[k] = int(n)
-    res: dict[str, dict[str, Any]] = {k: {"matmul_s": [], "comm_s": [], "ops": n_ops.get(k, 0)}
-                                      for k in ("none", *transports)}
+    res: dict[str, dict[str, Any]] = {
+        k: {"matmul_s": [], "comm_s": [], "ops": n_ops.get(k, 0)} for k in ("none", *transports)
+    }
     for _ in range(sz["rounds"]):
         for k in res:
             coll.barrier()
             box: dict[str, float] = {}
             th = None
             if k != "none":
-                th = threading.Thread(target=lambda box=box, t=transports[k], n=n_ops[k]: box.update(s=ops(t, n)),
-                                      daemon=True)
+                th = threading.Thread(
+                    target=lambda box=box, t=transports[k], n=n_ops[k]: box.update(s=ops(t, n)), daemon=True
+                )
                 th.start()
                 time.sleep(0.01)
             res[k]["matmul_s"].append(_matmul(a, b, n_mm, cuda))
@@ -189,19 +265,31 @@ def _slowdown_worker(rank: int, world: int, cuda: bool, sz: dict) -> dict:
                 th.join(timeout=120)
                 res[k]["comm_s"].append(box.get("s", float("nan")))
     kernels = None
-    if cuda:   # what runs on the SMs during an smfree all-to-all: memcpys only, no kernel
+    if cuda:  # what runs on the SMs during an smfree all-to-all: memcpys only, no kernel
         from torch.profiler import ProfilerActivity, profile
+
         t = transports["smfree_copy_engines"]
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             t.all_to_all(x, splits, splits).wait()
             torch.cuda.synchronize()
-        kernels = sorted({e.name for e in prof.events() if e.device_type.name == "CUDA"
-                          and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()})
+        kernels = sorted(
+            {
+                e.name
+                for e in prof.events()
+                if e.device_type.name == "CUDA" and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()
+            }
+        )
     coll.barrier()
     for t in transports.values():
         t.close()
-    return {"results": res, "names": names, "t_op_alone_s": t_op, "n_matmul": n_mm,
-            "mbytes_per_op": sz["a2a_mb"], "smfree_kernels": kernels}
+    return {
+        "results": res,
+        "names": names,
+        "t_op_alone_s": t_op,
+        "n_matmul": n_mm,
+        "mbytes_per_op": sz["a2a_mb"],
+        "smfree_kernels": kernels,
+    }
 
 
 class _null:
@@ -218,27 +306,47 @@ def _set_gpu(rank: int) -> None:
 
 def part_slowdown(sz: dict, gpus: int, budget: float) -> dict:
     from training.comm.spawn import run_ranks
+
     cuda = gpus > 0
     world = min(2, gpus) if cuda else 2
-    r = run_ranks(_slowdown_worker, world, cuda, sz, timeout_s=budget, backend="nccl" if cuda else "gloo",
-                  setup=_set_gpu if cuda else None)
+    r = run_ranks(
+        _slowdown_worker,
+        world,
+        cuda,
+        sz,
+        timeout_s=budget,
+        backend="nccl" if cuda else "gloo",
+        setup=_set_gpu if cuda else None,
+    )
     res0 = r[0]["results"]
     base = statistics.median(x for rr in r for x in rr["results"]["none"]["matmul_s"])
-    out = {"world": world, "matmul": f"{sz['mm_size']}^2 {'bf16' if cuda else 'fp32'} x {r[0]['n_matmul']}",
-           "mbytes_per_op": sz["a2a_mb"], "names": r[0]["names"], "smfree_kernels": r[0]["smfree_kernels"],
-           "rows": {}}
+    out = {
+        "world": world,
+        "matmul": f"{sz['mm_size']}^2 {'bf16' if cuda else 'fp32'} x {r[0]['n_matmul']}",
+        "mbytes_per_op": sz["a2a_mb"],
+        "names": r[0]["names"],
+        "smfree_kernels": r[0]["smfree_kernels"],
+        "rows": {},
+    }
     for k in res0:
         mm = statistics.median(x for rr in r for x in rr["results"][k]["matmul_s"])
         row = {"matmul_s": mm, "slowdown": mm / base}
         if k != "none":
             comm = statistics.median(x for rr in r for x in rr["results"][k]["comm_s"])
             ops = res0[k]["ops"]
-            row.update(ops=ops, comm_s=comm, covered=comm >= mm,
-                       gbytes_per_s_overlapped=ops * sz["a2a_mb"] * 2**20 / comm / 1e9,
-                       gbytes_per_s_alone=sz["a2a_mb"] * 2**20 / r[0]["t_op_alone_s"][k] / 1e9)
+            row.update(
+                ops=ops,
+                comm_s=comm,
+                covered=comm >= mm,
+                gbytes_per_s_overlapped=ops * sz["a2a_mb"] * 2**20 / comm / 1e9,
+                gbytes_per_s_alone=sz["a2a_mb"] * 2**20 / r[0]["t_op_alone_s"][k] / 1e9,
+            )
         out["rows"][k] = row
-    uncovered = [f"{k}: the comm ended before the matmul loop (not fully overlapped)"
-                 for k, v in out["rows"].items() if k != "none" and not v["covered"]]
+    uncovered = [
+        f"{k}: the comm ended before the matmul loop (not fully overlapped)"
+        for k, v in out["rows"].items()
+        if k != "none" and not v["covered"]
+    ]
     # On CPU the comm and the matmul share the same cores, so coverage is the machine's luck:
     # a note there, a failure only on a GPU, where the claim is about copy engines beside SMs.
     fails = uncovered if cuda else []
@@ -253,32 +361,48 @@ def part_slowdown(sz: dict, gpus: int, budget: float) -> dict:
 
 # ---- 3. throughput: non-padding tokens/s, sasrec and hstu, three lengths, balanced vs random ------
 
+
 def part_throughput(work: Path, sz: dict, budget: float) -> dict:
     from benchmarks.training_bench import randomize
     from dataprep.build import build_shards
     from dataprep.synth import write_synthetic
     from training.config import load_config
     from training.train import train
+
     deadline = time.monotonic() + budget
     events = work / "tp-events.txt"
     top = max(sz["tp_lens"])
-    write_synthetic(str(events), users=sz["tp_users"], items=2000, seed=2, median_len=sz["tp_median"],
-                    max_history=top + 2)
+    write_synthetic(
+        str(events), users=sz["tp_users"], items=2000, seed=2, median_len=sz["tp_median"], max_history=top + 2
+    )
     rows, fails = [], []
     sets = {}
     for L in sz["tp_lens"]:
         bal = work / f"tp-{L}"
-        build_shards(str(events), "sasrec", str(bal), world_size=1, batch_size=sz["tp_batch"], max_len=L,
-                     overwrite=True)
+        build_shards(
+            str(events), "sasrec", str(bal), world_size=1, batch_size=sz["tp_batch"], max_len=L, overwrite=True
+        )
         sets[L] = {"balanced": str(bal), "random": randomize(str(bal), str(bal) + "-random")}
 
     def one(shards, attention, steps):
-        cfg = load_config(None, [f"data.shards={shards}", f"train.out={work / 'tp-out'}", f"train.max_steps={steps}",
-                                 "train.epochs=1", f"train.log_every={max(1, steps // 2)}", "mlflow.enabled=false",
-                                 "eval.periodic=false", "eval.final=false", f"model.attention={attention}",
-                                 "train.checkpoint_every=0"])
+        cfg = load_config(
+            None,
+            [
+                f"data.shards={shards}",
+                f"train.out={work / 'tp-out'}",
+                f"train.max_steps={steps}",
+                "train.epochs=1",
+                f"train.log_every={max(1, steps // 2)}",
+                "mlflow.enabled=false",
+                "eval.periodic=false",
+                "eval.final=false",
+                f"model.attention={attention}",
+                "train.checkpoint_every=0",
+            ],
+        )
         return train(cfg)["throughput"]
-    one(sets[sz["tp_lens"][0]]["balanced"], "sasrec", 3)   # warm-up: CUDA context, kernels, allocator
+
+    one(sets[sz["tp_lens"][0]]["balanced"], "sasrec", 3)  # warm-up: CUDA context, kernels, allocator
     for L in sz["tp_lens"]:
         for attention in ("sasrec", "hstu"):
             for kind in ("balanced", "random"):
@@ -286,13 +410,21 @@ def part_throughput(work: Path, sz: dict, budget: float) -> dict:
                     fails.append(f"time box spent before max_len {L} {attention} {kind}")
                     continue
                 tp = one(sets[L][kind], attention, sz["tp_steps"])
-                rows.append({"max_len": L, "attention": attention, "shards": kind,
-                             "tokens_per_s": tp["tokens_per_s"], "padding_fraction": tp["padding_fraction"],
-                             "step_ms": 1e3 * tp["step_seconds"] / max(tp["steps"], 1)})
+                rows.append(
+                    {
+                        "max_len": L,
+                        "attention": attention,
+                        "shards": kind,
+                        "tokens_per_s": tp["tokens_per_s"],
+                        "padding_fraction": tp["padding_fraction"],
+                        "step_ms": 1e3 * tp["step_seconds"] / max(tp["steps"], 1),
+                    }
+                )
     return {"rows": rows, "steps": sz["tp_steps"], "batch": sz["tp_batch"], "fails": fails}
 
 
 # ---- main ---------------------------------------------------------------------------------------
+
 
 def _table(rows: list[list], head: list[str]) -> str:
     w = [max(len(str(x)) for x in col) for col in zip(head, *rows, strict=False)]
@@ -304,23 +436,63 @@ def _print(res: dict) -> None:
     ft = res.get("ft")
     if isinstance(ft, dict):
         print("\n## 1. ft: 2 groups x 1 rank, kill -9 group 1, heal")
-        print(_table([[ft.get("steps"), ft.get("kill_at_step"), ft.get("restarts"), ft.get("healed"),
-                       ft.get("identical"), ",".join(ft.get("devices", [])) or "-", ft.get("seconds")]],
-                     ["steps", "kill at", "restarts", "healed", "identical", "devices", "s"]))
+        print(
+            _table(
+                [
+                    [
+                        ft.get("steps"),
+                        ft.get("kill_at_step"),
+                        ft.get("restarts"),
+                        ft.get("healed"),
+                        ft.get("identical"),
+                        ",".join(ft.get("devices", [])) or "-",
+                        ft.get("seconds"),
+                    ]
+                ],
+                ["steps", "kill at", "restarts", "healed", "identical", "devices", "s"],
+            )
+        )
     sd = res.get("slowdown")
     if isinstance(sd, dict):
-        print(f"\n## 2. slowdown of a {sd['matmul']} loop beside {sd['mbytes_per_op']} MB all-to-alls "
-              f"({sd['world']} rank(s)); smfree kernels: {sd['smfree_kernels']}")
-        print(_table([[k, f"{v['matmul_s']:.3f}", f"{v['slowdown']:.3f}", v.get("ops", "-"),
-                       f"{v['gbytes_per_s_overlapped']:.2f}" if "comm_s" in v else "-",
-                       f"{v['gbytes_per_s_alone']:.2f}" if "comm_s" in v else "-"] for k, v in sd["rows"].items()],
-                     ["side traffic", "matmul s", "slowdown", "ops", "GB/s overlapped", "GB/s alone"]))
+        print(
+            f"\n## 2. slowdown of a {sd['matmul']} loop beside {sd['mbytes_per_op']} MB all-to-alls "
+            f"({sd['world']} rank(s)); smfree kernels: {sd['smfree_kernels']}"
+        )
+        print(
+            _table(
+                [
+                    [
+                        k,
+                        f"{v['matmul_s']:.3f}",
+                        f"{v['slowdown']:.3f}",
+                        v.get("ops", "-"),
+                        f"{v['gbytes_per_s_overlapped']:.2f}" if "comm_s" in v else "-",
+                        f"{v['gbytes_per_s_alone']:.2f}" if "comm_s" in v else "-",
+                    ]
+                    for k, v in sd["rows"].items()
+                ],
+                ["side traffic", "matmul s", "slowdown", "ops", "GB/s overlapped", "GB/s alone"],
+            )
+        )
     tp = res.get("throughput")
     if isinstance(tp, dict):
         print(f"\n## 3. non-padding tokens/s, {tp['steps']} steps, batch {tp['batch']}")
-        print(_table([[r["max_len"], r["attention"], r["shards"], f"{r['tokens_per_s']:,.0f}",
-                       f"{r['padding_fraction']:.3f}", f"{r['step_ms']:.1f}"] for r in tp["rows"]],
-                     ["max_len", "attention", "shards", "tokens/s", "padding", "ms/step"]))
+        print(
+            _table(
+                [
+                    [
+                        r["max_len"],
+                        r["attention"],
+                        r["shards"],
+                        f"{r['tokens_per_s']:,.0f}",
+                        f"{r['padding_fraction']:.3f}",
+                        f"{r['step_ms']:.1f}",
+                    ]
+                    for r in tp["rows"]
+                ],
+                ["max_len", "attention", "shards", "tokens/s", "padding", "ms/step"],
+            )
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -340,14 +512,18 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(a.work) if a.work else out.parent / "gpu_check_work"
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    res: dict[str, Any] = {"mode": "cpu" if a.cpu else "gpu", "gpus": gpus, "torch": torch.__version__,
-           "device": torch.cuda.get_device_name(0) if gpus else "cpu"}
-    boxes = {"ft": 0.45, "slowdown": 0.25, "throughput": 0.30}   # shares of the budget
+    res: dict[str, Any] = {
+        "mode": "cpu" if a.cpu else "gpu",
+        "gpus": gpus,
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(0) if gpus else "cpu",
+    }
+    boxes = {"ft": 0.45, "slowdown": 0.25, "throughput": 0.30}  # shares of the budget
     parts = [x for x in a.parts.split(",") if x]
     ok = True
     for name in parts:
-        left = a.budget_s - (time.monotonic() - t0)   # each part: its share of what is left
-        box = left * boxes[name] / sum(boxes[n] for n in parts[parts.index(name):])
+        left = a.budget_s - (time.monotonic() - t0)  # each part: its share of what is left
+        box = left * boxes[name] / sum(boxes[n] for n in parts[parts.index(name) :])
         if box < 20:
             res[name], ok = "skipped: time budget spent", False
             continue

@@ -25,7 +25,7 @@ def size(name: str) -> int:
     total = 0
     for f in d.files or []:
         try:
-            total += os.path.getsize(str(d.locate_file(f)))   # a Path here; typed as a SimplePath
+            total += os.path.getsize(str(d.locate_file(f)))  # a Path here; typed as a SimplePath
         except OSError:
             pass
     return total
@@ -61,17 +61,24 @@ def main() -> None:
     skinny_roots = [r for r in base_reqs if canonicalize_name(r) != "mlflow"] + ["mlflow-skinny"]
     skinny = closure(skinny_roots + ["pandas", "sqlalchemy", "alembic"])
     print(f"{'install':52s} {'packages':>8s} {'MiB':>7s}")
-    print(f"{'pip install ftrec (base)':52s} {len(base):8d} {mib(base):7.0f}   "
-          f"of which torch {size('torch') / MIB:.0f}")
+    print(
+        f"{'pip install ftrec (base)':52s} {len(base):8d} {mib(base):7.0f}   of which torch {size('torch') / MIB:.0f}"
+    )
     print(f"{'pip install ftrec[airflow]':52s} {len(airflow):8d} {mib(airflow):7.0f}")
-    print(f"{'pip install ftrec[airflow,kubernetes]':52s} {len(k8s):8d} {mib(k8s):7.0f}   "
-          f"+{mib(k8s - airflow):.0f}: {', '.join(sorted(k8s - airflow))}")
-    print(f"{'base, mlflow-skinny + pandas, sqlalchemy, alembic':52s} {len(skinny):8d} {mib(skinny):7.0f}   "
-          f"-{mib(base - skinny):.0f}: {', '.join(sorted(base - skinny, key=size, reverse=True)[:10])}, ...")
+    print(
+        f"{'pip install ftrec[airflow,kubernetes]':52s} {len(k8s):8d} {mib(k8s):7.0f}   "
+        f"+{mib(k8s - airflow):.0f}: {', '.join(sorted(k8s - airflow))}"
+    )
+    print(
+        f"{'base, mlflow-skinny + pandas, sqlalchemy, alembic':52s} {len(skinny):8d} {mib(skinny):7.0f}   "
+        f"-{mib(base - skinny):.0f}: {', '.join(sorted(base - skinny, key=size, reverse=True)[:10])}, ..."
+    )
     airflow_skinny = closure(skinny_roots + ["pandas", "sqlalchemy", "alembic"] + extra["airflow"])
-    print(f"{'[airflow], the same':52s} {len(airflow_skinny):8d} {mib(airflow_skinny):7.0f}   "
-          f"-{mib(airflow - airflow_skinny):.0f}: "
-          f"{', '.join(sorted(airflow - airflow_skinny, key=size, reverse=True)[:6])}, ...")
+    print(
+        f"{'[airflow], the same':52s} {len(airflow_skinny):8d} {mib(airflow_skinny):7.0f}   "
+        f"-{mib(airflow - airflow_skinny):.0f}: "
+        f"{', '.join(sorted(airflow - airflow_skinny, key=size, reverse=True)[:6])}, ..."
+    )
 
 
 if __name__ == "__main__":

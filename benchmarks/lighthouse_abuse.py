@@ -54,11 +54,17 @@ def _post(path: str, body: bytes, token: bool = True, length: str | None = None)
 
 
 def abuse(port: int, stop: threading.Event, tally: Counter) -> None:
-    malformed = [_post("/heartbeat", b"\xff\xfe\xfd"), _post("/heartbeat", b"Infinity"), _post("/quorum", b"[1,2]"),
-                 _post("/heartbeat", b"", length="abc"), _post("/heartbeat", b"x" * (2 << 20)),
-                 b"GARBAGE\r\n\r\n", _post("/heartbeat", b'{"group": 0, "rank": 5, "world": 2, "job": "bench"}'),
-                 _post("/heartbeat", b'{"group": 99, "rank": 0, "world": 1, "num_groups": 2, "job": "bench"}'),
-                 _post("/heartbeat", b'{"group": 0, "rank": 0, "quorum_id": 1e30, "job": "bench"}')]
+    malformed = [
+        _post("/heartbeat", b"\xff\xfe\xfd"),
+        _post("/heartbeat", b"Infinity"),
+        _post("/quorum", b"[1,2]"),
+        _post("/heartbeat", b"", length="abc"),
+        _post("/heartbeat", b"x" * (2 << 20)),
+        b"GARBAGE\r\n\r\n",
+        _post("/heartbeat", b'{"group": 0, "rank": 5, "world": 2, "job": "bench"}'),
+        _post("/heartbeat", b'{"group": 99, "rank": 0, "world": 1, "num_groups": 2, "job": "bench"}'),
+        _post("/heartbeat", b'{"group": 0, "rank": 0, "quorum_id": 1e30, "job": "bench"}'),
+    ]
     rounds = 0
     while not stop.is_set() and rounds < 40:
         rounds += 1
@@ -72,6 +78,7 @@ def abuse(port: int, stop: threading.Event, tally: Counter) -> None:
             r = _raw(port, b"GET /status HTTP/1.1\r\n\r\n", timeout=10)
             with lock:
                 results.append(r)
+
         ts = [threading.Thread(target=one, args=(results, lock)) for _ in range(1000 if rounds == 1 else 100)]
         for t in ts:
             t.start()
@@ -94,14 +101,58 @@ def main() -> int:
     port = free_port()
     with tempfile.TemporaryDirectory() as d:
         events, shards = Path(d) / "ev.txt", Path(d) / "shards"
-        subprocess.run([sys.executable, "-m", "dataprep", "synth", "--out", str(events), "--users", "800",
-                        "--items", "200", "--quiet"], env=env, cwd=ROOT, check=True, timeout=120)
-        subprocess.run([sys.executable, "-m", "dataprep", "shards", "--input", str(events), "--format", "sasrec",
-                        "--out", str(shards), "--world-size", "2", "--batch-size", "16", "--max-len", "20",
-                        "--quiet"], env=env, cwd=ROOT, check=True, timeout=180)
-        lh = subprocess.Popen([sys.executable, "-m", "ftcore.lighthouse", "--bind", f"127.0.0.1:{port}"],
-                              env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              start_new_session=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "dataprep",
+                "synth",
+                "--out",
+                str(events),
+                "--users",
+                "800",
+                "--items",
+                "200",
+                "--quiet",
+            ],
+            env=env,
+            cwd=ROOT,
+            check=True,
+            timeout=120,
+        )
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "dataprep",
+                "shards",
+                "--input",
+                str(events),
+                "--format",
+                "sasrec",
+                "--out",
+                str(shards),
+                "--world-size",
+                "2",
+                "--batch-size",
+                "16",
+                "--max-len",
+                "20",
+                "--quiet",
+            ],
+            env=env,
+            cwd=ROOT,
+            check=True,
+            timeout=180,
+        )
+        lh = subprocess.Popen(
+            [sys.executable, "-m", "ftcore.lighthouse", "--bind", f"127.0.0.1:{port}"],
+            env=env,
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         idle = []
         try:
             deadline = time.monotonic() + 30
@@ -111,12 +162,39 @@ def main() -> int:
                 time.sleep(0.1)
             idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(200)]
             job = subprocess.Popen(
-                [sys.executable, "-m", "training", "launch", "--shards", str(shards), "--replica-groups", "2",
-                 "--lighthouse", f"127.0.0.1:{port}", "--job-id", "bench", "--out", str(Path(d) / "run"),
-                 "--timeout", "400", "--", "--set", "train.epochs=6", "model.dim=16", "loss.num_negatives=16",
-                 "mlflow.enabled=false", "eval.periodic=false", "eval.batch_size=256"],
-                env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                start_new_session=True)
+                [
+                    sys.executable,
+                    "-m",
+                    "training",
+                    "launch",
+                    "--shards",
+                    str(shards),
+                    "--replica-groups",
+                    "2",
+                    "--lighthouse",
+                    f"127.0.0.1:{port}",
+                    "--job-id",
+                    "bench",
+                    "--out",
+                    str(Path(d) / "run"),
+                    "--timeout",
+                    "400",
+                    "--",
+                    "--set",
+                    "train.epochs=6",
+                    "model.dim=16",
+                    "loss.num_negatives=16",
+                    "mlflow.enabled=false",
+                    "eval.periodic=false",
+                    "eval.batch_size=256",
+                ],
+                env=env,
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
             stop, tally = threading.Event(), Counter[str]()
             attacker = threading.Thread(target=abuse, args=(port, stop, tally))
             attacker.start()
@@ -129,7 +207,7 @@ def main() -> int:
                 time.sleep(0.5)
             stop.set()
             attacker.join()
-            assert job.stdout is not None   # stdout=PIPE
+            assert job.stdout is not None  # stdout=PIPE
             log = job.stdout.read()
             sums = [line.split("checksum ")[1].split()[0] for line in log.splitlines() if " checksum " in line]
         finally:
@@ -137,11 +215,16 @@ def main() -> int:
                 s.close()
             lh.kill()
             lh.wait()
-    row = {"job_exit_code": job.returncode, "final_states_equal": len(sums) == 2 and len(set(sums)) == 1,
-           "status_polls": len(lat), "status_failures": fails,
-           "status_p50_ms": round(1000 * statistics.median(lat), 1) if lat else None,
-           "status_max_ms": round(1000 * max(lat), 1) if lat else None,
-           "requests_tried": sum(tally.values()), "answers": dict(sorted(tally.items()))}
+    row = {
+        "job_exit_code": job.returncode,
+        "final_states_equal": len(sums) == 2 and len(set(sums)) == 1,
+        "status_polls": len(lat),
+        "status_failures": fails,
+        "status_p50_ms": round(1000 * statistics.median(lat), 1) if lat else None,
+        "status_max_ms": round(1000 * max(lat), 1) if lat else None,
+        "requests_tried": sum(tally.values()),
+        "answers": dict(sorted(tally.items())),
+    }
     print(json.dumps(row, indent=1))
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(row, indent=1))

@@ -35,13 +35,39 @@ def run(mode: str, pause: float, steps: int = 200) -> dict:
         plan = os.path.join(d, "plan.json")
         with open(plan, "w") as f:
             json.dump({"faults": [{"kind": "pause_lighthouse", "at_step": 40, "duration_s": pause}]}, f)
-        args = [sys.executable, "-m", "training", "launch", "--worker", "ftcore.examples.toy", "--replica-groups", "3",
-                "--out", out, "--faults", plan, "--timeout", "300", "--", "--steps", str(steps),
-                "--step-sleep", "0.03", "--dim", "64"]
-        p = subprocess.run(args, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
-                                                **MODES[mode]},
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=400,
-                           start_new_session=True)
+        args = [
+            sys.executable,
+            "-m",
+            "training",
+            "launch",
+            "--worker",
+            "ftcore.examples.toy",
+            "--replica-groups",
+            "3",
+            "--out",
+            out,
+            "--faults",
+            plan,
+            "--timeout",
+            "300",
+            "--",
+            "--steps",
+            str(steps),
+            "--step-sleep",
+            "0.03",
+            "--dim",
+            "64",
+        ]
+        p = subprocess.run(
+            args,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **MODES[mode]},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=400,
+            start_new_session=True,
+        )
         if p.returncode != 0:
             raise RuntimeError(f"{mode}: launcher failed ({p.returncode}):\n{p.stdout[-3000:]}")
         tl = json.loads(Path(out, "timeline.json").read_text())
@@ -59,10 +85,16 @@ def run(mode: str, pause: float, steps: int = 200) -> dict:
         gaps += [b - a for a, b in zip(ts, ts[1:], strict=False) if b >= t_pause]
         during += sum(t_pause <= t <= t_resume for t in ts)
     kinds = [e["kind"] for e in tl["lighthouse_events"]]
-    return {"mode": mode, "pause_s": round(t_resume - t_pause, 3), "step_s": round(step_s, 4),
-            "max_stall_s": round(max(gaps, default=0) - step_s, 3),
-            "steps_committed_during_pause": during, "failures_detected": kinds.count("failure_detected"),
-            "heals": kinds.count("heal_finished"), "leased_steps": sum(1 for s in tl["steps"] if s.get("leased"))}
+    return {
+        "mode": mode,
+        "pause_s": round(t_resume - t_pause, 3),
+        "step_s": round(step_s, 4),
+        "max_stall_s": round(max(gaps, default=0) - step_s, 3),
+        "steps_committed_during_pause": during,
+        "failures_detected": kinds.count("failure_detected"),
+        "heals": kinds.count("heal_finished"),
+        "leased_steps": sum(1 for s in tl["steps"] if s.get("leased")),
+    }
 
 
 def main() -> int:

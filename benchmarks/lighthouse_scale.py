@@ -61,8 +61,11 @@ class Conn:
         """decode=False: the reply is read whole but not parsed (a real rank parses its own in
         its own process; here one process plays them all)."""
         raw = json.dumps(body).encode()
-        self.w.write(f"POST {path} HTTP/1.1\r\nHost: lh\r\nContent-Type: application/json\r\n"
-                     f"Content-Length: {len(raw)}\r\n\r\n".encode() + raw)
+        self.w.write(
+            f"POST {path} HTTP/1.1\r\nHost: lh\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(raw)}\r\n\r\n".encode()
+            + raw
+        )
         status = int((await self.r.readline()).split()[1])
         length = 0
         while (line := await self.r.readline()) not in (b"\r\n", b""):
@@ -78,9 +81,21 @@ class Conn:
 async def run_size(n: int, port: int, seconds: float, job: str) -> dict:
     groups = n // K
     infos: list[dict[str, Any]] = [
-        {"job": job, "group": g, "rank": k, "world": K, "incarnation": 0, "num_groups": groups,
-         "step": 0, "quorum_id": 0, "store": f"127.0.0.1:{1000 + k}", "heal": f"127.0.0.1:{2000 + k}"}
-        for g in range(groups) for k in range(K)]
+        {
+            "job": job,
+            "group": g,
+            "rank": k,
+            "world": K,
+            "incarnation": 0,
+            "num_groups": groups,
+            "step": 0,
+            "quorum_id": 0,
+            "store": f"127.0.0.1:{1000 + k}",
+            "heal": f"127.0.0.1:{2000 + k}",
+        }
+        for g in range(groups)
+        for k in range(K)
+    ]
     beats = [await Conn.open(port) for _ in infos]
     quorum = [await Conn.open(port) for _ in infos]
     served = 0
@@ -111,7 +126,7 @@ async def run_size(n: int, port: int, seconds: float, job: str) -> dict:
             await asyncio.sleep(timeouts.HEARTBEAT_INTERVAL)
 
     tasks = [asyncio.create_task(heartbeat(i)) for i in range(len(infos))]
-    await asyncio.sleep(1.0)   # every rank registered and heartbeating
+    await asyncio.sleep(1.0)  # every rank registered and heartbeating
     # phase 1: heartbeats alone (ranks between steps, or in a long step)
     cpu0, t0, served0 = _cpu_seconds(LH_PID), time.monotonic(), served
     await asyncio.sleep(min(3.0, seconds))
@@ -131,7 +146,7 @@ async def run_size(n: int, port: int, seconds: float, job: str) -> dict:
         got = [0.0] * len(infos)
         sent: list[float] = []
         round_tasks = [asyncio.create_task(ask(i, sent, got)) for i in range(len(infos))]
-        await asyncio.sleep(0)          # every request written before the clock starts
+        await asyncio.sleep(0)  # every request written before the clock starts
         round_sent = time.monotonic()
         await asyncio.gather(*round_tasks)
         latencies += [g - round_sent for g in got]
@@ -156,15 +171,20 @@ async def run_size(n: int, port: int, seconds: float, job: str) -> dict:
         c.close()
     ok = [x for x in latencies if x == x]
     ok.sort()
-    return {"ranks": n, "groups": groups,
-            "heartbeats_per_s": round(idle_rate), "offered_per_s": round(n / timeouts.HEARTBEAT_INTERVAL),
-            "heartbeat_cpu_per_1000_ranks": round(idle_cpu / idle_wall / (n / 1000), 3),
-            "rounds": rounds, "requests_per_s": round(req_rate),
-            "quorum_p50_ms": round(1000 * statistics.median(ok), 2) if ok else None,
-            "quorum_p99_ms": round(1000 * ok[int(0.99 * (len(ok) - 1))], 2) if ok else None,
-            "failed_requests": len(latencies) - len(ok),
-            "training_cpu_per_1000_ranks": round(cpu / wall / (n / 1000), 3),
-            "failure_detection_ms": round(1000 * detect, 1)}
+    return {
+        "ranks": n,
+        "groups": groups,
+        "heartbeats_per_s": round(idle_rate),
+        "offered_per_s": round(n / timeouts.HEARTBEAT_INTERVAL),
+        "heartbeat_cpu_per_1000_ranks": round(idle_cpu / idle_wall / (n / 1000), 3),
+        "rounds": rounds,
+        "requests_per_s": round(req_rate),
+        "quorum_p50_ms": round(1000 * statistics.median(ok), 2) if ok else None,
+        "quorum_p99_ms": round(1000 * ok[int(0.99 * (len(ok) - 1))], 2) if ok else None,
+        "failed_requests": len(latencies) - len(ok),
+        "training_cpu_per_1000_ranks": round(cpu / wall / (n / 1000), 3),
+        "failure_detection_ms": round(1000 * detect, 1),
+    }
 
 
 LH_PID = 0
@@ -178,9 +198,14 @@ def main() -> int:
     p.add_argument("--json", default=str(ROOT / "bench-results" / "lighthouse_scale.json"))
     a = p.parse_args()
     port = free_port()
-    lh = subprocess.Popen([sys.executable, "-m", "ftcore.lighthouse", "--bind", f"127.0.0.1:{port}", "--insecure"],
-                          cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    lh = subprocess.Popen(
+        [sys.executable, "-m", "ftcore.lighthouse", "--bind", f"127.0.0.1:{port}", "--insecure"],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     LH_PID = lh.pid
     rows = []
     try:

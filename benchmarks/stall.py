@@ -41,10 +41,22 @@ SCENARIOS: dict[str, tuple[int, list[list[dict]]]] = {
     # name: (groups, episodes: the faults of each episode, fired in order, far enough apart to settle)
     # 9 s apart: the launcher has a warm spare again for each kill (it refills one 2 s after
     # using it, and a process takes a few seconds to import torch here)
-    "single": (3, [[{"kind": "kill", "group": g, "at_time": t, "incarnation": i}]
-                   for g, t, i in ((2, 12.0, 0), (1, 21.0, 0), (2, 30.0, 1), (1, 39.0, 1))]),
-    "during_heal": (3, [[{"kind": "kill", "group": 1, "at_step": 30},
-                         {"kind": "kill", "group": 0, "phase": "heal_serve", "at_step": 30}]]),
+    "single": (
+        3,
+        [
+            [{"kind": "kill", "group": g, "at_time": t, "incarnation": i}]
+            for g, t, i in ((2, 12.0, 0), (1, 21.0, 0), (2, 30.0, 1), (1, 39.0, 1))
+        ],
+    ),
+    "during_heal": (
+        3,
+        [
+            [
+                {"kind": "kill", "group": 1, "at_step": 30},
+                {"kind": "kill", "group": 0, "phase": "heal_serve", "at_step": 30},
+            ]
+        ],
+    ),
     "together": (4, [[{"kind": "kill", "group": 1, "at_step": 30}, {"kind": "kill", "group": 2, "at_step": 30}]]),
 }
 
@@ -53,11 +65,35 @@ def _shards(folder: str) -> str:
     """A synthetic shard set for the real trainer (as tests/conftest.py builds one), for 3 and 4
     groups of one rank (world size 12), about 30 steps per epoch."""
     events, shards = os.path.join(folder, "events.txt"), os.path.join(folder, "shards")
-    for args in (["-m", "dataprep", "synth", "--out", events, "--users", "6000", "--items", "300", "--quiet"],
-                 ["-m", "dataprep", "shards", "--input", events, "--format", "sasrec", "--out", shards,
-                  "--world-size", "12", "--batch-size", "16", "--max-len", "20", "--quiet"]):
-        subprocess.run([sys.executable, *args], cwd=ROOT, check=True, timeout=300, stdout=subprocess.DEVNULL,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    for args in (
+        ["-m", "dataprep", "synth", "--out", events, "--users", "6000", "--items", "300", "--quiet"],
+        [
+            "-m",
+            "dataprep",
+            "shards",
+            "--input",
+            events,
+            "--format",
+            "sasrec",
+            "--out",
+            shards,
+            "--world-size",
+            "12",
+            "--batch-size",
+            "16",
+            "--max-len",
+            "20",
+            "--quiet",
+        ],
+    ):
+        subprocess.run(
+            [sys.executable, *args],
+            cwd=ROOT,
+            check=True,
+            timeout=300,
+            stdout=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
     return shards
 
 
@@ -69,20 +105,60 @@ STEPS = {"toy": 1100, "trainer": 2200}
 def launch(worker: str, groups: int, faults: list[dict], folder: str, shards: str | None) -> dict:
     out, plan = os.path.join(folder, "run"), os.path.join(folder, "plan.json")
     Path(plan).write_text(json.dumps({"faults": faults}))
-    args = [sys.executable, "-m", "training", "launch", "--replica-groups", str(groups), "--out", out,
-            "--faults", plan, "--max-restarts", "20", "--timeout", "500"]
+    args = [
+        sys.executable,
+        "-m",
+        "training",
+        "launch",
+        "--replica-groups",
+        str(groups),
+        "--out",
+        out,
+        "--faults",
+        plan,
+        "--max-restarts",
+        "20",
+        "--timeout",
+        "500",
+    ]
     if worker == "toy":
-        args += ["--worker", "ftcore.examples.toy", "--", "--steps", str(STEPS["toy"]), "--step-sleep", "0.04",
-                 "--dim", "64"]
+        args += [
+            "--worker",
+            "ftcore.examples.toy",
+            "--",
+            "--steps",
+            str(STEPS["toy"]),
+            "--step-sleep",
+            "0.04",
+            "--dim",
+            "64",
+        ]
     else:
         per_epoch = json.loads(Path(str(shards), "manifest.json").read_text())["steps"]
         epochs = -(-STEPS["trainer"] // per_epoch)
-        args += ["--shards", str(shards), "--", "--set", f"train.epochs={epochs}", "model.dim=16",
-                 "loss.num_negatives=16", "mlflow.enabled=false", "eval.periodic=false", "eval.final=false",
-                 "train.checkpoint_every=0"]   # no checkpoint pauses inside the episodes
-    p = subprocess.run(args, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
-                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600,
-                       start_new_session=True)
+        args += [
+            "--shards",
+            str(shards),
+            "--",
+            "--set",
+            f"train.epochs={epochs}",
+            "model.dim=16",
+            "loss.num_negatives=16",
+            "mlflow.enabled=false",
+            "eval.periodic=false",
+            "eval.final=false",
+            "train.checkpoint_every=0",
+        ]  # no checkpoint pauses inside the episodes
+    p = subprocess.run(
+        args,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=600,
+        start_new_session=True,
+    )
     if p.returncode != 0:
         raise RuntimeError(f"launcher failed ({p.returncode}):\n{p.stdout[-3000:]}")
     return json.loads(Path(out, "timeline.json").read_text())
@@ -97,11 +173,15 @@ def episodes(tl: dict, groups: int, episode_faults: list[list[dict]]) -> list[di
     for v in commits.values():
         v.sort()
     step_s = statistics.median(b - a for v in commits.values() for a, b in zip(v, v[1:], strict=False))
-    kills = sorted((e["t"], e["group"]) for e in tl["launcher_events"] if e["kind"] == "fault"
-                   and e.get("fault") == "kill")
+    kills = sorted(
+        (e["t"], e["group"]) for e in tl["launcher_events"] if e["kind"] == "fault" and e.get("fault") == "kill"
+    )
     # in-process kills (phase=...) leave no launcher event: their restart does
-    restarts = sorted((e["t"], e["group"]) for e in tl["launcher_events"]
-                      if e["kind"] == "group_started" and e.get("incarnation", 0) > 0)
+    restarts = sorted(
+        (e["t"], e["group"])
+        for e in tl["launcher_events"]
+        if e["kind"] == "group_started" and e.get("incarnation", 0) > 0
+    )
     rows, touched = [], {f["group"] for ep in episode_faults for f in ep}
     # kills less than 2 s apart are one episode (the launcher fires a step's faults from separate threads)
     starts = [t for i, (t, _) in enumerate(kills) if i == 0 or t - kills[i - 1][0] > 2.0]
@@ -117,9 +197,16 @@ def episodes(tl: dict, groups: int, episode_faults: list[list[dict]]) -> list[di
             if not before or not inside:
                 continue
             gaps = [b - a for a, b in zip([before[-1], *inside], inside, strict=False)]
-            rows.append({"t_kill": t_kill, "survivor": g, "groups_hit": sorted(hit), "step_s": step_s,
-                         "extra_stall_s": max(inside[-1] - before[-1] - len(inside) * step_s, 0.0),
-                         "longest_gap_beyond_step_s": max(max(gaps) - step_s, 0.0)})
+            rows.append(
+                {
+                    "t_kill": t_kill,
+                    "survivor": g,
+                    "groups_hit": sorted(hit),
+                    "step_s": step_s,
+                    "extra_stall_s": max(inside[-1] - before[-1] - len(inside) * step_s, 0.0),
+                    "longest_gap_beyond_step_s": max(max(gaps) - step_s, 0.0),
+                }
+            )
     return rows
 
 
@@ -143,21 +230,31 @@ def main() -> int:
                 t = time.time()
                 try:
                     tl = launch(worker, groups, [f for ep in eps for f in ep], folder, shards)
-                except (RuntimeError, subprocess.TimeoutExpired) as e:   # report it, go on with the others
+                except (RuntimeError, subprocess.TimeoutExpired) as e:  # report it, go on with the others
                     results.append({"worker": worker, "scenario": name, "rows": [], "error": str(e)[-2000:]})
                     print(f"{worker} {name}: {str(e)[-1500:]}", flush=True)
                     continue
                 rows = episodes(tl, groups, eps)
                 same = len(set(tl.get("checksums", {}).values())) <= 1
-                results.append({"worker": worker, "scenario": name, "rows": rows, "wall_s": time.time() - t,
-                                "identical_states": same,
-                                "heartbeat_timeouts": sum(1 for e in tl["lighthouse_events"]
-                                                          if e.get("reason") == "heartbeat timeout")})
+                results.append(
+                    {
+                        "worker": worker,
+                        "scenario": name,
+                        "rows": rows,
+                        "wall_s": time.time() - t,
+                        "identical_states": same,
+                        "heartbeat_timeouts": sum(
+                            1 for e in tl["lighthouse_events"] if e.get("reason") == "heartbeat timeout"
+                        ),
+                    }
+                )
                 print(f"{worker} {name}: {len(rows)} samples, {time.time() - t:.0f} s", flush=True)
     probe, hb = timeouts.FAILURE_PROBE, timeouts.HEARTBEAT_TIMEOUT
     print(f"failure-detection interval {probe:.2f} s, heartbeat timeout {hb:.1f} s")
-    print(f"{'worker':8} {'scenario':12} {'step s':>7} {'extra stall, median (steps)':>28} "
-          f"{'longest gap beyond a step, max':>31} {'hb timeouts':>11} {'same state':>10}  samples (s)")
+    print(
+        f"{'worker':8} {'scenario':12} {'step s':>7} {'extra stall, median (steps)':>28} "
+        f"{'longest gap beyond a step, max':>31} {'hb timeouts':>11} {'same state':>10}  samples (s)"
+    )
     for r in results:
         rows = r["rows"]
         if not rows:
@@ -166,14 +263,21 @@ def main() -> int:
         step = rows[0]["step_s"]
         extra = statistics.median(x["extra_stall_s"] for x in rows)
         longest = max(x["longest_gap_beyond_step_s"] for x in rows)
-        r["summary"] = {"step_s": step, "extra_stall_median_s": extra, "extra_stall_median_steps": extra / step,
-                        "longest_gap_beyond_step_max_s": longest}
+        r["summary"] = {
+            "step_s": step,
+            "extra_stall_median_s": extra,
+            "extra_stall_median_steps": extra / step,
+            "longest_gap_beyond_step_max_s": longest,
+        }
         samples = ", ".join(f"{x['extra_stall_s']:.3f}" for x in rows)
-        print(f"{r['worker']:8} {r['scenario']:12} {step:7.3f} {extra:16.3f} ({extra / step:4.2f}) "
-              f"{longest:31.3f} {r['heartbeat_timeouts']:11d} {str(r['identical_states']):>10}  {samples}")
+        print(
+            f"{r['worker']:8} {r['scenario']:12} {step:7.3f} {extra:16.3f} ({extra / step:4.2f}) "
+            f"{longest:31.3f} {r['heartbeat_timeouts']:11d} {str(r['identical_states']):>10}  {samples}"
+        )
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.json).write_text(json.dumps({"failure_probe_s": probe, "heartbeat_timeout_s": hb, "runs": results},
-                                       indent=1))
+    Path(a.json).write_text(
+        json.dumps({"failure_probe_s": probe, "heartbeat_timeout_s": hb, "runs": results}, indent=1)
+    )
     return 0
 
 

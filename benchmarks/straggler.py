@@ -30,24 +30,60 @@ def shards(work: Path, mode: str) -> Path:
     from dataprep.build import build_shards
     from training import calibrate
     from training.config import ModelConfig
+
     out = work / f"shards-{mode}"
     cm = calibrate.cached(ModelConfig(), 50, work / "cost-models")
-    build_shards(str(BEAUTY), "iclrec", str(out), world_size=2, batch_size=128, max_len=50, cost_model=cm,
-                 window_steps=1 if mode == "random" else None)
+    build_shards(
+        str(BEAUTY),
+        "iclrec",
+        str(out),
+        world_size=2,
+        batch_size=128,
+        max_len=50,
+        cost_model=cm,
+        window_steps=1 if mode == "random" else None,
+    )
     return out
 
 
 def run(work: Path, mode: str, rep: int, steps: int) -> dict:
     from mlflow import MlflowClient
+
     out = work / f"run-{mode}-{rep}"
     uri = f"sqlite:///{work / f'mlflow-{mode}-{rep}.db'}"
-    r = subprocess.run([sys.executable, "-m", "training", "launch", "--shards", str(work / f"shards-{mode}"),
-                        "--replica-groups", "2", "--out", str(out), "--timeout", "900", "--",
-                        "--set", f"train.max_steps={steps}", "train.log_every=10", "eval.periodic=false",
-                        "eval.final=false", f"mlflow.tracking_uri={uri}", "mlflow.log_model=false",
-                        "mlflow.plots=false", "mlflow.system_metrics=false", "mlflow.register=false"],
-                       cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
-                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1200)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "training",
+            "launch",
+            "--shards",
+            str(work / f"shards-{mode}"),
+            "--replica-groups",
+            "2",
+            "--out",
+            str(out),
+            "--timeout",
+            "900",
+            "--",
+            "--set",
+            f"train.max_steps={steps}",
+            "train.log_every=10",
+            "eval.periodic=false",
+            "eval.final=false",
+            f"mlflow.tracking_uri={uri}",
+            "mlflow.log_model=false",
+            "mlflow.plots=false",
+            "mlflow.system_metrics=false",
+            "mlflow.register=false",
+        ],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=1200,
+    )
     if r.returncode != 0:
         raise RuntimeError(f"{mode}: launcher failed ({r.returncode}):\n{r.stdout[-3000:]}")
     c = MlflowClient(uri)
@@ -74,11 +110,15 @@ def main() -> int:
     print("| mode | run | " + " | ".join(KEYS) + " |\n|---|---|" + "---|" * len(KEYS))
     for r in rows:
         print(f"| {r['mode']} | {r['rep']} | " + " | ".join(str(r[k]) for k in KEYS) + " |")
-    med = {m: {k: statistics.median(r[k] for r in rows if r["mode"] == m and r[k] is not None) for k in KEYS}
-           for m in ("balanced", "random")}
-    print(f"\nstraggler s per step, balanced / random: "
-          f"{med['balanced']['ft/straggler_s'] / med['random']['ft/straggler_s']:.2f}; tokens/s balanced / random: "
-          f"{med['balanced']['train/tokens_per_s'] / med['random']['train/tokens_per_s']:.2f}")
+    med = {
+        m: {k: statistics.median(r[k] for r in rows if r["mode"] == m and r[k] is not None) for k in KEYS}
+        for m in ("balanced", "random")
+    }
+    print(
+        f"\nstraggler s per step, balanced / random: "
+        f"{med['balanced']['ft/straggler_s'] / med['random']['ft/straggler_s']:.2f}; tokens/s balanced / random: "
+        f"{med['balanced']['train/tokens_per_s'] / med['random']['train/tokens_per_s']:.2f}"
+    )
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps({"rows": rows, "median": med}, indent=1))
     return 0

@@ -36,8 +36,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 VIDEO = ROOT.parent / "shared" / "data" / "video.txt"
-EPOCH_LINE = re.compile(r"epoch:(\d+), time: ([\d.]+)\(s\), valid \(NDCG@10: ([\d.]+), HR@10: ([\d.]+)\), "
-                        r"test \(NDCG@10: ([\d.]+), HR@10: ([\d.]+)\)")
+EPOCH_LINE = re.compile(
+    r"epoch:(\d+), time: ([\d.]+)\(s\), valid \(NDCG@10: ([\d.]+), HR@10: ([\d.]+)\), "
+    r"test \(NDCG@10: ([\d.]+), HR@10: ([\d.]+)\)"
+)
 
 
 def _cpu() -> float:
@@ -46,7 +48,7 @@ def _cpu() -> float:
 
 
 def reference(ref: Path, log: Path | None) -> dict:
-    wall: float | None = None   # the process's own figures: only when this run trains the reference
+    wall: float | None = None  # the process's own figures: only when this run trains the reference
     cpu: float | None = None
     if log is None:
         data = ref / "data"
@@ -55,42 +57,107 @@ def reference(ref: Path, log: Path | None) -> dict:
         log = ref / "ttq-run.log"
         cpu0, t0 = _cpu(), time.monotonic()
         with open(log, "w") as f:
-            subprocess.run([sys.executable, "main.py", "--dataset=Video", "--train_dir=ttq", "--maxlen=50",
-                            "--device=cpu", "--num_epochs=20"], cwd=ref, stdout=f, stderr=subprocess.STDOUT,
-                           timeout=4 * 3600, check=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
+            subprocess.run(
+                [
+                    sys.executable,
+                    "main.py",
+                    "--dataset=Video",
+                    "--train_dir=ttq",
+                    "--maxlen=50",
+                    "--device=cpu",
+                    "--num_epochs=20",
+                ],
+                cwd=ref,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                timeout=4 * 3600,
+                check=True,
+                env={**os.environ, "OMP_NUM_THREADS": "2"},
+            )
         wall, cpu = time.monotonic() - t0, _cpu() - cpu0
     m = [x for x in (EPOCH_LINE.search(line) for line in log.read_text().splitlines()) if x and int(x.group(1)) == 20]
     if not m:
         sys.exit(f"error: {log} has no epoch-20 evaluation line")
     g = m[-1].groups()
-    return {"train_s": float(g[1]), "test_hr10": float(g[5]), "test_ndcg10": float(g[4]),
-            "process_wall_s": wall, "process_cpu_s": cpu, "log": str(log)}
+    return {
+        "train_s": float(g[1]),
+        "test_hr10": float(g[5]),
+        "test_ndcg10": float(g[4]),
+        "process_wall_s": wall,
+        "process_cpu_s": cpu,
+        "log": str(log),
+    }
 
 
 def ftrec_train(work: Path) -> dict:
     """Train first (every checkpoint kept); `ftrec_reach` evaluates once the target is known."""
     shards, out = work / "shards", work / "train"
-    subprocess.run([sys.executable, "-m", "dataprep", "shards", "--input", str(VIDEO), "--format", "sasrec",
-                    "--out", str(shards), "--world-size", "1", "--batch-size", "128", "--max-len", "50"],
-                   cwd=ROOT, check=True, timeout=600, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dataprep",
+            "shards",
+            "--input",
+            str(VIDEO),
+            "--format",
+            "sasrec",
+            "--out",
+            str(shards),
+            "--world-size",
+            "1",
+            "--batch-size",
+            "128",
+            "--max-len",
+            "50",
+        ],
+        cwd=ROOT,
+        check=True,
+        timeout=600,
+        stdout=subprocess.DEVNULL,
+    )
     steps = json.loads((shards / "manifest.json").read_text())["steps"]
     every = max(steps // 2, 1)
     cpu0 = _cpu()
-    p = subprocess.Popen([sys.executable, "-m", "training", "train", "--shards", str(shards), "--out", str(out),
-                          "--set", "train.epochs=20", "eval.periodic=false", "eval.final=false",
-                          f"train.checkpoint_every={every}", "train.keep_checkpoints=1000", "mlflow.enabled=false"],
-                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "training",
+            "train",
+            "--shards",
+            str(shards),
+            "--out",
+            str(out),
+            "--set",
+            "train.epochs=20",
+            "eval.periodic=false",
+            "eval.final=false",
+            f"train.checkpoint_every={every}",
+            "train.keep_checkpoints=1000",
+            "mlflow.enabled=false",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     t0 = None
-    assert p.stdout is not None   # stdout=PIPE
+    assert p.stdout is not None  # stdout=PIPE
     for line in p.stdout:
         if t0 is None and "steps/epoch" in line:
             t0 = time.time()
     if p.wait(timeout=4 * 3600) != 0 or t0 is None:
         sys.exit("error: ftrec training failed")
     ckpts = sorted((out / "checkpoints").glob("step-*"))
-    return {"shards": shards, "steps": steps, "cpu": _cpu() - cpu0, "ckpts": ckpts,
-            "times": {c: c.stat().st_mtime - t0 for c in ckpts}}
+    return {
+        "shards": shards,
+        "steps": steps,
+        "cpu": _cpu() - cpu0,
+        "ckpts": ckpts,
+        "times": {c: c.stat().st_mtime - t0 for c in ckpts},
+    }
 
 
 def ftrec_reach(work: Path, run: dict, target: float) -> dict:
@@ -99,12 +166,29 @@ def ftrec_reach(work: Path, run: dict, target: float) -> dict:
     def hr(c: Path) -> float:
         j = work / f"eval-{c.name}.json"
         if not j.exists():
-            subprocess.run([sys.executable, "-m", "training", "eval", "--checkpoint", str(c), "--shards", str(shards),
-                            "--out", str(j)], cwd=ROOT, check=True, timeout=1800, stdout=subprocess.DEVNULL,
-                           env={**os.environ, "PYTHONPATH": str(ROOT)})
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "training",
+                    "eval",
+                    "--checkpoint",
+                    str(c),
+                    "--shards",
+                    str(shards),
+                    "--out",
+                    str(j),
+                ],
+                cwd=ROOT,
+                check=True,
+                timeout=1800,
+                stdout=subprocess.DEVNULL,
+                env={**os.environ, "PYTHONPATH": str(ROOT)},
+            )
         m = json.loads(j.read_text())
         return float(m.get("metrics", m)["test/sampled/hr@10"])
-    lo, hi = 0, len(ckpts) - 1            # first checkpoint at or above the target, by bisection
+
+    lo, hi = 0, len(ckpts) - 1  # first checkpoint at or above the target, by bisection
     if hr(ckpts[hi]) < target:
         return {"reached": False, "best_hr10_last": hr(ckpts[hi]), "train_s": times[ckpts[hi]], "cpu_s": cpu}
     while lo < hi:
@@ -114,9 +198,15 @@ def ftrec_reach(work: Path, run: dict, target: float) -> dict:
         else:
             lo = mid + 1
     c = ckpts[lo]
-    return {"reached": True, "checkpoint": c.name, "epoch": round(int(c.name.split("-")[1]) / steps, 2),
-            "test_hr10": hr(c), "train_s": round(times[c], 1), "train_s_20_epochs": round(times[ckpts[-1]], 1),
-            "cpu_s_20_epochs": round(cpu, 1)}
+    return {
+        "reached": True,
+        "checkpoint": c.name,
+        "epoch": round(int(c.name.split("-")[1]) / steps, 2),
+        "test_hr10": hr(c),
+        "train_s": round(times[c], 1),
+        "train_s_20_epochs": round(times[ckpts[-1]], 1),
+        "cpu_s_20_epochs": round(cpu, 1),
+    }
 
 
 def main() -> int:
@@ -129,15 +219,19 @@ def main() -> int:
     if not VIDEO.is_file():
         sys.exit(f"error: {VIDEO} not found")
     work = a.work or Path(tempfile.mkdtemp(prefix="ftrec-ttq-"))
-    run = ftrec_train(work)               # ftrec first, then the reference: one right after the other
+    run = ftrec_train(work)  # ftrec first, then the reference: one right after the other
     ref = reference(a.reference, a.reference_log)
     ours = ftrec_reach(work, run, ref["test_hr10"])
     print("| | 20-epoch test HR@10 (target) | time to target (s) | CPU s |\n|---|---|---|---|")
-    print(f"| reference | {ref['test_hr10']:.4f} | {ref['train_s']:.0f} (its clock, 20 epochs) | "
-          f"{ref['process_cpu_s'] or float('nan'):.0f} (whole run) |")
+    print(
+        f"| reference | {ref['test_hr10']:.4f} | {ref['train_s']:.0f} (its clock, 20 epochs) | "
+        f"{ref['process_cpu_s'] or float('nan'):.0f} (whole run) |"
+    )
     if ours["reached"]:
-        print(f"| ftrec | {ours['test_hr10']:.4f} at epoch {ours['epoch']} | {ours['train_s']:.0f} | "
-              f"{ours['cpu_s_20_epochs']:.0f} (20 epochs) |")
+        print(
+            f"| ftrec | {ours['test_hr10']:.4f} at epoch {ours['epoch']} | {ours['train_s']:.0f} | "
+            f"{ours['cpu_s_20_epochs']:.0f} (20 epochs) |"
+        )
         print(f"\nftrec reaches the reference's 20-epoch test HR@10 {ref['train_s'] / ours['train_s']:.1f}x sooner")
     else:
         print(f"| ftrec | not reached in 20 epochs (last {ours['best_hr10_last']:.4f}) | | |")

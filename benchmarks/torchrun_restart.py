@@ -66,25 +66,65 @@ def bench_torchrun(kills: int, timeout: float = 600) -> dict:
         token.write_text("bench-token")
         token.chmod(0o600)
         port = free_port()
-        env = {**os.environ, **ENV, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
-               "FTCORE_LIGHTHOUSE": f"127.0.0.1:{port}", "FTCORE_TOKEN_FILE": str(token),
-               "FTREC_NUM_REPLICA_GROUPS": str(GROUPS), "FTCORE_JOB_ID": "torchrun-bench"}
+        env = {
+            **os.environ,
+            **ENV,
+            "PYTHONPATH": str(ROOT),
+            "OMP_NUM_THREADS": "1",
+            "FTCORE_LIGHTHOUSE": f"127.0.0.1:{port}",
+            "FTCORE_TOKEN_FILE": str(token),
+            "FTREC_NUM_REPLICA_GROUPS": str(GROUPS),
+            "FTCORE_JOB_ID": "torchrun-bench",
+        }
         env.pop("FTCORE_INCARNATION", None)
-        procs = [subprocess.Popen([sys.executable, "-m", "ftcore.lighthouse", "--bind", f"127.0.0.1:{port}",
-                                   "--token-file", str(token)], env=env, cwd=ROOT, start_new_session=True,
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "ftcore.lighthouse", "--bind", f"127.0.0.1:{port}", "--token-file", str(token)],
+                env=env,
+                cwd=ROOT,
+                start_new_session=True,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        ]
         torchrun = str(Path(sys.executable).parent / "torchrun")
         agents = {}
         try:
             for g in range(GROUPS):
                 agents[g] = subprocess.Popen(
-                    [torchrun, "--nnodes", "1", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-                     "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", f"bench-g{g}",
-                     "--max-restarts", str(kills + 2), "--monitor-interval", "0.1",
-                     "-m", "ftcore.examples.toy", "--out", str(out), "--steps", str(steps),
-                     "--step-sleep", str(STEP_SLEEP), "--dim", str(DIM)],
-                    env={**env, "FTREC_REPLICA_GROUP": str(g)}, cwd=ROOT, start_new_session=True,
-                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                    [
+                        torchrun,
+                        "--nnodes",
+                        "1",
+                        "--nproc-per-node",
+                        "1",
+                        "--rdzv-backend",
+                        "c10d",
+                        "--rdzv-endpoint",
+                        f"127.0.0.1:{free_port()}",
+                        "--rdzv-id",
+                        f"bench-g{g}",
+                        "--max-restarts",
+                        str(kills + 2),
+                        "--monitor-interval",
+                        "0.1",
+                        "-m",
+                        "ftcore.examples.toy",
+                        "--out",
+                        str(out),
+                        "--steps",
+                        str(steps),
+                        "--step-sleep",
+                        str(STEP_SLEEP),
+                        "--dim",
+                        str(DIM),
+                    ],
+                    env={**env, "FTREC_REPLICA_GROUP": str(g)},
+                    cwd=ROOT,
+                    start_new_session=True,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
                 procs.append(agents[g])
             events, deadline = [], time.monotonic() + timeout
             for k in range(kills):
@@ -119,18 +159,25 @@ def main() -> int:
     p.add_argument("--kills", type=int, default=4)
     p.add_argument("--json", default=str(ROOT / "bench-results" / "torchrun_restart.json"))
     a = p.parse_args()
-    rows = {"torchrun restart (cold)": bench_torchrun(a.kills),
-            "launcher, warm spare": bench_failover(a.kills, 0, spares=True),
-            "launcher, cold": bench_failover(a.kills, 0, spares=False)}
-    print("\n| restart | step | kill -> survivors' next commit | kill -> returning group's first commit | "
-          "survivors' extra stall |\n|---|---|---|---|---|")
+    rows = {
+        "torchrun restart (cold)": bench_torchrun(a.kills),
+        "launcher, warm spare": bench_failover(a.kills, 0, spares=True),
+        "launcher, cold": bench_failover(a.kills, 0, spares=False),
+    }
+    print(
+        "\n| restart | step | kill -> survivors' next commit | kill -> returning group's first commit | "
+        "survivors' extra stall |\n|---|---|---|---|---|"
+    )
 
     def cell(f: dict, k: str) -> str:
         xs = f[k]
         return f"{_med(xs):.3f} s ({min(xs):.3f}-{max(xs):.3f})" if xs else "-"
+
     for name, f in rows.items():
-        print(f"| {name} | {f['step_s'] * 1e3:.0f} ms | {cell(f, 'failover_samples_s')} | "
-              f"{cell(f, 'heal_samples_s')} | {cell(f, 'stall_samples_s')} |")
+        print(
+            f"| {name} | {f['step_s'] * 1e3:.0f} ms | {cell(f, 'failover_samples_s')} | "
+            f"{cell(f, 'heal_samples_s')} | {cell(f, 'stall_samples_s')} |"
+        )
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(rows, indent=1))
     return 0

@@ -49,39 +49,59 @@ DATASETS = {"beauty": ("beauty.txt", "iclrec"), "video": ("video.txt", "sasrec")
 # shared/data/README.md: (sampled HR@10, NDCG@10), (full HR@10, NDCG@10)
 Pair = tuple[float, float]
 PUBLISHED: dict[str, dict[str, tuple[Pair | None, Pair | None]]] = {
-    "beauty": {"most popular": ((0.2895, 0.1499), (0.0114, 0.0053)),
-               "SASRec paper": ((0.4854, 0.3219), None),
-               "SASRec reproduction": ((0.4669, 0.3104), None),
-               "ICLRec (history excluded)": (None, (0.0744, 0.0403))},
-    "video": {"most popular": ((0.4798, 0.2781), (0.0189, 0.0097)),
-              "SASRec paper": ((0.7410, 0.5360), None),
-              "SASRec reproduction": ((0.7318, 0.5308), None)},
+    "beauty": {
+        "most popular": ((0.2895, 0.1499), (0.0114, 0.0053)),
+        "SASRec paper": ((0.4854, 0.3219), None),
+        "SASRec reproduction": ((0.4669, 0.3104), None),
+        "ICLRec (history excluded)": (None, (0.0744, 0.0403)),
+    },
+    "video": {
+        "most popular": ((0.4798, 0.2781), (0.0189, 0.0097)),
+        "SASRec paper": ((0.7410, 0.5360), None),
+        "SASRec reproduction": ((0.7318, 0.5308), None),
+    },
 }
 BATCH_SIZE, MAX_LEN = 128, 50
 # synth-long: lognormal lengths (median 200) capped at 1,024, Zipf items, half of the events
 # the fixed successor of the previous item (a sequence to learn), times with ~1 h mean gaps
-SYNTH_LONG: dict[str, Any] = {"users": 1500, "items": 5000, "seed": 0, "median_len": 200.0, "sigma": 1.0,
-                              "max_history": 1024, "markov": 0.5}
+SYNTH_LONG: dict[str, Any] = {
+    "users": 1500,
+    "items": 5000,
+    "seed": 0,
+    "median_len": 200.0,
+    "sigma": 1.0,
+    "max_history": 1024,
+    "markov": 0.5,
+}
 SYNTH_LONG_BATCH, SYNTH_LONG_MAX_LEN = 16, 1024
 
 
 def shards_for(name: str, work: str, window_steps: int | None = None, world_size: int = 1) -> str:
     if name == "synth-long":
         from dataprep.synth import write_synthetic
+
         path = os.path.join(work, "synth-long.parquet")
         if not os.path.isfile(path):
             write_synthetic(path, fmt="events", **SYNTH_LONG)
         out = os.path.join(work, f"synth-long-w{world_size}")
-        build_shards(path, "events", out, world_size=world_size, batch_size=SYNTH_LONG_BATCH,
-                     max_len=SYNTH_LONG_MAX_LEN, window_steps=window_steps)
+        build_shards(
+            path,
+            "events",
+            out,
+            world_size=world_size,
+            batch_size=SYNTH_LONG_BATCH,
+            max_len=SYNTH_LONG_MAX_LEN,
+            window_steps=window_steps,
+        )
         return out
     fname, fmt = DATASETS[name]
     path = os.path.join(DATA, fname)
     if not os.path.isfile(path):
         sys.exit(f"error: {path} not found (the shared datasets live in <project root>/../shared/data)")
     out = os.path.join(work, f"{name}-w{world_size}-k{window_steps or 'default'}")
-    build_shards(path, fmt, out, world_size=world_size, batch_size=BATCH_SIZE, max_len=MAX_LEN,
-                 window_steps=window_steps)
+    build_shards(
+        path, fmt, out, world_size=world_size, batch_size=BATCH_SIZE, max_len=MAX_LEN, window_steps=window_steps
+    )
     return out
 
 
@@ -125,37 +145,67 @@ def quality(args) -> dict:
     results = {}
     for name in args.datasets:
         shards = shards_for(name, args.work)
-        data = EvalData(os.path.join(shards, schema.EVAL_FILE), json.load(open(os.path.join(shards, schema.MANIFEST)))
-                        ["num_items"], MAX_LEN, EvalConfig())
+        data = EvalData(
+            os.path.join(shards, schema.EVAL_FILE),
+            json.load(open(os.path.join(shards, schema.MANIFEST)))["num_items"],
+            MAX_LEN,
+            EvalConfig(),
+        )
         t = time.perf_counter()
         pop = evaluate(MostPopular(data), data, EvalConfig(), splits=("test",))
         pop_s = time.perf_counter() - t
         steps = json.load(open(os.path.join(shards, schema.MANIFEST)))["steps"]
-        overrides = [f"data.shards={shards}", f"train.out={os.path.join(args.work, 'quality-' + name)}",
-                     f"train.max_minutes={args.minutes}", f"train.eval_every={2 * steps}", *args.set]
+        overrides = [
+            f"data.shards={shards}",
+            f"train.out={os.path.join(args.work, 'quality-' + name)}",
+            f"train.max_minutes={args.minutes}",
+            f"train.eval_every={2 * steps}",
+            *args.set,
+        ]
         cfg = load_config(args.config, overrides)
         t = time.perf_counter()
         res = train(cfg)
         wall = time.perf_counter() - t
         m = res["metrics"]
-        results[name] = {"test": m, "most_popular_test": pop, "wall_s": wall, "train_s": res["train_seconds"],
-                         "epochs": res["epochs_completed"], "steps": res["steps"], "throughput": res["throughput"],
-                         "most_popular_eval_s": pop_s, "config": cfg.to_dict()}
-        print(f"\n### {name}: {res['epochs_completed']:.1f} epochs, {res['train_seconds'] / 60:.1f} min training, "
-              f"{wall / 60:.1f} min wall (incl. validation and test)\n")
+        results[name] = {
+            "test": m,
+            "most_popular_test": pop,
+            "wall_s": wall,
+            "train_s": res["train_seconds"],
+            "epochs": res["epochs_completed"],
+            "steps": res["steps"],
+            "throughput": res["throughput"],
+            "most_popular_eval_s": pop_s,
+            "config": cfg.to_dict(),
+        }
+        print(
+            f"\n### {name}: {res['epochs_completed']:.1f} epochs, {res['train_seconds'] / 60:.1f} min training, "
+            f"{wall / 60:.1f} min wall (incl. validation and test)\n"
+        )
         print("| model | sampled HR@10 / NDCG@10 | full HR@10 / NDCG@10 |\n|---|---|---|")
         for row, (sampled, full) in PUBLISHED[name].items():
             print(_row(f"{row} (published)", sampled, full))
-        print(_row("most popular (ours)", (pop["test/sampled/hr@10"], pop["test/sampled/ndcg@10"]),
-                   (pop["test/full/hr@10"], pop["test/full/ndcg@10"])))
-        print(_row(f"ftrec {cfg.model.attention}, {cfg.loss.kind}",
-                   (m["test/sampled/hr@10"], m["test/sampled/ndcg@10"]),
-                   (m["test/full/hr@10"], m["test/full/ndcg@10"])))
+        print(
+            _row(
+                "most popular (ours)",
+                (pop["test/sampled/hr@10"], pop["test/sampled/ndcg@10"]),
+                (pop["test/full/hr@10"], pop["test/full/ndcg@10"]),
+            )
+        )
+        print(
+            _row(
+                f"ftrec {cfg.model.attention}, {cfg.loss.kind}",
+                (m["test/sampled/hr@10"], m["test/sampled/ndcg@10"]),
+                (m["test/full/hr@10"], m["test/full/ndcg@10"]),
+            )
+        )
         rep = PUBLISHED[name]["SASRec reproduction"][0]
         assert rep is not None
-        print(f"\nratio to SASRec reproduction (sampled): HR@10 {m['test/sampled/hr@10'] / rep[0]:.3f}, "
-              f"NDCG@10 {m['test/sampled/ndcg@10'] / rep[1]:.3f}; full HR@10 vs most popular: "
-              f"{m['test/full/hr@10'] / max(pop['test/full/hr@10'], 1e-9):.1f}x")
+        print(
+            f"\nratio to SASRec reproduction (sampled): HR@10 {m['test/sampled/hr@10'] / rep[0]:.3f}, "
+            f"NDCG@10 {m['test/sampled/ndcg@10'] / rep[1]:.3f}; full HR@10 vs most popular: "
+            f"{m['test/full/hr@10'] / max(pop['test/full/hr@10'], 1e-9):.1f}x"
+        )
     return results
 
 
@@ -163,26 +213,46 @@ def throughput(args) -> dict:
     name = args.datasets[0]
     balanced = shards_for(name, args.work, world_size=args.world_size)
     random_ = randomize(balanced, balanced + "-random")
-    variants = {"balanced": (balanced, []), "random": (random_, []),
-                "padded (random, pad to max_len)": (random_, ["data.pad_to_max_len=true"])}
+    variants = {
+        "balanced": (balanced, []),
+        "random": (random_, []),
+        "padded (random, pad to max_len)": (random_, ["data.pad_to_max_len=true"]),
+    }
     runs: dict[str, list[dict]] = {v: [] for v in variants}
-    for _ in range(args.rounds):               # interleaved: the machine's noise hits every variant
+    for _ in range(args.rounds):  # interleaved: the machine's noise hits every variant
         for v, (shards, extra) in variants.items():
-            cfg = load_config(args.config, [f"data.shards={shards}", f"train.out={os.path.join(args.work, 'tp')}",
-                                            f"train.max_steps={args.steps}", "train.epochs=1", "mlflow.enabled=false",
-                                            "eval.periodic=false", "eval.final=false", "train.log_every=10",
-                                            *extra, *args.set])
+            cfg = load_config(
+                args.config,
+                [
+                    f"data.shards={shards}",
+                    f"train.out={os.path.join(args.work, 'tp')}",
+                    f"train.max_steps={args.steps}",
+                    "train.epochs=1",
+                    "mlflow.enabled=false",
+                    "eval.periodic=false",
+                    "eval.final=false",
+                    "train.log_every=10",
+                    *extra,
+                    *args.set,
+                ],
+            )
             runs[v].append(train(cfg)["throughput"])
     base = statistics.median(r["tokens_per_s"] for r in runs["padded (random, pad to max_len)"])
-    print(f"\n### throughput on {name}: {args.steps} steps x {args.rounds} interleaved rounds, "
-          f"batch {BATCH_SIZE}, max_len {MAX_LEN}, median of rounds\n")
+    print(
+        f"\n### throughput on {name}: {args.steps} steps x {args.rounds} interleaved rounds, "
+        f"batch {BATCH_SIZE}, max_len {MAX_LEN}, median of rounds\n"
+    )
     print("| variant | non-padding tokens/s | ratio vs padded | padding fraction | ms/step |\n|---|---|---|---|---|")
     out = {}
     for v, rs in runs.items():
         tps = statistics.median(r["tokens_per_s"] for r in rs)
-        out[v] = {"tokens_per_s": tps, "ratio_vs_padded": tps / base, "rounds": rs,
-                  "padding_fraction": statistics.median(r["padding_fraction"] for r in rs),
-                  "step_ms": 1e3 * statistics.median(r["step_seconds"] / r["steps"] for r in rs)}
+        out[v] = {
+            "tokens_per_s": tps,
+            "ratio_vs_padded": tps / base,
+            "rounds": rs,
+            "padding_fraction": statistics.median(r["padding_fraction"] for r in rs),
+            "step_ms": 1e3 * statistics.median(r["step_seconds"] / r["steps"] for r in rs),
+        }
         print(f"| {v} | {tps:,.0f} | {tps / base:.2f} | {out[v]['padding_fraction']:.3f} | {out[v]['step_ms']:.1f} |")
     return out
 
@@ -196,21 +266,35 @@ def window(args) -> dict:
     for k, norm in ((1, "step"), (None, "step"), (None, "epoch")):
         shards = shards_for(name, args.work, window_steps=k)
         kk = json.load(open(os.path.join(shards, schema.MANIFEST)))["config"]["window_steps"]
-        cfg = load_config(args.config, [f"data.shards={shards}", f"train.out={os.path.join(args.work, f'win-{kk}')}",
-                                        f"train.epochs={args.window_epochs}", "mlflow.enabled=false",
-                                        "eval.periodic=false", f"loss.normalize={norm}", *args.set])
+        cfg = load_config(
+            args.config,
+            [
+                f"data.shards={shards}",
+                f"train.out={os.path.join(args.work, f'win-{kk}')}",
+                f"train.epochs={args.window_epochs}",
+                "mlflow.enabled=false",
+                "eval.periodic=false",
+                f"loss.normalize={norm}",
+                *args.set,
+            ],
+        )
         res = train(cfg)
-        out[f"K={kk}, loss.normalize={norm}"] = {"metrics": res["metrics"], "throughput": res["throughput"],
-                                                 "epochs": res["epochs_completed"]}
+        out[f"K={kk}, loss.normalize={norm}"] = {
+            "metrics": res["metrics"],
+            "throughput": res["throughput"],
+            "epochs": res["epochs_completed"],
+        }
     print(f"\n### dataprep window K on {name}: {args.window_epochs} epochs each, default config\n")
     print("| K | valid full NDCG@10 | test full HR@10 / NDCG@10 | test sampled HR@10 / NDCG@10 | padding | tokens/s |")
     print("|---|---|---|---|---|---|")
     for label, r in out.items():
         m, t = r["metrics"], r["throughput"]
-        print(f"| {label} | {m['valid/full/ndcg@10']:.4f} | "
-              f"{m['test/full/hr@10']:.4f} / {m['test/full/ndcg@10']:.4f} | "
-              f"{m['test/sampled/hr@10']:.4f} / {m['test/sampled/ndcg@10']:.4f} | {t['padding_fraction']:.3f} | "
-              f"{t['tokens_per_s']:,.0f} |")
+        print(
+            f"| {label} | {m['valid/full/ndcg@10']:.4f} | "
+            f"{m['test/full/hr@10']:.4f} / {m['test/full/ndcg@10']:.4f} | "
+            f"{m['test/sampled/hr@10']:.4f} / {m['test/sampled/ndcg@10']:.4f} | {t['padding_fraction']:.3f} | "
+            f"{t['tokens_per_s']:,.0f} |"
+        )
     return out
 
 
@@ -219,8 +303,14 @@ def _train_summary(config: str | None, overrides: list[str]) -> dict:
     torch.set_num_threads(1)
     cfg = load_config(config, overrides)
     res = train(cfg)
-    return {"test": res["metrics"], "epochs": res["epochs_completed"], "steps": res["steps"],
-            "train_s": res["train_seconds"], "throughput": res["throughput"], "config": cfg.to_dict()}
+    return {
+        "test": res["metrics"],
+        "epochs": res["epochs_completed"],
+        "steps": res["steps"],
+        "train_s": res["train_seconds"],
+        "throughput": res["throughput"],
+        "config": cfg.to_dict(),
+    }
 
 
 def hstu(args) -> dict:
@@ -233,26 +323,47 @@ def hstu(args) -> dict:
         # its time budget every log_every steps
         extra = ["eval.batch_size=32", "train.log_every=2"] if name == "synth-long" else []
         with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = {kind: pool.submit(_train_summary, args.config, [
-                f"data.shards={shards}", f"train.out={os.path.join(args.work, f'vs-{name}-{kind}')}",
-                f"train.max_minutes={args.minutes}", "eval.periodic=false", "mlflow.enabled=false",
-                f"model.attention={kind}", *extra, *args.set]) for kind in ("sasrec", "hstu")}
+            futures = {
+                kind: pool.submit(
+                    _train_summary,
+                    args.config,
+                    [
+                        f"data.shards={shards}",
+                        f"train.out={os.path.join(args.work, f'vs-{name}-{kind}')}",
+                        f"train.max_minutes={args.minutes}",
+                        "eval.periodic=false",
+                        "mlflow.enabled=false",
+                        f"model.attention={kind}",
+                        *extra,
+                        *args.set,
+                    ],
+                )
+                for kind in ("sasrec", "hstu")
+            }
             runs = {kind: f.result() for kind, f in futures.items()}
         out[name] = {"timestamps": m["format_version"] == 2, "runs": runs}
-    keys = [("full HR@10", "test/full/hr@10"), ("full NDCG@10", "test/full/ndcg@10"),
-            ("sampled HR@10", "test/sampled/hr@10"), ("sampled NDCG@10", "test/sampled/ndcg@10")]
+    keys = [
+        ("full HR@10", "test/full/hr@10"),
+        ("full NDCG@10", "test/full/ndcg@10"),
+        ("sampled HR@10", "test/sampled/hr@10"),
+        ("sampled NDCG@10", "test/sampled/ndcg@10"),
+    ]
     print(f"\n### SASRec vs HSTU (relative attention bias), {args.minutes} min of training each, test split\n")
     print("| data | times | model | " + " | ".join(k for k, _ in keys) + " | tokens/s | epochs |")
     print("|---|---|---|" + "---|" * (len(keys) + 2))
     for name, r in out.items():
         a, b = r["runs"]["sasrec"], r["runs"]["hstu"]
         for kind, x in (("SASRec", a), ("HSTU", b)):
-            print(f"| {name} | {'yes' if r['timestamps'] else 'no'} | {kind} | "
-                  + " | ".join(f"{x['test'][k]:.4f}" for _, k in keys)
-                  + f" | {x['throughput']['tokens_per_s']:,.0f} | {x['epochs']:.2f} |")
-        print(f"| {name} | | **HSTU / SASRec** | " + " | ".join(
-            f"**{b['test'][k] / max(a['test'][k], 1e-12):.3f}**" for _, k in keys)
-            + f" | **{b['throughput']['tokens_per_s'] / a['throughput']['tokens_per_s']:.2f}** | |")
+            print(
+                f"| {name} | {'yes' if r['timestamps'] else 'no'} | {kind} | "
+                + " | ".join(f"{x['test'][k]:.4f}" for _, k in keys)
+                + f" | {x['throughput']['tokens_per_s']:,.0f} | {x['epochs']:.2f} |"
+            )
+        print(
+            f"| {name} | | **HSTU / SASRec** | "
+            + " | ".join(f"**{b['test'][k] / max(a['test'][k], 1e-12):.3f}**" for _, k in keys)
+            + f" | **{b['throughput']['tokens_per_s'] / a['throughput']['tokens_per_s']:.2f}** | |"
+        )
     return out
 
 

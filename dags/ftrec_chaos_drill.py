@@ -19,13 +19,19 @@ from airflow.sdk import Param, dag, task
 from ftrec_airflow import chaos, pipeline
 
 PARAMS = {
-    **pipeline.params(data_source="synthetic", synth_users=1000, synth_items=500, batch_size=16,
-                      replica_groups=2, max_steps=80, fault_plan=json.dumps(chaos.DEFAULT_PLAN),
-                      mlflow_experiment="ftrec-chaos"),
-    "max_stall_s": Param(30.0, type="number", minimum=0,
-                         description="Longest a survivor may go between two commits."),
+    **pipeline.params(
+        data_source="synthetic",
+        synth_users=1000,
+        synth_items=500,
+        batch_size=16,
+        replica_groups=2,
+        max_steps=80,
+        fault_plan=json.dumps(chaos.DEFAULT_PLAN),
+        mlflow_experiment="ftrec-chaos",
+    ),
+    "max_stall_s": Param(30.0, type="number", minimum=0, description="Longest a survivor may go between two commits."),
 }
-FT = pipeline.TrainingDag("ftrec_chaos_drill", drill=True)   # no retries, no asset events
+FT = pipeline.TrainingDag("ftrec_chaos_drill", drill=True)  # no retries, no asset events
 
 
 @dag(**FT.dag_args(__doc__, params=PARAMS, tags=("chaos",), max_active_runs=1))

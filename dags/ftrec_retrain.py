@@ -21,8 +21,13 @@ INTERACTIONS = Asset(name="ftrec_interactions", uri="ftrec://interactions")
 FT = pipeline.TrainingDag("ftrec_retrain")
 
 
-@dag(**FT.dag_args(__doc__, max_active_runs=1, schedule=AssetOrTimeSchedule(
-    timetable=CronTriggerTimetable("0 3 * * *", timezone="UTC"), assets=INTERACTIONS)))
+@dag(
+    **FT.dag_args(
+        __doc__,
+        max_active_runs=1,
+        schedule=AssetOrTimeSchedule(timetable=CronTriggerTimetable("0 3 * * *", timezone="UTC"), assets=INTERACTIONS),
+    )
+)
 def ftrec_retrain():
     @task
     def base_model(params=None) -> dict:

@@ -17,19 +17,25 @@ from airflow.sdk.exceptions import AirflowFailException
 
 from ftrec_airflow import kubernetes, pipeline
 
-UNAVAILABLE = kubernetes.unavailable()   # "" when the provider and FTREC_K8S_IMAGE are there
+UNAVAILABLE = kubernetes.unavailable()  # "" when the provider and FTREC_K8S_IMAGE are there
 FT = pipeline.TrainingDag("ftrec_train_k8s")
 
 
-@dag(**FT.dag_args(
-    __doc__ + (f"\n\n**Not available here:** {UNAVAILABLE}." if UNAVAILABLE else ""),
-    tags=("kubernetes",), max_active_runs=4,
-    description=f"unavailable: {UNAVAILABLE}" if UNAVAILABLE else "replica groups as Kubernetes pods"))
+@dag(
+    **FT.dag_args(
+        __doc__ + (f"\n\n**Not available here:** {UNAVAILABLE}." if UNAVAILABLE else ""),
+        tags=("kubernetes",),
+        max_active_runs=4,
+        description=f"unavailable: {UNAVAILABLE}" if UNAVAILABLE else "replica groups as Kubernetes pods",
+    )
+)
 def ftrec_train_k8s():
-    if UNAVAILABLE:   # still a DAG, so the UI says why instead of showing an import error
+    if UNAVAILABLE:  # still a DAG, so the UI says why instead of showing an import error
+
         @task(retries=0)
         def kubernetes_unavailable():
             raise AirflowFailException(f"ftrec_train_k8s: {UNAVAILABLE}")
+
         kubernetes_unavailable()
         return
 
@@ -46,8 +52,9 @@ def ftrec_train_k8s():
         return kubernetes.collect(run)
 
     run = open_run(FT.shards())
-    pods = kubernetes.group_pod_operator(task_id="train_group", execution_timeout=timedelta(hours=24)) \
-        .expand_kwargs(group_pods(run))
+    pods = kubernetes.group_pod_operator(task_id="train_group", execution_timeout=timedelta(hours=24)).expand_kwargs(
+        group_pods(run)
+    )
     result = trained(run)
     pods >> result
     FT.gate(result)

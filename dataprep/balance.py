@@ -42,27 +42,32 @@ KK_BUDGET = 250_000
 @dataclass
 class Plan:
     """Where every sample goes. step/rank are -1 for samples dropped with the tail."""
-    step: np.ndarray        # int32 [N]
-    rank: np.ndarray        # int32 [N]
+
+    step: np.ndarray  # int32 [N]
+    rank: np.ndarray  # int32 [N]
     steps: int
     world_size: int
     batch_size: int
     window_steps: int
     tail: str
-    dropped: int            # samples not in this epoch (tail "drop")
-    filled: int             # leftover samples spread over the steps (tail "fill")
+    dropped: int  # samples not in this epoch (tail "drop")
+    filled: int  # leftover samples spread over the steps (tail "fill")
 
 
 def _step_sizes(n: int, world_size: int, batch_size: int, tail: str) -> np.ndarray:
     g = world_size * batch_size
     if n < world_size:
-        raise DataprepError(f"--world-size {world_size} is larger than the data allows: only {n} training samples, "
-                            f"and every rank needs at least one per step; use --world-size <= {n}")
+        raise DataprepError(
+            f"--world-size {world_size} is larger than the data allows: only {n} training samples, "
+            f"and every rank needs at least one per step; use --world-size <= {n}"
+        )
     if tail == "drop":
         s = n // g
         if s == 0:
-            raise DataprepError(f"{n} training samples are fewer than one global batch (--world-size {world_size} x "
-                                f"--batch-size {batch_size} = {g}); lower --batch-size or use --tail fill")
+            raise DataprepError(
+                f"{n} training samples are fewer than one global batch (--world-size {world_size} x "
+                f"--batch-size {batch_size} = {g}); lower --batch-size or use --tail fill"
+            )
         return np.full(s, g, np.int64)
     s = max(1, n // g)
     # spread the leftover in whole multiples of W (so equal-cost samples still split evenly);
@@ -85,7 +90,7 @@ def lpt(costs: np.ndarray, world_size: int) -> tuple[np.ndarray, np.ndarray]:
     rank = np.zeros((s, m), np.int32)
     rows = np.arange(s)
     w = min(world_size, m)
-    rank[:, :w] = np.arange(w)          # the W largest items open the W ranks
+    rank[:, :w] = np.arange(w)  # the W largest items open the W ranks
     loads[:, :w] = costs[:, :w]
     for j in range(w, m):
         r = loads.argmin(axis=1)
@@ -132,8 +137,16 @@ def _windows(sizes: np.ndarray, k: int):
         yield a, min(a + k, len(sizes))
 
 
-def plan(cost: np.ndarray, *, world_size: int, batch_size: int, window_steps: int | None = None,
-         seed: int = 0, tail: str = "fill", method: str = "auto") -> Plan:
+def plan(
+    cost: np.ndarray,
+    *,
+    world_size: int,
+    batch_size: int,
+    window_steps: int | None = None,
+    seed: int = 0,
+    tail: str = "fill",
+    method: str = "auto",
+) -> Plan:
     """Balanced assignment of samples (by cost) to steps and ranks; see the module doc."""
     if world_size < 1:
         raise DataprepError(f"--world-size {world_size}: must be >= 1")
@@ -157,8 +170,8 @@ def plan(cost: np.ndarray, *, world_size: int, batch_size: int, window_steps: in
     # steps in epoch order before the in-window shuffle; samples of step j: perm_sorted[starts[j]:starts[j+1]]
     ordered = perm[: starts[-1]].copy()
     for a, b in _windows(sizes, k):
-        seg = ordered[starts[a]:starts[b]]
-        ordered[starts[a]:starts[b]] = seg[np.argsort(-cost[seg], kind="stable")]
+        seg = ordered[starts[a] : starts[b]]
+        ordered[starts[a] : starts[b]] = seg[np.argsort(-cost[seg], kind="stable")]
     # within a step the samples are now sorted by cost descending (a window's sort is)
     m = int(sizes.max())
     pos = np.arange(starts[-1]) - np.repeat(starts[:-1], sizes)
@@ -190,9 +203,17 @@ def plan(cost: np.ndarray, *, world_size: int, batch_size: int, window_steps: in
     out_step[ordered] = step_id[stp]
     out_rank[ordered] = rank_grid[stp, pos]
     dropped = n - int(starts[-1])
-    return Plan(step=out_step, rank=out_rank, steps=s, world_size=world_size, batch_size=batch_size,
-                window_steps=k, tail=tail, dropped=dropped,
-                filled=int(n - s * world_size * batch_size) if tail == "fill" else 0)
+    return Plan(
+        step=out_step,
+        rank=out_rank,
+        steps=s,
+        world_size=world_size,
+        batch_size=batch_size,
+        window_steps=k,
+        tail=tail,
+        dropped=dropped,
+        filled=int(n - s * world_size * batch_size) if tail == "fill" else 0,
+    )
 
 
 def random_plan(cost: np.ndarray, *, world_size: int, batch_size: int, seed: int = 0, tail: str = "fill") -> Plan:
@@ -210,9 +231,17 @@ def random_plan(cost: np.ndarray, *, world_size: int, batch_size: int, seed: int
     out_rank = np.full(n, -1, np.int32)
     out_step[perm[: starts[-1]]] = stp
     out_rank[perm[: starts[-1]]] = (pos * world_size // sizes[stp]).astype(np.int32)
-    return Plan(step=out_step, rank=out_rank, steps=s, world_size=world_size, batch_size=batch_size,
-                window_steps=1, tail=tail, dropped=n - int(starts[-1]),
-                filled=int(n - s * world_size * batch_size) if tail == "fill" else 0)
+    return Plan(
+        step=out_step,
+        rank=out_rank,
+        steps=s,
+        world_size=world_size,
+        batch_size=batch_size,
+        window_steps=1,
+        tail=tail,
+        dropped=n - int(starts[-1]),
+        filled=int(n - s * world_size * batch_size) if tail == "fill" else 0,
+    )
 
 
 def rank_loads(p: Plan, cost: np.ndarray) -> np.ndarray:
@@ -236,8 +265,8 @@ def stats(p: Plan, cost: np.ndarray) -> dict:
     over = mx / lower - 1
     q = lambda a, x: float(np.quantile(a, x))  # noqa: E731
     return {
-        "imbalance": {"p50": q(imb, .5), "p99": q(imb, .99), "max": float(imb.max()), "mean": float(imb.mean())},
-        "over_lower_bound": {"p50": q(over, .5), "p99": q(over, .99), "max": float(over.max())},
+        "imbalance": {"p50": q(imb, 0.5), "p99": q(imb, 0.99), "max": float(imb.max()), "mean": float(imb.mean())},
+        "over_lower_bound": {"p50": q(over, 0.5), "p99": q(over, 0.99), "max": float(over.max())},
         "bubble_fraction": float(1 - loads.sum() / (p.world_size * mx.sum())),
         "bubble_fraction_lower_bound": float(1 - loads.sum() / (p.world_size * lower.sum())),
     }

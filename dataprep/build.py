@@ -43,7 +43,8 @@ def _check_rejects(ev: readers.Interactions, max_fraction: float) -> None:
         raise DataprepError(
             f"{first['source']}: {rejected} of {lines} lines rejected (first: line {first['line']}, "
             f"{first['reason']}, {first['detail']}); is --format right? "
-            f"Fix the input or raise --max-reject-fraction (now {max_fraction})")
+            f"Fix the input or raise --max-reject-fraction (now {max_fraction})"
+        )
 
 
 def _refuse_input_inside(out: Path, inputs: list[str]) -> None:
@@ -51,8 +52,10 @@ def _refuse_input_inside(out: Path, inputs: list[str]) -> None:
     root = out.resolve()
     for p in inputs:
         if Path(p).resolve().is_relative_to(root):
-            raise DataprepError(f"--out {out} contains the input {p}: a shard set replaces its folder whole; "
-                                "write it to a folder of its own")
+            raise DataprepError(
+                f"--out {out} contains the input {p}: a shard set replaces its folder whole; "
+                "write it to a folder of its own"
+            )
 
 
 def _existing(out: Path, fp: str, config: dict, version: int, overwrite: bool) -> dict | None:
@@ -69,18 +72,25 @@ def _existing(out: Path, fp: str, config: dict, version: int, overwrite: bool) -
             m = json.loads(mpath.read_text())
         except ValueError:
             m = {}
-        same = (m.get("format_version") == version and m.get("input", {}).get("fingerprint") == fp
-                and m.get("config") == config
-                and all((out / f).exists() for f in m.get("files", {"-": 0})))
+        same = (
+            m.get("format_version") == version
+            and m.get("input", {}).get("fingerprint") == fp
+            and m.get("config") == config
+            and all((out / f).exists() for f in m.get("files", {"-": 0}))
+        )
         if same and not overwrite:
             return m
         if not overwrite:
-            raise DifferentShardSet(f"{out}: holds a different shard set (other input or settings); "
-                                    "pass --overwrite to replace it or choose another --out")
+            raise DifferentShardSet(
+                f"{out}: holds a different shard set (other input or settings); "
+                "pass --overwrite to replace it or choose another --out"
+            )
         return None
     if any(out.iterdir()):
-        raise DataprepError(f"{out}: folder is not empty and holds no shard set (no {schema.MANIFEST}); "
-                            "choose another --out (--overwrite replaces shard sets only, never other files)")
+        raise DataprepError(
+            f"{out}: folder is not empty and holds no shard set (no {schema.MANIFEST}); "
+            "choose another --out (--overwrite replaces shard sets only, never other files)"
+        )
     return None
 
 
@@ -93,17 +103,20 @@ def _write_shards(tmp: Path, samples: sequences.Samples, cost: np.ndarray, p: ba
     keep = np.flatnonzero(p.step >= 0)
     order = keep[np.lexsort((p.step[keep], p.rank[keep]))]
     idx = pa.array(order)
-    table = pa.table({
-        "sample_id": pa.array(order.astype(np.int64)),
-        "user_id": pa.array(samples.user_id[order]),
-        "step": pa.array(p.step[order]),
-        "rank": pa.array(p.rank[order]),
-        "length": pa.array(samples.length[order]),
-        "cost": pa.array(cost[order]),
-        "items": pc.take(samples.items, idx),
-        "target": pa.array(samples.target[order]),
-        **({schema.TIMESTAMPS: pc.take(samples.timestamps, idx)} if samples.timestamps is not None else {}),
-    }, schema=schema.shard_schema(samples.timestamps is not None))
+    table = pa.table(
+        {
+            "sample_id": pa.array(order.astype(np.int64)),
+            "user_id": pa.array(samples.user_id[order]),
+            "step": pa.array(p.step[order]),
+            "rank": pa.array(p.rank[order]),
+            "length": pa.array(samples.length[order]),
+            "cost": pa.array(cost[order]),
+            "items": pc.take(samples.items, idx),
+            "target": pa.array(samples.target[order]),
+            **({schema.TIMESTAMPS: pc.take(samples.timestamps, idx)} if samples.timestamps is not None else {}),
+        },
+        schema=schema.shard_schema(samples.timestamps is not None),
+    )
     # row boundaries of every (rank, step) block: all blocks are non-empty by construction
     key = p.rank[order].astype(np.int64) * p.steps + p.step[order]
     bounds = np.searchsorted(key, np.arange(p.world_size * p.steps + 1))
@@ -117,11 +130,27 @@ def _write_shards(tmp: Path, samples: sequences.Samples, cost: np.ndarray, p: ba
             bar.update()
 
 
-def build_shards(input: "str | list[str]", fmt: str, out: str, *, world_size: int, batch_size: int, seed: int = 0,
-                 max_len: int = 50, cost_model: "str | dict | None" = None, window_steps: int | None = None,
-                 quiet: bool = True, tail: str = "fill", method: str = "auto", dedup: str = "exact",
-                 max_events: int | None = None, max_reject_fraction: float = MAX_REJECT_FRACTION,
-                 overwrite: bool = False, log: Callable[[str], None] | None = None, **reader_options) -> dict:
+def build_shards(
+    input: "str | list[str]",
+    fmt: str,
+    out: str,
+    *,
+    world_size: int,
+    batch_size: int,
+    seed: int = 0,
+    max_len: int = 50,
+    cost_model: "str | dict | None" = None,
+    window_steps: int | None = None,
+    quiet: bool = True,
+    tail: str = "fill",
+    method: str = "auto",
+    dedup: str = "exact",
+    max_events: int | None = None,
+    max_reject_fraction: float = MAX_REJECT_FRACTION,
+    overwrite: bool = False,
+    log: Callable[[str], None] | None = None,
+    **reader_options,
+) -> dict:
     """Build a shard set at `out` and return its manifest (see dataprep.schema).
 
     `log` receives one line per stage as it ends (rows read, users, steps balanced, files
@@ -132,19 +161,36 @@ def build_shards(input: "str | list[str]", fmt: str, out: str, *, world_size: in
     t_all = time.monotonic()
     paths = [str(p) for p in ([input] if isinstance(input, (str, os.PathLike)) else input)]
     for path in paths:
-        readers.check_input(path)   # before anything reads it: a device would be read forever
+        readers.check_input(path)  # before anything reads it: a device would be read forever
     if fmt not in readers.FORMATS:
         raise DataprepError(f"--format {fmt!r}: unknown; choose one of {', '.join(readers.FORMATS)}")
     cm = load_cost_model(cost_model)
     k = balance.DEFAULT_WINDOW_STEPS if window_steps is None else int(window_steps)
     if world_size < 1 or batch_size < 1 or max_len < 1 or k < 1:
-        bad = next(n for n, v in (("--world-size", world_size), ("--batch-size", batch_size), ("--max-len", max_len),
-                                  ("--window-steps", k)) if v < 1)
+        bad = next(
+            n
+            for n, v in (
+                ("--world-size", world_size),
+                ("--batch-size", batch_size),
+                ("--max-len", max_len),
+                ("--window-steps", k),
+            )
+            if v < 1
+        )
         raise DataprepError(f"{bad} must be >= 1")
-    config = {"world_size": world_size, "batch_size": batch_size, "max_len": max_len, "seed": seed,
-              "window_steps": k, "cost_model": {"a": cm.a, "b": cm.b, "c0": cm.c0, "source": cm.source},
-              "tail": tail, "method": method, "dedup": dedup, "max_events": max_events,
-              "reader_options": dict(sorted(reader_options.items()))}
+    config = {
+        "world_size": world_size,
+        "batch_size": batch_size,
+        "max_len": max_len,
+        "seed": seed,
+        "window_steps": k,
+        "cost_model": {"a": cm.a, "b": cm.b, "c0": cm.c0, "source": cm.source},
+        "tail": tail,
+        "method": method,
+        "dedup": dedup,
+        "max_events": max_events,
+        "reader_options": dict(sorted(reader_options.items())),
+    }
     outp = Path(out)
     _refuse_input_inside(outp, paths)
     with stage("fingerprint", quiet=quiet):
@@ -156,21 +202,26 @@ def build_shards(input: "str | list[str]", fmt: str, out: str, *, world_size: in
         return existing
 
     timings: dict[str, float] = {}
-    ev, seq, ev_table, samples = _samples(paths, fmt, config, max_reject_fraction, reader_options,
-                                          quiet=quiet, say=say, timings=timings)
+    ev, seq, ev_table, samples = _samples(
+        paths, fmt, config, max_reject_fraction, reader_options, quiet=quiet, say=say, timings=timings
+    )
     cost = cm(samples.length)
     p, st, st_random = _balance(cost, config, quiet=quiet, say=say, timings=timings)
-    built = _Built(ev=ev, seq=seq, eval_table=ev_table, samples=samples, cost=cost, plan=p, stats=st,
-                   stats_random=st_random)
-    head = {"format_version": version,
-            "input": {"paths": [str(Path(x).resolve()) for x in paths], "format": fmt, "fingerprint": fp},
-            "config": config}
+    built = _Built(
+        ev=ev, seq=seq, eval_table=ev_table, samples=samples, cost=cost, plan=p, stats=st, stats_random=st_random
+    )
+    head = {
+        "format_version": version,
+        "input": {"paths": [str(Path(x).resolve()) for x in paths], "format": fmt, "fingerprint": fp},
+        "config": config,
+    }
     return _write_set(outp, built, head, quiet=quiet, say=say, timings=timings, t_all=t_all)
 
 
 @dataclass
 class _Built:
     """What a shard set is made of, stage by stage, before it is written."""
+
     ev: readers.Interactions
     seq: sequences.Sequences
     eval_table: pa.Table
@@ -178,20 +229,30 @@ class _Built:
     cost: np.ndarray
     plan: balance.Plan
     stats: dict
-    stats_random: dict    # of random shards: what balancing gains
+    stats_random: dict  # of random shards: what balancing gains
 
 
-def _samples(paths: list[str], fmt: str, config: dict, max_reject_fraction: float, reader_options: dict, *,
-             quiet: bool, say: Callable[[str], None], timings: dict[str, float]
-             ) -> tuple[readers.Interactions, sequences.Sequences, pa.Table, sequences.Samples]:
+def _samples(
+    paths: list[str],
+    fmt: str,
+    config: dict,
+    max_reject_fraction: float,
+    reader_options: dict,
+    *,
+    quiet: bool,
+    say: Callable[[str], None],
+    timings: dict[str, float],
+) -> tuple[readers.Interactions, sequences.Sequences, pa.Table, sequences.Samples]:
     """read -> sequences -> leave-one-out samples, each stage timed and logged."""
     t = time.monotonic()
     with stage("read", quiet=quiet):
         ev = readers.read(paths, fmt, **reader_options)
     _check_rejects(ev, max_reject_fraction)
     timings["read_s"] = time.monotonic() - t
-    say(f"dataprep: read {ev.counts.get('lines', 0)} lines, {len(ev)} events, "
-        f"{sum(r.num_rows for r in ev.rejects)} rejected ({timings['read_s']:.1f} s)")
+    say(
+        f"dataprep: read {ev.counts.get('lines', 0)} lines, {len(ev)} events, "
+        f"{sum(r.num_rows for r in ev.rejects)} rejected ({timings['read_s']:.1f} s)"
+    )
     t = time.monotonic()
     with stage("sequences", quiet=quiet):
         seq = sequences.build_sequences(ev, dedup=config["dedup"], max_events=config["max_events"])
@@ -199,28 +260,45 @@ def _samples(paths: list[str], fmt: str, config: dict, max_reject_fraction: floa
         samples = sequences.train_samples(seq, config["max_len"])
     timings["sequences_s"] = time.monotonic() - t
     n = len(samples.user_id)
-    say(f"dataprep: {seq.num_users} users, {seq.num_items} items, {n} training samples "
-        f"({timings['sequences_s']:.1f} s)")
+    say(
+        f"dataprep: {seq.num_users} users, {seq.num_items} items, {n} training samples ({timings['sequences_s']:.1f} s)"
+    )
     if n == 0:
-        raise DataprepError(f"{', '.join(paths)}: no user has the 4 events a training sample needs "
-                            "(history, target, validation, test); give more data")
+        raise DataprepError(
+            f"{', '.join(paths)}: no user has the 4 events a training sample needs "
+            "(history, target, validation, test); give more data"
+        )
     return ev, seq, ev_table, samples
 
 
-def _balance(cost: np.ndarray, config: dict, *, quiet: bool, say: Callable[[str], None],
-             timings: dict[str, float]) -> tuple[balance.Plan, dict, dict]:
+def _balance(
+    cost: np.ndarray, config: dict, *, quiet: bool, say: Callable[[str], None], timings: dict[str, float]
+) -> tuple[balance.Plan, dict, dict]:
     """The balanced plan, its stats, and the stats of random shards (the manifest compares them)."""
     c = config
     t = time.monotonic()
     with stage("balance", quiet=quiet):
-        p = balance.plan(cost, world_size=c["world_size"], batch_size=c["batch_size"], window_steps=c["window_steps"],
-                         seed=c["seed"], tail=c["tail"], method=c["method"])
+        p = balance.plan(
+            cost,
+            world_size=c["world_size"],
+            batch_size=c["batch_size"],
+            window_steps=c["window_steps"],
+            seed=c["seed"],
+            tail=c["tail"],
+            method=c["method"],
+        )
         st = balance.stats(p, cost)
-        st_random = balance.stats(balance.random_plan(cost, world_size=c["world_size"], batch_size=c["batch_size"],
-                                                      seed=c["seed"], tail=c["tail"]), cost)
+        st_random = balance.stats(
+            balance.random_plan(
+                cost, world_size=c["world_size"], batch_size=c["batch_size"], seed=c["seed"], tail=c["tail"]
+            ),
+            cost,
+        )
     timings["balance_s"] = time.monotonic() - t
-    say(f"dataprep: {p.steps} steps balanced over {c['world_size']} ranks, bubble {st['bubble_fraction']:.4f} "
-        f"(random shards: {st_random['bubble_fraction']:.4f}) ({timings['balance_s']:.1f} s)")
+    say(
+        f"dataprep: {p.steps} steps balanced over {c['world_size']} ranks, bubble {st['bubble_fraction']:.4f} "
+        f"(random shards: {st_random['bubble_fraction']:.4f}) ({timings['balance_s']:.1f} s)"
+    )
     return p, st, st_random
 
 
@@ -230,14 +308,23 @@ def _rejects(built: _Built) -> tuple[pa.Table, dict[str, int]]:
     rejects = list(seq.rejects)
     if p.dropped:
         d = np.flatnonzero(p.step < 0)
-        rejects.append(pa.table({
-            "source": pa.nulls(len(d), pa.string()), "line": pa.nulls(len(d), pa.int64()),
-            "user": pc.take(seq.user_raw, pa.array(samples.user_id[d] - 1)).cast(pa.string()),
-            "reason": pa.array(["tail_dropped"] * len(d)),
-            "detail": pa.array([f"sample_id={i}" for i in d]),
-        }, schema=schema.REJECTS_SCHEMA))
-    rej = (pa.concat_tables([r.cast(schema.REJECTS_SCHEMA) for r in rejects]) if rejects
-           else schema.REJECTS_SCHEMA.empty_table())
+        rejects.append(
+            pa.table(
+                {
+                    "source": pa.nulls(len(d), pa.string()),
+                    "line": pa.nulls(len(d), pa.int64()),
+                    "user": pc.take(seq.user_raw, pa.array(samples.user_id[d] - 1)).cast(pa.string()),
+                    "reason": pa.array(["tail_dropped"] * len(d)),
+                    "detail": pa.array([f"sample_id={i}" for i in d]),
+                },
+                schema=schema.REJECTS_SCHEMA,
+            )
+        )
+    rej = (
+        pa.concat_tables([r.cast(schema.REJECTS_SCHEMA) for r in rejects])
+        if rejects
+        else schema.REJECTS_SCHEMA.empty_table()
+    )
     by_reason = {}
     if rej.num_rows:
         vc = pc.value_counts(rej.column("reason")).to_pylist()
@@ -245,8 +332,16 @@ def _rejects(built: _Built) -> tuple[pa.Table, dict[str, int]]:
     return rej, by_reason
 
 
-def _write_set(outp: Path, built: _Built, head: dict, *, quiet: bool, say: Callable[[str], None],
-               timings: dict[str, float], t_all: float) -> dict:
+def _write_set(
+    outp: Path,
+    built: _Built,
+    head: dict,
+    *,
+    quiet: bool,
+    say: Callable[[str], None],
+    timings: dict[str, float],
+    t_all: float,
+) -> dict:
     """Write the set into a temporary folder beside `outp`, then rename it into place."""
     p = built.plan
     rej, by_reason = _rejects(built)
@@ -274,8 +369,9 @@ def _write_set(outp: Path, built: _Built, head: dict, *, quiet: bool, say: Calla
     return manifest
 
 
-def _manifest(built: _Built, head: dict, by_reason: dict[str, int], timings: dict[str, float],
-              files: dict[str, str]) -> dict:
+def _manifest(
+    built: _Built, head: dict, by_reason: dict[str, int], timings: dict[str, float], files: dict[str, str]
+) -> dict:
     """The manifest.json of a written set (see dataprep.schema); `head`: format_version, input, config."""
     ev, seq, samples, p, st, cost = built.ev, built.seq, built.samples, built.plan, built.stats, built.cost
     n = len(samples.user_id)
@@ -290,15 +386,22 @@ def _manifest(built: _Built, head: dict, by_reason: dict[str, int], timings: dic
         "steps": p.steps,
         "global_batch": head["config"]["world_size"] * head["config"]["batch_size"],
         "counts": {
-            "lines": ev.counts.get("lines", 0), "blank_lines": ev.counts.get("blank_lines", 0),
+            "lines": ev.counts.get("lines", 0),
+            "blank_lines": ev.counts.get("blank_lines", 0),
             "events_read": len(ev),
-            "events_used": seq.counts["events_used"], "duplicates": seq.counts["duplicates"],
+            "events_used": seq.counts["events_used"],
+            "duplicates": seq.counts["duplicates"],
             "rows_rejected": sum(t_.num_rows for t_ in ev.rejects),
-            "users_read": seq.counts["users_read"], "users_rejected": seq.counts["users_rejected"],
-            "eval_users": seq.num_users, "users_without_sample": seq.num_users - n,
-            "samples_written": n - p.dropped, "samples_dropped_tail": p.dropped,
-            "samples_filled_tail": p.filled, "samples_truncated": samples.truncated,
-            "items_truncated": samples.items_truncated, "tokens": int(samples.length.sum()),
+            "users_read": seq.counts["users_read"],
+            "users_rejected": seq.counts["users_rejected"],
+            "eval_users": seq.num_users,
+            "users_without_sample": seq.num_users - n,
+            "samples_written": n - p.dropped,
+            "samples_dropped_tail": p.dropped,
+            "samples_filled_tail": p.filled,
+            "samples_truncated": samples.truncated,
+            "items_truncated": samples.items_truncated,
+            "tokens": int(samples.length.sum()),
         },
         "rejects": by_reason,
         "imbalance": st["imbalance"],
@@ -319,7 +422,7 @@ def _remove_stale_temps(out: Path) -> None:
     """Remove temporary folders that a killed build of `out` left behind (this host, dead pid)."""
     prefix = f".{out.name}.tmp-{socket.gethostname()}-"
     for d in out.parent.glob(f"{glob.escape(prefix)}*"):
-        pid = d.name[len(prefix):].split("-")[0]
+        pid = d.name[len(prefix) :].split("-")[0]
         if not pid.isdigit():
             continue
         try:

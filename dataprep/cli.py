@@ -13,6 +13,7 @@ from dataprep.errors import DataprepError
 
 def _synth(a) -> None:
     from dataprep.synth import write_synthetic
+
     users = a.users
     if users is None:
         if a.events is None:
@@ -20,42 +21,79 @@ def _synth(a) -> None:
         import numpy as np
 
         from dataprep.synth import SynthConfig, lengths
-        mean = lengths(SynthConfig(1, 2, a.seed, a.median_len, a.sigma, a.min_len, a.max_history, a.zipf),
-                       np.random.default_rng(a.seed), 200_000).mean()
+
+        mean = lengths(
+            SynthConfig(1, 2, a.seed, a.median_len, a.sigma, a.min_len, a.max_history, a.zipf),
+            np.random.default_rng(a.seed),
+            200_000,
+        ).mean()
         users = max(1, int(round(a.events / mean)))
-    p = write_synthetic(a.out, users=users, items=a.items, seed=a.seed, fmt=a.format, median_len=a.median_len,
-                        sigma=a.sigma, min_len=a.min_len, max_history=a.max_history, zipf=a.zipf, quiet=a.quiet)
+    p = write_synthetic(
+        a.out,
+        users=users,
+        items=a.items,
+        seed=a.seed,
+        fmt=a.format,
+        median_len=a.median_len,
+        sigma=a.sigma,
+        min_len=a.min_len,
+        max_history=a.max_history,
+        zipf=a.zipf,
+        quiet=a.quiet,
+    )
     if not a.quiet:
         print(f"wrote {p} ({users} users, format {a.format})")
 
 
 def _shards(a) -> None:
     from dataprep.build import build_shards
+
     reader = {k: v for k, v in (("user_col", a.user_col), ("item_col", a.item_col), ("time_col", a.time_col)) if v}
-    m = build_shards(a.input, a.format, a.out, world_size=a.world_size, batch_size=a.batch_size, seed=a.seed,
-                     max_len=a.max_len, cost_model=a.cost_model, window_steps=a.window_steps, quiet=a.quiet,
-                     tail=a.tail, method=a.method, dedup=a.dedup, max_events=a.max_events,
-                     max_reject_fraction=a.max_reject_fraction, overwrite=a.overwrite, **reader)
+    m = build_shards(
+        a.input,
+        a.format,
+        a.out,
+        world_size=a.world_size,
+        batch_size=a.batch_size,
+        seed=a.seed,
+        max_len=a.max_len,
+        cost_model=a.cost_model,
+        window_steps=a.window_steps,
+        quiet=a.quiet,
+        tail=a.tail,
+        method=a.method,
+        dedup=a.dedup,
+        max_events=a.max_events,
+        max_reject_fraction=a.max_reject_fraction,
+        overwrite=a.overwrite,
+        **reader,
+    )
     if a.json:
         print(json.dumps(m, indent=2))
     elif not a.quiet:
         c = m["counts"]
-        print(f"wrote {a.out}: {m['steps']} steps x {m['config']['world_size']} ranks, {c['samples_written']} samples "
-              f"({c['samples_dropped_tail']} dropped with the tail), {m['num_users']} users, {m['num_items']} items; "
-              f"bubble {m['bubble_fraction']:.2%} (random {m['bubble_fraction_random']:.2%}), "
-              f"imbalance p50 {m['imbalance']['p50']:.4f}; rejects {m['rejects'] or 'none'}")
+        print(
+            f"wrote {a.out}: {m['steps']} steps x {m['config']['world_size']} ranks, {c['samples_written']} samples "
+            f"({c['samples_dropped_tail']} dropped with the tail), {m['num_users']} users, {m['num_items']} items; "
+            f"bubble {m['bubble_fraction']:.2%} (random {m['bubble_fraction_random']:.2%}), "
+            f"imbalance p50 {m['imbalance']['p50']:.4f}; rejects {m['rejects'] or 'none'}"
+        )
 
 
 def _verify(a) -> None:
     from dataprep.verify import verify_shards
+
     m = verify_shards(a.dir, checksums=not a.no_checksums)
     if not a.quiet:
-        print(f"ok: {a.dir}: {m['config']['world_size']} ranks x {m['steps']} steps, "
-              f"{m['counts']['samples_written']} samples exactly once, {len(m['files'])} files match their SHA-256")
+        print(
+            f"ok: {a.dir}: {m['config']['world_size']} ranks x {m['steps']} steps, "
+            f"{m['counts']['samples_written']} samples exactly once, {len(m['files'])} files match their SHA-256"
+        )
 
 
 def _calibrate(a) -> None:
     from dataprep.cost import calibrate, save
+
     lengths = [int(x) for x in a.lengths.split(",")]
     m = calibrate(lengths, batch=a.batch, repeats=a.repeats, model=a.model, budget_s=a.budget, quiet=a.quiet)
     save(m, a.out)
@@ -97,16 +135,32 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--max-len", type=int, default=50, help="longest input history kept, most recent (default 50)")
     s.add_argument("--cost-model", help="JSON from `calibrate` (default: built-in coefficients)")
-    s.add_argument("--window-steps", type=int, default=None,
-                   help=f"K: steps per cost-sorted window; 1 = fully random batches (default {DEFAULT_WINDOW_STEPS})")
-    s.add_argument("--tail", choices=TAILS, default="fill",
-                   help="fill: spread the N mod W*B leftover samples over the steps; drop: drop them (default fill)")
+    s.add_argument(
+        "--window-steps",
+        type=int,
+        default=None,
+        help=f"K: steps per cost-sorted window; 1 = fully random batches (default {DEFAULT_WINDOW_STEPS})",
+    )
+    s.add_argument(
+        "--tail",
+        choices=TAILS,
+        default="fill",
+        help="fill: spread the N mod W*B leftover samples over the steps; drop: drop them (default fill)",
+    )
     s.add_argument("--method", choices=METHODS, default="auto", help="partitioner: lpt, kk or auto (best of both)")
-    s.add_argument("--dedup", choices=DEDUP, default="exact",
-                   help="exact: drop repeated (user, item, time) events; consecutive: also repeated items in a row")
+    s.add_argument(
+        "--dedup",
+        choices=DEDUP,
+        default="exact",
+        help="exact: drop repeated (user, item, time) events; consecutive: also repeated items in a row",
+    )
     s.add_argument("--max-events", type=int, default=None, help="reject users with more events than this (bots)")
-    s.add_argument("--max-reject-fraction", type=float, default=MAX_REJECT_FRACTION,
-                   help=f"fail when more input lines than this are rejected (default {MAX_REJECT_FRACTION})")
+    s.add_argument(
+        "--max-reject-fraction",
+        type=float,
+        default=MAX_REJECT_FRACTION,
+        help=f"fail when more input lines than this are rejected (default {MAX_REJECT_FRACTION})",
+    )
     s.add_argument("--user-col", help="events: user column (default user_id)")
     s.add_argument("--item-col", help="events: item column (default item_id)")
     s.add_argument("--time-col", help="events: timestamp column (default timestamp)")
@@ -123,8 +177,12 @@ def parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("calibrate", help="fit the cost model c(L) = a*L^2 + b*L + c0 from timings")
     s.add_argument("--out", required=True, help="JSON file to write")
-    s.add_argument("--model", choices=("standin",), default="standin",
-                   help="standin: a small causal-attention model (the training model: `ftrec calibrate`)")
+    s.add_argument(
+        "--model",
+        choices=("standin",),
+        default="standin",
+        help="standin: a small causal-attention model (the training model: `ftrec calibrate`)",
+    )
     s.add_argument("--lengths", default="8,16,32,64,128,256,512,1024", help="comma-separated lengths")
     s.add_argument("--batch", type=int, default=8)
     s.add_argument("--repeats", type=int, default=5)
@@ -146,8 +204,11 @@ def main(argv=None) -> int:
         return 130
     except OSError as e:  # disk full, permissions: name the file
         where = f"{e.filename}: " if e.filename else ""
-        hint = ("free some space or choose another --out" if e.errno == errno.ENOSPC
-                else "check the path and its permissions")
+        hint = (
+            "free some space or choose another --out"
+            if e.errno == errno.ENOSPC
+            else "check the path and its permissions"
+        )
         print(f"error: {where}{e.strerror or e}; {hint}", file=sys.stderr)
         return 1
     return 0

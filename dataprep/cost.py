@@ -65,15 +65,26 @@ def load_cost_model(spec: "str | os.PathLike | dict | CostModel | None") -> Cost
         try:
             spec = json.loads(Path(spec).read_text())
         except FileNotFoundError:
-            raise DataprepError(f"{where}: cost model file not found; run `python -m dataprep calibrate --out {where}` "
-                                "or omit --cost-model") from None
+            raise DataprepError(
+                f"{where}: cost model file not found; run `python -m dataprep calibrate --out {where}` "
+                "or omit --cost-model"
+            ) from None
         except (OSError, ValueError) as e:
-            raise DataprepError(f"{where}: not a readable JSON cost model ({e}); "
-                                'expected {"a": .., "b": .., "c0": ..}') from None
+            raise DataprepError(
+                f'{where}: not a readable JSON cost model ({e}); expected {{"a": .., "b": .., "c0": ..}}'
+            ) from None
     if not isinstance(spec, dict) or not {"a", "b", "c0"} <= spec.keys():
         raise DataprepError(f"{where}: cost model needs keys a, b, c0 (c(L) = a*L^2 + b*L + c0)")
-    return _validate(CostModel(a=spec["a"], b=spec["b"], c0=spec["c0"], source=str(spec.get("source", "file")),
-                               fit=dict(spec.get("fit", {}))), where)
+    return _validate(
+        CostModel(
+            a=spec["a"],
+            b=spec["b"],
+            c0=spec["c0"],
+            source=str(spec.get("source", "file")),
+            fit=dict(spec.get("fit", {})),
+        ),
+        where,
+    )
 
 
 def fit(lengths, timings) -> tuple[float, float, float]:
@@ -128,10 +139,18 @@ def _standin_step(length: int, batch: int, dim: int = 64, layers: int = 2, items
     torch.manual_seed(0)
     emb = torch.nn.Embedding(items, dim)
     blocks = torch.nn.ModuleList(
-        torch.nn.ModuleDict({"qkv": torch.nn.Linear(dim, 3 * dim), "out": torch.nn.Linear(dim, dim),
-                             "ff1": torch.nn.Linear(dim, 4 * dim), "ff2": torch.nn.Linear(4 * dim, dim),
-                             "n1": torch.nn.LayerNorm(dim), "n2": torch.nn.LayerNorm(dim)})
-        for _ in range(layers))
+        torch.nn.ModuleDict(
+            {
+                "qkv": torch.nn.Linear(dim, 3 * dim),
+                "out": torch.nn.Linear(dim, dim),
+                "ff1": torch.nn.Linear(dim, 4 * dim),
+                "ff2": torch.nn.Linear(4 * dim, dim),
+                "n1": torch.nn.LayerNorm(dim),
+                "n2": torch.nn.LayerNorm(dim),
+            }
+        )
+        for _ in range(layers)
+    )
     x_ids = torch.randint(1, items, (batch, length))
     heads = 2
 
@@ -148,12 +167,19 @@ def _standin_step(length: int, batch: int, dim: int = 64, layers: int = 2, items
     return step
 
 
-MODELS = {"standin": _standin_step}   # the real model: training/calibrate.py
+MODELS = {"standin": _standin_step}  # the real model: training/calibrate.py
 
 
-def calibrate(lengths=(8, 16, 32, 64, 128, 256, 512, 1024), *, batch: int = 8, repeats: int = 5,
-              model: str = "standin", budget_s: float = 60.0, quiet: bool = True,
-              step: Callable[[int, int], Callable[[], None]] | None = None) -> CostModel:
+def calibrate(
+    lengths=(8, 16, 32, 64, 128, 256, 512, 1024),
+    *,
+    batch: int = 8,
+    repeats: int = 5,
+    model: str = "standin",
+    budget_s: float = 60.0,
+    quiet: bool = True,
+    step: Callable[[int, int], Callable[[], None]] | None = None,
+) -> CostModel:
     """Time forward+backward per sample at each length and fit c(L). Returns the CostModel.
 
     `step(length, batch)` builds one timed forward+backward of the model to fit (training
@@ -163,8 +189,9 @@ def calibrate(lengths=(8, 16, 32, 64, 128, 256, 512, 1024), *, batch: int = 8, r
     from dataprep.progress import Progress
 
     if step is None and model not in MODELS:
-        raise DataprepError(f"--model {model!r}: unknown; choose one of {sorted(MODELS)} "
-                            "(the training model: `ftrec calibrate`)")
+        raise DataprepError(
+            f"--model {model!r}: unknown; choose one of {sorted(MODELS)} (the training model: `ftrec calibrate`)"
+        )
     torch.set_num_threads(1)  # the machine is shared; one thread gives stable, comparable timings
     make = step or MODELS[model]
     lengths = sorted(int(x) for x in lengths)
@@ -194,19 +221,32 @@ def calibrate(lengths=(8, 16, 32, 64, 128, 256, 512, 1024), *, batch: int = 8, r
                 break
     used = sorted({r[0] for r in rows})
     if len(used) < 3:
-        raise DataprepError(f"calibration ran out of its {budget_s:.0f}s budget after {len(used)} lengths; "
-                            "raise --budget or use shorter --lengths")
+        raise DataprepError(
+            f"calibration ran out of its {budget_s:.0f}s budget after {len(used)} lengths; "
+            "raise --budget or use shorter --lengths"
+        )
     Ls, ns, ts = (np.asarray(c, dtype=np.float64) for c in zip(*rows, strict=True))
     a, b, c0, overhead = fit_batched(Ls, ns, ts * 1e6)
     per_sample = [(a * L + b) * L + c0 for L in used]
     r2 = _r2(Ls, ns, ts * 1e6, (a, b, c0, overhead))
     if c0 == 0 and a == 0 and b == 0:
         c0 = 1.0
-    return CostModel(a=a, b=b, c0=c0, source=f"calibrated:{model}",
-                     fit={"lengths": used, "us_per_sample": [round(v, 3) for v in per_sample], "batch": batch,
-                          "per_call_overhead_us": round(overhead, 3), "r2": round(r2, 5), "model": model,
-                          "timings": [[int(L), int(n), round(t * 1e6, 3)] for L, n, t in rows],
-                          "torch_threads": 1})
+    return CostModel(
+        a=a,
+        b=b,
+        c0=c0,
+        source=f"calibrated:{model}",
+        fit={
+            "lengths": used,
+            "us_per_sample": [round(v, 3) for v in per_sample],
+            "batch": batch,
+            "per_call_overhead_us": round(overhead, 3),
+            "r2": round(r2, 5),
+            "model": model,
+            "timings": [[int(L), int(n), round(t * 1e6, 3)] for L, n, t in rows],
+            "torch_threads": 1,
+        },
+    )
 
 
 def save(m: CostModel, path: str) -> None:

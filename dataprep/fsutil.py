@@ -31,8 +31,9 @@ def _create_temp(path: Path, perm: int) -> tuple[int, Path]:
 
 
 @contextlib.contextmanager
-def atomic_writer(path: "str | os.PathLike", mode: str = "w", *, perm: int = 0o666,
-                  encoding: str | None = None) -> Iterator[IO[Any]]:
+def atomic_writer(
+    path: "str | os.PathLike", mode: str = "w", *, perm: int = 0o666, encoding: str | None = None
+) -> Iterator[IO[Any]]:
     """`with atomic_writer(path, "wb") as f:` a file object to write `path`'s new content to,
     in pieces; it replaces `path` when the block ends without an exception. `mode` is "w"
     (text) or "wb" (bytes)."""
@@ -64,8 +65,7 @@ def atomic_write_bytes(path: "str | os.PathLike", data: bytes, *, perm: int = 0o
         f.write(data)
 
 
-def atomic_write_text(path: "str | os.PathLike", text: str, *, perm: int = 0o666,
-                      encoding: str | None = None) -> None:
+def atomic_write_text(path: "str | os.PathLike", text: str, *, perm: int = 0o666, encoding: str | None = None) -> None:
     """Write `text` to `path` atomically (see the module docstring)."""
     with atomic_writer(path, "w", perm=perm, encoding=encoding) as f:
         f.write(text)
@@ -90,9 +90,15 @@ def fingerprint(paths: list[str]) -> str:
     hidden and `_`-prefixed ones pyarrow skips too."""
     h = hashlib.sha256()
     for p in paths:
-        files = [p] if not os.path.isdir(p) else sorted(
-            str(f) for f in Path(p).rglob("*")
-            if f.is_file() and not any(part.startswith((".", "_")) for part in f.relative_to(p).parts))
+        files = (
+            [p]
+            if not os.path.isdir(p)
+            else sorted(
+                str(f)
+                for f in Path(p).rglob("*")
+                if f.is_file() and not any(part.startswith((".", "_")) for part in f.relative_to(p).parts)
+            )
+        )
         for f in files:
             h.update(sha256_file(f).encode())
     return h.hexdigest()

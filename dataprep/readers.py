@@ -43,7 +43,7 @@ from dataprep.schema import REJECTS_SCHEMA
 FORMATS = ("sasrec", "iclrec", "movielens", "events")
 TIME_FORMATS = ("movielens", "events")  # real event times; the others order by input position
 _INT_TOKEN = r"^[0-9]{1,18}$"  # fits int64 (19 digits are checked against _INT64_MAX; more: id_out_of_range)
-_INT64_MAX = str(2 ** 63 - 1)
+_INT64_MAX = str(2**63 - 1)
 _NEG_TOKEN = r"^-[0-9]+$"
 
 
@@ -51,13 +51,14 @@ _NEG_TOKEN = r"^-[0-9]+$"
 class Interactions:
     """Events in input order. `ts` orders a user's events (stable on ties);
     for formats without timestamps it is the event's position in the input."""
-    user: pa.Array            # raw user ids: int64, or string for events with string ids
-    item: pa.Array            # raw item ids: same rule
-    ts: np.ndarray            # int64
-    source: np.ndarray        # int32 index into `paths`
-    line: np.ndarray          # int64 1-based line (text) or row (Parquet) number
+
+    user: pa.Array  # raw user ids: int64, or string for events with string ids
+    item: pa.Array  # raw item ids: same rule
+    ts: np.ndarray  # int64
+    source: np.ndarray  # int32 index into `paths`
+    line: np.ndarray  # int64 1-based line (text) or row (Parquet) number
     paths: list[str]
-    has_time: bool            # real timestamps (ties and duplicates possible) vs input order
+    has_time: bool  # real timestamps (ties and duplicates possible) vs input order
     rejects: list[pa.Table] = field(default_factory=list)
     counts: dict = field(default_factory=dict)
 
@@ -67,13 +68,16 @@ class Interactions:
 
 def _reject_table(source: str, lines, reason: str, details=None, users=None) -> pa.Table:
     n = len(lines)
-    return pa.table({
-        "source": pa.array([source] * n, pa.string()),
-        "line": pa.array(np.asarray(lines, dtype=np.int64)),
-        "user": pa.array(users if users is not None else [None] * n, pa.string()),
-        "reason": pa.array([reason] * n, pa.string()),
-        "detail": pa.array(details if details is not None else [None] * n, pa.string()),
-    }, schema=REJECTS_SCHEMA)
+    return pa.table(
+        {
+            "source": pa.array([source] * n, pa.string()),
+            "line": pa.array(np.asarray(lines, dtype=np.int64)),
+            "user": pa.array(users if users is not None else [None] * n, pa.string()),
+            "reason": pa.array([reason] * n, pa.string()),
+            "detail": pa.array(details if details is not None else [None] * n, pa.string()),
+        },
+        schema=REJECTS_SCHEMA,
+    )
 
 
 def check_input(path: str) -> None:
@@ -82,8 +86,10 @@ def check_input(path: str) -> None:
     if not p.exists():
         raise DataprepError(f"{path}: input not found; check --input")
     if not (p.is_file() or p.is_dir()):
-        raise DataprepError(f"{path}: not a regular file (a device, pipe or socket has no end to read to); "
-                            "give a file or a folder of files")
+        raise DataprepError(
+            f"{path}: not a regular file (a device, pipe or socket has no end to read to); "
+            "give a file or a folder of files"
+        )
     if p.is_file() and p.stat().st_size == 0:
         raise DataprepError(f"{path}: empty file; nothing to read (give a file with interactions)")
 
@@ -96,18 +102,26 @@ def _read_lines(path: str) -> tuple[pa.StringArray, np.ndarray]:
         t = pcsv.read_csv(
             path,
             read_options=pcsv.ReadOptions(column_names=["line"], block_size=1 << 24),
-            parse_options=pcsv.ParseOptions(delimiter="\x1f", quote_char=False, escape_char=False,
-                                            newlines_in_values=False, ignore_empty_lines=False),
-            convert_options=pcsv.ConvertOptions(column_types={"line": pa.binary()}, strings_can_be_null=False,
-                                                quoted_strings_can_be_null=False))
+            parse_options=pcsv.ParseOptions(
+                delimiter="\x1f",
+                quote_char=False,
+                escape_char=False,
+                newlines_in_values=False,
+                ignore_empty_lines=False,
+            ),
+            convert_options=pcsv.ConvertOptions(
+                column_types={"line": pa.binary()}, strings_can_be_null=False, quoted_strings_can_be_null=False
+            ),
+        )
     except pa.ArrowInvalid as e:
-        raise DataprepError(f"{path}: cannot read as text ({str(e).splitlines()[0]}); "
-                            "is it the right --format?") from None
+        raise DataprepError(
+            f"{path}: cannot read as text ({str(e).splitlines()[0]}); is it the right --format?"
+        ) from None
     col = t.column("line")
     raw = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
     try:
         return raw.cast(pa.string()), np.zeros(len(raw), bool)
-    except pa.ArrowInvalid:   # some line is not UTF-8: find which, line by line (only then)
+    except pa.ArrowInvalid:  # some line is not UTF-8: find which, line by line (only then)
         invalid = np.zeros(len(raw), bool)
         text = []
         for i, b in enumerate(raw.to_pylist()):
@@ -176,8 +190,10 @@ class _Tokens:
             vals = pc.cast(flat, pa.int64()).to_numpy()
             ok_tok = vals >= 0
         except pa.ArrowInvalid:
-            ok_tok = _match(flat, _INT_TOKEN) | (_match(flat, r"^[0-9]{19}$") &  # 19 digits: compare as text
-                                                  _fill(pc.less_equal(flat, _INT64_MAX)))
+            ok_tok = _match(flat, _INT_TOKEN) | (
+                _match(flat, r"^[0-9]{19}$")  # 19 digits: compare as text
+                & _fill(pc.less_equal(flat, _INT64_MAX))
+            )
             vals = None
         if not ok_tok.all():
             by_reason = {"negative_id": _match(flat, _NEG_TOKEN), "id_out_of_range": _match(flat, r"^[0-9]+$")}
@@ -253,7 +269,8 @@ def _fast_pairs(path: str, names: list[str], delimiter: str) -> dict | None:
             path,
             read_options=pcsv.ReadOptions(column_names=names, block_size=1 << 24),
             parse_options=pcsv.ParseOptions(delimiter=delimiter, quote_char=False, ignore_empty_lines=False),
-            convert_options=pcsv.ConvertOptions(column_types={c: pa.int64() for c in names}))
+            convert_options=pcsv.ConvertOptions(column_types={c: pa.int64() for c in names}),
+        )
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
         return None
     if any(t.column(c).null_count for c in names):  # blank lines read as nulls: let the tokenizer count them
@@ -269,25 +286,36 @@ def _read_sasrec(path: str) -> tuple[dict, list, dict]:
     if cols is None:
         return _token_events(path, None, "sasrec")
     n = len(cols["user"])
-    return ({"user": cols["user"], "item": cols["item"], "ts": np.arange(n, dtype=np.int64),
-             "line": np.arange(1, n + 1, dtype=np.int64)}, [], {"lines": n, "blank_lines": 0})
+    return (
+        {
+            "user": cols["user"],
+            "item": cols["item"],
+            "ts": np.arange(n, dtype=np.int64),
+            "line": np.arange(1, n + 1, dtype=np.int64),
+        },
+        [],
+        {"lines": n, "blank_lines": 0},
+    )
 
 
 def _find_col(names: list[str], wanted: str, aliases: tuple[str, ...], path: str, flag: str) -> str:
     for c in (wanted, *aliases):
         if c in names:
             return c
-    raise DataprepError(f"{path}: no column {wanted!r} (columns: {', '.join(names)}); "
-                        f"set {flag} to the right name")
+    raise DataprepError(f"{path}: no column {wanted!r} (columns: {', '.join(names)}); set {flag} to the right name")
 
 
-def _event_cols(names: list[str], user_col: str, item_col: str, time_col: str, defaults: bool,
-                path: str) -> tuple[str, str, str]:
+def _event_cols(
+    names: list[str], user_col: str, item_col: str, time_col: str, defaults: bool, path: str
+) -> tuple[str, str, str]:
     ua = ("user", "userId", "userid", "uid") if defaults else ()
     ia = ("item", "itemId", "movieId", "itemid", "iid") if defaults else ()
     ta = ("time", "ts", "timestamp", "event_time") if defaults else ()
-    return (_find_col(names, user_col, ua, path, "--user-col"), _find_col(names, item_col, ia, path, "--item-col"),
-            _find_col(names, time_col, ta, path, "--time-col"))
+    return (
+        _find_col(names, user_col, ua, path, "--user-col"),
+        _find_col(names, item_col, ia, path, "--item-col"),
+        _find_col(names, time_col, ta, path, "--time-col"),
+    )
 
 
 def _cast_rows(a: pa.Array, typ: pa.DataType) -> tuple[pa.Array, np.ndarray]:
@@ -305,9 +333,11 @@ def _cast_rows(a: pa.Array, typ: pa.DataType) -> tuple[pa.Array, np.ndarray]:
 
 _TIME_INT = r"^[+-]?[0-9]{1,19}$"
 _TIME_NUM = r"^[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?$"
-_TIME_ISO = (r"^[0-9]{4}-[0-9]{2}-[0-9]{2}"                                   # date
-             r"([T ][0-9]{2}(:[0-9]{2}(:[0-9]{2}(\.[0-9]{1,9})?)?)?)?"        # [time[:min[:sec[.frac]]]]
-             r"(Z|[+-][0-9]{2}(:?[0-9]{2})?)?$")                             # [zone]
+_TIME_ISO = (
+    r"^[0-9]{4}-[0-9]{2}-[0-9]{2}"  # date
+    r"([T ][0-9]{2}(:[0-9]{2}(:[0-9]{2}(\.[0-9]{1,9})?)?)?)?"  # [time[:min[:sec[.frac]]]]
+    r"(Z|[+-][0-9]{2}(:?[0-9]{2})?)?$"
+)  # [zone]
 _TIME_ZONE = r"[T ][0-9:.]+(Z|[+-][0-9]{2}(:?[0-9]{2})?)$"
 
 
@@ -320,7 +350,7 @@ def _parse_times(s: pa.Array, int_only: bool = False) -> tuple[pa.Array, np.ndar
     s = pc.utf8_trim_whitespace(s)
     n = len(s)
     for typ in (pa.int64(),) if int_only else (pa.int64(), pa.timestamp("us")):
-        try:   # a clean column: one cast, no per-row work
+        try:  # a clean column: one cast, no per-row work
             return s.cast(typ).cast(pa.int64()), np.zeros(n, bool), ""
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
             pass
@@ -339,11 +369,11 @@ def _parse_times(s: pa.Array, int_only: bool = False) -> tuple[pa.Array, np.ndar
         put(zoned, pa.timestamp("us", tz="UTC"))
         what = "an ISO-8601 time like the column's others"
     elif int_only or is_int.sum() == is_num.sum():
-        put(is_int, pa.int64())   # 19 digits may still overflow: _cast_rows finds those
+        put(is_int, pa.int64())  # 19 digits may still overflow: _cast_rows finds those
         what = "an integer (epoch) like the column's others"
     else:
         us = np.round(pc.filter(s, pa.array(is_num)).cast(pa.float64()).to_numpy() * 1e6)
-        fits = np.isfinite(us) & (np.abs(us) < 2.0 ** 63)
+        fits = np.isfinite(us) & (np.abs(us) < 2.0**63)
         vals[is_num] = np.where(fits, us, 0).astype(np.int64)
         ok[is_num] = fits
         what = "a number (epoch seconds) like the column's others"
@@ -359,7 +389,7 @@ def _as_id(arr, path: str, col: str) -> pa.Array:
     if pa.types.is_integer(a.type):
         try:
             return a.cast(pa.int64())
-        except pa.ArrowInvalid:   # uint64 above int64: ids are opaque, keep them exact as text
+        except pa.ArrowInvalid:  # uint64 above int64: ids are opaque, keep them exact as text
             return a.cast(pa.string())
     if pa.types.is_string(a.type) or pa.types.is_large_string(a.type):
         return a.cast(pa.string())
@@ -369,12 +399,16 @@ def _as_id(arr, path: str, col: str) -> pa.Array:
         v = vals[finite]
         frac = v[v != np.round(v)]
         if len(frac):
-            raise DataprepError(f"{path}: column {col!r} holds non-integer numbers (for example {frac[0]}); "
-                                "ids must be integers or strings")
-        big = v[np.abs(v) >= 2.0 ** 63]
+            raise DataprepError(
+                f"{path}: column {col!r} holds non-integer numbers (for example {frac[0]}); "
+                "ids must be integers or strings"
+            )
+        big = v[np.abs(v) >= 2.0**63]
         if len(big):
-            raise DataprepError(f"{path}: column {col!r} holds numbers beyond int64 (for example {big[0]:g}); "
-                                "store large ids as integers or strings, not floats")
+            raise DataprepError(
+                f"{path}: column {col!r} holds numbers beyond int64 (for example {big[0]:g}); "
+                "store large ids as integers or strings, not floats"
+            )
         return pa.array(np.where(finite, vals, 0).astype(np.int64), mask=~finite | np.asarray(a.is_null()))
     raise DataprepError(f"{path}: column {col!r} has type {a.type}; ids must be integers or strings")
 
@@ -414,14 +448,17 @@ def _as_time(arr, path: str, col: str) -> tuple[pa.Array, np.ndarray, str]:
             # fractional seconds kept to the microsecond
             return pc.round(pc.multiply(a, 1e6)).cast(pa.int64()), none, ""
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
-        raise DataprepError(f"{path}: column {col!r} is not a readable timestamp ({str(e).splitlines()[0]}); "
-                            "use integers (epoch) or ISO-8601 times") from None
-    raise DataprepError(f"{path}: column {col!r} has type {t}; timestamps must be integers, floats, dates, "
-                        "times or strings of those")
+        raise DataprepError(
+            f"{path}: column {col!r} is not a readable timestamp ({str(e).splitlines()[0]}); "
+            "use integers (epoch) or ISO-8601 times"
+        ) from None
+    raise DataprepError(
+        f"{path}: column {col!r} has type {t}; timestamps must be integers, floats, dates, times or strings of those"
+    )
 
 
 def _csv_header(path: str, delimiter: str) -> list[str]:
-    with pa.input_stream(path) as f:   # decompresses .gz
+    with pa.input_stream(path) as f:  # decompresses .gz
         head = f.read(1 << 20)
     first = head.split(b"\n", 1)[0].rstrip(b"\r").decode("utf-8-sig", errors="replace")
     return next(csv.reader([first], delimiter=delimiter)) if first.strip() else []
@@ -433,18 +470,22 @@ def _read_csv(path: str, delimiter: str, cols: tuple[str, ...]) -> tuple[pa.Tabl
     one with bytes that are not UTF-8 in an event column too (not_utf8); the rest is read.
     Line = 1-based record number, header = 1 (the physical line unless a quoted value spans
     lines); blank lines are kept as records so that the numbers stay right."""
+
     def attempt(source, threads):
         bad = []
 
         def skip(row):
             bad.append(row)
             return "skip"
+
         t = pcsv.read_csv(
             source,
             read_options=pcsv.ReadOptions(use_threads=threads, block_size=1 << 24),
             parse_options=pcsv.ParseOptions(delimiter=delimiter, ignore_empty_lines=False, invalid_row_handler=skip),
-            convert_options=pcsv.ConvertOptions(include_columns=list(cols), column_types={c: pa.string() for c in cols},
-                                                strings_can_be_null=True))
+            convert_options=pcsv.ConvertOptions(
+                include_columns=list(cols), column_types={c: pa.string() for c in cols}, strings_can_be_null=True
+            ),
+        )
         return t, bad
 
     replaced = False
@@ -454,18 +495,19 @@ def _read_csv(path: str, delimiter: str, cols: tuple[str, ...]) -> tuple[pa.Tabl
     sys.unraisablehook = lambda u: None if isinstance(u.exc_value, UnicodeDecodeError) else hook(u)
     try:
         t, bad = attempt(path, True)
-        if bad:   # only a serial read numbers the bad rows
+        if bad:  # only a serial read numbers the bad rows
             t, bad = attempt(path, False)
     except pa.ArrowInvalid:
         # pyarrow can neither hand over a bad row nor fill a string column holding bytes that are
         # not UTF-8: read again with those bytes replaced (U+FFFD) and reject the rows holding one
-        with pa.input_stream(path) as f:   # decompresses .gz
+        with pa.input_stream(path) as f:  # decompresses .gz
             buf = pa.py_buffer(f.read().decode("utf-8", errors="replace").encode())
         try:
             t, bad = attempt(buf, False)
         except pa.ArrowInvalid as e:
-            raise DataprepError(f"{path}: cannot read as CSV events ({str(e).splitlines()[0]}); "
-                                "check --format and the file") from None
+            raise DataprepError(
+                f"{path}: cannot read as CSV events ({str(e).splitlines()[0]}); check --format and the file"
+            ) from None
         replaced = True
     finally:
         sys.unraisablehook = hook
@@ -477,9 +519,15 @@ def _read_csv(path: str, delimiter: str, cols: tuple[str, ...]) -> tuple[pa.Tabl
     for reason in ("malformed_line", "not_utf8"):
         rows = [r for r in bad if ("\ufffd" in r.text) == (reason == "not_utf8")]
         if rows:
-            rejects.append(_reject_table(path, [r.number for r in rows], reason, [
-                f"expected {r.expected_columns} fields, got {r.actual_columns}: {r.text[:80]!r}" for r in rows]))
-    keep = np.ones(t.num_rows + len(bad) + 2, bool)   # index = line number
+            rejects.append(
+                _reject_table(
+                    path,
+                    [r.number for r in rows],
+                    reason,
+                    [f"expected {r.expected_columns} fields, got {r.actual_columns}: {r.text[:80]!r}" for r in rows],
+                )
+            )
+    keep = np.ones(t.num_rows + len(bad) + 2, bool)  # index = line number
     keep[:2] = False
     keep[[r.number for r in bad]] = False
     return t, np.flatnonzero(keep), rejects, invalid
@@ -497,10 +545,12 @@ def _read_parquet(path: str, user_col: str, item_col: str, time_col: str, defaul
         if isinstance(e, OSError) and e.errno is not None:
             raise
         name = path
-        if dataset is not None and Path(path).is_dir():   # which file of the folder (error path only)
+        if dataset is not None and Path(path).is_dir():  # which file of the folder (error path only)
             name = next((f for f in dataset.files if not _parquet_readable(f)), path)
-        raise DataprepError(f"{name}: not a readable Parquet file ({str(e).splitlines()[0]}); it may be "
-                            "truncated, still being written or not Parquet; check the file and --format") from None
+        raise DataprepError(
+            f"{name}: not a readable Parquet file ({str(e).splitlines()[0]}); it may be "
+            "truncated, still being written or not Parquet; check the file and --format"
+        ) from None
 
 
 def _parquet_readable(f: str) -> bool:
@@ -523,11 +573,12 @@ def _read_events(path: str, user_col: str, item_col: str, time_col: str, default
                 raise DataprepError(f"{path}: empty file; nothing to read (give a file with interactions)")
             cols = _event_cols(names, user_col, item_col, time_col, defaults, path)
             table, line, rejects, invalid = _read_csv(path, delimiter, cols)
-        except (OSError, ValueError) as e:   # e.g. a truncated .gz (an OSError with errno is the system's: raised)
+        except (OSError, ValueError) as e:  # e.g. a truncated .gz (an OSError with errno is the system's: raised)
             if isinstance(e, OSError) and e.errno is not None:
                 raise
-            raise DataprepError(f"{path}: cannot read as CSV events ({str(e).splitlines()[0]}); "
-                                "check --format and the file") from None
+            raise DataprepError(
+                f"{path}: cannot read as CSV events ({str(e).splitlines()[0]}); check --format and the file"
+            ) from None
     else:
         table, cols = _read_parquet(path, user_col, item_col, time_col, defaults)
         line = np.arange(1, table.num_rows + 1, dtype=np.int64)
@@ -536,24 +587,33 @@ def _read_events(path: str, user_col: str, item_col: str, time_col: str, default
     return _table_events(path, table, cols, line, rejects, invalid, is_csv)
 
 
-def _table_events(path: str, table: pa.Table, cols: tuple[str, str, str], line: np.ndarray, rejects: list,
-                  invalid: "np.ndarray | None", is_csv: bool) -> tuple[dict, list, dict]:
+def _table_events(
+    path: str,
+    table: pa.Table,
+    cols: tuple[str, str, str],
+    line: np.ndarray,
+    rejects: list,
+    invalid: "np.ndarray | None",
+    is_csv: bool,
+) -> tuple[dict, list, dict]:
     uc, ic, tc = cols
     raw = [table.column(c).combine_chunks() for c in cols]
     n = table.num_rows
     blank = np.zeros(n, bool)
-    if is_csv:   # strings: trimmed, "" is missing; a row with none of the three is a blank line
-        assert invalid is not None   # _read_csv says of every row whether it is UTF-8
+    if is_csv:  # strings: trimmed, "" is missing; a row with none of the three is a blank line
+        assert invalid is not None  # _read_csv says of every row whether it is UTF-8
         # values of rows that are not UTF-8 are dropped first: they must not make a column text
         drop = pa.array(invalid)
-        raw = [pc.if_else(pc.or_kleene(pc.equal(a, ""), drop), pa.scalar(None, pa.string()), a)
-               for a in (pc.utf8_trim_whitespace(a) for a in raw)]
+        raw = [
+            pc.if_else(pc.or_kleene(pc.equal(a, ""), drop), pa.scalar(None, pa.string()), a)
+            for a in (pc.utf8_trim_whitespace(a) for a in raw)
+        ]
         blank = np.logical_and.reduce([_fill(a.is_null()) for a in raw]) & ~invalid
         raw[0], raw[1] = _csv_ids(raw[0]), _csv_ids(raw[1])
     user = _as_id(raw[0], path, uc)
     item = _as_id(raw[1], path, ic)
     ts, bad_ts, ts_what = _as_time(raw[2], path, tc)
-    skipped = sum(r.num_rows for r in rejects)   # rows the CSV reader rejected
+    skipped = sum(r.num_rows for r in rejects)  # rows the CSV reader rejected
     bad = blank.copy()
 
     def reject(mask, reason, detail):
@@ -572,21 +632,27 @@ def _table_events(path: str, table: pa.Table, cols: tuple[str, str, str], line: 
         null = _fill(a.is_null())
         # bad times are null too
         reject(null & ~bad_ts if a is ts else null, "missing_value", f"column {name!r} is empty")
-    reject(bad_ts, "bad_timestamp", lambda idx: [
-        f"column {tc!r}: {v[:40]!r} is not {ts_what}"
-        for v in pc.take(raw[2], pa.array(idx)).cast(pa.string()).to_pylist()])
+    reject(
+        bad_ts,
+        "bad_timestamp",
+        lambda idx: [
+            f"column {tc!r}: {v[:40]!r} is not {ts_what}"
+            for v in pc.take(raw[2], pa.array(idx)).cast(pa.string()).to_pylist()
+        ],
+    )
     for a, name in ((user, uc), (item, ic)):
         if pa.types.is_integer(a.type):
             reject(_fill(pc.less(a, 0)), "negative_id", f"column {name!r}: ids must be >= 0")
         else:
-            reject(_fill(pc.equal(pc.utf8_trim_whitespace(a), "")),
-                   "missing_value", f"column {name!r} is blank")
+            reject(_fill(pc.equal(pc.utf8_trim_whitespace(a), "")), "missing_value", f"column {name!r} is blank")
     keep = ~bad
     take = pa.array(np.flatnonzero(keep))
-    out = {"user": user if keep.all() else pc.take(user, take),
-           "item": item if keep.all() else pc.take(item, take),
-           "ts": pc.fill_null(ts, 0).to_numpy()[keep],
-           "line": line[keep]}
+    out = {
+        "user": user if keep.all() else pc.take(user, take),
+        "item": item if keep.all() else pc.take(item, take),
+        "ts": pc.fill_null(ts, 0).to_numpy()[keep],
+        "line": line[keep],
+    }
     return out, rejects, {"lines": n + skipped, "blank_lines": int(blank.sum())}
 
 
@@ -609,19 +675,32 @@ def _concat(parts: list[tuple[dict, list, dict]], paths: list[str], has_time: bo
         for k, v in c.items():
             counts[k] = counts.get(k, 0) + v
     return Interactions(
-        user=ids("user"), item=ids("item"), ts=np.concatenate(ts_parts),
+        user=ids("user"),
+        item=ids("item"),
+        ts=np.concatenate(ts_parts),
         source=np.concatenate([np.full(len(p[0]["line"]), i, np.int32) for i, p in enumerate(parts)]),
         line=np.concatenate([np.asarray(p[0]["line"], np.int64) for p in parts]),
-        paths=paths, has_time=has_time,
-        rejects=[r for p in parts for r in p[1]], counts=counts)
+        paths=paths,
+        has_time=has_time,
+        rejects=[r for p in parts for r in p[1]],
+        counts=counts,
+    )
 
 
-def read(paths: "str | list[str]", fmt: str, *, user_col: str = "user_id", item_col: str = "item_id",
-         time_col: str = "timestamp", **unknown) -> Interactions:
+def read(
+    paths: "str | list[str]",
+    fmt: str,
+    *,
+    user_col: str = "user_id",
+    item_col: str = "item_id",
+    time_col: str = "timestamp",
+    **unknown,
+) -> Interactions:
     """Read every input file of format `fmt`; bad rows become rejects (see module doc)."""
     if unknown:
-        raise DataprepError(f"unknown reader option(s): {', '.join(sorted(unknown))}; "
-                            "readers take user_col, item_col, time_col")
+        raise DataprepError(
+            f"unknown reader option(s): {', '.join(sorted(unknown))}; readers take user_col, item_col, time_col"
+        )
     if fmt not in FORMATS:
         raise DataprepError(f"--format {fmt!r}: unknown; choose one of {', '.join(FORMATS)}")
     if isinstance(paths, (str, os.PathLike)):

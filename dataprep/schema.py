@@ -23,12 +23,13 @@ byte for byte what it was before timestamps existed (no empty column).
 
 import pyarrow as pa
 
-FORMAT_VERSION = 2            # the newest version dataprep writes (2 = 1 + timestamps)
-READ_VERSIONS = (1, 2)        # what readers (verify, training) accept
+FORMAT_VERSION = 2  # the newest version dataprep writes (2 = 1 + timestamps)
+READ_VERSIONS = (1, 2)  # what readers (verify, training) accept
 
 
 def format_version(has_time: bool) -> int:
     return 2 if has_time else 1
+
 
 MANIFEST = "manifest.json"
 SHARDS_DIR = "shards"
@@ -43,30 +44,35 @@ def shard_file(rank: int) -> str:
     return f"{SHARDS_DIR}/rank-{rank:05d}.parquet"
 
 
-SHARD_SCHEMA = pa.schema([
-    pa.field("sample_id", pa.int64(), nullable=False),   # unique within the shard set
-    pa.field("user_id", pa.int64(), nullable=False),     # dense user id
-    pa.field("step", pa.int32(), nullable=False),        # global step (= row group index)
-    pa.field("rank", pa.int32(), nullable=False),        # data-parallel rank
-    pa.field("length", pa.int32(), nullable=False),      # len(items)
-    pa.field("cost", pa.float64(), nullable=False),      # c(length) from the cost model
-    pa.field("items", pa.list_(pa.int32()), nullable=False),  # input history, oldest first
-    pa.field("target", pa.int32(), nullable=False),      # item after the last input
-])
+SHARD_SCHEMA = pa.schema(
+    [
+        pa.field("sample_id", pa.int64(), nullable=False),  # unique within the shard set
+        pa.field("user_id", pa.int64(), nullable=False),  # dense user id
+        pa.field("step", pa.int32(), nullable=False),  # global step (= row group index)
+        pa.field("rank", pa.int32(), nullable=False),  # data-parallel rank
+        pa.field("length", pa.int32(), nullable=False),  # len(items)
+        pa.field("cost", pa.float64(), nullable=False),  # c(length) from the cost model
+        pa.field("items", pa.list_(pa.int32()), nullable=False),  # input history, oldest first
+        pa.field("target", pa.int32(), nullable=False),  # item after the last input
+    ]
+)
 
-EVAL_SCHEMA = pa.schema([
-    pa.field("user_id", pa.int64(), nullable=False),
-    pa.field("history", pa.list_(pa.int32()), nullable=False),  # full training sequence, untruncated
-    pa.field("valid_target", pa.int32(), nullable=False),       # second-to-last item
-    pa.field("test_target", pa.int32(), nullable=False),        # last item
-])
+EVAL_SCHEMA = pa.schema(
+    [
+        pa.field("user_id", pa.int64(), nullable=False),
+        pa.field("history", pa.list_(pa.int32()), nullable=False),  # full training sequence, untruncated
+        pa.field("valid_target", pa.int32(), nullable=False),  # second-to-last item
+        pa.field("test_target", pa.int32(), nullable=False),  # last item
+    ]
+)
 
 TIMESTAMPS = "timestamps"
 SHARD_SCHEMA_TIME = SHARD_SCHEMA.append(
-    pa.field(TIMESTAMPS, pa.list_(pa.int64()), nullable=False))       # epoch seconds of each input item
-EVAL_SCHEMA_TIME = EVAL_SCHEMA.append(
-    pa.field("history_timestamps", pa.list_(pa.int64()), nullable=False)).append(
-    pa.field("valid_timestamp", pa.int64(), nullable=False))          # the test input's last item
+    pa.field(TIMESTAMPS, pa.list_(pa.int64()), nullable=False)
+)  # epoch seconds of each input item
+EVAL_SCHEMA_TIME = EVAL_SCHEMA.append(pa.field("history_timestamps", pa.list_(pa.int64()), nullable=False)).append(
+    pa.field("valid_timestamp", pa.int64(), nullable=False)
+)  # the test input's last item
 
 
 def shard_schema(has_time: bool) -> pa.Schema:
@@ -77,18 +83,22 @@ def eval_schema(has_time: bool) -> pa.Schema:
     return EVAL_SCHEMA_TIME if has_time else EVAL_SCHEMA
 
 
-MAP_SCHEMA = pa.schema([
-    pa.field("id", pa.int64(), nullable=False),       # dense id
-    pa.field("raw_id", pa.string(), nullable=False),  # id as it appeared in the input
-])
+MAP_SCHEMA = pa.schema(
+    [
+        pa.field("id", pa.int64(), nullable=False),  # dense id
+        pa.field("raw_id", pa.string(), nullable=False),  # id as it appeared in the input
+    ]
+)
 
-REJECTS_SCHEMA = pa.schema([
-    pa.field("source", pa.string()),   # file name
-    pa.field("line", pa.int64()),      # 1-based line or row number; null for per-user rejects
-    pa.field("user", pa.string()),     # raw user id when known
-    pa.field("reason", pa.string()),   # short snake_case reason, counted in the manifest
-    pa.field("detail", pa.string()),
-])
+REJECTS_SCHEMA = pa.schema(
+    [
+        pa.field("source", pa.string()),  # file name
+        pa.field("line", pa.int64()),  # 1-based line or row number; null for per-user rejects
+        pa.field("user", pa.string()),  # raw user id when known
+        pa.field("reason", pa.string()),  # short snake_case reason, counted in the manifest
+        pa.field("detail", pa.string()),
+    ]
+)
 
 # manifest.json keys (all required):
 #   format_version: int            1 (no timestamps) or 2 (timestamps column), see format_version()

@@ -27,14 +27,14 @@ DEDUP = ("exact", "consecutive", "none")
 
 @dataclass
 class Sequences:
-    offsets: np.ndarray          # int64 [U+1]; user u (1-based) owns values[offsets[u-1]:offsets[u]]
-    values: np.ndarray           # int32 dense item ids, oldest first
-    user_raw: pa.Array           # raw id of dense user u at index u-1
-    item_raw: pa.Array           # raw id of dense item i at index i-1
+    offsets: np.ndarray  # int64 [U+1]; user u (1-based) owns values[offsets[u-1]:offsets[u]]
+    values: np.ndarray  # int32 dense item ids, oldest first
+    user_raw: pa.Array  # raw id of dense user u at index u-1
+    item_raw: pa.Array  # raw id of dense item i at index i-1
     rejects: list[pa.Table] = field(default_factory=list)
     counts: dict = field(default_factory=dict)
     timestamps: np.ndarray | None = None  # int64 epoch seconds of each value; None: the input has no times
-    time_unit: str = ""                   # the unit the input's times were in (see `seconds`)
+    time_unit: str = ""  # the unit the input's times were in (see `seconds`)
 
     @property
     def num_users(self) -> int:
@@ -54,18 +54,20 @@ class Sequences:
 @dataclass
 class Samples:
     """One training sample per user with >= 4 events (train part of length >= 2)."""
-    user_id: np.ndarray          # int64 dense user ids
-    length: np.ndarray           # int32 len(items) = min(train length - 1, max_len)
-    items: pa.ListArray          # list<int32> input history
-    target: np.ndarray           # int32 item after the history
-    truncated: int               # samples whose train part was longer than max_len + 1
-    items_truncated: int         # items cut off by truncation
+
+    user_id: np.ndarray  # int64 dense user ids
+    length: np.ndarray  # int32 len(items) = min(train length - 1, max_len)
+    items: pa.ListArray  # list<int32> input history
+    target: np.ndarray  # int32 item after the history
+    truncated: int  # samples whose train part was longer than max_len + 1
+    items_truncated: int  # items cut off by truncation
     timestamps: pa.ListArray | None = None  # list<int64> epoch seconds of each input item, or None
 
 
 def _map_table(raw: pa.Array) -> pa.Table:
-    return pa.table({"id": pa.array(np.arange(1, len(raw) + 1, dtype=np.int64)),
-                     "raw_id": raw.cast(pa.string())}, schema=MAP_SCHEMA)
+    return pa.table(
+        {"id": pa.array(np.arange(1, len(raw) + 1, dtype=np.int64)), "raw_id": raw.cast(pa.string())}, schema=MAP_SCHEMA
+    )
 
 
 def _codes(values: pa.Array) -> tuple[np.ndarray, pa.Array]:
@@ -105,20 +107,29 @@ def build_sequences(ev: Interactions, *, dedup: str = "exact", max_events: int |
         raise DataprepError(f"--dedup {dedup!r}: unknown; choose one of {', '.join(DEDUP)}")
     n = len(ev)
     if n == 0:
-        raise DataprepError(f"{', '.join(ev.paths)}: no valid interactions left after rejecting bad rows; "
-                            "check --format and the rejects listed above")
+        raise DataprepError(
+            f"{', '.join(ev.paths)}: no valid interactions left after rejecting bad rows; "
+            "check --format and the rejects listed above"
+        )
     rejects = list(ev.rejects)
-    u0, u_sorted = _codes(ev.user)                 # provisional user codes, already in sorted raw order
-    enc = pc.dictionary_encode(ev.item)            # provisional item codes, first-appearance order
+    u0, u_sorted = _codes(ev.user)  # provisional user codes, already in sorted raw order
+    enc = pc.dictionary_encode(ev.item)  # provisional item codes, first-appearance order
     i0 = enc.indices.to_numpy().astype(np.int64)
     order = _order(u0, ev.ts)
     us = u0[order]
     dup = _duplicates(us, ev.ts[order], i0[order], dedup, ev.has_time)
     if dup.any():
         di = order[dup]
-        rejects.append(_reject_by_event(ev, di, "duplicate_event",
-                                        "same user, item and time as an earlier event" if dedup == "exact"
-                                        else "same item as the user's previous event"))
+        rejects.append(
+            _reject_by_event(
+                ev,
+                di,
+                "duplicate_event",
+                "same user, item and time as an earlier event"
+                if dedup == "exact"
+                else "same item as the user's previous event",
+            )
+        )
         keep = ~dup
         order, us = order[keep], us[keep]
     nu = int(u0.max()) + 1
@@ -126,16 +137,18 @@ def build_sequences(ev: Interactions, *, dedup: str = "exact", max_events: int |
     keep_ev = ~drop_user[us]
     order = order[keep_ev]
     if len(order) == 0:
-        raise DataprepError(f"{', '.join(ev.paths)}: no user has the {MIN_EVENTS} events leave-one-out needs "
-                            f"({too_short} users too short); give more data")
+        raise DataprepError(
+            f"{', '.join(ev.paths)}: no user has the {MIN_EVENTS} events leave-one-out needs "
+            f"({too_short} users too short); give more data"
+        )
     # final dense ids: rank among the kept users / items in sorted raw-id order (1-based);
     # computed on the (small) id tables, not by hashing all events again
     keep_user = ~drop_user & (np.bincount(us, minlength=nu) > 0)
-    dense_user = np.cumsum(keep_user)              # provisional code -> dense id (where kept)
+    dense_user = np.cumsum(keep_user)  # provisional code -> dense id (where kept)
     user_raw = u_sorted.take(pa.array(np.flatnonzero(keep_user)))
     it_kept = i0[order]
     present = np.bincount(it_kept, minlength=len(enc.dictionary)) > 0
-    by_raw = pc.sort_indices(enc.dictionary).to_numpy()     # provisional codes in sorted raw order
+    by_raw = pc.sort_indices(enc.dictionary).to_numpy()  # provisional codes in sorted raw order
     rank_present = np.cumsum(present[by_raw])
     dense_item = np.empty(len(by_raw), np.int64)
     dense_item[by_raw] = rank_present
@@ -152,8 +165,16 @@ def build_sequences(ev: Interactions, *, dedup: str = "exact", max_events: int |
         "users_rejected": int(drop_user.sum()),
     }
     ts_kept, unit = seconds(ev.ts[order]) if ev.has_time else (None, "")
-    return Sequences(offsets=offsets, values=dense_item[it_kept].astype(np.int32), user_raw=user_raw,
-                     item_raw=item_raw, rejects=rejects, counts=counts, timestamps=ts_kept, time_unit=unit)
+    return Sequences(
+        offsets=offsets,
+        values=dense_item[it_kept].astype(np.int32),
+        user_raw=user_raw,
+        item_raw=item_raw,
+        rejects=rejects,
+        counts=counts,
+        timestamps=ts_kept,
+        time_unit=unit,
+    )
 
 
 def _duplicates(us: np.ndarray, ts: np.ndarray, it: np.ndarray, dedup: str, has_time: bool) -> np.ndarray:
@@ -181,12 +202,13 @@ def _duplicates(us: np.ndarray, ts: np.ndarray, it: np.ndarray, dedup: str, has_
     return dup
 
 
-def _drop_users(ev: Interactions, us: np.ndarray, order: np.ndarray, nu: int, max_events: int | None,
-                rejects: list[pa.Table]) -> tuple[np.ndarray, int]:
+def _drop_users(
+    ev: Interactions, us: np.ndarray, order: np.ndarray, nu: int, max_events: int | None, rejects: list[pa.Table]
+) -> tuple[np.ndarray, int]:
     """(users to drop, as a mask over the `nu` user codes; how many were too short): users with
     fewer than MIN_EVENTS events or more than `max_events`, each with a row added to `rejects`.
     `us`, `order`: the kept events' user codes and event indices, grouped by user."""
-    cnt = np.bincount(us, minlength=nu)   # per-user event counts
+    cnt = np.bincount(us, minlength=nu)  # per-user event counts
     bad_user = (cnt > 0) & (cnt < MIN_EVENTS)
     reasons = [("too_short", bad_user, lambda c: f"{c} events; leave-one-out needs at least {MIN_EVENTS}")]
     if max_events is not None:
@@ -201,26 +223,32 @@ def _drop_users(ev: Interactions, us: np.ndarray, order: np.ndarray, nu: int, ma
         if mask.any():
             uu = np.flatnonzero(mask)
             fe = first_event[uu]
-            rejects.append(pa.table({
-                "source": pa.array([ev.paths[s] for s in ev.source[fe]], pa.string()),
-                "line": pa.nulls(len(uu), pa.int64()),
-                "user": pc.take(ev.user, pa.array(fe)).cast(pa.string()),
-                "reason": pa.array([reason] * len(uu), pa.string()),
-                "detail": pa.array([why(int(c)) for c in cnt[uu]], pa.string()),
-            }))
+            rejects.append(
+                pa.table(
+                    {
+                        "source": pa.array([ev.paths[s] for s in ev.source[fe]], pa.string()),
+                        "line": pa.nulls(len(uu), pa.int64()),
+                        "user": pc.take(ev.user, pa.array(fe)).cast(pa.string()),
+                        "reason": pa.array([reason] * len(uu), pa.string()),
+                        "detail": pa.array([why(int(c)) for c in cnt[uu]], pa.string()),
+                    }
+                )
+            )
             drop_user |= mask
     return drop_user, int(bad_user.sum())
 
 
 def _reject_by_event(ev: Interactions, idx: np.ndarray, reason: str, detail: str) -> pa.Table:
     idx = np.sort(idx)
-    return pa.table({
-        "source": pa.array([ev.paths[s] for s in ev.source[idx]], pa.string()),
-        "line": pa.array(ev.line[idx]),
-        "user": pc.take(ev.user, pa.array(idx)).cast(pa.string()),
-        "reason": pa.array([reason] * len(idx), pa.string()),
-        "detail": pa.array([detail] * len(idx), pa.string()),
-    })
+    return pa.table(
+        {
+            "source": pa.array([ev.paths[s] for s in ev.source[idx]], pa.string()),
+            "line": pa.array(ev.line[idx]),
+            "user": pc.take(ev.user, pa.array(idx)).cast(pa.string()),
+            "reason": pa.array([reason] * len(idx), pa.string()),
+            "detail": pa.array([detail] * len(idx), pa.string()),
+        }
+    )
 
 
 def _gather(values: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -237,8 +265,9 @@ def eval_table(seq: Sequences) -> pa.Table:
     hist_off, hist = _gather(seq.values, seq.offsets[:-1], n - 2)
     cols = {
         "user_id": pa.array(np.arange(1, seq.num_users + 1, dtype=np.int64)),
-        "history": pa.ListArray.from_arrays(pa.array(hist_off.astype(np.int32)),
-                                            pa.array(hist.astype(np.int32, copy=False))),
+        "history": pa.ListArray.from_arrays(
+            pa.array(hist_off.astype(np.int32)), pa.array(hist.astype(np.int32, copy=False))
+        ),
         "valid_target": pa.array(seq.values[seq.offsets[1:] - 2].astype(np.int32)),
         "test_target": pa.array(seq.values[seq.offsets[1:] - 1].astype(np.int32)),
     }
@@ -254,22 +283,29 @@ def train_samples(seq: Sequences, max_len: int) -> Samples:
     if max_len < 1:
         raise DataprepError(f"--max-len {max_len}: must be >= 1")
     n = np.diff(seq.offsets)
-    train_len = n - 2                         # all but validation and test items
-    has = train_len >= 2                      # need one input and one target
+    train_len = n - 2  # all but validation and test items
+    has = train_len >= 2  # need one input and one target
     users = np.flatnonzero(has) + 1
     tl = train_len[has]
     length = np.minimum(tl - 1, max_len)
-    end = seq.offsets[:-1][has] + tl - 1      # index of the target
+    end = seq.offsets[:-1][has] + tl - 1  # index of the target
     offs, flat = _gather(seq.values, end - length, length)
     ts = None
     if seq.timestamps is not None:
         _, flat_ts = _gather(seq.timestamps, end - length, length)
         ts = pa.LargeListArray.from_arrays(pa.array(offs), pa.array(flat_ts)).cast(pa.list_(pa.int64()))
     values = pa.array(flat.astype(np.int32, copy=False))
-    items = (pa.LargeListArray.from_arrays(pa.array(offs), values).cast(pa.list_(pa.int32()))
-             if offs[-1] >= (1 << 31) else pa.ListArray.from_arrays(pa.array(offs.astype(np.int32)), values))
+    items = (
+        pa.LargeListArray.from_arrays(pa.array(offs), values).cast(pa.list_(pa.int32()))
+        if offs[-1] >= (1 << 31)
+        else pa.ListArray.from_arrays(pa.array(offs.astype(np.int32)), values)
+    )
     return Samples(
-        user_id=users.astype(np.int64), length=length.astype(np.int32), items=items,
+        user_id=users.astype(np.int64),
+        length=length.astype(np.int32),
+        items=items,
         target=seq.values[end].astype(np.int32),
         truncated=int((tl - 1 > max_len).sum()),
-        items_truncated=int(np.maximum(tl - 1 - max_len, 0).sum()), timestamps=ts)
+        items_truncated=int(np.maximum(tl - 1 - max_len, 0).sum()),
+        timestamps=ts,
+    )

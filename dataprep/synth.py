@@ -35,12 +35,12 @@ class SynthConfig:
     users: int
     items: int
     seed: int = 0
-    median_len: float = 20.0     # median history length (events per user)
-    sigma: float = 1.2           # lognormal shape: larger = heavier tail
-    min_len: int = 5             # 5-core-like floor
-    max_history: int = 4096      # cap of the tail
-    zipf: float = 1.1            # popularity exponent s
-    markov: float = 0.0          # probability that an event is its predecessor's successor item
+    median_len: float = 20.0  # median history length (events per user)
+    sigma: float = 1.2  # lognormal shape: larger = heavier tail
+    min_len: int = 5  # 5-core-like floor
+    max_history: int = 4096  # cap of the tail
+    zipf: float = 1.1  # popularity exponent s
+    markov: float = 0.0  # probability that an event is its predecessor's successor item
 
 
 def lengths(cfg: SynthConfig, rng: np.random.Generator, n: int) -> np.ndarray:
@@ -51,7 +51,7 @@ def lengths(cfg: SynthConfig, rng: np.random.Generator, n: int) -> np.ndarray:
 def _chunks(cfg: SynthConfig):
     """Yields (user ids, offsets, item ids, timestamps) per chunk of users."""
     ranks = np.arange(1, cfg.items + 1, dtype=np.float64)
-    cdf = np.cumsum(ranks ** -cfg.zipf)
+    cdf = np.cumsum(ranks**-cfg.zipf)
     cdf /= cdf[-1]
     item_of_rank = np.random.default_rng([cfg.seed, 0x17E5]).permutation(cfg.items).astype(np.int64) + 1
     successor = np.random.default_rng([cfg.seed, 0x5EC]).permutation(cfg.items).astype(np.int64) + 1
@@ -64,8 +64,8 @@ def _chunks(cfg: SynthConfig):
         items = item_of_rank[np.minimum(np.searchsorted(cdf, rng.random(off[-1])), cfg.items - 1)]
         if cfg.markov > 0:
             follow = rng.random(off[-1]) < cfg.markov
-            follow[off[:-1]] = False                     # a user's first event follows nothing
-            for k in np.flatnonzero(follow):             # in order: chains of followers
+            follow[off[:-1]] = False  # a user's first event follows nothing
+            for k in np.flatnonzero(follow):  # in order: chains of followers
                 items[k] = successor[items[k - 1] - 1]
         start = T0 + rng.integers(0, 365 * 86400, nu)
         gaps = 1 + rng.exponential(3600.0, off[-1]).astype(np.int64)  # >= 1 s: no ties inside a user
@@ -80,17 +80,30 @@ def _segment_cumsum(x: np.ndarray, off: np.ndarray) -> np.ndarray:
     return c - base
 
 
-def write_synthetic(path: str, *, users: int, items: int, seed: int = 0, fmt: str = "sasrec",
-                    median_len: float = 20.0, sigma: float = 1.2, min_len: int = 5, max_history: int = 4096,
-                    zipf: float = 1.1, markov: float = 0.0, quiet: bool = True) -> str:
+def write_synthetic(
+    path: str,
+    *,
+    users: int,
+    items: int,
+    seed: int = 0,
+    fmt: str = "sasrec",
+    median_len: float = 20.0,
+    sigma: float = 1.2,
+    min_len: int = 5,
+    max_history: int = 4096,
+    zipf: float = 1.1,
+    markov: float = 0.0,
+    quiet: bool = True,
+) -> str:
     """Write a synthetic interaction log to `path` (atomically) and return the path."""
     if fmt not in SYNTH_FORMATS:
         raise DataprepError(f"--format {fmt!r}: synth writes one of {', '.join(SYNTH_FORMATS)}")
     if users < 1 or items < 2:
         raise DataprepError("--users must be >= 1 and --items >= 2")
     if not (1 <= min_len <= max_history) or median_len <= 0 or sigma < 0 or zipf <= 0 or not 0 <= markov < 1:
-        raise DataprepError("need 1 <= --min-len <= --max-history, --median-len > 0, --sigma >= 0, --zipf > 0, "
-                            "0 <= markov < 1")
+        raise DataprepError(
+            "need 1 <= --min-len <= --max-history, --median-len > 0, --sigma >= 0, --zipf > 0, 0 <= markov < 1"
+        )
     cfg = SynthConfig(users, items, seed, median_len, sigma, min_len, max_history, zipf, markov)
     out = Path(path)
     writer = None
@@ -102,10 +115,8 @@ def write_synthetic(path: str, *, users: int, items: int, seed: int = 0, fmt: st
                 pcsv.write_csv(t, f, pcsv.WriteOptions(include_header=False, delimiter=" ", quoting_style="none"))
             elif fmt == "iclrec":
                 lists = pa.ListArray.from_arrays(pa.array(off.astype(np.int32)), pc.cast(pa.array(it), pa.string()))
-                line = pc.binary_join_element_wise(pc.cast(pa.array(uid), pa.string()),
-                                                   pc.binary_join(lists, " "), " ")
-                pcsv.write_csv(pa.table({"l": line}), f,
-                               pcsv.WriteOptions(include_header=False, quoting_style="none"))
+                line = pc.binary_join_element_wise(pc.cast(pa.array(uid), pa.string()), pc.binary_join(lists, " "), " ")
+                pcsv.write_csv(pa.table({"l": line}), f, pcsv.WriteOptions(include_header=False, quoting_style="none"))
             else:
                 order = np.argsort(ts, kind="stable")  # a log: events in time order within the chunk
                 t = pa.table({"user_id": np.repeat(uid, ln)[order], "item_id": it[order], "timestamp": ts[order]})

@@ -20,8 +20,21 @@ from dataprep import schema
 from dataprep.errors import DataprepError
 from dataprep.fsutil import sha256_file
 
-REQUIRED = ("format_version", "created_at", "input", "config", "num_users", "num_items", "num_samples",
-            "steps", "counts", "rejects", "imbalance", "bubble_fraction", "files")
+REQUIRED = (
+    "format_version",
+    "created_at",
+    "input",
+    "config",
+    "num_users",
+    "num_items",
+    "num_samples",
+    "steps",
+    "counts",
+    "rejects",
+    "imbalance",
+    "bubble_fraction",
+    "files",
+)
 
 
 def _fail(where, msg: str):
@@ -78,17 +91,24 @@ def _check_files(root: Path, path: str, m: dict, checksums: bool) -> None:
     on_disk = {str(f.relative_to(root)) for f in root.rglob("*") if f.is_file()} - {schema.MANIFEST}
     if set(files) != on_disk:
         extra, gone = sorted(on_disk - set(files)), sorted(set(files) - on_disk)
-        _fail(path, f"files differ from the manifest (missing: {gone[:5]}, unlisted: {extra[:5]}); "
-                    "rebuild the shard set")
-    want_files = {schema.shard_file(r) for r in range(w)} | {schema.EVAL_FILE, schema.USER_MAP, schema.ITEM_MAP,
-                                                              schema.REJECTS_FILE}
+        _fail(
+            path, f"files differ from the manifest (missing: {gone[:5]}, unlisted: {extra[:5]}); rebuild the shard set"
+        )
+    want_files = {schema.shard_file(r) for r in range(w)} | {
+        schema.EVAL_FILE,
+        schema.USER_MAP,
+        schema.ITEM_MAP,
+        schema.REJECTS_FILE,
+    }
     if want_files - set(files):
         _fail(path, f"missing files for world size {w}: {sorted(want_files - set(files))[:5]}")
     if checksums:
         for rel, digest in files.items():
             if sha256_file(root / rel) != digest:
-                _fail(root / rel, "SHA-256 differs from the manifest: the file changed or is corrupt; "
-                                  "rebuild the shard set")
+                _fail(
+                    root / rel,
+                    "SHA-256 differs from the manifest: the file changed or is corrupt; rebuild the shard set",
+                )
 
 
 def _check_rank(root: Path, r: int, m: dict, steps: int, has_time: bool) -> np.ndarray:
@@ -99,8 +119,9 @@ def _check_rank(root: Path, r: int, m: dict, steps: int, has_time: bool) -> np.n
     rel = schema.shard_file(r)
     f = _schema_ok(root / rel, schema.shard_schema(has_time), rel)
     if f.num_row_groups != steps:
-        _fail(rel, f"{f.num_row_groups} row groups but the manifest says {steps} steps; "
-                   "every rank needs the same number")
+        _fail(
+            rel, f"{f.num_row_groups} row groups but the manifest says {steps} steps; every rank needs the same number"
+        )
     t = f.read()
     step_col = t.column("step").to_numpy()
     counts = np.asarray([f.metadata.row_group(i).num_rows for i in range(steps)])
@@ -126,7 +147,7 @@ def _check_rank(root: Path, r: int, m: dict, steps: int, has_time: bool) -> np.n
             _fail(rel, "a sample's timestamps differ in number from its items")
         flat_ts = pc.list_flatten(ts).to_numpy()
         first = np.zeros(len(flat_ts), bool)
-        first[np.cumsum(length)[:-1]] = True   # each sample's first item may be earlier than the last one's
+        first[np.cumsum(length)[:-1]] = True  # each sample's first item may be earlier than the last one's
         if (np.diff(flat_ts) < 0)[~first[1:]].any():
             _fail(rel, "timestamps go back in time inside a sample; items must be oldest first")
     flat = pc.list_flatten(t.column("items"))

@@ -33,13 +33,18 @@ def read_token_file(path: str) -> str:
             token = f.read().strip()
             mode = os.fstat(f.fileno()).st_mode
     except OSError as e:
-        raise SystemExit(f"ftcore: cannot read token file {path}: {e.strerror}; "
-                         "create it or pass another --token-file") from None
+        raise SystemExit(
+            f"ftcore: cannot read token file {path}: {e.strerror}; create it or pass another --token-file"
+        ) from None
     if not token:
         raise SystemExit(f"ftcore: token file {path} is empty; write a secret token into it")
     if mode & 0o077:
-        print(f"ftcore: warning: token file {path} is readable by its group or others "
-              f"(mode {mode & 0o777:o}); chmod 600 {path}", file=sys.stderr, flush=True)
+        print(
+            f"ftcore: warning: token file {path} is readable by its group or others "
+            f"(mode {mode & 0o777:o}); chmod 600 {path}",
+            file=sys.stderr,
+            flush=True,
+        )
     return token
 
 
@@ -62,4 +67,4 @@ def allowed(expected: str | None, header_value: str | None) -> bool:
         return True
     if not header_value or not header_value.startswith("Bearer "):
         return False
-    return hmac.compare_digest(header_value[len("Bearer "):].encode(), expected.encode())
+    return hmac.compare_digest(header_value[len("Bearer ") :].encode(), expected.encode())

@@ -52,10 +52,11 @@ CPU = torch.device("cpu")
 @dataclass(eq=False)
 class ProcessGroupInfo:
     """A process group as this layer sees it: where its data goes, and its control channel."""
-    pg: Any                 # the data group: a c10d ProcessGroup, or a backend built on a store
+
+    pg: Any  # the data group: a c10d ProcessGroup, or a backend built on a store
     backend: str
-    device: torch.device    # where DATA tensors must be for `pg`
-    control: Any            # a CPU gloo group: `pg` itself when `pg` is gloo
+    device: torch.device  # where DATA tensors must be for `pg`
+    control: Any  # a CPU gloo group: `pg` itself when `pg` is gloo
 
     def size(self) -> int:
         return self.pg.size()
@@ -64,7 +65,7 @@ class ProcessGroupInfo:
         return self.pg.rank()
 
 
-_groups: dict[int, ProcessGroupInfo] = {}   # id(pg) -> its info; the info holds its pg, so the id stays unique
+_groups: dict[int, ProcessGroupInfo] = {}  # id(pg) -> its info; the info holds its pg, so the id stays unique
 # name -> (factory(store, rank, size, timeout) -> pg, device type) for groups built on a store
 _factories: dict[str, tuple[Callable, str]] = {}
 _placed: contextvars.ContextVar[tuple] = contextvars.ContextVar("ftcore_placed", default=())
@@ -91,7 +92,7 @@ def _backend_name(pg) -> str:
     try:
         return str(dist.get_backend(pg))
     except (ValueError, RuntimeError, AttributeError):
-        return pg.name()   # a backend built on a store (ftcore's cross-group gloo groups, tests)
+        return pg.name()  # a backend built on a store (ftcore's cross-group gloo groups, tests)
 
 
 def get(group=None) -> ProcessGroupInfo:
@@ -105,10 +106,12 @@ def get(group=None) -> ProcessGroupInfo:
     if info is not None:
         return info
     name = _backend_name(pg)
-    if name == "gloo":   # CPU: data and control on the group itself
+    if name == "gloo":  # CPU: data and control on the group itself
         return register(pg, "gloo")
-    raise RuntimeError(f"ftcore.collectives: the {name} group has no CPU control channel; build it with "
-                       "ftcore.collectives.setup_default() (after init_process_group), new_group() or new_pg()")
+    raise RuntimeError(
+        f"ftcore.collectives: the {name} group has no CPU control channel; build it with "
+        "ftcore.collectives.setup_default() (after init_process_group), new_group() or new_pg()"
+    )
 
 
 def _device_for(device_type: str) -> torch.device:
@@ -117,8 +120,9 @@ def _device_for(device_type: str) -> torch.device:
     return torch.device(device_type)
 
 
-def setup_default(device: torch.device | str | None = None,
-                  timeout: datetime.timedelta | None = None) -> ProcessGroupInfo:
+def setup_default(
+    device: torch.device | str | None = None, timeout: datetime.timedelta | None = None
+) -> ProcessGroupInfo:
     """Register the default group; beside a device backend, build its gloo twin (collective:
     every rank calls it once, right after init_process_group). Idempotent."""
     pg = dist.group.WORLD
@@ -132,8 +136,9 @@ def setup_default(device: torch.device | str | None = None,
     return register(pg, name, device if device is not None else _device_for(dev_type), control)
 
 
-def new_group(backend: str | None = None, timeout: datetime.timedelta | None = None,
-              device: torch.device | str | None = None) -> Any:
+def new_group(
+    backend: str | None = None, timeout: datetime.timedelta | None = None, device: torch.device | str | None = None
+) -> Any:
     """`dist.new_group` over every rank, registered, with a gloo twin beside a device backend
     (collective). `device`: where its data goes (default: the default group's device)."""
     pg = dist.new_group(backend=backend, timeout=timeout)
@@ -147,7 +152,7 @@ def new_group(backend: str | None = None, timeout: datetime.timedelta | None = N
 
 
 def _gloo(store, rank: int, size: int, timeout: datetime.timedelta, host: str):
-    opts = dist.ProcessGroupGloo._Options()   # type: ignore[attr-defined]  # private, absent from the stubs
+    opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # private, absent from the stubs
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
     opts._timeout = timeout
     return dist.ProcessGroupGloo(store, rank, size, opts)
@@ -155,7 +160,7 @@ def _gloo(store, rank: int, size: int, timeout: datetime.timedelta, host: str):
 
 def _nccl(store, rank: int, size: int, timeout: datetime.timedelta):
     opts = dist.ProcessGroupNCCL.Options()
-    opts._timeout = timeout   # the watchdog aborts a collective blocked longer than this
+    opts._timeout = timeout  # the watchdog aborts a collective blocked longer than this
     return dist.ProcessGroupNCCL(store, rank, size, opts)
 
 
@@ -173,8 +178,15 @@ def backends() -> tuple[str, ...]:
     return ("gloo", *_factories)
 
 
-def new_pg(backend: str, store, rank: int, size: int, timeout: datetime.timedelta, host: str = "127.0.0.1",
-           device: torch.device | None = None):
+def new_pg(
+    backend: str,
+    store,
+    rank: int,
+    size: int,
+    timeout: datetime.timedelta,
+    host: str = "127.0.0.1",
+    device: torch.device | None = None,
+):
     """A process group on `store` outside c10d's world (ftcore's per-quorum cross-group group),
     gloo listening on `host`; a device backend gets its gloo twin on the same store."""
     if backend == "gloo":
@@ -191,6 +203,7 @@ def new_pg(backend: str, store, rank: int, size: int, timeout: datetime.timedelt
 
 
 # ---- the collectives ------------------------------------------------------------------------
+
 
 class Work:
     """An issued collective. wait(): done, and a staged result copied back to the caller's tensor."""
@@ -244,16 +257,20 @@ def _done(work, async_op: bool, after=None) -> Work | None:
 
 
 @overload
-def all_reduce(t: torch.Tensor, *, kind: str, group: Any = None, op: Any = dist.ReduceOp.SUM,
-               async_op: Literal[True]) -> Work: ...
+def all_reduce(
+    t: torch.Tensor, *, kind: str, group: Any = None, op: Any = dist.ReduceOp.SUM, async_op: Literal[True]
+) -> Work: ...
 @overload
-def all_reduce(t: torch.Tensor, *, kind: str, group: Any = None, op: Any = dist.ReduceOp.SUM,
-               async_op: Literal[False] = False) -> None: ...
+def all_reduce(
+    t: torch.Tensor, *, kind: str, group: Any = None, op: Any = dist.ReduceOp.SUM, async_op: Literal[False] = False
+) -> None: ...
 @overload
-def all_reduce(t: torch.Tensor, *, kind: str, group: Any = None, op: Any = dist.ReduceOp.SUM,
-               async_op: bool = False) -> Work | None: ...
-def all_reduce(t: torch.Tensor, *, kind: str, group: Any = None, op: Any = dist.ReduceOp.SUM,
-               async_op: bool = False) -> Work | None:
+def all_reduce(
+    t: torch.Tensor, *, kind: str, group: Any = None, op: Any = dist.ReduceOp.SUM, async_op: bool = False
+) -> Work | None: ...
+def all_reduce(
+    t: torch.Tensor, *, kind: str, group: Any = None, op: Any = dist.ReduceOp.SUM, async_op: bool = False
+) -> Work | None:
     """In place over the group's ranks (async_op: returns the issued Work)."""
     info = get(group)
     pg, dev = _channel(info, kind)
@@ -286,16 +303,20 @@ def all_gather(t: torch.Tensor, *, kind: str, group=None) -> list[torch.Tensor]:
     return [o if o.device == t.device else o.to(t.device) for o in outs]
 
 
-def all_to_all_single(send: torch.Tensor, send_splits: list[int], recv_splits: list[int], *, group=None,
-                      async_op: bool = False) -> tuple[torch.Tensor, Work | None]:
+def all_to_all_single(
+    send: torch.Tensor, send_splits: list[int], recv_splits: list[int], *, group=None, async_op: bool = False
+) -> tuple[torch.Tensor, Work | None]:
     """DATA: rows send[sum(send_splits[:p]):...] go to rank p; returns (rows from every rank in
     rank order, on `send`'s device, complete after wait(); the Work, or None when not async)."""
     info = get(group)
     buf = _put(send.contiguous(), info.device)
     recv = buf.new_empty((sum(recv_splits), *buf.shape[1:]))
     out = recv if recv.device == send.device else send.new_empty(recv.shape)
-    work = _issue(DATA, [recv, buf], lambda: info.pg.alltoall_base(recv, buf, list(recv_splits), list(send_splits),
-                                                                    dist.AllToAllOptions()))
+    work = _issue(
+        DATA,
+        [recv, buf],
+        lambda: info.pg.alltoall_base(recv, buf, list(recv_splits), list(send_splits), dist.AllToAllOptions()),
+    )
     return out, _done(work, async_op, (lambda: out.copy_(recv)) if out is not recv else None)
 
 
@@ -319,12 +340,13 @@ def all_gather_json(obj, group=None) -> list:
     sizes = all_gather(torch.tensor([data.numel()], dtype=torch.int64), kind=CONTROL, group=group)
     m = int(max(s.item() for s in sizes))
     padded = torch.zeros(m, dtype=torch.uint8)
-    padded[:data.numel()] = data
+    padded[: data.numel()] = data
     bufs = all_gather(padded, kind=CONTROL, group=group)
-    return [json.loads(bytes(b[:int(s.item())].tolist()).decode()) for b, s in zip(bufs, sizes, strict=True)]
+    return [json.loads(bytes(b[: int(s.item())].tolist()).decode()) for b, s in zip(bufs, sizes, strict=True)]
 
 
 # ---- host staging on the copy engines -------------------------------------------------------
+
 
 class HostStage:
     """Device tensors to reusable pinned host buffers and back, on one side stream (cudaMemcpyAsync:
@@ -343,7 +365,7 @@ class HostStage:
         if b is None or b.dtype != like.dtype or b.numel() < like.numel():
             b = torch.empty(like.numel(), dtype=like.dtype, pin_memory=self.cuda)
             self._bufs[slot] = b
-        return b[:like.numel()].view(like.shape)
+        return b[: like.numel()].view(like.shape)
 
     def to_host(self, slot: int, src: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """Start copying `src` into host buffer `slot`; returns (buffer, event: query() True once it landed)."""
@@ -359,7 +381,7 @@ class HostStage:
             host.copy_(src, non_blocking=True)
             done = torch.cuda.Event()
             done.record(stream)
-        src.record_stream(stream)   # the caller may free `src` before the copy ran
+        src.record_stream(stream)  # the caller may free `src` before the copy ran
         return host, done
 
     def to_device(self, dst: torch.Tensor, host: torch.Tensor) -> None:
@@ -369,7 +391,7 @@ class HostStage:
             dst.copy_(host)
             return
         with torch.cuda.stream(stream):
-            stream.wait_stream(torch.cuda.current_stream(self.device))   # dst's producers first
+            stream.wait_stream(torch.cuda.current_stream(self.device))  # dst's producers first
             dst.copy_(host, non_blocking=True)
             done = torch.cuda.Event()
             done.record(stream)
@@ -399,7 +421,7 @@ def stage_for(group, tensors: list[torch.Tensor]) -> HostStage | None:
         raise ValueError(f"ftcore.collectives: tensors on several devices {sorted(map(str, devs))}")
     dev = devs.pop()
     if dev.type != "cuda" or info.device != CPU:
-        return None   # another mix (host tensors for a device group): the plain staging copy
+        return None  # another mix (host tensors for a device group): the plain staging copy
     if dev not in _stages:
         _stages[dev] = HostStage(dev)
     return _stages[dev]

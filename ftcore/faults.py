@@ -79,8 +79,9 @@ class Fault:
     fired: bool = field(default=False, compare=False)
 
     def targets(self, group: int, rank: int, incarnation: int) -> bool:
-        return (self.group == group and self.incarnation == incarnation
-                and (self.rank == "all" or int(self.rank) == rank))
+        return (
+            self.group == group and self.incarnation == incarnation and (self.rank == "all" or int(self.rank) == rank)
+        )
 
     @property
     def in_process(self) -> bool:

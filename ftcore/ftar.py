@@ -44,8 +44,8 @@ from ftcore import collectives as coll
 from ftcore.collectives import DATA
 
 DEFAULT_BUCKET_BYTES = 8 << 20
-META = 4            # [contributes, step mod STEP_MOD, 1, error] in front of the first bucket
-STEP_MOD = 4096     # members * STEP_MOD stays exact in float32 (< 2**24) up to 4,096 groups
+META = 4  # [contributes, step mod STEP_MOD, 1, error] in front of the first bucket
+STEP_MOD = 4096  # members * STEP_MOD stays exact in float32 (< 2**24) up to 4,096 groups
 
 
 class FTARError(RuntimeError):
@@ -77,8 +77,8 @@ def _reap() -> None:
 
 @dataclass
 class FTARResult:
-    contributors: int   # groups whose gradients are in the average
-    peer_error: bool    # some group flagged a local failure: discard the step
+    contributors: int  # groups whose gradients are in the average
+    peer_error: bool  # some group flagged a local failure: discard the step
 
 
 class _Bucket:
@@ -86,7 +86,7 @@ class _Bucket:
         self.tensors = tensors
         self.chunk = chunk  # in-place view of one large tensor
         self.flat: torch.Tensor | None = None
-        self.meta: torch.Tensor | None = None   # the call's control elements, in front of the data
+        self.meta: torch.Tensor | None = None  # the call's control elements, in front of the data
 
     def buffer(self) -> torch.Tensor:
         if self.chunk is not None:
@@ -114,9 +114,9 @@ class _Bucket:
         for t in self.tensors:
             k = t.numel()
             if t.is_contiguous():
-                torch.div(flat[i:i + k].view_as(t), n, out=t)
+                torch.div(flat[i : i + k].view_as(t), n, out=t)
             else:
-                t.copy_(flat[i:i + k].view_as(t) / n)
+                t.copy_(flat[i : i + k].view_as(t) / n)
             i += k
 
 
@@ -130,7 +130,7 @@ def plan(tensors: list[torch.Tensor], bucket_bytes: int = DEFAULT_BUCKET_BYTES) 
         if t.is_contiguous() and nbytes >= bucket_bytes // 2:
             flat = t.view(-1)
             step = max(bucket_bytes // t.element_size(), 1)
-            buckets += [_Bucket([t], flat[i:i + step]) for i in range(0, flat.numel(), step)]
+            buckets += [_Bucket([t], flat[i : i + step]) for i in range(0, flat.numel(), step)]
             continue
         small.setdefault(t.dtype, []).append(t)
         size[t.dtype] = size.get(t.dtype, 0) + nbytes
@@ -158,11 +158,19 @@ def _wait(fut: torch.futures.Future, deadline: float, is_stale: Callable[[], boo
         raise FTARError(f"{what}: {type(e).__name__}: {e}") from None
 
 
-def ftar(pg, tensors: list[torch.Tensor], *, contribute: bool,
-         local_error: bool = False, timeout: float = 5.0, is_stale: Callable[[], bool] = lambda: False,
-         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-         during: Callable[[], None] | None = None, step: int = 0,
-         stage: coll.HostStage | None = None) -> FTARResult:
+def ftar(
+    pg,
+    tensors: list[torch.Tensor],
+    *,
+    contribute: bool,
+    local_error: bool = False,
+    timeout: float = 5.0,
+    is_stale: Callable[[], bool] = lambda: False,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    during: Callable[[], None] | None = None,
+    step: int = 0,
+    stage: coll.HostStage | None = None,
+) -> FTARResult:
     """Average `tensors` in place over the replica groups of `pg` (None: this group alone).
 
     Raises FTARError when the collective cannot complete, or when its members were not all
@@ -188,27 +196,31 @@ def ftar(pg, tensors: list[torch.Tensor], *, contribute: bool,
 
     info = coll.get(pg)
     deadline = time.monotonic() + timeout
-    if during:   # at the start of the exchange: an injected failure still reaches the meta
+    if during:  # at the start of the exchange: an injected failure still reaches the meta
         try:
             during()
         except Exception:
             local_error = True
-    meta = torch.tensor([1.0 if contribute else 0.0, float(step % STEP_MOD), 1.0, 1.0 if local_error else 0.0],
-                        dtype=torch.float64)
+    meta = torch.tensor(
+        [1.0 if contribute else 0.0, float(step % STEP_MOD), 1.0, 1.0 if local_error else 0.0], dtype=torch.float64
+    )
     buckets = plan(tensors, bucket_bytes)
-    carrier = next((b for b in buckets if b.chunk is None and b.tensors[0].dtype in (torch.float32, torch.float64)),
-                   None)
+    carrier = next(
+        (b for b in buckets if b.chunk is None and b.tensors[0].dtype in (torch.float32, torch.float64)), None
+    )
     if carrier is None:
-        carrier = _Bucket([])   # the meta alone: CPU float64, never staged
+        carrier = _Bucket([])  # the meta alone: CPU float64, never staged
         buckets.insert(0, carrier)
-    else:                       # issued first: its sum is needed before any bucket is divided
+    else:  # issued first: its sum is needed before any bucket is divided
         buckets.remove(carrier)
         buckets.insert(0, carrier)
     carrier.meta = meta
     stage = stage if stage is not None else coll.stage_for(info, tensors)
     # staged: every copy down is queued at once; bucket i goes out as soon as its copy landed
-    hosts = [stage.to_host(i, b.buffer()) if stage is not None and b.tensors else (b.buffer(), None)
-             for i, b in enumerate(buckets)]
+    hosts = [
+        stage.to_host(i, b.buffer()) if stage is not None and b.tensors else (b.buffer(), None)
+        for i, b in enumerate(buckets)
+    ]
     futs: list[torch.futures.Future] = []
     try:
         for i, (buf, landed) in enumerate(hosts):
@@ -218,18 +230,19 @@ def ftar(pg, tensors: list[torch.Tensor], *, contribute: bool,
         _wait(futs[0], deadline, is_stale, "FTAR bucket 0")
         n, steps, members, errors = (float(x) for x in hosts[0][0][:META].tolist())
         if members != info.size() or steps != members * (step % STEP_MOD):
-            raise FTARError(f"FTAR: the members were not all at step {step} (a collective left over "
-                            "from an earlier step or quorum)")
+            raise FTARError(
+                f"FTAR: the members were not all at step {step} (a collective left over from an earlier step or quorum)"
+            )
         for i, (b, fut) in enumerate(zip(buckets, futs, strict=True)):
             if i:
                 _wait(fut, deadline, is_stale, f"FTAR bucket {i}")
             if n > 0 and b.tensors:
-                if stage is not None and hosts[i][1] is not None:   # staged: the sum back to the device, divided there
+                if stage is not None and hosts[i][1] is not None:  # staged: the sum back to the device, divided there
                     stage.to_device(b.buffer_view(), hosts[i][0])
                 b.finish(n)
     except FTARError:
         _abandon(futs, (meta, buckets, hosts))
         if stage is not None:
-            stage.drop()   # pending collectives may still write into these buffers
+            stage.drop()  # pending collectives may still write into these buffers
         raise
     return FTARResult(int(round(n)), errors > 0)

@@ -48,8 +48,9 @@ def clone_tree(tree: Any) -> Any:
 class HealServer:
     """This rank's snapshot server (one thread per download), offering one step's state at a time."""
 
-    def __init__(self, host: str = "127.0.0.1", token: str | None = None,
-                 on_serve: Callable[[int], None] | None = None):
+    def __init__(
+        self, host: str = "127.0.0.1", token: str | None = None, on_serve: Callable[[int], None] | None = None
+    ):
         self.token = token
         self.on_serve = on_serve  # fault-injection hook, called before streaming
         self._cond = threading.Condition()
@@ -92,7 +93,7 @@ class HealServer:
 
 class _Handler(BaseHTTPRequestHandler):
     server_obj: HealServer
-    timeout = timeouts.HEAL_TIMEOUT + 5   # per-connection socket timeout: an idle client cannot hold a thread
+    timeout = timeouts.HEAL_TIMEOUT + 5  # per-connection socket timeout: an idle client cannot hold a thread
     disable_nagle_algorithm = True
 
     def log_message(self, fmt: str, *args: Any) -> None:

@@ -25,7 +25,7 @@ import os
 from collections import Counter
 from collections.abc import Callable, Iterable
 
-SYNC_EVERY = 16   # records between fdatasyncs (markers are synced at once)
+SYNC_EVERY = 16  # records between fdatasyncs (markers are synced at once)
 
 
 def ranges(ids: Iterable[int]) -> list[list[int]]:
@@ -57,11 +57,26 @@ class Ledger:
         if size and os.pread(self._fd, 1, size - 1) != b"\n":
             self._write({"torn_line_ended": True, "writer": [group, rank]}, sync=True, prefix=b"\n")
 
-    def record(self, step: int, epoch: int, row_group: int, kind: str, contributors: Iterable[int],
-               quorum_id: int, sample_ids: Iterable[int] | None = None) -> None:
-        line = {"step": step, "epoch": epoch, "row_group": row_group, "kind": kind,
-                "contributors": sorted(contributors), "quorum_id": quorum_id,
-                "writer": [self.group, self.rank], "ranges": ranges(sample_ids) if sample_ids is not None else None}
+    def record(
+        self,
+        step: int,
+        epoch: int,
+        row_group: int,
+        kind: str,
+        contributors: Iterable[int],
+        quorum_id: int,
+        sample_ids: Iterable[int] | None = None,
+    ) -> None:
+        line = {
+            "step": step,
+            "epoch": epoch,
+            "row_group": row_group,
+            "kind": kind,
+            "contributors": sorted(contributors),
+            "quorum_id": quorum_id,
+            "writer": [self.group, self.rank],
+            "ranges": ranges(sample_ids) if sample_ids is not None else None,
+        }
         self._write(line)
 
     def healed(self, step: int) -> None:
@@ -109,8 +124,9 @@ def read(folder: str) -> list[tuple[dict, bool]]:
                 # a torn line ends a killed writer's file, or its successor ended it with a marker
                 if n == len(lines) or b"torn_line_ended" in lines[n]:
                     continue
-                raise LedgerError(f"{path}, line {n}: not a ledger record, and not a killed writer's last "
-                                  "line: the ledger is damaged") from None
+                raise LedgerError(
+                    f"{path}, line {n}: not a ledger record, and not a killed writer's last line: the ledger is damaged"
+                ) from None
             if "torn_line_ended" in rec:
                 continue
             if "healed_to" in rec:
@@ -127,8 +143,15 @@ class LedgerError(AssertionError):
     """The ledger shows a sample trained twice, never, or inconsistent records."""
 
 
-def check(folder: str, *, steps_per_epoch: int, num_groups: int, ranks_per_group: int, epochs: int,
-          sample_ids: Callable[[int, int], list[int]] | None = None) -> dict:
+def check(
+    folder: str,
+    *,
+    steps_per_epoch: int,
+    num_groups: int,
+    ranks_per_group: int,
+    epochs: int,
+    sample_ids: Callable[[int, int], list[int]] | None = None,
+) -> dict:
     """Prove exactly-once: every (shard, row group) trained exactly once per epoch.
 
     With `sample_ids(shard_rank, row_group)`, also every sample id once per epoch, and the
@@ -150,8 +173,10 @@ def check(folder: str, *, steps_per_epoch: int, num_groups: int, ranks_per_group
             g, k = rec["writer"]
             want = ranges(sample_ids(g * ranks_per_group + k, rec["row_group"]))
             if rec["ranges"] != want:
-                raise LedgerError(f"step {rec['step']}: group {g} rank {k} recorded ids {rec['ranges'][:3]}..., "
-                                  f"the shard has {want[:3]}...")
+                raise LedgerError(
+                    f"step {rec['step']}: group {g} rank {k} recorded ids {rec['ranges'][:3]}..., "
+                    f"the shard has {want[:3]}..."
+                )
     missing_steps = [s for s in range(max(steps, default=-1) + 1) if s not in steps]
     if missing_steps:
         raise LedgerError(f"committed steps {missing_steps[:10]} have no ledger record")
@@ -171,5 +196,9 @@ def check(folder: str, *, steps_per_epoch: int, num_groups: int, ranks_per_group
             dup = [i for i, c in ids.items() if c > 1]
             if dup:
                 raise LedgerError(f"epoch {e}: sample ids {dup[:5]} trained more than once")
-    return {"steps": len(steps), "makeup_steps": sum(r["kind"] == "makeup" for r in steps.values()),
-            "epochs": epochs, "batches": sum(sum(c.values()) for c in trained.values())}
+    return {
+        "steps": len(steps),
+        "makeup_steps": sum(r["kind"] == "makeup" for r in steps.values()),
+        "epochs": epochs,
+        "batches": sum(sum(c.values()) for c in trained.values()),
+    }

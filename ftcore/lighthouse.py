@@ -75,30 +75,31 @@ from ftcore.pace import PaceJudge, PacePolicy
 @dataclass
 class LighthouseConfig:
     bind: str = "127.0.0.1:0"
-    min_replicas: int = 1          # a floor: a job may ask for more (its ranks send FTCORE_MIN_REPLICAS)
-    expected_replicas: int = 0     # groups a job starts with when its ranks do not say (they send R)
+    min_replicas: int = 1  # a floor: a job may ask for more (its ranks send FTCORE_MIN_REPLICAS)
+    expected_replicas: int = 0  # groups a job starts with when its ranks do not say (they send R)
     join_timeout: float = timeouts.JOIN_TIMEOUT
     heartbeat_timeout: float = timeouts.HEARTBEAT_TIMEOUT
     failure_probe: float = timeouts.FAILURE_PROBE
     token: str | None = None
     events_file: str | None = None
-    lease: float = timeouts.LEASE      # how long a granted quorum may be reused while this lighthouse is silent
-    pause_grace: bool = True           # after a pause of its own, wait a heartbeat timeout before judging silence
-    pace: PacePolicy = field(default_factory=PacePolicy)   # fail-slow: exclude a group slower than its peers
+    lease: float = timeouts.LEASE  # how long a granted quorum may be reused while this lighthouse is silent
+    pause_grace: bool = True  # after a pause of its own, wait a heartbeat timeout before judging silence
+    pace: PacePolicy = field(default_factory=PacePolicy)  # fail-slow: exclude a group slower than its peers
 
 
 MAX_JOBS = 256
-TICK_S = 0.01              # formation rounds: how often a waiting round re-checks its members
-SWEEP_S = 0.05             # health sweeps over every rank (disconnects and reports act at once)
+TICK_S = 0.01  # formation rounds: how often a waiting round re-checks its members
+SWEEP_S = 0.05  # health sweeps over every rank (disconnects and reports act at once)
 
 
 @dataclass
 class RankRecord:
     """What the lighthouse knows of one rank."""
+
     rank: int
-    store: str = ""        # host:port of this rank's TCPStore (rendezvous for cross-group groups)
-    heal: str = ""         # host:port of this rank's heal server
-    step: int = 0          # committed steps
+    store: str = ""  # host:port of this rank's TCPStore (rendezvous for cross-group groups)
+    heal: str = ""  # host:port of this rank's heal server
+    step: int = 0  # committed steps
     last_beat: float = 0.0
     disconnected: bool = False
     disconnected_at: float = 0.0
@@ -107,9 +108,10 @@ class RankRecord:
 @dataclass
 class GroupRecord:
     """What the lighthouse knows of one incarnation of a replica group."""
+
     group: int
     incarnation: int
-    world: int             # ranks per group (K)
+    world: int  # ranks per group (K)
     ranks: dict[int, RankRecord] = field(default_factory=dict)
     healthy: bool = False
     left: bool = False
@@ -125,7 +127,8 @@ class GroupRecord:
         the group must restart."""
         for rk in self.ranks.values():
             if (rk.disconnected and now - rk.disconnected_at > probe) or (
-                    heartbeat_timeout is not None and now - rk.last_beat > heartbeat_timeout):
+                heartbeat_timeout is not None and now - rk.last_beat > heartbeat_timeout
+            ):
                 return rk.rank
         return None
 
@@ -138,19 +141,20 @@ Deliver = Callable[[str | Answer], None]
 @dataclass
 class Request:
     """A pending quorum request (from a checked QuorumRequest)."""
+
     group: int
     rank: int
     incarnation: int
     step: int
-    t: float          # monotonic time of arrival
+    t: float  # monotonic time of arrival
     last_quorum: int  # the last quorum id this rank trained in
-    last_lighthouse_id: str   # ... the lighthouse that formed it, and its members
+    last_lighthouse_id: str  # ... the lighthouse that formed it, and its members
     last_identity: Identity
     deliver: Deliver
-    deadline: float = math.inf   # monotonic: past it the request is answered with a timeout
-    busy: Busy | None = None   # its last step's compute (ftcore/pace.py)
-    idle: int = -1   # the quorum id of its last step if nobody had work in it (only absent groups' is left)
-    leased: bool = False   # sent after its step had gone on without this lighthouse: its sender ignores the reply
+    deadline: float = math.inf  # monotonic: past it the request is answered with a timeout
+    busy: Busy | None = None  # its last step's compute (ftcore/pace.py)
+    idle: int = -1  # the quorum id of its last step if nobody had work in it (only absent groups' is left)
+    leased: bool = False  # sent after its step had gone on without this lighthouse: its sender ignores the reply
 
 
 class StaleIncarnation(Exception):
@@ -164,27 +168,27 @@ class Job:
 
     def __init__(self, lh: "Lighthouse", name: str, num_groups: int, min_replicas: int):
         self.lh, self.cfg, self.name = lh, lh.cfg, name
-        self.num_groups = num_groups           # 0: not declared by the ranks (any group id up to MAX_GROUPS)
+        self.num_groups = num_groups  # 0: not declared by the ranks (any group id up to MAX_GROUPS)
         self.min_replicas = max(lh.cfg.min_replicas, min_replicas)
         self.expected = num_groups or lh.cfg.expected_replicas
         self.lock = threading.Lock()
         self.groups: dict[int, GroupRecord] = {}
-        self.quorum: Quorum | None = None    # the last one formed (its shared part: no rank's addresses)
+        self.quorum: Quorum | None = None  # the last one formed (its shared part: no rank's addresses)
         self.quorum_id = 0
         self.max_step = 0
         self.pending: dict[int, dict[int, Request]] = {}
-        self.complete: set[int] = set()         # groups all of whose ranks are pending: formation looks at these
-        self.round_start: float | None = None   # arrival of this round's first pending request
-        self.next_deadline = math.inf           # the earliest deadline among pending requests
-        self.finished_step = 0                  # the highest step a group that finished (left) reached
+        self.complete: set[int] = set()  # groups all of whose ranks are pending: formation looks at these
+        self.round_start: float | None = None  # arrival of this round's first pending request
+        self.next_deadline = math.inf  # the earliest deadline among pending requests
+        self.finished_step = 0  # the highest step a group that finished (left) reached
         self._last_wait_event = 0.0
         self._last_sweep = 0.0
         self.failed: list[int] = []  # members of the current quorum that are not healthy (for heartbeats)
-        self.healthy: set[int] = set()   # groups healthy at the last sweep (kept with GroupRecord.healthy)
+        self.healthy: set[int] = set()  # groups healthy at the last sweep (kept with GroupRecord.healthy)
         self.force_new = False  # a data-plane failure: the next quorum gets a new id, whoever is in it
         self.reports: dict[int, float] = {}  # quorum_id -> time of the first data-plane failure report
         self.pace = PaceJudge(lh.cfg.pace)
-        self.excluded: dict[int, float] = {}   # fail-slow: group -> monotonic end of its standby
+        self.excluded: dict[int, float] = {}  # fail-slow: group -> monotonic end of its standby
 
     def event(self, kind: str, **data: Any) -> None:
         self.lh.event(kind, job=self.name, **data)
@@ -202,14 +206,14 @@ class Job:
             raise StaleIncarnation(f"group {g} incarnation {inc} was replaced by {grp.incarnation}")
         if grp is not None and inc == grp.incarnation and world != grp.world:
             raise ValueError(f"group {g} incarnation {inc} has {grp.world} ranks, this rank says {world}")
-        if not self.num_groups and info.num_groups:   # a job first seen without its size learns it
+        if not self.num_groups and info.num_groups:  # a job first seen without its size learns it
             self.num_groups = info.num_groups
             self.expected = self.expected or self.num_groups
         if grp is None or inc > grp.incarnation:
             if grp is not None:
                 self._drop_pending(g)
             grp = self.groups[g] = GroupRecord(g, inc, world)
-            self.healthy.discard(g)   # a new incarnation is healthy once the sweep says so
+            self.healthy.discard(g)  # a new incarnation is healthy once the sweep says so
             self.event("register", group=g, incarnation=inc, world=world, step=step)
         rk = grp.ranks.get(r)
         if rk is None:
@@ -235,7 +239,7 @@ class Job:
             return False
         report = self.reports.get(self.quorum.quorum_id) if self.quorum else None
         in_quorum = self.quorum is not None and grp.group in self.quorum.groups
-        silence_counts = not self.lh.in_grace(now)   # a paused lighthouse heard nobody: not their fault
+        silence_counts = not self.lh.in_grace(now)  # a paused lighthouse heard nobody: not their fault
         for rk in grp.ranks.values():
             if rk.disconnected or (silence_counts and now - rk.last_beat > self.cfg.heartbeat_timeout):
                 return False
@@ -255,11 +259,13 @@ class Job:
                 if ok:
                     self.event("group_healthy", group=grp.group, incarnation=grp.incarnation, step=grp.step)
                 elif not (grp.left or grp.leaving):
-                    why = ("connection closed" if any(r.disconnected for r in grp.ranks.values())
-                           else "heartbeat timeout")
+                    why = (
+                        "connection closed" if any(r.disconnected for r in grp.ranks.values()) else "heartbeat timeout"
+                    )
                     self.event("failure_detected", group=grp.group, incarnation=grp.incarnation, reason=why)
-        self.failed = [g for g in (self.quorum.groups if self.quorum else ())
-                       if g in self.groups and not self.groups[g].healthy]
+        self.failed = [
+            g for g in (self.quorum.groups if self.quorum else ()) if g in self.groups and not self.groups[g].healthy
+        ]
 
     # ---- quorum ---------------------------------------------------------------------
     def tick(self, now: float) -> None:
@@ -302,14 +308,15 @@ class Job:
             # The survivors of a group that lost a rank cannot train without it: tell them to
             # exit now (their torchrun or launcher restarts the group) instead of letting them
             # wait out a quorum timeout.
-            lost = self.groups[g].lost_rank(now, self.cfg.failure_probe,
-                                            None if self.lh.in_grace(now) else self.cfg.heartbeat_timeout)
+            lost = self.groups[g].lost_rank(
+                now, self.cfg.failure_probe, None if self.lh.in_grace(now) else self.cfg.heartbeat_timeout
+            )
             if lost is not None:
                 for req in self._pop(g).values():
                     req.deliver(QuorumRefused("lost", f"replica group {g} lost rank {lost}; restart the group"))
         if not self.pending:
             return
-        healthy = self.healthy - self.excluded.keys()   # a group on standby is not waited for, nor counted
+        healthy = self.healthy - self.excluded.keys()  # a group on standby is not waited for, nor counted
         requesting = sorted(self.complete & healthy)
         round_start = self.round_start if self.round_start is not None else now
         if self.quorum:
@@ -322,9 +329,14 @@ class Job:
             self._form(requesting)
         elif now - round_start > 1.0 and now - self._last_wait_event > 1.0:
             self._last_wait_event = now  # say why a round is stuck (status page, timeline)
-            self.event("quorum_waiting", requesting=requesting, healthy=sorted(healthy),
-                       pending={str(g): sorted(r) for g, r in self.pending.items()},
-                       previous=list(self.quorum.groups) if self.quorum else None, seconds=round(now - round_start, 2))
+            self.event(
+                "quorum_waiting",
+                requesting=requesting,
+                healthy=sorted(healthy),
+                pending={str(g): sorted(r) for g, r in self.pending.items()},
+                previous=list(self.quorum.groups) if self.quorum else None,
+                seconds=round(now - round_start, 2),
+            )
 
     def _resumed(self, members: list[int], identity: Identity) -> tuple[int, str] | None:
         """After a restart of this lighthouse: the (quorum id, lighthouse id) its members all
@@ -332,9 +344,15 @@ class Job:
         process groups (and a group that went on without this lighthouse, on its lease, in step)."""
         reqs = [r for g in members for r in self.pending[g].values()]
         first = reqs[0]
-        if first.last_lighthouse_id and first.last_identity == identity and all(
+        if (
+            first.last_lighthouse_id
+            and first.last_identity == identity
+            and all(
                 (r.last_quorum, r.last_lighthouse_id, r.last_identity)
-                == (first.last_quorum, first.last_lighthouse_id, identity) for r in reqs):
+                == (first.last_quorum, first.last_lighthouse_id, identity)
+                for r in reqs
+            )
+        ):
             return first.last_quorum, first.last_lighthouse_id
         return None
 
@@ -349,8 +367,9 @@ class Job:
             quorum_id, lighthouse_id = resumed
         steps = {g: min(req.step for req in self.pending[g].values()) for g in members}
         busy = self._busy(members)
-        idle = self.quorum is not None and all(r.idle == self.quorum.quorum_id
-                                               for g in members for r in self.pending[g].values())
+        idle = self.quorum is not None and all(
+            r.idle == self.quorum.quorum_id for g in members for r in self.pending[g].values()
+        )
         # Only members of the previous quorum may serve state. A group that was left out
         # (hung, cut off) may have committed a step the others discarded: it heals even
         # at an equal step. After a lighthouse restart, trust the latest reported quorum.
@@ -367,18 +386,26 @@ class Job:
             # that state: these groups must not start a history of their own from an older one.
             for g in members:
                 for req in self._pop(g).values():
-                    req.deliver(QuorumRefused("finished", f"the job finished at step {self.finished_step}; "
-                                                          "nothing to rejoin"))
+                    req.deliver(
+                        QuorumRefused("finished", f"the job finished at step {self.finished_step}; nothing to rejoin")
+                    )
             return
         sources = [g for g in trusted if steps[g] == max_step]
         healers = [g for g in members if g not in sources]
-        q = Quorum(quorum_id=quorum_id, lighthouse_id=lighthouse_id, job=self.name, identity=identity,
-                   groups=tuple(members), max_step=max_step,
-                   heal={g: sources[i % len(sources)] for i, g in enumerate(healers)},   # spread over sources
-                   lease_s=self.cfg.lease,
-                   # the members' compute in the step they just finished: each sees its wait for the slowest
-                   pace=Pace(self.quorum.quorum_id, round(max(busy.values()), 6),
-                             round(sum(busy.values()) / len(busy), 6)) if busy and self.quorum else None)
+        q = Quorum(
+            quorum_id=quorum_id,
+            lighthouse_id=lighthouse_id,
+            job=self.name,
+            identity=identity,
+            groups=tuple(members),
+            max_step=max_step,
+            heal={g: sources[i % len(sources)] for i, g in enumerate(healers)},  # spread over sources
+            lease_s=self.cfg.lease,
+            # the members' compute in the step they just finished: each sees its wait for the slowest
+            pace=Pace(self.quorum.quorum_id, round(max(busy.values()), 6), round(sum(busy.values()) / len(busy), 6))
+            if busy and self.quorum
+            else None,
+        )
         replies = self._replies(q)
         changed = self.quorum is None or self.quorum.key != q.key
         self.quorum, self.quorum_id, self.force_new = q, quorum_id, False
@@ -391,11 +418,10 @@ class Job:
         for req, reply in replies:
             req.deliver(reply)
         if changed:
-            self.event("quorum_formed", quorum_id=quorum_id, groups=members, max_step=max_step,
-                       heal=q.shared()["heal"])
+            self.event("quorum_formed", quorum_id=quorum_id, groups=members, max_step=max_step, heal=q.shared()["heal"])
         for g in healers:
             self.event("heal_assigned", group=g, source=q.heal[g], step=max_step, quorum_id=quorum_id)
-        if idle and self.excluded:   # the work left is the excluded groups' own: let them do it
+        if idle and self.excluded:  # the work left is the excluded groups' own: let them do it
             self.excluded = dict.fromkeys(self.excluded, 0.0)
         self._judge_pace(busy, members)
 
@@ -422,30 +448,40 @@ class Job:
             return {}
         qid, out = self.quorum.quorum_id, {}
         for g in members:
-            figures = [r.busy.seconds for r in self.pending[g].values()
-                       if r.busy is not None and r.busy.quorum_id == qid]
+            figures = [
+                r.busy.seconds for r in self.pending[g].values() if r.busy is not None and r.busy.quorum_id == qid
+            ]
             if len(figures) == self.groups[g].world:
                 out[g] = max(figures)
         return out if len(out) == len(members) else {}
 
     def _judge_pace(self, busy: dict[int, float], members: list[int]) -> None:
         self.pace.observe(busy)
-        verdict = self.pace.judge(members, {g: self.groups[g].incarnation for g in members}, self.min_replicas,
-                                  len(self.excluded))
+        verdict = self.pace.judge(
+            members, {g: self.groups[g].incarnation for g in members}, self.min_replicas, len(self.excluded)
+        )
         if verdict is not None:
             self.excluded[verdict.group] = time.monotonic() + verdict.probation_s
-            self.event("group_excluded", group=verdict.group, incarnation=self.groups[verdict.group].incarnation,
-                       reason="slower than its peers", ratio=verdict.ratio, busy_s=verdict.busy_s,
-                       window=self.cfg.pace.window, probation_s=verdict.probation_s)
+            self.event(
+                "group_excluded",
+                group=verdict.group,
+                incarnation=self.groups[verdict.group].incarnation,
+                reason="slower than its peers",
+                ratio=verdict.ratio,
+                busy_s=verdict.busy_s,
+                window=self.cfg.pace.window,
+                probation_s=verdict.probation_s,
+            )
 
     def _standby(self, grp: GroupRecord, now: float) -> StandbyReply | None:
         """The answer to a quorum request of an excluded group while its probation lasts."""
         until = self.excluded.get(grp.group)
         if until is None:
             return None
-        if now < until and not self.finished_step:   # once the job ends there is nothing to wait for
-            return StandbyReply(round(min(until - now, 1.0), 3),
-                                f"excluded as slower than its peers for {until - now:.1f}s more")
+        if now < until and not self.finished_step:  # once the job ends there is nothing to wait for
+            return StandbyReply(
+                round(min(until - now, 1.0), 3), f"excluded as slower than its peers for {until - now:.1f}s more"
+            )
         del self.excluded[grp.group]
         self.pace.forget(grp.group)
         self.event("group_readmitted", group=grp.group, incarnation=grp.incarnation)
@@ -458,9 +494,21 @@ class Job:
         with self.lock:
             grp, _ = self._rank(ask.info)
             now = time.monotonic()
-            req = Request(grp.group, ask.info.rank, grp.incarnation, ask.info.step, now, ask.info.quorum_id,
-                          ask.quorum_lighthouse_id, ask.quorum_identity, deliver, now + timeout, ask.busy, ask.idle,
-                          ask.leased)
+            req = Request(
+                grp.group,
+                ask.info.rank,
+                grp.incarnation,
+                ask.info.step,
+                now,
+                ask.info.quorum_id,
+                ask.quorum_lighthouse_id,
+                ask.quorum_identity,
+                deliver,
+                now + timeout,
+                ask.busy,
+                ask.idle,
+                ask.leased,
+            )
             standby = self._standby(grp, now)
             if standby is not None:
                 deliver(standby)
@@ -468,15 +516,15 @@ class Job:
             self.next_deadline = min(self.next_deadline, req.deadline)
             reqs = self.pending.setdefault(grp.group, {})
             old = reqs.get(req.rank)
-            if old is not None:   # the same rank asking again (a retry): the earlier waiter is gone
+            if old is not None:  # the same rank asking again (a retry): the earlier waiter is gone
                 old.deliver(QuorumRefused("superseded", "superseded by a newer request"))
             reqs[req.rank] = req
             if self.round_start is None:
                 self.round_start = now
-            if len(reqs) == grp.world:   # O(groups) formation only when a group is complete
+            if len(reqs) == grp.world:  # O(groups) formation only when a group is complete
                 self.complete.add(grp.group)
                 if not grp.healthy:
-                    self._update_health(now)   # a new or returning group need not wait for the sweep
+                    self._update_health(now)  # a new or returning group need not wait for the sweep
                 self._maybe_form(now)
             return req
 
@@ -526,7 +574,7 @@ class Job:
             self.reports.setdefault(qid, time.monotonic())
             if self.quorum is not None and qid == self.quorum.quorum_id:
                 self.force_new = True  # the reporter's process group is broken: rebuild everyone's
-            self._last_sweep = 0.0     # probe at the next tick
+            self._last_sweep = 0.0  # probe at the next tick
 
     def leave(self, info: RankInfo) -> None:
         with self.lock:
@@ -536,7 +584,7 @@ class Job:
             rank = grp.ranks.pop(info.rank, None)
             if rank is not None:
                 self.finished_step = max(self.finished_step, rank.step)
-            grp.leaving = True   # its other ranks leave next: not a failure
+            grp.leaving = True  # its other ranks leave next: not a failure
             if not grp.ranks and not grp.left:
                 grp.left = True
                 grp.healthy = False
@@ -552,11 +600,19 @@ class Job:
                 "max_step": self.max_step,
                 "quorum": self.quorum.shared() if self.quorum else None,
                 "groups": [
-                    {"group": g.group, "incarnation": g.incarnation, "healthy": g.healthy, "left": g.left,
-                     "step": g.step, "ranks": len(g.ranks), "world": g.world,
-                     "standby_s": (round(max(self.excluded[g.group] - now, 0.0), 2)
-                                   if g.group in self.excluded else None),
-                     "last_beat_age_s": max((now - r.last_beat for r in g.ranks.values()), default=None)}
+                    {
+                        "group": g.group,
+                        "incarnation": g.incarnation,
+                        "healthy": g.healthy,
+                        "left": g.left,
+                        "step": g.step,
+                        "ranks": len(g.ranks),
+                        "world": g.world,
+                        "standby_s": (
+                            round(max(self.excluded[g.group] - now, 0.0), 2) if g.group in self.excluded else None
+                        ),
+                        "last_beat_age_s": max((now - r.last_beat for r in g.ranks.values()), default=None),
+                    }
                     for g in sorted(self.groups.values(), key=lambda g: g.group)
                 ],
             }
@@ -577,8 +633,8 @@ class Lighthouse:
         self._events_file = open(cfg.events_file, "a") if cfg.events_file else None
         self._stop = threading.Event()
         self._pause_lock = threading.Lock()
-        self.alive_at = time.monotonic()      # the last time this process was seen running
-        self.grace_until = 0.0                # after a pause: silence is not judged before this
+        self.alive_at = time.monotonic()  # the last time this process was seen running
+        self.grace_until = 0.0  # after a pause: silence is not judged before this
         self._ticker = threading.Thread(target=self._tick, daemon=True, name="lighthouse-tick")
         self._ticker.start()
         self.event("lighthouse_started", lighthouse_id=self.lighthouse_id, min_replicas=cfg.min_replicas)
@@ -625,7 +681,7 @@ class Lighthouse:
                 try:
                     with j.lock:
                         j.tick(time.monotonic())
-                except Exception as e:   # never let one job's bad state end every job's rounds
+                except Exception as e:  # never let one job's bad state end every job's rounds
                     self.event("tick_error", job=j.name, error=f"{type(e).__name__}: {e}"[:300])
 
     # ---- messages for a job that may not exist (never created by them) ----------------------
@@ -644,12 +700,20 @@ class Lighthouse:
 
     def status(self, job: str = DEFAULT_JOB) -> dict[str, Any]:
         j = self.jobs.get(job)
-        st = j.status() if j else {"job": job, "min_replicas": self.cfg.min_replicas, "max_step": 0,
-                                   "quorum": None, "groups": []}
+        st = (
+            j.status()
+            if j
+            else {"job": job, "min_replicas": self.cfg.min_replicas, "max_step": 0, "quorum": None, "groups": []}
+        )
         with self._events_lock:
             events = [e for e in self.events if e.get("job", job) == job][-100:]
-        return {"lighthouse_id": self.lighthouse_id, "uptime_s": time.time() - self.started, "jobs": sorted(self.jobs),
-                **st, "events": events}
+        return {
+            "lighthouse_id": self.lighthouse_id,
+            "uptime_s": time.time() - self.started,
+            "jobs": sorted(self.jobs),
+            **st,
+            "events": events,
+        }
 
     def close(self) -> None:
         self._stop.set()
@@ -660,10 +724,14 @@ def _status_html(st: dict[str, Any]) -> str:
     rows = "".join(
         f"<tr><td>{e(str(g['group']))}</td><td>{e(str(g['incarnation']))}</td>"
         f"<td>{'standby (slow)' if g.get('standby_s') else 'yes' if g['healthy'] else 'no'}</td>"
-        f"<td>{e(str(g['step']))}</td><td>{e(str(g['ranks']))}/{e(str(g['world']))}</td></tr>" for g in st["groups"])
+        f"<td>{e(str(g['step']))}</td><td>{e(str(g['ranks']))}/{e(str(g['world']))}</td></tr>"
+        for g in st["groups"]
+    )
     q = st["quorum"] or {}
-    evs = "".join(f"<li>{time.strftime('%H:%M:%S', time.localtime(float(ev.get('t', 0))))} "
-                  f"{e(json.dumps(ev))}</li>" for ev in reversed(st["events"][-30:]))
+    evs = "".join(
+        f"<li>{time.strftime('%H:%M:%S', time.localtime(float(ev.get('t', 0))))} {e(json.dumps(ev))}</li>"
+        for ev in reversed(st["events"][-30:])
+    )
     jobs = ", ".join(f"<a href='?job={e(urllib.parse.quote(j))}'>{e(j)}</a>" for j in st["jobs"]) or "none yet"
     return (
         "<!doctype html><html><head><meta charset='utf-8'><meta http-equiv='refresh' content='2'>"
@@ -681,13 +749,22 @@ def _status_html(st: dict[str, Any]) -> str:
 # heartbeat connection and its quorum connection cost no thread and no task; a quorum
 # request is answered when formation delivers its reply. Every request is bounded before
 # it is read.
-MAX_BODY = 1 << 20            # bytes: larger bodies get 413
+MAX_BODY = 1 << 20  # bytes: larger bodies get 413
 MAX_HEADERS = 64
-MAX_HEAD = 16 << 10           # bytes of request line and headers
-FIRST_REQUEST_S = 10.0        # a new connection must send its first request within this
-IDLE_S = 600.0                # a quiet connection that is not a rank's heartbeat line is closed after this
-REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 409: "Conflict",
-           410: "Gone", 413: "Payload Too Large", 431: "Request Header Fields Too Large", 504: "Gateway Timeout"}
+MAX_HEAD = 16 << 10  # bytes of request line and headers
+FIRST_REQUEST_S = 10.0  # a new connection must send its first request within this
+IDLE_S = 600.0  # a quiet connection that is not a rank's heartbeat line is closed after this
+REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    401: "Unauthorized",
+    404: "Not Found",
+    409: "Conflict",
+    410: "Gone",
+    413: "Payload Too Large",
+    431: "Request Header Fields Too Large",
+    504: "Gateway Timeout",
+}
 
 
 class _BadRequest(Exception):
@@ -699,9 +776,10 @@ class _BadRequest(Exception):
 def _response(code: int, body: Any, ctype: str = "application/json") -> bytes:
     """`body`: an object to encode as JSON, or text already encoded (a quorum reply, HTML)."""
     raw = (body if isinstance(body, str) else json.dumps(body)).encode()
-    head = (f"HTTP/1.1 {code} {REASONS.get(code, 'Error')}\r\nContent-Type: {ctype}\r\n"
-            f"Content-Length: {len(raw)}\r\n\r\n")
-    return head.encode() + raw   # one write: no Nagle wait between headers and body
+    head = (
+        f"HTTP/1.1 {code} {REASONS.get(code, 'Error')}\r\nContent-Type: {ctype}\r\nContent-Length: {len(raw)}\r\n\r\n"
+    )
+    return head.encode() + raw  # one write: no Nagle wait between headers and body
 
 
 class _Connection(asyncio.Protocol):
@@ -711,9 +789,9 @@ class _Connection(asyncio.Protocol):
     def __init__(self, server: "LighthouseServer"):
         self.srv = server
         self.buf = bytearray()
-        self.busy = False           # a request is being answered: later bytes wait (no reordering)
-        self.beat: tuple[Job, int, int, int] | None = None   # this connection's heartbeating rank
-        self.waiting: tuple[Job, Request] | None = None        # its pending quorum request
+        self.busy = False  # a request is being answered: later bytes wait (no reordering)
+        self.beat: tuple[Job, int, int, int] | None = None  # this connection's heartbeating rank
+        self.waiting: tuple[Job, Request] | None = None  # its pending quorum request
         self.opened = self.last = time.monotonic()
         self.served = 0
 
@@ -777,8 +855,8 @@ class _Connection(asyncio.Protocol):
             raise _BadRequest(413, f"body over {MAX_BODY} bytes")
         if len(self.buf) < end + 4 + n:
             return None
-        body = bytes(self.buf[end + 4:end + 4 + n])
-        del self.buf[:end + 4 + n]
+        body = bytes(self.buf[end + 4 : end + 4 + n])
+        del self.buf[: end + 4 + n]
         return parts[0], parts[1], headers, body
 
     def reply(self, code: int, body: Any, ctype: str = "application/json") -> None:
@@ -814,7 +892,8 @@ class LighthouseServer:
         asyncio.set_event_loop(self.loop)
         try:
             self._srv = self.loop.run_until_complete(
-                self.loop.create_server(lambda: _Connection(self), host, port, backlog=1024))
+                self.loop.create_server(lambda: _Connection(self), host, port, backlog=1024)
+            )
             self.server_address = self._srv.sockets[0].getsockname()[:2]
         except OSError as e:
             self._error = e
@@ -828,8 +907,11 @@ class LighthouseServer:
         stopped rank's silence is for the heartbeat timeout to judge)."""
         now = time.monotonic()
         for c in list(self.conns):
-            if c.beat is None and not c.busy and (
-                    (c.served == 0 and now - c.opened > FIRST_REQUEST_S) or now - c.last > IDLE_S):
+            if (
+                c.beat is None
+                and not c.busy
+                and ((c.served == 0 and now - c.opened > FIRST_REQUEST_S) or now - c.last > IDLE_S)
+            ):
                 c.t.close()
         self.loop.call_later(1.0, self._sweep)
 
@@ -839,6 +921,7 @@ class LighthouseServer:
             for c in list(self.conns):
                 c.t.abort()
             self.loop.stop()
+
         if self.loop.is_running():
             self.loop.call_soon_threadsafe(stop)
             self._thread.join(timeout=5)
@@ -864,7 +947,7 @@ class LighthouseServer:
             if path == "/heartbeat":
                 info = RankInfo.parse(msg)
                 job_ = lh.job(info)
-                reply = job_.heartbeat(info)   # validates: only then is this connection a rank's
+                reply = job_.heartbeat(info)  # validates: only then is this connection a rank's
                 conn.beat = (job_, info.group, info.rank, info.incarnation)
                 return conn.reply(200, reply.to_wire())
             if path == "/quorum":
@@ -890,16 +973,17 @@ class LighthouseServer:
         loop_thread = threading.get_ident()
 
         def answer(reply: str | Answer) -> None:
-            if isinstance(reply, str):   # a quorum, encoded for this rank
+            if isinstance(reply, str):  # a quorum, encoded for this rank
                 conn.reply(Quorum.status, reply)
             else:
                 conn.reply(reply.status, reply.to_wire())
 
-        def deliver(reply: str | Answer) -> None:   # under the job's lock: the ticker's thread or this loop's
+        def deliver(reply: str | Answer) -> None:  # under the job's lock: the ticker's thread or this loop's
             if threading.get_ident() == loop_thread:
-                self.loop.call_soon(answer, reply)    # after this request's own dispatch has returned
+                self.loop.call_soon(answer, reply)  # after this request's own dispatch has returned
             else:
                 self.loop.call_soon_threadsafe(answer, reply)
+
         conn.waiting = (job, job.enqueue(ask, deliver, min(ask.timeout, timeouts.QUORUM_TIMEOUT)))
 
 
@@ -923,27 +1007,48 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m ftcore.lighthouse", description=__doc__.split("\n\n")[0])
     p.add_argument("--bind", default="127.0.0.1:29510", help="host:port to listen on (loopback by default)")
     p.add_argument("--min-replicas", type=int, default=1, help="fewest replica groups a quorum may have")
-    p.add_argument("--expected-replicas", type=int, default=0,
-                   help="groups the job starts with: the first quorum waits for all of them or the join timeout")
+    p.add_argument(
+        "--expected-replicas",
+        type=int,
+        default=0,
+        help="groups the job starts with: the first quorum waits for all of them or the join timeout",
+    )
     p.add_argument("--join-timeout", type=float, default=timeouts.JOIN_TIMEOUT)
     p.add_argument("--heartbeat-timeout", type=float, default=timeouts.HEARTBEAT_TIMEOUT)
     p.add_argument("--token-file", help="file holding the shared token (else FTCORE_TOKEN / FTCORE_TOKEN_FILE)")
-    p.add_argument("--insecure", action="store_true",
-                   help="serve without a token (loopback binds only): anyone who reaches it can steer every job")
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="serve without a token (loopback binds only): anyone who reaches it can steer every job",
+    )
     p.add_argument("--events-file", help="append every event to this JSON-lines file")
-    p.add_argument("--lease", type=float, default=timeouts.LEASE,
-                   help="seconds a group may go on in its last quorum while this lighthouse is silent (0: never)")
-    p.add_argument("--no-pause-grace", action="store_true",
-                   help="judge heartbeat timeouts at once after this process was paused (for comparison only)")
+    p.add_argument(
+        "--lease",
+        type=float,
+        default=timeouts.LEASE,
+        help="seconds a group may go on in its last quorum while this lighthouse is silent (0: never)",
+    )
+    p.add_argument(
+        "--no-pause-grace",
+        action="store_true",
+        help="judge heartbeat timeouts at once after this process was paused (for comparison only)",
+    )
     pace = PacePolicy()
-    p.add_argument("--slow-ratio", type=float, default=pace.ratio,
-                   help="fail-slow: exclude a group whose compute is this many times its peers' (0: never; "
-                        "FTCORE_SLOW_RATIO)")
-    p.add_argument("--slow-window", type=int, default=pace.window,
-                   help="... for this many consecutive rounds (FTCORE_SLOW_WINDOW)")
-    p.add_argument("--slow-probation", type=float, default=pace.probation_s,
-                   help="seconds an excluded group waits before it may rejoin; doubles each time "
-                        "(FTCORE_SLOW_PROBATION)")
+    p.add_argument(
+        "--slow-ratio",
+        type=float,
+        default=pace.ratio,
+        help="fail-slow: exclude a group whose compute is this many times its peers' (0: never; FTCORE_SLOW_RATIO)",
+    )
+    p.add_argument(
+        "--slow-window", type=int, default=pace.window, help="... for this many consecutive rounds (FTCORE_SLOW_WINDOW)"
+    )
+    p.add_argument(
+        "--slow-probation",
+        type=float,
+        default=pace.probation_s,
+        help="seconds an excluded group waits before it may rejoin; doubles each time (FTCORE_SLOW_PROBATION)",
+    )
     a = p.parse_args(argv)
     if a.min_replicas < 1:
         print("ftcore.lighthouse: --min-replicas must be >= 1", file=sys.stderr)
@@ -955,23 +1060,40 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     token = auth.read_token_file(a.token_file) if a.token_file else auth.token_from_env()
     if token is None and not a.insecure:
-        print("ftcore.lighthouse: no token; give --token-file, or set FTCORE_TOKEN / FTCORE_TOKEN_FILE "
-              "(or --insecure on a loopback --bind for a throwaway run)", file=sys.stderr)
+        print(
+            "ftcore.lighthouse: no token; give --token-file, or set FTCORE_TOKEN / FTCORE_TOKEN_FILE "
+            "(or --insecure on a loopback --bind for a throwaway run)",
+            file=sys.stderr,
+        )
         return 2
     if token is None and not netaddr.is_loopback(a.bind.rpartition(":")[0].strip("[]") or "127.0.0.1"):
-        print(f"ftcore.lighthouse: refusing to serve {a.bind} without a token: --insecure is for loopback "
-              "binds only; give --token-file", file=sys.stderr)
+        print(
+            f"ftcore.lighthouse: refusing to serve {a.bind} without a token: --insecure is for loopback "
+            "binds only; give --token-file",
+            file=sys.stderr,
+        )
         return 2
-    cfg = LighthouseConfig(a.bind, a.min_replicas, a.expected_replicas, a.join_timeout, a.heartbeat_timeout,
-                           token=token, events_file=a.events_file, lease=max(a.lease, 0.0),
-                           pause_grace=not a.no_pause_grace, pace=pace)
+    cfg = LighthouseConfig(
+        a.bind,
+        a.min_replicas,
+        a.expected_replicas,
+        a.join_timeout,
+        a.heartbeat_timeout,
+        token=token,
+        events_file=a.events_file,
+        lease=max(a.lease, 0.0),
+        pause_grace=not a.no_pause_grace,
+        pace=pace,
+    )
     try:
         server, lh = serve(cfg)
     except OSError as e:
         print(f"ftcore.lighthouse: cannot listen on {a.bind}: {e.strerror}; choose another --bind", file=sys.stderr)
         return 2
-    print(json.dumps({"t": time.time(), "kind": "listening", "address": "{}:{}".format(*server.server_address[:2])}),
-          flush=True)
+    print(
+        json.dumps({"t": time.time(), "kind": "listening", "address": "{}:{}".format(*server.server_address[:2])}),
+        flush=True,
+    )
     try:
         threading.Event().wait()
     except KeyboardInterrupt:

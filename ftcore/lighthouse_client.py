@@ -69,8 +69,14 @@ def _split(addr: str) -> tuple[str, int]:
     return host or "127.0.0.1", int(port)
 
 
-def call(addr: str, path: str, body: dict[str, Any] | None, token: str | None,
-         timeout: float = timeouts.RPC_TIMEOUT, method: str = "POST") -> tuple[int, Any]:
+def call(
+    addr: str,
+    path: str,
+    body: dict[str, Any] | None,
+    token: str | None,
+    timeout: float = timeouts.RPC_TIMEOUT,
+    method: str = "POST",
+) -> tuple[int, Any]:
     """One HTTP request on a fresh connection; returns (status, decoded JSON body)."""
     host, port = _split(addr)
     conn = http.client.HTTPConnection(host, port, timeout=timeout)
@@ -90,6 +96,7 @@ def call(addr: str, path: str, body: dict[str, Any] | None, token: str | None,
 
 class LighthouseLink(Protocol):
     """What the manager needs of its lighthouse client (ftcore/manager.py; tests give it a fake)."""
+
     info: RankInfo
     replaced: bool
     failed_groups: tuple[int, ...]
@@ -113,10 +120,10 @@ class LighthouseClient:
         self.addr = addr
         self.token = token
         self.info = info
-        self._info_lock = threading.Lock()   # update() from several threads loses no field
-        self._qconn: http.client.HTTPConnection | None = None   # quorum requests, kept alive
-        self._last_sent = 0.0   # monotonic time of the last quorum request (it refreshes liveness too)
-        self.last_reply = time.monotonic()   # the lighthouse's last answer of any kind
+        self._info_lock = threading.Lock()  # update() from several threads loses no field
+        self._qconn: http.client.HTTPConnection | None = None  # quorum requests, kept alive
+        self._last_sent = 0.0  # monotonic time of the last quorum request (it refreshes liveness too)
+        self.last_reply = time.monotonic()  # the lighthouse's last answer of any kind
         self.failed_groups: tuple[int, ...] = ()  # unhealthy members of the current quorum, per the last heartbeat
         self.replaced = False
         self.latest_quorum_id = 0  # the lighthouse's current quorum id, per the last heartbeat
@@ -160,7 +167,7 @@ class LighthouseClient:
                 elif resp.status == 200:
                     beat = HeartbeatReply.parse(data)
                     self.failed_groups, self.latest_quorum_id = beat.failed, beat.quorum_id
-            except (OSError, http.client.HTTPException, ValueError):   # ValueError: bad JSON, MessageError
+            except (OSError, http.client.HTTPException, ValueError):  # ValueError: bad JSON, MessageError
                 if conn is not None:
                     conn.close()
                 conn = None
@@ -252,8 +259,12 @@ class LighthouseClient:
         deadline = time.monotonic() + timeouts.RPC_TIMEOUT
         while True:
             try:
-                if call(self.addr, "/report_failure", body, self.token,
-                        timeout=max(0.1, deadline - time.monotonic()))[0] == 200:
+                if (
+                    call(self.addr, "/report_failure", body, self.token, timeout=max(0.1, deadline - time.monotonic()))[
+                        0
+                    ]
+                    == 200
+                ):
                     return
             except (OSError, http.client.HTTPException):
                 pass
@@ -262,8 +273,10 @@ class LighthouseClient:
             time.sleep(0.05)
 
     def event(self, kind: str, **data: Any) -> None:
-        self._fire("/event", ClientEvent(kind, self.info.job,
-                                         {"group": self.info.group, "rank": self.info.rank, **data}).to_wire())
+        self._fire(
+            "/event",
+            ClientEvent(kind, self.info.job, {"group": self.info.group, "rank": self.info.rank, **data}).to_wire(),
+        )
 
     def _stop_beats(self) -> None:
         self._stop.set()

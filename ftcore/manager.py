@@ -58,19 +58,19 @@ STUCK_TIMEOUT = timeouts._env("FTCORE_STUCK_TIMEOUT", 120.0)
 
 @dataclass
 class ManagerConfig:
-    lighthouse: str                 # host:port
-    group: int                      # this replica group, 0..num_groups-1
-    num_groups: int                 # R: replica groups the job was planned with (LR policy, make-up)
-    rank: int = 0                   # k: rank within the group
-    world: int = 1                  # K: ranks per group
-    incarnation: int | None = 0     # bumps each time the group is restarted; None: agreed at start (see below)
+    lighthouse: str  # host:port
+    group: int  # this replica group, 0..num_groups-1
+    num_groups: int  # R: replica groups the job was planned with (LR policy, make-up)
+    rank: int = 0  # k: rank within the group
+    world: int = 1  # K: ranks per group
+    incarnation: int | None = 0  # bumps each time the group is restarted; None: agreed at start (see below)
     min_replicas: int = 1
     lr_policy: str = "sqrt"
     token: str | None = None
-    host: str = ""                  # where this rank's store, heal server and gloo listen (ftcore/netaddr.py)
-    job: str = "default"            # one lighthouse serves several jobs; their quorums never mix
+    host: str = ""  # where this rank's store, heal server and gloo listen (ftcore/netaddr.py)
+    job: str = "default"  # one lighthouse serves several jobs; their quorums never mix
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
-    records: str | None = None      # append every StepRecord here as a JSON line ("{incarnation}" is filled in)
+    records: str | None = None  # append every StepRecord here as a JSON line ("{incarnation}" is filled in)
     # cross-group data plane: "gloo" always, CUDA gradients host-staged (ftcore/ftar.py says why).
     # "nccl" is fenced: opt-in only (FTCORE_BACKEND=nccl), never run on a GPU here, and a hung
     # peer there is ended by NCCL's watchdog tearing the survivors down, not by FTAR (_new_pg).
@@ -105,9 +105,12 @@ def config_from_env(**overrides: Any) -> ManagerConfig:
     """The manager's configuration from the rank's environment (ENV above)."""
     env = os.environ
     if not env.get("FTCORE_LIGHTHOUSE"):
-        raise ValueError("ftcore: FTCORE_LIGHTHOUSE is not set; start ranks with the launcher "
-                         "(python -m training launch) or set it to the lighthouse's host:port")
+        raise ValueError(
+            "ftcore: FTCORE_LIGHTHOUSE is not set; start ranks with the launcher "
+            "(python -m training launch) or set it to the lighthouse's host:port"
+        )
     from ftcore import auth
+
     cfg = ManagerConfig(
         lighthouse=env["FTCORE_LIGHTHOUSE"],
         group=_env_int("FTREC_REPLICA_GROUP", "0"),
@@ -140,8 +143,9 @@ def agree_incarnation(group_pg: dist.ProcessGroup | None) -> int:
     return int(t.item())
 
 
-def _new_pg(backend: str, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta,
-            host: str = "127.0.0.1") -> dist.ProcessGroup:
+def _new_pg(
+    backend: str, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta, host: str = "127.0.0.1"
+) -> dist.ProcessGroup:
     """One quorum's cross-group process group, its gloo listening on `host` only (with a gloo
     twin for control values beside any other backend, ftcore/collectives.py).
 
@@ -163,6 +167,7 @@ def faults_from_env() -> list[faults_mod.Fault]:
 @dataclass
 class StepRecord:
     """One step attempt, as data (the launcher turns these into MLflow metrics/timeline)."""
+
     step: int
     quorum_id: int
     participants: int
@@ -174,7 +179,7 @@ class StepRecord:
     allreduce_s: float
     t: float
     error: str = ""
-    leased: bool = False   # the lighthouse did not answer: the step ran in the previous quorum
+    leased: bool = False  # the lighthouse did not answer: the step ran in the previous quorum
     requorum: bool = False  # a peer failed its exchange: it re-ran in the survivors' quorum (same batch)
 
 
@@ -182,14 +187,23 @@ class Manager:
     """One rank's step protocol. `group_pg`: the process group of this replica group's own
     ranks (None: one rank); `lighthouse_client`: makes the client (the real one by default)."""
 
-    def __init__(self, cfg: ManagerConfig, state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None],
-                 group_pg: dist.ProcessGroup | None = None, step: int = 0,
-                 faults: list[faults_mod.Fault] | None = None, lighthouse_client: ClientFactory = LighthouseClient):
+    def __init__(
+        self,
+        cfg: ManagerConfig,
+        state_dict: Callable[[], Any],
+        load_state_dict: Callable[[Any], None],
+        group_pg: dist.ProcessGroup | None = None,
+        step: int = 0,
+        faults: list[faults_mod.Fault] | None = None,
+        lighthouse_client: ClientFactory = LighthouseClient,
+    ):
         if cfg.lr_policy not in LR_POLICIES:
             raise ValueError(f"ftcore: lr_policy {cfg.lr_policy!r} is not one of {LR_POLICIES}")
         if not 0 <= cfg.group < cfg.num_groups:
-            raise ValueError(f"ftcore: replica group {cfg.group} is outside 0..{cfg.num_groups - 1} "
-                             "(FTREC_REPLICA_GROUP, FTREC_NUM_REPLICA_GROUPS)")
+            raise ValueError(
+                f"ftcore: replica group {cfg.group} is outside 0..{cfg.num_groups - 1} "
+                "(FTREC_REPLICA_GROUP, FTREC_NUM_REPLICA_GROUPS)"
+            )
         self.cfg = cfg
         cfg.host = cfg.host or netaddr.rank_host(cfg.lighthouse)
         if cfg.incarnation is None:
@@ -201,49 +215,63 @@ class Manager:
         # Rendezvous store for the cross-group groups this rank leads (as rank k of the leader
         # group), on a socket bound to cfg.host alone (TCPStore's own listens everywhere).
         fd, port = netaddr.listen_fd(cfg.host)
-        self._store = dist.TCPStore(cfg.host, port, is_master=True, wait_for_workers=False, master_listen_fd=fd,
-                                    timeout=datetime.timedelta(seconds=timeouts.COLLECTIVE_TIMEOUT))
+        self._store = dist.TCPStore(
+            cfg.host,
+            port,
+            is_master=True,
+            wait_for_workers=False,
+            master_listen_fd=fd,
+            timeout=datetime.timedelta(seconds=timeouts.COLLECTIVE_TIMEOUT),
+        )
         self._stores: dict[str, dist.TCPStore] = {}
         self.heal_server = HealServer(cfg.host, cfg.token, on_serve=self._on_serve)
-        info = RankInfo(group=cfg.group, rank=cfg.rank, world=cfg.world, incarnation=cfg.incarnation, job=cfg.job,
-                        num_groups=cfg.num_groups, min_replicas=cfg.min_replicas, step=step,
-                        store=f"{cfg.host}:{self._store.port}", heal=self.heal_server.address)
+        info = RankInfo(
+            group=cfg.group,
+            rank=cfg.rank,
+            world=cfg.world,
+            incarnation=cfg.incarnation,
+            job=cfg.job,
+            num_groups=cfg.num_groups,
+            min_replicas=cfg.min_replicas,
+            step=step,
+            store=f"{cfg.host}:{self._store.port}",
+            heal=self.heal_server.address,
+        )
         self.client = lighthouse_client(cfg.lighthouse, info, cfg.token)
         self.client.start_heartbeats()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftcore-quorum")
         self._heal_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftcore-heal")
-        self._pg: dist.ProcessGroup | None = None      # this quorum's cross-group process group
-        self._pg_id: tuple[str, int] | None = None      # ... and the Quorum.key it was built for
+        self._pg: dist.ProcessGroup | None = None  # this quorum's cross-group process group
+        self._pg_id: tuple[str, int] | None = None  # ... and the Quorum.key it was built for
         self._quorum: Quorum | None = None
-        self._trained_in: tuple[str, Identity] = ("", ())   # lighthouse id and members of the last quorum applied
+        self._trained_in: tuple[str, Identity] = ("", ())  # lighthouse id and members of the last quorum applied
         self._quorum_fut: Future | None = None
-        self._round = 0                   # which start_quorum a background quorum call belongs to
-        self._lease_until = 0.0           # monotonic: the last granted quorum may be reused until then
-        self._last_ok = False             # the last step committed (in self._quorum)
+        self._round = 0  # which start_quorum a background quorum call belongs to
+        self._lease_until = 0.0  # monotonic: the last granted quorum may be reused until then
+        self._last_ok = False  # the last step committed (in self._quorum)
         self._leased = False
-        self._answered = False            # this round's reply was taken: the round can no longer lease
-        self._round_lock = threading.Lock()   # a round either takes its reply or leases, never both
-        self._ask = QuorumRequest(info)   # what this round's request reports, fixed at its start
+        self._answered = False  # this round's reply was taken: the round can no longer lease
+        self._round_lock = threading.Lock()  # a round either takes its reply or leases, never both
+        self._ask = QuorumRequest(info)  # what this round's request reports, fixed at its start
         self._heal_fut: Future | None = None
         self._errors: list[str] = []
         self._contributors = 0
         self._has_work = True
         self._t_quorum = self._t_allreduce = 0.0
         self._last_commit = time.monotonic()
-        self._busy: Busy | None = None    # the last step's compute, for the lighthouse
-        self._idle = -1                   # the last step's quorum id if nobody had work in it, else -1
-        self._standby_until = 0.0         # monotonic: held out as slow (Standby) until then
-        self._sent: tuple[Busy | None, float] = (None, 0.0)   # the busy figure sent, and that step's FTAR seconds
-        self._waited = False              # this step's quorum is known (wait_quorum ran)
-        self._reran = False               # this step's exchange re-ran in the survivors' quorum
+        self._busy: Busy | None = None  # the last step's compute, for the lighthouse
+        self._idle = -1  # the last step's quorum id if nobody had work in it, else -1
+        self._standby_until = 0.0  # monotonic: held out as slow (Standby) until then
+        self._sent: tuple[Busy | None, float] = (None, 0.0)  # the busy figure sent, and that step's FTAR seconds
+        self._waited = False  # this step's quorum is known (wait_quorum ran)
+        self._reran = False  # this step's exchange re-ran in the survivors' quorum
         # per step of this group's that every member ran: (straggler s: waiting for the slowest
         # group, FTAR s, the slowest group's compute s, the groups' mean compute s); drained by the trainer
         self.pace_log: list[tuple[float, float, float, float]] = []
         self.healed_step: int | None = None  # set by should_commit() when this step loaded a peer's state
-        if cfg.records:   # named after the incarnation, which may only now be agreed
+        if cfg.records:  # named after the incarnation, which may only now be agreed
             cfg.records = cfg.records.replace("{incarnation}", str(cfg.incarnation))
-        self._records_fd = (os.open(cfg.records, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-                            if cfg.records else None)
+        self._records_fd = os.open(cfg.records, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644) if cfg.records else None
 
     # ---- quorum ---------------------------------------------------------------------
     def start_quorum(self) -> None:
@@ -251,8 +279,10 @@ class Manager:
         if self.client.replaced:
             raise Replaced(f"replica group {self.cfg.group} incarnation {self.cfg.incarnation} was replaced")
         if time.monotonic() - self._last_commit > STUCK_TIMEOUT:
-            raise RuntimeError(f"ftcore: replica group {self.cfg.group} has not committed a step for "
-                               f"{STUCK_TIMEOUT:.0f}s (FTCORE_STUCK_TIMEOUT); giving up so it can be restarted")
+            raise RuntimeError(
+                f"ftcore: replica group {self.cfg.group} has not committed a step for "
+                f"{STUCK_TIMEOUT:.0f}s (FTCORE_STUCK_TIMEOUT); giving up so it can be restarted"
+            )
         self._errors, self._contributors, self._has_work = [], 0, True
         self.healed_step = None
         self._heal_fut = None
@@ -260,8 +290,8 @@ class Manager:
         self._reran = False
         self._t0 = time.monotonic()
         self.client.update(step=self.step)
-        busy, self._busy = self._busy, None   # fail-slow figures ride on the request
-        self._sent = (busy, self._t_allreduce)   # the last step's, for its pace
+        busy, self._busy = self._busy, None  # fail-slow figures ride on the request
+        self._sent = (busy, self._t_allreduce)  # the last step's, for its pace
         with self._round_lock:
             self._leased = self._answered = False
             self._round += 1
@@ -273,17 +303,17 @@ class Manager:
 
     def _run_quorum(self, round_: int, ask: QuorumRequest) -> Quorum | None:
         if round_ != self._round:
-            return None   # a later step asked already (this one ran on a lease): nothing to do
+            return None  # a later step asked already (this one ran on a lease): nothing to do
         time.sleep(max(self._standby_until - time.monotonic(), 0.0))
-        with self._round_lock:   # a request that leaves after its step leased says so (lighthouse _drop_overtaken)
+        with self._round_lock:  # a request that leaves after its step leased says so (lighthouse _drop_overtaken)
             ask = replace(ask, leased=self._leased)
         try:
             q = self.client.quorum(request=ask)
         except Overtaken:
-            return None   # only a leased round is overtaken, and a leased round ignores its answer
+            return None  # only a leased round is overtaken, and a leased round ignores its answer
         with self._round_lock:
             if round_ != self._round or self._leased:
-                return None   # answered after its step went on without it: no side effects
+                return None  # answered after its step went on without it: no side effects
             self._answered = True
         self._t_quorum = time.monotonic() - self._t0
         return self._apply_quorum(q)
@@ -296,7 +326,7 @@ class Manager:
         self.client.update(quorum_id=q.quorum_id)
         self._trained_in = (q.lighthouse_id, q.identity)
         g = self.cfg.group
-        if g in q.heal:   # rank k heals from rank k of the source
+        if g in q.heal:  # rank k heals from rank k of the source
             self._heal_fut = self._heal_pool.submit(self._fetch_heal, q.heal_from, q.max_step, q.heal[g])
         if q.key != self._pg_id:
             self._build_pg(q)
@@ -312,17 +342,28 @@ class Manager:
             _retire(old)
         groups = q.groups
         if len(groups) > 1:
-            leader = q.store   # rank k of the first group hosts rank k's rendezvous
+            leader = q.store  # rank k of the first group hosts rank k's rendezvous
             store = self._stores.get(leader)
             if store is None:
                 host, _, port = leader.rpartition(":")
-                store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
-                                      timeout=datetime.timedelta(seconds=timeouts.COLLECTIVE_TIMEOUT))
+                store = dist.TCPStore(
+                    host,
+                    int(port),
+                    is_master=False,
+                    wait_for_workers=False,
+                    timeout=datetime.timedelta(seconds=timeouts.COLLECTIVE_TIMEOUT),
+                )
                 self._stores[leader] = store
             prefix = f"ftcore/{q.lighthouse_id}/{q.quorum_id}/{self.cfg.rank}"
             # A fresh prefix per quorum: the default process group cannot shrink or grow.
-            self._pg = _new_pg(self.cfg.backend, dist.PrefixStore(prefix, store), groups.index(self.cfg.group),
-                               len(groups), datetime.timedelta(seconds=timeouts.COLLECTIVE_TIMEOUT), self.cfg.host)
+            self._pg = _new_pg(
+                self.cfg.backend,
+                dist.PrefixStore(prefix, store),
+                groups.index(self.cfg.group),
+                len(groups),
+                datetime.timedelta(seconds=timeouts.COLLECTIVE_TIMEOUT),
+                self.cfg.host,
+            )
         self._pg_id = q.key
 
     def _fetch_heal(self, addr: str, step: int, src: int) -> Any:
@@ -337,8 +378,9 @@ class Manager:
 
     def _is_stale(self) -> bool:
         q = self._quorum
-        return q is not None and (any(g in q.groups for g in self.client.failed_groups)
-                                  or self.client.latest_quorum_id > q.quorum_id)
+        return q is not None and (
+            any(g in q.groups for g in self.client.failed_groups) or self.client.latest_quorum_id > q.quorum_id
+        )
 
     def _fail(self, msg: str, report: bool = False) -> None:
         self._errors.append(msg)
@@ -373,7 +415,7 @@ class Manager:
                         raise
         except Replaced:
             raise
-        except Standby as e:   # held out as slow: alive, not stuck; the step fails and is retried later
+        except Standby as e:  # held out as slow: alive, not stuck; the step fails and is retried later
             self._quorum = None
             self._standby_until = self._last_commit = time.monotonic()
             self._standby_until += e.retry_s
@@ -391,11 +433,16 @@ class Manager:
         it do, nor could the job end while one is away) with nobody to heal, and that
         quorum's lease has not run out."""
         q = self._quorum
-        return (q is not None and self._last_ok and not q.heal and time.monotonic() < self._lease_until
-                and len(q.groups) >= self.cfg.num_groups
-                and self.client.latest_quorum_id <= q.quorum_id
-                and (self._pg is not None or len(q.groups) == 1)
-                and self.client.silent_for() > timeouts.LIGHTHOUSE_SILENT)
+        return (
+            q is not None
+            and self._last_ok
+            and not q.heal
+            and time.monotonic() < self._lease_until
+            and len(q.groups) >= self.cfg.num_groups
+            and self.client.latest_quorum_id <= q.quorum_id
+            and (self._pg is not None or len(q.groups) == 1)
+            and self.client.silent_for() > timeouts.LIGHTHOUSE_SILENT
+        )
 
     # ---- FTAR -----------------------------------------------------------------------
     @property
@@ -437,12 +484,15 @@ class Manager:
             local_error = True
             self._errors.append(str(e))
         contribute = self._has_work and not self.healing
-        if contribute:   # this step's compute, from its start to here: what fail-slow compares
+        if contribute:  # this step's compute, from its start to here: what fail-slow compares
             self._busy = Busy(q.quorum_id, round(time.monotonic() - self._t0, 6))
         # a healing group joins at the step it is about to receive
         step = q.max_step if self._heal_fut is not None else self.step
-        saved = ([x.detach().clone() for x in tensors]
-                 if same_batch is not None and self._pg is not None and self._heal_fut is None else None)
+        saved = (
+            [x.detach().clone() for x in tensors]
+            if same_batch is not None and self._pg is not None and self._heal_fut is None
+            else None
+        )
         try:
             try:
                 res = self._ftar(tensors, contribute, local_error, step)
@@ -452,7 +502,7 @@ class Manager:
                     return
                 for x, keep in zip(tensors, saved, strict=True):
                     x.copy_(keep)
-                self._errors.remove(str(e))   # the step goes on, in the survivors' quorum
+                self._errors.remove(str(e))  # the step goes on, in the survivors' quorum
                 self._reran = True
                 try:
                     res = self._ftar(tensors, contribute, False, step)
@@ -472,9 +522,17 @@ class Manager:
             self._errors.append(str(e))
 
     def _ftar(self, tensors: list[torch.Tensor], contribute: bool, local_error: bool, step: int):
-        return ftar(self._pg, tensors, contribute=contribute, local_error=local_error,
-                    timeout=timeouts.COLLECTIVE_TIMEOUT, is_stale=self._is_stale, bucket_bytes=self.cfg.bucket_bytes,
-                    during=lambda: self.injector.phase("during_allreduce", self.step), step=step)
+        return ftar(
+            self._pg,
+            tensors,
+            contribute=contribute,
+            local_error=local_error,
+            timeout=timeouts.COLLECTIVE_TIMEOUT,
+            is_stale=self._is_stale,
+            bucket_bytes=self.cfg.bucket_bytes,
+            during=lambda: self.injector.phase("during_allreduce", self.step),
+            step=step,
+        )
 
     def _requorum(self, same_batch: Callable[[Quorum], bool]) -> Quorum | None:
         """The quorum after a peer failed this step's exchange, taken now (the lighthouse already
@@ -487,13 +545,13 @@ class Manager:
             q = self.client.quorum(request=self._ask)
         except Replaced:
             raise
-        except LighthouseError:   # unreachable, on standby: the step fails, the next one asks again
+        except LighthouseError:  # unreachable, on standby: the step fails, the next one asks again
             return None
         if self.cfg.group in q.heal or q.max_step != self.step:
             return None
         try:
             self._apply_quorum(q)
-        except Exception as e:   # the new process group could not be built: as any failed step
+        except Exception as e:  # the new process group could not be built: as any failed step
             self._quorum = None
             self._fail(f"quorum: {type(e).__name__}: {e}", report=True)
             return None
@@ -527,9 +585,21 @@ class Manager:
             self.step += 1
             self._last_commit = time.monotonic()
             self.client.update(step=self.step)
-        rec = StepRecord(self.step, q.quorum_id if q else 0, participants, self._contributors,
-                         self._heal_fut is not None, ok, lr, self._t_quorum, self._t_allreduce,
-                         time.time(), "; ".join(self._errors)[:300], self._leased, self._reran)
+        rec = StepRecord(
+            self.step,
+            q.quorum_id if q else 0,
+            participants,
+            self._contributors,
+            self._heal_fut is not None,
+            ok,
+            lr,
+            self._t_quorum,
+            self._t_allreduce,
+            time.time(),
+            "; ".join(self._errors)[:300],
+            self._leased,
+            self._reran,
+        )
         if self._records_fd is not None:
             line = {"group": self.cfg.group, "rank": self.cfg.rank, "incarnation": self.cfg.incarnation, **rec.__dict__}
             os.write(self._records_fd, (json.dumps(line) + "\n").encode())

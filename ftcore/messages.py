@@ -36,13 +36,13 @@ from ftcore import timeouts
 # Bounds on what a client may send: ids the lighthouse cannot plan for are refused at the door.
 DEFAULT_JOB = "default"
 JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/+@=-]{0,127}")
-MAX_GROUPS = 1 << 16       # replica groups per job
-MAX_WORLD = 1 << 16        # ranks per replica group
-MAX_ID = 1 << 53           # steps, incarnations, quorum ids: integers JSON carries exactly
-MAX_ADDRESS = 256          # characters of a host:port
+MAX_GROUPS = 1 << 16  # replica groups per job
+MAX_WORLD = 1 << 16  # ranks per replica group
+MAX_ID = 1 << 53  # steps, incarnations, quorum ids: integers JSON carries exactly
+MAX_ADDRESS = 256  # characters of a host:port
 MAX_LIGHTHOUSE_ID = 64
 
-Identity = tuple[tuple[int, int], ...]   # a quorum's members as (group, incarnation), in member order
+Identity = tuple[tuple[int, int], ...]  # a quorum's members as (group, incarnation), in member order
 
 
 class MessageError(ValueError):
@@ -118,22 +118,33 @@ def _groups(raw: Any, key: str) -> tuple[int, ...]:
 class RankInfo:
     """Who a rank is and where it stands. Every message carries it whole, so that a
     restarted lighthouse relearns the job from the next heartbeat."""
-    group: int                 # this replica group
-    rank: int                  # k, within the group
-    world: int = 1             # K: ranks per group
-    incarnation: int = 0       # this start of the group
+
+    group: int  # this replica group
+    rank: int  # k, within the group
+    world: int = 1  # K: ranks per group
+    incarnation: int = 0  # this start of the group
     job: str = DEFAULT_JOB
-    num_groups: int = 0        # R, when the rank knows it (0: not said); describes the job to a new lighthouse
-    min_replicas: int = 1      # ... and the fewest groups its quorums need
-    step: int = 0              # committed steps
-    quorum_id: int = 0         # the last quorum this rank trained in (ids resume above it after a restart)
-    store: str = ""            # host:port of this rank's TCPStore (the rendezvous of cross-group groups)
-    heal: str = ""             # host:port of this rank's heal server
+    num_groups: int = 0  # R, when the rank knows it (0: not said); describes the job to a new lighthouse
+    min_replicas: int = 1  # ... and the fewest groups its quorums need
+    step: int = 0  # committed steps
+    quorum_id: int = 0  # the last quorum this rank trained in (ids resume above it after a restart)
+    store: str = ""  # host:port of this rank's TCPStore (the rendezvous of cross-group groups)
+    heal: str = ""  # host:port of this rank's heal server
 
     def to_wire(self) -> dict[str, Any]:
-        return {"job": self.job, "group": self.group, "rank": self.rank, "world": self.world,
-                "incarnation": self.incarnation, "num_groups": self.num_groups, "min_replicas": self.min_replicas,
-                "step": self.step, "quorum_id": self.quorum_id, "store": self.store, "heal": self.heal}
+        return {
+            "job": self.job,
+            "group": self.group,
+            "rank": self.rank,
+            "world": self.world,
+            "incarnation": self.incarnation,
+            "num_groups": self.num_groups,
+            "min_replicas": self.min_replicas,
+            "step": self.step,
+            "quorum_id": self.quorum_id,
+            "store": self.store,
+            "heal": self.heal,
+        }
 
     @classmethod
     def parse(cls, msg: Any) -> RankInfo:
@@ -141,17 +152,26 @@ class RankInfo:
         msg = _object(msg, "a rank's message")
         num_groups = _int(msg, "num_groups", 0, hi=MAX_GROUPS)
         world = _int(msg, "world", 1, lo=1, hi=MAX_WORLD)
-        return cls(group=_int(msg, "group", hi=num_groups or MAX_GROUPS), rank=_int(msg, "rank", hi=world),
-                   world=world, incarnation=_int(msg, "incarnation", 0), job=job_id(msg.get("job")),
-                   num_groups=num_groups, min_replicas=_int(msg, "min_replicas", 1, hi=MAX_GROUPS),
-                   step=_int(msg, "step", 0), quorum_id=_int(msg, "quorum_id", 0),
-                   store=_str(msg, "store"), heal=_str(msg, "heal"))
+        return cls(
+            group=_int(msg, "group", hi=num_groups or MAX_GROUPS),
+            rank=_int(msg, "rank", hi=world),
+            world=world,
+            incarnation=_int(msg, "incarnation", 0),
+            job=job_id(msg.get("job")),
+            num_groups=num_groups,
+            min_replicas=_int(msg, "min_replicas", 1, hi=MAX_GROUPS),
+            step=_int(msg, "step", 0),
+            quorum_id=_int(msg, "quorum_id", 0),
+            store=_str(msg, "store"),
+            heal=_str(msg, "heal"),
+        )
 
 
 @dataclass(frozen=True)
 class Busy:
     """A rank's compute in its last step (start of the step to its entry into FTAR), and the
     quorum it ran in: what fail-slow compares (ftcore/pace.py)."""
+
     quorum_id: int
     seconds: float
 
@@ -176,19 +196,25 @@ class QuorumRequest:
     (with `info.quorum_id`; a restarted lighthouse hands that quorum out again when every
     member reports the same), its last step's compute, and whether that step went on
     without the lighthouse."""
+
     info: RankInfo
-    quorum_lighthouse_id: str = ""     # the lighthouse that formed the rank's last quorum ("": none yet)
-    quorum_identity: Identity = ()     # that quorum's members
+    quorum_lighthouse_id: str = ""  # the lighthouse that formed the rank's last quorum ("": none yet)
+    quorum_identity: Identity = ()  # that quorum's members
     busy: Busy | None = None
-    idle: int = -1            # the quorum id of its last step if nobody had work in it, else -1
-    leased: bool = False      # sent after its step had gone on without the lighthouse: the reply is ignored
-    timeout: float = timeouts.QUORUM_TIMEOUT   # seconds the rank waits for the answer
+    idle: int = -1  # the quorum id of its last step if nobody had work in it, else -1
+    leased: bool = False  # sent after its step had gone on without the lighthouse: the reply is ignored
+    timeout: float = timeouts.QUORUM_TIMEOUT  # seconds the rank waits for the answer
 
     def to_wire(self) -> dict[str, Any]:
-        return {**self.info.to_wire(), "quorum_lighthouse_id": self.quorum_lighthouse_id,
-                "quorum_identity": [list(p) for p in self.quorum_identity],
-                "busy": self.busy.to_wire() if self.busy is not None else None, "idle": self.idle,
-                "leased": self.leased, "timeout": self.timeout}
+        return {
+            **self.info.to_wire(),
+            "quorum_lighthouse_id": self.quorum_lighthouse_id,
+            "quorum_identity": [list(p) for p in self.quorum_identity],
+            "busy": self.busy.to_wire() if self.busy is not None else None,
+            "idle": self.idle,
+            "leased": self.leased,
+            "timeout": self.timeout,
+        }
 
     @classmethod
     def parse(cls, msg: Any) -> QuorumRequest:
@@ -197,20 +223,28 @@ class QuorumRequest:
         if not isinstance(leased, bool):
             raise MessageError(f"leased must be true or false, got {leased!r}"[:200])
         timeout = msg.get("timeout", timeouts.QUORUM_TIMEOUT)
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (
-                math.isfinite(timeout) and timeout > 0):
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, (int, float))
+            or not (math.isfinite(timeout) and timeout > 0)
+        ):
             raise MessageError(f"timeout={timeout!r} must be a positive number of seconds"[:200])
-        return cls(info=RankInfo.parse(msg),
-                   quorum_lighthouse_id=_str(msg, "quorum_lighthouse_id", limit=MAX_LIGHTHOUSE_ID),
-                   quorum_identity=_identity(msg.get("quorum_identity"), "quorum_identity"),
-                   busy=Busy.parse(msg.get("busy")), idle=_int(msg, "idle", -1, lo=-1), leased=leased,
-                   timeout=float(timeout))
+        return cls(
+            info=RankInfo.parse(msg),
+            quorum_lighthouse_id=_str(msg, "quorum_lighthouse_id", limit=MAX_LIGHTHOUSE_ID),
+            quorum_identity=_identity(msg.get("quorum_identity"), "quorum_identity"),
+            busy=Busy.parse(msg.get("busy")),
+            idle=_int(msg, "idle", -1, lo=-1),
+            leased=leased,
+            timeout=float(timeout),
+        )
 
 
 @dataclass(frozen=True)
 class FailureReport:
     """A rank's data plane failed in `quorum_id` (its peers re-form without waiting for a
     heartbeat timeout)."""
+
     job: str
     group: int
     rank: int
@@ -219,21 +253,33 @@ class FailureReport:
     error: str
 
     def to_wire(self) -> dict[str, Any]:
-        return {"job": self.job, "group": self.group, "rank": self.rank, "incarnation": self.incarnation,
-                "quorum_id": self.quorum_id, "error": self.error}
+        return {
+            "job": self.job,
+            "group": self.group,
+            "rank": self.rank,
+            "incarnation": self.incarnation,
+            "quorum_id": self.quorum_id,
+            "error": self.error,
+        }
 
     @classmethod
     def parse(cls, msg: Any) -> FailureReport:
         msg = _object(msg, "a failure report")
-        return cls(job=job_id(msg.get("job")), group=_int(msg, "group", hi=MAX_GROUPS),
-                   rank=_int(msg, "rank", hi=MAX_WORLD), incarnation=_int(msg, "incarnation", 0),
-                   quorum_id=_int(msg, "quorum_id", 0), error=str(msg.get("error", ""))[:200])
+        return cls(
+            job=job_id(msg.get("job")),
+            group=_int(msg, "group", hi=MAX_GROUPS),
+            rank=_int(msg, "rank", hi=MAX_WORLD),
+            incarnation=_int(msg, "incarnation", 0),
+            quorum_id=_int(msg, "quorum_id", 0),
+            error=str(msg.get("error", ""))[:200],
+        )
 
 
 @dataclass(frozen=True)
 class ClientEvent:
     """Something a rank wants on the lighthouse's event log (heal_started, heal_finished ...):
     a kind and flat values (numbers, strings, lists); anything else is dropped."""
+
     kind: str
     job: str = DEFAULT_JOB
     data: dict[str, Any] = field(default_factory=dict)
@@ -246,16 +292,18 @@ class ClientEvent:
     @classmethod
     def parse(cls, msg: Any) -> ClientEvent:
         msg = _object(msg, "an event")
-        return cls(kind=str(msg.get("kind", "event"))[:64], job=job_id(msg.get("job")),
-                   data={k: v for k, v in msg.items()
-                         if k not in cls.RESERVED and isinstance(v, (int, float, str, list))})
+        return cls(
+            kind=str(msg.get("kind", "event"))[:64],
+            job=job_id(msg.get("job")),
+            data={k: v for k, v in msg.items() if k not in cls.RESERVED and isinstance(v, (int, float, str, list))},
+        )
 
 
 # ---- what the lighthouse answers ---------------------------------------------------------------
 @dataclass(frozen=True)
 class HeartbeatReply:
-    quorum_id: int                 # the job's current quorum id (a rank in an older one is stale)
-    failed: tuple[int, ...] = ()   # members of the current quorum found unhealthy at the last sweep
+    quorum_id: int  # the job's current quorum id (a rank in an older one is stale)
+    failed: tuple[int, ...] = ()  # members of the current quorum found unhealthy at the last sweep
 
     def to_wire(self) -> dict[str, Any]:
         return {"quorum_id": self.quorum_id, "failed": list(self.failed)}
@@ -270,6 +318,7 @@ class HeartbeatReply:
 class Pace:
     """The members' compute in the step they just finished in quorum `quorum_id`: each sees
     its own wait for the slowest (the cross-group straggler time)."""
+
     quorum_id: int
     slowest_s: float
     mean_s: float
@@ -283,8 +332,9 @@ class Pace:
             return None
         if not (isinstance(raw, list) and len(raw) == 3):
             raise MessageError(f"pace must be [quorum_id, slowest_s, mean_s], got {raw!r}"[:200])
-        return cls(_int({"pace": raw[0]}, "pace"), _seconds({"pace": raw[1]}, "pace"),
-                   _seconds({"pace": raw[2]}, "pace"))
+        return cls(
+            _int({"pace": raw[0]}, "pace"), _seconds({"pace": raw[1]}, "pace"), _seconds({"pace": raw[2]}, "pace")
+        )
 
 
 @dataclass(frozen=True)
@@ -292,17 +342,18 @@ class Quorum:
     """One round's answer: the members, the step they meet at, who heals from whom. The
     lighthouse encodes the part every rank shares once per round (`shared_json`) and adds
     each rank's two addresses to it (`for_rank`)."""
+
     quorum_id: int
-    lighthouse_id: str                 # the lighthouse that formed it (a store prefix per lighthouse start)
+    lighthouse_id: str  # the lighthouse that formed it (a store prefix per lighthouse start)
     job: str
-    identity: Identity                 # (group, incarnation) of every member
-    groups: tuple[int, ...]            # the members, in order (rank order of the cross-group group)
-    max_step: int                      # the step every member is at after this round's heals
-    heal: dict[int, int]               # healing group -> the group it heals from
-    lease_s: float                     # how long the members may go on in it while the lighthouse is silent
+    identity: Identity  # (group, incarnation) of every member
+    groups: tuple[int, ...]  # the members, in order (rank order of the cross-group group)
+    max_step: int  # the step every member is at after this round's heals
+    heal: dict[int, int]  # healing group -> the group it heals from
+    lease_s: float  # how long the members may go on in it while the lighthouse is silent
     pace: Pace | None = None
-    store: str = ""                    # this rank's rendezvous: rank k of the first member hosts rank k's
-    heal_from: str = ""                # this rank's heal source: rank k of its source group
+    store: str = ""  # this rank's rendezvous: rank k of the first member hosts rank k's
+    heal_from: str = ""  # this rank's heal source: rank k of its source group
 
     status: ClassVar[int] = 200
 
@@ -317,10 +368,17 @@ class Quorum:
 
     def shared(self) -> dict[str, Any]:
         """The part of the reply every rank of every member shares (GET /status shows it)."""
-        return {"quorum_id": self.quorum_id, "lighthouse_id": self.lighthouse_id, "job": self.job,
-                "identity": [list(p) for p in self.identity], "groups": list(self.groups),
-                "max_step": self.max_step, "heal": {str(g): s for g, s in self.heal.items()},
-                "lease_s": self.lease_s, "pace": self.pace.to_wire() if self.pace is not None else None}
+        return {
+            "quorum_id": self.quorum_id,
+            "lighthouse_id": self.lighthouse_id,
+            "job": self.job,
+            "identity": [list(p) for p in self.identity],
+            "groups": list(self.groups),
+            "max_step": self.max_step,
+            "heal": {str(g): s for g, s in self.heal.items()},
+            "lease_s": self.lease_s,
+            "pace": self.pace.to_wire() if self.pace is not None else None,
+        }
 
     def shared_json(self) -> str:
         """`shared()` as JSON text lacking its closing brace: `for_rank` completes it."""
@@ -340,8 +398,10 @@ class Quorum:
         raw_heal = body.get("heal")
         if not isinstance(raw_heal, dict):
             raise MessageError(f"heal must be an object of group -> source, got {raw_heal!r}"[:200])
-        heal = {_int({"heal": g}, "heal", hi=MAX_GROUPS): _int({"heal": s}, "heal", hi=MAX_GROUPS)
-                for g, s in raw_heal.items()}
+        heal = {
+            _int({"heal": g}, "heal", hi=MAX_GROUPS): _int({"heal": s}, "heal", hi=MAX_GROUPS)
+            for g, s in raw_heal.items()
+        }
         strays = sorted({*heal, *heal.values()} - set(groups))
         if strays:
             raise MessageError(f"heal names groups {strays} that are not members {list(groups)}")
@@ -351,16 +411,26 @@ class Quorum:
         lighthouse_id = _str(body, "lighthouse_id", limit=MAX_LIGHTHOUSE_ID)
         if not lighthouse_id:
             raise MessageError("lighthouse_id is missing")
-        return cls(quorum_id=_int(body, "quorum_id"), lighthouse_id=lighthouse_id,
-                   job=job_id(body.get("job")), identity=identity, groups=groups, max_step=_int(body, "max_step"),
-                   heal=heal, lease_s=_seconds(body, "lease_s", 0.0), pace=Pace.parse(body.get("pace")),
-                   store=_str(body, "store"), heal_from=_str(body, "heal_from"))
+        return cls(
+            quorum_id=_int(body, "quorum_id"),
+            lighthouse_id=lighthouse_id,
+            job=job_id(body.get("job")),
+            identity=identity,
+            groups=groups,
+            max_step=_int(body, "max_step"),
+            heal=heal,
+            lease_s=_seconds(body, "lease_s", 0.0),
+            pace=Pace.parse(body.get("pace")),
+            store=_str(body, "store"),
+            heal_from=_str(body, "heal_from"),
+        )
 
 
 @dataclass(frozen=True)
 class StandbyReply:
     """This group is held out of the quorum as slower than its peers: ask again after
     `retry_s` (it is alive, and rejoins through a heal)."""
+
     retry_s: float
     reason: str
 
@@ -381,6 +451,7 @@ class StandbyReply:
 class OvertakenReply:
     """A leased round's late request: a peer already asks for `step` (the sender has moved on
     without this answer and asks again in its current round)."""
+
     step: int
 
     status: ClassVar[int] = 200
@@ -402,6 +473,7 @@ class QuorumRefused:
     exit), "lost" (the group lost a rank: exit so that it restarts whole), "finished" (the
     job ended before the group could rejoin: exit cleanly), "timeout" or "superseded" (the
     same rank asked again): ask again."""
+
     reason: str
     error: str
 

@@ -13,7 +13,7 @@ import os
 import socket
 import struct
 
-_SIOCGIFADDR = 0x8915   # Linux ioctl: the IPv4 address of an interface
+_SIOCGIFADDR = 0x8915  # Linux ioctl: the IPv4 address of an interface
 
 
 class AddressError(ValueError):
@@ -48,11 +48,15 @@ def rank_host(lighthouse: str) -> str:
         try:
             ip = ipaddress.ip_address(host)
         except ValueError:
-            raise AddressError(f"FTCORE_HOST={host!r} is not an IP address; set it to this host's address "
-                               "on the network the other replica groups reach it by") from None
+            raise AddressError(
+                f"FTCORE_HOST={host!r} is not an IP address; set it to this host's address "
+                "on the network the other replica groups reach it by"
+            ) from None
         if ip.is_unspecified:
-            raise AddressError(f"FTCORE_HOST={host} is a wildcard: peers cannot connect to it; set this "
-                               "host's own address (nothing binds to all interfaces)")
+            raise AddressError(
+                f"FTCORE_HOST={host} is a wildcard: peers cannot connect to it; set this "
+                "host's own address (nothing binds to all interfaces)"
+            )
         return host
     lh = _host_of(lighthouse)
     if is_loopback(lh):
@@ -60,8 +64,10 @@ def rank_host(lighthouse: str) -> str:
     try:
         return route_to(lh)
     except OSError as e:
-        raise AddressError(f"no route from this host to the lighthouse {lighthouse} ({e.strerror}); "
-                           "set FTCORE_HOST to this host's address") from None
+        raise AddressError(
+            f"no route from this host to the lighthouse {lighthouse} ({e.strerror}); "
+            "set FTCORE_HOST to this host's address"
+        ) from None
 
 
 def interface_of(host: str) -> str | None:
@@ -71,7 +77,7 @@ def interface_of(host: str) -> str | None:
             try:
                 raw = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
             except OSError:
-                continue   # no IPv4 address on it
+                continue  # no IPv4 address on it
             if socket.inet_ntoa(raw[20:24]) == host:
                 return name
     return None
@@ -89,7 +95,8 @@ def listen_fd(host: str, port: int = 0, backlog: int = 1024) -> tuple[int, int]:
         s.listen(backlog)
     except OSError as e:
         s.close()
-        raise AddressError(f"cannot listen on {host}:{port} ({e.strerror}); FTCORE_HOST must be an "
-                           "address of this host") from None
+        raise AddressError(
+            f"cannot listen on {host}:{port} ({e.strerror}); FTCORE_HOST must be an address of this host"
+        ) from None
     port = s.getsockname()[1]
     return s.detach(), port

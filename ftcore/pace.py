@@ -40,24 +40,25 @@ def _env(name: str, default: float) -> float:
 
 @dataclass
 class PacePolicy:
-    ratio: float = _env("FTCORE_SLOW_RATIO", 2.0)         # 0: the fail-slow policy is off
-    window: int = int(_env("FTCORE_SLOW_WINDOW", 20))       # rounds a group must stay slow
+    ratio: float = _env("FTCORE_SLOW_RATIO", 2.0)  # 0: the fail-slow policy is off
+    window: int = int(_env("FTCORE_SLOW_WINDOW", 20))  # rounds a group must stay slow
     probation_s: float = _env("FTCORE_SLOW_PROBATION", 30.0)  # first standby; doubles per repeat
     min_excess_s: float = _env("FTCORE_SLOW_MIN_EXCESS", 0.005)  # slower by less than this: not slow
     max_probation_s: float = 600.0
 
     def check(self) -> "PacePolicy":
         if self.ratio < 0 or self.window < 1 or self.probation_s <= 0 or self.min_excess_s < 0:
-            raise ValueError("fail-slow policy: ratio >= 0 (0: off), window >= 1, probation > 0, "
-                             f"min excess >= 0 (got {self})")
+            raise ValueError(
+                f"fail-slow policy: ratio >= 0 (0: off), window >= 1, probation > 0, min excess >= 0 (got {self})"
+            )
         return self
 
 
 @dataclass
 class Verdict:
     group: int
-    ratio: float            # median ratio to its peers over the window
-    busy_s: float           # its median busy time over the window
+    ratio: float  # median ratio to its peers over the window
+    busy_s: float  # its median busy time over the window
     probation_s: float
 
 
@@ -66,7 +67,7 @@ class PaceJudge:
     policy: PacePolicy
     ratios: dict[int, collections.deque] = field(default_factory=dict)
     busy: dict[int, collections.deque] = field(default_factory=dict)
-    strikes: dict[tuple[int, int], int] = field(default_factory=dict)   # (group, incarnation) -> exclusions
+    strikes: dict[tuple[int, int], int] = field(default_factory=dict)  # (group, incarnation) -> exclusions
 
     def observe(self, busy: dict[int, float]) -> None:
         """One round: each member's busy seconds in the step it just finished (all in one quorum)."""
@@ -82,8 +83,9 @@ class PaceJudge:
         self.ratios.pop(g, None)
         self.busy.pop(g, None)
 
-    def judge(self, members: list[int], incarnations: dict[int, int], min_replicas: int,
-              excluded: int) -> Verdict | None:
+    def judge(
+        self, members: list[int], incarnations: dict[int, int], min_replicas: int, excluded: int
+    ) -> Verdict | None:
         """The member to exclude now, if any (`excluded`: groups of the job already on standby)."""
         n = len(members)
         if self.policy.ratio <= 0 or n < 2 or n - 1 < min_replicas or 2 * (excluded + 1) > n + excluded:

@@ -34,22 +34,29 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Position:
-    kind: str        # "regular" or "makeup"
-    epoch: int       # the epoch the row group belongs to
-    row_group: int   # row group (step of the shard files)
-    index: int       # regular: index in the epoch order; makeup: index in the make-up queue
+    kind: str  # "regular" or "makeup"
+    epoch: int  # the epoch the row group belongs to
+    row_group: int  # row group (step of the shard files)
+    index: int  # regular: index in the epoch order; makeup: index in the make-up queue
 
 
 class MakeupSchedule:
-    def __init__(self, steps_per_epoch: int, num_groups: int, epochs: int, seed: int = 0,
-                 window_steps: int | None = None, order: Callable[[int], list[int]] | None = None):
+    def __init__(
+        self,
+        steps_per_epoch: int,
+        num_groups: int,
+        epochs: int,
+        seed: int = 0,
+        window_steps: int | None = None,
+        order: Callable[[int], list[int]] | None = None,
+    ):
         if steps_per_epoch < 1 or num_groups < 1 or epochs < 1:
             raise ValueError("MakeupSchedule needs steps_per_epoch, num_groups and epochs >= 1")
         self.steps, self.num_groups, self.epochs, self.seed = steps_per_epoch, num_groups, epochs, seed
         self.window = window_steps or steps_per_epoch
-        self._order = order   # a trainer's own epoch order (training.data.DataCursor.order)
+        self._order = order  # a trainer's own epoch order (training.data.DataCursor.order)
         self.epoch, self.index, self.in_makeup = 0, 0, False
-        self.makeup: list[list] = []   # [epoch, row_group, [groups that still owe it]]
+        self.makeup: list[list] = []  # [epoch, row_group, [groups that still owe it]]
 
     def order(self, epoch: int) -> list[int]:
         """Row-group order of an epoch: file order first (dataprep shuffled), then seeded."""
@@ -95,7 +102,7 @@ class MakeupSchedule:
             if not self.makeup:
                 self._end_makeup()
             return
-        if self.in_makeup:          # make-up work left only for absent groups: move on
+        if self.in_makeup:  # make-up work left only for absent groups: move on
             self._end_makeup()
         missed = sorted(set(range(self.num_groups)) - contributors)
         if missed:
@@ -113,15 +120,24 @@ class MakeupSchedule:
             self.epoch, self.index = self.epoch + 1, 0
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "index": self.index, "in_makeup": self.in_makeup,
-                "makeup": [[e, rg, list(g)] for e, rg, g in self.makeup],
-                "steps": self.steps, "num_groups": self.num_groups, "epochs": self.epochs, "seed": self.seed,
-                "window": self.window}
+        return {
+            "epoch": self.epoch,
+            "index": self.index,
+            "in_makeup": self.in_makeup,
+            "makeup": [[e, rg, list(g)] for e, rg, g in self.makeup],
+            "steps": self.steps,
+            "num_groups": self.num_groups,
+            "epochs": self.epochs,
+            "seed": self.seed,
+            "window": self.window,
+        }
 
     def load_state_dict(self, st: dict) -> None:
         if int(st["steps"]) != self.steps or int(st["num_groups"]) != self.num_groups:
-            raise ValueError(f"schedule state is for {st['steps']} steps x {st['num_groups']} groups, "
-                             f"this run has {self.steps} x {self.num_groups}")
+            raise ValueError(
+                f"schedule state is for {st['steps']} steps x {st['num_groups']} groups, "
+                f"this run has {self.steps} x {self.num_groups}"
+            )
         self.epoch, self.index, self.in_makeup = int(st["epoch"]), int(st["index"]), bool(st["in_makeup"])
         self.makeup = [[int(e), int(rg), [int(x) for x in g]] for e, rg, g in st["makeup"]]
         self.epochs, self.seed, self.window = int(st["epochs"]), int(st["seed"]), int(st["window"])

@@ -23,9 +23,19 @@ from ftcore.fsutil import atomic_writer
 
 TREE_KEY = "ftcore.tree"
 _DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL", torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.uint16: "U16",
+    torch.uint32: "U32",
+    torch.uint64: "U64",
 }
 _TORCH = {v: k for k, v in _DTYPES.items()}
 
@@ -57,8 +67,11 @@ def _skeleton(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
             return x
         if hasattr(x, "item") and type(x).__module__ == "numpy":  # numpy scalar
             return x.item()
-        raise TypeError(f"ftcore.tensorfile: cannot store a {type(x).__name__} at '{path}'; "
-                        "state must be tensors, numbers, strings, lists, tuples and dicts")
+        raise TypeError(
+            f"ftcore.tensorfile: cannot store a {type(x).__name__} at '{path}'; "
+            "state must be tensors, numbers, strings, lists, tuples and dicts"
+        )
+
     return enc(tree, "")
 
 
@@ -90,6 +103,7 @@ def _as_bytes(t: torch.Tensor) -> memoryview:
 
 class Sink(Protocol):
     """Where `write` puts the bytes: a file, a socket's stream (heal.py), a BytesIO."""
+
     def write(self, data: bytes | memoryview, /) -> Any: ...
 
 
@@ -144,7 +158,7 @@ def _stream_length(f: BinaryIO) -> int | None:
         st = os.fstat(f.fileno())
     except (AttributeError, OSError, io.UnsupportedOperation):
         return len(f.getbuffer()) if isinstance(f, io.BytesIO) else None
-    return st.st_size if st.st_mode & 0o170000 == 0o100000 else None   # regular files only
+    return st.st_size if st.st_mode & 0o170000 == 0o100000 else None  # regular files only
 
 
 def _entry(name: str, v: Any) -> tuple[torch.dtype, list[int], int, int]:
@@ -207,7 +221,7 @@ def _read(f: BinaryIO, max_header: int) -> tuple[Any, dict[str, str]]:
         if begin > pos:
             _read_exact(f, begin - pos)
         if end_ == begin:
-            tensors[name] = torch.zeros(shape, dtype=dtype)   # no bytes: no elements (checked above)
+            tensors[name] = torch.zeros(shape, dtype=dtype)  # no bytes: no elements (checked above)
         else:
             raw = _read_exact(f, end_ - begin)
             tensors[name] = torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(shape)

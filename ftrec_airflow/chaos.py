@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-DEFAULT_PLAN = {"faults": [{"kind": "kill", "group": 1, "at_step": 6},
-                           {"kind": "kill_lighthouse", "at_step": 14, "duration_s": 1}]}
+DEFAULT_PLAN = {
+    "faults": [{"kind": "kill", "group": 1, "at_step": 6}, {"kind": "kill_lighthouse", "at_step": 14, "duration_s": 1}]
+}
 GROUP_FAULTS = ("kill", "stop", "raise", "slow")
 
 
@@ -49,8 +50,15 @@ class Verdict:
     facts: dict[str, Any] = field(default_factory=dict)
 
 
-def judge(timeline: dict, run_metrics: dict[str, float], plan: dict, *, replica_groups: int,
-          max_stall_s: float, artifacts: list[str] | None = None) -> Verdict:
+def judge(
+    timeline: dict,
+    run_metrics: dict[str, float],
+    plan: dict,
+    *,
+    replica_groups: int,
+    max_stall_s: float,
+    artifacts: list[str] | None = None,
+) -> Verdict:
     problems: list[str] = []
     kinds = {f.get("kind") for f in plan.get("faults", [])}
     faulted = faulted_groups(plan)
@@ -58,6 +66,7 @@ def judge(timeline: dict, run_metrics: dict[str, float], plan: dict, *, replica_
     # 1. recovery in MLflow
     def metric(name: str) -> float:
         return float(run_metrics.get(f"ft/{name}", 0.0))
+
     if "ft/failures_detected" not in run_metrics:
         problems.append("MLflow run has no ft/* recovery metrics (the launcher did not log them)")
     else:
@@ -74,9 +83,14 @@ def judge(timeline: dict, run_metrics: dict[str, float], plan: dict, *, replica_
     survivors = [g for g in range(replica_groups) if g not in faulted]
     stalls = {}
     for g in survivors:
-        commits = sorted((r for r in timeline.get("steps", [])
-                          if r.get("group") == g and r.get("rank", 0) == 0 and r.get("committed")),
-                         key=lambda r: r["t"])
+        commits = sorted(
+            (
+                r
+                for r in timeline.get("steps", [])
+                if r.get("group") == g and r.get("rank", 0) == 0 and r.get("committed")
+            ),
+            key=lambda r: r["t"],
+        )
         steps = [r["step"] for r in commits]
         if not steps:
             problems.append(f"survivor group {g} committed no step")
@@ -98,7 +112,12 @@ def judge(timeline: dict, run_metrics: dict[str, float], plan: dict, *, replica_
     if timeline.get("exit_code", 1) != 0:
         problems.append(f"the launcher exited with {timeline.get('exit_code')}")
 
-    facts = {"survivors": survivors, "faulted": sorted(faulted), "max_commit_gap_s": stalls,
-             "checksums": sums, "summary": timeline.get("summary", {}),
-             "recovery_metrics": {k: v for k, v in run_metrics.items() if k.startswith("ft/")}}
+    facts = {
+        "survivors": survivors,
+        "faulted": sorted(faulted),
+        "max_commit_gap_s": stalls,
+        "checksums": sums,
+        "summary": timeline.get("summary", {}),
+        "recovery_metrics": {k: v for k, v in run_metrics.items() if k.startswith("ft/")},
+    }
     return Verdict(not problems, problems, facts)

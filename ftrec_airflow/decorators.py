@@ -37,8 +37,7 @@ def _spec(op: BuildShardsOperator | FaultTolerantTrainOperator, context, kind: t
     kwargs = determine_kwargs(op.python_callable, op.op_args, context)
     spec = op.python_callable(*op.op_args, **kwargs)
     if not isinstance(spec, kind):
-        raise TypeError(f"{op.custom_operator_name} function must return a {kind.__name__}, "
-                        f"got {type(spec).__name__}")
+        raise TypeError(f"{op.custom_operator_name} function must return a {kind.__name__}, got {type(spec).__name__}")
     return spec
 
 
@@ -50,17 +49,25 @@ class BuildShardsOperator(DecoratedOperator):
     def execute(self, context) -> dict[str, Any]:
         spec = _spec(self, context, steps.ShardSpec)
         try:
-            summary = steps.build_shards(spec, log=self.log.info)   # each stage in the task log as it ends
+            summary = steps.build_shards(spec, log=self.log.info)  # each stage in the task log as it ends
         except steps.UserError as e:
             raise AirflowFailException(str(e)) from None
-        self.log.info("shard set %s: %s steps, %s samples, bubble %.4f%s", summary["path"],
-                      summary["steps"], summary["num_samples"], summary["bubble_fraction"] or 0.0,
-                      " (reused)" if summary["reused"] else "")
+        self.log.info(
+            "shard set %s: %s steps, %s samples, bubble %.4f%s",
+            summary["path"],
+            summary["steps"],
+            summary["num_samples"],
+            summary["bubble_fraction"] or 0.0,
+            " (reused)" if summary["reused"] else "",
+        )
         for outlet in self.outlets:
             if isinstance(outlet, Asset):
                 context["outlet_events"][outlet].extra = {
-                    "path": summary["path"], "fingerprint": summary["fingerprint"],
-                    "steps": summary["steps"], "num_samples": summary["num_samples"]}
+                    "path": summary["path"],
+                    "fingerprint": summary["fingerprint"],
+                    "steps": summary["steps"],
+                    "num_samples": summary["num_samples"],
+                }
         return summary
 
 
@@ -76,37 +83,57 @@ class FaultTolerantTrainOperator(DecoratedOperator):
     def execute(self, context) -> dict[str, Any]:
         spec = _spec(self, context, steps.TrainSpec)
         ti = context["ti"]
-        uri, creds = tracking.connect()   # the ftrec_mlflow connection, looked up now (never at parse)
+        uri, creds = tracking.connect()  # the ftrec_mlflow connection, looked up now (never at parse)
         run_key = spec.run_key or f"{ti.dag_id}/{ti.run_id}/{ti.task_id}"
         exp_id, run_id = tracking.ensure_run(
-            spec.experiment, run_key, run_name=spec.run_name or f"{ti.dag_id} {ti.run_id}",
+            spec.experiment,
+            run_key,
+            run_name=spec.run_name or f"{ti.dag_id} {ti.run_id}",
             tags={"airflow.dag_id": ti.dag_id, "airflow.run_id": ti.run_id, "airflow.task_id": ti.task_id},
-            tracking_uri=uri)
+            tracking_uri=uri,
+        )
         self.mlflow_run_url = tracking.run_url(exp_id, run_id)
         ti.xcom_push(key="mlflow_run_id", value=run_id)  # visible while training runs
         self.log.info("MLflow run %s (%s), store %s", run_id, self.mlflow_run_url, uri)
         spec.run_key = run_key
-        if settings.lighthouse_url():   # a standing lighthouse: this run's job on it, the worker's token
-            watcher = lighthouse.Watcher(settings.run_folder(ti.dag_id, ti.run_id),
-                                         job=settings.lighthouse_job_id(run_key))
-        else:                           # the launcher's own lighthouse and its shared token
+        if settings.lighthouse_url():  # a standing lighthouse: this run's job on it, the worker's token
+            watcher = lighthouse.Watcher(
+                settings.run_folder(ti.dag_id, ti.run_id), job=settings.lighthouse_job_id(run_key)
+            )
+        else:  # the launcher's own lighthouse and its shared token
             watcher = lighthouse.Watcher(settings.run_folder(ti.dag_id, ti.run_id), token_file=Path(spec.out) / "token")
         try:
             with watcher:
-                result = steps.train(spec, run_id, uri, credentials=creds, logger=self.log, on_line=watcher.see,
-                                     command_hook=lambda c: setattr(self, "_command", c))
+                result = steps.train(
+                    spec,
+                    run_id,
+                    uri,
+                    credentials=creds,
+                    logger=self.log,
+                    on_line=watcher.see,
+                    command_hook=lambda c: setattr(self, "_command", c),
+                )
         except steps.UserError as e:
             raise AirflowFailException(str(e)) from None
         except runner.CommandFailed as e:
             raise AirflowException(str(e)) from None  # retried: the launcher resumes from its checkpoint
         finally:
             self._command = None
-        return {"mlflow_run_id": run_id, "experiment_id": exp_id, "run_url": self.mlflow_run_url,
-                "tracking_uri": uri, "out": spec.out, "shards": spec.shards,
-                "checkpoint": result.get("checkpoint"), "steps": result.get("steps"),
-                "metrics": result.get("metrics", {}), "replica_groups": spec.replica_groups,
-                "ranks_per_group": spec.ranks_per_group, "fault_plan": spec.fault_plan,
-                "reused": result.get("reused", False)}
+        return {
+            "mlflow_run_id": run_id,
+            "experiment_id": exp_id,
+            "run_url": self.mlflow_run_url,
+            "tracking_uri": uri,
+            "out": spec.out,
+            "shards": spec.shards,
+            "checkpoint": result.get("checkpoint"),
+            "steps": result.get("steps"),
+            "metrics": result.get("metrics", {}),
+            "replica_groups": spec.replica_groups,
+            "ranks_per_group": spec.ranks_per_group,
+            "fault_plan": spec.fault_plan,
+            "reused": result.get("reused", False),
+        }
 
     def on_kill(self) -> None:
         if self._command is not None:
@@ -115,11 +142,13 @@ class FaultTolerantTrainOperator(DecoratedOperator):
 
 def build_shards_task(python_callable=None, **kwargs):
     """Decorate a function returning a `ShardSpec`; accepts every operator argument."""
-    return task_decorator_factory(python_callable=python_callable,
-                                  decorated_operator_class=BuildShardsOperator, **kwargs)
+    return task_decorator_factory(
+        python_callable=python_callable, decorated_operator_class=BuildShardsOperator, **kwargs
+    )
 
 
 def ft_train_task(python_callable=None, **kwargs):
     """Decorate a function returning a `TrainSpec`; accepts every operator argument."""
-    return task_decorator_factory(python_callable=python_callable,
-                                  decorated_operator_class=FaultTolerantTrainOperator, **kwargs)
+    return task_decorator_factory(
+        python_callable=python_callable, decorated_operator_class=FaultTolerantTrainOperator, **kwargs
+    )

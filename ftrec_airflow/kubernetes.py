@@ -51,14 +51,14 @@ from airflow.sdk.exceptions import AirflowFailException
 from ftrec_airflow import settings, steps
 
 PROVIDER = "apache-airflow-providers-cncf-kubernetes"
-LIGHTHOUSE = "ftcore-lighthouse"        # Deployment, Service and its pods' app label
+LIGHTHOUSE = "ftcore-lighthouse"  # Deployment, Service and its pods' app label
 LIGHTHOUSE_PORT = 29510
-TOKEN_DIR = "/etc/ftcore"               # the token Secret, mounted in the lighthouse and every group pod
+TOKEN_DIR = "/etc/ftcore"  # the token Secret, mounted in the lighthouse and every group pod
 TOKEN_FILE = f"{TOKEN_DIR}/token"
-RDZV_ENDPOINT = "127.0.0.1:29400"       # torchrun's rendezvous inside the pod (one node per group)
-TORCHRUN_MAX_RESTARTS = 3               # crashed ranks restarted in place before the pod fails
-STARTUP_TIMEOUT_S = 900                 # a GPU node may have to be scaled up first
-MIN_REPLICAS, LR_POLICY = "1", "sqrt"   # the launcher's defaults (training/launch.py)
+RDZV_ENDPOINT = "127.0.0.1:29400"  # torchrun's rendezvous inside the pod (one node per group)
+TORCHRUN_MAX_RESTARTS = 3  # crashed ranks restarted in place before the pod fails
+STARTUP_TIMEOUT_S = 900  # a GPU node may have to be scaled up first
+MIN_REPLICAS, LR_POLICY = "1", "sqrt"  # the launcher's defaults (training/launch.py)
 log = logging.getLogger(__name__)
 
 
@@ -71,7 +71,7 @@ class Config:
     mlflow_secret: str = ""
     gpu_resource: str = "nvidia.com/gpu"
     pod_template: str = ""
-    lighthouse: str = ""                # host:port the ranks reach the lighthouse on
+    lighthouse: str = ""  # host:port the ranks reach the lighthouse on
 
     @property
     def work(self) -> str:
@@ -83,6 +83,7 @@ def _get(key: str, default: str = "") -> str:
     value = os.environ.get(f"FTREC_K8S_{key.upper()}")
     if value is None:
         from airflow.configuration import conf
+
         value = conf.get("ftrec", f"k8s_{key}", fallback=None)
     return default if value is None else value.strip()
 
@@ -90,18 +91,26 @@ def _get(key: str, default: str = "") -> str:
 def config() -> Config:
     ns = _get("namespace", "default") or "default"
     lighthouse = settings.lighthouse_url().split("://", 1)[-1] or f"{LIGHTHOUSE}.{ns}.svc:{LIGHTHOUSE_PORT}"
-    return Config(image=_get("image"), namespace=ns, work_pvc=_get("work_pvc", "ftrec-work"),
-                  token_secret=_get("token_secret", "ftcore-lighthouse-token"),
-                  mlflow_secret=_get("mlflow_secret"), gpu_resource=_get("gpu_resource", "nvidia.com/gpu"),
-                  pod_template=_get("pod_template"), lighthouse=lighthouse)
+    return Config(
+        image=_get("image"),
+        namespace=ns,
+        work_pvc=_get("work_pvc", "ftrec-work"),
+        token_secret=_get("token_secret", "ftcore-lighthouse-token"),
+        mlflow_secret=_get("mlflow_secret"),
+        gpu_resource=_get("gpu_resource", "nvidia.com/gpu"),
+        pod_template=_get("pod_template"),
+        lighthouse=lighthouse,
+    )
 
 
 def unavailable() -> str:
     """Why ftrec_train_k8s cannot run here, or "" when it can. Imports the provider only
     when an image is configured: elsewhere parsing the DAG file stays cheap."""
     if not config().image:
-        return ("set FTREC_K8S_IMAGE (or k8s_image in airflow.cfg's [ftrec] section) to an image with ftrec "
-                "installed; README, 'The DAG on Kubernetes'")
+        return (
+            "set FTREC_K8S_IMAGE (or k8s_image in airflow.cfg's [ftrec] section) to an image with ftrec "
+            "installed; README, 'The DAG on Kubernetes'"
+        )
     try:
         import airflow.providers.cncf.kubernetes.operators.pod  # noqa: F401
     except ImportError as e:
@@ -110,6 +119,7 @@ def unavailable() -> str:
 
 
 # ---------------------------------------------------------------- what each group runs
+
 
 def job_id(dag_id: str, run_id: str) -> str:
     """The DAG run's job on the standing lighthouse (the Lighthouse tab's too)."""
@@ -120,17 +130,42 @@ def group_env(cfg: Config, job: str, groups: int, group: int, tracking_uri: str)
     """A group pod's environment: the launcher's job_env() with this group's id (the token as
     a file from the Secret, never its value), the tracking URI, unbuffered output (the pod's
     log streams into the task log)."""
-    return {"FTCORE_LIGHTHOUSE": cfg.lighthouse, "FTCORE_JOB_ID": job, "FTREC_NUM_REPLICA_GROUPS": str(groups),
-            "FTCORE_MIN_REPLICAS": MIN_REPLICAS, "FTCORE_LR_POLICY": LR_POLICY, "FTCORE_TOKEN_FILE": TOKEN_FILE,
-            "FTREC_REPLICA_GROUP": str(group), "MLFLOW_TRACKING_URI": tracking_uri, "PYTHONUNBUFFERED": "1"}
+    return {
+        "FTCORE_LIGHTHOUSE": cfg.lighthouse,
+        "FTCORE_JOB_ID": job,
+        "FTREC_NUM_REPLICA_GROUPS": str(groups),
+        "FTCORE_MIN_REPLICAS": MIN_REPLICAS,
+        "FTCORE_LR_POLICY": LR_POLICY,
+        "FTCORE_TOKEN_FILE": TOKEN_FILE,
+        "FTREC_REPLICA_GROUP": str(group),
+        "MLFLOW_TRACKING_URI": tracking_uri,
+        "PYTHONUNBUFFERED": "1",
+    }
 
 
 def group_args(spec: steps.TrainSpec, job: str, group: int, trainer_sets: list[str]) -> list[str]:
     """torchrun's arguments for one group: training/launch.py's torchrun_command on one node."""
-    args = ["--nnodes", "1", "--nproc-per-node", str(spec.ranks_per_group), "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", RDZV_ENDPOINT, "--rdzv-id", f"{job}-g{group}",
-            "--max-restarts", str(TORCHRUN_MAX_RESTARTS),
-            "-m", "training", "train", "--shards", spec.shards, "--out", str(Path(spec.out) / f"replica_{group}")]
+    args = [
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        str(spec.ranks_per_group),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        RDZV_ENDPOINT,
+        "--rdzv-id",
+        f"{job}-g{group}",
+        "--max-restarts",
+        str(TORCHRUN_MAX_RESTARTS),
+        "-m",
+        "training",
+        "train",
+        "--shards",
+        spec.shards,
+        "--out",
+        str(Path(spec.out) / f"replica_{group}"),
+    ]
     for s in trainer_sets:
         args += ["--set", s]
     return args
@@ -141,34 +176,51 @@ def group_pods(run: dict[str, Any], cfg: Config | None = None) -> list[dict[str,
     cfg = cfg or config()
     spec = steps.TrainSpec(**run["spec"])
     sets = steps.trainer_settings(spec, run["mlflow_run_id"], run["tracking_uri"])
-    return [{"name": f"ftrec-train-g{g}", "gpus": spec.ranks_per_group,
-             "labels": {"app.kubernetes.io/name": "ftrec", "app.kubernetes.io/component": "replica-group",
-                        "ftrec/replica-group": str(g)},
-             "env_vars": group_env(cfg, run["job_id"], spec.replica_groups, g, run["tracking_uri"]),
-             "arguments": group_args(spec, run["job_id"], g, sets)}
-            for g in range(spec.replica_groups)]
+    return [
+        {
+            "name": f"ftrec-train-g{g}",
+            "gpus": spec.ranks_per_group,
+            "labels": {
+                "app.kubernetes.io/name": "ftrec",
+                "app.kubernetes.io/component": "replica-group",
+                "ftrec/replica-group": str(g),
+            },
+            "env_vars": group_env(cfg, run["job_id"], spec.replica_groups, g, run["tracking_uri"]),
+            "arguments": group_args(spec, run["job_id"], g, sets),
+        }
+        for g in range(spec.replica_groups)
+    ]
 
 
 def pod_defaults(cfg: Config | None = None) -> dict[str, Any]:
     """What every group pod shares: the operator's partial() arguments."""
     from airflow.providers.cncf.kubernetes.secret import Secret
     from kubernetes.client import models as k8s
+
     cfg = cfg or config()
     secrets = [Secret("volume", TOKEN_DIR, cfg.token_secret, items=[k8s.V1KeyToPath(key="token", path="token")])]
-    if cfg.mlflow_secret:   # its keys (MLFLOW_TRACKING_USERNAME/PASSWORD/TOKEN) become the pod's env
+    if cfg.mlflow_secret:  # its keys (MLFLOW_TRACKING_USERNAME/PASSWORD/TOKEN) become the pod's env
         secrets.append(Secret("env", None, cfg.mlflow_secret))
     return {
-        "namespace": cfg.namespace, "image": cfg.image, "cmds": ["torchrun"], "secrets": secrets,
-        "volumes": [k8s.V1Volume(name="work", persistent_volume_claim=k8s.V1PersistentVolumeClaimVolumeSource(
-                        claim_name=cfg.work_pvc)),
-                    # torch's worker processes share tensors through /dev/shm (64 MiB by default)
-                    k8s.V1Volume(name="dshm", empty_dir=k8s.V1EmptyDirVolumeSource(medium="Memory"))],
-        "volume_mounts": [k8s.V1VolumeMount(name="work", mount_path=cfg.work),
-                          k8s.V1VolumeMount(name="dshm", mount_path="/dev/shm")],
+        "namespace": cfg.namespace,
+        "image": cfg.image,
+        "cmds": ["torchrun"],
+        "secrets": secrets,
+        "volumes": [
+            k8s.V1Volume(
+                name="work", persistent_volume_claim=k8s.V1PersistentVolumeClaimVolumeSource(claim_name=cfg.work_pvc)
+            ),
+            # torch's worker processes share tensors through /dev/shm (64 MiB by default)
+            k8s.V1Volume(name="dshm", empty_dir=k8s.V1EmptyDirVolumeSource(medium="Memory")),
+        ],
+        "volume_mounts": [
+            k8s.V1VolumeMount(name="work", mount_path=cfg.work),
+            k8s.V1VolumeMount(name="dshm", mount_path="/dev/shm"),
+        ],
         "gpu_resource": cfg.gpu_resource,
         "pod_template_file": cfg.pod_template or None,
-        "get_logs": True,                              # the group's output in the task log
-        "on_finish_action": "delete_succeeded_pod",    # a failed group's pod stays for kubectl logs
+        "get_logs": True,  # the group's output in the task log
+        "on_finish_action": "delete_succeeded_pod",  # a failed group's pod stays for kubectl logs
         "startup_timeout_seconds": STARTUP_TIMEOUT_S,
     }
 
@@ -176,97 +228,159 @@ def pod_defaults(cfg: Config | None = None) -> dict[str, Any]:
 def group_pod_operator(**task_args):
     """The mapped pod task: `.expand_kwargs(group_pods(run))` gives one pod per group."""
     from ftrec_airflow.kubernetes_operator import GroupPodOperator
+
     return GroupPodOperator.partial(**pod_defaults(), **task_args)
 
 
 # ---------------------------------------------------------------- the tasks around the pods
 
+
 def open_run(p: dict, shards: dict) -> dict[str, Any]:
     """Before any pod starts: the TrainSpec, the MLflow run (a retry finds the same one),
     the job id; everything the pods and `collect` need, JSON-able."""
     from ftrec_airflow import lighthouse, pipeline, tracking
+
     spec = pipeline.train_spec(p, shards)
     if spec.fault_plan:
-        raise AirflowFailException("param fault_plan: fault plans need the local launcher (ftrec_train, "
-                                   "ftrec_chaos_drill); on Kubernetes, delete a group's pod to see a recovery")
+        raise AirflowFailException(
+            "param fault_plan: fault plans need the local launcher (ftrec_train, "
+            "ftrec_chaos_drill); on Kubernetes, delete a group's pod to see a recovery"
+        )
     ctx = get_current_context()
     ti = ctx["ti"]
     uri, creds = tracking.connect()
     if creds and not config().mlflow_secret:
-        log.warning("the %s connection has credentials, which never go into a pod spec: give the "
-                             "pods a Secret with them (FTREC_K8S_MLFLOW_SECRET)", settings.MLFLOW_CONN_ID)
+        log.warning(
+            "the %s connection has credentials, which never go into a pod spec: give the "
+            "pods a Secret with them (FTREC_K8S_MLFLOW_SECRET)",
+            settings.MLFLOW_CONN_ID,
+        )
     exp_id, run_id = tracking.ensure_run(
-        spec.experiment, f"{ti.dag_id}/{ti.run_id}/train", run_name=f"{ti.dag_id} {ti.run_id}",
+        spec.experiment,
+        f"{ti.dag_id}/{ti.run_id}/train",
+        run_name=f"{ti.dag_id} {ti.run_id}",
         tags={"airflow.dag_id": ti.dag_id, "airflow.run_id": ti.run_id, "ftrec.runs_on": "kubernetes"},
-        tracking_uri=uri)
+        tracking_uri=uri,
+    )
     Path(spec.out).mkdir(parents=True, exist_ok=True)
     job = job_id(ti.dag_id, ti.run_id)
-    if settings.lighthouse_url():   # the Lighthouse tab asks the standing lighthouse for this job
+    if settings.lighthouse_url():  # the Lighthouse tab asks the standing lighthouse for this job
         lighthouse.write_snapshot(settings.run_folder(ti.dag_id, ti.run_id), settings.lighthouse_url(), None, job=job)
-    return {"spec": spec.to_dict(), "mlflow_run_id": run_id, "experiment_id": exp_id,
-            "run_url": tracking.run_url(exp_id, run_id), "tracking_uri": uri, "job_id": job}
+    return {
+        "spec": spec.to_dict(),
+        "mlflow_run_id": run_id,
+        "experiment_id": exp_id,
+        "run_url": tracking.run_url(exp_id, run_id),
+        "tracking_uri": uri,
+        "job_id": job,
+    }
 
 
 def collect(run: dict[str, Any]) -> dict[str, Any]:
     """After the pods: group 0's result, as the local train task returns it (evaluate and
     register_model take either)."""
     import json
+
     spec = steps.TrainSpec(**run["spec"])
     path = Path(spec.out) / "replica_0" / "result.json"
     if not path.exists():
-        raise RuntimeError(f"every group pod succeeded but {path} is missing: is FTREC_WORK ({settings.work_root()}) "
-                           "the same volume on the workers and in the pods?")
+        raise RuntimeError(
+            f"every group pod succeeded but {path} is missing: is FTREC_WORK ({settings.work_root()}) "
+            "the same volume on the workers and in the pods?"
+        )
     result = json.loads(path.read_text())
     if result.get("mlflow_run_id") != run["mlflow_run_id"]:
         raise RuntimeError(f"{path} is from MLflow run {result.get('mlflow_run_id')}, not {run['mlflow_run_id']}")
-    return {"mlflow_run_id": run["mlflow_run_id"], "experiment_id": run["experiment_id"], "run_url": run["run_url"],
-            "tracking_uri": run["tracking_uri"], "out": spec.out, "shards": spec.shards,
-            "checkpoint": result.get("checkpoint"), "steps": result.get("steps"), "metrics": result.get("metrics", {}),
-            "replica_groups": spec.replica_groups, "ranks_per_group": spec.ranks_per_group, "fault_plan": "",
-            "reused": False}
+    return {
+        "mlflow_run_id": run["mlflow_run_id"],
+        "experiment_id": run["experiment_id"],
+        "run_url": run["run_url"],
+        "tracking_uri": run["tracking_uri"],
+        "out": spec.out,
+        "shards": spec.shards,
+        "checkpoint": result.get("checkpoint"),
+        "steps": result.get("steps"),
+        "metrics": result.get("metrics", {}),
+        "replica_groups": spec.replica_groups,
+        "ranks_per_group": spec.ranks_per_group,
+        "fault_plan": "",
+        "reused": False,
+    }
 
 
 # ---------------------------------------------------------------- the standing lighthouse
+
 
 def lighthouse_manifests(cfg: Config | None = None) -> list:
     """The lighthouse's Deployment and Service (kubernetes client models). One replica,
     recreated rather than rolled: two lighthouses must never answer for one job at once. It
     binds the pod's own address (never a wildcard, as everywhere in ftcore)."""
     from kubernetes.client import models as k8s
+
     cfg = cfg or config()
     labels = {"app.kubernetes.io/name": LIGHTHOUSE, "app.kubernetes.io/part-of": "ftrec"}
     meta = k8s.V1ObjectMeta(name=LIGHTHOUSE, namespace=cfg.namespace, labels=labels)
     container = k8s.V1Container(
-        name="lighthouse", image=cfg.image, command=["ftcore-lighthouse"],
+        name="lighthouse",
+        image=cfg.image,
+        command=["ftcore-lighthouse"],
         args=["--bind", f"$(POD_IP):{LIGHTHOUSE_PORT}", "--token-file", TOKEN_FILE, "--min-replicas", MIN_REPLICAS],
-        env=[k8s.V1EnvVar(name="POD_IP", value_from=k8s.V1EnvVarSource(
-            field_ref=k8s.V1ObjectFieldSelector(field_path="status.podIP")))],
+        env=[
+            k8s.V1EnvVar(
+                name="POD_IP",
+                value_from=k8s.V1EnvVarSource(field_ref=k8s.V1ObjectFieldSelector(field_path="status.podIP")),
+            )
+        ],
         ports=[k8s.V1ContainerPort(name="lighthouse", container_port=LIGHTHOUSE_PORT, protocol="TCP")],
         readiness_probe=k8s.V1Probe(tcp_socket=k8s.V1TCPSocketAction(port="lighthouse"), period_seconds=5),
-        liveness_probe=k8s.V1Probe(tcp_socket=k8s.V1TCPSocketAction(port="lighthouse"), period_seconds=10,
-                                   failure_threshold=6),
+        liveness_probe=k8s.V1Probe(
+            tcp_socket=k8s.V1TCPSocketAction(port="lighthouse"), period_seconds=10, failure_threshold=6
+        ),
         resources=k8s.V1ResourceRequirements(requests={"cpu": "500m", "memory": "256Mi"}),
-        volume_mounts=[k8s.V1VolumeMount(name="token", mount_path=TOKEN_DIR, read_only=True)])
+        volume_mounts=[k8s.V1VolumeMount(name="token", mount_path=TOKEN_DIR, read_only=True)],
+    )
     deployment = k8s.V1Deployment(
-        api_version="apps/v1", kind="Deployment", metadata=meta,
+        api_version="apps/v1",
+        kind="Deployment",
+        metadata=meta,
         spec=k8s.V1DeploymentSpec(
-            replicas=1, strategy=k8s.V1DeploymentStrategy(type="Recreate"),
+            replicas=1,
+            strategy=k8s.V1DeploymentStrategy(type="Recreate"),
             selector=k8s.V1LabelSelector(match_labels=labels),
             template=k8s.V1PodTemplateSpec(
                 metadata=k8s.V1ObjectMeta(labels=labels),
-                spec=k8s.V1PodSpec(containers=[container], volumes=[k8s.V1Volume(
-                    name="token", secret=k8s.V1SecretVolumeSource(
-                        secret_name=cfg.token_secret, items=[k8s.V1KeyToPath(key="token", path="token")]))]))))
+                spec=k8s.V1PodSpec(
+                    containers=[container],
+                    volumes=[
+                        k8s.V1Volume(
+                            name="token",
+                            secret=k8s.V1SecretVolumeSource(
+                                secret_name=cfg.token_secret, items=[k8s.V1KeyToPath(key="token", path="token")]
+                            ),
+                        )
+                    ],
+                ),
+            ),
+        ),
+    )
     service = k8s.V1Service(
-        api_version="v1", kind="Service", metadata=meta,
-        spec=k8s.V1ServiceSpec(selector=labels, ports=[k8s.V1ServicePort(
-            name="lighthouse", port=LIGHTHOUSE_PORT, target_port="lighthouse", protocol="TCP")]))
+        api_version="v1",
+        kind="Service",
+        metadata=meta,
+        spec=k8s.V1ServiceSpec(
+            selector=labels,
+            ports=[
+                k8s.V1ServicePort(name="lighthouse", port=LIGHTHOUSE_PORT, target_port="lighthouse", protocol="TCP")
+            ],
+        ),
+    )
     return [deployment, service]
 
 
 def to_dicts(objs: list) -> list[dict]:
     """Kubernetes client models as the API's JSON (camelCase, no nulls)."""
     from kubernetes.client import ApiClient
+
     return [ApiClient().sanitize_for_serialization(o) for o in objs]
 
 
@@ -274,8 +388,11 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     import yaml
-    p = argparse.ArgumentParser(prog="python -m ftrec_airflow.kubernetes",
-                                description="print Kubernetes manifests for ftrec (FTREC_K8S_* settings apply)")
+
+    p = argparse.ArgumentParser(
+        prog="python -m ftrec_airflow.kubernetes",
+        description="print Kubernetes manifests for ftrec (FTREC_K8S_* settings apply)",
+    )
     p.add_argument("what", choices=["lighthouse"], help="the standing lighthouse's Deployment and Service")
     p.parse_args(argv)
     cfg = config()

@@ -24,8 +24,9 @@ SNAPSHOT = "lighthouse.json"
 POLL_S = float(os.environ.get("FTREC_LIGHTHOUSE_POLL_S", "2"))
 FETCH_TIMEOUT_S = 2.0
 # "lighthouse ... 127.0.0.1:PORT" or "lighthouse ... http://host:port" in the launcher's output
-_ADDR = re.compile(r"lighthouse\b.*?\b((?:https?://)?(?:\d{1,3}(?:\.\d{1,3}){3}|localhost|\[[0-9a-f:]+\]):\d{2,5})",
-                   re.IGNORECASE)
+_ADDR = re.compile(
+    r"lighthouse\b.*?\b((?:https?://)?(?:\d{1,3}(?:\.\d{1,3}){3}|localhost|\[[0-9a-f:]+\]):\d{2,5})", re.IGNORECASE
+)
 
 
 def address_in(line: str) -> str | None:
@@ -48,8 +49,9 @@ def _token(token_file: str | Path | None = None) -> str | None:
     return None
 
 
-def fetch_status(url: str, timeout: float = FETCH_TIMEOUT_S, token_file: str | Path | None = None,
-                 job: str | None = None) -> dict[str, Any]:
+def fetch_status(
+    url: str, timeout: float = FETCH_TIMEOUT_S, token_file: str | Path | None = None, job: str | None = None
+) -> dict[str, Any]:
     """GET <url>/status (of `job` on a standing lighthouse) with the shared token; raises
     OSError when it does not answer."""
     query = "?" + urllib.parse.urlencode({"job": job}) if job else ""

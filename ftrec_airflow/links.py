@@ -14,6 +14,7 @@ LIGHTHOUSE_PAGE = "/ftrec/lighthouse/"  # served by the plugin's FastAPI app (li
 def _api_base() -> str:
     try:
         from airflow.sdk.configuration import conf
+
         return (conf.get("api", "base_url", fallback="") or "").rstrip("/")
     except Exception:
         return ""

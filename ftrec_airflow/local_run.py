@@ -68,7 +68,7 @@ def write_env_file(work: Path, env: dict[str, str]) -> Path:
     return path
 
 
-PARAMS = "params"   # --set params.KEY=VALUE: the DAG param KEY
+PARAMS = "params"  # --set params.KEY=VALUE: the DAG param KEY
 
 
 def run_conf(conf: dict[str, Any], sets: list[str]) -> dict[str, Any]:
@@ -79,7 +79,7 @@ def run_conf(conf: dict[str, Any], sets: list[str]) -> dict[str, Any]:
     trainer = []
     for item in sets:
         key, sep, _ = item.partition("=")
-        if sep and key.strip() and "." not in key:   # the param alone, as --set took it before
+        if sep and key.strip() and "." not in key:  # the param alone, as --set took it before
             raise config.ConfigError(f"--set {item!r}: a DAG param is params.KEY=VALUE: --set params.{item.strip()}")
         ((section, table),) = config.parse_overrides([item]).items()
         if section == PARAMS:
@@ -89,9 +89,10 @@ def run_conf(conf: dict[str, Any], sets: list[str]) -> dict[str, Any]:
         else:
             raise config.ConfigError(
                 f"--set {item!r}: unknown section {section!r}: use params.<DAG param> (e.g. params.max_steps=50) "
-                f"or a trainer setting (python -m training config --show)")
+                f"or a trainer setting (python -m training config --show)"
+            )
     if trainer:
-        config.apply_overrides(config.Config(), trainer)   # a wrong name or type fails now, not in the train task
+        config.apply_overrides(config.Config(), trainer)  # a wrong name or type fails now, not in the train task
         out["train_overrides"] = [*(out.get("train_overrides") or []), *trainer]
     return out
 
@@ -112,24 +113,35 @@ def child(dag_id: str, conf: dict, summary_path: Path, logical_date: str | None 
         print(f"error: no DAG {dag_id!r} in {os.environ['AIRFLOW__CORE__DAGS_FOLDER']}", file=sys.stderr)
         return 2
     unknown = sorted(set(conf) - set(bag.dags[dag_id].params))
-    if unknown:   # the DAG would ignore them
-        print(f"error: {dag_id} has no param {', '.join(unknown)} (--conf, --set params.KEY=VALUE); "
-              f"its params: {', '.join(bag.dags[dag_id].params)}", file=sys.stderr)
+    if unknown:  # the DAG would ignore them
+        print(
+            f"error: {dag_id} has no param {', '.join(unknown)} (--conf, --set params.KEY=VALUE); "
+            f"its params: {', '.join(bag.dags[dag_id].params)}",
+            file=sys.stderr,
+        )
         return 2
-    when: dict[str, Any] = {}   # unset: dag.test's own defaults (logical_date NOTSET is not None)
+    when: dict[str, Any] = {}  # unset: dag.test's own defaults (logical_date NOTSET is not None)
     if logical_date:  # the same date again re-runs the same DAG run: every task a retry
         from datetime import datetime
+
         when["logical_date"] = when["run_after"] = datetime.fromisoformat(logical_date)
     dr = bag.dags[dag_id].test(run_conf=conf, **when)
     tis = {ti.task_id: ti for ti in dr.get_task_instances()}
     xcoms = {tid: ti.xcom_pull(task_ids=tid) for tid, ti in tis.items()}
-    links = {tid: {key: ti.xcom_pull(task_ids=tid, key=f"_link_{key}") for key in ("MLflowRunLink", "LighthouseLink")}
-             for tid, ti in tis.items() if tid == "train"}
-    summary = {"dag_id": dag_id, "run_id": dr.run_id, "state": str(dr.state),
-               "tasks": {tid: str(ti.state) for tid, ti in tis.items()},
-               "run_folder": str(settings.run_folder(dag_id, dr.run_id)),
-               "xcom": {k: v for k, v in xcoms.items() if isinstance(v, (dict, list, str, int, float))},
-               "links": links}
+    links = {
+        tid: {key: ti.xcom_pull(task_ids=tid, key=f"_link_{key}") for key in ("MLflowRunLink", "LighthouseLink")}
+        for tid, ti in tis.items()
+        if tid == "train"
+    }
+    summary = {
+        "dag_id": dag_id,
+        "run_id": dr.run_id,
+        "state": str(dr.state),
+        "tasks": {tid: str(ti.state) for tid, ti in tis.items()},
+        "run_folder": str(settings.run_folder(dag_id, dr.run_id)),
+        "xcom": {k: v for k, v in xcoms.items() if isinstance(v, (dict, list, str, int, float))},
+        "links": links,
+    }
     atomic_write_json(summary_path, summary, indent=1, default=str)
     return 0 if summary["state"].endswith("success") else 1
 
@@ -160,17 +172,27 @@ def report(summary: dict, work: Path, env_file: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ftrec_airflow.local_run",
-                                description=" ".join(__doc__.split("\n\n")[0].split()))
+    p = argparse.ArgumentParser(
+        prog="python -m ftrec_airflow.local_run", description=" ".join(__doc__.split("\n\n")[0].split())
+    )
     p.add_argument("--work", default=str(settings.work_root()), help="work folder (default: <project>/work)")
     p.add_argument("--dag", default="ftrec_train")
     p.add_argument("--conf", default="{}", help="DAG run conf as JSON")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="params.KEY=VALUE: a DAG param (params.max_steps=50); a trainer setting "
-                        "(train.epochs=3, model.dim=32) joins train_overrides. The value in TOML syntax, "
-                        "bare text is a string")
-    p.add_argument("--timeout", type=float, default=float(os.environ.get("FTREC_RUN_TIMEOUT_S", 7200)),
-                   help="give up on the DAG run after this many seconds (default 7200)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="params.KEY=VALUE: a DAG param (params.max_steps=50); a trainer setting "
+        "(train.epochs=3, model.dim=32) joins train_overrides. The value in TOML syntax, "
+        "bare text is a string",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=float(os.environ.get("FTREC_RUN_TIMEOUT_S", 7200)),
+        help="give up on the DAG run after this many seconds (default 7200)",
+    )
     p.add_argument("--logical-date", help="ISO date of the DAG run; the same date again re-runs that run")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -198,10 +220,23 @@ def main(argv: list[str] | None = None) -> int:
     env_file = write_env_file(work, airflow_env(work))
     summary_path.unlink(missing_ok=True)
     # The child gets its own process group, so a timeout or Ctrl-C ends all it started.
-    proc = subprocess.Popen([sys.executable, "-m", "ftrec_airflow.local_run", "--child", "--work", str(work),
-                             "--dag", a.dag, "--conf", json.dumps(conf),
-                             *(["--logical-date", a.logical_date] if a.logical_date else [])],
-                            env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ftrec_airflow.local_run",
+            "--child",
+            "--work",
+            str(work),
+            "--dag",
+            a.dag,
+            "--conf",
+            json.dumps(conf),
+            *(["--logical-date", a.logical_date] if a.logical_date else []),
+        ],
+        env=env,
+        start_new_session=True,
+    )
     try:
         rc = proc.wait(timeout=a.timeout)
     except (subprocess.TimeoutExpired, KeyboardInterrupt) as e:

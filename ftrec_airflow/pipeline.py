@@ -37,56 +37,127 @@ log = logging.getLogger(__name__)
 
 def params(**defaults: Any) -> dict[str, Param]:
     """The training DAGs' params, with `defaults` replacing the default values."""
-    d = {"data_source": "auto", "data_format": "iclrec", "synth_users": 2000, "synth_items": 1000,
-         "max_len": 50, "batch_size": 128, "replica_groups": 2, "ranks_per_group": 1, "world_size": None,
-         "epochs": 0, "max_steps": 0, "fault_plan": "", "mlflow_experiment": settings.DEFAULT_EXPERIMENT,
-         "model_name": settings.DEFAULT_MODEL_NAME, "gate_metric": GATE_METRIC, "gate_min": 0.0,
-         "promote_across_metrics": False, "train_overrides": [], "seed": 0}
+    d = {
+        "data_source": "auto",
+        "data_format": "iclrec",
+        "synth_users": 2000,
+        "synth_items": 1000,
+        "max_len": 50,
+        "batch_size": 128,
+        "replica_groups": 2,
+        "ranks_per_group": 1,
+        "world_size": None,
+        "epochs": 0,
+        "max_steps": 0,
+        "fault_plan": "",
+        "mlflow_experiment": settings.DEFAULT_EXPERIMENT,
+        "model_name": settings.DEFAULT_MODEL_NAME,
+        "gate_metric": GATE_METRIC,
+        "gate_min": 0.0,
+        "promote_across_metrics": False,
+        "train_overrides": [],
+        "seed": 0,
+    }
     unknown = set(defaults) - set(d)
     if unknown:
         raise TypeError(f"unknown params: {sorted(unknown)}")
     d.update(defaults)
     return {
-        "data_source": Param(d["data_source"], type="string", description=(
-            "Interaction data: a file or folder path, 'synthetic' (generated into the run folder) "
-            "or 'auto' (../shared/data/beauty.txt when present, otherwise synthetic).")),
-        "data_format": Param(d["data_format"], type="string", enum=list(steps.FORMATS), description=(
-            "Format of data_source: iclrec (user item item ...), sasrec (user item per line), "
-            "movielens (ratings.dat/.csv), events (Parquet/CSV with user, item, timestamp).")),
-        "synth_users": Param(d["synth_users"], type="integer", minimum=10,
-                             description="Users of generated data (data_source=synthetic)."),
-        "synth_items": Param(d["synth_items"], type="integer", minimum=10,
-                             description="Items of generated data (data_source=synthetic)."),
-        "max_len": Param(d["max_len"], type="integer", minimum=2, maximum=8192,
-                         description="Longest history kept per user (most recent items)."),
-        "batch_size": Param(d["batch_size"], type="integer", minimum=1,
-                            description="Samples per rank and step (dataprep --batch-size)."),
-        "replica_groups": Param(d["replica_groups"], type="integer", minimum=1, description=(
-            "R: data-parallel replica groups, the unit of fault tolerance (FT-HSDP).")),
-        "ranks_per_group": Param(d["ranks_per_group"], type="integer", minimum=1,
-                                 description="K: ranks inside one replica group."),
-        "world_size": Param(d["world_size"], type=["null", "integer"], minimum=1, description=(
-            "Shard count W; empty means R*K (the only value the launcher accepts).")),
-        "epochs": Param(d["epochs"], type="integer", minimum=0,
-                        description="Training epochs; 0 keeps the trainer's default."),
-        "max_steps": Param(d["max_steps"], type="integer", minimum=0,
-                           description="Stop after this many committed steps; 0: no limit."),
-        "fault_plan": Param(d["fault_plan"], type="string", description=(
-            "Faults to inject (ftcore plan): a TOML/JSON file path or inline JSON; empty for none.")),
-        "mlflow_experiment": Param(d["mlflow_experiment"], type="string", minLength=1,
-                                   description="MLflow experiment of the training run."),
-        "model_name": Param(d["model_name"], type="string", minLength=1,
-                            description="MLflow registered model the gated model is added to."),
-        "gate_metric": Param(d["gate_metric"], type="string", description=(
-            "Evaluation metric of the quality gate, <split>/<protocol>/<metric> as MLflow shows it, "
-            "e.g. test/full/hr_at_10 (hr@10 is accepted too).")),
-        "gate_min": Param(d["gate_min"], type="number", description=(
-            "The model is registered only if gate_metric >= gate_min; otherwise register_model fails.")),
-        "promote_across_metrics": Param(d["promote_across_metrics"], type="boolean", description=(
-            "A registered version becomes champion only if it beats the champion on gate_metric; "
-            "when the champion was gated on another metric it is kept, unless this is true.")),
-        "train_overrides": Param(d["train_overrides"], type="array", items={"type": "string"}, description=(
-            "Extra trainer settings section.key=value (training/config.py), e.g. model.dim=32.")),
+        "data_source": Param(
+            d["data_source"],
+            type="string",
+            description=(
+                "Interaction data: a file or folder path, 'synthetic' (generated into the run folder) "
+                "or 'auto' (../shared/data/beauty.txt when present, otherwise synthetic)."
+            ),
+        ),
+        "data_format": Param(
+            d["data_format"],
+            type="string",
+            enum=list(steps.FORMATS),
+            description=(
+                "Format of data_source: iclrec (user item item ...), sasrec (user item per line), "
+                "movielens (ratings.dat/.csv), events (Parquet/CSV with user, item, timestamp)."
+            ),
+        ),
+        "synth_users": Param(
+            d["synth_users"], type="integer", minimum=10, description="Users of generated data (data_source=synthetic)."
+        ),
+        "synth_items": Param(
+            d["synth_items"], type="integer", minimum=10, description="Items of generated data (data_source=synthetic)."
+        ),
+        "max_len": Param(
+            d["max_len"],
+            type="integer",
+            minimum=2,
+            maximum=8192,
+            description="Longest history kept per user (most recent items).",
+        ),
+        "batch_size": Param(
+            d["batch_size"], type="integer", minimum=1, description="Samples per rank and step (dataprep --batch-size)."
+        ),
+        "replica_groups": Param(
+            d["replica_groups"],
+            type="integer",
+            minimum=1,
+            description=("R: data-parallel replica groups, the unit of fault tolerance (FT-HSDP)."),
+        ),
+        "ranks_per_group": Param(
+            d["ranks_per_group"], type="integer", minimum=1, description="K: ranks inside one replica group."
+        ),
+        "world_size": Param(
+            d["world_size"],
+            type=["null", "integer"],
+            minimum=1,
+            description=("Shard count W; empty means R*K (the only value the launcher accepts)."),
+        ),
+        "epochs": Param(
+            d["epochs"], type="integer", minimum=0, description="Training epochs; 0 keeps the trainer's default."
+        ),
+        "max_steps": Param(
+            d["max_steps"], type="integer", minimum=0, description="Stop after this many committed steps; 0: no limit."
+        ),
+        "fault_plan": Param(
+            d["fault_plan"],
+            type="string",
+            description=("Faults to inject (ftcore plan): a TOML/JSON file path or inline JSON; empty for none."),
+        ),
+        "mlflow_experiment": Param(
+            d["mlflow_experiment"], type="string", minLength=1, description="MLflow experiment of the training run."
+        ),
+        "model_name": Param(
+            d["model_name"],
+            type="string",
+            minLength=1,
+            description="MLflow registered model the gated model is added to.",
+        ),
+        "gate_metric": Param(
+            d["gate_metric"],
+            type="string",
+            description=(
+                "Evaluation metric of the quality gate, <split>/<protocol>/<metric> as MLflow shows it, "
+                "e.g. test/full/hr_at_10 (hr@10 is accepted too)."
+            ),
+        ),
+        "gate_min": Param(
+            d["gate_min"],
+            type="number",
+            description=("The model is registered only if gate_metric >= gate_min; otherwise register_model fails."),
+        ),
+        "promote_across_metrics": Param(
+            d["promote_across_metrics"],
+            type="boolean",
+            description=(
+                "A registered version becomes champion only if it beats the champion on gate_metric; "
+                "when the champion was gated on another metric it is kept, unless this is true."
+            ),
+        ),
+        "train_overrides": Param(
+            d["train_overrides"],
+            type="array",
+            items={"type": "string"},
+            description=("Extra trainer settings section.key=value (training/config.py), e.g. model.dim=32."),
+        ),
         "seed": Param(d["seed"], type="integer", description="Seed of data generation, sharding and training."),
     }
 
@@ -116,9 +187,17 @@ class TrainingDag:
 
     def dag_args(self, doc: str, *, tags: tuple[str, ...] = (), **dag: Any) -> dict[str, Any]:
         """`@dag(**...)` arguments: the shared ones, then `dag` (schedule, params, max_active_runs, ...)."""
-        return {"dag_id": self.dag_id, "schedule": None, "start_date": START, "catchup": False,
-                "params": params(), "tags": ["ftrec", *tags], "doc_md": doc,
-                "default_args": {"retries": 0} if self.drill else dict(RETRY), **dag}
+        return {
+            "dag_id": self.dag_id,
+            "schedule": None,
+            "start_date": START,
+            "catchup": False,
+            "params": params(),
+            "tags": ["ftrec", *tags],
+            "doc_md": doc,
+            "default_args": {"retries": 0} if self.drill else dict(RETRY),
+            **dag,
+        }
 
     def shards(self, ingest: Callable[[dict], dict[str, Any]] | None = None) -> XComArg:
         """ingest_validate -> build_shards -> verify_shards; returns verify_shards' summary.
@@ -135,7 +214,7 @@ class TrainingDag:
         def build_task(data: dict, params=None):
             return shard_spec(params, data)
 
-        @task(task_id="verify_shards", retries=0)   # a corrupt shard set does not heal by retrying
+        @task(task_id="verify_shards", retries=0)  # a corrupt shard set does not heal by retrying
         def verify_task(shards: dict) -> dict:
             return verify_shards(shards)
 
@@ -144,6 +223,7 @@ class TrainingDag:
     def train(self, shards: XComArg, base: XComArg | None = None, *, timeout: timedelta) -> XComArg:
         """The `train` task (`@ft_train_task`) on the verified shards; `base` (a task returning
         base_model's dict) warm-starts it. Where it runs: settings.train_task_args."""
+
         @ft_train_task(task_id="train", **settings.train_task_args(), execution_timeout=timeout)
         def train_task(shards: dict, base: dict | None = None, params=None):
             return train_spec(params, shards, base=base)
@@ -152,6 +232,7 @@ class TrainingDag:
 
     def gate(self, trained: XComArg) -> XComArg:
         """evaluate -> register_model behind the quality gate (an event on MODEL per version)."""
+
         @task(task_id="evaluate")
         def evaluate_task(trained: dict) -> dict:
             return evaluate(trained)
@@ -181,23 +262,36 @@ def topology(p: dict) -> tuple[int, int, int]:
     r, k = int(p["replica_groups"]), int(p["ranks_per_group"])
     w = p.get("world_size")
     if w not in (None, "", r * k):
-        raise AirflowFailException(f"param world_size={w} must equal replica_groups*ranks_per_group={r * k}; "
-                                   "leave it empty")
+        raise AirflowFailException(
+            f"param world_size={w} must equal replica_groups*ranks_per_group={r * k}; leave it empty"
+        )
     return r, k, r * k
 
 
 def ingest_validate(p: dict) -> dict[str, Any]:
     topology(p)
-    return _user_errors(steps.ingest, p["data_source"], p["data_format"], run_dir(),
-                        synth_users=int(p["synth_users"]), synth_items=int(p["synth_items"]),
-                        seed=int(p["seed"]))
+    return _user_errors(
+        steps.ingest,
+        p["data_source"],
+        p["data_format"],
+        run_dir(),
+        synth_users=int(p["synth_users"]),
+        synth_items=int(p["synth_items"]),
+        seed=int(p["seed"]),
+    )
 
 
 def shard_spec(p: dict, data: dict) -> steps.ShardSpec:
-    return steps.ShardSpec(input=data["path"], fmt=data["format"], out=str(run_dir() / "shards"),
-                           world_size=topology(p)[2], batch_size=int(p["batch_size"]),
-                           max_len=int(p["max_len"]), seed=int(p["seed"]),
-                           model_overrides=list(p.get("train_overrides") or []))   # balanced for the model trained
+    return steps.ShardSpec(
+        input=data["path"],
+        fmt=data["format"],
+        out=str(run_dir() / "shards"),
+        world_size=topology(p)[2],
+        batch_size=int(p["batch_size"]),
+        max_len=int(p["max_len"]),
+        seed=int(p["seed"]),
+        model_overrides=list(p.get("train_overrides") or []),
+    )  # balanced for the model trained
 
 
 def verify_shards(shards: dict) -> dict[str, Any]:
@@ -212,10 +306,16 @@ def train_spec(p: dict, shards: dict, *, base: dict | None = None) -> steps.Trai
     if base and base.get("checkpoint"):
         overrides.append(f"train.init_checkpoint={base['checkpoint']}")
     return steps.TrainSpec(
-        shards=shards["path"], out=str(run_dir() / "train"), replica_groups=r, ranks_per_group=k,
+        shards=shards["path"],
+        out=str(run_dir() / "train"),
+        replica_groups=r,
+        ranks_per_group=k,
         fault_plan=plan if isinstance(plan, str) else json.dumps(plan),
-        max_steps=int(p["max_steps"]), epochs=int(p["epochs"]), experiment=p["mlflow_experiment"],
-        overrides=overrides)
+        max_steps=int(p["max_steps"]),
+        epochs=int(p["epochs"]),
+        experiment=p["mlflow_experiment"],
+        overrides=overrides,
+    )
 
 
 def evaluate(trained: dict) -> dict[str, Any]:
@@ -223,6 +323,7 @@ def evaluate(trained: dict) -> dict[str, Any]:
     metrics on the run: only metrics the run lacks are added, under the same names, so
     MLflow shows each value once. Returns the values the run shows (the gate's input)."""
     from ftrec_airflow import tracking
+
     tracking.connect()
     uri, run_id = trained["tracking_uri"], trained["mlflow_run_id"]
     out = run_dir() / "eval.json"
@@ -231,11 +332,15 @@ def evaluate(trained: dict) -> dict[str, Any]:
     have = tracking.run_metrics(run_id, uri)
     for k in sorted(set(metrics) & set(have)):
         if abs(metrics[k] - have[k]) > 1e-6:  # same checkpoint, same protocol: should not happen
-            log.warning("%s: the trainer logged %.6f, evaluation gives %.6f; keeping the run's value",
-                        k, have[k], metrics[k])
+            log.warning(
+                "%s: the trainer logged %.6f, evaluation gives %.6f; keeping the run's value", k, have[k], metrics[k]
+            )
     tracking.log_metrics(run_id, metrics, tracking_uri=uri)
-    return {"mlflow_run_id": run_id, "metrics": {k: have.get(k, v) for k, v in metrics.items()},
-            "logged": sorted(set(metrics) - set(have))}
+    return {
+        "mlflow_run_id": run_id,
+        "metrics": {k: have.get(k, v) for k, v in metrics.items()},
+        "logged": sorted(set(metrics) - set(have)),
+    }
 
 
 def register_model(p: dict, trained: dict, evaluation: dict) -> dict[str, Any]:
@@ -243,6 +348,7 @@ def register_model(p: dict, trained: dict, evaluation: dict) -> dict[str, Any]:
     as `challenger`, and as `champion` when it beats the champion (tracking.promote);
     the MODEL outlet event carries the result."""
     from ftrec_airflow import tracking
+
     try:
         value = steps.check_gate(evaluation["metrics"], p["gate_metric"], float(p["gate_min"]))
     except (steps.GateFailed, steps.UserError) as e:
@@ -250,19 +356,34 @@ def register_model(p: dict, trained: dict, evaluation: dict) -> dict[str, Any]:
     tracking.connect()
     uri, metric = trained["tracking_uri"], tracking.metric_key(p["gate_metric"])
     ctx = get_current_context()
-    tags = {"gate_metric": metric, "gate_value": repr(value), "gate_min": str(p["gate_min"]),
-            tracking.CHECKPOINT_TAG: trained["checkpoint"], "shards": trained["shards"],
-            "airflow.dag_id": ctx["ti"].dag_id, "airflow.run_id": ctx["run_id"]}
+    tags = {
+        "gate_metric": metric,
+        "gate_value": repr(value),
+        "gate_min": str(p["gate_min"]),
+        tracking.CHECKPOINT_TAG: trained["checkpoint"],
+        "shards": trained["shards"],
+        "airflow.dag_id": ctx["ti"].dag_id,
+        "airflow.run_id": ctx["run_id"],
+    }
     reg = tracking.register(trained["mlflow_run_id"], p["model_name"], tags=tags, tracking_uri=uri)
-    promo = tracking.promote(p["model_name"], reg["version"], metric, value, tracking_uri=uri, log=log.info,
-                             across_metrics=bool(p.get("promote_across_metrics")))
+    promo = tracking.promote(
+        p["model_name"],
+        reg["version"],
+        metric,
+        value,
+        tracking_uri=uri,
+        log=log.info,
+        across_metrics=bool(p.get("promote_across_metrics")),
+    )
     result = {**reg, **promo, "gate_metric": metric, "gate_value": value}
-    ctx["outlet_events"][MODEL].extra = {k: result[k] for k in (
-        "name", "version", "aliases", "run_id", "champion", "gate_metric", "gate_value")}
+    ctx["outlet_events"][MODEL].extra = {
+        k: result[k] for k in ("name", "version", "aliases", "run_id", "champion", "gate_metric", "gate_value")
+    }
     return result
 
 
 # ---------------------------------------------------------------- ftrec_retrain
+
 
 def new_data_source(p: dict) -> tuple[str, str]:
     """(source, format): the newest triggering Asset event's {"path", "format"} extra when
@@ -286,6 +407,7 @@ def base_model(p: dict) -> dict[str, Any]:
     """The champion (`models:/<name>@champion`) and its checkpoint, not the newest version
     (a newer one may have lost to it); {} when there is no champion: train from scratch."""
     from ftrec_airflow import tracking
+
     uri, _ = tracking.connect()
     champ = tracking.by_alias(p["model_name"], tracking.CHAMPION, uri)
     if not champ:
@@ -294,16 +416,22 @@ def base_model(p: dict) -> dict[str, Any]:
     ckpt = champ["tags"].get(tracking.CHECKPOINT_TAG, "")
     if ckpt and not Path(ckpt).exists():
         log.warning("champion version %s's checkpoint %s is gone: training from scratch", champ["version"], ckpt)
-    return {"version": champ["version"], "run_id": champ["run_id"], "alias": tracking.CHAMPION,
-            "checkpoint": ckpt if ckpt and Path(ckpt).exists() else ""}
+    return {
+        "version": champ["version"],
+        "run_id": champ["run_id"],
+        "alias": tracking.CHAMPION,
+        "checkpoint": ckpt if ckpt and Path(ckpt).exists() else "",
+    }
 
 
 # ---------------------------------------------------------------- ftrec_chaos_drill
+
 
 def judge_drill(p: dict, trained: dict, max_stall_s: float) -> dict[str, Any]:
     """Fail unless MLflow shows the recovery, survivors kept committing and the final
     replicas are identical (ftrec_airflow.chaos)."""
     from ftrec_airflow import chaos, tracking
+
     tracking.connect()
     timeline_path = Path(trained["out"]) / "timeline.json"
     if not timeline_path.exists():
@@ -313,8 +441,14 @@ def judge_drill(p: dict, trained: dict, max_stall_s: float) -> dict[str, Any]:
     metrics = dict(c.get_run(trained["mlflow_run_id"]).data.metrics)
     artifacts = [a.path for a in c.list_artifacts(trained["mlflow_run_id"])]
     plan = chaos.load_plan(trained["fault_plan"] or "{}")
-    verdict = chaos.judge(timeline, metrics, plan, replica_groups=int(trained["replica_groups"]),
-                          max_stall_s=max_stall_s, artifacts=artifacts)
+    verdict = chaos.judge(
+        timeline,
+        metrics,
+        plan,
+        replica_groups=int(trained["replica_groups"]),
+        max_stall_s=max_stall_s,
+        artifacts=artifacts,
+    )
     if not verdict.ok:
         raise AirflowFailException("chaos drill failed: " + "; ".join(verdict.problems))
     return {"ok": True, **verdict.facts}

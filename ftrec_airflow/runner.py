@@ -58,6 +58,7 @@ def _become_subreaper() -> bool:
 
 def _descendants() -> set[int]:
     import psutil  # an Airflow dependency; only needed here
+
     try:
         return {p.pid for p in psutil.Process().children(recursive=True)}
     except psutil.Error:
@@ -67,6 +68,7 @@ def _descendants() -> set[int]:
 def _end_strays(pids: set[int], grace_s: float, logger: logging.Logger) -> None:
     """SIGTERM, then SIGKILL after `grace_s`, the processes in `pids` still alive."""
     import psutil
+
     procs = []
     for pid in pids:
         try:
@@ -79,8 +81,9 @@ def _end_strays(pids: set[int], grace_s: float, logger: logging.Logger) -> None:
             pass
     if not procs:
         return
-    logger.warning("ending %d process(es) the command left behind: %s", len(procs),
-                   ", ".join(f"{p.pid}" for p in procs))
+    logger.warning(
+        "ending %d process(es) the command left behind: %s", len(procs), ", ".join(f"{p.pid}" for p in procs)
+    )
     for p in procs:
         try:
             p.terminate()
@@ -151,8 +154,15 @@ class Command:
     """One running command. `run()` is the usual entry; keep a `Command` when something
     else (an operator's `on_kill`) must be able to stop it from another frame."""
 
-    def __init__(self, cmd: Sequence[str], *, env: dict[str, str] | None = None,
-                 cwd: str | None = None, logger: logging.Logger | None = None, on_line=None):
+    def __init__(
+        self,
+        cmd: Sequence[str],
+        *,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        logger: logging.Logger | None = None,
+        on_line=None,
+    ):
         self.on_line = on_line  # called with every output line (e.g. to spot an address)
         self.cmd = [str(c) for c in cmd]
         self.env = env
@@ -184,9 +194,17 @@ class Command:
         reaper = _become_subreaper()
         before = _descendants() if reaper else set()
         self.proc = subprocess.Popen(
-            self.cmd, env=self.env, cwd=self.cwd, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True, bufsize=1, errors="replace",
-            start_new_session=True, preexec_fn=_die_with_parent)
+            self.cmd,
+            env=self.env,
+            cwd=self.cwd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+            errors="replace",
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
         pump = threading.Thread(target=self._pump, name="ftrec-log-pump", daemon=True)
         pump.start()
         previous = None
@@ -198,6 +216,7 @@ class Command:
                 self.stop()
                 if callable(previous):
                     previous(signum, frame)
+
             signal.signal(signal.SIGTERM, _on_term)
         start = time.monotonic()
         try:
@@ -221,8 +240,14 @@ class Command:
             raise CommandFailed(self.cmd, self.proc.returncode, list(self.tail))
 
 
-def run(cmd: Sequence[str], *, env: dict[str, str] | None = None, cwd: str | None = None,
-        logger: logging.Logger | None = None, timeout_s: float | None = None) -> list[str]:
+def run(
+    cmd: Sequence[str],
+    *,
+    env: dict[str, str] | None = None,
+    cwd: str | None = None,
+    logger: logging.Logger | None = None,
+    timeout_s: float | None = None,
+) -> list[str]:
     """Run `cmd` streaming its output to `logger`; return its last lines of output."""
     c = Command(cmd, env=env, cwd=cwd, logger=logger)
     c.run(timeout_s)

@@ -77,6 +77,7 @@ def mlflow_connection() -> tuple[str, dict[str, str]]:
     inside a running task only, never while a DAG file is parsed."""
     from airflow.sdk import BaseHook
     from airflow.sdk.exceptions import AirflowNotFoundException
+
     try:
         conn = BaseHook.get_connection(MLFLOW_CONN_ID)
     except AirflowNotFoundException:
@@ -85,8 +86,7 @@ def mlflow_connection() -> tuple[str, dict[str, str]]:
     uri = extra.get("tracking_uri")
     if not uri:
         if not conn.host:
-            raise ValueError(f"Airflow connection {MLFLOW_CONN_ID}: set host (and port, schema) "
-                             "or extra.tracking_uri")
+            raise ValueError(f"Airflow connection {MLFLOW_CONN_ID}: set host (and port, schema) or extra.tracking_uri")
         host = conn.host.rstrip("/")
         if "://" not in host:
             host = f"{conn.schema or 'http'}://{host}"
@@ -109,8 +109,10 @@ def train_task_args() -> dict:
     from airflow.configuration import conf
 
     def get(key: str) -> str:
-        return (os.environ.get(f"FTREC_TRAIN_{key.upper()}")
-                or conf.get("ftrec", f"train_{key}", fallback="") or "").strip()
+        return (
+            os.environ.get(f"FTREC_TRAIN_{key.upper()}") or conf.get("ftrec", f"train_{key}", fallback="") or ""
+        ).strip()
+
     args: dict = {k: get(k) for k in ("queue", "pool") if get(k)}
     try:
         if get("priority_weight"):
@@ -120,8 +122,10 @@ def train_task_args() -> dict:
             if not isinstance(args["executor_config"], dict):
                 raise ValueError(f"got {get('executor_config')!r}")
     except ValueError as e:  # shown as the DAG file's import error
-        raise ValueError(f"FTREC_TRAIN_* / [ftrec] train_*: priority_weight must be an integer and "
-                         f"executor_config a JSON object ({e})") from None
+        raise ValueError(
+            f"FTREC_TRAIN_* / [ftrec] train_*: priority_weight must be an integer and "
+            f"executor_config a JSON object ({e})"
+        ) from None
     return args
 
 
@@ -131,7 +135,7 @@ def artifact_root(uri: str | None = None) -> str | None:
     uri = uri or tracking_uri()
     if not uri.startswith("sqlite:///"):
         return None
-    return (Path(uri[len("sqlite:///"):]).parent / "artifacts").resolve().as_uri()
+    return (Path(uri[len("sqlite:///") :]).parent / "artifacts").resolve().as_uri()
 
 
 def mlflow_ui() -> str:

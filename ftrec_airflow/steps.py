@@ -30,8 +30,10 @@ class UserError(ValueError):
 
 # ---------------------------------------------------------------- ingest_validate
 
-def ingest(source: str, fmt: str, run_dir: Path, *, synth_users: int = 2000,
-           synth_items: int = 1000, seed: int = 0) -> dict[str, Any]:
+
+def ingest(
+    source: str, fmt: str, run_dir: Path, *, synth_users: int = 2000, synth_items: int = 1000, seed: int = 0
+) -> dict[str, Any]:
     """Resolve the data source and check it can be read.
 
     `source` is a file or folder path, "synthetic" (generate data into the run folder) or
@@ -46,6 +48,7 @@ def ingest(source: str, fmt: str, run_dir: Path, *, synth_users: int = 2000,
         path = Path(run_dir) / "data" / "events.txt"
         if not path.exists():
             from dataprep.synth import write_synthetic  # writes atomically itself
+
             write_synthetic(str(path), users=synth_users, items=synth_items, seed=seed, fmt="sasrec")
         return {"path": str(path), "format": "sasrec", "bytes": path.stat().st_size, "synthetic": True}
 
@@ -53,8 +56,9 @@ def ingest(source: str, fmt: str, run_dir: Path, *, synth_users: int = 2000,
         raise UserError(f"param data_format={fmt!r}: use one of {', '.join(FORMATS)}")
     path = Path(source).expanduser()
     if not path.exists():
-        raise UserError(f"param data_source: {path} does not exist; give a readable file or folder, "
-                        "'synthetic' or 'auto'")
+        raise UserError(
+            f"param data_source: {path} does not exist; give a readable file or folder, 'synthetic' or 'auto'"
+        )
     if path.is_file():
         if path.stat().st_size == 0:
             raise UserError(f"{path}: the file is empty")
@@ -79,15 +83,19 @@ def _sniff_text(path: Path, fmt: str) -> None:
                 continue
             ok = len(fields) == 2 if fmt == "sasrec" else len(fields) >= 2
             if not ok:
-                raise UserError(f"{path}, line {n}: format {fmt} expects {want}, found {len(fields)} "
-                                f"field(s); set param data_format to the file's format")
+                raise UserError(
+                    f"{path}, line {n}: format {fmt} expects {want}, found {len(fields)} "
+                    f"field(s); set param data_format to the file's format"
+                )
 
 
 # ---------------------------------------------------------------- build / verify shards
 
+
 @dataclass
 class ShardSpec:
     """A shard set to build: what `@build_shards_task` functions return."""
+
     input: str
     fmt: str
     out: str
@@ -120,23 +128,35 @@ def build_shards(spec: ShardSpec, log=None) -> dict[str, Any]:
 
     out = Path(spec.out)
     manifest_path = out / "manifest.json"
+
     def identity():  # a rebuilt set is renamed into place: a new inode
         st = manifest_path.stat() if manifest_path.exists() else None
         return st and (st.st_ino, st.st_mtime_ns)
+
     before = identity()
     cost_model = None
     if spec.model_overrides is not None:
         from training import calibrate
-        cost_model = calibrate.cached(calibrate.model_config(spec.model_overrides), spec.max_len,
-                                      settings.work_root() / "cost-models")
+
+        cost_model = calibrate.cached(
+            calibrate.model_config(spec.model_overrides), spec.max_len, settings.work_root() / "cost-models"
+        )
         if log:
             log(f"cost model: {cost_model}")
-    args = dict(world_size=spec.world_size, batch_size=spec.batch_size, seed=spec.seed,
-                max_len=spec.max_len, window_steps=spec.window_steps, quiet=True, log=log, cost_model=cost_model)
+    args = dict(
+        world_size=spec.world_size,
+        batch_size=spec.batch_size,
+        seed=spec.seed,
+        max_len=spec.max_len,
+        window_steps=spec.window_steps,
+        quiet=True,
+        log=log,
+        cost_model=cost_model,
+    )
     try:
         try:
             manifest = _build(spec.input, spec.fmt, str(out), **args)
-        except DifferentShardSet:   # an earlier try's set with other settings: replace it, nothing else
+        except DifferentShardSet:  # an earlier try's set with other settings: replace it, nothing else
             manifest = _build(spec.input, spec.fmt, str(out), overwrite=True, **args)
     except DataprepError as e:
         raise UserError(str(e)) from None
@@ -148,6 +168,7 @@ def verify_shards(path: str) -> dict[str, Any]:
     """Check checksums, schema and coverage of a shard set (dataprep's verify)."""
     from dataprep.errors import DataprepError
     from dataprep.verify import verify_shards as _verify
+
     try:
         manifest = _verify(path)
     except DataprepError as e:
@@ -157,21 +178,23 @@ def verify_shards(path: str) -> dict[str, Any]:
 
 # ---------------------------------------------------------------- train
 
+
 @dataclass
 class TrainSpec:
     """A training run: what `@ft_train_task` functions return.
 
     `overrides` are trainer settings `section.key=value` (training/config.py)."""
+
     shards: str
     out: str
     replica_groups: int = 1
     ranks_per_group: int = 1
-    fault_plan: str = ""          # path to a TOML/JSON fault plan, or inline JSON
+    fault_plan: str = ""  # path to a TOML/JSON fault plan, or inline JSON
     max_steps: int = 0
-    epochs: int = 0               # 0: the trainer's default
+    epochs: int = 0  # 0: the trainer's default
     experiment: str = settings.DEFAULT_EXPERIMENT
     run_name: str = ""
-    run_key: str = ""             # identifies the Airflow task's run: a retry finds the same MLflow run
+    run_key: str = ""  # identifies the Airflow task's run: a retry finds the same MLflow run
     overrides: list[str] = field(default_factory=list)
     timeout_s: float | None = None
 
@@ -189,6 +212,7 @@ def _fault_plan_file(spec: TrainSpec) -> str:
         except json.JSONDecodeError as e:
             raise UserError(f"param fault_plan: inline JSON does not parse ({e.msg} at column {e.colno})") from None
         from dataprep.fsutil import atomic_write_text
+
         path = Path(spec.out) / "fault_plan.json"
         atomic_write_text(path, plan)
         return str(path)
@@ -201,9 +225,12 @@ def trainer_settings(spec: TrainSpec, run_id: str, tracking_uri: str) -> list[st
     """The `--set section.key=value` settings every rank's trainer gets for this run
     (on the local launcher and in the Kubernetes pods alike)."""
     out = Path(spec.out)
-    sets = [f"mlflow.run_id={run_id}", f"mlflow.experiment={spec.experiment}",
-            f"mlflow.tracking_uri={tracking_uri}",
-            "mlflow.register=false"]  # registration is the register_model task's, behind the gate
+    sets = [
+        f"mlflow.run_id={run_id}",
+        f"mlflow.experiment={spec.experiment}",
+        f"mlflow.tracking_uri={tracking_uri}",
+        "mlflow.register=false",
+    ]  # registration is the register_model task's, behind the gate
     if spec.max_steps:
         sets.append(f"train.max_steps={spec.max_steps}")
     if spec.epochs:
@@ -217,9 +244,20 @@ def train_command(spec: TrainSpec, run_id: str, tracking_uri: str) -> list[str]:
     """The command line of one training run: the ftcore launcher (`python -m training launch`),
     R replica groups of K ranks, even for one group of one rank."""
     out = Path(spec.out)
-    cmd = [sys.executable, "-m", "training", "launch", "--shards", spec.shards,
-           "--replica-groups", str(spec.replica_groups),
-           "--ranks-per-group", str(spec.ranks_per_group), "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "training",
+        "launch",
+        "--shards",
+        spec.shards,
+        "--replica-groups",
+        str(spec.replica_groups),
+        "--ranks-per-group",
+        str(spec.ranks_per_group),
+        "--out",
+        str(out),
+    ]
     plan = _fault_plan_file(spec)
     if plan:
         cmd += ["--faults", plan]
@@ -227,8 +265,12 @@ def train_command(spec: TrainSpec, run_id: str, tracking_uri: str) -> list[str]:
     if standing:
         # Join the standing lighthouse under this run's own job id; the launcher passes the
         # token this worker holds (FTCORE_TOKEN_FILE / FTCORE_TOKEN) to every rank.
-        cmd += ["--lighthouse", standing.removeprefix("http://"), "--job-id",
-                settings.lighthouse_job_id(spec.run_key or str(out))]
+        cmd += [
+            "--lighthouse",
+            standing.removeprefix("http://"),
+            "--job-id",
+            settings.lighthouse_job_id(spec.run_key or str(out)),
+        ]
     cmd.append("--")  # what follows goes to every rank's trainer
     for s in trainer_settings(spec, run_id, tracking_uri):
         cmd += ["--set", s]
@@ -253,8 +295,16 @@ def train_env(tracking_uri: str, credentials: dict[str, str] | None = None) -> d
     return {**os.environ, **(credentials or {}), "MLFLOW_TRACKING_URI": tracking_uri}
 
 
-def train(spec: TrainSpec, run_id: str, tracking_uri: str, *, credentials: dict[str, str] | None = None,
-          command_hook=None, logger=None, on_line=None) -> dict[str, Any]:
+def train(
+    spec: TrainSpec,
+    run_id: str,
+    tracking_uri: str,
+    *,
+    credentials: dict[str, str] | None = None,
+    command_hook=None,
+    logger=None,
+    on_line=None,
+) -> dict[str, Any]:
     """Run training into `spec.out` on MLflow run `run_id`; return the trainer's result.json.
 
     Idempotent: a finished result for the same MLflow run is returned as is; a run that
@@ -264,8 +314,12 @@ def train(spec: TrainSpec, run_id: str, tracking_uri: str, *, credentials: dict[
     if done and done.get("mlflow_run_id") == run_id:
         return {**done, "reused": True}
     Path(spec.out).mkdir(parents=True, exist_ok=True)
-    cmd = runner.Command(train_command(spec, run_id, tracking_uri), logger=logger, on_line=on_line,
-                         env=train_env(tracking_uri, credentials))
+    cmd = runner.Command(
+        train_command(spec, run_id, tracking_uri),
+        logger=logger,
+        on_line=on_line,
+        env=train_env(tracking_uri, credentials),
+    )
     if command_hook:
         command_hook(cmd)
     cmd.run(spec.timeout_s)
@@ -277,6 +331,7 @@ def train(spec: TrainSpec, run_id: str, tracking_uri: str, *, credentials: dict[
 
 # ---------------------------------------------------------------- evaluate
 
+
 def evaluate(checkpoint: str, shards: str, out_json: str, *, logger=None, timeout_s: float | None = None) -> dict:
     """Evaluate a checkpoint on the shard set's held-out targets; return {metric: value}.
 
@@ -284,14 +339,29 @@ def evaluate(checkpoint: str, shards: str, out_json: str, *, logger=None, timeou
     after it exists does no work."""
     out = Path(out_json)
     if not out.exists():
-        runner.run([sys.executable, "-m", "training", "eval", "--checkpoint", checkpoint,
-                    "--shards", shards, "--out", str(out)], logger=logger, timeout_s=timeout_s)
+        runner.run(
+            [
+                sys.executable,
+                "-m",
+                "training",
+                "eval",
+                "--checkpoint",
+                checkpoint,
+                "--shards",
+                shards,
+                "--out",
+                str(out),
+            ],
+            logger=logger,
+            timeout_s=timeout_s,
+        )
     data = json.loads(out.read_text())
     metrics = data.get("metrics", data)
     return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
 
 
 # ---------------------------------------------------------------- quality gate
+
 
 class GateFailed(Exception):
     """The model did not reach the quality gate; the message lists the metrics."""
@@ -301,6 +371,7 @@ def check_gate(metrics: dict[str, float], metric: str, minimum: float) -> float:
     """Return the gated metric's value; raise GateFailed (or UserError for an unknown
     metric) with every metric in the message."""
     from ftrec_airflow.tracking import metric_key
+
     shown = ", ".join(f"{k}={v:.4f}" for k, v in sorted(metrics.items()))
     metrics = {metric_key(k): v for k, v in metrics.items()}
     if metric_key(metric) in metrics:

@@ -15,9 +15,9 @@ from typing import Any
 
 from ftrec_airflow import settings
 
-RUN_KEY_TAG = "ftrec.airflow_run"   # "<dag_id>/<run_id>/<task_id>": the idempotency key
+RUN_KEY_TAG = "ftrec.airflow_run"  # "<dag_id>/<run_id>/<task_id>": the idempotency key
 CHECKPOINT_TAG = "ftrec.checkpoint"
-CHAMPION, CHALLENGER = "champion", "challenger"   # registry aliases
+CHAMPION, CHALLENGER = "champion", "challenger"  # registry aliases
 
 
 def connect() -> tuple[str, dict[str, str]]:
@@ -35,6 +35,7 @@ def connect() -> tuple[str, dict[str, str]]:
 
 def client(tracking_uri: str | None = None):
     from mlflow.tracking import MlflowClient
+
     uri = tracking_uri or settings.tracking_uri()
     return MlflowClient(tracking_uri=uri, registry_uri=uri)
 
@@ -54,8 +55,14 @@ def ensure_experiment(name: str, tracking_uri: str | None = None) -> str:
         return exp.experiment_id
 
 
-def ensure_run(experiment: str, run_key: str, *, run_name: str = "", tags: dict[str, str] | None = None,
-               tracking_uri: str | None = None) -> tuple[str, str]:
+def ensure_run(
+    experiment: str,
+    run_key: str,
+    *,
+    run_name: str = "",
+    tags: dict[str, str] | None = None,
+    tracking_uri: str | None = None,
+) -> tuple[str, str]:
     """(experiment_id, run_id) of the run tagged `run_key`, created if there is none."""
     c = client(tracking_uri)
     exp_id = ensure_experiment(experiment, tracking_uri)
@@ -76,15 +83,18 @@ def metric_key(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_\-. :/]", "_", name.replace("@", "_at_"))
 
 
-def log_metrics(run_id: str, metrics: dict[str, float], *, prefix: str = "",
-                tracking_uri: str | None = None) -> None:
+def log_metrics(run_id: str, metrics: dict[str, float], *, prefix: str = "", tracking_uri: str | None = None) -> None:
     """Log `metrics` on the run once: metrics the run already has are not logged again,
     so a retried task adds nothing."""
     from mlflow.entities import Metric
+
     have = run_metrics(run_id, tracking_uri)
     now = int(time.time() * 1000)
-    batch = [Metric(metric_key(prefix + k), float(v), now, 0) for k, v in metrics.items()
-             if metric_key(prefix + k) not in have]
+    batch = [
+        Metric(metric_key(prefix + k), float(v), now, 0)
+        for k, v in metrics.items()
+        if metric_key(prefix + k) not in have
+    ]
     if batch:
         client(tracking_uri).log_batch(run_id, metrics=batch)
 
@@ -97,11 +107,18 @@ def metric_history(run_id: str, key: str, tracking_uri: str | None = None) -> li
     return [(m.step, m.value) for m in client(tracking_uri).get_metric_history(run_id, key)]
 
 
-def register(run_id: str, name: str, *, artifact_path: str = "model", tags: dict[str, str] | None = None,
-             tracking_uri: str | None = None) -> dict[str, Any]:
+def register(
+    run_id: str,
+    name: str,
+    *,
+    artifact_path: str = "model",
+    tags: dict[str, str] | None = None,
+    tracking_uri: str | None = None,
+) -> dict[str, Any]:
     """Register the run's logged model as a new version of `name`, once per run:
     a retried task finds the version it created and returns it."""
     import mlflow
+
     c = client(tracking_uri)
     for mv in c.search_model_versions(f"name = '{name}'"):
         if mv.run_id == run_id:
@@ -113,13 +130,19 @@ def register(run_id: str, name: str, *, artifact_path: str = "model", tags: dict
 
 
 def _version(mv) -> dict[str, Any]:
-    return {"name": mv.name, "version": int(mv.version), "run_id": mv.run_id, "tags": dict(mv.tags or {}),
-            "aliases": sorted(mv.aliases or [])}
+    return {
+        "name": mv.name,
+        "version": int(mv.version),
+        "run_id": mv.run_id,
+        "tags": dict(mv.tags or {}),
+        "aliases": sorted(mv.aliases or []),
+    }
 
 
 def by_alias(name: str, alias: str, tracking_uri: str | None = None) -> dict[str, Any] | None:
     """The version of `name` that `alias` points to, with its tags; None when there is none."""
     from mlflow.exceptions import MlflowException
+
     c = client(tracking_uri)
     try:
         # a missing alias is an INVALID_PARAMETER_VALUE of get_model_version_by_alias, like any
@@ -127,14 +150,22 @@ def by_alias(name: str, alias: str, tracking_uri: str | None = None) -> dict[str
         if alias not in c.get_registered_model(name).aliases:
             return None
     except MlflowException as e:
-        if e.error_code == "RESOURCE_DOES_NOT_EXIST":   # no such model
+        if e.error_code == "RESOURCE_DOES_NOT_EXIST":  # no such model
             return None
         raise
     return _version(c.get_model_version_by_alias(name, alias))
 
 
-def promote(name: str, version: int, metric: str, value: float, *, across_metrics: bool = False,
-            tracking_uri: str | None = None, log=print) -> dict[str, Any]:
+def promote(
+    name: str,
+    version: int,
+    metric: str,
+    value: float,
+    *,
+    across_metrics: bool = False,
+    tracking_uri: str | None = None,
+    log=print,
+) -> dict[str, Any]:
     """Point `challenger` at `version`, and `champion` too when it beats the champion on
     `metric` (the champion's own gate_metric/gate_value tags: the value it was gated on).
 
@@ -150,10 +181,15 @@ def promote(name: str, version: int, metric: str, value: float, *, across_metric
         promote_it, why = False, "already the champion"
     elif champ["tags"].get("gate_metric") != metric or "gate_value" not in champ["tags"]:
         promote_it = across_metrics
-        why = (f"champion version {champ['version']} was gated on {champ['tags'].get('gate_metric')!r}, this "
-               f"version on {metric!r}: not comparable; "
-               + ("promoting it (promote_across_metrics)" if across_metrics else
-                  "keeping the champion (set promote_across_metrics to promote anyway)"))
+        why = (
+            f"champion version {champ['version']} was gated on {champ['tags'].get('gate_metric')!r}, this "
+            f"version on {metric!r}: not comparable; "
+            + (
+                "promoting it (promote_across_metrics)"
+                if across_metrics
+                else "keeping the champion (set promote_across_metrics to promote anyway)"
+            )
+        )
     else:
         old = float(champ["tags"]["gate_value"])
         promote_it = value > old

@@ -33,18 +33,40 @@ def _one_thread(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
 
 
-def torchrun_train(shards: str, out: str, port: int, settings: list[str], nproc: int = 2,
-                   timeout: float = 240) -> str:
+def torchrun_train(shards: str, out: str, port: int, settings: list[str], nproc: int = 2, timeout: float = 240) -> str:
     """`python -m training train` under torchrun on 127.0.0.1; returns its output.
     Bounded: on timeout the whole torchrun tree is ended by its process group."""
     import subprocess
     import sys
 
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    cmd = [torchrun, "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(port),
-           "-m", "training", "train", "--shards", shards, "--out", out, "--set", *settings]
-    p = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, text=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    cmd = [
+        torchrun,
+        "--nproc-per-node",
+        str(nproc),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(port),
+        "-m",
+        "training",
+        "train",
+        "--shards",
+        shards,
+        "--out",
+        out,
+        "--set",
+        *settings,
+    ]
+    p = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         text, _ = p.communicate(timeout=timeout)
     finally:
@@ -58,9 +80,15 @@ def torchrun_train(shards: str, out: str, port: int, settings: list[str], nproc:
 def run_python(args: list[str], timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
     """`python *args` from the project root in a process group of its own, bounded: on timeout
     the whole group is SIGKILLed and the test fails with the tail of the output."""
-    p = subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True, start_new_session=True,
-                         env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})})
+    p = subprocess.Popen(
+        [sys.executable, *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})},
+    )
     try:
         out, _ = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -83,11 +111,22 @@ def shard_sample_ids(shards: Path):
             pf = pq.ParquetFile(Path(shards) / schema.shard_file(shard))
             ids[shard, row_group] = pf.read_row_group(row_group, columns=["sample_id"]).column(0).to_pylist()
         return ids[shard, row_group]
+
     return sample_ids
 
 
-def synthetic_shards(folder: "str | os.PathLike", *, users: int, items: int, seed: int, world_size: int,
-                     batch_size: int, max_len: int, median_len: float = 8, max_history: int = 40) -> Path:
+def synthetic_shards(
+    folder: "str | os.PathLike",
+    *,
+    users: int,
+    items: int,
+    seed: int,
+    world_size: int,
+    batch_size: int,
+    max_len: int,
+    median_len: float = 8,
+    max_history: int = 40,
+) -> Path:
     """A synthetic `sasrec` log, folder/ev.txt (dataprep's write_synthetic), built into a
     shard set, folder/shards (build_shards, in process); returns the shard set's folder."""
     from dataprep.build import build_shards
@@ -103,11 +142,31 @@ def cli_shard_set(folder: Path, world_size: int = 2, users: int = 600) -> Path:
     """A small synthetic shard set (600 users, 200 items, 32 samples per rank and step),
     built through the command line as a user would: folder/shards."""
     events, shards = Path(folder) / "events.txt", Path(folder) / "shards"
-    r = run_python(["-m", "dataprep", "synth", "--out", str(events), "--users", str(users), "--items", "200",
-                    "--quiet"], 120)
+    r = run_python(
+        ["-m", "dataprep", "synth", "--out", str(events), "--users", str(users), "--items", "200", "--quiet"], 120
+    )
     assert r.returncode == 0, r.stdout[-2000:]
-    r = run_python(["-m", "dataprep", "shards", "--input", str(events), "--format", "sasrec", "--out", str(shards),
-                    "--world-size", str(world_size), "--batch-size", "32", "--max-len", "20", "--quiet"], 180)
+    r = run_python(
+        [
+            "-m",
+            "dataprep",
+            "shards",
+            "--input",
+            str(events),
+            "--format",
+            "sasrec",
+            "--out",
+            str(shards),
+            "--world-size",
+            str(world_size),
+            "--batch-size",
+            "32",
+            "--max-len",
+            "20",
+            "--quiet",
+        ],
+        180,
+    )
     assert r.returncode == 0, r.stdout[-2000:]
     return shards
 
@@ -117,6 +176,7 @@ def lighthouse():
     """`start(**LighthouseConfig fields)` -> ("127.0.0.1:port", Lighthouse): real servers on
     loopback, closed after the test."""
     from ftcore.lighthouse import LighthouseConfig, serve
+
     servers = []
 
     def start(**kw):
@@ -134,6 +194,7 @@ def ask_all(clients, timeout: float = 5.0) -> list:
     """Every client's quorum() at once, as the ranks of a round ask; an exception is returned
     in its client's place."""
     import threading
+
     out: list = [None] * len(clients)
 
     def ask(i):
@@ -141,6 +202,7 @@ def ask_all(clients, timeout: float = 5.0) -> list:
             out[i] = clients[i].quorum(timeout)
         except Exception as e:  # noqa: BLE001 - the test inspects it
             out[i] = e
+
     ts = [threading.Thread(target=ask, args=(i,)) for i in range(len(clients))]
     for t in ts:
         t.start()

@@ -17,8 +17,8 @@ import torch.distributed as dist
 from ftcore import collectives as coll
 
 NAME = "ftrec_test_device"
-CALLS: list[dict] = []      # every call this process's device groups saw
-REJECTED: list[str] = []    # the refused ones, with what was wrong
+CALLS: list[dict] = []  # every call this process's device groups saw
+REJECTED: list[str] = []  # the refused ones, with what was wrong
 
 
 def _describe(t) -> str:
@@ -38,8 +38,10 @@ class DataOnlyPG(dist.ProcessGroup):
         bad = [t for t in tensors if not any(t is p for p in placed)]
         CALLS.append({"op": op, "tensors": [_describe(t) for t in tensors], "ok": not bad})
         if bad:
-            msg = (f"{NAME}: {op} of {', '.join(map(_describe, bad))} that ftcore.collectives did not place as "
-                   "data: a control value on the device group (NCCL would refuse a CPU tensor)")
+            msg = (
+                f"{NAME}: {op} of {', '.join(map(_describe, bad))} that ftcore.collectives did not place as "
+                "data: a control value on the device group (NCCL would refuse a CPU tensor)"
+            )
             REJECTED.append(msg)
             raise RuntimeError(msg)
 

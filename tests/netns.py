@@ -63,8 +63,14 @@ class Hosts:
     def start(self, host: str, argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
         """`argv` inside `host`'s namespace, in its own session, output to `log`."""
         with open(log, "ab") as f:
-            p = subprocess.Popen(["ip", "netns", "exec", self.ns[host], *argv], env=env, stdout=f,
-                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+            p = subprocess.Popen(
+                ["ip", "netns", "exec", self.ns[host], *argv],
+                env=env,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         self.procs.append(p)
         return p
 
@@ -84,8 +90,9 @@ class Hosts:
 
     def listening(self, host: str) -> list[tuple[str, int]]:
         """(local address, pid) of every listening TCP socket in the host's namespace."""
-        r = subprocess.run(["ip", "netns", "exec", self.ns[host], "ss", "-Hltnp"], capture_output=True,
-                           text=True, timeout=10)
+        r = subprocess.run(
+            ["ip", "netns", "exec", self.ns[host], "ss", "-Hltnp"], capture_output=True, text=True, timeout=10
+        )
         out = []
         for line in r.stdout.splitlines():
             cols = line.split()

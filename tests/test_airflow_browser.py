@@ -30,10 +30,17 @@ ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.slow, pytest.mark.integ]
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-CONF = {"data_source": "synthetic", "synth_users": 240, "synth_items": 120, "max_steps": 12,
-        "batch_size": 16, "max_len": 20, "replica_groups": 2,
-        "fault_plan": json.dumps({"faults": [{"kind": "kill", "group": 1, "at_step": 4}]}),
-        "train_overrides": ["model.dim=16", "eval.batch_size=256", "mlflow.system_metrics=false"]}
+CONF = {
+    "data_source": "synthetic",
+    "synth_users": 240,
+    "synth_items": 120,
+    "max_steps": 12,
+    "batch_size": 16,
+    "max_len": 20,
+    "replica_groups": 2,
+    "fault_plan": json.dumps({"faults": [{"kind": "kill", "group": 1, "at_step": 4}]}),
+    "train_overrides": ["model.dim=16", "eval.batch_size=256", "mlflow.system_metrics=false"],
+}
 
 
 def _needs_a_browser():
@@ -55,17 +62,35 @@ def mlflow_ui(tmp_path, monkeypatch):
     port = str(free_port())
     base = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "mlflow-server.log", "w")
-    p = subprocess.Popen([str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1",
-                          "--port", port, "--workers", "1",
-                          "--backend-store-uri", f"sqlite:///{store / 'mlflow.db'}",
-                          "--default-artifact-root", (store / "artifacts").as_uri()],
-                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                         # its job runner would leave a store under /dev/shm that nothing removes
-                         env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
+    p = subprocess.Popen(
+        [
+            str(Path(sys.executable).parent / "mlflow"),
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            port,
+            "--workers",
+            "1",
+            "--backend-store-uri",
+            f"sqlite:///{store / 'mlflow.db'}",
+            "--default-artifact-root",
+            (store / "artifacts").as_uri(),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        # its job runner would leave a store under /dev/shm that nothing removes
+        env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
+    )
     monkeypatch.setenv("FTREC_MLFLOW_UI", base)
     try:
-        _wait("the MLflow server", lambda: urllib.request.urlopen(base + "/health", timeout=2).status == 200,
-              120, {"mlflow": p})
+        _wait(
+            "the MLflow server",
+            lambda: urllib.request.urlopen(base + "/health", timeout=2).status == 200,
+            120,
+            {"mlflow": p},
+        )
         yield base
     finally:
         try:
@@ -79,18 +104,21 @@ def mlflow_ui(tmp_path, monkeypatch):
 
 def test_lighthouse_tab_and_mlflow_run_in_a_real_browser(mlflow_ui, airflow_server):  # noqa: F811 - the fixture
     from playwright.sync_api import sync_playwright
+
     base, home, procs, tmp = airflow_server
     _wait("the API server", lambda: _call(base, "/api/v2/monitor/health"), 180, procs)
     token = _wait("a login token", lambda: _token(base, home), 60, procs)
     _wait("ftrec_train to be parsed", lambda: _call(base, "/api/v2/dags/ftrec_train", token), 180, procs)
     _call(base, "/api/v2/dags/ftrec_train", token, body={"is_paused": False}, method="PATCH")
-    run_id = _call(base, "/api/v2/dags/ftrec_train/dagRuns", token,
-                   body={"logical_date": None, "conf": CONF})["dag_run_id"]
+    run_id = _call(base, "/api/v2/dags/ftrec_train/dagRuns", token, body={"logical_date": None, "conf": CONF})[
+        "dag_run_id"
+    ]
     q = urllib.request.quote(run_id)
 
     def finished():
         state = _call(base, f"/api/v2/dags/ftrec_train/dagRuns/{q}", token)["state"]
         return state if state in ("success", "failed") else None
+
     assert _wait("the DAG run to finish", finished, 420, procs) == "success", f"logs in {tmp}"
     links = _call(base, f"/api/v2/dags/ftrec_train/dagRuns/{q}/taskInstances/train/links", token)["extra_links"]
     assert links["MLflow run"].startswith(mlflow_ui)
@@ -111,9 +139,11 @@ def test_lighthouse_tab_and_mlflow_run_in_a_real_browser(mlflow_ui, airflow_serv
             tab.locator("text=finished").first.wait_for(timeout=60_000)
             assert tab.locator("tr.group-row").count() == 2
             assert tab.locator("svg.ftrec-timeline polyline.group").count() == 2
-            marks = {tab.locator("svg.ftrec-timeline line.mark").nth(i).get_attribute("data-kind")
-                     for i in range(tab.locator("svg.ftrec-timeline line.mark").count())}
-            assert {"fault", "group_failed"} <= marks, marks   # (the job may end before group 1 is back)
+            marks = {
+                tab.locator("svg.ftrec-timeline line.mark").nth(i).get_attribute("data-kind")
+                for i in range(tab.locator("svg.ftrec-timeline line.mark").count())
+            }
+            assert {"fault", "group_failed"} <= marks, marks  # (the job may end before group 1 is back)
             restarts = tab.locator("tr.group-row").nth(1).locator("td").nth(2).inner_text()
             assert restarts == "1", restarts
             assert "does not answer" not in tab.locator("body").inner_text()
@@ -123,7 +153,7 @@ def test_lighthouse_tab_and_mlflow_run_in_a_real_browser(mlflow_ui, airflow_serv
 
             # the MLflow run the train task links to, in the MLflow UI (a React app: rendered by the browser)
             mlflow_page = ctx.new_page()
-            mlflow_page.goto(links["MLflow run"], wait_until="domcontentloaded")   # its UI polls: never idle
+            mlflow_page.goto(links["MLflow run"], wait_until="domcontentloaded")  # its UI polls: never idle
             mlflow_page.locator(f"text=ftrec_train {run_id}").first.wait_for(timeout=60_000)
             mlflow_page.screenshot(path=str(tmp / "mlflow-run.png"))
         finally:

@@ -25,17 +25,34 @@ pytestmark = pytest.mark.slow
 
 # group 0 is paced after the kill, so the restarted group 1 is back (and heals) before the
 # 10-step budget runs out: unpaced steps of this tiny model take ~25 ms
-PLAN = {"faults": [{"kind": "kill", "group": 1, "at_step": 4},
-                   {"kind": "slow", "group": 0, "at_step": 4, "until_step": 10, "delay_s": 0.25}]}
+PLAN = {
+    "faults": [
+        {"kind": "kill", "group": 1, "at_step": 4},
+        {"kind": "slow", "group": 0, "at_step": 4, "until_step": 10, "delay_s": 0.25},
+    ]
+}
+
+
 def sets(*items: str) -> list[str]:
     return [w for item in items for w in ("--set", item)]
 
 
 # params.KEY is a DAG param; a trainer setting (model.dim=16) joins the train_overrides param
-SMALL = [*sets("params.data_source=synthetic", "params.synth_users=240", "params.synth_items=120",
-               "params.max_steps=10", "params.batch_size=16", "params.max_len=20", "params.replica_groups=2",
-               "model.dim=16", "eval.batch_size=256"),
-         "--conf", json.dumps({"fault_plan": json.dumps(PLAN)})]
+SMALL = [
+    *sets(
+        "params.data_source=synthetic",
+        "params.synth_users=240",
+        "params.synth_items=120",
+        "params.max_steps=10",
+        "params.batch_size=16",
+        "params.max_len=20",
+        "params.replica_groups=2",
+        "model.dim=16",
+        "eval.batch_size=256",
+    ),
+    "--conf",
+    json.dumps({"fault_plan": json.dumps(PLAN)}),
+]
 DATE = "2026-01-02T00:00:00+00:00"
 
 
@@ -43,9 +60,13 @@ def local_run(work: Path, *args: str, timeout: float = 400) -> tuple[int, dict |
     env = dict(os.environ)
     env.pop("MLFLOW_TRACKING_URI", None)
     env.pop("FTREC_WORK", None)
-    r = subprocess.run([sys.executable, "-m", "ftrec_airflow.local_run", "--work", str(work),
-                        "--timeout", str(timeout - 30), *args],
-                       env=env, capture_output=True, text=True, timeout=timeout)
+    r = subprocess.run(
+        [sys.executable, "-m", "ftrec_airflow.local_run", "--work", str(work), "--timeout", str(timeout - 30), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     summary = work / "last_run.json"
     return r.returncode, json.loads(summary.read_text()) if summary.exists() else None, r.stdout + r.stderr
 
@@ -64,6 +85,7 @@ def first(work):
 
 def _client(work: Path):
     from ftrec_airflow import tracking
+
     return tracking.client(f"sqlite:///{work / 'mlflow' / 'mlflow.db'}")
 
 
@@ -103,8 +125,14 @@ def test_mlflow_run_metrics_and_registered_version(first, work):
     assert float(versions[0].tags["gate_value"]) == m["test/sampled/ndcg_at_10"]
     reg = summary["xcom"]["register_model"]
     assert {k: reg[k] for k in ("name", "version", "run_id", "reused", "champion", "promoted", "aliases")} == {
-        "name": "ftrec", "version": 1, "run_id": train["mlflow_run_id"], "reused": False, "champion": 1,
-        "promoted": True, "aliases": ["challenger", "champion"]}   # the first version is champion
+        "name": "ftrec",
+        "version": 1,
+        "run_id": train["mlflow_run_id"],
+        "reused": False,
+        "champion": 1,
+        "promoted": True,
+        "aliases": ["challenger", "champion"],
+    }  # the first version is champion
     links = summary["links"]["train"]
     assert links["MLflowRunLink"].endswith(f"/runs/{train['mlflow_run_id']}")
     assert "/ftrec/lighthouse/?dag_id=ftrec_train" in links["LighthouseLink"]
@@ -127,20 +155,43 @@ def test_rerunning_every_task_duplicates_nothing(first, work):
     assert len(c.get_metric_history(run_id, "test/full/hr_at_10")) == 1
     assert [int(v.version) for v in c.search_model_versions("name = 'ftrec'")] == [1]
     assert again["xcom"]["register_model"]["champion"] == 1 and again["xcom"]["register_model"]["aliases"] == [
-        "challenger", "champion"]
+        "challenger",
+        "champion",
+    ]
 
 
 def test_quality_gate_fails_on_purpose(first, work):
     """register_model of the same DAG run again, with a gate the model cannot pass
     (`airflow tasks test -t`): the task fails, names every metric, registers nothing."""
     summary, _ = first
-    env = {**os.environ, **{k: v for k, v in (line.removeprefix("export ").split("=", 1)
-                                              for line in (work / "env.sh").read_text().splitlines()
-                                              if line.startswith("export ") and not line.startswith("export PATH="))}}
+    env = {
+        **os.environ,
+        **{
+            k: v
+            for k, v in (
+                line.removeprefix("export ").split("=", 1)
+                for line in (work / "env.sh").read_text().splitlines()
+                if line.startswith("export ") and not line.startswith("export PATH=")
+            )
+        },
+    }
     env = {k: v.strip("'") for k, v in env.items()}
-    r = subprocess.run([str(Path(sys.executable).parent / "airflow"), "tasks", "test", "ftrec_train",
-                        "register_model", summary["run_id"], "-t", json.dumps({"gate_min": 1.5})],
-                       env=env, capture_output=True, text=True, timeout=180)
+    r = subprocess.run(
+        [
+            str(Path(sys.executable).parent / "airflow"),
+            "tasks",
+            "test",
+            "ftrec_train",
+            "register_model",
+            summary["run_id"],
+            "-t",
+            json.dumps({"gate_min": 1.5}),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     out = r.stdout + r.stderr
     assert "AirflowFailException: quality gate failed: test/sampled/ndcg_at_10=" in out, out[-3000:]
     assert "< 1.5" in out and "test/full/hr_at_10=" in out  # every metric is in the message
@@ -151,19 +202,29 @@ def test_chaos_drill_checks_recovery(work):
     """ftrec_chaos_drill, small: kill replica group 1, then the lighthouse."""
     # 80 steps: the restarted group is back (a warm spare, ~0.3 s; seconds on a loaded machine) and
     # heals long before the budget ends
-    plan = {"faults": [{"kind": "kill", "group": 1, "at_step": 4},
-                       {"kind": "kill_lighthouse", "at_step": 8, "duration_s": 1}]}
-    rc, summary, out = local_run(work, "--dag", "ftrec_chaos_drill",
-                                 *sets("params.synth_users=240", "params.max_steps=80", "params.max_len=20"),
-                                 "--conf", json.dumps({"train_overrides": ["model.dim=16", "eval.batch_size=256"],
-                                                       "fault_plan": json.dumps(plan)}))
+    plan = {
+        "faults": [
+            {"kind": "kill", "group": 1, "at_step": 4},
+            {"kind": "kill_lighthouse", "at_step": 8, "duration_s": 1},
+        ]
+    }
+    rc, summary, out = local_run(
+        work,
+        "--dag",
+        "ftrec_chaos_drill",
+        *sets("params.synth_users=240", "params.max_steps=80", "params.max_len=20"),
+        "--conf",
+        json.dumps({"train_overrides": ["model.dim=16", "eval.batch_size=256"], "fault_plan": json.dumps(plan)}),
+    )
     assert rc == 0, out[-4000:]
     verdict = summary["xcom"]["check_recovery"]
     assert verdict["ok"] is True and verdict["faulted"] == [1] and verdict["survivors"] == [0]
     assert len(set(verdict["checksums"].values())) == 1 and len(verdict["checksums"]) == 2
     assert verdict["recovery_metrics"]["ft/failures_detected"] >= 1
-    kinds = [e["kind"] for e in json.loads((Path(summary["run_folder"]) / "train" / "timeline.json")
-                                           .read_text())["launcher_events"]]
+    kinds = [
+        e["kind"]
+        for e in json.loads((Path(summary["run_folder"]) / "train" / "timeline.json").read_text())["launcher_events"]
+    ]
     assert "lighthouse_restarted" in kinds and "group_failed" in kinds
     snap = json.loads((Path(summary["run_folder"]) / "lighthouse.json").read_text())
     assert snap["url"].startswith("http://127.0.0.1:") and snap["status"]["max_step"] >= 1
@@ -172,8 +233,10 @@ def test_chaos_drill_checks_recovery(work):
 def model_events(work: Path) -> list[dict]:
     """The `ftrec_model` Asset events in the Airflow metadata DB, oldest first."""
     with sqlite3.connect(work / "airflow" / "airflow.db") as db:
-        rows = db.execute("SELECT e.extra, e.source_dag_id FROM asset_event e JOIN asset a ON a.id = e.asset_id "
-                          "WHERE a.name = 'ftrec_model' ORDER BY e.id").fetchall()
+        rows = db.execute(
+            "SELECT e.extra, e.source_dag_id FROM asset_event e JOIN asset a ON a.id = e.asset_id "
+            "WHERE a.name = 'ftrec_model' ORDER BY e.id"
+        ).fetchall()
     return [{**json.loads(extra), "dag": dag} for extra, dag in rows]
 
 
@@ -201,7 +264,10 @@ def test_a_worse_version_is_challenger_and_the_champion_stays(first, worse, work
     # each registration is an event on the ftrec_model Asset (the first run's re-run made a second one)
     events = [e for e in model_events(work) if e["dag"] == "ftrec_train"]
     assert [(e["version"], e["aliases"], e["champion"]) for e in events] == [
-        (1, ["challenger", "champion"], 1), (1, ["challenger", "champion"], 1), (2, ["challenger"], 1)]
+        (1, ["challenger", "champion"], 1),
+        (1, ["challenger", "champion"], 1),
+        (2, ["challenger"], 1),
+    ]
     assert events[-1]["run_id"] == worse[0]["xcom"]["train"]["mlflow_run_id"] and events[-1]["name"] == "ftrec"
     assert events[-1]["gate_metric"] == "test/sampled/ndcg_at_10" and events[-1]["gate_value"] == reg2["gate_value"]
 
@@ -225,6 +291,7 @@ def test_retrain_warm_starts_from_the_champion(first, worse, work):
 
 def test_no_champion_means_training_from_scratch(work, monkeypatch):
     from ftrec_airflow import pipeline
+
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{work / 'mlflow' / 'mlflow.db'}")
     monkeypatch.delenv("AIRFLOW_CONN_FTREC_MLFLOW", raising=False)
     assert pipeline.base_model({"model_name": "no-such-model"}) == {}

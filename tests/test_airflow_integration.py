@@ -24,16 +24,26 @@ from ftrec_airflow import runner  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.integ]
 
-START_TIMEOUT_S = 180   # API server up and the DAG parsed
-RUN_TIMEOUT_S = 300     # the DAG run from trigger to success
-CONF = {"data_source": "synthetic", "synth_users": 240, "synth_items": 120, "max_steps": 8,
-        "batch_size": 16, "max_len": 20, "replica_groups": 1,
-        "train_overrides": ["model.dim=16", "eval.batch_size=256"]}
+START_TIMEOUT_S = 180  # API server up and the DAG parsed
+RUN_TIMEOUT_S = 300  # the DAG run from trigger to success
+CONF = {
+    "data_source": "synthetic",
+    "synth_users": 240,
+    "synth_items": 120,
+    "max_steps": 8,
+    "batch_size": 16,
+    "max_len": 20,
+    "replica_groups": 1,
+    "train_overrides": ["model.dim=16", "eval.batch_size=256"],
+}
 
 
 def _call(base: str, path: str, token: str | None = None, body: dict | None = None, method: str | None = None):
-    req = urllib.request.Request(base + path, method=method or ("POST" if body is not None else "GET"),
-                                 data=json.dumps(body).encode() if body is not None else None)
+    req = urllib.request.Request(
+        base + path,
+        method=method or ("POST" if body is not None else "GET"),
+        data=json.dumps(body).encode() if body is not None else None,
+    )
     req.add_header("Content-Type", "application/json")
     if token:
         req.add_header("Authorization", f"Bearer {token}")
@@ -62,34 +72,43 @@ def airflow_server(tmp_path, free_port):
     home = tmp_path / "airflow"
     home.mkdir()
     base = f"http://127.0.0.1:{free_port}"
-    env = {**os.environ,
-           "AIRFLOW_HOME": str(home), "FTREC_WORK": str(tmp_path / "work"),
-           "AIRFLOW__CORE__DAGS_FOLDER": str(ROOT / "dags"),
-           # empty: ftrec's plugin comes from its installed package's `airflow.plugins` entry point
-           "AIRFLOW__CORE__PLUGINS_FOLDER": str(home / "plugins"),
-           "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-           "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
-           "AIRFLOW__CORE__PARALLELISM": "2",
-           "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "True",  # ftrec_retrain's cron must not fire here
-           "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin",
-           "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "False",
-           "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{base}/execution/",
-           "AIRFLOW__API__HOST": "127.0.0.1", "AIRFLOW__API__PORT": str(free_port),
-           "AIRFLOW__API__BASE_URL": base, "AIRFLOW__API__WORKERS": "1",
-           "AIRFLOW__API_AUTH__JWT_SECRET": secrets.token_urlsafe(32),  # shared by every component
-           "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
-           "AIRFLOW__SCHEDULER__TASK_QUEUED_TIMEOUT": "300"}
+    env = {
+        **os.environ,
+        "AIRFLOW_HOME": str(home),
+        "FTREC_WORK": str(tmp_path / "work"),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(ROOT / "dags"),
+        # empty: ftrec's plugin comes from its installed package's `airflow.plugins` entry point
+        "AIRFLOW__CORE__PLUGINS_FOLDER": str(home / "plugins"),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
+        "AIRFLOW__CORE__PARALLELISM": "2",
+        "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "True",  # ftrec_retrain's cron must not fire here
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin",
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "False",
+        "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{base}/execution/",
+        "AIRFLOW__API__HOST": "127.0.0.1",
+        "AIRFLOW__API__PORT": str(free_port),
+        "AIRFLOW__API__BASE_URL": base,
+        "AIRFLOW__API__WORKERS": "1",
+        "AIRFLOW__API_AUTH__JWT_SECRET": secrets.token_urlsafe(32),  # shared by every component
+        "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
+        "AIRFLOW__SCHEDULER__TASK_QUEUED_TIMEOUT": "300",
+    }
     env.pop("MLFLOW_TRACKING_URI", None)
     airflow = str(Path(sys.executable).parent / "airflow")
     subprocess.run([airflow, "db", "migrate"], env=env, check=True, capture_output=True, timeout=300)
     procs: dict[str, subprocess.Popen] = {}
     logs = {}
     try:
-        for name, argv in (("api-server", ["api-server", "--port", str(free_port), "--host", "127.0.0.1"]),
-                           ("dag-processor", ["dag-processor"]), ("scheduler", ["scheduler"])):
+        for name, argv in (
+            ("api-server", ["api-server", "--port", str(free_port), "--host", "127.0.0.1"]),
+            ("dag-processor", ["dag-processor"]),
+            ("scheduler", ["scheduler"]),
+        ):
             logs[name] = open(tmp_path / f"{name}.log", "w")
-            procs[name] = subprocess.Popen([airflow, *argv], env=env, stdout=logs[name], stderr=subprocess.STDOUT,
-                                           start_new_session=True)  # its own group: stopped whole below
+            procs[name] = subprocess.Popen(
+                [airflow, *argv], env=env, stdout=logs[name], stderr=subprocess.STDOUT, start_new_session=True
+            )  # its own group: stopped whole below
         yield base, home, procs, tmp_path
     finally:
         for p in procs.values():  # SIGTERM every group first, so they shut down side by side
@@ -115,13 +134,14 @@ def test_trigger_ftrec_train_through_the_rest_api(airflow_server):
     base, home, procs, tmp = airflow_server
     _wait("the API server", lambda: _call(base, "/api/v2/monitor/health"), START_TIMEOUT_S, procs)
     token = _wait("a login token", lambda: _token(base, home), 60, procs)
-    dag = _wait("ftrec_train to be parsed", lambda: _call(base, "/api/v2/dags/ftrec_train", token),
-                START_TIMEOUT_S, procs)
+    dag = _wait(
+        "ftrec_train to be parsed", lambda: _call(base, "/api/v2/dags/ftrec_train", token), START_TIMEOUT_S, procs
+    )
     assert dag["is_paused"] is True
     unpaused = _call(base, "/api/v2/dags/ftrec_train", token, body={"is_paused": False}, method="PATCH")
     assert unpaused["is_paused"] is False
     plugins = _call(base, "/api/v2/plugins", token)["plugins"]
-    ftrec, = (p for p in plugins if p["name"] == "ftrec")   # once, through the entry point
+    (ftrec,) = (p for p in plugins if p["name"] == "ftrec")  # once, through the entry point
     assert ftrec["source"].startswith("ftrec==") and "ftrec_airflow.plugin:FtrecPlugin" in ftrec["source"]
     assert _call(base, "/api/v2/plugins/importErrors", token)["import_errors"] == []
     assert {v["destination"] for v in ftrec["external_views"]} == {"dag_run", "nav"}
@@ -132,6 +152,7 @@ def test_trigger_ftrec_train_through_the_rest_api(airflow_server):
     def finished():
         state = _call(base, f"/api/v2/dags/ftrec_train/dagRuns/{urllib.request.quote(run_id)}", token)["state"]
         return state if state in ("success", "failed") else None
+
     try:
         state = _wait("the DAG run to finish", finished, RUN_TIMEOUT_S, procs)
     finally:
@@ -143,16 +164,18 @@ def test_trigger_ftrec_train_through_the_rest_api(airflow_server):
     q = urllib.request.quote(run_id)
     links = _call(base, f"/api/v2/dags/ftrec_train/dagRuns/{q}/taskInstances/train/links", token)["extra_links"]
     xcom = _call(base, f"/api/v2/dags/ftrec_train/dagRuns/{q}/taskInstances/train/xcomEntries/return_value", token)
-    mlflow_run = json.loads(xcom["value"])["mlflow_run_id"] if isinstance(xcom["value"], str) \
-        else xcom["value"]["mlflow_run_id"]
+    mlflow_run = (
+        json.loads(xcom["value"])["mlflow_run_id"] if isinstance(xcom["value"], str) else xcom["value"]["mlflow_run_id"]
+    )
     assert links["MLflow run"].endswith(f"/runs/{mlflow_run}")
     assert links["Lighthouse"].startswith(f"{base}/ftrec/lighthouse/?dag_id=ftrec_train")
-    with pytest.raises(urllib.error.HTTPError) as anonymous:   # Airflow's login guards the plugin's page too
+    with pytest.raises(urllib.error.HTTPError) as anonymous:  # Airflow's login guards the plugin's page too
         _call(base, f"/ftrec/lighthouse/status?dag_id=ftrec_train&run_id={q}")
     assert anonymous.value.code in (401, 403)
     page = _call(base, f"/ftrec/lighthouse/status?dag_id=ftrec_train&run_id={q}", token)
     assert page["source"] in (f"run ftrec_train / {run_id}", "none")
-    reg = _call(base, f"/api/v2/dags/ftrec_train/dagRuns/{q}/taskInstances/register_model/xcomEntries/return_value",
-                token)["value"]
+    reg = _call(
+        base, f"/api/v2/dags/ftrec_train/dagRuns/{q}/taskInstances/register_model/xcomEntries/return_value", token
+    )["value"]
     reg = json.loads(reg) if isinstance(reg, str) else reg
     assert reg["version"] == 1 and reg["run_id"] == mlflow_run

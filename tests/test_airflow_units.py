@@ -43,6 +43,7 @@ def _wait_dead(pid: int, timeout: float = 10.0) -> bool:
 
 # ---------------------------------------------------------------- runner
 
+
 class _Lines:
     def __init__(self):
         self.lines = []
@@ -55,16 +56,23 @@ class _Lines:
 
 def test_runner_streams_output_and_returns_tail():
     log = _Lines()
-    tail = runner.run([sys.executable, "-c", "import sys\nfor i in range(3): print('line', i, flush=True)\n"
-                       "print('err', file=sys.stderr)"], logger=log)
+    tail = runner.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys\nfor i in range(3): print('line', i, flush=True)\nprint('err', file=sys.stderr)",
+        ],
+        logger=log,
+    )
     assert tail == ["line 0", "line 1", "line 2", "err"]
     assert "line 1" in log.lines and "err" in log.lines
 
 
 def test_runner_failure_quotes_the_last_lines():
     with pytest.raises(runner.CommandFailed) as e:
-        runner.run([sys.executable, "-c", "print('error: settings x.y is wrong'); raise SystemExit(2)"],
-                   logger=_Lines())
+        runner.run(
+            [sys.executable, "-c", "print('error: settings x.y is wrong'); raise SystemExit(2)"], logger=_Lines()
+        )
     assert e.value.returncode == 2
     assert "exit code 2" in str(e.value) and "error: settings x.y is wrong" in str(e.value)
 
@@ -85,6 +93,7 @@ def _run_bg(cmd: runner.Command, *args):
             cmd.run(*args)
         except BaseException as e:  # handed to the test
             box["exc"] = e
+
     t = threading.Thread(target=target)
     t.start()
     return t, box
@@ -134,9 +143,9 @@ def test_runner_sigterm_to_the_task_process_ends_the_tree(tmp_path):
         "class L:\n"
         "    def info(self, f, *a): print(f % a, flush=True)\n"
         "    warning = exception = info\n"
-        f"runner.run([sys.executable, '-c', {GRANDCHILD!r}], logger=L())\n")
-    task = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
-                            start_new_session=True)
+        f"runner.run([sys.executable, '-c', {GRANDCHILD!r}], logger=L())\n"
+    )
+    task = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
         line = ""
         deadline = time.monotonic() + 30
@@ -151,6 +160,7 @@ def test_runner_sigterm_to_the_task_process_ends_the_tree(tmp_path):
 
 
 # ---------------------------------------------------------------- steps
+
 
 def test_ingest_errors_name_the_file_and_the_setting(tmp_path):
     with pytest.raises(steps.UserError, match="does not exist"):
@@ -173,8 +183,9 @@ def test_synthetic_ingest_and_build_shards_are_idempotent(tmp_path):
     first_mtime = os.stat(data["path"]).st_mtime_ns
     again = steps.ingest("synthetic", "sasrec", tmp_path, synth_users=120, synth_items=60, seed=3)
     assert again == data and os.stat(data["path"]).st_mtime_ns == first_mtime
-    spec = steps.ShardSpec(input=data["path"], fmt="sasrec", out=str(tmp_path / "shards"), world_size=2,
-                           batch_size=8, max_len=20)
+    spec = steps.ShardSpec(
+        input=data["path"], fmt="sasrec", out=str(tmp_path / "shards"), world_size=2, batch_size=8, max_len=20
+    )
     built = steps.build_shards(spec)
     assert built["reused"] is False and built["steps"] > 0
     files = sorted(p.name for p in (tmp_path / "shards" / "shards").iterdir())
@@ -189,8 +200,9 @@ def test_synthetic_ingest_and_build_shards_are_idempotent(tmp_path):
 
 def test_verify_reports_a_corrupt_shard_set(tmp_path):
     data = steps.ingest("synthetic", "sasrec", tmp_path, synth_users=100, synth_items=50)
-    built = steps.build_shards(steps.ShardSpec(input=data["path"], fmt="sasrec", out=str(tmp_path / "s"),
-                                               world_size=1, batch_size=8))
+    built = steps.build_shards(
+        steps.ShardSpec(input=data["path"], fmt="sasrec", out=str(tmp_path / "s"), world_size=1, batch_size=8)
+    )
     shard = tmp_path / "s" / "shards" / "rank-00000.parquet"
     shard.write_bytes(shard.read_bytes()[:-100] + b"\0" * 100)
     with pytest.raises(steps.UserError):
@@ -198,15 +210,21 @@ def test_verify_reports_a_corrupt_shard_set(tmp_path):
 
 
 def test_train_command_is_the_launcher(tmp_path):
-    spec = steps.TrainSpec(shards="/s", out=str(tmp_path / "t"), replica_groups=2, ranks_per_group=1,
-                           fault_plan='{"faults": [{"kind": "kill", "group": 1, "at_step": 3}]}',
-                           max_steps=7, overrides=["model.dim=16"])
+    spec = steps.TrainSpec(
+        shards="/s",
+        out=str(tmp_path / "t"),
+        replica_groups=2,
+        ranks_per_group=1,
+        fault_plan='{"faults": [{"kind": "kill", "group": 1, "at_step": 3}]}',
+        max_steps=7,
+        overrides=["model.dim=16"],
+    )
     cmd = steps.train_command(spec, "RUN", "sqlite:///x.db")
     assert cmd[1:4] == ["-m", "training", "launch"]
     assert cmd[cmd.index("--replica-groups") + 1] == "2"
     plan = cmd[cmd.index("--faults") + 1]
     assert json.loads(Path(plan).read_text())["faults"][0]["kind"] == "kill"
-    trainer_args = cmd[cmd.index("--") + 1:]
+    trainer_args = cmd[cmd.index("--") + 1 :]
     for s in ("mlflow.run_id=RUN", "mlflow.register=false", "train.max_steps=7", "model.dim=16"):
         assert s in trainer_args
     assert "train.resume=true" not in trainer_args
@@ -215,7 +233,7 @@ def test_train_command_is_the_launcher(tmp_path):
     with pytest.raises(steps.UserError, match="fault_plan"):
         steps.train_command(steps.TrainSpec(shards="/s", out=str(tmp_path), fault_plan="{bad"), "R", "u")
     one = steps.train_command(steps.TrainSpec(shards="/s", out=str(tmp_path / "u")), "RUN", "u")
-    assert one[1:4] == ["-m", "training", "launch"] and "--faults" not in one   # one group of one rank too
+    assert one[1:4] == ["-m", "training", "launch"] and "--faults" not in one  # one group of one rank too
     assert one[one.index("--replica-groups") + 1] == one[one.index("--ranks-per-group") + 1] == "1"
     assert steps.trainer_out(tmp_path / "u") == tmp_path / "u" / "replica_0"
 
@@ -232,26 +250,48 @@ def test_quality_gate_passes_and_fails_with_every_metric():
 
 # ---------------------------------------------------------------- local runner: --set
 
+
 def test_local_run_set_is_the_trainers_syntax():
     """`--set params.KEY=VALUE` is a DAG param (a TOML value, bare text a string); a trainer
     setting joins train_overrides after --conf's; a bad item fails before Airflow starts."""
     from ftrec_airflow.local_run import run_conf
     from training.config import ConfigError
-    conf = run_conf({"train_overrides": ["model.dim=16"], "seed": 1},
-                    ["params.max_steps=10", "params.data_source=synthetic", 'params.model_name="beauty"',
-                     "params.promote_across_metrics=true", "params.fault_plan=", "train.epochs=3", "params.seed=2"])
-    assert conf == {"train_overrides": ["model.dim=16", "train.epochs=3"], "max_steps": 10, "seed": 2,
-                    "data_source": "synthetic", "model_name": "beauty", "promote_across_metrics": True,
-                    "fault_plan": ""}
-    for item, words in (("max_steps=10", "--set params.max_steps=10"), ("nope.x=1", "unknown section 'nope'"),
-                        ("model.nope=1", "unknown key 'nope'"), ("train.epochs=x", "train.epochs"),
-                        ("params.max_steps", "section.key=value")):
+
+    conf = run_conf(
+        {"train_overrides": ["model.dim=16"], "seed": 1},
+        [
+            "params.max_steps=10",
+            "params.data_source=synthetic",
+            'params.model_name="beauty"',
+            "params.promote_across_metrics=true",
+            "params.fault_plan=",
+            "train.epochs=3",
+            "params.seed=2",
+        ],
+    )
+    assert conf == {
+        "train_overrides": ["model.dim=16", "train.epochs=3"],
+        "max_steps": 10,
+        "seed": 2,
+        "data_source": "synthetic",
+        "model_name": "beauty",
+        "promote_across_metrics": True,
+        "fault_plan": "",
+    }
+    for item, words in (
+        ("max_steps=10", "--set params.max_steps=10"),
+        ("nope.x=1", "unknown section 'nope'"),
+        ("model.nope=1", "unknown key 'nope'"),
+        ("train.epochs=x", "train.epochs"),
+        ("params.max_steps", "section.key=value"),
+    ):
         with pytest.raises(ConfigError, match=words) as e:
             run_conf({}, [item])
         assert repr(item) in str(e.value)
 
 
 # ---------------------------------------------------------------- tracking (real MLflow store)
+
 
 def test_mlflow_run_is_found_again_and_metrics_logged_once(tmp_path, monkeypatch):
     monkeypatch.setenv("FTREC_WORK", str(tmp_path))
@@ -273,6 +313,7 @@ def test_mlflow_run_is_found_again_and_metrics_logged_once(tmp_path, monkeypatch
 
 # ---------------------------------------------------------------- chaos verdict
 
+
 def _timeline(gap: float = 0.1, holes: bool = False, sums=("a", "a")) -> dict:
     steps_ = []
     t = 100.0
@@ -289,21 +330,25 @@ RECOVERED = {"ft/failures_detected": 1, "ft/quorum_changes": 3, "ft/heals": 1}
 
 
 def test_chaos_verdict_passes_a_clean_recovery():
-    v = chaos.judge(_timeline(), RECOVERED, chaos.DEFAULT_PLAN, replica_groups=2, max_stall_s=5,
-                    artifacts=["timeline.json"])
+    v = chaos.judge(
+        _timeline(), RECOVERED, chaos.DEFAULT_PLAN, replica_groups=2, max_stall_s=5, artifacts=["timeline.json"]
+    )
     assert v.ok, v.problems
     assert v.facts["survivors"] == [0] and v.facts["faulted"] == [1]
 
 
-@pytest.mark.parametrize("timeline,metrics,artifacts,expect", [
-    (_timeline(), {}, ["timeline.json"], "no ft/* recovery metrics"),
-    (_timeline(), {**RECOVERED, "ft/heals": 0}, ["timeline.json"], "ft/heals = 0"),
-    (_timeline(), RECOVERED, [], "no timeline.json artifact"),
-    (_timeline(holes=True), RECOVERED, ["timeline.json"], "skipped or repeated steps"),
-    (_timeline(gap=3.0), RECOVERED, ["timeline.json"], "stalled 9.0 s"),
-    (_timeline(sums=("a", "b")), RECOVERED, ["timeline.json"], "final replicas differ"),
-    (_timeline(sums=("a",)), RECOVERED, ["timeline.json"], "only 1 of 2 replica groups"),
-])
+@pytest.mark.parametrize(
+    "timeline,metrics,artifacts,expect",
+    [
+        (_timeline(), {}, ["timeline.json"], "no ft/* recovery metrics"),
+        (_timeline(), {**RECOVERED, "ft/heals": 0}, ["timeline.json"], "ft/heals = 0"),
+        (_timeline(), RECOVERED, [], "no timeline.json artifact"),
+        (_timeline(holes=True), RECOVERED, ["timeline.json"], "skipped or repeated steps"),
+        (_timeline(gap=3.0), RECOVERED, ["timeline.json"], "stalled 9.0 s"),
+        (_timeline(sums=("a", "b")), RECOVERED, ["timeline.json"], "final replicas differ"),
+        (_timeline(sums=("a",)), RECOVERED, ["timeline.json"], "only 1 of 2 replica groups"),
+    ],
+)
 def test_chaos_verdict_names_what_failed(timeline, metrics, artifacts, expect):
     v = chaos.judge(timeline, metrics, chaos.DEFAULT_PLAN, replica_groups=2, max_stall_s=5, artifacts=artifacts)
     assert not v.ok and any(expect in p for p in v.problems), v.problems
@@ -318,11 +363,16 @@ def test_fault_plan_files(tmp_path):
 
 # ---------------------------------------------------------------- lighthouse page and links
 
+
 def test_lighthouse_address_in_launcher_output():
-    assert lighthouse.address_in('[launch] launch {"lighthouse": "127.0.0.1:60627", "groups": 2}') == \
-        "http://127.0.0.1:60627"
-    assert lighthouse.address_in('[lighthouse] {"t": 1795940043.09, "kind": "listening", '
-                                 '"address": "127.0.0.1:5000"}') == "http://127.0.0.1:5000"
+    assert (
+        lighthouse.address_in('[launch] launch {"lighthouse": "127.0.0.1:60627", "groups": 2}')
+        == "http://127.0.0.1:60627"
+    )
+    assert (
+        lighthouse.address_in('[lighthouse] {"t": 1795940043.09, "kind": "listening", "address": "127.0.0.1:5000"}')
+        == "http://127.0.0.1:5000"
+    )
     assert lighthouse.address_in('[lighthouse] {"t": 1795940043.0908248, "kind": "lighthouse_started"}') is None
     assert lighthouse.address_in("[g0r0] step 4 valid 0.47") is None
 
@@ -331,9 +381,22 @@ def test_lighthouse_address_in_launcher_output():
 def live_lighthouse(tmp_path, free_port):
     token = tmp_path / "token"
     token.write_text("s3cret")
-    proc = subprocess.Popen([sys.executable, "-m", "ftcore.lighthouse", "--bind", f"127.0.0.1:{free_port}",
-                             "--min-replicas", "1", "--token-file", str(token)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ftcore.lighthouse",
+            "--bind",
+            f"127.0.0.1:{free_port}",
+            "--min-replicas",
+            "1",
+            "--token-file",
+            str(token),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     url = f"http://127.0.0.1:{free_port}"
     try:
         deadline = time.monotonic() + 30
@@ -357,6 +420,7 @@ def page_client():
     from fastapi.testclient import TestClient
 
     from ftrec_airflow import lighthouse_app
+
     lighthouse_app.app.dependency_overrides[lighthouse_app.can_read_runs] = lambda: None
     try:
         yield TestClient(lighthouse_app.app)
@@ -368,12 +432,14 @@ def test_lighthouse_page_refuses_a_caller_airflow_has_not_authenticated():
     from fastapi.testclient import TestClient
 
     from ftrec_airflow.lighthouse_app import app
+
     r = TestClient(app).get("/lighthouse/status", params={"dag_id": "ftrec_train", "run_id": "r"})
     assert r.status_code in (401, 403)
 
 
 def test_lighthouse_page_never_follows_a_planted_url_or_token_path(tmp_path, monkeypatch, page_client, free_port):
     import socket as socket_mod
+
     monkeypatch.setenv("FTREC_WORK", str(tmp_path / "work"))
     monkeypatch.delenv("FTREC_LIGHTHOUSE_URL", raising=False)
     secret = tmp_path / "secret.txt"
@@ -386,18 +452,23 @@ def test_lighthouse_page_never_follows_a_planted_url_or_token_path(tmp_path, mon
     srv.listen(4)
     srv.settimeout(0.5)
     evil = {"group": "<script>alert(1)</script>", "healthy": True, "step": "<b>", "ranks": 1, "world": 1}
-    (run_dir / lighthouse.SNAPSHOT).write_text(json.dumps({
-        "url": "http://203.0.113.7:80", "token_file": str(secret), "status": {"groups": [evil], "events": []}}))
+    (run_dir / lighthouse.SNAPSHOT).write_text(
+        json.dumps(
+            {"url": "http://203.0.113.7:80", "token_file": str(secret), "status": {"groups": [evil], "events": []}}
+        )
+    )
     doc = page_client.get("/lighthouse/status", params={"dag_id": "ftrec_train", "run_id": "planted"}).json()
     assert doc["live"] is False and "neither FTREC_LIGHTHOUSE_URL nor on loopback" in doc["error"]
     page = page_client.get("/lighthouse/", params={"dag_id": "ftrec_train", "run_id": "planted"}).text
     assert "<script>alert(1)</script>" not in page and "&lt;script&gt;" in page
     assert "<b>" not in page.split("<table>")[1]
     # a loopback URL is contacted, but with the run's own token file only, never the planted path
-    (run_dir / lighthouse.SNAPSHOT).write_text(json.dumps({
-        "url": f"http://127.0.0.1:{free_port}", "token_file": str(secret), "status": None}))
-    t = threading.Thread(target=lambda: page_client.get("/lighthouse/status",
-                                                        params={"dag_id": "ftrec_train", "run_id": "planted"}))
+    (run_dir / lighthouse.SNAPSHOT).write_text(
+        json.dumps({"url": f"http://127.0.0.1:{free_port}", "token_file": str(secret), "status": None})
+    )
+    t = threading.Thread(
+        target=lambda: page_client.get("/lighthouse/status", params={"dag_id": "ftrec_train", "run_id": "planted"})
+    )
     t.start()
     try:
         conn, _ = srv.accept()
@@ -419,7 +490,7 @@ def test_lighthouse_page_live_then_from_snapshot(tmp_path, monkeypatch, live_lig
     with pytest.raises(OSError):
         lighthouse.fetch_status(url)  # no token: refused (401)
     (run_dir / "train").mkdir(parents=True)
-    (run_dir / "train" / "token").write_text(token.read_text())   # where the pipeline's launcher puts it
+    (run_dir / "train" / "token").write_text(token.read_text())  # where the pipeline's launcher puts it
     with lighthouse.Watcher(run_dir, token_file=token) as w:
         w.see(f'[launch] launch {{"lighthouse": "{url[7:]}", "groups": 2}}')
     snap = lighthouse.read_snapshot(run_dir)
@@ -443,6 +514,7 @@ def test_operator_links_and_plugin():
 
     from ftrec_airflow.decorators import BuildShardsOperator, FaultTolerantTrainOperator
     from ftrec_airflow.links import LighthouseLink, MLflowRunLink
+
     names = {link.name for link in FaultTolerantTrainOperator.operator_extra_links}
     assert names == {"MLflow run", "Lighthouse"}
     op = SimpleNamespace(mlflow_run_url="http://127.0.0.1:5000/#/experiments/1/runs/abc")
@@ -452,6 +524,7 @@ def test_operator_links_and_plugin():
     assert link.endswith("/ftrec/lighthouse/?dag_id=ftrec_train&run_id=manual__x%2B1")
     assert BuildShardsOperator.custom_operator_name == "@build_shards_task"
     from ftrec_airflow.plugin import FtrecPlugin as plugin
+
     assert plugin.fastapi_apps[0]["url_prefix"] == "/ftrec"
     views = {v["destination"]: v for v in plugin.external_views}
     assert views["dag_run"]["href"].startswith("/ftrec/lighthouse/?dag_id={DAG_ID}&run_id={RUN_ID}")
@@ -462,10 +535,12 @@ def test_retrain_reads_new_data_from_the_triggering_asset_event(monkeypatch):
     from types import SimpleNamespace
 
     from ftrec_airflow import pipeline
+
     p = {"data_source": "auto", "data_format": "iclrec"}
     event = SimpleNamespace(extra={"path": "/data/new.txt", "format": "sasrec"})
-    monkeypatch.setattr(pipeline, "get_current_context",
-                        lambda: {"triggering_asset_events": {"ftrec_interactions": [event]}})
+    monkeypatch.setattr(
+        pipeline, "get_current_context", lambda: {"triggering_asset_events": {"ftrec_interactions": [event]}}
+    )
     assert pipeline.new_data_source(p) == ("/data/new.txt", "sasrec")
     monkeypatch.setattr(pipeline, "get_current_context", lambda: {"triggering_asset_events": {}})
     assert pipeline.new_data_source(p) == ("auto", "iclrec")  # the daily run: the params
@@ -493,6 +568,7 @@ def test_train_step_joins_a_standing_lighthouse_with_the_workers_token(tmp_path,
     """FTREC_LIGHTHOUSE_URL set: the launcher starts no lighthouse and makes no token; its
     ranks reach the standing one (which refuses anyone without its token) under the run's job id."""
     from conftest import cli_shard_set
+
     url, token, proc = live_lighthouse
     shards = cli_shard_set(tmp_path)
     monkeypatch.setenv("FTREC_LIGHTHOUSE_URL", url)
@@ -502,10 +578,22 @@ def test_train_step_joins_a_standing_lighthouse_with_the_workers_token(tmp_path,
     run_key = "ftrec_train/manual__2026-12-01T00:00:00+00:00/train"
     _, run_id = tracking.ensure_run("standing", run_key, tracking_uri=uri)
     out = tmp_path / "t"
-    spec = steps.TrainSpec(shards=str(shards), out=str(out), replica_groups=2, max_steps=4, run_key=run_key,
-                           experiment="standing", timeout_s=240,
-                           overrides=["model.dim=16", "loss.num_negatives=16", "mlflow.log_model=false",
-                                      "mlflow.plots=false", "eval.batch_size=256"])
+    spec = steps.TrainSpec(
+        shards=str(shards),
+        out=str(out),
+        replica_groups=2,
+        max_steps=4,
+        run_key=run_key,
+        experiment="standing",
+        timeout_s=240,
+        overrides=[
+            "model.dim=16",
+            "loss.num_negatives=16",
+            "mlflow.log_model=false",
+            "mlflow.plots=false",
+            "eval.batch_size=256",
+        ],
+    )
     cmd = steps.train_command(spec, run_id, uri)
     assert cmd[cmd.index("--lighthouse") + 1] == url.removeprefix("http://")
     job = cmd[cmd.index("--job-id") + 1]
@@ -517,11 +605,12 @@ def test_train_step_joins_a_standing_lighthouse_with_the_workers_token(tmp_path,
     assert st["job"] == job and job in st["jobs"]
     assert [(g["group"], g["left"]) for g in st["groups"]] == [(0, True), (1, True)]
     assert any(e["kind"] == "quorum_formed" for e in st["events"])
-    assert lighthouse.fetch_status(url, token_file=token)["groups"] == []   # nothing under the default job
+    assert lighthouse.fetch_status(url, token_file=token)["groups"] == []  # nothing under the default job
 
 
 def test_build_step_retries_with_overwrite_only_for_another_shard_set(tmp_path):
     from dataprep.synth import write_synthetic
+
     src = write_synthetic(tmp_path / "ev.txt", users=300, items=100, seed=0)
     out = tmp_path / "shards"
     out.mkdir()
@@ -545,6 +634,7 @@ def test_a_run_id_never_leaves_the_runs_folder(tmp_path, monkeypatch, run_id):
 
 def test_build_step_reports_each_stage_as_it_goes(tmp_path):
     from dataprep.synth import write_synthetic
+
     src = write_synthetic(tmp_path / "ev.txt", users=300, items=100, seed=0)
     lines: list[str] = []
     spec = steps.ShardSpec(input=str(src), fmt="sasrec", out=str(tmp_path / "shards"), world_size=2, batch_size=8)
@@ -558,10 +648,11 @@ def test_build_step_reports_each_stage_as_it_goes(tmp_path):
 
 # ---------------------------------------------------------------- the ftrec_mlflow connection
 
+
 @pytest.fixture
 def no_mlflow_env(monkeypatch):
     for k in ("MLFLOW_TRACKING_URI", "AIRFLOW_CONN_FTREC_MLFLOW", *settings.MLFLOW_CREDENTIALS):
-        monkeypatch.delenv(k, raising=False)   # restored after the test, whatever connect() set
+        monkeypatch.delenv(k, raising=False)  # restored after the test, whatever connect() set
     return monkeypatch
 
 
@@ -573,6 +664,7 @@ def test_mlflow_connection_then_env_then_embedded_store(tmp_path, no_mlflow_env)
     import sqlalchemy.event
     import sqlalchemy.pool
     from airflow.sdk.execution_time import supervisor
+
     asked, connects = [], []
     real = supervisor.ensure_secrets_backend_loaded
 
@@ -599,38 +691,58 @@ def test_mlflow_connection_then_env_then_embedded_store(tmp_path, no_mlflow_env)
     mp.setenv("MLFLOW_TRACKING_TOKEN", "env-token")
     assert settings.mlflow_connection() == ("http://env-mlflow:5000", {"MLFLOW_TRACKING_TOKEN": "env-token"})
     # Airflow's own mechanism: a connection in AIRFLOW_CONN_<ID> (JSON) wins over the env
-    mp.setenv("AIRFLOW_CONN_FTREC_MLFLOW", json.dumps({
-        "conn_type": "http", "host": "mlflow.internal", "port": 5443, "schema": "https",
-        "login": "alice", "password": "s3cret"}))
+    mp.setenv(
+        "AIRFLOW_CONN_FTREC_MLFLOW",
+        json.dumps(
+            {
+                "conn_type": "http",
+                "host": "mlflow.internal",
+                "port": 5443,
+                "schema": "https",
+                "login": "alice",
+                "password": "s3cret",
+            }
+        ),
+    )
     uri, creds = tracking.connect()
     assert uri == "https://mlflow.internal:5443"
     assert creds == {"MLFLOW_TRACKING_USERNAME": "alice", "MLFLOW_TRACKING_PASSWORD": "s3cret"}
     assert os.environ["MLFLOW_TRACKING_PASSWORD"] == "s3cret" and "MLFLOW_TRACKING_TOKEN" not in os.environ
-    env = steps.train_env(uri, creds)   # the training processes get them in their environment
+    env = steps.train_env(uri, creds)  # the training processes get them in their environment
     assert env["MLFLOW_TRACKING_USERNAME"] == "alice" and env["MLFLOW_TRACKING_URI"] == uri
-    assert not any("s3cret" in a for a in steps.train_command(steps.TrainSpec(shards="/s", out=str(tmp_path / "t")),
-                                                                  "RUN", uri))
-    mp.setenv("AIRFLOW_CONN_FTREC_MLFLOW", "http://mlflow.internal:5000")   # URI form, no auth
+    assert not any(
+        "s3cret" in a for a in steps.train_command(steps.TrainSpec(shards="/s", out=str(tmp_path / "t")), "RUN", uri)
+    )
+    mp.setenv("AIRFLOW_CONN_FTREC_MLFLOW", "http://mlflow.internal:5000")  # URI form, no auth
     assert settings.mlflow_connection() == ("http://mlflow.internal:5000", {})
-    mp.setenv("AIRFLOW_CONN_FTREC_MLFLOW", json.dumps({
-        "conn_type": "http", "extra": {"tracking_uri": "https://mlflow.example.com/prefix", "token": "tok"}}))
+    mp.setenv(
+        "AIRFLOW_CONN_FTREC_MLFLOW",
+        json.dumps(
+            {"conn_type": "http", "extra": {"tracking_uri": "https://mlflow.example.com/prefix", "token": "tok"}}
+        ),
+    )
     assert settings.mlflow_connection() == ("https://mlflow.example.com/prefix", {"MLFLOW_TRACKING_TOKEN": "tok"})
 
 
 # ---------------------------------------------------------------- where the train task runs
 
+
 def test_train_task_args_from_env_or_airflow_cfg(monkeypatch):
     for k in ("QUEUE", "POOL", "PRIORITY_WEIGHT", "EXECUTOR_CONFIG"):
         monkeypatch.delenv(f"FTREC_TRAIN_{k}", raising=False)
         monkeypatch.delenv(f"AIRFLOW__FTREC__TRAIN_{k}", raising=False)
-    assert settings.train_task_args() == {}   # the operator's defaults
+    assert settings.train_task_args() == {}  # the operator's defaults
     monkeypatch.setenv("FTREC_TRAIN_QUEUE", "gpu")
     monkeypatch.setenv("FTREC_TRAIN_PRIORITY_WEIGHT", "10")
     monkeypatch.setenv("FTREC_TRAIN_EXECUTOR_CONFIG", '{"gpus": 8}')
-    monkeypatch.setenv("AIRFLOW__FTREC__TRAIN_POOL", "trainers")   # = [ftrec] train_pool in airflow.cfg
-    monkeypatch.setenv("AIRFLOW__FTREC__TRAIN_QUEUE", "ignored")   # FTREC_TRAIN_QUEUE comes first
-    assert settings.train_task_args() == {"queue": "gpu", "pool": "trainers", "priority_weight": 10,
-                                          "executor_config": {"gpus": 8}}
+    monkeypatch.setenv("AIRFLOW__FTREC__TRAIN_POOL", "trainers")  # = [ftrec] train_pool in airflow.cfg
+    monkeypatch.setenv("AIRFLOW__FTREC__TRAIN_QUEUE", "ignored")  # FTREC_TRAIN_QUEUE comes first
+    assert settings.train_task_args() == {
+        "queue": "gpu",
+        "pool": "trainers",
+        "priority_weight": 10,
+        "executor_config": {"gpus": 8},
+    }
     monkeypatch.setenv("FTREC_TRAIN_EXECUTOR_CONFIG", "{nope")
     with pytest.raises(ValueError, match="executor_config a JSON object"):
         settings.train_task_args()
@@ -638,31 +750,35 @@ def test_train_task_args_from_env_or_airflow_cfg(monkeypatch):
 
 # ---------------------------------------------------------------- test metrics once
 
+
 def test_evaluate_logs_only_what_the_trainer_did_not_and_the_gate_finds_it(tmp_path, monkeypatch):
     """The trainer logged test/* on the run; evaluate adds nothing under those names and no
     eval/ copies, only a metric the run lacks; the gate reads the run's values."""
     from types import SimpleNamespace
 
     from ftrec_airflow import pipeline
+
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     monkeypatch.setenv("FTREC_WORK", str(tmp_path / "work"))
     monkeypatch.delenv("AIRFLOW_CONN_FTREC_MLFLOW", raising=False)
-    monkeypatch.setattr(pipeline, "get_current_context",
-                        lambda: {"ti": SimpleNamespace(dag_id="ftrec_train"), "run_id": "r1"})
+    monkeypatch.setattr(
+        pipeline, "get_current_context", lambda: {"ti": SimpleNamespace(dag_id="ftrec_train"), "run_id": "r1"}
+    )
     _, run = tracking.ensure_run("exp", "ftrec_train/r1/train", tracking_uri=uri)
     c = tracking.client(uri)
-    c.log_metric(run, "test/sampled/ndcg_at_10", 0.3125, step=10)   # as the trainer logs its final scores
+    c.log_metric(run, "test/sampled/ndcg_at_10", 0.3125, step=10)  # as the trainer logs its final scores
     c.log_metric(run, "test/full/hr_at_10", 0.0625, step=10)
     # the evaluation's result file is there: steps.evaluate reads it instead of evaluating again
     out = pipeline.run_dir() / "eval.json"
     out.parent.mkdir(parents=True)
-    out.write_text(json.dumps({"metrics": {"test/sampled/ndcg@10": 0.3125, "test/full/hr@10": 0.0625,
-                                           "test/full/mrr": 0.04}}))
+    out.write_text(
+        json.dumps({"metrics": {"test/sampled/ndcg@10": 0.3125, "test/full/hr@10": 0.0625, "test/full/mrr": 0.04}})
+    )
     trained = {"mlflow_run_id": run, "tracking_uri": uri, "checkpoint": "/ckpt", "shards": "/shards"}
     ev = pipeline.evaluate(trained)
     assert ev["logged"] == ["test/full/mrr"]
     assert ev["metrics"] == {"test/sampled/ndcg_at_10": 0.3125, "test/full/hr_at_10": 0.0625, "test/full/mrr": 0.04}
-    pipeline.evaluate(trained)                                       # a retry adds nothing either
+    pipeline.evaluate(trained)  # a retry adds nothing either
     metrics = tracking.run_metrics(run, uri)
     assert sorted(metrics) == ["test/full/hr_at_10", "test/full/mrr", "test/sampled/ndcg_at_10"]
     assert len(c.get_metric_history(run, "test/sampled/ndcg_at_10")) == 1
@@ -671,40 +787,51 @@ def test_evaluate_logs_only_what_the_trainer_did_not_and_the_gate_finds_it(tmp_p
 
 # ---------------------------------------------------------------- registry aliases
 
+
 def _version(c, name: str, metric: str, value: float, run_id: str | None = None) -> int:
     """A registered version as register_model leaves it: its gate metric and value as tags."""
-    mv = c.create_model_version(name, source="file:///nowhere/model", run_id=run_id,
-                                tags={"gate_metric": metric, "gate_value": repr(value)})
+    mv = c.create_model_version(
+        name, source="file:///nowhere/model", run_id=run_id, tags={"gate_metric": metric, "gate_value": repr(value)}
+    )
     return int(mv.version)
 
 
 def test_champion_moves_only_to_a_better_version_on_the_same_metric(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     c = tracking.client(uri)
-    assert tracking.by_alias("recs", tracking.CHAMPION, uri) is None   # no model yet
+    assert tracking.by_alias("recs", tracking.CHAMPION, uri) is None  # no model yet
     c.create_registered_model("recs")
-    assert tracking.by_alias("recs", tracking.CHAMPION, uri) is None   # a model, no alias
+    assert tracking.by_alias("recs", tracking.CHAMPION, uri) is None  # a model, no alias
     said: list[str] = []
     m = "test/sampled/ndcg_at_10"
 
     def promote(v, metric, value, **kw):
         return tracking.promote("recs", v, metric, value, tracking_uri=uri, log=said.append, **kw)
+
     v1 = _version(c, "recs", m, 0.30)
-    assert promote(v1, m, 0.30) == {"champion": 1, "promoted": True, "aliases": ["challenger", "champion"],
-                                    "reason": "first champion"}
-    v2 = _version(c, "recs", m, 0.25)                    # worse: challenger only
+    assert promote(v1, m, 0.30) == {
+        "champion": 1,
+        "promoted": True,
+        "aliases": ["challenger", "champion"],
+        "reason": "first champion",
+    }
+    v2 = _version(c, "recs", m, 0.25)  # worse: challenger only
     r = promote(v2, m, 0.25)
     assert (r["champion"], r["promoted"], r["aliases"]) == (1, False, ["challenger"])
     assert tracking.by_alias("recs", tracking.CHAMPION, uri)["version"] == 1
     assert tracking.by_alias("recs", tracking.CHALLENGER, uri)["version"] == 2
-    v3 = _version(c, "recs", m, 0.35)                    # better: champion
+    v3 = _version(c, "recs", m, 0.35)  # better: champion
     assert promote(v3, m, 0.35)["champion"] == 3
-    assert promote(v3, m, 0.35) == {"champion": 3, "promoted": False, "aliases": ["challenger", "champion"],
-                                    "reason": "already the champion"}   # a retry changes nothing
+    assert promote(v3, m, 0.35) == {
+        "champion": 3,
+        "promoted": False,
+        "aliases": ["challenger", "champion"],
+        "reason": "already the champion",
+    }  # a retry changes nothing
     v4 = _version(c, "recs", "test/full/hr_at_10", 0.9)  # another metric: not comparable, kept
     r = promote(v4, "test/full/hr_at_10", 0.9)
     assert (r["champion"], r["promoted"]) == (3, False) and "not comparable" in r["reason"]
     assert "gated on 'test/sampled/ndcg_at_10'" in said[-1] and "keeping the champion" in said[-1]
-    r = promote(v4, "test/full/hr_at_10", 0.9, across_metrics=True)   # unless the param asks
+    r = promote(v4, "test/full/hr_at_10", 0.9, across_metrics=True)  # unless the param asks
     assert (r["champion"], r["promoted"]) == (4, True)
     assert tracking.by_alias("recs", tracking.CHAMPION, uri)["tags"]["gate_metric"] == "test/full/hr_at_10"

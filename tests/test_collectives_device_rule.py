@@ -35,35 +35,46 @@ def _run(name, fn, out):
 
 
 def _sanity(rank):
-    dist.all_reduce(torch.ones(1))   # around the layer: must be refused
+    dist.all_reduce(torch.ones(1))  # around the layer: must be refused
     return "accepted"
 
 
 def _ftcore(rank, port):
     from ftcore.ftar import ftar, plan
     from ftcore.manager import Manager, _new_pg, agree_incarnation
+
     inc = agree_incarnation(dist.group.WORLD)
     stub = types.SimpleNamespace(cfg=types.SimpleNamespace(world=2), _group_pg=dist.group.WORLD, _errors=[])
     votes = [Manager._group_vote(stub, True, 7), Manager._group_vote(stub, rank == 1, 7)]
     # the two ranks as two replica groups, over a cross-group group of the device backend
-    store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=30))
+    store = dist.TCPStore(
+        "127.0.0.1", port, is_master=rank == 0, wait_for_workers=False, timeout=datetime.timedelta(seconds=30)
+    )
     pg = _new_pg(device_rule.NAME, dist.PrefixStore("ftar", store), rank, 2, datetime.timedelta(seconds=30))
     big, small = torch.full((300_000,), float(rank + 1)), torch.full((3, 2), 10.0 * (rank + 1))
     r1 = ftar(pg, [big, small], contribute=True, step=3, bucket_bytes=1 << 18)
     # the staged path (CUDA gradients over gloo), with the CPU stand-in of the copy engines
     a = torch.full((1000,), float(rank + 2))
     r2 = ftar(pg, [a], contribute=rank == 0, step=4, stage=coll.HostStage(torch.device("cpu")))
-    ok = (torch.equal(big, torch.full((300_000,), 1.5)) and torch.equal(small, torch.full((3, 2), 15.0))
-          and torch.equal(a, torch.full((1000,), 2.0)))
-    return {"incarnation": inc, "votes": votes, "contributors": [r1.contributors, r2.contributors],
-            "averaged": ok, "buckets": len(plan([big, small], 1 << 18)) + 1}
+    ok = (
+        torch.equal(big, torch.full((300_000,), 1.5))
+        and torch.equal(small, torch.full((3, 2), 15.0))
+        and torch.equal(a, torch.full((1000,), 2.0))
+    )
+    return {
+        "incarnation": inc,
+        "votes": votes,
+        "contributors": [r1.contributors, r2.contributors],
+        "averaged": ok,
+        "buckets": len(plan([big, small], 1 << 18)) + 1,
+    }
 
 
 def _metrics(rank, out_dir):
     from training import loss, metrics
     from training.comm.config import CommConfig
     from training.comm.integration import GroupComm
+
     gc = GroupComm(CommConfig(transport="collective"), rank=rank)
     w = torch.nn.Parameter(torch.ones(8))
     window = metrics.Window()
@@ -73,15 +84,21 @@ def _metrics(rank, out_dir):
         with gc.compute("forward_backward"):
             (w * (rank + 1)).sum().backward()
         pending.wait()
-        gc.allreduce_grads([w])            # the transport's data path, on the comm thread
+        gc.allreduce_grads([w])  # the transport's data path, on the comm thread
         gc.step_end()
         window.record(step, 0.5, 0.1, 0.01, 0.001, 0.02, 0.0, float(counts[1]), float(counts[0]), float(counts[2]))
         w.grad = None
     per_rank, stop, proposal = metrics.gather_times(window, rank == 1, 2.5)
     m = gc.window_metrics()
     png = gc.finish(out_dir)
-    return {"counts": counts.tolist(), "stop": stop, "proposal": proposal, "ranks": per_rank.shape[0],
-            "metrics": sorted(m), "png": png is not None or rank != 0}
+    return {
+        "counts": counts.tolist(),
+        "stop": stop,
+        "proposal": proposal,
+        "ranks": per_rank.shape[0],
+        "metrics": sorted(m),
+        "png": png is not None or rank != 0,
+    }
 
 
 def _table(rank):
@@ -89,11 +106,15 @@ def _table(rank):
     from training.comm.scheduler import CommScheduler
     from training.comm.sharded_embedding import reference_weight
     from training.comm.transport import make_transport
+
     full = reference_weight(61, 4, seed=3, padding_idx=0)
     table = ShardedItemTable(full, make_transport("collective", group=coll.new_group()), CommScheduler("prioritized"))
     g = torch.Generator().manual_seed(rank)
-    ids = [torch.randint(0, 61, (7 + rank,), generator=g), torch.randint(1, 61, (7 + rank,), generator=g),
-           torch.randint(1, 61, (5,), generator=g)]
+    ids = [
+        torch.randint(0, 61, (7 + rank,), generator=g),
+        torch.randint(1, 61, (7 + rank,), generator=g),
+        torch.randint(1, 61, (5,), generator=g),
+    ]
     nxt = [torch.randint(0, 61, (6,), generator=g), torch.randint(1, 61, (6,), generator=g)]
     table.start_step(0, ids, 1, nxt)
     rows = [table(t) for t in ids]
@@ -102,9 +123,9 @@ def _table(rank):
     table.finish_grads()
     norm = float(grad_norm_sq(table.weight))
     same = all(torch.equal(r.detach(), full[t]) for r, t in zip(rows, ids, strict=True))
-    smfree = make_transport("smfree", group=coll.new_group())   # setup facts and barrier: control
+    smfree = make_transport("smfree", group=coll.new_group())  # setup facts and barrier: control
     got = smfree.all_to_all(torch.arange(4.0) + 10 * rank, [2, 2], [2, 2]).wait().tolist()
-    coll.barrier(smfree.group)   # both read before either unlinks its outbox
+    coll.barrier(smfree.group)  # both read before either unlinks its outbox
     smfree.close()
     return {"rows_equal": same, "norm": norm, "full_equal": torch.equal(table.full_weight(), full), "smfree": got}
 
@@ -113,10 +134,25 @@ def _trainer(rank, shards, out):
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
     from training.config import load_config
     from training.train import train
-    res = train(load_config(None, [f"data.shards={shards}", f"train.out={out}", "train.max_steps=4",
-                                   "train.log_every=2", "model.dim=16", "mlflow.enabled=false",
-                                   "eval.periodic=false", "eval.final=false", "comm.embedding=sharded",
-                                   "optim.grad_clip=1.0", "train.checkpoint_every=2"]))
+
+    res = train(
+        load_config(
+            None,
+            [
+                f"data.shards={shards}",
+                f"train.out={out}",
+                "train.max_steps=4",
+                "train.log_every=2",
+                "model.dim=16",
+                "mlflow.enabled=false",
+                "eval.periodic=false",
+                "eval.final=false",
+                "comm.embedding=sharded",
+                "optim.grad_clip=1.0",
+                "train.checkpoint_every=2",
+            ],
+        )
+    )
     return {"steps": res.get("steps") if rank == 0 else 4}
 
 
@@ -135,8 +171,16 @@ def ranks(tmp_path_factory):
     d = tmp_path_factory.mktemp("device_rule")
     write_synthetic(str(d / "ev.txt"), users=120, items=60, seed=5, median_len=8, max_history=30)
     build_shards(str(d / "ev.txt"), "sasrec", str(d / "shards"), world_size=2, batch_size=8, max_len=20)
-    return run_ranks(_all, 2, free_port(), str(d / "shards"), str(d), timeout_s=400,
-                     backend=device_rule.NAME, setup=device_rule.setup)
+    return run_ranks(
+        _all,
+        2,
+        free_port(),
+        str(d / "shards"),
+        str(d),
+        timeout_s=400,
+        backend=device_rule.NAME,
+        setup=device_rule.setup,
+    )
 
 
 def _clean(ranks, part):
@@ -168,7 +212,7 @@ def test_comm_metrics_counts_and_timings_stay_off_the_device_group(ranks):
     a, b = _clean(ranks, "metrics")
     assert a["value"]["counts"] == [21.0, 4.0, 60.0] and a["value"]["stop"] and a["value"]["proposal"] == 2.5
     assert "comm/bubble_fraction" in a["value"]["metrics"] and a["value"]["png"]
-    assert _data_ops(a) == ["allreduce"] * 3    # the gradients, through the transport
+    assert _data_ops(a) == ["allreduce"] * 3  # the gradients, through the transport
 
 
 def test_sharded_item_table_ids_rows_and_grads_are_data_split_sizes_control(ranks):

@@ -36,21 +36,22 @@ def test_account_exact_on_a_scripted_step():
     tl = Timeline(0, clock=clk)
     sched = CommScheduler("blocking", timeline=tl, clock=clk)
     tl.step_begin(0)
-    clk.t = 1.0                      # 1.0 idle (data loading)
+    clk.t = 1.0  # 1.0 idle (data loading)
     with tl.compute("forward"):
-        clk.t = 3.0                  # 2.0 compute
-        with tl.compute("inner"):    # nested: counted once
-            clk.t = 4.0              # 1.0 compute
+        clk.t = 3.0  # 2.0 compute
+        with tl.compute("inner"):  # nested: counted once
+            clk.t = 4.0  # 1.0 compute
 
         def comm():
-            clk.t = 6.5              # 2.5 comm, inside the forward: splits it
+            clk.t = 6.5  # 2.5 comm, inside the forward: splits it
+
         sched.submit("op", Stage.HISTORY, comm)
-        clk.t = 7.0                  # 0.5 compute
-    clk.t = 8.0                      # 1.0 idle
+        clk.t = 7.0  # 0.5 compute
+    clk.t = 8.0  # 1.0 idle
     tl.step_end()
     (a,) = account(tl.steps, 0, arrivals={0: 5.0})  # the last rank arrived at 5.0
     assert (a.step_time, a.compute, a.comm, a.idle) == (8.0, 3.5, 2.5, 2.0)
-    assert a.straggler == pytest.approx(1.0)         # waited 4.0 -> 5.0 for the peer
+    assert a.straggler == pytest.approx(1.0)  # waited 4.0 -> 5.0 for the peer
     assert a.bubble_fraction == pytest.approx(1 - 3.5 / 8.0)
     kinds = [(i.kind, i.t0, i.t1) for i in tl.steps[0].intervals]
     assert kinds == [("compute", 1.0, 4.0), ("comm", 4.0, 6.5), ("compute", 6.5, 7.0)]
@@ -58,14 +59,16 @@ def test_account_exact_on_a_scripted_step():
 
 def test_bubble_fraction_and_metrics():
     accts = [StepAccount(0, 0, 10.0, 10.0, 0.0, 0.0, 0.0), StepAccount(1, 0, 10.0, 5.0, 5.0, 5.0, 0.0)]
-    assert bubble_fraction(accts) == pytest.approx(0.25)   # = 1 - mean/max for a pure straggler
+    assert bubble_fraction(accts) == pytest.approx(0.25)  # = 1 - mean/max for a pure straggler
     m = metrics(accts)
     assert m["comm/bubble_fraction"] == pytest.approx(0.25) and m["comm/straggler_s"] == 2.5
 
 
 def test_png_is_written(tmp_path):
-    steps = [StepRecord(0, 0.0, 2.0, [Interval("compute", "f", 0.1, 1.0), Interval("comm", "x", 1.0, 1.5, 0, 1.0)]),
-             StepRecord(1, 2.0, 3.0, [Interval("compute", "f", 2.0, 2.9)])]
+    steps = [
+        StepRecord(0, 0.0, 2.0, [Interval("compute", "f", 0.1, 1.0), Interval("comm", "x", 1.0, 1.5, 0, 1.0)]),
+        StepRecord(1, 2.0, 3.0, [Interval("compute", "f", 2.0, 2.9)]),
+    ]
     p = plot_timeline([steps, steps], str(tmp_path / "t.png"), arrivals={0: 1.2}, num_steps=2)
     assert open(p, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
     assert [f.name for f in tmp_path.iterdir()] == ["t.png"]  # no temp file left
@@ -74,8 +77,19 @@ def test_png_is_written(tmp_path):
 @pytest.mark.integ
 def test_sums_on_real_ranks_with_a_straggler(tmp_path):
     # heavy-tailed random shards: one rank computes more, the other waits in the collectives
-    cfg = RunConfig(policy="prioritized", data="lognormal", balanced=False, steps=4, warmup=1, num_items=500,
-                    dim=16, d_model=16, batch=4, max_len=80, num_neg=32)
+    cfg = RunConfig(
+        policy="prioritized",
+        data="lognormal",
+        balanced=False,
+        steps=4,
+        warmup=1,
+        num_items=500,
+        dim=16,
+        d_model=16,
+        batch=4,
+        max_len=80,
+        num_neg=32,
+    )
     res = run_ranks(run_training, 2, asdict(cfg), timeout_s=120)
     straggler = 0.0
     for r in res:
@@ -98,6 +112,7 @@ def _group_comm(rank, world_size, out):
 
     from training.comm.integration import CommConfig, GroupComm
     from training.distributed import allreduce_grads as trainer_allreduce
+
     res = {}
     for kind in ("collective", "smfree", "default"):
         # "default": the trainer's own all-reduce, timed by GroupComm (comm.transport=collective)

@@ -35,10 +35,16 @@ def test_prioritized_issue_order_and_waits_in_process():
             with lock:
                 running.remove(name)
             return name
+
         return run
 
-    order = [("next", Stage.NEXT_INPUT), ("neg", Stage.NEGATIVE), ("hist", Stage.HISTORY),
-             ("cand", Stage.CANDIDATE), ("grad", Stage.EMB_GRAD)]
+    order = [
+        ("next", Stage.NEXT_INPUT),
+        ("neg", Stage.NEGATIVE),
+        ("hist", Stage.HISTORY),
+        ("cand", Stage.CANDIDATE),
+        ("grad", Stage.EMB_GRAD),
+    ]
     ops = {n: s.submit(n, st, fn(n, 0.02)) for n, st in order}
     s.flush()
     assert [o.name for o in s.issued] == ["hist", "cand", "neg", "next", "grad"]
@@ -46,10 +52,10 @@ def test_prioritized_issue_order_and_waits_in_process():
     for n in ("hist", "cand", "grad", "next"):
         assert s.wait(ops[n]) == n
     for o in s.issued:
-        assert o.t_end <= o.t_wait1          # the consumer starts after the op finished
+        assert o.t_end <= o.t_wait1  # the consumer starts after the op finished
     starts = [o.t_start for o in s.issued]
-    assert starts == sorted(starts)          # executed in issue order
-    assert ops["neg"].exposed > 0.03         # it waited behind hist and cand
+    assert starts == sorted(starts)  # executed in issue order
+    assert ops["neg"].exposed > 0.03  # it waited behind hist and cand
     s.close()
 
 
@@ -83,7 +89,7 @@ def _check_records(recs):
     for r in recs:
         by_step.setdefault(r["step"], []).append(r)
     for step, rs in by_step.items():
-        names = [r["name"] for r in rs]   # issue order
+        names = [r["name"] for r in rs]  # issue order
         rows = [n for n in names if n.endswith("_rows")]
         if rows != ["history_rows", "candidate_rows", "negative_rows"]:
             errs.append(f"step {step}: this batch's embeddings issued as {rows}")
@@ -92,8 +98,9 @@ def _check_records(recs):
             errs.append(f"step {step}: next batch's ids issued before this batch's embeddings: {names}")
         if step > 0 and any(n.endswith("_ids") and not n.startswith(("next_", "negative_", "emb_grad")) for n in names):
             errs.append(f"step {step}: prefetched ids exchanged again: {names}")
-        if "dense_grad" in names and any(n.endswith(("_rows", "_ids")) and not n.startswith("emb_grad")
-                                         for n in names[names.index("dense_grad"):]):
+        if "dense_grad" in names and any(
+            n.endswith(("_rows", "_ids")) and not n.startswith("emb_grad") for n in names[names.index("dense_grad") :]
+        ):
             errs.append(f"step {step}: backward sync issued before forward-critical ops")
     return errs
 
@@ -105,8 +112,9 @@ def test_pipeline_order_equal_on_ranks_and_results_equal_blocking():
     res = {k: [out[0][j], out[1][j]] for j, k in enumerate(keys)}
     pr = res[("prioritized", "collective")]
     # identical issue order on both ranks
-    assert [(r["name"], r["stage"], r["step"]) for r in pr[0]["records"]] == \
-           [(r["name"], r["stage"], r["step"]) for r in pr[1]["records"]]
+    assert [(r["name"], r["stage"], r["step"]) for r in pr[0]["records"]] == [
+        (r["name"], r["stage"], r["step"]) for r in pr[1]["records"]
+    ]
     for rank in range(2):
         assert _check_records(pr[rank]["records"]) == []
         assert _check_records(res[("prioritized", "smfree")][rank]["records"]) == []

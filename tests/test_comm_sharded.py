@@ -24,9 +24,9 @@ def _batches(rank):
     g = torch.Generator().manual_seed(10 + rank)
     zipf = torch.distributions.Categorical(probs=1.0 / torch.arange(1, N + 1).double())
     yield zipf.sample((4, 13)) if rank == 0 else torch.randint(0, N, (5, 11), generator=g)  # dup-heavy
-    yield torch.randint(0, N // 2, (17,), generator=g)   # every id on rank 0: a zero split
+    yield torch.randint(0, N // 2, (17,), generator=g)  # every id on rank 0: a zero split
     yield torch.tensor([0, 0, N - 1, 5], dtype=torch.int64)  # padding ids included
-    yield torch.zeros(0, dtype=torch.int64)             # an empty lookup on one step
+    yield torch.zeros(0, dtype=torch.int64)  # an empty lookup on one step
 
 
 def _equal_all(rank, world_size, cases):
@@ -68,8 +68,11 @@ CASES = [("collective", "row"), ("smfree", "row"), ("collective", "table"), ("sm
 
 
 def _everything(rank, world_size):
-    return {"equal": _equal_all(rank, world_size, CASES), "collection": _collection(rank, world_size),
-            "bad_ids": _bad_ids(rank, world_size)}
+    return {
+        "equal": _equal_all(rank, world_size, CASES),
+        "collection": _collection(rank, world_size),
+        "bad_ids": _bad_ids(rank, world_size),
+    }
 
 
 @pytest.fixture(scope="module")

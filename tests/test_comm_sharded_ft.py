@@ -31,26 +31,53 @@ from training import checkpoint
 from training.launch import TOY, LaunchConfig, Launcher
 
 ROOT = Path(__file__).resolve().parent.parent
-ITEMS = 90                 # 91 rows with padding: shards of 46 and 45 rows (a mix-up cannot load)
+ITEMS = 90  # 91 rows with padding: shards of 46 and 45 rows (a mix-up cannot load)
 EPOCHS = 2
-SETTINGS = [f"train.epochs={EPOCHS}", "model.dropout=0", "optim.grad_clip=0", "model.dim=16",
-            "optim.warmup_steps=2", "train.log_every=1", "mlflow.enabled=false", "eval.periodic=false",
-            "eval.final=false"]
+SETTINGS = [
+    f"train.epochs={EPOCHS}",
+    "model.dropout=0",
+    "optim.grad_clip=0",
+    "model.dim=16",
+    "optim.warmup_steps=2",
+    "train.log_every=1",
+    "mlflow.enabled=false",
+    "eval.periodic=false",
+    "eval.final=false",
+]
 
 
-def launch(shards: Path, out: Path, extra: list[str], plan: list[dict] | None = None, spares: bool = True,
-           timeout: float = 200.0) -> str:
+def launch(
+    shards: Path,
+    out: Path,
+    extra: list[str],
+    plan: list[dict] | None = None,
+    spares: bool = True,
+    timeout: float = 200.0,
+) -> str:
     """`python -m training launch` with 2 groups x 2 ranks; returns its log (asserts exit 0)."""
-    args = ["-m", "training", "launch", "--shards", str(shards), "--replica-groups", "2",
-            "--ranks-per-group", "2", "--out", str(out), "--timeout", str(timeout - 20)]
+    args = [
+        "-m",
+        "training",
+        "launch",
+        "--shards",
+        str(shards),
+        "--replica-groups",
+        "2",
+        "--ranks-per-group",
+        "2",
+        "--out",
+        str(out),
+        "--timeout",
+        str(timeout - 20),
+    ]
     if plan:
         (out.parent / f"{out.name}-plan.json").write_text(json.dumps({"faults": plan}))
         args += ["--faults", str(out.parent / f"{out.name}-plan.json")]
     if not spares:
-        args.append("--no-spares")     # no restart expected: save the 2 cores 4 warm processes
+        args.append("--no-spares")  # no restart expected: save the 2 cores 4 warm processes
     args += ["--", "--set", *SETTINGS, *extra]
     r = run_python(args, timeout)
-    (out.parent / f"{out.name}.log").write_text(r.stdout)   # the whole story, for a failure's post-mortem
+    (out.parent / f"{out.name}.log").write_text(r.stdout)  # the whole story, for a failure's post-mortem
     assert r.returncode == 0, r.stdout[-5000:]
     return r.stdout
 
@@ -70,7 +97,7 @@ def assert_groups_identical(out: Path, log: str) -> list[dict]:
     assert sums == {"0": both, "1": both}, "the launcher's checksum does not cover every rank's file"
     assert "different states" not in log
     states = [tensorfile.load(str(p)) for p in a]
-    assert [s["model"]["item_emb.weight"].shape[0] for s in states] == [46, 45]   # each rank its own rows
+    assert [s["model"]["item_emb.weight"].shape[0] for s in states] == [46, 45]  # each rank its own rows
     return states
 
 
@@ -84,8 +111,9 @@ def table_param(state: dict) -> int:
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory) -> Path:
-    return synthetic_shards(tmp_path_factory.mktemp("sharded_ft"), users=300, items=ITEMS, seed=5, world_size=4,
-                            batch_size=8, max_len=20)
+    return synthetic_shards(
+        tmp_path_factory.mktemp("sharded_ft"), users=300, items=ITEMS, seed=5, world_size=4, batch_size=8, max_len=20
+    )
 
 
 @pytest.mark.integ
@@ -126,8 +154,9 @@ def test_sharded_table_two_groups_bitwise_equal_to_replicated(shards, tmp_path):
 def test_sharded_table_kill9_group_heals_shard_by_shard_exactly_once(shards, tmp_path):
     out = tmp_path / "run"
     steps = int(json.loads((shards / schema.MANIFEST).read_text())["steps"])
-    log = launch(shards, out, ["comm.embedding=sharded"],
-                 plan=[{"kind": "kill", "group": 1, "rank": "all", "at_step": 6}])
+    log = launch(
+        shards, out, ["comm.embedding=sharded"], plan=[{"kind": "kill", "group": 1, "rank": "all", "at_step": 6}]
+    )
     tl = json.loads((out / "timeline.json").read_text())
     assert tl["restarts"] == {"0": 0, "1": 1}
     assert any(e["kind"] == "fault" and e.get("group") == 1 for e in tl["launcher_events"])
@@ -139,8 +168,14 @@ def test_sharded_table_kill9_group_heals_shard_by_shard_exactly_once(shards, tmp
 
     sample_ids = shard_sample_ids(shards)
 
-    summary = ledger.check(str(out / "ledger"), steps_per_epoch=steps, num_groups=2, ranks_per_group=2,
-                           epochs=EPOCHS, sample_ids=sample_ids)
+    summary = ledger.check(
+        str(out / "ledger"),
+        steps_per_epoch=steps,
+        num_groups=2,
+        ranks_per_group=2,
+        epochs=EPOCHS,
+        sample_ids=sample_ids,
+    )
     assert summary["batches"] == 2 * 2 * EPOCHS * steps
     assert summary["makeup_steps"] >= 1, "the killed group missed no step: the make-up path was not exercised"
 

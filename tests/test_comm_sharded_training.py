@@ -22,8 +22,15 @@ from conftest import synthetic_shards, torchrun_train
 from training import checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SETTINGS = ["train.max_steps=8", "model.dropout=0", "model.dim=16", "train.log_every=1",
-            "mlflow.enabled=false", "optim.warmup_steps=2", "eval.periodic=false"]
+SETTINGS = [
+    "train.max_steps=8",
+    "model.dropout=0",
+    "model.dim=16",
+    "train.log_every=1",
+    "mlflow.enabled=false",
+    "optim.warmup_steps=2",
+    "eval.periodic=false",
+]
 
 
 def _torchrun(shards: str, out: str, port: int, extra: list[str]) -> str:
@@ -36,8 +43,11 @@ def _losses(text: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
-    return str(synthetic_shards(tmp_path_factory.mktemp("sharded"), users=200, items=90, seed=5, world_size=2,
-                                batch_size=8, max_len=20))
+    return str(
+        synthetic_shards(
+            tmp_path_factory.mktemp("sharded"), users=200, items=90, seed=5, world_size=2, batch_size=8, max_len=20
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +60,7 @@ def replicated(shards, tmp_path_factory):
             out = str(tmp_path_factory.mktemp(f"rep-{clip}"))
             runs[clip] = (_torchrun(shards, out, port, [f"optim.grad_clip={clip}"]), out)
         return runs[clip]
+
     return get
 
 
@@ -58,29 +69,41 @@ def _result(out) -> dict:
 
 
 @pytest.mark.integ
-@pytest.mark.parametrize("clip,comm", [
-    ("0", ["comm.transport=collective"]),                                   # prioritized pipeline (default)
-    ("1.0", ["comm.transport=collective"]),
-    ("0", ["comm.transport=smfree"]),
-    ("0", ["comm.transport=collective", "comm.policy=blocking"]),          # lookups inline
-    ("0", ["comm.transport=smfree", "comm.policy=overlapped"]),            # async, FIFO
-])
+@pytest.mark.parametrize(
+    "clip,comm",
+    [
+        ("0", ["comm.transport=collective"]),  # prioritized pipeline (default)
+        ("1.0", ["comm.transport=collective"]),
+        ("0", ["comm.transport=smfree"]),
+        ("0", ["comm.transport=collective", "comm.policy=blocking"]),  # lookups inline
+        ("0", ["comm.transport=smfree", "comm.policy=overlapped"]),  # async, FIFO
+    ],
+)
 def test_sharded_table_trains_like_replicated(shards, replicated, tmp_path, free_port, clip, comm):
-    rep, rep_out = replicated(clip, free_port)          # replicated, gloo all-reduce
-    shd = _torchrun(shards, str(tmp_path / "shd"), free_port,
-                    [f"optim.grad_clip={clip}", "comm.embedding=sharded", *comm])
+    rep, rep_out = replicated(clip, free_port)  # replicated, gloo all-reduce
+    shd = _torchrun(
+        shards, str(tmp_path / "shd"), free_port, [f"optim.grad_clip={clip}", "comm.embedding=sharded", *comm]
+    )
     assert "item table sharded row-wise over 2 ranks" in shd and "item table sharded" not in rep
     assert len(_losses(rep)) == 8 and _losses(shd) == _losses(rep)
     a = checkpoint.load(_result(rep_out)["checkpoint"])
     r1 = _result(tmp_path / "shd")
     # the pipeline: from step 2 on, every step's id exchange ran during the step before it
-    policy = ("blocking" if "comm.policy=blocking" in comm
-              else "overlapped" if "comm.policy=overlapped" in comm else "prioritized")
-    assert {k: r1["comm"][k] for k in ("policy", "prefetch_hits", "prefetch_misses")} == \
-        {"policy": policy, "prefetch_hits": 7, "prefetch_misses": 0}
+    policy = (
+        "blocking"
+        if "comm.policy=blocking" in comm
+        else "overlapped"
+        if "comm.policy=overlapped" in comm
+        else "prioritized"
+    )
+    assert {k: r1["comm"][k] for k in ("policy", "prefetch_hits", "prefetch_misses")} == {
+        "policy": policy,
+        "prefetch_hits": 7,
+        "prefetch_misses": 0,
+    }
     assert r1["comm"]["lookup_wait_s"] > 0 and r1["comm"]["emb_grad_wait_s"] > 0
     b = checkpoint.load(r1["checkpoint"])
-    assert b["model"]["item_emb.weight"].shape == a["model"]["item_emb.weight"].shape   # the full table
+    assert b["model"]["item_emb.weight"].shape == a["model"]["item_emb.weight"].shape  # the full table
     for name, w in a["model"].items():
         v = b["model"][name]
         if clip == "0":
@@ -91,7 +114,7 @@ def test_sharded_table_trains_like_replicated(shards, replicated, tmp_path, free
             # as in test_training_distributed: the key bias has an exactly-zero true gradient and
             # Adam turns float noise into full-size steps; compare the q and v parts
             d = w.numel() // 3
-            w, v = torch.cat([w[:d], w[2 * d:]]), torch.cat([v[:d], v[2 * d:]])
+            w, v = torch.cat([w[:d], w[2 * d :]]), torch.cat([v[:d], v[2 * d :]])
         assert torch.allclose(w, v, atol=1e-6, rtol=1e-5), name
     # rank 1 kept its shard's optimizer state in its own file, for an exact resume
     assert "optimizer" in checkpoint.load(r1["checkpoint"], 1, per_rank=("rng", "optimizer"))
@@ -103,8 +126,13 @@ def test_sharded_table_trains_like_replicated(shards, replicated, tmp_path, free
 def test_sharded_warm_start_equals_replicated_warm_start(shards, replicated, tmp_path, free_port):
     """Warm start loads the full table before sharding: the same run as a replicated warm start."""
     _, rep_out = replicated("0", free_port)
-    init = [f"train.init_checkpoint={_result(rep_out)['checkpoint']}", "train.max_steps=4", "optim.grad_clip=0",
-            "eval.final=false", "loss.kind=bce"]
+    init = [
+        f"train.init_checkpoint={_result(rep_out)['checkpoint']}",
+        "train.max_steps=4",
+        "optim.grad_clip=0",
+        "eval.final=false",
+        "loss.kind=bce",
+    ]
     rep = _torchrun(shards, str(tmp_path / "rep"), free_port, init)
     shd = _torchrun(shards, str(tmp_path / "shd"), free_port, [*init, "comm.embedding=sharded"])
     assert "warm start from" in shd and "90/90 item embeddings carried over" in shd
@@ -129,11 +157,32 @@ def test_sharded_resume_is_exact(shards, tmp_path, free_port):
 
 
 def test_comm_settings_are_checked(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "training", "train", "--shards", str(tmp_path), "--out",
-                        str(tmp_path / "o"), "--set", "comm.embedding=sharded", "comm.policy=eager"],
-                       cwd=ROOT, text=True, capture_output=True, timeout=120)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "training",
+            "train",
+            "--shards",
+            str(tmp_path),
+            "--out",
+            str(tmp_path / "o"),
+            "--set",
+            "comm.embedding=sharded",
+            "comm.policy=eager",
+        ],
+        cwd=ROOT,
+        text=True,
+        capture_output=True,
+        timeout=120,
+    )
     assert p.returncode != 0
     assert "comm.policy must be one of blocking, overlapped, prioritized" in p.stderr and "Traceback" not in p.stderr
-    p = subprocess.run([sys.executable, "-m", "training", "train", "--shards", str(tmp_path), "--set",
-                        "comm.embedding=rowwise"], cwd=ROOT, text=True, capture_output=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "training", "train", "--shards", str(tmp_path), "--set", "comm.embedding=rowwise"],
+        cwd=ROOT,
+        text=True,
+        capture_output=True,
+        timeout=120,
+    )
     assert p.returncode != 0 and "comm.embedding must be one of replicated, sharded" in p.stderr

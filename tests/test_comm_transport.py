@@ -17,8 +17,9 @@ def _ops(rank, world_size, seed):
     """Uneven all-to-alls of several dtypes/shapes, growing past the outbox, and all-reduces."""
     g = torch.Generator().manual_seed(seed * 100 + rank)
     cases = []
-    for i, (dtype, tail) in enumerate([(torch.float32, (16,)), (torch.int64, ()), (torch.float32, (3, 5)),
-                                       (torch.float32, (1024,))]):
+    for i, (dtype, tail) in enumerate(
+        [(torch.float32, (16,)), (torch.int64, ()), (torch.float32, (3, 5)), (torch.float32, (1024,))]
+    ):
         # split sizes: every rank knows the matrix (derived from the seed), zero splits included
         m = torch.randint(0, 300, (world_size, world_size), generator=torch.Generator().manual_seed(seed + i))
         m[0, world_size - 1] = 0
@@ -64,7 +65,7 @@ def test_smfree_equals_collective(tmp_path):
     cases0, _ = _ops(0, 2, 3)
     cases1, _ = _ops(1, 2, 3)
     send, splits, _ = cases1[0]
-    assert torch.equal(sm[0][1][0][-splits[0]:] if splits[0] else sm[0][1][0][:0], send[:splits[0]])
+    assert torch.equal(sm[0][1][0][-splits[0] :] if splits[0] else sm[0][1][0][:0], send[: splits[0]])
     # all-reduce is the sum on both ranks
     _, red0 = _ops(0, 2, 3)
     _, red1 = _ops(1, 2, 3)
@@ -140,11 +141,17 @@ def test_a_killed_ranks_segments_are_swept_and_a_live_ones_are_kept(tmp_path):
     import sys
 
     from training.comm import shm
+
     live = shm.create(str(tmp_path / "ftrec-live-ctrl-0"), 64)
-    code = ("import os, signal, sys; from training.comm import shm; "
-            "shm.create(sys.argv[1], 4096); os.kill(os.getpid(), signal.SIGKILL)")
-    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "ftrec-dead-box-1-0")], timeout=60,
-                       env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))})
+    code = (
+        "import os, signal, sys; from training.comm import shm; "
+        "shm.create(sys.argv[1], 4096); os.kill(os.getpid(), signal.SIGKILL)"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "ftrec-dead-box-1-0")],
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))},
+    )
     assert r.returncode == -signal.SIGKILL
     (tmp_path / "unrelated.bin").write_bytes(b"x")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ftrec-dead-box-1-0", "ftrec-live-ctrl-0", "unrelated.bin"]

@@ -15,8 +15,20 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-HEAVY = ("torch", "mlflow", "pyarrow", "numpy", "pandas", "dataprep", "training", "ftcore", "sklearn", "scipy",
-         "kubernetes", "airflow.providers.cncf.kubernetes")
+HEAVY = (
+    "torch",
+    "mlflow",
+    "pyarrow",
+    "numpy",
+    "pandas",
+    "dataprep",
+    "training",
+    "ftcore",
+    "sklearn",
+    "scipy",
+    "kubernetes",
+    "airflow.providers.cncf.kubernetes",
+)
 K8S_PROVIDER = "airflow.providers.cncf.kubernetes"
 # A sitecustomize that uninstalls the provider as far as the parsing interpreter can tell:
 # its modules and the kubernetes clients it brings do not import, and their distributions'
@@ -86,14 +98,23 @@ DAGS = ["ftrec_chaos_drill", "ftrec_retrain", "ftrec_train", "ftrec_train_k8s"]
 
 
 def parse(home: Path, **extra_env: str) -> dict:
-    env = {**os.environ, "AIRFLOW_HOME": str(home), "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-           "AIRFLOW__CORE__DAGS_FOLDER": str(ROOT / "dags"),
-           "AIRFLOW__CORE__PLUGINS_FOLDER": str(home / "plugins")}  # empty: the plugin is an entry point
+    env = {
+        **os.environ,
+        "AIRFLOW_HOME": str(home),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__CORE__DAGS_FOLDER": str(ROOT / "dags"),
+        "AIRFLOW__CORE__PLUGINS_FOLDER": str(home / "plugins"),
+    }  # empty: the plugin is an entry point
     for k in ("MLFLOW_TRACKING_URI", "FTREC_LIGHTHOUSE_URL", *TRAIN_ENV, *K8S_ENV):
         env.pop(k, None)
     env.update(extra_env)
-    r = subprocess.run([sys.executable, "-c", PARSE, str(ROOT / "dags"), json.dumps(HEAVY)],
-                       env=env, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", PARSE, str(ROOT / "dags"), json.dumps(HEAVY)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     line = next((out for out in r.stdout.splitlines() if out.startswith("JSON")), None)
     assert line, r.stdout[-2000:] + r.stderr[-2000:]
     return json.loads(line[4:])
@@ -117,8 +138,13 @@ def test_ftrec_train_structure(parsed):
     d = parsed["dags"]["ftrec_train"]
     t = d["tasks"]
     assert {k: v["downstream"] for k, v in t.items()} == {
-        "ingest_validate": ["build_shards"], "build_shards": ["verify_shards"], "verify_shards": ["train"],
-        "train": ["evaluate", "register_model"], "evaluate": ["register_model"], "register_model": []}
+        "ingest_validate": ["build_shards"],
+        "build_shards": ["verify_shards"],
+        "verify_shards": ["train"],
+        "train": ["evaluate", "register_model"],
+        "evaluate": ["register_model"],
+        "register_model": [],
+    }
     assert t["build_shards"]["type"] == "BuildShardsOperator"
     assert t["build_shards"]["outlets"] == ["ftrec_train_shards"]
     assert t["register_model"]["outlets"] == ["ftrec_model"]
@@ -136,10 +162,27 @@ def test_ftrec_train_structure(parsed):
 
 def test_ftrec_train_params_have_types_descriptions_and_defaults(parsed):
     p = parsed["dags"]["ftrec_train"]["params"]
-    want = {"data_source", "data_format", "synth_users", "synth_items", "max_len", "batch_size",
-            "replica_groups", "ranks_per_group", "world_size", "epochs", "max_steps", "fault_plan",
-            "mlflow_experiment", "model_name", "gate_metric", "gate_min", "promote_across_metrics",
-            "train_overrides", "seed"}
+    want = {
+        "data_source",
+        "data_format",
+        "synth_users",
+        "synth_items",
+        "max_len",
+        "batch_size",
+        "replica_groups",
+        "ranks_per_group",
+        "world_size",
+        "epochs",
+        "max_steps",
+        "fault_plan",
+        "mlflow_experiment",
+        "model_name",
+        "gate_metric",
+        "gate_min",
+        "promote_across_metrics",
+        "train_overrides",
+        "seed",
+    }
     assert set(p) == want
     for name, param in p.items():
         assert param["schema"].get("type"), name
@@ -147,7 +190,7 @@ def test_ftrec_train_params_have_types_descriptions_and_defaults(parsed):
     assert p["data_source"]["value"] == "auto"
     assert p["data_format"]["schema"]["enum"] == ["iclrec", "sasrec", "movielens", "events"]
     assert p["max_len"]["value"] == 50 and p["ranks_per_group"]["value"] == 1
-    assert p["replica_groups"]["value"] == 2   # training always goes through the ftcore launcher
+    assert p["replica_groups"]["value"] == 2  # training always goes through the ftcore launcher
     assert p["world_size"]["schema"]["type"] == ["null", "integer"] and p["world_size"]["value"] is None
     assert p["fault_plan"]["value"] == ""
     assert p["mlflow_experiment"]["value"] == "ftrec" and p["model_name"]["value"] == "ftrec"
@@ -173,16 +216,21 @@ def test_ftrec_chaos_drill_defaults_to_a_fault_plan(parsed):
     assert d["params"]["replica_groups"]["value"] == 2 and d["params"]["max_stall_s"]["value"] > 0
     t = d["tasks"]
     assert t["train"]["downstream"] == ["check_recovery"] and t["train"]["retries"] == 0
-    assert all(v["retries"] == 0 for v in t.values())       # a drill that needs a second try has failed
-    assert all(v["outlets"] == [] for v in t.values())      # and its shards are nobody's input
+    assert all(v["retries"] == 0 for v in t.values())  # a drill that needs a second try has failed
+    assert all(v["outlets"] == [] for v in t.values())  # and its shards are nobody's input
     assert t["train"]["links"] == ["Lighthouse", "MLflow run"]
 
 
 def test_train_tasks_run_where_the_deployment_says(tmp_path):
     """FTREC_TRAIN_* (or [ftrec] train_* in airflow.cfg) at parse time: the train task of
     every DAG gets the queue, pool, priority and executor config; no other task does."""
-    parsed = parse(tmp_path, FTREC_TRAIN_QUEUE="gpu", FTREC_TRAIN_POOL="trainers",
-                   FTREC_TRAIN_PRIORITY_WEIGHT="7", FTREC_TRAIN_EXECUTOR_CONFIG='{"gpus": 2}')
+    parsed = parse(
+        tmp_path,
+        FTREC_TRAIN_QUEUE="gpu",
+        FTREC_TRAIN_POOL="trainers",
+        FTREC_TRAIN_PRIORITY_WEIGHT="7",
+        FTREC_TRAIN_EXECUTOR_CONFIG='{"gpus": 2}',
+    )
     assert parsed["errors"] == {}
     assert parsed["errors"] == {}
     for dag_id in ("ftrec_chaos_drill", "ftrec_retrain", "ftrec_train"):
@@ -193,6 +241,7 @@ def test_train_tasks_run_where_the_deployment_says(tmp_path):
 
 
 # ---------------------------------------------------------------- ftrec_train_k8s
+
 
 def _unavailable(d: dict) -> str:
     assert list(d["tasks"]) == ["kubernetes_unavailable"], d["tasks"]
@@ -214,9 +263,16 @@ def test_ftrec_train_k8s_with_the_provider_is_the_training_pipeline_on_pods(tmp_
     d = parsed["dags"]["ftrec_train_k8s"]
     t = d["tasks"]
     assert {k: v["downstream"] for k, v in t.items()} == {
-        "ingest_validate": ["build_shards"], "build_shards": ["verify_shards"], "verify_shards": ["open_run"],
-        "open_run": ["group_pods", "trained"], "group_pods": ["train_group"], "train_group": ["trained"],
-        "trained": ["evaluate", "register_model"], "evaluate": ["register_model"], "register_model": []}
+        "ingest_validate": ["build_shards"],
+        "build_shards": ["verify_shards"],
+        "verify_shards": ["open_run"],
+        "open_run": ["group_pods", "trained"],
+        "group_pods": ["train_group"],
+        "train_group": ["trained"],
+        "trained": ["evaluate", "register_model"],
+        "evaluate": ["register_model"],
+        "register_model": [],
+    }
     # one mapped task, map index = replica group: a retry is one group's pod again
     assert t["train_group"]["type"] == "MappedOperator" and t["train_group"]["operator"] == "GroupPodOperator"
     assert t["train_group"]["retries"] == 2 and t["train_group"]["timeout"] == 24 * 3600

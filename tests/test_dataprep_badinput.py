@@ -30,14 +30,17 @@ def _rejects(p):
     return pq.read_table(p.parent / "out" / schema.REJECTS_FILE).to_pylist()
 
 
-@pytest.mark.parametrize("bad,reason", [
-    ("5 7 9\n", "malformed_line"),
-    ("5\n", "malformed_line"),
-    ("5 abc\n", "non_integer_id"),
-    ("5 1.5\n", "non_integer_id"),
-    ("5 99999999999999999999999\n", "id_out_of_range"),
-    ("-5 7\n", "negative_id"),
-])
+@pytest.mark.parametrize(
+    "bad,reason",
+    [
+        ("5 7 9\n", "malformed_line"),
+        ("5\n", "malformed_line"),
+        ("5 abc\n", "non_integer_id"),
+        ("5 1.5\n", "non_integer_id"),
+        ("5 99999999999999999999999\n", "id_out_of_range"),
+        ("-5 7\n", "negative_id"),
+    ],
+)
 def test_bad_line_is_a_counted_rejection_with_its_line(tmp_path, bad, reason):
     p = tmp_path / "in.txt"
     good = _good_lines()
@@ -93,8 +96,9 @@ def test_missing_input(tmp_path):
 def test_events_missing_column_names_it(tmp_path):
     p = tmp_path / "ev.parquet"
     pq.write_table(pa.table({"user_id": [1, 2], "item": [3, 4], "when": [5, 6]}), p)
-    with pytest.raises(DataprepError,
-                       match=r"ev\.parquet: no column 'timestamp' \(columns: user_id, item, when\); set --time-col"):
+    with pytest.raises(
+        DataprepError, match=r"ev\.parquet: no column 'timestamp' \(columns: user_id, item, when\); set --time-col"
+    ):
         _build(p, "events")
     with pytest.raises(DataprepError, match="no column 'it'.*--item-col"):
         _build(p, "events", item_col="it", time_col="when")
@@ -106,8 +110,9 @@ def test_events_nulls_negative_and_duplicates(tmp_path):
     items = [r[1] for r in rows] + [5, None, 6, rows[6][1]]
     ts = [r[2] for r in rows] + [1, 2, 3, rows[6][2]]  # the last row repeats row 6 exactly
     p = tmp_path / "ev.parquet"
-    pq.write_table(pa.table({"user_id": pa.array(users, pa.int64()), "item_id": pa.array(items, pa.int64()),
-                             "timestamp": ts}), p)
+    pq.write_table(
+        pa.table({"user_id": pa.array(users, pa.int64()), "item_id": pa.array(items, pa.int64()), "timestamp": ts}), p
+    )
     m = _build(p, "events", max_reject_fraction=0.1)
     assert m["rejects"] == {"duplicate_event": 1, "missing_value": 2, "negative_id": 1}
     dup = [r for r in _rejects(p) if r["reason"] == "duplicate_event"][0]
@@ -118,22 +123,30 @@ def _csv_rows(users=20, per=6):
     return [(u, 100 + (u * 7 + k) % 40, 1000 + k) for u in range(1, users + 1) for k in range(per)]
 
 
-@pytest.mark.parametrize("fmt,name,header", [
-    ("events", "ev.csv", b"user_id,item_id,timestamp"),
-    ("movielens", "ratings.csv", b"userId,movieId,rating,timestamp"),
-])
+@pytest.mark.parametrize(
+    "fmt,name,header",
+    [
+        ("events", "ev.csv", b"user_id,item_id,timestamp"),
+        ("movielens", "ratings.csv", b"userId,movieId,rating,timestamp"),
+    ],
+)
 def test_csv_bad_rows_are_counted_rejections_with_their_lines(tmp_path, fmt, name, header):
     mk = (lambda u, i, t: f"{u},{i},{t}".encode()) if fmt == "events" else (lambda u, i, t: f"{u},{i},4.0,{t}".encode())
     good = [mk(*r) for r in _csv_rows()]
-    bad = [(mk(3, 7, "abc"), "bad_timestamp"), (mk(3, 8, ""), "missing_value"),
-           (mk(3, 9, "1,2") + b",2", "malformed_line"), (b"3,10", "malformed_line"),
-           (mk(3, 11, 5).replace(b"11", b"\xff1"), "not_utf8"), (b"", None)]
+    bad = [
+        (mk(3, 7, "abc"), "bad_timestamp"),
+        (mk(3, 8, ""), "missing_value"),
+        (mk(3, 9, "1,2") + b",2", "malformed_line"),
+        (b"3,10", "malformed_line"),
+        (mk(3, 11, 5).replace(b"11", b"\xff1"), "not_utf8"),
+        (b"", None),
+    ]
     lines = good[:30] + [b for b, _ in bad] + good[30:]
     p = tmp_path / name
     p.write_bytes(header + b"\n" + b"\n".join(lines) + b"\n")
     m = _build(p, fmt, max_reject_fraction=0.1)
     got = sorted((r["line"], r["reason"]) for r in _rejects(p) if r["line"] is not None)
-    assert got == [(32 + k, reason) for k, (_, reason) in enumerate(bad) if reason]   # header = line 1
+    assert got == [(32 + k, reason) for k, (_, reason) in enumerate(bad) if reason]  # header = line 1
     assert m["counts"]["events_read"] == len(good) and m["counts"]["blank_lines"] == 1
     assert "'abc'" in [r for r in _rejects(p) if r["reason"] == "bad_timestamp"][0]["detail"]
 
@@ -141,16 +154,19 @@ def test_csv_bad_rows_are_counted_rejections_with_their_lines(tmp_path, fmt, nam
 def test_csv_all_times_bad_is_an_error_naming_the_first(tmp_path):
     p = tmp_path / "ev.csv"
     p.write_text("user_id,item_id,timestamp\n1,2,yesterday\n1,3,today\n")
-    with pytest.raises(DataprepError, match=r"ev\.csv: 2 of 2 lines rejected \(first: line 2, bad_timestamp, "
-                                            r"column 'timestamp': 'yesterday' is not"):
+    with pytest.raises(
+        DataprepError,
+        match=r"ev\.csv: 2 of 2 lines rejected \(first: line 2, bad_timestamp, "
+        r"column 'timestamp': 'yesterday' is not",
+    ):
         _build(p, "events")
 
 
 def test_csv_iso_times_with_a_bad_one(tmp_path):
     p = tmp_path / "ev.csv"
     rows = [(u, i, f"2024-01-{1 + t % 28:02d}T10:00:{t % 60:02d}") for u, i, t in _csv_rows()]
-    rows[5] = (1, 5, "2024-02-30T10:00:00")   # right shape, no such day
-    rows[9] = (2, 5, "1700000000")            # epoch in an ISO column
+    rows[5] = (1, 5, "2024-02-30T10:00:00")  # right shape, no such day
+    rows[9] = (2, 5, "1700000000")  # epoch in an ISO column
     p.write_text("user_id,item_id,timestamp\n" + "".join(f"{u},{i},{t}\n" for u, i, t in rows))
     m = _build(p, "events", max_reject_fraction=0.1)
     assert sorted((r["line"], r["reason"]) for r in _rejects(p)) == [(7, "bad_timestamp"), (11, "bad_timestamp")]
@@ -177,34 +193,71 @@ def test_ids_above_int64_are_kept_as_text_in_csv_and_parquet(tmp_path):
     assert str(big) in items and "100" in items
     q = tmp_path / "q" / "ev.parquet"
     q.parent.mkdir()
-    pq.write_table(pa.table({"user_id": pa.array([u for u, _, _ in rows] + [1], pa.uint64()),
-                             "item_id": pa.array([i for _, i, _ in rows] + [2 ** 64 - 1], pa.uint64()),
-                             "timestamp": [t for _, _, t in rows] + [5000]}), q)
+    pq.write_table(
+        pa.table(
+            {
+                "user_id": pa.array([u for u, _, _ in rows] + [1], pa.uint64()),
+                "item_id": pa.array([i for _, i, _ in rows] + [2**64 - 1], pa.uint64()),
+                "timestamp": [t for _, _, t in rows] + [5000],
+            }
+        ),
+        q,
+    )
     _build(q, "events")
-    assert str(2 ** 64 - 1) in pq.read_table(q.parent / "out" / schema.ITEM_MAP).column("raw_id").to_pylist()
+    assert str(2**64 - 1) in pq.read_table(q.parent / "out" / schema.ITEM_MAP).column("raw_id").to_pylist()
 
 
 def _parquet_bytes(tmp_path):
     rows = _csv_rows()
     f = tmp_path / "good.parquet"
-    pq.write_table(pa.table({"user_id": [u for u, _, _ in rows], "item_id": [i for _, i, _ in rows],
-                             "timestamp": [t for _, _, t in rows]}), f)
+    pq.write_table(
+        pa.table(
+            {
+                "user_id": [u for u, _, _ in rows],
+                "item_id": [i for _, i, _ in rows],
+                "timestamp": [t for _, _, t in rows],
+            }
+        ),
+        f,
+    )
     return f.read_bytes()
 
 
 @pytest.mark.parametrize("damage", ["random", "truncated", "pages"])
 def test_corrupt_parquet_is_an_error_naming_the_file(tmp_path, damage):
     good = _parquet_bytes(tmp_path)
-    data = {"random": bytes(range(100)), "truncated": good[:len(good) // 2],
-            "pages": good[:4] + bytes(len(good) // 2 - 4) + good[len(good) // 2:]}[damage]  # footer intact
+    data = {
+        "random": bytes(range(100)),
+        "truncated": good[: len(good) // 2],
+        "pages": good[:4] + bytes(len(good) // 2 - 4) + good[len(good) // 2 :],
+    }[damage]  # footer intact
     p = tmp_path / "x.parquet"
     p.write_bytes(data)
     with pytest.raises(DataprepError, match=rf"^{p}: not a readable Parquet file") as e:
         _build(p, "events")
     assert "free space" not in str(e.value)
-    r = subprocess.run([sys.executable, "-m", "dataprep", "shards", "--input", str(p), "--format", "events",
-                        "--out", str(tmp_path / "o"), "--world-size", "1", "--batch-size", "2"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dataprep",
+            "shards",
+            "--input",
+            str(p),
+            "--format",
+            "events",
+            "--out",
+            str(tmp_path / "o"),
+            "--world-size",
+            "1",
+            "--batch-size",
+            "2",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 1
     assert r.stderr.strip().splitlines()[-1].startswith(f"error: {p}: not a readable Parquet file")
     assert "free space" not in r.stderr and "Traceback" not in r.stderr
@@ -215,7 +268,7 @@ def test_corrupt_parquet_in_a_folder_names_that_file(tmp_path):
     d = tmp_path / "events"
     d.mkdir()
     (d / "part-0.parquet").write_bytes(good)
-    (d / "part-1.parquet").write_bytes(good[:4] + bytes(len(good) // 2 - 4) + good[len(good) // 2:])
+    (d / "part-1.parquet").write_bytes(good[:4] + bytes(len(good) // 2 - 4) + good[len(good) // 2 :])
     with pytest.raises(DataprepError, match=rf"^{d / 'part-1.parquet'}: not a readable Parquet file"):
         readers.read(str(d), "events")
 
@@ -226,7 +279,7 @@ def test_parquet_time_column_of_the_wrong_type(tmp_path):
     u, i = [r[0] for r in rows], [r[1] for r in rows]
     ts = [str(r[2]) for r in rows]
     ts[7] = "soon"
-    pq.write_table(pa.table({"user_id": u, "item_id": i, "timestamp": ts}), p)   # strings: parsed row by row
+    pq.write_table(pa.table({"user_id": u, "item_id": i, "timestamp": ts}), p)  # strings: parsed row by row
     m = _build(p, "events", max_reject_fraction=0.1)
     assert [(r["line"], r["reason"]) for r in _rejects(p)] == [(8, "bad_timestamp")]
     assert m["rejects"] == {"bad_timestamp": 1}
@@ -290,9 +343,28 @@ def test_out_is_a_non_empty_foreign_folder(tmp_path):
 def test_cli_bad_input_prints_one_line_without_traceback(tmp_path):
     p = tmp_path / "in.txt"
     p.write_text("1 2 3\n" * 10)
-    r = subprocess.run([sys.executable, "-m", "dataprep", "shards", "--input", str(p), "--format", "sasrec",
-                        "--out", str(tmp_path / "o"), "--world-size", "2", "--batch-size", "2"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dataprep",
+            "shards",
+            "--input",
+            str(p),
+            "--format",
+            "sasrec",
+            "--out",
+            str(tmp_path / "o"),
+            "--world-size",
+            "2",
+            "--batch-size",
+            "2",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 1
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith(f"error: {p}: 10 of 10 lines rejected (first: line 1, malformed_line")
@@ -302,8 +374,13 @@ def test_cli_bad_input_prints_one_line_without_traceback(tmp_path):
 @pytest.mark.parametrize("fmt", ["sasrec", "iclrec"])
 def test_a_line_that_is_not_utf8_is_a_counted_rejection_not_the_whole_file(tmp_path, fmt):
     p = tmp_path / "in.txt"
-    good = _good_lines().encode() if fmt == "sasrec" else "".join(
-        f"{u} " + " ".join(str(100 + (u * 7 + k) % 40) for k in range(6)) + "\n" for u in range(1, 21)).encode()
+    good = (
+        _good_lines().encode()
+        if fmt == "sasrec"
+        else "".join(
+            f"{u} " + " ".join(str(100 + (u * 7 + k) % 40) for k in range(6)) + "\n" for u in range(1, 21)
+        ).encode()
+    )
     cut = good.index(b"\n", 50) + 1
     p.write_bytes(good[:cut] + b"5 \xff\xfe 7\n" + good[cut:])
     m = _build(p, fmt=fmt, max_reject_fraction=0.1)
@@ -324,12 +401,21 @@ def test_a_parquet_folder_builds_and_its_fingerprint_follows_its_content(tmp_pat
     d = tmp_path / "events"
     d.mkdir()
     for k, part in enumerate((rows[:60], rows[60:])):
-        pq.write_table(pa.table({"user_id": [u for u, _, _ in part], "item_id": [i for _, i, _ in part],
-                                 "timestamp": [t for _, _, t in part]}), d / f"part-{k}.parquet")
-    (d / "_SUCCESS").write_text("")   # a marker pyarrow skips: not data
+        pq.write_table(
+            pa.table(
+                {
+                    "user_id": [u for u, _, _ in part],
+                    "item_id": [i for _, i, _ in part],
+                    "timestamp": [t for _, _, t in part],
+                }
+            ),
+            d / f"part-{k}.parquet",
+        )
+    (d / "_SUCCESS").write_text("")  # a marker pyarrow skips: not data
     m = build_shards(str(d), "events", str(tmp_path / "out"), world_size=2, batch_size=2)
     assert m["num_users"] == 20
     from dataprep.fsutil import fingerprint
+
     before = fingerprint([str(d)])
     (d / "_SUCCESS").write_text("changed")
     assert fingerprint([str(d)]) == before

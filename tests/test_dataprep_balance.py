@@ -18,8 +18,7 @@ def _check_plan(p: balance.Plan, cost: np.ndarray) -> None:
     assert ((p.rank >= 0) == kept).all()
     assert p.step[kept].max() == p.steps - 1
     # every (step, rank) block holds >= 1 sample -> every rank runs every step
-    blocks = np.bincount(p.step[kept].astype(np.int64) * p.world_size + p.rank[kept],
-                         minlength=p.steps * p.world_size)
+    blocks = np.bincount(p.step[kept].astype(np.int64) * p.world_size + p.rank[kept], minlength=p.steps * p.world_size)
     assert (blocks > 0).all()
     assert (p.rank[kept] < p.world_size).all()
 
@@ -28,8 +27,15 @@ costs_st = st.lists(st.floats(min_value=0.5, max_value=1e4, allow_nan=False), mi
 
 
 @settings(max_examples=60, deadline=None)
-@given(costs=costs_st, w=st.integers(1, 16), b=st.integers(1, 8), k=st.integers(1, 6),
-       seed=st.integers(0, 3), tail=st.sampled_from(balance.TAILS), method=st.sampled_from(balance.METHODS))
+@given(
+    costs=costs_st,
+    w=st.integers(1, 16),
+    b=st.integers(1, 8),
+    k=st.integers(1, 6),
+    seed=st.integers(0, 3),
+    tail=st.sampled_from(balance.TAILS),
+    method=st.sampled_from(balance.METHODS),
+)
 def test_plan_exactly_once_and_equal_steps(costs, w, b, k, seed, tail, method):
     cost = np.asarray(costs)
     n = len(cost)

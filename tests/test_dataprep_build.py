@@ -20,14 +20,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _cli(*args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "dataprep", *map(str, args)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "dataprep", *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
 
 
 @pytest.fixture(scope="module")
 def synth_file(tmp_path_factory):
-    return write_synthetic(tmp_path_factory.mktemp("syn") / "s.txt", users=2000, items=500, seed=1,
-                           max_history=300)
+    return write_synthetic(tmp_path_factory.mktemp("syn") / "s.txt", users=2000, items=500, seed=1, max_history=300)
 
 
 def _read_all(out, w):
@@ -49,7 +49,11 @@ def test_synth_shards_verify_roundtrip(tmp_path, synth_file):
     assert sorted(ids) == list(range(m["num_samples"]))
     assert m["bubble_fraction"] < m["bubble_fraction_random"]
     assert set(m["files"]) == {schema.shard_file(r) for r in range(4)} | {
-        schema.EVAL_FILE, schema.USER_MAP, schema.ITEM_MAP, schema.REJECTS_FILE}
+        schema.EVAL_FILE,
+        schema.USER_MAP,
+        schema.ITEM_MAP,
+        schema.REJECTS_FILE,
+    }
     for key in ("created_at", "input", "config", "num_users", "num_items", "counts", "rejects", "imbalance"):
         assert key in m
 
@@ -96,7 +100,7 @@ def test_an_output_folder_holding_the_input_is_refused(tmp_path, synth_file):
     with pytest.raises(DataprepError, match="contains the input"):
         build_shards(str(inside), "sasrec", str(out), world_size=4, batch_size=8, overwrite=True)
     assert inside.exists()
-    with pytest.raises(DataprepError, match="contains the input"):   # the folder itself as input
+    with pytest.raises(DataprepError, match="contains the input"):  # the folder itself as input
         build_shards(str(tmp_path), "sasrec", str(tmp_path), world_size=2, batch_size=8, overwrite=True)
 
 
@@ -136,11 +140,13 @@ def test_verify_catches_duplicate_sample_even_with_matching_checksums(tmp_path, 
     ids = groups[0].column("sample_id").to_numpy().copy()
     ids[0] = groups[1].column("sample_id")[0].as_py()
     import pyarrow as pa
+
     groups[0] = groups[0].set_column(0, schema.SHARD_SCHEMA.field("sample_id"), pa.array(ids))
     with pq.ParquetWriter(out / rel, schema.SHARD_SCHEMA) as w:
         for g in groups:
             w.write_table(g)
     from dataprep.fsutil import sha256_file
+
     m = json.loads((out / schema.MANIFEST).read_text())
     m["files"][rel] = sha256_file(out / rel)
     (out / schema.MANIFEST).write_text(json.dumps(m))
@@ -172,8 +178,20 @@ def test_shared_datasets_end_to_end(tmp_path, shared_data, name, fmt):
 
 def test_cli_shards_verify_and_errors(tmp_path, synth_file):
     out = tmp_path / "set"
-    r = _cli("shards", "--input", synth_file, "--format", "sasrec", "--out", out, "--world-size", 2,
-             "--batch-size", 8, "--quiet")
+    r = _cli(
+        "shards",
+        "--input",
+        synth_file,
+        "--format",
+        "sasrec",
+        "--out",
+        out,
+        "--world-size",
+        2,
+        "--batch-size",
+        8,
+        "--quiet",
+    )
     assert r.returncode == 0, r.stderr
     assert r.stderr == "" and r.stdout == ""  # --quiet silences the progress bar and summary
     r = _cli("verify", out)
@@ -182,14 +200,26 @@ def test_cli_shards_verify_and_errors(tmp_path, synth_file):
     r = _cli("verify", out)
     assert r.returncode == 1 and r.stderr.startswith("error: ") and "Traceback" not in r.stderr
     assert "eval.parquet" in r.stderr
-    r = _cli("shards", "--input", synth_file, "--format", "sasrec", "--out", tmp_path / "s2", "--world-size",
-             100000, "--batch-size", 8)
+    r = _cli(
+        "shards",
+        "--input",
+        synth_file,
+        "--format",
+        "sasrec",
+        "--out",
+        tmp_path / "s2",
+        "--world-size",
+        100000,
+        "--batch-size",
+        8,
+    )
     assert r.returncode == 1 and "larger than the data allows" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "s2").exists()
 
 
 def test_cli_help_for_every_command(capsys):
     from dataprep.cli import main
+
     for cmd in ("synth", "shards", "verify", "calibrate"):
         with pytest.raises(SystemExit) as e:
             main([cmd, "--help"])
@@ -201,16 +231,23 @@ from hypothesis import strategies as st  # noqa: E402
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(lens=st.lists(st.integers(1, 80), min_size=1, max_size=60), w=st.integers(1, 6), b=st.integers(1, 5),
-       k=st.integers(1, 8), tail=st.sampled_from(["fill", "drop"]), max_len=st.integers(1, 30))
+@given(
+    lens=st.lists(st.integers(1, 80), min_size=1, max_size=60),
+    w=st.integers(1, 6),
+    b=st.integers(1, 5),
+    k=st.integers(1, 8),
+    tail=st.sampled_from(["fill", "drop"]),
+    max_len=st.integers(1, 30),
+)
 def test_any_small_input_builds_a_set_that_verifies_or_errors_clearly(tmp_path_factory, lens, w, b, k, tail, max_len):
     tmp = tmp_path_factory.mktemp("h")
     p = tmp / "in.txt"
     p.write_text("".join(f"{u} {(u * 31 + j) % 97 + 1}\n" for u, n in enumerate(lens, 1) for j in range(n)))
     n_samples = sum(n >= 4 for n in lens)
     try:
-        m = build_shards(str(p), "sasrec", str(tmp / "out"), world_size=w, batch_size=b, window_steps=k,
-                         tail=tail, max_len=max_len)
+        m = build_shards(
+            str(p), "sasrec", str(tmp / "out"), world_size=w, batch_size=b, window_steps=k, tail=tail, max_len=max_len
+        )
     except DataprepError as e:
         assert n_samples < w or (tail == "drop" and n_samples < w * b) or n_samples == 0 or "leave-one-out" in str(e)
         assert not (tmp / "out").exists()
@@ -227,8 +264,23 @@ def test_kill_9_during_write_leaves_no_valid_set_and_next_build_cleans_up(tmp_pa
 
     src = write_synthetic(tmp_path / "big.txt", users=20_000, items=2000, seed=0, max_history=100)
     out = tmp_path / "set"
-    cmd = [sys.executable, "-m", "dataprep", "shards", "--input", src, "--format", "sasrec", "--out", str(out),
-           "--world-size", "256", "--batch-size", "1", "--quiet"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dataprep",
+        "shards",
+        "--input",
+        src,
+        "--format",
+        "sasrec",
+        "--out",
+        str(out),
+        "--world-size",
+        "256",
+        "--batch-size",
+        "1",
+        "--quiet",
+    ]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120

@@ -12,8 +12,9 @@ from dataprep.errors import DataprepError
 def _seqs(ev):
     seq = sequences.build_sequences(ev)
     raw_u, raw_i = seq.user_raw.to_pylist(), seq.item_raw.to_pylist()
-    return {raw_u[u]: [raw_i[i - 1] for i in seq.values[seq.offsets[u]:seq.offsets[u + 1]]]
-            for u in range(seq.num_users)}
+    return {
+        raw_u[u]: [raw_i[i - 1] for i in seq.values[seq.offsets[u] : seq.offsets[u + 1]]] for u in range(seq.num_users)
+    }
 
 
 def test_sasrec_fast_path_and_tokenizer_agree(tmp_path):
@@ -93,25 +94,29 @@ def test_dense_ids_are_sorted_raw_ids_and_zero_is_padding(tmp_path):
 
 def test_csv_times_of_each_kind_and_lines_kept_across_blank_lines(tmp_path):
     p = tmp_path / "e.csv"
-    p.write_text("user_id,item_id,timestamp\n\n1,5,2024-01-01T00:00:02+01:00\n1,6,2024-01-01 00:00:01\n"
-                 "\n1,7,2023-12-31T23:00:01.5Z\n")   # zone, naive (read as UTC), fraction
-    ev = readers.read(str(p), "events")   # in UTC: 5 at 23:00:02, 6 at 00:00:01 next day, 7 at 23:00:01.5
+    p.write_text(
+        "user_id,item_id,timestamp\n\n1,5,2024-01-01T00:00:02+01:00\n1,6,2024-01-01 00:00:01\n"
+        "\n1,7,2023-12-31T23:00:01.5Z\n"
+    )  # zone, naive (read as UTC), fraction
+    ev = readers.read(str(p), "events")  # in UTC: 5 at 23:00:02, 6 at 00:00:01 next day, 7 at 23:00:01.5
     assert _seqs(ev) == {1: [7, 5, 6]} and ev.line.tolist() == [3, 4, 6] and ev.rejects == []
     assert ev.counts == {"lines": 5, "blank_lines": 2}
-    p.write_text("user_id,item_id,timestamp\n1,5,3\n1,6,1.25\n1,7,2\n")   # one fraction: all are seconds
+    p.write_text("user_id,item_id,timestamp\n1,5,3\n1,6,1.25\n1,7,2\n")  # one fraction: all are seconds
     assert _seqs(readers.read(str(p), "events")) == {1: [6, 7, 5]}
 
 
 def test_ids_up_to_int64_max_read_the_same_on_both_text_paths(tmp_path):
-    top = 2 ** 63 - 1
+    top = 2**63 - 1
     p = tmp_path / "s.txt"
     p.write_text(f"{top} 1\n{top} 2\n{top} 3\n")
     assert _seqs(readers.read(str(p), "sasrec")) == {top: [1, 2, 3]}
-    p.write_text(f"{top} 1\n{top} 2\n{top} 3\nx y\n{top + 1} 3\n")   # a bad line: the tokenizer path
+    p.write_text(f"{top} 1\n{top} 2\n{top} 3\nx y\n{top + 1} 3\n")  # a bad line: the tokenizer path
     ev = readers.read(str(p), "sasrec")
     assert _seqs(ev) == {top: [1, 2, 3]}
     assert [(r["line"], r["reason"]) for t in ev.rejects for r in t.to_pylist()] == [
-        (5, "id_out_of_range"), (4, "non_integer_id")]
+        (5, "id_out_of_range"),
+        (4, "non_integer_id"),
+    ]
 
 
 def test_csv_ids_above_int64_are_opaque_strings(tmp_path):

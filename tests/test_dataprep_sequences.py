@@ -10,7 +10,8 @@ from dataprep import readers, sequences
 
 # raw user id -> list of (item, time) with strictly increasing times
 histories = st.dictionaries(
-    st.integers(0, 10**6), st.lists(st.integers(0, 50), min_size=1, max_size=12), min_size=2, max_size=12)
+    st.integers(0, 10**6), st.lists(st.integers(0, 50), min_size=1, max_size=12), min_size=2, max_size=12
+)
 
 
 def _reference(hist: dict[int, list[int]], max_len: int):
@@ -24,7 +25,7 @@ def _reference(hist: dict[int, list[int]], max_len: int):
         train = s[:-2]
         sample = None
         if len(train) >= 2:
-            t = train[-(max_len + 1):]
+            t = train[-(max_len + 1) :]
             sample = (t[:-1], t[-1])
         out[u] = (sample, train, s[-2], s[-1])
     return out, len(items)
@@ -63,14 +64,26 @@ def _write(tmp, fmt, hist, rng):
     else:
         rng.shuffle(events)
         p = tmp / "ev.parquet"
-        pq.write_table(pa.table({"user_id": [e[0] for e in events], "item_id": [e[1] for e in events],
-                                 "timestamp": pa.array([e[2] * 10**6 for e in events], pa.timestamp("us"))}), p)
+        pq.write_table(
+            pa.table(
+                {
+                    "user_id": [e[0] for e in events],
+                    "item_id": [e[1] for e in events],
+                    "timestamp": pa.array([e[2] * 10**6 for e in events], pa.timestamp("us")),
+                }
+            ),
+            p,
+        )
     return p
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(hist=histories, max_len=st.integers(1, 6), seed=st.integers(0, 9),
-       fmt=st.sampled_from(["sasrec", "iclrec", "movielens", "events-csv", "events"]))
+@given(
+    hist=histories,
+    max_len=st.integers(1, 6),
+    seed=st.integers(0, 9),
+    fmt=st.sampled_from(["sasrec", "iclrec", "movielens", "events-csv", "events"]),
+)
 def test_every_format_matches_reference(tmp_path_factory, hist, max_len, seed, fmt):
     tmp = tmp_path_factory.mktemp("f")
     p = _write(tmp, fmt, hist, np.random.default_rng(seed))
@@ -89,9 +102,14 @@ def test_every_format_matches_reference(tmp_path_factory, hist, max_len, seed, f
 
 def test_time_order_is_stable_and_duplicates_are_rejected():
     ev = readers.Interactions(
-        user=pa.array([7, 7, 7, 7, 7, 7], pa.int64()), item=pa.array([5, 3, 4, 3, 9, 8], pa.int64()),
-        ts=np.array([2, 1, 1, 1, 3, 0]), source=np.zeros(6, np.int32), line=np.arange(1, 7),
-        paths=["x.csv"], has_time=True)
+        user=pa.array([7, 7, 7, 7, 7, 7], pa.int64()),
+        item=pa.array([5, 3, 4, 3, 9, 8], pa.int64()),
+        ts=np.array([2, 1, 1, 1, 3, 0]),
+        source=np.zeros(6, np.int32),
+        line=np.arange(1, 7),
+        paths=["x.csv"],
+        has_time=True,
+    )
     seq = sequences.build_sequences(ev)
     raw = seq.item_raw.to_pylist()
     assert [raw[i - 1] for i in seq.values] == [8, 3, 4, 5, 9]  # ties keep input order; (7,3,1) twice -> once
@@ -101,8 +119,14 @@ def test_time_order_is_stable_and_duplicates_are_rejected():
 
 def test_consecutive_dedup_and_max_events():
     ev = readers.Interactions(
-        user=pa.array([1] * 6 + [2] * 3, pa.int64()), item=pa.array([1, 1, 2, 3, 3, 4, 1, 2, 3], pa.int64()),
-        ts=np.arange(9), source=np.zeros(9, np.int32), line=np.arange(1, 10), paths=["x"], has_time=False)
+        user=pa.array([1] * 6 + [2] * 3, pa.int64()),
+        item=pa.array([1, 1, 2, 3, 3, 4, 1, 2, 3], pa.int64()),
+        ts=np.arange(9),
+        source=np.zeros(9, np.int32),
+        line=np.arange(1, 10),
+        paths=["x"],
+        has_time=False,
+    )
     assert sequences.build_sequences(ev).counts["duplicates"] == 0  # no timestamps: repeats are real
     seq = sequences.build_sequences(ev, dedup="consecutive")
     assert seq.counts["duplicates"] == 2 and np.diff(seq.offsets).tolist() == [4, 3]
@@ -112,8 +136,14 @@ def test_consecutive_dedup_and_max_events():
 
 def test_truncation_keeps_most_recent():
     ev = readers.Interactions(
-        user=pa.array([1] * 103, pa.int64()), item=pa.array(list(range(1, 104)), pa.int64()),
-        ts=np.arange(103), source=np.zeros(103, np.int32), line=np.arange(1, 104), paths=["x"], has_time=False)
+        user=pa.array([1] * 103, pa.int64()),
+        item=pa.array(list(range(1, 104)), pa.int64()),
+        ts=np.arange(103),
+        source=np.zeros(103, np.int32),
+        line=np.arange(1, 104),
+        paths=["x"],
+        has_time=False,
+    )
     s = sequences.train_samples(sequences.build_sequences(ev), 10)
     assert s.items.to_pylist() == [list(range(91, 101))] and s.target.tolist() == [101]
     assert s.truncated == 1 and s.items_truncated == 90

@@ -22,8 +22,15 @@ def test_synth_is_deterministic_by_seed(tmp_path):
     assert Path(a).read_bytes() == Path(b).read_bytes() != Path(c).read_bytes()
 
 
-@pytest.mark.parametrize("fmt,rfmt,name", [("sasrec", "sasrec", "s.txt"), ("iclrec", "iclrec", "i.txt"),
-                                           ("events", "events", "e.parquet"), ("events-csv", "events", "e.csv")])
+@pytest.mark.parametrize(
+    "fmt,rfmt,name",
+    [
+        ("sasrec", "sasrec", "s.txt"),
+        ("iclrec", "iclrec", "i.txt"),
+        ("events", "events", "e.parquet"),
+        ("events-csv", "events", "e.csv"),
+    ],
+)
 def test_synth_formats_read_back_to_the_same_sequences(tmp_path, monkeypatch, fmt, rfmt, name):
     monkeypatch.setattr(synth, "CHUNK_USERS", 128)  # several chunks
     kw = dict(users=500, items=300, seed=2, max_history=200)
@@ -34,8 +41,9 @@ def test_synth_formats_read_back_to_the_same_sequences(tmp_path, monkeypatch, fm
 
 
 def test_synth_shape_heavy_tail_and_zipf(tmp_path):
-    p = write_synthetic(tmp_path / "s.txt", users=20_000, items=5000, seed=0, median_len=20, sigma=1.2,
-                        max_history=3000)
+    p = write_synthetic(
+        tmp_path / "s.txt", users=20_000, items=5000, seed=0, median_len=20, sigma=1.2, max_history=3000
+    )
     seq = sequences.build_sequences(readers.read(p, "sasrec"))
     n = np.diff(seq.offsets)
     assert 15 <= np.median(n) <= 25 and n.min() >= 5 and n.max() > 1000  # lognormal tail into the thousands
@@ -51,7 +59,7 @@ def test_synth_markov_makes_a_sequence_to_learn(tmp_path):
     seq = sequences.build_sequences(readers.read(write_synthetic(tmp_path / "m.txt", markov=0.5, **kw), "sasrec"))
     v, first = seq.values.astype(np.int64), np.zeros(len(seq.values), bool)
     first[seq.offsets[:-1]] = True
-    pairs = np.stack([v[:-1], v[1:]], 1)[~first[1:]]           # consecutive events of one user
+    pairs = np.stack([v[:-1], v[1:]], 1)[~first[1:]]  # consecutive events of one user
     # each item's most frequent next item (its successor) follows it in about half of the events
     top = {}
     for a, b in pairs:
@@ -91,9 +99,27 @@ def test_cost_model_load_and_validate(tmp_path):
 
 def test_calibrate_cli_writes_a_usable_model(tmp_path):
     out = tmp_path / "cost.json"
-    r = subprocess.run([sys.executable, "-m", "dataprep", "calibrate", "--out", str(out), "--lengths", "8,32,128",
-                        "--batch", "2", "--repeats", "1", "--quiet"], cwd=ROOT, capture_output=True, text=True,
-                       timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dataprep",
+            "calibrate",
+            "--out",
+            str(out),
+            "--lengths",
+            "8,32,128",
+            "--batch",
+            "2",
+            "--repeats",
+            "1",
+            "--quiet",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     m = cost.load_cost_model(str(out))
     assert m.source == "calibrated:standin" and m(128) > m(8) > 0
@@ -107,6 +133,7 @@ def test_calibrate_times_a_model_the_caller_passes_and_refuses_unknown_names():
     def step(length, batch):
         calls.append((length, batch))
         return lambda: sum(range(length * batch * 50))
+
     m = cost.calibrate([4, 8, 16], batch=2, repeats=1, model="mine", step=step)
     assert m.source == "calibrated:mine" and m(16) > 0 and {L for L, _ in calls} == {4, 8, 16}
     with pytest.raises(DataprepError, match="ftrec calibrate"):
@@ -116,9 +143,29 @@ def test_calibrate_times_a_model_the_caller_passes_and_refuses_unknown_names():
 def test_bench_smoke_agrees_with_pandas_and_writes_json(tmp_path):
     """The benchmark script runs end to end at a tiny size; its pandas baseline builds the same samples."""
     out = tmp_path / "b.json"
-    r = subprocess.run([sys.executable, "benchmarks/dataprep_bench.py", "--samples", "20000", "--world-sizes", "8",
-                        "--windows", "1,64", "--events", "30000", "--repeats", "1", "--skip-shared", "--out", str(out)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/dataprep_bench.py",
+            "--samples",
+            "20000",
+            "--world-sizes",
+            "8",
+            "--windows",
+            "1,64",
+            "--events",
+            "30000",
+            "--repeats",
+            "1",
+            "--skip-shared",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     d = json.loads(out.read_text())
     k1, k64 = d["balance"]

@@ -32,7 +32,7 @@ def _events(n_users=40, seed=0):
         for k in range(rng.randrange(5, 12)):
             t += rng.choice([1, 7, 60, 3600, 86400 * 3])
             rows.append((u, 100 + (u * 7 + k * 13) % 60, t))
-    rng.shuffle(rows)                      # a log in no particular order: sequences sort by time
+    rng.shuffle(rows)  # a log in no particular order: sequences sort by time
     return rows
 
 
@@ -85,15 +85,18 @@ def test_batch_and_eval_inputs_carry_the_same_times(timed):
     s = ShardSet(shards)
     assert s.has_time
     b = read_batch([s.open_rank(0), s.open_rank(1)], 0)
-    rows = [r for k in range(2) for r in pq.ParquetFile(os.path.join(shards, schema.shard_file(k)))
-            .read_row_group(0).to_pylist()]
+    rows = [
+        r
+        for k in range(2)
+        for r in pq.ParquetFile(os.path.join(shards, schema.shard_file(k))).read_row_group(0).to_pylist()
+    ]
     assert b.timestamps.tolist() == [t for r in rows for t in r["timestamps"]]
     assert b.timestamps.shape == b.values.shape
     ev = pq.read_table(os.path.join(shards, schema.EVAL_FILE)).to_pylist()
     data = EvalData(s.eval_path, s.num_items, 6, EvalConfig())
     test = data.splits["test"]
     by_input = {}
-    for row in ev:        # the test input = history + valid item, its last 6
+    for row in ev:  # the test input = history + valid item, its last 6
         key = tuple((row["history"] + [row["valid_target"]])[-6:])
         by_input.setdefault(key, set()).add(tuple((row["history_timestamps"] + [row["valid_timestamp"]])[-6:]))
     for k in range(len(test.targets)):
@@ -104,10 +107,23 @@ def test_batch_and_eval_inputs_carry_the_same_times(timed):
 
 def test_hstu_trains_and_evaluates_on_timed_shards(timed, tmp_path):
     from training.train import train
+
     shards, _, _ = timed
-    res = train(load_config(None, [f"data.shards={shards}", f"train.out={tmp_path / 'run'}", "train.max_steps=3",
-                                   "model.attention=hstu", "model.dim=16", "loss.num_negatives=16",
-                                   "eval.periodic=false", "mlflow.enabled=false"]))
+    res = train(
+        load_config(
+            None,
+            [
+                f"data.shards={shards}",
+                f"train.out={tmp_path / 'run'}",
+                "train.max_steps=3",
+                "model.attention=hstu",
+                "model.dim=16",
+                "loss.num_negatives=16",
+                "eval.periodic=false",
+                "mlflow.enabled=false",
+            ],
+        )
+    )
     assert res["steps"] == 3 and 0.0 <= res["metrics"]["test/full/hr@10"] <= 1.0
 
 
@@ -123,6 +139,7 @@ def test_formats_without_time_have_no_column(tmp_path):
 
 def test_verify_refuses_times_out_of_order(timed, tmp_path):
     import shutil
+
     shards, _, _ = timed
     d = tmp_path / "bad"
     shutil.copytree(shards, d)
@@ -132,15 +149,18 @@ def test_verify_refuses_times_out_of_order(timed, tmp_path):
     row = next(k for k, n in enumerate(groups[0].column("length").to_pylist()) if n >= 2)
     ts = groups[0].column("timestamps").to_pylist()
     ts[row] = ts[row][::-1]
-    groups[0] = groups[0].set_column(groups[0].schema.get_field_index("timestamps"),
-                                     schema.SHARD_SCHEMA_TIME.field("timestamps"), pa.array(ts, pa.list_(pa.int64())))
+    groups[0] = groups[0].set_column(
+        groups[0].schema.get_field_index("timestamps"),
+        schema.SHARD_SCHEMA_TIME.field("timestamps"),
+        pa.array(ts, pa.list_(pa.int64())),
+    )
     with pq.ParquetWriter(d / rel, schema.SHARD_SCHEMA_TIME) as w:
         for g in groups:
             w.write_table(g)
     with pytest.raises(DataprepError, match="back in time"):
         verify_shards(str(d), checksums=False)
     m = json.loads((d / schema.MANIFEST).read_text())
-    m["format_version"] = 1                  # a version-1 manifest over a timed set: the schema differs
+    m["format_version"] = 1  # a version-1 manifest over a timed set: the schema differs
     (d / schema.MANIFEST).write_text(json.dumps(m))
     with pytest.raises(DataprepError, match="schema differs"):
         verify_shards(str(d), checksums=False)

@@ -21,11 +21,30 @@ ROOT = Path(__file__).resolve().parent.parent
 STEPS = 30
 
 
-def launch(out: Path, plan: list[dict] | None = None, groups: int = 3, ranks: int = 1, steps: int = STEPS,
-           env: dict | None = None, timeout: float = 150.0) -> tuple[int, str]:
-    args = ["-m", "training", "launch", "--worker", "ftcore.examples.toy",
-            "--replica-groups", str(groups), "--ranks-per-group", str(ranks), "--out", str(out),
-            "--timeout", str(timeout - 20)]
+def launch(
+    out: Path,
+    plan: list[dict] | None = None,
+    groups: int = 3,
+    ranks: int = 1,
+    steps: int = STEPS,
+    env: dict | None = None,
+    timeout: float = 150.0,
+) -> tuple[int, str]:
+    args = [
+        "-m",
+        "training",
+        "launch",
+        "--worker",
+        "ftcore.examples.toy",
+        "--replica-groups",
+        str(groups),
+        "--ranks-per-group",
+        str(ranks),
+        "--out",
+        str(out),
+        "--timeout",
+        str(timeout - 20),
+    ]
     if plan:
         (out.parent / f"{out.name}-plan.json").write_text(json.dumps({"faults": plan}))
         args += ["--faults", str(out.parent / f"{out.name}-plan.json")]
@@ -43,8 +62,14 @@ def timeline(out: Path) -> dict:
 
 
 def check_ledger(out: Path, groups: int, ranks: int = 1, steps: int = STEPS) -> dict:
-    return ledger.check(str(out / "ledger"), steps_per_epoch=steps, num_groups=groups, ranks_per_group=ranks,
-                        epochs=1, sample_ids=lambda s, rg: sample_ids(s, rg, steps, 16))
+    return ledger.check(
+        str(out / "ledger"),
+        steps_per_epoch=steps,
+        num_groups=groups,
+        ranks_per_group=ranks,
+        epochs=1,
+        sample_ids=lambda s, rg: sample_ids(s, rg, steps, 16),
+    )
 
 
 def assert_identical(out: Path, groups: int) -> bytes:
@@ -73,7 +98,7 @@ def test_a_relaunch_into_the_same_folder_reports_only_its_own_attempt(tmp_path):
         tl = timeline(out)
         firsts.append(min(s["t"] for s in tl["steps"]))
         assert tl["summary"]["committed_steps"] == 10 and tl["summary"]["failed_attempts"] == 0
-        assert tl["summary"]["step_attempts"] == 2 * 10, tl["summary"]   # 2 groups x 10 steps, this launch's
+        assert tl["summary"]["step_attempts"] == 2 * 10, tl["summary"]  # 2 groups x 10 steps, this launch's
         assert [e["kind"] for e in tl["lighthouse_events"]].count("quorum_formed") >= 1
     assert firsts[1] > firsts[0]
     assert_identical(out, 2)
@@ -81,18 +106,20 @@ def test_a_relaunch_into_the_same_folder_reports_only_its_own_attempt(tmp_path):
 
 def test_kill9_survivors_continue_restarted_group_heals_bitwise_identical(tmp_path):
     out = tmp_path / "run"
-    plan = [{"kind": "kill", "group": 1, "at_step": 8},                                  # from outside
-            {"kind": "kill", "group": 2, "at_step": 20, "phase": "during_allreduce"},    # mid all-reduce
-            {"kind": "raise", "group": 0, "at_step": 0, "phase": "heal_serve"},          # first heal fails
-            {"kind": "raise", "group": 0, "at_step": 14, "phase": "vote"},               # g0 falls behind
-            {"kind": "slow", "group": 0, "at_step": 3, "until_step": 6, "delay_s": 0.2}]
+    plan = [
+        {"kind": "kill", "group": 1, "at_step": 8},  # from outside
+        {"kind": "kill", "group": 2, "at_step": 20, "phase": "during_allreduce"},  # mid all-reduce
+        {"kind": "raise", "group": 0, "at_step": 0, "phase": "heal_serve"},  # first heal fails
+        {"kind": "raise", "group": 0, "at_step": 14, "phase": "vote"},  # g0 falls behind
+        {"kind": "slow", "group": 0, "at_step": 3, "until_step": 6, "delay_s": 0.2},
+    ]
     code, log = launch(out, plan)
     assert code == 0, log[-4000:]
     assert_identical(out, 3)
     tl = timeline(out)
     assert tl["restarts"] == {"0": 0, "1": 1, "2": 1}
     healed = {e["group"] for e in tl["lighthouse_events"] if e["kind"] == "heal_finished"}
-    assert {0, 1, 2} <= healed      # 0 healed after its failed vote left it one step behind
+    assert {0, 1, 2} <= healed  # 0 healed after its failed vote left it one step behind
     # the first heal transfer broke (the source raised while serving): that step failed, the next healed
     assert any(s["group"] == 1 and s["error"].startswith("heal:") for s in tl["steps"])
     assert any(s["group"] == 0 and "raise in vote" in s["error"] for s in tl["steps"])
@@ -104,13 +131,15 @@ def test_kill9_survivors_continue_restarted_group_heals_bitwise_identical(tmp_pa
     at20 = [s for s in tl["steps"] if s["group"] in (0, 1) and s["step"] == 21 and s["committed"]]
     assert at20 and all(s["requorum"] and s["participants"] == 2 for s in at20), at20
     summary = check_ledger(out, 3)
-    assert summary["makeup_steps"] > 0           # the missed buckets were made up, not lost
+    assert summary["makeup_steps"] > 0  # the missed buckets were made up, not lost
 
 
 def test_error_mid_allreduce_discards_the_step_on_every_group(tmp_path, baseline):
     out = tmp_path / "run"
-    plan = [{"kind": "raise", "group": 0, "at_step": 6, "phase": "during_allreduce"},
-            {"kind": "raise", "group": 2, "at_step": 12, "phase": "before_allreduce"}]
+    plan = [
+        {"kind": "raise", "group": 0, "at_step": 6, "phase": "during_allreduce"},
+        {"kind": "raise", "group": 2, "at_step": 12, "phase": "before_allreduce"},
+    ]
     code, log = launch(out, plan)
     assert code == 0, log[-4000:]
     steps = timeline(out)["steps"]
@@ -135,8 +164,9 @@ def test_lighthouse_killed_and_restarted_mid_training(tmp_path, baseline):
 
 def test_sigstop_detected_by_heartbeat_timeout_then_group_rejoins(tmp_path):
     out = tmp_path / "run"
-    code, log = launch(out, [{"kind": "stop", "group": 2, "at_step": 6, "duration_s": 4}],
-                       env={"FTCORE_HEARTBEAT_TIMEOUT": "1.0"})
+    code, log = launch(
+        out, [{"kind": "stop", "group": 2, "at_step": 6, "duration_s": 4}], env={"FTCORE_HEARTBEAT_TIMEOUT": "1.0"}
+    )
     assert code == 0, log[-4000:]
     tl = timeline(out)
     detected = [e for e in tl["lighthouse_events"] if e["kind"] == "failure_detected" and e["group"] == 2]

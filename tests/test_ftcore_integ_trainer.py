@@ -18,15 +18,38 @@ pytestmark = [pytest.mark.integ, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parent.parent
 
 
-
 def test_trainer_kill9_heal_identical_states_and_timeline_in_mlflow(tmp_path):
     shards, out = cli_shard_set(tmp_path), tmp_path / "run"
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"faults": [{"kind": "kill", "group": 1, "at_step": 6}]}))
-    r = run_python(["-m", "training", "launch", "--shards", str(shards), "--replica-groups", "2",
-                    "--ranks-per-group", "1", "--out", str(out), "--faults", str(plan), "--timeout", "220", "--",
-                    "--set", "train.epochs=2", "model.dim=16", "loss.num_negatives=16", "mlflow.log_model=false",
-                    "mlflow.plots=false", "eval.batch_size=256"], 260)
+    r = run_python(
+        [
+            "-m",
+            "training",
+            "launch",
+            "--shards",
+            str(shards),
+            "--replica-groups",
+            "2",
+            "--ranks-per-group",
+            "1",
+            "--out",
+            str(out),
+            "--faults",
+            str(plan),
+            "--timeout",
+            "220",
+            "--",
+            "--set",
+            "train.epochs=2",
+            "model.dim=16",
+            "loss.num_negatives=16",
+            "mlflow.log_model=false",
+            "mlflow.plots=false",
+            "eval.batch_size=256",
+        ],
+        260,
+    )
     assert r.returncode == 0, r.stdout[-5000:]
     s0 = (out / "replica_0" / "state.safetensors").read_bytes()
     s1 = (out / "replica_1" / "state.safetensors").read_bytes()
@@ -35,16 +58,18 @@ def test_trainer_kill9_heal_identical_states_and_timeline_in_mlflow(tmp_path):
     steps = json.loads((shards / schema.MANIFEST).read_text())["steps"]
     sample_ids = shard_sample_ids(shards)
 
-    summary = ledger.check(str(out / "ledger"), steps_per_epoch=steps, num_groups=2, ranks_per_group=1,
-                           epochs=2, sample_ids=sample_ids)
+    summary = ledger.check(
+        str(out / "ledger"), steps_per_epoch=steps, num_groups=2, ranks_per_group=1, epochs=2, sample_ids=sample_ids
+    )
     assert summary["batches"] == 2 * 2 * steps
     assert summary["makeup_steps"] >= 1, "the killed group missed no step: the make-up path was not exercised"
     tl = json.loads((out / "timeline.json").read_text())
     assert tl["restarts"]["1"] == 1
     assert any(e["kind"] == "heal_finished" and e["group"] == 1 for e in tl["lighthouse_events"])
-    assert "[g1r0]" in r.stdout and "[g0r0]" in r.stdout     # log lines carry group and rank
+    assert "[g1r0]" in r.stdout and "[g0r0]" in r.stdout  # log lines carry group and rank
 
     import mlflow
+
     res = json.loads((out / "replica_0" / "result.json").read_text())
     run_ = mlflow.MlflowClient(tracking_uri=res["tracking_uri"]).get_run(res["mlflow_run_id"])
     assert run_.data.metrics["ft/heals"] >= 1

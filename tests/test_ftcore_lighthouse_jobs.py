@@ -21,9 +21,19 @@ def _job(addr, job, steps, world=1):
     cs = []
     for g, step in enumerate(steps):
         for r in range(world):
-            c = LighthouseClient(addr, RankInfo(group=g, rank=r, world=world, job=job, num_groups=len(steps),
-                                                store=f"127.0.0.1:{1000 + 10 * g + r}",
-                                                heal=f"127.0.0.1:{2000 + 10 * g + r}", step=step))
+            c = LighthouseClient(
+                addr,
+                RankInfo(
+                    group=g,
+                    rank=r,
+                    world=world,
+                    job=job,
+                    num_groups=len(steps),
+                    store=f"127.0.0.1:{1000 + 10 * g + r}",
+                    heal=f"127.0.0.1:{2000 + 10 * g + r}",
+                    step=step,
+                ),
+            )
             c.start_heartbeats()
             cs.append(c)
     return cs
@@ -38,6 +48,7 @@ def _ask_all(clients, requests, timeout=5.0) -> list:
             out[i] = clients[i].quorum(timeout, request=requests[i])
         except Exception as e:  # noqa: BLE001 - the test inspects it
             out[i] = e
+
     ts = [threading.Thread(target=ask, args=(i,)) for i in range(len(clients))]
     for t in ts:
         t.start()
@@ -73,17 +84,20 @@ def test_one_lighthouse_serves_two_jobs_without_mixing_them(lighthouse):
             c.close()
 
 
-@pytest.mark.parametrize("bad", [
-    {"group": 0, "rank": 3, "world": 2},                       # rank beyond its world
-    {"group": 7, "rank": 0, "world": 1, "num_groups": 2},      # a group the job does not have
-    {"group": 0, "rank": 0, "world": 1, "quorum_id": 10 ** 30},
-    {"group": "x", "rank": 0},
-    {"group": 0, "rank": 0, "job": "../../etc"},
-    {"group": 0, "rank": 0, "timeout": float("nan")},
-    {"group": 0, "rank": 0, "timeout": 1, "quorum_identity": [[0]]},       # a member is [group, incarnation]
-    {"group": 0, "rank": 0, "timeout": 1, "quorum_lighthouse_id": 7},
-    [1, 2, 3],
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"group": 0, "rank": 3, "world": 2},  # rank beyond its world
+        {"group": 7, "rank": 0, "world": 1, "num_groups": 2},  # a group the job does not have
+        {"group": 0, "rank": 0, "world": 1, "quorum_id": 10**30},
+        {"group": "x", "rank": 0},
+        {"group": 0, "rank": 0, "job": "../../etc"},
+        {"group": 0, "rank": 0, "timeout": float("nan")},
+        {"group": 0, "rank": 0, "timeout": 1, "quorum_identity": [[0]]},  # a member is [group, incarnation]
+        {"group": 0, "rank": 0, "timeout": 1, "quorum_lighthouse_id": 7},
+        [1, 2, 3],
+    ],
+)
 def test_a_bad_request_is_a_400_and_wedges_nothing(lighthouse, bad):
     addr, lh = lighthouse()
     path = "/quorum" if isinstance(bad, dict) and "timeout" in bad else "/heartbeat"
@@ -92,7 +106,7 @@ def test_a_bad_request_is_a_400_and_wedges_nothing(lighthouse, bad):
     good = _job(addr, "default", [0, 0])
     try:
         qs = ask_all(good)
-        assert qs[0].groups == (0, 1)       # the tick thread and the job are fine
+        assert qs[0].groups == (0, 1)  # the tick thread and the job are fine
         assert lh._ticker.is_alive()
     finally:
         for c in good:
@@ -104,7 +118,7 @@ def test_a_group_that_lost_a_rank_is_told_to_restart_at_once(lighthouse):
     cs = _job(addr, "default", [0, 0], world=2)
     try:
         ask_all(cs)
-        cs[3].close()                      # group 1 rank 1 dies
+        cs[3].close()  # group 1 rank 1 dies
         out = ask_all(cs[:3], timeout=8.0)
         # told by the lighthouse (a 410), not left to the 8 s quorum timeout (a LighthouseError
         # "no quorum"), and found by the closed connection, not the 5 s heartbeat timeout
@@ -158,8 +172,9 @@ def _raw(addr: str, data: bytes, timeout: float = 5.0) -> bytes:
                 out += chunk
                 if b"\r\n\r\n" in out:
                     head, _, body = out.partition(b"\r\n\r\n")
-                    length = [int(h.split(b":")[1]) for h in head.split(b"\r\n")
-                              if h.lower().startswith(b"content-length")]
+                    length = [
+                        int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")
+                    ]
                     if length and len(body) >= length[0]:
                         break
         except TimeoutError:
@@ -167,14 +182,17 @@ def _raw(addr: str, data: bytes, timeout: float = 5.0) -> bytes:
         return out
 
 
-@pytest.mark.parametrize("data,code", [
-    (b"POST /heartbeat HTTP/1.1\r\nContent-Length: 2\r\n\r\n\xff\xfe", b"400"),          # not UTF-8
-    (b"POST /heartbeat HTTP/1.1\r\nContent-Length: 8\r\n\r\nInfinity", b"400"),          # not JSON
-    (b"POST /heartbeat HTTP/1.1\r\nContent-Length: 2\r\n\r\n[]", b"400"),                # not an object
-    (b"POST /heartbeat HTTP/1.1\r\nContent-Length: abc\r\n\r\n", b"400"),                # a length that is no number
-    (b"POST /heartbeat HTTP/1.1\r\nContent-Length: 99999999\r\n\r\n", b"413"),           # over 1 MiB
-    (b"BREW /pot\r\n\r\n", b"400"),                                                      # no request line
-])
+@pytest.mark.parametrize(
+    "data,code",
+    [
+        (b"POST /heartbeat HTTP/1.1\r\nContent-Length: 2\r\n\r\n\xff\xfe", b"400"),  # not UTF-8
+        (b"POST /heartbeat HTTP/1.1\r\nContent-Length: 8\r\n\r\nInfinity", b"400"),  # not JSON
+        (b"POST /heartbeat HTTP/1.1\r\nContent-Length: 2\r\n\r\n[]", b"400"),  # not an object
+        (b"POST /heartbeat HTTP/1.1\r\nContent-Length: abc\r\n\r\n", b"400"),  # a length that is no number
+        (b"POST /heartbeat HTTP/1.1\r\nContent-Length: 99999999\r\n\r\n", b"413"),  # over 1 MiB
+        (b"BREW /pot\r\n\r\n", b"400"),  # no request line
+    ],
+)
 def test_malformed_requests_get_a_status_not_a_dropped_connection(lighthouse, data, code):
     addr, _ = lighthouse()
     reply = _raw(addr, data)
@@ -198,13 +216,14 @@ def test_idle_and_concurrent_connections_do_not_wedge_the_lighthouse(lighthouse,
 
         def ask():
             results.append(call(addr, "/status", None, None, method="GET", timeout=10)[0])
+
         burst = [threading.Thread(target=ask) for _ in range(300)]
         for t in burst:
             t.start()
         for t in burst:
             t.join()
-        assert results.count(200) == 300          # none reset, none refused
-        time.sleep(1.5)                           # idle sockets that never spoke are closed by the server
+        assert results.count(200) == 300  # none reset, none refused
+        time.sleep(1.5)  # idle sockets that never spoke are closed by the server
         idle[0].settimeout(2)
         assert idle[0].recv(1) == b""
     finally:
@@ -214,6 +233,7 @@ def test_idle_and_concurrent_connections_do_not_wedge_the_lighthouse(lighthouse,
 
 def test_a_heal_server_answers_a_bad_step_with_400():
     from ftcore import heal
+
     srv = heal.HealServer(token=None)
     try:
         # b"\xb2" is "²" in the request line's latin-1: str.isdigit() says yes, int() says no
@@ -241,14 +261,16 @@ def test_a_restarted_lighthouse_resumes_the_quorum_its_members_report(lighthouse
     last = [QuorumRequest(c.info, quorum_lighthouse_id=q.lighthouse_id, quorum_identity=q.identity) for c in cs]
     try:
         q2 = _ask_all(cs, last)
-        assert q.lighthouse_id != lh2.lighthouse_id                    # another lighthouse ...
-        assert {x.key for x in q2} == {q.key}                          # ... handed out the same quorum
+        assert q.lighthouse_id != lh2.lighthouse_id  # another lighthouse ...
+        assert {x.key for x in q2} == {q.key}  # ... handed out the same quorum
         for c in cs:
             c.update(step=5)
-        last = [QuorumRequest(cs[0].info, quorum_lighthouse_id=q.lighthouse_id, quorum_identity=q.identity),
-                QuorumRequest(cs[1].info, quorum_lighthouse_id=q.lighthouse_id, quorum_identity=((0, 0),))]
-        q3 = _ask_all(cs, last)                                       # one member remembers another quorum
-        assert q3[0].key == q.key                                      # kept: same members
+        last = [
+            QuorumRequest(cs[0].info, quorum_lighthouse_id=q.lighthouse_id, quorum_identity=q.identity),
+            QuorumRequest(cs[1].info, quorum_lighthouse_id=q.lighthouse_id, quorum_identity=((0, 0),)),
+        ]
+        q3 = _ask_all(cs, last)  # one member remembers another quorum
+        assert q3[0].key == q.key  # kept: same members
     finally:
         for c in cs:
             c.close()
@@ -256,13 +278,25 @@ def test_a_restarted_lighthouse_resumes_the_quorum_its_members_report(lighthouse
 
 def test_a_group_restarted_after_the_job_finished_is_told_so_not_started_afresh(lighthouse):
     from ftcore.lighthouse_client import JobFinished
+
     addr, _ = lighthouse()
     g0, g1 = _job(addr, "default", [10, 10])
     ask_all([g0, g1])
-    g1.close()          # group 1 dies ...
-    g0.leave()          # ... and group 0 finishes its last step and leaves
-    late = LighthouseClient(addr, RankInfo(group=1, rank=0, world=1, incarnation=1, num_groups=2,   # group 1 restarted,
-                                           store="127.0.0.1:1", heal="127.0.0.1:2", step=0))       # from scratch
+    g1.close()  # group 1 dies ...
+    g0.leave()  # ... and group 0 finishes its last step and leaves
+    late = LighthouseClient(
+        addr,
+        RankInfo(
+            group=1,
+            rank=0,
+            world=1,
+            incarnation=1,
+            num_groups=2,  # group 1 restarted,
+            store="127.0.0.1:1",
+            heal="127.0.0.1:2",
+            step=0,
+        ),
+    )  # from scratch
     late.start_heartbeats()
     try:
         with pytest.raises(JobFinished, match="finished at step 10"):
@@ -273,6 +307,7 @@ def test_a_group_restarted_after_the_job_finished_is_told_so_not_started_afresh(
 
 def _one_answer_server(body: dict):
     """An HTTP server that answers every POST with `body` (200): a lighthouse gone wrong."""
+
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self):
             self.rfile.read(int(self.headers.get("Content-Length", 0)))
@@ -284,23 +319,36 @@ def _one_answer_server(body: dict):
 
         def log_message(self, *args):
             pass
+
     srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     return srv
 
 
-@pytest.mark.parametrize("field,change", [
-    ("max_step", lambda b: b.pop("max_step")),
-    ("max_step", lambda b: b.update(max_step="later")),
-    ("heal", lambda b: b.update(heal={"5": 0})),        # a healing group that is not a member
-    ("identity", lambda b: b.update(identity=[[1, 0], [0, 0]])),
-    ("lighthouse_id", lambda b: b.pop("lighthouse_id")),
-])
+@pytest.mark.parametrize(
+    "field,change",
+    [
+        ("max_step", lambda b: b.pop("max_step")),
+        ("max_step", lambda b: b.update(max_step="later")),
+        ("heal", lambda b: b.update(heal={"5": 0})),  # a healing group that is not a member
+        ("identity", lambda b: b.update(identity=[[1, 0], [0, 0]])),
+        ("lighthouse_id", lambda b: b.pop("lighthouse_id")),
+    ],
+)
 def test_a_malformed_quorum_reply_is_a_lighthouse_error_naming_the_field(field, change):
     """What the lighthouse answers is checked once, by the client: a reply that is not a
     quorum never reaches the manager as one."""
-    q = Quorum(quorum_id=4, lighthouse_id="ab12cd34", job="default", identity=((0, 0), (1, 2)), groups=(0, 1),
-               max_step=7, heal={1: 0}, lease_s=10.0, pace=Pace(3, 0.2, 0.15))
+    q = Quorum(
+        quorum_id=4,
+        lighthouse_id="ab12cd34",
+        job="default",
+        identity=((0, 0), (1, 2)),
+        groups=(0, 1),
+        max_step=7,
+        heal={1: 0},
+        lease_s=10.0,
+        pace=Pace(3, 0.2, 0.15),
+    )
     body = json.loads(Quorum.for_rank(q.shared_json(), "127.0.0.1:1000", "127.0.0.1:2000"))
     assert Quorum.parse(body) == Quorum(**{**q.__dict__, "store": "127.0.0.1:1000", "heal_from": "127.0.0.1:2000"})
     change(body)

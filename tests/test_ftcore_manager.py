@@ -38,7 +38,7 @@ class FakeLighthouse:
         self.reports, self.events = [], []
         self.info = None
 
-    def connect(self, addr, info, token):   # the manager's lighthouse_client factory
+    def connect(self, addr, info, token):  # the manager's lighthouse_client factory
         self.info = info
         return self
 
@@ -73,9 +73,18 @@ class FakeLighthouse:
 
 
 def quorum(qid=1, groups=(0,), heal=None, max_step=0, lighthouse_id="lh-1", store="", heal_from=""):
-    return Quorum(quorum_id=qid, lighthouse_id=lighthouse_id, job="default", identity=tuple((g, 0) for g in groups),
-                  groups=tuple(groups), max_step=max_step, heal=heal or {}, lease_s=10.0, store=store,
-                  heal_from=heal_from)
+    return Quorum(
+        quorum_id=qid,
+        lighthouse_id=lighthouse_id,
+        job="default",
+        identity=tuple((g, 0) for g in groups),
+        groups=tuple(groups),
+        max_step=max_step,
+        heal=heal or {},
+        lease_s=10.0,
+        store=store,
+        heal_from=heal_from,
+    )
 
 
 class Group:
@@ -85,10 +94,17 @@ class Group:
         self.state = {"w": torch.full((4,), float(group + 1))}
         self.fake = fake
         self.records = tmp_path / f"records-{group}.jsonl"
-        cfg = ManagerConfig(lighthouse="127.0.0.1:9", group=group, num_groups=num_groups, min_replicas=min_replicas,
-                            host="127.0.0.1", records=str(self.records))
-        self.mgr = Manager(cfg, lambda: dict(self.state), self.state.update, step=step, faults=faults,
-                           lighthouse_client=fake.connect)
+        cfg = ManagerConfig(
+            lighthouse="127.0.0.1:9",
+            group=group,
+            num_groups=num_groups,
+            min_replicas=min_replicas,
+            host="127.0.0.1",
+            records=str(self.records),
+        )
+        self.mgr = Manager(
+            cfg, lambda: dict(self.state), self.state.update, step=step, faults=faults, lighthouse_client=fake.connect
+        )
 
     def step(self, grad):
         """One step of the protocol; its vote."""
@@ -108,6 +124,7 @@ def groups(tmp_path):
         g = Group(tmp_path, FakeLighthouse(*answers), **kw)
         made.append(g)
         return g
+
     yield make
     for g in made:
         g.mgr.shutdown()
@@ -117,10 +134,10 @@ def test_a_step_commits_with_no_errors_and_enough_participants(groups):
     g = groups(quorum(1), quorum(1))
     grad = torch.tensor([1.0, 2.0])
     assert g.step(grad) and g.mgr.step == 1
-    assert torch.equal(grad, torch.tensor([1.0, 2.0]))          # the average over one group is its own
+    assert torch.equal(grad, torch.tensor([1.0, 2.0]))  # the average over one group is its own
     rec = g.last_record()
     assert rec["committed"] and rec["participants"] == 1 and rec["contributors"] == 1 and rec["error"] == ""
-    assert g.fake.info.step == 1 and g.fake.info.quorum_id == 1   # what heartbeats report from now on
+    assert g.fake.info.step == 1 and g.fake.info.quorum_id == 1  # what heartbeats report from now on
     assert g.step(torch.ones(2)) and g.mgr.step == 2
     # each request reported the step it was made for, and the quorum the rank last trained in
     assert [r.info.step for r in g.fake.requests] == [0, 1]
@@ -139,21 +156,21 @@ def test_no_commit_when_an_error_was_recorded_then_the_retry_commits(groups):
     g = groups(quorum(1), quorum(1), faults=[Fault("raise", group=0, at_step=0, phase="vote")])
     assert not g.step(torch.ones(2)) and g.mgr.step == 0
     assert "raise in vote" in g.last_record()["error"]
-    assert g.step(torch.ones(2)) and g.mgr.step == 1            # the same step again: the fault fired once
+    assert g.step(torch.ones(2)) and g.mgr.step == 1  # the same step again: the fault fired once
 
 
 def test_no_quorum_is_no_commit_and_no_failure_report(groups):
     g = groups(LighthouseError("lighthouse 127.0.0.1:9 unreachable"))
     assert not g.step(torch.ones(2)) and g.mgr.step == 0
     assert g.mgr.errors and g.mgr.errors[0].startswith("quorum: LighthouseError")
-    assert g.fake.reports == []   # the lighthouse's own trouble is not a data-plane failure to report
+    assert g.fake.reports == []  # the lighthouse's own trouble is not a data-plane failure to report
 
 
 def _heal_pair(groups, faults0=None):
     """Group 0 at step 5 serves group 1 (at step 2) in a quorum of both; each steps in a thread."""
     g0 = groups(num_groups=2, step=5, faults=faults0)
     g1 = groups(group=1, num_groups=2, step=2)
-    store, source = g0.fake.info.store, g0.fake.info.heal   # rank 0 of group 0: rendezvous and heal source
+    store, source = g0.fake.info.store, g0.fake.info.heal  # rank 0 of group 0: rendezvous and heal source
     g0.fake.answers.append(quorum(3, groups=(0, 1), heal={1: 0}, max_step=5, store=store))
     g1.fake.answers.append(quorum(3, groups=(0, 1), heal={1: 0}, max_step=5, store=store, heal_from=source))
     g0.state["w"] = torch.tensor([7.0, 8.0, 9.0, 10.0])
@@ -162,6 +179,7 @@ def _heal_pair(groups, faults0=None):
 
     def run(i, g):
         votes[i] = g.step(grads[i])
+
     ts = [threading.Thread(target=run, args=(i, g)) for i, g in enumerate((g0, g1))]
     for t in ts:
         t.start()
@@ -173,9 +191,9 @@ def _heal_pair(groups, faults0=None):
 def test_a_heal_assignment_loads_the_sources_state_and_meets_it_at_max_step(groups):
     g0, g1, votes, grads = _heal_pair(groups)
     assert votes == [True, True], (g0.mgr.errors, g1.mgr.errors)
-    assert torch.equal(g1.state["w"], torch.tensor([7.0, 8.0, 9.0, 10.0]))   # group 0's state, fetched
+    assert torch.equal(g1.state["w"], torch.tensor([7.0, 8.0, 9.0, 10.0]))  # group 0's state, fetched
     assert g1.mgr.healed_step == 5 and g0.mgr.healed_step is None
-    assert g1.mgr.step == g0.mgr.step == 6       # met at max_step 5, then both committed it
+    assert g1.mgr.step == g0.mgr.step == 6  # met at max_step 5, then both committed it
     # the healing group sent zeros: the average is group 0's gradient alone, on both
     assert all(torch.equal(g, torch.tensor([4.0, 6.0])) for g in grads)
     assert g1.last_record()["healing"] and g1.last_record()["contributors"] == 1
@@ -187,7 +205,7 @@ def test_a_failed_heal_fetch_makes_the_healing_groups_vote_false(groups):
     g0, g1, votes, _ = _heal_pair(groups, faults0=[Fault("raise", group=0, at_step=0, phase="heal_serve")])
     assert votes == [True, False], (g0.mgr.errors, g1.mgr.errors)
     assert g1.mgr.errors[0].startswith("heal: HealError"), g1.mgr.errors
-    assert g1.mgr.step == 2 and g1.mgr.healed_step is None          # nothing loaded, nothing committed
+    assert g1.mgr.step == 2 and g1.mgr.healed_step is None  # nothing loaded, nothing committed
     assert torch.equal(g1.state["w"], torch.full((4,), 2.0))
     assert not g1.last_record()["committed"]
 
@@ -200,17 +218,20 @@ def test_a_leased_step_never_applies_its_late_reply(groups):
     late = quorum(2, lighthouse_id="lh-2", max_step=9)
     g = groups(q1, late, q1)
     assert g.step(torch.ones(2)) and g.mgr.step == 1
-    g.fake.gate.clear()                       # step 2's request gets no answer ...
-    g.fake.silent = 1.0                       # ... and the lighthouse answers nothing else either
+    g.fake.gate.clear()  # step 2's request gets no answer ...
+    g.fake.silent = 1.0  # ... and the lighthouse answers nothing else either
     assert g.step(torch.ones(2)) and g.mgr.step == 2
     rec = g.last_record()
     assert rec["leased"] and rec["committed"] and rec["quorum_id"] == 1
-    round_2 = g.mgr._quorum_fut               # that step's background quorum call, still waiting
+    round_2 = g.mgr._quorum_fut  # that step's background quorum call, still waiting
     g.fake.silent = 0.0
-    g.fake.gate.set()                         # the late reply arrives
-    assert round_2.result(timeout=10) is None   # ... and is dropped, not applied
+    g.fake.gate.set()  # the late reply arrives
+    assert round_2.result(timeout=10) is None  # ... and is dropped, not applied
     assert g.mgr.quorum is q1 and g.fake.info.quorum_id == 1 and not g.mgr.healing
     assert g.step(torch.ones(2)) and g.mgr.step == 3
     assert [(r.info.step, r.info.quorum_id, r.quorum_lighthouse_id) for r in g.fake.requests] == [
-        (0, 0, ""), (1, 1, "lh-1"), (2, 1, "lh-1")]
+        (0, 0, ""),
+        (1, 1, "lh-1"),
+        (2, 1, "lh-1"),
+    ]
     assert not g.last_record()["leased"]

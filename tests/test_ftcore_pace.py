@@ -16,7 +16,7 @@ from ftcore.lighthouse_client import LighthouseClient, Standby, call
 from ftcore.messages import Busy, Pace, Quorum, QuorumRequest, RankInfo
 from ftcore.pace import PaceJudge, PacePolicy
 
-FAST = {0: 0.05, 1: 0.05, 2: 0.15}   # group 2 computes 3x as long
+FAST = {0: 0.05, 1: 0.05, 2: 0.15}  # group 2 computes 3x as long
 
 
 def judge_after(rounds: int, busy: dict, policy: PacePolicy, min_replicas: int = 1, excluded: int = 0):
@@ -31,10 +31,10 @@ def test_a_group_three_times_slower_is_excluded_only_after_a_full_window():
     assert judge_after(4, FAST, policy)[1] is None
     j, v = judge_after(5, FAST, policy)
     assert v is not None and v.group == 2 and v.ratio == pytest.approx(3.0) and v.probation_s == 10
-    for _ in range(5):   # the same incarnation again: twice the probation
+    for _ in range(5):  # the same incarnation again: twice the probation
         j.observe(FAST)
     assert j.judge([0, 1, 2], {0: 0, 1: 0, 2: 0}, 1, 0).probation_s == 20
-    for _ in range(5):   # a replaced group (new incarnation) starts with a clean record
+    for _ in range(5):  # a replaced group (new incarnation) starts with a clean record
         j.observe(FAST)
     assert j.judge([0, 1, 2], {0: 0, 1: 0, 2: 1}, 1, 0).probation_s == 10
 
@@ -63,7 +63,7 @@ def test_exclusion_must_pay_and_respect_min_replicas_and_the_majority():
 def _clients(addr, n=3):
     clients = [LighthouseClient(addr, RankInfo(group=g, rank=0, world=1, num_groups=n)) for g in range(n)]
     for c in clients:
-        c.start_heartbeats()   # alive while on standby, as a real rank is
+        c.start_heartbeats()  # alive while on standby, as a real rank is
     return clients
 
 
@@ -80,6 +80,7 @@ def _ask(clients, timeout: float = 5.0, **report):
             out[i] = clients[i].quorum(timeout, request=req)
         except Exception as e:  # noqa: BLE001 - the test inspects it
             out[i] = e
+
     ts = [threading.Thread(target=ask, args=(i,)) for i in range(len(clients))]
     for t in ts:
         t.start()
@@ -122,7 +123,7 @@ def test_the_lighthouse_holds_a_slow_group_on_standby_and_readmits_it_through_a_
         st = lh.status()
         assert st["groups"][2]["standby_s"] > 0 and st["groups"][0]["standby_s"] is None
         kinds = [e["kind"] for e in st["events"]]
-        assert "quorum_waiting" not in kinds[kinds.index("group_excluded"):], st["events"]
+        assert "quorum_waiting" not in kinds[kinds.index("group_excluded") :], st["events"]
         ev = [e for e in st["events"] if e["kind"] == "group_excluded"]
         assert ev and ev[0]["group"] == 2 and ev[0]["ratio"] >= 2.0 and ev[0]["reason"]
         # after the probation it rejoins, and heals (it missed the steps the others took)
@@ -148,7 +149,7 @@ def test_each_quorum_tells_its_members_the_last_steps_pace(lighthouse):
         qid = ask_all(clients)[0].quorum_id
         qs = _round(clients, FAST, qid)
         assert qs[0].pace == Pace(qid, 0.15, round(0.25 / 3, 6))
-        assert _round(clients, {0: 0.1}, qs[0].quorum_id)[0].pace is None   # not every member's figure
+        assert _round(clients, {0: 0.1}, qs[0].quorum_id)[0].pace is None  # not every member's figure
     finally:
         for c in clients:
             c.close()
@@ -163,7 +164,7 @@ def test_a_standby_ends_when_only_the_excluded_groups_work_is_left(lighthouse):
             qid = _round(clients, FAST, qid)[0].quorum_id
         qs = _round(clients, {}, qid)
         assert isinstance(qs[2], Standby)
-        _ask(clients[:2], idle=qs[0].quorum_id)   # a round in which nobody had work: the make-up left is group 2's
+        _ask(clients[:2], idle=qs[0].quorum_id)  # a round in which nobody had work: the make-up left is group 2's
         assert isinstance(_rejoin_round(clients)[2], Quorum)
     finally:
         for c in clients:
@@ -186,13 +187,34 @@ def test_a_slowed_group_is_excluded_in_a_real_job_and_all_groups_end_identical(t
     (4x its peers' ~0.05 s); it is excluded, rejoins when only its make-up is left, and
     every group ends with the same state, data exactly once (the toy checks its ledger)."""
     plan = tmp_path / "plan.json"
-    plan.write_text(json.dumps({"faults": [{"kind": "slow", "group": 2, "at_step": 10, "until_step": 60,
-                                            "delay_s": 0.15}]}))
+    plan.write_text(
+        json.dumps({"faults": [{"kind": "slow", "group": 2, "at_step": 10, "until_step": 60, "delay_s": 0.15}]})
+    )
     out = tmp_path / "run"
-    r = run_python(["-m", "training", "launch", "--worker", "ftcore.examples.toy", "--replica-groups", "3",
-                    "--out", str(out), "--faults", str(plan), "--timeout", "200", "--",
-                    "--steps", "80", "--step-sleep", "0.04"], 260,
-                   env={"FTCORE_SLOW_WINDOW": "8", "FTCORE_SLOW_PROBATION": "60", "OMP_NUM_THREADS": "1"})
+    r = run_python(
+        [
+            "-m",
+            "training",
+            "launch",
+            "--worker",
+            "ftcore.examples.toy",
+            "--replica-groups",
+            "3",
+            "--out",
+            str(out),
+            "--faults",
+            str(plan),
+            "--timeout",
+            "200",
+            "--",
+            "--steps",
+            "80",
+            "--step-sleep",
+            "0.04",
+        ],
+        260,
+        env={"FTCORE_SLOW_WINDOW": "8", "FTCORE_SLOW_PROBATION": "60", "OMP_NUM_THREADS": "1"},
+    )
     assert r.returncode == 0, r.stdout[-3000:]
     tl = json.loads((out / "timeline.json").read_text())
     kinds = [e["kind"] for e in tl["lighthouse_events"]]

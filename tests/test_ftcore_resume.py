@@ -35,31 +35,44 @@ ROOT = Path(__file__).resolve().parent.parent
 # last checkpoint in attempt 1 is at CKPT, it records steps up to PAST_CKPT and is stopped
 # in the next one (a `slow` fault holds it there).
 KILL_AT, CKPT, PAST_CKPT = 3, 6, 7
-TRAIN_ARGS = ["train.epochs=2", f"train.checkpoint_every={CKPT // 2}", "model.dim=16", "loss.num_negatives=16",
-              "mlflow.log_model=false", "mlflow.plots=false", "eval.batch_size=256", "eval.periodic=false"]
-
+TRAIN_ARGS = [
+    "train.epochs=2",
+    f"train.checkpoint_every={CKPT // 2}",
+    "model.dim=16",
+    "loss.num_negatives=16",
+    "mlflow.log_model=false",
+    "mlflow.plots=false",
+    "eval.batch_size=256",
+    "eval.periodic=false",
+]
 
 
 def launch_until(args: list[str], done: Callable[[], bool], timeout: float) -> str:
     """Run the launcher until `done()`, then stop the whole job with SIGINT (the launcher
     SIGKILLs every group it started); returns its output."""
-    p = subprocess.Popen([sys.executable, "-m", "training", "launch", *args], cwd=ROOT, text=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-                         env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    p = subprocess.Popen(
+        [sys.executable, "-m", "training", "launch", *args],
+        cwd=ROOT,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+    )
     lines: list[str] = []
 
     def pump() -> None:
-        assert p.stdout is not None   # Popen(stdout=PIPE)
+        assert p.stdout is not None  # Popen(stdout=PIPE)
         for line in p.stdout:
             lines.append(line)
+
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
     try:
         deadline = time.monotonic() + timeout
         while not done():
             if p.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"launcher: the awaited state was not reached (exit {p.poll()}):\n"
-                            f"{''.join(lines)[-5000:]}")
+                pytest.fail(f"launcher: the awaited state was not reached (exit {p.poll()}):\n{''.join(lines)[-5000:]}")
             time.sleep(0.1)
     finally:
         # SIGINT first, also on failure: the launcher SIGKILLs its groups, the hung one included
@@ -90,17 +103,42 @@ def test_whole_job_resume_makes_up_missed_batches_exactly_once(tmp_path):
 
     # ---- attempt 1: group 1 down from KILL_AT on, the job stopped after PAST_CKPT ------------
     plan = tmp_path / "plan.json"
-    plan.write_text(json.dumps({"faults": [
-        {"kind": "kill", "group": 1, "at_step": KILL_AT},
-        # its replacement (a cold start: --no-spares) hangs before it ever reaches the lighthouse
-        {"kind": "stop", "group": 1, "incarnation": 1, "at_time": 0, "duration_s": 0},
-        # group 0 holds in the step after PAST_CKPT until the job is stopped
-        {"kind": "slow", "group": 0, "at_step": PAST_CKPT + 1, "until_step": PAST_CKPT + 2, "delay_s": 120}]}))
+    plan.write_text(
+        json.dumps(
+            {
+                "faults": [
+                    {"kind": "kill", "group": 1, "at_step": KILL_AT},
+                    # its replacement (a cold start: --no-spares) hangs before it ever reaches the lighthouse
+                    {"kind": "stop", "group": 1, "incarnation": 1, "at_time": 0, "duration_s": 0},
+                    # group 0 holds in the step after PAST_CKPT until the job is stopped
+                    {"kind": "slow", "group": 0, "at_step": PAST_CKPT + 1, "until_step": PAST_CKPT + 2, "delay_s": 120},
+                ]
+            }
+        )
+    )
     led = out / "ledger"
-    log1 = launch_until(["--shards", str(shards), "--replica-groups", "2", "--ranks-per-group", "1",
-                         "--out", str(out), "--faults", str(plan), "--no-spares", "--timeout", "150", "--",
-                         "--set", *TRAIN_ARGS],
-                        lambda: any(r["step"] == PAST_CKPT for r in records(led, [0, 0])), 150)
+    log1 = launch_until(
+        [
+            "--shards",
+            str(shards),
+            "--replica-groups",
+            "2",
+            "--ranks-per-group",
+            "1",
+            "--out",
+            str(out),
+            "--faults",
+            str(plan),
+            "--no-spares",
+            "--timeout",
+            "150",
+            "--",
+            "--set",
+            *TRAIN_ARGS,
+        ],
+        lambda: any(r["step"] == PAST_CKPT for r in records(led, [0, 0])),
+        150,
+    )
     assert '"fault": "kill", "group": 1' in log1, log1[-4000:]
     late = [r["step"] for r in records(led, [1, 0]) if r["step"] > KILL_AT]
     assert not late, f"group 1 came back in attempt 1 (it recorded steps {late})"
@@ -110,20 +148,43 @@ def test_whole_job_resume_makes_up_missed_batches_exactly_once(tmp_path):
     assert missed and all(e == 0 for e, _ in missed), f"group 1 missed {missed}: no make-up work was owed"
 
     # ---- attempt 2: the whole job relaunched from its checkpoints, to the end --------------
-    r = run_python(["-m", "training", "launch", "--shards", str(shards), "--replica-groups", "2",
-                    "--ranks-per-group", "1", "--out", str(out), "--timeout", "150", "--",
-                    "--set", *TRAIN_ARGS, "train.resume=true"], 180)
+    r = run_python(
+        [
+            "-m",
+            "training",
+            "launch",
+            "--shards",
+            str(shards),
+            "--replica-groups",
+            "2",
+            "--ranks-per-group",
+            "1",
+            "--out",
+            str(out),
+            "--timeout",
+            "150",
+            "--",
+            "--set",
+            *TRAIN_ARGS,
+            "train.resume=true",
+        ],
+        180,
+    )
     assert r.returncode == 0, r.stdout[-5000:]
     assert f"step-{CKPT:08d} (step {CKPT}," in r.stdout, "group 0 did not resume from its checkpoint"
 
     sample_ids = shard_sample_ids(shards)
 
     # every sample of both epochs once, over both attempts
-    summary = ledger.check(str(led), steps_per_epoch=steps, num_groups=2, ranks_per_group=1,
-                           epochs=2, sample_ids=sample_ids)
+    summary = ledger.check(
+        str(led), steps_per_epoch=steps, num_groups=2, ranks_per_group=1, epochs=2, sample_ids=sample_ids
+    )
     assert summary["batches"] == 2 * 2 * steps
-    made_up = {(r["epoch"], r["row_group"]) for r in records(led)
-               if r["kind"] == "makeup" and r["step"] >= CKPT and r["contributors"] == [1]}
+    made_up = {
+        (r["epoch"], r["row_group"])
+        for r in records(led)
+        if r["kind"] == "makeup" and r["step"] >= CKPT and r["contributors"] == [1]
+    }
     assert missed <= made_up, f"attempt 2 made up {sorted(made_up)}, group 1 missed {sorted(missed)} in attempt 1"
     # the groups met at one state: group 1 healed from group 0 (schedule included) and stayed with it
     s0 = (out / "replica_0" / "state.safetensors").read_bytes()
@@ -139,16 +200,25 @@ def _ledger_lines(folder: Path, lines: list[dict]) -> None:
 
 
 def _rec(step: int, rg: int, contributors: list[int]) -> dict:
-    return {"step": step, "epoch": 0, "row_group": rg, "kind": "regular", "contributors": contributors,
-            "quorum_id": 1, "writer": [0, 0], "ranges": None}
+    return {
+        "step": step,
+        "epoch": 0,
+        "row_group": rg,
+        "kind": "regular",
+        "contributors": contributors,
+        "quorum_id": 1,
+        "writer": [0, 0],
+        "ranges": None,
+    }
 
 
 def test_resumed_to_drops_the_writers_later_records_only(tmp_path):
     """Records at or after the marker's step are gone; earlier ones stay current; a heal
     after it still supersedes (not drops) what came before."""
     led = tmp_path / "ledger"
-    _ledger_lines(led, [_rec(0, 0, [0]), _rec(1, 1, [0]), _rec(2, 2, [0]), {"resumed_to": 1, "writer": [0, 0]},
-                        _rec(1, 5, [0])])
+    _ledger_lines(
+        led, [_rec(0, 0, [0]), _rec(1, 1, [0]), _rec(2, 2, [0]), {"resumed_to": 1, "writer": [0, 0]}, _rec(1, 5, [0])]
+    )
     assert [(r["step"], r["row_group"], sup) for r, sup in ledger.read(str(led))] == [(0, 0, False), (1, 5, False)]
     _ledger_lines(led, [{"healed_to": 2, "writer": [0, 0]}, _rec(2, 6, [0])])
     assert [(r["step"], sup) for r, sup in ledger.read(str(led))] == [(0, True), (1, True), (2, False)]

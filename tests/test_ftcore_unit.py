@@ -27,9 +27,15 @@ def test_tensorfile_roundtrip_model_optimizer_and_rng(tmp_path):
     opt = torch.optim.AdamW(m.parameters())
     m(torch.randn(2, 5)).sum().backward()
     opt.step()
-    tree = {"model": m.state_dict(), "opt": opt.state_dict(), "rng": torch.get_rng_state(),
-            "misc": (1, 2.5, None, "x", [True, b"\x00\x01"]), "bf16": torch.ones(3, dtype=torch.bfloat16),
-            "empty": torch.empty(0, 4), "scalar": torch.tensor(7, dtype=torch.int64)}
+    tree = {
+        "model": m.state_dict(),
+        "opt": opt.state_dict(),
+        "rng": torch.get_rng_state(),
+        "misc": (1, 2.5, None, "x", [True, b"\x00\x01"]),
+        "bf16": torch.ones(3, dtype=torch.bfloat16),
+        "empty": torch.empty(0, 4),
+        "scalar": torch.tensor(7, dtype=torch.int64),
+    }
     path = tmp_path / "s.safetensors"
     tensorfile.save(tree, str(path), {"step": "3"})
     back, meta = tensorfile.read(open(path, "rb"))
@@ -47,10 +53,10 @@ def test_tensorfile_roundtrip_model_optimizer_and_rng(tmp_path):
 def test_tensorfile_is_safetensors_layout():
     raw = tensorfile.dumps({"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)})
     n = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8:8 + n])
+    header = json.loads(raw[8 : 8 + n])
     assert header["w"] == {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]}
     assert (8 + n) % 8 == 0
-    assert torch.equal(torch.frombuffer(bytearray(raw[8 + n:]), dtype=torch.float32), torch.arange(6.0))
+    assert torch.equal(torch.frombuffer(bytearray(raw[8 + n :]), dtype=torch.float32), torch.arange(6.0))
 
 
 def test_tensorfile_refuses_non_tensor_objects_and_garbage():
@@ -111,11 +117,12 @@ def test_ledger_check_proves_exactly_once_and_catches_duplicates(tmp_path):
     for step, rg in enumerate(range(steps)):
         for (g, k), w in writers.items():
             w.record(step, 0, rg, "regular", {0, 1}, 1, ids(g * K + k, rg))
-    summary = ledger.check(str(tmp_path / "ok"), steps_per_epoch=steps, num_groups=2, ranks_per_group=K,
-                           epochs=1, sample_ids=ids)
+    summary = ledger.check(
+        str(tmp_path / "ok"), steps_per_epoch=steps, num_groups=2, ranks_per_group=K, epochs=1, sample_ids=ids
+    )
     assert summary["steps"] == steps and summary["batches"] == steps * 2 * K
     bad = ledger.Ledger(str(tmp_path / "bad"), 0, 0)
-    for step, rg in enumerate([0, 1, 1]):   # row group 1 twice, 2 never
+    for step, rg in enumerate([0, 1, 1]):  # row group 1 twice, 2 never
         bad.record(step, 0, rg, "regular", {0}, 1)
     with pytest.raises(ledger.LedgerError, match="twice"):
         ledger.check(str(tmp_path / "bad"), steps_per_epoch=3, num_groups=1, ranks_per_group=1, epochs=1)
@@ -125,8 +132,10 @@ def test_ledger_check_proves_exactly_once_and_catches_duplicates(tmp_path):
 # ---- fault plans -------------------------------------------------------------------------------
 def test_fault_plan_parses_toml_and_rejects_mistakes(tmp_path):
     p = tmp_path / "plan.toml"
-    p.write_text('[[faults]]\nkind = "kill"\ngroup = 1\nat_step = 5\n\n'
-                 '[[faults]]\nkind = "raise"\ngroup = 0\nat_step = 3\nphase = "during_allreduce"\n')
+    p.write_text(
+        '[[faults]]\nkind = "kill"\ngroup = 1\nat_step = 5\n\n'
+        '[[faults]]\nkind = "raise"\ngroup = 0\nat_step = 3\nphase = "during_allreduce"\n'
+    )
     fs = faults.load(str(p))
     assert [f.kind for f in fs] == ["kill", "raise"] and fs[1].in_process and not fs[0].in_process
     p.write_text('[[faults]]\nkind = "explode"\nat_step = 1\n')
@@ -144,9 +153,21 @@ def test_fault_plan_parses_toml_and_rejects_mistakes(tmp_path):
 
 # ---- lighthouse over HTTP ------------------------------------------------------------------------
 def _clients(addr, n, token=None, steps=None):
-    cs = [LighthouseClient(addr, RankInfo(group=g, rank=0, world=1, store=f"127.0.0.1:{1000 + g}",
-                                          heal=f"127.0.0.1:{2000 + g}", step=(steps or [0] * n)[g]), token=token)
-          for g in range(n)]
+    cs = [
+        LighthouseClient(
+            addr,
+            RankInfo(
+                group=g,
+                rank=0,
+                world=1,
+                store=f"127.0.0.1:{1000 + g}",
+                heal=f"127.0.0.1:{2000 + g}",
+                step=(steps or [0] * n)[g],
+            ),
+            token=token,
+        )
+        for g in range(n)
+    ]
     for c in cs:
         c.start_heartbeats()
     return cs
@@ -159,8 +180,8 @@ def test_lighthouse_quorum_heal_assignment_and_fast_reform(lighthouse):
         qs = ask_all(cs)
         assert len({q.quorum_id for q in qs}) == 1 and qs[0].groups == (0, 1, 2, 3)
         assert qs[0].max_step == 10
-        assert qs[0].heal == {2: 0, 3: 1}       # spread over the up-to-date groups
-        assert [q.heal_from for q in qs] == ["", "", "127.0.0.1:2000", "127.0.0.1:2001"]   # each its source's
+        assert qs[0].heal == {2: 0, 3: 1}  # spread over the up-to-date groups
+        assert [q.heal_from for q in qs] == ["", "", "127.0.0.1:2000", "127.0.0.1:2001"]  # each its source's
         first = qs[0].quorum_id
         # same members again: same quorum id (no process-group rebuild)
         for c in cs:
@@ -190,24 +211,26 @@ def test_a_leased_rounds_late_request_is_overtaken_not_healed(lighthouse) -> Non
     to 35 and leave the peer waiting for requests they never send. The late ones are told they
     were overtaken; the round forms once every group asks for 35, with nobody to heal."""
     from ftcore.lighthouse_client import Overtaken
+
     addr, lh = lighthouse(min_replicas=1, expected_replicas=3, join_timeout=5.0, heartbeat_timeout=2.0)
     cs = _clients(addr, 3, steps=[34, 34, 34])
     try:
-        assert all(isinstance(q, Quorum) for q in ask_all(cs))    # the quorum all three trained in
+        assert all(isinstance(q, Quorum) for q in ask_all(cs))  # the quorum all three trained in
         late = [QuorumRequest(c.info, leased=True) for c in cs[:2]]
         cs[2].update(step=35)
         out: list = [None] * 3
-        ts = [threading.Thread(target=lambda i=i: out.__setitem__(i, _quorum_or_error(cs[i], late[i])))
-              for i in range(2)]
+        ts = [
+            threading.Thread(target=lambda i=i: out.__setitem__(i, _quorum_or_error(cs[i], late[i]))) for i in range(2)
+        ]
         ts.append(threading.Thread(target=lambda: out.__setitem__(2, _quorum_or_error(cs[2], None))))
         ts[2].start()
-        time.sleep(0.1)                      # the peer asks first; the leased requests arrive after it
+        time.sleep(0.1)  # the peer asks first; the leased requests arrive after it
         for t in ts[:2]:
             t.start()
         for t in ts[:2]:
             t.join(5)
         assert all(isinstance(o, Overtaken) for o in out[:2]), out
-        assert ts[2].is_alive()              # the peer still waits: its request was not spent
+        assert ts[2].is_alive()  # the peer still waits: its request was not spent
         for c in cs[:2]:
             c.update(step=35)
         qs = ask_all(cs[:2])
@@ -240,7 +263,7 @@ def test_lighthouse_a_group_leaving_rank_by_rank_is_not_a_failure(lighthouse):
             c.start_heartbeats()
         time.sleep(0.3)
         cs[0].leave()
-        time.sleep(0.8)                          # past the heartbeat timeout of the rank that left
+        time.sleep(0.8)  # past the heartbeat timeout of the rank that left
         cs[1].leave()
         kinds = [e["kind"] for e in lh.status()["events"]]
         assert "group_healthy" in kinds and kinds.count("group_left") == 1
@@ -256,8 +279,8 @@ def test_lighthouse_min_replicas_majority_and_join_timeout(lighthouse):
     try:
         time.sleep(0.2)  # all three heartbeat: healthy
         with pytest.raises(Exception, match="no quorum"):
-            cs[0].quorum(timeout=0.8)           # one of three: below min_replicas and no majority
-        qs = ask_all(cs[:2], timeout=3.0)      # two of three: after the join timeout
+            cs[0].quorum(timeout=0.8)  # one of three: below min_replicas and no majority
+        qs = ask_all(cs[:2], timeout=3.0)  # two of three: after the join timeout
         assert qs[0].groups == (0, 1) and qs[1].groups == (0, 1)
     finally:
         for c in cs:
@@ -275,7 +298,7 @@ def test_lighthouse_refuses_requests_without_the_token(lighthouse):
     page = urllib.request.Request(f"http://{addr}/", headers={"Authorization": "Bearer s3cret"})
     with urllib.request.urlopen(page) as r:
         assert b"ftcore lighthouse" in r.read()
-    assert call(addr, "/status?token=s3cret", None, None, method="GET")[0] == 401   # header only
+    assert call(addr, "/status?token=s3cret", None, None, method="GET")[0] == 401  # header only
 
 
 def test_lighthouse_restart_resumes_quorum_ids_and_steps(lighthouse):
@@ -286,7 +309,7 @@ def test_lighthouse_restart_resumes_quorum_ids_and_steps(lighthouse):
     finally:
         for c in cs:
             c.close()
-    addr2, lh2 = lighthouse(expected_replicas=2)   # a fresh lighthouse: no memory of the job
+    addr2, lh2 = lighthouse(expected_replicas=2)  # a fresh lighthouse: no memory of the job
     cs = _clients(addr2, 2, steps=[5, 5])
     for c in cs:
         c.update(quorum_id=qid)
@@ -305,7 +328,7 @@ def test_heal_server_serves_snapshot_to_token_holders_only():
         w = torch.randn(4, 4)
         orig = w.clone()
         srv.offer(3, {"w": w, "step": 3})
-        w.add_(1.0)   # training goes on; the snapshot must not change
+        w.add_(1.0)  # training goes on; the snapshot must not change
         got = heal.fetch(srv.address, 3, "tok")
         assert torch.equal(got["w"], orig) and got["step"] == 3
         with pytest.raises(heal.HealError, match="401"):
@@ -327,6 +350,7 @@ def _groups(n):
     def make(i):  # each "group" has its own store client, as separate processes would
         client = dist.TCPStore("127.0.0.1", store.port, is_master=False, wait_for_workers=False)
         pgs[i] = dist.ProcessGroupGloo(dist.PrefixStore("t", client), i, n, datetime.timedelta(seconds=10))
+
     ts = [threading.Thread(target=make, args=(i,)) for i in range(n)]
     for t in ts:
         t.start()
@@ -343,6 +367,7 @@ def _run_all(n, fn):
             out[i] = fn(i)
         except Exception as e:
             errs[i] = e
+
     ts = [threading.Thread(target=go, args=(i,)) for i in range(n)]
     for t in ts:
         t.start()
@@ -353,12 +378,12 @@ def _run_all(n, fn):
 
 def test_ftar_averages_over_contributors_with_zeros_from_healers():
     store, pgs = _groups(3)
-    big = [torch.full((300_000,), float(i + 1)) for i in range(3)]     # chunked in place
+    big = [torch.full((300_000,), float(i + 1)) for i in range(3)]  # chunked in place
     small = [[torch.full((3, 2), float(10 * (i + 1))), torch.full((5,), -1.0 * (i + 1))] for i in range(3)]
     res, errs = _run_all(3, lambda i: ftar(pgs[i], [big[i], *small[i]], contribute=(i != 2), bucket_bytes=1 << 18))
     assert errs == [None] * 3
     assert [r.contributors for r in res] == [2, 2, 2] and not any(r.peer_error for r in res)
-    for i in range(3):   # (1 + 2) / 2; group 2 healed: its own values did not count
+    for i in range(3):  # (1 + 2) / 2; group 2 healed: its own values did not count
         assert torch.equal(big[i], torch.full((300_000,), 1.5))
         assert torch.equal(small[i][0], torch.full((3, 2), 15.0))
         assert torch.equal(small[i][1], torch.full((5,), -1.5))
@@ -370,18 +395,19 @@ def test_ftar_costs_one_collective_per_bucket_and_carries_its_control_in_the_fir
     large tensors) sends the four control numbers as one bucket of their own."""
     from ftcore import collectives as coll
     from ftcore.ftar import plan
+
     calls = []
     real = coll._issue
     monkeypatch.setattr(coll, "_issue", lambda kind, ts, fn: (calls.append(kind), real(kind, ts, fn))[1])
     store, pgs = _groups(2)
-    make = lambda i: [torch.full((300_000,), float(i + 1)), torch.full((7,), float(i + 1))]   # noqa: E731
+    make = lambda i: [torch.full((300_000,), float(i + 1)), torch.full((7,), float(i + 1))]  # noqa: E731
     ts = [make(i) for i in range(2)]
     res, errs = _run_all(2, lambda i: ftar(pgs[i], ts[i], contribute=True, bucket_bytes=1 << 18))
     assert errs == [None, None] and [r.contributors for r in res] == [2, 2]
     assert len(calls) == 2 * len(plan(make(0), 1 << 18)) and set(calls) == {"data"}
     assert torch.equal(ts[0][0], torch.full((300_000,), 1.5)) and torch.equal(ts[1][1], torch.full((7,), 1.5))
     calls.clear()
-    big = [[torch.full((300_000,), float(i + 1))] for i in range(2)]   # chunks only: the meta goes alone
+    big = [[torch.full((300_000,), float(i + 1))] for i in range(2)]  # chunks only: the meta goes alone
     res, errs = _run_all(2, lambda i: ftar(pgs[i], big[i], contribute=True, bucket_bytes=1 << 18))
     assert errs == [None, None] and torch.equal(big[1][0], torch.full((300_000,), 1.5))
     assert len(calls) == 2 * (len(plan(big[0], 1 << 18)) + 1)
@@ -398,8 +424,10 @@ def test_ftar_error_during_reduce_flags_the_step_on_every_group():
 
     def boom():
         raise RuntimeError("injected")
-    res, errs = _run_all(2, lambda i: ftar(pgs[i], [torch.ones(1000)], contribute=True,
-                                           during=boom if i == 1 else None))
+
+    res, errs = _run_all(
+        2, lambda i: ftar(pgs[i], [torch.ones(1000)], contribute=True, during=boom if i == 1 else None)
+    )
     assert errs == [None, None] and all(r.peer_error for r in res)
 
 
@@ -420,6 +448,7 @@ def test_unknown_backend_is_refused_by_name():
     import torch.distributed as dist
 
     from ftcore.manager import _new_pg
+
     store = dist.HashStore()
     with pytest.raises(ValueError, match="FTCORE_BACKEND"):
         _new_pg("mpi", store, 0, 1, datetime.timedelta(seconds=1))
@@ -427,15 +456,18 @@ def test_unknown_backend_is_refused_by_name():
 
 
 # ---- hardening: plans, ledgers ---------------------------------------------------------------------
-@pytest.mark.parametrize("fault,msg", [
-    ({"kind": "kill", "group": "1", "at_step": 3}, "group"),
-    ({"kind": "kill", "group": 1, "at_step": "5"}, "at_step"),
-    ({"kind": "kill", "group": 1, "at_step": True}, "at_step"),
-    ({"kind": "kill", "group": -1, "at_step": 2}, "group"),
-    ({"kind": "stop", "group": 0, "at_step": 2, "duration_s": "4"}, "duration_s"),
-    ({"kind": "kill", "group": 0, "rank": "first", "at_step": 2}, "rank"),
-    ({"kind": "slow", "group": 0, "at_step": 5, "until_step": 3, "delay_s": 0.1}, "until_step"),
-])
+@pytest.mark.parametrize(
+    "fault,msg",
+    [
+        ({"kind": "kill", "group": "1", "at_step": 3}, "group"),
+        ({"kind": "kill", "group": 1, "at_step": "5"}, "at_step"),
+        ({"kind": "kill", "group": 1, "at_step": True}, "at_step"),
+        ({"kind": "kill", "group": -1, "at_step": 2}, "group"),
+        ({"kind": "stop", "group": 0, "at_step": 2, "duration_s": "4"}, "duration_s"),
+        ({"kind": "kill", "group": 0, "rank": "first", "at_step": 2}, "rank"),
+        ({"kind": "slow", "group": 0, "at_step": 5, "until_step": 3, "delay_s": 0.1}, "until_step"),
+    ],
+)
 def test_a_fault_plan_with_a_wrong_type_is_refused_when_read(fault, msg):
     with pytest.raises(faults.PlanError, match=msg):
         faults.parse({"faults": [fault]}, "plan.json")
@@ -448,7 +480,7 @@ def test_the_ledger_refuses_a_damaged_line_that_no_crash_explains(tmp_path):
     w.close()
     path = tmp_path / "group-000-rank-000.jsonl"
     lines = path.read_bytes().split(b"\n")
-    path.write_bytes(b"\n".join([lines[0], lines[1][:10], *lines[2:]]))   # torn in the middle
+    path.write_bytes(b"\n".join([lines[0], lines[1][:10], *lines[2:]]))  # torn in the middle
     with pytest.raises(ledger.LedgerError, match="line 2"):
         ledger.read(str(tmp_path))
     # a killed writer's torn last line, then its successor: accepted, the fragment ignored

@@ -26,13 +26,18 @@ pytest.importorskip("airflow.providers.cncf.kubernetes", reason="pip install -e 
 from ftrec_airflow import kubernetes, steps  # noqa: E402
 
 IMAGE = "registry.example/ftrec:0.1.0"
-WORKER_TOKEN = "the-workers-own-token-value"   # must never reach a spec
+WORKER_TOKEN = "the-workers-own-token-value"  # must never reach a spec
 
 
 @pytest.fixture
 def k8s_env(tmp_path, monkeypatch):
-    for k, v in {"FTREC_K8S_IMAGE": IMAGE, "FTREC_K8S_NAMESPACE": "recs", "FTREC_K8S_MLFLOW_SECRET": "mlflow-creds",
-                 "FTREC_WORK": str(tmp_path / "work"), "FTCORE_TOKEN": WORKER_TOKEN}.items():
+    for k, v in {
+        "FTREC_K8S_IMAGE": IMAGE,
+        "FTREC_K8S_NAMESPACE": "recs",
+        "FTREC_K8S_MLFLOW_SECRET": "mlflow-creds",
+        "FTREC_WORK": str(tmp_path / "work"),
+        "FTCORE_TOKEN": WORKER_TOKEN,
+    }.items():
         monkeypatch.setenv(k, v)
     for k in ("FTREC_LIGHTHOUSE_URL", "FTREC_K8S_GPU_RESOURCE", "FTREC_K8S_POD_TEMPLATE", "FTCORE_TOKEN_FILE"):
         monkeypatch.delenv(k, raising=False)
@@ -43,6 +48,7 @@ def k8s_env(tmp_path, monkeypatch):
 def train_group(k8s_env):
     """The DAG file's mapped pod task, parsed as the DAG processor does."""
     from airflow.dag_processing.dagbag import DagBag
+
     bag = DagBag(dag_folder=str(ROOT / "dags" / "ftrec_train_k8s.py"))
     assert bag.import_errors == {}
     return bag.dags["ftrec_train_k8s"].get_task("train_group")
@@ -50,10 +56,20 @@ def train_group(k8s_env):
 
 def _run(tmp_path, groups=3, ranks=2) -> dict:
     out = tmp_path / "work" / "runs" / "ftrec_train_k8s" / "manual__1" / "train"
-    spec = steps.TrainSpec(shards=str(out.parent / "shards"), out=str(out), replica_groups=groups,
-                           ranks_per_group=ranks, max_steps=20, overrides=["model.dim=16", "train.seed=0"])
-    return {"spec": spec.to_dict(), "mlflow_run_id": "0123abcd", "tracking_uri": "http://mlflow.internal:5000",
-            "job_id": kubernetes.job_id("ftrec_train_k8s", "manual__1")}
+    spec = steps.TrainSpec(
+        shards=str(out.parent / "shards"),
+        out=str(out),
+        replica_groups=groups,
+        ranks_per_group=ranks,
+        max_steps=20,
+        overrides=["model.dim=16", "train.seed=0"],
+    )
+    return {
+        "spec": spec.to_dict(),
+        "mlflow_run_id": "0123abcd",
+        "tracking_uri": "http://mlflow.internal:5000",
+        "job_id": kubernetes.job_id("ftrec_train_k8s", "manual__1"),
+    }
 
 
 def _pods(train_group, run) -> list:
@@ -62,6 +78,7 @@ def _pods(train_group, run) -> list:
 
 def test_each_group_pod_runs_the_launchers_torchrun_command(train_group, tmp_path, monkeypatch):
     from training.launch import LaunchConfig, Launcher
+
     run = _run(tmp_path)
     spec = steps.TrainSpec(**run["spec"])
     pods = _pods(train_group, run)
@@ -69,16 +86,24 @@ def test_each_group_pod_runs_the_launchers_torchrun_command(train_group, tmp_pat
     # the launcher of the same job against the same standing lighthouse, its token a file there
     monkeypatch.setenv("FTCORE_TOKEN_FILE", kubernetes.TOKEN_FILE)
     sets = steps.trainer_settings(spec, run["mlflow_run_id"], run["tracking_uri"])
-    launcher = Launcher(LaunchConfig(shards=spec.shards, replica_groups=3, ranks_per_group=2,
-                                     lighthouse=kubernetes.config().lighthouse, job_id=run["job_id"], out=spec.out,
-                                     max_restarts=kubernetes.TORCHRUN_MAX_RESTARTS,
-                                     extra=[w for s in sets for w in ("--set", s)]))
+    launcher = Launcher(
+        LaunchConfig(
+            shards=spec.shards,
+            replica_groups=3,
+            ranks_per_group=2,
+            lighthouse=kubernetes.config().lighthouse,
+            job_id=run["job_id"],
+            out=spec.out,
+            max_restarts=kubernetes.TORCHRUN_MAX_RESTARTS,
+            extra=[w for s in sets for w in ("--set", s)],
+        )
+    )
     for g, pod in enumerate(pods):
         words = shlex.split(launcher.torchrun_command(g))
         i = words.index("torchrun")
         want_env = dict(w.split("=", 1) for w in words[:i])
-        want_args = [kubernetes.RDZV_ENDPOINT if w == "HOST:PORT" else w for w in words[i + 1:]]
-        c, = pod.spec.containers
+        want_args = [kubernetes.RDZV_ENDPOINT if w == "HOST:PORT" else w for w in words[i + 1 :]]
+        (c,) = pod.spec.containers
         assert c.command == ["torchrun"] and c.args == want_args
         env = {e.name: e.value for e in c.env}
         assert {k: env.get(k) for k in want_env} == want_env
@@ -90,11 +115,12 @@ def test_each_group_pod_runs_the_launchers_torchrun_command(train_group, tmp_pat
 
 def test_group_pods_get_their_gpus_volumes_and_secrets_never_a_token(train_group, tmp_path):
     import yaml
+
     for pod in _pods(train_group, _run(tmp_path, groups=2, ranks=4)):
         assert pod.metadata.namespace == "recs" and pod.spec.restart_policy == "Never"
-        c, = pod.spec.containers
+        (c,) = pod.spec.containers
         assert c.image == IMAGE
-        assert c.resources.limits == {"nvidia.com/gpu": "4"}   # GPUs per pod = ranks per group
+        assert c.resources.limits == {"nvidia.com/gpu": "4"}  # GPUs per pod = ranks per group
         mounts = {m.mount_path: m for m in c.volume_mounts}
         vols = {v.name: v for v in pod.spec.volumes}
         token = vols[mounts[kubernetes.TOKEN_DIR].name].secret
@@ -102,18 +128,19 @@ def test_group_pods_get_their_gpus_volumes_and_secrets_never_a_token(train_group
         assert mounts[kubernetes.TOKEN_DIR].read_only
         assert {e.name: e.value for e in c.env}["FTCORE_TOKEN_FILE"] == kubernetes.TOKEN_FILE
         assert [e.secret_ref.name for e in c.env_from] == ["mlflow-creds"]
-        work = vols[mounts[str(tmp_path / "work")].name]   # FTREC_WORK, at the workers' path
+        work = vols[mounts[str(tmp_path / "work")].name]  # FTREC_WORK, at the workers' path
         assert work.persistent_volume_claim.claim_name == "ftrec-work"
         assert vols[mounts["/dev/shm"].name].empty_dir.medium == "Memory"
         text = yaml.safe_dump(kubernetes.to_dicts([pod]))
         assert WORKER_TOKEN not in text and "name: FTCORE_TOKEN\n" not in text
     op = train_group.unmap(kubernetes.group_pods(_run(tmp_path))[0])
     assert op.retries == 2 and op.on_finish_action.value == "delete_succeeded_pod" and op.get_logs
-    assert train_group.expand_input.value.operator.task_id == "group_pods"   # map index = group
+    assert train_group.expand_input.value.operator.task_id == "group_pods"  # map index = group
 
 
 def test_cpu_only_pods_have_no_gpu_limit(k8s_env, tmp_path):
     from ftrec_airflow.kubernetes_operator import GroupPodOperator
+
     k8s_env.setenv("FTREC_K8S_GPU_RESOURCE", "")
     kw = kubernetes.group_pods(_run(tmp_path, groups=1))[0]
     pod = GroupPodOperator(task_id="train_group", **kubernetes.pod_defaults(), **kw).build_pod_request_obj(dry_run=True)
@@ -125,12 +152,13 @@ def test_specs_round_trip_through_the_kubernetes_models(train_group, tmp_path):
     deserializers: a misspelt or mistyped field would not survive the round trip."""
     from airflow.providers.cncf.kubernetes.pod_generator import PodGenerator
     from kubernetes.client import ApiClient
+
     for pod in _pods(train_group, _run(tmp_path)):
-        d, = kubernetes.to_dicts([pod])
+        (d,) = kubernetes.to_dicts([pod])
         assert kubernetes.to_dicts([PodGenerator.deserialize_model_dict(d)]) == [d]
     api = ApiClient()
     for obj in kubernetes.lighthouse_manifests():
-        d, = kubernetes.to_dicts([obj])
+        (d,) = kubernetes.to_dicts([obj])
         back = api.deserialize(SimpleNamespace(data=json.dumps(d)), type(obj).__name__)
         assert kubernetes.to_dicts([back]) == [d]
 
@@ -142,15 +170,15 @@ def test_the_standing_lighthouse_deployment_and_service(k8s_env):
     labels = spec["template"]["metadata"]["labels"]
     assert spec["selector"]["matchLabels"] == labels == service["spec"]["selector"]
     assert spec["replicas"] == 1 and spec["strategy"]["type"] == "Recreate"
-    c, = spec["template"]["spec"]["containers"]
+    (c,) = spec["template"]["spec"]["containers"]
     assert c["command"] == ["ftcore-lighthouse"] and c["image"] == IMAGE
     assert c["args"][:2] == ["--bind", "$(POD_IP):29510"] and "--token-file" in c["args"]
     assert c["args"][c["args"].index("--token-file") + 1] == kubernetes.TOKEN_FILE
     assert c["env"] == [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
-    vol, = spec["template"]["spec"]["volumes"]
+    (vol,) = spec["template"]["spec"]["volumes"]
     assert vol["secret"]["secretName"] == "ftcore-lighthouse-token"
     assert c["volumeMounts"][0]["mountPath"] == kubernetes.TOKEN_DIR
-    port, = service["spec"]["ports"]
+    (port,) = service["spec"]["ports"]
     assert port["port"] == 29510 and port["targetPort"] == c["ports"][0]["name"] == "lighthouse"
     # the group pods' FTCORE_LIGHTHOUSE is this Service's cluster DNS name
     meta = service["metadata"]
@@ -160,12 +188,19 @@ def test_the_standing_lighthouse_deployment_and_service(k8s_env):
 
 def test_lighthouse_manifests_from_the_command_line(k8s_env):
     import yaml
-    r = subprocess.run([sys.executable, "-m", "ftrec_airflow.kubernetes", "lighthouse"], capture_output=True,
-                       text=True, timeout=120)
+
+    r = subprocess.run(
+        [sys.executable, "-m", "ftrec_airflow.kubernetes", "lighthouse"], capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 0, r.stderr
     assert [d["kind"] for d in yaml.safe_load_all(r.stdout)] == ["Deployment", "Service"]
-    r = subprocess.run([sys.executable, "-m", "ftrec_airflow.kubernetes", "lighthouse"], capture_output=True,
-                       text=True, timeout=120, env={**os.environ, "FTREC_K8S_IMAGE": ""})
+    r = subprocess.run(
+        [sys.executable, "-m", "ftrec_airflow.kubernetes", "lighthouse"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "FTREC_K8S_IMAGE": ""},
+    )
     assert r.returncode == 2 and "FTREC_K8S_IMAGE" in r.stderr
 
 
@@ -176,6 +211,7 @@ def test_open_run_then_collect_group_zeros_result(k8s_env, tmp_path):
     from airflow.sdk.exceptions import AirflowFailException
 
     from ftrec_airflow import lighthouse, pipeline, settings
+
     k8s_env.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     k8s_env.setenv("FTREC_LIGHTHOUSE_URL", "http://ftcore-lighthouse.recs.svc:29510")
     k8s_env.delenv("AIRFLOW_CONN_FTREC_MLFLOW", raising=False)
@@ -189,14 +225,23 @@ def test_open_run_then_collect_group_zeros_result(k8s_env, tmp_path):
     assert run["job_id"] == "ftrec_train_k8s/manual__1/train_group"
     snap = lighthouse.read_snapshot(settings.run_folder("ftrec_train_k8s", "manual__1"))
     assert snap["url"] == "http://ftcore-lighthouse.recs.svc:29510" and snap["job"] == run["job_id"]
-    assert [kw["env_vars"]["FTCORE_LIGHTHOUSE"] for kw in kubernetes.group_pods(run)] == \
-        ["ftcore-lighthouse.recs.svc:29510"] * 2
+    assert [kw["env_vars"]["FTCORE_LIGHTHOUSE"] for kw in kubernetes.group_pods(run)] == [
+        "ftcore-lighthouse.recs.svc:29510"
+    ] * 2
     with pytest.raises(RuntimeError, match="result.json is missing"):
         kubernetes.collect(run)
     res = Path(run["spec"]["out"]) / "replica_0" / "result.json"
     res.parent.mkdir(parents=True)
-    res.write_text(json.dumps({"mlflow_run_id": run["mlflow_run_id"], "checkpoint": "/ckpt", "steps": 20,
-                               "metrics": {"test/sampled/ndcg_at_10": 0.25}}))
+    res.write_text(
+        json.dumps(
+            {
+                "mlflow_run_id": run["mlflow_run_id"],
+                "checkpoint": "/ckpt",
+                "steps": 20,
+                "metrics": {"test/sampled/ndcg_at_10": 0.25},
+            }
+        )
+    )
     got = kubernetes.collect(run)
     assert got["checkpoint"] == "/ckpt" and got["mlflow_run_id"] == run["mlflow_run_id"]
     assert got["replica_groups"] == 2 and got["tracking_uri"] == run["tracking_uri"]

@@ -44,7 +44,7 @@ def _committed(out: Path, g: int) -> list[dict]:
             try:
                 r = json.loads(line)
             except json.JSONDecodeError:
-                continue   # a line being written
+                continue  # a line being written
             if r["committed"]:
                 recs.append(r)
     return recs
@@ -74,21 +74,69 @@ def test_a_lost_host_is_restarted_by_its_scheduler_and_heals_across_hosts(tmp_pa
     with netns.Hosts(["a", "b", "c", "d"]) as hosts:
         addr = hosts.addr
         lighthouse = f"{addr['a']}:29510"
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-               "FTCORE_LIGHTHOUSE": lighthouse, "FTCORE_TOKEN_FILE": str(token), "FTCORE_JOB_ID": "netns",
-               "FTREC_NUM_REPLICA_GROUPS": "2"}
-        env.pop("FTCORE_HOST", None)   # each rank derives its address from the route to the lighthouse
-        hosts.start("a", [sys.executable, "-m", "ftcore.lighthouse", "--bind", lighthouse, "--token-file", str(token),
-                          "--events-file", str(out / "lighthouse-events.jsonl")], env, logs / "a.log")
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+            "FTCORE_LIGHTHOUSE": lighthouse,
+            "FTCORE_TOKEN_FILE": str(token),
+            "FTCORE_JOB_ID": "netns",
+            "FTREC_NUM_REPLICA_GROUPS": "2",
+        }
+        env.pop("FTCORE_HOST", None)  # each rank derives its address from the route to the lighthouse
+        hosts.start(
+            "a",
+            [
+                sys.executable,
+                "-m",
+                "ftcore.lighthouse",
+                "--bind",
+                lighthouse,
+                "--token-file",
+                str(token),
+                "--events-file",
+                str(out / "lighthouse-events.jsonl"),
+            ],
+            env,
+            logs / "a.log",
+        )
 
         def group(g: int, host: str, nnodes: int, nproc: int, rdzv_host: str, attempt: int = 0):
-            argv = [TORCHRUN, "--nnodes", str(nnodes), "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
-                    "--rdzv-endpoint", f"{addr[rdzv_host]}:29400", "--rdzv-id", f"netns-g{g}-{attempt}",
-                    "--max-restarts", "3" if nnodes == 1 else "0", "--tee", "3",
-                    "--local-addr", addr[host], *(["--rdzv-conf", "is_host=1"] if host == rdzv_host else []),
-                    "-m", "training", "train", "--shards", str(shards), "--out", str(out / f"replica_{g}"),
-                    "--set", f"train.epochs={EPOCHS}", "model.dim=16", "loss.num_negatives=16",
-                    "mlflow.enabled=false", "eval.periodic=false", "eval.batch_size=256"]
+            argv = [
+                TORCHRUN,
+                "--nnodes",
+                str(nnodes),
+                "--nproc-per-node",
+                str(nproc),
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"{addr[rdzv_host]}:29400",
+                "--rdzv-id",
+                f"netns-g{g}-{attempt}",
+                "--max-restarts",
+                "3" if nnodes == 1 else "0",
+                "--tee",
+                "3",
+                "--local-addr",
+                addr[host],
+                *(["--rdzv-conf", "is_host=1"] if host == rdzv_host else []),
+                "-m",
+                "training",
+                "train",
+                "--shards",
+                str(shards),
+                "--out",
+                str(out / f"replica_{g}"),
+                "--set",
+                f"train.epochs={EPOCHS}",
+                "model.dim=16",
+                "loss.num_negatives=16",
+                "mlflow.enabled=false",
+                "eval.periodic=false",
+                "eval.batch_size=256",
+            ]
             return hosts.start(host, argv, {**env, "FTREC_REPLICA_GROUP": str(g)}, logs / f"{host}{attempt}.log")
 
         agents = {"b": group(0, "b", 1, 2, "b"), "c": group(1, "c", 2, 1, "c"), "d": group(1, "d", 2, 1, "c")}
@@ -106,8 +154,9 @@ def test_a_lost_host_is_restarted_by_its_scheduler_and_heals_across_hosts(tmp_pa
         assert agents["d"].pid in killed
         before = len(_committed(out, 0))
         # group 0 goes on alone: its commits in a quorum of one
-        _wait(lambda: sum(r["participants"] == 1 for r in _committed(out, 0)) >= 3, 120,
-              "group 0 to commit alone", logs)
+        _wait(
+            lambda: sum(r["participants"] == 1 for r in _committed(out, 0)) >= 3, 120, "group 0 to commit alone", logs
+        )
         assert len(_committed(out, 0)) > before
         # c's rank fails at once: its group's collective breaks, or the lighthouse says its group lost a rank
         code = agents["c"].wait(timeout=60)
@@ -123,7 +172,8 @@ def test_a_lost_host_is_restarted_by_its_scheduler_and_heals_across_hosts(tmp_pa
             except subprocess.TimeoutExpired:
                 codes[h] = None
         assert set(codes.values()) == {0}, f"torchrun exit codes {codes}\n" + "\n".join(
-            f"--- {f.name}\n{f.read_text()[-3000:]}" for f in sorted(logs.glob("*.log")))
+            f"--- {f.name}\n{f.read_text()[-3000:]}" for f in sorted(logs.glob("*.log"))
+        )
 
     s0 = (out / "replica_0" / "state.safetensors").read_bytes()
     s1 = (out / "replica_1" / "state.safetensors").read_bytes()
@@ -131,7 +181,13 @@ def test_a_lost_host_is_restarted_by_its_scheduler_and_heals_across_hosts(tmp_pa
     events = [json.loads(x) for x in (out / "lighthouse-events.jsonl").read_text().splitlines()]
     assert any(e["kind"] == "heal_finished" and e.get("group") == 1 for e in events)
     assert all(e.get("job", "netns") == "netns" for e in events)
-    summary = ledger.check(str(out / "ledger"), steps_per_epoch=steps, num_groups=2, ranks_per_group=2,
-                           epochs=EPOCHS, sample_ids=shard_sample_ids(shards))
-    assert summary["batches"] == EPOCHS * 2 * steps * 2   # every (group, rank) records its batches
+    summary = ledger.check(
+        str(out / "ledger"),
+        steps_per_epoch=steps,
+        num_groups=2,
+        ranks_per_group=2,
+        epochs=EPOCHS,
+        sample_ids=shard_sample_ids(shards),
+    )
+    assert summary["batches"] == EPOCHS * 2 * steps * 2  # every (group, rank) records its batches
     assert not [n for n in os.listdir("/var/run/netns") if n.startswith(f"ft{hosts.tag}")]

@@ -47,15 +47,16 @@ def _not_ftrec(name: str) -> bool:
 @pytest.fixture(scope="module")
 def venv(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("fresh-venv")
-    src = tmp / "src"   # the working tree's files, so the build leaves nothing in the checkout
+    src = tmp / "src"  # the working tree's files, so the build leaves nothing in the checkout
     src.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy2(ROOT / name, src / name)
     for pkg in PACKAGES:
         shutil.copytree(ROOT / pkg, src / pkg, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", tmp / "dist", src],
-         300)
-    wheel, = (tmp / "dist").glob("ftrec-*.whl")
+    _run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", tmp / "dist", src], 300
+    )
+    (wheel,) = (tmp / "dist").glob("ftrec-*.whl")
     with zipfile.ZipFile(wheel) as z:
         names = z.namelist()
         eps = z.read(next(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()
@@ -65,10 +66,23 @@ def venv(tmp_path_factory) -> Path:
 
     v = tmp / "v"
     _run([sys.executable, "-m", "venv", "--without-pip", v], 120)
-    _run([sys.executable, "-m", "pip", "--python", v / "bin" / "python", "install", "-q", "--no-deps", "--no-index",
-          wheel], 300)
-    site, = (v / "lib").glob("python3*/site-packages")
-    deps = tmp / "deps"   # the dev venv's third-party packages, without ftrec
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            v / "bin" / "python",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-index",
+            wheel,
+        ],
+        300,
+    )
+    (site,) = (v / "lib").glob("python3*/site-packages")
+    deps = tmp / "deps"  # the dev venv's third-party packages, without ftrec
     deps.mkdir()
     for entry in SITE.iterdir():
         if _not_ftrec(entry.name):
@@ -80,8 +94,13 @@ def venv(tmp_path_factory) -> Path:
 def _env(tmp: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "PYTHON", "FTREC_"))}
     (tmp / "home" / "plugins").mkdir(parents=True, exist_ok=True)
-    return {**env, "AIRFLOW_HOME": str(tmp / "home"), "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-            "AIRFLOW__CORE__PLUGINS_FOLDER": str(tmp / "home" / "plugins"), "PYTHONNOUSERSITE": "1"}
+    return {
+        **env,
+        "AIRFLOW_HOME": str(tmp / "home"),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__CORE__PLUGINS_FOLDER": str(tmp / "home" / "plugins"),
+        "PYTHONNOUSERSITE": "1",
+    }
 
 
 WHERE = """
@@ -111,9 +130,9 @@ def test_the_wheel_alone_gives_airflow_the_plugin(venv, tmp_path):
     _run([sys.executable, "-m", "pip", "--python", py, "check"], 120, cwd=tmp_path, env=_env(tmp_path))
 
     r = _run([py, "-m", "airflow", "plugins", "-o", "json"], 180, cwd=tmp_path, env=_env(tmp_path))
-    plugins = json.loads(r.stdout[r.stdout.index("["):])
+    plugins = json.loads(r.stdout[r.stdout.index("[") :])
     ftrec = [p for p in plugins if p["name"] == "ftrec"]
-    assert len(ftrec) == 1, plugins   # once: the entry point, no plugins folder
+    assert len(ftrec) == 1, plugins  # once: the entry point, no plugins folder
     assert "ftrec_airflow.plugin:FtrecPlugin" in ftrec[0]["source"] and ftrec[0]["source"].startswith("ftrec==")
     assert {v["destination"] for v in ftrec[0]["external_views"]} == {"dag_run", "nav"}
     assert ftrec[0]["fastapi_apps"][0]["url_prefix"] == "/ftrec"

@@ -22,13 +22,13 @@ DEFAULT_COST = default_cost()
 
 def test_bubble_fraction_definition():
     assert bubble_fraction(np.ones((3, 4))) == 0.0
-    loads = np.array([[1.0, 3.0], [2.0, 2.0]])       # step 1 waits 2 units on rank 0
+    loads = np.array([[1.0, 3.0], [2.0, 2.0]])  # step 1 waits 2 units on rank 0
     assert bubble_fraction(loads) == pytest.approx(1 - 8 / (2 * (3 + 2)))
 
 
 def test_the_model_uses_dataprep_balancer_and_default_cost_model():
     assert DEFAULT_COST == {"a": DEFAULT.a, "b": DEFAULT.b, "c0": DEFAULT.c0}
-    assert sim_balance.lpt is dataprep_balance.lpt       # imported, not re-implemented
+    assert sim_balance.lpt is dataprep_balance.lpt  # imported, not re-implemented
     assert not hasattr(sim_balance, "DEFAULT_COST") and not hasattr(sim_balance, "lpt_rounds")
     rng = np.random.default_rng(3)
     costs = -np.sort(-DEFAULT(rng.integers(1, 500, (4, 16 * 8))), axis=1)
@@ -65,8 +65,7 @@ def test_random_bubble_grows_with_world_size():
 
 
 def test_uniform_lengths_have_no_bubble_when_balanced():
-    r = bubbles(16, batch=8, window=4, windows=1, cost={"a": 0.0, "b": 0.0, "c0": 1.0},
-                rng=np.random.default_rng(0))
+    r = bubbles(16, batch=8, window=4, windows=1, cost={"a": 0.0, "b": 0.0, "c0": 1.0}, rng=np.random.default_rng(0))
     assert r == {"random": 0.0, "per_step_lpt": 0.0, "balanced": 0.0}
 
 

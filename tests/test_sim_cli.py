@@ -13,14 +13,28 @@ from benchmarks.sim.config import SimConfig
 from benchmarks.sim.report import ftrec_config, run
 
 ROOT = Path(__file__).resolve().parent.parent
-SMALL = ["--set", "job.days=3", "--set", "job.seeds=2", "--set", "sweep.scales=[1024, 98304]",
-         "--set", "sweep.replica_groups=[1, 12]", "--set", "sweep.mtbf_min=[18, 60]",
-         "--set", "balance.world_sizes=[8, 64]", "--set", "balance.windows=1"]
+SMALL = [
+    "--set",
+    "job.days=3",
+    "--set",
+    "job.seeds=2",
+    "--set",
+    "sweep.scales=[1024, 98304]",
+    "--set",
+    "sweep.replica_groups=[1, 12]",
+    "--set",
+    "sweep.mtbf_min=[18, 60]",
+    "--set",
+    "balance.world_sizes=[8, 64]",
+    "--set",
+    "balance.windows=1",
+]
 
 
 def sim(*args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "benchmarks.sim", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "benchmarks.sim", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_cli_writes_table_json_and_plots(tmp_path):
@@ -38,11 +52,14 @@ def test_cli_writes_table_json_and_plots(tmp_path):
     assert not [f for f in tmp_path.iterdir() if f.name.startswith(".")]  # no temp files left
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["--set", "job.gpus=abc"], "job.gpus"),
-    (["--config", "/nonexistent/sim.toml"], "config file not found"),
-    (["--set", "balance.lengths=/nonexistent/lengths.txt"], "balance.lengths"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--set", "job.gpus=abc"], "job.gpus"),
+        (["--config", "/nonexistent/sim.toml"], "config file not found"),
+        (["--set", "balance.lengths=/nonexistent/lengths.txt"], "balance.lengths"),
+    ],
+)
 def test_cli_errors_are_one_line(tmp_path, args, needle):
     p = sim("--out", str(tmp_path), "--no-sweeps", *args)
     assert p.returncode == 2
@@ -52,14 +69,25 @@ def test_cli_errors_are_one_line(tmp_path, args, needle):
 
 
 def test_calibration_reads_benchmark_files(tmp_path):
-    (tmp_path / "ftcore.json").write_text(json.dumps(
-        {"rows": [{"scenario": "crash", "failover_s": {"median": 0.25}, "heal_s": 1.5,
-                   "stall_per_failure_s": 0.75}]}))
+    (tmp_path / "ftcore.json").write_text(
+        json.dumps(
+            {
+                "rows": [
+                    {"scenario": "crash", "failover_s": {"median": 0.25}, "heal_s": 1.5, "stall_per_failure_s": 0.75}
+                ]
+            }
+        )
+    )
     (tmp_path / "dataprep.json").write_text(
-        json.dumps({"manifest": {"config": {"cost_model": {"a": 1, "b": 2, "c0": 3}}}}))
+        json.dumps({"manifest": {"config": {"cost_model": {"a": 1, "b": 2, "c0": 3}}}})
+    )
     cal = calibration.load(tmp_path)
-    assert {k: v["value"] for k, v in cal["ftcore"].items()} == \
-        {"failover_s": 0.25, "heal_s": 1.5, "stall_per_failure_s": 0.75, "step_overhead": 0.0}
+    assert {k: v["value"] for k, v in cal["ftcore"].items()} == {
+        "failover_s": 0.25,
+        "heal_s": 1.5,
+        "stall_per_failure_s": 0.75,
+        "step_overhead": 0.0,
+    }
     assert cal["ftcore"]["heal_s"]["source"].endswith("ftcore.json")
     assert cal["ftcore"]["step_overhead"]["source"] == "default"
     assert {k: cal["cost_model"][k] for k in "abc0" if k in cal["cost_model"]} == {"a": 1.0, "b": 2.0}
@@ -79,6 +107,7 @@ def test_calibration_defaults_when_absent(tmp_path):
     assert cal["cost_model"]["source"].startswith("default")
     # the default cost model is dataprep's own, not a copy that can drift from it
     from dataprep.cost import DEFAULT
+
     assert {k: cal["cost_model"][k] for k in ("a", "b", "c0")} == {"a": DEFAULT.a, "b": DEFAULT.b, "c0": DEFAULT.c0}
 
 
@@ -95,6 +124,7 @@ def test_calibration_ignores_unusable_values(tmp_path):
 
 def test_example_config_runs():
     from benchmarks.sim.config import load
+
     cfg = load(ROOT / "benchmarks" / "sim" / "example.toml", ["job.days=5", "job.seeds=2"])
     assert cfg.job.gpus == 16384 and cfg.checkpoint.policy == "young_daly"
     res = run(cfg)

@@ -37,8 +37,15 @@ def test_no_failures_gives_full_effective_time(mode):
     assert simulate(cfg, mode, 0)["ett"] == pytest.approx(240 / 300)
 
 
-@pytest.mark.parametrize("changes", [{}, {"failures_overlap": "restart"}, {"checkpoint_write_s": 20.0},
-                                     {"checkpoint_policy": "young_daly", "checkpoint_write_s": 20.0}])
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {},
+        {"failures_overlap": "restart"},
+        {"checkpoint_write_s": 20.0},
+        {"checkpoint_policy": "young_daly", "checkpoint_write_s": 20.0},
+    ],
+)
 def test_one_replica_group_makes_fthsdp_synchronous(changes):
     cfg = with_(SimConfig(), job_replica_groups=1, job_days=5.0, **changes)
     for seed in range(3):
@@ -77,16 +84,22 @@ def test_min_replicas_stalls_the_job_when_too_few_groups_are_live():
     base = with_(SimConfig(), job_days=10.0)
     free = simulate(base, "fthsdp", 0)
     strict = simulate(with_(base, fthsdp_min_replicas=12), "fthsdp", 0)
-    assert strict["degraded"] == 0.0                   # never steps without every group
-    assert strict["stalled"] > free["stalled"] + 0.2   # it waits instead
+    assert strict["degraded"] == 0.0  # never steps without every group
+    assert strict["stalled"] > free["stalled"] + 0.2  # it waits instead
     assert strict["ett"] < free["ett"]
 
 
 def _fails(times, groups, weights, horizon, detect=60.0):
     t = np.asarray(times, float)
-    return Failures(t=t, group=np.asarray(groups, np.int64), kind=np.zeros(len(t), np.int64),
-                    detect=np.full(len(t), detect), ft_detect=np.full(len(t), detect),
-                    weights=np.asarray(weights, float), horizon=horizon)
+    return Failures(
+        t=t,
+        group=np.asarray(groups, np.int64),
+        kind=np.zeros(len(t), np.int64),
+        detect=np.full(len(t), detect),
+        ft_detect=np.full(len(t), detect),
+        weights=np.asarray(weights, float),
+        horizon=horizon,
+    )
 
 
 def test_exact_accounting_of_one_failure():
@@ -96,10 +109,10 @@ def test_exact_accounting_of_one_failure():
     s = simulate(cfg, "sync", fails=f)
     restart = 60 + 180 + 120 + 120 + 60
     assert s["ett"] == pytest.approx((H - restart - 1000 % 240) / H)
-    assert s["rollback"] == pytest.approx(40 / H)   # 1000 s in, last checkpoint at 960 s
+    assert s["rollback"] == pytest.approx(40 / H)  # 1000 s in, last checkpoint at 960 s
     ft = simulate(cfg, "fthsdp", fails=f)
-    stall = 60 + 120                       # detection + reconfiguration, every group waits
-    back = 60 + 180 + 120 + 120 + 60       # the group heals from a live peer (heal_s = 120)
+    stall = 60 + 120  # detection + reconfiguration, every group waits
+    back = 60 + 180 + 120 + 120 + 60  # the group heals from a live peer (heal_s = 120)
     assert ft["stalled"] == pytest.approx(stall / H)
     assert ft["degraded"] == pytest.approx((back - stall) / 12 / H)
     assert ft["rollback"] == 0.0
@@ -111,9 +124,9 @@ def test_overlapping_failures_queue_or_restart():
     f = _fails([1000.0, 1100.0], [0, 0], [1.0], H)
     lost = 1000 % 240
     q = simulate(SimConfig(), "sync", fails=f)
-    assert q["stalled"] == pytest.approx(2 * restart / H)          # the second restart waits for the first
+    assert q["stalled"] == pytest.approx(2 * restart / H)  # the second restart waits for the first
     r = simulate(with_(SimConfig(), failures_overlap="restart"), "sync", fails=f)
-    assert r["stalled"] == pytest.approx((100 + restart) / H)      # the second restart replaces the first
+    assert r["stalled"] == pytest.approx((100 + restart) / H)  # the second restart replaces the first
     assert q["rollback"] == r["rollback"] == pytest.approx(lost / H)  # no progress between them to lose
 
 
@@ -157,14 +170,17 @@ def test_young_daly_interval():
     assert checkpoint_interval(with_(cfg, checkpoint_write_s=0.0)) == 0.0
     # with a costly write the optimum beats a far-off fixed interval
     yd = mean_ett(with_(cfg, checkpoint_write_s=30.0, job_days=5.0), "sync")
-    fixed = mean_ett(with_(cfg, checkpoint_policy="fixed", checkpoint_interval_s=3600.0,
-                           checkpoint_write_s=30.0, job_days=5.0), "sync")
+    fixed = mean_ett(
+        with_(cfg, checkpoint_policy="fixed", checkpoint_interval_s=3600.0, checkpoint_write_s=30.0, job_days=5.0),
+        "sync",
+    )
     assert yd > fixed
 
 
 def test_failure_kinds_and_units():
-    cfg = with_(SimConfig(), job_days=5.0,
-                failures_kinds=[FailureKind("crash", 3, 10.0), FailureKind("hang", 1, 600.0)])
+    cfg = with_(
+        SimConfig(), job_days=5.0, failures_kinds=[FailureKind("crash", 3, 10.0), FailureKind("hang", 1, 600.0)]
+    )
     f = draw(cfg, 0)
     share_hang = float(np.mean(f.kind == 1))
     assert 0.2 < share_hang < 0.3
@@ -180,8 +196,9 @@ def test_failure_kinds_and_units():
 
 def test_config_file_and_overrides(tmp_path):
     p = tmp_path / "c.toml"
-    p.write_text('[job]\ngpus = 16384\nreplica_groups = 2\n'
-                 '[[failures.kinds]]\nname = "crash"\nshare = 1\ndetect_s = 5\n')
+    p.write_text(
+        '[job]\ngpus = 16384\nreplica_groups = 2\n[[failures.kinds]]\nname = "crash"\nshare = 1\ndetect_s = 5\n'
+    )
     cfg = load(p, ["fthsdp.lr_policy=linear", "checkpoint.interval_s=600", "sweep.scales=[1024, 2048]"])
     assert cfg.job.gpus == 16384 and cfg.job.replica_groups == 2
     assert cfg.failures.kinds == [FailureKind("crash", 1.0, 5.0)]
@@ -189,17 +206,21 @@ def test_config_file_and_overrides(tmp_path):
     assert cfg.sweep.scales == [1024, 2048]
 
 
-@pytest.mark.parametrize("sets, words", [
-    (["job.gpu=8"], ["job.gpu", "unknown setting"]),
-    (["job.gpus=abc"], ["job.gpus", "integer"]),
-    (["job.gpus=12"], ["multiple of job.gpus_per_server"]),
-    (["nosuch.key=1"], ["[nosuch]"]),
-    (["fthsdp.lr_policy=cubic"], ["fthsdp.lr_policy", "sqrt"]),
-    (["fthsdp.min_replicas=13"], ["fthsdp.min_replicas"]),
-    (["jobgpus"], ["section.key=value"]),
-])
+@pytest.mark.parametrize(
+    "sets, words",
+    [
+        (["job.gpu=8"], ["job.gpu", "unknown setting"]),
+        (["job.gpus=abc"], ["job.gpus", "integer"]),
+        (["job.gpus=12"], ["multiple of job.gpus_per_server"]),
+        (["nosuch.key=1"], ["[nosuch]"]),
+        (["fthsdp.lr_policy=cubic"], ["fthsdp.lr_policy", "sqrt"]),
+        (["fthsdp.min_replicas=13"], ["fthsdp.min_replicas"]),
+        (["jobgpus"], ["section.key=value"]),
+    ],
+)
 def test_config_errors_name_the_setting(sets, words):
     from benchmarks.sim.config import SimConfigError
+
     with pytest.raises(SimConfigError) as e:
         load(None, sets)
     assert all(w in str(e.value) for w in words), str(e.value)
@@ -208,6 +229,7 @@ def test_config_errors_name_the_setting(sets, words):
 
 def test_validate_rejects_bad_kinds():
     from benchmarks.sim.config import SimConfigError
+
     with pytest.raises(SimConfigError, match="failures.kinds"):
         validate(with_(SimConfig(), failures_kinds=[FailureKind("x", 0.0, 1.0)]))
 

@@ -20,15 +20,36 @@ def chaos_timeline(tmp_path_factory):
     d = tmp_path_factory.mktemp("chaos")
     plan = d / "plan.json"
     plan.write_text(json.dumps({"faults": [{"kind": "kill", "group": 1, "at_step": 15}]}))
-    r = run_python(["-m", "training", "launch", "--worker", "ftcore.examples.toy", "--replica-groups", "2",
-                    "--out", str(d / "train"), "--faults", str(plan), "--timeout", "150", "--",
-                    "--steps", "40", "--step-sleep", "0.02"], 200)
+    r = run_python(
+        [
+            "-m",
+            "training",
+            "launch",
+            "--worker",
+            "ftcore.examples.toy",
+            "--replica-groups",
+            "2",
+            "--out",
+            str(d / "train"),
+            "--faults",
+            str(plan),
+            "--timeout",
+            "150",
+            "--",
+            "--steps",
+            "40",
+            "--step-sleep",
+            "0.02",
+        ],
+        200,
+    )
     assert r.returncode == 0, r.stdout[-3000:]
     return json.loads((d / "train" / "timeline.json").read_text())
 
 
 def test_series_and_story_follow_the_timeline(chaos_timeline, tmp_path):
     from training import timeline
+
     s = timeline.series(chaos_timeline)
     assert sorted(s["groups"]) == [0, 1]
     for pts in s["groups"].values():
@@ -47,6 +68,7 @@ def test_the_lighthouse_tab_of_a_finished_run_tells_what_happened(chaos_timeline
     from fastapi.testclient import TestClient
 
     from ftrec_airflow import lighthouse, lighthouse_app, settings
+
     monkeypatch.setenv("FTREC_WORK", str(tmp_path / "work"))
     monkeypatch.delenv("FTREC_LIGHTHOUSE_URL", raising=False)
     run = settings.run_folder("ftrec_chaos_drill", "manual__1")
@@ -54,8 +76,10 @@ def test_the_lighthouse_tab_of_a_finished_run_tells_what_happened(chaos_timeline
     # the last snapshot the train task kept: its lighthouse has ended with the job
     lighthouse.write_snapshot(run, "http://127.0.0.1:9", {"groups": [{"group": 0, "healthy": False}], "events": []})
     tl = dict(chaos_timeline)
-    tl["lighthouse_events"] = [*tl["lighthouse_events"], {"t": tl["steps"][-1]["t"], "kind": "fault", "group": 0,
-                                                           "note": "<script>alert(1)</script>"}]
+    tl["lighthouse_events"] = [
+        *tl["lighthouse_events"],
+        {"t": tl["steps"][-1]["t"], "kind": "fault", "group": 0, "note": "<script>alert(1)</script>"},
+    ]
     (run / "train" / "timeline.json").write_text(json.dumps(tl))
     lighthouse_app.app.dependency_overrides[lighthouse_app.can_read_runs] = lambda: None
     try:

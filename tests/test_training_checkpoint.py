@@ -21,14 +21,36 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory) -> str:
-    return str(synthetic_shards(tmp_path_factory.mktemp("ckpt"), users=300, items=150, seed=2, world_size=2,
-                                batch_size=12, max_len=16, max_history=60))
+    return str(
+        synthetic_shards(
+            tmp_path_factory.mktemp("ckpt"),
+            users=300,
+            items=150,
+            seed=2,
+            world_size=2,
+            batch_size=12,
+            max_len=16,
+            max_history=60,
+        )
+    )
 
 
 def _cfg(shards: str, out, *extra: str):
-    return load_config(None, [f"data.shards={shards}", f"train.out={out}", "train.epochs=2", "mlflow.enabled=false",
-                              "train.log_every=4", "train.checkpoint_every=0", "model.dropout=0.2",
-                              "model.dim=16", "optim.warmup_steps=5", *extra])
+    return load_config(
+        None,
+        [
+            f"data.shards={shards}",
+            f"train.out={out}",
+            "train.epochs=2",
+            "mlflow.enabled=false",
+            "train.log_every=4",
+            "train.checkpoint_every=0",
+            "model.dropout=0.2",
+            "model.dim=16",
+            "optim.warmup_steps=5",
+            *extra,
+        ],
+    )
 
 
 def _state(path: str) -> dict:
@@ -53,7 +75,7 @@ def _assert_same(a, b, where=""):
 def test_resume_mid_epoch_is_bitwise_identical(shards, tmp_path):
     full = train(_cfg(shards, tmp_path / "full"))
     steps_per_epoch = json.load(open(os.path.join(shards, "manifest.json")))["steps"]
-    stop = steps_per_epoch + steps_per_epoch // 2 + 1           # in the middle of the second epoch
+    stop = steps_per_epoch + steps_per_epoch // 2 + 1  # in the middle of the second epoch
     first = train(_cfg(shards, tmp_path / "cut", f"train.stop_at_step={stop}"))
     assert first["steps"] == stop and checkpoint.list_steps(str(tmp_path / "cut" / "checkpoints")) == [stop]
     meta = checkpoint.read_meta(first["checkpoint"])
@@ -61,18 +83,26 @@ def test_resume_mid_epoch_is_bitwise_identical(shards, tmp_path):
     resumed = train(_cfg(shards, tmp_path / "cut", "train.resume=true"))
     assert resumed["steps"] == full["steps"] == 2 * steps_per_epoch
     a, b = _state(full["checkpoint"]), _state(resumed["checkpoint"])
-    _assert_same(a, b)                       # model, optimizer, scheduler, cursor, RNG: all equal
+    _assert_same(a, b)  # model, optimizer, scheduler, cursor, RNG: all equal
     assert resumed["metrics"] == full["metrics"]
     # and the cut run really was different at the cut (the comparison can fail)
     assert not torch.equal(_state(first["checkpoint"])["model"]["item_emb.weight"], a["model"]["item_emb.weight"])
 
 
 def test_round_trip_and_safe_loading(shards, tmp_path):
-    res = train(_cfg(shards, tmp_path / "rt", "train.max_steps=6", "train.checkpoint_every=3", "eval.periodic=false",
-                     "train.keep_checkpoints=5"))
+    res = train(
+        _cfg(
+            shards,
+            tmp_path / "rt",
+            "train.max_steps=6",
+            "train.checkpoint_every=3",
+            "eval.periodic=false",
+            "train.keep_checkpoints=5",
+        )
+    )
     root = str(tmp_path / "rt" / "checkpoints")
     assert checkpoint.list_steps(root) == [3, 6]
-    os.makedirs(os.path.join(root, "step-00000009.tmp"))    # a crashed save: never picked up
+    os.makedirs(os.path.join(root, "step-00000009.tmp"))  # a crashed save: never picked up
     assert checkpoint.latest(root) == res["checkpoint"]
     state = _state(res["checkpoint"])
     assert set(state) == {"step", "model", "optimizer", "scheduler", "cursor", "rng"}
@@ -81,6 +111,7 @@ def test_round_trip_and_safe_loading(shards, tmp_path):
     class Evil:
         def __reduce__(self):
             return (os.system, ("echo pwned",))
+
     bad = tmp_path / "bad"
     bad.mkdir()
     with open(bad / "state.pt", "wb") as f:
@@ -94,9 +125,25 @@ def test_round_trip_and_safe_loading(shards, tmp_path):
 def test_eval_cli_matches_training_result(shards, tmp_path):
     res = train(_cfg(shards, tmp_path / "ev", "train.max_steps=8", "eval.periodic=false"))
     out = tmp_path / "metrics.json"
-    p = subprocess.run([sys.executable, "-m", "training", "eval", "--checkpoint", res["checkpoint"],
-                        "--shards", shards, "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
-                       timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "training",
+            "eval",
+            "--checkpoint",
+            res["checkpoint"],
+            "--shards",
+            shards,
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert p.returncode == 0, p.stderr
     got = json.load(open(out))
     assert got.keys() == res["metrics"].keys()
@@ -137,22 +184,33 @@ def test_warm_start_carries_items_by_raw_id(shards, tmp_path):
             shifted += nid != old_row[raw]
         else:
             assert torch.equal(w[nid], fresh[nid]), raw
-    assert carried == len(old_map["id"]) and shifted > 0   # ids really moved, rows followed them
+    assert carried == len(old_map["id"]) and shifted > 0  # ids really moved, rows followed them
     for k, v in model.state_dict().items():
         if k != "item_emb.weight":
             assert torch.equal(v, old[k]), k
 
     # and through the CLI setting, end to end
-    second = train(load_config(None, [*(f"{k}={v}" for k, v in [("data.shards", tmp_path / "grown"),
-                   ("train.out", tmp_path / "second2")]), "train.epochs=1", "mlflow.enabled=false",
-                   "model.dim=16", "model.dropout=0.2", f"train.init_checkpoint={first['checkpoint']}"]))
+    second = train(
+        load_config(
+            None,
+            [
+                *(f"{k}={v}" for k, v in [("data.shards", tmp_path / "grown"), ("train.out", tmp_path / "second2")]),
+                "train.epochs=1",
+                "mlflow.enabled=false",
+                "model.dim=16",
+                "model.dropout=0.2",
+                f"train.init_checkpoint={first['checkpoint']}",
+            ],
+        )
+    )
     assert second["steps"] > 0
 
 
 def test_warm_start_refuses_a_different_model(shards, tmp_path):
     first = train(_cfg(shards, tmp_path / "first", "train.epochs=1"))
-    cfg = _cfg(shards, tmp_path / "other", "train.epochs=1", "model.dim=24",
-               f"train.init_checkpoint={first['checkpoint']}")
+    cfg = _cfg(
+        shards, tmp_path / "other", "train.epochs=1", "model.dim=24", f"train.init_checkpoint={first['checkpoint']}"
+    )
     with pytest.raises(checkpoint.CheckpointError, match="does not fit this model"):
         train(cfg)
 
@@ -164,9 +222,22 @@ def test_best_validation_model_is_the_runs(tmp_path):
     build_shards(str(tmp_path / "ev.txt"), "sasrec", str(tmp_path / "shards"), world_size=1, batch_size=16, max_len=20)
     shards = str(tmp_path / "shards")
     # seeded and deterministic: on this data the full-ranking NDCG peaks mid-run (lr high, no dropout)
-    res = train(load_config(None, [f"data.shards={shards}", f"train.out={tmp_path / 'run'}", "train.epochs=12",
-                                   "mlflow.enabled=false", "model.dim=16", "loss.num_negatives=16", "model.dropout=0",
-                                   "optim.lr=0.01", "eval.best_metric=valid/full/ndcg@10"]))
+    res = train(
+        load_config(
+            None,
+            [
+                f"data.shards={shards}",
+                f"train.out={tmp_path / 'run'}",
+                "train.epochs=12",
+                "mlflow.enabled=false",
+                "model.dim=16",
+                "loss.num_negatives=16",
+                "model.dropout=0",
+                "optim.lr=0.01",
+                "eval.best_metric=valid/full/ndcg@10",
+            ],
+        )
+    )
     best = res["best"]
     assert best["metric"] == "valid/full/ndcg@10" and 0 < best["step"] < res["steps"]
     assert os.path.basename(os.path.dirname(res["checkpoint"])) == "best"
@@ -176,10 +247,26 @@ def test_best_validation_model_is_the_runs(tmp_path):
     last = checkpoint.load(best["last_checkpoint"])["model"]
     chosen = checkpoint.load(res["checkpoint"])["model"]
     assert any(not torch.equal(last[k], chosen[k]) for k in last)
-    out = tmp_path / "metrics.json"     # the checkpoint result.json names is the model it scored
-    p = subprocess.run([sys.executable, "-m", "training", "eval", "--checkpoint", res["checkpoint"],
-                        "--shards", shards, "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
-                       timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    out = tmp_path / "metrics.json"  # the checkpoint result.json names is the model it scored
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "training",
+            "eval",
+            "--checkpoint",
+            res["checkpoint"],
+            "--shards",
+            shards,
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert p.returncode == 0, p.stderr
     got = json.load(open(out))
     for k, v in res["metrics"].items():
@@ -188,15 +275,25 @@ def test_best_validation_model_is_the_runs(tmp_path):
     with pytest.raises(Exception, match="eval.best_metric='test/full/hr@10' needs a validation metric"):
         load_config(None, [f"data.shards={shards}", "eval.best_metric=test/full/hr@10"])
     with pytest.raises(Exception, match="choose one of .*valid/full/ndcg@10"):
-        train(load_config(None, [f"data.shards={shards}", f"train.out={tmp_path / 'bad'}", "train.max_steps=13",
-                                 "mlflow.enabled=false", "model.dim=16", "eval.best_metric=valid/full/ndgc@10"]))
+        train(
+            load_config(
+                None,
+                [
+                    f"data.shards={shards}",
+                    f"train.out={tmp_path / 'bad'}",
+                    "train.max_steps=13",
+                    "mlflow.enabled=false",
+                    "model.dim=16",
+                    "eval.best_metric=valid/full/ndgc@10",
+                ],
+            )
+        )
 
 
 def _two_checkpoints(tmp_path) -> tuple[str, str]:
     root = str(tmp_path / "checkpoints")
     for step in (3, 6):
-        checkpoint.save(root, {"model": {"w": torch.full((64,), float(step))}, "rng": torch.zeros(2)},
-                        {"step": step})
+        checkpoint.save(root, {"model": {"w": torch.full((64,), float(step))}, "rng": torch.zeros(2)}, {"step": step})
     return checkpoint.step_dir(root, 3), checkpoint.step_dir(root, 6)
 
 
@@ -206,11 +303,11 @@ def test_a_checkpoint_records_and_verifies_every_files_sha256(tmp_path):
     assert set(files) == {"state.pt"} and len(files["state.pt"]) == 64
     assert torch.equal(checkpoint.load(newest)["model"]["w"], torch.full((64,), 6.0))
     raw = bytearray(open(os.path.join(newest, "state.pt"), "rb").read())
-    raw[len(raw) // 2] ^= 0x01          # one flipped bit in the middle of the tensor bytes
+    raw[len(raw) // 2] ^= 0x01  # one flipped bit in the middle of the tensor bytes
     open(os.path.join(newest, "state.pt"), "wb").write(bytes(raw))
     with pytest.raises(checkpoint.CheckpointError, match="does not match the sha256"):
         checkpoint.load(newest)
-    open(os.path.join(newest, "state.pt"), "wb").close()   # zero length
+    open(os.path.join(newest, "state.pt"), "wb").close()  # zero length
     with pytest.raises(checkpoint.CheckpointError, match="0 bytes now"):
         checkpoint.load(newest)
 

@@ -17,13 +17,31 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_values_are_toml_and_bare_text_is_a_string():
-    got = parse_overrides(["train.epochs=3", "optim.lr=3e-4", "mlflow.register=false", 'data.name="beauty"',
-                           "data.alias=beauty", "eval.ks=[1, 5, 10]", "data.path=/data/events.txt",
-                           "job.plan={\"faults\": []}", "x.empty=", " y.k = 2 "])
-    assert got == {"train": {"epochs": 3}, "optim": {"lr": 3e-4}, "mlflow": {"register": False},
-                   "data": {"name": "beauty", "alias": "beauty", "path": "/data/events.txt"},
-                   "eval": {"ks": [1, 5, 10]}, "job": {"plan": '{"faults": []}'}, "x": {"empty": ""}, "y": {"k": 2}}
-    assert parse_overrides(["train.epochs=3", "train.epochs=4"]) == {"train": {"epochs": 4}}   # the last wins
+    got = parse_overrides(
+        [
+            "train.epochs=3",
+            "optim.lr=3e-4",
+            "mlflow.register=false",
+            'data.name="beauty"',
+            "data.alias=beauty",
+            "eval.ks=[1, 5, 10]",
+            "data.path=/data/events.txt",
+            'job.plan={"faults": []}',
+            "x.empty=",
+            " y.k = 2 ",
+        ]
+    )
+    assert got == {
+        "train": {"epochs": 3},
+        "optim": {"lr": 3e-4},
+        "mlflow": {"register": False},
+        "data": {"name": "beauty", "alias": "beauty", "path": "/data/events.txt"},
+        "eval": {"ks": [1, 5, 10]},
+        "job": {"plan": '{"faults": []}'},
+        "x": {"empty": ""},
+        "y": {"k": 2},
+    }
+    assert parse_overrides(["train.epochs=3", "train.epochs=4"]) == {"train": {"epochs": 4}}  # the last wins
 
 
 @pytest.mark.parametrize("item", ["epochs=3", "train.epochs", "a.b.c=1", ".x=1", "x.=1", 'data.name="beauty'])
@@ -34,15 +52,29 @@ def test_a_malformed_item_is_named(item):
 
 
 def test_the_trainer_reads_the_same_syntax():
-    cfg = load_config(None, ["train.epochs=3", 'mlflow.experiment="exp a"', "mlflow.run_name=true",
-                             "mlflow.run_id=123e4", "eval.ks=[1, 10]", "optim.betas=0.8,0.9", "mlflow.enabled=false",
-                             "optim.lr=0"])
+    cfg = load_config(
+        None,
+        [
+            "train.epochs=3",
+            'mlflow.experiment="exp a"',
+            "mlflow.run_name=true",
+            "mlflow.run_id=123e4",
+            "eval.ks=[1, 10]",
+            "optim.betas=0.8,0.9",
+            "mlflow.enabled=false",
+            "optim.lr=0",
+        ],
+    )
     assert cfg.train.epochs == 3 and cfg.eval.ks == (1, 10) and cfg.optim.betas == (0.8, 0.9)
     # a string setting takes the text as written: true and 123e4 are not a bool and a float here
     assert (cfg.mlflow.experiment, cfg.mlflow.run_name, cfg.mlflow.run_id) == ("exp a", "true", "123e4")
     assert cfg.mlflow.enabled is False and cfg.optim.lr == 0.0
-    for item, words in (("train.epochs=true", "train.epochs"), ("train.epochs=2.5", "train.epochs"),
-                        ("train.nope=1", "unknown key 'nope'"), ("nosection.x=1", "unknown section")):
+    for item, words in (
+        ("train.epochs=true", "train.epochs"),
+        ("train.epochs=2.5", "train.epochs"),
+        ("train.nope=1", "unknown key 'nope'"),
+        ("nosection.x=1", "unknown section"),
+    ):
         with pytest.raises(ConfigError, match=words) as e:
             load_config(None, [item])
         assert repr(item) in str(e.value)
@@ -57,17 +89,24 @@ def test_every_setting_has_its_one_line():
 
 
 def test_config_show_lists_every_setting_as_toml(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "training", "config", "--show"], cwd=ROOT, capture_output=True,
-                       text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "training", "config", "--show"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert p.returncode == 0, p.stderr
     assert "dim = 64" in p.stdout and "# width of the item embeddings" in p.stdout
     path = tmp_path / "all.toml"
     path.write_text(p.stdout)
     assert tomllib.loads(p.stdout).keys() == Config().to_dict().keys()
-    assert load_config(str(path)) == Config()               # it is a config file of the defaults
-    shown = subprocess.run([sys.executable, "-m", "training", "config", "--show", "--set", "train.epochs=3"],
-                           cwd=ROOT, capture_output=True, text=True, timeout=120).stdout
+    assert load_config(str(path)) == Config()  # it is a config file of the defaults
+    shown = subprocess.run(
+        [sys.executable, "-m", "training", "config", "--show", "--set", "train.epochs=3"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
     assert "\nepochs = 3 " in shown
-    helped = subprocess.run([sys.executable, "-m", "training", "--help"], cwd=ROOT, capture_output=True,
-                            text=True, timeout=120).stdout
+    helped = subprocess.run(
+        [sys.executable, "-m", "training", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    ).stdout
     assert "config --show" in helped

@@ -19,8 +19,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory) -> str:
-    return str(synthetic_shards(tmp_path_factory.mktemp("data"), users=300, items=120, seed=1, world_size=2,
-                                batch_size=8, max_len=16, max_history=60))
+    return str(
+        synthetic_shards(
+            tmp_path_factory.mktemp("data"),
+            users=300,
+            items=120,
+            seed=1,
+            world_size=2,
+            batch_size=8,
+            max_len=16,
+            max_history=60,
+        )
+    )
 
 
 def test_batches_are_the_rank_files_rows_with_next_item_labels(shards):
@@ -43,9 +53,9 @@ def test_batches_are_the_rank_files_rows_with_next_item_labels(shards):
 
 
 def test_shard_rank_mapping():
-    assert shard_ranks_for(4, 2, 1, 2, 0) == [2]        # group 1, rank 0 of 2 -> g*K+k
-    assert shard_ranks_for(4, 1, 0, 2, 1) == [2, 3]     # 2 processes on a 4-rank set
-    assert shard_ranks_for(2, 1, 0, 1, 0) == [0, 1]     # one process reads everything
+    assert shard_ranks_for(4, 2, 1, 2, 0) == [2]  # group 1, rank 0 of 2 -> g*K+k
+    assert shard_ranks_for(4, 1, 0, 2, 1) == [2, 3]  # 2 processes on a 4-rank set
+    assert shard_ranks_for(2, 1, 0, 1, 0) == [0, 1]  # one process reads everything
     with pytest.raises(DataError, match="world_size=3 cannot feed 1 replica group.*2 rank"):
         shard_ranks_for(3, 1, 0, 2, 0)
 
@@ -55,16 +65,16 @@ def test_cursor_commit_and_retry(shards):
     cursor = DataCursor(s.steps, seed=0)
     loader = BatchLoader(s, [0, 1], cursor, prefetch=2)
     first = loader.peek()
-    again = loader.peek()                                # not committed: the same batch
+    again = loader.peek()  # not committed: the same batch
     assert torch.equal(first.sample_ids, again.sample_ids)
     seen = []
     for _ in range(2 * s.steps):
         seen.append(loader.peek().sample_ids)
         loader.commit()
     loader.close()
-    epoch0 = torch.cat(seen[:s.steps]).sort().values
-    epoch1 = torch.cat(seen[s.steps:]).sort().values
-    assert torch.equal(epoch0, epoch1)                   # every sample once per epoch
+    epoch0 = torch.cat(seen[: s.steps]).sort().values
+    epoch1 = torch.cat(seen[s.steps :]).sort().values
+    assert torch.equal(epoch0, epoch1)  # every sample once per epoch
     assert len(set(epoch0.tolist())) == len(epoch0)
     order1 = [cursor.row_group(1, i) for i in range(s.steps)]
     assert sorted(order1) == list(range(s.steps)) and order1 != list(range(s.steps))
@@ -89,12 +99,15 @@ def _damaged(shards: str, tmp_path, how: str) -> str:
     return d
 
 
-@pytest.mark.parametrize("how, words", [
-    ("no_manifest", "manifest.json missing"),
-    ("no_rank_file", "rank-00001.parquet missing"),
-    ("steps_mismatch", "row groups, the manifest says"),
-    ("bad_json", "not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "how, words",
+    [
+        ("no_manifest", "manifest.json missing"),
+        ("no_rank_file", "rank-00001.parquet missing"),
+        ("steps_mismatch", "row groups, the manifest says"),
+        ("bad_json", "not valid JSON"),
+    ],
+)
 def test_damaged_sets_fail_clearly(shards, tmp_path, how, words):
     d = _damaged(shards, tmp_path, how)
     with pytest.raises(DataError, match=words):
@@ -109,8 +122,14 @@ def test_cli_errors_are_one_line(shards, tmp_path):
         (["--shards", shards, "--set", "model.attention=rnn"], "model.attention"),
     ]
     for args, words in cases:
-        p = subprocess.run([sys.executable, "-m", "training", "train", "--out", str(tmp_path / "o"), *args],
-                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        p = subprocess.run(
+            [sys.executable, "-m", "training", "train", "--out", str(tmp_path / "o"), *args],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert p.returncode == 2, p.stderr
         assert words in p.stderr and "Traceback" not in p.stderr
         assert len(p.stderr.strip().splitlines()) == 1
@@ -121,11 +140,32 @@ def test_world_size_mismatch_under_torchrun(tmp_path, shards, free_port):
     d = tmp_path / "ev3"
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    p = subprocess.Popen([torchrun, "--nproc-per-node", "3", "--master-addr", "127.0.0.1",
-                          "--master-port", str(free_port), "-m", "training", "train", "--shards", shards,
-                          "--out", str(d),
-                          "--set", "mlflow.enabled=false"], cwd=ROOT, env=env, text=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    p = subprocess.Popen(
+        [
+            torchrun,
+            "--nproc-per-node",
+            "3",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(free_port),
+            "-m",
+            "training",
+            "train",
+            "--shards",
+            shards,
+            "--out",
+            str(d),
+            "--set",
+            "mlflow.enabled=false",
+        ],
+        cwd=ROOT,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         out, _ = p.communicate(timeout=120)
     finally:

@@ -56,8 +56,11 @@ def test_the_count_comes_from_torch(monkeypatch):
 
 
 def test_the_launcher_gives_each_of_its_groups_a_slot(tmp_path):
-    launcher = Launcher(LaunchConfig(worker=TOY, replica_groups=4, ranks_per_group=2, groups=[1, 3],
-                                     lighthouse="127.0.0.1:1", out=str(tmp_path)))
+    launcher = Launcher(
+        LaunchConfig(
+            worker=TOY, replica_groups=4, ranks_per_group=2, groups=[1, 3], lighthouse="127.0.0.1:1", out=str(tmp_path)
+        )
+    )
     env = launcher.rank_env(3, 1, 0, 1234)
     assert (env["FTREC_GPU_SLOT"], env["FTREC_GPU_SLOTS"], env["LOCAL_RANK"]) == ("1", "2", "1")
     assert distributed.rank_device(env, device_count=4) == torch.device("cuda", 3)

@@ -18,16 +18,22 @@ from training import checkpoint
 from training.config import load_config
 from training.train import train
 
-SETTINGS = ["train.epochs=1", "train.max_steps=12", "model.dropout=0", "model.dim=16", "train.log_every=3",
-            "mlflow.enabled=false", "optim.warmup_steps=2"]
+SETTINGS = [
+    "train.epochs=1",
+    "train.max_steps=12",
+    "model.dropout=0",
+    "model.dim=16",
+    "train.log_every=3",
+    "mlflow.enabled=false",
+    "optim.warmup_steps=2",
+]
 
 
 @pytest.mark.integ
 def test_two_gloo_ranks_equal_one_process(tmp_path, free_port):
     write_synthetic(str(tmp_path / "ev.txt"), users=300, items=120, seed=3, median_len=10, max_history=60)
     # uneven lengths per rank: the LPT balance equalizes cost, not token counts
-    build_shards(str(tmp_path / "ev.txt"), "sasrec", str(tmp_path / "shards"), world_size=2, batch_size=8,
-                 max_len=20)
+    build_shards(str(tmp_path / "ev.txt"), "sasrec", str(tmp_path / "shards"), world_size=2, batch_size=8, max_len=20)
     shards = str(tmp_path / "shards")
     one = train(load_config(None, [f"data.shards={shards}", f"train.out={tmp_path / 'one'}", *SETTINGS]))
 
@@ -43,7 +49,7 @@ def test_two_gloo_ranks_equal_one_process(tmp_path, free_port):
             # The key bias has an exactly-zero true gradient (softmax ignores a per-query
             # constant); Adam turns its float noise into full-size steps. Compare q and v.
             d = w.numel() // 3
-            w, v = torch.cat([w[:d], w[2 * d:]]), torch.cat([v[:d], v[2 * d:]])
+            w, v = torch.cat([w[:d], w[2 * d :]]), torch.cat([v[:d], v[2 * d :]])
         assert torch.allclose(w, v, atol=1e-6, rtol=1e-5), name
     # rank 1 wrote its own RNG state into the same atomic checkpoint
     assert os.path.isfile(os.path.join(two["checkpoint"], "rng-rank-00001.pt"))

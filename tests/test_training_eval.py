@@ -18,21 +18,28 @@ def test_ranking_metrics_by_hand():
     assert m["ndcg@5"] == pytest.approx((1 + 1 / math.log2(5)) / 4)
     assert m["ndcg@50"] == pytest.approx((1 + 1 / math.log2(5) + 1 / math.log2(12)) / 4)
     assert m["mrr"] == pytest.approx((1 + 1 / 4 + 1 / 11 + 1 / 61) / 4)
-    assert "ndcg@1" not in m                       # NDCG@1 == HR@1; the brief asks NDCG@{5,10,50}
+    assert "ndcg@1" not in m  # NDCG@1 == HR@1; the brief asks NDCG@{5,10,50}
 
 
 @pytest.fixture
 def tiny(tmp_path) -> str:
     """3 users, 5 items. History counts: item1 1, item2 3, item3 1, item4 1, item5 0."""
-    t = pa.table({"user_id": [1, 2, 3], "history": [[1, 2], [2, 3], [2, 4]],
-                  "valid_target": [3, 5, 1], "test_target": [4, 1, 3]}, schema=schema.EVAL_SCHEMA)
+    t = pa.table(
+        {
+            "user_id": [1, 2, 3],
+            "history": [[1, 2], [2, 3], [2, 4]],
+            "valid_target": [3, 5, 1],
+            "test_target": [4, 1, 3],
+        },
+        schema=schema.EVAL_SCHEMA,
+    )
     pq.write_table(t, tmp_path / "eval.parquet")
     return str(tmp_path / "eval.parquet")
 
 
 def _by_user(data: EvalData, split: str):
     s = data.splits[split]
-    seqs = [s.values[s.offsets[i]:s.offsets[i + 1]].tolist() for i in range(len(s.targets))]
+    seqs = [s.values[s.offsets[i] : s.offsets[i + 1]].tolist() for i in range(len(s.targets))]
     return sorted(zip(seqs, s.targets.tolist(), s.negatives.tolist(), strict=True))
 
 
@@ -46,7 +53,7 @@ def test_split_inputs_and_negatives(tiny):
     # each user has exactly one item never interacted with: all negatives are that item
     assert {tuple(x): n for x, _, n in valid} == {(1, 2): [5, 5, 5], (2, 3): [4, 4, 4], (2, 4): [5, 5, 5]}
     again = EvalData(tiny, num_items=5, max_len=2, cfg=EvalConfig(num_negatives=3))
-    assert _by_user(again, "test") == test      # fixed seed: the same negatives every run
+    assert _by_user(again, "test") == test  # fixed seed: the same negatives every run
 
 
 def test_protocols_on_most_popular(tiny):

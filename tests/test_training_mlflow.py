@@ -25,8 +25,11 @@ SETTINGS = ["train.max_steps=6", "train.log_every=2", "model.dim=16", "train.eva
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory) -> str:
-    return str(synthetic_shards(tmp_path_factory.mktemp("mlf"), users=200, items=100, seed=4, world_size=1,
-                                batch_size=16, max_len=16))
+    return str(
+        synthetic_shards(
+            tmp_path_factory.mktemp("mlf"), users=200, items=100, seed=4, world_size=1, batch_size=16, max_len=16
+        )
+    )
 
 
 def random_full_hr_at_10(shards: str) -> float:
@@ -36,7 +39,7 @@ def random_full_hr_at_10(shards: str) -> float:
     test = EvalData(s.eval_path, s.num_items, s.max_len, EvalConfig()).splits["test"]
     hr = 0.0
     for u in range(len(test.targets)):
-        excluded = set(test.values[int(test.offsets[u]):int(test.offsets[u + 1])].tolist()) - {int(test.targets[u])}
+        excluded = set(test.values[int(test.offsets[u]) : int(test.offsets[u + 1])].tolist()) - {int(test.targets[u])}
         hr += min(1.0, 10 / (s.num_items - len(excluded)))
     return hr / len(test.targets)
 
@@ -48,8 +51,16 @@ def _check_run(client: MlflowClient, run_id: str, registered: bool) -> None:
     assert run.info.status == "FINISHED"
     loss = client.get_metric_history(run_id, "train/loss")
     assert [m.step for m in loss] == [2, 4, 6]
-    for key in ("test/full/hr_at_10", "test/sampled/ndcg_at_10", "valid/full/mrr", "rank0/compute_s",
-                "rank0/wait_s", "train/tokens_per_s", "train/padding_fraction", "train/samples_per_s"):
+    for key in (
+        "test/full/hr_at_10",
+        "test/sampled/ndcg_at_10",
+        "valid/full/mrr",
+        "rank0/compute_s",
+        "rank0/wait_s",
+        "train/tokens_per_s",
+        "train/padding_fraction",
+        "train/samples_per_s",
+    ):
         assert key in run.data.metrics, key
     names = {a.path for a in client.list_artifacts(run_id)}
     assert {"config.toml", "manifest.json", "training.png"} <= names
@@ -62,11 +73,16 @@ def _check_run(client: MlflowClient, run_id: str, registered: bool) -> None:
     assert inp.dataset.name == "shards" and inp.dataset.digest == p["data.fingerprint"][:36]
     assert json.loads(inp.dataset.source)["uri"] == run.data.tags["ftrec.shards"]
     assert inp.dataset.profile is not None
-    assert json.loads(inp.dataset.profile) == {"samples": 200, "users": 200, "items": int(p["data.num_items"]),
-                                               "steps": int(p["data.steps_per_epoch"])}
+    assert json.loads(inp.dataset.profile) == {
+        "samples": 200,
+        "users": 200,
+        "items": int(p["data.num_items"]),
+        "steps": int(p["data.steps_per_epoch"]),
+    }
     # the model is a pyfunc with a signature (tests/test_training_serving.py serves it)
-    (model,) = client.search_logged_models(experiment_ids=[run.info.experiment_id],
-                                           filter_string=f"source_run_id = '{run_id}'")
+    (model,) = client.search_logged_models(
+        experiment_ids=[run.info.experiment_id], filter_string=f"source_run_id = '{run_id}'"
+    )
     info = mlflow.models.get_model_info(model.model_uri)
     assert "python_function" in info.flavors and info.signature.params.params[0].name == "k"
     if registered:
@@ -83,9 +99,12 @@ def test_embedded_store(shards, tmp_path, monkeypatch):
 
 
 def test_unreachable_server_never_stops_training(shards, tmp_path, free_port, monkeypatch):
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{free_port}")   # nothing listens there
-    res = train(load_config(None, [f"data.shards={shards}", f"train.out={tmp_path / 'run'}", *SETTINGS,
-                                   "mlflow.log_model=false"]))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{free_port}")  # nothing listens there
+    res = train(
+        load_config(
+            None, [f"data.shards={shards}", f"train.out={tmp_path / 'run'}", *SETTINGS, "mlflow.log_model=false"]
+        )
+    )
     # the run trained and was evaluated: 6 steps lift HR@10 far above a random ranking's
     # (~0.11 here; 0.56-0.66 over seeds 0-3, this seed 0.605), a margin of 0.2 is ~9 sigma of 200 users
     assert res["steps"] == 6 and res["metrics"]["test/full/hr@10"] > random_full_hr_at_10(shards) + 0.2
@@ -100,7 +119,7 @@ def test_system_metrics_while_the_run_lives(tmp_path, monkeypatch, enabled):
     tracker = Tracker(MlflowConfig(experiment="sysm", system_metrics=enabled), str(tmp_path))
     tracker.log_params({"a": 1})
     deadline = time.monotonic() + 60
-    while tracker.run_id is None and time.monotonic() < deadline:   # the store opens in the background
+    while tracker.run_id is None and time.monotonic() < deadline:  # the store opens in the background
         time.sleep(0.1)
     time.sleep(1.5)
     assert tracker.close(timeout=60) == 0
@@ -121,11 +140,26 @@ def test_real_server_with_buffered_metrics(shards, tmp_path, free_port, monkeypa
     # 2. a real server on loopback, in its own process group, bounded
     mlflow_bin = os.path.join(os.path.dirname(sys.executable), "mlflow")
     # MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false: no /dev/shm job store left behind
-    server = subprocess.Popen([mlflow_bin, "server", "--host", "127.0.0.1", "--port", str(free_port),
-                               "--backend-store-uri", f"sqlite:///{tmp_path}/server.db",
-                               "--artifacts-destination", str(tmp_path / "server-artifacts"), "--workers", "1"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-                              env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
+    server = subprocess.Popen(
+        [
+            mlflow_bin,
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(free_port),
+            "--backend-store-uri",
+            f"sqlite:///{tmp_path}/server.db",
+            "--artifacts-destination",
+            str(tmp_path / "server-artifacts"),
+            "--workers",
+            "1",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
+    )
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -137,8 +171,11 @@ def test_real_server_with_buffered_metrics(shards, tmp_path, free_port, monkeypa
             assert server.poll() is None and time.monotonic() < deadline, "mlflow server did not start"
             time.sleep(0.5)
         # 3. a training run against the server
-        res = train(load_config(None, [f"data.shards={shards}", f"train.out={tmp_path / 'run'}", *SETTINGS,
-                                       "mlflow.register=true"]))
+        res = train(
+            load_config(
+                None, [f"data.shards={shards}", f"train.out={tmp_path / 'run'}", *SETTINGS, "mlflow.register=true"]
+            )
+        )
         assert res["tracking_uri"] == uri and res["mlflow_unsent"] == 0
         client = MlflowClient(uri)
         _check_run(client, res["mlflow_run_id"], registered=True)

@@ -16,13 +16,38 @@ def test_two_groups_of_two_ranks_log_one_value_per_metric_and_step_and_one_model
     shards, out = cli_shard_set(tmp_path, world_size=4), tmp_path / "run"
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(tracking_uri=uri)
-    exp = client.create_experiment("groups", artifact_location=(tmp_path / "artifacts").as_uri())   # not ./mlruns
+    exp = client.create_experiment("groups", artifact_location=(tmp_path / "artifacts").as_uri())  # not ./mlruns
     run_id = client.create_run(exp).info.run_id
-    r = run_python(["-m", "training", "launch", "--shards", str(shards), "--replica-groups", "2",
-                    "--ranks-per-group", "2", "--out", str(out), "--timeout", "300", "--",
-                    "--set", "train.epochs=2", "model.dim=16", "loss.num_negatives=16", "train.log_every=2",
-                    f"mlflow.run_id={run_id}", f"mlflow.tracking_uri={uri}", "mlflow.register=true",
-                    "mlflow.model_name=groups-2x2", "mlflow.plots=false", "eval.batch_size=256"], 360)
+    r = run_python(
+        [
+            "-m",
+            "training",
+            "launch",
+            "--shards",
+            str(shards),
+            "--replica-groups",
+            "2",
+            "--ranks-per-group",
+            "2",
+            "--out",
+            str(out),
+            "--timeout",
+            "300",
+            "--",
+            "--set",
+            "train.epochs=2",
+            "model.dim=16",
+            "loss.num_negatives=16",
+            "train.log_every=2",
+            f"mlflow.run_id={run_id}",
+            f"mlflow.tracking_uri={uri}",
+            "mlflow.register=true",
+            "mlflow.model_name=groups-2x2",
+            "mlflow.plots=false",
+            "eval.batch_size=256",
+        ],
+        360,
+    )
     assert r.returncode == 0, r.stdout[-4000:]
     run = client.get_run(run_id)
     for key in run.data.metrics:
@@ -48,18 +73,44 @@ def test_a_restarted_group_0_continues_the_jobs_run_instead_of_opening_another(t
     that rank is SIGKILLed and the launcher restarts the group, the new process logs into the
     same run: one run per job."""
     import json
+
     shards, out = cli_shard_set(tmp_path, world_size=2), tmp_path / "run"
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(tracking_uri=uri)
     exp = client.create_experiment("restart", artifact_location=(tmp_path / "artifacts").as_uri())
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"faults": [{"kind": "kill", "group": 0, "at_step": 3}]}))
-    r = run_python(["-m", "training", "launch", "--shards", str(shards), "--replica-groups", "2",
-                    "--out", str(out), "--faults", str(plan), "--timeout", "300", "--",
-                    "--set", "train.epochs=3", "model.dim=16", "loss.num_negatives=16", "train.log_every=2",
-                    "mlflow.experiment=restart", f"mlflow.tracking_uri={uri}", "mlflow.register=false",
-                    "mlflow.log_model=false", "mlflow.plots=false", "mlflow.system_metrics=false",
-                    "eval.batch_size=256"], 360)
+    r = run_python(
+        [
+            "-m",
+            "training",
+            "launch",
+            "--shards",
+            str(shards),
+            "--replica-groups",
+            "2",
+            "--out",
+            str(out),
+            "--faults",
+            str(plan),
+            "--timeout",
+            "300",
+            "--",
+            "--set",
+            "train.epochs=3",
+            "model.dim=16",
+            "loss.num_negatives=16",
+            "train.log_every=2",
+            "mlflow.experiment=restart",
+            f"mlflow.tracking_uri={uri}",
+            "mlflow.register=false",
+            "mlflow.log_model=false",
+            "mlflow.plots=false",
+            "mlflow.system_metrics=false",
+            "eval.batch_size=256",
+        ],
+        360,
+    )
     assert r.returncode == 0, r.stdout[-4000:]
     assert json.loads((out / "timeline.json").read_text())["restarts"]["0"] == 1
     runs = client.search_runs([exp])

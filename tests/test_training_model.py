@@ -12,8 +12,9 @@ KINDS = ["sasrec", "hstu"]
 
 def _model(kind: str, dropout: float = 0.0, num_items: int = 50, max_len: int = 12) -> SeqRec:
     torch.manual_seed(0)
-    m = SeqRec(num_items, ModelConfig(attention=kind, dim=16, num_layers=2, num_heads=2, dropout=dropout,
-                                      max_len=max_len))
+    m = SeqRec(
+        num_items, ModelConfig(attention=kind, dim=16, num_layers=2, num_heads=2, dropout=dropout, max_len=max_len)
+    )
     return m.eval()
 
 
@@ -30,7 +31,7 @@ def test_shapes(kind):
     h = m(values, offsets)
     assert h.shape == (9, 16)
     assert m.last_hidden(values, offsets).shape == (3, 16)
-    assert m.scores(h).shape == (9, 50)                      # every item 1..num_items
+    assert m.scores(h).shape == (9, 50)  # every item 1..num_items
     assert m.scores(h, torch.tensor([1, 2])).shape == (9, 2)
     assert m.pair_scores(h, values).shape == (9,)
 
@@ -42,10 +43,10 @@ def test_no_position_sees_the_future(kind):
     v1, o1 = _jagged([base])
     h1 = m(v1, o1)
     for t in range(len(base) - 1):
-        changed = base[:t + 1] + [(x % 49) + 2 for x in base[t + 1:]]   # every later item replaced
+        changed = base[: t + 1] + [(x % 49) + 2 for x in base[t + 1 :]]  # every later item replaced
         h2 = m(*_jagged([changed]))
-        assert torch.allclose(h1[:t + 1], h2[:t + 1], atol=1e-6), f"position <= {t} changed"
-        assert not torch.allclose(h1[t + 1:], h2[t + 1:], atol=1e-6)  # the change is visible later
+        assert torch.allclose(h1[: t + 1], h2[: t + 1], atol=1e-6), f"position <= {t} changed"
+        assert not torch.allclose(h1[t + 1 :], h2[t + 1 :], atol=1e-6)  # the change is visible later
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -53,7 +54,7 @@ def test_padding_changes_nothing(kind):
     m = _model(kind)
     a, b = [5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
     alone = m(*_jagged([a]))
-    batched = m(*_jagged([a, b]))[:3]          # a padded to 10 inside this batch
+    batched = m(*_jagged([a, b]))[:3]  # a padded to 10 inside this batch
     padded_to_max = m(*_jagged([a]), pad_to=12)
     assert torch.allclose(alone, batched, atol=1e-6)
     assert torch.allclose(alone, padded_to_max, atol=1e-6)
@@ -79,7 +80,7 @@ def test_global_normalization_equals_one_big_batch():
     """Two ranks' sums divided by the GLOBAL count give the big batch's gradient."""
     m = _model("sasrec")
     cfg = LossConfig(kind="sampled_softmax", num_negatives=20, temperature=0.1)
-    seqs = [[1, 2, 3, 4, 5, 6, 7], [8, 9], [10, 11, 12]]        # uneven: 6+1 tokens vs 2 tokens
+    seqs = [[1, 2, 3, 4, 5, 6, 7], [8, 9], [10, 11, 12]]  # uneven: 6+1 tokens vs 2 tokens
     labels_all = torch.tensor([2, 3, 4, 5, 6, 7, 11, 9, 20, 11, 12, 13])
     values, offsets = _jagged(seqs)
 
@@ -88,7 +89,7 @@ def test_global_normalization_equals_one_big_batch():
         total = sum(len(p[0]) for p in parts)
         g = torch.Generator().manual_seed(5)
         for vals, offs, labs in parts:
-            state = g.get_state()                                # shared negatives: same draw per "rank"
+            state = g.get_state()  # shared negatives: same draw per "rank"
             loss = loss_sum(m, m(vals, offs), labs, cfg, g) / total
             loss.backward()
             g.set_state(state)
@@ -138,7 +139,7 @@ def test_sampled_softmax_masks_accidental_hits():
     expect = 0.0
     for i in range(2):
         others = negs[negs != labels[i]]
-        logits = torch.cat([pos[i:i + 1], m.scores(h[i:i + 1], others)[0] / 0.1])
+        logits = torch.cat([pos[i : i + 1], m.scores(h[i : i + 1], others)[0] / 0.1])
         expect += torch.logsumexp(logits, 0) - pos[i]
     assert torch.allclose(s, expect, atol=1e-5)
 
@@ -154,13 +155,16 @@ def test_config_toml_and_overrides(tmp_path):
     assert load_config(str(again)) == cfg
 
 
-@pytest.mark.parametrize("override, words", [
-    (["model.nope=1"], "unknown key 'nope'"),
-    (["nosection.x=1"], "unknown section"),
-    (["model.dim=abc"], "model.dim"),
-    (["model.attention=gru"], "model.attention"),
-    (["optim.lr"], "section.key=value"),
-])
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        (["model.nope=1"], "unknown key 'nope'"),
+        (["nosection.x=1"], "unknown section"),
+        (["model.dim=abc"], "model.dim"),
+        (["model.attention=gru"], "model.attention"),
+        (["optim.lr"], "section.key=value"),
+    ],
+)
 def test_config_errors_name_the_setting(override, words):
     with pytest.raises(ConfigError, match=words.replace("(", r"\(")):
         load_config(None, override)
@@ -173,9 +177,21 @@ from training.model import RelativeBias, position_buckets, time_buckets  # noqa:
 
 def _hstu(rel_bias: str = "pos+time", max_len: int = 12) -> SeqRec:
     torch.manual_seed(0)
-    m = SeqRec(50, ModelConfig(attention="hstu", dim=16, num_layers=2, num_heads=2, dropout=0.0, max_len=max_len,
-                               rel_bias=rel_bias, rel_pos_buckets=8, rel_time_buckets=40))
-    with torch.no_grad():              # weights far from their 0.02 init, so a wrong bucket shows
+    m = SeqRec(
+        50,
+        ModelConfig(
+            attention="hstu",
+            dim=16,
+            num_layers=2,
+            num_heads=2,
+            dropout=0.0,
+            max_len=max_len,
+            rel_bias=rel_bias,
+            rel_pos_buckets=8,
+            rel_time_buckets=40,
+        ),
+    )
+    with torch.no_grad():  # weights far from their 0.02 init, so a wrong bucket shows
         for name, p in m.named_parameters():
             if ".rab." in name:
                 p.normal_(std=1.0)
@@ -185,10 +201,10 @@ def _hstu(rel_bias: str = "pos+time", max_len: int = 12) -> SeqRec:
 def test_position_buckets_exact_then_log_spaced():
     d = torch.arange(50)
     b = position_buckets(d, 32, 50)
-    assert b[:16].tolist() == list(range(16))                  # exact below num_buckets / 2
+    assert b[:16].tolist() == list(range(16))  # exact below num_buckets / 2
     assert (b.diff() >= 0).all() and b[16] == 16 and b[-1] == 31  # then log-spaced up to max_len
-    assert (b[32:] - b[31:-1]).sum() < 16                      # far distances share buckets
-    assert position_buckets(torch.arange(6), 32, 6).tolist() == list(range(6))   # short max_len: all exact
+    assert (b[32:] - b[31:-1]).sum() < 16  # far distances share buckets
+    assert position_buckets(torch.arange(6), 32, 6).tolist() == list(range(6))  # short max_len: all exact
     assert position_buckets(torch.arange(1024), 32, 1024).max() == 31
 
 
@@ -196,20 +212,20 @@ def test_time_buckets_of_known_gaps():
     gaps = torch.tensor([0, 1, 2, 3, 60, 3600, 86400, 365 * 86400, -3600])
     # floor(ln(max(|gap|, 1)) / 0.301): 1 s and less share bucket 0, an hour 27, a day 37, a year 57
     assert time_buckets(gaps, 128).tolist() == [0, 0, 2, 3, 13, 27, 37, 57, 27]
-    assert time_buckets(gaps, 30).max() == 29                  # capped at the last bucket
+    assert time_buckets(gaps, 30).max() == 29  # capped at the last bucket
 
 
 def test_bias_shapes_and_parameters():
     rab = RelativeBias(8, 40)
     pos, time = torch.randint(0, 8, (5, 5)), torch.randint(0, 40, (3, 5, 5))
-    assert rab(pos).shape == (1, 5, 5)                          # positions: one bias for the batch
+    assert rab(pos).shape == (1, 5, 5)  # positions: one bias for the batch
     both = rab(pos * 40 + time, timed=True)
-    assert both.shape == (3, 1, 5, 5)                           # with time: per sample, shared by heads
+    assert both.shape == (3, 1, 5, 5)  # with time: per sample, shared by heads
     assert torch.allclose(both[:, 0], rab.pos_w[pos] + rab.time_w[time])
     names = lambda m: {n for n, _ in m.named_parameters() if "rab" in n}  # noqa: E731
     assert names(_hstu()) == {f"blocks.{i}.rab.{w}" for i in (0, 1) for w in ("pos_w", "time_w")}  # per layer
     assert _hstu("pos").blocks[0].rab.time_w is None and _hstu("none").blocks[0].rab is None
-    assert names(_model("sasrec")) == set()                     # SASRec has no relative bias
+    assert names(_model("sasrec")) == set()  # SASRec has no relative bias
 
 
 @pytest.mark.parametrize("rel_bias", ["pos+time", "pos", "none"])
@@ -219,13 +235,13 @@ def test_timestamps_are_optional(rel_bias):
     ts = torch.tensor([10, 20, 4000, 7, 0, 1, 100, 10_000, 1_000_000])
     assert m(values, offsets).shape == m(values, offsets, timestamps=ts).shape == (9, 16)
     with_time = m(values, offsets, timestamps=ts)
-    later = m(values, offsets, timestamps=ts * 7)                # other gaps, same order
+    later = m(values, offsets, timestamps=ts * 7)  # other gaps, same order
     assert torch.allclose(with_time, later, atol=1e-6) == (rel_bias != "pos+time")  # only pos+time reads time
-    if rel_bias == "pos":                                      # and without them pos+time is the positional model
+    if rel_bias == "pos":  # and without them pos+time is the positional model
         both = _hstu("pos+time")
         both.load_state_dict(m.state_dict(), strict=False)
         assert torch.allclose(both(values, offsets), m(values, offsets), atol=1e-6)
-    s = _model("sasrec")                                       # SASRec ignores timestamps
+    s = _model("sasrec")  # SASRec ignores timestamps
     assert torch.equal(s(values, offsets), s(values, offsets, timestamps=ts))
 
 
@@ -235,13 +251,13 @@ def test_bias_is_causal_in_items_and_timestamps(rel_bias):
     base, ts = [3, 9, 4, 7, 1, 8], [0, 5, 600, 700, 90_000, 90_030]
     h1 = m(*_jagged([base]), timestamps=torch.tensor(ts))
     for t in range(len(base) - 1):
-        items = base[:t + 1] + [(x % 49) + 2 for x in base[t + 1:]]
-        times = ts[:t + 1] + [x * 3 + 11 for x in ts[t + 1:]]
+        items = base[: t + 1] + [(x % 49) + 2 for x in base[t + 1 :]]
+        times = ts[: t + 1] + [x * 3 + 11 for x in ts[t + 1 :]]
         for i2, t2 in ((items, ts), (base, times), (items, times)):
             h2 = m(*_jagged([i2]), timestamps=torch.tensor(t2))
-            assert torch.allclose(h1[:t + 1], h2[:t + 1], atol=1e-6), f"position <= {t} changed"
+            assert torch.allclose(h1[: t + 1], h2[: t + 1], atol=1e-6), f"position <= {t} changed"
             if i2 is items or rel_bias == "pos+time":
-                assert not torch.allclose(h1[t + 1:], h2[t + 1:], atol=1e-6)  # visible later
+                assert not torch.allclose(h1[t + 1 :], h2[t + 1 :], atol=1e-6)  # visible later
 
 
 def test_bias_padding_changes_nothing_with_timestamps():
@@ -260,13 +276,14 @@ def test_rel_bias_config_is_checked():
         load_config(None, ["model.rel_bias=alibi"])
     with pytest.raises(ConfigError, match="rel_pos_buckets"):
         load_config(None, ["model.rel_pos_buckets=0"])
-    assert load_config(None, ["model.attention=hstu"]).model.rel_bias == "pos+time"   # on by default
+    assert load_config(None, ["model.attention=hstu"]).model.rel_bias == "pos+time"  # on by default
 
 
 def test_a_checkpoint_config_from_before_the_relative_bias_builds_the_model_it_saved():
     """A meta.json written before HSTU had a relative attention bias has no `rel_bias`: its
     tensors have no bias weights, so the model rebuilt from it must have none either."""
     from training.config import Config, config_from_dict
+
     old = Config().to_dict()
     old["model"]["attention"] = "hstu"
     del old["model"]["rel_bias"]

@@ -66,9 +66,15 @@ SERVE = ISOLATE + textwrap.dedent("""
 
 def _isolated_python(code: str, args: list[str], cwd, timeout: float, env: dict) -> str:
     """`python -I -c code *args` from cwd, in its own process group, killed on timeout."""
-    p = subprocess.Popen([sys.executable, "-I", "-c", code, *args], cwd=cwd, text=True, start_new_session=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         env={**os.environ, "PYTHONPATH": "", "OMP_NUM_THREADS": "1", **env})
+    p = subprocess.Popen(
+        [sys.executable, "-I", "-c", code, *args],
+        cwd=cwd,
+        text=True,
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONPATH": "", "OMP_NUM_THREADS": "1", **env},
+    )
     try:
         text, _ = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -90,10 +96,21 @@ def run(tmp_path_factory):
             dst.write(f"{user} {1000 + 13 * int(item)}\n")
     build_shards(str(d / "ev.txt"), "sasrec", str(d / "shards"), world_size=1, batch_size=16, max_len=16)
     with pytest.MonkeyPatch.context() as mp:
-        mp.delenv("MLFLOW_TRACKING_URI", raising=False)   # the embedded store, artifacts under the run's out
-        res = train(load_config(None, [f"data.shards={d / 'shards'}", f"train.out={d / 'run'}", "train.max_steps=6",
-                                       "model.dim=16", "loss.num_negatives=16", "eval.periodic=false",
-                                       "mlflow.plots=false"]))
+        mp.delenv("MLFLOW_TRACKING_URI", raising=False)  # the embedded store, artifacts under the run's out
+        res = train(
+            load_config(
+                None,
+                [
+                    f"data.shards={d / 'shards'}",
+                    f"train.out={d / 'run'}",
+                    "train.max_steps=6",
+                    "model.dim=16",
+                    "loss.num_negatives=16",
+                    "eval.periodic=false",
+                    "mlflow.plots=false",
+                ],
+            )
+        )
     assert res["mlflow_unsent"] == 0
     return res, str(d / "shards")
 
@@ -102,18 +119,21 @@ def run(tmp_path_factory):
 def test_exported_scorer_equals_seqrec(attention, similarity):
     torch.manual_seed(0)
     model = SeqRec(50, ModelConfig(attention=attention, dim=16, num_heads=2, max_len=8, similarity=similarity)).eval()
-    program = torch.export.export(Scorer(model), (torch.ones(2, 2, dtype=torch.int64),), dynamic_shapes={
-        "items": {0: torch.export.Dim("batch", min=1), 1: torch.export.Dim("length", min=1, max=8)}}).module()
+    program = torch.export.export(
+        Scorer(model),
+        (torch.ones(2, 2, dtype=torch.int64),),
+        dynamic_shapes={"items": {0: torch.export.Dim("batch", min=1), 1: torch.export.Dim("length", min=1, max=8)}},
+    ).module()
     histories = [[3, 4, 5], [7], list(range(1, 9)), [50, 1]]
     values = torch.tensor(sum(histories, []))
     offsets = torch.tensor([0, *torch.tensor([len(h) for h in histories]).cumsum(0).tolist()])
     padded = torch.zeros(len(histories), 8, dtype=torch.int64)
     for b, h in enumerate(histories):
-        padded[b, :len(h)] = torch.tensor(h)
+        padded[b, : len(h)] = torch.tensor(h)
     with torch.no_grad():
         want = model.scores(model.last_hidden(values, offsets))
         torch.testing.assert_close(program(padded), want)
-        torch.testing.assert_close(program(padded[1:2, :1]), want[1:2])   # shorter padding, batch of one
+        torch.testing.assert_close(program(padded[1:2, :1]), want[1:2])  # shorter padding, batch of one
 
 
 def test_logged_model_serves_raw_ids_without_ftrec(run, tmp_path):
@@ -121,11 +141,16 @@ def test_logged_model_serves_raw_ids_without_ftrec(run, tmp_path):
     raw_ids = pq.read_table(os.path.join(shards, ITEM_MAP)).sort_by("id").column("raw_id").to_pylist()
     histories = [raw_ids[:3], [raw_ids[40], "no-such-item", raw_ids[7]], raw_ids[:30], ["no-such-item"], []]
     out = tmp_path / "pred.json"
-    _isolated_python(SERVE, [f"runs:/{res['mlflow_run_id']}/model", json.dumps(histories), str(out)],
-                     cwd=tmp_path, timeout=300, env={"MLFLOW_TRACKING_URI": res["tracking_uri"]})
+    _isolated_python(
+        SERVE,
+        [f"runs:/{res['mlflow_run_id']}/model", json.dumps(histories), str(out)],
+        cwd=tmp_path,
+        timeout=300,
+        env={"MLFLOW_TRACKING_URI": res["tracking_uri"]},
+    )
     got = json.loads(out.read_text())
     assert got["leaked"] == []
-    assert [len(i) for i in got["items"]] == [5, 5, 5, 0, 0]   # no known item: no recommendation
+    assert [len(i) for i in got["items"]] == [5, 5, 5, 0, 0]  # no known item: no recommendation
     assert [len(s) for s in got["scores"]] == [5, 5, 5, 0, 0]
     for hist, items, scores in zip(histories, got["items"], got["scores"], strict=True):
         assert set(items) <= set(raw_ids) and not set(items) & set(hist)
@@ -140,8 +165,11 @@ def test_logged_model_serves_raw_ids_without_ftrec(run, tmp_path):
     for hist, items, scores in zip(histories[:3], got["items"], got["scores"], strict=False):
         known = [dense[r] for r in hist if r in dense]
         with torch.no_grad():
-            s = model.scores(model.last_hidden(torch.tensor(known[-model.cfg.max_len:]),
-                                               torch.tensor([0, min(len(known), model.cfg.max_len)])))[0]
+            s = model.scores(
+                model.last_hidden(
+                    torch.tensor(known[-model.cfg.max_len :]), torch.tensor([0, min(len(known), model.cfg.max_len)])
+                )
+            )[0]
         s[torch.tensor(known) - 1] = float("-inf")
         top = s.topk(5)
         assert items == [raw_ids[j] for j in top.indices.tolist()]

@@ -32,9 +32,10 @@ def _train(args) -> int:
     if args.resume:
         cfg.train.resume = True
     from ftcore.lighthouse_client import JobFinished
+
     try:
         result = train(cfg)
-    except JobFinished as e:   # restarted after the job ended: nothing to rejoin, nothing to write
+    except JobFinished as e:  # restarted after the job ended: nothing to rejoin, nothing to write
         print(f"[train] {e}", flush=True)
         return 0
     if result:
@@ -50,6 +51,7 @@ def _eval(args) -> int:
     text = json.dumps(scores, indent=1, sort_keys=True)
     if args.out:
         from dataprep.fsutil import atomic_write_text
+
         atomic_write_text(args.out, text)
     print(text)
     return 0
@@ -57,6 +59,7 @@ def _eval(args) -> int:
 
 def _config(args) -> int:
     from training.config import describe, load_config
+
     if not args.show:
         print("error: config: say what to do: --show lists every setting", file=sys.stderr)
         return 2
@@ -68,31 +71,41 @@ def _launch(argv: list[str]) -> int:
     try:
         from training.launch import main
     except ImportError as e:
-        print(f"error: `training launch` needs training/launch.py (ftcore's launcher), which is not "
-              f"available here ({e}); use `torchrun ... -m training train` for one replica group", file=sys.stderr)
+        print(
+            f"error: `training launch` needs training/launch.py (ftcore's launcher), which is not "
+            f"available here ({e}); use `torchrun ... -m training train` for one replica group",
+            file=sys.stderr,
+        )
         return 2
     return main(argv) or 0
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "launch":   # the launcher parses its own flags
+    if argv and argv[0] == "launch":  # the launcher parses its own flags
         return _launch(argv[1:])
-    if argv and argv[0] == "calibrate":   # the configured model's cost model (training/calibrate.py)
+    if argv and argv[0] == "calibrate":  # the configured model's cost model (training/calibrate.py)
         from training.calibrate import main as calibrate_main
+
         return calibrate_main(argv[1:])
-    if argv and argv[0] == "data":     # the console script `ftrec` also fronts dataprep
+    if argv and argv[0] == "data":  # the console script `ftrec` also fronts dataprep
         from dataprep.cli import main as dataprep_main
+
         return dataprep_main(argv[1:])
-    p = argparse.ArgumentParser(prog="python -m training", description=__doc__.splitlines()[0],
-                                epilog="Every trainer setting, its default and what it does: "
-                                       "python -m training config --show")
+    p = argparse.ArgumentParser(
+        prog="python -m training",
+        description=__doc__.splitlines()[0],
+        epilog="Every trainer setting, its default and what it does: python -m training config --show",
+    )
     sub = p.add_subparsers(dest="command", required=True)
     set_help = "override a setting; the value in TOML syntax, bare text is a string (config --show lists them)"
     t = sub.add_parser("train", help="train on a shard set")
     t.add_argument("--shards", help="shard-set folder (python -m dataprep shards)")
-    t.add_argument("--config", help="TOML file with [data] [model] [loss] [optim] [train] [eval] [mlflow] [comm] "
-                                    "sections (`config --show` prints one with every setting)")
+    t.add_argument(
+        "--config",
+        help="TOML file with [data] [model] [loss] [optim] [train] [eval] [mlflow] [comm] "
+        "sections (`config --show` prints one with every setting)",
+    )
     t.add_argument("--out", help="work folder: checkpoints/, result.json, mlflow.db")
     t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in OUT")
     t.add_argument("--set", action="append", nargs="+", metavar="SECTION.KEY=VALUE", help=set_help)
@@ -100,8 +113,13 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--checkpoint", required=True, help="OUT/checkpoints/step-XXXXXXXX")
     e.add_argument("--shards", required=True)
     e.add_argument("--out", help="write the metrics as JSON here")
-    e.add_argument("--set", action="append", nargs="+", metavar="eval.KEY=VALUE",
-                   help="override an eval setting (the value in TOML syntax, bare text is a string)")
+    e.add_argument(
+        "--set",
+        action="append",
+        nargs="+",
+        metavar="eval.KEY=VALUE",
+        help="override an eval setting (the value in TOML syntax, bare text is a string)",
+    )
     c = sub.add_parser("config", help="the settings: `config --show` lists each with its default and meaning")
     c.add_argument("--show", action="store_true", help="print every setting, its value and its one line, as TOML")
     c.add_argument("--config", help="show the values this TOML file gives instead of the defaults")
@@ -113,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     from training.checkpoint import CheckpointError
     from training.config import ConfigError
     from training.data import DataError
+
     try:
         return {"train": _train, "eval": _eval, "config": _config}[args.command](args)
     except (ConfigError, DataError, CheckpointError) as err:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from training.config import ModelConfig
 
-NUM_ITEMS = 10_000       # the item table's size barely moves c(L): lookups, not a full softmax
+NUM_ITEMS = 10_000  # the item table's size barely moves c(L): lookups, not a full softmax
 NEGATIVES = 256
 
 
@@ -52,13 +52,16 @@ def probe(cfg: ModelConfig) -> Callable[[int, int], Callable[[], None]]:
         def step() -> None:
             h = model(values, offsets)
             model.scores(h, negatives).logsumexp(-1).mean().backward()
+
         return step
+
     return make
 
 
 def machine() -> dict:
     """What makes timings of one machine comparable with another's."""
     import torch
+
     cpu = platform.processor()
     try:
         with open("/proc/cpuinfo") as f:
@@ -71,14 +74,15 @@ def machine() -> dict:
 def fit(cfg: ModelConfig, max_len: int, budget_s: float):
     """Time `cfg`'s model at lengths up to max_len and fit c(L) (dataprep.cost.CostModel)."""
     from dataprep.cost import calibrate
-    return calibrate(lengths_up_to(max_len), batch=8, repeats=3, model="training", budget_s=budget_s,
-                     step=probe(cfg))
+
+    return calibrate(lengths_up_to(max_len), batch=8, repeats=3, model="training", budget_s=budget_s, step=probe(cfg))
 
 
 def cached(cfg: ModelConfig, max_len: int, cache_dir: str | os.PathLike, budget_s: float = 60.0) -> str:
     """The cost model file for `cfg` at lengths up to `max_len` on this machine, calibrated
     the first time (atomically written: concurrent tasks at worst both calibrate)."""
     from dataprep.cost import save
+
     key_doc = {"model": dataclasses.asdict(cfg), "max_len": max_len, "machine": machine()}
     key = hashlib.sha256(json.dumps(key_doc, sort_keys=True).encode()).hexdigest()[:16]
     path = Path(cache_dir) / f"cost-{key}.json"
@@ -93,6 +97,7 @@ def cached(cfg: ModelConfig, max_len: int, cache_dir: str | os.PathLike, budget_
 def model_config(overrides: list[str]) -> ModelConfig:
     """The ModelConfig that `model.KEY=VALUE` overrides (the trainer's syntax) give."""
     from training.config import load_config
+
     return load_config(None, [o for o in overrides if o.startswith("model.")]).model
 
 
@@ -104,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=float, default=120.0)
     a = p.parse_args(argv)
     from dataprep.cost import save
+
     m = fit(model_config(a.set), a.max_len, a.budget)
     save(m, a.out)
     print(f"wrote {a.out}: c(L) = {m.a:.4g}*L^2 + {m.b:.4g}*L + {m.c0:.4g} us (r2 {m.fit['r2']})")

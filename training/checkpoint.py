@@ -67,8 +67,15 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def save(root: str, state: dict, meta: dict, rank: int = 0, keep: int = 2, per_rank: tuple = ("rng",),
-         distributed: bool = True) -> str:
+def save(
+    root: str,
+    state: dict,
+    meta: dict,
+    rank: int = 0,
+    keep: int = 2,
+    per_rank: tuple = ("rng",),
+    distributed: bool = True,
+) -> str:
     """Write `state` for step meta["step"] under root; returns the final folder.
 
     Collective when torch.distributed is initialized (every rank of the group calls it),
@@ -139,8 +146,10 @@ def verify(folder: str) -> None:
         if not os.path.isfile(path):
             raise CheckpointError(f"checkpoint {folder}: {name} is missing")
         if _sha256(path) != want:
-            raise CheckpointError(f"checkpoint {folder}: {name} does not match the sha256 recorded when it was "
-                                  f"written ({os.path.getsize(path)} bytes now): the file is damaged")
+            raise CheckpointError(
+                f"checkpoint {folder}: {name} does not match the sha256 recorded when it was "
+                f"written ({os.path.getsize(path)} bytes now): the file is damaged"
+            )
 
 
 def latest_verified(root: str, log=None) -> str | None:
@@ -162,8 +171,9 @@ def load(path: str, rank: int = 0, per_rank: tuple = ("rng",)) -> dict:
     folder = path if os.path.isdir(path) else os.path.dirname(path)
     fpath = os.path.join(folder, "state.pt")
     if not os.path.isfile(fpath):
-        raise CheckpointError(f"checkpoint {path}: no state.pt there (expected a folder like "
-                              "OUT/checkpoints/step-00000100)")
+        raise CheckpointError(
+            f"checkpoint {path}: no state.pt there (expected a folder like OUT/checkpoints/step-00000100)"
+        )
     if os.path.isfile(os.path.join(folder, "meta.json")):
         verify(folder)
     try:
@@ -173,13 +183,17 @@ def load(path: str, rank: int = 0, per_rank: tuple = ("rng",)) -> dict:
     if rank > 0:
         rpath = os.path.join(folder, f"rng-rank-{rank:05d}.pt")
         if not os.path.isfile(rpath):
-            raise CheckpointError(f"checkpoint {folder} has no RNG state for rank {rank}: it was written by a "
-                                  "smaller group; resume with the same number of ranks")
+            raise CheckpointError(
+                f"checkpoint {folder} has no RNG state for rank {rank}: it was written by a "
+                "smaller group; resume with the same number of ranks"
+            )
         mine = torch.load(rpath, map_location="cpu", weights_only=True)
         missing = [k for k in per_rank if k not in mine]
         if missing:
-            raise CheckpointError(f"checkpoint {folder}: rank {rank}'s file lacks {', '.join(missing)} (written with "
-                                  "another comm.embedding); resume with the same comm.embedding")
+            raise CheckpointError(
+                f"checkpoint {folder}: rank {rank}'s file lacks {', '.join(missing)} (written with "
+                "another comm.embedding); resume with the same comm.embedding"
+            )
         state.update({k: mine[k] for k in per_rank})
     return state
 
@@ -209,17 +223,22 @@ def warm_start(model: torch.nn.Module, path: str, shards_path: str) -> int:
     new = model.state_dict()
     mismatched = [k for k in new if k != "item_emb.weight" and (k not in old or old[k].shape != new[k].shape)]
     if mismatched:
-        raise CheckpointError(f"checkpoint {path} does not fit this model ({', '.join(mismatched[:3])} differ): "
-                              "warm-start needs the same model.* settings as the earlier run")
+        raise CheckpointError(
+            f"checkpoint {path} does not fit this model ({', '.join(mismatched[:3])} differ): "
+            "warm-start needs the same model.* settings as the earlier run"
+        )
     old_map_path = os.path.join(read_meta(path).get("shards") or "", ITEM_MAP)
     if not os.path.isfile(old_map_path):
-        raise CheckpointError(f"checkpoint {path}: its shard set's item map {old_map_path} is gone; "
-                              "warm-start needs it to match items by their raw ids")
+        raise CheckpointError(
+            f"checkpoint {path}: its shard set's item map {old_map_path} is gone; "
+            "warm-start needs it to match items by their raw ids"
+        )
     old_ids = pq.read_table(old_map_path).to_pydict()
     new_ids = pq.read_table(os.path.join(shards_path, ITEM_MAP)).to_pydict()
     row_of_raw = dict(zip(old_ids["raw_id"], old_ids["id"], strict=True))
-    pairs = [(nid, row_of_raw[raw]) for nid, raw in zip(new_ids["id"], new_ids["raw_id"], strict=True)
-             if raw in row_of_raw]
+    pairs = [
+        (nid, row_of_raw[raw]) for nid, raw in zip(new_ids["id"], new_ids["raw_id"], strict=True) if raw in row_of_raw
+    ]
     table = new["item_emb.weight"].clone()
     if pairs:
         dst, src = torch.tensor(pairs).T

@@ -39,6 +39,7 @@ class DataConfig:
     prefetch: row groups (steps) read ahead by the background thread
     pad_to_max_len: pad every batch to the manifest's max_len (the padded baseline)
     """
+
     shards: str = ""
     prefetch: int = 2
     pad_to_max_len: bool = False
@@ -59,6 +60,7 @@ class ModelConfig:
     rel_pos_buckets: position buckets; distances below half of this are exact, the rest log-spaced
     rel_time_buckets: time-gap buckets, floor(ln(gap seconds) / 0.301), capped
     """
+
     attention: str = "sasrec"
     dim: int = 64
     num_layers: int = 2
@@ -81,6 +83,7 @@ class LossConfig:
     temperature: logits = similarity / temperature
     normalize: "epoch": divide by the epoch's mean global target count per step; "step": by this step's
     """
+
     kind: str = "sampled_softmax"
     num_negatives: int = 1024
     temperature: float = 1.0
@@ -104,6 +107,7 @@ class OptimConfig:
     min_lr_ratio: the learning rate at the end, as a fraction of lr (cosine, linear)
     grad_clip: max global gradient norm; 0 disables clipping
     """
+
     lr: float = 3e-3
     embedding_lr: float = 3e-3
     weight_decay: float = 0.0
@@ -132,6 +136,7 @@ class TrainConfig:
     log_every: steps aggregated into one MLflow log call
     deterministic: torch's deterministic algorithms (warn where an op has none)
     """
+
     out: str = "work/train"
     epochs: int = 20
     max_steps: int = 0
@@ -160,6 +165,7 @@ class EvalConfig:
     final: valid + test at the end (into result.json)
     best_metric: "valid/sampled/ndcg@10" etc.: keep the model where it peaked (OUT/best/); "": the last
     """
+
     batch_size: int = 1024
     ks: tuple[int, ...] = (1, 5, 10, 50)
     num_negatives: int = 100
@@ -187,6 +193,7 @@ class MlflowConfig:
     plots: log PNG plots of the training curves
     system_metrics: MLflow's system/* metrics (CPU, memory, GPU) while the run trains
     """
+
     enabled: bool = True
     tracking_uri: str = ""
     experiment: str = "ftrec"
@@ -208,7 +215,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)
-    comm: CommConfig = field(default_factory=CommConfig)   # FreeScale communication (training/comm)
+    comm: CommConfig = field(default_factory=CommConfig)  # FreeScale communication (training/comm)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -231,14 +238,17 @@ def _coerce(value: Any, typ: Any, where: str) -> Any:
                 return False
             raise ValueError(value)
         if typ in (int, float, str):
-            if typ is not str and isinstance(value, bool):   # true is not 1
+            if typ is not str and isinstance(value, bool):  # true is not 1
                 raise ValueError(value)
             if typ is int and isinstance(value, float):
                 raise ValueError(value)
             return typ(value)
         if origin is tuple:
-            items = value if isinstance(value, (list, tuple)) else [
-                v for v in str(value).strip("()[] ").split(",") if v.strip()]
+            items = (
+                value
+                if isinstance(value, (list, tuple))
+                else [v for v in str(value).strip("()[] ").split(",") if v.strip()]
+            )
             elem = typ.__args__[0]
             return tuple(_coerce(v, elem, where) for v in items)
     except (TypeError, ValueError):
@@ -269,6 +279,7 @@ def _set(cfg: Config, dotted: str, value: Any) -> None:
 
 
 # ---------------------------------------------------------------- --set section.key=value
+
 
 def _split(item: str) -> tuple[str, str, str]:
     """`section.key=value` -> (section, key, value text), or ConfigError naming the item."""
@@ -335,8 +346,10 @@ def validate(cfg: Config) -> Config:
         (cfg.model.attention in ("sasrec", "hstu"), "model.attention must be 'sasrec' or 'hstu'"),
         (cfg.model.similarity in ("cosine", "dot"), "model.similarity must be 'cosine' or 'dot'"),
         (cfg.model.rel_bias in ("pos+time", "pos", "none"), "model.rel_bias must be 'pos+time', 'pos' or 'none'"),
-        (cfg.model.rel_pos_buckets >= 1 and cfg.model.rel_time_buckets >= 1,
-         "model.rel_pos_buckets and model.rel_time_buckets must be >= 1"),
+        (
+            cfg.model.rel_pos_buckets >= 1 and cfg.model.rel_time_buckets >= 1,
+            "model.rel_pos_buckets and model.rel_time_buckets must be >= 1",
+        ),
         (cfg.loss.kind in ("sampled_softmax", "bce"), "loss.kind must be 'sampled_softmax' or 'bce'"),
         (cfg.optim.decay in ("cosine", "linear", "constant"), "optim.decay must be 'cosine', 'linear' or 'constant'"),
         (cfg.model.dim % cfg.model.num_heads == 0, "model.dim must be divisible by model.num_heads"),
@@ -349,10 +362,12 @@ def validate(cfg: Config) -> Config:
         (cfg.train.log_every >= 1, "train.log_every must be >= 1"),
         (cfg.data.prefetch >= 0, "data.prefetch must be >= 0"),
         (len(cfg.eval.ks) > 0 and all(k >= 1 for k in cfg.eval.ks), "eval.ks must be positive integers"),
-        (not cfg.eval.best_metric or (cfg.eval.best_metric.startswith("valid/") and cfg.eval.periodic
-                                      and cfg.eval.final),
-         f"eval.best_metric={cfg.eval.best_metric!r} needs a validation metric (valid/sampled/ndcg@10, "
-         "valid/full/hr@10, ...) and eval.periodic=true, eval.final=true"),
+        (
+            not cfg.eval.best_metric
+            or (cfg.eval.best_metric.startswith("valid/") and cfg.eval.periodic and cfg.eval.final),
+            f"eval.best_metric={cfg.eval.best_metric!r} needs a validation metric (valid/sampled/ndcg@10, "
+            "valid/full/hr@10, ...) and eval.periodic=true, eval.final=true",
+        ),
     ] + comm_checks(cfg.comm)
     for ok, msg in checks:
         if not ok:
@@ -384,7 +399,7 @@ def toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):
-        return json.dumps(value, ensure_ascii=False)   # JSON's string escapes are TOML's
+        return json.dumps(value, ensure_ascii=False)  # JSON's string escapes are TOML's
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(toml_value(v) for v in value) + "]"
     return repr(value)
@@ -402,7 +417,7 @@ def to_toml(cfg: Config) -> str:
 
 def _doc(section: type) -> list[str]:
     doc = section.__doc__ or ""
-    if doc.startswith(f"{section.__name__}("):   # the signature @dataclass writes when there is none
+    if doc.startswith(f"{section.__name__}("):  # the signature @dataclass writes when there is none
         return []
     return inspect.cleandoc(doc).splitlines()
 
@@ -422,8 +437,11 @@ def describe(cfg: Config | None = None) -> str:
     """Every setting with its value (the defaults unless `cfg`) and its one line, as a TOML
     file with comments: what `python -m training config --show` prints."""
     cfg = cfg or Config()
-    lines = ["# The trainer's settings, as a TOML file for --config; --set section.key=value overrides",
-             "# one (the value in TOML syntax; bare text is a string).", ""]
+    lines = [
+        "# The trainer's settings, as a TOML file for --config; --set section.key=value overrides",
+        "# one (the value in TOML syntax; bare text is a string).",
+        "",
+    ]
     for sec in dataclasses.fields(cfg):
         section = getattr(cfg, sec.name)
         title = (_doc(type(section)) or [""])[0].removeprefix(f"[{sec.name}]").strip()
@@ -444,7 +462,7 @@ def config_from_dict(doc: dict[str, Any]) -> Config:
     """
     cfg = Config()
     if "rel_bias" not in doc.get("model", {"rel_bias": None}):
-        cfg.model.rel_bias = "none"   # saved before HSTU had a relative bias: its tensors have none
+        cfg.model.rel_bias = "none"  # saved before HSTU had a relative bias: its tensors have none
     for section, table in doc.items():
         sec = getattr(cfg, section, None)
         for key, value in table.items():

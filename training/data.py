@@ -34,11 +34,11 @@ class DataError(ValueError):
 
 @dataclass
 class Batch:
-    values: torch.Tensor      # [N] input item ids, all samples back to back
-    offsets: torch.Tensor     # [B+1] sample starts in values
-    labels: torch.Tensor      # [N] the next item after each input token
+    values: torch.Tensor  # [N] input item ids, all samples back to back
+    offsets: torch.Tensor  # [B+1] sample starts in values
+    labels: torch.Tensor  # [N] the next item after each input token
     sample_ids: torch.Tensor  # [B]
-    step: int                 # row group (step within the epoch) this batch came from
+    step: int  # row group (step within the epoch) this batch came from
     timestamps: torch.Tensor | None = None  # [N] epoch seconds of each input item; None: the set has none
 
     @property
@@ -67,8 +67,9 @@ class ShardSet:
         if not os.path.isdir(path):
             raise DataError(f"shard set {path} not found: build it with `python -m dataprep shards --out {path} ...`")
         if not os.path.isfile(mpath):
-            raise DataError(f"{mpath} missing: {path} is not a complete shard set "
-                            "(rebuild it with `python -m dataprep shards`)")
+            raise DataError(
+                f"{mpath} missing: {path} is not a complete shard set (rebuild it with `python -m dataprep shards`)"
+            )
         try:
             with open(mpath) as f:
                 self.manifest = json.load(f)
@@ -77,23 +78,27 @@ class ShardSet:
         m = self.manifest
         try:
             if m["format_version"] not in schema.READ_VERSIONS:
-                raise DataError(f"{mpath}: format_version {m['format_version']}, this trainer reads "
-                                f"{' or '.join(map(str, schema.READ_VERSIONS))}; rebuild the shard set")
+                raise DataError(
+                    f"{mpath}: format_version {m['format_version']}, this trainer reads "
+                    f"{' or '.join(map(str, schema.READ_VERSIONS))}; rebuild the shard set"
+                )
             self.has_time = m["format_version"] == 2
             self.world_size = int(m["config"]["world_size"])
             self.max_len = int(m["config"]["max_len"])
             self.num_items = int(m["num_items"])
             self.steps = int(m["steps"])
         except KeyError as e:
-            raise DataError(f"{mpath}: key {e} missing; "
-                            "rebuild the shard set with `python -m dataprep shards`") from None
+            raise DataError(
+                f"{mpath}: key {e} missing; rebuild the shard set with `python -m dataprep shards`"
+            ) from None
         if self.steps < 1:
             raise DataError(f"{mpath}: the shard set has 0 steps (fewer samples than world_size x batch_size)")
         for rank in range(self.world_size):
             shard = os.path.join(path, schema.shard_file(rank))
             if not os.path.isfile(shard):
-                raise DataError(f"{shard} missing: the manifest says world_size={self.world_size}; "
-                                "rebuild the shard set")
+                raise DataError(
+                    f"{shard} missing: the manifest says world_size={self.world_size}; rebuild the shard set"
+                )
         if not os.path.isfile(self.eval_path):
             raise DataError(f"{self.eval_path} missing; rebuild the shard set")
 
@@ -102,8 +107,9 @@ class ShardSet:
         """Mean input tokens per step over all ranks (manifest counts.tokens / steps)."""
         tokens = self.manifest.get("counts", {}).get("tokens")
         if not tokens:
-            raise DataError(f"{self.path}: manifest has no counts.tokens; rebuild the shard set "
-                            "or use loss.normalize=step")
+            raise DataError(
+                f"{self.path}: manifest has no counts.tokens; rebuild the shard set or use loss.normalize=step"
+            )
         return float(tokens) / self.steps
 
     @property
@@ -116,13 +122,16 @@ class ShardSet:
     def open_rank(self, rank: int) -> pq.ParquetFile:
         f = os.path.join(self.path, schema.shard_file(rank))
         pf = pq.ParquetFile(f)
-        missing = [c for c in self.REQUIRED + ((schema.TIMESTAMPS,) if self.has_time else ())
-                   if c not in pf.schema_arrow.names]
+        missing = [
+            c for c in self.REQUIRED + ((schema.TIMESTAMPS,) if self.has_time else ()) if c not in pf.schema_arrow.names
+        ]
         if missing:
             raise DataError(f"{f}: columns {missing} missing; rebuild the shard set")
         if pf.num_row_groups != self.steps:
-            raise DataError(f"{f}: {pf.num_row_groups} row groups, the manifest says {self.steps} steps; "
-                            "the set is damaged, rebuild it")
+            raise DataError(
+                f"{f}: {pf.num_row_groups} row groups, the manifest says {self.steps} steps; "
+                "the set is damaged, rebuild it"
+            )
         return pf
 
 
@@ -130,9 +139,11 @@ def shard_ranks_for(world_size: int, replica_groups: int, group: int, group_size
     """Shard files read by rank `rank` of replica group `group` (R groups of K ranks)."""
     procs = replica_groups * group_size
     if world_size % procs != 0:
-        raise DataError(f"shard set built for world_size={world_size} cannot feed {replica_groups} replica "
-                        f"group(s) x {group_size} rank(s) = {procs} processes: rebuild it with "
-                        f"--world-size {procs} (or a multiple of it)")
+        raise DataError(
+            f"shard set built for world_size={world_size} cannot feed {replica_groups} replica "
+            f"group(s) x {group_size} rank(s) = {procs} processes: rebuild it with "
+            f"--world-size {procs} (or a multiple of it)"
+        )
     m = world_size // procs
     first = (group * group_size + rank) * m
     return list(range(first, first + m))
@@ -177,8 +188,10 @@ class DataCursor:
 
     def load_state_dict(self, state: dict) -> None:
         if int(state["steps_per_epoch"]) != self.steps_per_epoch:
-            raise DataError(f"checkpoint was taken on a shard set with {state['steps_per_epoch']} steps per "
-                            f"epoch, this one has {self.steps_per_epoch}: resume on the same shard set")
+            raise DataError(
+                f"checkpoint was taken on a shard set with {state['steps_per_epoch']} steps per "
+                f"epoch, this one has {self.steps_per_epoch}: resume on the same shard set"
+            )
         self.epoch, self.index, self.seed = int(state["epoch"]), int(state["index"]), int(state["seed"])
 
 
@@ -202,12 +215,12 @@ def read_batch(files: list[pq.ParquetFile], row_group: int) -> Batch:
         target_parts.append(torch.from_numpy(t.column("target").to_numpy().astype("int64")))
         ids.append(torch.from_numpy(t.column("sample_id").to_numpy().astype("int64")))
     values, lengths, targets = torch.cat(value_parts), torch.cat(length_parts), torch.cat(target_parts)
-    del value_parts, length_parts, target_parts    # the parts are copies: free them now
+    del value_parts, length_parts, target_parts  # the parts are copies: free them now
     offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
     torch.cumsum(lengths, 0, out=offsets[1:])
     labels = torch.empty_like(values)
-    labels[:-1] = values[1:]                 # next item inside the sample ...
-    labels[offsets[1:] - 1] = targets        # ... and the sample's target after its last item
+    labels[:-1] = values[1:]  # next item inside the sample ...
+    labels[offsets[1:] - 1] = targets  # ... and the sample's target after its last item
     return Batch(values, offsets, labels, torch.cat(ids), row_group, torch.cat(times) if times else None)
 
 
@@ -233,7 +246,7 @@ class BatchLoader:
             return self._read(*at)
         if self._pool is None:
             return self._read(*here)
-        for pos in [p for p in self._pending if p < here]:   # the cursor jumped (a heal loaded a state)
+        for pos in [p for p in self._pending if p < here]:  # the cursor jumped (a heal loaded a state)
             self._pending.pop(pos).cancel()
         for i in range(self.prefetch + 1):
             pos = self.cursor.ahead(i)

@@ -33,10 +33,10 @@ TRUE = ("1", "true", "yes")
 
 @dataclass
 class Topology:
-    rank: int                 # k: rank within the replica group
-    group_size: int           # K
-    replica_group: int        # g
-    num_replica_groups: int   # R
+    rank: int  # k: rank within the replica group
+    group_size: int  # K
+    replica_group: int  # g
+    num_replica_groups: int  # R
     device: torch.device
 
     @property
@@ -44,9 +44,12 @@ class Topology:
         return self.rank == 0
 
     def as_params(self) -> dict:
-        return {"topology.ranks_per_group": self.group_size, "topology.replica_groups": self.num_replica_groups,
-                "topology.backend": dist.get_backend() if dist.is_initialized() else "none",
-                "topology.device": str(self.device)}
+        return {
+            "topology.ranks_per_group": self.group_size,
+            "topology.replica_groups": self.num_replica_groups,
+            "topology.backend": dist.get_backend() if dist.is_initialized() else "none",
+            "topology.device": str(self.device),
+        }
 
 
 def _listen_where_ftcore_does() -> dist.Store | None:
@@ -86,12 +89,16 @@ def rank_device(env=os.environ, device_count: int | None = None) -> torch.device
     slot, slots = int(env.get("FTREC_GPU_SLOT", "0")), int(env.get("FTREC_GPU_SLOTS", "1"))
     need = slots * per_group
     if per_group > device_count:
-        raise ConfigError(f"{per_group} ranks per replica group need {per_group} GPUs on this host, {device_count} "
-                          "visible: NCCL cannot put two ranks of one group on one GPU; use fewer ranks per group")
+        raise ConfigError(
+            f"{per_group} ranks per replica group need {per_group} GPUs on this host, {device_count} "
+            "visible: NCCL cannot put two ranks of one group on one GPU; use fewer ranks per group"
+        )
     if need > device_count and env.get("FTREC_OVERSUBSCRIBE_GPUS", "").lower() not in TRUE:
-        raise ConfigError(f"{slots} replica group(s) x {per_group} rank(s) on this host need {need} GPUs, "
-                          f"{device_count} visible; run fewer groups here (launch --groups) or let groups share "
-                          "GPUs (launch --oversubscribe-gpus, FTREC_OVERSUBSCRIBE_GPUS=1)")
+        raise ConfigError(
+            f"{slots} replica group(s) x {per_group} rank(s) on this host need {need} GPUs, "
+            f"{device_count} visible; run fewer groups here (launch --groups) or let groups share "
+            "GPUs (launch --oversubscribe-gpus, FTREC_OVERSUBSCRIBE_GPUS=1)"
+        )
     return torch.device("cuda", (slot * per_group + local) % device_count)
 
 
@@ -112,12 +119,20 @@ def init() -> Topology:
             kw["device_id"] = device
         dist.init_process_group(backend, timeout=timeout, **kw)
     if world > 1:
-        coll.setup_default(device, timeout)   # collective: the gloo twin beside NCCL
+        coll.setup_default(device, timeout)  # collective: the gloo twin beside NCCL
     if device.type == "cuda":
-        print(f"[distributed] rank {rank} of group {os.environ.get('FTREC_REPLICA_GROUP', '0')} on {device} "
-              f"({torch.cuda.get_device_name(device)})", flush=True)
-    return Topology(rank, world, int(os.environ.get("FTREC_REPLICA_GROUP", "0")),
-                    int(os.environ.get("FTREC_NUM_REPLICA_GROUPS", "1")), device)
+        print(
+            f"[distributed] rank {rank} of group {os.environ.get('FTREC_REPLICA_GROUP', '0')} on {device} "
+            f"({torch.cuda.get_device_name(device)})",
+            flush=True,
+        )
+    return Topology(
+        rank,
+        world,
+        int(os.environ.get("FTREC_REPLICA_GROUP", "0")),
+        int(os.environ.get("FTREC_NUM_REPLICA_GROUPS", "1")),
+        device,
+    )
 
 
 def active() -> bool:
@@ -141,7 +156,7 @@ def allreduce_grads(params: list[torch.nn.Parameter]) -> float:
         n = g.numel()
         if p.grad is None:
             p.grad = g
-        p.grad.copy_(flat[i:i + n].view_as(g))
+        p.grad.copy_(flat[i : i + n].view_as(g))
         i += n
     return waited
 

@@ -45,10 +45,10 @@ def ranking_metrics(ranks: np.ndarray, ks: tuple[int, ...]) -> dict[str, float]:
 
 @dataclass
 class Split:
-    values: torch.Tensor          # inputs, jagged, users sorted by input length
+    values: torch.Tensor  # inputs, jagged, users sorted by input length
     offsets: torch.Tensor
-    targets: torch.Tensor         # [U]
-    negatives: torch.Tensor       # [U, num_negatives] sampled protocol candidates
+    targets: torch.Tensor  # [U]
+    negatives: torch.Tensor  # [U, num_negatives] sampled protocol candidates
     timestamps: torch.Tensor | None = None  # like values: each input item's epoch second
 
 
@@ -68,8 +68,13 @@ class EvalData:
         # Every item each user touched, as sorted keys user*(I+1)+item: vectorized membership.
         users = np.repeat(np.arange(self.num_users), lengths)
         stride = num_items + 1
-        seen = np.concatenate([users * stride + flat, np.arange(self.num_users) * stride + valid_t,
-                               np.arange(self.num_users) * stride + test_t])
+        seen = np.concatenate(
+            [
+                users * stride + flat,
+                np.arange(self.num_users) * stride + valid_t,
+                np.arange(self.num_users) * stride + test_t,
+            ]
+        )
         self._seen = np.unique(seen)
         self.history_items = flat
         rng = np.random.default_rng(cfg.seed)
@@ -77,7 +82,7 @@ class EvalData:
             "valid": self._split(flat, starts, None, valid_t, max_len, rng, cfg.num_negatives),
             "test": self._split(flat, starts, valid_t, test_t, max_len, rng, cfg.num_negatives),
         }
-        if "history_timestamps" in t.column_names:    # the same inputs' times, gathered the same way
+        if "history_timestamps" in t.column_names:  # the same inputs' times, gathered the same way
             ts = t.column("history_timestamps").combine_chunks().flatten().to_numpy().astype(np.int64)
             valid_ts = t.column("valid_timestamp").to_numpy().astype(np.int64)
             for name, extra in (("valid", None), ("test", valid_ts)):
@@ -92,7 +97,7 @@ class EvalData:
             flat = np.insert(flat, ends, extra)
             starts = np.zeros(len(lengths) + 1, dtype=np.int64)
             np.cumsum(lengths, out=starts[1:])
-        keep = np.minimum(lengths, max_len)                      # most recent max_len items
+        keep = np.minimum(lengths, max_len)  # most recent max_len items
         order = np.argsort(keep, kind="stable")
         keep, first = keep[order], starts[1:][order] - keep[order]
         offsets = np.zeros(len(keep) + 1, dtype=np.int64)
@@ -103,8 +108,12 @@ class EvalData:
     def _split(self, flat, starts, extra, targets, max_len, rng, num_neg) -> Split:
         values, offsets, users = self._inputs(flat, starts, extra, max_len)
         negatives = self._negatives(users, rng, num_neg)
-        return Split(torch.from_numpy(values), torch.from_numpy(offsets),
-                     torch.from_numpy(targets[users]), torch.from_numpy(negatives))
+        return Split(
+            torch.from_numpy(values),
+            torch.from_numpy(offsets),
+            torch.from_numpy(targets[users]),
+            torch.from_numpy(negatives),
+        )
 
     def _negatives(self, users: np.ndarray, rng, num_neg: int) -> np.ndarray:
         stride = self.num_items + 1
@@ -131,17 +140,17 @@ def evaluate(model, data: EvalData, cfg: EvalConfig, splits=("valid", "test")) -
         for lo in range(0, n, cfg.batch_size):
             hi = min(lo + cfg.batch_size, n)
             a, b = int(s.offsets[lo]), int(s.offsets[hi])
-            offsets = (s.offsets[lo:hi + 1] - a).to(dev)
+            offsets = (s.offsets[lo : hi + 1] - a).to(dev)
             values = s.values[a:b].to(dev)
             ts = s.timestamps[a:b].to(dev) if s.timestamps is not None else None
             h = model.last_hidden(values, offsets, timestamps=ts)
             target = s.targets[lo:hi].to(dev)
-            scores = model.scores(h)                                   # [B, I], column i = item i+1
+            scores = model.scores(h)  # [B, I], column i = item i+1
             t_score = scores.gather(1, (target - 1)[:, None])
             if cfg.exclude_history:
                 rows = torch.repeat_interleave(torch.arange(hi - lo, device=dev), offsets[1:] - offsets[:-1])
                 scores[rows, values - 1] = float("-inf")
-                scores.scatter_(1, (target - 1)[:, None], t_score)     # never exclude the target
+                scores.scatter_(1, (target - 1)[:, None], t_score)  # never exclude the target
             full_ranks.append(((scores >= t_score).sum(1) - 1).cpu().numpy())
             # Negatives are items the user never touched, so exclusion never hit them.
             neg = scores.gather(1, s.negatives[lo:hi].to(dev) - 1)
@@ -165,8 +174,10 @@ def evaluate_checkpoint(path: str, shards_path: str, overrides: list[str] | None
     cfg = validate(apply_overrides(config_from_dict(meta["config"]), overrides or []))
     shards = ShardSet(shards_path)
     if shards.num_items != int(meta["num_items"]):
-        raise DataError(f"checkpoint {path} was trained with {meta['num_items']} items, shard set {shards_path} "
-                        f"has {shards.num_items}: evaluate on the shard set it was trained on")
+        raise DataError(
+            f"checkpoint {path} was trained with {meta['num_items']} items, shard set {shards_path} "
+            f"has {shards.num_items}: evaluate on the shard set it was trained on"
+        )
     torch.manual_seed(0)
     model = SeqRec(shards.num_items, cfg.model)
     model.load_state_dict(state["model"])
@@ -180,12 +191,14 @@ class MostPopular(torch.nn.Module):
     Counts come from the eval users' training sequences only (no valid/test targets),
     the floor that shared/data/README.md publishes.
     """
-    counts: torch.Tensor   # a buffer: per item, its count; index 0 is padding
+
+    counts: torch.Tensor  # a buffer: per item, its count; index 0 is padding
 
     def __init__(self, data: "EvalData"):
         super().__init__()
-        self.register_buffer("counts", torch.bincount(torch.from_numpy(data.history_items),
-                                                      minlength=data.num_items + 1).double())
+        self.register_buffer(
+            "counts", torch.bincount(torch.from_numpy(data.history_items), minlength=data.num_items + 1).double()
+        )
 
     def last_hidden(self, values: torch.Tensor, offsets: torch.Tensor, timestamps=None) -> torch.Tensor:
         return torch.zeros(len(offsets) - 1, 1, dtype=torch.float64)

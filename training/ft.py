@@ -83,7 +83,7 @@ class LocalReplica:
         return 1.0
 
     def state_for_checkpoint(self) -> dict:
-        return {}   # the data cursor in the checkpoint says it all
+        return {}  # the data cursor in the checkpoint says it all
 
     def load_from_checkpoint(self, meta: dict) -> None:
         pass
@@ -92,7 +92,7 @@ class LocalReplica:
         return {}
 
     def finish(self, per_rank: bool = False) -> None:
-        pass   # without ftcore no launcher reads a final state (the trainer's checkpoints stay)
+        pass  # without ftcore no launcher reads a final state (the trainer's checkpoints stay)
 
 
 class FTReplica:
@@ -113,10 +113,19 @@ class FTReplica:
             os.makedirs(os.path.join(self.out, "records"), exist_ok=True)
             cfg.records = os.path.join(self.out, "records", f"rank-{cfg.rank}-inc-{{incarnation}}.jsonl")
         group_pg = dist.group.WORLD if (dist.is_available() and dist.is_initialized()) else None
-        self.manager = manager.Manager(cfg, self._state_dict, self._load_state_dict, group_pg=group_pg,
-                                       step=int(state.step), faults=manager.faults_from_env())
-        self.ledger = (ledger.Ledger(os.path.join(os.path.dirname(os.path.abspath(self.out)), LEDGER_DIR),
-                                     cfg.group, cfg.rank) if self.out else None)
+        self.manager = manager.Manager(
+            cfg,
+            self._state_dict,
+            self._load_state_dict,
+            group_pg=group_pg,
+            step=int(state.step),
+            faults=manager.faults_from_env(),
+        )
+        self.ledger = (
+            ledger.Ledger(os.path.join(os.path.dirname(os.path.abspath(self.out)), LEDGER_DIR), cfg.group, cfg.rank)
+            if self.out
+            else None
+        )
         # Whole epochs (ceil of steps_total): make-up work is owed per epoch. The schedule starts
         # at the cursor; a resumed run then restores the make-up work owed (load_from_checkpoint).
         c = state.cursor
@@ -125,10 +134,10 @@ class FTReplica:
         self.schedule.epoch, self.schedule.index = c.epoch, c.index
         self.group = cfg.group
         self._live: set[int] = set()
-        self._pos: Position | None = None        # this step's place in the schedule (None: no batch)
+        self._pos: Position | None = None  # this step's place in the schedule (None: no batch)
         self._committed: Position | None = None  # the last committed step's
-        self._ids: list[int] | None = None   # sample ids this group trained this step
-        self._joined = False                 # the ledger's resumed_to marker is written
+        self._ids: list[int] | None = None  # sample ids this group trained this step
+        self._joined = False  # the ledger's resumed_to marker is written
 
     # ---- the state a recovering group receives ------------------------------------------
     def _state_dict(self) -> dict:
@@ -154,20 +163,26 @@ class FTReplica:
         st = (meta.get("ftcore") or {}).get("schedule")
         where = f"checkpoint step {meta.get('step')}"
         if st is None:
-            print(f"[ftcore g{self.group}] {where} has no make-up schedule: batches missed before it are "
-                  "not made up", flush=True)
+            print(
+                f"[ftcore g{self.group}] {where} has no make-up schedule: batches missed before it are not made up",
+                flush=True,
+            )
             return
         epochs = self.schedule.epochs
         try:
             self.schedule.load_state_dict(st)
         except (KeyError, TypeError, ValueError) as e:
-            raise CheckpointError(f"{where}: its ftcore schedule does not fit this run ({e}); resume with "
-                                  f"--replica-groups {st.get('num_groups', '?')} on the same shard set") from None
-        self.schedule.epochs = epochs   # this run's length decides when it ends (train.epochs)
+            raise CheckpointError(
+                f"{where}: its ftcore schedule does not fit this run ({e}); resume with "
+                f"--replica-groups {st.get('num_groups', '?')} on the same shard set"
+            ) from None
+        self.schedule.epochs = epochs  # this run's length decides when it ends (train.epochs)
         c, sc = self.state.cursor, self.schedule
         if (c.epoch, c.index) != divmod(sc.epoch * sc.steps + sc.index, sc.steps):
-            raise CheckpointError(f"{where}: its ftcore schedule is at ({sc.epoch}, {sc.index}), its data cursor "
-                                  f"at ({c.epoch}, {c.index}): meta.json does not belong to state.pt")
+            raise CheckpointError(
+                f"{where}: its ftcore schedule is at ({sc.epoch}, {sc.index}), its data cursor "
+                f"at ({c.epoch}, {c.index}): meta.json does not belong to state.pt"
+            )
 
     # ---- the step protocol --------------------------------------------------------------
     def start_quorum(self) -> None:
@@ -186,10 +201,10 @@ class FTReplica:
                 self.ledger.resumed(q.max_step)
                 self._joined = True
             self._live = q.live()
-            if not self.manager.healing:   # a healing group's schedule arrives with the state
+            if not self.manager.healing:  # a healing group's schedule arrives with the state
                 self._pos = self.schedule.position(self._live)
                 if self._pos is None:
-                    time.sleep(0.05)   # only absent groups' make-up work is left: wait for them
+                    time.sleep(0.05)  # only absent groups' make-up work is left: wait for them
                 elif self.schedule.works(self._pos, self.group):
                     e, rg = self._pos.epoch, self._pos.row_group
                     batch = loader.peek((e, loader.cursor.order(e).index(rg)))
@@ -204,8 +219,9 @@ class FTReplica:
             loader.commit()
         c, sc = loader.cursor, self.schedule
         if (c.epoch, c.index) != divmod(sc.epoch * sc.steps + sc.index, sc.steps):
-            raise RuntimeError(f"ftcore: data cursor ({c.epoch}, {c.index}) left the make-up schedule "
-                               f"({sc.epoch}, {sc.index})")
+            raise RuntimeError(
+                f"ftcore: data cursor ({c.epoch}, {c.index}) left the make-up schedule ({sc.epoch}, {sc.index})"
+            )
 
     def data_done(self, step: int, steps_total: int) -> bool:
         # Whole epochs end when the schedule, make-up steps included, is done. A step budget
@@ -218,7 +234,7 @@ class FTReplica:
     def allreduce(self, tensors: Sequence[torch.Tensor | None]) -> None:
         q = self.manager.quorum
         self.manager.allreduce([t for t in tensors if t is not None], same_batch=self._same_batch)
-        if self.manager.quorum is not None and self.manager.quorum is not q:   # re-run in the survivors' quorum
+        if self.manager.quorum is not None and self.manager.quorum is not q:  # re-run in the survivors' quorum
             self._live = self.manager.quorum.live()
 
     def _same_batch(self, q: Quorum) -> bool:
@@ -238,12 +254,21 @@ class FTReplica:
             raise RuntimeError("ftcore: a committed step has no place in the make-up schedule")
         contributors = {h for h in self._live if self.schedule.works(pos, h)}
         if len(contributors) != self.manager.contributors:
-            raise RuntimeError(f"ftcore: schedule disagrees with FTAR: {sorted(contributors)} contributed "
-                               f"by the schedule, {self.manager.contributors} by the all-reduce")
+            raise RuntimeError(
+                f"ftcore: schedule disagrees with FTAR: {sorted(contributors)} contributed "
+                f"by the schedule, {self.manager.contributors} by the all-reduce"
+            )
         q = self.manager.quorum
         if self.ledger is not None and q is not None:
-            self.ledger.record(self.manager.step - 1, pos.epoch, pos.row_group, pos.kind, contributors,
-                               q.quorum_id, self._ids if self.group in contributors else None)
+            self.ledger.record(
+                self.manager.step - 1,
+                pos.epoch,
+                pos.row_group,
+                pos.kind,
+                contributors,
+                q.quorum_id,
+                self._ids if self.group in contributors else None,
+            )
         self.schedule.commit(pos, contributors)
         self._committed = pos
         return True
@@ -259,9 +284,11 @@ class FTReplica:
         if not log:
             return {}
         n = len(log)
-        return {"ft/straggler_s": sum(r[0] for r in log) / n,
-                "ft/transfer_s": sum(max(r[1] - r[0], 0.0) for r in log) / n,
-                "ft/bubble_fraction": sum(1.0 - r[3] / r[2] for r in log if r[2] > 0) / n}
+        return {
+            "ft/straggler_s": sum(r[0] for r in log) / n,
+            "ft/transfer_s": sum(max(r[1] - r[0], 0.0) for r in log) / n,
+            "ft/bubble_fraction": sum(1.0 - r[3] / r[2] for r in log if r[2] > 0) / n,
+        }
 
     def finish(self, per_rank: bool = False) -> None:
         """Write the group's final parameters and optimizer state (tensor-only) and leave.
@@ -277,8 +304,11 @@ class FTReplica:
             meta = {"step": str(self.manager.step)}
             if per_rank:
                 meta.update(rank=str(k), ranks=str(self.topo.group_size))
-            tensorfile.save({"model": self.state.model.state_dict(), "optimizer": self.state.optimizer.state_dict()},
-                            os.path.join(self.out, final_state.file_name(k)), meta)
+            tensorfile.save(
+                {"model": self.state.model.state_dict(), "optimizer": self.state.optimizer.state_dict()},
+                os.path.join(self.out, final_state.file_name(k)),
+                meta,
+            )
         self.manager.shutdown()
 
 

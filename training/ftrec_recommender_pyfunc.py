@@ -28,7 +28,7 @@ class FtrecRecommender(PythonModel):
     def load_context(self, context):
         self.program = torch.export.load(context.artifacts["program"]).module()
         with open(context.artifacts["item_ids"]) as f:
-            self.raw_ids = json.load(f)                  # dense id i + 1 at index i
+            self.raw_ids = json.load(f)  # dense id i + 1 at index i
         self.dense = {raw: i + 1 for i, raw in enumerate(self.raw_ids)}
         self.max_len = int(context.model_config["max_len"])
 
@@ -39,10 +39,10 @@ class FtrecRecommender(PythonModel):
         rows = [i for i, h in enumerate(histories) if h]
         out: dict[str, list[list]] = {"items": [[] for _ in histories], "scores": [[] for _ in histories]}
         if rows and k > 0:
-            recent = [histories[i][-self.max_len:] for i in rows]
-            batch = torch.zeros(len(rows), max(map(len, recent)), dtype=torch.int64)   # right-padded
+            recent = [histories[i][-self.max_len :] for i in rows]
+            batch = torch.zeros(len(rows), max(map(len, recent)), dtype=torch.int64)  # right-padded
             for b, h in enumerate(recent):
-                batch[b, :len(h)] = torch.tensor(h)
+                batch[b, : len(h)] = torch.tensor(h)
             with torch.no_grad():
                 scores = self.program(batch).float()
             if exclude:
@@ -50,7 +50,7 @@ class FtrecRecommender(PythonModel):
                     scores[b, torch.tensor(histories[i]) - 1] = float("-inf")
             top = scores.topk(min(k, scores.shape[1]), dim=1)
             for b, i in enumerate(rows):
-                keep = torch.isfinite(top.values[b])      # fewer than k items left after exclusion
+                keep = torch.isfinite(top.values[b])  # fewer than k items left after exclusion
                 out["items"][i] = [self.raw_ids[j] for j in top.indices[b][keep].tolist()]
                 out["scores"][i] = top.values[b][keep].tolist()
         return pd.DataFrame(out)

@@ -50,7 +50,7 @@ from ftcore.lighthouse_client import call
 from training.ports import free_port
 
 TOY = "ftcore.examples.toy"
-SHM_DIR = "/dev/shm"   # comm.transport=smfree's default shm_dir
+SHM_DIR = "/dev/shm"  # comm.transport=smfree's default shm_dir
 TRAINER = "training.__main__"
 
 
@@ -69,7 +69,7 @@ class LaunchConfig:
     ranks_per_group: int = 1
     lighthouse: str | None = None
     job_id: str = "default"
-    groups: list[int] | None = None   # the replica groups this launcher runs (None: all R)
+    groups: list[int] | None = None  # the replica groups this launcher runs (None: all R)
     faults: str | None = None
     out: str = "work/launch"
     worker: str = TRAINER
@@ -82,21 +82,29 @@ class LaunchConfig:
     lr_policy: str = "sqrt"
     extra: list[str] = field(default_factory=list)
     print_commands: bool = False
-    oversubscribe_gpus: bool = False   # groups may share GPUs (never two ranks of one group)
+    oversubscribe_gpus: bool = False  # groups may share GPUs (never two ranks of one group)
 
 
 class Proc:
     """A child process whose output is copied line by line with a prefix."""
 
-    def __init__(self, argv: list[str], env: dict[str, str], prefix: str, out_lock: threading.Lock,
-                 stdin: bool = False):
+    def __init__(
+        self, argv: list[str], env: dict[str, str], prefix: str, out_lock: threading.Lock, stdin: bool = False
+    ):
         self.prefix = prefix
-        self.p = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
-                                  start_new_session=True, text=True, bufsize=1)
+        self.p = subprocess.Popen(
+            argv,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+            start_new_session=True,
+            text=True,
+            bufsize=1,
+        )
         self.ready = threading.Event()
-        self.replace_group = False   # its group is unhealthy while alive (a hang): kill and restart it
-        self.planned_kill = False    # killed by the fault plan (kill_lighthouse): not a death to repair
+        self.replace_group = False  # its group is unhealthy while alive (a hang): kill and restart it
+        self.planned_kill = False  # killed by the fault plan (kill_lighthouse): not a death to repair
         self._lock = out_lock
         threading.Thread(target=self._pump, daemon=True).start()
 
@@ -112,7 +120,7 @@ class Proc:
         self.p.stdin.flush()
 
     def _pump(self) -> None:
-        if self.p.stdout is None:   # Popen(stdout=PIPE) always has it
+        if self.p.stdout is None:  # Popen(stdout=PIPE) always has it
             return
         for line in self.p.stdout:
             if line.startswith("ftrec-spare-ready"):
@@ -144,13 +152,13 @@ class Launcher:
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.t0 = time.monotonic()
-        self.started = time.time()   # this launch's records only: a relaunch appends to OUT's files
+        self.started = time.time()  # this launch's records only: a relaunch appends to OUT's files
         self.groups: dict[int, list[Proc]] = {}
         self.mine = cfg.groups if cfg.groups is not None else list(range(cfg.replica_groups))
         self.incarnation: dict[int, int] = {}
         self.restarts: dict[int, int] = {g: 0 for g in self.mine}
         self.done: set[int] = set()
-        self.late: set[int] = set()   # failed after another group had finished: not restarted
+        self.late: set[int] = set()  # failed after another group had finished: not restarted
         self.user_error = False
         self.failed: dict[int, str] = {}
         self.spares: list[Proc] = []
@@ -167,8 +175,11 @@ class Launcher:
             self.token_file = os.environ.get("FTCORE_TOKEN_FILE") or None
             self.token = auth.token_from_env()
             if self.token is None:
-                self.log("warning", message=f"no FTCORE_TOKEN_FILE or FTCORE_TOKEN for lighthouse {cfg.lighthouse}: "
-                                            "only a lighthouse started with --insecure will accept the ranks")
+                self.log(
+                    "warning",
+                    message=f"no FTCORE_TOKEN_FILE or FTCORE_TOKEN for lighthouse {cfg.lighthouse}: "
+                    "only a lighthouse started with --insecure will accept the ranks",
+                )
         self.addr = cfg.lighthouse or f"127.0.0.1:{free_port()}"
         self.status_path = "/status?" + urllib.parse.urlencode({"job": cfg.job_id})
 
@@ -183,7 +194,7 @@ class Launcher:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         env.update(self.job_env(), OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"), PYTHONUNBUFFERED="1")
-        if self.token_file:   # a file beats a token in every child's environment
+        if self.token_file:  # a file beats a token in every child's environment
             env.pop("FTCORE_TOKEN", None)
         if self.cfg.faults:
             env["FTCORE_FAULTS"] = os.path.abspath(self.cfg.faults)
@@ -191,9 +202,13 @@ class Launcher:
 
     def job_env(self) -> dict[str, str]:
         """What every rank of every group of this job gets (ftcore.manager.ENV), as on a cluster."""
-        env = {"FTCORE_LIGHTHOUSE": self.addr, "FTCORE_JOB_ID": self.cfg.job_id,
-               "FTREC_NUM_REPLICA_GROUPS": str(self.cfg.replica_groups),
-               "FTCORE_MIN_REPLICAS": str(self.cfg.min_replicas), "FTCORE_LR_POLICY": self.cfg.lr_policy}
+        env = {
+            "FTCORE_LIGHTHOUSE": self.addr,
+            "FTCORE_JOB_ID": self.cfg.job_id,
+            "FTREC_NUM_REPLICA_GROUPS": str(self.cfg.replica_groups),
+            "FTCORE_MIN_REPLICAS": str(self.cfg.min_replicas),
+            "FTCORE_LR_POLICY": self.cfg.lr_policy,
+        }
         if self.token_file:
             env["FTCORE_TOKEN_FILE"] = self.token_file
         if self.cfg.oversubscribe_gpus:
@@ -203,25 +218,56 @@ class Launcher:
     def torchrun_command(self, g: int) -> str:
         """Replica group g as one torchrun job: what this launcher runs, for a cluster."""
         import shlex
+
         env = {**self.job_env(), "FTREC_REPLICA_GROUP": str(g)}
-        argv = ["torchrun", "--nnodes", "1", "--nproc-per-node", str(self.cfg.ranks_per_group),
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", "HOST:PORT", "--rdzv-id", f"{self.cfg.job_id}-g{g}",
-                "--max-restarts", str(self.cfg.max_restarts), "-m", "training", *self.worker_argv(g)]
+        argv = [
+            "torchrun",
+            "--nnodes",
+            "1",
+            "--nproc-per-node",
+            str(self.cfg.ranks_per_group),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            "HOST:PORT",
+            "--rdzv-id",
+            f"{self.cfg.job_id}-g{g}",
+            "--max-restarts",
+            str(self.cfg.max_restarts),
+            "-m",
+            "training",
+            *self.worker_argv(g),
+        ]
         return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in env.items()), *map(shlex.quote, argv)])
 
     # ---- lighthouse -----------------------------------------------------------------
     def start_lighthouse(self) -> None:
         if self.token_file is None:
             raise LaunchError("the launcher starts a lighthouse only with a token file of its own (OUT/token)")
-        argv = [sys.executable, "-m", "training.launch", "--child", "ftcore.lighthouse", "--bind", self.addr,
-                "--min-replicas", str(self.cfg.min_replicas), "--expected-replicas", str(self.cfg.replica_groups),
-                "--token-file", self.token_file, "--events-file", os.path.join(self.out, "lighthouse-events.jsonl")]
+        argv = [
+            sys.executable,
+            "-m",
+            "training.launch",
+            "--child",
+            "ftcore.lighthouse",
+            "--bind",
+            self.addr,
+            "--min-replicas",
+            str(self.cfg.min_replicas),
+            "--expected-replicas",
+            str(self.cfg.replica_groups),
+            "--token-file",
+            self.token_file,
+            "--events-file",
+            os.path.join(self.out, "lighthouse-events.jsonl"),
+        ]
         self.lighthouse_proc = Proc(argv, self.base_env(), "lighthouse", self.lock)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if self.lighthouse_proc.p.poll() is not None:
-                raise LaunchError(f"the lighthouse exited with status {self.lighthouse_proc.p.returncode} "
-                                  f"(is {self.addr} in use?)")
+                raise LaunchError(
+                    f"the lighthouse exited with status {self.lighthouse_proc.p.returncode} (is {self.addr} in use?)"
+                )
             try:
                 if call(self.addr, self.status_path, None, self.token, method="GET", timeout=1)[0] == 200:
                     return
@@ -239,18 +285,33 @@ class Launcher:
     # ---- processes ------------------------------------------------------------------
     def worker_argv(self, g: int) -> list[str]:
         if self.cfg.worker == TRAINER:
-            return ["train", "--shards", self.cfg.shards or "", "--out", os.path.join(self.out, f"replica_{g}"),
-                    *self.cfg.extra]
+            return [
+                "train",
+                "--shards",
+                self.cfg.shards or "",
+                "--out",
+                os.path.join(self.out, f"replica_{g}"),
+                *self.cfg.extra,
+            ]
         return ["--out", self.out, *(["--shards", self.cfg.shards] if self.cfg.shards else []), *self.cfg.extra]
 
     def rank_env(self, g: int, k: int, inc: int, master_port: int) -> dict[str, str]:
         K = self.cfg.ranks_per_group
-        return {"FTREC_REPLICA_GROUP": str(g), "FTCORE_INCARNATION": str(inc), "RANK": str(k),
-                "LOCAL_RANK": str(k), "WORLD_SIZE": str(K), "LOCAL_WORLD_SIZE": str(K),
-                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port), "GROUP_RANK": str(g),
-                "FTREC_OUT": os.path.join(self.out, f"replica_{g}"),
-                # this host's GPUs are split over the groups run here: group slot s, K GPUs each
-                "FTREC_GPU_SLOT": str(self.mine.index(g)), "FTREC_GPU_SLOTS": str(len(self.mine))}
+        return {
+            "FTREC_REPLICA_GROUP": str(g),
+            "FTCORE_INCARNATION": str(inc),
+            "RANK": str(k),
+            "LOCAL_RANK": str(k),
+            "WORLD_SIZE": str(K),
+            "LOCAL_WORLD_SIZE": str(K),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(master_port),
+            "GROUP_RANK": str(g),
+            "FTREC_OUT": os.path.join(self.out, f"replica_{g}"),
+            # this host's GPUs are split over the groups run here: group slot s, K GPUs each
+            "FTREC_GPU_SLOT": str(self.mine.index(g)),
+            "FTREC_GPU_SLOTS": str(len(self.mine)),
+        }
 
     def start_spare(self) -> Proc:
         argv = [sys.executable, "-m", "training.launch", "--spare", self.cfg.worker]
@@ -273,7 +334,7 @@ class Launcher:
             ready = [p for p in self.spares if p.ready.is_set() and p.p.poll() is None]
             if len(ready) < self.cfg.ranks_per_group:
                 return None
-            take = ready[:self.cfg.ranks_per_group]
+            take = ready[: self.cfg.ranks_per_group]
             self.spares = [p for p in self.spares if p not in take]
             return take
 
@@ -290,8 +351,12 @@ class Launcher:
                 p.send(json.dumps({"env": env, "argv": argv}))
             else:
                 module = self.cfg.worker if self.cfg.worker != TRAINER else "training"
-                p = Proc([sys.executable, "-m", "training.launch", "--child", module, *argv],
-                         {**self.base_env(), **env}, f"g{g}r{k}", self.lock)
+                p = Proc(
+                    [sys.executable, "-m", "training.launch", "--child", module, *argv],
+                    {**self.base_env(), **env},
+                    f"g{g}r{k}",
+                    self.lock,
+                )
             procs.append(p)
         self.groups[g], self.incarnation[g] = procs, inc
         self.log("group_started", group=g, incarnation=inc, spare=bool(spares), pids=[p.pid for p in procs])
@@ -304,6 +369,7 @@ class Launcher:
             p.kill()
         # a SIGKILLed rank cannot remove its shared-memory outboxes (comm.transport=smfree)
         from training.comm import shm
+
         shm.sweep(SHM_DIR)
 
     def run_group_once(self, g: int, inc: int) -> None:
@@ -346,9 +412,12 @@ class Launcher:
     def supervise(self, g: int) -> None:
         attempts = 0
         try:
-            for attempt in Retrying(stop=stop_after_attempt(self.cfg.max_restarts + 1),
-                                    wait=wait_exponential(multiplier=self.cfg.backoff_s, max=10),
-                                    retry=retry_if_exception_type(GroupFailed), reraise=False):
+            for attempt in Retrying(
+                stop=stop_after_attempt(self.cfg.max_restarts + 1),
+                wait=wait_exponential(multiplier=self.cfg.backoff_s, max=10),
+                retry=retry_if_exception_type(GroupFailed),
+                reraise=False,
+            ):
                 with attempt:
                     inc = attempts
                     attempts += 1
@@ -379,10 +448,12 @@ class Launcher:
                 if f.kind not in faults_mod.LIGHTHOUSE_KINDS and inc != f.incarnation:
                     continue
                 # a lighthouse fault's step is the job's, any other fault's its group's
-                step = (max(steps.values(), default=0) if f.kind in faults_mod.LIGHTHOUSE_KINDS
-                        else steps.get(f.group, -1))
-                due = ((f.at_time is not None and now - self.t0 >= f.at_time)
-                       or (f.at_step is not None and step >= f.at_step))
+                step = (
+                    max(steps.values(), default=0) if f.kind in faults_mod.LIGHTHOUSE_KINDS else steps.get(f.group, -1)
+                )
+                due = (f.at_time is not None and now - self.t0 >= f.at_time) or (
+                    f.at_step is not None and step >= f.at_step
+                )
                 if due:
                     f.fired = True
                     threading.Thread(target=self.fire, args=(f,), daemon=True).start()
@@ -419,7 +490,7 @@ class Launcher:
             self.log("lighthouse_restarted")
             return
         procs = self.groups.get(f.group, [])
-        targets = procs if f.rank == "all" else procs[int(f.rank):int(f.rank) + 1]
+        targets = procs if f.rank == "all" else procs[int(f.rank) : int(f.rank) + 1]
         sig = signal.SIGKILL if f.kind == "kill" else signal.SIGSTOP
         for p in targets:
             self.log("fault", fault=f.kind, group=f.group, rank=f.rank, pid=p.pid)
@@ -434,8 +505,14 @@ class Launcher:
     def run(self) -> int:
         if self.cfg.lighthouse is None:
             self.start_lighthouse()
-        self.log("launch", lighthouse=self.addr, groups=self.cfg.replica_groups, ranks=self.cfg.ranks_per_group,
-                 worker=self.cfg.worker, out=self.out)
+        self.log(
+            "launch",
+            lighthouse=self.addr,
+            groups=self.cfg.replica_groups,
+            ranks=self.cfg.ranks_per_group,
+            worker=self.cfg.worker,
+            out=self.out,
+        )
         sups = [threading.Thread(target=self.supervise, args=(g,), daemon=True) for g in self.mine]
         for t in sups:
             t.start()
@@ -485,13 +562,19 @@ class Launcher:
             paths = [first, *(os.path.join(folder, final_state.file_name(k)) for k in range(1, ranks))]
             missing = [p for p in paths if not os.path.exists(p)]
             if missing:
-                print(f"[launch] replica_{g}: final state incomplete, {len(missing)} of {ranks} rank file(s) "
-                      f"missing ({missing[0]})", flush=True)
+                print(
+                    f"[launch] replica_{g}: final state incomplete, {len(missing)} of {ranks} rank file(s) "
+                    f"missing ({missing[0]})",
+                    flush=True,
+                )
                 return None
             stale = [p for p in paths[1:] if final_state.metadata(p).get("step") != meta.get("step")]
             if stale:
-                print(f"[launch] replica_{g}: final state incomplete, {stale[0]} is from another step than "
-                      f"{first} (step {meta.get('step')})", flush=True)
+                print(
+                    f"[launch] replica_{g}: final state incomplete, {stale[0]} is from another step than "
+                    f"{first} (step {meta.get('step')})",
+                    flush=True,
+                )
                 return None
         except (OSError, ValueError) as e:
             print(f"[launch] replica_{g}: cannot read its final state: {e}", flush=True)
@@ -506,8 +589,9 @@ class Launcher:
             if paths:
                 sums[g] = final_state.checksum(paths)
                 where = paths[0] if len(paths) == 1 else f"{paths[0]} + {len(paths) - 1} rank file(s)"
-                print(f"[launch] replica_{g} checksum {sums[g]} ({where}), restarts {self.restarts.get(g, 0)}",
-                      flush=True)
+                print(
+                    f"[launch] replica_{g} checksum {sums[g]} ({where}), restarts {self.restarts.get(g, 0)}", flush=True
+                )
         if len(set(sums.values())) > 1:
             print("[launch] WARNING: replica groups ended with different states", flush=True)
         return sums
@@ -518,7 +602,7 @@ class Launcher:
         if os.path.exists(lh_file):
             with open(lh_file) as f:
                 events = [json.loads(line) for line in f if line.strip().startswith("{")]
-        elif self.cfg.lighthouse:   # a standing lighthouse: its recent events of this job
+        elif self.cfg.lighthouse:  # a standing lighthouse: its recent events of this job
             events = (self.status() or {}).get("events", [])
         steps = []
         for root, _, files in os.walk(self.out):
@@ -535,9 +619,15 @@ class Launcher:
         events = [e for e in events if e.get("t", 0) >= self.started]
         steps = [s for s in steps if s.get("t", 0) >= self.started]
         summary = {**summarize(events + self.events, steps), **per_group(events, steps, self.restarts)}
-        timeline = {"exit_code": code, "checksums": {str(g): s for g, s in sums.items()},
-                    "restarts": self.restarts, "summary": summary, "launcher_events": self.events,
-                    "lighthouse_events": events, "steps": sorted(steps, key=lambda r: r["t"])}
+        timeline = {
+            "exit_code": code,
+            "checksums": {str(g): s for g, s in sums.items()},
+            "restarts": self.restarts,
+            "summary": summary,
+            "launcher_events": self.events,
+            "lighthouse_events": events,
+            "steps": sorted(steps, key=lambda r: r["t"]),
+        }
         atomic_write_json(os.path.join(self.out, "timeline.json"), timeline)
         print(f"[launch] timeline {os.path.join(self.out, 'timeline.json')}: {json.dumps(summary)}", flush=True)
         log_to_mlflow(self.out, summary, os.path.join(self.out, "timeline.json"))
@@ -566,10 +656,12 @@ def per_group(events: list[dict], steps: list[dict], restarts: dict[int, int]) -
     for g, n in sorted(restarts.items()):
         out[f"group{g}/restarts"] = n
         out[f"group{g}/committed_steps"] = len({s["step"] for s in steps if s.get("group") == g and s.get("committed")})
-        out[f"group{g}/heals"] = sum(1 for e in events if e.get("kind") == "heal_finished" and e.get("group") == g
-                                     and e.get("rank", 0) == 0)
-        out[f"group{g}/slow_exclusions"] = sum(1 for e in events if e.get("kind") == "group_excluded"
-                                               and e.get("group") == g)
+        out[f"group{g}/heals"] = sum(
+            1 for e in events if e.get("kind") == "heal_finished" and e.get("group") == g and e.get("rank", 0) == 0
+        )
+        out[f"group{g}/slow_exclusions"] = sum(
+            1 for e in events if e.get("kind") == "group_excluded" and e.get("group") == g
+        )
     return out
 
 
@@ -584,12 +676,14 @@ def log_to_mlflow(out: str, summary: dict, timeline: str) -> None:
         if not res.get("mlflow_run_id") or not res.get("tracking_uri"):
             return
         import mlflow
+
         client = mlflow.MlflowClient(tracking_uri=res["tracking_uri"])
         for k, v in summary.items():
             client.log_metric(res["mlflow_run_id"], k if k.startswith("group") else f"ft/{k}", float(v))
         client.log_artifact(res["mlflow_run_id"], timeline)
         from training import timeline as timeline_chart
-        chart = os.path.join(out, "timeline.png")   # committed steps per group, faults and heals marked
+
+        chart = os.path.join(out, "timeline.png")  # committed steps per group, faults and heals marked
         with open(timeline) as f:
             if timeline_chart.png(json.load(f), chart):
                 client.log_artifact(res["mlflow_run_id"], chart)
@@ -606,12 +700,14 @@ def _die_with_parent() -> None:
         while os.getppid() == ppid:
             time.sleep(0.5)
         os.kill(os.getpid(), signal.SIGKILL)
+
     threading.Thread(target=watch, daemon=True, name="die-with-launcher").start()
 
 
 def _child(argv: list[str]) -> int:
     """Run `python -m MODULE ARGS` as a child that ends when the launcher ends."""
     import runpy
+
     _die_with_parent()
     sys.argv = [argv[0], *argv[1:]]
     runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
@@ -621,9 +717,11 @@ def _child(argv: list[str]) -> int:
 def _spare(worker: str) -> int:
     """A warm process: imports done, waits for its group assignment on stdin, then runs."""
     import importlib
+
     _die_with_parent()
 
     import torch  # the point: pay for imports and lazy initialisation before a failure
+
     mod = importlib.import_module(worker)
     if worker == TRAINER:
         importlib.import_module("training.train")
@@ -637,9 +735,10 @@ def _spare(worker: str) -> int:
     import torch.distributed as dist
 
     from ftcore import netaddr
+
     fd, port = netaddr.listen_fd("127.0.0.1")
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, master_listen_fd=fd)
-    opts = dist.ProcessGroupGloo._Options()   # type: ignore[attr-defined]  # private, absent from the stubs
+    opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # private, absent from the stubs
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
     opts._timeout = datetime.timedelta(seconds=5)
     dist.ProcessGroupGloo(dist.PrefixStore("warm", store), 0, 1, opts)
@@ -657,33 +756,55 @@ def parse(argv: list[str]) -> LaunchConfig:
     extra = []
     if "--" in argv:
         i = argv.index("--")
-        argv, extra = argv[:i], argv[i + 1:]
+        argv, extra = argv[:i], argv[i + 1 :]
     p = argparse.ArgumentParser(prog="python -m training launch", description=__doc__.split("\n\n")[0])
     p.add_argument("--shards", help="shard set (python -m dataprep shards)")
     p.add_argument("--replica-groups", type=int, default=2, help="R: replica groups (units of failure)")
     p.add_argument("--ranks-per-group", type=int, default=1, help="K: ranks per replica group")
-    p.add_argument("--lighthouse", help="HOST:PORT of a standing lighthouse (default: start one here); its token "
-                                        "comes from FTCORE_TOKEN_FILE or FTCORE_TOKEN")
-    p.add_argument("--job-id", default=os.environ.get("FTCORE_JOB_ID") or "default",
-                   help="this job's id on the lighthouse (jobs sharing a standing lighthouse need distinct ids)")
-    p.add_argument("--groups", help="comma-separated replica groups this launcher runs (default: all of "
-                                    "0..R-1; the others run elsewhere against the same --lighthouse)")
-    p.add_argument("--print-commands", action="store_true",
-                   help="print each replica group as one torchrun command (for a cluster) and exit")
+    p.add_argument(
+        "--lighthouse",
+        help="HOST:PORT of a standing lighthouse (default: start one here); its token "
+        "comes from FTCORE_TOKEN_FILE or FTCORE_TOKEN",
+    )
+    p.add_argument(
+        "--job-id",
+        default=os.environ.get("FTCORE_JOB_ID") or "default",
+        help="this job's id on the lighthouse (jobs sharing a standing lighthouse need distinct ids)",
+    )
+    p.add_argument(
+        "--groups",
+        help="comma-separated replica groups this launcher runs (default: all of "
+        "0..R-1; the others run elsewhere against the same --lighthouse)",
+    )
+    p.add_argument(
+        "--print-commands",
+        action="store_true",
+        help="print each replica group as one torchrun command (for a cluster) and exit",
+    )
     p.add_argument("--faults", help="fault plan, TOML or JSON (see ftcore/faults.py)")
     p.add_argument("--out", default="work/launch", help="output folder: replica_<g>/, timeline.json, ledger/")
-    p.add_argument("--worker", default=TRAINER, help=f"module with main(argv) run by each rank (default: the "
-                                                     f"trainer; {TOY} is a self-contained toy)")
+    p.add_argument(
+        "--worker",
+        default=TRAINER,
+        help=f"module with main(argv) run by each rank (default: the trainer; {TOY} is a self-contained toy)",
+    )
     p.add_argument("--min-replicas", type=int, default=1)
     p.add_argument("--max-restarts", type=int, default=5, help="per group")
-    p.add_argument("--replace-after", type=float, default=15.0,
-                   help="seconds a live group may stay unhealthy before it is killed and restarted")
+    p.add_argument(
+        "--replace-after",
+        type=float,
+        default=15.0,
+        help="seconds a live group may stay unhealthy before it is killed and restarted",
+    )
     p.add_argument("--lr-policy", choices=("none", "linear", "sqrt"), default="sqrt")
     p.add_argument("--timeout", type=float, default=3600.0, help="give up (non-zero exit) after this many seconds")
     p.add_argument("--no-spares", action="store_true", help="restart groups cold (for benchmarks)")
-    p.add_argument("--oversubscribe-gpus", action="store_true",
-                   help="let replica groups share GPUs when the host has fewer than groups x ranks (tests, "
-                        "one-GPU checks); the ranks of one group always get distinct GPUs")
+    p.add_argument(
+        "--oversubscribe-gpus",
+        action="store_true",
+        help="let replica groups share GPUs when the host has fewer than groups x ranks (tests, "
+        "one-GPU checks); the ranks of one group always get distinct GPUs",
+    )
     a = p.parse_args(argv)
     if a.replica_groups < 1 or a.ranks_per_group < 1:
         raise LaunchError("--replica-groups and --ranks-per-group must be >= 1")
@@ -698,16 +819,34 @@ def parse(argv: list[str]) -> LaunchConfig:
         if a.lighthouse is None and len(groups) < a.replica_groups:
             raise LaunchError("--groups runs part of the job: give the --lighthouse the other groups use")
     from ftcore.messages import JOB_ID
+
     if not JOB_ID.fullmatch(a.job_id):
         raise LaunchError(f"--job-id {a.job_id!r}: use letters, digits and ._:/+@=- (up to 128, FTCORE_JOB_ID)")
     if a.worker == TRAINER and not a.shards:
         raise LaunchError("--shards is required to launch the trainer (a folder from `python -m dataprep shards`)")
     if a.shards and not os.path.isfile(os.path.join(a.shards, "manifest.json")):
         raise LaunchError(f"--shards {a.shards}: no manifest.json there; build it with `python -m dataprep shards`")
-    return LaunchConfig(a.shards, a.replica_groups, a.ranks_per_group, a.lighthouse, a.job_id, groups, a.faults,
-                        a.out, a.worker, a.min_replicas, a.max_restarts, 0.1, a.replace_after, a.timeout,
-                        not a.no_spares, a.lr_policy, extra, a.print_commands,
-                        oversubscribe_gpus=a.oversubscribe_gpus)
+    return LaunchConfig(
+        a.shards,
+        a.replica_groups,
+        a.ranks_per_group,
+        a.lighthouse,
+        a.job_id,
+        groups,
+        a.faults,
+        a.out,
+        a.worker,
+        a.min_replicas,
+        a.max_restarts,
+        0.1,
+        a.replace_after,
+        a.timeout,
+        not a.no_spares,
+        a.lr_policy,
+        extra,
+        a.print_commands,
+        oversubscribe_gpus=a.oversubscribe_gpus,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

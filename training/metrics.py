@@ -29,14 +29,16 @@ COLUMNS = 5
 
 class StepTimes(NamedTuple):
     """One committed step of one rank, in seconds (Window.record's timing columns)."""
-    compute: float     # inside compute phases, waits inside them excluded
-    wait: float        # blocked in collectives (the bubble)
-    step_time: float   # step begin to step end
-    data_wait: float   # step begin to the first compute phase (quorum, next batch)
+
+    compute: float  # inside compute phases, waits inside them excluded
+    wait: float  # blocked in collectives (the bubble)
+    step_time: float  # step begin to step end
+    data_wait: float  # step begin to the first compute phase (quorum, next batch)
 
 
 class PhaseSink(Protocol):
     """Who else learns of a step's phase boundaries, at the timer's timestamps (GroupComm)."""
+
     def step_begin(self, step: int, t: float | None = None) -> None: ...
     def compute_begin(self, name: str, t: float | None = None) -> None: ...
     def compute_end(self, t: float | None = None) -> None: ...
@@ -108,14 +110,25 @@ class StepTimer:
 @dataclass
 class Window:
     steps: list[int] = field(default_factory=list)
-    times: list[list[float]] = field(default_factory=list)   # per step: the COLUMNS above
+    times: list[list[float]] = field(default_factory=list)  # per step: the COLUMNS above
     lr: list[float] = field(default_factory=list)
-    samples: float = 0.0      # global (whole replica group)
-    tokens: float = 0.0       # global non-padding tokens
-    padded: float = 0.0       # global tokens after padding each rank's batch
+    samples: float = 0.0  # global (whole replica group)
+    tokens: float = 0.0  # global non-padding tokens
+    padded: float = 0.0  # global tokens after padding each rank's batch
 
-    def record(self, step: int, loss_share: float, lr: float, compute: float, wait: float, step_time: float,
-               data_wait: float, samples: float, tokens: float, padded: float) -> None:
+    def record(
+        self,
+        step: int,
+        loss_share: float,
+        lr: float,
+        compute: float,
+        wait: float,
+        step_time: float,
+        data_wait: float,
+        samples: float,
+        tokens: float,
+        padded: float,
+    ) -> None:
         """One committed step; samples/tokens/padded are the group's totals."""
         self.steps.append(step)
         self.times.append([compute, wait, step_time, data_wait, loss_share])
@@ -126,8 +139,15 @@ class Window:
 
     def record_step(self, step: int, loss_share: float, lr: float, times: StepTimes, counts: torch.Tensor) -> None:
         """`record` with the StepTimer's times and the group's [targets, samples, padded] counts."""
-        self.record(step, loss_share, lr, **times._asdict(), tokens=float(counts[0]), samples=float(counts[1]),
-                    padded=float(counts[2]))
+        self.record(
+            step,
+            loss_share,
+            lr,
+            **times._asdict(),
+            tokens=float(counts[0]),
+            samples=float(counts[1]),
+            padded=float(counts[2]),
+        )
 
 
 def gather_times(window: Window, stop: bool, proposal: float = 0.0, group=None) -> tuple[torch.Tensor, bool, float]:
@@ -140,7 +160,7 @@ def gather_times(window: Window, stop: bool, proposal: float = 0.0, group=None) 
     flag = torch.zeros((1, COLUMNS), dtype=torch.float64)
     flag[0, 0], flag[0, 1] = (1.0 if stop else 0.0), proposal
     mine = torch.cat([mine, flag])
-    if distributed.active():   # timings and flags: control values (ftcore/collectives.py)
+    if distributed.active():  # timings and flags: control values (ftcore/collectives.py)
         allt = torch.stack(coll.all_gather(mine, kind=coll.CONTROL, group=group))
     else:
         allt = mine[None]
@@ -156,7 +176,7 @@ def agree(stop: bool, proposal: float = 0.0, group=None) -> tuple[bool, float]:
 
 def summarize(window: Window, per_rank: torch.Tensor) -> dict[str, float]:
     """One window -> the metrics logged for its last step."""
-    wall = float(per_rank[:, :, STEP_TIME].max(0).values.sum())   # a step lasts as long as its slowest rank
+    wall = float(per_rank[:, :, STEP_TIME].max(0).values.sum())  # a step lasts as long as its slowest rank
     compute = per_rank[:, :, COMPUTE]
     out = {
         "train/loss": float(per_rank[:, :, LOSS].sum(0).mean()),
@@ -177,9 +197,10 @@ def summarize(window: Window, per_rank: torch.Tensor) -> dict[str, float]:
 @dataclass
 class History:
     """What rank 0 keeps for the end-of-run plots: loss per step, per-rank step times."""
+
     steps: list[int] = field(default_factory=list)
     loss: list[float] = field(default_factory=list)
-    rank_times: list[torch.Tensor] = field(default_factory=list)   # [K, steps, COLUMNS] per window
+    rank_times: list[torch.Tensor] = field(default_factory=list)  # [K, steps, COLUMNS] per window
     samples: float = 0.0
     tokens: float = 0.0
     padded: float = 0.0
@@ -200,13 +221,17 @@ def run_summary(history: History) -> dict[str, float]:
     t = torch.cat(history.rank_times, dim=1)
     wall = float(t[:, :, STEP_TIME].max(0).values.sum())
     compute = t[:, :, COMPUTE]
-    return {"steps": int(t.shape[1]), "step_seconds": wall, "tokens": history.tokens,
-            "tokens_per_s": history.tokens / wall if wall else 0.0,
-            "samples_per_s": history.samples / wall if wall else 0.0,
-            "padding_fraction": 1.0 - history.tokens / history.padded if history.padded else 0.0,
-            "compute_s_per_step": float(compute.mean()),
-            "wait_s_per_step": float(t[:, :, WAIT].mean()),
-            "bubble_fraction": float(1.0 - (compute.mean(0) / compute.max(0).values.clamp_min(1e-12)).mean())}
+    return {
+        "steps": int(t.shape[1]),
+        "step_seconds": wall,
+        "tokens": history.tokens,
+        "tokens_per_s": history.tokens / wall if wall else 0.0,
+        "samples_per_s": history.samples / wall if wall else 0.0,
+        "padding_fraction": 1.0 - history.tokens / history.padded if history.padded else 0.0,
+        "compute_s_per_step": float(compute.mean()),
+        "wait_s_per_step": float(t[:, :, WAIT].mean()),
+        "bubble_fraction": float(1.0 - (compute.mean(0) / compute.max(0).values.clamp_min(1e-12)).mean()),
+    }
 
 
 def plot(history: History, path: str) -> str | None:
@@ -214,8 +239,10 @@ def plot(history: History, path: str) -> str | None:
     if not history.steps:
         return None
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     times = torch.cat(history.rank_times, dim=1)
     fig, (a, b) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
     a.plot(history.steps, history.loss, lw=0.8)

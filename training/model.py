@@ -36,10 +36,11 @@ from training.config import ModelConfig
 @dataclass
 class Jagged:
     """Index maps between jagged tokens and the padded [B, L] layout of one batch."""
-    lengths: torch.Tensor    # [B] tokens per sample
+
+    lengths: torch.Tensor  # [B] tokens per sample
     batch_idx: torch.Tensor  # [N] sample of each token
-    pos: torch.Tensor        # [N] index of each token inside its sample (0 = oldest)
-    max_len: int             # padded length of this batch
+    pos: torch.Tensor  # [N] index of each token inside its sample (0 = oldest)
+    max_len: int  # padded length of this batch
 
 
 def jagged_index(offsets: torch.Tensor, pad_to: int = 0) -> Jagged:
@@ -67,8 +68,9 @@ class SasrecBlock(nn.Module):
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         B, L, D = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(B, L, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
-        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None],
-                                           dropout_p=self.dropout if self.training else 0.0)
+        a = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask[:, None], dropout_p=self.dropout if self.training else 0.0
+        )
         x = x + self.drop(self.proj(a.transpose(1, 2).reshape(B, L, D)))
         return x + self.drop(self.ffn(self.ln2(x)))
 
@@ -82,14 +84,16 @@ def position_buckets(d: torch.Tensor, num_buckets: int, max_len: int) -> torch.T
     exact = max(num_buckets // 2, 1)
     if max_len <= exact:
         return d.clamp(max=num_buckets - 1)
-    far = exact + (torch.log(d.clamp(min=exact).float() / exact) / math.log(max_len / exact)
-                   * (num_buckets - exact)).long()
+    far = (
+        exact
+        + (torch.log(d.clamp(min=exact).float() / exact) / math.log(max_len / exact) * (num_buckets - exact)).long()
+    )
     return torch.where(d < exact, d, far.clamp(max=num_buckets - 1))
 
 
 def time_buckets(gap: torch.Tensor, num_buckets: int) -> torch.Tensor:
     """|gap| in seconds -> floor(ln(max(|gap|, 1)) / 0.301), capped at num_buckets - 1."""
-    g = gap.abs().float()            # a new tensor: the rest runs in place ([B, L, L] is large)
+    g = gap.abs().float()  # a new tensor: the rest runs in place ([B, L, L] is large)
     return g.clamp_(min=1.0).log_().div_(TIME_BUCKET_WIDTH).long().clamp_(max=num_buckets - 1)
 
 
@@ -110,7 +114,7 @@ class RelativeBias(nn.Module):
             b = (self.pos_w[:, None] + self.time_w[None, :]).flatten()[buckets]
         else:
             b = self.pos_w[buckets]
-        return b.unsqueeze(-3)       # one bias for all heads
+        return b.unsqueeze(-3)  # one bias for all heads
 
 
 class HstuBlock(nn.Module):
@@ -133,7 +137,7 @@ class HstuBlock(nn.Module):
         q, k, v = (t.view(B, L, H, D // H).transpose(1, 2) for t in (q, k, v))
         s = q @ k.transpose(-1, -2)
         if self.rab is not None:
-            s = s + self.rab(*buckets)          # inside the SiLU, before the mask (the paper's A(X))
+            s = s + self.rab(*buckets)  # inside the SiLU, before the mask (the paper's A(X))
         a = F.silu(s) / self.n * mask[:, None]  # no softmax: pointwise weights
         av = (a @ v).transpose(1, 2).reshape(B, L, D)
         return x + self.f2(self.drop(self.norm_av(av) * u))
@@ -155,17 +159,24 @@ class SeqRec(nn.Module):
         else:
             time = cfg.rel_time_buckets if cfg.rel_bias == "pos+time" else 0
             self.blocks = nn.ModuleList(
-                HstuBlock(cfg.dim, cfg.num_heads, cfg.dropout, cfg.max_len,
-                          RelativeBias(cfg.rel_pos_buckets, time) if cfg.rel_bias != "none" else None)
-                for _ in range(cfg.num_layers))
+                HstuBlock(
+                    cfg.dim,
+                    cfg.num_heads,
+                    cfg.dropout,
+                    cfg.max_len,
+                    RelativeBias(cfg.rel_pos_buckets, time) if cfg.rel_bias != "none" else None,
+                )
+                for _ in range(cfg.num_layers)
+            )
         self.ln_out = nn.LayerNorm(cfg.dim)
         nn.init.normal_(self.item_emb.weight, std=0.02)
         nn.init.normal_(self.pos_emb.weight, std=0.02)
         with torch.no_grad():
             self.item_emb.weight[0].zero_()
 
-    def forward(self, values: torch.Tensor, offsets: torch.Tensor, pad_to: int = 0,
-                timestamps: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, values: torch.Tensor, offsets: torch.Tensor, pad_to: int = 0, timestamps: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """values [N] item ids, offsets [B+1] -> hidden [N, dim], one per input token.
 
         timestamps [N] (seconds, optional) feed HSTU's time-gap bias; without them the model
@@ -182,9 +193,9 @@ class SeqRec(nn.Module):
         x[j.batch_idx, j.pos] = self.drop(tok)
         # Query t may see keys 0..t of its own sample; pads are never keys. Pad queries
         # (t >= length) still see real keys, so no softmax row is empty.
-        valid = torch.arange(L, device=x.device)[None, :] < j.lengths[:, None]          # [B, L]
-        causal = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()           # [L, L]
-        mask = causal[None] & valid[:, None, :]                               # [B, L, L]
+        valid = torch.arange(L, device=x.device)[None, :] < j.lengths[:, None]  # [B, L]
+        causal = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()  # [L, L]
+        mask = causal[None] & valid[:, None, :]  # [B, L, L]
         ts = None
         if timestamps is not None:
             ts = timestamps.new_zeros(B, L)
@@ -200,15 +211,16 @@ class SeqRec(nn.Module):
             pos = position_buckets((i[:, None] - i[None]).clamp(min=0), self.cfg.rel_pos_buckets, self.cfg.max_len)
             buckets = (pos,)
             if timestamps is not None and self.cfg.rel_bias == "pos+time":
-                t = (timestamps - timestamps[:, :1]).float()   # small numbers: float32 keeps the gaps exact enough
+                t = (timestamps - timestamps[:, :1]).float()  # small numbers: float32 keeps the gaps exact enough
                 time = time_buckets(t[:, :, None] - t[:, None, :], self.cfg.rel_time_buckets)
-                buckets = (pos * self.cfg.rel_time_buckets + time, True)    # once for all layers
+                buckets = (pos * self.cfg.rel_time_buckets + time, True)  # once for all layers
         for block in self.blocks:
             x = block(x, mask) if buckets is None else block(x, mask, buckets)
         return x
 
-    def last_hidden(self, values: torch.Tensor, offsets: torch.Tensor,
-                    timestamps: torch.Tensor | None = None) -> torch.Tensor:
+    def last_hidden(
+        self, values: torch.Tensor, offsets: torch.Tensor, timestamps: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Hidden state after each sample's newest item: [B, dim], what predicts the next item."""
         return self.forward(values, offsets, timestamps=timestamps)[offsets[1:] - 1]
 
@@ -230,6 +242,7 @@ class SeqRec(nn.Module):
     def pair_scores(self, h: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
         """h [N, d] against one item per row, items [N] -> [N]."""
         return (self._hidden_out(h) * self._embed_out(items)).sum(-1)
+
 
 def padding_fraction(offsets: torch.Tensor, pad_to: int = 0) -> float:
     """Share of the padded [B, L] tokens that are padding for this batch."""

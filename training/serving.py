@@ -43,14 +43,14 @@ class Scorer(nn.Module):
     def forward(self, items: torch.Tensor) -> torch.Tensor:
         m = self.model
         B, L = items.shape
-        valid = items != 0                                                    # [B, L]
+        valid = items != 0  # [B, L]
         lengths = valid.sum(1)
         pos = torch.arange(L, device=items.device)
-        from_end = (lengths[:, None] - 1 - pos[None]).clamp(min=0)            # pads: any row, zeroed below
+        from_end = (lengths[:, None] - 1 - pos[None]).clamp(min=0)  # pads: any row, zeroed below
         x = (m.item_emb(items) * math.sqrt(m.cfg.dim) + m.pos_emb(from_end)) * valid[..., None]
         causal = torch.ones(L, L, dtype=torch.bool, device=items.device).tril()
         mask = causal[None] & valid[:, None, :]
-        x = m.encode(x, mask)    # no timestamps: HSTU's time-gap bias is not served (positions only)
+        x = m.encode(x, mask)  # no timestamps: HSTU's time-gap bias is not served (positions only)
         h = m.ln_out(x[torch.arange(B, device=items.device), lengths - 1])  # needs lengths >= 1
         return m.scores(h)
 
@@ -63,8 +63,7 @@ def export(model, shards_path: str, folder: str) -> dict:
     batch, length = torch.export.Dim("batch", min=1), torch.export.Dim("length", min=1, max=max_len)
     example = torch.ones(2, min(2, max_len), dtype=torch.int64)
     with torch.no_grad():
-        program = torch.export.export(Scorer(model).eval(), (example,),
-                                      dynamic_shapes={"items": {0: batch, 1: length}})
+        program = torch.export.export(Scorer(model).eval(), (example,), dynamic_shapes={"items": {0: batch, 1: length}})
     torch.export.save(program, os.path.join(folder, "program.pt2"))
     items = pq.read_table(os.path.join(shards_path, ITEM_MAP)).sort_by("id")
     if items.column("id").to_pylist() != list(range(1, model.num_items + 1)):
@@ -72,9 +71,14 @@ def export(model, shards_path: str, folder: str) -> dict:
     raw_ids = items.column("raw_id").to_pylist()
     with open(os.path.join(folder, "item_ids.json"), "w") as f:
         json.dump(raw_ids, f)
-    return {"artifacts": {"program": os.path.join(folder, "program.pt2"),
-                          "item_ids": os.path.join(folder, "item_ids.json")},
-            "model_config": {"max_len": max_len}, "example": raw_ids[:3]}
+    return {
+        "artifacts": {
+            "program": os.path.join(folder, "program.pt2"),
+            "item_ids": os.path.join(folder, "item_ids.json"),
+        },
+        "model_config": {"max_len": max_len},
+        "example": raw_ids[:3],
+    }
 
 
 def log_pyfunc(exported: dict, registered_model_name: str | None = None):
@@ -88,10 +92,15 @@ def log_pyfunc(exported: dict, registered_model_name: str | None = None):
     signature = ModelSignature(
         inputs=Schema([ColSpec(Array(DataType.string), "history")]),
         outputs=Schema([ColSpec(Array(DataType.string), "items"), ColSpec(Array(DataType.double), "scores")]),
-        params=ParamSchema([ParamSpec("k", DataType.long, 10), ParamSpec("exclude_history", DataType.boolean, True)]))
+        params=ParamSchema([ParamSpec("k", DataType.long, 10), ParamSpec("exclude_history", DataType.boolean, True)]),
+    )
     return mlflow.pyfunc.log_model(
-        name="model", python_model=PYFUNC_FILE, artifacts=exported["artifacts"],
-        model_config=exported["model_config"], signature=signature,
+        name="model",
+        python_model=PYFUNC_FILE,
+        artifacts=exported["artifacts"],
+        model_config=exported["model_config"],
+        signature=signature,
         input_example=(pd.DataFrame({"history": [exported["example"]]}), {"k": 10}),
         pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", f"mlflow=={mlflow.__version__}"],
-        registered_model_name=registered_model_name)
+        registered_model_name=registered_model_name,
+    )

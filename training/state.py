@@ -29,10 +29,13 @@ def build_optimizer(model: SeqRec, cfg: OptimConfig) -> torch.optim.Optimizer:
     table = [model.item_emb.weight]
     dense = [p for n, p in model.named_parameters() if n != "item_emb.weight"]
     beta1, beta2 = cfg.betas
-    return torch.optim.AdamW([
-        {"params": dense, "lr": cfg.lr, "weight_decay": cfg.weight_decay, "name": "dense"},
-        {"params": table, "lr": cfg.embedding_lr, "weight_decay": 0.0, "name": "embedding"},
-    ], betas=(beta1, beta2))
+    return torch.optim.AdamW(
+        [
+            {"params": dense, "lr": cfg.lr, "weight_decay": cfg.weight_decay, "name": "dense"},
+            {"params": table, "lr": cfg.embedding_lr, "weight_decay": 0.0, "name": "embedding"},
+        ],
+        betas=(beta1, beta2),
+    )
 
 
 class WarmupDecay:
@@ -57,9 +60,14 @@ class WarmupDecay:
 class TrainState:
     """The mutable state of training, one object for checkpoints and for catch-up."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 scheduler: torch.optim.lr_scheduler.LRScheduler, cursor: DataCursor,
-                 generator: torch.Generator):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        cursor: DataCursor,
+        generator: torch.Generator,
+    ):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.cursor, self.generator = cursor, generator
         self.step = 0  # committed steps

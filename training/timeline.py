@@ -9,7 +9,7 @@ draws it for the Airflow lighthouse tab (inline, no script, every label escaped)
 import html
 from typing import Any
 
-MAX_POINTS = 400   # per group: a day-long job draws as fast as a short one
+MAX_POINTS = 400  # per group: a day-long job draws as fast as a short one
 
 # event kind -> (label, colour); where it comes from: the launcher or the lighthouse
 MARKS = {
@@ -32,15 +32,25 @@ def series(tl: dict[str, Any]) -> dict[str, Any]:
     commits of each group, and the events worth marking, in seconds since the launch."""
     events = [e for e in [*tl.get("launcher_events", []), *tl.get("lighthouse_events", [])] if isinstance(e, dict)]
     times = [t for t in (_num(e.get("t")) for e in events) if t is not None]
-    steps = [s for s in tl.get("steps", []) if isinstance(s, dict) and s.get("committed") and s.get("rank", 0) == 0
-             and _num(s.get("t")) is not None and _num(s.get("step")) is not None]
+    steps = [
+        s
+        for s in tl.get("steps", [])
+        if isinstance(s, dict)
+        and s.get("committed")
+        and s.get("rank", 0) == 0
+        and _num(s.get("t")) is not None
+        and _num(s.get("step")) is not None
+    ]
     # from the first commit (or an earlier fault): the seconds ranks spend starting are not the story
-    t0 = min([s["t"] for s in steps] + [t for e in events if e.get("kind") in MARKS
-                                         for t in [_num(e.get("t"))] if t is not None], default=min(times, default=0.0))
+    t0 = min(
+        [s["t"] for s in steps]
+        + [t for e in events if e.get("kind") in MARKS for t in [_num(e.get("t"))] if t is not None],
+        default=min(times, default=0.0),
+    )
     groups: dict[int, list[tuple[float, int]]] = {}
     for s in sorted(steps, key=lambda s: s["t"]):
         groups.setdefault(int(s.get("group", 0)), []).append((s["t"] - t0, int(s["step"])))
-    for g, pts in groups.items():   # thin evenly, keep the last point
+    for g, pts in groups.items():  # thin evenly, keep the last point
         if len(pts) > MAX_POINTS:
             every = len(pts) / MAX_POINTS
             groups[g] = [pts[int(i * every)] for i in range(MAX_POINTS)] + [pts[-1]]
@@ -65,15 +75,29 @@ def story(tl: dict[str, Any]) -> list[dict[str, Any]]:
     for g in sorted(set(s["groups"]) | {int(k) for k in restarts if str(k).isdigit()}):
         mine = [m for m in s["marks"] if m[1] == g]
         final = checksums.get(str(g), checksums.get(g, ""))
-        note = "" if final else ("not needed: training finished first" if any(
-            e.get("kind") == "group_not_needed" and e.get("group") == g for e in launcher) else "none")
-        out.append({"group": g, "last_step": s["groups"].get(g, [(0, 0)])[-1][1],
-                    "restarts": restarts.get(str(g), restarts.get(g, 0)),
-                    "failures": sum(e.get("kind") in ("group_failed", "group_replaced") and e.get("group") == g
-                                    for e in launcher),
-                    "heals": sum(m[2] == "heal_finished" for m in mine),
-                    "exclusions": sum(m[2] == "group_excluded" for m in mine),
-                    "checksum": final, "note": note})
+        note = (
+            ""
+            if final
+            else (
+                "not needed: training finished first"
+                if any(e.get("kind") == "group_not_needed" and e.get("group") == g for e in launcher)
+                else "none"
+            )
+        )
+        out.append(
+            {
+                "group": g,
+                "last_step": s["groups"].get(g, [(0, 0)])[-1][1],
+                "restarts": restarts.get(str(g), restarts.get(g, 0)),
+                "failures": sum(
+                    e.get("kind") in ("group_failed", "group_replaced") and e.get("group") == g for e in launcher
+                ),
+                "heals": sum(m[2] == "heal_finished" for m in mine),
+                "exclusions": sum(m[2] == "group_excluded" for m in mine),
+                "checksum": final,
+                "note": note,
+            }
+        )
     return out
 
 
@@ -89,39 +113,51 @@ def svg(tl: dict[str, Any], width: int = 720, height: int = 260) -> str:
     pad_l, pad_r, pad_t, pad_b = 48, 130, 12, 32
     t_max = max([p[0] for p in pts] + [m[0] for m in s["marks"]] + [1e-9])
     y_max = max(p[1] for p in pts) or 1
+
     def x(t: float) -> float:
         return pad_l + (width - pad_l - pad_r) * t / t_max
+
     def y(v: float) -> float:
         return height - pad_b - (height - pad_t - pad_b) * v / y_max
+
     e = html.escape
-    out = [f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}' role='img' "
-           f"aria-label='committed steps per replica group over time' class='ftrec-timeline'>",
-           f"<line x1='{pad_l}' y1='{y(0):.1f}' x2='{width - pad_r}' y2='{y(0):.1f}' stroke='#999'/>",
-           f"<line x1='{pad_l}' y1='{pad_t}' x2='{pad_l}' y2='{y(0):.1f}' stroke='#999'/>",
-           f"<text x='{pad_l}' y='{height - 8}' font-size='11'>0 s</text>",
-           f"<text x='{width - pad_r}' y='{height - 8}' font-size='11' text-anchor='end'>{t_max:.1f} s</text>",
-           f"<text x='{pad_l - 4}' y='{pad_t + 10}' font-size='11' text-anchor='end'>{y_max}</text>",
-           f"<text x='{pad_l - 4}' y='{y(0):.1f}' font-size='11' text-anchor='end'>0</text>"]
+    out = [
+        f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}' role='img' "
+        f"aria-label='committed steps per replica group over time' class='ftrec-timeline'>",
+        f"<line x1='{pad_l}' y1='{y(0):.1f}' x2='{width - pad_r}' y2='{y(0):.1f}' stroke='#999'/>",
+        f"<line x1='{pad_l}' y1='{pad_t}' x2='{pad_l}' y2='{y(0):.1f}' stroke='#999'/>",
+        f"<text x='{pad_l}' y='{height - 8}' font-size='11'>0 s</text>",
+        f"<text x='{width - pad_r}' y='{height - 8}' font-size='11' text-anchor='end'>{t_max:.1f} s</text>",
+        f"<text x='{pad_l - 4}' y='{pad_t + 10}' font-size='11' text-anchor='end'>{y_max}</text>",
+        f"<text x='{pad_l - 4}' y='{y(0):.1f}' font-size='11' text-anchor='end'>0</text>",
+    ]
     for i, (g, line) in enumerate(s["groups"].items()):
         colour = PALETTE[i % len(PALETTE)]
         path = " ".join(f"{x(t):.1f},{y(v):.1f}" for t, v in line)
-        out.append(f"<polyline class='group' data-group='{g}' fill='none' stroke='{colour}' stroke-width='1.5' "
-                   f"points='{path}'/>")
-        out.append(f"<text x='{width - pad_r + 8}' y='{pad_t + 14 * (i + 1)}' font-size='11' fill='{colour}'>"
-                   f"group {g}</text>")
+        out.append(
+            f"<polyline class='group' data-group='{g}' fill='none' stroke='{colour}' stroke-width='1.5' "
+            f"points='{path}'/>"
+        )
+        out.append(
+            f"<text x='{width - pad_r + 8}' y='{pad_t + 14 * (i + 1)}' font-size='11' fill='{colour}'>group {g}</text>"
+        )
     kinds = []
     for t, g, kind in s["marks"]:
         label, colour = MARKS[kind]
         who = f"group {g}: " if g is not None else ""
-        out.append(f"<line class='mark' data-kind='{e(kind)}' x1='{x(t):.1f}' y1='{pad_t}' x2='{x(t):.1f}' "
-                   f"y2='{y(0):.1f}' stroke='{colour}' stroke-dasharray='3,3'><title>{e(who + label)} "
-                   f"at {t:.2f} s</title></line>")
+        out.append(
+            f"<line class='mark' data-kind='{e(kind)}' x1='{x(t):.1f}' y1='{pad_t}' x2='{x(t):.1f}' "
+            f"y2='{y(0):.1f}' stroke='{colour}' stroke-dasharray='3,3'><title>{e(who + label)} "
+            f"at {t:.2f} s</title></line>"
+        )
         if kind not in kinds:
             kinds.append(kind)
     for j, kind in enumerate(kinds):
         label, colour = MARKS[kind]
-        out.append(f"<text x='{width - pad_r + 8}' y='{pad_t + 14 * (len(s['groups']) + j + 2)}' font-size='11' "
-                   f"fill='{colour}'>- - {e(label)}</text>")
+        out.append(
+            f"<text x='{width - pad_r + 8}' y='{pad_t + 14 * (len(s['groups']) + j + 2)}' font-size='11' "
+            f"fill='{colour}'>- - {e(label)}</text>"
+        )
     out.append("</svg>")
     return "".join(out)
 
@@ -132,8 +168,10 @@ def png(tl: dict[str, Any], path: str) -> bool:
     if not s["groups"]:
         return False
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(9, 3.5))
     for g, line in s["groups"].items():
         ax.plot([p[0] for p in line], [p[1] for p in line], label=f"group {g}", linewidth=1.2)

@@ -47,7 +47,7 @@ SYSTEM_METRICS_INTERVAL_S = 10.0
 
 
 # Errors a retry cannot fix: the op is dropped (and reported) instead of blocking the queue.
-RUN_FILE = "mlflow_run_id"   # in the trainer's output folder: the run this job logs into
+RUN_FILE = "mlflow_run_id"  # in the trainer's output folder: the run this job logs into
 
 PERMANENT = {"INVALID_PARAMETER_VALUE", "BAD_REQUEST", "RESOURCE_ALREADY_EXISTS", "INVALID_STATE"}
 
@@ -75,8 +75,9 @@ def code_tags() -> dict[str, str]:
         pass
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
-        r = subprocess.run(["git", "rev-parse", "--show-toplevel", "HEAD"], cwd=root, capture_output=True,
-                           text=True, timeout=10)
+        r = subprocess.run(
+            ["git", "rev-parse", "--show-toplevel", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10
+        )
         lines = r.stdout.splitlines()
         # the checkout must be ftrec's own, not some repository an installed copy happens to lie in
         if r.returncode == 0 and len(lines) == 2 and os.path.samefile(lines[0], root):
@@ -93,7 +94,7 @@ def _transient(e: BaseException) -> bool:
 @dataclass
 class _Op:
     name: str
-    fn: Callable[[Any, str], None]   # fn(client, run_id)
+    fn: Callable[[Any, str], None]  # fn(client, run_id)
     tries: int = field(default=0)
 
 
@@ -104,36 +105,39 @@ class Tracker:
         self.cfg = cfg
         self.uri, self._artifact_location = resolve_uri(cfg, out)
         self._out = out
-        self._continue = continue_recorded   # a restarted group of a running job: its run, not a new one
+        self._continue = continue_recorded  # a restarted group of a running job: its run, not a new one
         self.run_id: str | None = None
         self.errors: list[str] = []
-        self.dropped = 0   # ops the server refused as invalid (not retried)
+        self.dropped = 0  # ops the server refused as invalid (not retried)
         self._q: queue.Queue[_Op | None] = queue.Queue()
-        self._buffer: list[_Op] = []       # ops that failed, retried in order before new ones
+        self._buffer: list[_Op] = []  # ops that failed, retried in order before new ones
         # MLflow's own HTTP retries would block for minutes on a dead server; tenacity decides here.
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", HTTP_TIMEOUT_S)
         self._client: MlflowClient | None = None
-        self._monitor: SystemMetricsMonitor | None = None   # sampling system metrics, once the run exists
+        self._monitor: SystemMetricsMonitor | None = None  # sampling system metrics, once the run exists
         self._thread = threading.Thread(target=self._work, name="mlflow-tracker", daemon=True)
         self._thread.start()
 
     # ---- public API: all non-blocking -------------------------------------------------
     def log_params(self, params: dict[str, Any]) -> None:
         from mlflow.entities import Param
+
         items = [Param(k, str(v)[:6000]) for k, v in params.items()]
         for i in range(0, len(items), 100):  # MLflow takes at most 100 params per batch
-            chunk = items[i:i + 100]
+            chunk = items[i : i + 100]
             self._put("params", lambda c, r, chunk=chunk: c.log_batch(r, params=chunk))
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         from mlflow.entities import Metric
+
         ts = int(time.time() * 1000)
         items = [Metric(metric_name(k), float(v), ts, step) for k, v in metrics.items()]
         self._put("metrics", lambda c, r: c.log_batch(r, metrics=items))
 
     def set_tags(self, tags: dict[str, str]) -> None:
         from mlflow.entities import RunTag
+
         items = [RunTag(k, str(v)) for k, v in tags.items()]
         self._put("tags", lambda c, r: c.log_batch(r, tags=items))
 
@@ -143,6 +147,7 @@ class Tracker:
     def log_input(self, name: str, digest: str, source: str, profile: dict, context: str = "train") -> None:
         """The run's dataset (mlflow.log_input's record): metadata only, the data stays at `source`."""
         from mlflow.entities import Dataset, DatasetInput, InputTag
+
         # the record MetaDataset(LocalArtifactDatasetSource(source)) would make, plus the profile
         ds = Dataset(name, digest, "local", json.dumps({"uri": source}), profile=json.dumps(profile))
         item = DatasetInput(ds, [InputTag("mlflow.data.context", context)])
@@ -150,29 +155,38 @@ class Tracker:
 
     def log_model(self, exported: dict, register: bool, name: str) -> None:
         """Log a training.serving export as the run's pyfunc "model" (registered as `name` when asked)."""
+
         def send(client, run_id):
             import mlflow
 
             from training import serving
+
             mlflow.set_tracking_uri(self.uri)
             with mlflow.start_run(run_id=run_id):
                 serving.log_pyfunc(exported, registered_model_name=name if register else None)
+
         self._put("model", send)
 
     def close(self, status: str = "FINISHED", timeout: float = 120.0) -> int:
         """Flush with a time bound; returns how many operations could not be sent."""
+
         def end(client, run_id):
             if self._monitor:
-                self._monitor.finish()     # stop sampling and flush, while the run still takes metrics
+                self._monitor.finish()  # stop sampling and flush, while the run still takes metrics
                 self._monitor = None
             client.set_terminated(run_id, status)
+
         self._put("end", end)
         self._q.put(None)
         self._thread.join(timeout)
         unsent = self._q.qsize() + len(self._buffer) + (1 if self._thread.is_alive() else 0)
         if unsent:
-            log.warning("mlflow: %d operation(s) not sent to %s (%s)", unsent, self.uri,
-                        self.errors[-1] if self.errors else "timed out")
+            log.warning(
+                "mlflow: %d operation(s) not sent to %s (%s)",
+                unsent,
+                self.uri,
+                self.errors[-1] if self.errors else "timed out",
+            )
         return unsent
 
     # ---- background thread ----------------------------------------------------------
@@ -181,16 +195,20 @@ class Tracker:
 
     def _start_run(self) -> str:
         from mlflow import MlflowClient
+
         client = MlflowClient(self.uri)
         run_id = self.cfg.run_id or (self._recorded_run() if self._continue else "")
         if run_id:
-            run = client.get_run(run_id)    # a retried task, or a restarted group 0, continues its run
+            run = client.get_run(run_id)  # a retried task, or a restarted group 0, continues its run
             client.update_run(run.info.run_id, status="RUNNING")
             run_id = run.info.run_id
         else:
             exp = client.get_experiment_by_name(self.cfg.experiment)
-            exp_id = exp.experiment_id if exp else client.create_experiment(
-                self.cfg.experiment, artifact_location=self._artifact_location)
+            exp_id = (
+                exp.experiment_id
+                if exp
+                else client.create_experiment(self.cfg.experiment, artifact_location=self._artifact_location)
+            )
             run_id = client.create_run(exp_id, run_name=self.cfg.run_name or None).info.run_id
             self._record_run(run_id)
         self._client, self.run_id = client, run_id
@@ -212,22 +230,30 @@ class Tracker:
             return ""
 
     def _record_run(self, run_id: str) -> None:
-        atomic_write_text(self._run_file(), run_id)   # creates the output folder too
+        atomic_write_text(self._run_file(), run_id)  # creates the output folder too
 
     def _start_system_metrics(self) -> None:
         try:
             from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
-            self._monitor = SystemMetricsMonitor(self.run_id, sampling_interval=SYSTEM_METRICS_INTERVAL_S,
-                                                 resume_logging=bool(self.cfg.run_id), tracking_uri=self.uri)
+
+            self._monitor = SystemMetricsMonitor(
+                self.run_id,
+                sampling_interval=SYSTEM_METRICS_INTERVAL_S,
+                resume_logging=bool(self.cfg.run_id),
+                tracking_uri=self.uri,
+            )
             self._monitor.start()
         except Exception as e:  # e.g. psutil missing: the run goes on without system metrics
             log.warning("mlflow: no system metrics (%s: %s)", type(e).__name__, e)
 
     def _attempt(self, op: _Op) -> bool:
         try:
-            for attempt in Retrying(stop=stop_after_attempt(RETRY_ATTEMPTS), reraise=True,
-                                    retry=retry_if_exception(_transient),
-                                    wait=wait_exponential(multiplier=0.2, max=2)):
+            for attempt in Retrying(
+                stop=stop_after_attempt(RETRY_ATTEMPTS),
+                reraise=True,
+                retry=retry_if_exception(_transient),
+                wait=wait_exponential(multiplier=0.2, max=2),
+            ):
                 with attempt:
                     op.fn(self._client, self.run_id or self._start_run())
             return True

@@ -61,7 +61,7 @@ def train(cfg: Config) -> dict:
     return Trainer(cfg).train()
 
 
-class _Work(Protocol):   # an async collective's handle (loss.start_global_counts)
+class _Work(Protocol):  # an async collective's handle (loss.start_global_counts)
     def wait(self) -> Any: ...
 
 
@@ -82,36 +82,43 @@ class Trainer:
         if resumed_from:
             self._resume(resumed_from)
         self.ft = ft_mod.make_replica(self.state, self.topo, self.steps_total, self.out)
-        if resumed_from:    # ftcore: the make-up work still owed at the checkpoint
+        if resumed_from:  # ftcore: the make-up work still owed at the checkpoint
             self.ft.load_from_checkpoint(checkpoint.read_meta(resumed_from))
         self.loader = BatchLoader(self.shards, self.shard_ranks, self.cursor, cfg.data.prefetch)
         self.pad_to = cfg.model.max_len if cfg.data.pad_to_max_len else 0
         # loss.normalize = "epoch": the group's mean target count per step (a constant of the shard set)
-        self.tokens_per_step = (self.shards.tokens_per_step / self.topo.num_replica_groups
-                                if cfg.loss.normalize == "epoch" else 0.0)
+        self.tokens_per_step = (
+            self.shards.tokens_per_step / self.topo.num_replica_groups if cfg.loss.normalize == "epoch" else 0.0
+        )
         self.tracker = self._open_tracker(resumed_from)
         self.eval_data = _LazyEval(self.shards, cfg)
-        self.timer = metrics.StepTimer(self.gcomm)   # one clock for the window and the bubble accounting
+        self.timer = metrics.StepTimer(self.gcomm)  # one clock for the window and the bubble accounting
         self.metrics_log, self.budget = MetricsLog(self), TimeBudget(cfg.train, self.schedule, self.topo)
         self.validator, self.checkpointer = Validator(self), Checkpointer(self)
         self.stop, self.started = False, 0.0
-        log(self.topo, f"{self.shards.num_items} items, {self.shards.steps} steps/epoch, {self.steps_total} steps, "
-                       f"shards {self.shard_ranks}, {self.topo.group_size} rank(s) x "
-                       f"{self.topo.num_replica_groups} group(s)")
+        log(
+            self.topo,
+            f"{self.shards.num_items} items, {self.shards.steps} steps/epoch, {self.steps_total} steps, "
+            f"shards {self.shard_ranks}, {self.topo.group_size} rank(s) x "
+            f"{self.topo.num_replica_groups} group(s)",
+        )
 
     # ---- set-up ---------------------------------------------------------------------------
     def _build_model(self) -> str | None:
         """The seeded model (the same on every rank), warm-started from train.init_checkpoint
         unless a checkpoint to resume from is found; returns that checkpoint."""
         cfg, topo, shards = self.cfg, self.topo, self.shards
-        torch.manual_seed(cfg.train.seed)                      # the same initial model on every rank
+        torch.manual_seed(cfg.train.seed)  # the same initial model on every rank
         self.model = SeqRec(shards.num_items, cfg.model).to(topo.device)
         resumed_from = checkpoint.latest_verified(self.ckpt_root, lambda m: log(topo, m)) if cfg.train.resume else None
         if cfg.train.init_checkpoint and not resumed_from:
             # into the full table, before any sharding: every rank then keeps its rows of it
             carried = checkpoint.warm_start(self.model, cfg.train.init_checkpoint, shards.path)
-            log(topo, f"warm start from {cfg.train.init_checkpoint}: {carried}/{shards.num_items} item embeddings "
-                      "carried over")
+            log(
+                topo,
+                f"warm start from {cfg.train.init_checkpoint}: {carried}/{shards.num_items} item embeddings "
+                "carried over",
+            )
         return resumed_from
 
     def _item_table(self) -> TrainerTable:
@@ -135,7 +142,7 @@ class Trainer:
         # negative set exactly as one big batch in one process would.
         self.generator = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + 17)
         self.params = list(model.parameters())
-        own = {id(p) for p in self.table.rank_params}   # a shard's grad is summed by the table itself
+        own = {id(p) for p in self.table.rank_params}  # a shard's grad is summed by the table itself
         self.group_params = [p for p in self.params if id(p) not in own]
         self.optimizer = build_optimizer(model, cfg.optim)
         self.steps_total = cfg.train.max_steps or cfg.train.epochs * self.shards.steps
@@ -159,22 +166,38 @@ class Trainer:
         cfg, topo, shards = self.cfg, self.topo, self.shards
         if not (cfg.mlflow.enabled and topo.is_main and topo.replica_group == 0):
             return None
-        restarted = any(int(os.environ.get(k, "0") or 0) > 0
-                        for k in ("FTCORE_INCARNATION", "TORCHELASTIC_RESTART_COUNT"))
+        restarted = any(
+            int(os.environ.get(k, "0") or 0) > 0 for k in ("FTCORE_INCARNATION", "TORCHELASTIC_RESTART_COUNT")
+        )
         tracker = Tracker(cfg.mlflow, self.out, continue_recorded=restarted)
         # keys that differ between the attempts of one run would be refused by MLflow
         volatile = {"train.resume", "train.stop_at_step", "mlflow.run_id"}
         run_params = {k: v for k, v in cfg.flat().items() if k not in volatile}
-        tracker.log_params({**run_params, **topo.as_params(), "data.fingerprint": shards.fingerprint(),
-                            "data.num_items": shards.num_items, "data.steps_per_epoch": shards.steps,
-                            "data.world_size": shards.world_size, "data.bubble_fraction":
-                            shards.manifest.get("bubble_fraction", "")})
+        tracker.log_params(
+            {
+                **run_params,
+                **topo.as_params(),
+                "data.fingerprint": shards.fingerprint(),
+                "data.num_items": shards.num_items,
+                "data.steps_per_epoch": shards.steps,
+                "data.world_size": shards.world_size,
+                "data.bubble_fraction": shards.manifest.get("bubble_fraction", ""),
+            }
+        )
         path = os.path.abspath(shards.path)
         tracker.set_tags({"ftrec.resumed_from": resumed_from or "", "ftrec.shards": path, **code_tags()})
         # MLflow's dataset digest holds 36 characters: a prefix of the input fingerprint (full one in params)
-        tracker.log_input(os.path.basename(path), shards.fingerprint()[:36], path,
-                          {"samples": shards.manifest.get("num_samples"), "users": shards.manifest.get("num_users"),
-                           "items": shards.num_items, "steps": shards.steps})
+        tracker.log_input(
+            os.path.basename(path),
+            shards.fingerprint()[:36],
+            path,
+            {
+                "samples": shards.manifest.get("num_samples"),
+                "users": shards.manifest.get("num_users"),
+                "items": shards.num_items,
+                "steps": shards.steps,
+            },
+        )
         return tracker
 
     # ---- the loop -------------------------------------------------------------------------
@@ -185,9 +208,9 @@ class Trainer:
         self.model.train()
         while not self.stop and not self.ft.data_done(self.state.step, self.steps_total):
             if not self.train_step():
-                continue                   # another replica group failed: the same batch again
+                continue  # another replica group failed: the same batch again
             step = self.state.step
-            self.metrics_log.maybe_log(step, self.steps_total)                # collective
+            self.metrics_log.maybe_log(step, self.steps_total)  # collective
             self.steps_total, over = self.budget.maybe_fit(step, self.steps_total, self.started)
             self.stop = over or step == self.cfg.train.stop_at_step
             self.validator.maybe_validate(step, more=not self.stop and step < self.steps_total)
@@ -199,26 +222,26 @@ class Trainer:
         timer, ft = self.timer, self.ft
         timer.step_begin(self.state.step)
         ft.start_quorum()
-        batch = ft.next_batch(self.loader)    # None: no batch for this group this step
+        batch = ft.next_batch(self.loader)  # None: no batch for this group this step
         timer.compute_begin("forward_backward")
         loss, counts = self.forward_backward(batch)
         timer.compute_end()
-        timer.add_wait(self.table.take_lookup_wait(), in_compute=True)   # rows the forward pass waited for
+        timer.add_wait(self.table.take_lookup_wait(), in_compute=True)  # rows the forward pass waited for
         # the replica group's all-reduce (SUM); a sharded table's grads arrive meanwhile
         timer.add_wait(self.gcomm.allreduce_grads(self.group_params, default=distributed.allreduce_grads))
         timer.add_wait(self.table.finish_grads())
-        timer.wait(ft.allreduce, [p.grad for p in self.params])   # the average across replica groups
-        if not ft.should_commit():            # the vote: another replica group failed
+        timer.wait(ft.allreduce, [p.grad for p in self.params])  # the average across replica groups
+        if not ft.should_commit():  # the vote: another replica group failed
             timer.abort()
             self.optimizer.zero_grad(set_to_none=True)
             return False
         timer.compute_begin("optimizer")
         lr = self.optimizer_step()
-        ft.advance(self.loader)               # the data moves on commit only
+        ft.advance(self.loader)  # the data moves on commit only
         self.state.step += 1
         timer.compute_end()
         times = timer.step_end()
-        self.metrics_log.record(self.state.step, loss, lr, times, counts)   # loss.item(): after the step's timing
+        self.metrics_log.record(self.state.step, loss, lr, times, counts)  # loss.item(): after the step's timing
         return True
 
     def forward_backward(self, batch: Batch | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -242,7 +265,7 @@ class Trainer:
             self.timer.wait(cast(_Work, pending).wait)
         loss = total / (counts[0].item() if cfg.loss.normalize == "step" else self.tokens_per_step)
         loss.backward()
-        self.table.start_grads()      # a sharded table's grads to their owners (a SUM over the group)
+        self.table.start_grads()  # a sharded table's grads to their owners (a SUM over the group)
         return loss, counts
 
     def _ahead(self) -> tuple[int, list[torch.Tensor]]:
@@ -258,7 +281,7 @@ class Trainer:
         lr_scale = self.ft.lr_scale()
         if lr_scale != 1.0:
             for group in self.optimizer.param_groups:
-                group["lr"] *= lr_scale        # scheduler.step() below recomputes from the schedule
+                group["lr"] *= lr_scale  # scheduler.step() below recomputes from the schedule
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -271,13 +294,16 @@ class Trainer:
         self.loader.close()
         comm = self.table.summary()
         if comm is not None:
-            log(self.topo, f"comm.policy={comm['policy']}: the next batch's id exchange was prefetched and used in "
-                           f"{comm['prefetch_hits']} of {comm['prefetch_hits'] + comm['prefetch_misses']} steps")
+            log(
+                self.topo,
+                f"comm.policy={comm['policy']}: the next batch's id exchange was prefetched and used in "
+                f"{comm['prefetch_hits']} of {comm['prefetch_hits'] + comm['prefetch_misses']} steps",
+            )
         # ftcore: the group's final tensor-only state for the launcher, then leave the quorum
         self.ft.finish(per_rank=self.table.sharded)
         final = self.checkpointer.save_final()
-        model = self.table.full_model(self.model, self.topo.is_main)   # collective: rank 0 sees the full table
-        timeline_png = self.gcomm.finish(os.path.join(self.out, "artifacts"))   # collective
+        model = self.table.full_model(self.model, self.topo.is_main)  # collective: rank 0 sees the full table
+        timeline_png = self.gcomm.finish(os.path.join(self.out, "artifacts"))  # collective
         result = self._report(model, final, timeline_png) if model is not None and self.topo.is_main else {}
         distributed.barrier()
         return result
@@ -289,13 +315,23 @@ class Trainer:
         scores, final, last = self._final_eval(model, final)
         c, best = self.cursor, self.validator.best
         result: dict[str, Any] = {
-            "mlflow_run_id": None, "tracking_uri": self.tracker.uri if self.tracker else None,
-            "checkpoint": os.path.abspath(final), "steps": self.state.step, "metrics": scores,
-            "train_seconds": wall, "epochs_completed": c.epoch + c.index / self.shards.steps,
-            "throughput": metrics.run_summary(self.metrics_log.history), "eval_seconds": time.perf_counter() - t_eval}
+            "mlflow_run_id": None,
+            "tracking_uri": self.tracker.uri if self.tracker else None,
+            "checkpoint": os.path.abspath(final),
+            "steps": self.state.step,
+            "metrics": scores,
+            "train_seconds": wall,
+            "epochs_completed": c.epoch + c.index / self.shards.steps,
+            "throughput": metrics.run_summary(self.metrics_log.history),
+            "eval_seconds": time.perf_counter() - t_eval,
+        }
         if best is not None:
-            result["best"] = {"metric": best.metric, "step": best.step if last else self.state.step,
-                              "value": scores.get(best.metric), "last_checkpoint": os.path.abspath(last or final)}
+            result["best"] = {
+                "metric": best.metric,
+                "step": best.step if last else self.state.step,
+                "value": scores.get(best.metric),
+                "last_checkpoint": os.path.abspath(last or final),
+            }
         comm = self.table.summary()
         if comm is not None:
             result["comm"] = comm
@@ -324,8 +360,11 @@ class Trainer:
         model.load_state_dict(best.state)
         scores = evaluate(model, self.eval_data.get(), self.cfg.eval, splits=("valid", "test"))
         chosen = best.save(self.out, self.checkpointer.meta(with_ft=False))
-        log(self.topo, f"{best.metric} peaked at step {best.step} ({best.value:.4f}): that model is the "
-                       f"run's, in {chosen} | test " + _brief(scores, "test"))
+        log(
+            self.topo,
+            f"{best.metric} peaked at step {best.step} ({best.value:.4f}): that model is the "
+            f"run's, in {chosen} | test " + _brief(scores, "test"),
+        )
         return scores, chosen, final
 
     def _log_artifacts(self, tracker: Tracker, model: torch.nn.Module) -> None:
@@ -339,8 +378,9 @@ class Trainer:
             tracker.log_artifact(os.path.join(art, "training.png"))
         if cfg.mlflow.log_model:
             try:
-                exported = serving.export(copy.deepcopy(model).cpu().eval(), self.shards.path,
-                                          os.path.join(art, "serving"))
+                exported = serving.export(
+                    copy.deepcopy(model).cpu().eval(), self.shards.path, os.path.join(art, "serving")
+                )
             except Exception as e:  # a model torch.export cannot take must not cost the run its results
                 print(f"[train] model not logged: export failed ({type(e).__name__}: {e})", flush=True)
                 tracker.errors.append(f"model: export failed: {type(e).__name__}: {e}")
@@ -351,12 +391,15 @@ class Trainer:
 def _open_shards(cfg: Config, topo: Topology) -> tuple[ShardSet, list[int]]:
     """The shard set and the shards this rank reads; model.max_len 0 takes the manifest's."""
     shards = ShardSet(cfg.data.shards)
-    shard_ranks = shard_ranks_for(shards.world_size, topo.num_replica_groups, topo.replica_group,
-                                  topo.group_size, topo.rank)
+    shard_ranks = shard_ranks_for(
+        shards.world_size, topo.num_replica_groups, topo.replica_group, topo.group_size, topo.rank
+    )
     cfg.model.max_len = cfg.model.max_len or shards.max_len
     if cfg.model.max_len < shards.max_len:
-        raise ConfigError(f"model.max_len={cfg.model.max_len} is shorter than the shard set's max_len="
-                          f"{shards.max_len}; leave it 0 to take the manifest's")
+        raise ConfigError(
+            f"model.max_len={cfg.model.max_len} is shorter than the shard set's max_len="
+            f"{shards.max_len}; leave it 0 to take the manifest's"
+        )
     return shards, shard_ranks
 
 
@@ -369,8 +412,7 @@ class MetricsLog:
         self.t, self.every = trainer, trainer.cfg.train.log_every
         self.window, self.history = metrics.Window(), metrics.History()
 
-    def record(self, step: int, loss: torch.Tensor, lr: float, times: metrics.StepTimes,
-               counts: torch.Tensor) -> None:
+    def record(self, step: int, loss: torch.Tensor, lr: float, times: metrics.StepTimes, counts: torch.Tensor) -> None:
         self.window.record_step(step, loss.item(), lr, times, counts)
 
     def maybe_log(self, step: int, steps_total: int) -> None:
@@ -385,19 +427,23 @@ class MetricsLog:
     def flush(self, step: int, steps_total: int) -> None:
         t = self.t
         per_rank, _, _ = metrics.gather_times(self.window, False)
-        comm = t.gcomm.window_metrics()           # collective as well: bubble accounting of training/comm
-        cross = t.ft.window_metrics()             # across replica groups (ftcore's pace figures)
+        comm = t.gcomm.window_metrics()  # collective as well: bubble accounting of training/comm
+        cross = t.ft.window_metrics()  # across replica groups (ftcore's pace figures)
         if t.topo.is_main:
             summary = {**metrics.summarize(self.window, per_rank), **comm, **cross}
-            if "ft/bubble_fraction" in cross:     # the job's: inside the group, then across groups
+            if "ft/bubble_fraction" in cross:  # the job's: inside the group, then across groups
                 summary["train/bubble_fraction"] = 1.0 - (1.0 - summary["train/bubble_fraction"]) * (
-                    1.0 - cross["ft/bubble_fraction"])
+                    1.0 - cross["ft/bubble_fraction"]
+                )
             self.history.add(self.window, per_rank)
             if t.tracker:
                 t.tracker.log_metrics(summary, step)
-            log(t.topo, f"step {step}/{steps_total} epoch {t.cursor.epoch} loss {summary['train/loss']:.4f} "
-                        f"lr {summary['train/lr']:.2e} tok/s {summary['train/tokens_per_s']:.0f} "
-                        f"pad {summary['train/padding_fraction']:.3f} wait {per_rank[:, :, 1].mean():.4f}s")
+            log(
+                t.topo,
+                f"step {step}/{steps_total} epoch {t.cursor.epoch} loss {summary['train/loss']:.4f} "
+                f"lr {summary['train/lr']:.2e} tok/s {summary['train/tokens_per_s']:.0f} "
+                f"pad {summary['train/padding_fraction']:.3f} wait {per_rank[:, :, 1].mean():.4f}s",
+            )
         self.window = metrics.Window()
 
 
@@ -440,14 +486,14 @@ class Validator:
         if not (self.enabled and step % self.every == 0 and more):
             return
         t = self.t
-        full = t.table.full_model(t.model, t.topo.is_main)   # collective with a sharded table
+        full = t.table.full_model(t.model, t.topo.is_main)  # collective with a sharded table
         scores = {}
         if full is not None and t.topo.is_main:
             scores = evaluate(full, t.eval_data.get(), t.cfg.eval, splits=("valid",))
             log(t.topo, f"step {step} valid " + _brief(scores, "valid"))
             if t.tracker:
                 t.tracker.log_metrics(scores, step)
-        distributed.barrier()   # the other ranks wait here, not inside the next step's all-reduce
+        distributed.barrier()  # the other ranks wait here, not inside the next step's all-reduce
         if self.best is not None and full is not None:
             self.best.offer(scores, full, step)
 
@@ -458,7 +504,7 @@ class Checkpointer:
 
     def __init__(self, trainer: Trainer):
         self.t, self.every = trainer, trainer.cfg.train.checkpoint_every
-        self.saved, self.last = -1, ""   # the step and folder of the newest save
+        self.saved, self.last = -1, ""  # the step and folder of the newest save
 
     def maybe_save(self, step: int) -> None:
         if self.every and step % self.every == 0:
@@ -475,8 +521,9 @@ class Checkpointer:
         t = self.t
         meta, sd = self.meta(), t.state.state_dict()
         t.table.to_checkpoint(sd, meta)
-        self.last = checkpoint.save(t.ckpt_root, sd, meta, rank=t.topo.rank, keep=t.cfg.train.keep_checkpoints,
-                                    per_rank=t.table.per_rank)
+        self.last = checkpoint.save(
+            t.ckpt_root, sd, meta, rank=t.topo.rank, keep=t.cfg.train.keep_checkpoints, per_rank=t.table.per_rank
+        )
         self.saved = t.state.step
         return self.last
 
@@ -484,12 +531,19 @@ class Checkpointer:
         """A checkpoint's meta.json: for people, `training eval`, warm start and resume;
         `with_ft`: ftcore's make-up work owed (a resumable checkpoint's, not best/'s)."""
         t = self.t
-        return {"mlflow_run_id": t.tracker.run_id if t.tracker else None,
-                "step": t.state.step, "epoch": t.cursor.epoch, "index": t.cursor.index,
-                "config": t.cfg.to_dict(), "num_items": t.shards.num_items,
-                "fingerprint": t.shards.fingerprint(), "shards": os.path.abspath(t.shards.path),
-                "ranks_per_group": t.topo.group_size, "replica_groups": t.topo.num_replica_groups,
-                **(t.ft.state_for_checkpoint() if with_ft else {})}
+        return {
+            "mlflow_run_id": t.tracker.run_id if t.tracker else None,
+            "step": t.state.step,
+            "epoch": t.cursor.epoch,
+            "index": t.cursor.index,
+            "config": t.cfg.to_dict(),
+            "num_items": t.shards.num_items,
+            "fingerprint": t.shards.fingerprint(),
+            "shards": os.path.abspath(t.shards.path),
+            "ranks_per_group": t.topo.group_size,
+            "replica_groups": t.topo.num_replica_groups,
+            **(t.ft.state_for_checkpoint() if with_ft else {}),
+        }
 
 
 class _LazyEval:
@@ -506,8 +560,9 @@ class _LazyEval:
 
 
 def _brief(scores: dict, split: str) -> str:
-    return " ".join(f"{p}/{m} {scores[f'{split}/{p}/{m}']:.4f}"
-                    for p in ("full", "sampled") for m in ("hr@10", "ndcg@10"))
+    return " ".join(
+        f"{p}/{m} {scores[f'{split}/{p}/{m}']:.4f}" for p in ("full", "sampled") for m in ("hr@10", "ndcg@10")
+    )
 
 
 class _Best:
@@ -519,8 +574,10 @@ class _Best:
 
     def _value(self, scores: dict) -> float:
         if self.metric not in scores:
-            raise ConfigError(f"eval.best_metric={self.metric!r} is not a validation metric; choose one of "
-                              f"{', '.join(sorted(k for k in scores if k.startswith('valid/')))}")
+            raise ConfigError(
+                f"eval.best_metric={self.metric!r} is not a validation metric; choose one of "
+                f"{', '.join(sorted(k for k in scores if k.startswith('valid/')))}"
+            )
         return scores[self.metric]
 
     def offer(self, scores: dict, model: torch.nn.Module, step: int) -> None:

@@ -16,14 +16,23 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.sim", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.sim", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--config", help="TOML file (sections job, failures, restart, checkpoint, fthsdp, balance, sweep)")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override one setting, value in TOML syntax (repeatable), e.g. --set job.gpus=16384")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one setting, value in TOML syntax (repeatable), e.g. --set job.gpus=16384",
+    )
     p.add_argument("--out", default="bench-results", help="folder for sim.json and the PNG plots")
-    p.add_argument("--bench-dir", default=str(ROOT / "bench-results"),
-                   help="where ftrec's benchmark JSON files are read for calibration")
+    p.add_argument(
+        "--bench-dir",
+        default=str(ROOT / "bench-results"),
+        help="where ftrec's benchmark JSON files are read for calibration",
+    )
     p.add_argument("--no-sweeps", action="store_true", help="only the configured job and the paper check")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
@@ -43,8 +52,12 @@ def main(argv=None) -> int:
         return 2
     try:
         print(report.table(rep))
-        print(f"\nwrote {out / 'sim.json'}" + "".join(f"\nwrote {f}" for f in files) +
-              f"\n({rep['seconds']['total']:.1f} s)", flush=True)
+        print(
+            f"\nwrote {out / 'sim.json'}"
+            + "".join(f"\nwrote {f}" for f in files)
+            + f"\n({rep['seconds']['total']:.1f} s)",
+            flush=True,
+        )
     except BrokenPipeError:  # `| head`: the files are written, the reader left early
         sys.stderr.close()
     return 0

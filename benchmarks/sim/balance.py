@@ -56,7 +56,7 @@ def lengths_source(spec: str, shared_dir: Path, max_len: int):
         return None
     path = shared_dir / f"{spec}.txt" if spec in SHARED else Path(spec)
     if not path.exists():
-        raise LengthsError(f"balance.lengths = {spec!r}: {path} not found; use \"lognormal\" or a path")
+        raise LengthsError(f'balance.lengths = {spec!r}: {path} not found; use "lognormal" or a path')
     if spec in SHARED:
         return dataset_lengths(path, max_len)
     try:
@@ -83,15 +83,29 @@ def bubble_fraction(loads: np.ndarray) -> float:
     return float(1.0 - loads.sum() / (loads.shape[1] * loads.max(axis=1).sum()))
 
 
-def bubbles(world_size: int, *, batch: int, window: int, windows: int, cost: dict, rng,
-            source=None, median=40.0, sigma=1.2, max_len=1024) -> dict:
+def bubbles(
+    world_size: int,
+    *,
+    batch: int,
+    window: int,
+    windows: int,
+    cost: dict,
+    rng,
+    source=None,
+    median=40.0,
+    sigma=1.2,
+    max_len=1024,
+) -> dict:
     """Bubble fractions of random, per-step LPT and window-balanced steps at W ranks."""
     steps, per_step = window * windows, world_size * batch
     L = sample_lengths(rng, steps * per_step, source, median, sigma, max_len)
     c = CostModel(cost["a"], cost["b"], cost["c0"])(L)
     rand = c.reshape(steps, world_size, batch).sum(axis=2)
     per_step_lpt = partition(-np.sort(-c.reshape(steps, per_step), axis=1), world_size)
-    win = -np.sort(-c.reshape(windows, window * per_step), axis=1)   # sort inside each window
+    win = -np.sort(-c.reshape(windows, window * per_step), axis=1)  # sort inside each window
     balanced = partition(win.reshape(steps, per_step), world_size)  # consecutive cuts = steps
-    return {"random": bubble_fraction(rand), "per_step_lpt": bubble_fraction(per_step_lpt),
-            "balanced": bubble_fraction(balanced)}
+    return {
+        "random": bubble_fraction(rand),
+        "per_step_lpt": bubble_fraction(per_step_lpt),
+        "balanced": bubble_fraction(balanced),
+    }

@@ -21,8 +21,8 @@ class SimConfigError(ValueError):
 @dataclass(frozen=True)
 class FailureKind:
     name: str
-    share: float             # fraction of failures of this kind (normalized over kinds)
-    detect_s: float          # failure -> the synchronous job acts on it (crash: fast; hang: a timeout)
+    share: float  # fraction of failures of this kind (normalized over kinds)
+    detect_s: float  # failure -> the synchronous job acts on it (crash: fast; hang: a timeout)
     ft_detect_s: float = -1  # the same under FT-HSDP's own detection; < 0: same as detect_s
 
 
@@ -38,67 +38,71 @@ class Job:
 
 @dataclass
 class Failures:
-    unit: str = "server"                # "server" or "gpu": what fails as a Poisson process
+    unit: str = "server"  # "server" or "gpu": what fails as a Poisson process
     # Per unit. 18 min x 12,288 servers = 3,686.4 h: the paper's failure every ~18 min
     # at 98,304 GPUs (about 29,500 h per GPU; Kokolis et al. report ~14 min at 131K GPUs).
     unit_mtbf_h: float = 3686.4
-    overlap: str = "queue"              # failure during a recovery: "queue" its own, or "restart" it
-    kinds: list = field(default_factory=lambda: [
-        FailureKind("crash", 0.8, 30.0),    # process/server dies: connection errors surface at once
-        FailureKind("hang", 0.2, 180.0),    # a rank stops answering: found by a collective timeout
-    ])
+    overlap: str = "queue"  # failure during a recovery: "queue" its own, or "restart" it
+    kinds: list = field(
+        default_factory=lambda: [
+            FailureKind("crash", 0.8, 30.0),  # process/server dies: connection errors surface at once
+            FailureKind("hang", 0.2, 180.0),  # a rank stops answering: found by a collective timeout
+        ]
+    )
 
 
 @dataclass
 class Restart:
     """What one restart costs after detection: the whole job (synchronous) or one
     replica group (FT-HSDP, which loads state from a live peer instead of storage)."""
-    reschedule_s: float = 180.0    # drain the failed server, get a spare, start the processes
-    ckpt_load_s: float = 120.0     # load the last checkpoint from storage
-    comm_init_s: float = 120.0     # build the communicators
-    first_step_s: float = 60.0     # warm-up / compile until the first step completes
+
+    reschedule_s: float = 180.0  # drain the failed server, get a spare, start the processes
+    ckpt_load_s: float = 120.0  # load the last checkpoint from storage
+    comm_init_s: float = 120.0  # build the communicators
+    first_step_s: float = 60.0  # warm-up / compile until the first step completes
 
 
 @dataclass
 class Checkpoint:
-    policy: str = "fixed"          # "fixed" interval_s, or "young_daly" (Daly's optimum from write_s)
-    interval_s: float = 240.0      # training time between checkpoints
-    write_s: float = 0.0           # blocking part of a checkpoint write (0: fully asynchronous)
+    policy: str = "fixed"  # "fixed" interval_s, or "young_daly" (Daly's optimum from write_s)
+    interval_s: float = 240.0  # training time between checkpoints
+    write_s: float = 0.0  # blocking part of a checkpoint write (0: fully asynchronous)
     fthsdp_interval_s: float = 0.0  # FT-HSDP's own interval (it needs checkpoints only when every
-                                    # group is down, so it can write far less often); 0: the same
+    # group is down, so it can write far less often); 0: the same
 
 
 @dataclass
 class FTHSDP:
-    reconfigure_s: float = 120.0   # global stall after detection: quorum change, FTAR reconfiguration
-    heal_s: float = 120.0          # a restarted group fetches the live state from a peer (catch-up)
-    join_stall_s: float = 0.0      # global stall when a healed group joins (non-blocking catch-up: ~0)
-    min_replicas: int = 1          # fewer live groups -> the whole job waits
-    step_overhead: float = 0.0     # fraction of step time the FT step protocol adds (FTAR control, vote)
-    lr_policy: str = "sqrt"        # lr scale with N_live of N groups: "sqrt", "linear", "constant"
-    progress: str = "samples"      # a degraded step is worth its samples ("samples") or its lr scale ("lr")
+    reconfigure_s: float = 120.0  # global stall after detection: quorum change, FTAR reconfiguration
+    heal_s: float = 120.0  # a restarted group fetches the live state from a peer (catch-up)
+    join_stall_s: float = 0.0  # global stall when a healed group joins (non-blocking catch-up: ~0)
+    min_replicas: int = 1  # fewer live groups -> the whole job waits
+    step_overhead: float = 0.0  # fraction of step time the FT step protocol adds (FTAR control, vote)
+    lr_policy: str = "sqrt"  # lr scale with N_live of N groups: "sqrt", "linear", "constant"
+    progress: str = "samples"  # a degraded step is worth its samples ("samples") or its lr scale ("lr")
 
 
 @dataclass
 class Balance:
-    lengths: str = "lognormal"     # "lognormal", "beauty", "video" (shared datasets) or a file path
+    lengths: str = "lognormal"  # "lognormal", "beauty", "video" (shared datasets) or a file path
     lognormal_median: float = 40.0
     lognormal_sigma: float = 1.2
-    max_len: int = 1024            # lengths are capped here (the model's max_len)
+    max_len: int = 1024  # lengths are capped here (the model's max_len)
     batch_per_rank: int = 32
     window_steps: int = 16
-    windows: int = 2               # windows simulated per W (steps = windows * window_steps)
+    windows: int = 2  # windows simulated per W (steps = windows * window_steps)
     world_sizes: list = field(default_factory=lambda: [8, 32, 128, 512, 2048, 8192])
-    cost_a: float = -1.0           # c(L) = a L^2 + b L + c0; negative: from calibration or default
+    cost_a: float = -1.0  # c(L) = a L^2 + b L + c0; negative: from calibration or default
     cost_b: float = -1.0
     cost_c0: float = -1.0
 
 
 @dataclass
 class Sweep:
-    scales: list = field(default_factory=lambda: [1024, 2048, 4096, 8192, 16384, 32768, 65536,
-                                                  98304, 131072, 262144, 524288])
-    group_gpus: int = 8192         # replica-group size held fixed along the scale sweep
+    scales: list = field(
+        default_factory=lambda: [1024, 2048, 4096, 8192, 16384, 32768, 65536, 98304, 131072, 262144, 524288]
+    )
+    group_gpus: int = 8192  # replica-group size held fixed along the scale sweep
     replica_groups: list = field(default_factory=lambda: [1, 2, 3, 4, 6, 8, 12, 16, 24, 48, 96])
     mtbf_min: list = field(default_factory=lambda: [6, 9, 12, 18, 27, 36, 60, 120, 240])
 
@@ -147,8 +151,9 @@ def _coerce(where: str, value, default):
     elif isinstance(default, list):
         if isinstance(value, list):
             return value
-    kind = {"bool": "true or false", "int": "an integer", "float": "a number", "str": "a string",
-            "list": "a list"}[type(default).__name__]
+    kind = {"bool": "true or false", "int": "an integer", "float": "a number", "str": "a string", "list": "a list"}[
+        type(default).__name__
+    ]
     raise SimConfigError(f"{where} = {value!r}: expected {kind}")
 
 
@@ -160,13 +165,22 @@ def _kinds(where: str, value) -> list:
         if isinstance(k, FailureKind):
             out.append(k)
             continue
-        if not isinstance(k, dict) or set(k) - {"name", "share", "detect_s", "ft_detect_s"} \
-                or not {"share", "detect_s"} <= set(k):
-            raise SimConfigError(f"{where}[{i}] = {k!r}: expected a table with share and detect_s "
-                                 f"(and optionally name, ft_detect_s)")
-        out.append(FailureKind(str(k.get("name", f"kind{i}")), _coerce(f"{where}[{i}].share", k["share"], 0.0),
-                               _coerce(f"{where}[{i}].detect_s", k["detect_s"], 0.0),
-                               _coerce(f"{where}[{i}].ft_detect_s", k.get("ft_detect_s", -1.0), 0.0)))
+        if (
+            not isinstance(k, dict)
+            or set(k) - {"name", "share", "detect_s", "ft_detect_s"}
+            or not {"share", "detect_s"} <= set(k)
+        ):
+            raise SimConfigError(
+                f"{where}[{i}] = {k!r}: expected a table with share and detect_s (and optionally name, ft_detect_s)"
+            )
+        out.append(
+            FailureKind(
+                str(k.get("name", f"kind{i}")),
+                _coerce(f"{where}[{i}].share", k["share"], 0.0),
+                _coerce(f"{where}[{i}].detect_s", k["detect_s"], 0.0),
+                _coerce(f"{where}[{i}].ft_detect_s", k.get("ft_detect_s", -1.0), 0.0),
+            )
+        )
     return out
 
 
@@ -205,8 +219,10 @@ def validate(cfg: SimConfig) -> SimConfig:
         raise SimConfigError(f"job.gpus = {j.gpus} is not a multiple of job.gpus_per_server = {j.gpus_per_server}")
     units = j.gpus // j.gpus_per_server if f.unit == "server" else j.gpus
     if not 1 <= j.replica_groups <= units:
-        raise SimConfigError(f"job.replica_groups = {j.replica_groups}: must be between 1 and the number of "
-                             f"failure units ({units} {f.unit}s)")
+        raise SimConfigError(
+            f"job.replica_groups = {j.replica_groups}: must be between 1 and the number of "
+            f"failure units ({units} {f.unit}s)"
+        )
     if j.days <= 0 or j.seeds < 1:
         raise SimConfigError("job.days must be > 0 and job.seeds >= 1")
     if f.unit_mtbf_h < 0:
@@ -223,8 +239,10 @@ def validate(cfg: SimConfig) -> SimConfig:
     if cfg.fthsdp.step_overhead >= 1:
         raise SimConfigError(f"fthsdp.step_overhead = {cfg.fthsdp.step_overhead}: a fraction of step time, < 1")
     if not 1 <= cfg.fthsdp.min_replicas <= j.replica_groups:
-        raise SimConfigError(f"fthsdp.min_replicas = {cfg.fthsdp.min_replicas}: must be between 1 and "
-                             f"job.replica_groups = {j.replica_groups}")
+        raise SimConfigError(
+            f"fthsdp.min_replicas = {cfg.fthsdp.min_replicas}: must be between 1 and "
+            f"job.replica_groups = {j.replica_groups}"
+        )
     b = cfg.balance
     if b.batch_per_rank < 1 or b.window_steps < 1 or b.windows < 1 or b.max_len < 1:
         raise SimConfigError("balance.batch_per_rank, window_steps, windows and max_len must be >= 1")
@@ -249,7 +267,7 @@ def load(path: "str | Path | None" = None, overrides: "list[str] | tuple" = ()) 
         except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
             raise SimConfigError(f"{path}: not a readable TOML file ({e})") from None
         cfg = _apply(cfg, data, str(path))
-    try:   # the one --set syntax of ftrec (the trainer's and the local runner's too)
+    try:  # the one --set syntax of ftrec (the trainer's and the local runner's too)
         data = parse_overrides(overrides)
     except ConfigError as e:
         raise SimConfigError(str(e)) from None
@@ -264,4 +282,3 @@ def with_(cfg: SimConfig, **changes) -> SimConfig:
         sec, _, key = name.partition("_")
         cfg = replace(cfg, **{sec: replace(getattr(cfg, sec), **{key: value})})
     return cfg
-

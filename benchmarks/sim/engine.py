@@ -71,9 +71,9 @@ def lr_scale(policy: str, live: np.ndarray) -> np.ndarray:
 def _recoveries(t, group, detect, n_groups, restart_s, heal_s, load_s, reconfigure_s, queue):
     """Walk the failures in time order. Returns the down intervals (start, end, group)
     and the stalls they trigger (time, duration) for failures of live groups."""
-    until = [-math.inf] * n_groups   # each group is down until then
-    since = [None] * n_groups        # start of its current (or last) down interval
-    down, stalls = [], []            # (start, end, group), (time, duration)
+    until = [-math.inf] * n_groups  # each group is down until then
+    since = [None] * n_groups  # start of its current (or last) down interval
+    down, stalls = [], []  # (start, end, group), (time, duration)
     for ti, gi, di in zip(t.tolist(), group.tolist(), detect.tolist(), strict=True):
         u = until[gi]
         if u <= ti:  # the group was live: it leaves the job now
@@ -123,8 +123,9 @@ def simulate(cfg: SimConfig, mode: str, seed: int | None = None, fails: Failures
         weights, group, min_rep, detect = fails.weights, fails.group, ft.min_replicas, fails.ft_detect
         reconfigure, join_s, overhead = ft.reconfigure_s, ft.join_stall_s, ft.step_overhead
     n_groups = len(weights)
-    ds, de, dg, st_at, st_dur = _recoveries(fails.t, group, detect, n_groups, restart_s,
-                                            ft.heal_s, rs.ckpt_load_s, reconfigure, queue)
+    ds, de, dg, st_at, st_dur = _recoveries(
+        fails.t, group, detect, n_groups, restart_s, ft.heal_s, rs.ckpt_load_s, reconfigure, queue
+    )
     s_sorted, e_sorted = np.sort(ds), np.sort(de)
 
     if join_s > 0 and n_groups > 1:  # a healed group joining live peers stalls them briefly
@@ -154,8 +155,8 @@ def simulate(cfg: SimConfig, mode: str, seed: int | None = None, fails: Failures
     period = tau + write
     eff = tau / period if period > 0 and math.isfinite(period) else 1.0
     rate = running * value * eff * (1 - overhead)
-    TT = np.concatenate([[0.0], np.cumsum(dt * running)])   # training (stepping) time
-    P = np.concatenate([[0.0], np.cumsum(dt * rate)])       # progress
+    TT = np.concatenate([[0.0], np.cumsum(dt * running)])  # training (stepping) time
+    P = np.concatenate([[0.0], np.cumsum(dt * rate)])  # progress
 
     # every group down: roll back to the last checkpoint, counted in training time
     # since the previous restore (a restore starts from a checkpoint)
@@ -181,12 +182,12 @@ def simulate(cfg: SimConfig, mode: str, seed: int | None = None, fails: Failures
     return {
         "ett": (float(P[-1]) - lost) / H,
         "failures": n,
-        "stalled": stall_f,                                          # no group stepping
-        "degraded": float(np.sum(dt * running * (1 - value))) / H,   # stepping without every group
+        "stalled": stall_f,  # no group stepping
+        "degraded": float(np.sum(dt * running * (1 - value))) / H,  # stepping without every group
         "checkpoint": float(np.sum(dt * running * value * (1 - eff))) / H,
-        "overhead": float(np.sum(dt * running * value * eff * overhead)) / H,   # FT step protocol
-        "rollback": rollback_f,                                      # progress lost to restores
-        "groups_down": float(np.sum(dt * n_down)) / H,               # time-average
+        "overhead": float(np.sum(dt * running * value * eff * overhead)) / H,  # FT step protocol
+        "rollback": rollback_f,  # progress lost to restores
+        "groups_down": float(np.sum(dt * n_down)) / H,  # time-average
         "stall_per_failure_min": (stall_f + rollback_f) * H / max(n, 1) / 60,
         "checkpoint_interval_s": tau,
     }

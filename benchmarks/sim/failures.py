@@ -16,13 +16,13 @@ from benchmarks.sim.config import SimConfig
 
 @dataclass
 class Failures:
-    t: np.ndarray          # failure times (s), sorted
-    group: np.ndarray      # replica group of the failed unit
-    kind: np.ndarray       # index into cfg.failures.kinds
-    detect: np.ndarray     # detection time (s) of each failure, synchronous job
+    t: np.ndarray  # failure times (s), sorted
+    group: np.ndarray  # replica group of the failed unit
+    kind: np.ndarray  # index into cfg.failures.kinds
+    detect: np.ndarray  # detection time (s) of each failure, synchronous job
     ft_detect: np.ndarray  # the same under FT-HSDP
-    weights: np.ndarray    # share of the job's GPUs in each replica group
-    horizon: float         # simulated wall-clock time (s)
+    weights: np.ndarray  # share of the job's GPUs in each replica group
+    horizon: float  # simulated wall-clock time (s)
 
 
 def units(cfg: SimConfig) -> int:
@@ -54,5 +54,6 @@ def draw(cfg: SimConfig, seed: int) -> Failures:
     sizes[: n_units % r] += 1
     first = np.cumsum(sizes) - sizes
     group = np.searchsorted(first, unit, side="right") - 1
-    return Failures(t=t, group=group, kind=kind, detect=detect, ft_detect=ft_detect, weights=sizes / n_units,
-                    horizon=horizon)
+    return Failures(
+        t=t, group=group, kind=kind, detect=detect, ft_detect=ft_detect, weights=sizes / n_units, horizon=horizon
+    )

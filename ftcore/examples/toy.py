@@ -49,15 +49,20 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--dim", type=int, default=32)
     p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (pace the run)")
-    p.add_argument("--checkpoint-every", type=int, default=0,
-                   help="write OUT/checkpoint.safetensors every N steps and resume from it at start "
-                        "(the restart-everything baseline of the benchmark)")
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=0,
+        help="write OUT/checkpoint.safetensors every N steps and resume from it at start "
+        "(the restart-everything baseline of the benchmark)",
+    )
     return p.parse_args(argv)
 
 
 @dataclass
 class Toy:
     """One rank's model, optimizer and replicated make-up schedule."""
+
     model: torch.nn.Module
     opt: torch.optim.Optimizer
     sched: MakeupSchedule
@@ -79,8 +84,11 @@ class Toy:
         return [prm.grad for prm in self.params if prm.grad is not None]
 
     def state_dict(self) -> dict:
-        return {"model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
-                "schedule": self.sched.state_dict()}
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.opt.state_dict(),
+            "schedule": self.sched.state_dict(),
+        }
 
     def load_state_dict(self, st: dict) -> None:
         self.model.load_state_dict(st["model"])
@@ -91,6 +99,7 @@ class Toy:
 @dataclass
 class Run:
     """Where this process runs: its group's manager and ledger, its shard, its files."""
+
     a: argparse.Namespace
     mgr: manager_mod.Manager
     ledger: ledger_mod.Ledger
@@ -113,7 +122,7 @@ def _step(r: Run, toy: Toy) -> None:
     live = q.live() if q is not None else set()
     pos = toy.sched.position(live) if q is not None else None
     if q is not None and pos is None and not healing:
-        time.sleep(0.05)   # only absent groups' make-up work is left: wait for them
+        time.sleep(0.05)  # only absent groups' make-up work is left: wait for them
     works = pos is not None and not healing and toy.sched.works(pos, g)
     if r.a.step_sleep:
         time.sleep(r.a.step_sleep)
@@ -128,17 +137,18 @@ def _step(r: Run, toy: Toy) -> None:
             grad.div_(r.world)
     mgr.set_work(works)
 
-    def same_batch(q2: Quorum) -> bool:   # a peer failed the exchange: is this still our batch there?
+    def same_batch(q2: Quorum) -> bool:  # a peer failed the exchange: is this still our batch there?
         return pos is not None and toy.sched.position(q2.live()) == pos
+
     mgr.allreduce(toy.grads(), same_batch=same_batch)
-    if mgr.quorum is not None and mgr.quorum is not q:   # re-run in the survivors' quorum
+    if mgr.quorum is not None and mgr.quorum is not q:  # re-run in the survivors' quorum
         q = mgr.quorum
         live = q.live()
     commit = mgr.should_commit()
     if mgr.healed_step is not None:
         r.ledger.healed(mgr.healed_step)
     if commit and q is not None:
-        _commit(r, toy, q, live, toy.sched.position(live) if healing else pos)   # healed: the schedule just came
+        _commit(r, toy, q, live, toy.sched.position(live) if healing else pos)  # healed: the schedule just came
     for grad in toy.grads():
         grad.zero_()
 
@@ -155,8 +165,15 @@ def _commit(r: Run, toy: Toy, q: Quorum, live: set[int], pos: Position | None) -
     for param_group in toy.opt.param_groups:
         param_group["lr"] = 1e-2 * scale
     toy.opt.step()
-    r.ledger.record(mgr.step - 1, pos.epoch, pos.row_group, pos.kind, contributors, q.quorum_id,
-                    sample_ids(r.shard, pos.row_group, r.a.steps, r.a.batch) if g in contributors else None)
+    r.ledger.record(
+        mgr.step - 1,
+        pos.epoch,
+        pos.row_group,
+        pos.kind,
+        contributors,
+        q.quorum_id,
+        sample_ids(r.shard, pos.row_group, r.a.steps, r.a.batch) if g in contributors else None,
+    )
     toy.sched.commit(pos, contributors)
     if r.a.checkpoint_every and mgr.step % r.a.checkpoint_every == 0 and g == min(live) and r.rank == 0:
         tensorfile.save(toy.state_dict(), r.ckpt, {"step": str(mgr.step)})
@@ -185,12 +202,20 @@ def main(argv: list[str] | None = None) -> int:
             st, meta = tensorfile.read(f)
         toy.load_state_dict(st)
         start_step = int(meta["step"])
-    mgr = manager_mod.Manager(cfg, toy.state_dict, toy.load_state_dict,
-                              group_pg=dist.group.WORLD if world > 1 else None, step=start_step,
-                              faults=manager_mod.faults_from_env())
+    mgr = manager_mod.Manager(
+        cfg,
+        toy.state_dict,
+        toy.load_state_dict,
+        group_pg=dist.group.WORLD if world > 1 else None,
+        step=start_step,
+        faults=manager_mod.faults_from_env(),
+    )
     r = Run(a, mgr, ledger_mod.Ledger(os.path.join(a.out, "ledger"), g, rank), rank, world, ckpt)
-    print(f"toy: group {g}/{R} rank {rank}/{K} incarnation {cfg.incarnation} started "
-          f"(main at {t_main:.3f}, ready at {time.time():.3f})", flush=True)
+    print(
+        f"toy: group {g}/{R} rank {rank}/{K} incarnation {cfg.incarnation} started "
+        f"(main at {t_main:.3f}, ready at {time.time():.3f})",
+        flush=True,
+    )
     try:
         while not toy.sched.done:
             _step(r, toy)
@@ -205,8 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(final, exist_ok=True)
     if rank == 0:
         path = os.path.join(final, final_state.file_name(0))
-        tensorfile.save({"model": toy.model.state_dict(), "optimizer": toy.opt.state_dict()}, path,
-                        {"step": str(mgr.step)})
+        tensorfile.save(
+            {"model": toy.model.state_dict(), "optimizer": toy.opt.state_dict()}, path, {"step": str(mgr.step)}
+        )
         print(f"toy: group {g} finished at step {mgr.step} checksum {final_state.checksum(path)}", flush=True)
     if world > 1:
         coll.barrier()

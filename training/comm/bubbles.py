@@ -34,11 +34,11 @@ from ftcore import collectives as coll
 
 @dataclass
 class Interval:
-    kind: str          # "compute" | "comm"
+    kind: str  # "compute" | "comm"
     name: str
     t0: float
     t1: float
-    issue: int = -1    # comm: the op's issue index (same op on every rank)
+    issue: int = -1  # comm: the op's issue index (same op on every rank)
     arrival: float = 0.0  # comm: when the op began on this rank
 
 
@@ -56,7 +56,7 @@ class StepAccount:
     step: int
     step_time: float
     compute: float
-    comm: float          # exposed comm wait, straggler wait included
+    comm: float  # exposed comm wait, straggler wait included
     straggler: float
     idle: float
 
@@ -72,7 +72,7 @@ class Timeline:
         self.rank, self.clock = rank, clock
         self.steps: list[StepRecord] = []
         self._cur: StepRecord | None = None
-        self._compute: list = []   # [name, t0 or None], the outermost open compute interval
+        self._compute: list = []  # [name, t0 or None], the outermost open compute interval
         self._depth = 0
 
     # t: a timestamp of this clock taken by the caller (the trainer's step timer), else now
@@ -130,8 +130,7 @@ class Timeline:
 
     @staticmethod
     def from_json(steps: list[dict]) -> list[StepRecord]:
-        return [StepRecord(s["step"], s["t0"], s["t1"], [Interval(**i) for i in s["intervals"]])
-                for s in steps]
+        return [StepRecord(s["step"], s["t0"], s["t1"], [Interval(**i) for i in s["intervals"]]) for s in steps]
 
 
 def max_arrivals(scheduler, group=None, start: int = 0) -> dict[int, float]:
@@ -143,8 +142,10 @@ def max_arrivals(scheduler, group=None, start: int = 0) -> dict[int, float]:
     n_max = n.clone()
     coll.all_reduce(n_max, kind=coll.CONTROL, op=dist.ReduceOp.MAX, group=group)
     if int(n_max) != int(n):
-        raise RuntimeError(f"ranks issued different numbers of comm ops ({int(n)} vs {int(n_max)}): "
-                           "every rank must run the same step code")
+        raise RuntimeError(
+            f"ranks issued different numbers of comm ops ({int(n)} vs {int(n_max)}): "
+            "every rank must run the same step code"
+        )
     coll.all_reduce(arr, kind=coll.CONTROL, op=dist.ReduceOp.MAX, group=group)
     return {o.issue: float(t) for o, t in zip(ops, arr.tolist(), strict=True)}
 
@@ -190,8 +191,10 @@ def per_step_bubble(accounts: list[StepAccount]) -> dict[int, float]:
 def metrics(accounts: list[StepAccount], prefix: str = "comm/") -> dict[str, float]:
     """Mean per step and rank of each part, and the bubble fraction: for MLflow log_metrics."""
     n = max(1, len(accounts))
-    m = {f"{prefix}{k}_s": sum(getattr(a, k) for a in accounts) / n
-         for k in ("step_time", "compute", "comm", "straggler", "idle")}
+    m = {
+        f"{prefix}{k}_s": sum(getattr(a, k) for a in accounts) / n
+        for k in ("step_time", "compute", "comm", "straggler", "idle")
+    }
     m[f"{prefix}bubble_fraction"] = bubble_fraction(accounts)
     return m
 
@@ -204,11 +207,18 @@ def exposed_metrics(scheduler, prefix: str = "comm/exposed/", step: int | None =
 COLOURS = {"compute": "#2e7d32", "comm": "#c62828", "straggler": "#ef6c00", "idle": "#bdbdbd"}
 
 
-def plot_timeline(steps_by_rank: list[list[StepRecord]], path: str, arrivals: dict[int, float] | None = None,
-                  first_step: int | None = None, num_steps: int = 5, title: str = "") -> str:
+def plot_timeline(
+    steps_by_rank: list[list[StepRecord]],
+    path: str,
+    arrivals: dict[int, float] | None = None,
+    first_step: int | None = None,
+    num_steps: int = 5,
+    title: str = "",
+) -> str:
     """PNG of a window of steps: one row per rank; idle grey, compute green, exposed comm red
     (its straggler part orange). Written atomically; returns `path`."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -242,6 +252,7 @@ def plot_timeline(steps_by_rank: list[list[StepRecord]], path: str, arrivals: di
     ax.set_xlabel("seconds (steps back to back; black line = step start)")
     ax.set_title(title or f"steps {first_step}..{first_step + num_steps - 1}")
     from matplotlib.patches import Patch
+
     fig.legend(handles=[Patch(color=c, label=k) for k, c in COLOURS.items()], loc="lower center", ncol=4, fontsize=8)
     fig.tight_layout(rect=(0, 0.12, 1, 1))
     with atomic_writer(path, "wb") as f:

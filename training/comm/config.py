@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 TRANSPORTS = ("collective", "smfree")
 EMBEDDINGS = ("replicated", "sharded")
-POLICIES = ("blocking", "overlapped", "prioritized")   # training/comm/scheduler.py
+POLICIES = ("blocking", "overlapped", "prioritized")  # training/comm/scheduler.py
 
 
 @dataclass
@@ -18,6 +18,7 @@ class CommConfig:
     embedding: "replicated" | "sharded": the item table row-sharded over the group's K ranks
     policy: "blocking" | "overlapped" | "prioritized": how a sharded table's lookups run
     """
+
     transport: str = "collective"
     bubbles: bool = True
     timeline_steps: int = 8
@@ -30,7 +31,9 @@ class CommConfig:
 
 def checks(cfg: CommConfig) -> list[tuple[bool, str]]:
     """(ok, message) pairs for the trainer's config validation."""
-    return [(cfg.transport in TRANSPORTS, f"comm.transport must be one of {', '.join(TRANSPORTS)}"),
-            (cfg.timeline_steps >= 1, "comm.timeline_steps must be >= 1"),
-            (cfg.embedding in EMBEDDINGS, f"comm.embedding must be one of {', '.join(EMBEDDINGS)}"),
-            (cfg.policy in POLICIES, f"comm.policy must be one of {', '.join(POLICIES)}")]
+    return [
+        (cfg.transport in TRANSPORTS, f"comm.transport must be one of {', '.join(TRANSPORTS)}"),
+        (cfg.timeline_steps >= 1, "comm.timeline_steps must be >= 1"),
+        (cfg.embedding in EMBEDDINGS, f"comm.embedding must be one of {', '.join(EMBEDDINGS)}"),
+        (cfg.policy in POLICIES, f"comm.policy must be one of {', '.join(POLICIES)}"),
+    ]

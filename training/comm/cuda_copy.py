@@ -58,8 +58,7 @@ class CopyEngine:
         with torch.cuda.stream(self.stream):
             if ready is not None:
                 self.stream.wait_event(ready)
-            dst.copy_(src.reshape(-1).view(torch.uint8) if src.dtype != torch.uint8 else src,
-                      non_blocking=True)
+            dst.copy_(src.reshape(-1).view(torch.uint8) if src.dtype != torch.uint8 else src, non_blocking=True)
         self.stream.synchronize()  # the peers may read the outbox as soon as we publish
 
     def to_device(self, dst: torch.Tensor, src: torch.Tensor):

@@ -45,13 +45,19 @@ class GroupComm:
     def __init__(self, cfg: CommConfig, rank: int = 0, device: str | torch.device = "cpu"):
         self.cfg = cfg
         self.active = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        self.group = (coll.new_group(backend=dist.get_backend(), timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
-                                     device=device) if self.active else None)
-        self.transport = (make_transport(TransportConfig(kind=cfg.transport), group=self.group, device=str(device))
-                          if self.active else None)
+        self.group = (
+            coll.new_group(backend=dist.get_backend(), timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S), device=device)
+            if self.active
+            else None
+        )
+        self.transport = (
+            make_transport(TransportConfig(kind=cfg.transport), group=self.group, device=str(device))
+            if self.active
+            else None
+        )
         self.timeline = Timeline(rank) if cfg.bubbles else None
         self.sched = CommScheduler(cfg.policy, self.timeline)
-        self._window_start = 0   # index into timeline.steps of the first step not yet logged
+        self._window_start = 0  # index into timeline.steps of the first step not yet logged
         self._logged_ops = 0
 
     # ---- step structure (compute thread); t: the caller's timestamp (time.perf_counter), else now
@@ -101,7 +107,7 @@ class GroupComm:
         for p, g in zip(params, grads, strict=True):
             if p.grad is None:
                 p.grad = g
-            p.grad.copy_(flat[i:i + g.numel()].view_as(g))
+            p.grad.copy_(flat[i : i + g.numel()].view_as(g))
             i += g.numel()
         return op.exposed
 
@@ -111,7 +117,7 @@ class GroupComm:
         (for `tracker.log_metrics` on rank 0). Collective when the group has several ranks."""
         if self.timeline is None:
             return {}
-        steps = self.timeline.steps[self._window_start:]
+        steps = self.timeline.steps[self._window_start :]
         arrivals = max_arrivals(self.sched, start=self._logged_ops) if self.active else None
         m = metrics(account(steps, self.timeline.rank, arrivals))
         for r in self.sched.records():  # exposed comm per op name, per step
@@ -121,8 +127,9 @@ class GroupComm:
         # keep only what the PNG needs: a long run must not grow these lists
         keep = self.cfg.timeline_steps
         first_kept = self.timeline.steps[-keep:][0].step if self.timeline.steps else 0
-        self.sched.forget(min([o.issue for o in self.sched.issued if o.step >= first_kept],
-                              default=self.sched._next_issue))
+        self.sched.forget(
+            min([o.issue for o in self.sched.issued if o.step >= first_kept], default=self.sched._next_issue)
+        )
         self.timeline.steps = self.timeline.steps[-keep:]
         self._window_start = len(self.timeline.steps)
         self._logged_ops = self.sched._next_issue
@@ -144,16 +151,21 @@ class GroupComm:
             if self.transport is not None:
                 self.transport.close()
             return None
-        steps = self.timeline.steps[-self.cfg.timeline_steps:]
+        steps = self.timeline.steps[-self.cfg.timeline_steps :]
         mine = self.timeline.to_json(steps)
         per_rank = all_gather_json(mine) if self.active else [mine]
         arrivals = max_arrivals(self.sched) if self.active else None
         path = None
         if self.timeline.rank == 0 and steps:
             os.makedirs(out_dir, exist_ok=True)
-            path = plot_timeline([Timeline.from_json(s) for s in per_rank], os.path.join(out_dir, "comm_timeline.png"),
-                                 arrivals=arrivals, first_step=steps[0].step, num_steps=len(steps),
-                                 title="compute / exposed comm / straggler / idle per rank")
+            path = plot_timeline(
+                [Timeline.from_json(s) for s in per_rank],
+                os.path.join(out_dir, "comm_timeline.png"),
+                arrivals=arrivals,
+                first_step=steps[0].step,
+                num_steps=len(steps),
+                title="compute / exposed comm / straggler / idle per rank",
+            )
         if self.transport is not None:
             self.transport.close()
         return path

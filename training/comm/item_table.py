@@ -54,6 +54,7 @@ from training.comm.sharded_embedding import LookupPlan, ShardedEmbedding, gather
 @dataclass
 class _Ahead:
     """The batch expected next: its id exchanges, submitted a step early."""
+
     key: object
     ids: list[torch.Tensor]
     plans: list[LookupPlan]
@@ -67,8 +68,9 @@ Ahead = Callable[[], tuple[Any, list[torch.Tensor]]]
 
 class TrainerTable(Protocol):
     """What the training loop asks of its item table, sharded or replicated."""
+
     sharded: bool
-    per_rank: tuple[str, ...]   # what a rank > 0 writes into its own checkpoint file
+    per_rank: tuple[str, ...]  # what a rank > 0 writes into its own checkpoint file
 
     @property
     def rank_params(self) -> tuple[nn.Parameter, ...]:
@@ -89,6 +91,7 @@ class TrainerTable(Protocol):
 class ReplicatedItemTable:
     """The model's own nn.Embedding as a `TrainerTable`: its gradient joins the dense
     all-reduce, torch clips, the model and its checkpoints hold the whole table."""
+
     sharded = False
     per_rank: tuple[str, ...] = ("rng",)
     rank_params: tuple[nn.Parameter, ...] = ()
@@ -123,21 +126,29 @@ class ReplicatedItemTable:
 
 class ShardedItemTable(ShardedEmbedding):
     """`item_emb` of a SeqRec, row-sharded; `weight` is this rank's shard. A `TrainerTable`."""
-    sharded = True
-    per_rank: tuple[str, ...] = ("rng", "optimizer")   # rank > 0 also keeps its shard's optimizer state
 
-    def __init__(self, full_weight: torch.Tensor, transport, sched: CommScheduler | None = None,
-                 padding_idx: int | None = 0):
-        super().__init__(full_weight.shape[0], full_weight.shape[1], transport, sharding="row",
-                         padding_idx=padding_idx, full_weight=full_weight.detach())   # on the model's device
+    sharded = True
+    per_rank: tuple[str, ...] = ("rng", "optimizer")  # rank > 0 also keeps its shard's optimizer state
+
+    def __init__(
+        self, full_weight: torch.Tensor, transport, sched: CommScheduler | None = None, padding_idx: int | None = 0
+    ):
+        super().__init__(
+            full_weight.shape[0],
+            full_weight.shape[1],
+            transport,
+            sharding="row",
+            padding_idx=padding_idx,
+            full_weight=full_weight.detach(),
+        )  # on the model's device
         self.sched = sched or CommScheduler("blocking")
-        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []   # (unique ids, grads) per lookup
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # (unique ids, grads) per lookup
         self._ready: list[tuple[torch.Tensor, LookupPlan, CommOp, CommOp]] = []  # this step's lookups
         self._ahead: _Ahead | None = None
         self._grad_ops: tuple[LookupPlan, CommOp, CommOp] | None = None
         self.prefetch_hits = self.prefetch_misses = 0
-        self._lookup_ops: list[CommOp] = []   # lookup ops whose exposed time is not yet taken
-        self.lookup_wait_s = self.emb_grad_wait_s = 0.0   # the compute thread's totals, for result.json
+        self._lookup_ops: list[CommOp] = []  # lookup ops whose exposed time is not yet taken
+        self.lookup_wait_s = self.emb_grad_wait_s = 0.0  # the compute thread's totals, for result.json
         self.grad_sink = self._defer
 
     @property
@@ -164,17 +175,19 @@ class ShardedItemTable(ShardedEmbedding):
             self.prefetch_hits += hit
             self.prefetch_misses += not hit
             if not hit:
-                for op in ahead.ops:   # issued a step ago: finished, or about to
+                for op in ahead.ops:  # issued a step ago: finished, or about to
                     self.sched.wait(op)
                 ahead = None
         self._ready = []
         for i, ((name, stage), t) in enumerate(zip(FEATURES, ids, strict=False)):
             t = t.detach().cpu()
-            if ahead is not None and i < len(ahead.plans):   # histories and targets only
+            if ahead is not None and i < len(ahead.plans):  # histories and targets only
                 if not torch.equal(ahead.ids[i], t):
-                    raise RuntimeError(f"comm: the prefetched {name} ids of batch {key!r} differ from the "
-                                       "batch's own: the data under one row group changed during the run")
-                plan, ids_op = ahead.plans[i], ahead.ops[i]   # already in _lookup_ops
+                    raise RuntimeError(
+                        f"comm: the prefetched {name} ids of batch {key!r} differ from the "
+                        "batch's own: the data under one row group changed during the run"
+                    )
+                plan, ids_op = ahead.plans[i], ahead.ops[i]  # already in _lookup_ops
             else:
                 plan = self.plan(t)
                 ids_op = self.sched.submit(f"{name}_ids", stage, partial(self.exchange_ids, plan))
@@ -190,8 +203,10 @@ class ShardedItemTable(ShardedEmbedding):
         so it runs while this step computes."""
         ids = [t.detach().cpu() for t in ids]
         plans = [self.plan(t) for t in ids]
-        ops = [self.sched.submit(f"next_{name}_ids", Stage.NEXT_INPUT, partial(self.exchange_ids, p))
-               for (name, _), p in zip(FEATURES, plans, strict=False)]
+        ops = [
+            self.sched.submit(f"next_{name}_ids", Stage.NEXT_INPUT, partial(self.exchange_ids, p))
+            for (name, _), p in zip(FEATURES, plans, strict=False)
+        ]
         self._lookup_ops += ops
         return _Ahead(key, ids, plans, ops)
 
@@ -200,18 +215,24 @@ class ShardedItemTable(ShardedEmbedding):
         return self.exchange_rows(plan, self.gather_rows(plan))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if not self._ready:   # a lookup outside start_step: inline, through the same ordered queue
-            plan = self.sched.wait(self.sched.submit("lookup_ids", Stage.HISTORY,
-                                                     lambda: self.exchange_ids(self.plan(ids.cpu()))))
-            rows = self.sched.wait(self.sched.submit("lookup_rows", Stage.HISTORY,
-                                                     lambda: self.exchange_rows(plan, self.gather_rows(plan))))
+        if not self._ready:  # a lookup outside start_step: inline, through the same ordered queue
+            plan = self.sched.wait(
+                self.sched.submit("lookup_ids", Stage.HISTORY, lambda: self.exchange_ids(self.plan(ids.cpu())))
+            )
+            rows = self.sched.wait(
+                self.sched.submit(
+                    "lookup_rows", Stage.HISTORY, lambda: self.exchange_rows(plan, self.gather_rows(plan))
+                )
+            )
             return self.attach(plan, rows).to(ids.device)
         t, plan, ids_op, rows_op = self._ready.pop(0)
         if not torch.equal(ids.detach().cpu(), t):
-            raise RuntimeError("comm: the model looked up other ids than start_step() submitted "
-                               "(the order is histories, targets, negatives)")
-        rows = self.sched.wait(rows_op)     # just before use: the exposed communication
-        self.sched.wait(ids_op)             # finished before its rows (one ordered queue)
+            raise RuntimeError(
+                "comm: the model looked up other ids than start_step() submitted "
+                "(the order is histories, targets, negatives)"
+            )
+        rows = self.sched.wait(rows_op)  # just before use: the exposed communication
+        self.sched.wait(ids_op)  # finished before its rows (one ordered queue)
         return self.attach(plan, rows).to(ids.device)
 
     def take_exposed(self) -> float:
@@ -236,10 +257,10 @@ class ShardedItemTable(ShardedEmbedding):
         gradients to their owners; `finish_grads` waits and SUMs them into the shard's .grad."""
         pending, self._pending = self._pending, []
         if pending:
-            ids = torch.unique(torch.cat([u for u, _ in pending]), sorted=True)   # host
+            ids = torch.unique(torch.cat([u for u, _ in pending]), sorted=True)  # host
             dev = pending[0][1].device
             buf = torch.zeros(ids.numel(), self.dim, dtype=pending[0][1].dtype, device=dev)
-            for u, g in pending:   # delivery order, one add per row per lookup, as autograd does
+            for u, g in pending:  # delivery order, one add per row per lookup, as autograd does
                 buf.index_add_(0, torch.searchsorted(ids, u).to(dev), g)
         else:
             ids = torch.zeros(0, dtype=torch.int64)
@@ -261,7 +282,7 @@ class ShardedItemTable(ShardedEmbedding):
         plan, ids_op, grads_op = self._grad_ops
         self._grad_ops = None
         recv = self.sched.wait(grads_op)
-        self.sched.wait(ids_op)   # finished before its grads
+        self.sched.wait(ids_op)  # finished before its grads
         self.accumulate(plan, recv)
         waited = time.perf_counter() - t
         self.emb_grad_wait_s += waited
@@ -289,7 +310,7 @@ class ShardedItemTable(ShardedEmbedding):
             return None
         emb = nn.Embedding(full.shape[0], full.shape[1], padding_idx=self.padding_idx)
         emb.weight.data.copy_(full)
-        whole = copy.copy(model)                  # shallow: shares the dense modules, owns its item_emb
+        whole = copy.copy(model)  # shallow: shares the dense modules, owns its item_emb
         whole._modules = dict(model._modules)
         whole.item_emb = emb.to(full.device)
         return whole
@@ -307,9 +328,13 @@ class ShardedItemTable(ShardedEmbedding):
 
     def summary(self) -> dict | None:
         """result.json's "comm": the policy, prefetch hits and misses, exposed comm totals."""
-        return {"policy": self.sched.policy, "prefetch_hits": self.prefetch_hits,
-                "prefetch_misses": self.prefetch_misses, "lookup_wait_s": self.lookup_wait_s,
-                "emb_grad_wait_s": self.emb_grad_wait_s}
+        return {
+            "policy": self.sched.policy,
+            "prefetch_hits": self.prefetch_hits,
+            "prefetch_misses": self.prefetch_misses,
+            "lookup_wait_s": self.lookup_wait_s,
+            "emb_grad_wait_s": self.emb_grad_wait_s,
+        }
 
 
 def grad_norm_sq(shard: torch.nn.Parameter) -> torch.Tensor:
@@ -317,5 +342,5 @@ def grad_norm_sq(shard: torch.nn.Parameter) -> torch.Tensor:
     g = shard.grad if shard.grad is not None else torch.zeros((), device=shard.device)
     sq = torch.linalg.vector_norm(g.detach().double()).pow(2).reshape(1)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        coll.all_reduce(sq, kind=coll.DATA)   # data: made and used (clipping) on the device
+        coll.all_reduce(sq, kind=coll.DATA)  # data: made and used (clipping) on the device
     return sq[0]

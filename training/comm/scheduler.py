@@ -40,12 +40,13 @@ from training.comm.config import POLICIES
 
 class Stage(IntEnum):
     """The consumer of a comm op, in the order a step needs them."""
-    HISTORY = 0      # history embeddings -> the first layer
-    CANDIDATE = 1    # target item embeddings -> the loss
-    NEGATIVE = 2     # shared negative embeddings -> the loss
-    NEXT_INPUT = 3   # input dist (ids) of batch i+1 -> the next step's lookups
-    EMB_GRAD = 4     # embedding grads to their owners -> the optimizer step
-    DENSE_GRAD = 5   # dense grad all-reduce (backward sync) -> the optimizer step
+
+    HISTORY = 0  # history embeddings -> the first layer
+    CANDIDATE = 1  # target item embeddings -> the loss
+    NEGATIVE = 2  # shared negative embeddings -> the loss
+    NEXT_INPUT = 3  # input dist (ids) of batch i+1 -> the next step's lookups
+    EMB_GRAD = 4  # embedding grads to their owners -> the optimizer step
+    DENSE_GRAD = 5  # dense grad all-reduce (backward sync) -> the optimizer step
 
 
 @dataclass
@@ -54,13 +55,13 @@ class CommOp:
     stage: Stage
     fn: Callable[[], Any]
     step: int
-    seq: int                       # submission index on this rank
-    issue: int = -1                # issue index on this rank (order handed to the comm thread)
+    seq: int  # submission index on this rank
+    issue: int = -1  # issue index on this rank (order handed to the comm thread)
     t_submit: float = 0.0
-    t_start: float = 0.0           # began on the comm thread: arrival in the collective
+    t_start: float = 0.0  # began on the comm thread: arrival in the collective
     t_end: float = 0.0
-    t_wait0: float = 0.0           # compute thread blocked from ...
-    t_wait1: float = 0.0           # ... to: the consumer starts here
+    t_wait0: float = 0.0  # compute thread blocked from ...
+    t_wait1: float = 0.0  # ... to: the consumer starts here
     waited: bool = False
     future: Future = field(default_factory=Future, repr=False)
 
@@ -75,8 +76,8 @@ class CommScheduler:
             raise ValueError(f"comm.policy = {policy!r} is not one of {POLICIES}; fix the config")
         self.policy, self.timeline, self.clock = policy, timeline, clock
         self.step = 0
-        self.ops: list[CommOp] = []        # every op, in submission order
-        self.issued: list[CommOp] = []     # every op, in issue order
+        self.ops: list[CommOp] = []  # every op, in submission order
+        self.issued: list[CommOp] = []  # every op, in issue order
         self._pending: list[CommOp] = []
         self._next_issue = 0
         self._next_seq = 0
@@ -100,7 +101,7 @@ class CommScheduler:
         all-reduce on the default process group)."""
         op = self._new_op(name, stage, fn)
         self._inline(op)
-        op.future.result()   # its error, raised here
+        op.future.result()  # its error, raised here
         return op
 
     def drain(self):
@@ -147,9 +148,11 @@ class CommScheduler:
         try:
             result = op.future.result(timeout=COMM_TIMEOUT_S)
         except FutureTimeout:
-            raise TimeoutError(f"comm op {op.name!r} of step {op.step} did not finish within "
-                               f"{COMM_TIMEOUT_S:.0f}s (a peer is dead or issued ops in another order; "
-                               "FTREC_COMM_TIMEOUT_S)") from None
+            raise TimeoutError(
+                f"comm op {op.name!r} of step {op.step} did not finish within "
+                f"{COMM_TIMEOUT_S:.0f}s (a peer is dead or issued ops in another order; "
+                "FTREC_COMM_TIMEOUT_S)"
+            ) from None
         finally:
             op.t_wait1 = self.clock()
             op.waited = True
@@ -201,10 +204,23 @@ class CommScheduler:
 
     def records(self, step: int | None = None) -> list[dict]:
         """Per-op timing in issue order (for logs, tests and bubble accounting)."""
-        return [{"name": o.name, "stage": o.stage.name, "step": o.step, "seq": o.seq, "issue": o.issue,
-                 "t_submit": o.t_submit, "t_start": o.t_start, "t_end": o.t_end,
-                 "t_wait0": o.t_wait0, "t_wait1": o.t_wait1, "exposed": o.exposed if o.waited else 0.0}
-                for o in self.issued if step is None or o.step == step]
+        return [
+            {
+                "name": o.name,
+                "stage": o.stage.name,
+                "step": o.step,
+                "seq": o.seq,
+                "issue": o.issue,
+                "t_submit": o.t_submit,
+                "t_start": o.t_start,
+                "t_end": o.t_end,
+                "t_wait0": o.t_wait0,
+                "t_wait1": o.t_wait1,
+                "exposed": o.exposed if o.waited else 0.0,
+            }
+            for o in self.issued
+            if step is None or o.step == step
+        ]
 
     def exposed_by_op(self, step: int | None = None) -> dict[str, float]:
         """Exposed comm seconds per op name (summed over steps unless `step`)."""

@@ -42,12 +42,13 @@ SHARDINGS = ("row", "table")
 @dataclass
 class LookupPlan:
     """One lookup in flight: what this rank asked for and what its peers asked of it."""
-    shape: tuple                     # ids.shape
-    unique: torch.Tensor             # sorted unique global ids
-    inverse: torch.Tensor            # position of each id in `unique`
-    send_splits: list[int]           # unique ids per owner rank
-    send_local: torch.Tensor         # `unique` as row numbers inside the owner's shard
-    recv_splits: list[int] | None = None   # ids asked of me by each rank
+
+    shape: tuple  # ids.shape
+    unique: torch.Tensor  # sorted unique global ids
+    inverse: torch.Tensor  # position of each id in `unique`
+    send_splits: list[int]  # unique ids per owner rank
+    send_local: torch.Tensor  # `unique` as row numbers inside the owner's shard
+    recv_splits: list[int] | None = None  # ids asked of me by each rank
     recv_local: torch.Tensor | None = None  # those ids as rows of my shard
     extra: dict = field(default_factory=dict)
 
@@ -75,9 +76,20 @@ class _Lookup(torch.autograd.Function):
 class ShardedEmbedding(nn.Module):
     """One table of `num_embeddings` x `dim`, this rank's shard in `self.weight`."""
 
-    def __init__(self, num_embeddings: int, dim: int, transport, *, sharding: str = "row",
-                 owner: int = 0, padding_idx: int | None = None, init_std: float = 0.02,
-                 seed: int = 0, full_weight: torch.Tensor | None = None, grad_scale: float = 1.0):
+    def __init__(
+        self,
+        num_embeddings: int,
+        dim: int,
+        transport,
+        *,
+        sharding: str = "row",
+        owner: int = 0,
+        padding_idx: int | None = None,
+        init_std: float = 0.02,
+        seed: int = 0,
+        full_weight: torch.Tensor | None = None,
+        grad_scale: float = 1.0,
+    ):
         super().__init__()
         if sharding not in SHARDINGS:
             raise ValueError(f"comm.sharding = {sharding!r} is not one of {SHARDINGS}; fix the config")
@@ -106,8 +118,10 @@ class ShardedEmbedding(nn.Module):
         """Made on the host; the ids to send and the inverse go to the shard's device."""
         ids = ids.detach().to("cpu", torch.int64)
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
-            raise IndexError(f"embedding ids must lie in [0, {self.num_embeddings}); got "
-                             f"[{int(ids.min())}, {int(ids.max())}] (check num_items in the config)")
+            raise IndexError(
+                f"embedding ids must lie in [0, {self.num_embeddings}); got "
+                f"[{int(ids.min())}, {int(ids.max())}] (check num_items in the config)"
+            )
         unique, inverse = torch.unique(ids.reshape(-1), sorted=True, return_inverse=True)
         if self.sharding == "row":
             owner = torch.div(unique, self.block, rounding_mode="floor")
@@ -165,18 +179,32 @@ class ShardedEmbeddingCollection(nn.ModuleDict):
     Table-wise places table i on rank i % K: every rank serves some tables whole, and a
     lookup of a table only talks to its owner."""
 
-    def __init__(self, tables: dict[str, tuple[int, int]], transport, *, sharding: str = "row",
-                 seed: int = 0, padding_idx: int | None = None):
+    def __init__(
+        self,
+        tables: dict[str, tuple[int, int]],
+        transport,
+        *,
+        sharding: str = "row",
+        seed: int = 0,
+        padding_idx: int | None = None,
+    ):
         mods = {}
         for i, (name, (num, dim)) in enumerate(tables.items()):
-            mods[name] = ShardedEmbedding(num, dim, transport, sharding=sharding,
-                                          owner=i % transport.world_size, seed=seed + i,
-                                          padding_idx=padding_idx)
+            mods[name] = ShardedEmbedding(
+                num,
+                dim,
+                transport,
+                sharding=sharding,
+                owner=i % transport.world_size,
+                seed=seed + i,
+                padding_idx=padding_idx,
+            )
         super().__init__(mods)
 
 
-def reference_weight(num_embeddings: int, dim: int, seed: int = 0, init_std: float = 0.02,
-                     padding_idx: int | None = None) -> torch.Tensor:
+def reference_weight(
+    num_embeddings: int, dim: int, seed: int = 0, init_std: float = 0.02, padding_idx: int | None = None
+) -> torch.Tensor:
     """The unsharded table a ShardedEmbedding with the same arguments starts from."""
     w = torch.randn(num_embeddings, dim, generator=torch.Generator().manual_seed(seed)) * init_std
     if padding_idx is not None:
@@ -190,9 +218,9 @@ def gather_full_weight(emb: ShardedEmbedding, group=None) -> torch.Tensor:
     m = int(max(s.item() for s in sizes))
     w = emb.weight.detach()
     pad = w.new_zeros(m, emb.dim)
-    pad[:w.shape[0]] = w
+    pad[: w.shape[0]] = w
     bufs = coll.all_gather(pad, kind=coll.DATA, group=group)
-    parts = [b[:int(s.item())] for b, s in zip(bufs, sizes, strict=True)]
+    parts = [b[: int(s.item())] for b, s in zip(bufs, sizes, strict=True)]
     if emb.sharding == "table":
         return parts[emb.owner]
     return torch.cat(parts)

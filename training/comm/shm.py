@@ -11,7 +11,7 @@ import fcntl
 import os
 import uuid
 
-PREFIXES = ("ftrec-", ".tmp-ftrec-")   # segments, and segments a killed creator never named
+PREFIXES = ("ftrec-", ".tmp-ftrec-")  # segments, and segments a killed creator never named
 
 
 def create(path: str, size: int) -> int:
@@ -46,11 +46,11 @@ def sweep(folder: str) -> list[str]:
         try:
             fd = os.open(path, os.O_RDONLY)
         except OSError:
-            continue   # gone already, or not ours to open
+            continue  # gone already, or not ours to open
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
-            continue   # its creator is alive
+            continue  # its creator is alive
         finally:
             os.close(fd)
         try:

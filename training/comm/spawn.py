@@ -27,11 +27,12 @@ def _entry(fn, rank, world_size, port, q, args, timeout_s, backend="gloo", setup
     torch.set_num_threads(1)
     try:
         if setup is not None:
-            setup(rank)   # e.g. register a backend, pick the rank's GPU
+            setup(rank)  # e.g. register a backend, pick the rank's GPU
         timeout = datetime.timedelta(seconds=timeout_s)
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world_size, timeout=timeout)
-        coll.setup_default(timeout=timeout)   # a device backend gets its gloo twin
+        dist.init_process_group(
+            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=timeout
+        )
+        coll.setup_default(timeout=timeout)  # a device backend gets its gloo twin
         # plain pickle to bytes: tensors travel by value, not as shared-memory handles
         # that die with this process
         q.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
@@ -56,8 +57,10 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 120.0, backend: str
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, q, args, timeout_s, backend, setup), daemon=True)
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_entry, args=(fn, r, world_size, port, q, args, timeout_s, backend, setup), daemon=True)
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
@@ -66,8 +69,9 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 120.0, backend: str
         while len(results) < world_size:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise RanksFailed(f"ranks {sorted(set(range(world_size)) - set(results))} "
-                                  f"did not finish within {timeout_s:.0f}s")
+                raise RanksFailed(
+                    f"ranks {sorted(set(range(world_size)) - set(results))} did not finish within {timeout_s:.0f}s"
+                )
             try:
                 rank, ok, value = q.get(timeout=min(left, 1.0))
             except queue.Empty:
@@ -81,7 +85,7 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 120.0, backend: str
     finally:
         for p in procs:
             p.join(timeout=5)
-            if p.is_alive() and p.pid is not None:   # alive: started, so it has a pid
+            if p.is_alive() and p.pid is not None:  # alive: started, so it has a pid
                 os.kill(p.pid, 9)
                 p.join(timeout=5)
     return [results[r] for r in range(world_size)]

@@ -59,10 +59,10 @@ class TransportError(RuntimeError):
 
 @dataclass
 class TransportConfig:
-    kind: str = "collective"          # "collective" | "smfree"
-    shm_dir: str = "/dev/shm"         # where smfree puts its outboxes (must be same-host tmpfs)
-    initial_capacity: int = 1 << 20   # bytes per outbox; grows on demand
-    host_id: str | None = None        # None: hostname + boot id (tests override to force fallback)
+    kind: str = "collective"  # "collective" | "smfree"
+    shm_dir: str = "/dev/shm"  # where smfree puts its outboxes (must be same-host tmpfs)
+    initial_capacity: int = 1 << 20  # bytes per outbox; grows on demand
+    host_id: str | None = None  # None: hostname + boot id (tests override to force fallback)
 
 
 class Handle(Protocol):
@@ -102,7 +102,7 @@ class CollectiveTransport:
     """torch.distributed collectives on `group` (gloo / nccl)."""
 
     name = "collective"
-    fallback_reason: str   # set only on the fallback from smfree (open_transport): why smfree could not run
+    fallback_reason: str  # set only on the fallback from smfree (open_transport): why smfree could not run
 
     def __init__(self, group=None):
         self.group = group
@@ -264,7 +264,7 @@ class SmFreeTransport:
         return self._submit(lambda: self._all_reduce(tensor, ready))
 
     def exchange_sizes(self, sizes):
-        ones = [1] * self.world_size   # through the outboxes too: one order for all of this transport's ops
+        ones = [1] * self.world_size  # through the outboxes too: one order for all of this transport's ops
         return self.all_to_all(torch.tensor(sizes, dtype=torch.int64), ones, ones).wait().tolist()
 
     def _ready_event(self, t: torch.Tensor):
@@ -313,7 +313,8 @@ class SmFreeTransport:
                 if time.monotonic() > deadline:
                     raise TransportError(
                         f"smfree: rank {p} did not {what} op {seq} within {COMM_TIMEOUT_S:.0f}s "
-                        f"(peer dead or ops issued in a different order; FTREC_COMM_TIMEOUT_S)")
+                        f"(peer dead or ops issued in a different order; FTREC_COMM_TIMEOUT_S)"
+                    )
 
     def _peer_outbox(self, p: int) -> torch.Tensor:
         if p == self.rank:
@@ -340,8 +341,8 @@ class SmFreeTransport:
         if n:
             self._copy_in(self._outbox.bytes[:n], send_bytes, ready)
         c = self._ctrl_np
-        c[_HDR:_HDR + k] = offs
-        c[_HDR + k:_HDR + 2 * k] = lens
+        c[_HDR : _HDR + k] = offs
+        c[_HDR + k : _HDR + 2 * k] = lens
         c[_READY] = seq  # last: publishes the bytes and offsets above (x86 stores are ordered)
 
     def _copy_in(self, dst: torch.Tensor, src: torch.Tensor, ready=None):
@@ -380,10 +381,12 @@ class SmFreeTransport:
             ctrl = self._peer_ctrl[p]
             off, ln = int(ctrl[_HDR + self.rank]), int(ctrl[_HDR + k + self.rank])
             if ln != recv_splits[p] * row:
-                raise TransportError(f"smfree: rank {p} sent {ln} bytes to rank {self.rank}, "
-                                     f"expected {recv_splits[p] * row} (split sizes disagree)")
+                raise TransportError(
+                    f"smfree: rank {p} sent {ln} bytes to rank {self.rank}, "
+                    f"expected {recv_splits[p] * row} (split sizes disagree)"
+                )
             if ln:
-                self._copy_out(out_bytes[dst[p]:dst[p] + ln], self._peer_outbox(p)[off:off + ln])
+                self._copy_out(out_bytes[dst[p] : dst[p] + ln], self._peer_outbox(p)[off : off + ln])
         self._ctrl_np[_DONE] = seq
         return out
 
@@ -435,12 +438,13 @@ def make_transport(cfg: TransportConfig | str = "collective", group=None, device
     prefix = all_gather_json(prefix, group)[0]  # rank 0's prefix names this instance's files
     if device != "cpu":
         from training.comm import cuda_copy
+
         reason = cuda_copy.unavailable_reason()
     if reason is None:
         if not os.path.isdir(cfg.shm_dir) or not os.access(cfg.shm_dir, os.W_OK):
             reason = f"shared-memory folder {cfg.shm_dir} is missing or not writable"
         else:
-            shm.sweep(cfg.shm_dir)   # segments of ranks killed before they could remove them
+            shm.sweep(cfg.shm_dir)  # segments of ranks killed before they could remove them
             try:
                 transport = SmFreeTransport(group, cfg, prefix)
             except OSError as e:
@@ -457,10 +461,11 @@ def make_transport(cfg: TransportConfig | str = "collective", group=None, device
         fallback = CollectiveTransport(group)
         fallback.fallback_reason = "; ".join(reasons)
         return fallback
-    assert transport is not None   # no rank gave a reason, so this one built its transport
+    assert transport is not None  # no rank gave a reason, so this one built its transport
     transport.connect()
     if device != "cpu":
         from training.comm import cuda_copy
+
         transport._copy_engine = cuda_copy.CopyEngine(transport, device)
     coll.barrier(group)  # every peer mapped before anyone's first op can grow an outbox
     return transport
