@@ -79,8 +79,11 @@ def test_fit_recovers_coefficients():
     a, b, c0, o = cost.fit_batched(LL, n, t)
     assert a == pytest.approx(0.03, rel=1e-6) and b == pytest.approx(20, rel=1e-6)
     assert c0 == pytest.approx(100, rel=1e-5) and o == pytest.approx(500, rel=1e-5)
-    a, b, c0 = cost.fit(L, 5 * L + 2 - 1e-4 * L**2)  # a negative quadratic term is dropped, never kept
-    assert a == 0 and b > 0 and c0 >= 0
+    y = 5 * L + 2 - 1e-4 * L**2
+    a, b, c0 = cost.fit(L, y)  # a negative quadratic term is dropped, never kept...
+    slope, intercept = np.polyfit(L, y, 1)
+    assert a == 0  # ... and the rest is the least-squares line through the same points
+    assert b == pytest.approx(slope, rel=1e-9) and c0 == pytest.approx(intercept, rel=1e-9)
 
 
 def test_cost_model_load_and_validate(tmp_path):
