@@ -44,6 +44,8 @@ bench: setup
 	$(BIN)/python -m benchmarks.sim
 	$(BIN)/python benchmarks/comm_bench.py
 	$(BIN)/python benchmarks/comm_trainer_bench.py
+	$(BIN)/python benchmarks/airflow_bench.py
+	$(BIN)/python benchmarks/install_weight.py
 
 clean:
 	rm -rf $(WORK) bench-results
