@@ -22,63 +22,30 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.launcher import launch, toy  # noqa: E402
+
 MODES = {"off": {"FTCORE_SLOW_RATIO": "0"}, "on": {}, "clean": {}}
 
 
 def run(mode: str, delay: float, steps: int = 300) -> dict:
     with tempfile.TemporaryDirectory() as d:
-        out, plan = os.path.join(d, "run"), os.path.join(d, "plan.json")
         faults = (
             []
             if mode == "clean"
             else [{"kind": "slow", "group": 2, "at_step": 20, "until_step": 200, "delay_s": delay}]
         )
-        Path(plan).write_text(json.dumps({"faults": faults}))
-        args = [
-            sys.executable,
-            "-m",
-            "training",
-            "launch",
-            "--worker",
-            "ftcore.examples.toy",
-            "--replica-groups",
-            "3",
-            "--out",
-            out,
-            "--faults",
-            plan,
-            "--timeout",
-            "300",
-            "--",
-            "--steps",
-            str(steps),
-            "--step-sleep",
-            "0.03",
-            "--dim",
-            "64",
-        ]
-        t0 = time.monotonic()
-        p = subprocess.run(
-            args,
-            cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **MODES[mode]},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            timeout=400,
-            start_new_session=True,
-        )
-        wall = time.monotonic() - t0
-        if p.returncode != 0:
-            raise RuntimeError(f"{mode}: launcher failed ({p.returncode}):\n{p.stdout[-3000:]}")
-        tl = json.loads(Path(out, "timeline.json").read_text())
+        try:
+            tl = launch(os.path.join(d, "run"), faults, toy(steps, 0.03), env=MODES[mode], timeout=300)
+        except RuntimeError as e:
+            raise RuntimeError(f"{mode}: {e}") from None
+        wall = tl["wall_s"]
     t = {s["step"]: s["t"] for s in tl["steps"] if s["committed"] and s["group"] == 0 and s["rank"] == 0}
     kinds = [e["kind"] for e in tl["lighthouse_events"]]
     return {

@@ -21,7 +21,6 @@ import json
 import multiprocessing as mp
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,6 +30,10 @@ from dataprep.fsutil import atomic_write_json
 from training.ports import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from benchmarks.launcher import launch, toy  # noqa: E402
+
 MB = 1 << 20
 
 
@@ -172,52 +175,13 @@ def bench_allreduce(sizes_mb: list[int], groups: list[int]) -> list[dict]:
 
 
 # ---- 2./3. launcher runs -----------------------------------------------------------------------
-def _launch(
-    out: str, plan: list[dict], steps: int, step_sleep: float, spares: bool, ckpt: int, env: dict, timeout: float = 400
-) -> dict:
-    plan_path = out + "-plan.json"
-    with open(plan_path, "w") as f:
-        json.dump({"faults": plan}, f)
-    args = [
-        sys.executable,
-        "-m",
-        "training",
-        "launch",
-        "--worker",
-        "ftcore.examples.toy",
-        "--replica-groups",
-        "3",
-        "--out",
-        out,
-        "--faults",
-        plan_path,
-        "--max-restarts",
-        "20",
-        "--timeout",
-        str(timeout),
-    ]
-    if not spares:
-        args.append("--no-spares")
-    args += ["--", "--steps", str(steps), "--step-sleep", str(step_sleep), "--dim", "64"]
-    if ckpt:
-        args += ["--checkpoint-every", str(ckpt)]
-    t0 = time.time()
-    p = subprocess.run(
-        args,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", **env},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=timeout + 60,
-        start_new_session=True,
+def _launch(out: str, plan: list[dict], steps: int, step_sleep: float, spares: bool, ckpt: int, env: dict) -> dict:
+    """The toy trainer, 3 groups, under `plan` (ckpt: checkpoint every so many steps, 0: none)."""
+    options, args = toy(steps, step_sleep)
+    args += ["--checkpoint-every", str(ckpt)] if ckpt else []
+    return launch(
+        out, plan, (options, args), options=["--max-restarts", "20", *([] if spares else ["--no-spares"])], env=env
     )
-    if p.returncode != 0:
-        raise RuntimeError(f"launcher failed ({p.returncode}):\n{p.stdout[-3000:]}")
-    with open(os.path.join(out, "timeline.json")) as f:
-        tl = json.load(f)
-    tl["wall_s"] = time.time() - t0
-    return tl
 
 
 def failover_figures(tl: dict) -> dict:

@@ -20,57 +20,25 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.launcher import launch, toy  # noqa: E402
+
 MODES = {"lease": {}, "before": {"FTCORE_LEASE": "0", "FTCORE_PAUSE_JUMP": "1e9"}}
 
 
 def run(mode: str, pause: float, steps: int = 200) -> dict:
     with tempfile.TemporaryDirectory() as d:
-        out = os.path.join(d, "run")
-        plan = os.path.join(d, "plan.json")
-        with open(plan, "w") as f:
-            json.dump({"faults": [{"kind": "pause_lighthouse", "at_step": 40, "duration_s": pause}]}, f)
-        args = [
-            sys.executable,
-            "-m",
-            "training",
-            "launch",
-            "--worker",
-            "ftcore.examples.toy",
-            "--replica-groups",
-            "3",
-            "--out",
-            out,
-            "--faults",
-            plan,
-            "--timeout",
-            "300",
-            "--",
-            "--steps",
-            str(steps),
-            "--step-sleep",
-            "0.03",
-            "--dim",
-            "64",
-        ]
-        p = subprocess.run(
-            args,
-            cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **MODES[mode]},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            timeout=400,
-            start_new_session=True,
-        )
-        if p.returncode != 0:
-            raise RuntimeError(f"{mode}: launcher failed ({p.returncode}):\n{p.stdout[-3000:]}")
-        tl = json.loads(Path(out, "timeline.json").read_text())
+        faults = [{"kind": "pause_lighthouse", "at_step": 40, "duration_s": pause}]
+        try:
+            tl = launch(os.path.join(d, "run"), faults, toy(steps, 0.03), env=MODES[mode], timeout=300)
+        except RuntimeError as e:
+            raise RuntimeError(f"{mode}: {e}") from None
     t_pause = next(e["t"] for e in tl["launcher_events"] if e.get("fault") == "pause_lighthouse")
     t_resume = next(e["t"] for e in tl["launcher_events"] if e["kind"] == "fault_resumed")
     commits: dict[int, list[dict]] = {}

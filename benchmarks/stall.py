@@ -35,6 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.launcher import launch, toy  # noqa: E402
 from ftcore import timeouts  # noqa: E402  (after the repo root is on the path)
 
 SCENARIOS: dict[str, tuple[int, list[list[dict]]]] = {
@@ -102,66 +103,29 @@ def _shards(folder: str) -> str:
 STEPS = {"toy": 1100, "trainer": 2200}
 
 
-def launch(worker: str, groups: int, faults: list[dict], folder: str, shards: str | None) -> dict:
-    out, plan = os.path.join(folder, "run"), os.path.join(folder, "plan.json")
-    Path(plan).write_text(json.dumps({"faults": faults}))
-    args = [
-        sys.executable,
-        "-m",
-        "training",
-        "launch",
-        "--replica-groups",
-        str(groups),
-        "--out",
-        out,
-        "--faults",
-        plan,
-        "--max-restarts",
-        "20",
-        "--timeout",
-        "500",
-    ]
+def run(worker: str, groups: int, faults: list[dict], folder: str, shards: str | None) -> dict:
+    """One launcher run of `worker` ("toy" or "trainer") under `faults`; its timeline."""
     if worker == "toy":
-        args += [
-            "--worker",
-            "ftcore.examples.toy",
-            "--",
-            "--steps",
-            str(STEPS["toy"]),
-            "--step-sleep",
-            "0.04",
-            "--dim",
-            "64",
-        ]
+        cmd = toy(STEPS["toy"], 0.04)
     else:
         per_epoch = json.loads(Path(str(shards), "manifest.json").read_text())["steps"]
         epochs = -(-STEPS["trainer"] // per_epoch)
-        args += [
-            "--shards",
-            str(shards),
-            "--",
-            "--set",
-            f"train.epochs={epochs}",
-            "model.dim=16",
-            "loss.num_negatives=16",
-            "mlflow.enabled=false",
-            "eval.periodic=false",
-            "eval.final=false",
-            "train.checkpoint_every=0",
-        ]  # no checkpoint pauses inside the episodes
-    p = subprocess.run(
-        args,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=600,
-        start_new_session=True,
+        cmd = (
+            ["--shards", str(shards)],
+            [
+                "--set",
+                f"train.epochs={epochs}",
+                "model.dim=16",
+                "loss.num_negatives=16",
+                "mlflow.enabled=false",
+                "eval.periodic=false",
+                "eval.final=false",
+                "train.checkpoint_every=0",
+            ],  # no checkpoint pauses inside the episodes
+        )
+    return launch(
+        os.path.join(folder, "run"), faults, cmd, groups=groups, options=["--max-restarts", "20"], timeout=500
     )
-    if p.returncode != 0:
-        raise RuntimeError(f"launcher failed ({p.returncode}):\n{p.stdout[-3000:]}")
-    return json.loads(Path(out, "timeline.json").read_text())
 
 
 def episodes(tl: dict, groups: int, episode_faults: list[list[dict]]) -> list[dict]:
@@ -229,7 +193,7 @@ def main() -> int:
                 folder = tempfile.mkdtemp(dir=d, prefix=f"{worker}-{name}-")
                 t = time.time()
                 try:
-                    tl = launch(worker, groups, [f for ep in eps for f in ep], folder, shards)
+                    tl = run(worker, groups, [f for ep in eps for f in ep], folder, shards)
                 except (RuntimeError, subprocess.TimeoutExpired) as e:  # report it, go on with the others
                     results.append({"worker": worker, "scenario": name, "rows": [], "error": str(e)[-2000:]})
                     print(f"{worker} {name}: {str(e)[-1500:]}", flush=True)

@@ -3,20 +3,17 @@
 import json
 import os
 import pickle
-import subprocess
-import sys
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import synthetic_shards
+from conftest import run_python, synthetic_shards
 
 from dataprep.build import build_shards
 from dataprep.synth import write_synthetic
 from training import checkpoint
 from training.config import load_config
 from training.train import train
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
@@ -122,30 +119,17 @@ def test_round_trip_and_safe_loading(shards, tmp_path):
         checkpoint.load(str(tmp_path))
 
 
+def _eval_cli(ckpt: str, shards: str, out) -> dict:
+    """`python -m training eval` on a checkpoint, as a user runs it; the metrics it wrote."""
+    p = run_python(["-m", "training", "eval", "--checkpoint", ckpt, "--shards", shards, "--out", str(out)], 180)
+    assert p.returncode == 0, p.stdout[-3000:]
+    return json.loads(Path(out).read_text())
+
+
 def test_eval_cli_matches_training_result(shards, tmp_path):
     res = train(_cfg(shards, tmp_path / "ev", "train.max_steps=8", "eval.periodic=false"))
     out = tmp_path / "metrics.json"
-    p = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "training",
-            "eval",
-            "--checkpoint",
-            res["checkpoint"],
-            "--shards",
-            shards,
-            "--out",
-            str(out),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert p.returncode == 0, p.stderr
-    got = json.load(open(out))
+    got = _eval_cli(res["checkpoint"], shards, out)
     assert got.keys() == res["metrics"].keys()
     for k, v in res["metrics"].items():
         assert got[k] == pytest.approx(v, abs=1e-9), k
@@ -248,27 +232,7 @@ def test_best_validation_model_is_the_runs(tmp_path):
     chosen = checkpoint.load(res["checkpoint"])["model"]
     assert any(not torch.equal(last[k], chosen[k]) for k in last)
     out = tmp_path / "metrics.json"  # the checkpoint result.json names is the model it scored
-    p = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "training",
-            "eval",
-            "--checkpoint",
-            res["checkpoint"],
-            "--shards",
-            shards,
-            "--out",
-            str(out),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert p.returncode == 0, p.stderr
-    got = json.load(open(out))
+    got = _eval_cli(res["checkpoint"], shards, out)
     for k, v in res["metrics"].items():
         assert got[k] == pytest.approx(v, abs=1e-9), k
     # a metric that is not a validation metric: a clear error before or at the first validation
