@@ -14,6 +14,7 @@ group 1 makes up in attempt 2 the batches it missed in attempt 1."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -84,7 +85,27 @@ def launch_until(args: list[str], done: Callable[[], bool], timeout: float) -> s
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
     reader.join(timeout=5)
-    return "".join(lines)
+    log = "".join(lines)
+    # every rank the launcher started is gone with it (the hung one too): none outlives the job
+    pids = [
+        pid
+        for m in re.finditer(r'group_started .*"pids": \[([0-9, ]+)\]', log)
+        for pid in map(int, m.group(1).split(","))
+    ]
+    left = [pid for pid in pids if _alive(pid)]
+    for pid in left:
+        os.killpg(pid, signal.SIGKILL)
+    assert pids and not left, f"the launcher left ranks {left} running after it stopped"
+    return log
+
+
+def _alive(pid: int) -> bool:
+    """Running or stopped, not a zombie waiting for its (gone) parent."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def records(folder: Path, writer: list[int] | None = None) -> list[dict]:

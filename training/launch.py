@@ -154,6 +154,8 @@ class Launcher:
         self.t0 = time.monotonic()
         self.started = time.time()  # this launch's records only: a relaunch appends to OUT's files
         self.groups: dict[int, list[Proc]] = {}
+        self.children: list[Proc] = []  # the processes this launch started that may still run (end_all)
+        self.spawn_lock = threading.Lock()
         self.mine = cfg.groups if cfg.groups is not None else list(range(cfg.replica_groups))
         self.incarnation: dict[int, int] = {}
         self.restarts: dict[int, int] = {g: 0 for g in self.mine}
@@ -261,7 +263,7 @@ class Launcher:
             "--events-file",
             os.path.join(self.out, "lighthouse-events.jsonl"),
         ]
-        self.lighthouse_proc = Proc(argv, self.base_env(), "lighthouse", self.lock)
+        self.lighthouse_proc = self.spawn(argv, self.base_env(), "lighthouse")
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if self.lighthouse_proc.p.poll() is not None:
@@ -313,9 +315,30 @@ class Launcher:
             "FTREC_GPU_SLOTS": str(len(self.mine)),
         }
 
+    def spawn(self, argv: list[str], env: dict[str, str], prefix: str, stdin: bool = False) -> Proc:
+        """Every child process starts here, so that end_all can find it."""
+        with self.spawn_lock:
+            self.children = [c for c in self.children if c.p.poll() is None]
+            p = Proc(argv, env, prefix, self.lock, stdin=stdin)
+            self.children.append(p)
+        if self.stop.is_set():  # started by a supervisor thread while the launch was ending
+            p.kill()
+        return p
+
+    def end_all(self) -> None:
+        """SIGKILL every process this launch started that still runs, whatever list it is on
+        now (a group's ranks, a spare, the lighthouse): a stopped launch leaves nothing behind."""
+        with self.spawn_lock:
+            alive = [c for c in self.children if c.p.poll() is None]
+        for p in alive:
+            p.kill()
+        from training.comm import shm  # a SIGKILLed rank cannot remove its shared-memory outboxes
+
+        shm.sweep(SHM_DIR)
+
     def start_spare(self) -> Proc:
         argv = [sys.executable, "-m", "training.launch", "--spare", self.cfg.worker]
-        return Proc(argv, self.base_env(), "spare", self.lock, stdin=True)
+        return self.spawn(argv, self.base_env(), "spare", stdin=True)
 
     def refill_spares(self, delay: float = 0.0) -> None:
         # After a restart, wait: a new spare's imports would compete with the heal for CPU.
@@ -351,12 +374,8 @@ class Launcher:
                 p.send(json.dumps({"env": env, "argv": argv}))
             else:
                 module = self.cfg.worker if self.cfg.worker != TRAINER else "training"
-                p = Proc(
-                    [sys.executable, "-m", "training.launch", "--child", module, *argv],
-                    {**self.base_env(), **env},
-                    f"g{g}r{k}",
-                    self.lock,
-                )
+                argv = [sys.executable, "-m", "training.launch", "--child", module, *argv]
+                p = self.spawn(argv, {**self.base_env(), **env}, f"g{g}r{k}")
             procs.append(p)
         self.groups[g], self.incarnation[g] = procs, inc
         self.log("group_started", group=g, incarnation=inc, spare=bool(spares), pids=[p.pid for p in procs])
@@ -870,17 +889,11 @@ def main(argv: list[str] | None = None) -> int:
     except LaunchError as e:
         print(f"error: {e}", file=sys.stderr)
         launcher.stop.set()
-        for g in list(launcher.groups):
-            launcher.kill_group(g)
+        launcher.end_all()
         return 2
     except KeyboardInterrupt:
         launcher.stop.set()
-        for g in list(launcher.groups):
-            launcher.kill_group(g)
-        for p in launcher.spares:
-            p.kill()
-        if launcher.lighthouse_proc:
-            launcher.lighthouse_proc.kill()
+        launcher.end_all()
         return 130
 
 
