@@ -374,8 +374,8 @@ class Launcher:
                 p.send(json.dumps({"env": env, "argv": argv}))
             else:
                 module = self.cfg.worker if self.cfg.worker != TRAINER else "training"
-                argv = [sys.executable, "-m", "training.launch", "--child", module, *argv]
-                p = self.spawn(argv, {**self.base_env(), **env}, f"g{g}r{k}")
+                child = [sys.executable, "-m", "training.launch", "--child", module, *argv]
+                p = self.spawn(child, {**self.base_env(), **env}, f"g{g}r{k}")
             procs.append(p)
         self.groups[g], self.incarnation[g] = procs, inc
         self.log("group_started", group=g, incarnation=inc, spare=bool(spares), pids=[p.pid for p in procs])
