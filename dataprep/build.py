@@ -58,6 +58,22 @@ def _refuse_input_inside(out: Path, inputs: list[str]) -> None:
             )
 
 
+def _shard_set_manifest(out: Path) -> dict | None:
+    """The manifest of `out` if it is a shard set dataprep wrote: a manifest with the required
+    keys whose `files` lists every other file in the folder (so replacing it deletes nothing else)."""
+    try:
+        m = json.loads((out / schema.MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    keys = ("format_version", "input", "config", "files", "num_items", "steps")
+    if not isinstance(m, dict) or any(k not in m for k in keys) or not isinstance(m["files"], dict):
+        return None
+    found = {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_symlink() or not p.is_dir()} - {
+        schema.MANIFEST
+    }
+    return m if found <= set(m["files"]) and m["format_version"] in schema.READ_VERSIONS else None
+
+
 def _existing(out: Path, fp: str, config: dict, version: int, overwrite: bool) -> dict | None:
     """The manifest of an identical set already at `out`, or None if `out` may be (re)written.
 
@@ -68,10 +84,12 @@ def _existing(out: Path, fp: str, config: dict, version: int, overwrite: bool) -
         raise DataprepError(f"{out}: exists and is not a folder; choose another --out")
     mpath = out / schema.MANIFEST
     if mpath.exists():
-        try:
-            m = json.loads(mpath.read_text())
-        except ValueError:
-            m = {}
+        m = _shard_set_manifest(out)
+        if m is None:
+            raise DataprepError(
+                f"{out}: its {schema.MANIFEST} is not a dataprep shard-set manifest listing every file in the "
+                "folder, so it is not replaced; choose another --out (or empty the folder yourself)"
+            )
         same = (
             m.get("format_version") == version
             and m.get("input", {}).get("fingerprint") == fp
