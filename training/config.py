@@ -161,6 +161,7 @@ class EvalConfig:
     num_negatives: sampled protocol: uniform items the user never interacted with
     seed: seed of the sampled negatives; fixed, so every run ranks against the same ones
     exclude_history: full ranking: items already in the user's history rank last
+    item_chunk: full ranking: items scored at once; memory is batch_size x item_chunk scores
     periodic: validate every train.eval_every steps (0: once per epoch)
     final: valid + test at the end (into result.json)
     best_metric: "valid/sampled/ndcg@10" etc.: keep the model where it peaked (OUT/best/); "": the last
@@ -171,6 +172,7 @@ class EvalConfig:
     num_negatives: int = 100
     seed: int = 12345
     exclude_history: bool = True
+    item_chunk: int = 2048
     periodic: bool = True
     final: bool = True
     # the model where this validation metric peaked (periodic validations and the end) is
@@ -362,6 +364,7 @@ def validate(cfg: Config) -> Config:
         (cfg.train.log_every >= 1, "train.log_every must be >= 1"),
         (cfg.data.prefetch >= 0, "data.prefetch must be >= 0"),
         (len(cfg.eval.ks) > 0 and all(k >= 1 for k in cfg.eval.ks), "eval.ks must be positive integers"),
+        (cfg.eval.item_chunk >= 1 and cfg.eval.batch_size >= 1, "eval.item_chunk and eval.batch_size must be >= 1"),
         (
             not cfg.eval.best_metric
             or (cfg.eval.best_metric.startswith("valid/") and cfg.eval.periodic and cfg.eval.final),
