@@ -1,10 +1,15 @@
-"""The shared token that every ftcore HTTP request carries (lighthouse and heal servers).
+"""Credentials of every ftcore HTTP request (lighthouse and heal servers).
 
-The token travels in the `Authorization: Bearer <token>` header only (never in a URL).
-Servers compare it in constant time and refuse anything else with 401. Processes find the token in
-FTCORE_TOKEN, or in the file named by FTCORE_TOKEN_FILE.
+The lighthouse holds one secret, the admin token. Each job gets a job token derived from it
+(`job_token`: the job id and an HMAC of it), so the lighthouse checks any job's token from the
+header alone and a restarted lighthouse accepts the same ones. A job token opens that job's
+routes and, since every rank of the job serves heals under it, that job's heal servers only.
+Tokens travel in the `Authorization: Bearer <token>` header only (never in a URL) and are
+compared in constant time. Processes find theirs in FTCORE_TOKEN or the file FTCORE_TOKEN_FILE.
 """
 
+import base64
+import hashlib
 import hmac
 import os
 import secrets
@@ -59,6 +64,56 @@ def token_from_env() -> str | None:
 
 def headers(token: str | None) -> dict[str, str]:
     return {HEADER: f"Bearer {token}"} if token else {}
+
+
+JOB_PREFIX = "ftjob1."
+
+
+def _b64(raw: bytes) -> str:
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def job_token(secret: str, job: str) -> str:
+    """The credential of `job` under the lighthouse secret `secret` (idempotent: a job token
+    given as `secret` is returned as it is, when it is that job's)."""
+    if secret.startswith(JOB_PREFIX):
+        if job_of(secret) != job:
+            raise ValueError(f"the token given is job {job_of(secret)!r}'s, not job {job!r}'s; give that job's token")
+        return secret
+    mac = hmac.new(secret.encode(), b"ftcore-job\0" + job.encode(), hashlib.sha256).digest()
+    return f"{JOB_PREFIX}{_b64(job.encode())}.{_b64(mac)}"
+
+
+def job_of(token: str) -> str | None:
+    """The job a job token names (not verified), or None when it is not a job token."""
+    if not token.startswith(JOB_PREFIX):
+        return None
+    encoded, sep, _ = token[len(JOB_PREFIX) :].partition(".")
+    if not sep or len(encoded) > 200:
+        return None
+    try:
+        return base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4)).decode()
+    except (ValueError, UnicodeDecodeError):
+        return None
+
+
+ADMIN = "*"  # the scope of the admin token: every job
+
+
+def scope(secret: str | None, header_value: str | None) -> str | None:
+    """Who the request's token speaks for: ADMIN (the secret itself, or no secret configured),
+    a job id (that job's token), or None (no valid token: refuse it)."""
+    if secret is None:
+        return ADMIN
+    if not header_value or not header_value.startswith("Bearer "):
+        return None
+    given = header_value[len("Bearer ") :]
+    if hmac.compare_digest(given.encode(), secret.encode()):
+        return ADMIN
+    job = job_of(given)
+    if job is None or not hmac.compare_digest(given.encode(), job_token(secret, job).encode()):
+        return None
+    return job
 
 
 def allowed(expected: str | None, header_value: str | None) -> bool:

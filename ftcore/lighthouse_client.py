@@ -29,6 +29,7 @@ from ftcore.messages import (
     QuorumRequest,
     RankInfo,
     StandbyReply,
+    loads,
     parse_quorum_answer,
 )
 
@@ -87,9 +88,9 @@ def call(
         resp = conn.getresponse()
         data = resp.read()
         try:
-            return resp.status, json.loads(data) if data else {}
-        except json.JSONDecodeError:
-            return resp.status, data.decode(errors="replace")
+            return resp.status, loads(data)
+        except ValueError:  # not JSON, or JSON out of bounds: the text says what came
+            return resp.status, data[:500].decode(errors="replace")
     finally:
         conn.close()
 
@@ -160,7 +161,7 @@ class LighthouseClient:
                     conn = http.client.HTTPConnection(host, port, timeout=max(timeouts.RPC_TIMEOUT, timeouts.LEASE))
                 conn.request("POST", "/heartbeat", body=json.dumps(self.info.to_wire()).encode(), headers=hdrs)
                 resp = conn.getresponse()
-                data = json.loads(resp.read() or b"{}")
+                data = loads(resp.read())
                 self.last_reply = time.monotonic()
                 if resp.status == 409:
                     self.replaced = True
@@ -188,7 +189,7 @@ class LighthouseClient:
                 raise LighthouseError(f"no quorum from lighthouse {self.addr} within {timeout:.1f}s ({last})")
             try:
                 status, body = self._ask_quorum(replace(request, timeout=left))
-            except (OSError, http.client.HTTPException, json.JSONDecodeError) as e:
+            except (OSError, http.client.HTTPException, ValueError) as e:  # ValueError: bad JSON
                 last = f"{type(e).__name__}: {e}"
                 if self._qconn is not None:
                     self._qconn.close()
@@ -239,7 +240,7 @@ class LighthouseClient:
         resp = self._qconn.getresponse()
         data = resp.read()
         self.last_reply = time.monotonic()
-        return resp.status, json.loads(data) if data else {}
+        return resp.status, loads(data)
 
     def silent_for(self) -> float:
         """Seconds since the lighthouse last answered this rank (heartbeat or quorum)."""

@@ -41,12 +41,30 @@ MAX_WORLD = 1 << 16  # ranks per replica group
 MAX_ID = 1 << 53  # steps, incarnations, quorum ids: integers JSON carries exactly
 MAX_ADDRESS = 256  # characters of a host:port
 MAX_LIGHTHOUSE_ID = 64
+MAX_INT_DIGITS = 20  # a JSON integer longer than this is refused before Python builds it
+MAX_EVENT_BYTES = 4096  # an event's values, JSON-encoded
 
 Identity = tuple[tuple[int, int], ...]  # a quorum's members as (group, incarnation), in member order
 
 
 class MessageError(ValueError):
     """A message that is not what its type says; the text names the field."""
+
+
+def _bounded_int(text: str) -> int:
+    if len(text) > MAX_INT_DIGITS:
+        raise MessageError(f"an integer of {len(text)} digits is out of range")
+    return int(text)
+
+
+def _no_constant(name: str) -> Any:
+    raise MessageError(f"{name} is not JSON")
+
+
+def loads(raw: bytes | str) -> Any:
+    """JSON as both ends read it: no NaN/Infinity, no integer past MAX_INT_DIGITS digits
+    (an empty body is an empty object)."""
+    return json.loads(raw or "{}", parse_int=_bounded_int, parse_constant=_no_constant)
 
 
 # ---- field checks ----------------------------------------------------------------------------
@@ -75,6 +93,8 @@ def _str(msg: dict[str, Any], key: str, default: str = "", limit: int = MAX_ADDR
 
 def _seconds(msg: dict[str, Any], key: str, default: float | None = None, hi: float = 1e6) -> float:
     raw = msg.get(key, default)
+    if isinstance(raw, int) and not isinstance(raw, bool) and abs(raw) >= hi:
+        raw = math.inf  # an integer too large for a float is out of range, not an OverflowError
     if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not (math.isfinite(raw) and 0 <= raw < hi):
         raise MessageError(f"{key} must be a number of seconds in [0, {hi:g}), got {raw!r}"[:200])
     return float(raw)
@@ -226,9 +246,9 @@ class QuorumRequest:
         if (
             isinstance(timeout, bool)
             or not isinstance(timeout, (int, float))
-            or not (math.isfinite(timeout) and timeout > 0)
+            or not (0 < timeout < 1e6 and math.isfinite(timeout))
         ):
-            raise MessageError(f"timeout={timeout!r} must be a positive number of seconds"[:200])
+            raise MessageError(f"timeout={timeout!r} must be a number of seconds in (0, 1e6)"[:200])
         return cls(
             info=RankInfo.parse(msg),
             quorum_lighthouse_id=_str(msg, "quorum_lighthouse_id", limit=MAX_LIGHTHOUSE_ID),
@@ -292,11 +312,15 @@ class ClientEvent:
     @classmethod
     def parse(cls, msg: Any) -> ClientEvent:
         msg = _object(msg, "an event")
-        return cls(
-            kind=str(msg.get("kind", "event"))[:64],
-            job=job_id(msg.get("job")),
-            data={k: v for k, v in msg.items() if k not in cls.RESERVED and isinstance(v, (int, float, str, list))},
-        )
+        data = {
+            str(k)[:64]: v
+            for k, v in list(msg.items())[:32]
+            if k not in cls.RESERVED and isinstance(v, (int, float, str, list))
+        }
+        size = len(json.dumps(data))
+        if size > MAX_EVENT_BYTES:
+            raise MessageError(f"an event's values are {size} bytes of JSON; at most {MAX_EVENT_BYTES}")
+        return cls(kind=str(msg.get("kind", "event"))[:64], job=job_id(msg.get("job")), data=data)
 
 
 # ---- what the lighthouse answers ---------------------------------------------------------------
@@ -441,10 +465,8 @@ class StandbyReply:
 
     @classmethod
     def parse(cls, body: dict[str, Any]) -> StandbyReply:
-        retry = body.get("retry_s", 1.0)
-        if isinstance(retry, bool) or not isinstance(retry, (int, float)) or not math.isfinite(retry):
-            raise MessageError(f"retry_s must be a number of seconds, got {retry!r}"[:200])
-        return cls(max(0.01, min(float(retry), 5.0)), str(body.get("reason", "standby")))
+        retry = _seconds(body, "retry_s", 1.0)
+        return cls(max(0.01, min(retry, 5.0)), str(body.get("reason", "standby"))[:500])
 
 
 @dataclass(frozen=True)

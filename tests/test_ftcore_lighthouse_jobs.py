@@ -12,7 +12,7 @@ import pytest
 from conftest import ask_all
 
 from ftcore import lighthouse as lh_mod
-from ftcore import netaddr
+from ftcore import lighthouse_http, netaddr
 from ftcore.lighthouse_client import GroupLost, LighthouseClient, LighthouseError, call
 from ftcore.messages import Pace, Quorum, QuorumRequest, RankInfo
 
@@ -185,12 +185,18 @@ def _raw(addr: str, data: bytes, timeout: float = 5.0) -> bytes:
 @pytest.mark.parametrize(
     "data,code",
     [
-        (b"POST /heartbeat HTTP/1.1\r\nContent-Length: 2\r\n\r\n\xff\xfe", b"400"),  # not UTF-8
-        (b"POST /heartbeat HTTP/1.1\r\nContent-Length: 8\r\n\r\nInfinity", b"400"),  # not JSON
-        (b"POST /heartbeat HTTP/1.1\r\nContent-Length: 2\r\n\r\n[]", b"400"),  # not an object
-        (b"POST /heartbeat HTTP/1.1\r\nContent-Length: abc\r\n\r\n", b"400"),  # a length that is no number
-        (b"POST /heartbeat HTTP/1.1\r\nContent-Length: 99999999\r\n\r\n", b"413"),  # over 1 MiB
+        (b"POST /heartbeat HTTP/1.1\r\nHost: h\r\nContent-Length: 2\r\n\r\n\xff\xfe", b"400"),  # not UTF-8
+        (b"POST /heartbeat HTTP/1.1\r\nHost: h\r\nContent-Length: 8\r\n\r\nInfinity", b"400"),  # not JSON
+        (b"POST /heartbeat HTTP/1.1\r\nHost: h\r\nContent-Length: 2\r\n\r\n[]", b"400"),  # not an object
+        (b"POST /heartbeat HTTP/1.1\r\nHost: h\r\nContent-Length: abc\r\n\r\n", b"400"),  # no number
+        (b"POST /heartbeat HTTP/1.1\r\nHost: h\r\nContent-Length: 99999999\r\n\r\n", b"413"),  # over 1 MiB
         (b"BREW /pot\r\n\r\n", b"400"),  # no request line
+        (b"POST /heartbeat HTTP/1.1\r\nContent-Length: 2\r\n\r\n{}", b"400"),  # HTTP/1.1 without Host
+        # a chunked body would otherwise be read as a second request
+        (b"POST /heartbeat HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n", b"400"),
+        (b"POST /heartbeat HTTP/1.1\r\nHost: h\r\nContent-Length: 2\r\nContent-Length: 9\r\n\r\n{}", b"400"),
+        # a 400-digit integer is a 400, not a dropped connection
+        (b'POST /heartbeat HTTP/1.1\r\nHost: h\r\nContent-Length: 410\r\n\r\n{"step": ' + b"9" * 400 + b"}", b"400"),
     ],
 )
 def test_malformed_requests_get_a_status_not_a_dropped_connection(lighthouse, data, code):
@@ -206,7 +212,7 @@ def test_the_token_travels_in_the_header_only(lighthouse):
 
 
 def test_idle_and_concurrent_connections_do_not_wedge_the_lighthouse(lighthouse, monkeypatch) -> None:
-    monkeypatch.setattr(lh_mod, "FIRST_REQUEST_S", 1.0)
+    monkeypatch.setattr(lighthouse_http, "FIRST_REQUEST_S", 1.0)
     addr, _ = lighthouse()
     host, port = addr.rsplit(":", 1)
     idle = [socket.create_connection((host, int(port)), timeout=5) for _ in range(200)]

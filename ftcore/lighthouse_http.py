@@ -1,0 +1,397 @@
+"""The lighthouse's HTTP/1.1 front end: h11 parses, one asyncio loop serves, every step is bounded.
+
+Each connection is a protocol object (no task, no thread): a rank's heartbeat connection and
+its quorum connection cost no thread, and a quorum request is answered when its round forms.
+The token is checked on the headers, before a byte of body is read, and a refused request
+closes its connection. Bounded: connections (in total, per peer address, and unauthenticated
+per peer), a request's head and body, the time a request takes to arrive whole, the bytes a
+client pipelines behind an unanswered request, and replies it leaves unread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+import urllib.parse
+from collections import Counter
+from http import HTTPStatus
+from typing import TYPE_CHECKING, Any
+
+import h11
+
+from ftcore import auth, timeouts
+from ftcore.lighthouse_job import Job, Request, StaleIncarnation
+from ftcore.lighthouse_page import status_html
+from ftcore.messages import (
+    DEFAULT_JOB,
+    ClientEvent,
+    FailureReport,
+    MessageError,
+    Quorum,
+    QuorumRequest,
+    RankInfo,
+    job_id,
+    loads,
+)
+
+if TYPE_CHECKING:
+    from ftcore.lighthouse import Lighthouse
+    from ftcore.lighthouse_job import Answer
+
+MAX_BODY = 1 << 20  # bytes: larger bodies get 413, unread
+MAX_HEAD = 16 << 10  # bytes of request line and headers
+MAX_PIPELINED = 64 << 10  # bytes a client may send ahead of a request still being answered
+WRITE_HIGH = 256 << 10  # unread reply bytes past which a connection is not served until it reads
+FIRST_REQUEST_S = 10.0  # a new connection must send its first request within this
+REQUEST_S = 10.0  # a request must arrive whole within this of its first byte
+IDLE_S = 600.0  # a quiet connection that is not a rank's heartbeat line is closed after this
+JSON = "application/json"
+
+
+def _head(code: int, ctype: str, length: int, close: bool) -> h11.Response:
+    headers = [("Content-Type", ctype), ("Content-Length", str(length))]
+    return h11.Response(status_code=code, headers=headers + ([("Connection", "close")] if close else []))
+
+
+def _raw_error(code: int, msg: str) -> bytes:
+    """An error reply written outside h11's state machine (a request h11 could not parse)."""
+    raw = json.dumps({"error": msg}).encode()
+    return (
+        f"HTTP/1.1 {code} {HTTPStatus(code).phrase}\r\nContent-Type: {JSON}\r\nContent-Length: {len(raw)}\r\nConnection: close\r\n\r\n"
+    ).encode() + raw
+
+
+class _Refused(Exception):
+    """A request refused on its head: answered with `code` and the connection closed."""
+
+    def __init__(self, code: int, msg: str):
+        super().__init__(msg)
+        self.code = code
+
+
+class _Connection(asyncio.Protocol):
+    """One client connection: h11 events in, requests answered in order, one at a time."""
+
+    def __init__(self, server: LighthouseServer):
+        self.srv = server
+        self.h = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD)
+        self.peer = ""
+        self.busy = False  # a request is being answered: later bytes wait in h11's buffer
+        self.paused = False  # the client left WRITE_HIGH bytes of replies unread
+        self.scope: str | None = None  # whom the current request's token speaks for
+        self.authed = False  # some request on this connection carried a valid token
+        self.target = ""
+        self.method = ""
+        self.body = bytearray()
+        self.receiving_since: float | None = None
+        self.beat: tuple[Job, int, int, int] | None = None  # this connection's heartbeating rank
+        self.waiting: tuple[Job, Request] | None = None  # its pending quorum request
+        self.opened = self.last = time.monotonic()
+        self.served = 0
+        self._in_process = False
+
+    # ---- asyncio callbacks ---------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.t: asyncio.Transport = transport  # type: ignore[assignment]
+        self.t.set_write_buffer_limits(high=WRITE_HIGH)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        peer = transport.get_extra_info("peername")
+        self.peer = str(peer[0]) if peer else ""
+        refusal = self.srv.admit(self)
+        if refusal:
+            self.t.write(_raw_error(503, refusal))
+            self.t.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.srv.release(self)
+        if self.waiting is not None:
+            job, req = self.waiting
+            job.withdraw(req)
+        if self.beat is not None:
+            job, g, r, inc = self.beat
+            job.disconnected(g, r, inc)
+
+    def pause_writing(self) -> None:
+        self.paused = True
+
+    def resume_writing(self) -> None:
+        self.paused = False
+        self._process()
+
+    def data_received(self, data: bytes) -> None:
+        self.last = time.monotonic()
+        if self.receiving_since is None:
+            self.receiving_since = self.last
+        try:
+            self.h.receive_data(data)
+        except RuntimeError:  # h11 refuses data after it saw an error: the connection is closing
+            return
+        if (self.busy or self.paused) and len(self.h.trailing_data[0]) > MAX_PIPELINED:
+            self.t.abort()  # pipelining far ahead of its answers: no memory for that
+            return
+        self._process()
+
+    # ---- requests ------------------------------------------------------------------------
+    def _process(self) -> None:
+        """Parse and dispatch until a request waits for its answer or the bytes run out (a loop,
+        not recursion: one read may hold many pipelined requests)."""
+        if self._in_process:
+            return
+        self._in_process = True
+        try:
+            while not self.busy and not self.paused and not self.t.is_closing():
+                if self.h.our_state is h11.DONE and self.h.their_state is h11.DONE:
+                    self.h.start_next_cycle()
+                try:
+                    ev = self.h.next_event()
+                    if not self._on_event(ev):
+                        return
+                except h11.RemoteProtocolError as e:
+                    return self._close_with(e.error_status_hint, f"malformed request: {e}")
+                except _Refused as e:
+                    return self._close_with(e.code, str(e))
+        finally:
+            self._in_process = False
+
+    def _on_event(self, ev: Any) -> bool:
+        """One h11 event; False when there is nothing more to do for now."""
+        if ev is h11.NEED_DATA or ev is h11.PAUSED:
+            return False
+        if isinstance(ev, h11.ConnectionClosed):
+            self.t.close()
+            return False
+        if isinstance(ev, h11.Request):
+            self._check_head(ev)
+        elif isinstance(ev, h11.Data):
+            self.body += ev.data
+        elif isinstance(ev, h11.EndOfMessage):
+            self.busy, self.receiving_since = True, None
+            body, self.body = bytes(self.body), bytearray()
+            self.srv.dispatch(self, self.method, self.target, self.scope, body)
+        return True
+
+    def _check_head(self, req: h11.Request) -> None:
+        """Everything a request can be refused for before its body is read."""
+        headers = Counter(name for name, _ in req.headers)
+        if headers[b"transfer-encoding"]:
+            raise _Refused(400, "Transfer-Encoding is not accepted here; send a Content-Length")
+        if headers[b"content-length"] > 1:
+            raise _Refused(400, "more than one Content-Length header")
+        length = next((int(v) for n, v in req.headers if n == b"content-length"), 0)
+        if length > MAX_BODY:
+            raise _Refused(413, f"body over {MAX_BODY} bytes")
+        value = next((v for n, v in req.headers if n == b"authorization"), b"").decode("latin-1")
+        # header only: a token in a URL ends up in logs, histories and Referer headers
+        self.scope = auth.scope(self.srv.lh.cfg.token, value or None)
+        if self.scope is None:
+            raise _Refused(401, "missing or wrong token")
+        if not self.authed:
+            self.authed = True
+            self.srv.forget_unauthed(self)
+        self.method, self.target = req.method.decode("latin-1"), req.target.decode("latin-1")
+
+    def _close_with(self, code: int, msg: str) -> None:
+        self.t.write(_raw_error(code, msg[:300]))
+        self.t.close()
+
+    def reply(self, code: int, body: Any, ctype: str = JSON) -> None:
+        """Answer the request being served (in the loop's thread only)."""
+        self.waiting = None
+        if self.t.is_closing():
+            return
+        raw = (body if isinstance(body, str) else json.dumps(body)).encode()
+        close = code in (400, 401, 403, 413) or self.h.their_state is h11.MUST_CLOSE
+        out = self.h.send(_head(code, ctype, len(raw), close)) or b""
+        out += (self.h.send(h11.Data(data=raw)) or b"") + (self.h.send(h11.EndOfMessage()) or b"")
+        self.t.write(out)  # one write: no Nagle wait between headers and body
+        self.served += 1
+        self.last = time.monotonic()
+        self.busy = False
+        if close:
+            self.t.close()
+        else:
+            self._process()
+
+
+class LighthouseServer:
+    """The lighthouse's HTTP/1.1 front end: one asyncio loop in a daemon thread."""
+
+    def __init__(self, lh: Lighthouse, host: str, port: int):
+        self.lh = lh
+        self.loop = asyncio.new_event_loop()
+        self.conns: set[_Connection] = set()
+        self.per_peer: Counter[str] = Counter()
+        # per peer, oldest first: connections that sent no valid token yet
+        self.unauthed: dict[str, dict[_Connection, None]] = {}
+        self._started = threading.Event()
+        self._error: OSError | None = None
+        self.server_address: tuple = ()
+        self._thread = threading.Thread(target=self._run, args=(host, port), daemon=True, name="lighthouse-http")
+        self._thread.start()
+        self._started.wait()
+        if self._error is not None:
+            raise self._error
+
+    def _run(self, host: str, port: int) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self._srv = self.loop.run_until_complete(
+                self.loop.create_server(lambda: _Connection(self), host, port, backlog=1024)
+            )
+            self.server_address = self._srv.sockets[0].getsockname()[:2]
+        except OSError as e:
+            self._error = e
+        self._started.set()
+        if self._error is None:
+            self.loop.call_later(1.0, self._sweep)
+            self.loop.run_forever()
+
+    def admit(self, c: _Connection) -> str:
+        """Count a new connection in, or say why it is refused ("" when admitted). Past the cap
+        of connections without a token from its address, the oldest of those is closed: a
+        flood from one address churns itself and never locks out a rank that shares it."""
+        cfg = self.lh.cfg
+        if len(self.conns) >= cfg.max_connections:
+            return f"this lighthouse has {cfg.max_connections} connections open (--max-connections)"
+        if self.per_peer[c.peer] >= cfg.max_connections_per_peer:
+            return f"{c.peer} has {cfg.max_connections_per_peer} connections open (--max-connections-per-peer)"
+        waiting = self.unauthed.setdefault(c.peer, {})
+        if len(waiting) >= cfg.max_unauthenticated_per_peer:
+            oldest = next(iter(waiting))
+            self.forget_unauthed(oldest)
+            oldest.t.abort()
+        self.conns.add(c)
+        self.per_peer[c.peer] += 1
+        waiting[c] = None
+        return ""
+
+    def forget_unauthed(self, c: _Connection) -> None:
+        waiting = self.unauthed.get(c.peer)
+        if waiting is not None and waiting.pop(c, 0) is None and not waiting:
+            del self.unauthed[c.peer]
+
+    def release(self, c: _Connection) -> None:
+        if c in self.conns:
+            self.conns.discard(c)
+            self.forget_unauthed(c)
+            self.per_peer[c.peer] -= 1
+            if self.per_peer[c.peer] <= 0:
+                del self.per_peer[c.peer]
+
+    def _sweep(self) -> None:
+        """Close connections that never spoke, went quiet (not a rank's heartbeat line: a stopped
+        rank's silence is for the heartbeat timeout to judge) or send a request too slowly."""
+        now = time.monotonic()
+        for c in list(self.conns):
+            slow = c.receiving_since is not None and now - c.receiving_since > REQUEST_S
+            quiet = c.beat is None and not c.busy and (now - c.last > IDLE_S)
+            if slow or quiet or (c.served == 0 and not c.busy and now - c.opened > FIRST_REQUEST_S):
+                c.t.close()
+        self.loop.call_later(1.0, self._sweep)
+
+    def shutdown(self) -> None:
+        def stop() -> None:
+            self._srv.close()
+            for c in list(self.conns):
+                c.t.abort()
+            self.loop.stop()
+
+        if self.loop.is_running():
+            self.loop.call_soon_threadsafe(stop)
+            self._thread.join(timeout=5)
+
+    # ---- routes ----------------------------------------------------------------------------
+    def dispatch(self, conn: _Connection, method: str, target: str, scope: str | None, raw: bytes) -> None:
+        url = urllib.parse.urlparse(target)
+        try:
+            if method == "GET":
+                return self._get(conn, url, scope)
+            if method != "POST":
+                return conn.reply(404, {"error": f"no {method} here"})
+            self._post(conn, url.path, scope, loads(raw))
+        except StaleIncarnation as e:
+            conn.beat = None
+            conn.reply(409, {"error": str(e)})
+        except _Forbidden as e:
+            conn.reply(403, {"error": str(e)})
+        except (MessageError, ValueError, TypeError, UnicodeDecodeError, RecursionError) as e:
+            conn.reply(400, {"error": f"bad request: {e}"[:500]})
+
+    def _get(self, conn: _Connection, url: urllib.parse.ParseResult, scope: str | None) -> None:
+        lh = self.lh
+        if url.path == "/jobs":
+            _allow(scope, None)
+            return conn.reply(200, lh.jobs_report())
+        job = job_id(urllib.parse.parse_qs(url.query).get("job", [DEFAULT_JOB])[0])
+        _allow(scope, job)
+        if url.path == "/status":
+            return conn.reply(200, lh.status(job, everyone=scope == auth.ADMIN))
+        if url.path in ("/", "/index.html"):
+            page = status_html(lh.status(job, everyone=scope == auth.ADMIN))
+            return conn.reply(200, page, "text/html; charset=utf-8")
+        return conn.reply(404, {"error": f"no such path {url.path}"})
+
+    def _post(self, conn: _Connection, path: str, scope: str | None, msg: Any) -> None:
+        lh = self.lh
+        if path == "/heartbeat":
+            info = RankInfo.parse(msg)
+            _allow(scope, info.job)
+            job_ = lh.job(info)
+            reply = job_.heartbeat(info)  # validates: only then is this connection a rank's
+            conn.beat = (job_, info.group, info.rank, info.incarnation)
+            return conn.reply(200, reply.to_wire())
+        if path == "/quorum":
+            ask = QuorumRequest.parse(msg)
+            _allow(scope, ask.info.job)
+            return self._quorum(conn, lh.job(ask.info), ask)
+        if path == "/report_failure":
+            report = FailureReport.parse(msg)
+            _allow(scope, report.job)
+            lh.report_failure(report)
+        elif path == "/leave":
+            info = RankInfo.parse(msg)
+            _allow(scope, info.job)
+            lh.leave(info)
+            conn.beat = None
+        elif path == "/event":
+            ev = ClientEvent.parse(msg)
+            _allow(scope, ev.job)
+            lh.client_event(ev)
+        else:
+            return conn.reply(404, {"error": f"no such path {path}"})
+        conn.reply(200, {})
+
+    def _quorum(self, conn: _Connection, job: Job, ask: QuorumRequest) -> None:
+        loop_thread = threading.get_ident()
+
+        def answer(reply: str | Answer) -> None:
+            if isinstance(reply, str):  # a quorum, encoded for this rank
+                conn.reply(Quorum.status, reply)
+            else:
+                conn.reply(reply.status, reply.to_wire())
+
+        def deliver(reply: str | Answer) -> None:  # under the job's lock: the ticker's thread or this loop's
+            if threading.get_ident() == loop_thread:
+                self.loop.call_soon(answer, reply)  # after this request's own dispatch has returned
+            else:
+                self.loop.call_soon_threadsafe(answer, reply)
+
+        conn.waiting = (job, job.enqueue(ask, deliver, min(ask.timeout, timeouts.QUORUM_TIMEOUT)))
+
+
+class _Forbidden(Exception):
+    """A valid token used beyond its job (403)."""
+
+
+def _allow(scope: str | None, job: str | None) -> None:
+    """A job token speaks for its own job only; `job` None: a route for the admin token alone."""
+    if scope == auth.ADMIN or (job is not None and scope == job):
+        return
+    if job is None:
+        raise _Forbidden("this route needs the lighthouse's admin token, not a job token")
+    raise _Forbidden(f"this token is job {scope!r}'s; it cannot act for job {job!r}")
