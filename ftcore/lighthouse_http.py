@@ -59,9 +59,8 @@ def _head(code: int, ctype: str, length: int, close: bool) -> h11.Response:
 def _raw_error(code: int, msg: str) -> bytes:
     """An error reply written outside h11's state machine (a request h11 could not parse)."""
     raw = json.dumps({"error": msg}).encode()
-    return (
-        f"HTTP/1.1 {code} {HTTPStatus(code).phrase}\r\nContent-Type: {JSON}\r\nContent-Length: {len(raw)}\r\nConnection: close\r\n\r\n"
-    ).encode() + raw
+    head = f"HTTP/1.1 {code} {HTTPStatus(code).phrase}\r\nContent-Type: {JSON}\r\nContent-Length: {len(raw)}\r\n"
+    return (head + "Connection: close\r\n\r\n").encode() + raw
 
 
 class _Refused(Exception):
