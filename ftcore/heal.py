@@ -8,9 +8,14 @@ tensorfile.py over HTTP with the shared token; nothing received is unpickled.
     GET /snapshot/<step>   200: the state after <step> committed steps
                            410: this server has moved past <step>; ask for a new quorum
                            504: no snapshot for <step> appeared within the heal timeout
+
+Bounded like the lighthouse: at most `max_connections` at once (more get 503), the request
+head within HEAD_S (the token is checked before any work), the whole answer within
+HEAL_TIMEOUT + TRANSFER_S; past its deadline a connection's socket is shut down.
 """
 
 import http.client
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -20,6 +25,10 @@ from typing import Any
 import torch
 
 from ftcore import auth, tensorfile, timeouts
+
+HEAD_S = 5.0  # a client must send its request (and token) within this
+TRANSFER_S = 600.0  # ... and read the whole snapshot within this after it is ready
+MAX_CONNECTIONS = 128
 
 
 class HealError(RuntimeError):
@@ -49,7 +58,11 @@ class HealServer:
     """This rank's snapshot server (one thread per download), offering one step's state at a time."""
 
     def __init__(
-        self, host: str = "127.0.0.1", token: str | None = None, on_serve: Callable[[int], None] | None = None
+        self,
+        host: str = "127.0.0.1",
+        token: str | None = None,
+        on_serve: Callable[[int], None] | None = None,
+        max_connections: int = MAX_CONNECTIONS,
     ):
         self.token = token
         self.on_serve = on_serve  # fault-injection hook, called before streaming
@@ -58,10 +71,7 @@ class HealServer:
         self._tree: Any = None
         self.served = 0
         handler = type("HealHandler", (_Handler,), {"server_obj": self})
-        # a whole job's ranks may heal from this one at once: no resets from a backlog of 5
-        server_cls = type("HealHTTPServer", (ThreadingHTTPServer,), {"request_queue_size": 1024})
-        self.httpd = server_cls((host, 0), handler)
-        self.httpd.daemon_threads = True
+        self.httpd = _BoundedServer((host, 0), handler, max_connections)
         self.address = "{}:{}".format(*self.httpd.server_address[:2])
         threading.Thread(target=self.httpd.serve_forever, daemon=True, name="ftcore-heal").start()
 
@@ -91,10 +101,61 @@ class HealServer:
         self.httpd.server_close()
 
 
+class _BoundedServer(ThreadingHTTPServer):
+    """One thread per connection, at most `max_connections` of them."""
+
+    daemon_threads = True
+    request_queue_size = 1024  # a whole job's ranks may heal from this one at once: no resets
+
+    def __init__(self, addr: tuple[str, int], handler: type, max_connections: int):
+        self.slots = threading.BoundedSemaphore(max_connections)
+        super().__init__(addr, handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):
+            try:
+                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+
 class _Handler(BaseHTTPRequestHandler):
     server_obj: HealServer
-    timeout = timeouts.HEAL_TIMEOUT + 5  # per-connection socket timeout: an idle client cannot hold a thread
+    timeout = HEAD_S  # per read; the deadlines below bound the whole request
     disable_nagle_algorithm = True
+
+    def setup(self) -> None:
+        super().setup()
+        self._watchdog: threading.Timer | None = None
+        self._deadline(HEAD_S)
+
+    def _deadline(self, seconds: float) -> None:
+        """Shut the socket down `seconds` from now unless the request is over by then."""
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        self._watchdog = threading.Timer(seconds, self._expire)
+        self._watchdog.daemon = True
+        self._watchdog.start()
+
+    def _expire(self) -> None:
+        try:
+            self.connection.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def finish(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        super().finish()
 
     def log_message(self, fmt: str, *args: Any) -> None:
         pass
@@ -120,6 +181,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._plain(400, "the step in /snapshot/<step> must be a non-negative integer")
             return
         step = int(parts[1])
+        self._deadline(timeouts.HEAL_TIMEOUT + TRANSFER_S)
+        self.connection.settimeout(timeouts.HEAL_TIMEOUT + 5)
         try:
             tree = srv.wait_for(step, timeouts.HEAL_TIMEOUT)
         except SnapshotGone as e:

@@ -546,8 +546,9 @@ class Job:
         if self.pending or self.lh.in_grace(now):
             return None
         quiet = now - self.last_heard
-        done = self.groups and all(g.left or not g.healthy for g in self.groups.values())
-        if self.finished_step and done and quiet > self.cfg.failure_probe:
+        groups = self.groups.values()
+        done = any(g.left for g in groups) and all(g.left or not g.healthy for g in groups)
+        if done and quiet > self.cfg.failure_probe:
             return "finished"
         if quiet > idle_s:
             return "idle"

@@ -1,0 +1,302 @@
+"""The standing lighthouse as a long-lived service: jobs retire, one credential per job, an HTTP
+layer that no client can wedge, and heal servers bounded the same way.
+
+Real lighthouse and heal servers on loopback, real clients and raw sockets."""
+
+import socket
+import threading
+import time
+
+import pytest
+import torch
+from conftest import ask_all
+
+from ftcore import auth, heal, lighthouse_http
+from ftcore.lighthouse_client import JobFinished, LighthouseClient, call
+from ftcore.messages import RankInfo
+
+SECRET = "admin-secret"
+
+
+def _clients(addr, job, groups=2, token=None, step=0):
+    cs = []
+    for g in range(groups):
+        info = RankInfo(group=g, rank=0, world=1, job=job, num_groups=groups, step=step, store="127.0.0.1:1")
+        c = LighthouseClient(addr, info, token)
+        c.start_heartbeats()
+        cs.append(c)
+    return cs
+
+
+def _raw(addr: str, data: bytes, timeout: float = 5.0) -> bytes:
+    host, port = addr.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=timeout) as s:
+        s.sendall(data)
+        out = b""
+        try:
+            while chunk := s.recv(65536):
+                out += chunk
+        except TimeoutError:
+            pass
+        return out
+
+
+def _get(path: str, token: str | None) -> bytes:
+    bearer = f"Authorization: Bearer {token}\r\n" if token else ""
+    return f"GET {path} HTTP/1.1\r\nHost: lh\r\n{bearer}\r\n".encode()
+
+
+def _wait(cond, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+# ---- jobs have a lifetime ---------------------------------------------------------------------
+def test_finished_jobs_retire_so_a_small_cap_serves_many_jobs_one_after_another(lighthouse):
+    addr, lh = lighthouse(max_jobs=3, finished_linger_s=0.0)
+    for i in range(12):  # four times the cap
+        cs = _clients(addr, f"job-{i}")
+        qs = ask_all(cs)
+        assert {q.groups for q in qs} == {(0, 1)}, qs
+        for c in cs:
+            c.leave()
+        assert _wait(lambda i=i: f"job-{i}" not in lh.jobs), f"job-{i} was not retired"
+    report = lh.jobs_report()
+    assert report["live"] == [] and [r["job"] for r in report["retired"][:2]] == ["job-11", "job-10"]
+    assert {r["reason"] for r in report["retired"]} == {"finished"}
+
+
+def test_a_job_id_run_again_after_retirement_starts_from_nothing(lighthouse):
+    addr, lh = lighthouse(finished_linger_s=0.0)
+    cs = _clients(addr, "nightly", step=40)
+    assert ask_all(cs)[0].max_step == 40
+    for c in cs:
+        c.leave()
+    assert _wait(lambda: "nightly" not in lh.jobs)
+    again = _clients(addr, "nightly", step=0)  # tomorrow's run, same id
+    try:
+        qs = ask_all(again)
+        assert qs[0].max_step == 0 and qs[0].quorum_id == 1  # not the old job's finished step
+    finally:
+        for c in again:
+            c.close()
+
+
+def test_a_late_group_of_a_retired_finished_job_is_still_told_it_finished(lighthouse):
+    addr, lh = lighthouse(finished_linger_s=30.0)
+    cs = _clients(addr, "j", step=10)
+    ask_all(cs)
+    for c in cs:
+        c.leave()
+    assert _wait(lambda: "j" not in lh.jobs)
+    late = LighthouseClient(addr, RankInfo(group=1, rank=0, job="j", num_groups=2, incarnation=5))
+    late.start_heartbeats()
+    try:
+        with pytest.raises(JobFinished, match="finished at step 10"):
+            late.quorum(timeout=5)
+    finally:
+        late.close()
+
+
+def test_a_job_whose_ranks_are_all_gone_retires_after_the_idle_time(lighthouse):
+    addr, lh = lighthouse(job_idle_s=0.5, heartbeat_timeout=0.3, failure_probe=0.1)
+    cs = _clients(addr, "crashed")
+    ask_all(cs)
+    for c in cs:
+        c.close()  # killed, no goodbye
+    assert "crashed" in lh.jobs
+    assert _wait(lambda: "crashed" not in lh.jobs)
+    assert lh.retired["crashed"]["reason"] == "idle"
+
+
+def test_the_cap_counts_live_jobs_and_names_them(lighthouse):
+    addr, lh = lighthouse(max_jobs=1)
+    cs = _clients(addr, "alive", groups=1)
+    try:
+        ask_all(cs)
+        code, body = call(addr, "/heartbeat", RankInfo(group=0, rank=0, job="another").to_wire(), None)
+        assert code == 400 and "1 live jobs" in body["error"] and "alive" in body["error"]
+    finally:
+        for c in cs:
+            c.close()
+
+
+# ---- one credential per job -----------------------------------------------------------------
+def test_a_job_token_opens_its_own_job_and_nothing_else(lighthouse):
+    addr, lh = lighthouse(token=SECRET)
+    ta, tb = auth.job_token(SECRET, "a"), auth.job_token(SECRET, "b")
+    a, b = _clients(addr, "a", token=ta), _clients(addr, "b", token=tb)
+    try:
+        qa, qb = ask_all(a), ask_all(b)
+        assert qa[0].groups == qb[0].groups == (0, 1)
+        b_rank = RankInfo(group=0, rank=0, job="b", num_groups=2, incarnation=10**9)
+        report = {"job": "b", "group": 0, "rank": 0, "incarnation": 0, "quorum_id": qb[0].quorum_id, "error": "x"}
+        # job a's token against job b: refused (403) and nothing changes in b
+        assert call(addr, "/heartbeat", b_rank.to_wire(), ta)[0] == 403
+        assert call(addr, "/report_failure", report, ta)[0] == 403
+        assert call(addr, "/event", {"kind": "x", "job": "b"}, ta)[0] == 403
+        assert call(addr, "/status?job=b", None, ta, method="GET")[0] == 403
+        assert call(addr, "/jobs", None, ta, method="GET")[0] == 403
+        code, st = call(addr, "/status?job=a", None, ta, method="GET")
+        assert code == 200 and st["jobs"] == ["a"]  # a job does not learn which others exist
+        assert {q.quorum_id for q in ask_all(b)} == {qb[0].quorum_id}  # no rebuild was forced in b
+        assert lh.jobs["b"].groups[0].incarnation == 0  # no rank of b was replaced
+        # a forged token, or one for a job named like another, is a 401
+        forged = auth.JOB_PREFIX + ta[len(auth.JOB_PREFIX) :].replace(ta.split(".")[1], tb.split(".")[1])
+        assert call(addr, "/status?job=b", None, forged, method="GET")[0] == 401
+        # the admin token sees every job
+        code, jobs = call(addr, "/jobs", None, SECRET, method="GET")
+        assert code == 200 and [j["job"] for j in jobs["live"]] == ["a", "b"]
+        assert call(addr, "/status?job=b", None, SECRET, method="GET")[1]["jobs"] == ["a", "b"]
+    finally:
+        for c in a + b:
+            c.close()
+
+
+def test_a_job_token_cannot_heal_from_another_jobs_heal_server():
+    ta, tb = auth.job_token(SECRET, "a"), auth.job_token(SECRET, "b")
+    srv = heal.HealServer(token=tb)  # a rank of job b serves under b's token
+    try:
+        srv.offer(3, {"w": torch.ones(2)})
+        with pytest.raises(heal.HealError, match="401"):
+            heal.fetch(srv.address, 3, ta)
+        with pytest.raises(heal.HealError, match="401"):
+            heal.fetch(srv.address, 3, SECRET)  # not even the lighthouse's admin
+        assert torch.equal(heal.fetch(srv.address, 3, tb)["w"], torch.ones(2))
+    finally:
+        srv.close()
+
+
+def test_job_tokens_derive_only_for_their_own_job():
+    ta = auth.job_token(SECRET, "a")
+    assert auth.job_token(ta, "a") == ta and auth.job_of(ta) == "a"
+    with pytest.raises(ValueError, match="job 'a'"):
+        auth.job_token(ta, "b")
+    assert auth.scope(SECRET, f"Bearer {ta}") == "a" and auth.scope("other", f"Bearer {ta}") is None
+
+
+# ---- an HTTP layer no client can wedge ------------------------------------------------------
+def test_a_refused_token_closes_the_connection_without_reading_the_body(lighthouse):
+    addr, _ = lighthouse(token=SECRET)
+    # headers announce a body that never comes: the 401 must not wait for it
+    t0 = time.monotonic()
+    reply = _raw(addr, b"POST /heartbeat HTTP/1.1\r\nHost: lh\r\nContent-Length: 500000\r\n\r\n", timeout=3)
+    assert reply.startswith(b"HTTP/1.1 401") and b"Connection: close" in reply
+    assert time.monotonic() - t0 < 2.5  # answered and closed, not left to the socket timeout
+
+
+def test_pipelined_requests_are_answered_in_order_without_recursion(lighthouse):
+    addr, _ = lighthouse()
+    n = 1000  # far more than the old parser's recursion survived (about 330)
+    reply = _raw(addr, _get("/status?job=j", None) * n + _get("/nope", None), timeout=10)
+    assert reply.count(b"HTTP/1.1 200") == n and reply.count(b"HTTP/1.1 404") == 1
+
+
+def test_unread_replies_and_pipelining_far_ahead_are_bounded(lighthouse):
+    addr, lh = lighthouse()
+    host, port = addr.rsplit(":", 1)
+    s = socket.create_connection((host, int(port)), timeout=5)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    try:
+        # a client that sends requests and never reads: the server stops serving it, then drops it
+        req = _get("/status", None) * 100
+        with pytest.raises(OSError):
+            for _ in range(3000):  # 10 MB of requests, about 80 MB of replies if all were answered
+                s.sendall(req)
+        # ... while others are served as usual
+        assert call(addr, "/status", None, None, method="GET", timeout=3)[0] == 200
+    finally:
+        s.close()
+
+
+def test_a_request_that_trickles_in_is_cut_off(lighthouse, monkeypatch):
+    monkeypatch.setattr(lighthouse_http, "REQUEST_S", 0.3)
+    addr, _ = lighthouse()
+    host, port = addr.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        s.sendall(b"POST /heartbeat HTTP/1.1\r\nHost: lh\r\nContent-Length: 100\r\n\r\n{")
+        s.settimeout(4)
+        assert s.recv(100) == b""  # closed by the server's sweep (about a second), not left open
+
+
+def test_connections_are_capped_in_total_and_per_peer(lighthouse):
+    addr, _ = lighthouse(max_connections=5)
+    host, port = addr.rsplit(":", 1)
+    held = [socket.create_connection((host, int(port)), timeout=5) for _ in range(5)]
+    try:
+        for s in held:
+            s.sendall(_get("/status", None))  # authenticated: not the ones evicted
+            assert s.recv(4096).startswith(b"HTTP/1.1 200")
+        with socket.create_connection((host, int(port)), timeout=5) as extra:
+            assert extra.recv(4096).startswith(b"HTTP/1.1 503")  # refused at once, with the reason
+    finally:
+        for s in held:
+            s.close()
+
+
+def test_connections_without_a_token_cannot_crowd_out_ranks_on_the_same_address(lighthouse):
+    addr, _ = lighthouse(token=SECRET)
+    host, port = addr.rsplit(":", 1)
+    flood = [socket.create_connection((host, int(port)), timeout=5) for _ in range(300)]
+    try:
+        assert call(addr, "/status", None, SECRET, method="GET", timeout=3)[0] == 200
+        closed = 0
+        for s in flood:
+            s.settimeout(0.01)
+            try:
+                closed += s.recv(1) == b""
+            except (TimeoutError, ConnectionResetError):
+                closed += 0
+        assert closed >= 300 - 64  # the oldest were evicted past the per-address cap
+    finally:
+        for s in flood:
+            s.close()
+
+
+def test_events_are_bounded_in_size_and_number(lighthouse):
+    addr, lh = lighthouse(events_per_job=5)
+    cs = _clients(addr, "ev", groups=1)
+    try:
+        ask_all(cs)
+        assert call(addr, "/event", {"kind": "big", "job": "ev", "blob": "x" * 100_000}, None)[0] == 400
+        for i in range(20):
+            assert call(addr, "/event", {"kind": "small", "job": "ev", "i": i}, None)[0] == 200
+        events = lh.status("ev")["events"]
+        assert len(events) == 5 and events[-1]["i"] == 19
+        assert call(addr, "/event", {"kind": "x", "job": "nobody"}, None)[0] == 200
+        assert "nobody" not in lh.jobs  # an event creates no job
+    finally:
+        for c in cs:
+            c.close()
+
+
+# ---- the heal server, bounded the same way --------------------------------------------------
+def test_slow_clients_hold_neither_threads_nor_the_heal_server(monkeypatch):
+    monkeypatch.setattr(heal, "HEAD_S", 0.5)
+    srv = heal.HealServer(token="tok", max_connections=4)
+    base = threading.active_count()
+    slow = []
+    try:
+        srv.offer(1, {"w": torch.zeros(3)})
+        for _ in range(40):
+            s = socket.create_connection(srv.address.rsplit(":", 1), timeout=5)
+            s.sendall(b"GET /snapshot/1 HTTP/1.1\r\n")  # and then nothing more
+            slow.append(s)
+        time.sleep(0.2)
+        assert threading.active_count() - base <= 4 * 2 + 1  # a handler and its watchdog per slot
+        for s in slow:  # every one is cut off: refused at once (503) or closed at its head deadline
+            s.settimeout(3)
+            got = b""
+            while chunk := s.recv(4096):  # a TimeoutError here: the server held it open
+                got += chunk
+            assert got in (b"", b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+        assert _wait(lambda: threading.active_count() <= base + 1, timeout=3)
+        assert torch.equal(heal.fetch(srv.address, 1, "tok")["w"], torch.zeros(3))
+    finally:
+        for s in slow:
+            s.close()
+        srv.close()
