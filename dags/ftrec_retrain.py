@@ -8,7 +8,8 @@ extra, for example through the REST API:
 `POST /api/v2/assets/events {"asset_id": ..., "extra": {"path": "/data/events.txt", "format": "sasrec"}}`,
 or from a task with `outlets=[INTERACTIONS]`. Without an event (the daily run) the
 `data_source` param is read again. The new model is registered behind the same quality gate
-and becomes champion only if it beats the current champion (see ftrec_train).
+and becomes champion only if it beats the current champion, which is re-scored on the new
+data's test split by the same evaluation (see ftrec_train): a score from an older test never counts.
 """
 
 from datetime import timedelta

@@ -23,7 +23,8 @@ from airflow.sdk.exceptions import AirflowFailException
 from ftrec_airflow import settings, steps
 from ftrec_airflow.decorators import build_shards_task, ft_train_task
 
-GATE_METRIC = "test/sampled/ndcg_at_10"  # MLflow spelling of ndcg@10
+GATE_METRIC = "test/full/ndcg_at_10"  # MLflow spelling of ndcg@10, full ranking (sampled: secondary)
+GATE_MIN_MARGIN = 0.001  # a challenger must beat the champion by this much on the same split
 # An event per gated registration (register_model's outlet): downstream DAGs schedule on it;
 # its extra says which version, its aliases and gate value (challenger only, or champion too).
 MODEL = Asset(name="ftrec_model", uri="ftrec://model/registered")
@@ -54,7 +55,7 @@ def params(**defaults: Any) -> dict[str, Param]:
         "model_name": settings.DEFAULT_MODEL_NAME,
         "gate_metric": GATE_METRIC,
         "gate_min": 0.0,
-        "promote_across_metrics": False,
+        "gate_min_margin": GATE_MIN_MARGIN,
         "train_overrides": [],
         "seed": 0,
     }
@@ -136,7 +137,8 @@ def params(**defaults: Any) -> dict[str, Param]:
             type="string",
             description=(
                 "Evaluation metric of the quality gate, <split>/<protocol>/<metric> as MLflow shows it, "
-                "e.g. test/full/hr_at_10 (hr@10 is accepted too)."
+                "e.g. test/full/ndcg_at_10 (ndcg@10 is accepted too); champion and challenger are both "
+                "scored on this run's test split, the other protocol is logged beside it."
             ),
         ),
         "gate_min": Param(
@@ -144,12 +146,13 @@ def params(**defaults: Any) -> dict[str, Param]:
             type="number",
             description=("The model is registered only if gate_metric >= gate_min; otherwise register_model fails."),
         ),
-        "promote_across_metrics": Param(
-            d["promote_across_metrics"],
-            type="boolean",
+        "gate_min_margin": Param(
+            d["gate_min_margin"],
+            type="number",
+            minimum=0,
             description=(
-                "A registered version becomes champion only if it beats the champion on gate_metric; "
-                "when the champion was gated on another metric it is kept, unless this is true."
+                "A registered version becomes champion only if its gate_metric beats the champion's, "
+                "scored on the same test split, by at least this much."
             ),
         ),
         "train_overrides": Param(
@@ -234,8 +237,8 @@ class TrainingDag:
         """evaluate -> register_model behind the quality gate (an event on MODEL per version)."""
 
         @task(task_id="evaluate")
-        def evaluate_task(trained: dict) -> dict:
-            return evaluate(trained)
+        def evaluate_task(trained: dict, params=None) -> dict:
+            return evaluate(params, trained)
 
         @task(task_id="register_model", outlets=[MODEL])
         def register_task(trained: dict, evaluation: dict, params=None) -> dict:
@@ -318,17 +321,32 @@ def train_spec(p: dict, shards: dict, *, base: dict | None = None) -> steps.Trai
     )
 
 
-def evaluate(trained: dict) -> dict[str, Any]:
-    """Evaluate the trained checkpoint. The trainer already logs its final valid/ and test/
-    metrics on the run: only metrics the run lacks are added, under the same names, so
-    MLflow shows each value once. Returns the values the run shows (the gate's input)."""
+def _champion(p: dict, trained: dict, uri: str) -> tuple[dict | None, str, str | None]:
+    """(the champion version, its checkpoint to score, why it cannot be scored): no checkpoint
+    to score when there is no champion or it is this very run (a re-run of the DAG run)."""
+    from ftrec_airflow import tracking
+
+    champ = tracking.by_alias(p["model_name"], tracking.CHAMPION, uri)
+    if champ is None or champ["run_id"] == trained["mlflow_run_id"]:
+        return champ, "", None
+    ckpt = champ["tags"].get(tracking.CHECKPOINT_TAG, "")
+    return champ, ckpt, None if ckpt else f"version {champ['version']} has no {tracking.CHECKPOINT_TAG} tag"
+
+
+def evaluate(p: dict, trained: dict) -> dict[str, Any]:
+    """Evaluate the trained checkpoint and re-score the registry's champion with the same
+    evaluation on the same (this run's) test split (steps.judge). The trainer already logs
+    its final valid/ and test/ metrics on the run: only metrics the run lacks are added.
+    Returns the values the run shows and the champion's (the gate's input)."""
     from ftrec_airflow import tracking
 
     tracking.connect()
     uri, run_id = trained["tracking_uri"], trained["mlflow_run_id"]
-    out = run_dir() / "eval.json"
-    raw = _user_errors(steps.evaluate, trained["checkpoint"], trained["shards"], str(out))
-    metrics = {tracking.metric_key(k): v for k, v in raw.items()}  # the names MLflow shows
+    champ, ckpt, error = _champion(p, trained, uri)
+    res = _user_errors(
+        steps.judge, trained["checkpoint"], trained["shards"], str(run_dir() / "eval.json"), champion=ckpt
+    )
+    metrics = {tracking.metric_key(k): v for k, v in res["metrics"].items()}  # the names MLflow shows
     have = tracking.run_metrics(run_id, uri)
     for k in sorted(set(metrics) & set(have)):
         if abs(metrics[k] - have[k]) > 1e-6:  # same checkpoint, same protocol: should not happen
@@ -336,30 +354,76 @@ def evaluate(trained: dict) -> dict[str, Any]:
                 "%s: the trainer logged %.6f, evaluation gives %.6f; keeping the run's value", k, have[k], metrics[k]
             )
     tracking.log_metrics(run_id, metrics, tracking_uri=uri)
+    shown = {k: have.get(k, v) for k, v in metrics.items()}
+    if champ is not None and not ckpt and error is None:  # the champion is this run's model
+        scored = shown
+    else:
+        scored = {tracking.metric_key(k): float(v) for k, v in (res.get("champion") or {}).items()}
     return {
         "mlflow_run_id": run_id,
-        "metrics": {k: have.get(k, v) for k, v in metrics.items()},
+        "metrics": shown,
         "logged": sorted(set(metrics) - set(have)),
+        "champion": {
+            "version": champ["version"] if champ else None,
+            "metrics": scored if champ else None,
+            "error": error or res.get("champion_error"),
+        },
+        "split": res.get("split", {}),
     }
 
 
-def register_model(p: dict, trained: dict, evaluation: dict) -> dict[str, Any]:
-    """Register the run's model if the quality gate passes (fail with the metrics if not),
-    as `challenger`, and as `champion` when it beats the champion (tracking.promote);
-    the MODEL outlet event carries the result."""
+def _log_gate(trained: dict, result: dict, champion: dict, p: dict) -> None:
+    """Both scores, the split's identity and the verdict: on the challenger's MLflow run and in the task log."""
     from ftrec_airflow import tracking
 
+    uri, run_id = trained["tracking_uri"], trained["mlflow_run_id"]
+    gate = {f"gate/challenger/{k}": v for k, v in result["scores"]["challenger"].items()}
+    gate |= {f"gate/champion/{k}": v for k, v in result["scores"]["champion"].items() if v is not None}
+    tracking.log_metrics(run_id, gate, tracking_uri=uri)
+    tags = {
+        "gate.metric": result["gate_metric"],
+        "gate.split_fingerprint": result["split_fingerprint"],
+        "gate.eval_sha256": result["eval_sha256"],
+        "gate.champion_version": str(champion.get("version")),
+        "gate.verdict": "promoted" if result["promoted"] else "kept champion",
+        "gate.reason": result["reason"],
+        "gate.min": str(p["gate_min"]),
+        "gate.min_margin": str(p.get("gate_min_margin", GATE_MIN_MARGIN)),
+    }
+    c = tracking.client(uri)
+    for k, v in tags.items():
+        c.set_tag(run_id, k, v)
+    for who in ("challenger", "champion"):
+        for k, v in result["scores"][who].items():
+            log.info("gate: %s %s = %s", who, k, "not scored" if v is None else f"{v:.6f}")
+    log.info("gate: split fingerprint %s (eval.parquet %s)", result["split_fingerprint"], result["eval_sha256"])
+    log.info("gate verdict: %s (%s)", tags["gate.verdict"], result["reason"])
+
+
+def register_model(p: dict, trained: dict, evaluation: dict) -> dict[str, Any]:
+    """Register the run's model if it reaches gate_min (fail with the metrics if not), as
+    `challenger`, and as `champion` when it beats the champion re-scored on the same split
+    by gate_min_margin (steps.verdict, tracking.promote); the MODEL outlet event carries the result."""
+    from ftrec_airflow import tracking
+
+    metric, secondary = steps.metric_pair(p["gate_metric"])
     try:
-        value = steps.check_gate(evaluation["metrics"], p["gate_metric"], float(p["gate_min"]))
+        value = steps.check_gate(evaluation["metrics"], metric, float(p["gate_min"]))
     except (steps.GateFailed, steps.UserError) as e:
         raise AirflowFailException(str(e)) from None
+    champion = evaluation.get("champion") or {}
+    scored, error = champion.get("metrics"), champion.get("error")
+    if scored is not None and metric not in scored and not error:
+        error = f"it was scored on the test split only, and gate_metric is {metric}"
+    won, why = steps.verdict(value, None if scored is None else scored.get(metric), float(p["gate_min_margin"]), error)
     tracking.connect()
-    uri, metric = trained["tracking_uri"], tracking.metric_key(p["gate_metric"])
+    uri, split = trained["tracking_uri"], evaluation.get("split") or {}
     ctx = get_current_context()
     tags = {
         "gate_metric": metric,
         "gate_value": repr(value),
         "gate_min": str(p["gate_min"]),
+        "gate_split_fingerprint": str(split.get("fingerprint", "")),
         tracking.CHECKPOINT_TAG: trained["checkpoint"],
         "shards": trained["shards"],
         "airflow.dag_id": ctx["ti"].dag_id,
@@ -369,13 +433,19 @@ def register_model(p: dict, trained: dict, evaluation: dict) -> dict[str, Any]:
     promo = tracking.promote(
         p["model_name"],
         reg["version"],
-        metric,
-        value,
+        won=won,
+        reason=why,
+        judged=champion.get("version"),
         tracking_uri=uri,
         log=log.info,
-        across_metrics=bool(p.get("promote_across_metrics")),
     )
     result = {**reg, **promo, "gate_metric": metric, "gate_value": value}
+    result["scores"] = {
+        who: {k: (m or {}).get(k) for k in (metric, secondary)}
+        for who, m in (("challenger", evaluation["metrics"]), ("champion", scored))
+    }
+    result["split_fingerprint"], result["eval_sha256"] = split.get("fingerprint", ""), split.get("eval_sha256", "")
+    _log_gate(trained, result, champion, p)
     ctx["outlet_events"][MODEL].extra = {
         k: result[k] for k in ("name", "version", "aliases", "run_id", "champion", "gate_metric", "gate_value")
     }

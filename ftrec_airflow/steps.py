@@ -332,32 +332,33 @@ def train(
 # ---------------------------------------------------------------- evaluate
 
 
-def evaluate(checkpoint: str, shards: str, out_json: str, *, logger=None, timeout_s: float | None = None) -> dict:
-    """Evaluate a checkpoint on the shard set's held-out targets; return {metric: value}.
+def judge(
+    checkpoint: str,
+    shards: str,
+    out_json: str,
+    *,
+    champion: str = "",
+    logger=None,
+    timeout_s: float | None = None,
+) -> dict[str, Any]:
+    """Score the new checkpoint, and the champion's when given, with the same evaluation on
+    the shard set's test split (`python -m training.gate`); returns its JSON:
+    {"metrics": {name: value}, "champion": {name: value} | None, "champion_error", "split"}.
 
-    `training eval --out` writes the result file atomically (whole or not at all), so a retry
-    after it exists does no work."""
+    The result file is written atomically (whole or not at all), so a retry after it exists
+    does no work."""
     out = Path(out_json)
     if not out.exists():
-        runner.run(
-            [
-                sys.executable,
-                "-m",
-                "training",
-                "eval",
-                "--checkpoint",
-                checkpoint,
-                "--shards",
-                shards,
-                "--out",
-                str(out),
-            ],
-            logger=logger,
-            timeout_s=timeout_s,
-        )
+        cmd = [sys.executable, "-m", "training.gate", "--shards", shards, "--challenger", checkpoint]
+        runner.run([*cmd, "--champion", champion, "--out", str(out)], logger=logger, timeout_s=timeout_s)
     data = json.loads(out.read_text())
-    metrics = data.get("metrics", data)
-    return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
+    data["metrics"] = {k: float(v) for k, v in data.get("metrics", data).items() if isinstance(v, (int, float))}
+    return data
+
+
+def evaluate(checkpoint: str, shards: str, out_json: str, *, logger=None, timeout_s: float | None = None) -> dict:
+    """Evaluate a checkpoint on the shard set's held-out targets; return {metric: value}."""
+    return judge(checkpoint, shards, out_json, logger=logger, timeout_s=timeout_s)["metrics"]
 
 
 # ---------------------------------------------------------------- quality gate
@@ -382,3 +383,26 @@ def check_gate(metrics: dict[str, float], metric: str, minimum: float) -> float:
     if not value >= minimum:
         raise GateFailed(f"quality gate failed: {metric}={value:.4f} < {minimum}; metrics: {shown}")
     return value
+
+
+def metric_pair(metric: str) -> tuple[str, str]:
+    """(the gate metric, its secondary twin under the other protocol), MLflow spelling:
+    test/full/ndcg_at_10 -> test/sampled/ndcg_at_10 and back."""
+    from ftrec_airflow.tracking import metric_key
+
+    m = metric_key(metric)
+    other = m.replace("/full/", "/sampled/") if "/full/" in m else m.replace("/sampled/", "/full/")
+    return m, other
+
+
+def verdict(challenger: float, champion: float | None, min_margin: float, error: str | None = None) -> tuple[bool, str]:
+    """Promote the challenger? Both values come from the same evaluation on the same split.
+    It must beat the champion by at least `min_margin` (and strictly); a champion that could
+    not be re-scored is kept (a number from another test decides nothing)."""
+    if error:
+        return False, f"the champion could not be scored on this split ({error}): keeping it"
+    if champion is None:
+        return True, f"no champion yet: first champion at {challenger:.6f}"
+    won = challenger > champion and challenger - champion >= min_margin
+    rel = ">=" if won else "<"
+    return won, f"challenger {challenger:.6f} {rel} champion {champion:.6f} + margin {min_margin} on the same split"

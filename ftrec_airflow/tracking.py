@@ -159,47 +159,33 @@ def by_alias(name: str, alias: str, tracking_uri: str | None = None) -> dict[str
 def promote(
     name: str,
     version: int,
-    metric: str,
-    value: float,
     *,
-    across_metrics: bool = False,
+    won: bool,
+    reason: str,
+    judged: int | None,
     tracking_uri: str | None = None,
     log=print,
 ) -> dict[str, Any]:
-    """Point `challenger` at `version`, and `champion` too when it beats the champion on
-    `metric` (the champion's own gate_metric/gate_value tags: the value it was gated on).
-
-    A champion gated on another metric is not comparable: it is kept unless
-    `across_metrics`. The first gated version becomes champion. Safe to repeat (a retry
-    finds the aliases where the first try put them)."""
+    """Point `challenger` at `version`, and `champion` too when it `won` against champion
+    version `judged` (None: there was none), scored on the same split (steps.verdict says
+    `reason`). A loser never gets `champion`; neither does a winner when the champion moved
+    since it was judged (another run promoted one: re-run to judge against it). Safe to
+    repeat: a retry finds the aliases where the first try put them."""
     c = client(tracking_uri)
     c.set_registered_model_alias(name, CHALLENGER, str(version))
     champ = by_alias(name, CHAMPION, tracking_uri)
-    if champ is None:
-        promote_it, why = True, "first champion"
-    elif champ["version"] == version:
-        promote_it, why = False, "already the champion"
-    elif champ["tags"].get("gate_metric") != metric or "gate_value" not in champ["tags"]:
-        promote_it = across_metrics
-        why = (
-            f"champion version {champ['version']} was gated on {champ['tags'].get('gate_metric')!r}, this "
-            f"version on {metric!r}: not comparable; "
-            + (
-                "promoting it (promote_across_metrics)"
-                if across_metrics
-                else "keeping the champion (set promote_across_metrics to promote anyway)"
-            )
-        )
-    else:
-        old = float(champ["tags"]["gate_value"])
-        promote_it = value > old
-        why = f"{metric} {value:.6f} {'>' if promote_it else '<='} champion version {champ['version']}'s {old:.6f}"
-    if promote_it:
+    now = champ["version"] if champ else None
+    if now == version:
+        won, reason = False, "already the champion"
+    elif now != judged:
+        won = False
+        reason = f"the champion is version {now}, not version {judged} it was judged against: keeping it"
+    if won:
         c.set_registered_model_alias(name, CHAMPION, str(version))
-    champion = version if promote_it or champ is None else champ["version"]
-    log(f"model {name} version {version}: {why}; the champion is version {champion}")
+    champion = version if won else now
+    log(f"model {name} version {version}: {reason}; the champion is version {champion}")
     aliases = sorted(c.get_model_version(name, str(version)).aliases or [])
-    return {"champion": champion, "promoted": promote_it, "aliases": aliases, "reason": why}
+    return {"champion": champion, "promoted": won, "aliases": aliases, "reason": reason}
 
 
 def latest_version(name: str, tracking_uri: str | None = None) -> dict[str, Any] | None:

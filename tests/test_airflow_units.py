@@ -263,7 +263,7 @@ def test_local_run_set_is_the_trainers_syntax():
             "params.max_steps=10",
             "params.data_source=synthetic",
             'params.model_name="beauty"',
-            "params.promote_across_metrics=true",
+            "params.gate_min_margin=0.01",
             "params.fault_plan=",
             "train.epochs=3",
             "params.seed=2",
@@ -275,7 +275,7 @@ def test_local_run_set_is_the_trainers_syntax():
         "seed": 2,
         "data_source": "synthetic",
         "model_name": "beauty",
-        "promote_across_metrics": True,
+        "gate_min_margin": 0.01,
         "fault_plan": "",
     }
     for item, words in (
@@ -767,71 +767,69 @@ def test_evaluate_logs_only_what_the_trainer_did_not_and_the_gate_finds_it(tmp_p
     _, run = tracking.ensure_run("exp", "ftrec_train/r1/train", tracking_uri=uri)
     c = tracking.client(uri)
     c.log_metric(run, "test/sampled/ndcg_at_10", 0.3125, step=10)  # as the trainer logs its final scores
-    c.log_metric(run, "test/full/hr_at_10", 0.0625, step=10)
-    # the evaluation's result file is there: steps.evaluate reads it instead of evaluating again
+    c.log_metric(run, "test/full/ndcg_at_10", 0.0625, step=10)
+    # the evaluation's result file is there: steps.judge reads it instead of evaluating again
     out = pipeline.run_dir() / "eval.json"
     out.parent.mkdir(parents=True)
-    out.write_text(
-        json.dumps({"metrics": {"test/sampled/ndcg@10": 0.3125, "test/full/hr@10": 0.0625, "test/full/mrr": 0.04}})
-    )
+    split = {"fingerprint": "f" * 64, "eval_sha256": "e" * 64, "shards": "/shards"}
+    metrics = {"test/sampled/ndcg@10": 0.3125, "test/full/ndcg@10": 0.0625, "test/full/mrr": 0.04}
+    out.write_text(json.dumps({"metrics": metrics, "champion": None, "champion_error": None, "split": split}))
     trained = {"mlflow_run_id": run, "tracking_uri": uri, "checkpoint": "/ckpt", "shards": "/shards"}
-    ev = pipeline.evaluate(trained)
+    ev = pipeline.evaluate({"model_name": "none-yet"}, trained)
     assert ev["logged"] == ["test/full/mrr"]
-    assert ev["metrics"] == {"test/sampled/ndcg_at_10": 0.3125, "test/full/hr_at_10": 0.0625, "test/full/mrr": 0.04}
-    pipeline.evaluate(trained)  # a retry adds nothing either
+    assert ev["metrics"] == {"test/sampled/ndcg_at_10": 0.3125, "test/full/ndcg_at_10": 0.0625, "test/full/mrr": 0.04}
+    assert ev["champion"] == {"version": None, "metrics": None, "error": None} and ev["split"] == split
+    pipeline.evaluate({"model_name": "none-yet"}, trained)  # a retry adds nothing either
     metrics = tracking.run_metrics(run, uri)
-    assert sorted(metrics) == ["test/full/hr_at_10", "test/full/mrr", "test/sampled/ndcg_at_10"]
+    assert sorted(metrics) == ["test/full/mrr", "test/full/ndcg_at_10", "test/sampled/ndcg_at_10"]
     assert len(c.get_metric_history(run, "test/sampled/ndcg_at_10")) == 1
-    assert steps.check_gate(ev["metrics"], pipeline.GATE_METRIC, 0.3) == 0.3125
+    assert steps.check_gate(ev["metrics"], pipeline.GATE_METRIC, 0.06) == 0.0625
 
 
 # ---------------------------------------------------------------- registry aliases
 
 
-def _version(c, name: str, metric: str, value: float, run_id: str | None = None) -> int:
-    """A registered version as register_model leaves it: its gate metric and value as tags."""
-    mv = c.create_model_version(
-        name, source="file:///nowhere/model", run_id=run_id, tags={"gate_metric": metric, "gate_value": repr(value)}
-    )
+def _version(c, name: str) -> int:
+    mv = c.create_model_version(name, source="file:///nowhere/model", run_id=None)
     return int(mv.version)
 
 
-def test_champion_moves_only_to_a_better_version_on_the_same_metric(tmp_path):
+def test_champion_moves_only_to_a_winner_judged_against_the_current_champion(tmp_path):
+    """tracking.promote applies steps.verdict's decision: a loser gets `challenger` only; a
+    winner judged against a champion that has moved since is kept out; a retry changes nothing."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     c = tracking.client(uri)
     assert tracking.by_alias("recs", tracking.CHAMPION, uri) is None  # no model yet
     c.create_registered_model("recs")
     assert tracking.by_alias("recs", tracking.CHAMPION, uri) is None  # a model, no alias
     said: list[str] = []
-    m = "test/sampled/ndcg_at_10"
 
-    def promote(v, metric, value, **kw):
-        return tracking.promote("recs", v, metric, value, tracking_uri=uri, log=said.append, **kw)
+    def promote(v, won, judged, why="why"):
+        return tracking.promote("recs", v, won=won, reason=why, judged=judged, tracking_uri=uri, log=said.append)
 
-    v1 = _version(c, "recs", m, 0.30)
-    assert promote(v1, m, 0.30) == {
+    v1 = _version(c, "recs")
+    assert promote(v1, True, None, "first") == {
         "champion": 1,
         "promoted": True,
         "aliases": ["challenger", "champion"],
-        "reason": "first champion",
+        "reason": "first",
     }
-    v2 = _version(c, "recs", m, 0.25)  # worse: challenger only
-    r = promote(v2, m, 0.25)
+    v2 = _version(c, "recs")  # lost on the same split: challenger only
+    r = promote(v2, False, 1, "lost")
     assert (r["champion"], r["promoted"], r["aliases"]) == (1, False, ["challenger"])
     assert tracking.by_alias("recs", tracking.CHAMPION, uri)["version"] == 1
     assert tracking.by_alias("recs", tracking.CHALLENGER, uri)["version"] == 2
-    v3 = _version(c, "recs", m, 0.35)  # better: champion
-    assert promote(v3, m, 0.35)["champion"] == 3
-    assert promote(v3, m, 0.35) == {
+    v3 = _version(c, "recs")  # won: champion
+    assert promote(v3, True, 1)["champion"] == 3
+    assert promote(v3, True, 1) == {
         "champion": 3,
         "promoted": False,
         "aliases": ["challenger", "champion"],
         "reason": "already the champion",
     }  # a retry changes nothing
-    v4 = _version(c, "recs", "test/full/hr_at_10", 0.9)  # another metric: not comparable, kept
-    r = promote(v4, "test/full/hr_at_10", 0.9)
-    assert (r["champion"], r["promoted"]) == (3, False) and "not comparable" in r["reason"]
-    assert "gated on 'test/sampled/ndcg_at_10'" in said[-1] and "keeping the champion" in said[-1]
-    r = promote(v4, "test/full/hr_at_10", 0.9, across_metrics=True)  # unless the param asks
-    assert (r["champion"], r["promoted"]) == (4, True)
-    assert tracking.by_alias("recs", tracking.CHAMPION, uri)["tags"]["gate_metric"] == "test/full/hr_at_10"
+    v4 = _version(c, "recs")  # won against version 1, but version 3 is champion now: not comparable
+    r = promote(v4, True, 1)
+    assert (r["champion"], r["promoted"], r["aliases"]) == (3, False, ["challenger"])
+    assert "the champion is version 3, not version 1" in said[-1]
+    v5 = _version(c, "recs")  # no champion when judged, one now: kept out too
+    assert promote(v5, True, None)["champion"] == 3

@@ -179,7 +179,7 @@ def test_ftrec_train_params_have_types_descriptions_and_defaults(parsed):
         "model_name",
         "gate_metric",
         "gate_min",
-        "promote_across_metrics",
+        "gate_min_margin",
         "train_overrides",
         "seed",
     }
@@ -194,8 +194,8 @@ def test_ftrec_train_params_have_types_descriptions_and_defaults(parsed):
     assert p["world_size"]["schema"]["type"] == ["null", "integer"] and p["world_size"]["value"] is None
     assert p["fault_plan"]["value"] == ""
     assert p["mlflow_experiment"]["value"] == "ftrec" and p["model_name"]["value"] == "ftrec"
-    assert p["gate_metric"]["value"] == "test/sampled/ndcg_at_10" and p["gate_min"]["schema"]["type"] == "number"
-    assert p["promote_across_metrics"]["value"] is False
+    assert p["gate_metric"]["value"] == "test/full/ndcg_at_10" and p["gate_min"]["schema"]["type"] == "number"
+    assert p["gate_min_margin"]["value"] > 0 and p["gate_min_margin"]["schema"]["minimum"] == 0
 
 
 def test_ftrec_retrain_runs_daily_or_on_new_data(parsed):
