@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import socket
+import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -25,7 +26,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from dataprep import balance, readers, schema, sequences
+from dataprep import balance, bucketed, readers, schema, sequences
 from dataprep.cost import load_cost_model
 from dataprep.errors import DataprepError, DifferentShardSet
 from dataprep.fsutil import fingerprint, sha256_file
@@ -34,11 +35,12 @@ from dataprep.progress import Progress, stage
 MAX_REJECT_FRACTION = 0.05
 
 
-def _check_rejects(ev: readers.Interactions, max_fraction: float) -> None:
-    rejected = sum(t.num_rows for t in ev.rejects)
-    lines = max(ev.counts.get("lines", 0), 1)
+def check_rejects(rejects: list[pa.Table], lines: int, max_fraction: float) -> None:
+    """Fail when more than `max_fraction` of the input lines were rejected, naming the first."""
+    rejected = sum(t.num_rows for t in rejects)
+    lines = max(lines, 1)
     if rejected and rejected > max_fraction * lines:
-        allr = pa.concat_tables(ev.rejects)
+        allr = pa.concat_tables(rejects)
         first = allr.take(pc.sort_indices(allr, [("source", "ascending"), ("line", "ascending")])[:1]).to_pylist()[0]
         raise DataprepError(
             f"{first['source']}: {rejected} of {lines} lines rejected (first: line {first['line']}, "
@@ -167,14 +169,22 @@ def build_shards(
     max_reject_fraction: float = MAX_REJECT_FRACTION,
     overwrite: bool = False,
     log: Callable[[str], None] | None = None,
+    memory_budget: "str | int | None" = None,
+    buckets: int | None = None,
+    workers: int = 1,
     **reader_options,
 ) -> dict:
     """Build a shard set at `out` and return its manifest (see dataprep.schema).
 
     `log` receives one line per stage as it ends (rows read, users, steps balanced, files
     written): an Airflow task log shows the build's progress, not only its end.
-    Raises DataprepError for anything the user can fix (input, settings, existing output).
+    Inputs the in-memory build would hold within `memory_budget` (default: a quarter of the
+    machine) are built in memory; larger ones, or any with `buckets` or `workers` > 1, by
+    dataprep.bucketed, into the same bytes. Raises DataprepError for anything the user can fix.
     """
+    budget = bucketed.parse_size(memory_budget) if memory_budget is not None else bucketed.default_budget()
+    if buckets is not None and buckets < 1 or workers < 1:
+        raise DataprepError("--buckets and --workers must be >= 1")
     say = log or (lambda line: None)
     t_all = time.monotonic()
     paths = [str(p) for p in ([input] if isinstance(input, (str, os.PathLike)) else input)]
@@ -220,6 +230,31 @@ def build_shards(
         return existing
 
     timings: dict[str, float] = {}
+    head = {
+        "format_version": version,
+        "input": {"paths": [str(Path(x).resolve()) for x in paths], "format": fmt, "fingerprint": fp},
+        "config": config,
+    }
+    if buckets is not None or workers > 1 or bucketed.estimate(paths, fmt) > budget:
+        if log is None and not quiet:
+            say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+        ctx = {
+            "paths": paths,
+            "fmt": fmt,
+            "config": config,
+            "reader_options": reader_options,
+            "has_time": fmt in readers.TIME_FORMATS,
+            "max_reject_fraction": max_reject_fraction,
+        }
+        tmp = new_staging(outp)
+        try:
+            rejects, fig, t_write = bucketed.run(
+                tmp, ctx, budget=budget, buckets=buckets, workers=workers, say=say, timings=timings
+            )
+            return seal(tmp, outp, head, fig, rejects, timings=timings, t_write=t_write, t_all=t_all, say=say)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     ev, seq, ev_table, samples = _samples(
         paths, fmt, config, max_reject_fraction, reader_options, quiet=quiet, say=say, timings=timings
     )
@@ -228,11 +263,6 @@ def build_shards(
     built = _Built(
         ev=ev, seq=seq, eval_table=ev_table, samples=samples, cost=cost, plan=p, stats=st, stats_random=st_random
     )
-    head = {
-        "format_version": version,
-        "input": {"paths": [str(Path(x).resolve()) for x in paths], "format": fmt, "fingerprint": fp},
-        "config": config,
-    }
     return _write_set(outp, built, head, quiet=quiet, say=say, timings=timings, t_all=t_all)
 
 
@@ -265,7 +295,7 @@ def _samples(
     t = time.monotonic()
     with stage("read", quiet=quiet):
         ev = readers.read(paths, fmt, **reader_options)
-    _check_rejects(ev, max_reject_fraction)
+    check_rejects(ev.rejects, ev.counts.get("lines", 0), max_reject_fraction)
     timings["read_s"] = time.monotonic() - t
     say(
         f"dataprep: read {ev.counts.get('lines', 0)} lines, {len(ev)} events, "
@@ -320,24 +350,23 @@ def _balance(
     return p, st, st_random
 
 
-def _rejects(built: _Built) -> tuple[pa.Table, dict[str, int]]:
-    """Every rejected row (reading, sequences, samples the tail policy dropped) and counts by reason."""
-    seq, samples, p = built.seq, built.samples, built.plan
-    rejects = list(seq.rejects)
-    if p.dropped:
-        d = np.flatnonzero(p.step < 0)
-        rejects.append(
-            pa.table(
-                {
-                    "source": pa.nulls(len(d), pa.string()),
-                    "line": pa.nulls(len(d), pa.int64()),
-                    "user": pc.take(seq.user_raw, pa.array(samples.user_id[d] - 1)).cast(pa.string()),
-                    "reason": pa.array(["tail_dropped"] * len(d)),
-                    "detail": pa.array([f"sample_id={i}" for i in d]),
-                },
-                schema=schema.REJECTS_SCHEMA,
-            )
-        )
+def tail_rejects(users: pa.Array, sample_ids: np.ndarray) -> pa.Table:
+    """The rejects rows of samples the tail policy dropped (`users`: their raw user ids)."""
+    n = len(sample_ids)
+    return pa.table(
+        {
+            "source": pa.nulls(n, pa.string()),
+            "line": pa.nulls(n, pa.int64()),
+            "user": users.cast(pa.string()),
+            "reason": pa.array(["tail_dropped"] * n),
+            "detail": pa.array([f"sample_id={i}" for i in sample_ids]),
+        },
+        schema=schema.REJECTS_SCHEMA,
+    )
+
+
+def reject_table(rejects: list[pa.Table]) -> tuple[pa.Table, dict[str, int]]:
+    """All rejects tables as one, and the counts by reason."""
     rej = (
         pa.concat_tables([r.cast(schema.REJECTS_SCHEMA) for r in rejects])
         if rejects
@@ -362,47 +391,68 @@ def _write_set(
 ) -> dict:
     """Write the set into a temporary folder beside `outp`, then rename it into place."""
     p = built.plan
-    rej, by_reason = _rejects(built)
-    outp.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temps(outp)
-    tmp = outp.parent / f".{outp.name}.tmp-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    seq, samples = built.seq, built.samples
+    rejects = list(seq.rejects)
+    if p.dropped:
+        d = np.flatnonzero(p.step < 0)
+        rejects.append(tail_rejects(pc.take(seq.user_raw, pa.array(samples.user_id[d] - 1)), d))
+    tmp = new_staging(outp)
     t = time.monotonic()
     try:
-        tmp.mkdir()
         _write_shards(tmp, built.samples, built.cost, p, quiet)
         _write_parquet(tmp / schema.EVAL_FILE, built.eval_table)
         _write_parquet(tmp / schema.USER_MAP, built.seq.user_map())
         _write_parquet(tmp / schema.ITEM_MAP, built.seq.item_map())
-        _write_parquet(tmp / schema.REJECTS_FILE, rej)
-        files = {str(f.relative_to(tmp)): sha256_file(f) for f in sorted(tmp.rglob("*")) if f.is_file()}
-        timings["write_s"] = time.monotonic() - t
-        timings["total_s"] = time.monotonic() - t_all
-        manifest = _manifest(built, head, by_reason, timings, files)
-        (tmp / schema.MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-        _install(tmp, outp)
-        say(f"dataprep: wrote {len(files)} files to {outp} ({timings['write_s']:.1f} s)")
+        return seal(tmp, outp, head, _figures(built), rejects, timings=timings, t_write=t, t_all=t_all, say=say)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def new_staging(outp: Path) -> Path:
+    """A new, empty temporary folder beside `outp` (stale ones of dead builds removed first)."""
+    outp.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temps(outp)
+    tmp = outp.parent / f".{outp.name}.tmp-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    return tmp
+
+
+def seal(
+    tmp: Path,
+    outp: Path,
+    head: dict,
+    figures: dict,
+    rejects: list[pa.Table],
+    *,
+    timings: dict[str, float],
+    t_write: float,
+    t_all: float,
+    say: Callable[[str], None],
+) -> dict:
+    """Finish a staged set (shards, eval and maps written): rejects, checksums, manifest, then
+    rename it into place. Returns the manifest."""
+    rej, by_reason = reject_table(rejects)
+    _write_parquet(tmp / schema.REJECTS_FILE, rej)
+    files = {str(f.relative_to(tmp)): sha256_file(f) for f in sorted(tmp.rglob("*")) if f.is_file()}
+    timings["write_s"] = time.monotonic() - t_write
+    timings["total_s"] = time.monotonic() - t_all
+    manifest = _manifest(head, figures, by_reason, timings, files)
+    (tmp / schema.MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    _install(tmp, outp)
+    say(f"dataprep: wrote {len(files)} files to {outp} ({timings['write_s']:.1f} s)")
     return manifest
 
 
-def _manifest(
-    built: _Built, head: dict, by_reason: dict[str, int], timings: dict[str, float], files: dict[str, str]
-) -> dict:
-    """The manifest.json of a written set (see dataprep.schema); `head`: format_version, input, config."""
+def _figures(built: _Built) -> dict:
+    """What the manifest says of a built set (see _manifest)."""
     ev, seq, samples, p, st, cost = built.ev, built.seq, built.samples, built.plan, built.stats, built.cost
     n = len(samples.user_id)
-    manifest = {
-        "format_version": head["format_version"],
-        "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
-        "input": head["input"],
-        "config": head["config"],
+    return {
         "num_users": seq.num_users,
         "num_items": seq.num_items,
         "num_samples": n,
         "steps": p.steps,
-        "global_batch": head["config"]["world_size"] * head["config"]["batch_size"],
         "counts": {
             "lines": ev.counts.get("lines", 0),
             "blank_lines": ev.counts.get("blank_lines", 0),
@@ -421,18 +471,42 @@ def _manifest(
             "items_truncated": samples.items_truncated,
             "tokens": int(samples.length.sum()),
         },
+        "stats": st,
+        "bubble_fraction_random": built.stats_random["bubble_fraction"],
+        "total_cost": float(cost[p.step >= 0].sum()),
+        "time_unit": seq.time_unit,
+    }
+
+
+def _manifest(
+    head: dict, fig: dict, by_reason: dict[str, int], timings: dict[str, float], files: dict[str, str]
+) -> dict:
+    """The manifest.json of a written set (see dataprep.schema); `head`: format_version, input, config;
+    `fig`: the set's figures (see _figures)."""
+    st = fig["stats"]
+    manifest = {
+        "format_version": head["format_version"],
+        "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "input": head["input"],
+        "config": head["config"],
+        "num_users": fig["num_users"],
+        "num_items": fig["num_items"],
+        "num_samples": fig["num_samples"],
+        "steps": fig["steps"],
+        "global_batch": head["config"]["world_size"] * head["config"]["batch_size"],
+        "counts": fig["counts"],
         "rejects": by_reason,
         "imbalance": st["imbalance"],
         "over_lower_bound": st["over_lower_bound"],
         "bubble_fraction": st["bubble_fraction"],
-        "bubble_fraction_random": built.stats_random["bubble_fraction"],
+        "bubble_fraction_random": fig["bubble_fraction_random"],
         "bubble_fraction_lower_bound": st["bubble_fraction_lower_bound"],
-        "total_cost": float(cost[p.step >= 0].sum()),
+        "total_cost": fig["total_cost"],
         "timings": {k_: round(v, 3) for k_, v in timings.items()},
         "files": files,
     }
     if head["format_version"] == 2:
-        manifest["timestamps"] = {"column": schema.TIMESTAMPS, "unit": "s", "input_unit": seq.time_unit}
+        manifest["timestamps"] = {"column": schema.TIMESTAMPS, "unit": "s", "input_unit": fig["time_unit"]}
     return manifest
 
 

@@ -28,6 +28,7 @@ column, not readable) raise DataprepError naming the file and what to do.
 import csv
 import os
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -595,7 +596,11 @@ def _table_events(
     rejects: list,
     invalid: "np.ndarray | None",
     is_csv: bool,
+    calls: "list[int] | None" = None,
 ) -> tuple[dict, list, dict]:
+    """One file's (or one batch's) typed events and rejects. `calls`, when given, receives for
+    each reject table added the number of the check that made it (a batched reader restores
+    the whole file's reject order from them)."""
     uc, ic, tc = cols
     raw = [table.column(c).combine_chunks() for c in cols]
     n = table.num_rows
@@ -615,11 +620,15 @@ def _table_events(
     ts, bad_ts, ts_what = _as_time(raw[2], path, tc)
     skipped = sum(r.num_rows for r in rejects)  # rows the CSV reader rejected
     bad = blank.copy()
+    check = 0
 
     def reject(mask, reason, detail):
-        nonlocal bad
+        nonlocal bad, check
+        check += 1
         mask = mask & ~bad
         if mask.any():
+            if calls is not None:
+                calls.append(check)
             idx = np.flatnonzero(mask)
             u = pc.take(user, pa.array(idx)).cast(pa.string()).to_pylist()
             det = detail(idx) if callable(detail) else [detail] * len(idx)
@@ -687,6 +696,110 @@ def _concat(parts: list[tuple[dict, list, dict]], paths: list[str], has_time: bo
     )
 
 
+def _columns(user_col: str, item_col: str, time_col: str, unknown: dict) -> bool:
+    """Check the reader options; True when the event columns are the defaults (aliases allowed)."""
+    if unknown:
+        raise DataprepError(
+            f"unknown reader option(s): {', '.join(sorted(unknown))}; readers take user_col, item_col, time_col"
+        )
+    return (user_col, item_col, time_col) == ("user_id", "item_id", "timestamp")
+
+
+def read_file(path: str, fmt: str, user_col: str, item_col: str, time_col: str, defaults: bool) -> tuple:
+    """One input file whole: (event columns, rejects, counts), as `read` concatenates them."""
+    check_input(path)
+    if fmt == "sasrec":
+        return _read_sasrec(path)
+    if fmt == "iclrec":
+        return _token_events(path, None, "iclrec")
+    if fmt == "movielens":
+        if path.endswith(".csv"):
+            return _read_events(path, "userId", "movieId", "timestamp", False)
+        return _token_events(path, "::", "movielens")
+    return _read_events(path, user_col, item_col, time_col, defaults)
+
+
+def _streamable(dataset: pds.Dataset, cols: tuple[str, str, str]) -> bool:
+    """Whether batches of this Parquet input read exactly as the whole file: not when a string
+    time column (its kind is decided over the whole column) or a uint64 id column (int64 or text
+    by its largest value) is there."""
+    types = [dataset.schema.field(c).type for c in cols]
+    types = [t.value_type if pa.types.is_dictionary(t) else t for t in types]
+    return not (
+        pa.types.is_string(types[2])
+        or pa.types.is_large_string(types[2])
+        or any(pa.types.is_uint64(t) for t in types[:2])
+    )
+
+
+def iter_file(
+    path: str,
+    fmt: str,
+    batch_rows: int,
+    *,
+    user_col: str = "user_id",
+    item_col: str = "item_id",
+    time_col: str = "timestamp",
+    **unknown,
+) -> Iterator[tuple[dict, list[tuple[int, pa.Table]], dict]]:
+    """One input file as parts of at most `batch_rows` rows where the format allows (Parquet
+    events), else whole: (event columns, [(check number, reject table)], counts). The parts'
+    events concatenate to `read_file`'s; its rejects are each check's tables concatenated, in
+    check order (see _table_events)."""
+    defaults = _columns(user_col, item_col, time_col, unknown)
+    parquet = fmt == "events" and not path.endswith((".csv", ".csv.gz", ".tsv"))
+    if parquet:
+        check_input(path)
+        dataset, cols = _parquet_dataset(path, user_col, item_col, time_col, defaults)
+        if _streamable(dataset, cols):
+            yield from _parquet_batches(path, dataset, cols, batch_rows)
+            return
+    cols_, rejects, counts = read_file(path, fmt, user_col, item_col, time_col, defaults)
+    yield cols_, list(enumerate(rejects)), counts
+
+
+def _parquet_dataset(path: str, user_col: str, item_col: str, time_col: str, defaults: bool) -> tuple:
+    try:
+        dataset = pds.dataset(path, format="parquet")
+        return dataset, _event_cols(dataset.schema.names, user_col, item_col, time_col, defaults, path)
+    except (OSError, ValueError) as e:
+        if isinstance(e, OSError) and e.errno is not None:
+            raise
+        raise DataprepError(
+            f"{path}: not a readable Parquet file ({str(e).splitlines()[0]}); it may be "
+            "truncated, still being written or not Parquet; check the file and --format"
+        ) from None
+
+
+def _parquet_batches(path: str, dataset: pds.Dataset, cols: tuple, batch_rows: int) -> Iterator[tuple]:
+    rows = 0
+    batches = dataset.to_batches(columns=list(cols), batch_size=batch_rows, use_threads=False)
+    while True:
+        try:
+            batch = next(batches, None)
+        except (OSError, ValueError) as e:
+            if isinstance(e, OSError) and e.errno is not None:
+                raise
+            name = next((f for f in dataset.files if not _parquet_readable(f)), path)
+            raise DataprepError(
+                f"{name}: not a readable Parquet file ({str(e).splitlines()[0]}); it may be "
+                "truncated, still being written or not Parquet; check the file and --format"
+            ) from None
+        if batch is None:
+            break
+        if batch.num_rows == 0:
+            continue
+        line = np.arange(rows + 1, rows + batch.num_rows + 1, dtype=np.int64)
+        calls: list[int] = []
+        out, rejects, counts = _table_events(
+            path, pa.Table.from_batches([batch]), cols, line, [], None, False, calls=calls
+        )
+        rows += batch.num_rows
+        yield out, list(zip(calls, rejects, strict=True)), counts
+    if rows == 0:
+        raise DataprepError(f"{path}: no rows; nothing to read (give a file with interactions)")
+
+
 def read(
     paths: "str | list[str]",
     fmt: str,
@@ -697,10 +810,7 @@ def read(
     **unknown,
 ) -> Interactions:
     """Read every input file of format `fmt`; bad rows become rejects (see module doc)."""
-    if unknown:
-        raise DataprepError(
-            f"unknown reader option(s): {', '.join(sorted(unknown))}; readers take user_col, item_col, time_col"
-        )
+    defaults = _columns(user_col, item_col, time_col, unknown)
     if fmt not in FORMATS:
         raise DataprepError(f"--format {fmt!r}: unknown; choose one of {', '.join(FORMATS)}")
     if isinstance(paths, (str, os.PathLike)):
@@ -708,19 +818,5 @@ def read(
     paths = [str(p) for p in paths]
     if not paths:
         raise DataprepError("--input: no input files given")
-    defaults = (user_col, item_col, time_col) == ("user_id", "item_id", "timestamp")
-    parts = []
-    for p in paths:
-        check_input(p)
-        if fmt == "sasrec":
-            parts.append(_read_sasrec(p))
-        elif fmt == "iclrec":
-            parts.append(_token_events(p, None, "iclrec"))
-        elif fmt == "movielens":
-            if p.endswith(".csv"):
-                parts.append(_read_events(p, "userId", "movieId", "timestamp", False))
-            else:
-                parts.append(_token_events(p, "::", "movielens"))
-        else:
-            parts.append(_read_events(p, user_col, item_col, time_col, defaults))
+    parts = [read_file(p, fmt, user_col, item_col, time_col, defaults) for p in paths]
     return _concat(parts, paths, has_time=fmt in TIME_FORMATS)

@@ -35,6 +35,7 @@ class Sequences:
     counts: dict = field(default_factory=dict)
     timestamps: np.ndarray | None = None  # int64 epoch seconds of each value; None: the input has no times
     time_unit: str = ""  # the unit the input's times were in (see `seconds`)
+    duplicate_events: np.ndarray | None = None  # event indices of the duplicates rejected, ascending
 
     @property
     def num_users(self) -> int:
@@ -89,20 +90,39 @@ def _order(user: np.ndarray, ts: np.ndarray) -> np.ndarray:
     return np.lexsort((ts, user))
 
 
+_UNITS = (("s", 1, 10**11), ("ms", 10**3, 10**14), ("us", 10**6, 10**17), ("ns", 10**9, None))
+
+
+def time_unit(top: int) -> str:
+    """The unit of event times whose largest magnitude is `top` (see `seconds`)."""
+    return next(unit for unit, _, limit in _UNITS if limit is None or top < limit)
+
+
+def in_seconds(ts: np.ndarray, unit: str) -> np.ndarray:
+    return ts // next(per for u, per, _ in _UNITS if u == unit)
+
+
 def seconds(ts: np.ndarray) -> tuple[np.ndarray, str]:
     """Event times -> epoch seconds, and the unit they were in. Readers keep integer times in
     the input's own unit and give ISO-8601 and fractional times in microseconds, so the unit
     is read from the magnitude: epoch times after 1973 are >= 1e11 in ms, >= 1e14 in us,
     >= 1e17 in ns, and seconds stay below 1e11 until the year 5138."""
-    top = int(np.abs(ts).max()) if len(ts) else 0
-    for unit, per_second, limit in (("s", 1, 10**11), ("ms", 10**3, 10**14), ("us", 10**6, 10**17)):
-        if top < limit:
-            return ts // per_second, unit
-    return ts // 10**9, "ns"
+    unit = time_unit(int(np.abs(ts).max()) if len(ts) else 0)
+    return in_seconds(ts, unit), unit
 
 
-def build_sequences(ev: Interactions, *, dedup: str = "exact", max_events: int | None = None) -> Sequences:
-    """Group, order, de-duplicate, filter and remap (see module doc)."""
+def build_sequences(
+    ev: Interactions,
+    *,
+    dedup: str = "exact",
+    max_events: int | None = None,
+    raw_times: bool = False,
+    part: bool = False,
+) -> Sequences:
+    """Group, order, de-duplicate, filter and remap (see module doc).
+
+    For a bucket of users (dataprep.bucketed): `part` lets every user be dropped, and
+    `raw_times` keeps times in the input's unit (the unit is chosen over all buckets)."""
     if dedup not in DEDUP:
         raise DataprepError(f"--dedup {dedup!r}: unknown; choose one of {', '.join(DEDUP)}")
     n = len(ev)
@@ -117,6 +137,7 @@ def build_sequences(ev: Interactions, *, dedup: str = "exact", max_events: int |
     i0 = enc.indices.to_numpy().astype(np.int64)
     order = _order(u0, ev.ts)
     us = u0[order]
+    order_all = order
     dup = _duplicates(us, ev.ts[order], i0[order], dedup, ev.has_time)
     if dup.any():
         di = order[dup]
@@ -136,7 +157,7 @@ def build_sequences(ev: Interactions, *, dedup: str = "exact", max_events: int |
     drop_user, too_short = _drop_users(ev, us, order, nu, max_events, rejects)
     keep_ev = ~drop_user[us]
     order = order[keep_ev]
-    if len(order) == 0:
+    if len(order) == 0 and not part:
         raise DataprepError(
             f"{', '.join(ev.paths)}: no user has the {MIN_EVENTS} events leave-one-out needs "
             f"({too_short} users too short); give more data"
@@ -164,7 +185,9 @@ def build_sequences(ev: Interactions, *, dedup: str = "exact", max_events: int |
         "users_read": int((np.bincount(u0, minlength=nu) > 0).sum()),
         "users_rejected": int(drop_user.sum()),
     }
-    ts_kept, unit = seconds(ev.ts[order]) if ev.has_time else (None, "")
+    ts_kept, unit = seconds(ev.ts[order]) if ev.has_time and not raw_times else (None, "")
+    if ev.has_time and raw_times:
+        ts_kept = ev.ts[order]
     return Sequences(
         offsets=offsets,
         values=dense_item[it_kept].astype(np.int32),
@@ -174,6 +197,7 @@ def build_sequences(ev: Interactions, *, dedup: str = "exact", max_events: int |
         counts=counts,
         timestamps=ts_kept,
         time_unit=unit,
+        duplicate_events=np.sort(order_all[dup]) if dup.any() else np.zeros(0, np.int64),
     )
 
 

@@ -1,0 +1,139 @@
+"""The bucketed build writes the in-memory build's shard set byte for byte (dataprep.bucketed)."""
+
+import filecmp
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.csv as pcsv
+import pyarrow.parquet as pq
+import pytest
+
+from dataprep import bucketed
+from dataprep.build import build_shards
+from dataprep.errors import DataprepError
+
+SHARED = Path(__file__).resolve().parent.parent.parent / "shared" / "data"
+
+
+def _events(rng: np.random.Generator, users: int, n: int, first_user: int = 0) -> dict:
+    """Events of `users` users with heavy-tailed counts, exact duplicates, time ties and repeats."""
+    u = first_user + np.minimum(rng.zipf(1.3, n), users) - 1
+    item = rng.integers(0, 400, n) * 7 + 3
+    ts = 1_600_000_000_000 + rng.integers(0, 10**9, n)
+    dup = rng.random(n) < 0.03  # a copy of the previous event (same user, item, time)
+    dup[0] = False
+    for a in (u, item, ts):
+        a[dup] = a[np.flatnonzero(dup) - 1]
+    tie = rng.random(n) < 0.03  # same user and time as the previous event, another item
+    tie[0] = False
+    u[tie], ts[tie] = u[np.flatnonzero(tie) - 1], ts[np.flatnonzero(tie) - 1]
+    return {"user_id": u, "item_id": item, "timestamp": ts}
+
+
+def _bad_rows(cols: dict, rng: np.random.Generator, frac: float = 0.01) -> pa.Table:
+    """Nulls (missing_value) and negative ids (negative_id) in a few rows."""
+    n = len(cols["user_id"])
+    arrays = {k: pa.array(v, mask=rng.random(n) < frac / 3) for k, v in cols.items()}
+    neg = np.flatnonzero(rng.random(n) < frac / 3)
+    item = np.asarray(cols["item_id"]).copy()
+    item[neg] = -item[neg] - 1
+    arrays["item_id"] = pa.array(item, mask=np.asarray(arrays["item_id"].is_null()))
+    return pa.table(arrays)
+
+
+@pytest.fixture(scope="module")
+def parquet_inputs(tmp_path_factory) -> list[str]:
+    d = tmp_path_factory.mktemp("ev")
+    rng = np.random.default_rng(5)
+    a = _bad_rows(_events(rng, 3000, 60_000), rng)
+    b = _events(rng, 3000, 30_000, first_user=2000)  # users overlapping the first file's
+    tb = pa.table(b).set_column(2, "timestamp", pa.array(b["timestamp"] * 1000).cast(pa.timestamp("us")))
+    pq.write_table(a, d / "a.parquet", row_group_size=7000)
+    pq.write_table(tb, d / "b.parquet", row_group_size=9000)
+    return [str(d / "a.parquet"), str(d / "b.parquet")]
+
+
+def _manifest_text(path: Path) -> str:
+    """manifest.json as written, but for when the set was made and how long each stage took."""
+    m = json.loads(path.read_text())
+    m["created_at"], m["timings"] = "-", {k: 0 for k in m["timings"]}
+    return json.dumps(m, indent=2) + "\n"
+
+
+def _assert_same(a: Path, b: Path) -> None:
+    """Every file byte for byte; manifest.json too, but for its time of creation and timings."""
+    files = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())
+    for f in files:
+        if f.name == "manifest.json":
+            assert _manifest_text(a / f) == _manifest_text(b / f)
+        else:
+            assert filecmp.cmp(a / f, b / f, shallow=False), f"{f} differs"
+
+
+def _both(tmp_path: Path, inputs, fmt: str, monkeypatch=None, **kw) -> tuple[dict, list[dict]]:
+    ref = build_shards(inputs, fmt, str(tmp_path / "ref"), **kw)
+    out = []
+    for nb in (1, 4):
+        m = build_shards(inputs, fmt, str(tmp_path / f"b{nb}"), buckets=nb, **kw)
+        _assert_same(tmp_path / "ref", tmp_path / f"b{nb}")
+        out.append(m)
+    return ref, out
+
+
+@pytest.mark.parametrize("name", ["beauty.txt", "video.txt"])
+def test_shared_data_same_bytes(tmp_path, name):
+    path = SHARED / name
+    if not path.exists():
+        pytest.skip(f"{path} absent (the shared data folder is not laid out here)")
+    ref, _ = _both(tmp_path, str(path), "iclrec", world_size=4, batch_size=64, max_len=50, seed=3)
+    assert ref["num_users"] > 1000
+
+
+def test_parquet_events_same_bytes(tmp_path, parquet_inputs, monkeypatch):
+    monkeypatch.setattr(bucketed, "MIN_BATCH_ROWS", 5000)  # many batches per file
+    ref, _ = _both(
+        tmp_path, parquet_inputs, "events", world_size=3, batch_size=16, max_len=20, seed=2, tail="drop", max_events=400
+    )
+    r = ref["rejects"]
+    assert r["duplicate_event"] > 100 and r["missing_value"] > 50 and r["negative_id"] > 50
+    assert r["too_short"] > 10 and r["history_too_long"] >= 1 and r["tail_dropped"] >= 1
+    assert ref["format_version"] == 2 and ref["timestamps"]["input_unit"] == "us"  # b's timestamp column
+
+
+def test_mixed_id_types_and_consecutive_dedup_same_bytes(tmp_path, parquet_inputs):
+    rng = np.random.default_rng(9)
+    c = _events(rng, 500, 8000, first_user=100)
+    t = pa.table({"user_id": [f"u{x}" for x in c["user_id"]], "item_id": c["item_id"], "timestamp": c["timestamp"]})
+    pcsv.write_csv(t, tmp_path / "c.csv")
+    inputs = [parquet_inputs[1], str(tmp_path / "c.csv")]  # int and text user ids: all compared as text
+    _both(tmp_path, inputs, "events", world_size=2, batch_size=8, dedup="consecutive")
+
+
+def test_workers_same_bytes(tmp_path, parquet_inputs):
+    build_shards(parquet_inputs, "events", str(tmp_path / "ref"), world_size=2, batch_size=32)
+    build_shards(parquet_inputs, "events", str(tmp_path / "w"), world_size=2, batch_size=32, buckets=3, workers=2)
+    _assert_same(tmp_path / "ref", tmp_path / "w")
+
+
+def test_memory_budget_parsed_and_picks_buckets(tmp_path, parquet_inputs, monkeypatch):
+    assert bucketed.parse_size("512MB") == 512 << 20 and bucketed.parse_size("4gb") == 4 << 30
+    assert bucketed.parse_size("1.5G") == 3 << 29 and bucketed.parse_size(100 << 20) == 100 << 20
+    for bad in ("lots", "12 parsecs", "1MB"):
+        with pytest.raises(DataprepError, match="--memory-budget"):
+            bucketed.parse_size(bad)
+    small: list[str] = []
+    kw = dict(world_size=2, batch_size=32, memory_budget="64MB")
+    build_shards(parquet_inputs, "events", str(tmp_path / "s"), log=small.append, **kw)
+    assert not any("buckets" in x for x in small)  # fits: built in memory
+    # as if each event took 40x the bytes: the in-memory build no longer fits 64MB; B from the budget
+    monkeypatch.setattr(bucketed, "IN_MEMORY_BYTES_PER_EVENT", 40 * bucketed.IN_MEMORY_BYTES_PER_EVENT)
+    monkeypatch.setattr(bucketed, "BYTES_PER_EVENT", 2000)
+    lines: list[str] = []
+    build_shards(parquet_inputs, "events", str(tmp_path / "b"), log=lines.append, **kw)
+    events = sum(pq.ParquetFile(p).metadata.num_rows for p in parquet_inputs)  # a few are rejects: same B
+    assert any(f"in {-(-events * 2000 // (64 << 20))} buckets" in x for x in lines), lines
+    assert any(x.startswith("dataprep: bucket 1/") for x in lines)
+    _assert_same(tmp_path / "s", tmp_path / "b")
