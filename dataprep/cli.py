@@ -66,6 +66,9 @@ def _shards(a) -> None:
         max_events=a.max_events,
         max_reject_fraction=a.max_reject_fraction,
         overwrite=a.overwrite,
+        memory_budget=a.memory_budget,
+        buckets=a.buckets,
+        workers=a.workers,
         **reader,
     )
     if a.json:
@@ -164,6 +167,15 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--user-col", help="events: user column (default user_id)")
     s.add_argument("--item-col", help="events: item column (default item_id)")
     s.add_argument("--time-col", help="events: timestamp column (default timestamp)")
+    s.add_argument(
+        "--memory-budget",
+        help="memory the build may use, like 512MB or 4GB (default: a quarter of the machine); inputs "
+        "that need more are built in buckets of users on disk, into the same files",
+    )
+    s.add_argument("--buckets", type=int, help="build in this many buckets of users, whatever the budget")
+    s.add_argument(
+        "--workers", type=int, default=1, help="processes building buckets and rank files at once (default 1)"
+    )
     s.add_argument("--overwrite", action="store_true", help="replace a different shard set at --out")
     s.add_argument("--json", action="store_true", help="print the manifest")
     s.add_argument("--quiet", action="store_true", help="no progress bar or summary")
