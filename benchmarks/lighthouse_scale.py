@@ -199,7 +199,9 @@ def main() -> int:
     a = p.parse_args()
     port = free_port()
     lh = subprocess.Popen(
-        [sys.executable, "-m", "ftcore.lighthouse", "--bind", f"127.0.0.1:{port}", "--insecure"],
+        # every simulated host shares 127.0.0.1 here: the per-address caps are a real host's times 1,000
+        [sys.executable, "-m", "ftcore.lighthouse", "--bind", f"127.0.0.1:{port}", "--insecure"]
+        + ["--max-connections-per-peer", "65536", "--max-unauthenticated-per-peer", "65536"],
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

@@ -24,9 +24,10 @@ def new_token() -> str:
     return secrets.token_urlsafe(32)
 
 
-def write_token_file(path: str) -> str:
-    """A new token in a new file at `path`, readable by its owner only from the first byte."""
-    token = new_token()
+def write_token_file(path: str, token: str | None = None) -> str:
+    """`token` (by default a new one) in a new file at `path`, readable by its owner only from
+    the first byte."""
+    token = token or new_token()
     with atomic_writer(path, perm=0o600) as f:
         f.write(token.encode())
     return token

@@ -50,10 +50,11 @@ class LighthouseConfig:
     events_per_job: int = 1000  # the most recent events each live job keeps in memory
     max_connections: int = 65536
     max_connections_per_peer: int = 16384
-    max_unauthenticated_per_peer: int = 64
+    max_unauthenticated_per_peer: int = 256
 
 
-RETIRED_KEPT = 1000  # retired jobs listed by GET /jobs
+RETIRED_KEPT = 256  # retired jobs listed by GET /jobs, whose final status GET /status still shows
+RETIRED_EVENTS = 50  # ... with this many of their last events
 
 
 class Lighthouse:
@@ -125,6 +126,7 @@ class Lighthouse:
                 "max_step": j.max_step,
                 "finished_step": j.finished_step,
                 "remember_until": time.monotonic() + self.cfg.finished_linger_s if j.finished_step else 0.0,
+                "final": {**j.snapshot(), "events": list(j.events)[-RETIRED_EVENTS:]},  # what GET /status shows
             }
             while len(self.retired) > RETIRED_KEPT:
                 self.retired.popitem(last=False)
@@ -174,23 +176,21 @@ class Lighthouse:
 
     def status(self, job: str = DEFAULT_JOB, everyone: bool = True) -> dict[str, Any]:
         """One job's status; `everyone`: the caller may see which other jobs exist (admin)."""
-        j = self.jobs.get(job)
+        j, gone = self.jobs.get(job), self.retired.get(job)
         if j is not None:
             st = j.status()
             with self._events_lock:
-                events = list(j.events)[-100:]
+                st["events"] = list(j.events)[-100:]
+        elif gone is not None:  # its final state, and why and when it retired
+            st = {**gone["final"], "retired": {"reason": gone["reason"], "retired_at": gone["retired_at"]}}
         else:
-            gone = self.retired.get(job)
             st = {"job": job, "min_replicas": self.cfg.min_replicas, "max_step": 0, "quorum": None, "groups": []}
-            if gone is not None:
-                st.update(max_step=gone["max_step"], retired={k: gone[k] for k in ("reason", "retired_at")})
-            events = []
+            st["events"] = []
         return {
             "lighthouse_id": self.lighthouse_id,
             "uptime_s": time.time() - self.started,
             "jobs": sorted(self.jobs) if everyone else [job] if j is not None else [],
             **st,
-            "events": events,
         }
 
     def jobs_report(self) -> dict[str, Any]:
@@ -199,7 +199,8 @@ class Lighthouse:
         for j in list(self.jobs.values()):
             with j.lock:
                 live.append(j.summary(time.monotonic()))
-        retired = [{k: v for k, v in r.items() if k != "remember_until"} for r in reversed(self.retired.values())]
+        hidden = ("remember_until", "final")
+        retired = [{k: v for k, v in r.items() if k not in hidden} for r in reversed(self.retired.values())]
         return {"live": sorted(live, key=lambda r: r["job"]), "retired": retired[:200], "max_jobs": self.cfg.max_jobs}
 
     def close(self) -> None:
@@ -294,6 +295,12 @@ def main(argv: list[str] | None = None) -> int:
         default=d.max_connections_per_peer,
         help="open connections from one address (two per rank on that host)",
     )
+    p.add_argument(
+        "--max-unauthenticated-per-peer",
+        type=int,
+        default=d.max_unauthenticated_per_peer,
+        help="connections from one address that sent no valid token yet (past it the oldest is closed)",
+    )
     a = p.parse_args(argv)
     if min(a.min_replicas, a.max_jobs, a.max_connections, a.max_connections_per_peer) < 1:
         print(
@@ -341,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         finished_linger_s=max(a.finished_linger, 0.0),
         max_connections=a.max_connections,
         max_connections_per_peer=a.max_connections_per_peer,
+        max_unauthenticated_per_peer=max(a.max_unauthenticated_per_peer, 1),
     )
     try:
         server, lh = serve(cfg)

@@ -547,9 +547,11 @@ class Job:
             return None
         quiet = now - self.last_heard
         groups = self.groups.values()
-        done = any(g.left for g in groups) and all(g.left or not g.healthy for g in groups)
-        if done and quiet > self.cfg.failure_probe:
+        if groups and all(g.left for g in groups):
             return "finished"
+        # a group left cleanly and the rest are dead: finished once nobody speaks any more
+        if any(g.left for g in groups) and all(g.left or not g.healthy for g in groups):
+            return "finished" if quiet > self.cfg.failure_probe else None
         if quiet > idle_s:
             return "idle"
         return None
@@ -569,26 +571,30 @@ class Job:
 
     def status(self) -> dict[str, Any]:
         with self.lock:
-            now = time.monotonic()
-            return {
-                "job": self.name,
-                "min_replicas": self.min_replicas,
-                "max_step": self.max_step,
-                "quorum": self.quorum.shared() if self.quorum else None,
-                "groups": [
-                    {
-                        "group": g.group,
-                        "incarnation": g.incarnation,
-                        "healthy": g.healthy,
-                        "left": g.left,
-                        "step": g.step,
-                        "ranks": len(g.ranks),
-                        "world": g.world,
-                        "standby_s": (
-                            round(max(self.excluded[g.group] - now, 0.0), 2) if g.group in self.excluded else None
-                        ),
-                        "last_beat_age_s": max((now - r.last_beat for r in g.ranks.values()), default=None),
-                    }
-                    for g in sorted(self.groups.values(), key=lambda g: g.group)
-                ],
-            }
+            return self.snapshot()
+
+    def snapshot(self) -> dict[str, Any]:
+        """GET /status's view of this job (under the job's lock)."""
+        now = time.monotonic()
+        return {
+            "job": self.name,
+            "min_replicas": self.min_replicas,
+            "max_step": self.max_step,
+            "quorum": self.quorum.shared() if self.quorum else None,
+            "groups": [
+                {
+                    "group": g.group,
+                    "incarnation": g.incarnation,
+                    "healthy": g.healthy,
+                    "left": g.left,
+                    "step": g.step,
+                    "ranks": len(g.ranks),
+                    "world": g.world,
+                    "standby_s": (
+                        round(max(self.excluded[g.group] - now, 0.0), 2) if g.group in self.excluded else None
+                    ),
+                    "last_beat_age_s": max((now - r.last_beat for r in g.ranks.values()), default=None),
+                }
+                for g in sorted(self.groups.values(), key=lambda g: g.group)
+            ],
+        }

@@ -39,9 +39,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ftcore import auth, netaddr, timeouts
 from ftcore import collectives as coll
 from ftcore import faults as faults_mod
-from ftcore import netaddr, timeouts
 from ftcore.ftar import DEFAULT_BUCKET_BYTES, FTARError, ftar
 from ftcore.heal import HealServer, fetch
 from ftcore.lighthouse_client import LighthouseClient, LighthouseError, LighthouseLink, Overtaken, Replaced, Standby
@@ -109,8 +109,6 @@ def config_from_env(**overrides: Any) -> ManagerConfig:
             "ftcore: FTCORE_LIGHTHOUSE is not set; start ranks with the launcher "
             "(python -m training launch) or set it to the lighthouse's host:port"
         )
-    from ftcore import auth
-
     cfg = ManagerConfig(
         lighthouse=env["FTCORE_LIGHTHOUSE"],
         group=_env_int("FTREC_REPLICA_GROUP", "0"),
@@ -122,7 +120,7 @@ def config_from_env(**overrides: Any) -> ManagerConfig:
         incarnation=_env_int("FTCORE_INCARNATION", "0") if env.get("FTCORE_INCARNATION") else None,
         min_replicas=_env_int("FTCORE_MIN_REPLICAS", "1"),
         lr_policy=env.get("FTCORE_LR_POLICY", "sqrt"),
-        token=auth.token_from_env(),
+        token=_job_token(auth.token_from_env(), env.get("FTCORE_JOB_ID") or "default"),
         host=netaddr.rank_host(env["FTCORE_LIGHTHOUSE"]),
         job=env.get("FTCORE_JOB_ID") or "default",
         records=env.get("FTCORE_RECORDS"),
@@ -131,6 +129,15 @@ def config_from_env(**overrides: Any) -> ManagerConfig:
     for k, v in overrides.items():
         setattr(cfg, k, v)
     return cfg
+
+
+def _job_token(token: str | None, job: str) -> str | None:
+    """The credential a rank uses on the wire and serves heals under: its job's token, even when
+    it was handed the lighthouse's secret (ftcore/auth.py)."""
+    try:
+        return auth.job_token(token, job) if token else None
+    except ValueError as e:
+        raise ValueError(f"ftcore: FTCORE_TOKEN / FTCORE_TOKEN_FILE: {e}") from None
 
 
 def agree_incarnation(group_pg: dist.ProcessGroup | None) -> int:

@@ -8,8 +8,9 @@ group is one torchrun-equivalent process group, with exactly the environment tha
 `torchrun ... -m training train` gets there (`torchrun_command` prints it).
 
 - starts a lighthouse (python -m ftcore.lighthouse) unless one is given, with a fresh
-  shared token in OUT/token, and restarts it if it dies; a given (standing) lighthouse is
-  reached with the token this process was given (FTCORE_TOKEN_FILE or FTCORE_TOKEN);
+  admin secret in OUT/token, and restarts it if it dies; a given (standing) lighthouse is
+  reached with the token this process was given (FTCORE_TOKEN_FILE or FTCORE_TOKEN); the
+  ranks get only the job's own token (OUT/job-token, ftcore/auth.py);
 - starts replica groups (all R, or the --groups this host runs) of K processes (torchrun's
   environment: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT per group) plus the ftcore
   environment (ftcore.manager.ENV);
@@ -167,14 +168,14 @@ class Launcher:
         self.lighthouse_proc: Proc | None = None
         self.events: list[dict] = []
         self.faults = faults_mod.load(cfg.faults) if cfg.faults else []
-        # Our own lighthouse gets a fresh token in OUT/token; a standing one is reached with
-        # the token we were given, passed on to every rank unchanged.
+        # Our own lighthouse gets a fresh admin secret in OUT/token; a standing one is reached with
+        # the token we were given (its admin secret or this job's token). Ranks get only this
+        # job's token (OUT/job-token): it opens this job's routes and heal servers, nothing else.
         self.token_file: str | None = None
         if cfg.lighthouse is None:
             self.token_file = os.path.join(self.out, "token")
             self.token: str | None = auth.write_token_file(self.token_file)
         else:
-            self.token_file = os.environ.get("FTCORE_TOKEN_FILE") or None
             self.token = auth.token_from_env()
             if self.token is None:
                 self.log(
@@ -182,6 +183,14 @@ class Launcher:
                     message=f"no FTCORE_TOKEN_FILE or FTCORE_TOKEN for lighthouse {cfg.lighthouse}: "
                     "only a lighthouse started with --insecure will accept the ranks",
                 )
+        self.job_token_file: str | None = None
+        if self.token is not None:
+            try:
+                job_token = auth.job_token(self.token, cfg.job_id)
+            except ValueError as e:
+                raise LaunchError(f"FTCORE_TOKEN_FILE / FTCORE_TOKEN: {e}") from None
+            self.job_token_file = os.path.join(self.out, "job-token")
+            auth.write_token_file(self.job_token_file, job_token)
         self.addr = cfg.lighthouse or f"127.0.0.1:{free_port()}"
         self.status_path = "/status?" + urllib.parse.urlencode({"job": cfg.job_id})
 
@@ -193,11 +202,11 @@ class Launcher:
 
     def base_env(self) -> dict[str, str]:
         env = dict(os.environ)
+        env.pop("FTCORE_TOKEN", None)  # ranks read this job's token from its file (job_env), nothing else
+        env.pop("FTCORE_TOKEN_FILE", None)
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         env.update(self.job_env(), OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"), PYTHONUNBUFFERED="1")
-        if self.token_file:  # a file beats a token in every child's environment
-            env.pop("FTCORE_TOKEN", None)
         if self.cfg.faults:
             env["FTCORE_FAULTS"] = os.path.abspath(self.cfg.faults)
         return env
@@ -211,8 +220,8 @@ class Launcher:
             "FTCORE_MIN_REPLICAS": str(self.cfg.min_replicas),
             "FTCORE_LR_POLICY": self.cfg.lr_policy,
         }
-        if self.token_file:
-            env["FTCORE_TOKEN_FILE"] = self.token_file
+        if self.job_token_file:
+            env["FTCORE_TOKEN_FILE"] = self.job_token_file
         if self.cfg.oversubscribe_gpus:
             env["FTREC_OVERSUBSCRIBE_GPUS"] = "1"
         return env
