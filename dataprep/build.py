@@ -150,7 +150,7 @@ def _write_shards(tmp: Path, samples: sequences.Samples, cost: np.ndarray, p: ba
             bar.update()
 
 
-def build_shards(
+def prepare(
     input: "str | list[str]",
     fmt: str,
     out: str,
@@ -168,25 +168,10 @@ def build_shards(
     max_events: int | None = None,
     max_reject_fraction: float = MAX_REJECT_FRACTION,
     overwrite: bool = False,
-    log: Callable[[str], None] | None = None,
-    memory_budget: "str | int | None" = None,
-    buckets: int | None = None,
-    workers: int = 1,
     **reader_options,
-) -> dict:
-    """Build a shard set at `out` and return its manifest (see dataprep.schema).
-
-    `log` receives one line per stage as it ends (rows read, users, steps balanced, files
-    written): an Airflow task log shows the build's progress, not only its end.
-    Inputs the in-memory build would hold within `memory_budget` (default: a quarter of the
-    machine) are built in memory; larger ones, or any with `buckets` or `workers` > 1, by
-    dataprep.bucketed, into the same bytes. Raises DataprepError for anything the user can fix.
-    """
-    budget = bucketed.parse_size(memory_budget) if memory_budget is not None else bucketed.default_budget()
-    if buckets is not None and buckets < 1 or workers < 1:
-        raise DataprepError("--buckets and --workers must be >= 1")
-    say = log or (lambda line: None)
-    t_all = time.monotonic()
+) -> "Job":
+    """Check the inputs and settings and say what to build: the set's config and manifest head,
+    and the manifest of an identical set already at `out` (None: build it). See build_shards."""
     paths = [str(p) for p in ([input] if isinstance(input, (str, os.PathLike)) else input)]
     for path in paths:
         readers.check_input(path)  # before anything reads it: a device would be read forever
@@ -224,46 +209,102 @@ def build_shards(
     with stage("fingerprint", quiet=quiet):
         fp = fingerprint(paths)
     version = schema.format_version(fmt in readers.TIME_FORMATS)
-    existing = _existing(outp, fp, config, version, overwrite)
-    if existing is not None:
-        say(f"dataprep: {outp} already holds this shard set ({existing.get('steps')} steps); reused")
-        return existing
-
-    timings: dict[str, float] = {}
     head = {
         "format_version": version,
         "input": {"paths": [str(Path(x).resolve()) for x in paths], "format": fmt, "fingerprint": fp},
         "config": config,
     }
-    if buckets is not None or workers > 1 or bucketed.estimate(paths, fmt) > budget:
+    return Job(
+        paths=paths,
+        fmt=fmt,
+        outp=outp,
+        config=config,
+        head=head,
+        reader_options=reader_options,
+        max_reject_fraction=max_reject_fraction,
+        existing=_existing(outp, fp, config, version, overwrite),
+    )
+
+
+@dataclass
+class Job:
+    """A shard set to build (see prepare)."""
+
+    paths: list[str]
+    fmt: str
+    outp: Path
+    config: dict
+    head: dict
+    reader_options: dict
+    max_reject_fraction: float
+    existing: dict | None
+
+    def bucketed_context(self) -> dict:
+        """What every stage of dataprep.bucketed reads (its work folder's ctx.json)."""
+        return {
+            "paths": self.paths,
+            "fmt": self.fmt,
+            "config": self.config,
+            "reader_options": self.reader_options,
+            "has_time": self.fmt in readers.TIME_FORMATS,
+            "max_reject_fraction": self.max_reject_fraction,
+        }
+
+
+def build_shards(
+    input: "str | list[str]",
+    fmt: str,
+    out: str,
+    *,
+    quiet: bool = True,
+    log: Callable[[str], None] | None = None,
+    memory_budget: "str | int | None" = None,
+    buckets: int | None = None,
+    workers: int = 1,
+    **settings,
+) -> dict:
+    """Build a shard set at `out` and return its manifest (see dataprep.schema).
+
+    `settings`: prepare's (world_size, batch_size, seed, max_len, cost_model, window_steps,
+    tail, method, dedup, max_events, max_reject_fraction, overwrite, reader options).
+    `log` receives one line per stage as it ends (rows read, users, steps balanced, files
+    written): an Airflow task log shows the build's progress, not only its end.
+    Inputs the in-memory build would hold within `memory_budget` (default: a quarter of the
+    machine) are built in memory; larger ones, or any with `buckets` or `workers` > 1, by
+    dataprep.bucketed, into the same bytes. Raises DataprepError for anything the user can fix.
+    """
+    budget = bucketed.parse_size(memory_budget) if memory_budget is not None else bucketed.default_budget()
+    if buckets is not None and buckets < 1 or workers < 1:
+        raise DataprepError("--buckets and --workers must be >= 1")
+    say = log or (lambda line: None)
+    t_all = time.monotonic()
+    job = prepare(input, fmt, out, quiet=quiet, **settings)
+    if job.existing is not None:
+        say(f"dataprep: {job.outp} already holds this shard set ({job.existing.get('steps')} steps); reused")
+        return job.existing
+    timings: dict[str, float] = {}
+    if buckets is not None or workers > 1 or bucketed.estimate(job.paths, fmt) > budget:
         if log is None and not quiet:
             say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-        ctx = {
-            "paths": paths,
-            "fmt": fmt,
-            "config": config,
-            "reader_options": reader_options,
-            "has_time": fmt in readers.TIME_FORMATS,
-            "max_reject_fraction": max_reject_fraction,
-        }
-        tmp = new_staging(outp)
+        tmp = new_staging(job.outp)
         try:
             rejects, fig, t_write = bucketed.run(
-                tmp, ctx, budget=budget, buckets=buckets, workers=workers, say=say, timings=timings
+                tmp, job.bucketed_context(), budget=budget, buckets=buckets, workers=workers, say=say, timings=timings
             )
-            return seal(tmp, outp, head, fig, rejects, timings=timings, t_write=t_write, t_all=t_all, say=say)
+            return seal(tmp, job.outp, job.head, fig, rejects, timings=timings, t_write=t_write, t_all=t_all, say=say)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+    c = job.config
     ev, seq, ev_table, samples = _samples(
-        paths, fmt, config, max_reject_fraction, reader_options, quiet=quiet, say=say, timings=timings
+        job.paths, fmt, c, job.max_reject_fraction, job.reader_options, quiet=quiet, say=say, timings=timings
     )
-    cost = cm(samples.length)
-    p, st, st_random = _balance(cost, config, quiet=quiet, say=say, timings=timings)
+    cost = load_cost_model(c["cost_model"])(samples.length)
+    p, st, st_random = _balance(cost, c, quiet=quiet, say=say, timings=timings)
     built = _Built(
         ev=ev, seq=seq, eval_table=ev_table, samples=samples, cost=cost, plan=p, stats=st, stats_random=st_random
     )
-    return _write_set(outp, built, head, quiet=quiet, say=say, timings=timings, t_all=t_all)
+    return _write_set(job.outp, built, job.head, quiet=quiet, say=say, timings=timings, t_all=t_all)
 
 
 @dataclass

@@ -1,0 +1,205 @@
+"""`python benchmarks/scale_dataprep.py`: dataprep at scale beside DuckDB and polars, same file, one run.
+
+On one synthetic Parquet event file (user_id, item_id, timestamp; `python -m dataprep synth`):
+  dataprep in memory        build_shards as before (when the input fits)
+  dataprep bucketed         the same shard set in buckets of users, --memory-budget (default 512MB)
+  dataprep bucketed, 2 wk   the same with --workers 2
+  duckdb / duckdb 1GB       group by user, items and times ordered by time, written to Parquet
+                            (the second with memory_limit 1GB: it spills)
+  polars                    the same grouping and sort, written to Parquet
+Each case runs in a child process: wall time, and peak RSS of the child and its own children
+(getrusage). dataprep does more than the grouping (leave-one-out samples, costs, balance plan,
+rejects, id maps, checksums); the others only group and sort. `--events` sets the size (default
+2M, about a minute in all; 10M, 100M by flag); 1B is a projection from the bucketed run's
+measured rate and peak (printed as such). Writes bench-results/scale_dataprep.json (`--json`).
+"""
+
+import argparse
+import json
+import platform
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from dataprep.fsutil import atomic_write_json  # noqa: E402
+
+SHARD_ARGS: dict[str, Any] = {"world_size": 8, "batch_size": 256, "max_len": 200}
+PROJECT_EVENTS = 1_000_000_000
+
+
+def _count(text: str) -> int:
+    """'2M', '10M', '1B', '500K' or a number -> events."""
+    mult = {"K": 10**3, "M": 10**6, "B": 10**9}
+    t = text.strip().upper()
+    return int(float(t[:-1]) * mult[t[-1]]) if t[-1] in mult else int(t)
+
+
+def _case(name: str, data: str, out: str, budget: str) -> None:
+    """One measured case, in this (child) process."""
+    if name.startswith("dataprep"):
+        from dataprep.build import build_shards
+
+        kw: dict = {"memory_budget": "64GB"} if name == "dataprep in memory" else {"memory_budget": budget}
+        if name.endswith("2 workers"):
+            kw["workers"] = 2
+        build_shards(data, "events", out, **SHARD_ARGS, **kw)
+    elif name.startswith("duckdb"):
+        import duckdb
+
+        con = duckdb.connect()
+        if name == "duckdb 1GB":
+            con.execute(f"SET memory_limit='1GB'; SET temp_directory='{out}.tmp'")
+        con.execute(
+            f"COPY (SELECT user_id, list(item_id ORDER BY timestamp) AS items, "
+            f"list(timestamp ORDER BY timestamp) AS times FROM read_parquet('{data}') GROUP BY user_id) "
+            f"TO '{out}.parquet' (FORMAT parquet)"
+        )
+    elif name == "polars":
+        import polars as pl
+
+        (
+            pl.scan_parquet(data)
+            .sort(["user_id", "timestamp"])
+            .group_by("user_id", maintain_order=True)
+            .agg(pl.col("item_id"), pl.col("timestamp"))
+            .collect()
+            .write_parquet(f"{out}.parquet")
+        )
+
+
+def _child(argv: list[str]) -> int:
+    name, data, out, budget = argv
+    t = time.perf_counter()
+    _case(name, data, out, budget)
+    wall = time.perf_counter() - t
+    rss = max(
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    )
+    print(json.dumps({"wall_s": wall, "peak_rss_mb": rss / 1024}))
+    return 0
+
+
+def _measure(name: str, data: Path, work: Path, budget: str, timeout: float) -> dict:
+    out = work / name.replace(" ", "_").replace(",", "")
+    cmd = [sys.executable, __file__, "--child", name, str(data), str(out), budget]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return {"case": name, "error": f"over {timeout:.0f} s"}
+    finally:
+        for x in work.glob(out.name + "*"):
+            shutil.rmtree(x, ignore_errors=True) if x.is_dir() else x.unlink()
+    if p.returncode:
+        return {"case": name, "error": (p.stderr.strip().splitlines() or ["failed"])[-1]}
+    return {"case": name, **json.loads(p.stdout.strip().splitlines()[-1])}
+
+
+def _projection(row: dict, events: int, users: int) -> dict:
+    """1B events from a bucketed run: time linear in events (buckets are independent and the same
+    size under one budget); peak RSS = measured peak + per-user state growing with users (id maps,
+    plan and cost arrays, about 100 bytes a user)."""
+    scale = PROJECT_EVENTS / events
+    return {
+        "case": f"{row['case']} (projected)",
+        "events": PROJECT_EVENTS,
+        "wall_s": row["wall_s"] * scale,
+        "peak_rss_mb": row["peak_rss_mb"] + (users * scale - users) * 100 / 2**20,
+        "projected": True,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--child"]:
+        return _child(argv[1:])
+    ap = argparse.ArgumentParser(prog="python benchmarks/scale_dataprep.py", description=__doc__.splitlines()[0])
+    ap.add_argument("--events", default="2M", help="events in the file: 2M (default), 10M, 100M")
+    ap.add_argument("--memory-budget", default="512MB", help="the bucketed cases' --memory-budget")
+    ap.add_argument("--cases", default="all", help="comma-separated case names (default all)")
+    ap.add_argument("--data-dir", help="where the event file is made (kept; default a temporary folder)")
+    ap.add_argument("--timeout", type=float, default=3600, help="seconds a case may take")
+    ap.add_argument("--json", default=str(ROOT / "bench-results" / "scale_dataprep.json"))
+    a = ap.parse_args(argv)
+    events = _count(a.events)
+    tmp = Path(tempfile.mkdtemp(prefix="scale_dataprep-"))
+    try:
+        rows, users = _run(a, events, Path(a.data_dir) if a.data_dir else tmp, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    _print(rows)
+    atomic_write_json(
+        a.json,
+        {
+            "events": events,
+            "users": users,
+            "memory_budget": a.memory_budget,
+            "machine": platform.machine(),
+            "rows": rows,
+        },
+        indent=2,
+    )
+    print(f"wrote {a.json}")
+    return 0
+
+
+def _run(a: argparse.Namespace, events: int, data_dir: Path, work: Path) -> tuple[list[dict], int]:
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    data = data_dir / f"events-{a.events}.parquet"
+    if not data.exists():
+        data_dir.mkdir(parents=True, exist_ok=True)
+        gen = [sys.executable, "-m", "dataprep", "synth", "--out", str(data), "--events", str(events)]
+        subprocess.run([*gen, "--items", "100000", "--format", "events", "--quiet"], check=True, cwd=ROOT)
+    n = pq.ParquetFile(data).metadata.num_rows
+    users = len(pc.unique(pq.read_table(data, columns=["user_id"]).column("user_id")))
+    names = [
+        "dataprep in memory",
+        "dataprep bucketed",
+        "dataprep bucketed, 2 workers",
+        "duckdb",
+        "duckdb 1GB",
+        "polars",
+    ]
+    if a.cases != "all":
+        names = [x for x in names if x in a.cases.split(",")]
+    rows = []
+    for name in names:
+        r = {**_measure(name, data, work, a.memory_budget, a.timeout), "events": n}
+        print(f"  {name}: {r}", file=sys.stderr)
+        rows.append(r)
+    base = {r["case"]: r for r in rows if "wall_s" in r}
+    for r in rows:
+        for ref in ("duckdb", "polars"):
+            if "wall_s" in r and ref in base:
+                r[f"wall_vs_{ref}"] = r["wall_s"] / base[ref]["wall_s"]
+                r[f"rss_vs_{ref}"] = r["peak_rss_mb"] / base[ref]["peak_rss_mb"]
+    if "dataprep bucketed" in base:
+        rows.append(_projection(base["dataprep bucketed"], n, users))
+    return rows, users
+
+
+def _print(rows: list[dict]) -> None:
+    print(f"{'case':<38} {'events':>13} {'wall s':>9} {'peak RSS MB':>12} {'x duckdb':>9} {'x polars':>9}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['case']:<38} {r['events']:>13,} {'':>9} {'':>12}  {r['error']}")
+            continue
+        x = lambda k, r=r: f"{r[k]:.2f}" if k in r else "-"  # noqa: E731
+        print(
+            f"{r['case']:<38} {r['events']:>13,} {r['wall_s']:>9.1f} {r['peak_rss_mb']:>12.0f} "
+            f"{x('wall_vs_duckdb'):>9} {x('wall_vs_polars'):>9}"
+        )
+    print("x duckdb / x polars: wall time over theirs; the (projected) row is an estimate, not a measurement")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
