@@ -178,3 +178,110 @@ def test_logged_model_serves_raw_ids_without_ftrec(run, tmp_path):
     cli = got["cli"]["predictions"]
     assert [row["items"] for row in cli] == got["items"]
     print(f"predict latency, batch of 32: {got['latency_s'] * 1000:.1f} ms")
+
+
+# ---------------------------------------------------------------- serving equals judging
+
+PARITY = ISOLATE + textwrap.dedent("""
+    import json
+    import mlflow, pandas as pd
+    uri, rows, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+    model = mlflow.pyfunc.load_model(uri)
+    meta = model.metadata
+    frame = pd.DataFrame({"history": [r["history"] for r in rows], "timestamps": [r["timestamps"] for r in rows]})
+    got = model.predict(frame, params={"k": 10})
+    try:
+        model.predict(pd.DataFrame({"history": [rows[0]["history"]]}))
+        untimed = "served"
+    except Exception as e:
+        untimed = str(e)
+    readme = open(mlflow.artifacts.download_artifacts(uri + "/artifacts/README.md")).read()
+    leaked = sorted(m for m in sys.modules if m.split(".")[0] in ("training", "dataprep", "ftcore"))
+    inputs = {c["name"]: c.get("required", True) for c in json.loads(meta.signature.inputs.to_json())}
+    with open(out, "w") as f:
+        json.dump({"items": got["items"].tolist(), "scores": got["scores"].tolist(), "leaked": leaked,
+                   "metadata": meta.metadata, "inputs": inputs, "untimed": untimed, "readme": readme}, f)
+""")
+
+
+@pytest.fixture(scope="module", params=["sasrec", "hstu-timed"])
+def registered(request, tmp_path_factory):
+    """A short run on timestamped synthetic events, its model registered in a real MLflow store."""
+    d = tmp_path_factory.mktemp(request.param)
+    write_synthetic(str(d / "ev.parquet"), users=200, items=90, seed=5, fmt="events", median_len=12, max_history=40)
+    build_shards(str(d / "ev.parquet"), "events", str(d / "shards"), world_size=1, batch_size=16, max_len=16)
+    model = ["model.attention=hstu", "model.rel_bias=pos+time"] if request.param == "hstu-timed" else []
+    uri = f"sqlite:///{d / 'mlflow.db'}"
+    sets = [
+        f"data.shards={d / 'shards'}",
+        f"train.out={d / 'run'}",
+        "train.max_steps=20",
+        "model.dim=16",
+        "model.num_heads=2",
+        "loss.num_negatives=16",
+        "eval.periodic=false",
+        "mlflow.plots=false",
+        "mlflow.system_metrics=false",
+        f"mlflow.tracking_uri={uri}",
+        "mlflow.register=true",
+        f"mlflow.model_name=parity-{request.param}",
+        *model,
+    ]
+    res = train(load_config(None, sets))
+    assert res["mlflow_unsent"] == 0
+    return request.param, res, str(d / "shards"), uri
+
+
+def _judged(res: dict, shards: str, users: int):
+    """The first `users` test users as training.evaluate scores them: inputs, times, and the
+    scores of model.last_hidden -> model.scores with the history excluded, as evaluate does."""
+    from training.config import config_from_dict
+    from training.evaluate import EvalData
+
+    meta = checkpoint.read_meta(res["checkpoint"])
+    cfg = config_from_dict(meta["config"])
+    model = SeqRec(meta["num_items"], cfg.model)
+    model.load_state_dict(checkpoint.load(res["checkpoint"])["model"])
+    model.eval()
+    s = EvalData(os.path.join(shards, "eval.parquet"), meta["num_items"], cfg.model.max_len, cfg.eval).splits["test"]
+    b = int(s.offsets[users])
+    values, offsets = s.values[:b], s.offsets[: users + 1]
+    ts = s.timestamps[:b] if s.timestamps is not None else None
+    with torch.no_grad():
+        scores = model.scores(model.last_hidden(values, offsets, timestamps=ts))
+    rows = torch.repeat_interleave(torch.arange(users), offsets[1:] - offsets[:-1])
+    scores[rows, values - 1] = float("-inf")
+    histories = [values[offsets[u] : offsets[u + 1]].tolist() for u in range(users)]
+    times = [
+        ts[offsets[u] : offsets[u + 1]].tolist() if ts is not None else [0] * len(h) for u, h in enumerate(histories)
+    ]
+    return histories, times, scores
+
+
+def test_the_registered_model_serves_what_evaluation_judged(registered, tmp_path):
+    kind, res, shards, uri = registered
+    raw_ids = pq.read_table(os.path.join(shards, ITEM_MAP)).sort_by("id").column("raw_id").to_pylist()
+    histories, times, scores = _judged(res, shards, users=24)
+    rows = [{"history": [raw_ids[i - 1] for i in h], "timestamps": t} for h, t in zip(histories, times, strict=True)]
+    out = tmp_path / "parity.json"
+    _isolated_python(
+        PARITY,
+        [f"models:/parity-{kind}/1", json.dumps(rows), str(out)],
+        cwd=tmp_path,
+        timeout=300,
+        env={"MLFLOW_TRACKING_URI": uri},
+    )
+    got = json.loads(out.read_text())
+    assert got["leaked"] == []
+    top = scores.topk(10)
+    for u in range(len(rows)):
+        assert got["items"][u] == [raw_ids[j] for j in top.indices[u].tolist()], u
+        diff = max(abs(a - b) for a, b in zip(got["scores"][u], top.values[u].tolist(), strict=True))
+        assert diff < 1e-5, (u, diff)
+    timed = kind == "hstu-timed"
+    assert got["metadata"]["timed"] is timed and got["inputs"] == {"history": True, "timestamps": timed}
+    assert ("REQUIRED" in got["readme"]) is timed and "timestamps" in got["metadata"]["inputs"]
+    if timed:  # without the times it was judged with, the model refuses instead of serving other scores
+        assert "missing inputs ['timestamps']" in got["untimed"]
+    else:
+        assert got["untimed"] == "served"

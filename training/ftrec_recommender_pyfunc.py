@@ -4,12 +4,14 @@ Self-contained on purpose: it runs where only mlflow and torch are installed, so
 nothing of ftrec. (The unique file name keeps it apart from other models' code in a shared
 worker image.)
 
-predict(DataFrame with column `history`: lists of raw item ids as strings, oldest first;
+predict(DataFrame with column `history`: lists of raw item ids as strings, oldest first, and
+        `timestamps`: lists of epoch seconds, one per history item (required when the model
+        is timed, model_config["timed"]: HSTU with the time-gap bias; ignored otherwise);
         params k=10, exclude_history=True)
     -> DataFrame with `items` (top-k raw item ids, best first) and `scores` (floats, descending).
 
 Rules:
-- raw ids the model does not know (not in the training data) are ignored;
+- raw ids the model does not know (not in the training data) are ignored, with their times;
 - a history is truncated to its newest max_len known items, the model's context;
 - exclude_history removes every known item of the whole history from the results;
 - a history with no known item gets empty lists: the model has no state to score from, and
@@ -31,23 +33,37 @@ class FtrecRecommender(PythonModel):
             self.raw_ids = json.load(f)  # dense id i + 1 at index i
         self.dense = {raw: i + 1 for i, raw in enumerate(self.raw_ids)}
         self.max_len = int(context.model_config["max_len"])
+        self.timed = bool(context.model_config.get("timed", False))
+
+    def _known(self, model_input: pd.DataFrame) -> list[list[tuple[int, int]]]:
+        """Per row, (dense id, epoch second) of its known items; 0 s when the model reads no time."""
+        has_times = "timestamps" in model_input and not model_input["timestamps"].isna().all()
+        if self.timed and not has_times:
+            raise ValueError("this model reads item times: give `timestamps` (epoch seconds per history item)")
+        rows = []
+        for n, h in enumerate(model_input["history"]):
+            ts = list(model_input["timestamps"].iloc[n]) if self.timed else [0] * len(h)
+            if len(ts) != len(h):
+                raise ValueError(f"row {n}: {len(h)} history items but {len(ts)} timestamps")
+            rows.append([(self.dense[r], int(t)) for r, t in zip(map(str, h), ts, strict=True) if r in self.dense])
+        return rows
 
     def predict(self, context, model_input: pd.DataFrame, params: dict | None = None) -> pd.DataFrame:
         params = params or {}
         k, exclude = int(params.get("k", 10)), bool(params.get("exclude_history", True))
-        histories = [[self.dense[r] for r in map(str, h) if r in self.dense] for h in model_input["history"]]
+        histories = self._known(model_input)
         rows = [i for i, h in enumerate(histories) if h]
         out: dict[str, list[list]] = {"items": [[] for _ in histories], "scores": [[] for _ in histories]}
         if rows and k > 0:
             recent = [histories[i][-self.max_len :] for i in rows]
-            batch = torch.zeros(len(rows), max(map(len, recent)), dtype=torch.int64)  # right-padded
+            batch = torch.zeros(2, len(rows), max(map(len, recent)), dtype=torch.int64)  # right-padded
             for b, h in enumerate(recent):
-                batch[b, : len(h)] = torch.tensor(h)
+                batch[:, b, : len(h)] = torch.tensor(h).T
             with torch.no_grad():
-                scores = self.program(batch).float()
+                scores = (self.program(batch[0], batch[1]) if self.timed else self.program(batch[0])).float()
             if exclude:
                 for b, i in enumerate(rows):
-                    scores[b, torch.tensor(histories[i]) - 1] = float("-inf")
+                    scores[b, torch.tensor([d for d, _ in histories[i]]) - 1] = float("-inf")
             top = scores.topk(min(k, scores.shape[1]), dim=1)
             for b, i in enumerate(rows):
                 keep = torch.isfinite(top.values[b])  # fewer than k items left after exclusion

@@ -3,9 +3,12 @@
 What is logged under the run's "model" (all of it loads without ftrec):
 - program.pt2: `Scorer` through torch.export: a self-contained torch program, dense item
   histories [B, L] (oldest first, right-padded with 0, L <= max_len, B and L dynamic) ->
-  scores [B, num_items] for the next item (column j is dense item j + 1);
+  scores [B, num_items] for the next item (column j is dense item j + 1); a timed model
+  (HSTU with the time-gap bias, trained on timestamps) takes each item's epoch second
+  [B, L] as well, as evaluation gives it;
 - item_ids.json: the shard set's item map (dataprep/schema.py ITEM_MAP), raw id of dense
   item i at index i - 1;
+- README.md (and the MLmodel's metadata): the inputs this model needs;
 - ftrec_recommender_pyfunc.py: the pyfunc ("model from code") that maps raw ids, pads,
   masks the history and takes the top k.
 
@@ -25,22 +28,31 @@ import pyarrow.parquet as pq
 import torch
 from torch import nn
 
-from dataprep.schema import ITEM_MAP
+from dataprep.schema import ITEM_MAP, MANIFEST
 
+ARTIFACTS = {"program": "program.pt2", "item_ids": "item_ids.json", "readme": "README.md"}
 PYFUNC_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ftrec_recommender_pyfunc.py")
 
 
+def timed(model, shards_path: str) -> bool:
+    """Does the model read each item's time? HSTU with the time-gap bias, trained on a shard
+    set with timestamps (format_version 2): then serving needs the same times evaluation had."""
+    with open(os.path.join(shards_path, MANIFEST)) as f:
+        has_time = json.load(f).get("format_version") == 2
+    return has_time and model.cfg.attention == "hstu" and model.cfg.rel_bias == "pos+time"
+
+
 class Scorer(nn.Module):
-    """SeqRec on a dense [B, L] batch: the same embeddings, mask and blocks as SeqRec.forward
-    (which pads a jagged batch to this very layout), then scores of the newest position.
-    tests/test_training_serving.py checks that both give the same scores. Item ids only: a
-    model trained on timestamps is served as SeqRec runs without them."""
+    """SeqRec on a dense [B, L] batch: the embeddings and mask SeqRec.forward builds from a
+    jagged batch (padded to this very layout), then the model's own encode, ln_out and scores,
+    as training/evaluate.py calls them through last_hidden, with each item's time when the
+    model is `timed`. tests/test_training_serving.py checks both give the same scores."""
 
-    def __init__(self, model):
+    def __init__(self, model, timed: bool = False):
         super().__init__()
-        self.model = model
+        self.model, self.timed = model, timed
 
-    def forward(self, items: torch.Tensor) -> torch.Tensor:
+    def forward(self, items: torch.Tensor, timestamps: torch.Tensor | None = None) -> torch.Tensor:
         m = self.model
         B, L = items.shape
         valid = items != 0  # [B, L]
@@ -50,20 +62,42 @@ class Scorer(nn.Module):
         x = (m.item_emb(items) * math.sqrt(m.cfg.dim) + m.pos_emb(from_end)) * valid[..., None]
         causal = torch.ones(L, L, dtype=torch.bool, device=items.device).tril()
         mask = causal[None] & valid[:, None, :]
-        x = m.encode(x, mask)  # no timestamps: HSTU's time-gap bias is not served (positions only)
+        ts = timestamps * valid if self.timed and timestamps is not None else None  # pads 0, as forward pads
+        x = m.encode(x, mask, ts)
         h = m.ln_out(x[torch.arange(B, device=items.device), lengths - 1])  # needs lengths >= 1
         return m.scores(h)
 
 
+def _readme(max_len: int, is_timed: bool) -> str:
+    need = (
+        "`timestamps` is REQUIRED: this HSTU model reads the time gaps between items (epoch seconds, "
+        "one per history item, oldest first), as it was trained and evaluated."
+        if is_timed
+        else "`timestamps` is optional and ignored: this model reads item order only."
+    )
+    return (
+        "# ftrec recommender (MLflow pyfunc)\n\n"
+        "Input: a DataFrame with `history` (lists of raw item ids as strings, oldest first) and "
+        "`timestamps` (lists of epoch seconds, one per history item).\n"
+        f"{need}\n\nParams: k (default 10), exclude_history (default true). "
+        f"The newest {max_len} known items of a history are the model's context; unknown ids are "
+        "ignored with their times.\n\nOutput: `items` (top-k raw ids, best first) and `scores`.\n"
+    )
+
+
 def export(model, shards_path: str, folder: str) -> dict:
-    """Write program.pt2 and item_ids.json for `model` (an eval-mode SeqRec on the CPU) into
-    `folder`; returns the artifacts and model_config that `log_pyfunc` logs."""
+    """Write program.pt2, item_ids.json and README.md for `model` (an eval-mode SeqRec on the
+    CPU) into `folder`; returns the artifacts and model_config that `log_pyfunc` logs."""
     os.makedirs(folder, exist_ok=True)
-    max_len = model.cfg.max_len
+    max_len, is_timed = model.cfg.max_len, timed(model, shards_path)
     batch, length = torch.export.Dim("batch", min=1), torch.export.Dim("length", min=1, max=max_len)
     example = torch.ones(2, min(2, max_len), dtype=torch.int64)
+    args: tuple[torch.Tensor, ...] = (example,)
+    dims = {"items": {0: batch, 1: length}}
+    if is_timed:
+        args, dims = (example, example * 1_600_000_000), {**dims, "timestamps": {0: batch, 1: length}}
     with torch.no_grad():
-        program = torch.export.export(Scorer(model).eval(), (example,), dynamic_shapes={"items": {0: batch, 1: length}})
+        program = torch.export.export(Scorer(model, is_timed).eval(), args, dynamic_shapes=dims)
     torch.export.save(program, os.path.join(folder, "program.pt2"))
     items = pq.read_table(os.path.join(shards_path, ITEM_MAP)).sort_by("id")
     if items.column("id").to_pylist() != list(range(1, model.num_items + 1)):
@@ -71,12 +105,11 @@ def export(model, shards_path: str, folder: str) -> dict:
     raw_ids = items.column("raw_id").to_pylist()
     with open(os.path.join(folder, "item_ids.json"), "w") as f:
         json.dump(raw_ids, f)
+    with open(os.path.join(folder, "README.md"), "w") as f:
+        f.write(_readme(max_len, is_timed))
     return {
-        "artifacts": {
-            "program": os.path.join(folder, "program.pt2"),
-            "item_ids": os.path.join(folder, "item_ids.json"),
-        },
-        "model_config": {"max_len": max_len},
+        "artifacts": {name: os.path.join(folder, file) for name, file in ARTIFACTS.items()},
+        "model_config": {"max_len": max_len, "timed": is_timed},
         "example": raw_ids[:3],
     }
 
@@ -89,8 +122,17 @@ def log_pyfunc(exported: dict, registered_model_name: str | None = None):
     from mlflow.types import ColSpec, DataType, ParamSchema, ParamSpec, Schema
     from mlflow.types.schema import Array
 
+    is_timed = bool(exported["model_config"].get("timed"))
+    example = pd.DataFrame(
+        {"history": [exported["example"]], "timestamps": [[1_600_000_000] * len(exported["example"])]}
+    )
     signature = ModelSignature(
-        inputs=Schema([ColSpec(Array(DataType.string), "history")]),
+        inputs=Schema(
+            [
+                ColSpec(Array(DataType.string), "history"),
+                ColSpec(Array(DataType.long), "timestamps", required=is_timed),
+            ]
+        ),
         outputs=Schema([ColSpec(Array(DataType.string), "items"), ColSpec(Array(DataType.double), "scores")]),
         params=ParamSchema([ParamSpec("k", DataType.long, 10), ParamSpec("exclude_history", DataType.boolean, True)]),
     )
@@ -100,7 +142,13 @@ def log_pyfunc(exported: dict, registered_model_name: str | None = None):
         artifacts=exported["artifacts"],
         model_config=exported["model_config"],
         signature=signature,
-        input_example=(pd.DataFrame({"history": [exported["example"]]}), {"k": 10}),
+        input_example=(example, {"k": 10}),
+        metadata={
+            "inputs": "history: raw item ids, oldest first; timestamps: epoch seconds per item"
+            + (" (required)" if is_timed else " (optional, ignored)"),
+            "timed": is_timed,
+            "max_len": exported["model_config"]["max_len"],
+        },
         pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", f"mlflow=={mlflow.__version__}"],
         registered_model_name=registered_model_name,
     )
