@@ -47,6 +47,7 @@ MAX_PIPELINED = 64 << 10  # bytes a client may send ahead of a request still bei
 WRITE_HIGH = 256 << 10  # unread reply bytes past which a connection is not served until it reads
 FIRST_REQUEST_S = 10.0  # a new connection must send its first request within this
 REQUEST_S = 10.0  # a request must arrive whole within this of its first byte
+EVICT_AGE_S = 0.5  # a connection that sent no valid token for this long may make way for a new one
 IDLE_S = 600.0  # a quiet connection that is not a rank's heartbeat line is closed after this
 JSON = "application/json"
 
@@ -252,17 +253,18 @@ class LighthouseServer:
 
     def admit(self, c: _Connection) -> str:
         """Count a new connection in, or say why it is refused ("" when admitted). Past the cap
-        of connections without a token from its address, the oldest of those is closed: a
-        flood from one address churns itself and never locks out a rank that shares it."""
+        of connections without a token from its address, the oldest of those is closed once it
+        has been silent for EVICT_AGE_S: a flood from one address churns itself and never locks
+        out a rank that shares it (a burst of ranks connecting at once is never evicted)."""
         cfg = self.lh.cfg
         if len(self.conns) >= cfg.max_connections:
             return f"this lighthouse has {cfg.max_connections} connections open (--max-connections)"
         if self.per_peer[c.peer] >= cfg.max_connections_per_peer:
             return f"{c.peer} has {cfg.max_connections_per_peer} connections open (--max-connections-per-peer)"
         waiting = self.unauthed.setdefault(c.peer, {})
-        if len(waiting) >= cfg.max_unauthenticated_per_peer:
-            oldest = next(iter(waiting))
-            self.forget_unauthed(oldest)
+        oldest = next(iter(waiting), c)
+        if len(waiting) >= cfg.max_unauthenticated_per_peer and time.monotonic() - oldest.opened > EVICT_AGE_S:
+            self.forget_unauthed(oldest)  # not a rank about to speak: ranks send at once
             oldest.t.abort()
         self.conns.add(c)
         self.per_peer[c.peer] += 1

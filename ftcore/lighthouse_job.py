@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ftcore import quorum as quorum_rule
 from ftcore.messages import (
     Busy,
     FailureReport,
@@ -265,22 +266,27 @@ class Job:
                     req.deliver(QuorumRefused("lost", f"replica group {g} lost rank {lost}; restart the group"))
         if not self.pending:
             return
-        healthy = self.healthy - self.excluded.keys()  # a group on standby is not waited for, nor counted
-        requesting = sorted(self.complete & healthy)
+        # a group on standby is not waited for, nor counted
+        healthy = frozenset(self.healthy - self.excluded.keys())
         round_start = self.round_start if self.round_start is not None else now
-        if self.quorum:
-            fast = (set(self.quorum.groups) & healthy) <= set(requesting)
-        else:  # first quorum (or first after a lighthouse restart): wait for the whole job
-            fast = healthy <= set(requesting) and len(requesting) >= self.expected
-        waited = now - round_start >= self.cfg.join_timeout
-        enough = len(requesting) >= self.min_replicas and 2 * len(requesting) > len(healthy)
-        if requesting and enough and (fast or waited):
-            self._form(requesting)
+        decision = quorum_rule.decide(
+            quorum_rule.Round(
+                previous=frozenset(self.quorum.groups) if self.quorum else None,
+                requesting=frozenset(self.complete & healthy),
+                healthy=healthy,
+                min_replicas=self.min_replicas,
+                expected=self.expected,
+                waited=now - round_start >= self.cfg.join_timeout,
+            )
+        )
+        if isinstance(decision, tuple):
+            self._form(list(decision))
         elif now - round_start > 1.0 and now - self._last_wait_event > 1.0:
             self._last_wait_event = now  # say why a round is stuck (status page, timeline)
             self.event(
                 "quorum_waiting",
-                requesting=requesting,
+                reason=decision,
+                requesting=sorted(self.complete & healthy),
                 healthy=sorted(healthy),
                 pending={str(g): sorted(r) for g, r in self.pending.items()},
                 previous=list(self.quorum.groups) if self.quorum else None,
@@ -314,23 +320,24 @@ class Job:
         lighthouse_id = self.quorum.lighthouse_id if self.quorum is not None and not new_id else self.lh.lighthouse_id
         if resumed is not None:
             quorum_id, lighthouse_id = resumed
-        steps = {g: min(req.step for req in self.pending[g].values()) for g in members}
         busy = self._busy(members)
         idle = self.quorum is not None and all(
             r.idle == self.quorum.quorum_id for g in members for r in self.pending[g].values()
         )
-        # Only members of the previous quorum may serve state. A group that was left out
-        # (hung, cut off) may have committed a step the others discarded: it heals even
-        # at an equal step. After a lighthouse restart, trust the latest reported quorum.
-        if self.quorum is not None:
-            before = set(self.quorum.identity)
-            trusted = [g for g in members if (g, self.groups[g].incarnation) in before]
-        else:
-            last = {g: min(req.last_quorum for req in self.pending[g].values()) for g in members}
-            trusted = [g for g in members if last[g] == max(last.values())]
-        trusted = trusted or members
-        max_step = max(steps[g] for g in trusted)
-        if self.finished_step > max_step:
+        where = quorum_rule.plan(
+            frozenset(self.quorum.identity) if self.quorum is not None else None,
+            [
+                quorum_rule.Member(
+                    g,
+                    self.groups[g].incarnation,
+                    min(req.step for req in self.pending[g].values()),
+                    min(req.last_quorum for req in self.pending[g].values()),
+                )
+                for g in members
+            ],
+            self.finished_step,
+        )
+        if where is None:
             # Training ended (a group finished at a later step and left) and nobody here holds
             # that state: these groups must not start a history of their own from an older one.
             for g in members:
@@ -339,8 +346,7 @@ class Job:
                         QuorumRefused("finished", f"the job finished at step {self.finished_step}; nothing to rejoin")
                     )
             return
-        sources = [g for g in trusted if steps[g] == max_step]
-        healers = [g for g in members if g not in sources]
+        max_step = where.max_step
         q = Quorum(
             quorum_id=quorum_id,
             lighthouse_id=lighthouse_id,
@@ -348,7 +354,7 @@ class Job:
             identity=identity,
             groups=tuple(members),
             max_step=max_step,
-            heal={g: sources[i % len(sources)] for i, g in enumerate(healers)},  # spread over sources
+            heal=where.heal,
             lease_s=self.cfg.lease,
             # the members' compute in the step they just finished: each sees its wait for the slowest
             pace=Pace(self.quorum.quorum_id, round(max(busy.values()), 6), round(sum(busy.values()) / len(busy), 6))
@@ -368,7 +374,7 @@ class Job:
             req.deliver(reply)
         if changed:
             self.event("quorum_formed", quorum_id=quorum_id, groups=members, max_step=max_step, heal=q.shared()["heal"])
-        for g in healers:
+        for g in where.heal:
             self.event("heal_assigned", group=g, source=q.heal[g], step=max_step, quorum_id=quorum_id)
         if idle and self.excluded:  # the work left is the excluded groups' own: let them do it
             self.excluded = dict.fromkeys(self.excluded, 0.0)

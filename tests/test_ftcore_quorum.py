@@ -1,0 +1,72 @@
+"""The quorum decision from tables: ftcore/quorum.py, no server, no sockets, no clock."""
+
+import pytest
+
+from ftcore.quorum import Member, Plan, Round, decide, plan
+
+
+def _round(previous, requesting, healthy, min_replicas=1, expected=0, waited=False) -> Round:
+    prev = frozenset(previous) if previous is not None else None
+    return Round(prev, frozenset(requesting), frozenset(healthy), min_replicas, expected, waited)
+
+
+@pytest.mark.parametrize(
+    "previous,requesting,healthy,min_replicas,expected,waited,want",
+    [
+        # fast: every healthy member of the previous quorum asks
+        ([0, 1, 2], [0, 1, 2], [0, 1, 2], 1, 3, False, (0, 1, 2)),
+        # a failed member (not healthy) is not waited for
+        ([0, 1, 2], [0, 1], [0, 1], 1, 3, False, (0, 1)),
+        # a healthy member that has not asked yet is waited for, until the join timeout
+        ([0, 1, 2], [0, 1], [0, 1, 2], 1, 3, False, "wait"),
+        ([0, 1, 2], [0, 1], [0, 1, 2], 1, 3, True, (0, 1)),
+        # a new group (not in the previous quorum) does not hold the round up
+        ([0, 1], [0, 1], [0, 1, 2], 1, 3, False, (0, 1)),
+        # first quorum: the whole job, or the join timeout
+        (None, [0, 1], [0, 1], 1, 3, False, "wait"),
+        (None, [0, 1, 2], [0, 1, 2], 1, 3, False, (0, 1, 2)),
+        (None, [0, 1], [0, 1], 1, 3, True, (0, 1)),
+        # never below min_replicas, never a minority of the healthy groups (split brain)
+        ([0, 1, 2], [0], [0], 2, 3, True, "wait"),
+        ([0, 1, 2, 3], [0, 1], [0, 1, 2, 3], 1, 4, True, "wait"),
+        ([0, 1, 2, 3], [0, 1, 2], [0, 1, 2, 3], 1, 4, True, (0, 1, 2)),
+        # nobody asking
+        ([0, 1], [], [0, 1], 1, 2, True, "wait"),
+    ],
+)
+def test_decide(previous, requesting, healthy, min_replicas, expected, waited, want):
+    got = decide(_round(previous, requesting, healthy, min_replicas, expected, waited))
+    if want == "wait":
+        assert isinstance(got, str) and got, got  # a reason, for the quorum_waiting event
+    else:
+        assert got == want
+
+
+@pytest.mark.parametrize(
+    "previous,members,finished,want",
+    [
+        # everyone at the same step in the previous quorum: nobody heals
+        ({(0, 0), (1, 0)}, [Member(0, 0, 7, 3), Member(1, 0, 7, 3)], 0, Plan(7, {})),
+        # a restarted group (new incarnation) heals from a member of the previous quorum
+        ({(0, 0), (1, 0)}, [Member(0, 0, 7, 3), Member(1, 1, 0, 0)], 0, Plan(7, {1: 0})),
+        # a group left out of the previous quorum heals even at an equal (or higher) step:
+        # it may hold a step the others discarded
+        ({(0, 0), (1, 0)}, [Member(0, 0, 7, 3), Member(1, 0, 7, 3), Member(2, 0, 8, 2)], 0, Plan(7, {2: 0})),
+        # healers spread over the sources in turn
+        (
+            {(0, 0), (1, 0)},
+            [Member(0, 0, 7, 3), Member(1, 0, 7, 3), Member(2, 5, 0, 0), Member(3, 5, 0, 0)],
+            0,
+            Plan(7, {2: 0, 3: 1}),
+        ),
+        # after a lighthouse restart: trust those that report the latest quorum
+        (None, [Member(0, 0, 9, 4), Member(1, 0, 12, 3)], 0, Plan(9, {1: 0})),
+        # no trusted member at all: everyone is trusted, the furthest step wins
+        ({(5, 0)}, [Member(0, 0, 3, 1), Member(1, 0, 4, 1)], 0, Plan(4, {0: 1})),
+        # the job finished beyond what these groups hold: no history of their own
+        ({(0, 0)}, [Member(1, 2, 0, 0)], 10, None),
+        ({(0, 0)}, [Member(0, 0, 10, 1)], 10, Plan(10, {})),
+    ],
+)
+def test_plan(previous, members, finished, want):
+    assert plan(frozenset(previous) if previous is not None else None, members, finished) == want
