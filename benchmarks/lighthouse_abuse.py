@@ -2,18 +2,25 @@
 
     python benchmarks/lighthouse_abuse.py [--json PATH]
 
-One standing lighthouse (`python -m ftcore.lighthouse`, token, loopback). A real 2-group job
-(`python -m training launch --lighthouse ...`, the trainer on a small synthetic shard set)
-trains against it while, bounded in count and time, this script sends it:
+One standing lighthouse (`python -m ftcore.lighthouse`, an admin secret, loopback). A real
+2-group job (`python -m training launch --lighthouse ... --job-id bench`, the trainer on a small
+synthetic shard set) trains against it while an attacker holding only another job's token
+("flood"), bounded in count and time, sends it:
 
 - malformed requests: garbage, non-UTF-8 bodies, `Infinity`, non-object JSON, a non-numeric
-  Content-Length, bodies over 1 MiB;
-- 1,000 concurrent connections without the token, and 200 idle sockets that never speak;
-- a rank flood from a token holder: phantom groups beyond the job's, ranks beyond their world,
-  and 2,000 heartbeats of a job of its own.
+  Content-Length, bodies over 1 MiB, chunked bodies, two Content-Lengths, 400-digit integers;
+- a wrong token announcing a 1 MB body (answered before the body), 1,000 concurrent
+  connections without the token, and 200 idle sockets that never speak;
+- 1,000 pipelined requests in one write, and a connection that pipelines without ever reading;
+- 100 half-sent bodies with its own token, 1 MB events and many 4 KB events;
+- its own token against job "bench": heartbeats with a huge incarnation, failure reports,
+  events and status reads of the other job;
+- a rank flood of a job of its own.
 
 Reported: requests tried and how they were answered, the job's outcome (exit code, both groups'
-final states equal), and `/status` latency throughout (p50, max, failures).
+final states equal, heartbeat timeouts), `/status` latency throughout (p50, p99, max,
+failures), the lighthouse's RSS before and after, and connections still open after the
+attack that never sent a token.
 """
 
 import argparse
@@ -32,9 +39,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from dataprep.fsutil import atomic_write_json  # noqa: E402
+from ftcore import auth  # noqa: E402
 from training.ports import free_port  # noqa: E402
 
-TOKEN = "abuse-bench-token"
+SECRET = "abuse-bench-secret"
+FLOOD = auth.job_token(SECRET, "flood")  # what the attacker holds: its own job's token
+BENCH = auth.job_token(SECRET, "bench")
 
 
 def _raw(port: int, data: bytes, timeout: float = 5.0) -> str:
@@ -48,34 +59,102 @@ def _raw(port: int, data: bytes, timeout: float = 5.0) -> str:
         return type(e).__name__
 
 
-def _post(path: str, body: bytes, token: bool = True, length: str | None = None) -> bytes:
-    auth = f"Authorization: Bearer {TOKEN}\r\n" if token else ""
-    return (f"POST {path} HTTP/1.1\r\nHost: lh\r\n{auth}Content-Length: {length or len(body)}\r\n\r\n").encode() + body
+def _post(path: str, body: bytes, token: str | None = FLOOD, length: str | None = None, extra: str = "") -> bytes:
+    bearer = f"Authorization: Bearer {token}\r\n" if token else ""
+    head = f"POST {path} HTTP/1.1\r\nHost: lh\r\n{bearer}Content-Length: {length or len(body)}\r\n{extra}\r\n"
+    return head.encode() + body
+
+
+def _get(path: str, token: str | None) -> bytes:
+    bearer = f"Authorization: Bearer {token}\r\n" if token else ""
+    return f"GET {path} HTTP/1.1\r\nHost: lh\r\n{bearer}\r\n".encode()
+
+
+def _rss_mb(pid: int) -> float:
+    return next(int(x.split()[1]) for x in open(f"/proc/{pid}/status") if x.startswith("VmRSS:")) / 1024
+
+
+MALFORMED = {
+    "not UTF-8": _post("/heartbeat", b"\xff\xfe\xfd"),
+    "Infinity": _post("/heartbeat", b"Infinity"),
+    "not an object": _post("/quorum", b"[1,2]"),
+    "length not a number": _post("/heartbeat", b"", length="abc"),
+    "body over 1 MiB": _post("/heartbeat", b"x" * (2 << 20)),
+    "garbage": b"GARBAGE\r\n\r\n",
+    "rank beyond its world": _post("/heartbeat", b'{"group": 0, "rank": 5, "world": 2, "job": "flood"}'),
+    "group beyond the job": _post(
+        "/heartbeat", b'{"group": 99, "rank": 0, "world": 1, "num_groups": 2, "job": "flood"}'
+    ),
+    "quorum_id 1e30": _post("/heartbeat", b'{"group": 0, "rank": 0, "quorum_id": 1e30, "job": "flood"}'),
+    "chunked body": _post("/heartbeat", b"2\r\n{}\r\n0\r\n\r\n", extra="Transfer-Encoding: chunked\r\n"),
+    "two lengths": _post("/heartbeat", b"{}", extra="Content-Length: 9\r\n"),
+    "400-digit timeout": _post("/quorum", b'{"job": "flood", "group": 0, "rank": 0, "timeout": ' + b"9" * 400 + b"}"),
+    "400-digit busy": _post("/quorum", b'{"job": "flood", "group": 0, "rank": 0, "busy": [1, ' + b"9" * 400 + b"]}"),
+    "1 MB event": _post("/event", json.dumps({"job": "flood", "kind": "x", "v": "x" * (1 << 20)}).encode()),
+    "wrong token, 1 MB announced": _post("/heartbeat", b"", token="nope", length=str(1 << 20)),
+    "other job: huge incarnation": _post(
+        "/heartbeat", json.dumps({"job": "bench", "group": 0, "rank": 0, "incarnation": 2**52}).encode()
+    ),
+    "other job: failure report": _post(
+        "/report_failure",
+        json.dumps({"job": "bench", "group": 0, "rank": 0, "incarnation": 0, "quorum_id": 1, "error": "x"}).encode(),
+    ),
+    "other job: event": _post("/event", b'{"job": "bench", "kind": "forged"}'),
+    "other job: status": _get("/status?job=bench", FLOOD),
+    "all jobs: /jobs": _get("/jobs", FLOOD),
+}
+
+
+def _pipelined(port: int, tally: Counter) -> None:
+    """1,000 requests in one write: every one answered, in order."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(_get("/status?job=flood", FLOOD) * 1000)
+        got = b""
+        while got.count(b"HTTP/1.1 ") < 1000:
+            chunk = s.recv(1 << 16)
+            if not chunk:
+                break
+            got += chunk
+    tally[f"1000 pipelined -> {got.count(b'HTTP/1.1 200')} answered 200"] += 1
+
+
+def _never_reads(port: int, tally: Counter) -> None:
+    """Pipelines requests and never reads a reply: served until its unread replies pile up, then dropped."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sent = 0
+        try:
+            for _ in range(2000):
+                s.sendall(_get("/status?job=flood", FLOOD) * 100)
+                sent += 100
+        except OSError as e:
+            tally[f"never reads -> dropped ({type(e).__name__})"] += 1
+            return
+    tally[f"never reads -> still open after {sent} requests"] += 1
+
+
+def _half_sent(port: int, n: int) -> list[socket.socket]:
+    """n bodies announced at 1 MB and sent in part, with the attacker's own token."""
+    out = []
+    for _ in range(n):
+        s = socket.create_connection(("127.0.0.1", port), timeout=5)
+        s.sendall(_post("/event", b"x" * 60000, length=str(1 << 20)))
+        out.append(s)
+    return out
 
 
 def abuse(port: int, stop: threading.Event, tally: Counter) -> None:
-    malformed = [
-        _post("/heartbeat", b"\xff\xfe\xfd"),
-        _post("/heartbeat", b"Infinity"),
-        _post("/quorum", b"[1,2]"),
-        _post("/heartbeat", b"", length="abc"),
-        _post("/heartbeat", b"x" * (2 << 20)),
-        b"GARBAGE\r\n\r\n",
-        _post("/heartbeat", b'{"group": 0, "rank": 5, "world": 2, "job": "bench"}'),
-        _post("/heartbeat", b'{"group": 99, "rank": 0, "world": 1, "num_groups": 2, "job": "bench"}'),
-        _post("/heartbeat", b'{"group": 0, "rank": 0, "quorum_id": 1e30, "job": "bench"}'),
-    ]
     rounds = 0
     while not stop.is_set() and rounds < 40:
         rounds += 1
-        for m in malformed:
-            tally[f"malformed -> {_raw(port, m)}"] += 1
-        # 1,000 concurrent connections without the token
+        for what, m in MALFORMED.items():
+            tally[f"{what} -> {_raw(port, m)}"] += 1
+        # concurrent connections without the token (1,000 in the first round)
         results: list[str] = []
         lock = threading.Lock()
 
         def one(results: list[str], lock: threading.Lock) -> None:
-            r = _raw(port, b"GET /status HTTP/1.1\r\n\r\n", timeout=10)
+            r = _raw(port, _get("/status", None), timeout=10)
             with lock:
                 results.append(r)
 
@@ -86,10 +165,18 @@ def abuse(port: int, stop: threading.Event, tally: Counter) -> None:
             t.join()
         for r in results:
             tally[f"no token -> {r}"] += 1
-        # a rank flood of a job of its own
-        for i in range(50):
+        _pipelined(port, tally)
+        if rounds <= 3:
+            _never_reads(port, tally)
+        half = _half_sent(port, 100 if rounds == 1 else 10)
+        for i in range(20):  # events of its own job: kept, but bounded
+            body = json.dumps({"job": "flood", "kind": "spam", "v": "x" * 3500, "i": i}).encode()
+            tally[f"4 KB event -> {_raw(port, _post('/event', body))}"] += 1
+        for i in range(50):  # a rank flood of a job of its own
             body = json.dumps({"job": "flood", "group": i % 64, "rank": 0, "world": 1, "num_groups": 64}).encode()
             tally[f"flood heartbeat -> {_raw(port, _post('/heartbeat', body))}"] += 1
+        for s in half:
+            s.close()
         stop.wait(0.2)
 
 
@@ -97,7 +184,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", default=str(ROOT / "bench-results" / "lighthouse_abuse.json"))
     a = p.parse_args()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "FTCORE_TOKEN": TOKEN}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "FTCORE_TOKEN": SECRET}
     port = free_port()
     with tempfile.TemporaryDirectory() as d:
         events, shards = Path(d) / "ev.txt", Path(d) / "shards"
@@ -156,10 +243,11 @@ def main() -> int:
         idle = []
         try:
             deadline = time.monotonic() + 30
-            while _raw(port, b"GET /status HTTP/1.1\r\n\r\n") not in ("401", "200"):
+            while _raw(port, _get("/status", None)) not in ("401", "200"):
                 if time.monotonic() > deadline:
                     raise SystemExit("the lighthouse did not start")
                 time.sleep(0.1)
+            rss0 = _rss_mb(lh.pid)
             idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(200)]
             job = subprocess.Popen(
                 [
@@ -201,12 +289,15 @@ def main() -> int:
             lat, fails = [], 0
             while job.poll() is None:
                 t = time.monotonic()
-                code = _raw(port, f"GET /status?job=bench HTTP/1.1\r\nAuthorization: Bearer {TOKEN}\r\n\r\n".encode())
+                code = _raw(port, _get("/status?job=bench", BENCH))
                 lat.append(time.monotonic() - t)
                 fails += code != "200"
                 time.sleep(0.5)
             stop.set()
             attacker.join()
+            rss1 = _rss_mb(lh.pid)
+            time.sleep(1.5)  # a sweep of the server's
+            open_idle = sum(1 for s in idle if _still_open(s))
             assert job.stdout is not None  # stdout=PIPE
             log = job.stdout.read()
             sums = [line.split("checksum ")[1].split()[0] for line in log.splitlines() if " checksum " in line]
@@ -215,20 +306,34 @@ def main() -> int:
                 s.close()
             lh.kill()
             lh.wait()
+    lat.sort()
     row = {
         "job_exit_code": job.returncode,
         "final_states_equal": len(sums) == 2 and len(set(sums)) == 1,
+        "heartbeat_timeouts": log.count('"reason": "heartbeat timeout"'),
         "status_polls": len(lat),
         "status_failures": fails,
         "status_p50_ms": round(1000 * statistics.median(lat), 1) if lat else None,
+        "status_p99_ms": round(1000 * lat[int(0.99 * (len(lat) - 1))], 1) if lat else None,
         "status_max_ms": round(1000 * max(lat), 1) if lat else None,
+        "lighthouse_rss_mb": [round(rss0, 1), round(rss1, 1)],
+        "idle_sockets_still_open": open_idle,
         "requests_tried": sum(tally.values()),
         "answers": dict(sorted(tally.items())),
     }
     print(json.dumps(row, indent=1))
-    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.json).write_text(json.dumps(row, indent=1))
+    atomic_write_json(a.json, row, indent=1)
     return 0 if row["job_exit_code"] == 0 and row["final_states_equal"] and not fails else 1
+
+
+def _still_open(s: socket.socket) -> bool:
+    s.setblocking(False)
+    try:
+        return s.recv(1) != b""
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
 
 
 if __name__ == "__main__":

@@ -5,8 +5,12 @@ Depends on torch and the standard library only; never on training, dataprep or A
 The replica group (K ranks) is the unit of failure; one failed group restarts alone
 while the others keep training, and the returning group catches up from a healthy one.
 
-    lighthouse.py         control plane: membership, quorum, heal assignments, events, one
-                          lighthouse for several jobs (`ftcore-lighthouse`, GET /status, HTML page)
+    lighthouse.py         the standing control plane: jobs born and retired, pauses, the CLI
+                          (`ftcore-lighthouse`)
+    lighthouse_job.py     one job: membership, health, quorum rounds, heal assignments, events
+    quorum.py             the quorum decision and plan, as pure functions
+    lighthouse_http.py    its HTTP/1.1 front end (h11, one asyncio loop, every step bounded)
+    lighthouse_page.py    its HTML page (GET /)
     lighthouse_client.py  a rank's heartbeats, quorum requests and failure reports
     messages.py           every lighthouse message as one typed definition, parsed and checked once
     pace.py               fail-slow: a group much slower than its peers waits on standby
@@ -20,7 +24,7 @@ while the others keep training, and the returning group catches up from a health
     ledger.py             the ledger of committed batches and the exactly-once check
     faults.py             fault plans (tests, benchmarks, launcher, chaos DAG)
     timeouts.py           every timeout, with its environment override
-    auth.py               the shared token
+    auth.py               the admin secret and the per-job tokens derived from it
     fsutil.py             the atomic file write (token file, tensor files; ftcore's own, stdlib only)
     netaddr.py            the one address a rank binds and advertises (FTCORE_HOST or derived)
     examples/toy.py       a self-contained trainer on all of the above

@@ -124,3 +124,31 @@ def allowed(expected: str | None, header_value: str | None) -> bool:
     if not header_value or not header_value.startswith("Bearer "):
         return False
     return hmac.compare_digest(header_value[len("Bearer ") :].encode(), expected.encode())
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m ftcore.auth job-token JOB [--token-file F]`: print JOB's token (give it to
+    that job's ranks instead of the admin secret)."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m ftcore.auth", description=main.__doc__)
+    p.add_argument("command", choices=["job-token"])
+    p.add_argument("job", help="the job id (FTCORE_JOB_ID)")
+    p.add_argument("--token-file", help="the lighthouse's admin secret (else FTCORE_TOKEN / FTCORE_TOKEN_FILE)")
+    a = p.parse_args(argv)
+    secret = read_token_file(a.token_file) if a.token_file else token_from_env()
+    if secret is None:
+        print("ftcore.auth: no secret; give --token-file or set FTCORE_TOKEN_FILE", file=sys.stderr)
+        return 2
+    from ftcore.messages import MessageError, job_id
+
+    try:
+        print(job_token(secret, job_id(a.job)))
+    except (MessageError, ValueError) as e:
+        print(f"ftcore.auth: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -171,7 +171,12 @@ def test_a_job_token_cannot_heal_from_another_jobs_heal_server():
         srv.close()
 
 
-def test_job_tokens_derive_only_for_their_own_job():
+def test_job_tokens_derive_only_for_their_own_job(tmp_path, capsys):
+    secret = tmp_path / "secret"
+    auth.write_token_file(str(secret), SECRET)
+    assert auth.main(["job-token", "recs/prod", "--token-file", str(secret)]) == 0
+    assert capsys.readouterr().out.strip() == auth.job_token(SECRET, "recs/prod")
+    assert auth.main(["job-token", "../etc", "--token-file", str(secret)]) == 2
     ta = auth.job_token(SECRET, "a")
     assert auth.job_token(ta, "a") == ta and auth.job_of(ta) == "a"
     with pytest.raises(ValueError, match="job 'a'"):
