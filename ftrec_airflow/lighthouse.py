@@ -11,8 +11,10 @@ training ended and when the API server cannot reach the training's machine.
 import json
 import os
 import re
+import stat
 import threading
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -38,29 +40,105 @@ def address_in(line: str) -> str | None:
     return addr if addr.startswith("http") else f"http://{addr}"
 
 
-def _token(token_file: str | Path | None = None) -> str | None:
-    if token_file and Path(token_file).is_file():
-        return Path(token_file).read_text().strip() or None
+TOKEN_MAX = 4096
+_TOKEN = re.compile(r"[\x21-\x7e]+")  # one line of visible ASCII: what a Bearer header may carry
+
+
+def _one_token(text: str, where: str) -> str | None:
+    """`text` stripped if it is one token; ValueError naming `where` (never the text) if not."""
+    token = text.strip()
+    if not token:
+        return None
+    if len(token) > TOKEN_MAX or not _TOKEN.fullmatch(token):
+        raise ValueError(f"{where} does not hold one token (one line of visible ASCII); its content is not shown")
+    return token
+
+
+def server_token() -> str | None:
+    """This process's own lighthouse token: FTCORE_TOKEN, else the file FTCORE_TOKEN_FILE
+    names (configuration: a Kubernetes secret mount's symlinks are fine). ValueError when it
+    is not one token; the message never holds its content."""
     if os.environ.get("FTCORE_TOKEN"):
-        return os.environ["FTCORE_TOKEN"]
+        return _one_token(os.environ["FTCORE_TOKEN"], "FTCORE_TOKEN")
     path = os.environ.get("FTCORE_TOKEN_FILE")
-    if path and Path(path).is_file():
-        return Path(path).read_text().strip() or None
-    return None
+    if not path:
+        return None
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(TOKEN_MAX + 1)
+    except OSError as e:
+        raise ValueError(f"FTCORE_TOKEN_FILE {path} is unreadable ({e.strerror})") from None
+    return _one_token(raw.decode("ascii", "replace"), f"FTCORE_TOKEN_FILE {path}")
+
+
+def read_nofollow(path: Path, root: Path, limit: int = 1 << 20) -> bytes | None:
+    """The bytes of the regular file `path` under `root`, following no symlink on the way:
+    every folder below `root` is lstat'ed, the file opened with O_NOFOLLOW. None when it is
+    absent, a link, not a regular file or larger than `limit`."""
+    try:
+        rel = Path(path).relative_to(root)
+    except ValueError:
+        return None
+    cur = Path(root)
+    try:
+        for part in rel.parts[:-1]:
+            cur = cur / part
+            if not stat.S_ISDIR(os.lstat(cur).st_mode):  # a symlink is not S_ISDIR under lstat
+                return None
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
+            return None
+        return f.read(limit + 1)[:limit]
+
+
+def _token(token_file: str | Path | None = None) -> str | None:
+    """The train task's token for its own launcher's lighthouse (`token_file`, the launcher's
+    output), else this process's (server_token)."""
+    if token_file and Path(token_file).is_file() and not Path(token_file).is_symlink():
+        return _one_token(Path(token_file).read_text(errors="replace"), f"token file {token_file}")
+    return server_token()
+
+
+def _reason(e: Exception) -> str:
+    """Why a fetch failed, in words of our own: never the body or a header it was handed."""
+    if isinstance(e, urllib.error.HTTPError):
+        return f"HTTP {e.code}"
+    if isinstance(e, urllib.error.URLError):
+        return e.reason.strerror if isinstance(e.reason, OSError) and e.reason.strerror else "unreachable"
+    if isinstance(e, TimeoutError):
+        return "timed out"
+    if isinstance(e, OSError):
+        return e.strerror or type(e).__name__
+    return "its answer is not a status document"
 
 
 def fetch_status(
-    url: str, timeout: float = FETCH_TIMEOUT_S, token_file: str | Path | None = None, job: str | None = None
+    url: str,
+    timeout: float = FETCH_TIMEOUT_S,
+    token_file: str | Path | None = None,
+    job: str | None = None,
+    token: str | None = None,
 ) -> dict[str, Any]:
-    """GET <url>/status (of `job` on a standing lighthouse) with the shared token; raises
-    OSError when it does not answer."""
+    """GET <url>/status (of `job` on a standing lighthouse) with `token` (default: `_token`);
+    raises OSError, or ValueError for an answer that is no JSON object, with a message of
+    our own (`_reason`)."""
     query = "?" + urllib.parse.urlencode({"job": job}) if job else ""
     req = urllib.request.Request(url.rstrip("/") + "/status" + query)
-    token = _token(token_file)
+    token = token if token is not None else _token(token_file)
     if token:
         req.add_header("Authorization", f"Bearer {token}")
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return json.loads(resp.read().decode())
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            doc = json.loads(resp.read(1 << 22).decode())
+    except (OSError, ValueError) as e:
+        raise (ValueError if isinstance(e, ValueError) else OSError)(_reason(e)) from None
+    if not isinstance(doc, dict):
+        raise ValueError(_reason(ValueError()))
+    return doc
 
 
 def write_snapshot(run_dir: Path, url: str, status: dict | None, error: str = "", job: str | None = None) -> None:
@@ -79,12 +157,15 @@ def write_snapshot(run_dir: Path, url: str, status: dict | None, error: str = ""
     atomic_write_json(path, doc)
 
 
-def read_snapshot(run_dir: Path) -> dict | None:
-    path = Path(run_dir) / SNAPSHOT
+def read_snapshot(run_dir: Path, root: Path | None = None) -> dict | None:
+    """The run's last snapshot, read without following a symlink below `root` (default: the
+    work folder); None when absent, a link or not a JSON object."""
+    raw = read_nofollow(Path(run_dir) / SNAPSHOT, root or settings.work_root())
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
+        doc = json.loads(raw) if raw is not None else None
+    except ValueError:
         return None
+    return doc if isinstance(doc, dict) else None
 
 
 class Watcher:

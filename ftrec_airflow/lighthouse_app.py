@@ -13,17 +13,20 @@ with faults, failures and heals marked (training/timeline.py, the chart the laun
 logs to the MLflow run). A lighthouse that ended with its job is not an error then.
 
 Every route needs an Airflow login with read access to the DAG's runs (the auth manager's
-own checks: 401 without a login, 403 without access). The page contacts only the standing
-lighthouse (FTREC_LIGHTHOUSE_URL, with this server's FTCORE_TOKEN/FTCORE_TOKEN_FILE) or a
-run's own launcher lighthouse on loopback (with that run's token, at the pipeline's fixed
-place `<run folder>/train/token`): never a URL or a file path read from a run folder's
-files, which anyone who can write there could plant. Every value shown is escaped.
+own checks: 401 without a login, 403 without access). Anyone who can write a run folder
+(any task, any pod on a shared volume) can plant its files, so: the page contacts only the
+standing lighthouse (FTREC_LIGHTHOUSE_URL) or a numeric loopback address (ipaddress, not a
+name), with this server's own token (FTCORE_TOKEN / FTCORE_TOKEN_FILE) and never one from
+a run folder; it follows no symlink inside the work folder (lstat, O_NOFOLLOW); its error
+text is its own words, never a file's or a reply's content. Every value shown is escaped.
 """
 
 import html
+import ipaddress
 import json
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from fastapi import Depends, FastAPI, Query
@@ -52,70 +55,98 @@ app = FastAPI(
 )
 
 
-def _loopback(url: str) -> bool:
+def loopback_url(url: str) -> str | None:
+    """`url` rebuilt as http://IP:PORT when its host is a numeric loopback address (an IP
+    address, not a name: `127.attacker.example` is a name), else None."""
     from urllib.parse import urlparse
 
-    host = urlparse(url if "//" in url else f"http://{url}").hostname or ""
-    return host == "localhost" or host.startswith("127.") or host == "::1"
-
-
-def _timeline(run: Any) -> dict[str, Any] | None:
     try:
-        tl = json.loads((run / "train" / "timeline.json").read_text())
-        return tl if isinstance(tl, dict) else None
-    except (OSError, ValueError):
+        p = urlparse(url if "//" in url else f"http://{url}")
+        ip, port = ipaddress.ip_address(p.hostname or ""), p.port
+    except ValueError:
         return None
+    if p.scheme != "http" or not ip.is_loopback or not port or p.username or p.password or p.path not in ("", "/"):
+        return None
+    return f"http://{ip}:{port}" if ip.version == 4 else f"http://[{ip}]:{port}"
+
+
+def _timeline(run: Path) -> dict[str, Any] | None:
+    raw = lighthouse.read_nofollow(run / "train" / "timeline.json", settings.work_root(), limit=64 << 20)
+    try:
+        tl = json.loads(raw) if raw is not None else None
+    except ValueError:
+        return None
+    return tl if isinstance(tl, dict) else None
+
+
+def _jobs(dag_id: str, run_id: str) -> list[str]:
+    """The job ids this DAG run's training reports under: the train task's (ftrec_airflow.
+    decorators) and the Kubernetes DAG's train_group's (ftrec_airflow.kubernetes)."""
+    return [settings.lighthouse_job_id(f"{dag_id}/{run_id}/{task}") for task in ("train", "train_group")]
+
+
+def _target(snap: dict | None, dag_id: str, run_id: str, standing: str) -> tuple[str, str | None, str]:
+    """(url, job, note): whom to ask about this run. The URL is the standing lighthouse or a
+    numeric loopback address; the job one of this run's own ids; never a value taken as is."""
+    jobs = _jobs(dag_id, run_id)
+    recorded = snap.get("url") if snap and isinstance(snap.get("url"), str) else ""
+    job = snap.get("job") if snap and snap.get("job") in jobs else None
+    if standing and (recorded == standing or (not recorded and job)):
+        return standing, job or jobs[0], ""
+    if recorded and loopback_url(recorded):
+        return loopback_url(recorded) or "", None, ""
+    if recorded:
+        return "", None, "the run recorded a lighthouse that is neither FTREC_LIGHTHOUSE_URL nor a loopback address"
+    return "", None, ""
+
+
+def _fetched_at(snap: dict) -> tuple[float | None, str]:
+    at = snap.get("fetched_at")
+    if at is None or (isinstance(at, (int, float)) and not isinstance(at, bool) and 0 <= at < 1e11):
+        return at, ""
+    return None, "the snapshot's fetched_at is not a time (epoch seconds): its age is unknown"
 
 
 def lookup(dag_id: str | None, run_id: str | None) -> dict[str, Any]:
-    """{"source", "url", "live", "status", "fetched_at", "error", "timeline"} for a DAG run's
-    lighthouse, or for the standing one when no run is given."""
+    """{"source", "url", "live", "status", "fetched_at", "error", "note", "timeline"} for a DAG
+    run's lighthouse, or for the standing one when no run is given. Asks only the standing
+    lighthouse or a numeric loopback address, with this server's own token (server_token)."""
+    standing = settings.lighthouse_url()
     snap = timeline = None
-    token_file = job = None
-    url = standing = settings.lighthouse_url()
-    source = "FTREC_LIGHTHOUSE_URL" if url else "none"
-    refused = ""
+    source, url, job, note = ("FTREC_LIGHTHOUSE_URL" if standing else "none"), standing, None, ""
     if dag_id and run_id:
         run = settings.run_folder(dag_id, run_id)
         snap, timeline = lighthouse.read_snapshot(run), _timeline(run)
-        if snap:
-            recorded = snap.get("url") if isinstance(snap.get("url"), str) else ""
-            job = snap.get("job") if isinstance(snap.get("job"), str) else None
-            source = f"run {dag_id} / {run_id}"
-            if recorded and recorded == standing:
-                url = standing  # this server's token, from its environment
-            elif recorded and _loopback(recorded):
-                url, token_file = recorded, run / "train" / "token"  # the run's own launcher
-            else:
-                url = ""
-                if recorded:
-                    refused = (
-                        f"the run recorded lighthouse {recorded}, which is neither FTREC_LIGHTHOUSE_URL "
-                        "nor on loopback: showing its last snapshot"
-                    )
-    doc = {
+        source = f"run {dag_id} / {run_id}"
+        url, job, note = _target(snap, dag_id, run_id, standing) if snap else ("", None, "")
+    doc: dict[str, Any] = {
         "source": source,
         "url": url,
         "live": False,
         "status": None,
         "fetched_at": None,
-        "error": refused,
+        "error": "",
+        "note": note,
         "timeline": timeline,
     }
     if url and timeline is None:  # a finished job's lighthouse has ended with it: do not ask
         try:
-            status = lighthouse.fetch_status(url, timeout=1.0, token_file=token_file, job=job)
+            status = lighthouse.fetch_status(url, timeout=1.0, job=job, token=lighthouse.server_token() or "")
             doc.update(status=status, live=True, fetched_at=time.time())
             return doc
         except (OSError, ValueError) as e:
             doc["error"] = f"lighthouse at {url} does not answer ({e})"
     if snap:
-        doc.update(status=snap.get("status"), fetched_at=snap.get("fetched_at"))
+        at, bad = _fetched_at(snap)
+        last = snap.get("status")
+        doc.update(status=last if isinstance(last, dict) else None, fetched_at=at)
+        doc["note"] = "; ".join(n for n in (doc["note"], bad) if n)
     elif not doc["error"] and timeline is None:
-        doc["error"] = (
-            "no lighthouse recorded for this DAG run"
+        doc["note"] = (
+            "no lighthouse recorded for this DAG run yet"
             if dag_id
-            else "no standing lighthouse configured (set FTREC_LIGHTHOUSE_URL)"
+            else "No standing lighthouse is configured (FTREC_LIGHTHOUSE_URL is not set). That is the default: "
+            "each training starts its own lighthouse, shown in the Lighthouse tab of its DAG run."
         )
     return doc
 
@@ -186,7 +217,8 @@ def _finished(tl: dict[str, Any]) -> str:
 def render(doc: dict[str, Any]) -> str:
     e = html.escape
     st = doc.get("status") or {}
-    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(doc["fetched_at"])) if doc.get("fetched_at") else "-"
+    at = doc.get("fetched_at")
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(_num(at))) if at else "-"
     tl = doc.get("timeline")
     state = "live" if doc["live"] else "finished job" if tl else f"snapshot of {when}" if st else "no status"
     q = st.get("quorum") or {}
@@ -219,10 +251,11 @@ max committed step <b>{e(str(st.get("max_step", "-")))}</b>, min replicas {e(str
     return f"""<!doctype html><html><head><meta charset='utf-8'>{refresh}<title>ftcore lighthouse</title>
 <style>body{{font-family:system-ui,sans-serif;margin:1rem}}table{{border-collapse:collapse;margin:.5rem 0}}
 td,th{{border:1px solid #ccc;padding:.2rem .5rem;text-align:left}}.ok{{color:#070}}.bad{{color:#b00}}
-.muted{{color:#666}}.warn{{color:#a0a}}</style></head><body>
+.muted{{color:#666}}.warn{{color:#a0a}}.note{{color:#333}}</style></head><body>
 <h2>ftcore lighthouse</h2>
 <p class=muted>{e(doc["source"])} &middot; {e(doc["url"] or "no address")} &middot; {e(state)}</p>
 {f"<p class=bad>{e(doc['error'])}</p>" if doc["error"] else ""}
+{f"<p class=note>{e(doc['note'])}</p>" if doc.get("note") else ""}
 {body}
 <h3>recent events</h3><table><tr><th>time</th><th>event</th><th>detail</th></tr>{events}</table>
 </body></html>"""

@@ -18,6 +18,7 @@ At task run time the Airflow Connection `ftrec_mlflow` comes before MLFLOW_TRACK
 configuration from FTREC_TRAIN_* or airflow.cfg's [ftrec] section (`train_task_args`).
 """
 
+import hashlib
 import json
 import os
 import re
@@ -146,21 +147,57 @@ def lighthouse_url() -> str:
     return os.environ.get("FTREC_LIGHTHOUSE_URL", "").rstrip("/")
 
 
+JOB_ID_MAX = 128  # ftcore's JOB_ID syntax: [A-Za-z0-9][A-Za-z0-9._:/+@=-]{0,127}
+
+
 def lighthouse_job_id(run_key: str) -> str:
     """The job id one training run reports under on a standing lighthouse (ftcore's JOB_ID
-    syntax): the run key `dag/run/task`, other characters as '-', at most 128."""
-    job = re.sub(r"[^A-Za-z0-9._:/+@=-]+", "-", run_key).lstrip("._:/+@=-") or "run"
-    return job[:128]
+    syntax): the run key `dag/run/task` itself when it fits; otherwise its legal characters,
+    cut, then `=` and a hash of the whole key. A plain id never holds `=` (a key with one is
+    hashed), so two run keys never share a job id."""
+    job = re.sub(r"[^A-Za-z0-9._:/+@-]+", "-", run_key).lstrip("._:/+@-")
+    if job == run_key and len(job) <= JOB_ID_MAX:
+        return job
+    digest = hashlib.sha256(run_key.encode()).hexdigest()[:32]
+    return f"{job[: JOB_ID_MAX - len(digest) - 1] or 'run'}={digest}"
+
+
+_KEEP = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-")
+NAME_MAX = 200  # a folder name's bytes; file systems allow 255
 
 
 def slug(text: str) -> str:
-    """A run id such as `manual__2026-01-01T00:00:00+00:00` as a safe folder name: one path
-    component, never `.` or `..` (a run id is user input: it must not climb out of runs/)."""
-    name = re.sub(r"\.{2,}", "_", re.sub(r"[^A-Za-z0-9_.-]+", "_", text)).strip("._")
-    return name or "run"
+    """`text` (a DAG or run id: user input) as one safe, reversible folder name (`unslug`):
+    letters, digits and '-' stay, every other byte is `_XX` (hex), so `x`, `_x`, `x_` and
+    `.x` differ, and no name is `.`, `..` or empty. A name longer than NAME_MAX keeps its
+    start and ends in `__` + SHA-256 of `text` (no encoding contains `__`)."""
+    name = "".join(chr(b) if chr(b) in _KEEP else f"_{b:02x}" for b in text.encode()) or "_"
+    if len(name) <= NAME_MAX:
+        return name
+    return f"{name[: NAME_MAX - 66]}__{hashlib.sha256(text.encode()).hexdigest()}"
+
+
+def unslug(name: str) -> str | None:
+    """The text `slug` encoded as `name`; None for a hashed (long) name or a foreign one."""
+    if name == "_":
+        return ""
+    if "__" in name:
+        return None
+    out, i = bytearray(), 0
+    try:
+        while i < len(name):
+            if name[i] == "_":
+                out.append(int(name[i + 1 : i + 3], 16))
+                i += 3
+            else:
+                out += name[i].encode("ascii")
+                i += 1
+        return out.decode()
+    except (ValueError, UnicodeError):
+        return None
 
 
 def run_folder(dag_id: str, run_id: str) -> Path:
     """The folder of one DAG run: every task of the run writes under it, so a retry
-    finds what the first try left and a second DAG run never collides with the first."""
+    finds what the first try left, and two DAG runs (of any two dag ids) never share one."""
     return work_root() / "runs" / slug(dag_id) / slug(run_id)

@@ -442,6 +442,8 @@ def test_lighthouse_page_never_follows_a_planted_url_or_token_path(tmp_path, mon
 
     monkeypatch.setenv("FTREC_WORK", str(tmp_path / "work"))
     monkeypatch.delenv("FTREC_LIGHTHOUSE_URL", raising=False)
+    monkeypatch.delenv("FTCORE_TOKEN", raising=False)
+    monkeypatch.delenv("FTCORE_TOKEN_FILE", raising=False)
     secret = tmp_path / "secret.txt"
     secret.write_text("do-not-send")
     run_dir = settings.run_folder("ftrec_train", "planted")
@@ -458,11 +460,11 @@ def test_lighthouse_page_never_follows_a_planted_url_or_token_path(tmp_path, mon
         )
     )
     doc = page_client.get("/lighthouse/status", params={"dag_id": "ftrec_train", "run_id": "planted"}).json()
-    assert doc["live"] is False and "neither FTREC_LIGHTHOUSE_URL nor on loopback" in doc["error"]
+    assert doc["live"] is False and "neither FTREC_LIGHTHOUSE_URL nor a loopback address" in doc["note"]
     page = page_client.get("/lighthouse/", params={"dag_id": "ftrec_train", "run_id": "planted"}).text
     assert "<script>alert(1)</script>" not in page and "&lt;script&gt;" in page
     assert "<b>" not in page.split("<table>")[1]
-    # a loopback URL is contacted, but with the run's own token file only, never the planted path
+    # a loopback URL is contacted, with this server's token only (none here), never the planted path
     (run_dir / lighthouse.SNAPSHOT).write_text(
         json.dumps({"url": f"http://127.0.0.1:{free_port}", "token_file": str(secret), "status": None})
     )
@@ -486,19 +488,24 @@ def test_lighthouse_page_live_then_from_snapshot(tmp_path, monkeypatch, live_lig
     url, token, proc = live_lighthouse
     monkeypatch.setenv("FTREC_WORK", str(tmp_path / "work"))
     monkeypatch.delenv("FTREC_LIGHTHOUSE_URL", raising=False)
+    monkeypatch.delenv("FTCORE_TOKEN_FILE", raising=False)
+    monkeypatch.delenv("FTCORE_TOKEN", raising=False)
     run_dir = settings.run_folder("ftrec_train", "manual__2026-01-01T00:00:00+00:00")
     with pytest.raises(OSError):
         lighthouse.fetch_status(url)  # no token: refused (401)
     (run_dir / "train").mkdir(parents=True)
-    (run_dir / "train" / "token").write_text(token.read_text())  # where the pipeline's launcher puts it
     with lighthouse.Watcher(run_dir, token_file=token) as w:
         w.see(f'[launch] launch {{"lighthouse": "{url[7:]}", "groups": 2}}')
     snap = lighthouse.read_snapshot(run_dir)
     assert snap["url"] == url and snap["status"]["min_replicas"] == 1 and "token_file" not in snap
     client = page_client
     q = {"dag_id": "ftrec_train", "run_id": "manual__2026-01-01T00:00:00+00:00"}
+    # the page holds no token of this lighthouse: the train task's snapshot, and why
+    refused = client.get("/lighthouse/status", params=q).json()
+    assert refused["live"] is False and "(HTTP 401)" in refused["error"] and refused["status"]["min_replicas"] == 1
+    monkeypatch.setenv("FTCORE_TOKEN_FILE", str(token))  # the API server's own configuration: live
     live = client.get("/lighthouse/status", params=q).json()
-    assert live["live"] is True and live["status"]["events"]
+    assert live["live"] is True and "events" in live["status"]
     page = client.get("/lighthouse/", params=q)
     assert page.status_code == 200 and "ftcore lighthouse" in page.text and "live" in page.text
     runner.stop_group(proc, grace_s=2)  # training over: the page falls back to the snapshot
@@ -506,7 +513,7 @@ def test_lighthouse_page_live_then_from_snapshot(tmp_path, monkeypatch, live_lig
     assert after["live"] is False and after["status"]["min_replicas"] == 1 and "does not answer" in after["error"]
     assert "snapshot of" in client.get("/lighthouse/", params=q).text
     none = client.get("/lighthouse/status", params={"dag_id": "x", "run_id": "y"}).json()
-    assert none["status"] is None and "no lighthouse recorded" in none["error"]
+    assert none["status"] is None and "no lighthouse recorded" in none["note"] and not none["error"]
 
 
 def test_operator_links_and_plugin():
@@ -628,7 +635,7 @@ def test_build_step_retries_with_overwrite_only_for_another_shard_set(tmp_path):
 def test_a_run_id_never_leaves_the_runs_folder(tmp_path, monkeypatch, run_id):
     monkeypatch.setenv("FTREC_WORK", str(tmp_path / "work"))
     folder = settings.run_folder("ftrec_train", run_id).resolve()
-    assert folder.parent == (tmp_path / "work" / "runs" / "ftrec_train").resolve()
+    assert folder.parent == (tmp_path / "work" / "runs" / settings.slug("ftrec_train")).resolve()
     assert ".." not in folder.name and folder.name not in (".", "")
 
 

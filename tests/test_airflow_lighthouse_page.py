@@ -1,0 +1,178 @@
+"""The lighthouse page reads no file it was not meant to and sends no secret where a run
+folder points: one test per probe of issue 23 (planted lighthouse.json, a name that starts
+with "127.", symlinks, a missing or multi-line token file, colliding run folders and job
+ids, a non-numeric fetched_at). Real sockets on loopback, the real FastAPI app."""
+
+import json
+import os
+import socket
+import threading
+
+import pytest
+
+from ftrec_airflow import lighthouse, settings
+
+RUN = {"dag_id": "ftrec_train", "run_id": "probe"}
+
+
+@pytest.fixture
+def page(tmp_path, monkeypatch):
+    from fastapi.testclient import TestClient
+
+    from ftrec_airflow import lighthouse_app
+
+    monkeypatch.setenv("FTREC_WORK", str(tmp_path / "work"))
+    for k in ("FTREC_LIGHTHOUSE_URL", "FTCORE_TOKEN", "FTCORE_TOKEN_FILE"):
+        monkeypatch.delenv(k, raising=False)
+    lighthouse_app.app.dependency_overrides[lighthouse_app.can_read_runs] = lambda: None
+    try:
+        yield TestClient(lighthouse_app.app, raise_server_exceptions=False)
+    finally:
+        lighthouse_app.app.dependency_overrides.clear()
+
+
+@pytest.fixture
+def listener(free_port):
+    """A loopback socket that records the first request it gets (what the page would send)."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", free_port))
+    srv.listen(4)
+    srv.settimeout(3)
+    seen: list[bytes] = []
+
+    def serve():
+        try:
+            conn, _ = srv.accept()
+            conn.settimeout(2)
+            seen.append(conn.recv(65536))
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}")
+            conn.close()
+        except OSError:
+            pass
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    yield f"http://127.0.0.1:{free_port}", seen, t
+    srv.close()
+
+
+def _plant(doc: dict) -> None:
+    run = settings.run_folder(RUN["dag_id"], RUN["run_id"])
+    run.mkdir(parents=True, exist_ok=True)
+    (run / lighthouse.SNAPSHOT).write_text(json.dumps(doc))
+
+
+def test_a_planted_remote_url_is_never_contacted(page):
+    _plant({"url": "http://203.0.113.7:80", "status": {"max_step": 3}})
+    doc = page.get("/lighthouse/status", params=RUN).json()
+    assert doc["url"] == "" and doc["live"] is False and "neither FTREC_LIGHTHOUSE_URL" in doc["note"]
+
+
+@pytest.mark.parametrize(
+    "host", ["127.attacker.example", "127.0.0.1.nip.io", "localhost", "0x7f.example", "[::ffff:203.0.113.7]"]
+)
+def test_a_loopback_looking_name_is_not_loopback(page, host):
+    from ftrec_airflow.lighthouse_app import loopback_url
+
+    assert loopback_url(f"http://{host}:8080") is None
+    _plant({"url": f"http://{host}:8080", "status": None})
+    assert page.get("/lighthouse/status", params=RUN).json()["url"] == ""
+
+
+def test_numeric_loopback_addresses_are_rebuilt_not_echoed():
+    from ftrec_airflow.lighthouse_app import loopback_url
+
+    assert loopback_url("127.0.0.1:29510") == "http://127.0.0.1:29510"
+    assert loopback_url("http://127.9.8.7:1/") == "http://127.9.8.7:1"
+    assert loopback_url("http://[::1]:80") == "http://[::1]:80"
+    for bad in ("https://127.0.0.1:1", "http://u:p@127.0.0.1:1", "http://127.0.0.1:1/x?y", "http://127.0.0.1"):
+        assert loopback_url(bad) is None, bad
+
+
+def test_the_token_is_the_servers_never_a_run_folders(page, listener, monkeypatch, tmp_path):
+    """A loopback lighthouse gets this server's FTCORE_TOKEN_FILE token; the run's own
+    train/token (anyone's file) is never read."""
+    url, seen, t = listener
+    run = settings.run_folder(RUN["dag_id"], RUN["run_id"])
+    (run / "train").mkdir(parents=True)
+    (run / "train" / "token").write_text("planted-run-token")
+    server = tmp_path / "server-token"
+    server.write_text("server-secret\n")
+    monkeypatch.setenv("FTCORE_TOKEN_FILE", str(server))
+    _plant({"url": url, "status": None})
+    page.get("/lighthouse/status", params=RUN)
+    t.join(5)
+    assert seen and b"Authorization: Bearer server-secret" in seen[0] and b"planted-run-token" not in seen[0]
+
+
+def test_no_server_token_means_no_authorization_header(page, listener):
+    url, seen, t = listener
+    _plant({"url": url, "status": None})
+    page.get("/lighthouse/status", params=RUN)
+    t.join(5)
+    assert seen and b"Authorization" not in seen[0]
+
+
+def test_a_multi_line_token_file_is_refused_without_showing_it(page, listener, monkeypatch, tmp_path):
+    url, seen, t = listener
+    cfg = tmp_path / "airflow.cfg"
+    cfg.write_text(
+        "[core]\nfernet_key = AAAA-fernet\nsecret_key = BBBB-secret\nsql_alchemy_conn = postgresql://u:pw@db/af\n"
+    )
+    monkeypatch.setenv("FTCORE_TOKEN_FILE", str(cfg))
+    _plant({"url": url, "status": None})
+    doc = page.get("/lighthouse/status", params=RUN).json()
+    html = page.get("/lighthouse/", params=RUN).text
+    t.join(1)
+    assert not seen  # nothing was sent anywhere
+    assert "does not hold one token" in doc["error"]
+    for secret in ("AAAA-fernet", "BBBB-secret", "postgresql", "fernet_key"):
+        assert secret not in json.dumps(doc) and secret not in html
+
+
+def test_a_symlinked_snapshot_timeline_or_run_folder_is_not_followed(page, tmp_path):
+    secret = tmp_path / "airflow.cfg"
+    secret.write_text(json.dumps({"url": "http://127.0.0.1:9", "status": {"fernet_key": "AAAA"}}))
+    run = settings.run_folder(RUN["dag_id"], RUN["run_id"])
+    (run / "train").mkdir(parents=True)
+    os.symlink(secret, run / lighthouse.SNAPSHOT)
+    os.symlink(secret, run / "train" / "timeline.json")
+    doc = page.get("/lighthouse/status", params=RUN).json()
+    assert doc["status"] is None and doc["timeline"] is None and "AAAA" not in json.dumps(doc)
+    # a run folder that is itself a link to another folder
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    (other / lighthouse.SNAPSHOT).write_text(json.dumps({"status": {"max_step": 99}}))
+    os.symlink(other, settings.run_folder(RUN["dag_id"], "linked"))
+    assert lighthouse.read_snapshot(settings.run_folder(RUN["dag_id"], "linked")) is None
+
+
+def test_a_non_numeric_fetched_at_is_a_message_not_a_500(page):
+    _plant({"url": "", "fetched_at": "yesterday", "status": {"max_step": 3, "groups": []}})
+    r = page.get("/lighthouse/", params=RUN)
+    assert r.status_code == 200 and "fetched_at is not a time" in r.text
+    doc = page.get("/lighthouse/status", params=RUN).json()
+    assert doc["fetched_at"] is None and doc["status"]["max_step"] == 3
+
+
+def test_run_folders_of_lookalike_dag_ids_differ_and_decode(tmp_path, monkeypatch):
+    monkeypatch.setenv("FTREC_WORK", str(tmp_path))
+    ids = ["x", "_x", "x_", ".x", "x.", "-x", "x/y", "x_2f", "", ".", "..", "é"]
+    folders = {settings.run_folder(d, "r") for d in ids}
+    assert len(folders) == len(ids)
+    for d in ids:
+        name = settings.slug(d)
+        assert settings.unslug(name) == d and name not in (".", "..", "") and "/" not in name
+    long = {settings.slug("r" * 300 + str(i)) for i in range(3)}
+    assert len(long) == 3 and all(len(n) <= settings.NAME_MAX for n in long)
+
+
+def test_long_job_ids_are_never_cut_into_each_other():
+    import re
+
+    job_id = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/+@=-]{0,127}")  # ftcore/messages.py JOB_ID
+    keys = [f"ftrec_train/{'r' * 200}{i}/train" for i in range(3)] + ["a b/c", "a-b/c", "a=b", "=x"]
+    jobs = [settings.lighthouse_job_id(k) for k in keys]
+    assert len(set(jobs)) == len(keys) and all(job_id.fullmatch(j) for j in jobs), jobs
+    plain = "ftrec_train/manual__2026-01-01T00:00:00+00:00/train"
+    assert settings.lighthouse_job_id(plain) == plain  # a key that fits stays readable
