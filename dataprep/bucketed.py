@@ -27,6 +27,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -96,6 +97,20 @@ def _meta(d: Path) -> dict:
     return json.loads((d / "meta.json").read_text())
 
 
+KILL_ENV = "FTREC_DATAPREP_KILL"  # "bucket/1": that stage's process kills itself once, half-written (retry tests)
+
+
+def _fault(target: Path, tmp: Path) -> None:
+    """The retry tests' fault: SIGKILL this process once, with `tmp` half-written."""
+    want = os.environ.get(KILL_ENV)
+    if want and target.parts[-2:] == tuple(want.split("/")):
+        marker = target.parent / f".killed-{target.name}"
+        if not marker.exists():
+            marker.touch()
+            (tmp / "partial").write_bytes(b"\0" * 1024)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
 @contextlib.contextmanager
 def _task_dir(target: Path) -> Iterator[Path]:
     """A fresh folder that replaces `target` whole when the block ends without an exception."""
@@ -103,6 +118,7 @@ def _task_dir(target: Path) -> Iterator[Path]:
     tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}.tmp")
     tmp.mkdir()
     try:
+        _fault(target, tmp)
         yield tmp
         if target.exists():
             shutil.rmtree(target)
@@ -636,6 +652,11 @@ def _figures(work: Path, idm: dict, pm: dict, buckets: int) -> dict:
 # ---------------------------------------------------------------- driver
 
 
+def batch_rows(budget: int) -> int:
+    """Rows per batch read from Parquet under `budget` (a batch costs ~1 KB a row while typed)."""
+    return int(min(max(budget // 1024, MIN_BATCH_ROWS), 1 << 22))
+
+
 class Pool:
     """Runs a stage over its indices: here, or in `workers` processes (spawned: pyarrow's threads
     do not survive a fork). Stage functions take (work, index) and return a small dict."""
@@ -675,7 +696,7 @@ def run(
     folder is removed."""
     work = tmp / "_work"
     work.mkdir()
-    ctx = {**ctx, "batch_rows": int(min(max(budget // 1024, MIN_BATCH_ROWS), 1 << 22))}
+    ctx = {**ctx, "batch_rows": batch_rows(budget)}
     _json(work / "ctx.json", ctx)
     pool = Pool(workers)
     try:

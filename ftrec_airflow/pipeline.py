@@ -182,9 +182,11 @@ class TrainingDag:
     already failed, and announces no shard set (its shards are nobody's input).
     """
 
-    def __init__(self, dag_id: str, *, drill: bool = False):
+    def __init__(self, dag_id: str, *, drill: bool = False, shard_fanout: dict[str, Any] | None = None):
         self.dag_id = dag_id
         self.drill = drill
+        # not None: build_shards as a task group of mapped tasks (shard_tasks.fanout's keywords)
+        self.shard_fanout = shard_fanout
         # build_shards' outlet: an event per shard set built (path, fingerprint in its extra)
         self.shards_asset = None if drill else Asset(name=f"{dag_id}_shards", uri=f"ftrec://shards/{dag_id}")
 
@@ -221,6 +223,11 @@ class TrainingDag:
         def verify_task(shards: dict) -> dict:
             return verify_shards(shards)
 
+        if self.shard_fanout is not None:
+            from ftrec_airflow import shard_tasks
+
+            built = shard_tasks.fanout(ingest_task(), shard_spec, outlets=outlets, **self.shard_fanout)
+            return verify_task(built)  # type: ignore[arg-type]
         return verify_task(build_task(ingest_task()))
 
     def train(self, shards: XComArg, base: XComArg | None = None, *, timeout: timedelta) -> XComArg:
