@@ -36,6 +36,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from dataprep.fsutil import atomic_write_json  # noqa: E402
 from ftcore import timeouts  # noqa: E402
 from training.ports import free_port  # noqa: E402
 
@@ -190,48 +191,73 @@ async def run_size(n: int, port: int, seconds: float, job: str) -> dict:
 LH_PID = 0
 
 
+def _start_lighthouse(root: Path, port: int) -> subprocess.Popen:
+    # every simulated host shares 127.0.0.1 here: the per-address caps are a real host's times 1,000
+    caps = ["--max-connections-per-peer", "65536", "--max-unauthenticated-per-peer", "65536"]
+    old = "max-unauthenticated-per-peer" not in (root / "ftcore" / "lighthouse.py").read_text()
+    lh = subprocess.Popen(
+        [sys.executable, "-m", "ftcore.lighthouse", "--bind", f"127.0.0.1:{port}", "--insecure"]
+        + ([] if old else caps),
+        cwd=root,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return lh
+        except OSError:
+            if time.monotonic() > deadline or lh.poll() is not None:
+                lh.kill()
+                raise SystemExit("the lighthouse did not start") from None
+            time.sleep(0.1)
+
+
 def main() -> int:
     global LH_PID
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, nargs="+", default=[64, 256, 1024, 4096])
     p.add_argument("--seconds", type=float, default=8.0, help="measured seconds per size")
+    p.add_argument(
+        "--peer-root",
+        type=Path,
+        help="another checkout of ftrec (e.g. `git worktree add /tmp/old REV`): each size runs against its "
+        "lighthouse too, interleaved, and the table gets the ratios",
+    )
     p.add_argument("--json", default=str(ROOT / "bench-results" / "lighthouse_scale.json"))
     a = p.parse_args()
-    port = free_port()
-    lh = subprocess.Popen(
-        # every simulated host shares 127.0.0.1 here: the per-address caps are a real host's times 1,000
-        [sys.executable, "-m", "ftcore.lighthouse", "--bind", f"127.0.0.1:{port}", "--insecure"]
-        + ["--max-connections-per-peer", "65536", "--max-unauthenticated-per-peer", "65536"],
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    LH_PID = lh.pid
+    roots = [("this", ROOT)] + ([("peer", a.peer_root.resolve())] if a.peer_root else [])
     rows = []
-    try:
-        deadline = time.monotonic() + 30
-        while True:
+    for n in a.ranks:
+        for name, root in roots:
+            port = free_port()
+            lh = _start_lighthouse(root, port)
+            LH_PID = lh.pid
             try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline or lh.poll() is not None:
-                    raise SystemExit("the lighthouse did not start") from None
-                time.sleep(0.1)
-        for n in a.ranks:
-            rows.append(asyncio.run(asyncio.wait_for(run_size(n, port, a.seconds, f"bench-{n}"), a.seconds + 120)))
+                row = asyncio.run(asyncio.wait_for(run_size(n, port, a.seconds, f"bench-{n}"), a.seconds + 120))
+            finally:
+                lh.kill()
+                lh.wait()
+            rows.append({"lighthouse": name, **row})
             print(json.dumps(rows[-1]), flush=True)
-    finally:
-        lh.kill()
-        lh.wait()
     cols = list(rows[0]) if rows else []
     print("\n| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
     for r in rows:
         print("| " + " | ".join(str(r[c]) for c in cols) + " |")
-    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.json).write_text(json.dumps({"heartbeat_interval_s": timeouts.HEARTBEAT_INTERVAL, "rows": rows}, indent=1))
+    if a.peer_root:
+        print("\n| ranks | quorum p99 this/peer | CPU per 1,000 ranks in rounds, this/peer |\n|---|---|---|")
+        for this, peer in zip(rows[::2], rows[1::2], strict=True):
+            p99 = (
+                this["quorum_p99_ms"] / peer["quorum_p99_ms"]
+                if this["quorum_p99_ms"] and peer["quorum_p99_ms"]
+                else None
+            )
+            cpu = this["training_cpu_per_1000_ranks"] / max(peer["training_cpu_per_1000_ranks"], 1e-9)
+            print(f"| {this['ranks']} | {p99:.2f} | {cpu:.2f} |" if p99 else f"| {this['ranks']} | - | {cpu:.2f} |")
+    atomic_write_json(a.json, {"heartbeat_interval_s": timeouts.HEARTBEAT_INTERVAL, "rows": rows}, indent=1)
     return 0
 
 

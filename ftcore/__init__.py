@@ -9,7 +9,7 @@ while the others keep training, and the returning group catches up from a health
                           (`ftcore-lighthouse`)
     lighthouse_job.py     one job: membership, health, quorum rounds, heal assignments, events
     quorum.py             the quorum decision and plan, as pure functions
-    lighthouse_http.py    its HTTP/1.1 front end (h11, one asyncio loop, every step bounded)
+    lighthouse_http.py    its HTTP/1.1 front end (llhttp, one asyncio loop, every step bounded)
     lighthouse_page.py    its HTML page (GET /)
     lighthouse_client.py  a rank's heartbeats, quorum requests and failure reports
     messages.py           every lighthouse message as one typed definition, parsed and checked once

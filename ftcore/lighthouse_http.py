@@ -1,4 +1,4 @@
-"""The lighthouse's HTTP/1.1 front end: h11 parses, one asyncio loop serves, every step is bounded.
+"""The lighthouse's HTTP/1.1 front end: llhttp parses (httptools), one asyncio loop serves, all bounded.
 
 Each connection is a protocol object (no task, no thread): a rank's heartbeat connection and
 its quorum connection cost no thread, and a quorum request is answered when its round forms.
@@ -11,6 +11,7 @@ client pipelines behind an unanswered request, and replies it leaves unread.
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import socket
 import threading
@@ -20,7 +21,7 @@ from collections import Counter
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
-import h11
+import httptools
 
 from ftcore import auth, timeouts
 from ftcore.lighthouse_job import Job, Request, StaleIncarnation
@@ -43,7 +44,9 @@ if TYPE_CHECKING:
 
 MAX_BODY = 1 << 20  # bytes: larger bodies get 413, unread
 MAX_HEAD = 16 << 10  # bytes of request line and headers
-MAX_PIPELINED = 64 << 10  # bytes a client may send ahead of a request still being answered
+MAX_HEADERS = 64
+MAX_PIPELINED = 256 << 10  # bytes of requests a client may queue behind one still being answered
+REQUEST_OVERHEAD = 64  # bytes a queued request counts beyond its head and body (its record)
 WRITE_HIGH = 256 << 10  # unread reply bytes past which a connection is not served until it reads
 FIRST_REQUEST_S = 10.0  # a new connection must send its first request within this
 REQUEST_S = 10.0  # a request must arrive whole within this of its first byte
@@ -52,16 +55,14 @@ IDLE_S = 600.0  # a quiet connection that is not a rank's heartbeat line is clos
 JSON = "application/json"
 
 
-def _head(code: int, ctype: str, length: int, close: bool) -> h11.Response:
-    headers = [("Content-Type", ctype), ("Content-Length", str(length))]
-    return h11.Response(status_code=code, headers=headers + ([("Connection", "close")] if close else []))
+def _response(code: int, raw: bytes, ctype: str = JSON, close: bool = False) -> bytes:
+    """A whole response, in one buffer (one write: no Nagle wait between headers and body)."""
+    head = f"HTTP/1.1 {code} {HTTPStatus(code).phrase}\r\nContent-Type: {ctype}\r\nContent-Length: {len(raw)}\r\n"
+    return (head + ("Connection: close\r\n\r\n" if close else "\r\n")).encode() + raw
 
 
 def _raw_error(code: int, msg: str) -> bytes:
-    """An error reply written outside h11's state machine (a request h11 could not parse)."""
-    raw = json.dumps({"error": msg}).encode()
-    head = f"HTTP/1.1 {code} {HTTPStatus(code).phrase}\r\nContent-Type: {JSON}\r\nContent-Length: {len(raw)}\r\n"
-    return (head + "Connection: close\r\n\r\n").encode() + raw
+    return _response(code, json.dumps({"error": msg}).encode(), close=True)
 
 
 class _Refused(Exception):
@@ -73,19 +74,24 @@ class _Refused(Exception):
 
 
 class _Connection(asyncio.Protocol):
-    """One client connection: h11 events in, requests answered in order, one at a time."""
+    """One client connection: llhttp's callbacks queue whole requests, answered in order, one at a time."""
 
     def __init__(self, server: LighthouseServer):
         self.srv = server
-        self.h = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD)
+        self.parser = httptools.HttpRequestParser(self)
         self.peer = ""
-        self.busy = False  # a request is being answered: later bytes wait in h11's buffer
+        self.busy = False  # a request is being answered: later ones wait in the queue
         self.paused = False  # the client left WRITE_HIGH bytes of replies unread
-        self.scope: str | None = None  # whom the current request's token speaks for
         self.authed = False  # some request on this connection carried a valid token
-        self.target = ""
-        self.method = ""
+        # whole requests not yet answered: (method, target, scope, body, keep-alive, bytes)
+        self.queue: collections.deque[tuple[str, str, str | None, bytes, bool, int]] = collections.deque()
+        self.queued = 0  # bytes of the requests in the queue
+        self.url = b""
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.head_bytes = 0
         self.body = bytearray()
+        self.scope: str | None = None  # whom the request being read speaks for
+        self.keep_alive = True  # the request being answered allows another on this connection
         self.receiving_since: float | None = None
         self.beat: tuple[Job, int, int, int] | None = None  # this connection's heartbeating rank
         self.waiting: tuple[Job, Request] | None = None  # its pending quorum request
@@ -125,67 +131,53 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.last = time.monotonic()
-        if self.receiving_since is None:
-            self.receiving_since = self.last
-        try:
-            self.h.receive_data(data)
-        except RuntimeError:  # h11 refuses data after it saw an error: the connection is closing
+        if self.t.is_closing():
             return
-        if (self.busy or self.paused) and len(self.h.trailing_data[0]) > MAX_PIPELINED:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserCallbackError as e:
+            refused = e.__context__ if isinstance(e.__context__, _Refused) else _Refused(400, "bad request")
+            return self._close_with(refused.code, str(refused))
+        except httptools.HttpParserUpgrade:
+            return self._close_with(400, "protocol upgrades are not served here")
+        except httptools.HttpParserError as e:
+            return self._close_with(400, f"malformed request: {e}")
+        if self.queued > MAX_PIPELINED:
             self.t.abort()  # pipelining far ahead of its answers: no memory for that
             return
         self._process()
 
-    # ---- requests ------------------------------------------------------------------------
-    def _process(self) -> None:
-        """Parse and dispatch until a request waits for its answer or the bytes run out (a loop,
-        not recursion: one read may hold many pipelined requests)."""
-        if self._in_process:
-            return
-        self._in_process = True
-        try:
-            while not self.busy and not self.paused and not self.t.is_closing():
-                if self.h.our_state is h11.DONE and self.h.their_state is h11.DONE:
-                    self.h.start_next_cycle()
-                try:
-                    ev = self.h.next_event()
-                    if not self._on_event(ev):
-                        return
-                except h11.RemoteProtocolError as e:
-                    return self._close_with(e.error_status_hint, f"malformed request: {e}")
-                except _Refused as e:
-                    return self._close_with(e.code, str(e))
-        finally:
-            self._in_process = False
+    # ---- llhttp callbacks: one request's parts -------------------------------------------
+    def on_message_begin(self) -> None:
+        self.url, self.headers, self.head_bytes, self.body = b"", [], 0, bytearray()
+        self.receiving_since = self.receiving_since or time.monotonic()
 
-    def _on_event(self, ev: Any) -> bool:
-        """One h11 event; False when there is nothing more to do for now."""
-        if ev is h11.NEED_DATA or ev is h11.PAUSED:
-            return False
-        if isinstance(ev, h11.ConnectionClosed):
-            self.t.close()
-            return False
-        if isinstance(ev, h11.Request):
-            self._check_head(ev)
-        elif isinstance(ev, h11.Data):
-            self.body += ev.data
-        elif isinstance(ev, h11.EndOfMessage):
-            self.busy, self.receiving_since = True, None
-            body, self.body = bytes(self.body), bytearray()
-            self.srv.dispatch(self, self.method, self.target, self.scope, body)
-        return True
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+        self._count(len(url))
 
-    def _check_head(self, req: h11.Request) -> None:
-        """Everything a request can be refused for before its body is read."""
-        headers = Counter(name for name, _ in req.headers)
-        if headers[b"transfer-encoding"]:
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name.lower(), value))
+        self._count(len(name) + len(value))
+
+    def _count(self, n: int) -> None:
+        self.head_bytes += n
+        if self.head_bytes > MAX_HEAD or len(self.headers) > MAX_HEADERS:
+            raise _Refused(431, f"request head over {MAX_HEAD} bytes or {MAX_HEADERS} headers")
+
+    def on_headers_complete(self) -> None:
+        """Everything a request can be refused for, before its body is read."""
+        names = collections.Counter(n for n, _ in self.headers)
+        if names[b"transfer-encoding"]:
             raise _Refused(400, "Transfer-Encoding is not accepted here; send a Content-Length")
-        if headers[b"content-length"] > 1:
+        if names[b"content-length"] > 1:
             raise _Refused(400, "more than one Content-Length header")
-        length = next((int(v) for n, v in req.headers if n == b"content-length"), 0)
+        if self.parser.get_http_version() == "1.1" and not names[b"host"]:
+            raise _Refused(400, "an HTTP/1.1 request needs a Host header")
+        length = next((int(v) for n, v in self.headers if n == b"content-length"), 0)
         if length > MAX_BODY:
             raise _Refused(413, f"body over {MAX_BODY} bytes")
-        value = next((v for n, v in req.headers if n == b"authorization"), b"").decode("latin-1")
+        value = next((v for n, v in self.headers if n == b"authorization"), b"").decode("latin-1")
         # header only: a token in a URL ends up in logs, histories and Referer headers
         self.scope = auth.scope(self.srv.lh.cfg.token, value or None)
         if self.scope is None:
@@ -193,7 +185,33 @@ class _Connection(asyncio.Protocol):
         if not self.authed:
             self.authed = True
             self.srv.forget_unauthed(self)
-        self.method, self.target = req.method.decode("latin-1"), req.target.decode("latin-1")
+
+    def on_body(self, data: bytes) -> None:
+        self.body += data
+
+    def on_message_complete(self) -> None:
+        method = self.parser.get_method().decode("latin-1")
+        keep = self.parser.should_keep_alive()
+        size = len(self.body) + self.head_bytes + REQUEST_OVERHEAD
+        self.queue.append((method, self.url.decode("latin-1"), self.scope, bytes(self.body), keep, size))
+        self.queued += size
+        self.receiving_since = None
+
+    # ---- answering -----------------------------------------------------------------------
+    def _process(self) -> None:
+        """Dispatch queued requests until one waits for its answer (a loop, not recursion: one
+        read may hold many pipelined requests)."""
+        if self._in_process:
+            return
+        self._in_process = True
+        try:
+            while self.queue and not self.busy and not self.paused and not self.t.is_closing():
+                method, target, scope, body, self.keep_alive, size = self.queue.popleft()
+                self.queued -= size
+                self.busy = True
+                self.srv.dispatch(self, method, target, scope, body)
+        finally:
+            self._in_process = False
 
     def _close_with(self, code: int, msg: str) -> None:
         self.t.write(_raw_error(code, msg[:300]))
@@ -205,10 +223,8 @@ class _Connection(asyncio.Protocol):
         if self.t.is_closing():
             return
         raw = (body if isinstance(body, str) else json.dumps(body)).encode()
-        close = code in (400, 401, 403, 413) or self.h.their_state is h11.MUST_CLOSE
-        out = self.h.send(_head(code, ctype, len(raw), close)) or b""
-        out += (self.h.send(h11.Data(data=raw)) or b"") + (self.h.send(h11.EndOfMessage()) or b"")
-        self.t.write(out)  # one write: no Nagle wait between headers and body
+        close = code in (400, 401, 403, 413) or not self.keep_alive
+        self.t.write(_response(code, raw, ctype, close))
         self.served += 1
         self.last = time.monotonic()
         self.busy = False
