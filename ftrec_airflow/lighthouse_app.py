@@ -210,8 +210,39 @@ def _finished(tl: dict[str, Any]) -> str:
     return (
         f"{outcome}<table><tr><th>group</th><th>committed steps</th><th>restarts</th><th>failures</th>"
         f"<th>heals</th><th>slow exclusions</th><th>final state</th></tr>{rows}</table>"
-        f"<h3>committed steps per group</h3>{timeline.svg(tl)}"
+        f"<h3>committed steps per group</h3>{_chart(tl)}"
     )
+
+
+def _chart(tl: dict[str, Any]) -> str:
+    """The timeline chart with its axis titles, and a word when nothing happened to mark."""
+    from training import timeline
+
+    chart = timeline.svg(tl)
+    if not chart:
+        return "<p class=note>no committed step recorded</p>"
+    quiet = (
+        ""
+        if timeline.series(tl)["marks"]
+        else "<p class=note>No faults, failures or heals in this job: nothing to mark. Groups that committed "
+        "the same steps at the same times draw one line.</p>"
+    )
+    return (
+        f"<div class=chart><span class=ylabel>committed step</span><div class=scroll>{chart}</div>"
+        f"<div class=xlabel>seconds since the launch</div></div>{quiet}"
+    )
+
+
+def _short(v: Any) -> str:
+    """An event value as a person reads it: a path as its last two parts, long text cut."""
+    if isinstance(v, str) and v.startswith("/"):
+        v = "…/" + "/".join(v.rstrip("/").split("/")[-2:])
+    text = v if isinstance(v, str) else json.dumps(v, separators=(", ", ": "))
+    return text if len(text) <= 80 else text[:77] + "…"
+
+
+def _detail(ev: dict[str, Any]) -> str:
+    return ", ".join(f"{k} {_short(v)}" for k, v in ev.items() if k not in ("t", "kind"))
 
 
 def render(doc: dict[str, Any]) -> str:
@@ -234,11 +265,13 @@ def render(doc: dict[str, Any]) -> str:
     events = "".join(
         f"<tr><td>{time.strftime('%H:%M:%S', time.localtime(_num(ev.get('t'))))}</td>"
         f"<td>{e(str(ev.get('kind', '')))}</td>"
-        f"<td><code>{e(json.dumps({k: v for k, v in ev.items() if k not in ('t', 'kind')}))}</code></td></tr>"
+        f"<td>{e(_detail(ev))}</td></tr>"
         for ev in reversed(evs[-50:])
         if isinstance(ev, dict)
     )
     refresh = "<meta http-equiv='refresh' content='3'>" if doc["live"] else ""
+    # a finished job's lighthouse ended with it: its address is history, not a place to look
+    where = "its lighthouse ended with the job" if tl else doc["url"] or "no address"
     quorum, participants = q.get("quorum_id", "-"), q.get("groups", q.get("participants", "-"))
     heads = "".join(f"<th>{h}</th>" for h in ("group", "incarnation", "state", "step", "ranks", "last heartbeat"))
     body = (
@@ -251,9 +284,13 @@ max committed step <b>{e(str(st.get("max_step", "-")))}</b>, min replicas {e(str
     return f"""<!doctype html><html><head><meta charset='utf-8'>{refresh}<title>ftcore lighthouse</title>
 <style>body{{font-family:system-ui,sans-serif;margin:1rem}}table{{border-collapse:collapse;margin:.5rem 0}}
 td,th{{border:1px solid #ccc;padding:.2rem .5rem;text-align:left}}.ok{{color:#070}}.bad{{color:#b00}}
-.muted{{color:#666}}.warn{{color:#a0a}}.note{{color:#333}}</style></head><body>
+.muted{{color:#666}}.warn{{color:#a0a}}.note{{color:#333}}
+table,.scroll{{display:block;overflow-x:auto;max-width:100%}}body{{min-width:0}}
+.chart{{display:grid;grid-template-columns:auto 1fr;align-items:center;gap:.3rem}}
+.ylabel{{writing-mode:vertical-rl;transform:rotate(180deg);font-size:12px;color:#444}}
+.xlabel{{grid-column:2;text-align:center;font-size:12px;color:#444}}</style></head><body>
 <h2>ftcore lighthouse</h2>
-<p class=muted>{e(doc["source"])} &middot; {e(doc["url"] or "no address")} &middot; {e(state)}</p>
+<p class=muted>{e(doc["source"])} &middot; {e(where)} &middot; {e(state)}</p>
 {f"<p class=bad>{e(doc['error'])}</p>" if doc["error"] else ""}
 {f"<p class=note>{e(doc['note'])}</p>" if doc.get("note") else ""}
 {body}

@@ -76,9 +76,11 @@ def test_the_lighthouse_tab_of_a_finished_run_tells_what_happened(chaos_timeline
     # the last snapshot the train task kept: its lighthouse has ended with the job
     lighthouse.write_snapshot(run, "http://127.0.0.1:9", {"groups": [{"group": 0, "healthy": False}], "events": []})
     tl = dict(chaos_timeline)
+    newest = max(e["t"] for e in [*tl["launcher_events"], *tl["lighthouse_events"]])
     tl["lighthouse_events"] = [
         *tl["lighthouse_events"],
         {"t": tl["steps"][-1]["t"], "kind": "fault", "group": 0, "note": "<script>alert(1)</script>"},
+        {"t": newest + 1, "kind": "checkpoint", "path": "/srv/work/runs/abc/train/replica_1/step-40"},
     ]
     (run / "train" / "timeline.json").write_text(json.dumps(tl))
     lighthouse_app.app.dependency_overrides[lighthouse_app.can_read_runs] = lambda: None
@@ -95,3 +97,17 @@ def test_the_lighthouse_tab_of_a_finished_run_tells_what_happened(chaos_timeline
     assert page.count("class=group-row") == 2 and page.count("<polyline class='group'") == 2
     assert "data-kind='fault'" in page and "data-kind='heal_finished'" in page
     assert "<script>alert(1)</script>" not in page and "&lt;script&gt;" in page
+    # what a user reads: no dead address shown as a place, axis titles, events as words, not JSON
+    assert "its lighthouse ended with the job" in page and "127.0.0.1:9" not in page
+    assert "committed step</span>" in page and "seconds since the launch" in page
+    assert "path …/replica_1/step-40" in page and "/srv/work/runs" not in page
+    assert "No faults" not in page
+
+
+def test_a_job_without_faults_says_so_instead_of_an_empty_legend(chaos_timeline):
+    from ftrec_airflow import lighthouse_app
+    from training import timeline
+
+    quiet = {k: v for k, v in chaos_timeline.items() if k not in ("launcher_events", "lighthouse_events")}
+    assert timeline.series(quiet)["marks"] == [] and timeline.svg(quiet)
+    assert "No faults, failures or heals in this job" in lighthouse_app._chart(quiet)
