@@ -247,3 +247,45 @@ def test_open_run_then_collect_group_zeros_result(k8s_env, tmp_path):
     assert got["replica_groups"] == 2 and got["tracking_uri"] == run["tracking_uri"]
     with pytest.raises(AirflowFailException, match="fault plans need the local launcher"):
         kubernetes.open_run({**params, "fault_plan": '{"faults": []}'}, shards)
+
+
+# Kubernetes versions whose OpenAPI schema every rendered object must satisfy (kubernetes-validate
+# bundles them: an offline check, no cluster); strict: a field Kubernetes does not know fails too
+K8S_VERSIONS = ("1.32.0", "1.33.0", "1.34.0", "1.35.0", "1.36.0", "1.37.0")
+
+
+def _schema_errors(objs: list[dict]) -> list[str]:
+    kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="pip install -e '.[test]'")
+    errors = []
+    for version in K8S_VERSIONS:
+        for d in objs:
+            try:
+                kubernetes_validate.validate(d, version, strict=True)
+            except kubernetes_validate.ValidationError as e:
+                errors.append(f"{version} {d['kind']} {d['metadata'].get('name')}: {e.message} at {list(e.path)}")
+    return errors
+
+
+def test_every_rendered_object_satisfies_the_kubernetes_schema(train_group, k8s_env, tmp_path):
+    """Each group pod (GPU and CPU-only), the lighthouse Deployment and Service, as the API
+    server would receive them, against each version's OpenAPI schema, unknown fields refused."""
+    from ftrec_airflow.kubernetes_operator import GroupPodOperator
+
+    objs = kubernetes.to_dicts(_pods(train_group, _run(tmp_path, groups=3, ranks=2)))
+    assert {d["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] for d in objs} == {"2"}
+    k8s_env.setenv("FTREC_K8S_GPU_RESOURCE", "")
+    kw = kubernetes.group_pods(_run(tmp_path, groups=1))[0]
+    cpu = GroupPodOperator(task_id="train_group", **kubernetes.pod_defaults(), **kw).build_pod_request_obj(dry_run=True)
+    objs += kubernetes.to_dicts([cpu, *kubernetes.lighthouse_manifests()])
+    assert [d["kind"] for d in objs] == ["Pod"] * 4 + ["Deployment", "Service"]
+    assert all(d.get("apiVersion") for d in objs)
+    assert _schema_errors(objs) == []
+
+
+def test_the_schema_check_catches_a_misspelt_or_mistyped_field(k8s_env):
+    """The check above can fail: a field Kubernetes does not know, a string for an integer."""
+    deployment, service = kubernetes.to_dicts(kubernetes.lighthouse_manifests())
+    deployment["spec"]["replica"] = 1
+    service["spec"]["ports"][0]["port"] = "29510"
+    errors = _schema_errors([deployment, service])
+    assert any("replica" in e for e in errors) and any("port" in e for e in errors), errors
