@@ -150,6 +150,13 @@ def _write_shards(tmp: Path, samples: sequences.Samples, cost: np.ndarray, p: ba
             bar.update()
 
 
+def _check_counts(**counts: int) -> None:
+    """Each setting (world_size=...) is >= 1, else a DataprepError naming its flag."""
+    bad = [k for k, v in counts.items() if v < 1]
+    if bad:
+        raise DataprepError(f"--{bad[0].replace('_', '-')} must be >= 1")
+
+
 def prepare(
     input: "str | list[str]",
     fmt: str,
@@ -179,18 +186,7 @@ def prepare(
         raise DataprepError(f"--format {fmt!r}: unknown; choose one of {', '.join(readers.FORMATS)}")
     cm = load_cost_model(cost_model)
     k = balance.DEFAULT_WINDOW_STEPS if window_steps is None else int(window_steps)
-    if world_size < 1 or batch_size < 1 or max_len < 1 or k < 1:
-        bad = next(
-            n
-            for n, v in (
-                ("--world-size", world_size),
-                ("--batch-size", batch_size),
-                ("--max-len", max_len),
-                ("--window-steps", k),
-            )
-            if v < 1
-        )
-        raise DataprepError(f"{bad} must be >= 1")
+    _check_counts(world_size=world_size, batch_size=batch_size, max_len=max_len, window_steps=k)
     config = {
         "world_size": world_size,
         "batch_size": batch_size,

@@ -153,6 +153,32 @@ def seal(stage: str, out: str, log=print) -> dict[str, Any]:
     return {**steps._summary(m, out), "reused": False}
 
 
+# the mapped tasks: one dataprep.bucketed stage each (fanout calls them inside its task group)
+@task
+def read(stage: str, f: int) -> Any:
+    return run_stage("scan", stage, f)
+
+
+@task
+def partition(stage: str, f: int) -> Any:
+    return run_stage("split", stage, f)
+
+
+@task
+def bucket(stage: str, b: int) -> Any:
+    return run_stage("bucket", stage, b)
+
+
+@task
+def route(stage: str, b: int) -> Any:
+    return run_stage("route", stage, b)
+
+
+@task
+def write(stage: str, r: int) -> Any:
+    return run_stage("write", stage, r)
+
+
 def fanout(
     data: XComArg,
     spec_fn: Callable[[dict, dict], steps.ShardSpec],
@@ -171,36 +197,16 @@ def fanout(
             return [{"stage": p["stage"], "f": f} for f in p["files"]]
 
         @task
-        def read(stage: str, f: int) -> Any:
-            return run_stage("scan", stage, f)
-
-        @task
         def ids(files: list[dict]) -> list[dict]:
             stage = files[0]["stage"]
             meta = run_stage("ids", stage)
             return [{"stage": stage, "b": b} for b in range(meta["buckets"] if meta else 1)]
 
         @task
-        def partition(stage: str, f: int) -> Any:
-            return run_stage("split", stage, f)
-
-        @task
-        def bucket(stage: str, b: int) -> Any:
-            return run_stage("bucket", stage, b)
-
-        @task
         def plan_task(files: list[dict], data: Any, params=None) -> list[dict]:
             stage = files[0]["stage"]
             plan(stage)
             return [{"stage": stage, "r": r} for r in range(spec_fn(params, data).world_size)]
-
-        @task
-        def route(stage: str, b: int) -> Any:
-            return run_stage("route", stage, b)
-
-        @task
-        def write(stage: str, r: int) -> Any:
-            return run_stage("write", stage, r)
 
         @task(outlets=outlets or [])
         def seal_task(files: list[dict], data: Any, params=None, outlet_events=None) -> dict:

@@ -137,3 +137,22 @@ def test_memory_budget_parsed_and_picks_buckets(tmp_path, parquet_inputs, monkey
     assert any(f"in {-(-events * 2000 // (64 << 20))} buckets" in x for x in lines), lines
     assert any(x.startswith("dataprep: bucket 1/") for x in lines)
     _assert_same(tmp_path / "s", tmp_path / "b")
+
+
+def test_user_errors_same_as_in_memory(tmp_path):
+    """What the in-memory build refuses, the bucketed one refuses with the same message."""
+    bad = tmp_path / "bad.parquet"  # one row in ten has no item: over --max-reject-fraction
+    items = pa.array(np.arange(1000), mask=np.arange(1000) % 10 == 3)
+    pq.write_table(pa.table({"user_id": np.arange(1000) % 50, "item_id": items, "timestamp": np.arange(1000)}), bad)
+    short = tmp_path / "short.parquet"  # every user has 2 events: none is long enough
+    pq.write_table(
+        pa.table({"user_id": np.arange(100) % 50, "item_id": np.arange(100), "timestamp": np.arange(100)}), short
+    )
+    for path, match in ((bad, "lines rejected"), (short, "leave-one-out needs")):
+        msgs = []
+        for kw in ({}, {"buckets": 3}):
+            with pytest.raises(DataprepError, match=match) as e:
+                build_shards(str(path), "events", str(tmp_path / "out"), world_size=2, batch_size=4, **kw)
+            msgs.append(str(e.value))
+        assert msgs[0] == msgs[1]
+    assert not list(tmp_path.glob(".out.tmp-*"))  # the staging folder went with the error
