@@ -139,6 +139,8 @@ class Job:
         self.excluded: dict[int, float] = {}  # fail-slow: group -> monotonic end of its standby
         self.events: collections.deque = collections.deque(maxlen=lh.cfg.events_per_job)
         self.last_heard = time.monotonic()  # the last message of any of its ranks
+        self.isolated = False  # most groups went silent at once: this lighthouse is likely cut off
+        self.grace_until = 0.0  # after an isolation: silence is not judged before this
 
     def event(self, kind: str, **data: Any) -> None:
         self.lh.event(kind, job=self.name, **data)
@@ -189,7 +191,7 @@ class Job:
             return False
         report = self.reports.get(self.quorum.quorum_id) if self.quorum else None
         in_quorum = self.quorum is not None and grp.group in self.quorum.groups
-        silence_counts = not self.lh.in_grace(now)  # a paused lighthouse heard nobody: not their fault
+        silence_counts = self._silence_counts(now)
         for rk in grp.ranks.values():
             if rk.disconnected or (silence_counts and now - rk.last_beat > self.cfg.heartbeat_timeout):
                 return False
@@ -197,10 +199,36 @@ class Job:
                 return False
         return True
 
+    def _silence_counts(self, now: float) -> bool:
+        """Whether a rank's silence is evidence against it: not while this lighthouse was paused
+        or seems cut off, nor for a heartbeat timeout after (it heard nobody: not their fault)."""
+        return not (self.lh.in_grace(now) or self.isolated or now < self.grace_until)
+
+    def _notice_isolation(self, now: float) -> None:
+        """Most groups silent at once, none of them gone: the one cut off is most likely this
+        lighthouse (ftcore/quorum.py, `isolated`). It holds its verdicts while that lasts, and
+        grants everyone a heartbeat timeout to be heard once it ends."""
+        live = [g for g in self.groups.values() if not g.left and len(g.ranks) == g.world]
+        silent = sum(
+            1
+            for g in live
+            if not any(r.disconnected for r in g.ranks.values())
+            and now - max(r.last_beat for r in g.ranks.values()) > self.cfg.heartbeat_timeout
+        )
+        isolated = quorum_rule.isolated(silent, len(live))
+        if isolated != self.isolated:
+            self.isolated = isolated
+            if isolated:
+                self.event("lighthouse_isolated", silent=silent, groups=len(live))
+            else:
+                self.grace_until = now + self.cfg.heartbeat_timeout
+                self.event("lighthouse_reconnected", grace_s=self.cfg.heartbeat_timeout)
+
     def _update_health(self, now: float) -> None:
         """O(ranks): run every SWEEP_S, and at once after a disconnect or a failure report."""
         self.lh.notice_pause(now)
         self._last_sweep = now
+        self._notice_isolation(now)
         for grp in self.groups.values():
             ok = self._is_healthy(grp, now)
             if ok != grp.healthy:
@@ -259,7 +287,7 @@ class Job:
             # exit now (their torchrun or launcher restarts the group) instead of letting them
             # wait out a quorum timeout.
             lost = self.groups[g].lost_rank(
-                now, self.cfg.failure_probe, None if self.lh.in_grace(now) else self.cfg.heartbeat_timeout
+                now, self.cfg.failure_probe, self.cfg.heartbeat_timeout if self._silence_counts(now) else None
             )
             if lost is not None:
                 for req in self._pop(g).values():
@@ -549,7 +577,7 @@ class Job:
     # ---- lifetime -----------------------------------------------------------------------
     def retirement(self, now: float, idle_s: float) -> str | None:
         """Why this job may be retired now ("finished", "idle"), or None. Under the job's lock."""
-        if self.pending or self.lh.in_grace(now):
+        if self.pending or not self._silence_counts(now):
             return None
         quiet = now - self.last_heard
         groups = self.groups.values()

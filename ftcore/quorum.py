@@ -3,6 +3,7 @@
 `decide` answers "form now, with whom, or wait?" from the previous quorum's members, the groups
 whose every rank is asking, the healthy groups, the job's floor and the time the round has
 waited. `plan` answers "at which step, and who heals from whom?" from each member's request.
+`isolated` answers "is their silence my isolation?".
 ftcore/lighthouse_job.py gathers the inputs under the job's lock and acts on the answers;
 tests/test_ftcore_quorum.py checks both from tables.
 """
@@ -80,3 +81,11 @@ def plan(previous: frozenset[tuple[int, int]] | None, members: list[Member], fin
     sources = [m.group for m in trusted if m.step == max_step]
     healers = [m.group for m in members if m.group not in sources]
     return Plan(max_step, {g: sources[i % len(sources)] for i, g in enumerate(healers)})
+
+
+def isolated(silent: int, live: int) -> bool:
+    """Whether the lighthouse should take `silent` of `live` groups going quiet (no heartbeat
+    for a timeout, no connection closed) as its own isolation rather than their failure: most
+    of them at once. A group is then failed only on its own evidence: its connection closed,
+    a peer's report, or its silence while the others speak."""
+    return live >= 2 and 2 * silent > live

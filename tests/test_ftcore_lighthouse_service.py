@@ -308,3 +308,68 @@ def test_slow_clients_hold_neither_threads_nor_the_heal_server(monkeypatch):
         for s in slow:
             s.close()
         srv.close()
+
+
+# ---- silence is evidence about the listener too ------------------------------------------------
+def _deafen(srv, conns, deaf: bool) -> None:
+    """Stop (or resume) reading these server-side connections: their bytes wait in the kernel, as
+    a partition delays them, and no connection closes."""
+    done = threading.Event()
+
+    def flip():
+        for c in conns:
+            (c.t.pause_reading if deaf else c.t.resume_reading)()
+        done.set()
+
+    srv.loop.call_soon_threadsafe(flip)
+    assert done.wait(2)
+
+
+def _lighthouse_with_server(**kw):
+    from ftcore.lighthouse import LighthouseConfig, serve
+
+    return serve(LighthouseConfig(bind="127.0.0.1:0", **kw))
+
+
+def test_a_lighthouse_that_hears_nobody_declares_nobody_failed_and_forces_no_heal():
+    srv, lh = _lighthouse_with_server(heartbeat_timeout=0.4, failure_probe=0.1, join_timeout=1.0)
+    addr = f"127.0.0.1:{srv.server_address[1]}"
+    cs = _clients(addr, "cut", groups=3)
+    try:
+        q1 = ask_all(cs)[0]
+        _deafen(srv, list(srv.conns), True)  # the lighthouse's host drops off the network
+        time.sleep(1.5)  # almost four heartbeat timeouts
+        _deafen(srv, list(srv.conns), False)
+        q2 = ask_all(cs)
+        assert _wait(lambda: "lighthouse_reconnected" in [e["kind"] for e in lh.status("cut")["events"]])
+        time.sleep(0.5)  # past the grace: still nobody failed
+        kinds = [e["kind"] for e in lh.status("cut")["events"]]
+        assert "lighthouse_isolated" in kinds
+        assert "failure_detected" not in kinds, kinds
+        assert {q.quorum_id for q in q2} == {q1.quorum_id} and q2[0].heal == {}  # nobody heals
+    finally:
+        for c in cs:
+            c.close()
+        lh.close()
+        srv.shutdown()
+
+
+def test_one_group_silent_while_the_others_speak_is_failed_by_its_silence():
+    srv, lh = _lighthouse_with_server(heartbeat_timeout=0.4, failure_probe=0.1)
+    addr = f"127.0.0.1:{srv.server_address[1]}"
+    cs = _clients(addr, "one", groups=3)
+    try:
+        ask_all(cs)
+        silent = [c for c in list(srv.conns) if c.beat is not None and c.beat[1] == 2]  # group 2's heartbeats
+        _deafen(srv, silent, True)
+        assert _wait(lambda: 2 not in lh.jobs["one"].healthy, timeout=3)
+        kinds = [(e["kind"], e.get("group"), e.get("reason")) for e in lh.status("one")["events"]]
+        assert ("failure_detected", 2, "heartbeat timeout") in kinds
+        assert not any(k == "lighthouse_isolated" for k, _, _ in kinds)
+        assert ask_all(cs[:2])[0].groups == (0, 1)
+        _deafen(srv, silent, False)
+    finally:
+        for c in cs:
+            c.close()
+        lh.close()
+        srv.shutdown()

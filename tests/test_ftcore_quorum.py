@@ -2,7 +2,7 @@
 
 import pytest
 
-from ftcore.quorum import Member, Plan, Round, decide, plan
+from ftcore.quorum import Member, Plan, Round, decide, isolated, plan
 
 
 def _round(previous, requesting, healthy, min_replicas=1, expected=0, waited=False) -> Round:
@@ -70,3 +70,19 @@ def test_decide(previous, requesting, healthy, min_replicas, expected, waited, w
 )
 def test_plan(previous, members, finished, want):
     assert plan(frozenset(previous) if previous is not None else None, members, finished) == want
+
+
+@pytest.mark.parametrize(
+    "silent,live,want",
+    [
+        (3, 3, True),  # everyone quiet at once: the lighthouse is the one cut off
+        (2, 3, True),
+        (1, 3, False),  # one quiet while the others speak: its own silence is evidence
+        (1, 2, False),  # a hung group of two is still found by the heartbeat timeout
+        (2, 2, True),
+        (1, 1, False),  # a job of one group: nothing to compare with
+        (0, 4, False),
+    ],
+)
+def test_isolated(silent, live, want):
+    assert isolated(silent, live) is want
