@@ -100,6 +100,8 @@ class OptimConfig:
 
     lr: AdamW learning rate of the dense parameters
     embedding_lr: Adam learning rate of the item table (its own param group, no weight decay)
+    item_optimizer: the item table's Adam: "adam" (dense: every row, every step) or
+        "rowwise_adam" (only the rows a step touched; lazy Adam semantics, training/state.py)
     weight_decay: AdamW weight decay of the dense parameters
     betas: Adam (beta1, beta2) of both optimizers
     warmup_steps: linear warmup steps (at most a tenth of the run)
@@ -110,6 +112,7 @@ class OptimConfig:
 
     lr: float = 3e-3
     embedding_lr: float = 3e-3
+    item_optimizer: str = "adam"
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.98)
     warmup_steps: int = 100
@@ -135,6 +138,9 @@ class TrainConfig:
     eval_every: steps between validations; 0: once per epoch
     log_every: steps aggregated into one MLflow log call
     deterministic: torch's deterministic algorithms (warn where an op has none)
+    memory_budget_gb: a rank's memory for the item table and its optimizer state, checked before
+        the model is built (training/memory.py); 0: 80% of the device's memory (the host's, shared
+        by its ranks); a replicated table over budget is sharded over the group's ranks when that fits
     """
 
     out: str = "work/train"
@@ -150,6 +156,7 @@ class TrainConfig:
     eval_every: int = 0
     log_every: int = 20
     deterministic: bool = True
+    memory_budget_gb: float = 0.0
 
 
 @dataclass
@@ -354,6 +361,10 @@ def validate(cfg: Config) -> Config:
         ),
         (cfg.loss.kind in ("sampled_softmax", "bce"), "loss.kind must be 'sampled_softmax' or 'bce'"),
         (cfg.optim.decay in ("cosine", "linear", "constant"), "optim.decay must be 'cosine', 'linear' or 'constant'"),
+        (
+            cfg.optim.item_optimizer in ("adam", "rowwise_adam"),
+            "optim.item_optimizer must be 'adam' or 'rowwise_adam'",
+        ),
         (cfg.model.dim % cfg.model.num_heads == 0, "model.dim must be divisible by model.num_heads"),
         (cfg.model.dim > 0 and cfg.model.num_layers >= 0, "model.dim must be > 0 and model.num_layers >= 0"),
         (0.0 <= cfg.model.dropout < 1.0, "model.dropout must be in [0, 1)"),

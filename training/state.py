@@ -7,12 +7,16 @@ generator). Loading it makes the next step bitwise identical to an uninterrupted
 
 Also builds the optimizer and schedule:
 - AdamW for dense parameters;
-- plain (dense) Adam on the item table, as its own param group with its own lr and no
-  weight decay. Why not SparseAdam: the table is tied to the output side, so each step
-  touches the targets and every shared negative, and its gradient travels in the same
-  flat all-reduce as the dense ones (intra-group and ftcore's cross-group FTAR) instead
-  of a second sparse path. At 10^4-10^5 rows x 64 the dense update costs well under a
-  millisecond. Tables too large for that are FreeScale-comm's sharded embeddings.
+- the item table as its own param group with its own lr and no weight decay, under
+  `optim.item_optimizer`:
+  - "adam": plain (dense) Adam; the table's dense gradient travels in the same flat
+    all-reduce as the dense ones (intra-group and ftcore's cross-group FTAR). Every row
+    moves every step (momentum), so a step costs O(items x dim).
+  - "rowwise_adam": `RowwiseAdamW`, Adam on the rows a step touched only (lazy Adam, as
+    TorchRec's fused embedding optimizers and torch's SparseAdam do): the gradient is the
+    touched rows (training/rows.py carries them across ranks and groups), untouched rows
+    keep their weights and moments, so a step costs O(touched rows x dim). Not numerically
+    equal to dense Adam: a row absent from a step does not coast on its momentum.
 - linear warmup, then cosine (or linear) decay to `min_lr_ratio`, or constant.
 """
 
@@ -29,13 +33,61 @@ def build_optimizer(model: SeqRec, cfg: OptimConfig) -> torch.optim.Optimizer:
     table = [model.item_emb.weight]
     dense = [p for n, p in model.named_parameters() if n != "item_emb.weight"]
     beta1, beta2 = cfg.betas
-    return torch.optim.AdamW(
+    kind = RowwiseAdamW if cfg.item_optimizer == "rowwise_adam" else torch.optim.AdamW
+    return kind(
         [
             {"params": dense, "lr": cfg.lr, "weight_decay": cfg.weight_decay, "name": "dense"},
             {"params": table, "lr": cfg.embedding_lr, "weight_decay": 0.0, "name": "embedding"},
         ],
         betas=(beta1, beta2),
     )
+
+
+class RowwiseAdamW(torch.optim.AdamW):
+    """AdamW whose parameters with a sparse gradient (the item table's touched rows, a
+    coalesced COO tensor) get Adam on those rows only; the others get torch's AdamW.
+
+    State keys are AdamW's ("step", "exp_avg", "exp_avg_sq", full-size moments), so
+    checkpoints and heals carry it as they carry AdamW's. "step" counts the steps that
+    touched the table at all; bias correction uses it (SparseAdam's convention).
+    Weight decay is not applied to sparse rows (the table's group has none)."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        sparse = [(g, p) for g in self.param_groups for p in g["params"] if p.grad is not None and p.grad.is_sparse]
+        grads = [p.grad for _, p in sparse]
+        for _, p in sparse:
+            p.grad = None  # AdamW skips parameters without a gradient
+        try:
+            loss = super().step(closure)
+        finally:
+            for (_, p), grad in zip(sparse, grads, strict=True):
+                p.grad = grad
+        for (group, p), grad in zip(sparse, grads, strict=True):
+            self._rows_step(p, grad, group)
+        return loss
+
+    def _rows_step(self, p: torch.Tensor, grad: torch.Tensor, group: dict) -> None:
+        grad = grad.coalesce()
+        ids, g = grad.indices()[0], grad.values()
+        if ids.numel() == 0:
+            return
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        beta1, beta2 = group["betas"]
+        lr = group["lr"]
+        state["step"] += 1
+        step = float(state["step"])
+        m = state["exp_avg"].index_select(0, ids).lerp_(g, 1 - beta1)
+        v = state["exp_avg_sq"].index_select(0, ids).mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        state["exp_avg"].index_copy_(0, ids, m)
+        state["exp_avg_sq"].index_copy_(0, ids, v)
+        # the same float operations as torch's AdamW on these rows
+        denom = (v.sqrt() / (1 - beta2**step) ** 0.5).add_(group["eps"])
+        p.index_copy_(0, ids, p.index_select(0, ids).addcdiv_(m, denom, value=-lr / (1 - beta1**step)))
 
 
 class WarmupDecay:

@@ -33,10 +33,10 @@ from typing import Any, Protocol, cast
 import torch
 
 from dataprep.fsutil import atomic_write_json
-from training import checkpoint, distributed, metrics, serving
+from training import checkpoint, distributed, memory, metrics, rows, serving
 from training import ft as ft_mod
 from training.comm.integration import GroupComm
-from training.comm.item_table import ReplicatedItemTable, ShardedItemTable, TrainerTable
+from training.comm.item_table import ReplicatedItemTable, RowwiseItemTable, ShardedItemTable, TrainerTable
 from training.config import Config, ConfigError, TrainConfig, to_toml
 from training.data import Batch, BatchLoader, DataCursor, ShardSet, shard_ranks_for
 from training.distributed import Topology
@@ -108,6 +108,11 @@ class Trainer:
         """The seeded model (the same on every rank), warm-started from train.init_checkpoint
         unless a checkpoint to resume from is found; returns that checkpoint."""
         cfg, topo, shards = self.cfg, self.topo, self.shards
+        budget = memory.rank_budget(cfg.train.memory_budget_gb, torch.device(topo.device))  # collective
+        cfg.comm.embedding, line = memory.choose_embedding(
+            cfg.comm.embedding, shards.num_items, cfg.model.dim, cfg.optim.item_optimizer, topo.group_size, budget
+        )  # before the table exists: a table that cannot fit is refused, not allocated
+        log(topo, line)
         torch.manual_seed(cfg.train.seed)  # the same initial model on every rank
         self.model = SeqRec(shards.num_items, cfg.model).to(topo.device)
         resumed_from = checkpoint.latest_verified(self.ckpt_root, lambda m: log(topo, m)) if cfg.train.resume else None
@@ -132,7 +137,20 @@ class Trainer:
             return table
         if self.cfg.comm.embedding == "sharded":
             log(topo, "comm.embedding=sharded with 1 rank per replica group: the item table stays replicated")
+        if self.cfg.optim.item_optimizer == "rowwise_adam":
+            return RowwiseItemTable(self.model.item_emb, self._cross_group_rows())
         return ReplicatedItemTable()
+
+    def _cross_group_rows(self) -> tuple[int, int, int] | None:
+        """rowwise_adam across replica groups: (this group's slot, groups, the rows bound)."""
+        shards, groups, k = self.shards, self.topo.num_replica_groups, self.topo.group_size
+        if groups == 1:
+            return None
+        w = shards.world_size
+        reads = [[r for i in range(k) for r in shard_ranks_for(w, groups, g, k, i)] for g in range(groups)]
+        loss = self.cfg.loss
+        cap = rows.rows_bound(rows.shard_step_counts(shards), reads, loss.kind, loss.num_negatives, shards.num_items)
+        return self.topo.replica_group, groups, cap
 
     def _build_state(self) -> None:
         """Optimizer, lr schedule, data cursor and RNG: the TrainState checkpoints and heals carry."""
@@ -142,7 +160,8 @@ class Trainer:
         # negative set exactly as one big batch in one process would.
         self.generator = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + 17)
         self.params = list(model.parameters())
-        own = {id(p) for p in self.table.rank_params}  # a shard's grad is summed by the table itself
+        # a shard's grad is summed by the table itself, and so are touched rows (rowwise_adam)
+        own = {id(p) for p in (*self.table.rank_params, *self.table.row_params)}
         self.group_params = [p for p in self.params if id(p) not in own]
         self.optimizer = build_optimizer(model, cfg.optim)
         self.steps_total = cfg.train.max_steps or cfg.train.epochs * self.shards.steps
@@ -230,7 +249,8 @@ class Trainer:
         # the replica group's all-reduce (SUM); a sharded table's grads arrive meanwhile
         timer.add_wait(self.gcomm.allreduce_grads(self.group_params, default=distributed.allreduce_grads))
         timer.add_wait(self.table.finish_grads())
-        timer.wait(ft.allreduce, [p.grad for p in self.params])  # the average across replica groups
+        timer.wait(ft.allreduce, self.table.cross_group_grads(self.params))  # the average across replica groups
+        self.table.after_cross_group()
         if not ft.should_commit():  # the vote: another replica group failed
             timer.abort()
             self.optimizer.zero_grad(set_to_none=True)
@@ -248,8 +268,9 @@ class Trainer:
         """Forward, loss / the group's target count, backward; returns (loss, the group's
         [targets, samples, padded tokens]). No batch (ftcore): zero gradients."""
         if batch is None:
+            rows_only = {id(p) for p in self.table.row_params}  # no rows touched: no gradient
             for p in self.params:
-                p.grad = torch.zeros_like(p)
+                p.grad = None if id(p) in rows_only else torch.zeros_like(p)
             return torch.zeros(()), torch.zeros(3, dtype=torch.float64)
         cfg, dev = self.cfg, self.topo.device
         values, offsets, labels = (t.to(dev) for t in (batch.values, batch.offsets, batch.labels))

@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -49,6 +49,7 @@ from torch import nn
 from ftcore import collectives as coll
 from training.comm.scheduler import CommOp, CommScheduler, Stage
 from training.comm.sharded_embedding import LookupPlan, ShardedEmbedding, gather_full_weight
+from training.rows import group_sum, pack, touched, unpack
 
 
 @dataclass
@@ -77,10 +78,18 @@ class TrainerTable(Protocol):
         """Parameters that differ per rank by design: not broadcast, not in the group all-reduce."""
         ...
 
+    @property
+    def row_params(self) -> tuple[nn.Parameter, ...]:
+        """Parameters whose gradient is touched rows (a sparse tensor) the table carries
+        itself: not in the group's flat all-reduce; across groups as `cross_group_grads`."""
+        ...
+
     def start_lookups(self, key: Any, ids: list[torch.Tensor], ahead: Ahead) -> None: ...
     def start_grads(self) -> None: ...
     def take_lookup_wait(self) -> float: ...
     def finish_grads(self) -> float: ...
+    def cross_group_grads(self, params: Sequence[nn.Parameter]) -> list[torch.Tensor | None]: ...
+    def after_cross_group(self) -> None: ...
     def clip_grads_(self, params: Sequence[nn.Parameter], max_norm: float) -> None: ...
     def full_model(self, model: nn.Module, is_main: bool) -> nn.Module | None: ...
     def to_checkpoint(self, state: dict, meta: dict) -> None: ...
@@ -95,6 +104,7 @@ class ReplicatedItemTable:
     sharded = False
     per_rank: tuple[str, ...] = ("rng",)
     rank_params: tuple[nn.Parameter, ...] = ()
+    row_params: tuple[nn.Parameter, ...] = ()
 
     def start_lookups(self, key: Any, ids: list[torch.Tensor], ahead: Ahead) -> None:
         pass
@@ -107,6 +117,13 @@ class ReplicatedItemTable:
 
     def finish_grads(self) -> float:
         return 0.0
+
+    def cross_group_grads(self, params: Sequence[nn.Parameter]) -> list[torch.Tensor | None]:
+        """What ftcore's FTAR averages across replica groups: the gradients themselves."""
+        return [p.grad for p in params]
+
+    def after_cross_group(self) -> None:
+        pass
 
     def clip_grads_(self, params: Sequence[nn.Parameter], max_norm: float) -> None:
         torch.nn.utils.clip_grad_norm_(params, max_norm)
@@ -122,6 +139,67 @@ class ReplicatedItemTable:
 
     def summary(self) -> dict | None:
         return None
+
+
+class RowwiseItemTable(ReplicatedItemTable):
+    """The model's nn.Embedding under optim.item_optimizer = "rowwise_adam": its gradient is
+    the rows the step touched (sparse=True), summed over the group's ranks and averaged over
+    the replica groups as rows (training/rows.py), never as the whole table.
+
+    `cross`: (this group's slot, groups, rows bound) when ftcore averages across groups."""
+
+    def __init__(self, emb: nn.Embedding, cross: tuple[int, int, int] | None = None):
+        emb.sparse = True  # backward leaves a COO gradient of the looked-up rows
+        self.weight = cast(nn.Parameter, emb.weight)
+        self.cross = cross
+        self.ids = torch.zeros(0, dtype=torch.int64)
+        self.rows = torch.zeros(0, emb.embedding_dim)
+        self._bufs: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def row_params(self) -> tuple[nn.Parameter, ...]:  # type: ignore[override]
+        return (self.weight,)
+
+    def finish_grads(self) -> float:
+        """Collective: the group's SUM of touched rows; returns the seconds it took."""
+        t = time.perf_counter()
+        ids, rows = touched(self.weight.grad, self.weight.shape[1])
+        self.ids, self.rows = group_sum(ids, rows)
+        self._set_grad()
+        return time.perf_counter() - t
+
+    def _set_grad(self) -> None:
+        self.weight.grad = torch.sparse_coo_tensor(
+            self.ids[None], self.rows, tuple(self.weight.shape), is_coalesced=True, check_invariants=False
+        )
+
+    def cross_group_grads(self, params: Sequence[nn.Parameter]) -> list[torch.Tensor | None]:
+        """The dense gradients, then this group's rows in its slot (when there are groups)."""
+        dense: list[torch.Tensor | None] = [p.grad for p in params if p is not self.weight]
+        self._bufs = None
+        if self.cross is not None:
+            slot, groups, cap = self.cross
+            self._bufs = pack(self.ids, self.rows, slot, groups, cap)
+            dense += list(self._bufs)
+        return dense
+
+    def after_cross_group(self) -> None:
+        """The averaged slots back into the table's sparse gradient."""
+        if self._bufs is not None:
+            self.ids, self.rows = unpack(*self._bufs)
+            self._bufs = None
+            self._set_grad()
+
+    def clip_grads_(self, params: Sequence[nn.Parameter], max_norm: float) -> None:
+        """torch's clip_grad_norm_ over the dense gradients and the touched rows."""
+        dense = [p.grad for p in params if p is not self.weight and p.grad is not None]
+        norms = [torch.linalg.vector_norm(g) for g in dense] + [torch.linalg.vector_norm(self.rows)]
+        total = torch.linalg.vector_norm(torch.stack(norms))
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in dense:
+            g.mul_(coef)
+        self.rows.mul_(coef)
+        self._set_grad()
 
 
 class ShardedItemTable(ShardedEmbedding):
@@ -151,9 +229,18 @@ class ShardedItemTable(ShardedEmbedding):
         self.lookup_wait_s = self.emb_grad_wait_s = 0.0  # the compute thread's totals, for result.json
         self.grad_sink = self._defer
 
+    row_params: tuple[nn.Parameter, ...] = ()
+
     @property
     def rank_params(self) -> tuple[nn.Parameter, ...]:
         return (self.weight,)
+
+    def cross_group_grads(self, params: Sequence[nn.Parameter]) -> list[torch.Tensor | None]:
+        """Rank k of every group holds the same rows: FTAR averages the shard like a dense grad."""
+        return [p.grad for p in params]
+
+    def after_cross_group(self) -> None:
+        pass
 
     # ---- forward: lookups submitted before the model runs
     def start_lookups(self, key: Any, ids: list[torch.Tensor], ahead: Ahead) -> None:
