@@ -22,9 +22,11 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,7 @@ from ftrec_airflow import runner, settings
 from training import config  # the trainer's settings and the one --set parser (no torch)
 
 SUMMARY = "last_run.json"
+ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # terminal colours: not part of a log line
 
 
 def airflow_env(work: Path) -> dict[str, str]:
@@ -53,6 +56,9 @@ def airflow_env(work: Path) -> dict[str, str]:
         "AIRFLOW__API__HOST": "127.0.0.1",
         "AIRFLOW__API__PORT": "8080",
         "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": "http://127.0.0.1:8080/execution/",
+        # `airflow standalone`'s LocalExecutor starts this many worker processes: one per core,
+        # not Airflow's default 32 (idle processes that a 2-core machine pays for in memory)
+        "AIRFLOW__CORE__PARALLELISM": os.environ.get("AIRFLOW__CORE__PARALLELISM") or str(max(2, os.cpu_count() or 2)),
     }
     if not os.environ.get("MLFLOW_TRACKING_URI"):
         env["MLFLOW_TRACKING_URI"] = f"sqlite:///{work / 'mlflow' / 'mlflow.db'}"
@@ -97,6 +103,87 @@ def run_conf(conf: dict[str, Any], sets: list[str]) -> dict[str, Any]:
     return out
 
 
+def task_log_path(logs: Path, dag_id: str, run_id: str, task_id: str, try_number: int, map_index: int = -1) -> Path:
+    """Where Airflow's UI looks for a task's log: [logging] log_filename_template's default."""
+    mapped = f"map_index={map_index}/" if map_index >= 0 else ""
+    return logs / f"dag_id={dag_id}" / f"run_id={run_id}" / f"task_id={task_id}" / f"{mapped}attempt={try_number}.log"
+
+
+class TaskLog:
+    """While one task runs inside dag.test(), everything this process writes to stdout and
+    stderr (Airflow's task logger, the operators' loggers, the training's streamed output)
+    still reaches the console and is also written to the task's log file, one JSON line
+    {"timestamp", "event"} per line, the format Airflow's log reader parses: the UI's Logs
+    tab shows it. dag.test() runs tasks in this process, so nothing else writes that file."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.pumps: list[threading.Thread] = []
+        self.saved: list[int] = []
+
+    def __enter__(self) -> "TaskLog":
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.out = open(self.path, "ab", buffering=0)  # noqa: SIM115 - closed in __exit__
+        self.lock = threading.Lock()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd in (1, 2):
+            r, w = os.pipe()
+            self.saved.append(os.dup(fd))
+            os.dup2(w, fd)
+            os.close(w)
+            t = threading.Thread(target=self._pump, args=(r, self.saved[-1]), daemon=True)
+            t.start()
+            self.pumps.append(t)
+        return self
+
+    def _pump(self, r: int, console: int) -> None:
+        rest = b""
+        with os.fdopen(r, "rb", buffering=0) as src:
+            while chunk := src.read(65536):
+                os.write(console, chunk)
+                *lines, rest = (rest + chunk).split(b"\n")
+                self._write(lines)
+        self._write([rest] if rest else [])
+
+    def _write(self, lines: list[bytes]) -> None:
+        from datetime import UTC, datetime
+
+        now = datetime.now(UTC).isoformat()
+        text = "".join(
+            json.dumps({"timestamp": now, "event": ANSI.sub("", ln.decode(errors="replace")).rstrip()}) + "\n"
+            for ln in lines
+        )
+        with self.lock:
+            if not self.out.closed:
+                self.out.write(text.encode())
+
+    def __exit__(self, *exc) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, saved in zip((1, 2), self.saved, strict=True):
+            os.dup2(saved, fd)  # the pipe's last writer closes: its pump reads to the end
+        for t in self.pumps:
+            t.join(timeout=10)  # a child still holding the pipe must not hang the run
+        for saved in self.saved:
+            os.close(saved)
+        with self.lock:
+            self.out.close()
+
+
+def _log_every_task(logs: Path) -> None:
+    """Wrap dag.test()'s in-process task runner so each task writes its log (TaskLog)."""
+    from airflow.sdk.execution_time import supervisor
+
+    run = supervisor.run_task_in_process
+
+    def with_log(ti, task, client=None):
+        with TaskLog(task_log_path(logs, ti.dag_id, ti.run_id, ti.task_id, ti.try_number, ti.map_index)):
+            return run(ti, task, client=client)
+
+    supervisor.run_task_in_process = with_log
+
+
 def child(dag_id: str, conf: dict, summary_path: Path, logical_date: str | None = None) -> int:
     """Inside the configured environment: dag.test() the DAG and write a summary."""
     from airflow.dag_processing.dagbag import DagBag
@@ -125,6 +212,7 @@ def child(dag_id: str, conf: dict, summary_path: Path, logical_date: str | None 
         from datetime import datetime
 
         when["logical_date"] = when["run_after"] = datetime.fromisoformat(logical_date)
+    _log_every_task(Path(os.environ["AIRFLOW_HOME"]) / "logs")
     dr = bag.dags[dag_id].test(run_conf=conf, **when)
     tis = {ti.task_id: ti for ti in dr.get_task_instances()}
     xcoms = {tid: ti.xcom_pull(task_ids=tid) for tid, ti in tis.items()}

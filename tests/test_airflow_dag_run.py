@@ -22,6 +22,8 @@ ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("AIRFLOW_HOME", str(ROOT / "work" / "test-airflow-home"))
 
 pytestmark = pytest.mark.slow
+FULL = "test/full/ndcg_at_10"  # the gate's default metric
+GATE_MIN_MARGIN = 0.001
 
 # group 0 is paced after the kill, so the restarted group 1 is back (and heals) before the
 # 10-step budget runs out: unpaced steps of this tiny model take ~25 ms
@@ -102,6 +104,23 @@ def test_dag_run_succeeds_and_reports(first, work):
     assert list((work / "cost-models").glob("cost-*.json"))
 
 
+def test_every_task_writes_the_log_the_ui_reads(first, work):
+    """Airflow's Logs tab reads $AIRFLOW_HOME/logs/dag_id=/run_id=/task_id=/attempt=N.log,
+    JSON lines it parses as StructuredLogMessage: local_run writes them for dag.test()."""
+    from airflow.utils.log.file_task_handler import StructuredLogMessage
+
+    summary, _ = first
+    env = (work / "env.sh").read_text()
+    assert f"AIRFLOW__CORE__PARALLELISM={max(2, os.cpu_count() or 2)}" in env
+    logs = work / "airflow" / "logs" / "dag_id=ftrec_train" / f"run_id={summary['run_id']}"
+    text = {}
+    for task in summary["tasks"]:
+        lines = (logs / f"task_id={task}" / "attempt=1.log").read_text().splitlines()
+        text[task] = "\n".join(StructuredLogMessage.model_validate_json(ln).event for ln in lines)
+    assert "shard set" in text["build_shards"] and "MLflow run" in text["train"]
+    assert "gate verdict: promoted" in text["register_model"] and "gate verdict" not in text["train"]
+
+
 def test_mlflow_run_metrics_and_registered_version(first, work):
     summary, _ = first
     train = summary["xcom"]["train"]
@@ -121,8 +140,11 @@ def test_mlflow_run_metrics_and_registered_version(first, work):
     assert "timeline.json" in [a.path for a in c.list_artifacts(train["mlflow_run_id"])]
     versions = c.search_model_versions("name = 'ftrec'")
     assert [(int(v.version), v.run_id) for v in versions] == [(1, train["mlflow_run_id"])]
-    assert versions[0].tags["gate_metric"] == "test/sampled/ndcg_at_10"
-    assert float(versions[0].tags["gate_value"]) == m["test/sampled/ndcg_at_10"]
+    assert versions[0].tags["gate_metric"] == "test/full/ndcg_at_10"
+    assert float(versions[0].tags["gate_value"]) == m["test/full/ndcg_at_10"]
+    fp = summary["xcom"]["build_shards"]["fingerprint"]
+    assert versions[0].tags["gate_split_fingerprint"] == fp == run.data.tags["gate.split_fingerprint"]
+    assert run.data.tags["gate.verdict"] == "promoted" and m["gate/challenger/test/full/ndcg_at_10"] == m[FULL]
     reg = summary["xcom"]["register_model"]
     assert {k: reg[k] for k in ("name", "version", "run_id", "reused", "champion", "promoted", "aliases")} == {
         "name": "ftrec",
@@ -193,7 +215,7 @@ def test_quality_gate_fails_on_purpose(first, work):
         timeout=180,
     )
     out = r.stdout + r.stderr
-    assert "AirflowFailException: quality gate failed: test/sampled/ndcg_at_10=" in out, out[-3000:]
+    assert "AirflowFailException: quality gate failed: test/full/ndcg_at_10=" in out, out[-3000:]
     assert "< 1.5" in out and "test/full/hr_at_10=" in out  # every metric is in the message
     assert [int(v.version) for v in _client(work).search_model_versions("name = 'ftrec'")] == [1]
 
@@ -256,9 +278,11 @@ def worse(first, work):
 def test_a_worse_version_is_challenger_and_the_champion_stays(first, worse, work):
     c = _client(work)
     reg1, reg2 = first[0]["xcom"]["register_model"], worse[0]["xcom"]["register_model"]
-    assert reg2["version"] == 2 and reg2["gate_value"] < reg1["gate_value"], (reg1, reg2)
+    # the same data (same seed): the champion, re-scored on the second run's split, scores as it did
+    assert reg2["scores"]["champion"][FULL] == pytest.approx(reg1["gate_value"], abs=1e-9)
+    assert reg2["version"] == 2 and reg2["gate_value"] < reg2["scores"]["champion"][FULL], (reg1, reg2)
     assert (reg2["champion"], reg2["promoted"], reg2["aliases"]) == (1, False, ["challenger"])
-    assert "version 2: test/sampled/ndcg_at_10" in worse[1] and "the champion is version 1" in worse[1]
+    assert "gate verdict: kept champion" in worse[1] and "the champion is version 1" in worse[1]
     assert int(c.get_model_version_by_alias("ftrec", "champion").version) == 1
     assert int(c.get_model_version_by_alias("ftrec", "challenger").version) == 2
     # each registration is an event on the ftrec_model Asset (the first run's re-run made a second one)
@@ -269,7 +293,7 @@ def test_a_worse_version_is_challenger_and_the_champion_stays(first, worse, work
         (2, ["challenger"], 1),
     ]
     assert events[-1]["run_id"] == worse[0]["xcom"]["train"]["mlflow_run_id"] and events[-1]["name"] == "ftrec"
-    assert events[-1]["gate_metric"] == "test/sampled/ndcg_at_10" and events[-1]["gate_value"] == reg2["gate_value"]
+    assert events[-1]["gate_metric"] == FULL and events[-1]["gate_value"] == reg2["gate_value"]
 
 
 def test_retrain_warm_starts_from_the_champion(first, worse, work):
@@ -284,9 +308,45 @@ def test_retrain_warm_starts_from_the_champion(first, worse, work):
     run = _client(work).get_run(summary["xcom"]["train"]["mlflow_run_id"])
     assert run.data.params["train.init_checkpoint"] == champion_ckpt
     reg = summary["xcom"]["register_model"]
-    better = reg["gate_value"] > first[0]["xcom"]["register_model"]["gate_value"]
+    better = reg["scores"]["challenger"][FULL] - reg["scores"]["champion"][FULL] >= GATE_MIN_MARGIN
     assert reg["version"] == 3 and reg["champion"] == (3 if better else 1) and reg["promoted"] is better
     assert model_events(work)[-1]["dag"] == "ftrec_retrain" and model_events(work)[-1]["version"] == 3
+
+
+def _gate(summary: dict, work: Path) -> tuple[dict, dict]:
+    """register_model's result and the gate's tags on the run's MLflow run."""
+    reg = summary["xcom"]["register_model"]
+    return reg, _client(work).get_run(summary["xcom"]["train"]["mlflow_run_id"]).data.tags
+
+
+def test_retrains_on_shifted_data_judge_champion_and_challenger_on_equal_tests(first, worse, work):
+    """Two more ftrec_retrain runs, each on new data (other seeds: other users, other item
+    popularity). Each re-scores the champion on its own new test split: both scores carry
+    that split's fingerprint, and the verdict follows them, never a stored score. The first
+    keeps the champion's weights (lr 0 from its warm start): it is not promoted."""
+    runs = []
+    for seed, extra in ((11, LR0), (12, [])):
+        rc, summary, out = local_run(
+            work,
+            "--dag",
+            "ftrec_retrain",
+            *PLAIN,
+            *sets(f"params.seed={seed}"),
+            "--conf",
+            json.dumps({"train_overrides": extra}),
+        )
+        assert rc == 0 and summary, out[-4000:]
+        reg, tags = _gate(summary, work)
+        fp = summary["xcom"]["build_shards"]["fingerprint"]
+        assert tags["gate.split_fingerprint"] == fp and f"gate: split fingerprint {fp}" in out
+        ev = summary["xcom"]["evaluate"]
+        assert ev["champion"]["version"] == int(tags["gate.champion_version"]) and ev["champion"]["error"] is None
+        won = reg["scores"]["challenger"][FULL] - reg["scores"]["champion"][FULL] >= GATE_MIN_MARGIN
+        assert reg["promoted"] is won and tags["gate.verdict"] == ("promoted" if won else "kept champion")
+        assert reg["aliases"] == (["challenger", "champion"] if won else ["challenger"])
+        runs.append((fp, reg))
+    assert runs[0][0] != runs[1][0]  # shifted data: another split each time
+    assert runs[0][1]["promoted"] is False
 
 
 def test_no_champion_means_training_from_scratch(work, monkeypatch):
