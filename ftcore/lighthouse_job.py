@@ -266,22 +266,29 @@ class Job:
                 del self.pending[g]
         self._restart_round()
 
-    def _drop_overtaken(self) -> None:
+    def _drop_overtaken(self, now: float) -> None:
         """A leased request (sent after its step had gone on without this lighthouse, which
         happens as a pause ends) is for a round its group finishes on its own. Once a peer asks
         for a later step, forming it with that peer would heal the group "up" to a step it
         reaches anyway and leave the peer waiting for a request the group never sends: it
-        leaves the round, and the group asks again at the step it is really at."""
+        leaves the round, and the group asks again at the step it is really at. Just after this
+        lighthouse heard nobody (a pause, a partition), a request of a member of the unchanged
+        quorum that is behind its peers is taken as such a request too: sent before its group
+        went on under the lease, it arrives late (TCP retransmits each connection on its own
+        backoff), and a member that really fell behind heals once the grace is over."""
         if len(self.pending) < 2:
             return
         top = max(r.step for rs in self.pending.values() for r in rs.values())
-        for g in [g for g, rs in self.pending.items() if all(r.leased and r.step < top for r in rs.values())]:
-            for req in self._pop(g).values():
-                req.deliver(OvertakenReply(top))
+        members = set(self.quorum.identity) if self.quorum is not None and not self._silence_counts(now) else set()
+        for g, rs in list(self.pending.items()):
+            late = all(r.step < top and (r.leased or (g, r.incarnation) in members) for r in rs.values())
+            if late:
+                for req in self._pop(g).values():
+                    req.deliver(OvertakenReply(top))
 
     def _maybe_form(self, now: float) -> None:
         """O(groups): one formation attempt on the health of the last sweep."""
-        self._drop_overtaken()
+        self._drop_overtaken(now)
         for g in list(self.pending.keys() - self.healthy):
             # The survivors of a group that lost a rank cannot train without it: tell them to
             # exit now (their torchrun or launcher restarts the group) instead of letting them

@@ -74,6 +74,12 @@ class Hosts:
         self.procs.append(p)
         return p
 
+    def cut(self, host: str, off: bool = True) -> None:
+        """Take `host`'s port on the switch down (or back up): its packets vanish, no socket
+        closes, nothing in the host notices (a partition, not a crash)."""
+        i = list(self.ns).index(host)
+        _ip("-n", self.switch, "link", "set", f"p{self.tag}{i}", "down" if off else "up")
+
     def pids(self, host: str) -> list[int]:
         r = subprocess.run(["ip", "netns", "pids", self.ns[host]], capture_output=True, text=True, timeout=10)
         return [int(x) for x in r.stdout.split()]
