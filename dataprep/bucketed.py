@@ -76,6 +76,11 @@ def estimate(paths: list[str], fmt: str) -> int:
     from the file size at ~8 bytes a text line)."""
     total = 0
     for p in paths:
+        if readers.is_uri(p):
+            import pyarrow.dataset as pds
+
+            total += pds.dataset(p, format="parquet").count_rows()
+            continue
         files = [str(f) for f in sorted(Path(p).rglob("*")) if f.is_file()] if Path(p).is_dir() else [p]
         for f in files:
             try:

@@ -53,7 +53,7 @@ def _refuse_input_inside(out: Path, inputs: list[str]) -> None:
     """A shard set replaces its folder whole: never one that holds (or is) the input."""
     root = out.resolve()
     for p in inputs:
-        if Path(p).resolve().is_relative_to(root):
+        if not readers.is_uri(p) and Path(p).resolve().is_relative_to(root):
             raise DataprepError(
                 f"--out {out} contains the input {p}: a shard set replaces its folder whole; "
                 "write it to a folder of its own"
@@ -207,7 +207,11 @@ def prepare(
     version = schema.format_version(fmt in readers.TIME_FORMATS)
     head = {
         "format_version": version,
-        "input": {"paths": [str(Path(x).resolve()) for x in paths], "format": fmt, "fingerprint": fp},
+        "input": {
+            "paths": [x if readers.is_uri(x) else str(Path(x).resolve()) for x in paths],
+            "format": fmt,
+            "fingerprint": fp,
+        },
         "config": config,
     }
     return Job(

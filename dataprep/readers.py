@@ -81,8 +81,30 @@ def _reject_table(source: str, lines, reason: str, details=None, users=None) -> 
     )
 
 
+def is_uri(path: str) -> bool:
+    """A `scheme://` input (s3, gs, hdfs, file, ...): read through pyarrow.fs."""
+    return "://" in str(path)
+
+
+def check_uri(path: str) -> None:
+    """A `scheme://` input: Parquet events only, and it exists (a file, or a folder of files)."""
+    import pyarrow.fs as pafs
+
+    try:
+        fs, inner = pafs.FileSystem.from_uri(path)
+        info = fs.get_file_info(inner)
+    except (OSError, ValueError, pa.ArrowException) as e:
+        raise DataprepError(f"{path}: cannot open ({str(e).splitlines()[0]}); check the URI and credentials") from None
+    if info.type == pafs.FileType.NotFound:
+        raise DataprepError(f"{path}: input not found; check --input")
+    if info.type == pafs.FileType.File and info.size == 0:
+        raise DataprepError(f"{path}: empty file; nothing to read (give a file with interactions)")
+
+
 def check_input(path: str) -> None:
     """The input exists, is a regular file or a folder, and is not an empty file."""
+    if is_uri(path):
+        return check_uri(path)
     p = Path(path)
     if not p.exists():
         raise DataprepError(f"{path}: input not found; check --input")
@@ -708,6 +730,10 @@ def _columns(user_col: str, item_col: str, time_col: str, unknown: dict) -> bool
 def read_file(path: str, fmt: str, user_col: str, item_col: str, time_col: str, defaults: bool) -> tuple:
     """One input file whole: (event columns, rejects, counts), as `read` concatenates them."""
     check_input(path)
+    if is_uri(path) and (fmt != "events" or path.endswith((".csv", ".csv.gz", ".tsv"))):
+        raise DataprepError(
+            f"{path}: only Parquet events are read from a URI (--format events); copy other files to a local folder"
+        )
     if fmt == "sasrec":
         return _read_sasrec(path)
     if fmt == "iclrec":

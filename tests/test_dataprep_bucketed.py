@@ -156,3 +156,28 @@ def test_user_errors_same_as_in_memory(tmp_path):
             msgs.append(str(e.value))
         assert msgs[0] == msgs[1]
     assert not list(tmp_path.glob(".out.tmp-*"))  # the staging folder went with the error
+
+
+def test_uri_input_through_pyarrow_fs(tmp_path, parquet_inputs):
+    """A `scheme://` Parquet input (here file://, read through pyarrow.fs like s3:// or gs://)
+    gives the local input's set: same fingerprint, every data file byte for byte."""
+    folder = tmp_path / "in"
+    folder.mkdir()
+    for p in parquet_inputs:
+        (folder / Path(p).name).write_bytes(Path(p).read_bytes())
+    kw = dict(world_size=2, batch_size=16)
+    local = build_shards(str(folder), "events", str(tmp_path / "local"), **kw)
+    for name, extra in (("uri", {}), ("uri_bucketed", {"buckets": 3})):
+        m = build_shards(folder.as_uri(), "events", str(tmp_path / name), **kw, **extra)
+        assert m["input"]["fingerprint"] == local["input"]["fingerprint"]
+        assert m["input"]["paths"] == [folder.as_uri()]
+        for f in local["files"]:
+            if f == "rejects.parquet":  # names its source: the URI here
+                a, b = (pq.read_table(tmp_path / x / f).drop_columns(["source"]) for x in ("local", name))
+                assert a.equals(b) and a.num_rows > 100
+            else:
+                assert filecmp.cmp(tmp_path / "local" / f, tmp_path / name / f, shallow=False), f
+    with pytest.raises(DataprepError, match="input not found"):
+        build_shards((tmp_path / "nope.parquet").as_uri(), "events", str(tmp_path / "x"), **kw)
+    with pytest.raises(DataprepError, match="only Parquet events are read from a URI"):
+        build_shards(Path(parquet_inputs[0]).as_uri(), "sasrec", str(tmp_path / "y"), **kw)
