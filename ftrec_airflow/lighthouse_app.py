@@ -214,11 +214,14 @@ def _finished(tl: dict[str, Any]) -> str:
     )
 
 
+CHART_W, CHART_H = 720, 260
+
+
 def _chart(tl: dict[str, Any]) -> str:
     """The timeline chart with its axis titles, and a word when nothing happened to mark."""
     from training import timeline
 
-    chart = timeline.svg(tl)
+    chart = timeline.svg(tl, width=CHART_W, height=CHART_H)
     if not chart:
         return "<p class=note>no committed step recorded</p>"
     quiet = (
@@ -227,6 +230,7 @@ def _chart(tl: dict[str, Any]) -> str:
         else "<p class=note>No faults, failures or heals in this job: nothing to mark. Groups that committed "
         "the same steps at the same times draw one line.</p>"
     )
+    chart = chart.replace("<svg ", f"<svg viewBox='0 0 {CHART_W} {CHART_H}' ", 1)  # scales down in a narrow tab
     return (
         f"<div class=chart><span class=ylabel>committed step</span><div class=scroll>{chart}</div>"
         f"<div class=xlabel>seconds since the launch</div></div>{quiet}"
@@ -288,7 +292,10 @@ td,th{{border:1px solid #ccc;padding:.2rem .5rem;text-align:left}}.ok{{color:#07
 table,.scroll{{display:block;overflow-x:auto;max-width:100%}}body{{min-width:0}}
 .chart{{display:grid;grid-template-columns:auto 1fr;align-items:center;gap:.3rem}}
 .ylabel{{writing-mode:vertical-rl;transform:rotate(180deg);font-size:12px;color:#444}}
-.xlabel{{grid-column:2;text-align:center;font-size:12px;color:#444}}</style></head><body>
+.xlabel{{grid-column:2;text-align:center;font-size:12px;color:#444}}
+svg.ftrec-timeline{{max-width:100%;height:auto}}
+@media (max-width:640px){{body{{font-size:13px;margin:.4rem}}td,th{{padding:.1rem .3rem}}
+h2{{font-size:1.15rem}}}}</style></head><body>
 <h2>ftcore lighthouse</h2>
 <p class=muted>{e(doc["source"])} &middot; {e(where)} &middot; {e(state)}</p>
 {f"<p class=bad>{e(doc['error'])}</p>" if doc["error"] else ""}

@@ -5,8 +5,9 @@ server, and an MLflow tracking server on the same store, all on loopback.
 ftrec_train runs 2 replica groups and SIGKILLs group 1 at step 4 (the launcher restarts it). Then,
 logged in: the DAG run's "Lighthouse" tab (the plugin's external view, an iframe inside
 Airflow's React UI) shows the finished job, both groups, group 1's restart, the chart with
-the fault and the failure marked; the MLflow run the train task links to renders in the MLflow UI with its
-metrics; an anonymous browser is refused. A screenshot of the tab is kept beside the logs.
+the fault and the failure marked, and fits its frame in the grid and in the graph view; a task's
+Logs tab shows its log; the MLflow run the train task links to renders in the MLflow UI with its
+metrics; an anonymous browser is refused. Screenshots of the tab are kept beside the logs.
 
 Skips with the reason when Chromium or Playwright is not installed (`.ci/run` installs
 Debian's chromium; Playwright uses it, it downloads no browser of its own).
@@ -102,6 +103,16 @@ def mlflow_ui(tmp_path, monkeypatch):
         log.close()
 
 
+def _fits(page, view: str) -> None:
+    """The Lighthouse tab's content fits its frame: wide tables scroll inside themselves, the
+    page never needs a sideways scroll that cuts columns off."""
+    frame = page.frame_locator("iframe").first
+    frame.locator("text=finished").first.wait_for(timeout=60_000)
+    width = page.locator("iframe").first.bounding_box()["width"]
+    over = frame.locator("html").evaluate("e => e.scrollWidth - e.clientWidth")
+    assert over <= 1, f"{view}: the tab is {over}px wider than its {width:.0f}px frame"
+
+
 def test_lighthouse_tab_and_mlflow_run_in_a_real_browser(mlflow_ui, airflow_server):  # noqa: F811 - the fixture
     from playwright.sync_api import sync_playwright
 
@@ -147,7 +158,20 @@ def test_lighthouse_tab_and_mlflow_run_in_a_real_browser(mlflow_ui, airflow_serv
             restarts = tab.locator("tr.group-row").nth(1).locator("td").nth(2).inner_text()
             assert restarts == "1", restarts
             assert "does not answer" not in tab.locator("body").inner_text()
+            assert "its lighthouse ended with the job" in tab.locator("body").inner_text()  # no dead address
+            assert "seconds since the launch" in tab.locator("body").inner_text()  # the chart's axis title
+            _fits(page, "grid view")
             page.screenshot(path=str(tmp / "lighthouse-tab.png"), full_page=True)
+            page.locator("body").press("g")  # Airflow's shortcut: the graph view beside the tab
+            page.wait_for_timeout(1500)
+            _fits(page, "graph view")
+            page.screenshot(path=str(tmp / "lighthouse-tab-graph.png"), full_page=True)
+
+            # a task's Logs tab shows its log, not "Log file not found on worker"
+            log_page = ctx.new_page()
+            log_page.goto(f"{base}/dags/ftrec_train/runs/{q}/tasks/register_model", wait_until="networkidle")
+            log_page.locator("text=gate verdict").first.wait_for(timeout=60_000)
+            assert "Log file not found" not in log_page.locator("body").inner_text()
             if os.environ.get("FTREC_KEEP_SCREENSHOTS"):
                 shutil.copy(tmp / "lighthouse-tab.png", "/tmp/lighthouse-tab.png")
 
