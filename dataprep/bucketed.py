@@ -47,7 +47,7 @@ from dataprep.errors import DataprepError
 BYTES_PER_EVENT = 400  # peak working set of a bucket per event (build_sequences + samples), measured
 IN_MEMORY_BYTES_PER_EVENT = 130  # the in-memory build's peak per event (10M Parquet events: 1.15 GB)
 ROW_GROUP_ROWS = 1 << 20  # pq.write_table's row groups: eval and maps are written in the same ones
-PIECE_ROWS = 16_384  # rows per record batch of a rank piece (write(r) holds one per bucket)
+PIECE_ROWS = 16_384  # rows per record batch of a rank piece at most (write(r) holds one per bucket)
 MIN_BATCH_ROWS = 1 << 16  # rows per batch read from Parquet, at least
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 
@@ -477,10 +477,13 @@ def route(work: "str | Path", b: int) -> dict:
 
             _write_ipc(d / "tail.arrow", tail_rejects(users.take(pa.array(samples.user_id[dropped] - 1)), so + dropped))
         cost = load_cost_model(c["cost_model"])(samples.length)
+        # write(r) holds one batch of each bucket's piece: a quarter of the budget for all of them
+        row_bytes = 64 + (12 if ts is not None else 4) * c["max_len"]
+        rows = int(min(PIECE_ROWS, max(64, ctx["budget"] // 4 // (len(pm["users"]) - 1) // row_bytes)))
         for r in range(c["world_size"]):
             idx = np.flatnonzero((rank == r) & (step >= 0))
             idx = idx[np.argsort(step[idx], kind="stable")]
-            _write_ipc(d / f"r{r}.arrow", _shard_rows(samples, idx, so, uo, step, rank, cost), PIECE_ROWS)
+            _write_ipc(d / f"r{r}.arrow", _shard_rows(samples, idx, so, uo, step, rank, cost), rows)
     return {"bucket": b, "samples": n}
 
 
@@ -701,7 +704,7 @@ def run(
     folder is removed."""
     work = tmp / "_work"
     work.mkdir()
-    ctx = {**ctx, "batch_rows": batch_rows(budget)}
+    ctx = {**ctx, "batch_rows": batch_rows(budget), "budget": budget}
     _json(work / "ctx.json", ctx)
     pool = Pool(workers)
     try:

@@ -81,7 +81,7 @@ def prepare(spec: steps.ShardSpec, *, buckets: int | None, memory_budget: str | 
     stage = job.outp.parent / f".{job.outp.name}.stage-{key}"
     work = stage / "_work"
     budget = bucketed.parse_size(memory_budget) if memory_budget else bucketed.default_budget()
-    ctx = {**job.bucketed_context(), "batch_rows": bucketed.batch_rows(budget)}
+    ctx = {**job.bucketed_context(), "batch_rows": bucketed.batch_rows(budget), "budget": budget}
     if not (work / "ctx.json").exists() or json.loads((work / "ctx.json").read_text()) != ctx:
         shutil.rmtree(stage, ignore_errors=True)
         work.mkdir(parents=True)
