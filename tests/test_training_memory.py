@@ -15,19 +15,19 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_table_bytes_counts_weights_moments_and_the_dense_gradient():
-    assert table_bytes(999, 64, "adam") == 1000 * 64 * 4 * 4
-    assert table_bytes(999, 64, "rowwise_adam") == 1000 * 64 * 4 * 3  # no dense gradient
-    assert table_bytes(999, 64, "rowwise_adam", shards=4) == 250 * 64 * 4 * 4  # a shard: dense Adam
+    assert table_bytes(999, 64, "adam") == 1000 * 64 * 4 * 6  # + gradient and Adam's temporaries
+    assert table_bytes(999, 64, "rowwise_adam") == 1000 * 64 * 4 * 3  # weights and moments
+    assert table_bytes(999, 64, "rowwise_adam", shards=4) == 250 * 64 * 4 * 6  # a shard: dense Adam
 
 
 def test_ten_million_items_fit_one_rank_with_rowwise_adam_in_8gb():
     assert choose_embedding("replicated", 10_000_000, 64, "rowwise_adam", 1, 8 * GB)[0] == "replicated"
     with pytest.raises(ConfigError, match="or optim.item_optimizer=rowwise_adam"):
-        choose_embedding("replicated", 10_000_000, 64, "adam", 1, 8 * GB)  # 10.2 GB
+        choose_embedding("replicated", 10_000_000, 64, "adam", 1, 8 * GB)  # 15.4 GB
 
 
 def test_the_sharded_table_is_chosen_when_only_it_fits():
-    emb, line = choose_embedding("replicated", 10_000_000, 64, "adam", 4, 4 * GB)
+    emb, line = choose_embedding("replicated", 10_000_000, 64, "adam", 4, 4 * GB)  # 3.8 GB a shard
     assert emb == "sharded" and "chosen automatically" in line
     assert choose_embedding("replicated", 1000, 64, "adam", 4, 4 * GB)[0] == "replicated"
 
@@ -36,7 +36,7 @@ def test_nothing_fits_says_how_many_ranks_or_which_dim():
     with pytest.raises(ConfigError) as e:
         choose_embedding("replicated", 10_000_000, 64, "adam", 1, 2 * GB)
     msg = str(e.value)
-    assert "use comm.embedding=sharded over 5 ranks" in msg and "model.dim <= 13" in msg
+    assert "use comm.embedding=sharded over 8 ranks" in msg and "model.dim <= 8" in msg
     assert "train.memory_budget_gb" in msg
 
 
