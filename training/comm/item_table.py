@@ -30,7 +30,9 @@ The training loop (training/train.py) sees its item table through `TrainerTable`
 exchange (`start_grads`, `finish_grads`), its part of the global gradient norm
 (`clip_grads_`), its comm totals (`summary`) and what a checkpoint needs (the full table,
 per-rank optimizer state); `ReplicatedItemTable` is the nn.Embedding case, where each of
-those is nothing or torch's own.
+those is nothing or torch's own; `RowwiseItemTable` (optim.item_optimizer = "rowwise_adam")
+is that nn.Embedding with a sparse gradient of the touched rows, which it sums over the
+group's ranks and packs into FTAR's slots itself (training/rows.py).
 """
 
 from __future__ import annotations
