@@ -160,3 +160,18 @@ def test_a_champion_that_cannot_be_scored_is_kept(world, task, caplog, tmp_path)
 )
 def test_verdict_table(new, champ, margin, error, won):
     assert steps.verdict(new, champ, margin, error)[0] is won
+
+
+def test_the_gate_cli_says_what_is_wrong_without_a_traceback(world, tmp_path):
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-m", "training.gate", "--shards", world["new"], "--challenger", str(tmp_path / "nope")]
+        + ["--out", str(tmp_path / "o.json")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "nope" in r.stderr, r.stderr
+    assert not (tmp_path / "o.json").exists()

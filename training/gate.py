@@ -114,6 +114,10 @@ def judge(shards_path: str, challenger: str, champion: str | None) -> dict:
     from training import checkpoint
     from training.config import config_from_dict
 
+    if not os.path.isdir(challenger):
+        raise GateError(
+            f"challenger checkpoint {challenger} does not exist (a checkpoint folder OUT/checkpoints/step-N)"
+        )
     eval_cfg = config_from_dict(checkpoint.read_meta(challenger)["config"]).eval
     out = {
         "split": split_identity(shards_path),
