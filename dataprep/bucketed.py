@@ -579,19 +579,81 @@ class _RowGroups:
         self.w.close()
 
 
+def _write_eval(path: Path, sch: pa.Schema, pieces: list[Path], user_off: list[int]) -> None:
+    """eval.parquet from the buckets' pieces, in pq.write_table's row groups, each built by
+    copying its rows into arrays allocated once (a row group and one piece in memory, not two)."""
+    group: list[tuple[Path, int, int]] = []  # (piece, first row, rows)
+    n = 0
+    with pq.ParquetWriter(path, sch) as w:
+        for b, piece in enumerate(pieces):
+            rows, a = user_off[b + 1] - user_off[b], 0
+            while a < rows:
+                k = min(rows - a, ROW_GROUP_ROWS - n)
+                group.append((piece, a, k))
+                n, a = n + k, a + k
+                if n == ROW_GROUP_ROWS:
+                    w.write_table(_gather(group, sch, n))
+                    group, n = [], 0
+        if group:
+            w.write_table(_gather(group, sch, n))
+
+
+def _gather(group: list[tuple[Path, int, int]], sch: pa.Schema, n: int) -> pa.Table:
+    """The rows `group` names, as one table of one-chunk columns (numbers and lists of numbers)."""
+    lists = [f.name for f in sch if pa.types.is_list(f.type)]
+    total = dict.fromkeys(lists, 0)
+    for piece, a, k in group:  # pass 1: how many list values
+        with pa.memory_map(str(piece)) as mm:
+            t = pa.ipc.open_file(mm).read_all().slice(a, k)
+            for c in lists:
+                total[c] += int(pc.sum(pc.list_value_length(t.column(c))).as_py() or 0)
+    out: dict[str, np.ndarray] = {}
+    for f in sch:
+        typ = f.type.value_type if f.name in total else f.type
+        out[f.name] = np.empty(total.get(f.name, n), typ.to_pandas_dtype())
+        if f.name in total:
+            out[f.name + "/offsets"] = np.zeros(n + 1, np.int32)
+    row, at = 0, dict.fromkeys(lists, 0)
+    for piece, a, k in group:  # pass 2: copy
+        with pa.memory_map(str(piece)) as mm:
+            t = pa.ipc.open_file(mm).read_all().slice(a, k).combine_chunks()
+            for f in sch:
+                col = t.column(f.name).chunk(0) if t.num_rows else pa.array([], f.type)
+                if f.name not in total:
+                    out[f.name][row : row + k] = col.to_numpy()
+                    continue
+                vals = pc.list_flatten(col).to_numpy()
+                lens = pc.list_value_length(col).to_numpy()
+                out[f.name][at[f.name] : at[f.name] + len(vals)] = vals
+                out[f.name + "/offsets"][row + 1 : row + k + 1] = at[f.name] + np.cumsum(lens)
+                at[f.name] += len(vals)
+            del t, col
+        row += k
+    cols = {
+        f.name: pa.ListArray.from_arrays(pa.array(out[f.name + "/offsets"]), pa.array(out[f.name]))
+        if f.name in total
+        else pa.array(out[f.name])
+        for f in sch
+    }
+    return pa.table(cols, schema=sch)
+
+
 def finish(work: "str | Path") -> tuple[list[pa.Table], dict]:
     """eval.parquet and the maps into the set's folder; the rejects tables, in order; figures."""
     work = Path(work)
     ctx, idm, pm = _ctx(work), _meta(work / "ids"), _meta(work / "plan")
     buckets, set_dir = idm["buckets"], work.parent
-    ev = _RowGroups(set_dir / schema.EVAL_FILE, schema.eval_schema(ctx["has_time"]))
+    _write_eval(
+        set_dir / schema.EVAL_FILE,
+        schema.eval_schema(ctx["has_time"]),
+        [work / "route" / str(b) / "eval.arrow" for b in range(buckets)],
+        pm["users"],
+    )
     um = _RowGroups(set_dir / schema.USER_MAP, schema.MAP_SCHEMA)
     for b in range(buckets):
-        ev.add(_read_ipc(work / "route" / str(b) / "eval.arrow"))
         u = _read_ipc(work / "bucket" / str(b) / "users.arrow").column("id").combine_chunks()
         ids_ = np.arange(pm["users"][b] + 1, pm["users"][b] + len(u) + 1, dtype=np.int64)
         um.add(pa.table({"id": ids_, "raw_id": u.cast(pa.string())}, schema=schema.MAP_SCHEMA))
-    ev.close()
     um.close()
     items = _ids(work, "items").filter(pa.array(np.load(work / "plan" / "present.npy")))
     pq.write_table(

@@ -10,7 +10,7 @@ import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 import pytest
 
-from dataprep import bucketed
+from dataprep import bucketed, schema
 from dataprep.build import build_shards
 from dataprep.errors import DataprepError
 
@@ -182,3 +182,40 @@ def test_uri_input_through_pyarrow_fs(tmp_path, parquet_inputs):
         build_shards((tmp_path / "nope.parquet").as_uri(), "events", str(tmp_path / "x"), **kw)
     with pytest.raises(DataprepError, match="only Parquet events are read from a URI"):
         build_shards(Path(parquet_inputs[0]).as_uri(), "sasrec", str(tmp_path / "y"), **kw)
+
+
+def test_eval_and_maps_keep_write_tables_row_groups(tmp_path, monkeypatch):
+    """Pieces of uneven sizes written in row groups of ROW_GROUP_ROWS give pq.write_table's bytes
+    for the whole table (the shared data has fewer users than one row group of 1Mi)."""
+    monkeypatch.setattr(bucketed, "ROW_GROUP_ROWS", 1000)
+    rng = np.random.default_rng(3)
+    n = 3500
+    lens = rng.integers(1, 30, n)
+    offs = pa.array(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
+    whole = pa.table(
+        {
+            "user_id": pa.array(np.arange(1, n + 1, dtype=np.int64)),
+            "history": pa.ListArray.from_arrays(offs, pa.array(rng.integers(1, 99, lens.sum()).astype(np.int32))),
+            "valid_target": pa.array(rng.integers(1, 99, n).astype(np.int32)),
+            "test_target": pa.array(rng.integers(1, 99, n).astype(np.int32)),
+            "history_timestamps": pa.ListArray.from_arrays(offs, pa.array(rng.integers(0, 10**9, lens.sum()))),
+            "valid_timestamp": pa.array(rng.integers(0, 10**9, n)),
+        },
+        schema=schema.eval_schema(True),
+    )
+    pq.write_table(whole, tmp_path / "ref.parquet", row_group_size=1000)
+    cuts = [0, 1, 999, 1000, 2600, n]
+    pieces = []
+    for i, (a, b) in enumerate(zip(cuts, cuts[1:], strict=False)):
+        pieces.append(tmp_path / f"p{i}.arrow")
+        bucketed._write_ipc(pieces[-1], whole.slice(a, b - a))
+    bucketed._write_eval(tmp_path / "eval.parquet", whole.schema, pieces, cuts)
+    assert filecmp.cmp(tmp_path / "ref.parquet", tmp_path / "eval.parquet", shallow=False)
+    assert pq.ParquetFile(tmp_path / "eval.parquet").num_row_groups == 4
+    maps = pa.table({"id": np.arange(1, n + 1), "raw_id": [f"u{i}" for i in range(n)]}, schema=schema.MAP_SCHEMA)
+    pq.write_table(maps, tmp_path / "mref.parquet", row_group_size=1000)
+    w = bucketed._RowGroups(tmp_path / "maps.parquet", schema.MAP_SCHEMA)
+    for a, b in zip(cuts, cuts[1:], strict=False):
+        w.add(maps.slice(a, b - a))
+    w.close()
+    assert filecmp.cmp(tmp_path / "mref.parquet", tmp_path / "maps.parquet", shallow=False)
