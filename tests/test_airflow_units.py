@@ -609,7 +609,8 @@ def test_train_step_joins_a_standing_lighthouse_with_the_workers_token(tmp_path,
     assert result["steps"] == 4 and result["mlflow_run_id"] == run_id
     assert not (out / "token").exists() and not (out / "lighthouse-events.jsonl").exists()
     st = lighthouse.fetch_status(url, token_file=token, job=job)
-    assert st["job"] == job and job in st["jobs"]
+    # the job ended: the lighthouse retired it and still shows its final state
+    assert st["job"] == job and job not in st["jobs"] and st["retired"]["reason"]
     assert [(g["group"], g["left"]) for g in st["groups"]] == [(0, True), (1, True)]
     assert any(e["kind"] == "quorum_formed" for e in st["events"])
     assert lighthouse.fetch_status(url, token_file=token)["groups"] == []  # nothing under the default job
