@@ -274,10 +274,13 @@ def test_the_registered_model_serves_what_evaluation_judged(registered, tmp_path
     got = json.loads(out.read_text())
     assert got["leaked"] == []
     top = scores.topk(10)
+    worst = 0.0
     for u in range(len(rows)):
         assert got["items"][u] == [raw_ids[j] for j in top.indices[u].tolist()], u
         diff = max(abs(a - b) for a, b in zip(got["scores"][u], top.values[u].tolist(), strict=True))
         assert diff < 1e-5, (u, diff)
+        worst = max(worst, diff)
+    print(f"{kind}: served vs judged, 24 users, top-10: max abs score difference {worst:.2e}")
     timed = kind == "hstu-timed"
     assert got["metadata"]["timed"] is timed and got["inputs"] == {"history": True, "timestamps": timed}
     assert ("REQUIRED" in got["readme"]) is timed and "timestamps" in got["metadata"]["inputs"]
