@@ -1,7 +1,8 @@
 """A rank's side of the lighthouse protocol: heartbeats, quorum requests, failure reports.
 
 Heartbeats go out every HEARTBEAT_INTERVAL on one kept-alive connection, so the
-lighthouse sees this process die the moment the kernel closes that connection; a beat
+lighthouse sees this process die the moment the kernel closes that connection (a stalled
+one is kept open while beats go on over a new one, see `_beat_loop`); a beat
 is skipped when a quorum request (which refreshes liveness too) went out within the
 interval, so a training job's control traffic is about one request per rank and step. Every
 message carries the full registration (`RankInfo`: group, rank, world, incarnation, step,
@@ -12,6 +13,9 @@ LighthouseError that names the field.
 
 import http.client
 import json
+import select
+import socket
+import struct
 import threading
 import time
 from dataclasses import replace
@@ -32,6 +36,8 @@ from ftcore.messages import (
     loads,
     parse_quorum_answer,
 )
+
+MAX_STALLED = 4  # unanswered heartbeat connections a rank keeps open (see _beat_loop)
 
 
 class LighthouseError(RuntimeError):
@@ -95,6 +101,21 @@ def call(
         conn.close()
 
 
+class _Resend(Exception):
+    """A quorum request to send again on a new connection."""
+
+
+def _abort(conn: http.client.HTTPConnection | None) -> None:
+    """Close with a reset: data still queued in the socket (a stale request) is never delivered."""
+    if conn is not None and conn.sock is not None:
+        try:
+            conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        except OSError:
+            pass
+    if conn is not None:
+        conn.close()
+
+
 class LighthouseLink(Protocol):
     """What the manager needs of its lighthouse client (ftcore/manager.py; tests give it a fake)."""
 
@@ -131,6 +152,8 @@ class LighthouseClient:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._conn: http.client.HTTPConnection | None = None
+        self._stalled: list[http.client.HTTPConnection] = []
+        self.recovered = 0  # times the heartbeats were answered again after going unanswered
 
     def update(self, **changes: Any) -> None:
         """Report these RankInfo fields from now on (step=..., quorum_id=...)."""
@@ -145,6 +168,12 @@ class LighthouseClient:
     def _beat_loop(self) -> None:
         host, port = _split(self.addr)
         conn: http.client.HTTPConnection | None = None
+        # Connections whose heartbeat went unanswered (a partition, a stalled lighthouse): the
+        # lighthouse may count them as this rank's, and a rank is dead to it once its last one
+        # closes. So they stay open until a heartbeat on a newer connection is answered, and
+        # beats go on over a fresh connection meanwhile (a new connection also skips the long
+        # retransmit backoff of a stalled one when the link comes back).
+        stalled: list[http.client.HTTPConnection] = []
         hdrs = {"Content-Type": "application/json", **auth.headers(self.token)}
         while not self._stop.is_set():
             # A quorum request within the interval told the lighthouse this rank lives: skip this
@@ -156,24 +185,34 @@ class LighthouseClient:
                 continue
             try:
                 if conn is None:
-                    # Long enough to outlast a lighthouse pause shorter than the lease: closing
-                    # this connection is what tells the lighthouse that this rank died.
-                    conn = http.client.HTTPConnection(host, port, timeout=max(timeouts.RPC_TIMEOUT, timeouts.LEASE))
+                    conn = http.client.HTTPConnection(host, port, timeout=timeouts.RPC_TIMEOUT)
                 conn.request("POST", "/heartbeat", body=json.dumps(self.info.to_wire()).encode(), headers=hdrs)
                 resp = conn.getresponse()
                 data = loads(resp.read())
                 self.last_reply = time.monotonic()
+                if stalled:  # answered on this one: the lighthouse counts it, the old may go
+                    self.recovered += 1
+                for old in stalled:
+                    old.close()
+                stalled.clear()
                 if resp.status == 409:
                     self.replaced = True
                 elif resp.status == 200:
                     beat = HeartbeatReply.parse(data)
                     self.failed_groups, self.latest_quorum_id = beat.failed, beat.quorum_id
+            except TimeoutError:  # sent, unanswered: keep it open (bounded), go on over a new one
+                if conn is not None and conn.sock is not None and len(stalled) < MAX_STALLED:
+                    stalled.append(conn)
+                elif conn is not None:
+                    conn.close()
+                conn = None
             except (OSError, http.client.HTTPException, ValueError):  # ValueError: bad JSON, MessageError
                 if conn is not None:
                     conn.close()
                 conn = None
             self._stop.wait(timeouts.HEARTBEAT_INTERVAL)
         self._conn = conn  # closed by leave()/close(), after the lighthouse knows why
+        self._stalled = stalled
 
     # ---- requests -------------------------------------------------------------------
     def quorum(self, timeout: float = timeouts.QUORUM_TIMEOUT, request: QuorumRequest | None = None) -> Quorum:
@@ -189,6 +228,11 @@ class LighthouseClient:
                 raise LighthouseError(f"no quorum from lighthouse {self.addr} within {timeout:.1f}s ({last})")
             try:
                 status, body = self._ask_quorum(replace(request, timeout=left))
+            except _Resend:  # the request sits in a stalled connection: send it again on a new one
+                last = "resent after the lighthouse was heard again"
+                _abort(self._qconn)
+                self._qconn = None
+                continue
             except (OSError, http.client.HTTPException, ValueError) as e:  # ValueError: bad JSON
                 last = f"{type(e).__name__}: {e}"
                 if self._qconn is not None:
@@ -235,8 +279,18 @@ class LighthouseClient:
         if self._qconn.sock is not None:
             self._qconn.sock.settimeout(request.timeout + 1.0)
         hdrs = {"Content-Type": "application/json", **auth.headers(self.token)}
-        self._last_sent = time.monotonic()
+        self._last_sent = sent = time.monotonic()
+        recovered = self.recovered
         self._qconn.request("POST", "/quorum", body=json.dumps(request.to_wire()).encode(), headers=hdrs)
+        # Wait for the answer; if meanwhile the heartbeats stalled and came back (a partition),
+        # this request may sit in its connection's retransmit backoff for seconds longer: resend
+        # (the lighthouse lets a rank's newer request supersede its older one).
+        sock = self._qconn.sock
+        while sock is not None and not select.select([sock], [], [], 0.1)[0]:
+            if self.recovered != recovered:
+                raise _Resend()
+            if time.monotonic() - sent > request.timeout + 1.0:
+                raise TimeoutError("no answer to the quorum request")
         resp = self._qconn.getresponse()
         data = resp.read()
         self.last_reply = time.monotonic()
@@ -292,7 +346,8 @@ class LighthouseClient:
 
     def close(self) -> None:
         self._stop_beats()
-        for conn in (self._conn, self._qconn):
+        for conn in (self._conn, self._qconn, *self._stalled):
             if conn is not None:
                 conn.close()
         self._conn = self._qconn = None
+        self._stalled = []

@@ -359,8 +359,11 @@ class LighthouseServer:
             info = RankInfo.parse(msg)
             _allow(scope, info.job)
             job_ = lh.job(info)
-            reply = job_.heartbeat(info)  # validates: only then is this connection a rank's
-            conn.beat = (job_, info.group, info.rank, info.incarnation)
+            line = (job_, info.group, info.rank, info.incarnation)
+            reply = job_.heartbeat(info, new_line=conn.beat != line)  # validates: only then is it a rank's line
+            if conn.beat is not None and conn.beat != line:
+                conn.beat[0].disconnected(*conn.beat[1:])  # a line changes hands: count the old one out
+            conn.beat = line
             return conn.reply(200, reply.to_wire())
         if path == "/quorum":
             ask = QuorumRequest.parse(msg)

@@ -51,6 +51,7 @@ class RankRecord:
     last_beat: float = 0.0
     disconnected: bool = False
     disconnected_at: float = 0.0
+    beat_lines: int = 0  # open connections it heartbeats on: it died when the last one closed
 
 
 @dataclass
@@ -209,11 +210,14 @@ class Job:
         lighthouse (ftcore/quorum.py, `isolated`). It holds its verdicts while that lasts, and
         grants everyone a heartbeat timeout to be heard once it ends."""
         live = [g for g in self.groups.values() if not g.left and len(g.ranks) == g.world]
+        # Quiet for half a timeout already counts: groups cut off together fall silent within a
+        # heartbeat interval of each other, and the first must not be judged before the rest.
+        quiet = self.cfg.heartbeat_timeout / 2
         silent = sum(
             1
             for g in live
             if not any(r.disconnected for r in g.ranks.values())
-            and now - max(r.last_beat for r in g.ranks.values()) > self.cfg.heartbeat_timeout
+            and now - max(r.last_beat for r in g.ranks.values()) > quiet
         )
         isolated = quorum_rule.isolated(silent, len(live))
         if isolated != self.isolated:
@@ -311,7 +315,8 @@ class Job:
                 healthy=healthy,
                 min_replicas=self.min_replicas,
                 expected=self.expected,
-                waited=now - round_start >= self.cfg.join_timeout,
+                # a round does not time out on members this lighthouse cannot hear (isolated, paused)
+                waited=now - round_start >= self.cfg.join_timeout and self._silence_counts(now),
             )
         )
         if isinstance(decision, tuple):
@@ -542,17 +547,24 @@ class Job:
         self.next_deadline = min((r.deadline for r in reqs), default=math.inf)
 
     # ---- other requests -------------------------------------------------------------
-    def heartbeat(self, info: RankInfo) -> HeartbeatReply:
-        """O(1): the failed list is the last sweep's."""
+    def heartbeat(self, info: RankInfo, new_line: bool = False) -> HeartbeatReply:
+        """O(1): the failed list is the last sweep's. `new_line`: the first heartbeat on its
+        connection (a rank may open another while one stalls, lighthouse_client.py)."""
         with self.lock:
-            self._rank(info)
+            _, rk = self._rank(info)
+            rk.beat_lines += new_line
             return HeartbeatReply(self.quorum.quorum_id if self.quorum else 0, tuple(self.failed))
 
     def disconnected(self, g: int, r: int, inc: int) -> None:
+        """One of the rank's heartbeat connections closed: it is gone once none is left."""
         with self.lock:
             grp = self.groups.get(g)
             if grp is not None and grp.incarnation == inc and r in grp.ranks and not grp.left:
-                grp.ranks[r].disconnected, grp.ranks[r].disconnected_at = True, time.monotonic()
+                rk = grp.ranks[r]
+                rk.beat_lines = max(rk.beat_lines - 1, 0)
+                if rk.beat_lines:
+                    return
+                rk.disconnected, rk.disconnected_at = True, time.monotonic()
                 self._update_health(time.monotonic())
                 if self.pending:
                     self._maybe_form(time.monotonic())

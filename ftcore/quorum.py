@@ -85,7 +85,7 @@ def plan(previous: frozenset[tuple[int, int]] | None, members: list[Member], fin
 
 def isolated(silent: int, live: int) -> bool:
     """Whether the lighthouse should take `silent` of `live` groups going quiet (no heartbeat
-    for a timeout, no connection closed) as its own isolation rather than their failure: most
-    of them at once. A group is then failed only on its own evidence: its connection closed,
+    for half a timeout, no connection closed) as its own isolation rather than their failure:
+    most of them at once. A group is then failed only on its own evidence: its connection closed,
     a peer's report, or its silence while the others speak."""
     return live >= 2 and 2 * silent > live

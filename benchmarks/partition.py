@@ -1,0 +1,123 @@
+"""Partitions on simulated hosts: what a link that goes dark (no socket closes) costs the job.
+
+    python benchmarks/partition.py [--runs 3] [--seconds 8] [--scenario lighthouse group] [--json PATH]
+
+Four network namespaces on one switch (tests/netns.py): the lighthouse on host a, three
+single-rank replica groups of the toy trainer (ftcore/examples/toy.py, 30 ms steps) on b, c, d.
+Mid-run one host's switch port goes down for `--seconds`, then comes back:
+
+- `lighthouse`: host a. Goal: no failure event, no heal, longest gap between commits <= 0.25 s.
+- `group`: host d (group 2). Reported: the survivors' longest gap between commits (goal:
+  <= heartbeat timeout + one step), and whether group 2 rejoined by heal with equal states.
+
+Per run: failure and heal events, each group's longest commit gap and committed / leased /
+failed step attempts, equal final states. Needs root and iproute2 (as the tests do).
+"""
+
+import argparse
+import itertools
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+import netns  # noqa: E402
+
+from dataprep.fsutil import atomic_write_json  # noqa: E402
+
+STEPS = 400
+CUT = {"lighthouse": "a", "group": "d"}
+
+
+def _records(out: Path, g: int) -> list[dict]:
+    return [
+        json.loads(line)
+        for f in sorted((out / "records").glob(f"group-{g}-rank-0-inc-*.jsonl"))
+        for line in f.read_text().splitlines()
+        if line.strip()
+    ]
+
+
+def run_once(scenario: str, seconds: float, work: Path) -> dict:
+    out, logs = work / "run", work / "logs"
+    out.mkdir()
+    logs.mkdir()
+    token = work / "token"
+    token.write_text("partition-bench-secret")
+    token.chmod(0o600)
+    with netns.Hosts(["a", "b", "c", "d"]) as hosts:
+        lighthouse = f"{hosts.addr['a']}:29510"
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "FTCORE_LIGHTHOUSE": lighthouse}
+        env |= {"FTCORE_TOKEN_FILE": str(token), "FTCORE_JOB_ID": "partition", "FTREC_NUM_REPLICA_GROUPS": "3"}
+        env.pop("FTCORE_HOST", None)
+        lh = [sys.executable, "-m", "ftcore.lighthouse", "--bind", lighthouse, "--token-file", str(token)]
+        hosts.start("a", [*lh, "--events-file", str(out / "events.jsonl")], env, logs / "a.log")
+        toy = [sys.executable, "-m", "ftcore.examples.toy", "--out", str(out), "--steps", str(STEPS)]
+        procs = [
+            hosts.start(h, [*toy, "--step-sleep", "0.03"], {**env, "FTREC_REPLICA_GROUP": str(g)}, logs / f"{h}.log")
+            for g, h in enumerate("bcd")
+        ]
+        deadline = time.monotonic() + 180
+        while not all(len(_records(out, g)) >= 30 for g in range(3)):
+            if time.monotonic() > deadline:
+                raise SystemExit(f"the groups did not start: {(logs / 'b.log').read_text()[-1000:]}")
+            time.sleep(0.1)
+        t_cut = time.time()
+        hosts.cut(CUT[scenario])
+        time.sleep(seconds)
+        hosts.cut(CUT[scenario], off=False)
+        codes = [p.wait(timeout=300) for p in procs]
+    events = [json.loads(x) for x in (out / "events.jsonl").read_text().splitlines()]
+    sums = set()
+    for h in "bcd":
+        sums |= {
+            ln.split("checksum ")[1].split()[0]
+            for ln in (logs / f"{h}.log").read_text().splitlines()
+            if " checksum " in ln
+        }
+    row: dict = {"scenario": scenario, "cut_s": seconds, "exit_codes": codes, "final_states_equal": len(sums) == 1}
+    row["failures"] = sum(e["kind"] == "failure_detected" for e in events)
+    row["heals"] = sum(e["kind"] == "heal_assigned" for e in events)
+    for g in range(3):
+        recs = _records(out, g)
+        ts = [r["t"] for r in recs if r["committed"] and r["t"] >= t_cut - 1]
+        row[f"g{g}_max_gap_s"] = round(max((b - a for a, b in itertools.pairwise(ts)), default=0.0), 3)
+        row[f"g{g}_committed"] = sum(r["committed"] for r in recs)
+        row[f"g{g}_leased"] = sum(r["committed"] and r["leased"] for r in recs)
+        row[f"g{g}_failed_attempts"] = sum(not r["committed"] for r in recs)
+    return row
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--seconds", type=float, default=8.0, help="how long the link stays down")
+    p.add_argument("--scenario", nargs="+", choices=sorted(CUT), default=["lighthouse", "group"])
+    p.add_argument("--json", default=str(ROOT / "bench-results" / "partition.json"))
+    a = p.parse_args()
+    why = netns.unavailable()
+    if why:
+        print(f"partition: skipped: {why}")
+        return 0
+    rows = []
+    for i in range(a.runs):
+        for scenario in a.scenario:  # interleaved: the machine's noise falls on both alike
+            with tempfile.TemporaryDirectory() as d:
+                rows.append({"run": i, **run_once(scenario, a.seconds, Path(d))})
+            print(json.dumps(rows[-1]), flush=True)
+    cols = list(rows[0])
+    print("\n| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
+    for r in rows:
+        print("| " + " | ".join(str(r[c]) for c in cols) + " |")
+    atomic_write_json(a.json, {"rows": rows}, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
