@@ -799,7 +799,15 @@ def _parquet_dataset(path: str, user_col: str, item_col: str, time_col: str, def
 
 def _parquet_batches(path: str, dataset: pds.Dataset, cols: tuple, batch_rows: int) -> Iterator[tuple]:
     rows = 0
-    batches = dataset.to_batches(columns=list(cols), batch_size=batch_rows, use_threads=False)
+    # no pre-buffering and one batch of read-ahead: pyarrow's defaults hold ~1 GB of a 100M-row file
+    batches = dataset.to_batches(
+        columns=list(cols),
+        batch_size=batch_rows,
+        use_threads=False,
+        batch_readahead=1,
+        fragment_readahead=1,
+        fragment_scan_options=pds.ParquetFragmentScanOptions(pre_buffer=False),
+    )
     while True:
         try:
             batch = next(batches, None)
