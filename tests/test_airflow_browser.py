@@ -167,6 +167,13 @@ def test_lighthouse_tab_and_mlflow_run_in_a_real_browser(mlflow_ui, airflow_serv
             _fits(page, "graph view")
             page.screenshot(path=str(tmp / "lighthouse-tab-graph.png"), full_page=True)
 
+            # Browse -> "ftcore lighthouse" with no standing lighthouse: said plainly, not as an error
+            browse = ctx.new_page()
+            browse.goto(f"{base}/plugin/ftrec-lighthouse", wait_until="networkidle")
+            nav = browse.frame_locator("iframe").first
+            nav.locator("text=No standing lighthouse is configured").first.wait_for(timeout=60_000)
+            assert nav.locator(".bad").count() == 0
+
             # a task's Logs tab shows its log, not "Log file not found on worker"
             log_page = ctx.new_page()
             log_page.goto(f"{base}/dags/ftrec_train/runs/{q}/tasks/register_model", wait_until="networkidle")

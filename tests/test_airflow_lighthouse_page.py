@@ -176,3 +176,11 @@ def test_long_job_ids_are_never_cut_into_each_other():
     assert len(set(jobs)) == len(keys) and all(job_id.fullmatch(j) for j in jobs), jobs
     plain = "ftrec_train/manual__2026-01-01T00:00:00+00:00/train"
     assert settings.lighthouse_job_id(plain) == plain  # a key that fits stays readable
+
+
+def test_no_standing_lighthouse_is_a_plain_note_not_an_error(page):
+    """Browse -> "ftcore lighthouse" with FTREC_LIGHTHOUSE_URL unset: the default, said plainly."""
+    doc = page.get("/lighthouse/status").json()
+    assert doc["error"] == "" and doc["source"] == "none"
+    html = page.get("/lighthouse/").text
+    assert "No standing lighthouse is configured" in html and "class=bad" not in html
