@@ -280,6 +280,12 @@ def _lookup(sorted_ids: pa.Array) -> Callable[[pa.Array], np.ndarray]:
     """raw id -> its index in `sorted_ids` (every id looked up is there)."""
     if pa.types.is_integer(sorted_ids.type):
         keys = sorted_ids.to_numpy()
+        lo = int(keys[0]) if len(keys) else 0
+        span = int(keys[-1]) - lo + 1 if len(keys) else 0
+        if span <= 4 * len(keys) + (1 << 20):  # dense enough: a table indexed by id (O(1) a lookup)
+            table = np.zeros(span, np.int64 if len(keys) >= 1 << 31 else np.int32)
+            table[keys - lo] = np.arange(len(keys))
+            return lambda a: table[a.cast(pa.int64()).to_numpy() - lo].astype(np.int64)
         return lambda a: np.searchsorted(keys, a.cast(pa.int64()).to_numpy())
     return lambda a: pc.index_in(a.cast(pa.string()), value_set=sorted_ids).to_numpy().astype(np.int64)
 

@@ -219,3 +219,12 @@ def test_eval_and_maps_keep_write_tables_row_groups(tmp_path, monkeypatch):
         w.add(maps.slice(a, b - a))
     w.close()
     assert filecmp.cmp(tmp_path / "mref.parquet", tmp_path / "maps.parquet", shallow=False)
+
+
+def test_sparse_int_ids_same_bytes(tmp_path):
+    """Ids spread far apart (looked up by binary search, not by a table indexed by id)."""
+    rng = np.random.default_rng(11)
+    c = _events(rng, 800, 20_000)
+    t = pa.table({"user_id": c["user_id"] * 10**12 + 7, "item_id": c["item_id"] * 10**9, "timestamp": c["timestamp"]})
+    pq.write_table(t, tmp_path / "sparse.parquet")
+    _both(tmp_path, str(tmp_path / "sparse.parquet"), "events", world_size=2, batch_size=8)
