@@ -8,6 +8,7 @@ groups on ftcore with one killed and healed end bitwise identical, every batch o
 
 import copy
 import json
+import re
 
 import pytest
 import torch
@@ -107,6 +108,8 @@ def test_slots_average_like_ftar():
     assert torch.equal(again[1], got)  # every group unpacks the same buffers the same way
     with pytest.raises(RuntimeError, match="more than the bound 2"):
         rows.pack(*g0, 0, 3, 2)
+    local = (torch.tensor([0, 4]), torch.ones(2, 4))  # a shard's row 0 is a real row
+    assert rows.unpack(*rows.pack(*local, 0, 1, 3))[0].tolist() == [0, 4]
 
 
 def test_rows_bound_covers_every_step(tmp_path):
@@ -153,6 +156,39 @@ def test_two_ranks_rowwise_resume_is_exact(tmp_path, free_port):
         assert torch.equal(w, b["model"][name]), name
     for i, st in a["optimizer"]["state"].items():
         assert all(torch.equal(v, b["optimizer"]["state"][i][k]) for k, v in st.items()), i
+
+
+@pytest.mark.integ
+def test_sharded_rowwise_trains_like_replicated_rowwise_and_resumes_exactly(tmp_path, free_port):
+    """comm.embedding=sharded under rowwise_adam: each shard keeps the rows its peers sent
+    (Adam on those only); the same run as the replicated table up to the order of float
+    additions, and a stop at 4 / resume to 8 gives bitwise the run of 8."""
+    shards = str(synthetic_shards(tmp_path, users=200, items=90, seed=5, world_size=2, batch_size=8, max_len=20))
+    rep = torchrun_train(shards, str(tmp_path / "rep"), free_port, [*SETTINGS, "optim.grad_clip=0"])
+    sharded = [*SETTINGS, "optim.grad_clip=0", "comm.embedding=sharded"]
+    shd = torchrun_train(shards, str(tmp_path / "shd"), free_port, sharded)
+    assert "item table sharded row-wise over 2 ranks" in shd
+    assert re.findall(r"loss (\S+)", shd) == re.findall(r"loss (\S+)", rep)
+    a = checkpoint.load(json.load(open(tmp_path / "rep" / "result.json"))["checkpoint"])["model"]
+    b = checkpoint.load(json.load(open(tmp_path / "shd" / "result.json"))["checkpoint"])["model"]
+    for name, w in a.items():
+        if name.endswith("qkv.bias"):  # the key bias: a zero true gradient, Adam amplifies float noise
+            d = w.numel() // 3
+            w, b[name] = torch.cat([w[:d], w[2 * d :]]), torch.cat([b[name][:d], b[name][2 * d :]])
+        assert torch.allclose(w, b[name], atol=1e-6, rtol=1e-5), name
+    torchrun_train(shards, str(tmp_path / "split"), free_port, [*sharded, "train.stop_at_step=4"])
+    torchrun_train(shards, str(tmp_path / "split"), free_port, [*sharded, "train.resume=true"])
+    whole = checkpoint.load(
+        json.load(open(tmp_path / "shd" / "result.json"))["checkpoint"], 1, per_rank=("rng", "optimizer")
+    )
+    split = checkpoint.load(
+        json.load(open(tmp_path / "split" / "result.json"))["checkpoint"], 1, per_rank=("rng", "optimizer")
+    )
+    for i, st in whole["optimizer"]["state"].items():  # rank 1's shard: weights' moments, bitwise
+        assert all(torch.equal(v, split["optimizer"]["state"][i][k]) for k, v in st.items()), i
+    c = checkpoint.load(json.load(open(tmp_path / "split" / "result.json"))["checkpoint"])["model"]
+    d = checkpoint.load(json.load(open(tmp_path / "shd" / "result.json"))["checkpoint"])["model"]
+    assert all(torch.equal(w, c[k]) for k, w in d.items())
 
 
 @pytest.mark.integ

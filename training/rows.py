@@ -16,7 +16,9 @@ optimizer sees it, it crosses:
   (its meta, its contributor count) is untouched. `cap` is an upper bound of one group's
   touched rows per step, the same on every group (`rows_bound`, from the shard metadata).
 
-Row 0 (padding) never travels and never moves.
+A sharded table (comm.embedding = "sharded") needs no group sum: the rows its peers send
+back by all-to-all are already its shard's touched rows; only the slots cross groups, with
+shard-local row numbers. Row 0 of the replicated table (padding) never travels.
 """
 
 from __future__ import annotations
@@ -64,7 +66,8 @@ def group_sum(ids: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torc
 
 
 def pack(ids: torch.Tensor, rows: torch.Tensor, slot: int, slots: int, cap: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """This group's rows in slot `slot` of zeroed [slots, 1 + cap] ids / [slots, cap, dim] rows buffers."""
+    """This group's rows in slot `slot` of zeroed [slots, 1 + cap] ids / [slots, cap, dim] rows
+    buffers; ids travel as id + 1 (0 marks an empty entry; a shard's local row 0 is a row)."""
     if ids.numel() > cap:
         raise RuntimeError(
             f"rowwise_adam: {ids.numel()} rows touched in one step, more than the bound {cap} "
@@ -72,7 +75,7 @@ def pack(ids: torch.Tensor, rows: torch.Tensor, slot: int, slots: int, cap: int)
         )
     id_buf = torch.zeros(slots, 1 + cap, dtype=torch.float64)
     id_buf[slot, 0] = 1.0
-    id_buf[slot, 1 : 1 + ids.numel()] = ids.double()
+    id_buf[slot, 1 : 1 + ids.numel()] = ids.double() + 1
     row_buf = rows.new_zeros(slots, cap, rows.shape[1])
     row_buf[slot, : ids.numel()] = rows
     return id_buf, row_buf
@@ -88,7 +91,7 @@ def unpack(id_buf: torch.Tensor, row_buf: torch.Tensor) -> tuple[torch.Tensor, t
         n = round(1.0 / header)
         ids = torch.round(id_buf[s, 1:] * n).long()
         keep = ids > 0
-        parts.append((ids[keep], row_buf[s][keep]))
+        parts.append((ids[keep] - 1, row_buf[s][keep]))
     return merge(parts, row_buf.shape[2], row_buf.dtype)
 
 

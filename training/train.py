@@ -135,7 +135,7 @@ class Trainer:
             self.model.add_module("item_emb", table)
             log(topo, f"item table sharded row-wise over {topo.group_size} ranks: rank 0 holds rows {table.row_range}")
             if self.cfg.optim.item_optimizer == "rowwise_adam":
-                log(topo, "optim.item_optimizer=rowwise_adam: a sharded table keeps dense Adam on each rank's shard")
+                table.use_rows(self._cross_group_rows())  # Adam on each shard's touched rows
             return table
         if self.cfg.comm.embedding == "sharded":
             log(topo, "comm.embedding=sharded with 1 rank per replica group: the item table stays replicated")

@@ -51,7 +51,7 @@ from torch import nn
 from ftcore import collectives as coll
 from training.comm.scheduler import CommOp, CommScheduler, Stage
 from training.comm.sharded_embedding import LookupPlan, ShardedEmbedding, gather_full_weight
-from training.rows import group_sum, pack, touched, unpack
+from training.rows import group_sum, merge, pack, touched, unpack
 
 
 @dataclass
@@ -143,12 +143,53 @@ class ReplicatedItemTable:
         return None
 
 
-class RowwiseItemTable(ReplicatedItemTable):
+class TouchedRows:
+    """A table whose gradient is the rows a step touched, a coalesced sparse tensor
+    (optim.item_optimizer = "rowwise_adam"): across replica groups it travels in this
+    group's FTAR slot (training/rows.py); `cross` = (slot, groups, rows bound), None with
+    one group. Shared by `RowwiseItemTable` and a `ShardedItemTable` under rowwise_adam."""
+
+    weight: nn.Parameter
+    rowwise: bool = False
+    cross: tuple[int, int, int] | None = None
+    ids: torch.Tensor  # this step's touched rows (row numbers of `weight`) and their gradient
+    rows: torch.Tensor
+    _bufs: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def set_rows(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        self.ids, self.rows = ids, rows
+        self.weight.grad = torch.sparse_coo_tensor(
+            ids[None], rows, tuple(self.weight.shape), is_coalesced=True, check_invariants=False
+        )
+
+    def cross_group_grads(self, params: Sequence[nn.Parameter]) -> list[torch.Tensor | None]:
+        """The other gradients, then this group's rows in its slot (when there are groups)."""
+        if not self.rowwise:
+            return [p.grad for p in params]
+        out: list[torch.Tensor | None] = [p.grad for p in params if p is not self.weight]
+        self._bufs = None
+        if self.cross is not None:
+            slot, groups, cap = self.cross
+            self._bufs = pack(self.ids, self.rows, slot, groups, min(cap, self.weight.shape[0]))
+            out += list(self._bufs)
+        return out
+
+    def after_cross_group(self) -> None:
+        """The averaged slots back into the table's sparse gradient."""
+        if self._bufs is not None:
+            self.set_rows(*unpack(*self._bufs))
+            self._bufs = None
+
+    def clip_rows_(self, coef: torch.Tensor) -> None:
+        self.set_rows(self.ids, self.rows.mul_(coef))
+
+
+class RowwiseItemTable(TouchedRows, ReplicatedItemTable):
     """The model's nn.Embedding under optim.item_optimizer = "rowwise_adam": its gradient is
     the rows the step touched (sparse=True), summed over the group's ranks and averaged over
-    the replica groups as rows (training/rows.py), never as the whole table.
+    the replica groups as rows (training/rows.py), never as the whole table."""
 
-    `cross`: (this group's slot, groups, rows bound) when ftcore averages across groups."""
+    rowwise = True
 
     def __init__(self, emb: nn.Embedding, cross: tuple[int, int, int] | None = None):
         emb.sparse = True  # backward leaves a COO gradient of the looked-up rows
@@ -156,7 +197,6 @@ class RowwiseItemTable(ReplicatedItemTable):
         self.cross = cross
         self.ids = torch.zeros(0, dtype=torch.int64)
         self.rows = torch.zeros(0, emb.embedding_dim)
-        self._bufs: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def row_params(self) -> tuple[nn.Parameter, ...]:  # type: ignore[override]
@@ -165,32 +205,8 @@ class RowwiseItemTable(ReplicatedItemTable):
     def finish_grads(self) -> float:
         """Collective: the group's SUM of touched rows; returns the seconds it took."""
         t = time.perf_counter()
-        ids, rows = touched(self.weight.grad, self.weight.shape[1])
-        self.ids, self.rows = group_sum(ids, rows)
-        self._set_grad()
+        self.set_rows(*group_sum(*touched(self.weight.grad, self.weight.shape[1])))
         return time.perf_counter() - t
-
-    def _set_grad(self) -> None:
-        self.weight.grad = torch.sparse_coo_tensor(
-            self.ids[None], self.rows, tuple(self.weight.shape), is_coalesced=True, check_invariants=False
-        )
-
-    def cross_group_grads(self, params: Sequence[nn.Parameter]) -> list[torch.Tensor | None]:
-        """The dense gradients, then this group's rows in its slot (when there are groups)."""
-        dense: list[torch.Tensor | None] = [p.grad for p in params if p is not self.weight]
-        self._bufs = None
-        if self.cross is not None:
-            slot, groups, cap = self.cross
-            self._bufs = pack(self.ids, self.rows, slot, groups, cap)
-            dense += list(self._bufs)
-        return dense
-
-    def after_cross_group(self) -> None:
-        """The averaged slots back into the table's sparse gradient."""
-        if self._bufs is not None:
-            self.ids, self.rows = unpack(*self._bufs)
-            self._bufs = None
-            self._set_grad()
 
     def clip_grads_(self, params: Sequence[nn.Parameter], max_norm: float) -> None:
         """torch's clip_grad_norm_ over the dense gradients and the touched rows."""
@@ -200,12 +216,12 @@ class RowwiseItemTable(ReplicatedItemTable):
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in dense:
             g.mul_(coef)
-        self.rows.mul_(coef)
-        self._set_grad()
+        self.clip_rows_(coef)
 
 
-class ShardedItemTable(ShardedEmbedding):
-    """`item_emb` of a SeqRec, row-sharded; `weight` is this rank's shard. A `TrainerTable`."""
+class ShardedItemTable(TouchedRows, ShardedEmbedding):
+    """`item_emb` of a SeqRec, row-sharded; `weight` is this rank's shard. A `TrainerTable`.
+    `use_rows` (rowwise_adam): the shard's gradient is the rows its peers sent, not the shard."""
 
     sharded = True
     per_rank: tuple[str, ...] = ("rng", "optimizer")  # rank > 0 also keeps its shard's optimizer state
@@ -231,18 +247,21 @@ class ShardedItemTable(ShardedEmbedding):
         self.lookup_wait_s = self.emb_grad_wait_s = 0.0  # the compute thread's totals, for result.json
         self.grad_sink = self._defer
 
-    row_params: tuple[nn.Parameter, ...] = ()
-
     @property
     def rank_params(self) -> tuple[nn.Parameter, ...]:
         return (self.weight,)
 
-    def cross_group_grads(self, params: Sequence[nn.Parameter]) -> list[torch.Tensor | None]:
-        """Rank k of every group holds the same rows: FTAR averages the shard like a dense grad."""
-        return [p.grad for p in params]
+    @property
+    def row_params(self) -> tuple[nn.Parameter, ...]:
+        """Rank k of every group holds the same rows: FTAR averages the shard like a dense
+        grad, or (rowwise_adam) its touched rows in this group's slot."""
+        return (self.weight,) if self.rowwise else ()
 
-    def after_cross_group(self) -> None:
-        pass
+    def use_rows(self, cross: tuple[int, int, int] | None) -> None:
+        """optim.item_optimizer = "rowwise_adam": keep the received rows, not a dense shard grad."""
+        self.rowwise, self.cross = True, cross
+        self.set_rows(torch.zeros(0, dtype=torch.int64), self.weight.new_zeros(0, self.dim))
+        self.weight.grad = None
 
     # ---- forward: lookups submitted before the model runs
     def start_lookups(self, key: Any, ids: list[torch.Tensor], ahead: Ahead) -> None:
@@ -366,13 +385,19 @@ class ShardedItemTable(ShardedEmbedding):
         """Wait for the gradients `start_grads` sent and add them into the shard's .grad;
         returns the seconds that took (counted into `emb_grad_wait_s`); 0 when none were sent."""
         if self._grad_ops is None:
+            if self.rowwise:  # no rows this step
+                self.set_rows(torch.zeros(0, dtype=torch.int64), self.weight.new_zeros(0, self.dim))
             return 0.0
         t = time.perf_counter()
         plan, ids_op, grads_op = self._grad_ops
         self._grad_ops = None
         recv = self.sched.wait(grads_op)
         self.sched.wait(ids_op)  # finished before its grads
-        self.accumulate(plan, recv)
+        if self.rowwise:  # the peers' rows added in source-rank order, as accumulate() does
+            assert plan.recv_local is not None
+            self.set_rows(*merge([(plan.recv_local, recv * self.grad_scale)], self.dim, recv.dtype))
+        else:
+            self.accumulate(plan, recv)
         waited = time.perf_counter() - t
         self.emb_grad_wait_s += waited
         return waited
@@ -384,7 +409,11 @@ class ShardedItemTable(ShardedEmbedding):
         dense = [p.grad for p in params if p is not self.weight and p.grad is not None]
         sq = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in dense])).double() ** 2
         norm = (sq + grad_norm_sq(self.weight)).sqrt().float()
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        if not self.rowwise:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+            return
+        torch.nn.utils.clip_grads_with_norm_([p for p in params if p is not self.weight], max_norm, norm)
+        self.clip_rows_(torch.clamp(max_norm / (norm + 1e-6), max=1.0))  # torch's coefficient
 
     # ---- the whole table: evaluation, model logging, checkpoints (collective)
     def full_weight(self) -> torch.Tensor:
@@ -429,6 +458,8 @@ class ShardedItemTable(ShardedEmbedding):
 def grad_norm_sq(shard: torch.nn.Parameter) -> torch.Tensor:
     """The squared norm of the whole table's gradient: shard norms all-reduced in the group."""
     g = shard.grad if shard.grad is not None else torch.zeros((), device=shard.device)
+    if g.is_sparse:  # rowwise_adam: the touched rows
+        g = g.coalesce().values()
     sq = torch.linalg.vector_norm(g.detach().double()).pow(2).reshape(1)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         coll.all_reduce(sq, kind=coll.DATA)  # data: made and used (clipping) on the device
