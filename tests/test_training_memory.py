@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_table_bytes_counts_weights_moments_and_the_dense_gradient():
     assert table_bytes(999, 64, "adam") == 1000 * 64 * 4 * 6  # + gradient and Adam's temporaries
     assert table_bytes(999, 64, "rowwise_adam") == 1000 * 64 * 4 * 3  # weights and moments
-    assert table_bytes(999, 64, "rowwise_adam", shards=4) == 250 * 64 * 4 * 6  # a shard: dense Adam
+    assert table_bytes(999, 64, "rowwise_adam", shards=4) == 250 * 64 * 4 * 3  # a quarter each
+    assert table_bytes(999, 64, "adam", shards=4) == 250 * 64 * 4 * 6
 
 
 def test_ten_million_items_fit_one_rank_with_rowwise_adam_in_8gb():

@@ -5,7 +5,7 @@ A table of (items + 1) x dim float32 rows needs, with the dense optimizer
 two moments and the update's full-size temporaries (measured: 14.9 GB peak RSS at 10M x 64,
 benchmarks/scale_training.py). "rowwise_adam" touches rows only: weights and moments, 3
 copies (7.8 GB measured). A sharded table (comm.embedding = "sharded", K ranks) holds 1/K
-of it per rank, under dense Adam (6 copies of the shard).
+of it per rank, with the same number of copies.
 
 Each rank's budget is `train.memory_budget_gb`, or by default 80% of the device's memory
 (a GPU's, or the host's shared by the LOCAL_WORLD_SIZE ranks on it). The ranks of a group
@@ -31,7 +31,7 @@ DEFAULT_FRACTION = 0.8  # of the device's memory, when train.memory_budget_gb is
 
 def table_bytes(num_items: int, dim: int, item_optimizer: str, shards: int = 1) -> int:
     """Bytes one rank holds for the table and its optimizer state (see the module docstring)."""
-    copies = 3 if item_optimizer == "rowwise_adam" and shards == 1 else 6
+    copies = 3 if item_optimizer == "rowwise_adam" else 6
     return math.ceil((num_items + 1) / shards) * dim * 4 * copies
 
 
@@ -64,7 +64,7 @@ def choose_embedding(
     if ranks > 1 and sharded <= budget:
         how = "chosen" if embedding == "sharded" else "chosen automatically: the replicated one needs " + gb(replicated)
         return "sharded", f"item table sharded over {ranks} ranks, {gb(sharded)} per rank ({how}; budget {gb(budget)})"
-    need = math.ceil(table_bytes(num_items, dim, "adam") / budget)  # a shard's optimizer is dense Adam
+    need = math.ceil(table_bytes(num_items, dim, item_optimizer) / budget)
     max_dim = budget // ((num_items + 1) * 4 * (3 if item_optimizer == "rowwise_adam" else 6))
     raise ConfigError(
         f"the item table ({num_items} items x model.dim={dim}, weights and Adam state) needs "
