@@ -5,9 +5,10 @@ standing lighthouse -> evaluation -> MLflow model registry, behind the same qual
 `train_group` is one mapped task, map index = replica group: retrying one of its task
 instances restarts that group's pod only, while the other groups keep committing and the
 new pod heals from them. Shards and checkpoints pass through FTREC_WORK, a volume the
-workers and the pods mount at the same path. Set-up (image, namespace, volume, lighthouse
-Deployment and Service, token Secret): README, "The DAG on Kubernetes"; the decisions live
-in `ftrec_airflow.kubernetes`.
+workers and the pods mount at the same path. Each run's pods get a Secret with their job's
+token alone, made by `job_token` and deleted by `drop_job_token`. Set-up (image, namespace,
+volume, lighthouse Deployment and Service, its admin token Secret): README, "The DAG on
+Kubernetes"; the decisions live in `ftrec_airflow.kubernetes`.
 """
 
 from datetime import timedelta
@@ -48,6 +49,14 @@ def ftrec_train_k8s():
         return kubernetes.group_pods(run)
 
     @task
+    def job_token(run: dict) -> None:
+        kubernetes.put_job_secret(kubernetes.config(), run["job_id"])
+
+    @task(trigger_rule="all_done")
+    def drop_job_token(run: dict) -> None:
+        kubernetes.drop_job_secret(kubernetes.config(), run["job_id"])
+
+    @task
     def trained(run: dict) -> dict:
         return kubernetes.collect(run)
 
@@ -55,6 +64,8 @@ def ftrec_train_k8s():
     pods = kubernetes.group_pod_operator(task_id="train_group", execution_timeout=timedelta(hours=24)).expand_kwargs(
         group_pods(run)
     )
+    job_token(run) >> pods
+    pods >> drop_job_token(run)
     result = trained(run)
     pods >> result
     FT.gate(result)

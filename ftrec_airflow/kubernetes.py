@@ -15,8 +15,10 @@ lighthouse, a Deployment behind a Service.
   ClusterIP Service (`lighthouse_manifests`; `python -m ftrec_airflow.kubernetes lighthouse
   | kubectl apply -f -`). It serves every job (each DAG run is its own FTCORE_JOB_ID) and
   outlives each, so a DAG run has nothing to tear down and a lighthouse restart is the
-  Deployment's business. Its token is the Secret `ftcore-lighthouse-token` (key `token`),
-  mounted as a file in it and in every group pod: never in a spec.
+  Deployment's business. Its admin secret is the Secret `ftcore-lighthouse-token` (key
+  `token`), mounted in it alone. Each DAG run's pods mount only their job's token: the
+  `job_token` task derives it on the worker (ftcore/auth.py) and writes it to a Secret of the
+  run's own (`job_secret`), which `drop_job_token` deletes when the run's pods are done.
 - **Files** (shards, checkpoints, result.json) go through FTREC_WORK, a ReadWriteMany volume
   claim mounted at the same path in the Airflow workers and in the pods.
 - **MLflow**: the Airflow task opens the run before any pod starts; the pods get its URI,
@@ -38,6 +40,7 @@ the functions that build objects.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import sys
@@ -187,6 +190,8 @@ def group_pods(run: dict[str, Any], cfg: Config | None = None) -> list[dict[str,
             },
             "env_vars": group_env(cfg, run["job_id"], spec.replica_groups, g, run["tracking_uri"]),
             "arguments": group_args(spec, run["job_id"], g, sets),
+            "token_secret": job_secret_name(run["job_id"]),
+            "token_dir": TOKEN_DIR,
         }
         for g in range(spec.replica_groups)
     ]
@@ -198,7 +203,7 @@ def pod_defaults(cfg: Config | None = None) -> dict[str, Any]:
     from kubernetes.client import models as k8s
 
     cfg = cfg or config()
-    secrets = [Secret("volume", TOKEN_DIR, cfg.token_secret, items=[k8s.V1KeyToPath(key="token", path="token")])]
+    secrets = []  # the job's token Secret is per run: GroupPodOperator(token_secret=...)
     if cfg.mlflow_secret:  # its keys (MLFLOW_TRACKING_USERNAME/PASSWORD/TOKEN) become the pod's env
         secrets.append(Secret("env", None, cfg.mlflow_secret))
     return {
@@ -230,6 +235,59 @@ def group_pod_operator(**task_args):
     from ftrec_airflow.kubernetes_operator import GroupPodOperator
 
     return GroupPodOperator.partial(**pod_defaults(), **task_args)
+
+
+# ---------------------------------------------------------------- the job's own credential
+
+
+def job_secret_name(job: str) -> str:
+    """The Secret holding one job's token (a DNS-1123 name: the job id is hashed)."""
+    return "ftcore-job-" + hashlib.sha256(job.encode()).hexdigest()[:20]
+
+
+def job_secret(cfg: Config, job: str, token: str):
+    """The job's token as a Secret (key `token`), labelled as ftrec's."""
+    from kubernetes.client import models as k8s
+
+    labels = {"app.kubernetes.io/name": "ftrec", "app.kubernetes.io/component": "job-token"}
+    meta = k8s.V1ObjectMeta(name=job_secret_name(job), namespace=cfg.namespace, labels=labels)
+    return k8s.V1Secret(api_version="v1", kind="Secret", metadata=meta, type="Opaque", string_data={"token": token})
+
+
+def put_job_secret(cfg: Config, job: str) -> None:
+    """Create (or, on a retry, replace) the job's token Secret, derived on this worker from the
+    lighthouse's admin secret (FTCORE_TOKEN_FILE / FTCORE_TOKEN): the pods never see that one."""
+    from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
+    from kubernetes.client.exceptions import ApiException
+
+    from ftcore import auth
+
+    secret = auth.token_from_env()
+    if secret is None:
+        raise AirflowFailException(
+            "no lighthouse token on this worker: set FTCORE_TOKEN_FILE to the lighthouse's admin secret "
+            "(each run's pods get only their job's token, derived from it)"
+        )
+    api = KubernetesHook().core_v1_client
+    body = job_secret(cfg, job, auth.job_token(secret, job))
+    try:
+        api.create_namespaced_secret(cfg.namespace, body)
+    except ApiException as e:
+        if e.status != 409:
+            raise
+        api.replace_namespaced_secret(body.metadata.name, cfg.namespace, body)
+
+
+def drop_job_secret(cfg: Config, job: str) -> None:
+    """Delete the job's token Secret once its pods are done (gone already: fine)."""
+    from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
+    from kubernetes.client.exceptions import ApiException
+
+    try:
+        KubernetesHook().core_v1_client.delete_namespaced_secret(job_secret_name(job), cfg.namespace)
+    except ApiException as e:
+        if e.status != 404:
+            raise
 
 
 # ---------------------------------------------------------------- the tasks around the pods

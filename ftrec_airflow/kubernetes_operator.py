@@ -9,12 +9,26 @@ from kubernetes.client import models as k8s
 
 class GroupPodOperator(KubernetesPodOperator):
     """One replica group as one pod: `gpus` of `gpu_resource` (GPUs per pod = ranks per group;
-    an empty resource name: a CPU-only pod)."""
+    an empty resource name: a CPU-only pod), and its job's token Secret `token_secret` mounted
+    at `token_dir` (names only: the mapped task's arguments travel as JSON)."""
 
-    def __init__(self, *, gpus: int = 0, gpu_resource: str = "nvidia.com/gpu", **kwargs):
+    def __init__(
+        self,
+        *,
+        gpus: int = 0,
+        gpu_resource: str = "nvidia.com/gpu",
+        token_secret: str = "",
+        token_dir: str = "/etc/ftcore",
+        **kwargs,
+    ):
         if gpus and gpu_resource and "container_resources" not in kwargs:
             # limits alone: Kubernetes sets an extended resource's request to its limit
             kwargs["container_resources"] = k8s.V1ResourceRequirements(limits={gpu_resource: str(gpus)})
+        if token_secret:
+            from airflow.providers.cncf.kubernetes.secret import Secret
+
+            token = Secret("volume", token_dir, token_secret, items=[k8s.V1KeyToPath(key="token", path="token")])
+            kwargs["secrets"] = [token, *(kwargs.get("secrets") or [])]
         super().__init__(**kwargs)
         self.gpus = gpus
         self.gpu_resource = gpu_resource

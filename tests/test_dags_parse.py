@@ -266,9 +266,11 @@ def test_ftrec_train_k8s_with_the_provider_is_the_training_pipeline_on_pods(tmp_
         "ingest_validate": ["build_shards"],
         "build_shards": ["verify_shards"],
         "verify_shards": ["open_run"],
-        "open_run": ["group_pods", "trained"],
+        "open_run": ["drop_job_token", "group_pods", "job_token", "trained"],
+        "job_token": ["train_group"],  # the pods mount their job's token Secret: it exists first
         "group_pods": ["train_group"],
-        "train_group": ["trained"],
+        "train_group": ["drop_job_token", "trained"],
+        "drop_job_token": [],
         "trained": ["evaluate", "register_model"],
         "evaluate": ["register_model"],
         "register_model": [],

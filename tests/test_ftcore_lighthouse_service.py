@@ -3,6 +3,7 @@ layer that no client can wedge, and heal servers bounded the same way.
 
 Real lighthouse and heal servers on loopback, real clients and raw sockets."""
 
+import json
 import socket
 import threading
 import time
@@ -373,3 +374,26 @@ def test_one_group_silent_while_the_others_speak_is_failed_by_its_silence():
             c.close()
         lh.close()
         srv.shutdown()
+
+
+def test_a_rank_that_lost_its_quorum_answer_gets_the_same_one_when_it_asks_again(lighthouse):
+    """Its peers are already in the quorum that counts it (they wait for it there): asking again
+    for the same round must not open a new one."""
+    addr, lh = lighthouse()
+    g0, g1 = _clients(addr, "lost", groups=2)
+    try:
+        host, port = addr.rsplit(":", 1)
+        raw = socket.create_connection((host, int(port)), timeout=5)
+        ask = RankInfo(group=1, rank=0, job="lost", num_groups=2, store="127.0.0.1:1").to_wire()
+        body = json.dumps({**ask, "timeout": 5.0}).encode()
+        raw.sendall(f"POST /quorum HTTP/1.1\r\nHost: lh\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        q0 = g0.quorum(timeout=5)  # the round forms with group 1's request ...
+        raw.close()  # ... whose answer is never read
+        # group 1 asks again, the same request: the same answer (a new round could not form: its
+        # peer does not ask any more, and one group of two is no majority)
+        q1 = g1.quorum(timeout=5)
+        assert (q1.quorum_id, q1.groups, q1.max_step) == (q0.quorum_id, q0.groups, q0.max_step)
+        assert [e["kind"] for e in lh.status("lost")["events"]].count("quorum_formed") == 1
+    finally:
+        g0.close()
+        g1.close()

@@ -106,6 +106,9 @@ def test_each_group_pod_runs_the_launchers_torchrun_command(train_group, tmp_pat
         (c,) = pod.spec.containers
         assert c.command == ["torchrun"] and c.args == want_args
         env = {e.name: e.value for e in c.env}
+        # the same environment, but the token: the launcher's job-token file there, the job's Secret here
+        assert want_env.pop("FTCORE_TOKEN_FILE") == str(Path(spec.out) / "job-token")
+        assert env.pop("FTCORE_TOKEN_FILE") == kubernetes.TOKEN_FILE
         assert {k: env.get(k) for k in want_env} == want_env
         assert set(env) - set(want_env) == {"MLFLOW_TRACKING_URI", "PYTHONUNBUFFERED"}
         assert env["FTREC_REPLICA_GROUP"] == str(g) and env["FTCORE_LIGHTHOUSE"] == "ftcore-lighthouse.recs.svc:29510"
@@ -116,7 +119,8 @@ def test_each_group_pod_runs_the_launchers_torchrun_command(train_group, tmp_pat
 def test_group_pods_get_their_gpus_volumes_and_secrets_never_a_token(train_group, tmp_path):
     import yaml
 
-    for pod in _pods(train_group, _run(tmp_path, groups=2, ranks=4)):
+    run = _run(tmp_path, groups=2, ranks=4)
+    for pod in _pods(train_group, run):
         assert pod.metadata.namespace == "recs" and pod.spec.restart_policy == "Never"
         (c,) = pod.spec.containers
         assert c.image == IMAGE
@@ -124,7 +128,9 @@ def test_group_pods_get_their_gpus_volumes_and_secrets_never_a_token(train_group
         mounts = {m.mount_path: m for m in c.volume_mounts}
         vols = {v.name: v for v in pod.spec.volumes}
         token = vols[mounts[kubernetes.TOKEN_DIR].name].secret
-        assert token.secret_name == "ftcore-lighthouse-token" and [i.key for i in token.items] == ["token"]
+        # its job's own token, never the lighthouse's admin secret
+        assert token.secret_name == kubernetes.job_secret_name(run["job_id"]) != "ftcore-lighthouse-token"
+        assert [i.key for i in token.items] == ["token"]
         assert mounts[kubernetes.TOKEN_DIR].read_only
         assert {e.name: e.value for e in c.env}["FTCORE_TOKEN_FILE"] == kubernetes.TOKEN_FILE
         assert [e.secret_ref.name for e in c.env_from] == ["mlflow-creds"]
@@ -276,8 +282,9 @@ def test_every_rendered_object_satisfies_the_kubernetes_schema(train_group, k8s_
     k8s_env.setenv("FTREC_K8S_GPU_RESOURCE", "")
     kw = kubernetes.group_pods(_run(tmp_path, groups=1))[0]
     cpu = GroupPodOperator(task_id="train_group", **kubernetes.pod_defaults(), **kw).build_pod_request_obj(dry_run=True)
-    objs += kubernetes.to_dicts([cpu, *kubernetes.lighthouse_manifests()])
-    assert [d["kind"] for d in objs] == ["Pod"] * 4 + ["Deployment", "Service"]
+    secret = kubernetes.job_secret(kubernetes.config(), kw["env_vars"]["FTCORE_JOB_ID"], "ftjob1.x.y")
+    objs += kubernetes.to_dicts([cpu, *kubernetes.lighthouse_manifests(), secret])
+    assert [d["kind"] for d in objs] == ["Pod"] * 4 + ["Deployment", "Service", "Secret"]
     assert all(d.get("apiVersion") for d in objs)
     assert _schema_errors(objs) == []
 
@@ -289,3 +296,17 @@ def test_the_schema_check_catches_a_misspelt_or_mistyped_field(k8s_env):
     service["spec"]["ports"][0]["port"] = "29510"
     errors = _schema_errors([deployment, service])
     assert any("replica" in e for e in errors) and any("port" in e for e in errors), errors
+
+
+def test_a_runs_pods_get_a_token_that_opens_their_job_alone(k8s_env, tmp_path):
+    """The Secret open_run writes: the job's token, derived from the worker's admin secret;
+    the lighthouse takes it for this job and refuses it for any other."""
+    from ftcore import auth
+
+    job = _run(tmp_path)["job_id"]
+    token = auth.job_token("admin-secret", job)
+    secret = kubernetes.job_secret(kubernetes.config(), job, token)
+    assert secret.metadata.name == kubernetes.job_secret_name(job) and secret.string_data == {"token": token}
+    assert secret.metadata.namespace == "recs" and len(secret.metadata.name) <= 63
+    assert auth.scope("admin-secret", f"Bearer {token}") == job
+    assert kubernetes.job_secret_name(job) != kubernetes.job_secret_name(job + "x")
