@@ -227,7 +227,7 @@ def _raise_fd_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
-def main(argv: list[str] | None = None) -> int:
+def _arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m ftcore.lighthouse", description=__doc__.split("\n\n")[0])
     p.add_argument("--bind", default="127.0.0.1:29510", help="host:port to listen on (loopback by default)")
     p.add_argument("--min-replicas", type=int, default=1, help="fewest replica groups a quorum may have")
@@ -301,16 +301,18 @@ def main(argv: list[str] | None = None) -> int:
         default=d.max_unauthenticated_per_peer,
         help="connections from one address that sent no valid token yet (past it the oldest is closed)",
     )
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _arg_parser().parse_args(argv)
+    pace = PacePolicy()
     if min(a.min_replicas, a.max_jobs, a.max_connections, a.max_connections_per_peer) < 1:
         print(
             "ftcore.lighthouse: --min-replicas, --max-jobs, --max-connections and --max-connections-per-peer "
             "must be >= 1",
             file=sys.stderr,
         )
-        return 2
-    if a.min_replicas < 1:
-        print("ftcore.lighthouse: --min-replicas must be >= 1", file=sys.stderr)
         return 2
     try:
         pace = PacePolicy(a.slow_ratio, a.slow_window, a.slow_probation, pace.min_excess_s).check()
