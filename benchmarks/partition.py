@@ -10,8 +10,9 @@ Mid-run one host's switch port goes down for `--seconds`, then comes back:
 - `group`: host d (group 2). Reported: the survivors' longest gap between commits (goal:
   <= heartbeat timeout + one step), and whether group 2 rejoined by heal with equal states.
 
-Per run: failure and heal events, each group's longest commit gap and committed / leased /
-failed step attempts, equal final states. Needs root and iproute2 (as the tests do).
+Per run: failure and heal events, each group's longest commit gap that began while the link
+was down and after it came back, committed / leased / failed step attempts, equal final
+states. Needs root and iproute2 (as the tests do).
 """
 
 import argparse
@@ -72,6 +73,7 @@ def run_once(scenario: str, seconds: float, work: Path) -> dict:
         hosts.cut(CUT[scenario])
         time.sleep(seconds)
         hosts.cut(CUT[scenario], off=False)
+        t_up = time.time()
         codes = [p.wait(timeout=300) for p in procs]
     events = [json.loads(x) for x in (out / "events.jsonl").read_text().splitlines()]
     sums = set()
@@ -87,7 +89,10 @@ def run_once(scenario: str, seconds: float, work: Path) -> dict:
     for g in range(3):
         recs = _records(out, g)
         ts = [r["t"] for r in recs if r["committed"] and r["t"] >= t_cut - 1]
-        row[f"g{g}_max_gap_s"] = round(max((b - a for a, b in itertools.pairwise(ts)), default=0.0), 3)
+        gaps = [(a, b - a) for a, b in itertools.pairwise(ts)]
+        # the longest gap that began while the link was down, and one that began after it came back
+        row[f"g{g}_gap_cut_s"] = round(max((d for a, d in gaps if a < t_up), default=0.0), 3)
+        row[f"g{g}_gap_after_s"] = round(max((d for a, d in gaps if a >= t_up), default=0.0), 3)
         row[f"g{g}_committed"] = sum(r["committed"] for r in recs)
         row[f"g{g}_leased"] = sum(r["committed"] and r["leased"] for r in recs)
         row[f"g{g}_failed_attempts"] = sum(not r["committed"] for r in recs)

@@ -232,6 +232,7 @@ class LighthouseClient:
                 last = "resent after the lighthouse was heard again"
                 _abort(self._qconn)
                 self._qconn = None
+                request = replace(request, again=True)  # its answer, if any, was lost with the connection
                 continue
             except (OSError, http.client.HTTPException, ValueError) as e:  # ValueError: bad JSON
                 last = f"{type(e).__name__}: {e}"

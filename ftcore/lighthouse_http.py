@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import itertools
 import json
 import socket
 import threading
@@ -74,15 +73,11 @@ class _Refused(Exception):
         self.code = code
 
 
-_serials = itertools.count(1)
-
-
 class _Connection(asyncio.Protocol):
     """One client connection: llhttp's callbacks queue whole requests, answered in order, one at a time."""
 
     def __init__(self, server: LighthouseServer):
         self.srv = server
-        self.serial = next(_serials)
         self.parser = httptools.HttpRequestParser(self)
         self.peer = ""
         self.busy = False  # a request is being answered: later ones wait in the queue
@@ -406,7 +401,7 @@ class LighthouseServer:
             else:
                 self.loop.call_soon_threadsafe(answer, reply)
 
-        conn.waiting = (job, job.enqueue(ask, deliver, min(ask.timeout, timeouts.QUORUM_TIMEOUT), conn.serial))
+        conn.waiting = (job, job.enqueue(ask, deliver, min(ask.timeout, timeouts.QUORUM_TIMEOUT)))
 
 
 class _Forbidden(Exception):

@@ -52,8 +52,8 @@ class RankRecord:
     disconnected: bool = False
     disconnected_at: float = 0.0
     beat_lines: int = 0  # open connections it heartbeats on: it died when the last one closed
-    # its last quorum answer: (its step, last quorum it reported, quorum id, connection, reply)
-    answered: tuple[int, int, int, int, str] | None = None
+    # its last quorum answer: (its step, quorum id, the reply) (_answered_again)
+    answered: tuple[int, int, str] | None = None
 
 
 @dataclass
@@ -106,7 +106,6 @@ class Request:
     busy: Busy | None = None  # its last step's compute (ftcore/pace.py)
     idle: int = -1  # the quorum id of its last step if nobody had work in it (only absent groups' is left)
     leased: bool = False  # sent after its step had gone on without this lighthouse: its sender ignores the reply
-    line: int = 0  # the connection it came on (a serial number)
 
 
 class StaleIncarnation(Exception):
@@ -438,20 +437,17 @@ class Job:
                 reply = Quorum.for_rank(shared, store, heal_from)
                 replies.append((req, reply))
                 if req.rank in self.groups[g].ranks:
-                    answer = (req.step, req.last_quorum, q.quorum_id, req.line, reply)
-                    self.groups[g].ranks[req.rank].answered = answer
+                    self.groups[g].ranks[req.rank].answered = (req.step, q.quorum_id, reply)
         return replies
 
-    def _answered_again(self, rk: RankRecord, req: Request) -> str | None:
-        """The reply a rank already got in the current quorum, when it asks again for the same
-        round on another connection: same step, the same last quorum trained in (it never
-        applied this one), nothing failed since. Its first answer was lost with its connection
-        (a partition, a reset): the quorum that counts it stands, and its peers wait in it."""
+    def _answered_again(self, rk: RankRecord, ask: QuorumRequest) -> str | None:
+        """The answer a rank was given for this step in the current quorum, when it says it did
+        not apply it (`again`: lost with its connection, or its round given up) and nothing
+        failed since: the quorum that counts it stands, and its peers wait for it there."""
         a = rk.answered
-        if a is None or self.quorum is None or self.force_new or a[2] != self.quorum.quorum_id:
+        if not ask.again or a is None or self.quorum is None or self.force_new:
             return None
-        same = (req.step, req.last_quorum) == a[:2] and req.last_quorum < a[2] and req.line != a[3]
-        return a[4] if same else None
+        return a[2] if (ask.info.step, self.quorum.quorum_id) == a[:2] else None
 
     # ---- fail-slow --------------------------------------------------------------------
     def _busy(self, members: list[int]) -> dict[int, float]:
@@ -500,7 +496,7 @@ class Job:
         self.event("group_readmitted", group=grp.group, incarnation=grp.incarnation)
         return None
 
-    def enqueue(self, ask: QuorumRequest, deliver: Deliver, timeout: float, line: int = 0) -> Request:
+    def enqueue(self, ask: QuorumRequest, deliver: Deliver, timeout: float) -> Request:
         """A rank's quorum request joins this round; `deliver` gets the reply when it forms
         (maybe at once: this arrival may complete the round; the ticker does the rest), or a
         timeout error after `timeout` seconds."""
@@ -521,13 +517,12 @@ class Job:
                 ask.busy,
                 ask.idle,
                 ask.leased,
-                line,
             )
             standby = self._standby(grp, now)
             if standby is not None:
                 deliver(standby)
                 return req
-            again = self._answered_again(grp.ranks[req.rank], req)
+            again = self._answered_again(grp.ranks[req.rank], ask)
             if again is not None:
                 deliver(again)
                 return req

@@ -260,6 +260,7 @@ class Manager:
         self._answered = False  # this round's reply was taken: the round can no longer lease
         self._round_lock = threading.Lock()  # a round either takes its reply or leases, never both
         self._ask = QuorumRequest(info)  # what this round's request reports, fixed at its start
+        self._ignored_step = -1  # the step of the last quorum answer given up unapplied (quorum worker only)
         self._heal_fut: Future | None = None
         self._errors: list[str] = []
         self._contributors = 0
@@ -313,15 +314,19 @@ class Manager:
             return None  # a later step asked already (this one ran on a lease): nothing to do
         time.sleep(max(self._standby_until - time.monotonic(), 0.0))
         with self._round_lock:  # a request that leaves after its step leased says so (lighthouse _drop_overtaken)
-            ask = replace(ask, leased=self._leased)
+            ask = replace(ask, leased=self._leased, again=self._ignored_step == ask.info.step)
         try:
             q = self.client.quorum(request=ask)
         except Overtaken:
             return None  # only a leased round is overtaken, and a leased round ignores its answer
         with self._round_lock:
             if round_ != self._round or self._leased:
-                return None  # answered after its step went on without it: no side effects
+                # answered after its step went on without it: no side effects; a retry of this
+                # step asks for the same answer (its peers may wait for this group in that quorum)
+                self._ignored_step = ask.info.step
+                return None
             self._answered = True
+            self._ignored_step = -1
         self._t_quorum = time.monotonic() - self._t0
         return self._apply_quorum(q)
 

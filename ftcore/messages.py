@@ -223,6 +223,9 @@ class QuorumRequest:
     busy: Busy | None = None
     idle: int = -1  # the quorum id of its last step if nobody had work in it, else -1
     leased: bool = False  # sent after its step had gone on without the lighthouse: the reply is ignored
+    # it may have been given an answer for this step that it did not apply (lost with its
+    # connection, or its round had been given up): the lighthouse hands it the same one again
+    again: bool = False
     timeout: float = timeouts.QUORUM_TIMEOUT  # seconds the rank waits for the answer
 
     def to_wire(self) -> dict[str, Any]:
@@ -233,15 +236,16 @@ class QuorumRequest:
             "busy": self.busy.to_wire() if self.busy is not None else None,
             "idle": self.idle,
             "leased": self.leased,
+            "again": self.again,
             "timeout": self.timeout,
         }
 
     @classmethod
     def parse(cls, msg: Any) -> QuorumRequest:
         msg = _object(msg, "a quorum request")
-        leased = msg.get("leased", False)
-        if not isinstance(leased, bool):
-            raise MessageError(f"leased must be true or false, got {leased!r}"[:200])
+        leased, again = msg.get("leased", False), msg.get("again", False)
+        if not isinstance(leased, bool) or not isinstance(again, bool):
+            raise MessageError(f"leased and again must be true or false, got {leased!r}, {again!r}"[:200])
         timeout = msg.get("timeout", timeouts.QUORUM_TIMEOUT)
         if (
             isinstance(timeout, bool)
@@ -256,6 +260,7 @@ class QuorumRequest:
             busy=Busy.parse(msg.get("busy")),
             idle=_int(msg, "idle", -1, lo=-1),
             leased=leased,
+            again=again,
             timeout=float(timeout),
         )
 

@@ -14,7 +14,7 @@ from conftest import ask_all
 
 from ftcore import auth, heal, lighthouse_http
 from ftcore.lighthouse_client import JobFinished, LighthouseClient, call
-from ftcore.messages import RankInfo
+from ftcore.messages import QuorumRequest, RankInfo
 
 SECRET = "admin-secret"
 
@@ -389,9 +389,10 @@ def test_a_rank_that_lost_its_quorum_answer_gets_the_same_one_when_it_asks_again
         raw.sendall(f"POST /quorum HTTP/1.1\r\nHost: lh\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
         q0 = g0.quorum(timeout=5)  # the round forms with group 1's request ...
         raw.close()  # ... whose answer is never read
-        # group 1 asks again, the same request: the same answer (a new round could not form: its
-        # peer does not ask any more, and one group of two is no majority)
-        q1 = g1.quorum(timeout=5)
+        # group 1 asks again for that step, saying it may have missed an answer (the client does
+        # so when it resends): the same answer (a new round could not form: its peer does not ask
+        # any more, and one group of two is no majority)
+        q1 = g1.quorum(timeout=5, request=QuorumRequest(g1.info, again=True))
         assert (q1.quorum_id, q1.groups, q1.max_step) == (q0.quorum_id, q0.groups, q0.max_step)
         assert [e["kind"] for e in lh.status("lost")["events"]].count("quorum_formed") == 1
     finally:
