@@ -40,12 +40,16 @@ bench: setup
 	$(BIN)/python benchmarks/stall.py
 	$(BIN)/python benchmarks/straggler.py
 	$(BIN)/python benchmarks/lighthouse_abuse.py
+	$(BIN)/python benchmarks/lighthouse_soak.py
+	$(BIN)/python benchmarks/partition.py
 	$(BIN)/python benchmarks/torchrun_restart.py
 	$(BIN)/python -m benchmarks.sim
 	$(BIN)/python benchmarks/comm_bench.py
 	$(BIN)/python benchmarks/comm_trainer_bench.py
 	$(BIN)/python benchmarks/airflow_bench.py
 	$(BIN)/python benchmarks/install_weight.py
+	$(BIN)/python benchmarks/scale_dataprep.py
+	$(BIN)/python benchmarks/scale_training.py
 
 clean:
 	rm -rf $(WORK) bench-results
