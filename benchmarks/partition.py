@@ -84,6 +84,7 @@ def run_once(scenario: str, seconds: float, work: Path) -> dict:
             if " checksum " in ln
         }
     row: dict = {"scenario": scenario, "cut_s": seconds, "exit_codes": codes, "final_states_equal": len(sums) == 1}
+    row["isolations"] = sum(e["kind"] == "lighthouse_isolated" for e in events)
     row["failures"] = sum(e["kind"] == "failure_detected" for e in events)
     row["heals"] = sum(e["kind"] == "heal_assigned" for e in events)
     for g in range(3):
