@@ -12,7 +12,7 @@ synthetic shard set) trains against it while an attacker holding only another jo
 - a wrong token announcing a 1 MB body (answered before the body), 1,000 concurrent
   connections without the token, and 200 idle sockets that never speak;
 - 1,000 pipelined requests in one write, and a connection that pipelines without ever reading;
-- 100 half-sent bodies with its own token, 1 MB events and many 4 KB events;
+- 100 half-sent bodies with its own token, 1 MB events and many 1 KB events;
 - its own token against job "bench": heartbeats with a huge incarnation, failure reports,
   events and status reads of the other job;
 - a rank flood of a job of its own.
@@ -170,8 +170,8 @@ def abuse(port: int, stop: threading.Event, tally: Counter) -> None:
             _never_reads(port, tally)
         half = _half_sent(port, 100 if rounds == 1 else 10)
         for i in range(20):  # events of its own job: kept, but bounded
-            body = json.dumps({"job": "flood", "kind": "spam", "v": "x" * 3500, "i": i}).encode()
-            tally[f"4 KB event -> {_raw(port, _post('/event', body))}"] += 1
+            body = json.dumps({"job": "flood", "kind": "spam", "v": "x" * 900, "i": i}).encode()
+            tally[f"1 KB event -> {_raw(port, _post('/event', body))}"] += 1
         for i in range(50):  # a rank flood of a job of its own
             body = json.dumps({"job": "flood", "group": i % 64, "rank": 0, "world": 1, "num_groups": 64}).encode()
             tally[f"flood heartbeat -> {_raw(port, _post('/heartbeat', body))}"] += 1

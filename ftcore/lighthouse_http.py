@@ -199,19 +199,21 @@ class _Connection(asyncio.Protocol):
 
     # ---- answering -----------------------------------------------------------------------
     def _process(self) -> None:
-        """Dispatch queued requests until one waits for its answer (a loop, not recursion: one
-        read may hold many pipelined requests)."""
-        if self._in_process:
+        """Dispatch the next queued request. One read may hold many pipelined requests: the
+        next one is taken up in a later turn of the loop (never by recursion), so every other
+        connection is served between two requests of a client that pipelines many."""
+        if self._in_process or not self.queue or self.busy or self.paused or self.t.is_closing():
             return
         self._in_process = True
         try:
-            while self.queue and not self.busy and not self.paused and not self.t.is_closing():
-                method, target, scope, body, self.keep_alive, size = self.queue.popleft()
-                self.queued -= size
-                self.busy = True
-                self.srv.dispatch(self, method, target, scope, body)
+            method, target, scope, body, self.keep_alive, size = self.queue.popleft()
+            self.queued -= size
+            self.busy = True
+            self.srv.dispatch(self, method, target, scope, body)
         finally:
             self._in_process = False
+        if self.queue and not self.busy:
+            self.srv.loop.call_soon(self._process)
 
     def _close_with(self, code: int, msg: str) -> None:
         self.t.write(_raw_error(code, msg[:300]))

@@ -42,7 +42,7 @@ MAX_ID = 1 << 53  # steps, incarnations, quorum ids: integers JSON carries exact
 MAX_ADDRESS = 256  # characters of a host:port
 MAX_LIGHTHOUSE_ID = 64
 MAX_INT_DIGITS = 20  # a JSON integer longer than this is refused before Python builds it
-MAX_EVENT_BYTES = 4096  # an event's values, JSON-encoded
+MAX_EVENT_BYTES = 1024  # an event's values, JSON-encoded (a status of 100 events stays small)
 
 Identity = tuple[tuple[int, int], ...]  # a quorum's members as (group, incarnation), in member order
 
