@@ -27,7 +27,7 @@ from typing import Any
 from airflow.sdk import Asset, TaskGroup, XComArg, task
 from airflow.sdk.exceptions import AirflowFailException
 
-from ftrec_airflow import settings, steps
+from ftrec_airflow import steps
 
 JOB = "job.json"  # in the work folder: the manifest head, budget and buckets (ids and seal read it)
 
@@ -46,14 +46,7 @@ def _job(spec: steps.ShardSpec, log: Callable[[str], None]):
     from dataprep import build
     from dataprep.errors import DifferentShardSet
 
-    cost_model = None
-    if spec.model_overrides is not None:
-        from training import calibrate
-
-        cost_model = calibrate.cached(
-            calibrate.model_config(spec.model_overrides), spec.max_len, settings.work_root() / "cost-models"
-        )
-        log(f"cost model: {cost_model}")
+    cost_model = steps.shard_cost_model(spec, log)
     kw: dict[str, Any] = dict(
         world_size=spec.world_size,
         batch_size=spec.batch_size,

@@ -118,6 +118,21 @@ def _summary(manifest: dict, path: str | Path) -> dict[str, Any]:
     return out
 
 
+def shard_cost_model(spec: ShardSpec, log=print):
+    """The cost model `spec` balances with: the trained model's own, calibrated once per model
+    config and machine (None: dataprep's default)."""
+    if spec.model_overrides is None:
+        return None
+    from training import calibrate
+
+    cost_model = calibrate.cached(
+        calibrate.model_config(spec.model_overrides), spec.max_len, settings.work_root() / "cost-models"
+    )
+    if log:
+        log(f"cost model: {cost_model}")
+    return cost_model
+
+
 def build_shards(spec: ShardSpec, log=None) -> dict[str, Any]:
     """Build the shard set unless the same one is already there; return its summary.
 
@@ -134,15 +149,7 @@ def build_shards(spec: ShardSpec, log=None) -> dict[str, Any]:
         return st and (st.st_ino, st.st_mtime_ns)
 
     before = identity()
-    cost_model = None
-    if spec.model_overrides is not None:
-        from training import calibrate
-
-        cost_model = calibrate.cached(
-            calibrate.model_config(spec.model_overrides), spec.max_len, settings.work_root() / "cost-models"
-        )
-        if log:
-            log(f"cost model: {cost_model}")
+    cost_model = shard_cost_model(spec, log)
     args = dict(
         world_size=spec.world_size,
         batch_size=spec.batch_size,

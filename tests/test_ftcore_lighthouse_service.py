@@ -188,11 +188,10 @@ def test_job_tokens_derive_only_for_their_own_job(tmp_path, capsys):
 # ---- an HTTP layer no client can wedge ------------------------------------------------------
 def test_a_refused_token_closes_the_connection_without_reading_the_body(lighthouse):
     addr, _ = lighthouse(token=SECRET)
-    # headers announce a body that never comes: the 401 must not wait for it
-    t0 = time.monotonic()
+    # headers announce a body that never comes: the 401 must not wait for it (a server that
+    # waited would answer nothing before _raw's timeout, and the reply would be empty)
     reply = _raw(addr, b"POST /heartbeat HTTP/1.1\r\nHost: lh\r\nContent-Length: 500000\r\n\r\n", timeout=3)
     assert reply.startswith(b"HTTP/1.1 401") and b"Connection: close" in reply
-    assert time.monotonic() - t0 < 2.5  # answered and closed, not left to the socket timeout
 
 
 def test_pipelined_requests_are_answered_in_order_without_recursion(lighthouse):
