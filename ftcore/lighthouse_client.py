@@ -153,6 +153,8 @@ class LighthouseClient:
         self._thread: threading.Thread | None = None
         self._conn: http.client.HTTPConnection | None = None
         self._stalled: list[http.client.HTTPConnection] = []
+        self._live: http.client.HTTPConnection | None = None  # the heartbeat line now (hold() cuts it)
+        self._held = threading.Event()
         self.recovered = 0  # times the heartbeats were answered again after going unanswered
 
     def update(self, **changes: Any) -> None:
@@ -176,6 +178,13 @@ class LighthouseClient:
         stalled: list[http.client.HTTPConnection] = []
         hdrs = {"Content-Type": "application/json", **auth.headers(self.token)}
         while not self._stop.is_set():
+            if self._held.is_set():  # gone to the lighthouse until resume(): no line at all
+                for old in (conn, *stalled):
+                    if old is not None:
+                        old.close()
+                conn, stalled = None, []
+                self._stop.wait(timeouts.HEARTBEAT_INTERVAL)
+                continue
             # A quorum request within the interval told the lighthouse this rank lives: skip this
             # beat (a job whose steps are shorter than the interval then sends no heartbeats at all).
             # The first beat always goes: it makes this connection the one whose close means death.
@@ -185,11 +194,11 @@ class LighthouseClient:
                 continue
             try:
                 if conn is None:
-                    conn = http.client.HTTPConnection(host, port, timeout=timeouts.RPC_TIMEOUT)
+                    conn = self._live = http.client.HTTPConnection(host, port, timeout=timeouts.RPC_TIMEOUT)
                 conn.request("POST", "/heartbeat", body=json.dumps(self.info.to_wire()).encode(), headers=hdrs)
                 resp = conn.getresponse()
                 data = loads(resp.read())
-                self.last_reply = time.monotonic()
+                heard = time.monotonic()
                 if stalled:  # answered on this one: the lighthouse counts it, the old may go
                     self.recovered += 1
                 for old in stalled:
@@ -200,6 +209,8 @@ class LighthouseClient:
                 elif resp.status == 200:
                     beat = HeartbeatReply.parse(data)
                     self.failed_groups, self.latest_quorum_id = beat.failed, beat.quorum_id
+                    heard -= beat.silent_s  # through a relay: when the lighthouse last answered it
+                self.last_reply = heard
             except TimeoutError:  # sent, unanswered: keep it open (bounded), go on over a new one
                 if conn is not None and conn.sock is not None and len(stalled) < MAX_STALLED:
                     stalled.append(conn)
@@ -214,12 +225,41 @@ class LighthouseClient:
         self._conn = conn  # closed by leave()/close(), after the lighthouse knows why
         self._stalled = stalled
 
+    def hold(self) -> None:
+        """Close the heartbeat line now and open none until `resume()`: to the lighthouse this
+        rank is gone (a relay whose group lost a rank, ftcore/relay.py)."""
+        self._held.set()
+        conn = self._live
+        if conn is not None and conn.sock is not None:
+            try:  # wakes the heartbeat thread if it waits on this line
+                conn.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def resume(self) -> None:
+        self._held.clear()
+
     # ---- requests -------------------------------------------------------------------
     def quorum(self, timeout: float = timeouts.QUORUM_TIMEOUT, request: QuorumRequest | None = None) -> Quorum:
         """Block until the lighthouse answers this round; retries while it is unreachable.
         `request`: what this rank reports for the round (its step...), fixed when the round
         began; by default one made of the current `info` alone."""
-        request = request if request is not None else QuorumRequest(self.info)
+        status, body = self.exchange(request if request is not None else QuorumRequest(self.info), timeout)
+        if status == 200:
+            return self._answer(body)
+        if status in (409, 410):
+            refused = QuorumRefused.parse(status, body)
+            if refused.reason == "stale":
+                self.replaced = True
+                raise Replaced(f"lighthouse {self.addr}: {refused.error}")
+            if refused.reason == "finished":
+                raise JobFinished(f"lighthouse {self.addr}: {refused.error}")
+            raise GroupLost(f"lighthouse {self.addr}: {refused.error}")
+        raise LighthouseError(f"lighthouse {self.addr} refused the quorum request ({status}: {body})")
+
+    def exchange(self, request: QuorumRequest, timeout: float = timeouts.QUORUM_TIMEOUT) -> tuple[int, Any]:
+        """A quorum request's final answer as (status, body): 200, a refusal to act on (409,
+        410) or a refused request (400, 401, 403); retried until then, within `timeout`."""
         deadline = time.monotonic() + timeout
         last = "no attempt"
         while True:
@@ -241,18 +281,8 @@ class LighthouseClient:
                 self._qconn = None
                 time.sleep(min(0.05, max(left, 0)))
                 continue
-            if status == 200:
-                return self._answer(body)
-            if status in (409, 410):
-                refused = QuorumRefused.parse(status, body)
-                if refused.reason == "stale":
-                    self.replaced = True
-                    raise Replaced(f"lighthouse {self.addr}: {refused.error}")
-                if refused.reason == "finished":
-                    raise JobFinished(f"lighthouse {self.addr}: {refused.error}")
-                raise GroupLost(f"lighthouse {self.addr}: {refused.error}")
-            if status in (401, 400):
-                raise LighthouseError(f"lighthouse {self.addr} refused the quorum request ({status}: {body})")
+            if status in (200, 400, 401, 403, 409, 410):
+                return status, body
             last = f"HTTP {status}: {body}"
 
     def _answer(self, body: Any) -> Quorum:

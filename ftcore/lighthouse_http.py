@@ -19,17 +19,18 @@ import time
 import urllib.parse
 from collections import Counter
 from http import HTTPStatus
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import httptools
 
 from ftcore import auth, timeouts
-from ftcore.lighthouse_job import Job, Request, StaleIncarnation
+from ftcore.lighthouse_job import Deliver, StaleIncarnation
 from ftcore.lighthouse_page import status_html
 from ftcore.messages import (
     DEFAULT_JOB,
     ClientEvent,
     FailureReport,
+    HeartbeatReply,
     MessageError,
     Quorum,
     QuorumRequest,
@@ -39,7 +40,6 @@ from ftcore.messages import (
 )
 
 if TYPE_CHECKING:
-    from ftcore.lighthouse import Lighthouse
     from ftcore.lighthouse_job import Answer
 
 MAX_BODY = 1 << 20  # bytes: larger bodies get 413, unread
@@ -53,6 +53,28 @@ REQUEST_S = 10.0  # a request must arrive whole within this of its first byte
 EVICT_AGE_S = 0.5  # a connection that sent no valid token for this long may make way for a new one
 IDLE_S = 600.0  # a quiet connection that is not a rank's heartbeat line is closed after this
 JSON = "application/json"
+
+
+class Membership(Protocol):
+    """One job's ranks as the routes drive them: a lighthouse's Job, or a group's Relay."""
+
+    def heartbeat(self, info: RankInfo, new_line: bool = False) -> HeartbeatReply: ...
+    def disconnected(self, g: int, r: int, inc: int) -> None: ...
+    def enqueue(self, ask: QuorumRequest, deliver: Deliver, timeout: float) -> Any: ...
+    def withdraw(self, req: Any) -> None: ...
+
+
+class Service(Protocol):
+    """What the server serves: the Lighthouse (ftcore/lighthouse.py) or a Relay (ftcore/relay.py)."""
+
+    cfg: Any  # token, max_connections, max_connections_per_peer, max_unauthenticated_per_peer
+
+    def job(self, info: RankInfo) -> Membership: ...
+    def status(self, job: str = DEFAULT_JOB, everyone: bool = True) -> dict[str, Any]: ...
+    def jobs_report(self) -> dict[str, Any]: ...
+    def report_failure(self, report: FailureReport) -> None: ...
+    def leave(self, info: RankInfo) -> None: ...
+    def client_event(self, ev: ClientEvent) -> None: ...
 
 
 def _response(code: int, raw: bytes, ctype: str = JSON, close: bool = False) -> bytes:
@@ -93,8 +115,8 @@ class _Connection(asyncio.Protocol):
         self.scope: str | None = None  # whom the request being read speaks for
         self.keep_alive = True  # the request being answered allows another on this connection
         self.receiving_since: float | None = None
-        self.beat: tuple[Job, int, int, int] | None = None  # this connection's heartbeating rank
-        self.waiting: tuple[Job, Request] | None = None  # its pending quorum request
+        self.beat: tuple[Membership, int, int, int] | None = None  # this connection's heartbeating rank
+        self.waiting: tuple[Membership, Any] | None = None  # its pending quorum request
         self.opened = self.last = time.monotonic()
         self.served = 0
         self._in_process = False
@@ -239,7 +261,7 @@ class _Connection(asyncio.Protocol):
 class LighthouseServer:
     """The lighthouse's HTTP/1.1 front end: one asyncio loop in a daemon thread."""
 
-    def __init__(self, lh: Lighthouse, host: str, port: int):
+    def __init__(self, lh: Service, host: str, port: int):
         self.lh = lh
         self.loop = asyncio.new_event_loop()
         self.conns: set[_Connection] = set()
@@ -388,7 +410,7 @@ class LighthouseServer:
             return conn.reply(404, {"error": f"no such path {path}"})
         conn.reply(200, {})
 
-    def _quorum(self, conn: _Connection, job: Job, ask: QuorumRequest) -> None:
+    def _quorum(self, conn: _Connection, job: Membership, ask: QuorumRequest) -> None:
         loop_thread = threading.get_ident()
 
         def answer(reply: str | Answer) -> None:

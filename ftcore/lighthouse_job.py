@@ -67,6 +67,12 @@ class GroupRecord:
     healthy: bool = False
     left: bool = False
     leaving: bool = False  # a rank said goodbye: the group is ending cleanly, rank by rank
+    relay: bool = False  # its relay speaks for all its ranks as rank 0 (ftcore/relay.py)
+
+    @property
+    def speakers(self) -> int:
+        """The ranks that speak to the lighthouse: all of them, or the relay alone."""
+        return 1 if self.relay else self.world
 
     @property
     def step(self) -> int:
@@ -144,6 +150,7 @@ class Job:
         self.last_heard = time.monotonic()  # the last message of any of its ranks
         self.isolated = False  # most groups went silent at once: this lighthouse is likely cut off
         self.grace_until = 0.0  # after an isolation: silence is not judged before this
+        self.relay: bool | None = None  # its groups speak through relays (ftcore/relay.py); None: no group yet
 
     def event(self, kind: str, **data: Any) -> None:
         self.lh.event(kind, job=self.name, **data)
@@ -161,15 +168,20 @@ class Job:
             raise StaleIncarnation(f"group {g} incarnation {inc} was replaced by {grp.incarnation}")
         if grp is not None and inc == grp.incarnation and world != grp.world:
             raise ValueError(f"group {g} incarnation {inc} has {grp.world} ranks, this rank says {world}")
+        if self.relay is not None and self.relay != info.relay:
+            # a quorum's replies hand rank k the addresses of rank k: one layout per job
+            raise ValueError(f"job {self.name}: some groups speak through a relay and some do not (FTCORE_RELAY)")
         if not self.num_groups and info.num_groups:  # a job first seen without its size learns it
             self.num_groups = info.num_groups
             self.expected = self.expected or self.num_groups
         if grp is None or inc > grp.incarnation:
             if grp is not None:
                 self._drop_pending(g)
-            grp = self.groups[g] = GroupRecord(g, inc, world)
+            grp = self.groups[g] = GroupRecord(g, inc, world, relay=info.relay)
+            self.relay = info.relay
             self.healthy.discard(g)  # a new incarnation is healthy once the sweep says so
-            self.event("register", group=g, incarnation=inc, world=world, step=step)
+            relayed = {"relay": True} if info.relay else {}
+            self.event("register", group=g, incarnation=inc, world=world, step=step, **relayed)
         rk = grp.ranks.get(r)
         if rk is None:
             rk = grp.ranks[r] = RankRecord(r)
@@ -190,7 +202,7 @@ class Job:
             req.deliver(QuorumRefused("stale", "stale incarnation"))
 
     def _is_healthy(self, grp: GroupRecord, now: float) -> bool:
-        if grp.left or len(grp.ranks) < grp.world:
+        if grp.left or len(grp.ranks) < grp.speakers:
             return False
         report = self.reports.get(self.quorum.quorum_id) if self.quorum else None
         in_quorum = self.quorum is not None and grp.group in self.quorum.groups
@@ -211,7 +223,7 @@ class Job:
         """Most groups silent at once, none of them gone: the one cut off is most likely this
         lighthouse (ftcore/quorum.py, `isolated`). It holds its verdicts while that lasts, and
         grants everyone a heartbeat timeout to be heard once it ends."""
-        live = [g for g in self.groups.values() if not g.left and len(g.ranks) == g.world]
+        live = [g for g in self.groups.values() if not g.left and len(g.ranks) == g.speakers]
         # Quiet for half a timeout already counts: groups cut off together fall silent within a
         # heartbeat interval of each other, and the first must not be judged before the rest.
         quiet = self.cfg.heartbeat_timeout / 2
@@ -460,7 +472,7 @@ class Job:
             figures = [
                 r.busy.seconds for r in self.pending[g].values() if r.busy is not None and r.busy.quorum_id == qid
             ]
-            if len(figures) == self.groups[g].world:
+            if len(figures) == self.groups[g].speakers:
                 out[g] = max(figures)
         return out if len(out) == len(members) else {}
 
@@ -534,7 +546,7 @@ class Job:
             reqs[req.rank] = req
             if self.round_start is None:
                 self.round_start = now
-            if len(reqs) == grp.world:  # O(groups) formation only when a group is complete
+            if len(reqs) == grp.speakers:  # O(groups) formation only when a group is complete
                 self.complete.add(grp.group)
                 if not grp.healthy:
                     self._update_health(now)  # a new or returning group need not wait for the sweep
@@ -633,7 +645,7 @@ class Job:
             "job": self.name,
             "groups": len(self.groups),
             "healthy": len(self.healthy),
-            "ranks": sum(len(g.ranks) for g in self.groups.values()),
+            "ranks": sum(g.world if g.relay else len(g.ranks) for g in self.groups.values()),
             "quorum_id": self.quorum.quorum_id if self.quorum else 0,
             "max_step": self.max_step,
             "finished_step": self.finished_step,
@@ -659,8 +671,9 @@ class Job:
                     "healthy": g.healthy,
                     "left": g.left,
                     "step": g.step,
-                    "ranks": len(g.ranks),
+                    "ranks": g.world if g.relay and g.ranks else len(g.ranks),
                     "world": g.world,
+                    "relay": g.relay,
                     "standby_s": (
                         round(max(self.excluded[g.group] - now, 0.0), 2) if g.group in self.excluded else None
                     ),

@@ -45,7 +45,8 @@ from ftcore import faults as faults_mod
 from ftcore.ftar import DEFAULT_BUCKET_BYTES, FTARError, ftar
 from ftcore.heal import HealServer, fetch
 from ftcore.lighthouse_client import LighthouseClient, LighthouseError, LighthouseLink, Overtaken, Replaced, Standby
-from ftcore.messages import Busy, Identity, Quorum, QuorumRequest, RankInfo
+from ftcore.messages import MAX_ADDRESS, Busy, Identity, Quorum, QuorumRequest, RankInfo
+from ftcore.relay import Relay
 
 # makes this rank's lighthouse client: (lighthouse host:port, what the rank reports, token)
 ClientFactory = Callable[[str, RankInfo, str | None], LighthouseLink]
@@ -75,6 +76,8 @@ class ManagerConfig:
     # "nccl" is fenced: opt-in only (FTCORE_BACKEND=nccl), never run on a GPU here, and a hung
     # peer there is ended by NCCL's watchdog tearing the survivors down, not by FTAR (_new_pg).
     backend: str = "gloo"
+    # a group of several ranks speaks to the lighthouse through its rank 0 (ftcore/relay.py)
+    relay: bool = True
 
 
 # The environment of one rank: what torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK) plus these,
@@ -90,6 +93,7 @@ ENV = {
     "FTCORE_MIN_REPLICAS": "fewest replica groups a step may commit with (default 1)",
     "FTCORE_LR_POLICY": "none, linear or sqrt (default sqrt)",
     "FTCORE_BACKEND": "cross-group data plane: gloo (default; CUDA gradients host-staged) or nccl (fenced, unverified)",
+    "FTCORE_RELAY": "1 (default): a group's rank 0 speaks to the lighthouse for its ranks; 0: every rank does",
 }
 
 
@@ -125,6 +129,7 @@ def config_from_env(**overrides: Any) -> ManagerConfig:
         job=env.get("FTCORE_JOB_ID") or "default",
         records=env.get("FTCORE_RECORDS"),
         backend=env.get("FTCORE_BACKEND", "gloo"),
+        relay=env.get("FTCORE_RELAY", "1") != "0",
     )
     for k, v in overrides.items():
         setattr(cfg, k, v)
@@ -164,6 +169,20 @@ def _new_pg(
         return coll.new_pg(backend, store, rank, size, timeout, host)
     except ValueError as e:
         raise ValueError(f"ftcore: {e} (FTCORE_BACKEND)") from None
+
+
+def _relay(cfg: ManagerConfig, info: RankInfo, group_pg: dist.ProcessGroup | None) -> tuple[Relay | None, str]:
+    """Where this rank's lighthouse client speaks: its group's relay, which rank 0 starts
+    (a group of several ranks with its own process group), or the lighthouse itself."""
+    if not (cfg.relay and cfg.world > 1 and group_pg is not None):
+        return None, cfg.lighthouse
+    relay = Relay(cfg.lighthouse, info, cfg.token, cfg.host) if cfg.rank == 0 else None
+    raw = torch.zeros(MAX_ADDRESS, dtype=torch.int64)
+    if relay is not None:
+        addr = relay.address.encode()
+        raw[: len(addr)] = torch.tensor(list(addr), dtype=torch.int64)
+    coll.broadcast(raw, 0, kind=coll.CONTROL, group=group_pg)
+    return relay, bytes(int(b) for b in raw.tolist() if b).decode()
 
 
 def faults_from_env() -> list[faults_mod.Fault]:
@@ -244,7 +263,8 @@ class Manager:
             store=f"{cfg.host}:{self._store.port}",
             heal=self.heal_server.address,
         )
-        self.client = lighthouse_client(cfg.lighthouse, info, cfg.token)
+        self.relay, addr = _relay(cfg, info, group_pg)
+        self.client = lighthouse_client(addr, info, cfg.token)
         self.client.start_heartbeats()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftcore-quorum")
         self._heal_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftcore-heal")
@@ -658,6 +678,8 @@ class Manager:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._heal_pool.shutdown(wait=False, cancel_futures=True)
         self.heal_server.close()
+        if self.relay is not None:
+            self.relay.close()
 
 
 _retired: list[dist.ProcessGroup] = []

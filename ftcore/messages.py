@@ -40,6 +40,7 @@ MAX_GROUPS = 1 << 16  # replica groups per job
 MAX_WORLD = 1 << 16  # ranks per replica group
 MAX_ID = 1 << 53  # steps, incarnations, quorum ids: integers JSON carries exactly
 MAX_ADDRESS = 256  # characters of a host:port
+MAX_RELAYED = 1024  # ranks one relay speaks for (ftcore/relay.py): its address lists stay under 256 KB
 MAX_LIGHTHOUSE_ID = 64
 MAX_INT_DIGITS = 20  # a JSON integer longer than this is refused before Python builds it
 MAX_EVENT_BYTES = 1024  # an event's values, JSON-encoded (a status of 100 events stays small)
@@ -150,6 +151,14 @@ class RankInfo:
     quorum_id: int = 0  # the last quorum this rank trained in (ids resume above it after a restart)
     store: str = ""  # host:port of this rank's TCPStore (the rendezvous of cross-group groups)
     heal: str = ""  # host:port of this rank's heal server
+    # a group's relay (ftcore/relay.py) speaks as rank 0 for all `world` ranks: `store` and
+    # `heal` then list the ranks' addresses in rank order, comma-separated
+    relay: bool = False
+
+    def addresses(self, field_: str) -> list[str]:
+        """A relay's list of rank addresses (one address otherwise)."""
+        value: str = getattr(self, field_)
+        return value.split(",") if self.relay else [value]
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -164,6 +173,7 @@ class RankInfo:
             "quorum_id": self.quorum_id,
             "store": self.store,
             "heal": self.heal,
+            **({"relay": True} if self.relay else {}),
         }
 
     @classmethod
@@ -172,9 +182,13 @@ class RankInfo:
         msg = _object(msg, "a rank's message")
         num_groups = _int(msg, "num_groups", 0, hi=MAX_GROUPS)
         world = _int(msg, "world", 1, lo=1, hi=MAX_WORLD)
-        return cls(
+        relay = msg.get("relay", False) is True
+        if relay and world > MAX_RELAYED:
+            raise MessageError(f"a relay speaks for at most {MAX_RELAYED} ranks, this one for world={world}")
+        limit = MAX_ADDRESS * world if relay else MAX_ADDRESS
+        info = cls(
             group=_int(msg, "group", hi=num_groups or MAX_GROUPS),
-            rank=_int(msg, "rank", hi=world),
+            rank=_int(msg, "rank", hi=1 if relay else world),
             world=world,
             incarnation=_int(msg, "incarnation", 0),
             job=job_id(msg.get("job")),
@@ -182,9 +196,14 @@ class RankInfo:
             min_replicas=_int(msg, "min_replicas", 1, hi=MAX_GROUPS),
             step=_int(msg, "step", 0),
             quorum_id=_int(msg, "quorum_id", 0),
-            store=_str(msg, "store"),
-            heal=_str(msg, "heal"),
+            store=_str(msg, "store", limit=limit),
+            heal=_str(msg, "heal", limit=limit),
+            relay=relay,
         )
+        for f in ("store", "heal"):
+            if relay and getattr(info, f) and len(info.addresses(f)) != world:
+                raise MessageError(f"a relay's {f} lists {len(info.addresses(f))} addresses for world={world}")
+        return info
 
 
 @dataclass(frozen=True)
@@ -333,14 +352,20 @@ class ClientEvent:
 class HeartbeatReply:
     quorum_id: int  # the job's current quorum id (a rank in an older one is stale)
     failed: tuple[int, ...] = ()  # members of the current quorum found unhealthy at the last sweep
+    silent_s: float = 0.0  # from a relay: how long the lighthouse has not answered it
 
     def to_wire(self) -> dict[str, Any]:
-        return {"quorum_id": self.quorum_id, "failed": list(self.failed)}
+        wire: dict[str, Any] = {"quorum_id": self.quorum_id, "failed": list(self.failed)}
+        if self.silent_s:
+            wire["silent_s"] = self.silent_s
+        return wire
 
     @classmethod
     def parse(cls, body: Any) -> HeartbeatReply:
         body = _object(body, "a heartbeat reply")
-        return cls(_int(body, "quorum_id", 0), _groups(body.get("failed", []), "failed"))
+        return cls(
+            _int(body, "quorum_id", 0), _groups(body.get("failed", []), "failed"), _seconds(body, "silent_s", 0.0)
+        )
 
 
 @dataclass(frozen=True)
@@ -450,8 +475,8 @@ class Quorum:
             heal=heal,
             lease_s=_seconds(body, "lease_s", 0.0),
             pace=Pace.parse(body.get("pace")),
-            store=_str(body, "store"),
-            heal_from=_str(body, "heal_from"),
+            store=_str(body, "store", limit=MAX_ADDRESS * MAX_RELAYED),
+            heal_from=_str(body, "heal_from", limit=MAX_ADDRESS * MAX_RELAYED),
         )
 
 

@@ -1,0 +1,159 @@
+"""One heartbeat line and one quorum request per replica group: each group's relay speaks to a
+real lighthouse for its ranks (real servers on loopback, real clients)."""
+
+import time
+
+import pytest
+from conftest import ask_all
+
+from ftcore.lighthouse_client import GroupLost, LighthouseClient, call
+from ftcore.messages import MessageError, QuorumRequest, RankInfo
+from ftcore.relay import Relay, group_request
+
+K = 3
+
+
+def _group(lh_addr, job, g, groups=2, token=None):
+    """A relay for group g and its K ranks' clients (rank k's store is 10.0.<g>.<k>:1)."""
+    infos = [
+        RankInfo(
+            group=g,
+            rank=k,
+            world=K,
+            job=job,
+            num_groups=groups,
+            store=f"10.0.{g}.{k}:1",
+            heal=f"10.1.{g}.{k}:2",
+        )
+        for k in range(K)
+    ]
+    relay = Relay(lh_addr, infos[0], token, "127.0.0.1")
+    clients = [LighthouseClient(relay.address, i, token) for i in infos]
+    for c in clients:
+        c.start_heartbeats()
+    return relay, clients
+
+
+def _wait(cond, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+@pytest.fixture
+def job(lighthouse):
+    """Two relayed groups of K ranks on one lighthouse; closed after the test."""
+    addr, lh = lighthouse(heartbeat_timeout=1.0, failure_probe=0.1, join_timeout=2.0)
+    made = [_group(addr, "relayed", g) for g in range(2)]
+    yield addr, lh, made
+    for relay, clients in made:
+        for c in clients:
+            c.close()
+        relay.close()
+
+
+def test_the_lighthouse_hears_one_line_and_one_request_per_group(job):
+    addr, lh, made = job
+    clients = [c for _, cs in made for c in cs]
+    answers = ask_all(clients)
+    assert all(not isinstance(a, Exception) for a in answers), answers
+    j = lh.jobs["relayed"]
+    for g in (0, 1):
+        assert list(j.groups[g].ranks) == [0]  # the relay alone speaks for the group
+        assert j.groups[g].ranks[0].beat_lines == 1
+    # every rank k meets at rank k of the first member (group 0), whatever group it is in
+    first = answers[0].groups[0]
+    for i, a in enumerate(answers):
+        assert a.store == f"10.0.{first}.{i % K}:1"
+        assert a.quorum_id == answers[0].quorum_id and a.groups == (0, 1)
+    status = call(addr, "/status?job=relayed", None, None, method="GET")[1]
+    assert [(g["ranks"], g["world"], g["relay"]) for g in status["groups"]] == [(K, K, True)] * 2
+
+
+def test_a_healing_rank_is_sent_to_its_own_rank_of_the_source(job):
+    addr, lh, made = job
+    clients = [c for _, cs in made for c in cs]
+    ask_all(clients)
+    for c in made[0][1]:  # group 0 committed two steps more than group 1
+        c.update(step=2)
+    answers = ask_all(clients)
+    q = answers[K]  # rank 0 of group 1
+    assert q.heal == {1: 0}
+    assert [a.heal_from for a in answers[K:]] == [f"10.1.0.{k}:2" for k in range(K)]
+
+
+def test_a_ranks_death_reaches_the_lighthouse_at_once_and_its_group_is_lost(job):
+    addr, lh, made = job
+    clients = [c for _, cs in made for c in cs]
+    ask_all(clients)
+    made[0][1][2].close()  # rank 2 of group 0 dies: its connections close, it never says goodbye
+    j = lh.jobs["relayed"]
+    assert _wait(lambda: not j.groups[0].healthy, 1.0), "the lighthouse did not see group 0 fail"
+    assert any(e["kind"] == "failure_detected" and e["group"] == 0 for e in j.events)
+    survivors = made[0][1][:2]
+    answers = ask_all(survivors)
+    assert all(isinstance(a, GroupLost) for a in answers), answers  # they exit; the group restarts
+
+
+def test_ranks_hear_the_lighthouses_silence_through_their_relay():
+    from ftcore.lighthouse import LighthouseConfig, serve
+
+    srv, lh = serve(LighthouseConfig(bind="127.0.0.1:0", heartbeat_timeout=1.0))
+    relay, clients = _group(f"127.0.0.1:{srv.server_address[1]}", "quiet", 0, groups=1)
+    try:
+        assert _wait(lambda: clients[1].silent_for() < 0.2)
+        # the lighthouse's server stalls for 1.5 s (as a stopped process): no connection closes
+        srv.loop.call_soon_threadsafe(time.sleep, 1.5)
+        assert _wait(lambda: clients[1].silent_for() > 0.5, 1.4), "the rank still thinks the lighthouse answers"
+        assert _wait(lambda: clients[1].silent_for() < 0.2, 5.0)
+    finally:
+        for c in clients:
+            c.close()
+        relay.close()
+        lh.close()
+        srv.shutdown()
+
+
+def test_a_job_cannot_mix_relayed_and_direct_groups(job):
+    addr, lh, made = job
+    ask_all([c for _, cs in made for c in cs])
+    direct = RankInfo(group=1, rank=0, world=1, job="relayed", num_groups=2, incarnation=5)
+    status, body = call(addr, "/heartbeat", direct.to_wire(), None)
+    assert status == 400 and "relay" in body["error"]
+
+
+def test_a_relay_serves_only_its_own_group():
+    info = RankInfo(group=0, rank=0, world=2, job="a")
+    relay = Relay("127.0.0.1:9", info, None, "127.0.0.1")
+    try:
+        other = RankInfo(group=1, rank=0, world=2, job="a")
+        status, body = call(relay.address, "/heartbeat", other.to_wire(), None)
+        assert status == 400 and "group 0" in body["error"]
+    finally:
+        relay.close()
+
+
+def test_a_relays_address_lists_must_match_its_world():
+    wire = {**RankInfo(group=0, rank=0, world=3, job="a", store="a:1,b:1").to_wire(), "relay": True}
+    with pytest.raises(MessageError, match="lists 2 addresses for world=3"):
+        RankInfo.parse(wire)
+    wire = {**RankInfo(group=0, rank=1, world=3, job="a").to_wire(), "relay": True}
+    with pytest.raises(MessageError, match="rank"):
+        RankInfo.parse(wire)
+
+
+def test_the_groups_request_is_its_lowest_step_and_slowest_rank():
+    from ftcore.messages import Busy
+
+    base = RankInfo(group=0, rank=0, world=2, job="a", relay=True)
+    asks = [
+        QuorumRequest(RankInfo(group=0, rank=0, world=2, job="a", step=7), busy=Busy(3, 0.5), idle=-1),
+        QuorumRequest(RankInfo(group=0, rank=1, world=2, job="a", step=6), busy=Busy(3, 0.9), again=True),
+    ]
+    req = group_request(base, asks)
+    assert (req.info.step, req.busy, req.again, req.info.relay) == (6, Busy(3, 0.9), True, True)
+    asks[1] = QuorumRequest(asks[1].info, busy=Busy(2, 0.9))  # measured in another quorum: not comparable
+    assert group_request(base, asks).busy is None
