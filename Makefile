@@ -8,8 +8,11 @@ WORK    ?= work
 .PHONY: setup run test lint bench clean
 
 # Re-installs only when pyproject.toml changed since the last install.
+# ftrec_airflow moved to plugins/: a folder of bytecode git left at the top would be a namespace
+# package that shadows the installed one; it is removed when it holds no .py file.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	if [ -d ftrec_airflow ] && [ -z "$$(find ftrec_airflow -name '*.py' -print -quit)" ]; then rm -rf ftrec_airflow; fi
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[airflow,kubernetes,test,bench]'
 	touch $(STAMP)

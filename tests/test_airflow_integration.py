@@ -77,8 +77,9 @@ def airflow_server(tmp_path, free_port):
         "AIRFLOW_HOME": str(home),
         "FTREC_WORK": str(tmp_path / "work"),
         "AIRFLOW__CORE__DAGS_FOLDER": str(ROOT / "dags"),
-        # empty: ftrec's plugin comes from its installed package's `airflow.plugins` entry point
-        "AIRFLOW__CORE__PLUGINS_FOLDER": str(home / "plugins"),
+        # the checkout's plugins/, as `make run` sets it: its ftrec_plugin.py defers to the
+        # installed package's `airflow.plugins` entry point (one registration, no import error)
+        "AIRFLOW__CORE__PLUGINS_FOLDER": str(ROOT / "plugins"),
         "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
         "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
         "AIRFLOW__CORE__PARALLELISM": "2",

@@ -46,9 +46,9 @@ def airflow_env(work: Path) -> dict[str, str]:
         "FTREC_WORK": str(work),
         "AIRFLOW_HOME": str(home),
         "AIRFLOW__CORE__DAGS_FOLDER": str(root / "dags"),
-        # the plugin comes from the installed package's entry point; an empty folder of
-        # our own keeps a plugins folder set elsewhere from loading a second copy
-        "AIRFLOW__CORE__PLUGINS_FOLDER": str(home / "plugins"),
+        # the checkout's plugins/ (Airflow's convention; its ftrec_plugin.py defers to the installed
+        # package's entry point: one registration); an installed ftrec has none: an empty folder
+        "AIRFLOW__CORE__PLUGINS_FOLDER": str(root / "plugins" if settings.IN_CHECKOUT else home / "plugins"),
         "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
         "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home / 'airflow.db'}",
         # the UI's scheduler must not start ftrec_retrain's daily run by itself; unpause it there

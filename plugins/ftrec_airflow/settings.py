@@ -29,7 +29,7 @@ def _project_root() -> tuple[Path, bool]:
     """(root, is a checkout): the checkout this package runs from (`make run`, the tests),
     else the current directory, which then plays the project's part (./work, ../shared/data)
     for an installed ftrec; a deployment sets FTREC_WORK anyway."""
-    here = Path(__file__).resolve().parents[1]
+    here = Path(__file__).resolve().parents[2]  # <checkout>/plugins/ftrec_airflow/settings.py
     if (here / "pyproject.toml").is_file() and (here / "dags").is_dir():
         return here, True
     return Path.cwd(), False

@@ -7,8 +7,9 @@
   ftrec_airflow.decorators, so they need no registration here.
 
 Airflow finds it through the `airflow.plugins` entry point of the ftrec distribution
-(pyproject.toml), so installing ftrec is all a deployment does: nothing goes in the
-plugins folder, and a copy there would load the plugin twice.
+(pyproject.toml), so installing ftrec is all a deployment does; or, ftrec not installed,
+through plugins/ftrec_plugin.py when the checkout's `plugins/` is Airflow's plugins folder.
+With both, that file defers to the entry point: the plugin is registered once.
 """
 
 from airflow.plugins_manager import AirflowPlugin
