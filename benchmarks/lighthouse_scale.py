@@ -1,30 +1,34 @@
-"""The lighthouse under many ranks: heartbeat throughput, quorum latency, CPU per 1,000 ranks.
+"""The lighthouse under many ranks: quorum latency and lighthouse CPU per 1,000 ranks, up to 100,000 ranks.
 
-    python benchmarks/lighthouse_scale.py [--ranks 64 256 1024 4096] [--seconds 8] [--json PATH]
+    python benchmarks/lighthouse_scale.py [--ranks 1024 4096 16384 100000] [--group-size 8 64]
+        [--layout relay rank] [--rounds 20] [--procs N] [--json PATH]
 
-One real lighthouse process (`python -m ftcore.lighthouse`, loopback) and, in this process,
-a load generator of simulated ranks (asyncio, one kept-alive heartbeat connection and one
-quorum connection per rank, as ftcore.lighthouse_client keeps them), in groups of 8 ranks.
-Every rank heartbeats at FTCORE_HEARTBEAT_INTERVAL; every round all ranks ask for a quorum
-at once, as a job's step does. Reported per size:
+One real lighthouse process (`python -m ftcore.lighthouse`, loopback), pinned to one core, and
+a load generator of N processes (asyncio each) on the other cores, each playing a slice of the
+job's speakers. Layouts: `relay`, one speaker per replica group (ftcore/relay.py: one kept-alive
+heartbeat line and one quorum connection per group, carrying its ranks' addresses), and `rank`,
+every rank its own speaker (FTCORE_RELAY=0, the layout before relays). Every speaker heartbeats at
+FTCORE_HEARTBEAT_INTERVAL unless it sent a quorum request within the interval (as the client
+does). Reported per size and layout:
 
-- heartbeats alone (3 s, ranks between steps): served per second, offered (ranks / interval),
-  lighthouse CPU seconds per wall second per 1,000 ranks (from /proc/<pid>/stat);
-- training rounds: every rank asks for a quorum at once, as a job's step does, and
-  heartbeats when no request went out within the interval (as the real client does);
-  requests/s served, and quorum latency from the moment the last rank of a round has sent
-  its request to each rank's reply (formation and delivery), p50 and p99 over all ranks and
-  rounds, and the lighthouse's CPU per 1,000 ranks;
-- failure detection: one rank's heartbeat connection closed -> the lighthouse's heartbeat
-  replies name its group as failed.
+- heartbeats alone (2 s): lighthouse CPU seconds per wall second per 1,000 ranks;
+- training rounds: every speaker asks for a quorum at once, as a job's step does; quorum latency
+  from the moment the last request of a round was sent (the latest of all processes: one
+  monotonic clock) to each reply, p50 and p99 over all speakers and rounds, and the
+  lighthouse's CPU per 1,000 ranks;
+- failure detection: one speaker's heartbeat connection closed -> a heartbeat reply names its group.
 
-Both sides share this machine's cores, so the generator's own CPU limits what is offered.
+The rank layout at 16,384 ranks and beyond is skipped (`--layout rank` forces it): two
+connections per rank and a heartbeat each every 50 ms is the load relays exist to remove.
 """
 
 import argparse
 import asyncio
 import json
+import multiprocessing as mp
 import os
+import queue
+import resource
 import socket
 import statistics
 import subprocess
@@ -40,7 +44,7 @@ from dataprep.fsutil import atomic_write_json  # noqa: E402
 from ftcore import timeouts  # noqa: E402
 from training.ports import free_port  # noqa: E402
 
-K = 8  # ranks per simulated replica group
+IDLE_S = 2.0  # heartbeats alone, measured before the rounds
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -79,39 +83,34 @@ class Conn:
         self.w.close()
 
 
-async def run_size(n: int, port: int, seconds: float, job: str) -> dict:
-    groups = n // K
-    infos: list[dict[str, Any]] = [
-        {
-            "job": job,
-            "group": g,
-            "rank": k,
-            "world": K,
-            "incarnation": 0,
-            "num_groups": groups,
-            "step": 0,
-            "quorum_id": 0,
-            "store": f"127.0.0.1:{1000 + k}",
-            "heal": f"127.0.0.1:{2000 + k}",
-        }
+def _speakers(layout: str, n: int, k: int, job: str) -> list[dict[str, Any]]:
+    """What every speaker sends: a group's relay (its K ranks' addresses) or each rank."""
+    groups = n // k
+    stores = ",".join(f"127.0.0.1:{1000 + r}" for r in range(k))
+    heals = ",".join(f"127.0.0.1:{2000 + r}" for r in range(k))
+    common = {"job": job, "world": k, "incarnation": 0, "num_groups": groups, "step": 0, "quorum_id": 0}
+    if layout == "relay":
+        return [{**common, "group": g, "rank": 0, "relay": True, "store": stores, "heal": heals} for g in range(groups)]
+    return [
+        {**common, "group": g, "rank": r, "store": f"127.0.0.1:{1000 + r}", "heal": f"127.0.0.1:{2000 + r}"}
         for g in range(groups)
-        for k in range(K)
+        for r in range(k)
     ]
+
+
+async def _play(port: int, infos: list[dict[str, Any]], plan: dict[str, Any], stop: Any, out: Any) -> None:
+    """One load-generator process: its speakers' heartbeats, then `rounds` quorum rounds."""
     beats = [await Conn.open(port) for _ in infos]
     quorum = [await Conn.open(port) for _ in infos]
-    served = 0
     last_sent = [0.0] * len(infos)
-    stop = asyncio.Event()
     failed_seen: dict[int, float] = {}
+    interval = timeouts.HEARTBEAT_INTERVAL
 
     async def heartbeat(i: int) -> None:
-        nonlocal served
-        # spread the ranks' phases over one interval, as independent processes are
-        await asyncio.sleep(timeouts.HEARTBEAT_INTERVAL * i / len(infos))
+        await asyncio.sleep(interval * i / len(infos))  # phases spread, as independent processes are
         first = True
         while not stop.is_set():
-            # as ftcore.lighthouse_client does: no beat within an interval of a quorum request
-            quiet = last_sent[i] + timeouts.HEARTBEAT_INTERVAL - time.monotonic()
+            quiet = last_sent[i] + interval - time.monotonic()
             if not first and quiet > 0:
                 await asyncio.sleep(quiet)
                 continue
@@ -120,70 +119,110 @@ async def run_size(n: int, port: int, seconds: float, job: str) -> dict:
                 code, body = await beats[i].post("/heartbeat", infos[i])
             except (ConnectionError, asyncio.IncompleteReadError, ValueError):
                 return
-            if code == 200:
-                served += 1
-                for g in body.get("failed", []):
-                    failed_seen.setdefault(g, time.monotonic())
-            await asyncio.sleep(timeouts.HEARTBEAT_INTERVAL)
+            for g in body.get("failed", []) if code == 200 else []:
+                failed_seen.setdefault(g, time.monotonic())
+            await asyncio.sleep(interval)
 
     tasks = [asyncio.create_task(heartbeat(i)) for i in range(len(infos))]
-    await asyncio.sleep(1.0)  # every rank registered and heartbeating
-    # phase 1: heartbeats alone (ranks between steps, or in a long step)
-    cpu0, t0, served0 = _cpu_seconds(LH_PID), time.monotonic(), served
-    await asyncio.sleep(min(3.0, seconds))
-    idle_wall = time.monotonic() - t0
-    idle_cpu, idle_rate = _cpu_seconds(LH_PID) - cpu0, (served - served0) / idle_wall
+    await asyncio.sleep(max(plan["rounds_at"] - time.monotonic(), 0))
 
-    async def ask(i: int, sent: list[float], got: list[float]) -> None:
+    async def ask(i: int) -> float:
         last_sent[i] = time.monotonic()
         code, _ = await quorum[i].post("/quorum", {**infos[i], "timeout": 10.0}, decode=False)
-        got[i] = time.monotonic() if code == 200 else float("nan")
+        return time.monotonic() if code == 200 else float("nan")
 
-    # phase 2: every rank asks for a quorum each step, heartbeating when a step is long
-    latencies: list[float] = []
-    rounds = 0
-    cpu0, t0, served0 = _cpu_seconds(LH_PID), time.monotonic(), served
-    while time.monotonic() - t0 < seconds:
-        got = [0.0] * len(infos)
-        sent: list[float] = []
-        round_tasks = [asyncio.create_task(ask(i, sent, got)) for i in range(len(infos))]
-        await asyncio.sleep(0)  # every request written before the clock starts
-        round_sent = time.monotonic()
-        await asyncio.gather(*round_tasks)
-        latencies += [g - round_sent for g in got]
-        rounds += 1
+    rounds = []
+    for _ in range(plan["rounds"]):
+        pending = [asyncio.create_task(ask(i)) for i in range(len(infos))]
+        await asyncio.sleep(0)  # every request written before the clock reads
+        sent = time.monotonic()
+        rounds.append((sent, await asyncio.gather(*pending)))
         for info in infos:
             info["step"] += 1
         await asyncio.sleep(0.02)
-    wall = time.monotonic() - t0
-    cpu = _cpu_seconds(LH_PID) - cpu0
-    req_rate = (served - served0 + rounds * len(infos)) / wall
-
-    # failure detection: group 0's rank 0 dies (its heartbeat connection closes)
-    tasks[0].cancel()
-    t_kill = time.monotonic()
-    beats[0].close()
-    while 0 not in failed_seen and time.monotonic() - t_kill < 5:
-        await asyncio.sleep(0.002)
-    detect = failed_seen.get(0, float("nan")) - t_kill
-    stop.set()
+    detect = float("nan")
+    if plan["detect"]:  # this process holds group 0: its first speaker's line closes
+        await asyncio.sleep(0.2)
+        tasks[0].cancel()
+        t_kill = time.monotonic()
+        beats[0].close()
+        while 0 not in failed_seen and time.monotonic() - t_kill < 5:
+            await asyncio.sleep(0.002)
+        detect = failed_seen.get(0, float("nan")) - t_kill
+    out.put({"rounds": rounds, "detect": detect})
+    while not stop.is_set():  # heartbeats go on until every process is done
+        await asyncio.sleep(0.05)
     await asyncio.gather(*tasks, return_exceptions=True)
     for c in beats + quorum:
         c.close()
-    ok = [x for x in latencies if x == x]
-    ok.sort()
+
+
+def _worker(port: int, infos: list[dict[str, Any]], plan: dict[str, Any], stop: Any, out: Any, cores: Any) -> None:
+    if cores:
+        os.sched_setaffinity(0, cores)
+    try:
+        asyncio.run(asyncio.wait_for(_play(port, infos, plan, stop, out), plan["limit_s"]))
+    except BaseException as e:  # the parent reports it; never hang it
+        out.put({"error": f"{type(e).__name__}: {e}"})
+
+
+def run_size(layout: str, n: int, k: int, port: int, a: argparse.Namespace, gen_cores: Any) -> dict[str, Any]:
+    infos = _speakers(layout, n, k, f"bench-{layout}-{n}-{k}")
+    procs = max(1, min(a.procs, len(infos)))
+    now = time.monotonic()
+    connect_s = 2.0 + len(infos) / 2000  # every speaker connected and heartbeating
+    plan = {"rounds": a.rounds, "rounds_at": now + connect_s + IDLE_S, "detect": False, "limit_s": 900}
+    ctx = mp.get_context("fork")
+    stop, out = ctx.Event(), ctx.Queue()
+    workers = []
+    for p in range(procs):
+        part = {**plan, "detect": p == 0}
+        w = ctx.Process(target=_worker, args=(port, infos[p::procs], part, stop, out, gen_cores), daemon=True)
+        w.start()
+        workers.append(w)
+    time.sleep(max(plan["rounds_at"] - IDLE_S - time.monotonic(), 0))
+    cpu0, t0 = _cpu_seconds(LH_PID), time.monotonic()
+    time.sleep(IDLE_S)
+    idle_cpu = (_cpu_seconds(LH_PID) - cpu0) / (time.monotonic() - t0)
+    cpu0, t0 = _cpu_seconds(LH_PID), time.monotonic()
+    results: list[dict[str, Any]] = []
+    try:
+        while len(results) < procs:
+            results.append(out.get(timeout=max(plan["limit_s"] - (time.monotonic() - now), 1)))
+    except queue.Empty:
+        raise SystemExit(f"{layout} {n} ranks: the load generator did not finish") from None
+    finally:
+        rounds_cpu = (_cpu_seconds(LH_PID) - cpu0) / (time.monotonic() - t0)
+        stop.set()
+        for w in workers:
+            w.join(timeout=10)
+            if w.is_alive():
+                w.kill()
+    errors = [r["error"] for r in results if "error" in r]
+    if errors:
+        raise SystemExit(f"{layout} {n} ranks: {errors[0]}")
+    return _row(layout, n, k, len(infos), results, idle_cpu, rounds_cpu)
+
+
+def _row(layout: str, n: int, k: int, speakers: int, results: list, idle_cpu: float, rounds_cpu: float) -> dict:
+    latencies: list[float] = []
+    rounds = len(results[0]["rounds"])
+    for i in range(rounds):
+        last_sent = max(r["rounds"][i][0] for r in results)  # one clock: CLOCK_MONOTONIC is system-wide
+        latencies += [t - last_sent for r in results for t in r["rounds"][i][1]]
+    ok = sorted(x for x in latencies if x == x)
+    detect = next(r["detect"] for r in results if r["detect"] == r["detect"]) if results else float("nan")
     return {
+        "layout": layout,
         "ranks": n,
-        "groups": groups,
-        "heartbeats_per_s": round(idle_rate),
-        "offered_per_s": round(n / timeouts.HEARTBEAT_INTERVAL),
-        "heartbeat_cpu_per_1000_ranks": round(idle_cpu / idle_wall / (n / 1000), 3),
+        "group_size": k,
+        "speakers": speakers,
+        "heartbeat_cpu_per_1000_ranks": round(idle_cpu / (n / 1000), 4),
         "rounds": rounds,
-        "requests_per_s": round(req_rate),
         "quorum_p50_ms": round(1000 * statistics.median(ok), 2) if ok else None,
         "quorum_p99_ms": round(1000 * ok[int(0.99 * (len(ok) - 1))], 2) if ok else None,
         "failed_requests": len(latencies) - len(ok),
-        "training_cpu_per_1000_ranks": round(cpu / wall / (n / 1000), 3),
+        "rounds_cpu_per_1000_ranks": round(rounds_cpu / (n / 1000), 4),
         "failure_detection_ms": round(1000 * detect, 1),
     }
 
@@ -191,7 +230,7 @@ async def run_size(n: int, port: int, seconds: float, job: str) -> dict:
 LH_PID = 0
 
 
-def _start_lighthouse(root: Path, port: int) -> subprocess.Popen:
+def _start_lighthouse(root: Path, port: int, cores: set[int] | None) -> subprocess.Popen:
     # every simulated host shares 127.0.0.1 here: the per-address caps are a real host's times 1,000
     caps = ["--max-connections-per-peer", "65536", "--max-unauthenticated-per-peer", "65536"]
     old = "max-unauthenticated-per-peer" not in (root / "ftcore" / "lighthouse.py").read_text()
@@ -203,6 +242,7 @@ def _start_lighthouse(root: Path, port: int) -> subprocess.Popen:
         stderr=subprocess.DEVNULL,
         start_new_session=True,
         env={**os.environ, "PYTHONPATH": str(root)},
+        preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None,
     )
     deadline = time.monotonic() + 30
     while True:
@@ -216,49 +256,83 @@ def _start_lighthouse(root: Path, port: int) -> subprocess.Popen:
             time.sleep(0.1)
 
 
+def _pin() -> tuple[set[int] | None, set[int] | None]:
+    """The lighthouse on one core and the load generator on the others (where there are two)."""
+    cores = sorted(os.sched_getaffinity(0))
+    return ({cores[0]}, set(cores[1:])) if len(cores) > 1 else (None, None)
+
+
+def _runs(a: argparse.Namespace) -> list[tuple[str, int, int]]:
+    """(layout, ranks, group size) in order; the rank layout stops at 4,096 ranks unless asked for alone."""
+    runs = []
+    for n in a.ranks:
+        for layout in a.layout:
+            if layout == "rank":
+                if n <= 4096 or a.layout == ["rank"]:
+                    runs.append((layout, n, a.group_size[0]))
+                continue
+            runs += [(layout, n, k) for k in a.group_size if k <= n]
+    return runs
+
+
 def main() -> int:
     global LH_PID
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--ranks", type=int, nargs="+", default=[64, 256, 1024, 4096])
-    p.add_argument("--seconds", type=float, default=8.0, help="measured seconds per size")
+    p.add_argument("--ranks", type=int, nargs="+", default=[1024, 4096, 16384, 100000])
+    p.add_argument("--group-size", type=int, nargs="+", default=[8, 64], help="ranks per replica group")
+    p.add_argument("--layout", nargs="+", choices=("relay", "rank"), default=["relay", "rank"])
+    p.add_argument("--rounds", type=int, default=20, help="quorum rounds per size")
+    p.add_argument("--procs", type=int, default=max(1, len(os.sched_getaffinity(0)) - 1), help="load generators")
     p.add_argument(
         "--peer-root",
         type=Path,
-        help="another checkout of ftrec (e.g. `git worktree add /tmp/old REV`): each size runs against its "
-        "lighthouse too, interleaved, and the table gets the ratios",
+        help="another checkout of ftrec (e.g. `git worktree add /tmp/old REV`): each rank-layout size runs "
+        "against its lighthouse too, and the table gets the ratios",
     )
     p.add_argument("--json", default=str(ROOT / "bench-results" / "lighthouse_scale.json"))
     a = p.parse_args()
-    roots = [("this", ROOT)] + ([("peer", a.peer_root.resolve())] if a.peer_root else [])
+    resource.setrlimit(resource.RLIMIT_NOFILE, (resource.getrlimit(resource.RLIMIT_NOFILE)[1],) * 2)
+    lh_cores, gen_cores = _pin()
     rows = []
-    for n in a.ranks:
+    for layout, n, k in _runs(a):
+        roots = [("this", ROOT)] + ([("peer", a.peer_root.resolve())] if a.peer_root and layout == "rank" else [])
         for name, root in roots:
             port = free_port()
-            lh = _start_lighthouse(root, port)
+            lh = _start_lighthouse(root, port, lh_cores)
             LH_PID = lh.pid
             try:
-                row = asyncio.run(asyncio.wait_for(run_size(n, port, a.seconds, f"bench-{n}"), a.seconds + 120))
+                row = run_size(layout, n, k, port, a, gen_cores)
             finally:
                 lh.kill()
                 lh.wait()
             rows.append({"lighthouse": name, **row})
             print(json.dumps(rows[-1]), flush=True)
+    _print(rows, bool(a.peer_root))
+    meta = {"heartbeat_interval_s": timeouts.HEARTBEAT_INTERVAL, "procs": a.procs, "pinned": lh_cores is not None}
+    atomic_write_json(a.json, {**meta, "rows": rows}, indent=1)
+    return 0
+
+
+def _print(rows: list[dict[str, Any]], peers: bool) -> None:
     cols = list(rows[0]) if rows else []
     print("\n| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
     for r in rows:
         print("| " + " | ".join(str(r[c]) for c in cols) + " |")
-    if a.peer_root:
-        print("\n| ranks | quorum p99 this/peer | CPU per 1,000 ranks in rounds, this/peer |\n|---|---|---|")
-        for this, peer in zip(rows[::2], rows[1::2], strict=True):
-            p99 = (
-                this["quorum_p99_ms"] / peer["quorum_p99_ms"]
-                if this["quorum_p99_ms"] and peer["quorum_p99_ms"]
-                else None
-            )
-            cpu = this["training_cpu_per_1000_ranks"] / max(peer["training_cpu_per_1000_ranks"], 1e-9)
-            print(f"| {this['ranks']} | {p99:.2f} | {cpu:.2f} |" if p99 else f"| {this['ranks']} | - | {cpu:.2f} |")
-    atomic_write_json(a.json, {"heartbeat_interval_s": timeouts.HEARTBEAT_INTERVAL, "rows": rows}, indent=1)
-    return 0
+    by = {(r["lighthouse"], r["layout"], r["ranks"], r["group_size"]): r for r in rows}
+    print("\n| ranks | group size | quorum p99, relay / rank layout | lighthouse CPU in rounds, relay / rank |")
+    print("|---|---|---|---|")
+    for (who, layout, n, k), r in by.items():
+        base = next((b for (w, lay, m, _), b in by.items() if (w, lay, m) == ("this", "rank", n)), None)
+        if who == "this" and layout == "relay" and base and r["quorum_p99_ms"] and base["quorum_p99_ms"]:
+            p99 = r["quorum_p99_ms"] / base["quorum_p99_ms"]
+            cpu = r["rounds_cpu_per_1000_ranks"] / max(base["rounds_cpu_per_1000_ranks"], 1e-9)
+            print(f"| {n} | {k} | {p99:.2f} | {cpu:.2f} |")
+    if peers:
+        print("\n| ranks | quorum p99 this/peer (rank layout) |\n|---|---|")
+        for (who, layout, n, k), r in by.items():
+            peer = by.get(("peer", layout, n, k))
+            if who == "this" and peer and r["quorum_p99_ms"] and peer["quorum_p99_ms"]:
+                print(f"| {n} | {r['quorum_p99_ms'] / peer['quorum_p99_ms']:.2f} |")
 
 
 if __name__ == "__main__":
