@@ -1,27 +1,19 @@
-"""Fail-slow: notice a replica group that is consistently slower than its peers.
+"""Fail-slow: hold out a replica group while the job commits more batches a second without it.
 
-Synchronous steps run at the pace of the slowest group. FT-HSDP's analyzer finds
-fail-slow members by comparing completion times; here every rank reports, with its next
-quorum request, how long its last step took from the start of the step to its entry into
-the FTAR (its compute: the all-reduce itself ends at the same time for everyone, so only
-this part tells groups apart). The lighthouse feeds one figure per group and round (its
-slowest rank's) to `PaceJudge`, which keeps each group's ratio to the median of its peers
-over a window of rounds.
+Synchronous steps run at the pace of the slowest group. Every rank reports, with its next
+quorum request, its last step's compute (from the step's start to its entry into the FTAR:
+the exchange ends at the same time for everyone); the lighthouse feeds each round's figures,
+one per group (its slowest rank's) and each rank's, to `PaceJudge`. A group is excluded when
+its ratio s to its peers, time-weighted over `window` rounds, reaches `PacePolicy.bound`
+(R/(R-1) with a margin), also with its worst round left out, so a group stopped a quarter
+second every half second counts although most of its steps are not slow, and one long pause
+(a collection, a checkpoint) excludes nobody. The judge never excludes below `min_replicas`
+groups or more than half of the job, one group at a time.
 
-A group is judged slow when the median of its last `window` ratios reaches `ratio`, and
-leaving it out pays: R groups at the slow group's pace commit R/(f*T) batches a second,
-R-1 groups at their own pace (R-1)/T, so exclusion needs f > R/(R-1) (2x for 2 groups,
-1.5x for 3), with a 10% margin. The default ratio is 2 because the data stays exactly
-once: the batches an excluded group misses are made up later by that group (ftcore/
-schedule.py), so the job's wall time gains only from a group more than twice as slow, or
-from one that recovers or is replaced before its make-up. Excess below `min_excess_s`
-never counts (a step of a few milliseconds is all overhead). The judge never excludes
-below `min_replicas` groups or more than half of the job, one group at a time.
-
-An excluded group is held on standby for a probation that doubles each time the same
-incarnation is excluded again; then it rejoins through a heal and is measured afresh, or sooner when the only work left
-is its own make-up (a round in which no member had work). A replaced group (new
-incarnation) starts with a clean record.
+Hysteresis: an excluded group waits on standby for a probation that doubles each time the
+same incarnation is excluded again, then rejoins through a heal (sooner when the only work
+left is its own make-up); its first `settle` rounds back are not measured, and it needs a
+full window again. A replaced group (new incarnation) starts with a clean record.
 """
 
 import collections
@@ -38,73 +30,152 @@ def _env(name: str, default: float) -> float:
         raise SystemExit(f"ftcore: environment variable {name}={raw!r} is not a number") from None
 
 
+def _ratio_env() -> float | None:
+    """FTCORE_SLOW_RATIO: unset or empty -> None (the bound from R alone)."""
+    return _env("FTCORE_SLOW_RATIO", 0.0) if os.environ.get("FTCORE_SLOW_RATIO", "") else None
+
+
 @dataclass
 class PacePolicy:
-    ratio: float = _env("FTCORE_SLOW_RATIO", 2.0)  # 0: the fail-slow policy is off
-    window: int = int(_env("FTCORE_SLOW_WINDOW", 20))  # rounds a group must stay slow
+    ratio: float | None = _ratio_env()  # None: R/(R-1) x margin; 0: off; x: at least x as well
+    window: int = int(_env("FTCORE_SLOW_WINDOW", 40))  # rounds a group is measured over before a verdict
     probation_s: float = _env("FTCORE_SLOW_PROBATION", 30.0)  # first standby; doubles per repeat
     min_excess_s: float = _env("FTCORE_SLOW_MIN_EXCESS", 0.005)  # slower by less than this: not slow
     max_probation_s: float = 600.0
+    margin: float = 1.1  # over R/(R-1)
+    settle: int = 10  # rounds a readmitted group is not measured (its first steps after the heal)
+
+    @property
+    def off(self) -> bool:
+        return self.ratio == 0
+
+    def bound(self, n: int) -> float:
+        """The ratio s at which one of n members is excluded: n groups at its pace s*T commit
+        n/(sT) batches a second, the others alone (n-1)/T. The make-up (ftcore/schedule.py: the
+        data stays exactly once, so it trains each missed batch later, one a step while its peers
+        send zeros) leaves this bound for the pace while it is slow, but over the whole run
+        exclusion gains only when s > 2 and it recovered by its make-up: a ratio of 2 keeps that
+        stricter bound. A ratio only raises the bound; margin covers noise and the exchange."""
+        return max(self.ratio or 0.0, self.margin * n / (n - 1))
 
     def check(self) -> "PacePolicy":
-        if self.ratio < 0 or self.window < 1 or self.probation_s <= 0 or self.min_excess_s < 0:
+        ratio_ok = self.ratio is None or self.ratio >= 0
+        if not ratio_ok or self.window < 1 or self.probation_s <= 0 or self.min_excess_s < 0:
             raise ValueError(
-                f"fail-slow policy: ratio >= 0 (0: off), window >= 1, probation > 0, min excess >= 0 (got {self})"
+                "fail-slow policy: ratio >= 0 (0: off, unset: R/(R-1) with a margin), window >= 1, "
+                f"probation > 0, min excess >= 0 (got {self})"
             )
+        if self.margin < 1 or self.settle < 0:
+            raise ValueError(f"fail-slow policy: margin >= 1 and settle >= 0 (got {self})")
         return self
 
 
 @dataclass
 class Verdict:
     group: int
-    ratio: float  # median ratio to its peers over the window
-    busy_s: float  # its median busy time over the window
+    ratio: float  # its compute over its peers' median, summed over the window
+    bound: float  # the ratio it reached (PacePolicy.bound)
+    busy_s: float  # its mean compute per round over the window
+    peers_s: float  # its peers' median compute, mean per round
     probation_s: float
+    rank: int | None = None  # its slow rank; None: not known (one figure for the group) or ranks alike
+    rank_busy_s: float | None = None  # that rank's mean compute per round (the slowest rank's if none named)
+    others_busy_s: float | None = None  # the median of the group's other ranks' means
 
 
 @dataclass
 class PaceJudge:
     policy: PacePolicy
-    ratios: dict[int, collections.deque] = field(default_factory=dict)
-    busy: dict[int, collections.deque] = field(default_factory=dict)
+    # group -> (its figure, its peers' median) per measured round
+    rounds: dict[int, collections.deque] = field(default_factory=dict)
+    # group -> {rank: figure} per measured round ({}: no per-rank figures, a relayed group)
+    ranks: dict[int, collections.deque] = field(default_factory=dict)
+    settling: dict[int, int] = field(default_factory=dict)  # group -> rounds left unmeasured
     strikes: dict[tuple[int, int], int] = field(default_factory=dict)  # (group, incarnation) -> exclusions
 
-    def observe(self, busy: dict[int, float]) -> None:
-        """One round: each member's busy seconds in the step it just finished (all in one quorum)."""
-        if self.policy.ratio <= 0 or len(busy) < 2:
+    def observe(self, busy: dict[int, float], ranks: dict[int, dict[int, float]] | None = None) -> None:
+        """One round: each member's busy seconds in the step it just finished (all in one
+        quorum), and where known each of its ranks' figures."""
+        if self.policy.off or len(busy) < 2:
             return
+        w = self.policy.window
         for g, b in busy.items():
+            if self.settling.get(g, 0) > 0:
+                self.settling[g] -= 1
+                continue
             ref = statistics.median(v for h, v in busy.items() if h != g)
-            slow = b - ref >= self.policy.min_excess_s and ref > 0
-            self.ratios.setdefault(g, collections.deque(maxlen=self.policy.window)).append(b / ref if slow else 1.0)
-            self.busy.setdefault(g, collections.deque(maxlen=self.policy.window)).append(b)
+            self.rounds.setdefault(g, collections.deque(maxlen=w)).append((b, ref))
+            self.ranks.setdefault(g, collections.deque(maxlen=w)).append(dict((ranks or {}).get(g, {})))
 
     def forget(self, g: int) -> None:
-        self.ratios.pop(g, None)
-        self.busy.pop(g, None)
+        self.rounds.pop(g, None)
+        self.ranks.pop(g, None)
+
+    def readmit(self, g: int) -> None:
+        """A group back from standby: measured afresh after `settle` rounds."""
+        self.forget(g)
+        self.settling[g] = self.policy.settle
+
+    def slowness(self, g: int) -> tuple[float, float] | None:
+        """(s over the window, s with its worst round left out); None before a full window."""
+        hist = self.rounds.get(g)
+        if hist is None or len(hist) < self.policy.window:
+            return None
+        seen = [(b if b - ref >= self.policy.min_excess_s else ref, ref) for b, ref in hist]
+        total, ref_total = sum(s for s, _ in seen), sum(r for _, r in seen)
+        worst, worst_ref = max(seen, key=lambda x: x[0] - x[1])
+        if ref_total - worst_ref <= 0:
+            return None
+        return total / ref_total, (total - worst) / (ref_total - worst_ref)
 
     def judge(
         self, members: list[int], incarnations: dict[int, int], min_replicas: int, excluded: int
     ) -> Verdict | None:
         """The member to exclude now, if any (`excluded`: groups of the job already on standby)."""
         n = len(members)
-        if self.policy.ratio <= 0 or n < 2 or n - 1 < min_replicas or 2 * (excluded + 1) > n + excluded:
+        if self.policy.off or n < 2 or n - 1 < min_replicas or 2 * (excluded + 1) > n + excluded:
             return None
-        need = max(self.policy.ratio, 1.1 * n / (n - 1))
+        need = self.policy.bound(n)
         worst = None
         for g in members:
-            hist = self.ratios.get(g)
-            if hist is None or len(hist) < self.policy.window:
-                continue
-            r = statistics.median(hist)
-            if r >= need and (worst is None or r > worst[1]):
-                worst = (g, r)
+            s = self.slowness(g)
+            if s is not None and min(s) >= need and (worst is None or s[0] > worst[1]):
+                worst = (g, s[0])
         if worst is None:
             return None
-        g, r = worst
+        g, ratio = worst
         key = (g, incarnations[g])
         self.strikes[key] = self.strikes.get(key, 0) + 1
         probation = min(self.policy.probation_s * 2 ** (self.strikes[key] - 1), self.policy.max_probation_s)
-        verdict = Verdict(g, round(r, 3), round(statistics.median(self.busy[g]), 4), probation)
+        hist = self.rounds[g]
+        verdict = Verdict(
+            g,
+            round(ratio, 3),
+            round(need, 3),
+            round(statistics.fmean(b for b, _ in hist), 4),
+            round(statistics.fmean(r for _, r in hist), 4),
+            probation,
+            *self.slow_rank(g),
+        )
         self.forget(g)
         return verdict
+
+    def slow_rank(self, g: int) -> tuple[int | None, float | None, float | None]:
+        """(the group's slow rank, its mean figure, the median of its other ranks' means).
+
+        Named when it is the group's only rank, or when its mean exceeds the others' by the
+        policy's margin and `min_excess_s`. Ranks that wait for each other inside the step
+        (an all-reduce within the group before the FTAR) report alike: no rank is named."""
+        rounds = [d for d in self.ranks.get(g, ()) if d]
+        if not rounds:
+            return None, None, None
+        layout = set(rounds[-1])
+        rounds = [d for d in rounds if set(d) == layout]
+        mean = {r: statistics.fmean(d[r] for d in rounds) for r in layout}
+        rank = max(mean, key=lambda r: mean[r])
+        others = [v for r, v in mean.items() if r != rank]
+        if not others:
+            return rank, round(mean[rank], 4), None
+        peer = statistics.median(others)
+        named = mean[rank] - peer >= self.policy.min_excess_s and mean[rank] >= self.policy.margin * peer
+        return (rank if named else None), round(mean[rank], 4), round(peer, 4)
