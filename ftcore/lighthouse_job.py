@@ -464,35 +464,45 @@ class Job:
     # ---- fail-slow --------------------------------------------------------------------
     def _busy(self, members: list[int]) -> dict[int, float]:
         """Each member's compute in the step it just finished in the current quorum (its slowest
-        rank's), for members that all ran that step in it and nobody healed: comparable figures."""
+        rank's), for members that all ran that step in it and nobody healed: comparable figures.
+        The judge records them with each rank's (none for a group whose relay speaks for it)."""
         if self.quorum is None or self.quorum.heal:
             return {}
-        qid, out = self.quorum.quorum_id, {}
+        qid, out, ranks = self.quorum.quorum_id, {}, {}
         for g in members:
-            figures = [
-                r.busy.seconds for r in self.pending[g].values() if r.busy is not None and r.busy.quorum_id == qid
-            ]
-            if len(figures) == self.groups[g].speakers:
-                out[g] = max(figures)
-        return out if len(out) == len(members) else {}
+            reqs = self.pending[g].values()
+            figures = {r.rank: r.busy.seconds for r in reqs if r.busy is not None and r.busy.quorum_id == qid}
+            if figures and len(figures) == len(reqs):
+                out[g] = max(figures.values())
+                ranks[g] = figures if len(figures) == self.groups[g].world else {}
+        if len(out) < len(members):
+            return {}
+        self.pace.observe(out, ranks)
+        return out
 
     def _judge_pace(self, busy: dict[int, float], members: list[int]) -> None:
-        self.pace.observe(busy)
-        verdict = self.pace.judge(
+        """Exclude the member the judge finds slow (its figures were recorded by `_busy`)."""
+        v = self.pace.judge(
             members, {g: self.groups[g].incarnation for g in members}, self.min_replicas, len(self.excluded)
         )
-        if verdict is not None:
-            self.excluded[verdict.group] = time.monotonic() + verdict.probation_s
-            self.event(
-                "group_excluded",
-                group=verdict.group,
-                incarnation=self.groups[verdict.group].incarnation,
-                reason="slower than its peers",
-                ratio=verdict.ratio,
-                busy_s=verdict.busy_s,
-                window=self.cfg.pace.window,
-                probation_s=verdict.probation_s,
-            )
+        if v is None:
+            return
+        self.excluded[v.group] = time.monotonic() + v.probation_s
+        self.event(
+            "group_excluded",
+            group=v.group,
+            incarnation=self.groups[v.group].incarnation,
+            reason=f"{v.ratio}x its peers' compute over {self.cfg.pace.window} rounds, bound {v.bound}x",
+            ratio=v.ratio,
+            bound=v.bound,
+            busy_s=v.busy_s,
+            peers_busy_s=v.peers_s,
+            window=self.cfg.pace.window,
+            probation_s=v.probation_s,
+            rank=v.rank,  # None: one figure for the group (relayed) or its ranks alike
+            rank_busy_s=v.rank_busy_s,
+            other_ranks_busy_s=v.others_busy_s,
+        )
 
     def _standby(self, grp: GroupRecord, now: float) -> StandbyReply | None:
         """The answer to a quorum request of an excluded group while its probation lasts."""
@@ -504,7 +514,7 @@ class Job:
                 round(min(until - now, 1.0), 3), f"excluded as slower than its peers for {until - now:.1f}s more"
             )
         del self.excluded[grp.group]
-        self.pace.forget(grp.group)
+        self.pace.readmit(grp.group)
         self.event("group_readmitted", group=grp.group, incarnation=grp.incarnation)
         return None
 
