@@ -151,6 +151,7 @@ class Job:
         self.isolated = False  # most groups went silent at once: this lighthouse is likely cut off
         self.grace_until = 0.0  # after an isolation: silence is not judged before this
         self.relay: bool | None = None  # its groups speak through relays (ftcore/relay.py); None: no group yet
+        self.need = 1  # complete groups before an arrival tries to form the round (_count_need)
 
     def event(self, kind: str, **data: Any) -> None:
         self.lh.event(kind, job=self.name, **data)
@@ -262,6 +263,15 @@ class Job:
         self.failed = [
             g for g in (self.quorum.groups if self.quorum else ()) if g in self.groups and not self.groups[g].healthy
         ]
+        self._count_need()
+
+    def _count_need(self) -> None:
+        """The complete groups a round needs before an arrival tries to form it (a majority, and
+        the fast path's members: quorum.decide); the ticker tries the rest every TICK_S. One
+        attempt per round at arrivals, not one per arrival: O(groups), not O(groups^2)."""
+        healthy = self.healthy - self.excluded.keys()
+        fast = len(healthy & set(self.quorum.groups)) if self.quorum else max(len(healthy), self.expected)
+        self.need = max(fast, len(healthy) // 2 + 1, self.min_replicas)
 
     # ---- quorum ---------------------------------------------------------------------
     def tick(self, now: float) -> None:
@@ -420,6 +430,7 @@ class Job:
         self.quorum, self.quorum_id, self.force_new = q, quorum_id, False
         self.max_step = max(self.max_step, max_step)
         self.failed = []
+        self._count_need()
         for g in members:
             del self.pending[g]
         self.complete -= set(members)
@@ -560,7 +571,8 @@ class Job:
                 self.complete.add(grp.group)
                 if not grp.healthy:
                     self._update_health(now)  # a new or returning group need not wait for the sweep
-                self._maybe_form(now)
+                if len(self.complete) >= self.need:
+                    self._maybe_form(now)
             return req
 
     def withdraw(self, req: Request) -> None:

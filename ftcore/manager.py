@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -209,6 +209,30 @@ class StepRecord:
     requorum: bool = False  # a peer failed its exchange: it re-ran in the survivors' quorum (same batch)
 
 
+@dataclass
+class Round:
+    """One step attempt, made whole by start_quorum: nothing of it is reset by hand. The quorum
+    worker holds its round, so an answer that comes after a later round began is known as late."""
+
+    ask: QuorumRequest  # what the round's request reports, fixed at its start
+    sent: tuple[Busy | None, float]  # the busy figure it sent, and the previous step's FTAR seconds
+    t0: float = field(default_factory=time.monotonic)
+    fut: Future | None = None  # the quorum call
+    leased: bool = False  # it went on in the previous quorum without the lighthouse's answer
+    answered: bool = False  # its answer was taken: it can no longer lease
+    waited: bool = False  # its quorum is known (wait_quorum ran)
+    heal_fut: Future | None = None  # the state fetch, when this group heals this step
+    has_work: bool = True
+    contributors: int = 0
+    errors: list[str] = field(default_factory=list)
+    reran: bool = False  # its exchange re-ran in the survivors' quorum
+    busy: Busy | None = None  # its compute, reported with the next round's request
+    t_quorum: float = 0.0
+    t_allreduce: float = 0.0
+    healed_step: int | None = None  # the step whose state it loaded from a peer
+    idle: int = -1  # its quorum id if nobody had work in it
+
+
 class Manager:
     """One rank's step protocol. `group_pg`: the process group of this replica group's own
     ranks (None: one rank); `lighthouse_client`: makes the client (the real one by default)."""
@@ -272,31 +296,16 @@ class Manager:
         self._pg_id: tuple[str, int] | None = None  # ... and the Quorum.key it was built for
         self._quorum: Quorum | None = None
         self._trained_in: tuple[str, Identity] = ("", ())  # lighthouse id and members of the last quorum applied
-        self._quorum_fut: Future | None = None
-        self._round = 0  # which start_quorum a background quorum call belongs to
+        self._r = Round(QuorumRequest(info), (None, 0.0))  # the current step attempt
         self._lease_until = 0.0  # monotonic: the last granted quorum may be reused until then
         self._last_ok = False  # the last step committed (in self._quorum)
-        self._leased = False
-        self._answered = False  # this round's reply was taken: the round can no longer lease
         self._round_lock = threading.Lock()  # a round either takes its reply or leases, never both
-        self._ask = QuorumRequest(info)  # what this round's request reports, fixed at its start
         self._ignored_step = -1  # the step of the last quorum answer given up unapplied (quorum worker only)
-        self._heal_fut: Future | None = None
-        self._errors: list[str] = []
-        self._contributors = 0
-        self._has_work = True
-        self._t_quorum = self._t_allreduce = 0.0
         self._last_commit = time.monotonic()
-        self._busy: Busy | None = None  # the last step's compute, for the lighthouse
-        self._idle = -1  # the last step's quorum id if nobody had work in it, else -1
         self._standby_until = 0.0  # monotonic: held out as slow (Standby) until then
-        self._sent: tuple[Busy | None, float] = (None, 0.0)  # the busy figure sent, and that step's FTAR seconds
-        self._waited = False  # this step's quorum is known (wait_quorum ran)
-        self._reran = False  # this step's exchange re-ran in the survivors' quorum
         # per step of this group's that every member ran: (straggler s: waiting for the slowest
         # group, FTAR s, the slowest group's compute s, the groups' mean compute s); drained by the trainer
         self.pace_log: list[tuple[float, float, float, float]] = []
-        self.healed_step: int | None = None  # set by should_commit() when this step loaded a peer's state
         if cfg.records:  # named after the incarnation, which may only now be agreed
             cfg.records = cfg.records.replace("{incarnation}", str(cfg.incarnation))
         self._records_fd = os.open(cfg.records, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644) if cfg.records else None
@@ -311,47 +320,40 @@ class Manager:
                 f"ftcore: replica group {self.cfg.group} has not committed a step for "
                 f"{STUCK_TIMEOUT:.0f}s (FTCORE_STUCK_TIMEOUT); giving up so it can be restarted"
             )
-        self._errors, self._contributors, self._has_work = [], 0, True
-        self.healed_step = None
-        self._heal_fut = None
-        self._waited = False
-        self._reran = False
-        self._t0 = time.monotonic()
         self.client.update(step=self.step)
-        busy, self._busy = self._busy, None  # fail-slow figures ride on the request
-        self._sent = (busy, self._t_allreduce)  # the last step's, for its pace
+        last = self._r  # its compute and FTAR time ride on this round's request (fail-slow)
         with self._round_lock:
-            self._leased = self._answered = False
-            self._round += 1
             # The request reports this step even when it goes out late (its thread was still
             # waiting on a leased round's request) and this group has committed meanwhile: a
             # later step in it would make the lighthouse heal the others "up" to it.
-            self._ask = QuorumRequest(self.client.info, *self._trained_in, busy=busy, idle=self._idle)
-            self._quorum_fut = self._pool.submit(self._run_quorum, self._round, self._ask)
+            ask = QuorumRequest(self.client.info, *self._trained_in, busy=last.busy, idle=last.idle)
+            r = self._r = Round(ask, (last.busy, last.t_allreduce))
+            r.fut = self._pool.submit(self._run_quorum, r)
 
-    def _run_quorum(self, round_: int, ask: QuorumRequest) -> Quorum | None:
-        if round_ != self._round:
+    def _run_quorum(self, r: Round) -> Quorum | None:
+        if r is not self._r:
             return None  # a later step asked already (this one ran on a lease): nothing to do
         time.sleep(max(self._standby_until - time.monotonic(), 0.0))
         with self._round_lock:  # a request that leaves after its step leased says so (lighthouse _drop_overtaken)
-            ask = replace(ask, leased=self._leased, again=self._ignored_step == ask.info.step)
+            ask = replace(r.ask, leased=r.leased, again=self._ignored_step == r.ask.info.step)
         try:
             q = self.client.quorum(request=ask)
         except Overtaken:
             return None  # only a leased round is overtaken, and a leased round ignores its answer
         with self._round_lock:
-            if round_ != self._round or self._leased:
+            if r is not self._r or r.leased:
                 # answered after its step went on without it: no side effects; a retry of this
                 # step asks for the same answer (its peers may wait for this group in that quorum)
                 self._ignored_step = ask.info.step
                 return None
-            self._answered = True
+            r.answered = True
             self._ignored_step = -1
-        self._t_quorum = time.monotonic() - self._t0
+        r.t_quorum = time.monotonic() - r.t0
         return self._apply_quorum(q)
 
     def _apply_quorum(self, q: Quorum) -> Quorum:
-        pace, (busy, allreduce_s) = q.pace, self._sent
+        r = self._r
+        pace, (busy, allreduce_s) = q.pace, r.sent
         if pace is not None and busy is not None and pace.quorum_id == busy.quorum_id and len(self.pace_log) < 10_000:
             self.pace_log.append((max(pace.slowest_s - busy.seconds, 0.0), allreduce_s, pace.slowest_s, pace.mean_s))
         self._lease_until = time.monotonic() + min(q.lease_s, timeouts.LEASE)
@@ -359,7 +361,7 @@ class Manager:
         self._trained_in = (q.lighthouse_id, q.identity)
         g = self.cfg.group
         if g in q.heal:  # rank k heals from rank k of the source
-            self._heal_fut = self._heal_pool.submit(self._fetch_heal, q.heal_from, q.max_step, q.heal[g])
+            r.heal_fut = self._heal_pool.submit(self._fetch_heal, q.heal_from, q.max_step, q.heal[g])
         if q.key != self._pg_id:
             self._build_pg(q)
         if g in q.heal.values() and self.step == q.max_step:
@@ -415,33 +417,36 @@ class Manager:
         )
 
     def _fail(self, msg: str, report: bool = False) -> None:
-        self._errors.append(msg)
+        self._r.errors.append(msg)
         if report:
-            # Tell the lighthouse now; do not wait for a heartbeat timeout.
-            # Synchronous (a loopback call): the next quorum request must find it recorded.
-            qid = self._quorum.quorum_id if self._quorum else 0
-            self.client.report_failure(qid, msg)
-            pg, self._pg, self._pg_id = self._pg, None, None
-            if pg is not None:
-                _retire(pg)
+            self._report(msg)
+
+    def _report(self, msg: str) -> None:
+        """Tell the lighthouse now; do not wait for a heartbeat timeout. Synchronous (a
+        loopback call): the next quorum request must find it recorded."""
+        qid = self._quorum.quorum_id if self._quorum else 0
+        self.client.report_failure(qid, msg)
+        pg, self._pg, self._pg_id = self._pg, None, None
+        if pg is not None:
+            _retire(pg)
 
     def wait_quorum(self) -> Quorum | None:
         """Block until this step's quorum is known: the quorum, or None when the step already
         failed (the error is recorded once)."""
-        if self._waited:
+        if self._r.waited:
             return self._quorum
-        self._waited = True
-        if self._quorum_fut is None:
+        self._r.waited = True
+        if self._r.fut is None:
             raise RuntimeError("ftcore: call start_quorum() at the start of every step")
         deadline = time.monotonic() + timeouts.QUORUM_TIMEOUT + timeouts.COLLECTIVE_TIMEOUT
         try:
             while True:
                 try:
-                    return self._quorum_fut.result(timeout=min(0.02, max(deadline - time.monotonic(), 0.001)))
+                    return self._r.fut.result(timeout=min(0.02, max(deadline - time.monotonic(), 0.001)))
                 except FutureTimeout:
                     with self._round_lock:
-                        self._leased = not self._answered and self._can_lease()
-                    if self._leased:
+                        self._r.leased = not self._r.answered and self._can_lease()
+                    if self._r.leased:
                         return self._quorum
                     if time.monotonic() >= deadline:
                         raise
@@ -451,7 +456,7 @@ class Manager:
             self._quorum = None
             self._standby_until = self._last_commit = time.monotonic()
             self._standby_until += e.retry_s
-            self._errors.append(f"standby: {e}")
+            self._r.errors.append(f"standby: {e}")
             return None
         except Exception as e:  # LighthouseError, store/PG construction errors, timeouts
             self._quorum = None
@@ -481,20 +486,20 @@ class Manager:
     def healing(self) -> bool:
         """This step, this group receives the state and sends zero gradients. Known once
         wait_quorum() returned (before, and in a step without a quorum: False); never blocks."""
-        return self._heal_fut is not None
+        return self._r.heal_fut is not None
 
     def set_work(self, has_work: bool) -> None:
         """Whether this group trains a batch this step (False: it joins with zero gradients)."""
-        self._has_work = has_work
+        self._r.has_work = has_work
 
     @property
     def contributors(self) -> int:
-        return self._contributors
+        return self._r.contributors
 
     @property
     def quorum_seconds(self) -> float:
         """How long this step's quorum took (it overlaps the forward pass)."""
-        return self._t_quorum
+        return self._r.t_quorum
 
     def allreduce(self, tensors: list[torch.Tensor], same_batch: Callable[[Quorum], bool] | None = None) -> None:
         """Average `tensors` in place across replica groups (FTAR). Never raises on peer failure.
@@ -514,44 +519,44 @@ class Manager:
             self.injector.phase("before_allreduce", self.step)
         except faults_mod.InjectedFault as e:
             local_error = True
-            self._errors.append(str(e))
-        contribute = self._has_work and not self.healing
+            self._r.errors.append(str(e))
+        contribute = self._r.has_work and not self.healing
         if contribute:  # this step's compute, from its start to here: what fail-slow compares
-            self._busy = Busy(q.quorum_id, round(time.monotonic() - self._t0, 6))
+            self._r.busy = Busy(q.quorum_id, round(time.monotonic() - self._r.t0, 6))
         # a healing group joins at the step it is about to receive
-        step = q.max_step if self._heal_fut is not None else self.step
+        step = q.max_step if self._r.heal_fut is not None else self.step
         saved = (
             [x.detach().clone() for x in tensors]
-            if same_batch is not None and self._pg is not None and self._heal_fut is None
+            if same_batch is not None and self._pg is not None and self._r.heal_fut is None
             else None
         )
         try:
             try:
                 res = self._ftar(tensors, contribute, local_error, step)
             except FTARError as e:
-                self._fail(str(e), report=True)
+                self._report(str(e))
                 if saved is None or same_batch is None or local_error or self._requorum(same_batch) is None:
+                    self._r.errors.append(str(e))
                     return
-                for x, keep in zip(tensors, saved, strict=True):
+                for x, keep in zip(tensors, saved, strict=True):  # the step goes on, in the survivors' quorum
                     x.copy_(keep)
-                self._errors.remove(str(e))  # the step goes on, in the survivors' quorum
-                self._reran = True
+                self._r.reran = True
                 try:
                     res = self._ftar(tensors, contribute, False, step)
                 except FTARError as e2:
                     self._fail(str(e2), report=True)
                     return
         finally:
-            self._t_allreduce = time.monotonic() - t
-        self._contributors = res.contributors
+            self._r.t_allreduce = time.monotonic() - t
+        self._r.contributors = res.contributors
         if res.peer_error and not local_error:
-            self._errors.append("a replica group flagged a failure during the all-reduce")
+            self._r.errors.append("a replica group flagged a failure during the all-reduce")
         elif res.peer_error:
-            self._errors.append("this group failed during the all-reduce")
+            self._r.errors.append("this group failed during the all-reduce")
         try:
             self.injector.phase("after_allreduce", self.step)
         except faults_mod.InjectedFault as e:
-            self._errors.append(str(e))
+            self._r.errors.append(str(e))
 
     def _ftar(self, tensors: list[torch.Tensor], contribute: bool, local_error: bool, step: int):
         return ftar(
@@ -571,10 +576,10 @@ class Manager:
         knows: the peer's connection closed, and this rank just reported it), when this group
         can re-run the exchange in it: not healing, nobody ahead, the same batch. Not on a lease:
         that round's own request still waits on the lighthouse (and owns the connection)."""
-        if self._leased:
+        if self._r.leased:
             return None
         try:
-            q = self.client.quorum(request=self._ask)
+            q = self.client.quorum(request=self._r.ask)
         except Replaced:
             raise
         except LighthouseError:  # unreachable, on standby: the step fails, the next one asks again
@@ -596,20 +601,20 @@ class Manager:
         try:
             self.injector.phase("vote", self.step)
         except faults_mod.InjectedFault as e:
-            self._errors.append(str(e))
-        if self._heal_fut is not None and q is not None:
+            self._r.errors.append(str(e))
+        if self._r.heal_fut is not None and q is not None:
             try:
-                tree = self._heal_fut.result(timeout=timeouts.HEAL_TIMEOUT)
+                tree = self._r.heal_fut.result(timeout=timeouts.HEAL_TIMEOUT)
                 self._load_state_dict(tree)
                 self.step = q.max_step
-                self.healed_step = self.step
+                self._r.healed_step = self.step
                 self.client.event("heal_finished", step=self.step)
             except Exception as e:  # HealError, a state that does not fit the model, a timeout
                 self._fail(f"heal: {type(e).__name__}: {e}")
         participants = len(q.groups) if q else 0
-        ok = not self._errors and participants >= self.cfg.min_replicas and self._contributors > 0
+        ok = not self._r.errors and participants >= self.cfg.min_replicas and self._r.contributors > 0
         # Nobody had work (only an absent group's make-up is left): the lighthouse ends its standby.
-        self._idle = q.quorum_id if q and not self._errors and not self._contributors else -1
+        self._r.idle = q.quorum_id if q and not self._r.errors and not self._r.contributors else -1
         ok = self._group_vote(ok, q.quorum_id if q else -1)
         lr = self.lr_scale()
         self._last_ok = ok
@@ -617,20 +622,21 @@ class Manager:
             self.step += 1
             self._last_commit = time.monotonic()
             self.client.update(step=self.step)
+        r = self._r
         rec = StepRecord(
-            self.step,
-            q.quorum_id if q else 0,
-            participants,
-            self._contributors,
-            self._heal_fut is not None,
-            ok,
-            lr,
-            self._t_quorum,
-            self._t_allreduce,
-            time.time(),
-            "; ".join(self._errors)[:300],
-            self._leased,
-            self._reran,
+            step=self.step,
+            quorum_id=q.quorum_id if q else 0,
+            participants=participants,
+            contributors=r.contributors,
+            healing=r.heal_fut is not None,
+            committed=ok,
+            lr_scale=lr,
+            quorum_s=r.t_quorum,
+            allreduce_s=r.t_allreduce,
+            t=time.time(),
+            error="; ".join(r.errors)[:300],
+            leased=r.leased,
+            requorum=r.reran,
         )
         if self._records_fd is not None:
             line = {"group": self.cfg.group, "rank": self.cfg.rank, "incarnation": self.cfg.incarnation, **rec.__dict__}
@@ -646,16 +652,16 @@ class Manager:
         try:
             coll.all_reduce(flag, kind=coll.CONTROL, op=dist.ReduceOp.MIN, group=self._group_pg)
         except Exception as e:  # a rank of our own group died: the launcher restarts the group
-            self._errors.append(f"group vote: {e}")
+            self._r.errors.append(f"group vote: {e}")
             return False
         if flag[1].item() != -flag[2].item():
-            self._errors.append("group vote: the group's ranks were in different quorums")
+            self._r.errors.append("group vote: the group's ranks were in different quorums")
             return False
         return bool(flag[0].item())
 
     def lr_scale(self) -> float:
         """Learning-rate multiplier for this step's participation (policy none/linear/sqrt)."""
-        live, total = max(self._contributors, 1), max(self.cfg.num_groups, 1)
+        live, total = max(self._r.contributors, 1), max(self.cfg.num_groups, 1)
         if self.cfg.lr_policy == "linear":
             return live / total
         if self.cfg.lr_policy == "sqrt":
@@ -667,8 +673,13 @@ class Manager:
         return self._quorum
 
     @property
+    def healed_step(self) -> int | None:
+        """The step whose state this step loaded from a peer (set by should_commit), else None."""
+        return self._r.healed_step
+
+    @property
     def errors(self) -> list[str]:
-        return list(self._errors)
+        return list(self._r.errors)
 
     def shutdown(self, leave: bool = True) -> None:
         if leave:

@@ -223,7 +223,7 @@ def test_a_leased_step_never_applies_its_late_reply(groups):
     assert g.step(torch.ones(2)) and g.mgr.step == 2
     rec = g.last_record()
     assert rec["leased"] and rec["committed"] and rec["quorum_id"] == 1
-    round_2 = g.mgr._quorum_fut  # that step's background quorum call, still waiting
+    round_2 = g.mgr._r.fut  # that step's background quorum call, still waiting
     g.fake.silent = 0.0
     g.fake.gate.set()  # the late reply arrives
     assert round_2.result(timeout=10) is None  # ... and is dropped, not applied
