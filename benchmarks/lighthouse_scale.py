@@ -29,6 +29,7 @@ import multiprocessing as mp
 import os
 import queue
 import resource
+import signal
 import socket
 import statistics
 import subprocess
@@ -52,35 +53,54 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-class Conn:
-    """One kept-alive HTTP/1.1 connection that sends JSON POSTs and reads JSON replies."""
+class Conn(asyncio.Protocol):
+    """One kept-alive HTTP/1.1 connection that sends JSON POSTs and reads replies as they arrive
+    (a protocol, not a stream: the generator's own cost per reply stays small beside the lighthouse's)."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
-        self.r, self.w = reader, writer
+    def __init__(self) -> None:
+        self.buf = bytearray()
+        self.waiter: asyncio.Future | None = None
+        self.t: asyncio.Transport | None = None
 
     @classmethod
     async def open(cls, port: int) -> "Conn":
-        return cls(*await asyncio.open_connection("127.0.0.1", port))
+        _, conn = await asyncio.get_running_loop().create_connection(cls, "127.0.0.1", port)
+        return conn
 
-    async def post(self, path: str, body: dict, decode: bool = True) -> tuple[int, dict]:
-        """decode=False: the reply is read whole but not parsed (a real rank parses its own in
-        its own process; here one process plays them all)."""
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.t = transport  # type: ignore[assignment]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_exception(ConnectionError("closed"))
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        end = self.buf.find(b"\r\n\r\n")
+        if end < 0 or self.waiter is None:
+            return
+        head = bytes(self.buf[:end]).lower()
+        at = head.find(b"content-length:")
+        length = int(head[at + 15 :].split(b"\r\n", 1)[0]) if at >= 0 else 0
+        if len(self.buf) < end + 4 + length:
+            return
+        body = bytes(self.buf[end + 4 : end + 4 + length])
+        del self.buf[: end + 4 + length]
+        waiter, self.waiter = self.waiter, None
+        waiter.set_result((int(head[9:12]), body, time.monotonic()))
+
+    async def post(self, path: str, body: dict, decode: bool = True) -> tuple[int, dict, float]:
+        """(status, the JSON reply or {} when decode=False, when its last byte was read)."""
+        assert self.t is not None
         raw = json.dumps(body).encode()
-        self.w.write(
-            f"POST {path} HTTP/1.1\r\nHost: lh\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(raw)}\r\n\r\n".encode()
-            + raw
-        )
-        status = int((await self.r.readline()).split()[1])
-        length = 0
-        while (line := await self.r.readline()) not in (b"\r\n", b""):
-            if line.lower().startswith(b"content-length:"):
-                length = int(line.split(b":")[1])
-        raw = await self.r.readexactly(length) if length else b""
-        return status, json.loads(raw) if raw and decode else {}
+        self.waiter = asyncio.get_running_loop().create_future()
+        self.t.write(f"POST {path} HTTP/1.1\r\nHost: lh\r\nContent-Length: {len(raw)}\r\n\r\n".encode() + raw)
+        status, reply, at = await self.waiter
+        return status, json.loads(reply) if reply and decode else {}, at
 
     def close(self) -> None:
-        self.w.close()
+        if self.t is not None:
+            self.t.close()
 
 
 def _speakers(layout: str, n: int, k: int, job: str) -> list[dict[str, Any]]:
@@ -116,7 +136,7 @@ async def _play(port: int, infos: list[dict[str, Any]], plan: dict[str, Any], st
                 continue
             first = False
             try:
-                code, body = await beats[i].post("/heartbeat", infos[i])
+                code, body, _ = await beats[i].post("/heartbeat", infos[i])
             except (ConnectionError, asyncio.IncompleteReadError, ValueError):
                 return
             for g in body.get("failed", []) if code == 200 else []:
@@ -128,8 +148,8 @@ async def _play(port: int, infos: list[dict[str, Any]], plan: dict[str, Any], st
 
     async def ask(i: int) -> float:
         last_sent[i] = time.monotonic()
-        code, _ = await quorum[i].post("/quorum", {**infos[i], "timeout": 10.0}, decode=False)
-        return time.monotonic() if code == 200 else float("nan")
+        code, _, at = await quorum[i].post("/quorum", {**infos[i], "timeout": 10.0}, decode=False)
+        return at if code == 200 else float("nan")
 
     rounds = []
     for _ in range(plan["rounds"]):
@@ -291,6 +311,7 @@ def main() -> int:
     )
     p.add_argument("--json", default=str(ROOT / "bench-results" / "lighthouse_scale.json"))
     a = p.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a killed run still ends its lighthouse
     resource.setrlimit(resource.RLIMIT_NOFILE, (resource.getrlimit(resource.RLIMIT_NOFILE)[1],) * 2)
     lh_cores, gen_cores = _pin()
     rows = []
