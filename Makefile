@@ -9,10 +9,13 @@ WORK    ?= work
 
 # Re-installs only when pyproject.toml changed since the last install.
 # ftrec_airflow moved to plugins/: a folder of bytecode git left at the top would be a namespace
-# package that shadows the installed one; it is removed when it holds no .py file.
+# package that shadows the installed one; it is removed when it holds no .py file. A build in the
+# checkout (pip wheel .) leaves ftrec.egg-info here: with the checkout on sys.path (python -m from
+# it) that is a second ftrec distribution, whose entry point Airflow loads again ("already registered").
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	if [ -d ftrec_airflow ] && [ -z "$$(find ftrec_airflow -name '*.py' -print -quit)" ]; then rm -rf ftrec_airflow; fi
+	rm -rf ftrec.egg-info
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[airflow,kubernetes,test,bench]'
 	touch $(STAMP)

@@ -185,6 +185,11 @@ print("JSON" + json.dumps({"plugins": plugins, "errors": errors, "loaded": loade
 """
 
 
+def _strays(loaded: list[str]) -> list[str]:
+    """Modules imported from the plugins folder other than ftrec_plugin and the ftrec_airflow package."""
+    return [m for m in loaded if m != "ftrec_plugin" and m.split(".")[0] != "ftrec_airflow"]
+
+
 def _loaded(py: Path, tmp: Path, env: dict[str, str]) -> dict:
     r = _run([py, "-c", LOADED, PLUGINS], 180, cwd=tmp, env=env)
     return json.loads(next(x for x in r.stdout.splitlines() if x.startswith("JSON"))[4:])
@@ -219,5 +224,21 @@ def test_plugins_folder_alone_gives_airflow_the_plugin(tmp_path_factory, deps, t
     ftrec = [p for p in got["plugins"] if p["name"] == "ftrec"]
     assert [p["source"] for p in ftrec] == ["$PLUGINS_FOLDER/ftrec_plugin.py"], got["plugins"]
     assert got["errors"] == {}
-    outside = [m for m in got["loaded"] if m != "ftrec_plugin" and m.split(".")[0] != "ftrec_airflow"]
-    assert outside == [] and "ftrec_airflow.plugin" in got["loaded"], got["loaded"]
+    assert _strays(got["loaded"]) == [] and "ftrec_airflow.plugin" in got["loaded"], got["loaded"]
+
+
+def test_make_run_environment_registers_the_plugin_once(tmp_path):
+    """`make run`'s Airflow environment (local_run.airflow_env: the checkout's plugins/ as plugins
+    folder) with this dev venv's editable install, run from the checkout as `python -m` runs:
+    one `ftrec`, from the entry point, and no plugin import error."""
+    from ftrec_airflow import local_run
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "FTREC_"))}
+    env.update(local_run.airflow_env(tmp_path / "work"))
+    assert env["AIRFLOW__CORE__PLUGINS_FOLDER"] == str(PLUGINS)
+    got = _loaded(Path(sys.executable), ROOT, env)
+    ftrec = [p for p in got["plugins"] if p["name"] == "ftrec"]
+    assert len(ftrec) == 1 and ftrec[0]["source"].startswith("ftrec=="), got["plugins"]
+    # a second copy of ftrec's metadata on sys.path (a build's ./ftrec.egg-info: `make setup` removes it)
+    assert got["errors"] == {}, (got["errors"], got["dists"])
+    assert "ftrec_plugin" in got["loaded"] and _strays(got["loaded"]) == [], got["loaded"]
