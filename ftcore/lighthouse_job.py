@@ -277,10 +277,16 @@ class Job:
     def tick(self, now: float) -> None:
         if now - self._last_sweep >= SWEEP_S:
             self._update_health(now)
-        if self.pending:
+        if self.pending and self._worth_trying(now):
             self._maybe_form(now)
         if now >= self.next_deadline:
             self._expire(now)
+
+    def _worth_trying(self, now: float) -> bool:
+        """Whether a tick's formation attempt can do anything an arrival's did not: enough groups
+        complete, the join timeout reached, or a pending group unhealthy (lost: told to exit)."""
+        waited = self.round_start is not None and now - self.round_start >= self.cfg.join_timeout
+        return len(self.complete) >= self.need or waited or not self.pending.keys() <= self.healthy
 
     def _expire(self, now: float) -> None:
         """Answer the requests whose deadline passed (O(pending), only when one has)."""
@@ -448,16 +454,20 @@ class Job:
     def _replies(self, q: Quorum) -> list[tuple[Request, str]]:
         """Every member rank's reply. Each rank k gets only the two addresses it uses: rank k of
         the first member hosts the rendezvous of every rank k, and a healing rank k fetches
-        from rank k of its source. The part every rank shares is encoded once per round."""
+        from rank k of its source. The part every rank shares is encoded once per round, and each
+        distinct reply once (every rank k that heals from nobody gets the same)."""
         leader = self.groups[q.groups[0]].ranks
         shared = q.shared_json()
         replies = []
+        made: dict[tuple[str, str], str] = {}
         for g in q.groups:
             src = self.groups[q.heal[g]].ranks if g in q.heal else None
             for req in self.pending[g].values():
                 store = leader[req.rank].store if req.rank in leader else ""
                 heal_from = src[req.rank].heal if src and req.rank in src else ""
-                reply = Quorum.for_rank(shared, store, heal_from)
+                reply = made.get((store, heal_from))
+                if reply is None:
+                    reply = made[store, heal_from] = Quorum.for_rank(shared, store, heal_from)
                 replies.append((req, reply))
                 if req.rank in self.groups[g].ranks:
                     self.groups[g].ranks[req.rank].answered = (req.step, q.quorum_id, reply)

@@ -79,7 +79,8 @@ def plan(previous: frozenset[tuple[int, int]] | None, members: list[Member], fin
     if finished_step > max_step:
         return None
     sources = [m.group for m in trusted if m.step == max_step]
-    healers = [m.group for m in members if m.group not in sources]
+    serving = set(sources)
+    healers = [m.group for m in members if m.group not in serving]
     return Plan(max_step, {g: sources[i % len(sources)] for i, g in enumerate(healers)})
 
 
