@@ -190,8 +190,8 @@ def _strays(loaded: list[str]) -> list[str]:
     return [m for m in loaded if m != "ftrec_plugin" and m.split(".")[0] != "ftrec_airflow"]
 
 
-def _loaded(py: Path, tmp: Path, env: dict[str, str]) -> dict:
-    r = _run([py, "-c", LOADED, PLUGINS], 180, cwd=tmp, env=env)
+def _loaded(py: Path, cwd: Path, env: dict[str, str]) -> dict:
+    r = _run([py, "-c", LOADED, PLUGINS], 180, cwd=cwd, env=env)
     return json.loads(next(x for x in r.stdout.splitlines() if x.startswith("JSON"))[4:])
 
 
@@ -239,6 +239,6 @@ def test_make_run_environment_registers_the_plugin_once(tmp_path):
     got = _loaded(Path(sys.executable), ROOT, env)
     ftrec = [p for p in got["plugins"] if p["name"] == "ftrec"]
     assert len(ftrec) == 1 and ftrec[0]["source"].startswith("ftrec=="), got["plugins"]
-    # a second copy of ftrec's metadata on sys.path (a build's ./ftrec.egg-info: `make setup` removes it)
+    # an error here: a second copy of ftrec's metadata on sys.path (a build's ./ftrec.egg-info; `make setup` removes it)
     assert got["errors"] == {}, (got["errors"], got["dists"])
     assert "ftrec_plugin" in got["loaded"] and _strays(got["loaded"]) == [], got["loaded"]
