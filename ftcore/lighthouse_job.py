@@ -486,7 +486,7 @@ class Job:
     def _busy(self, members: list[int]) -> dict[int, float]:
         """Each member's compute in the step it just finished in the current quorum (its slowest
         rank's), for members that all ran that step in it and nobody healed: comparable figures.
-        The judge records them with each rank's (none for a group whose relay speaks for it)."""
+        The judge records them with each rank's (a relay sends them all with its group's)."""
         if self.quorum is None or self.quorum.heal:
             return {}
         qid, out, ranks = self.quorum.quorum_id, {}, {}
@@ -495,6 +495,10 @@ class Job:
             figures = {r.rank: r.busy.seconds for r in reqs if r.busy is not None and r.busy.quorum_id == qid}
             if figures and len(figures) == len(reqs):
                 out[g] = max(figures.values())
+                first = next(iter(reqs)).busy
+                relayed = first.ranks if first is not None and self.groups[g].relay else ()
+                if len(relayed) == self.groups[g].world:  # a relay sends every rank's figure
+                    figures = dict(enumerate(relayed))
                 ranks[g] = figures if len(figures) == self.groups[g].world else {}
         if len(out) < len(members):
             return {}

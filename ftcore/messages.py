@@ -210,24 +210,34 @@ class RankInfo:
 @dataclass(frozen=True)
 class Busy:
     """A rank's compute in its last step (start of the step to its entry into FTAR), and the
-    quorum it ran in: what fail-slow compares (ftcore/pace.py)."""
+    quorum it ran in: what fail-slow compares (ftcore/pace.py). From a relay: its slowest
+    rank's, with every rank's in rank order (`ranks`), so the slow rank can still be named."""
 
     quorum_id: int
     seconds: float
+    ranks: tuple[float, ...] = ()
 
     def to_wire(self) -> list[Any]:
-        return [self.quorum_id, self.seconds]
+        return [self.quorum_id, self.seconds, list(self.ranks)] if self.ranks else [self.quorum_id, self.seconds]
 
     @classmethod
     def parse(cls, raw: Any) -> Busy | None:
         if raw is None:
             return None
-        if not (isinstance(raw, list) and len(raw) == 2):
-            raise MessageError(f"busy must be [quorum_id, seconds], got {raw!r}"[:200])
+        shape = f"busy must be [quorum_id, seconds] or [quorum_id, seconds, [seconds per rank]], got {raw!r}"[:200]
+        if not (isinstance(raw, list) and len(raw) in (2, 3)):
+            raise MessageError(shape)
+        ranks = raw[2] if len(raw) == 3 else []
+        if not isinstance(ranks, list) or len(ranks) > MAX_RELAYED:
+            raise MessageError(shape)
         try:
-            return cls(_int({"quorum_id": raw[0]}, "quorum_id"), _seconds({"busy": raw[1]}, "busy"))
+            return cls(
+                _int({"quorum_id": raw[0]}, "quorum_id"),
+                _seconds({"busy": raw[1]}, "busy"),
+                tuple(_seconds({"busy": x}, "busy") for x in ranks),
+            )
         except MessageError:
-            raise MessageError(f"busy must be [quorum_id, seconds], got {raw!r}"[:200]) from None
+            raise MessageError(shape) from None
 
 
 @dataclass(frozen=True)

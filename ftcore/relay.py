@@ -203,15 +203,14 @@ class Relay:
 
 
 def group_request(info: RankInfo, asks: list[QuorumRequest]) -> QuorumRequest:
-    """The group's request from its ranks': the lowest step, the slowest rank's compute (when
-    every rank measured it in the same quorum), and "again"/"leased" when any rank says so."""
+    """The group's request from its ranks': the lowest step, the slowest rank's compute with
+    every rank's (when all measured it in the same quorum), "again"/"leased" when any says so."""
     first = asks[0]
     busy = [a.busy for a in asks]
-    slowest = (
-        Busy(busy[0].quorum_id, max(b.seconds for b in busy if b is not None))
-        if busy[0] is not None and all(b is not None and b.quorum_id == busy[0].quorum_id for b in busy)
-        else None
-    )
+    slowest = None
+    if busy[0] is not None and all(b is not None and b.quorum_id == busy[0].quorum_id for b in busy):
+        each = tuple(b.seconds for b in busy if b is not None)
+        slowest = Busy(busy[0].quorum_id, max(each), each)
     return replace(
         first,
         info=replace(info, step=min(a.info.step for a in asks), quorum_id=max(a.info.quorum_id for a in asks)),

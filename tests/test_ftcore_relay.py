@@ -154,6 +154,7 @@ def test_the_groups_request_is_its_lowest_step_and_slowest_rank():
         QuorumRequest(RankInfo(group=0, rank=1, world=2, job="a", step=6), busy=Busy(3, 0.9), again=True),
     ]
     req = group_request(base, asks)
-    assert (req.info.step, req.busy, req.again, req.info.relay) == (6, Busy(3, 0.9), True, True)
+    assert (req.info.step, req.busy, req.again, req.info.relay) == (6, Busy(3, 0.9, (0.5, 0.9)), True, True)
+    assert Busy.parse(req.busy.to_wire()) == req.busy
     asks[1] = QuorumRequest(asks[1].info, busy=Busy(2, 0.9))  # measured in another quorum: not comparable
     assert group_request(base, asks).busy is None
