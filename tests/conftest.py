@@ -1,5 +1,6 @@
 """Fixtures shared by every area's tests."""
 
+import json
 import os
 import signal
 import subprocess
@@ -96,6 +97,44 @@ def run_python(args: list[str], timeout: float, env: dict | None = None) -> subp
         out, _ = p.communicate()
         pytest.fail(f"{args[:3]} did not finish in {timeout}s:\n{out[-4000:]}")
     return subprocess.CompletedProcess(args, p.returncode, out)
+
+
+TOY = "ftcore.examples.toy"
+LAUNCH = ["-m", "training", "launch"]  # the interpreter's arguments that start the launcher
+
+
+def launch_args(
+    out: "str | os.PathLike",
+    *,
+    shards: "str | os.PathLike | None" = None,
+    worker: str | None = None,
+    groups: int = 2,
+    ranks: int = 1,
+    faults: "list[dict] | str | os.PathLike | None" = None,
+    timeout: float | None = None,
+    flags: list[str] | None = None,
+    worker_args: list[str] | None = None,
+) -> list[str]:
+    """The interpreter's arguments for `python -m training launch`: the one place the tests
+    spell the launcher's command line. `faults` is a plan file or the plan's faults (written
+    beside OUT as OUT-plan.json); `worker_args` go after `--` to every rank."""
+    out = Path(out)
+    args = [*LAUNCH, "--replica-groups", str(groups), "--ranks-per-group", str(ranks)]
+    args += ["--out", str(out), *(["--worker", worker] if worker else [])]
+    args += ["--shards", str(shards)] if shards is not None else []
+    if isinstance(faults, list):
+        plan = out.parent / f"{out.name}-plan.json"
+        plan.write_text(json.dumps({"faults": faults}))
+        faults = plan
+    args += ["--faults", str(faults)] if faults is not None else []
+    args += ["--timeout", str(timeout)] if timeout is not None else []
+    return [*args, *(flags or []), *(["--", *worker_args] if worker_args else [])]
+
+
+def run_launch(out: "str | os.PathLike", limit: float, env: dict | None = None, **kw) -> subprocess.CompletedProcess:
+    """`python -m training launch` (launch_args' keywords) as a bounded child (run_python):
+    ended by its process group after `limit` seconds."""
+    return run_python(launch_args(out, **kw), limit, env)
 
 
 def shard_sample_ids(shards: Path):

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import LAUNCH
 
 ROOT = Path(__file__).resolve().parent.parent
 # Importing airflow creates $AIRFLOW_HOME; keep it inside the (gitignored) work folder.
@@ -220,7 +221,7 @@ def test_train_command_is_the_launcher(tmp_path):
         overrides=["model.dim=16"],
     )
     cmd = steps.train_command(spec, "RUN", "sqlite:///x.db")
-    assert cmd[1:4] == ["-m", "training", "launch"]
+    assert cmd[1:4] == LAUNCH
     assert cmd[cmd.index("--replica-groups") + 1] == "2"
     plan = cmd[cmd.index("--faults") + 1]
     assert json.loads(Path(plan).read_text())["faults"][0]["kind"] == "kill"
@@ -233,7 +234,7 @@ def test_train_command_is_the_launcher(tmp_path):
     with pytest.raises(steps.UserError, match="fault_plan"):
         steps.train_command(steps.TrainSpec(shards="/s", out=str(tmp_path), fault_plan="{bad"), "R", "u")
     one = steps.train_command(steps.TrainSpec(shards="/s", out=str(tmp_path / "u")), "RUN", "u")
-    assert one[1:4] == ["-m", "training", "launch"] and "--faults" not in one  # one group of one rank too
+    assert one[1:4] == LAUNCH and "--faults" not in one  # one group of one rank too
     assert one[one.index("--replica-groups") + 1] == one[one.index("--ranks-per-group") + 1] == "1"
     assert steps.trainer_out(tmp_path / "u") == tmp_path / "u" / "replica_0"
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_python, shard_sample_ids, synthetic_shards
+from conftest import run_launch, shard_sample_ids, synthetic_shards
 
 from dataprep import schema
 from ftcore import ledger, tensorfile
@@ -55,28 +55,18 @@ def launch(
     timeout: float = 200.0,
 ) -> str:
     """`python -m training launch` with 2 groups x 2 ranks; returns its log (asserts exit 0)."""
-    args = [
-        "-m",
-        "training",
-        "launch",
-        "--shards",
-        str(shards),
-        "--replica-groups",
-        "2",
-        "--ranks-per-group",
-        "2",
-        "--out",
-        str(out),
-        "--timeout",
-        str(timeout - 20),
-    ]
-    if plan:
-        (out.parent / f"{out.name}-plan.json").write_text(json.dumps({"faults": plan}))
-        args += ["--faults", str(out.parent / f"{out.name}-plan.json")]
-    if not spares:
-        args.append("--no-spares")  # no restart expected: save the 2 cores 4 warm processes
-    args += ["--", "--set", *SETTINGS, *extra]
-    r = run_python(args, timeout)
+    flags = [] if spares else ["--no-spares"]  # no restart expected: save the 2 cores 4 warm processes
+    r = run_launch(
+        out,
+        timeout,
+        shards=shards,
+        groups=2,
+        ranks=2,
+        faults=plan or None,
+        timeout=timeout - 20,
+        flags=flags,
+        worker_args=["--set", *SETTINGS, *extra],
+    )
     (out.parent / f"{out.name}.log").write_text(r.stdout)  # the whole story, for a failure's post-mortem
     assert r.returncode == 0, r.stdout[-5000:]
     return r.stdout

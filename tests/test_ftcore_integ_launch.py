@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import run_python
+from conftest import TOY, run_launch
 
 from ftcore import ledger, tensorfile
 from ftcore.examples.toy import sample_ids
@@ -30,26 +30,18 @@ def launch(
     env: dict | None = None,
     timeout: float = 150.0,
 ) -> tuple[int, str]:
-    args = [
-        "-m",
-        "training",
-        "launch",
-        "--worker",
-        "ftcore.examples.toy",
-        "--replica-groups",
-        str(groups),
-        "--ranks-per-group",
-        str(ranks),
-        "--out",
-        str(out),
-        "--timeout",
-        str(timeout - 20),
-    ]
-    if plan:
-        (out.parent / f"{out.name}-plan.json").write_text(json.dumps({"faults": plan}))
-        args += ["--faults", str(out.parent / f"{out.name}-plan.json")]
-    args += ["--", "--steps", str(steps), "--step-sleep", "0.04"]
-    r = run_python(args, timeout, env)
+    toy_args = ["--steps", str(steps), "--step-sleep", "0.04"]
+    r = run_launch(
+        out,
+        timeout,
+        env,
+        worker=TOY,
+        groups=groups,
+        ranks=ranks,
+        faults=plan or None,
+        timeout=timeout - 20,
+        worker_args=toy_args,
+    )
     return r.returncode, r.stdout
 
 

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import cli_shard_set, run_python, shard_sample_ids
+from conftest import cli_shard_set, run_launch, shard_sample_ids
 
 from dataprep import schema
 from ftcore import ledger
@@ -22,34 +22,9 @@ def test_trainer_kill9_heal_identical_states_and_timeline_in_mlflow(tmp_path):
     shards, out = cli_shard_set(tmp_path), tmp_path / "run"
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"faults": [{"kind": "kill", "group": 1, "at_step": 6}]}))
-    r = run_python(
-        [
-            "-m",
-            "training",
-            "launch",
-            "--shards",
-            str(shards),
-            "--replica-groups",
-            "2",
-            "--ranks-per-group",
-            "1",
-            "--out",
-            str(out),
-            "--faults",
-            str(plan),
-            "--timeout",
-            "220",
-            "--",
-            "--set",
-            "train.epochs=2",
-            "model.dim=16",
-            "loss.num_negatives=16",
-            "mlflow.log_model=false",
-            "mlflow.plots=false",
-            "eval.batch_size=256",
-        ],
-        260,
-    )
+    settings = ["train.epochs=2", "model.dim=16", "loss.num_negatives=16", "mlflow.log_model=false"]
+    settings += ["mlflow.plots=false", "eval.batch_size=256"]
+    r = run_launch(out, 260, shards=shards, faults=plan, timeout=220, worker_args=["--set", *settings])
     assert r.returncode == 0, r.stdout[-5000:]
     s0 = (out / "replica_0" / "state.safetensors").read_bytes()
     s1 = (out / "replica_1" / "state.safetensors").read_bytes()

@@ -10,7 +10,7 @@ import threading
 import time
 
 import pytest
-from conftest import ask_all, run_python
+from conftest import TOY, ask_all, run_launch
 
 from ftcore import pace
 from ftcore.lighthouse_client import LighthouseClient, Standby, call
@@ -350,29 +350,15 @@ def test_a_slowed_group_is_excluded_in_a_real_job_and_all_groups_end_identical(t
         json.dumps({"faults": [{"kind": "slow", "group": 2, "at_step": 10, "until_step": 60, "delay_s": 0.15}]})
     )
     out = tmp_path / "run"
-    r = run_python(
-        [
-            "-m",
-            "training",
-            "launch",
-            "--worker",
-            "ftcore.examples.toy",
-            "--replica-groups",
-            "3",
-            "--out",
-            str(out),
-            "--faults",
-            str(plan),
-            "--timeout",
-            "200",
-            "--",
-            "--steps",
-            "80",
-            "--step-sleep",
-            "0.04",
-        ],
+    r = run_launch(
+        out,
         260,
-        env={"FTCORE_SLOW_WINDOW": "8", "FTCORE_SLOW_PROBATION": "60", "OMP_NUM_THREADS": "1"},
+        {"FTCORE_SLOW_WINDOW": "8", "FTCORE_SLOW_PROBATION": "60", "OMP_NUM_THREADS": "1"},
+        worker=TOY,
+        groups=3,
+        faults=plan,
+        timeout=200,
+        worker_args=["--steps", "80", "--step-sleep", "0.04"],
     )
     assert r.returncode == 0, r.stdout[-3000:]
     tl = json.loads((out / "timeline.json").read_text())

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import cli_shard_set, run_python, shard_sample_ids
+from conftest import cli_shard_set, launch_args, run_launch, shard_sample_ids
 
 from dataprep import schema
 from ftcore import ledger
@@ -49,10 +49,10 @@ TRAIN_ARGS = [
 
 
 def launch_until(args: list[str], done: Callable[[], bool], timeout: float) -> str:
-    """Run the launcher until `done()`, then stop the whole job with SIGINT (the launcher
+    """Run the launcher (launch_args) until `done()`, then stop the whole job with SIGINT (the launcher
     SIGKILLs every group it started); returns its output."""
     p = subprocess.Popen(
-        [sys.executable, "-m", "training", "launch", *args],
+        [sys.executable, *args],
         cwd=ROOT,
         text=True,
         stdout=subprocess.PIPE,
@@ -139,24 +139,9 @@ def test_whole_job_resume_makes_up_missed_batches_exactly_once(tmp_path):
     )
     led = out / "ledger"
     log1 = launch_until(
-        [
-            "--shards",
-            str(shards),
-            "--replica-groups",
-            "2",
-            "--ranks-per-group",
-            "1",
-            "--out",
-            str(out),
-            "--faults",
-            str(plan),
-            "--no-spares",
-            "--timeout",
-            "150",
-            "--",
-            "--set",
-            *TRAIN_ARGS,
-        ],
+        launch_args(
+            out, shards=shards, faults=plan, timeout=150, flags=["--no-spares"], worker_args=["--set", *TRAIN_ARGS]
+        ),
         lambda: any(r["step"] == PAST_CKPT for r in records(led, [0, 0])),
         150,
     )
@@ -169,28 +154,7 @@ def test_whole_job_resume_makes_up_missed_batches_exactly_once(tmp_path):
     assert missed and all(e == 0 for e, _ in missed), f"group 1 missed {missed}: no make-up work was owed"
 
     # ---- attempt 2: the whole job relaunched from its checkpoints, to the end --------------
-    r = run_python(
-        [
-            "-m",
-            "training",
-            "launch",
-            "--shards",
-            str(shards),
-            "--replica-groups",
-            "2",
-            "--ranks-per-group",
-            "1",
-            "--out",
-            str(out),
-            "--timeout",
-            "150",
-            "--",
-            "--set",
-            *TRAIN_ARGS,
-            "train.resume=true",
-        ],
-        180,
-    )
+    r = run_launch(out, 180, shards=shards, timeout=150, worker_args=["--set", *TRAIN_ARGS, "train.resume=true"])
     assert r.returncode == 0, r.stdout[-5000:]
     assert f"step-{CKPT:08d} (step {CKPT}," in r.stdout, "group 0 did not resume from its checkpoint"
 

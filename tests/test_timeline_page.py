@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import run_python
+from conftest import TOY, run_launch
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -20,28 +20,8 @@ def chaos_timeline(tmp_path_factory):
     d = tmp_path_factory.mktemp("chaos")
     plan = d / "plan.json"
     plan.write_text(json.dumps({"faults": [{"kind": "kill", "group": 1, "at_step": 15}]}))
-    r = run_python(
-        [
-            "-m",
-            "training",
-            "launch",
-            "--worker",
-            "ftcore.examples.toy",
-            "--replica-groups",
-            "2",
-            "--out",
-            str(d / "train"),
-            "--faults",
-            str(plan),
-            "--timeout",
-            "150",
-            "--",
-            "--steps",
-            "40",
-            "--step-sleep",
-            "0.02",
-        ],
-        200,
+    r = run_launch(
+        d / "train", 200, worker=TOY, faults=plan, timeout=150, worker_args=["--steps", "40", "--step-sleep", "0.02"]
     )
     assert r.returncode == 0, r.stdout[-3000:]
     return json.loads((d / "train" / "timeline.json").read_text())
@@ -67,14 +47,16 @@ def test_series_and_story_follow_the_timeline(chaos_timeline, tmp_path):
 def test_the_lighthouse_tab_of_a_finished_run_tells_what_happened(chaos_timeline, tmp_path, monkeypatch):
     from fastapi.testclient import TestClient
 
-    from ftrec_airflow import lighthouse, lighthouse_app, settings
+    from ftrec_airflow import lighthouse_app, lighthouse_status, settings
 
     monkeypatch.setenv("FTREC_WORK", str(tmp_path / "work"))
     monkeypatch.delenv("FTREC_LIGHTHOUSE_URL", raising=False)
     run = settings.run_folder("ftrec_chaos_drill", "manual__1")
     (run / "train").mkdir(parents=True)
     # the last snapshot the train task kept: its lighthouse has ended with the job
-    lighthouse.write_snapshot(run, "http://127.0.0.1:9", {"groups": [{"group": 0, "healthy": False}], "events": []})
+    lighthouse_status.write_snapshot(
+        run, "http://127.0.0.1:9", {"groups": [{"group": 0, "healthy": False}], "events": []}
+    )
     tl = dict(chaos_timeline)
     newest = max(e["t"] for e in [*tl["launcher_events"], *tl["lighthouse_events"]])
     tl["lighthouse_events"] = [

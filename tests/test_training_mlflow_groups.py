@@ -6,7 +6,7 @@ group's own facts arrive as group<g>/... metrics."""
 import collections
 
 import pytest
-from conftest import cli_shard_set, run_python
+from conftest import cli_shard_set, run_launch
 from mlflow import MlflowClient
 
 pytestmark = [pytest.mark.integ, pytest.mark.slow]
@@ -18,22 +18,13 @@ def test_two_groups_of_two_ranks_log_one_value_per_metric_and_step_and_one_model
     client = MlflowClient(tracking_uri=uri)
     exp = client.create_experiment("groups", artifact_location=(tmp_path / "artifacts").as_uri())  # not ./mlruns
     run_id = client.create_run(exp).info.run_id
-    r = run_python(
-        [
-            "-m",
-            "training",
-            "launch",
-            "--shards",
-            str(shards),
-            "--replica-groups",
-            "2",
-            "--ranks-per-group",
-            "2",
-            "--out",
-            str(out),
-            "--timeout",
-            "300",
-            "--",
+    r = run_launch(
+        out,
+        360,
+        shards=shards,
+        ranks=2,
+        timeout=300,
+        worker_args=[
             "--set",
             "train.epochs=2",
             "model.dim=16",
@@ -46,7 +37,6 @@ def test_two_groups_of_two_ranks_log_one_value_per_metric_and_step_and_one_model
             "mlflow.plots=false",
             "eval.batch_size=256",
         ],
-        360,
     )
     assert r.returncode == 0, r.stdout[-4000:]
     run = client.get_run(run_id)
@@ -80,22 +70,13 @@ def test_a_restarted_group_0_continues_the_jobs_run_instead_of_opening_another(t
     exp = client.create_experiment("restart", artifact_location=(tmp_path / "artifacts").as_uri())
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"faults": [{"kind": "kill", "group": 0, "at_step": 3}]}))
-    r = run_python(
-        [
-            "-m",
-            "training",
-            "launch",
-            "--shards",
-            str(shards),
-            "--replica-groups",
-            "2",
-            "--out",
-            str(out),
-            "--faults",
-            str(plan),
-            "--timeout",
-            "300",
-            "--",
+    r = run_launch(
+        out,
+        360,
+        shards=shards,
+        faults=plan,
+        timeout=300,
+        worker_args=[
             "--set",
             "train.epochs=3",
             "model.dim=16",
@@ -109,7 +90,6 @@ def test_a_restarted_group_0_continues_the_jobs_run_instead_of_opening_another(t
             "mlflow.system_metrics=false",
             "eval.batch_size=256",
         ],
-        360,
     )
     assert r.returncode == 0, r.stdout[-4000:]
     assert json.loads((out / "timeline.json").read_text())["restarts"]["0"] == 1

@@ -12,7 +12,7 @@ import re
 
 import pytest
 import torch
-from conftest import cli_shard_set, run_python, shard_sample_ids, synthetic_shards, torchrun_train
+from conftest import cli_shard_set, run_launch, shard_sample_ids, synthetic_shards, torchrun_train
 
 from dataprep import schema
 from ftcore import ledger
@@ -198,13 +198,9 @@ def test_rowwise_kill9_heal_identical_states_exactly_once(tmp_path):
     shards, out = cli_shard_set(tmp_path), tmp_path / "run"
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"faults": [{"kind": "kill", "group": 1, "at_step": 6}]}))
-    args = ["--replica-groups", "2", "--ranks-per-group", "1", "--out", str(out), "--faults", str(plan)]
     settings = ["train.epochs=2", "model.dim=16", "loss.num_negatives=16", "mlflow.enabled=false"]
-    r = run_python(
-        ["-m", "training", "launch", "--shards", str(shards), *args, "--timeout", "220", "--", "--set", *settings]
-        + ["optim.item_optimizer=rowwise_adam", "eval.batch_size=256"],
-        260,
-    )
+    settings += ["optim.item_optimizer=rowwise_adam", "eval.batch_size=256"]
+    r = run_launch(out, 260, shards=shards, faults=plan, timeout=220, worker_args=["--set", *settings])
     assert r.returncode == 0, r.stdout[-5000:]
     assert (out / "replica_0" / "state.safetensors").read_bytes() == (
         out / "replica_1" / "state.safetensors"
