@@ -5,9 +5,11 @@ The judge is tested on its own, then through a real lighthouse on loopback with 
 clients, then in a real job (the toy trainer under the launcher, one group slowed by a
 fault plan)."""
 
+import argparse
 import json
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from conftest import TOY, ask_all, run_launch
@@ -201,23 +203,17 @@ def _ask(clients, timeout: float = 5.0, **report):
     """Every client's quorum at once, each request reporting `report` (busy=..., idle=...)
     beside the client's info; a `busy` dict holds each rank's figure by (group, rank), or
     each group's by group (absent: none)."""
-    out: list = [None] * len(clients)
     busy = report.pop("busy", {})
 
-    def ask(i):
-        info = clients[i].info
-        req = QuorumRequest(info, busy=busy.get((info.group, info.rank), busy.get(info.group)), **report)
+    def ask(c):
+        req = QuorumRequest(c.info, busy=busy.get((c.info.group, c.info.rank), busy.get(c.info.group)), **report)
         try:
-            out[i] = clients[i].quorum(timeout, request=req)
+            return c.quorum(timeout, request=req)
         except Exception as e:  # noqa: BLE001 - the test inspects it
-            out[i] = e
+            return e
 
-    ts = [threading.Thread(target=ask, args=(i,)) for i in range(len(clients))]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    return out
+    with ThreadPoolExecutor(len(clients)) as pool:
+        return list(pool.map(ask, clients))
 
 
 def _round(clients, busy: dict, qid: int, timeout: float = 5.0):
@@ -369,3 +365,20 @@ def test_a_slowed_group_is_excluded_in_a_real_job_and_all_groups_end_identical(t
     assert len(set(tl["checksums"].values())) == 1 and len(tl["checksums"]) == 3, tl["checksums"]
     standby = [s for s in tl["steps"] if s["group"] == 2 and "standby" in s.get("error", "")]
     assert standby, "group 2 never stood by"
+
+
+@pytest.mark.integ
+@pytest.mark.slow
+def test_a_duty_cycled_rank_is_excluded_named_and_rejoins_by_heal(tmp_path):
+    """benchmarks/fail_slow.py's duty scenario (one copy of the set-up): group 2's rank is
+    SIGSTOPped 0.25 s and SIGCONTed 0.25 s for 6 s in a job of 3 groups of the toy trainer. Most
+    of its steps are not slow; it is excluded anyway, named, and after the slowdown rejoins by a
+    heal; nobody else is excluded, and every group ends with the same state."""
+    from benchmarks import fail_slow
+
+    a = argparse.Namespace(steps=0, pace=30.0, before=2.0, seconds=6.0, timeout=240.0, ranks_per_group=1, rank=0)
+    tl, duty = fail_slow.launch_duty(str(tmp_path / "run"), a, {"FTCORE_SLOW_PROBATION": "4"})
+    row = fail_slow.duty_phases(tl, duty, 3.0)
+    assert row["exclusions"] >= 1 and row["false_exclusions"] == 0, row
+    assert row["rank_named"] == 0 and row["rejoined_by_heal_after_s"] is not None, row
+    assert len(set(tl["checksums"].values())) == 1 and len(tl["checksums"]) == 3, tl["checksums"]
