@@ -266,10 +266,14 @@ def _arg_parser() -> argparse.ArgumentParser:
         "--slow-ratio",
         type=float,
         default=pace.ratio,
-        help="fail-slow: exclude a group whose compute is this many times its peers' (0: never; FTCORE_SLOW_RATIO)",
+        help="fail-slow: exclude a group only from this many times its peers' compute (default: R/(R-1) x 1.1 "
+        "for R groups, which it never goes below; 0: never; FTCORE_SLOW_RATIO)",
     )
     p.add_argument(
-        "--slow-window", type=int, default=pace.window, help="... for this many consecutive rounds (FTCORE_SLOW_WINDOW)"
+        "--slow-window",
+        type=int,
+        default=pace.window,
+        help="... measured over this many rounds, time-weighted (FTCORE_SLOW_WINDOW)",
     )
     p.add_argument(
         "--slow-probation",
