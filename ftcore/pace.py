@@ -55,7 +55,8 @@ class PacePolicy:
         data stays exactly once, so it trains each missed batch later, one a step while its peers
         send zeros) leaves this bound for the pace while it is slow, but over the whole run
         exclusion gains only when s > 2 and it recovered by its make-up: a ratio of 2 keeps that
-        stricter bound. A ratio only raises the bound; margin covers noise and the exchange."""
+        stricter bound. A ratio only raises the bound. s compares compute without the exchange
+        (the same wait for all), so it overstates a step's ratio when the exchange is a large part."""
         return max(self.ratio or 0.0, self.margin * n / (n - 1))
 
     def check(self) -> "PacePolicy":
