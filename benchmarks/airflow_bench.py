@@ -103,16 +103,16 @@ def bench_parse(repeats: int, tmp: Path) -> dict:
 
 def run_direct(work: Path) -> float:
     """The pipeline without Airflow: the same step functions, launcher and evaluation."""
-    from ftrec_airflow import steps, tracking
+    from ftrec_airflow import mlflow_registry, pipeline_ops
 
     os.environ["FTREC_WORK"] = str(work)
     t = time.perf_counter()
     run_dir = work / "runs" / "direct"
-    data = steps.ingest(
+    data = pipeline_ops.ingest(
         "synthetic", "sasrec", run_dir, synth_users=SMALL["synth_users"], synth_items=SMALL["synth_items"]
     )
-    shards = steps.build_shards(
-        steps.ShardSpec(
+    shards = pipeline_ops.build_shards(
+        pipeline_ops.ShardSpec(
             input=data["path"],
             fmt=data["format"],
             out=str(run_dir / "shards"),
@@ -121,21 +121,23 @@ def run_direct(work: Path) -> float:
             max_len=SMALL["max_len"],
         )
     )
-    steps.verify_shards(shards["path"])
+    pipeline_ops.verify_shards(shards["path"])
     uri = settings.tracking_uri()
     (work / "mlflow").mkdir(parents=True, exist_ok=True)
-    _, run_id = tracking.ensure_run("ftrec", "direct", tracking_uri=uri)
-    spec = steps.TrainSpec(
+    _, run_id = mlflow_registry.ensure_run("ftrec", "direct", tracking_uri=uri)
+    spec = pipeline_ops.TrainSpec(
         shards=shards["path"],
         out=str(run_dir / "train"),
         replica_groups=2,
         max_steps=SMALL["max_steps"],
         overrides=SMALL["train_overrides"],
     )
-    result = steps.train(spec, run_id, uri)
-    metrics = steps.evaluate(result["checkpoint"], shards["path"], str(run_dir / "eval.json"))
+    result = pipeline_ops.train(spec, run_id, uri)
+    metrics = pipeline_ops.evaluate(result["checkpoint"], shards["path"], str(run_dir / "eval.json"))
     # as the evaluate task does: only what the trainer did not log already
-    tracking.log_metrics(run_id, {tracking.metric_key(k): v for k, v in metrics.items()}, tracking_uri=uri)
+    mlflow_registry.log_metrics(
+        run_id, {mlflow_registry.metric_key(k): v for k, v in metrics.items()}, tracking_uri=uri
+    )
     return time.perf_counter() - t
 
 

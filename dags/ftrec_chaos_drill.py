@@ -31,16 +31,16 @@ PARAMS = {
     ),
     "max_stall_s": Param(30.0, type="number", minimum=0, description="Longest a survivor may go between two commits."),
 }
-FT = pipeline.TrainingDag("ftrec_chaos_drill", drill=True)  # no retries, no asset events
+DRILL = pipeline.TrainingDag("ftrec_chaos_drill", drill=True)  # no retries, no asset events
 
 
-@dag(**FT.dag_args(__doc__, params=PARAMS, tags=("chaos",), max_active_runs=1))
+@dag(**DRILL.dag_args(__doc__, params=PARAMS, tags=("chaos",), max_active_runs=1))
 def ftrec_chaos_drill():
     @task
     def check_recovery(trained: dict, params=None) -> dict:
         return pipeline.judge_drill(params, trained, float(params["max_stall_s"]))
 
-    check_recovery(FT.train(FT.shards(), timeout=timedelta(minutes=30)))
+    check_recovery(DRILL.train(DRILL.shards(), timeout=timedelta(minutes=30)))
 
 
 ftrec_chaos_drill()

@@ -19,11 +19,11 @@ from airflow.sdk import Asset, AssetOrTimeSchedule, CronTriggerTimetable, dag, t
 from ftrec_airflow import pipeline
 
 INTERACTIONS = Asset(name="ftrec_interactions", uri="ftrec://interactions")
-FT = pipeline.TrainingDag("ftrec_retrain")
+RETRAIN = pipeline.TrainingDag("ftrec_retrain")
 
 
 @dag(
-    **FT.dag_args(
+    **RETRAIN.dag_args(
         __doc__,
         max_active_runs=1,
         schedule=AssetOrTimeSchedule(timetable=CronTriggerTimetable("0 3 * * *", timezone="UTC"), assets=INTERACTIONS),
@@ -34,9 +34,9 @@ def ftrec_retrain():
     def base_model(params=None) -> dict:
         return pipeline.base_model(params)
 
-    shards = FT.shards(ingest=pipeline.ingest_new_data)
-    trained = FT.train(shards, base_model(), timeout=timedelta(hours=24))
-    FT.gate(trained)
+    shards = RETRAIN.shards(ingest=pipeline.ingest_new_data)
+    trained = RETRAIN.train(shards, base_model(), timeout=timedelta(hours=24))
+    RETRAIN.gate(trained)
 
 
 ftrec_retrain()

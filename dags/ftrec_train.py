@@ -17,13 +17,13 @@ from airflow.sdk import dag
 
 from ftrec_airflow import pipeline
 
-FT = pipeline.TrainingDag("ftrec_train")
+TRAIN = pipeline.TrainingDag("ftrec_train")
 
 
-@dag(**FT.dag_args(__doc__, max_active_runs=4))
+@dag(**TRAIN.dag_args(__doc__, max_active_runs=4))
 def ftrec_train():
-    trained = FT.train(FT.shards(), timeout=timedelta(hours=24))
-    FT.gate(trained)
+    trained = TRAIN.train(TRAIN.shards(), timeout=timedelta(hours=24))
+    TRAIN.gate(trained)
 
 
 ftrec_train()

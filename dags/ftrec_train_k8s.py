@@ -19,11 +19,11 @@ from airflow.sdk.exceptions import AirflowFailException
 from ftrec_airflow import kubernetes, pipeline
 
 UNAVAILABLE = kubernetes.unavailable()  # "" when the provider and FTREC_K8S_IMAGE are there
-FT = pipeline.TrainingDag("ftrec_train_k8s")
+K8S_TRAIN = pipeline.TrainingDag("ftrec_train_k8s")
 
 
 @dag(
-    **FT.dag_args(
+    **K8S_TRAIN.dag_args(
         __doc__ + (f"\n\n**Not available here:** {UNAVAILABLE}." if UNAVAILABLE else ""),
         tags=("kubernetes",),
         max_active_runs=4,
@@ -60,7 +60,7 @@ def ftrec_train_k8s():
     def trained(run: dict) -> dict:
         return kubernetes.collect(run)
 
-    run = open_run(FT.shards())
+    run = open_run(K8S_TRAIN.shards())
     pods = kubernetes.group_pod_operator(task_id="train_group", execution_timeout=timedelta(hours=24)).expand_kwargs(
         group_pods(run)
     )
@@ -68,7 +68,7 @@ def ftrec_train_k8s():
     pods >> drop_job_token(run)
     result = trained(run)
     pods >> result
-    FT.gate(result)
+    K8S_TRAIN.gate(result)
 
 
 ftrec_train_k8s()

@@ -86,9 +86,9 @@ def first(work):
 
 
 def _client(work: Path):
-    from ftrec_airflow import tracking
+    from ftrec_airflow import mlflow_registry
 
-    return tracking.client(f"sqlite:///{work / 'mlflow' / 'mlflow.db'}")
+    return mlflow_registry.client(f"sqlite:///{work / 'mlflow' / 'mlflow.db'}")
 
 
 def test_dag_run_succeeds_and_reports(first, work):

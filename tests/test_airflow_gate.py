@@ -15,7 +15,7 @@ import pytest
 
 from dataprep.build import build_shards
 from dataprep.synth import write_synthetic
-from ftrec_airflow import pipeline, steps, tracking
+from ftrec_airflow import mlflow_registry, pipeline, pipeline_ops
 from training.config import load_config
 from training.train import train
 
@@ -81,11 +81,11 @@ def task(monkeypatch, tmp_path):
 
 def _champion(uri: str, name: str, trained: dict, stored: float) -> int:
     """A champion as an earlier gate left it: its checkpoint and a gate_value from another test."""
-    c = tracking.client(uri)
+    c = mlflow_registry.client(uri)
     c.create_registered_model(name)
-    tags = {"gate_metric": METRIC, "gate_value": repr(stored), tracking.CHECKPOINT_TAG: trained["checkpoint"]}
+    tags = {"gate_metric": METRIC, "gate_value": repr(stored), mlflow_registry.CHECKPOINT_TAG: trained["checkpoint"]}
     mv = c.create_model_version(name, source=f"runs:/{trained['mlflow_run_id']}/model", run_id=None, tags=tags)
-    c.set_registered_model_alias(name, tracking.CHAMPION, mv.version)
+    c.set_registered_model_alias(name, mlflow_registry.CHAMPION, mv.version)
     return int(mv.version)
 
 
@@ -104,12 +104,12 @@ def test_an_lr0_challenger_loses_although_the_champions_stored_score_is_lower(wo
     assert new > 0.0  # the old gate (new score vs stored 0.0) would have promoted it
     assert champ > new + pipeline.GATE_MIN_MARGIN, reg["scores"]
     assert (reg["version"], reg["champion"], reg["promoted"], reg["aliases"]) == (2, v1, False, ["challenger"])
-    assert int(tracking.client(uri).get_model_version_by_alias(name, tracking.CHAMPION).version) == v1
+    assert int(mlflow_registry.client(uri).get_model_version_by_alias(name, mlflow_registry.CHAMPION).version) == v1
     # both scores, on both protocols, the split and the verdict: on the run and in the task log
-    run = tracking.client(uri).get_run(world["lr0_new"]["mlflow_run_id"]).data
+    run = mlflow_registry.client(uri).get_run(world["lr0_new"]["mlflow_run_id"]).data
     assert run.metrics[f"gate/challenger/{METRIC}"] == new and run.metrics[f"gate/champion/{METRIC}"] == champ
     assert f"gate/champion/{SAMPLED}" in run.metrics and f"gate/challenger/{SAMPLED}" in run.metrics
-    fp = steps.verify_shards(world["new"])["fingerprint"]
+    fp = pipeline_ops.verify_shards(world["new"])["fingerprint"]
     assert ev["split"]["fingerprint"] == fp == run.tags["gate.split_fingerprint"] and len(fp) == 64
     assert run.tags["gate.verdict"] == "kept champion" and run.tags["gate.champion_version"] == str(v1)
     said = caplog.text
@@ -129,14 +129,14 @@ def test_a_better_challenger_wins_although_the_champions_stored_score_is_higher(
 def test_the_same_model_is_scored_the_same_as_champion_and_as_challenger(world):
     """One code path for both: the champion's score of a model equals its challenger score,
     and equals what the trainer itself logged at the end of training."""
-    got = steps.judge(
+    got = pipeline_ops.judge(
         world["good_new"]["checkpoint"],
         world["new"],
         str(world["dir"] / "self.json"),
         champion=world["good_new"]["checkpoint"],
     )
     assert got["champion"] == {k: v for k, v in got["metrics"].items() if k.startswith("test/")}
-    logged = tracking.run_metrics(world["good_new"]["mlflow_run_id"], world["uri"])
+    logged = mlflow_registry.run_metrics(world["good_new"]["mlflow_run_id"], world["uri"])
     assert logged[METRIC] == pytest.approx(got["metrics"]["test/full/ndcg@10"], abs=1e-6)
 
 
@@ -159,7 +159,7 @@ def test_a_champion_that_cannot_be_scored_is_kept(world, task, caplog, tmp_path)
     ],
 )
 def test_verdict_table(new, champ, margin, error, won):
-    assert steps.verdict(new, champ, margin, error)[0] is won
+    assert pipeline_ops.verdict(new, champ, margin, error)[0] is won
 
 
 def test_the_gate_cli_says_what_is_wrong_without_a_traceback(world, tmp_path):

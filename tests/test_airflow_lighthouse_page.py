@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from ftrec_airflow import lighthouse, settings
+from ftrec_airflow import lighthouse_status, settings
 
 RUN = {"dag_id": "ftrec_train", "run_id": "probe"}
 
@@ -59,7 +59,7 @@ def listener(free_port):
 def _plant(doc: dict) -> None:
     run = settings.run_folder(RUN["dag_id"], RUN["run_id"])
     run.mkdir(parents=True, exist_ok=True)
-    (run / lighthouse.SNAPSHOT).write_text(json.dumps(doc))
+    (run / lighthouse_status.SNAPSHOT).write_text(json.dumps(doc))
 
 
 def test_a_planted_remote_url_is_never_contacted(page):
@@ -135,16 +135,16 @@ def test_a_symlinked_snapshot_timeline_or_run_folder_is_not_followed(page, tmp_p
     secret.write_text(json.dumps({"url": "http://127.0.0.1:9", "status": {"fernet_key": "AAAA"}}))
     run = settings.run_folder(RUN["dag_id"], RUN["run_id"])
     (run / "train").mkdir(parents=True)
-    os.symlink(secret, run / lighthouse.SNAPSHOT)
+    os.symlink(secret, run / lighthouse_status.SNAPSHOT)
     os.symlink(secret, run / "train" / "timeline.json")
     doc = page.get("/lighthouse/status", params=RUN).json()
     assert doc["status"] is None and doc["timeline"] is None and "AAAA" not in json.dumps(doc)
     # a run folder that is itself a link to another folder
     other = tmp_path / "elsewhere"
     other.mkdir()
-    (other / lighthouse.SNAPSHOT).write_text(json.dumps({"status": {"max_step": 99}}))
+    (other / lighthouse_status.SNAPSHOT).write_text(json.dumps({"status": {"max_step": 99}}))
     os.symlink(other, settings.run_folder(RUN["dag_id"], "linked"))
-    assert lighthouse.read_snapshot(settings.run_folder(RUN["dag_id"], "linked")) is None
+    assert lighthouse_status.read_snapshot(settings.run_folder(RUN["dag_id"], "linked")) is None
 
 
 def test_a_non_numeric_fetched_at_is_a_message_not_a_500(page):

@@ -28,16 +28,16 @@ from airflow.sdk import dag
 
 from ftrec_airflow import pipeline
 
-FT = pipeline.TrainingDag("ftrec_shards_fanout", shard_fanout={"buckets": 4})
+FANOUT = pipeline.TrainingDag("ftrec_shards_fanout", shard_fanout={"buckets": 4})
 
 
 def ingest(params):
     return {"path": os.environ["FANOUT_INPUTS"].split(","), "format": "events"}
 
 
-@dag(**FT.dag_args("build_shards fanned out", default_args={"retries": 1, "retry_delay": timedelta(seconds=1)}))
+@dag(**FANOUT.dag_args("build_shards fanned out", default_args={"retries": 1, "retry_delay": timedelta(seconds=1)}))
 def ftrec_shards_fanout():
-    FT.shards(ingest)
+    FANOUT.shards(ingest)
 
 
 ftrec_shards_fanout()

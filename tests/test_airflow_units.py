@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # Importing airflow creates $AIRFLOW_HOME; keep it inside the (gitignored) work folder.
 os.environ.setdefault("AIRFLOW_HOME", str(ROOT / "work" / "test-airflow-home"))
 
-from ftrec_airflow import chaos, lighthouse, runner, settings, steps, tracking  # noqa: E402
+from ftrec_airflow import chaos, lighthouse_status, mlflow_registry, pipeline_ops, runner, settings  # noqa: E402
 
 
 def _alive(pid: int) -> bool:
@@ -164,54 +164,54 @@ def test_runner_sigterm_to_the_task_process_ends_the_tree(tmp_path):
 
 
 def test_ingest_errors_name_the_file_and_the_setting(tmp_path):
-    with pytest.raises(steps.UserError, match="does not exist"):
-        steps.ingest(str(tmp_path / "nope.txt"), "sasrec", tmp_path)
+    with pytest.raises(pipeline_ops.UserError, match="does not exist"):
+        pipeline_ops.ingest(str(tmp_path / "nope.txt"), "sasrec", tmp_path)
     empty = tmp_path / "empty.txt"
     empty.write_text("")
-    with pytest.raises(steps.UserError, match="empty"):
-        steps.ingest(str(empty), "sasrec", tmp_path)
+    with pytest.raises(pipeline_ops.UserError, match="empty"):
+        pipeline_ops.ingest(str(empty), "sasrec", tmp_path)
     iclrec = tmp_path / "beauty_like.txt"
     iclrec.write_text("1 5 6 7\n2 8 9\n")
-    with pytest.raises(steps.UserError, match=r"line 1: format sasrec expects 2 fields.*data_format"):
-        steps.ingest(str(iclrec), "sasrec", tmp_path)
-    with pytest.raises(steps.UserError, match="data_format='csv'"):
-        steps.ingest(str(iclrec), "csv", tmp_path)
-    assert steps.ingest(str(iclrec), "iclrec", tmp_path)["format"] == "iclrec"
+    with pytest.raises(pipeline_ops.UserError, match=r"line 1: format sasrec expects 2 fields.*data_format"):
+        pipeline_ops.ingest(str(iclrec), "sasrec", tmp_path)
+    with pytest.raises(pipeline_ops.UserError, match="data_format='csv'"):
+        pipeline_ops.ingest(str(iclrec), "csv", tmp_path)
+    assert pipeline_ops.ingest(str(iclrec), "iclrec", tmp_path)["format"] == "iclrec"
 
 
 def test_synthetic_ingest_and_build_shards_are_idempotent(tmp_path):
-    data = steps.ingest("synthetic", "sasrec", tmp_path, synth_users=120, synth_items=60, seed=3)
+    data = pipeline_ops.ingest("synthetic", "sasrec", tmp_path, synth_users=120, synth_items=60, seed=3)
     first_mtime = os.stat(data["path"]).st_mtime_ns
-    again = steps.ingest("synthetic", "sasrec", tmp_path, synth_users=120, synth_items=60, seed=3)
+    again = pipeline_ops.ingest("synthetic", "sasrec", tmp_path, synth_users=120, synth_items=60, seed=3)
     assert again == data and os.stat(data["path"]).st_mtime_ns == first_mtime
-    spec = steps.ShardSpec(
+    spec = pipeline_ops.ShardSpec(
         input=data["path"], fmt="sasrec", out=str(tmp_path / "shards"), world_size=2, batch_size=8, max_len=20
     )
-    built = steps.build_shards(spec)
+    built = pipeline_ops.build_shards(spec)
     assert built["reused"] is False and built["steps"] > 0
     files = sorted(p.name for p in (tmp_path / "shards" / "shards").iterdir())
     assert files == ["rank-00000.parquet", "rank-00001.parquet"]
-    retried = steps.build_shards(spec)  # a retried task: same set, nothing rebuilt
+    retried = pipeline_ops.build_shards(spec)  # a retried task: same set, nothing rebuilt
     assert retried["reused"] is True and retried["fingerprint"] == built["fingerprint"]
-    assert steps.verify_shards(built["path"])["steps"] == built["steps"]
+    assert pipeline_ops.verify_shards(built["path"])["steps"] == built["steps"]
     # other settings in the same folder (e.g. a cleared run with another world size) replace it
-    rebuilt = steps.build_shards(steps.ShardSpec(**{**spec.__dict__, "world_size": 1}))
+    rebuilt = pipeline_ops.build_shards(pipeline_ops.ShardSpec(**{**spec.__dict__, "world_size": 1}))
     assert rebuilt["reused"] is False and rebuilt["config"]["world_size"] == 1
 
 
 def test_verify_reports_a_corrupt_shard_set(tmp_path):
-    data = steps.ingest("synthetic", "sasrec", tmp_path, synth_users=100, synth_items=50)
-    built = steps.build_shards(
-        steps.ShardSpec(input=data["path"], fmt="sasrec", out=str(tmp_path / "s"), world_size=1, batch_size=8)
+    data = pipeline_ops.ingest("synthetic", "sasrec", tmp_path, synth_users=100, synth_items=50)
+    built = pipeline_ops.build_shards(
+        pipeline_ops.ShardSpec(input=data["path"], fmt="sasrec", out=str(tmp_path / "s"), world_size=1, batch_size=8)
     )
     shard = tmp_path / "s" / "shards" / "rank-00000.parquet"
     shard.write_bytes(shard.read_bytes()[:-100] + b"\0" * 100)
-    with pytest.raises(steps.UserError):
-        steps.verify_shards(built["path"])
+    with pytest.raises(pipeline_ops.UserError):
+        pipeline_ops.verify_shards(built["path"])
 
 
 def test_train_command_is_the_launcher(tmp_path):
-    spec = steps.TrainSpec(
+    spec = pipeline_ops.TrainSpec(
         shards="/s",
         out=str(tmp_path / "t"),
         replica_groups=2,
@@ -220,7 +220,7 @@ def test_train_command_is_the_launcher(tmp_path):
         max_steps=7,
         overrides=["model.dim=16"],
     )
-    cmd = steps.train_command(spec, "RUN", "sqlite:///x.db")
+    cmd = pipeline_ops.train_command(spec, "RUN", "sqlite:///x.db")
     assert cmd[1:4] == LAUNCH
     assert cmd[cmd.index("--replica-groups") + 1] == "2"
     plan = cmd[cmd.index("--faults") + 1]
@@ -230,23 +230,23 @@ def test_train_command_is_the_launcher(tmp_path):
         assert s in trainer_args
     assert "train.resume=true" not in trainer_args
     (tmp_path / "t" / "replica_0" / "checkpoints" / "step-00000004").mkdir(parents=True)
-    assert "train.resume=true" in steps.train_command(spec, "RUN", "sqlite:///x.db")  # a retry resumes
-    with pytest.raises(steps.UserError, match="fault_plan"):
-        steps.train_command(steps.TrainSpec(shards="/s", out=str(tmp_path), fault_plan="{bad"), "R", "u")
-    one = steps.train_command(steps.TrainSpec(shards="/s", out=str(tmp_path / "u")), "RUN", "u")
+    assert "train.resume=true" in pipeline_ops.train_command(spec, "RUN", "sqlite:///x.db")  # a retry resumes
+    with pytest.raises(pipeline_ops.UserError, match="fault_plan"):
+        pipeline_ops.train_command(pipeline_ops.TrainSpec(shards="/s", out=str(tmp_path), fault_plan="{bad"), "R", "u")
+    one = pipeline_ops.train_command(pipeline_ops.TrainSpec(shards="/s", out=str(tmp_path / "u")), "RUN", "u")
     assert one[1:4] == LAUNCH and "--faults" not in one  # one group of one rank too
     assert one[one.index("--replica-groups") + 1] == one[one.index("--ranks-per-group") + 1] == "1"
-    assert steps.trainer_out(tmp_path / "u") == tmp_path / "u" / "replica_0"
+    assert pipeline_ops.trainer_out(tmp_path / "u") == tmp_path / "u" / "replica_0"
 
 
 def test_quality_gate_passes_and_fails_with_every_metric():
     metrics = {"test/sampled/ndcg_at_10": 0.31, "test/full/hr_at_10": 0.07}
-    assert steps.check_gate(metrics, "test/sampled/ndcg_at_10", 0.3) == 0.31
-    with pytest.raises(steps.GateFailed) as e:
-        steps.check_gate(metrics, "test/sampled/ndcg_at_10", 0.5)
+    assert pipeline_ops.check_gate(metrics, "test/sampled/ndcg_at_10", 0.3) == 0.31
+    with pytest.raises(pipeline_ops.GateFailed) as e:
+        pipeline_ops.check_gate(metrics, "test/sampled/ndcg_at_10", 0.5)
     assert "test/sampled/ndcg_at_10=0.3100 < 0.5" in str(e.value) and "test/full/hr_at_10=0.0700" in str(e.value)
-    with pytest.raises(steps.UserError, match="gate_metric='test/nope'"):
-        steps.check_gate(metrics, "test/nope", 0.1)
+    with pytest.raises(pipeline_ops.UserError, match="gate_metric='test/nope'"):
+        pipeline_ops.check_gate(metrics, "test/nope", 0.1)
 
 
 # ---------------------------------------------------------------- local runner: --set
@@ -300,16 +300,16 @@ def test_mlflow_run_is_found_again_and_metrics_logged_once(tmp_path, monkeypatch
     uri = settings.tracking_uri()
     assert uri == f"sqlite:///{tmp_path / 'mlflow' / 'mlflow.db'}"
     (tmp_path / "mlflow").mkdir()
-    exp, run = tracking.ensure_run("exp-a", "dag/run-1/train", tracking_uri=uri)
-    assert tracking.ensure_run("exp-a", "dag/run-1/train", tracking_uri=uri) == (exp, run)  # retry: same run
-    assert tracking.ensure_run("exp-a", "dag/run-2/train", tracking_uri=uri)[1] != run
-    c = tracking.client(uri)
+    exp, run = mlflow_registry.ensure_run("exp-a", "dag/run-1/train", tracking_uri=uri)
+    assert mlflow_registry.ensure_run("exp-a", "dag/run-1/train", tracking_uri=uri) == (exp, run)  # retry: same run
+    assert mlflow_registry.ensure_run("exp-a", "dag/run-2/train", tracking_uri=uri)[1] != run
+    c = mlflow_registry.client(uri)
     assert c.get_experiment(exp).artifact_location == (tmp_path / "mlflow" / "artifacts").as_uri()
-    tracking.log_metrics(run, {"test/full/hr@10": 0.5}, prefix="eval/", tracking_uri=uri)
-    tracking.log_metrics(run, {"test/full/hr@10": 0.5}, prefix="eval/", tracking_uri=uri)
+    mlflow_registry.log_metrics(run, {"test/full/hr@10": 0.5}, prefix="eval/", tracking_uri=uri)
+    mlflow_registry.log_metrics(run, {"test/full/hr@10": 0.5}, prefix="eval/", tracking_uri=uri)
     assert [m.value for m in c.get_metric_history(run, "eval/test/full/hr_at_10")] == [0.5]
-    assert tracking.run_url(exp, run).endswith(f"/#/experiments/{exp}/runs/{run}")
-    assert tracking.latest_version("no-such-model", tracking_uri=uri) is None
+    assert mlflow_registry.run_url(exp, run).endswith(f"/#/experiments/{exp}/runs/{run}")
+    assert mlflow_registry.by_alias("no-such-model", mlflow_registry.CHAMPION, uri) is None
 
 
 # ---------------------------------------------------------------- chaos verdict
@@ -367,15 +367,17 @@ def test_fault_plan_files(tmp_path):
 
 def test_lighthouse_address_in_launcher_output():
     assert (
-        lighthouse.address_in('[launch] launch {"lighthouse": "127.0.0.1:60627", "groups": 2}')
+        lighthouse_status.address_in('[launch] launch {"lighthouse": "127.0.0.1:60627", "groups": 2}')
         == "http://127.0.0.1:60627"
     )
     assert (
-        lighthouse.address_in('[lighthouse] {"t": 1795940043.09, "kind": "listening", "address": "127.0.0.1:5000"}')
+        lighthouse_status.address_in(
+            '[lighthouse] {"t": 1795940043.09, "kind": "listening", "address": "127.0.0.1:5000"}'
+        )
         == "http://127.0.0.1:5000"
     )
-    assert lighthouse.address_in('[lighthouse] {"t": 1795940043.0908248, "kind": "lighthouse_started"}') is None
-    assert lighthouse.address_in("[g0r0] step 4 valid 0.47") is None
+    assert lighthouse_status.address_in('[lighthouse] {"t": 1795940043.0908248, "kind": "lighthouse_started"}') is None
+    assert lighthouse_status.address_in("[g0r0] step 4 valid 0.47") is None
 
 
 @pytest.fixture
@@ -403,7 +405,7 @@ def live_lighthouse(tmp_path, free_port):
         deadline = time.monotonic() + 30
         while True:
             try:
-                lighthouse.fetch_status(url, token_file=token)
+                lighthouse_status.fetch_status(url, token_file=token)
                 break
             except OSError:
                 if time.monotonic() > deadline or proc.poll() is not None:
@@ -455,7 +457,7 @@ def test_lighthouse_page_never_follows_a_planted_url_or_token_path(tmp_path, mon
     srv.listen(4)
     srv.settimeout(0.5)
     evil = {"group": "<script>alert(1)</script>", "healthy": True, "step": "<b>", "ranks": 1, "world": 1}
-    (run_dir / lighthouse.SNAPSHOT).write_text(
+    (run_dir / lighthouse_status.SNAPSHOT).write_text(
         json.dumps(
             {"url": "http://203.0.113.7:80", "token_file": str(secret), "status": {"groups": [evil], "events": []}}
         )
@@ -466,7 +468,7 @@ def test_lighthouse_page_never_follows_a_planted_url_or_token_path(tmp_path, mon
     assert "<script>alert(1)</script>" not in page and "&lt;script&gt;" in page
     assert "<b>" not in page.split("<table>")[1]
     # a loopback URL is contacted, with this server's token only (none here), never the planted path
-    (run_dir / lighthouse.SNAPSHOT).write_text(
+    (run_dir / lighthouse_status.SNAPSHOT).write_text(
         json.dumps({"url": f"http://127.0.0.1:{free_port}", "token_file": str(secret), "status": None})
     )
     t = threading.Thread(
@@ -493,11 +495,11 @@ def test_lighthouse_page_live_then_from_snapshot(tmp_path, monkeypatch, live_lig
     monkeypatch.delenv("FTCORE_TOKEN", raising=False)
     run_dir = settings.run_folder("ftrec_train", "manual__2026-01-01T00:00:00+00:00")
     with pytest.raises(OSError):
-        lighthouse.fetch_status(url)  # no token: refused (401)
+        lighthouse_status.fetch_status(url)  # no token: refused (401)
     (run_dir / "train").mkdir(parents=True)
-    with lighthouse.Watcher(run_dir, token_file=token) as w:
+    with lighthouse_status.Watcher(run_dir, token_file=token) as w:
         w.see(f'[launch] launch {{"lighthouse": "{url[7:]}", "groups": 2}}')
-    snap = lighthouse.read_snapshot(run_dir)
+    snap = lighthouse_status.read_snapshot(run_dir)
     assert snap["url"] == url and snap["status"]["min_replicas"] == 1 and "token_file" not in snap
     client = page_client
     q = {"dag_id": "ftrec_train", "run_id": "manual__2026-01-01T00:00:00+00:00"}
@@ -584,9 +586,9 @@ def test_train_step_joins_a_standing_lighthouse_with_the_workers_token(tmp_path,
     monkeypatch.delenv("FTCORE_TOKEN", raising=False)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     run_key = "ftrec_train/manual__2026-12-01T00:00:00+00:00/train"
-    _, run_id = tracking.ensure_run("standing", run_key, tracking_uri=uri)
+    _, run_id = mlflow_registry.ensure_run("standing", run_key, tracking_uri=uri)
     out = tmp_path / "t"
-    spec = steps.TrainSpec(
+    spec = pipeline_ops.TrainSpec(
         shards=str(shards),
         out=str(out),
         replica_groups=2,
@@ -602,19 +604,19 @@ def test_train_step_joins_a_standing_lighthouse_with_the_workers_token(tmp_path,
             "eval.batch_size=256",
         ],
     )
-    cmd = steps.train_command(spec, run_id, uri)
+    cmd = pipeline_ops.train_command(spec, run_id, uri)
     assert cmd[cmd.index("--lighthouse") + 1] == url.removeprefix("http://")
     job = cmd[cmd.index("--job-id") + 1]
     assert job == settings.lighthouse_job_id(run_key) and job.startswith("ftrec_train/manual__2026-12-01")
-    result = steps.train(spec, run_id, uri)
+    result = pipeline_ops.train(spec, run_id, uri)
     assert result["steps"] == 4 and result["mlflow_run_id"] == run_id
     assert not (out / "token").exists() and not (out / "lighthouse-events.jsonl").exists()
-    st = lighthouse.fetch_status(url, token_file=token, job=job)
+    st = lighthouse_status.fetch_status(url, token_file=token, job=job)
     # the job ended: the lighthouse retired it and still shows its final state
     assert st["job"] == job and job not in st["jobs"] and st["retired"]["reason"]
     assert [(g["group"], g["left"]) for g in st["groups"]] == [(0, True), (1, True)]
     assert any(e["kind"] == "quorum_formed" for e in st["events"])
-    assert lighthouse.fetch_status(url, token_file=token)["groups"] == []  # nothing under the default job
+    assert lighthouse_status.fetch_status(url, token_file=token)["groups"] == []  # nothing under the default job
 
 
 def test_build_step_retries_with_overwrite_only_for_another_shard_set(tmp_path):
@@ -624,12 +626,18 @@ def test_build_step_retries_with_overwrite_only_for_another_shard_set(tmp_path):
     out = tmp_path / "shards"
     out.mkdir()
     (out / "keep.txt").write_text("not a shard set")
-    with pytest.raises(steps.UserError, match="holds no shard set"):
-        steps.build_shards(steps.ShardSpec(input=str(src), fmt="sasrec", out=str(out), world_size=2, batch_size=8))
+    with pytest.raises(pipeline_ops.UserError, match="holds no shard set"):
+        pipeline_ops.build_shards(
+            pipeline_ops.ShardSpec(input=str(src), fmt="sasrec", out=str(out), world_size=2, batch_size=8)
+        )
     assert (out / "keep.txt").exists()
     (out / "keep.txt").unlink()
-    first = steps.build_shards(steps.ShardSpec(input=str(src), fmt="sasrec", out=str(out), world_size=2, batch_size=8))
-    again = steps.build_shards(steps.ShardSpec(input=str(src), fmt="sasrec", out=str(out), world_size=4, batch_size=8))
+    first = pipeline_ops.build_shards(
+        pipeline_ops.ShardSpec(input=str(src), fmt="sasrec", out=str(out), world_size=2, batch_size=8)
+    )
+    again = pipeline_ops.build_shards(
+        pipeline_ops.ShardSpec(input=str(src), fmt="sasrec", out=str(out), world_size=4, batch_size=8)
+    )
     assert first["config"]["world_size"] == 2 and again["config"]["world_size"] == 4 and not again["reused"]
 
 
@@ -646,12 +654,14 @@ def test_build_step_reports_each_stage_as_it_goes(tmp_path):
 
     src = write_synthetic(tmp_path / "ev.txt", users=300, items=100, seed=0)
     lines: list[str] = []
-    spec = steps.ShardSpec(input=str(src), fmt="sasrec", out=str(tmp_path / "shards"), world_size=2, batch_size=8)
-    steps.build_shards(spec, log=lines.append)
+    spec = pipeline_ops.ShardSpec(
+        input=str(src), fmt="sasrec", out=str(tmp_path / "shards"), world_size=2, batch_size=8
+    )
+    pipeline_ops.build_shards(spec, log=lines.append)
     assert [line.split()[1] for line in lines] == ["read", "300", lines[2].split()[1], "wrote"], lines
     assert "steps balanced over 2 ranks" in lines[2] and "rejected" in lines[0] and "training samples" in lines[1]
     lines.clear()
-    steps.build_shards(spec, log=lines.append)
+    pipeline_ops.build_shards(spec, log=lines.append)
     assert len(lines) == 1 and "reused" in lines[0]
 
 
@@ -713,14 +723,15 @@ def test_mlflow_connection_then_env_then_embedded_store(tmp_path, no_mlflow_env)
             }
         ),
     )
-    uri, creds = tracking.connect()
+    uri, creds = mlflow_registry.connect()
     assert uri == "https://mlflow.internal:5443"
     assert creds == {"MLFLOW_TRACKING_USERNAME": "alice", "MLFLOW_TRACKING_PASSWORD": "s3cret"}
     assert os.environ["MLFLOW_TRACKING_PASSWORD"] == "s3cret" and "MLFLOW_TRACKING_TOKEN" not in os.environ
-    env = steps.train_env(uri, creds)  # the training processes get them in their environment
+    env = pipeline_ops.train_env(uri, creds)  # the training processes get them in their environment
     assert env["MLFLOW_TRACKING_USERNAME"] == "alice" and env["MLFLOW_TRACKING_URI"] == uri
     assert not any(
-        "s3cret" in a for a in steps.train_command(steps.TrainSpec(shards="/s", out=str(tmp_path / "t")), "RUN", uri)
+        "s3cret" in a
+        for a in pipeline_ops.train_command(pipeline_ops.TrainSpec(shards="/s", out=str(tmp_path / "t")), "RUN", uri)
     )
     mp.setenv("AIRFLOW_CONN_FTREC_MLFLOW", "http://mlflow.internal:5000")  # URI form, no auth
     assert settings.mlflow_connection() == ("http://mlflow.internal:5000", {})
@@ -773,11 +784,11 @@ def test_evaluate_logs_only_what_the_trainer_did_not_and_the_gate_finds_it(tmp_p
     monkeypatch.setattr(
         pipeline, "get_current_context", lambda: {"ti": SimpleNamespace(dag_id="ftrec_train"), "run_id": "r1"}
     )
-    _, run = tracking.ensure_run("exp", "ftrec_train/r1/train", tracking_uri=uri)
-    c = tracking.client(uri)
+    _, run = mlflow_registry.ensure_run("exp", "ftrec_train/r1/train", tracking_uri=uri)
+    c = mlflow_registry.client(uri)
     c.log_metric(run, "test/sampled/ndcg_at_10", 0.3125, step=10)  # as the trainer logs its final scores
     c.log_metric(run, "test/full/ndcg_at_10", 0.0625, step=10)
-    # the evaluation's result file is there: steps.judge reads it instead of evaluating again
+    # the evaluation's result file is there: pipeline_ops.judge reads it instead of evaluating again
     out = pipeline.run_dir() / "eval.json"
     out.parent.mkdir(parents=True)
     split = {"fingerprint": "f" * 64, "eval_sha256": "e" * 64, "shards": "/shards"}
@@ -789,10 +800,10 @@ def test_evaluate_logs_only_what_the_trainer_did_not_and_the_gate_finds_it(tmp_p
     assert ev["metrics"] == {"test/sampled/ndcg_at_10": 0.3125, "test/full/ndcg_at_10": 0.0625, "test/full/mrr": 0.04}
     assert ev["champion"] == {"version": None, "metrics": None, "error": None} and ev["split"] == split
     pipeline.evaluate({"model_name": "none-yet"}, trained)  # a retry adds nothing either
-    metrics = tracking.run_metrics(run, uri)
+    metrics = mlflow_registry.run_metrics(run, uri)
     assert sorted(metrics) == ["test/full/mrr", "test/full/ndcg_at_10", "test/sampled/ndcg_at_10"]
     assert len(c.get_metric_history(run, "test/sampled/ndcg_at_10")) == 1
-    assert steps.check_gate(ev["metrics"], pipeline.GATE_METRIC, 0.06) == 0.0625
+    assert pipeline_ops.check_gate(ev["metrics"], pipeline.GATE_METRIC, 0.06) == 0.0625
 
 
 # ---------------------------------------------------------------- registry aliases
@@ -804,17 +815,17 @@ def _version(c, name: str) -> int:
 
 
 def test_champion_moves_only_to_a_winner_judged_against_the_current_champion(tmp_path):
-    """tracking.promote applies steps.verdict's decision: a loser gets `challenger` only; a
+    """tracking.promote applies pipeline_ops.verdict's decision: a loser gets `challenger` only; a
     winner judged against a champion that has moved since is kept out; a retry changes nothing."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    c = tracking.client(uri)
-    assert tracking.by_alias("recs", tracking.CHAMPION, uri) is None  # no model yet
+    c = mlflow_registry.client(uri)
+    assert mlflow_registry.by_alias("recs", mlflow_registry.CHAMPION, uri) is None  # no model yet
     c.create_registered_model("recs")
-    assert tracking.by_alias("recs", tracking.CHAMPION, uri) is None  # a model, no alias
+    assert mlflow_registry.by_alias("recs", mlflow_registry.CHAMPION, uri) is None  # a model, no alias
     said: list[str] = []
 
     def promote(v, won, judged, why="why"):
-        return tracking.promote("recs", v, won=won, reason=why, judged=judged, tracking_uri=uri, log=said.append)
+        return mlflow_registry.promote("recs", v, won=won, reason=why, judged=judged, tracking_uri=uri, log=said.append)
 
     v1 = _version(c, "recs")
     assert promote(v1, True, None, "first") == {
@@ -826,8 +837,8 @@ def test_champion_moves_only_to_a_winner_judged_against_the_current_champion(tmp
     v2 = _version(c, "recs")  # lost on the same split: challenger only
     r = promote(v2, False, 1, "lost")
     assert (r["champion"], r["promoted"], r["aliases"]) == (1, False, ["challenger"])
-    assert tracking.by_alias("recs", tracking.CHAMPION, uri)["version"] == 1
-    assert tracking.by_alias("recs", tracking.CHALLENGER, uri)["version"] == 2
+    assert mlflow_registry.by_alias("recs", mlflow_registry.CHAMPION, uri)["version"] == 1
+    assert mlflow_registry.by_alias("recs", mlflow_registry.CHALLENGER, uri)["version"] == 2
     v3 = _version(c, "recs")  # won: champion
     assert promote(v3, True, 1)["champion"] == 3
     assert promote(v3, True, 1) == {

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("AIRFLOW_HOME", str(ROOT / "work" / "test-airflow-home"))
 pytest.importorskip("airflow.providers.cncf.kubernetes", reason="pip install -e '.[kubernetes]' (make setup does)")
 
-from ftrec_airflow import kubernetes, steps  # noqa: E402
+from ftrec_airflow import kubernetes, pipeline_ops  # noqa: E402
 
 IMAGE = "registry.example/ftrec:0.1.0"
 WORKER_TOKEN = "the-workers-own-token-value"  # must never reach a spec
@@ -56,7 +56,7 @@ def train_group(k8s_env):
 
 def _run(tmp_path, groups=3, ranks=2) -> dict:
     out = tmp_path / "work" / "runs" / "ftrec_train_k8s" / "manual__1" / "train"
-    spec = steps.TrainSpec(
+    spec = pipeline_ops.TrainSpec(
         shards=str(out.parent / "shards"),
         out=str(out),
         replica_groups=groups,
@@ -80,12 +80,12 @@ def test_each_group_pod_runs_the_launchers_torchrun_command(train_group, tmp_pat
     from training.launch import LaunchConfig, Launcher
 
     run = _run(tmp_path)
-    spec = steps.TrainSpec(**run["spec"])
+    spec = pipeline_ops.TrainSpec(**run["spec"])
     pods = _pods(train_group, run)
     assert len(pods) == 3
     # the launcher of the same job against the same standing lighthouse, its token a file there
     monkeypatch.setenv("FTCORE_TOKEN_FILE", kubernetes.TOKEN_FILE)
-    sets = steps.trainer_settings(spec, run["mlflow_run_id"], run["tracking_uri"])
+    sets = pipeline_ops.trainer_settings(spec, run["mlflow_run_id"], run["tracking_uri"])
     launcher = Launcher(
         LaunchConfig(
             shards=spec.shards,
@@ -216,7 +216,7 @@ def test_open_run_then_collect_group_zeros_result(k8s_env, tmp_path):
     local train task returns it."""
     from airflow.sdk.exceptions import AirflowFailException
 
-    from ftrec_airflow import lighthouse, pipeline, settings
+    from ftrec_airflow import lighthouse_status, pipeline, settings
 
     k8s_env.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     k8s_env.setenv("FTREC_LIGHTHOUSE_URL", "http://ftcore-lighthouse.recs.svc:29510")
@@ -229,7 +229,7 @@ def test_open_run_then_collect_group_zeros_result(k8s_env, tmp_path):
     run = kubernetes.open_run(params, shards)
     assert kubernetes.open_run(params, shards)["mlflow_run_id"] == run["mlflow_run_id"]
     assert run["job_id"] == "ftrec_train_k8s/manual__1/train_group"
-    snap = lighthouse.read_snapshot(settings.run_folder("ftrec_train_k8s", "manual__1"))
+    snap = lighthouse_status.read_snapshot(settings.run_folder("ftrec_train_k8s", "manual__1"))
     assert snap["url"] == "http://ftcore-lighthouse.recs.svc:29510" and snap["job"] == run["job_id"]
     assert [kw["env_vars"]["FTCORE_LIGHTHOUSE"] for kw in kubernetes.group_pods(run)] == [
         "ftcore-lighthouse.recs.svc:29510"

@@ -28,7 +28,7 @@ from airflow.sdk.bases.decorator import DecoratedOperator, determine_kwargs, tas
 from airflow.sdk.definitions.context import context_merge
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
-from ftrec_airflow import lighthouse, runner, settings, steps, tracking
+from ftrec_airflow import lighthouse_status, mlflow_registry, pipeline_ops, runner, settings
 from ftrec_airflow.links import LighthouseLink, MLflowRunLink
 
 
@@ -47,10 +47,10 @@ class BuildShardsOperator(DecoratedOperator):
     custom_operator_name = "@build_shards_task"
 
     def execute(self, context) -> dict[str, Any]:
-        spec = _spec(self, context, steps.ShardSpec)
+        spec = _spec(self, context, pipeline_ops.ShardSpec)
         try:
-            summary = steps.build_shards(spec, log=self.log.info)  # each stage in the task log as it ends
-        except steps.UserError as e:
+            summary = pipeline_ops.build_shards(spec, log=self.log.info)  # each stage in the task log as it ends
+        except pipeline_ops.UserError as e:
             raise AirflowFailException(str(e)) from None
         self.log.info(
             "shard set %s: %s steps, %s samples, bubble %.4f%s",
@@ -81,30 +81,32 @@ class FaultTolerantTrainOperator(DecoratedOperator):
     _command: runner.Command | None = None
 
     def execute(self, context) -> dict[str, Any]:
-        spec = _spec(self, context, steps.TrainSpec)
+        spec = _spec(self, context, pipeline_ops.TrainSpec)
         ti = context["ti"]
-        uri, creds = tracking.connect()  # the ftrec_mlflow connection, looked up now (never at parse)
+        uri, creds = mlflow_registry.connect()  # the ftrec_mlflow connection, looked up now (never at parse)
         run_key = spec.run_key or f"{ti.dag_id}/{ti.run_id}/{ti.task_id}"
-        exp_id, run_id = tracking.ensure_run(
+        exp_id, run_id = mlflow_registry.ensure_run(
             spec.experiment,
             run_key,
             run_name=spec.run_name or f"{ti.dag_id} {ti.run_id}",
             tags={"airflow.dag_id": ti.dag_id, "airflow.run_id": ti.run_id, "airflow.task_id": ti.task_id},
             tracking_uri=uri,
         )
-        self.mlflow_run_url = tracking.run_url(exp_id, run_id)
+        self.mlflow_run_url = mlflow_registry.run_url(exp_id, run_id)
         ti.xcom_push(key="mlflow_run_id", value=run_id)  # visible while training runs
         self.log.info("MLflow run %s (%s), store %s", run_id, self.mlflow_run_url, uri)
         spec.run_key = run_key
         if settings.lighthouse_url():  # a standing lighthouse: this run's job on it, the worker's token
-            watcher = lighthouse.Watcher(
+            watcher = lighthouse_status.Watcher(
                 settings.run_folder(ti.dag_id, ti.run_id), job=settings.lighthouse_job_id(run_key)
             )
         else:  # the launcher's own lighthouse and its shared token
-            watcher = lighthouse.Watcher(settings.run_folder(ti.dag_id, ti.run_id), token_file=Path(spec.out) / "token")
+            watcher = lighthouse_status.Watcher(
+                settings.run_folder(ti.dag_id, ti.run_id), token_file=Path(spec.out) / "token"
+            )
         try:
             with watcher:
-                result = steps.train(
+                result = pipeline_ops.train(
                     spec,
                     run_id,
                     uri,
@@ -113,7 +115,7 @@ class FaultTolerantTrainOperator(DecoratedOperator):
                     on_line=watcher.see,
                     command_hook=lambda c: setattr(self, "_command", c),
                 )
-        except steps.UserError as e:
+        except pipeline_ops.UserError as e:
             raise AirflowFailException(str(e)) from None
         except runner.CommandFailed as e:
             raise AirflowException(str(e)) from None  # retried: the launcher resumes from its checkpoint

@@ -51,7 +51,7 @@ from typing import Any
 from airflow.sdk import get_current_context
 from airflow.sdk.exceptions import AirflowFailException
 
-from ftrec_airflow import settings, steps
+from ftrec_airflow import pipeline_ops, settings
 
 PROVIDER = "apache-airflow-providers-cncf-kubernetes"
 LIGHTHOUSE = "ftcore-lighthouse"  # Deployment, Service and its pods' app label
@@ -146,7 +146,7 @@ def group_env(cfg: Config, job: str, groups: int, group: int, tracking_uri: str)
     }
 
 
-def group_args(spec: steps.TrainSpec, job: str, group: int, trainer_sets: list[str]) -> list[str]:
+def group_args(spec: pipeline_ops.TrainSpec, job: str, group: int, trainer_sets: list[str]) -> list[str]:
     """torchrun's arguments for one group: training/launch.py's torchrun_command on one node."""
     args = [
         "--nnodes",
@@ -177,8 +177,8 @@ def group_args(spec: steps.TrainSpec, job: str, group: int, trainer_sets: list[s
 def group_pods(run: dict[str, Any], cfg: Config | None = None) -> list[dict[str, Any]]:
     """The mapped pod task's kwargs, one dict per replica group (map index = group)."""
     cfg = cfg or config()
-    spec = steps.TrainSpec(**run["spec"])
-    sets = steps.trainer_settings(spec, run["mlflow_run_id"], run["tracking_uri"])
+    spec = pipeline_ops.TrainSpec(**run["spec"])
+    sets = pipeline_ops.trainer_settings(spec, run["mlflow_run_id"], run["tracking_uri"])
     return [
         {
             "name": f"ftrec-train-g{g}",
@@ -296,7 +296,7 @@ def drop_job_secret(cfg: Config, job: str) -> None:
 def open_run(p: dict, shards: dict) -> dict[str, Any]:
     """Before any pod starts: the TrainSpec, the MLflow run (a retry finds the same one),
     the job id; everything the pods and `collect` need, JSON-able."""
-    from ftrec_airflow import lighthouse, pipeline, tracking
+    from ftrec_airflow import lighthouse_status, mlflow_registry, pipeline
 
     spec = pipeline.train_spec(p, shards)
     if spec.fault_plan:
@@ -306,14 +306,14 @@ def open_run(p: dict, shards: dict) -> dict[str, Any]:
         )
     ctx = get_current_context()
     ti = ctx["ti"]
-    uri, creds = tracking.connect()
+    uri, creds = mlflow_registry.connect()
     if creds and not config().mlflow_secret:
         log.warning(
             "the %s connection has credentials, which never go into a pod spec: give the "
             "pods a Secret with them (FTREC_K8S_MLFLOW_SECRET)",
             settings.MLFLOW_CONN_ID,
         )
-    exp_id, run_id = tracking.ensure_run(
+    exp_id, run_id = mlflow_registry.ensure_run(
         spec.experiment,
         f"{ti.dag_id}/{ti.run_id}/train",
         run_name=f"{ti.dag_id} {ti.run_id}",
@@ -323,12 +323,14 @@ def open_run(p: dict, shards: dict) -> dict[str, Any]:
     Path(spec.out).mkdir(parents=True, exist_ok=True)
     job = job_id(ti.dag_id, ti.run_id)
     if settings.lighthouse_url():  # the Lighthouse tab asks the standing lighthouse for this job
-        lighthouse.write_snapshot(settings.run_folder(ti.dag_id, ti.run_id), settings.lighthouse_url(), None, job=job)
+        lighthouse_status.write_snapshot(
+            settings.run_folder(ti.dag_id, ti.run_id), settings.lighthouse_url(), None, job=job
+        )
     return {
         "spec": spec.to_dict(),
         "mlflow_run_id": run_id,
         "experiment_id": exp_id,
-        "run_url": tracking.run_url(exp_id, run_id),
+        "run_url": mlflow_registry.run_url(exp_id, run_id),
         "tracking_uri": uri,
         "job_id": job,
     }
@@ -339,7 +341,7 @@ def collect(run: dict[str, Any]) -> dict[str, Any]:
     register_model take either)."""
     import json
 
-    spec = steps.TrainSpec(**run["spec"])
+    spec = pipeline_ops.TrainSpec(**run["spec"])
     path = Path(spec.out) / "replica_0" / "result.json"
     if not path.exists():
         raise RuntimeError(

@@ -32,7 +32,7 @@ from typing import Any
 from fastapi import Depends, FastAPI, Query
 from fastapi.responses import HTMLResponse
 
-from ftrec_airflow import lighthouse, settings
+from ftrec_airflow import lighthouse_status, settings
 
 
 def _no_api_server() -> None:
@@ -71,7 +71,7 @@ def loopback_url(url: str) -> str | None:
 
 
 def _timeline(run: Path) -> dict[str, Any] | None:
-    raw = lighthouse.read_nofollow(run / "train" / "timeline.json", settings.work_root(), limit=64 << 20)
+    raw = lighthouse_status.read_nofollow(run / "train" / "timeline.json", settings.work_root(), limit=64 << 20)
     try:
         tl = json.loads(raw) if raw is not None else None
     except ValueError:
@@ -116,7 +116,7 @@ def lookup(dag_id: str | None, run_id: str | None) -> dict[str, Any]:
     source, url, job, note = ("FTREC_LIGHTHOUSE_URL" if standing else "none"), standing, None, ""
     if dag_id and run_id:
         run = settings.run_folder(dag_id, run_id)
-        snap, timeline = lighthouse.read_snapshot(run), _timeline(run)
+        snap, timeline = lighthouse_status.read_snapshot(run), _timeline(run)
         source = f"run {dag_id} / {run_id}"
         url, job, note = _target(snap, dag_id, run_id, standing) if snap else ("", None, "")
     doc: dict[str, Any] = {
@@ -131,7 +131,9 @@ def lookup(dag_id: str | None, run_id: str | None) -> dict[str, Any]:
     }
     if url and timeline is None:  # a finished job's lighthouse has ended with it: do not ask
         try:
-            status = lighthouse.fetch_status(url, timeout=1.0, job=job, token=lighthouse.server_token() or "")
+            status = lighthouse_status.fetch_status(
+                url, timeout=1.0, job=job, token=lighthouse_status.server_token() or ""
+            )
             doc.update(status=status, live=True, fetched_at=time.time())
             return doc
         except (OSError, ValueError) as e:

@@ -20,7 +20,7 @@ from typing import Any
 from airflow.sdk import Asset, Param, XComArg, get_current_context, task
 from airflow.sdk.exceptions import AirflowFailException
 
-from ftrec_airflow import settings, steps
+from ftrec_airflow import pipeline_ops, settings
 from ftrec_airflow.decorators import build_shards_task, ft_train_task
 
 GATE_METRIC = "test/full/ndcg_at_10"  # MLflow spelling of ndcg@10, full ranking (sampled: secondary)
@@ -75,7 +75,7 @@ def params(**defaults: Any) -> dict[str, Param]:
         "data_format": Param(
             d["data_format"],
             type="string",
-            enum=list(steps.FORMATS),
+            enum=list(pipeline_ops.FORMATS),
             description=(
                 "Format of data_source: iclrec (user item item ...), sasrec (user item per line), "
                 "movielens (ratings.dat/.csv), events (Parquet/CSV with user, item, timestamp)."
@@ -170,12 +170,12 @@ class TrainingDag:
     it builds inside its `@dag` function. A DAG file says which of them it has and how
     they connect:
 
-        FT = pipeline.TrainingDag("ftrec_train")
+        TRAIN = pipeline.TrainingDag("ftrec_train")
 
-        @dag(**FT.dag_args(__doc__, max_active_runs=4))
+        @dag(**TRAIN.dag_args(__doc__, max_active_runs=4))
         def ftrec_train():
-            trained = FT.train(FT.shards(), timeout=timedelta(hours=24))
-            FT.gate(trained)
+            trained = TRAIN.train(TRAIN.shards(), timeout=timedelta(hours=24))
+            TRAIN.gate(trained)
 
     Retries are the DAG's `default_args` (RETRY); a task that differs says so here. A
     `drill` (ftrec_chaos_drill) retries nothing, since a drill that needs a second try has
@@ -264,7 +264,7 @@ def run_dir() -> Path:
 def _user_errors(fn, *args, **kwargs):
     try:
         return fn(*args, **kwargs)
-    except steps.UserError as e:
+    except pipeline_ops.UserError as e:
         raise AirflowFailException(str(e)) from None
 
 
@@ -281,7 +281,7 @@ def topology(p: dict) -> tuple[int, int, int]:
 def ingest_validate(p: dict) -> dict[str, Any]:
     topology(p)
     return _user_errors(
-        steps.ingest,
+        pipeline_ops.ingest,
         p["data_source"],
         p["data_format"],
         run_dir(),
@@ -291,8 +291,8 @@ def ingest_validate(p: dict) -> dict[str, Any]:
     )
 
 
-def shard_spec(p: dict, data: dict) -> steps.ShardSpec:
-    return steps.ShardSpec(
+def shard_spec(p: dict, data: dict) -> pipeline_ops.ShardSpec:
+    return pipeline_ops.ShardSpec(
         input=data["path"],
         fmt=data["format"],
         out=str(run_dir() / "shards"),
@@ -305,17 +305,17 @@ def shard_spec(p: dict, data: dict) -> steps.ShardSpec:
 
 
 def verify_shards(shards: dict) -> dict[str, Any]:
-    return _user_errors(steps.verify_shards, shards["path"])
+    return _user_errors(pipeline_ops.verify_shards, shards["path"])
 
 
-def train_spec(p: dict, shards: dict, *, base: dict | None = None) -> steps.TrainSpec:
+def train_spec(p: dict, shards: dict, *, base: dict | None = None) -> pipeline_ops.TrainSpec:
     """What to train; `base` (from base_model) warm-starts from an earlier model."""
     r, k, _ = topology(p)
     plan = p.get("fault_plan") or ""
     overrides = list(p.get("train_overrides") or []) + [f"train.seed={int(p['seed'])}"]
     if base and base.get("checkpoint"):
         overrides.append(f"train.init_checkpoint={base['checkpoint']}")
-    return steps.TrainSpec(
+    return pipeline_ops.TrainSpec(
         shards=shards["path"],
         out=str(run_dir() / "train"),
         replica_groups=r,
@@ -331,41 +331,41 @@ def train_spec(p: dict, shards: dict, *, base: dict | None = None) -> steps.Trai
 def _champion(p: dict, trained: dict, uri: str) -> tuple[dict | None, str, str | None]:
     """(the champion version, its checkpoint to score, why it cannot be scored): no checkpoint
     to score when there is no champion or it is this very run (a re-run of the DAG run)."""
-    from ftrec_airflow import tracking
+    from ftrec_airflow import mlflow_registry
 
-    champ = tracking.by_alias(p["model_name"], tracking.CHAMPION, uri)
+    champ = mlflow_registry.by_alias(p["model_name"], mlflow_registry.CHAMPION, uri)
     if champ is None or champ["run_id"] == trained["mlflow_run_id"]:
         return champ, "", None
-    ckpt = champ["tags"].get(tracking.CHECKPOINT_TAG, "")
-    return champ, ckpt, None if ckpt else f"version {champ['version']} has no {tracking.CHECKPOINT_TAG} tag"
+    ckpt = champ["tags"].get(mlflow_registry.CHECKPOINT_TAG, "")
+    return champ, ckpt, None if ckpt else f"version {champ['version']} has no {mlflow_registry.CHECKPOINT_TAG} tag"
 
 
 def evaluate(p: dict, trained: dict) -> dict[str, Any]:
     """Evaluate the trained checkpoint and re-score the registry's champion with the same
-    evaluation on the same (this run's) test split (steps.judge). The trainer already logs
+    evaluation on the same (this run's) test split (pipeline_ops.judge). The trainer already logs
     its final valid/ and test/ metrics on the run: only metrics the run lacks are added.
     Returns the values the run shows and the champion's (the gate's input)."""
-    from ftrec_airflow import tracking
+    from ftrec_airflow import mlflow_registry
 
-    tracking.connect()
+    mlflow_registry.connect()
     uri, run_id = trained["tracking_uri"], trained["mlflow_run_id"]
     champ, ckpt, error = _champion(p, trained, uri)
     res = _user_errors(
-        steps.judge, trained["checkpoint"], trained["shards"], str(run_dir() / "eval.json"), champion=ckpt
+        pipeline_ops.judge, trained["checkpoint"], trained["shards"], str(run_dir() / "eval.json"), champion=ckpt
     )
-    metrics = {tracking.metric_key(k): v for k, v in res["metrics"].items()}  # the names MLflow shows
-    have = tracking.run_metrics(run_id, uri)
+    metrics = {mlflow_registry.metric_key(k): v for k, v in res["metrics"].items()}  # the names MLflow shows
+    have = mlflow_registry.run_metrics(run_id, uri)
     for k in sorted(set(metrics) & set(have)):
         if abs(metrics[k] - have[k]) > 1e-6:  # same checkpoint, same protocol: should not happen
             log.warning(
                 "%s: the trainer logged %.6f, evaluation gives %.6f; keeping the run's value", k, have[k], metrics[k]
             )
-    tracking.log_metrics(run_id, metrics, tracking_uri=uri)
+    mlflow_registry.log_metrics(run_id, metrics, tracking_uri=uri)
     shown = {k: have.get(k, v) for k, v in metrics.items()}
     if champ is not None and not ckpt and error is None:  # the champion is this run's model
         scored = shown
     else:
-        scored = {tracking.metric_key(k): float(v) for k, v in (res.get("champion") or {}).items()}
+        scored = {mlflow_registry.metric_key(k): float(v) for k, v in (res.get("champion") or {}).items()}
     return {
         "mlflow_run_id": run_id,
         "metrics": shown,
@@ -381,12 +381,12 @@ def evaluate(p: dict, trained: dict) -> dict[str, Any]:
 
 def _log_gate(trained: dict, result: dict, champion: dict, p: dict) -> None:
     """Both scores, the split's identity and the verdict: on the challenger's MLflow run and in the task log."""
-    from ftrec_airflow import tracking
+    from ftrec_airflow import mlflow_registry
 
     uri, run_id = trained["tracking_uri"], trained["mlflow_run_id"]
     gate = {f"gate/challenger/{k}": v for k, v in result["scores"]["challenger"].items()}
     gate |= {f"gate/champion/{k}": v for k, v in result["scores"]["champion"].items() if v is not None}
-    tracking.log_metrics(run_id, gate, tracking_uri=uri)
+    mlflow_registry.log_metrics(run_id, gate, tracking_uri=uri)
     tags = {
         "gate.metric": result["gate_metric"],
         "gate.split_fingerprint": result["split_fingerprint"],
@@ -397,7 +397,7 @@ def _log_gate(trained: dict, result: dict, champion: dict, p: dict) -> None:
         "gate.min": str(p["gate_min"]),
         "gate.min_margin": str(p.get("gate_min_margin", GATE_MIN_MARGIN)),
     }
-    c = tracking.client(uri)
+    c = mlflow_registry.client(uri)
     for k, v in tags.items():
         c.set_tag(run_id, k, v)
     for who in ("challenger", "champion"):
@@ -410,20 +410,22 @@ def _log_gate(trained: dict, result: dict, champion: dict, p: dict) -> None:
 def register_model(p: dict, trained: dict, evaluation: dict) -> dict[str, Any]:
     """Register the run's model if it reaches gate_min (fail with the metrics if not), as
     `challenger`, and as `champion` when it beats the champion re-scored on the same split
-    by gate_min_margin (steps.verdict, tracking.promote); the MODEL outlet event carries the result."""
-    from ftrec_airflow import tracking
+    by gate_min_margin (pipeline_ops.verdict, mlflow_registry.promote); the MODEL outlet event carries the result."""
+    from ftrec_airflow import mlflow_registry
 
-    metric, secondary = steps.metric_pair(p["gate_metric"])
+    metric, secondary = pipeline_ops.metric_pair(p["gate_metric"])
     try:
-        value = steps.check_gate(evaluation["metrics"], metric, float(p["gate_min"]))
-    except (steps.GateFailed, steps.UserError) as e:
+        value = pipeline_ops.check_gate(evaluation["metrics"], metric, float(p["gate_min"]))
+    except (pipeline_ops.GateFailed, pipeline_ops.UserError) as e:
         raise AirflowFailException(str(e)) from None
     champion = evaluation.get("champion") or {}
     scored, error = champion.get("metrics"), champion.get("error")
     if scored is not None and metric not in scored and not error:
         error = f"it was scored on the test split only, and gate_metric is {metric}"
-    won, why = steps.verdict(value, None if scored is None else scored.get(metric), float(p["gate_min_margin"]), error)
-    tracking.connect()
+    won, why = pipeline_ops.verdict(
+        value, None if scored is None else scored.get(metric), float(p["gate_min_margin"]), error
+    )
+    mlflow_registry.connect()
     uri, split = trained["tracking_uri"], evaluation.get("split") or {}
     ctx = get_current_context()
     tags = {
@@ -431,13 +433,13 @@ def register_model(p: dict, trained: dict, evaluation: dict) -> dict[str, Any]:
         "gate_value": repr(value),
         "gate_min": str(p["gate_min"]),
         "gate_split_fingerprint": str(split.get("fingerprint", "")),
-        tracking.CHECKPOINT_TAG: trained["checkpoint"],
+        mlflow_registry.CHECKPOINT_TAG: trained["checkpoint"],
         "shards": trained["shards"],
         "airflow.dag_id": ctx["ti"].dag_id,
         "airflow.run_id": ctx["run_id"],
     }
-    reg = tracking.register(trained["mlflow_run_id"], p["model_name"], tags=tags, tracking_uri=uri)
-    promo = tracking.promote(
+    reg = mlflow_registry.register(trained["mlflow_run_id"], p["model_name"], tags=tags, tracking_uri=uri)
+    promo = mlflow_registry.promote(
         p["model_name"],
         reg["version"],
         won=won,
@@ -483,20 +485,20 @@ def ingest_new_data(p: dict) -> dict[str, Any]:
 def base_model(p: dict) -> dict[str, Any]:
     """The champion (`models:/<name>@champion`) and its checkpoint, not the newest version
     (a newer one may have lost to it); {} when there is no champion: train from scratch."""
-    from ftrec_airflow import tracking
+    from ftrec_airflow import mlflow_registry
 
-    uri, _ = tracking.connect()
-    champ = tracking.by_alias(p["model_name"], tracking.CHAMPION, uri)
+    uri, _ = mlflow_registry.connect()
+    champ = mlflow_registry.by_alias(p["model_name"], mlflow_registry.CHAMPION, uri)
     if not champ:
-        log.info("model %s has no %s: training from scratch", p["model_name"], tracking.CHAMPION)
+        log.info("model %s has no %s: training from scratch", p["model_name"], mlflow_registry.CHAMPION)
         return {}
-    ckpt = champ["tags"].get(tracking.CHECKPOINT_TAG, "")
+    ckpt = champ["tags"].get(mlflow_registry.CHECKPOINT_TAG, "")
     if ckpt and not Path(ckpt).exists():
         log.warning("champion version %s's checkpoint %s is gone: training from scratch", champ["version"], ckpt)
     return {
         "version": champ["version"],
         "run_id": champ["run_id"],
-        "alias": tracking.CHAMPION,
+        "alias": mlflow_registry.CHAMPION,
         "checkpoint": ckpt if ckpt and Path(ckpt).exists() else "",
     }
 
@@ -507,14 +509,14 @@ def base_model(p: dict) -> dict[str, Any]:
 def judge_drill(p: dict, trained: dict, max_stall_s: float) -> dict[str, Any]:
     """Fail unless MLflow shows the recovery, survivors kept committing and the final
     replicas are identical (ftrec_airflow.chaos)."""
-    from ftrec_airflow import chaos, tracking
+    from ftrec_airflow import chaos, mlflow_registry
 
-    tracking.connect()
+    mlflow_registry.connect()
     timeline_path = Path(trained["out"]) / "timeline.json"
     if not timeline_path.exists():
         raise AirflowFailException(f"{timeline_path} is missing: the drill needs the ftcore launcher's timeline")
     timeline = json.loads(timeline_path.read_text())
-    c = tracking.client(trained["tracking_uri"])
+    c = mlflow_registry.client(trained["tracking_uri"])
     metrics = dict(c.get_run(trained["mlflow_run_id"]).data.metrics)
     artifacts = [a.path for a in c.list_artifacts(trained["mlflow_run_id"])]
     plan = chaos.load_plan(trained["fault_plan"] or "{}")

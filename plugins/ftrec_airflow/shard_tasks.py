@@ -27,7 +27,7 @@ from typing import Any
 from airflow.sdk import Asset, TaskGroup, XComArg, task
 from airflow.sdk.exceptions import AirflowFailException
 
-from ftrec_airflow import steps
+from ftrec_airflow import pipeline_ops
 
 JOB = "job.json"  # in the work folder: the manifest head, budget and buckets (ids and seal read it)
 
@@ -41,12 +41,12 @@ def _user_errors(fn: Callable, *args: Any) -> Any:
         raise AirflowFailException(str(e)) from None
 
 
-def _job(spec: steps.ShardSpec, log: Callable[[str], None]):
+def _job(spec: pipeline_ops.ShardSpec, log: Callable[[str], None]):
     """dataprep's build.prepare for `spec` (an earlier try's set with other settings is replaced)."""
     from dataprep import build
     from dataprep.errors import DifferentShardSet
 
-    cost_model = steps.shard_cost_model(spec, log)
+    cost_model = pipeline_ops.shard_cost_model(spec, log)
     kw: dict[str, Any] = dict(
         world_size=spec.world_size,
         batch_size=spec.batch_size,
@@ -61,7 +61,7 @@ def _job(spec: steps.ShardSpec, log: Callable[[str], None]):
         return build.prepare(spec.input, spec.fmt, spec.out, overwrite=True, **kw)
 
 
-def prepare(spec: steps.ShardSpec, *, buckets: int | None, memory_budget: str | None, log=print) -> dict:
+def prepare(spec: pipeline_ops.ShardSpec, *, buckets: int | None, memory_budget: str | None, log=print) -> dict:
     """The staging folder of `spec`'s set and the input files' indices (for the mapped tasks)."""
     from dataprep import bucketed
 
@@ -136,14 +136,14 @@ def seal(stage: str, out: str, log=print) -> dict[str, Any]:
     from dataprep import bucketed, build
 
     if not stage:
-        return {**steps._summary(json.loads((Path(out) / "manifest.json").read_text()), out), "reused": True}
+        return {**pipeline_ops._summary(json.loads((Path(out) / "manifest.json").read_text()), out), "reused": True}
     j = json.loads((Path(stage) / "_work" / JOB).read_text())
     t = time.monotonic()
     rejects, fig = bucketed.finish(Path(stage) / "_work")
     timings = _timings(Path(stage) / "_work")
     shutil.rmtree(Path(stage) / "_work")
     m = build.seal(Path(stage), Path(out), j["head"], fig, rejects, timings=timings, t_write=t, t_all=t, say=log)
-    return {**steps._summary(m, out), "reused": False}
+    return {**pipeline_ops._summary(m, out), "reused": False}
 
 
 # the mapped tasks: one dataprep.bucketed stage each (fanout calls them inside its task group)
@@ -174,7 +174,7 @@ def write(stage: str, r: int) -> Any:
 
 def fanout(
     data: XComArg,
-    spec_fn: Callable[[dict, dict], steps.ShardSpec],
+    spec_fn: Callable[[dict, dict], pipeline_ops.ShardSpec],
     *,
     outlets: list[Asset] | None = None,
     buckets: int | None = None,

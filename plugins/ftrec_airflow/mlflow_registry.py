@@ -103,10 +103,6 @@ def run_metrics(run_id: str, tracking_uri: str | None = None) -> dict[str, float
     return dict(client(tracking_uri).get_run(run_id).data.metrics)
 
 
-def metric_history(run_id: str, key: str, tracking_uri: str | None = None) -> list[tuple[int, float]]:
-    return [(m.step, m.value) for m in client(tracking_uri).get_metric_history(run_id, key)]
-
-
 def register(
     run_id: str,
     name: str,
@@ -167,7 +163,7 @@ def promote(
     log=print,
 ) -> dict[str, Any]:
     """Point `challenger` at `version`, and `champion` too when it `won` against champion
-    version `judged` (None: there was none), scored on the same split (steps.verdict says
+    version `judged` (None: there was none), scored on the same split (pipeline_ops.verdict says
     `reason`). A loser never gets `champion`; neither does a winner when the champion moved
     since it was judged (another run promoted one: re-run to judge against it). Safe to
     repeat: a retry finds the aliases where the first try put them."""
@@ -186,15 +182,3 @@ def promote(
     log(f"model {name} version {version}: {reason}; the champion is version {champion}")
     aliases = sorted(c.get_model_version(name, str(version)).aliases or [])
     return {"champion": champion, "promoted": won, "aliases": aliases, "reason": reason}
-
-
-def latest_version(name: str, tracking_uri: str | None = None) -> dict[str, Any] | None:
-    """The newest registered version of `name` with its tags, or None."""
-    c = client(tracking_uri)
-    try:
-        versions = c.search_model_versions(f"name = '{name}'")
-    except Exception:
-        return None
-    if not versions:
-        return None
-    return _version(max(versions, key=lambda v: int(v.version)))

@@ -378,7 +378,7 @@ class GateFailed(Exception):
 def check_gate(metrics: dict[str, float], metric: str, minimum: float) -> float:
     """Return the gated metric's value; raise GateFailed (or UserError for an unknown
     metric) with every metric in the message."""
-    from ftrec_airflow.tracking import metric_key
+    from ftrec_airflow.mlflow_registry import metric_key
 
     shown = ", ".join(f"{k}={v:.4f}" for k, v in sorted(metrics.items()))
     metrics = {metric_key(k): v for k, v in metrics.items()}
@@ -395,7 +395,7 @@ def check_gate(metrics: dict[str, float], metric: str, minimum: float) -> float:
 def metric_pair(metric: str) -> tuple[str, str]:
     """(the gate metric, its secondary twin under the other protocol), MLflow spelling:
     test/full/ndcg_at_10 -> test/sampled/ndcg_at_10 and back."""
-    from ftrec_airflow.tracking import metric_key
+    from ftrec_airflow.mlflow_registry import metric_key
 
     m = metric_key(metric)
     other = m.replace("/full/", "/sampled/") if "/full/" in m else m.replace("/sampled/", "/full/")
