@@ -12,7 +12,7 @@ from training.comm.bubbles import Timeline, account
 from training.config import OptimConfig, TrainConfig
 from training.distributed import Topology
 from training.state import WarmupDecay
-from training.train import TimeBudget
+from training.components import TimeBudget
 
 
 class Clock:

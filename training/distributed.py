@@ -52,6 +52,12 @@ class Topology:
         }
 
 
+def log(topo: Topology, msg: str) -> None:
+    """One line from the group's rank 0, tagged with its replica group."""
+    if topo.is_main:
+        print(f"[train g{topo.replica_group}] {msg}", flush=True)
+
+
 def _listen_where_ftcore_does() -> dist.Store | None:
     """gloo and the group's rendezvous store listen on the rank's one address (FTCORE_HOST or
     derived, ftcore/netaddr.py), not wherever the host name resolves, nor on every interface.
