@@ -9,10 +9,10 @@ import torch
 
 from training import metrics
 from training.comm.bubbles import Timeline, account
+from training.components import TimeBudget
 from training.config import OptimConfig, TrainConfig
 from training.distributed import Topology
 from training.state import WarmupDecay
-from training.components import TimeBudget
 
 
 class Clock:
