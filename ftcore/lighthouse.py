@@ -126,7 +126,7 @@ class Lighthouse:
                 "max_step": j.max_step,
                 "finished_step": j.finished_step,
                 "remember_until": time.monotonic() + self.cfg.finished_linger_s if j.finished_step else 0.0,
-                "final": {**j.snapshot(), "events": list(j.events)[-RETIRED_EVENTS:]},  # what GET /status shows
+                "final": {**snapshot(j), "events": list(j.events)[-RETIRED_EVENTS:]},  # what GET /status shows
             }
             while len(self.retired) > RETIRED_KEPT:
                 self.retired.popitem(last=False)
@@ -178,7 +178,8 @@ class Lighthouse:
         """One job's status; `everyone`: the caller may see which other jobs exist (admin)."""
         j, gone = self.jobs.get(job), self.retired.get(job)
         if j is not None:
-            st = j.status()
+            with j.lock:
+                st = snapshot(j)
             with self._events_lock:
                 st["events"] = list(j.events)[-100:]
         elif gone is not None:  # its final state, and why and when it retired
@@ -198,13 +199,53 @@ class Lighthouse:
         live = []
         for j in list(self.jobs.values()):
             with j.lock:
-                live.append(j.summary(time.monotonic()))
+                live.append(summary(j, time.monotonic()))
         hidden = ("remember_until", "final")
         retired = [{k: v for k, v in r.items() if k not in hidden} for r in reversed(self.retired.values())]
         return {"live": sorted(live, key=lambda r: r["job"]), "retired": retired[:200], "max_jobs": self.cfg.max_jobs}
 
     def close(self) -> None:
         self._stop.set()
+
+
+def summary(j: Job, now: float) -> dict[str, Any]:
+    """One line of GET /jobs (under the job's lock)."""
+    return {
+        "job": j.name,
+        "groups": len(j.groups),
+        "healthy": len(j.health.healthy),
+        "ranks": sum(g.world if g.relay else len(g.ranks) for g in j.groups.values()),
+        "quorum_id": j.quorum.quorum_id if j.quorum else 0,
+        "max_step": j.max_step,
+        "finished_step": j.finished_step,
+        "idle_s": round(now - j.last_heard, 3),
+    }
+
+
+def snapshot(j: Job) -> dict[str, Any]:
+    """GET /status's view of a job (under the job's lock)."""
+    now = time.monotonic()
+    return {
+        "job": j.name,
+        "min_replicas": j.min_replicas,
+        "max_step": j.max_step,
+        "quorum": j.quorum.shared() if j.quorum else None,
+        "groups": [
+            {
+                "group": g.group,
+                "incarnation": g.incarnation,
+                "healthy": g.healthy,
+                "left": g.left,
+                "step": g.step,
+                "ranks": g.world if g.relay and g.ranks else len(g.ranks),
+                "world": g.world,
+                "relay": g.relay,
+                "standby_s": round(max(j.excluded[g.group] - now, 0.0), 2) if g.group in j.excluded else None,
+                "last_beat_age_s": max((now - r.last_beat for r in g.ranks.values()), default=None),
+            }
+            for g in sorted(j.groups.values(), key=lambda g: g.group)
+        ],
+    }
 
 
 def serve(cfg: LighthouseConfig) -> tuple[LighthouseServer, Lighthouse]:

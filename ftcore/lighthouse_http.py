@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import httptools
 
 from ftcore import auth, timeouts
-from ftcore.lighthouse_job import Deliver, StaleIncarnation
 from ftcore.lighthouse_page import status_html
+from ftcore.lighthouse_records import Deliver, StaleIncarnation
 from ftcore.messages import (
     DEFAULT_JOB,
     ClientEvent,
@@ -40,7 +40,7 @@ from ftcore.messages import (
 )
 
 if TYPE_CHECKING:
-    from ftcore.lighthouse_job import Answer
+    from ftcore.lighthouse_records import Answer
 
 MAX_BODY = 1 << 20  # bytes: larger bodies get 413, unread
 MAX_HEAD = 16 << 10  # bytes of request line and headers

@@ -18,7 +18,7 @@ from typing import Any
 from ftcore import timeouts
 from ftcore.lighthouse_client import LighthouseClient, LighthouseError, call
 from ftcore.lighthouse_http import LighthouseServer
-from ftcore.lighthouse_job import Deliver, StaleIncarnation
+from ftcore.lighthouse_records import Deliver, StaleIncarnation
 from ftcore.messages import (
     Busy,
     ClientEvent,

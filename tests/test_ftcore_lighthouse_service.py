@@ -362,7 +362,7 @@ def test_one_group_silent_while_the_others_speak_is_failed_by_its_silence():
         ask_all(cs)
         silent = [c for c in list(srv.conns) if c.beat is not None and c.beat[1] == 2]  # group 2's heartbeats
         _deafen(srv, silent, True)
-        assert _wait(lambda: 2 not in lh.jobs["one"].healthy, timeout=3)
+        assert _wait(lambda: 2 not in lh.jobs["one"].health.healthy, timeout=3)
         kinds = [(e["kind"], e.get("group"), e.get("reason")) for e in lh.status("one")["events"]]
         assert ("failure_detected", 2, "heartbeat timeout") in kinds
         assert not any(k == "lighthouse_isolated" for k, _, _ in kinds)

@@ -1,0 +1,112 @@
+"""What the lighthouse knows of a job: its ranks, groups, pending round and health, as records."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ftcore.messages import Busy, Identity, OvertakenReply, QuorumRefused, StandbyReply
+
+
+@dataclass
+class RankRecord:
+    """What the lighthouse knows of one rank."""
+
+    rank: int
+    store: str = ""  # host:port of this rank's TCPStore (rendezvous for cross-group groups)
+    heal: str = ""  # host:port of this rank's heal server
+    step: int = 0  # committed steps
+    last_beat: float = 0.0
+    disconnected: bool = False
+    disconnected_at: float = 0.0
+    beat_lines: int = 0  # open connections it heartbeats on: it died when the last one closed
+    # its last quorum answer: (its step, quorum id, the reply) (_answered_again)
+    answered: tuple[int, int, str] | None = None
+
+
+@dataclass
+class GroupRecord:
+    """What the lighthouse knows of one incarnation of a replica group."""
+
+    group: int
+    incarnation: int
+    world: int  # ranks per group (K)
+    ranks: dict[int, RankRecord] = field(default_factory=dict)
+    healthy: bool = False
+    left: bool = False
+    leaving: bool = False  # a rank said goodbye: the group is ending cleanly, rank by rank
+    relay: bool = False  # its relay speaks for all its ranks as rank 0 (ftcore/relay.py)
+
+    @property
+    def speakers(self) -> int:
+        """The ranks that speak to the lighthouse: all of them, or the relay alone."""
+        return 1 if self.relay else self.world
+
+    @property
+    def step(self) -> int:
+        return min((r.step for r in self.ranks.values()), default=0)
+
+    def lost_rank(self, now: float, probe: float, heartbeat_timeout: float | None) -> int | None:
+        """A rank this incarnation has lost for good (connection closed for longer than a
+        reconnect takes, or silent past the heartbeat timeout, None: silence does not count):
+        the group must restart."""
+        for rk in self.ranks.values():
+            if (rk.disconnected and now - rk.disconnected_at > probe) or (
+                heartbeat_timeout is not None and now - rk.last_beat > heartbeat_timeout
+            ):
+                return rk.rank
+        return None
+
+
+Answer = StandbyReply | OvertakenReply | QuorumRefused
+# hands a quorum request's answer to its waiter: a quorum (its JSON text, encoded for the rank) or another answer
+Deliver = Callable[[str | Answer], None]
+
+
+@dataclass
+class Request:
+    """A pending quorum request (from a checked QuorumRequest)."""
+
+    group: int
+    rank: int
+    incarnation: int
+    step: int
+    t: float  # monotonic time of arrival
+    last_quorum: int  # the last quorum id this rank trained in
+    last_lighthouse_id: str  # ... the lighthouse that formed it, and its members
+    last_identity: Identity
+    deliver: Deliver
+    deadline: float = math.inf  # monotonic: past it the request is answered with a timeout
+    busy: Busy | None = None  # its last step's compute (ftcore/pace.py)
+    idle: int = -1  # the quorum id of its last step if nobody had work in it (only absent groups' is left)
+    leased: bool = False  # sent after its step had gone on without this lighthouse: its sender ignores the reply
+
+
+class StaleIncarnation(Exception):
+    """A message from a process of a group incarnation that has been replaced."""
+
+
+@dataclass
+class Pending:
+    """The round being gathered: who asks, which groups are complete, since and until when."""
+
+    pending: dict[int, dict[int, Request]] = field(default_factory=dict)  # group -> rank -> request
+    complete: set[int] = field(default_factory=set)  # groups all of whose ranks ask: formation looks at these
+    start: float | None = None  # arrival of the round's first request
+    deadline: float = math.inf  # the earliest deadline among its requests
+    need: int = 1  # complete groups before an arrival tries to form it (Job._count_need)
+    last_wait_event: float = 0.0
+
+
+@dataclass
+class Health:
+    """The job's health as the last sweep found it, and what changes the next quorum."""
+
+    healthy: set[int] = field(default_factory=set)  # groups healthy (kept with GroupRecord.healthy)
+    failed: list[int] = field(default_factory=list)  # members of the current quorum that are not (for heartbeats)
+    reports: dict[int, float] = field(default_factory=dict)  # quorum_id -> first data-plane failure report
+    force_new: bool = False  # a data-plane failure: the next quorum gets a new id, whoever is in it
+    last_sweep: float = 0.0
+    isolated: bool = False  # most groups went silent at once: this lighthouse is likely cut off
+    grace_until: float = 0.0  # after an isolation: silence is not judged before this
