@@ -199,11 +199,6 @@ def metrics(accounts: list[StepAccount], prefix: str = "comm/") -> dict[str, flo
     return m
 
 
-def exposed_metrics(scheduler, prefix: str = "comm/exposed/", step: int | None = None) -> dict[str, float]:
-    """Exposed comm seconds per op name (for MLflow)."""
-    return {f"{prefix}{name}_s": v for name, v in scheduler.exposed_by_op(step).items()}
-
-
 COLOURS = {"compute": "#2e7d32", "comm": "#c62828", "straggler": "#ef6c00", "idle": "#bdbdbd"}
 
 

@@ -160,17 +160,6 @@ class CommScheduler:
                 self.timeline.comm_end(op.t_wait1, op)
         return result
 
-    def wait_stage(self, stage: Stage) -> list[CommOp]:
-        """Wait for every op of `stage` not yet waited, in issue order; returns those ops."""
-        self.flush()
-        ops = [o for o in self.issued if o.stage == stage and not o.waited]
-        for o in ops:
-            self.wait(o)
-        return ops
-
-    def next_step(self):
-        self.step += 1
-
     def forget(self, before_issue: int):
         """Drop the records of waited ops issued before `before_issue` (long runs)."""
         self.issued = [o for o in self.issued if o.issue >= before_issue or not o.waited]
@@ -221,10 +210,3 @@ class CommScheduler:
             for o in self.issued
             if step is None or o.step == step
         ]
-
-    def exposed_by_op(self, step: int | None = None) -> dict[str, float]:
-        """Exposed comm seconds per op name (summed over steps unless `step`)."""
-        out: dict[str, float] = {}
-        for r in self.records(step):
-            out[r["name"]] = out.get(r["name"], 0.0) + r["exposed"]
-        return out
