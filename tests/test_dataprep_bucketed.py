@@ -10,7 +10,7 @@ import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 import pytest
 
-from dataprep import bucketed, schema
+from dataprep import assemble, bucketed, schema, workdir
 from dataprep.build import build_shards
 from dataprep.errors import DataprepError
 
@@ -187,7 +187,7 @@ def test_uri_input_through_pyarrow_fs(tmp_path, parquet_inputs):
 def test_eval_and_maps_keep_write_tables_row_groups(tmp_path, monkeypatch):
     """Pieces of uneven sizes written in row groups of ROW_GROUP_ROWS give pq.write_table's bytes
     for the whole table (the shared data has fewer users than one row group of 1Mi)."""
-    monkeypatch.setattr(bucketed, "ROW_GROUP_ROWS", 1000)
+    monkeypatch.setattr(assemble, "ROW_GROUP_ROWS", 1000)
     rng = np.random.default_rng(3)
     n = 3500
     lens = rng.integers(1, 30, n)
@@ -208,13 +208,13 @@ def test_eval_and_maps_keep_write_tables_row_groups(tmp_path, monkeypatch):
     pieces = []
     for i, (a, b) in enumerate(zip(cuts, cuts[1:], strict=False)):
         pieces.append(tmp_path / f"p{i}.arrow")
-        bucketed._write_ipc(pieces[-1], whole.slice(a, b - a))
-    bucketed._write_eval(tmp_path / "eval.parquet", whole.schema, pieces, cuts)
+        workdir.write_ipc(pieces[-1], whole.slice(a, b - a))
+    assemble._write_eval(tmp_path / "eval.parquet", whole.schema, pieces, cuts)
     assert filecmp.cmp(tmp_path / "ref.parquet", tmp_path / "eval.parquet", shallow=False)
     assert pq.ParquetFile(tmp_path / "eval.parquet").num_row_groups == 4
     maps = pa.table({"id": np.arange(1, n + 1), "raw_id": [f"u{i}" for i in range(n)]}, schema=schema.MAP_SCHEMA)
     pq.write_table(maps, tmp_path / "mref.parquet", row_group_size=1000)
-    w = bucketed._RowGroups(tmp_path / "maps.parquet", schema.MAP_SCHEMA)
+    w = assemble._RowGroups(tmp_path / "maps.parquet", schema.MAP_SCHEMA)
     for a, b in zip(cuts, cuts[1:], strict=False):
         w.add(maps.slice(a, b - a))
     w.close()

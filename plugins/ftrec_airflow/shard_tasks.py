@@ -120,10 +120,10 @@ def _timings(work: Path) -> dict[str, float]:
 def plan(stage: str, log=print) -> dict | None:
     if not stage:
         return None
-    from dataprep import bucketed
+    from dataprep import bucketed, workdir
 
     work = Path(stage) / "_work"
-    n = bucketed._meta(work / "ids")["buckets"]
+    n = workdir.meta(work / "ids")["buckets"]
     timings: dict[str, float] = {}
     t = time.monotonic()
     out = _user_errors(bucketed.plan, work, n, log, timings)

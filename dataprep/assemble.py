@@ -1,0 +1,227 @@
+"""The bucketed build's last stages: each rank's shard file from the buckets' pieces, step by step
+(write), then eval, maps and rejects in the in-memory build's order and row groups (finish)."""
+
+import os
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from dataprep import schema, workdir
+
+ROW_GROUP_ROWS = 1 << 20  # pq.write_table's row groups: eval and maps are written in the same ones
+
+
+class _Piece:
+    """One bucket's piece of a rank, read a record batch at a time, step after step."""
+
+    def __init__(self, path: Path):
+        self.file = pa.OSFile(str(path))
+        self.reader = pa.ipc.open_file(self.file)
+        self.next = 0
+        self.buf: pa.Table | None = None
+
+    def step(self, s: int) -> list[pa.Table]:
+        out: list[pa.Table] = []
+        while True:
+            if self.buf is None or self.buf.num_rows == 0:
+                if self.next == self.reader.num_record_batches:
+                    return out
+                self.buf = pa.Table.from_batches([self.reader.get_batch(self.next)])
+                self.next += 1
+            k = int(np.searchsorted(self.buf.column("step").to_numpy(), s, side="right"))
+            out.append(self.buf.slice(0, k))
+            self.buf = self.buf.slice(k)
+            if self.buf.num_rows:
+                return out
+
+
+def write(work: "str | Path", r: int) -> dict:
+    """Rank r's shard file: row group s = step s's rows of every bucket, in sample-id order."""
+    work = Path(work)
+    ctx, pm = workdir.ctx(work), workdir.meta(work / "plan")
+    buckets = workdir.meta(work / "ids")["buckets"]
+    out = work.parent / schema.shard_file(r)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{uuid.uuid4().hex[:8]}.tmp")
+    pieces = [_Piece(work / "route" / str(b) / f"r{r}.arrow") for b in range(buckets)]
+    try:
+        with pq.ParquetWriter(tmp, schema.shard_schema(ctx["has_time"])) as w:
+            for s in range(pm["steps"]):
+                w.write_table(pa.concat_tables([t for p in pieces for t in p.step(s)]).combine_chunks())
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+        for p in pieces:
+            p.file.close()
+    return {"rank": r}
+
+
+class _RowGroups:
+    """A Parquet file written piece by piece in the row groups pq.write_table gives the whole table."""
+
+    def __init__(self, path: Path, sch: pa.Schema):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.w = pq.ParquetWriter(path, sch)
+        self.buf: list[pa.Table] = []
+        self.n = 0
+
+    def add(self, t: pa.Table) -> None:
+        self.buf.append(t)
+        self.n += t.num_rows
+        while self.n >= ROW_GROUP_ROWS:
+            self._flush(ROW_GROUP_ROWS)
+
+    def _flush(self, k: int) -> None:
+        t = pa.concat_tables(self.buf)
+        self.w.write_table(t.slice(0, k).combine_chunks())
+        rest = t.slice(k)
+        self.buf, self.n = ([rest] if rest.num_rows else []), rest.num_rows
+
+    def close(self) -> None:
+        if self.n:
+            self._flush(self.n)
+        self.w.close()
+
+
+def _write_eval(path: Path, sch: pa.Schema, pieces: list[Path], user_off: list[int]) -> None:
+    """eval.parquet from the buckets' pieces, in pq.write_table's row groups, each built by
+    copying its rows into arrays allocated once (a row group and one piece in memory, not two)."""
+    group: list[tuple[Path, int, int]] = []  # (piece, first row, rows)
+    n = 0
+    with pq.ParquetWriter(path, sch) as w:
+        for b, piece in enumerate(pieces):
+            rows, a = user_off[b + 1] - user_off[b], 0
+            while a < rows:
+                k = min(rows - a, ROW_GROUP_ROWS - n)
+                group.append((piece, a, k))
+                n, a = n + k, a + k
+                if n == ROW_GROUP_ROWS:
+                    w.write_table(_gather(group, sch, n))
+                    group, n = [], 0
+        if group:
+            w.write_table(_gather(group, sch, n))
+
+
+def _gather(group: list[tuple[Path, int, int]], sch: pa.Schema, n: int) -> pa.Table:
+    """The rows `group` names, as one table of one-chunk columns (numbers and lists of numbers)."""
+    lists = [f.name for f in sch if pa.types.is_list(f.type)]
+    total = dict.fromkeys(lists, 0)
+    for piece, a, k in group:  # pass 1: how many list values
+        with pa.memory_map(str(piece)) as mm:
+            t = pa.ipc.open_file(mm).read_all().slice(a, k)
+            for c in lists:
+                total[c] += int(pc.sum(pc.list_value_length(t.column(c))).as_py() or 0)
+    out: dict[str, np.ndarray] = {}
+    for f in sch:
+        typ = f.type.value_type if f.name in total else f.type
+        out[f.name] = np.empty(total.get(f.name, n), typ.to_pandas_dtype())
+        if f.name in total:
+            out[f.name + "/offsets"] = np.zeros(n + 1, np.int32)
+    row, at = 0, dict.fromkeys(lists, 0)
+    for piece, a, k in group:  # pass 2: copy
+        with pa.memory_map(str(piece)) as mm:
+            t = pa.ipc.open_file(mm).read_all().slice(a, k).combine_chunks()
+            for f in sch:
+                col = t.column(f.name).chunk(0) if t.num_rows else pa.array([], f.type)
+                if f.name not in total:
+                    out[f.name][row : row + k] = col.to_numpy()
+                    continue
+                vals = pc.list_flatten(col).to_numpy()
+                lens = pc.list_value_length(col).to_numpy()
+                out[f.name][at[f.name] : at[f.name] + len(vals)] = vals
+                out[f.name + "/offsets"][row + 1 : row + k + 1] = at[f.name] + np.cumsum(lens)
+                at[f.name] += len(vals)
+            del t, col
+        row += k
+    cols = {
+        f.name: pa.ListArray.from_arrays(pa.array(out[f.name + "/offsets"]), pa.array(out[f.name]))
+        if f.name in total
+        else pa.array(out[f.name])
+        for f in sch
+    }
+    return pa.table(cols, schema=sch)
+
+
+def finish(work: "str | Path") -> tuple[list[pa.Table], dict]:
+    """eval.parquet and the maps into the set's folder; the rejects tables, in order; figures."""
+    work = Path(work)
+    ctx, idm, pm = workdir.ctx(work), workdir.meta(work / "ids"), workdir.meta(work / "plan")
+    buckets, set_dir = idm["buckets"], work.parent
+    _write_eval(
+        set_dir / schema.EVAL_FILE,
+        schema.eval_schema(ctx["has_time"]),
+        [work / "route" / str(b) / "eval.arrow" for b in range(buckets)],
+        pm["users"],
+    )
+    um = _RowGroups(set_dir / schema.USER_MAP, schema.MAP_SCHEMA)
+    for b in range(buckets):
+        u = workdir.read_ipc(work / "bucket" / str(b) / "users.arrow").column("id").combine_chunks()
+        ids_ = np.arange(pm["users"][b] + 1, pm["users"][b] + len(u) + 1, dtype=np.int64)
+        um.add(pa.table({"id": ids_, "raw_id": u.cast(pa.string())}, schema=schema.MAP_SCHEMA))
+    um.close()
+    items = workdir.read_ids(work, "items").filter(pa.array(np.load(work / "plan" / "present.npy")))
+    pq.write_table(
+        pa.table(
+            {"id": np.arange(1, len(items) + 1, dtype=np.int64), "raw_id": items.cast(pa.string())},
+            schema=schema.MAP_SCHEMA,
+        ),
+        set_dir / schema.ITEM_MAP,
+    )
+    return _rejects(work, len(ctx["paths"]), buckets), _figures(work, idm, pm, buckets)
+
+
+def _rejects(work: Path, files: int, buckets: int) -> list[pa.Table]:
+    out = workdir.scan_rejects(work, files)
+    for reason in ("duplicate_event", "too_short", "history_too_long"):
+        parts = [work / "bucket" / str(b) / f"rejects-{reason}.arrow" for b in range(buckets)]
+        tables = [workdir.read_ipc(p) for p in parts if p.exists()]
+        if tables:
+            t = pa.concat_tables(tables)
+            if reason == "duplicate_event":
+                t = t.sort_by("ev").drop_columns(["ev"])
+            out.append(t.combine_chunks())
+    tails = [work / "route" / str(b) / "tail.arrow" for b in range(buckets)]
+    tables = [workdir.read_ipc(p) for p in tails if p.exists()]
+    if tables:
+        out.append(pa.concat_tables(tables).combine_chunks())
+    return out
+
+
+def _figures(work: Path, idm: dict, pm: dict, buckets: int) -> dict:
+    """The manifest's figures (see build._figures), summed over the buckets."""
+    work_b = [workdir.meta(work / "bucket" / str(b)) for b in range(buckets)]
+    tot = lambda k: sum(m[k] for m in work_b)  # noqa: E731
+    num_users, n = tot("num_users"), pm["samples"][-1]
+    c = idm["counts"]
+    return {
+        "num_users": num_users,
+        "num_items": pm["num_items"],
+        "num_samples": n,
+        "steps": pm["steps"],
+        "counts": {
+            "lines": c["lines"],
+            "blank_lines": c["blank_lines"],
+            "events_read": c["events_read"],
+            "events_used": tot("events_used"),
+            "duplicates": tot("duplicates"),
+            "rows_rejected": c["rows_rejected"],
+            "users_read": tot("users_read"),
+            "users_rejected": tot("users_rejected"),
+            "eval_users": num_users,
+            "users_without_sample": num_users - n,
+            "samples_written": n - pm["dropped"],
+            "samples_dropped_tail": pm["dropped"],
+            "samples_filled_tail": pm["filled"],
+            "samples_truncated": tot("truncated"),
+            "items_truncated": tot("items_truncated"),
+            "tokens": pm["tokens"],
+        },
+        "stats": pm["stats"],
+        "bubble_fraction_random": pm["bubble_fraction_random"],
+        "total_cost": pm["total_cost"],
+        "time_unit": pm["unit"],
+    }

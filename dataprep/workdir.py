@@ -1,0 +1,90 @@
+"""The bucketed build's work folder: each stage's outputs are a folder written whole or not at
+all (task_dir), so a stage re-run by a retry rewrites only its own outputs."""
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pyarrow as pa
+
+
+def ctx(work: Path) -> dict:
+    """The build's settings, written once by the driver (inputs, format, config, budget)."""
+    return json.loads((work / "ctx.json").read_text())
+
+
+def meta(d: Path) -> dict:
+    """A stage output's figures."""
+    return json.loads((d / "meta.json").read_text())
+
+
+def read_ids(work: Path, name: str) -> pa.Array:
+    """The sorted raw user or item ids of the ids stage (index = dense id - 1)."""
+    return read_ipc(work / "ids" / f"{name}.arrow").column("id").combine_chunks()
+
+
+def scan_rejects(work: Path, files: int) -> list[pa.Table]:
+    """Every input file's reader rejects, file after file, each check's table in check order."""
+    out = []
+    for f in range(files):
+        p = work / "scan" / str(f) / "rejects.arrow"
+        if p.exists():
+            out += batches_ipc(p)
+    return out
+
+
+KILL_ENV = "FTREC_DATAPREP_KILL"  # "bucket/1": that stage's process kills itself once, half-written (to exercise retries)
+
+
+def _fault(target: Path, tmp: Path) -> None:
+    """An injected fault for retry drills: SIGKILL this process once, with `tmp` half-written."""
+    want = os.environ.get(KILL_ENV)
+    if want and target.parts[-2:] == tuple(want.split("/")):
+        marker = target.parent / f".killed-{target.name}"
+        if not marker.exists():
+            marker.touch()
+            (tmp / "partial").write_bytes(b"\0" * 1024)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def task_dir(target: Path) -> Iterator[Path]:
+    """A fresh folder that replaces `target` whole when the block ends without an exception."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}.tmp")
+    tmp.mkdir()
+    try:
+        _fault(target, tmp)
+        yield tmp
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def write_ipc(path: Path, table: pa.Table, rows: int | None = None) -> None:
+    with pa.OSFile(str(path), "wb") as f, pa.ipc.new_file(f, table.schema) as w:
+        w.write_table(table, max_chunksize=rows)
+
+
+def read_ipc(path: Path) -> pa.Table:
+    with pa.OSFile(str(path)) as f:
+        return pa.ipc.open_file(f).read_all()
+
+
+def batches_ipc(path: Path) -> list[pa.Table]:
+    """An IPC file's record batches, each as a one-chunk table."""
+    with pa.OSFile(str(path)) as f:
+        r = pa.ipc.open_file(f)
+        return [pa.Table.from_batches([r.get_batch(i)]) for i in range(r.num_record_batches)]
+
+
+def write_json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj))
