@@ -1,17 +1,10 @@
 """`python -m training {train,eval,launch,config,...}` (or `ftrec ...`): the trainer's command line.
 
-- train:  one process, or one rank of a replica group under torchrun.
-- eval:   a checkpoint on a shard set's valid/test users, both protocols.
-- launch: R replica groups x K ranks with fault tolerance (training/launch.py, ftcore).
-- config: `config --show` lists every setting with its default and what it does.
-- data:   `ftrec data ...` is `python -m dataprep ...` (shards, verify, synth).
-- calibrate: the configured model's cost model for dataprep's balancer (training/calibrate.py).
-
-Settings come from the defaults, a TOML file (`--config`) and `--set section.key=value`
-(the value in TOML syntax: 3, 0.5, true, "text", [1, 5]; bare text is a string).
-
-User errors (bad config, missing or mismatched shard set, unreadable checkpoint) print
-one line and exit with status 2.
+train: one process, or one rank under torchrun; eval: a checkpoint on valid/test users;
+launch: R replica groups x K ranks with fault tolerance; config --show: every setting;
+data: `python -m dataprep ...`; calibrate: the model's cost model for dataprep.
+Settings: the defaults, a TOML file (`--config`), then `--set section.key=value`.
+A user error (bad config, shard set, checkpoint) prints one line and exits with status 2.
 """
 
 import argparse

@@ -1,12 +1,8 @@
 """The cost model of the model being trained: FreeScale balances shards by c(L) = a*L^2 +
 b*L + c0, and the right coefficients are those of this model on this machine.
 
-`cached(model_cfg, max_len, cache_dir)` times the configured `SeqRec` (forward over a jagged
-batch, scores against shared negatives, backward; dataprep/cost.py fits the curve) at
-lengths up to max_len, once per model config and machine, and returns the JSON file that
-dataprep's `--cost-model` reads; later calls find the file. The shard set's manifest
-records which model balanced it (`config.cost_model.source`: `calibrated:training`, or
-`default` for dataprep's stand-in).
+`cached(model_cfg, max_len, cache_dir)` times the configured SeqRec up to max_len, once per
+model config and machine, and returns the JSON file dataprep's `--cost-model` reads.
 
     ftrec calibrate --max-len 50 [--set model.dim=32 ...] --out cost.json
 """

@@ -1,20 +1,10 @@
 """Atomic checkpoints of `TrainState`, loaded without executing code.
 
-Layout (one folder per committed step):
-
-    OUT/checkpoints/step-00000120/
-        state.pt          model, optimizer, scheduler, step, data cursor, rank 0's RNG
-        rng-rank-00001.pt the RNG states of every other rank of the replica group
-        meta.json         step, config, manifest fingerprint, topology (for people and tools)
-
-Every rank writes into `step-XXXXXXXX.tmp` and fsyncs its file, the group meets at a
-barrier, rank 0 records every file's sha256 in meta.json, fsyncs it and renames the
-folder into place (then fsyncs the parent, so the rename survives a power loss): a crash
-leaves either a complete checkpoint or a `.tmp` folder that nothing reads. Files are
-plain `torch.save` dicts of tensors and primitives, read back with
-`torch.load(weights_only=True)`, which refuses anything that would run code, and only
-after their bytes match the recorded sha256: a damaged checkpoint is refused by name,
-and a resume falls back to the newest one that verifies (`latest_verified`).
+OUT/checkpoints/step-N/ holds state.pt, rng-rank-K.pt (the group's other ranks) and
+meta.json (step, config, fingerprint, topology, every file's sha256). The ranks write into
+a .tmp folder that rank 0 renames into place after a barrier: a crash leaves a complete
+checkpoint or a .tmp that nothing reads. A file is loaded (weights_only) only once its
+sha256 matches; `latest_verified` is the newest checkpoint that verifies.
 """
 
 import hashlib

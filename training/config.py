@@ -1,17 +1,10 @@
 """The trainer's one typed configuration: dataclasses with defaults that train well,
 loaded from a TOML file and overridden on the command line with `--set section.key=value`.
 
-Every component receives its own section (`cfg.model`, `cfg.optim`, ...); nothing reads
-ad-hoc globals. `ConfigError` carries a one-line message for the user.
-
-Each section's docstring has one line per setting, `name: what it does`: that line is the
-setting's documentation (`python -m training config --show` prints them with the defaults).
-Comments beside a field say why its default is what it is.
-
-`--set section.key=value` is meant to be one syntax wherever ftrec takes it (the trainer,
-the launcher's trainer arguments, `python -m ftrec_airflow.local_run`): `parse_overrides`
-reads it, the value as a TOML value (3, 0.5, true, "text", [1, 5, 10]) or, when it is not
-one, as the text itself.
+Each section's docstring has one line per setting, `name: what it does`: the setting's
+documentation (`python -m training config --show`). `--set` is one syntax wherever ftrec
+takes it (`parse_overrides`): the value in TOML syntax, or else the text itself.
+`ConfigError` carries a one-line message for the user.
 """
 
 import dataclasses

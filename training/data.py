@@ -1,20 +1,10 @@
 """Shard input: a rank's row groups as jagged batches, read ahead in the background,
 behind a data cursor that advances only when a step commits.
 
-- `ShardSet` opens and checks a shard set (dataprep/schema.py): a missing folder,
-  manifest or file, or a world size that does not fit the job, is a `DataError` with
-  a one-line message.
-- `shard_ranks_for` maps (replica group g of R, rank k of K) to the shard files it
-  reads: shard `g*K + k` when the set was built for W = R*K ranks; when W is a multiple
-  m of R*K, each process reads m consecutive shards and concatenates each step's rows
-  (so one process can train a set built for two).
-- `DataCursor` is the position (epoch, step index) in the run's step order. Epoch 0
-  reads row groups in file order (dataprep already shuffled them); later epochs use a
-  seeded permutation of whole steps, identical on every rank, so each step's buckets
-  stay balanced against each other.
-- `BatchLoader.peek()` returns the batch at the cursor without moving it;
-  `commit()` moves it. A retried step (ft did not commit) re-reads the same batch.
-  ftcore's make-up steps (ftcore/schedule.py) read an earlier position with `peek(at)`.
+`ShardSet` opens and checks a shard set (a `DataError` names what is wrong);
+`shard_ranks_for` maps (group g of R, rank k of K) to the shards it reads; `DataCursor` is
+the position (epoch, step index) in the run's seeded step order; `BatchLoader.peek()` is the
+batch at the cursor and `commit()` moves it (a retried step re-reads the same batch).
 """
 
 import json

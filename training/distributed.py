@@ -1,17 +1,9 @@
 """The replica group's processes: torch.distributed set-up and the gradient all-reduce.
 
-One process: no process group, nothing to reduce. Under torchrun (WORLD_SIZE > 1) the
-ranks of ONE replica group form the default process group: gloo on CPU, nccl on CUDA, with
-a gloo twin for control values (ftcore/collectives.py: every collective goes through it).
-Across replica groups, gradients are averaged by the fault-tolerance seam
-(training/ft.py), not here. Which replica group this process belongs to comes from
-the launcher's environment: FTREC_REPLICA_GROUP (g) and FTREC_NUM_REPLICA_GROUPS (R).
-
-Devices: one GPU per rank (`rank_device`). NCCL inside a group: init_process_group gets a
-bounded timeout (FTREC_COLLECTIVE_TIMEOUT_S, 300 s) and TORCH_NCCL_ASYNC_ERROR_HANDLING=1, so
-NCCL's watchdog aborts a collective blocked that long by ending the process: a hung peer
-inside a group ends the group, and the launcher (or torchrun) restarts it whole while the
-other groups train on. Barriers and control values wait on the gloo twin (same timeout).
+Under torchrun the ranks of ONE replica group form the default process group (gloo on CPU,
+nccl on CUDA, a gloo twin for control values); across groups training/ft.py averages.
+FTREC_REPLICA_GROUP and FTREC_NUM_REPLICA_GROUPS name this process's group. Collectives
+are bounded by FTREC_COLLECTIVE_TIMEOUT_S (300 s): a hung peer ends its group.
 """
 
 import datetime

@@ -1,23 +1,9 @@
 """Leave-one-out evaluation: HR@K, NDCG@K and MRR under two protocols.
 
-For every user of eval.parquet:
-- valid: input = the training sequence (its last max_len items), target = valid_target;
-- test:  input = training sequence + valid_target, target = test_target.
-
-Protocols:
-- full: the target is ranked against every item 1..num_items. With
-  `eval.exclude_history = true` (default) the items already in the input history are
-  removed from the candidates (as ICLRec's published numbers do); the target itself is
-  never removed, even when the user had it before.
-- sampled: the target is ranked against 100 items drawn uniformly (with replacement,
-  fixed seed) among the items the user never interacted with (history, valid and
-  test targets), as in the SASRec paper.
-
-Ties count against the target (rank = items scoring >= target, minus itself), so an
-untrained model that scores everything equal gets the worst rank, not the best.
-Users are evaluated in batches sorted by length; everything else is vectorized.
-A shard set with timestamps (dataprep/schema.py, version 2) gives the model each input
-item's time, as training does.
+valid: the training sequence -> valid_target; test: that plus valid_target -> test_target.
+full: ranked against every item (eval.exclude_history drops the history, never the target);
+sampled: against 100 uniform items the user never touched (the SASRec paper's protocol).
+Ties count against the target, so a model that scores everything equal ranks worst.
 """
 
 import itertools
@@ -233,8 +219,8 @@ def evaluate_checkpoint(path: str, shards_path: str, overrides: list[str] | None
 class MostPopular(torch.nn.Module):
     """The most-popular baseline: every user gets items ranked by training-part counts.
 
-    Counts come from the eval users' training sequences only (no valid/test targets),
-    the floor that shared/data/README.md publishes.
+    Counts come from the eval users' training sequences only (no valid/test targets):
+    the floor any trained model must beat.
     """
 
     counts: torch.Tensor  # a buffer: per item, its count; index 0 is padding

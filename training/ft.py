@@ -1,29 +1,10 @@
-"""The training loop's seam to fault tolerance.
+"""The training loop's seam to fault tolerance: one replica object per rank.
 
-The loop treats every step as a transaction that commits on every replica group or on
-none (ftcore/manager.py): start_quorum -> forward/backward -> allreduce -> should_commit.
-`LocalReplica` is the one-replica-group case: nothing to agree on, every step commits.
-`FTReplica` is the ftcore-backed one, chosen by `make_replica` when the launcher
-(training/launch.py) set FTCORE_LIGHTHOUSE: the step protocol of ftcore.manager, with `TrainState` as the state
-a recovering replica group receives (model, optimizer, scheduler, step, data cursor,
-RNG) plus ftcore's make-up schedule, a ledger of committed batches in OUT/../ledger,
-and the group's final parameters and optimizer state in OUT/state.safetensors
-(tensor-only) for the launcher's per-group checksum; with a sharded item table every
-rank k > 0 also writes its own OUT/state.rank<k>.safetensors (its rows differ; the layout
-is ftcore/final_state.py's).
-
-The data side of the seam: `next_batch(loader)` is the batch this group trains this step
-(None: it joins the all-reduce with zero gradients), `advance(loader)` moves the data on
-commit, `data_done(step, steps_total)` ends the loop. One group: the cursor's batch every
-step, until steps_total. FT-HSDP: what ftcore.schedule.MakeupSchedule says, so batches a
-group missed while it was down are made up (exactly once) before the run ends.
-
-Across a whole-job resume (an Airflow retry relaunches every group with train.resume=true):
-`state_for_checkpoint()` puts the make-up schedule into each checkpoint's meta.json and
-`load_from_checkpoint(meta)` restores it, so batches still owed when the job stopped are
-made up after it; the ledger's `resumed_to` marker voids what a writer recorded beyond the
-step it rejoins at. Groups that resume at different steps meet at the highest one (the
-lighthouse's max step); the others heal, schedule included.
+`LocalReplica` is a single replica group: every step commits. `FTReplica` runs ftcore's
+step protocol (start_quorum, allreduce, should_commit); `make_replica` picks it when
+FTCORE_LIGHTHOUSE is set. A recovering group receives the `TrainState` and the make-up
+schedule. Each group keeps a ledger of committed batches and writes its final state for the
+launcher's checksum. The data side: `next_batch`, `advance` (on commit), `data_done`.
 """
 
 from __future__ import annotations

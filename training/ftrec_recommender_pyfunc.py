@@ -1,21 +1,10 @@
 """ftrec's recommender as an MLflow pyfunc ("model from code", logged by training/serving.py).
 
-Self-contained on purpose: it runs where only mlflow and torch are installed, so it imports
-nothing of ftrec. (The unique file name keeps it apart from other models' code in a shared
-worker image.)
-
-predict(DataFrame with column `history`: lists of raw item ids as strings, oldest first, and
-        `timestamps`: lists of epoch seconds, one per history item (required when the model
-        is timed, model_config["timed"]: HSTU with the time-gap bias; ignored otherwise);
-        params k=10, exclude_history=True)
-    -> DataFrame with `items` (top-k raw item ids, best first) and `scores` (floats, descending).
-
-Rules:
-- raw ids the model does not know (not in the training data) are ignored, with their times;
-- a history is truncated to its newest max_len known items, the model's context;
-- exclude_history removes every known item of the whole history from the results;
-- a history with no known item gets empty lists: the model has no state to score from, and
-  it knows no popularity to fall back to.
+Self-contained: it imports nothing of ftrec, so it runs where only mlflow and torch are.
+predict(DataFrame: `history`, lists of raw item ids, oldest first; `timestamps` when the
+model is timed; params k=10, exclude_history=True) -> DataFrame: `items` (top-k raw ids)
+and `scores` (descending). Unknown ids are ignored; a history keeps its newest max_len
+known items; one with no known item gets empty lists.
 """
 
 import json

@@ -1,11 +1,8 @@
 """The retrain gate's evaluation: champion and challenger scored by one function on one split.
 
-`score` rebuilds a checkpoint's model for the NEW shard set: its item table is carried over
-through both sets' raw item ids (dataprep/schema.py ITEM_MAP). An item the model never saw
-cannot be recommended (score -inf) and reads as padding in a history, so a target it does
-not know ranks last, as it would when served. The challenger, trained on this set, goes
-through the same path (an identity map). Both are evaluated by `training.evaluate.evaluate`
-with one EvalConfig (the challenger's) on the same users, targets and sampled negatives.
+`score` rebuilds a checkpoint's model for the NEW shard set (its item table mapped through
+both sets' raw item ids; an item it never saw ranks last) and evaluates it with the
+challenger's EvalConfig on the same users, targets and sampled negatives.
 
     python -m training.gate --shards S --challenger CKPT [--champion CKPT] --out J.json
 """

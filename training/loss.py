@@ -1,14 +1,9 @@
 """Next-item losses at every position, normalized by the GLOBAL count of target tokens.
 
-Each rank returns the SUM of its per-token losses and divides it by the number of
-target tokens of the whole replica group (an all-reduced count). With gradients then
-all-reduced by SUM, the update equals that of one big batch of all the group's tokens,
-however unevenly balanced shards spread samples over the ranks.
-
-- sampled softmax with shared negatives (default): every token of the step is scored
-  against its own target and one shared set of uniformly drawn items; accidental hits
-  (a negative equal to the target) are masked out.
-- BCE with one negative per token: the SASRec training objective.
+Each rank divides the SUM of its per-token losses by the replica group's target count, so
+with gradients summed the update is that of one big batch, however shards spread samples.
+Sampled softmax with shared negatives (accidental hits masked; the default) or BCE with one
+negative per token (the SASRec objective).
 """
 
 import torch

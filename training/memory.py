@@ -1,17 +1,9 @@
 """The item table's memory, sized and checked before the model is built.
 
-A table of (items + 1) x dim float32 rows needs, with the dense optimizer
-(optim.item_optimizer = "adam"), 6 copies of itself: the weights, a dense gradient, Adam's
-two moments and the update's full-size temporaries (measured: 14.9 GB peak RSS at 10M x 64,
-benchmarks/scale_training.py). "rowwise_adam" touches rows only: weights and moments, 3
-copies (7.8 GB measured). A sharded table (comm.embedding = "sharded", K ranks) holds 1/K
-of it per rank, with the same number of copies.
-
-Each rank's budget is `train.memory_budget_gb`, or by default 80% of the device's memory
-(a GPU's, or the host's shared by the LOCAL_WORLD_SIZE ranks on it). The ranks of a group
-agree on the smallest budget, so they all take the same decision: the replicated table when
-it fits, the sharded one when only that fits (chosen automatically), else a ConfigError that
-says what would fit.
+(items + 1) x dim float32 needs 6 copies under "adam" (weights, gradient, two moments,
+temporaries), 3 under "rowwise_adam"; a sharded table holds 1/K per rank. The budget is
+train.memory_budget_gb or 80% of the device's memory; the ranks agree on the smallest, then
+take the replicated table, the sharded one when only it fits, or a ConfigError saying what fits.
 """
 
 from __future__ import annotations

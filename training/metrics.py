@@ -1,14 +1,8 @@
 """Per-step measurements, aggregated over a window of steps for logging, and the plots.
 
-Each rank records, per step: compute time (data wait excluded: forward, loss, backward,
-optimizer) and collective wait (time blocked in the group's all-reduces and in the
-cross-group ft.allreduce: transfer plus waiting for the slowest rank, the bubble).
-Every `log_every` steps the ranks all-gather their window (one small collective) and
-rank 0 turns it into one MLflow log call: means and rates over the window, per-rank
-compute and wait, and the bubble fraction 1 - mean/max of per-step compute.
-
-`StepTimer` is the step's one clock: it reads the time once at each phase boundary and feeds
-both this record and the group's bubble timeline (training/comm/integration.py, GroupComm).
+Each rank records per step its compute time and its collective wait (the bubble); every
+log_every steps the ranks all-gather the window and rank 0 makes one MLflow call.
+`StepTimer` is the step's one clock, feeding this record and GroupComm's bubble timeline.
 """
 
 import time

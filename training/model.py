@@ -1,26 +1,10 @@
 """The sequence recommender: causal self-attention over jagged item histories.
 
-A batch arrives jagged (`values` = all items of all samples back to back, `offsets` =
-where each sample starts). The blocks need a dense [B, L, d] tensor for the attention
-kernel, so each batch is padded to its OWN longest sample (dataprep's balanced shards
-put similar lengths in the same step, so little is padded) and the output is gathered
-back to jagged form: nothing after the blocks (similarities, loss) sees a pad.
-
-Two attention kinds behind `model.attention`:
-- "sasrec": softmax attention + point-wise feed-forward (Kang & McAuley, ICDM 2018).
-- "hstu": pointwise SiLU-gated attention, `SiLU(QK^T + rab^{p,t})/n` instead of softmax, with
-  the output gated by U (Zhai et al., "Actions Speak Louder than Words", ICML 2024). rab^{p,t}
-  is the relative attention bias (`model.rel_bias`): per layer, shared by its heads, one learned
-  scalar per bucket of the distance i - j (exact up to rel_pos_buckets / 2, then log-spaced up
-  to max_len; the authors' code has one per distance: rel_pos_buckets >= 2 * max_len) plus,
-  when the batch has timestamps, one per bucket of |t_i - t_j| seconds (floor(ln(gap) / 0.301),
-  ~1.35x wider each, as the authors' code buckets gaps). The authors bucket t_{i+1} - t_j (the
-  time of the request each position answers); we use the query's own t_i, so position i needs
-  nothing after it and serving needs only the history.
-
-Positions count back from the most recent item (position 0 = newest), as SASRec's
-left-padded layout does, so the prediction for "what comes next" always sits at
-position 0 at inference time.
+A jagged batch is padded to its own longest sample for the blocks and gathered back, so
+nothing after them sees a pad. `model.attention`: "sasrec" (softmax; Kang & McAuley 2018)
+or "hstu" (pointwise SiLU-gated, with a relative attention bias over positions and time
+gaps; Zhai et al. 2024). Positions count back from the newest item (position 0), as
+SASRec's left-padded layout does. docs/training.md gives the bias's buckets.
 """
 
 import math

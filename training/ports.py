@@ -1,7 +1,7 @@
 """`free_port()`: a TCP port on loopback that was free a moment ago.
 
-One definition for the tests (tests/conftest.py), the rank spawner (training/comm/spawn.py)
-and the benchmark scripts. Standard library only, so that scripts which never touch torch
+One definition for the tests, the rank spawner (training/comm/spawn.py) and the
+benchmark scripts. Standard library only, so that scripts which never touch torch
 (benchmarks/lighthouse_*.py) can import it without paying for torch.
 """
 

@@ -1,24 +1,10 @@
 """The item table's gradient as the rows a step touched: (ids, values), never the whole table.
 
-With `optim.item_optimizer = "rowwise_adam"` the model's nn.Embedding runs with
-`sparse=True`, so backward leaves a COO gradient of the looked-up rows. Before the
-optimizer sees it, it crosses:
-
-- the ranks of the replica group (`group_sum`): every rank's ids and values are gathered
-  (padded to the longest), and each rank adds them up in rank order: the same float
-  additions on every rank, so every rank holds bitwise the same rows;
-- the replica groups (`pack` before ftcore's FTAR, `unpack` after): FTAR averages tensors
-  of one fixed shape, so each group writes its rows into its own slot of a
-  [groups, cap] buffer (ids as float64, exact; a header 1.0 in front) and zeros elsewhere.
-  The average leaves slot g = group g's rows / n (n contributing groups; a healing group's
-  slot is zero), the header 1/n gives n back, and every group adds the slots up in slot
-  order: the same rows, bitwise, on every group, and the exactly-once accounting of FTAR
-  (its meta, its contributor count) is untouched. `cap` is an upper bound of one group's
-  touched rows per step, the same on every group (`rows_bound`, from the shard metadata).
-
-A sharded table (comm.embedding = "sharded") needs no group sum: the rows its peers send
-back by all-to-all are already its shard's touched rows; only the slots cross groups, with
-shard-local row numbers. Row 0 of the replicated table (padding) never travels.
+Under optim.item_optimizer = "rowwise_adam" the embedding's sparse gradient crosses the
+group's ranks (`group_sum`: gathered, added in rank order, bitwise alike on every rank) and
+the replica groups (`pack` into this group's slot of FTAR's fixed [groups, cap] buffer,
+`unpack` after the average). `rows_bound` gives cap, the same on every group. A sharded
+table sends only the slots, with shard-local row numbers.
 """
 
 from __future__ import annotations

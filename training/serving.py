@@ -1,23 +1,9 @@
 """The run's model as an MLflow pyfunc anyone can serve: raw item ids in, top-k raw item ids out.
 
-What is logged under the run's "model" (all of it loads without ftrec):
-- program.pt2: `Scorer` through torch.export: a self-contained torch program, dense item
-  histories [B, L] (oldest first, right-padded with 0, L <= max_len, B and L dynamic) ->
-  scores [B, num_items] for the next item (column j is dense item j + 1); a timed model
-  (HSTU with the time-gap bias, trained on timestamps) takes each item's epoch second
-  [B, L] as well, as evaluation gives it;
-- item_ids.json: the shard set's item map (dataprep/schema.py ITEM_MAP), raw id of dense
-  item i at index i - 1;
-- README.md (and the MLmodel's metadata): the inputs this model needs;
-- ftrec_recommender_pyfunc.py: the pyfunc ("model from code") that maps raw ids, pads,
-  masks the history and takes the top k.
-
-Why this shape: torch.export of SeqRec.forward itself fails (GuardOnDataDependentSymNode:
-its jagged index reads int(offsets[-1]) and the longest length from the data), and
-torch.jit.trace would bake one batch's lengths into the graph (TorchScript is deprecated
-anyway). The dense `Scorer` has no data-dependent shape and exports with dynamic batch and
-length. Why not mlflow.pytorch: its pickle needs ftrec's `training` package to load and
-its forward takes (values, offsets), not raw ids.
+Logged under the run's "model", loadable without ftrec: program.pt2 (`Scorer` through
+torch.export: dense histories [B, L] -> scores), item_ids.json (the item map), README.md and
+ftrec_recommender_pyfunc.py. The dense `Scorer` exists because SeqRec.forward's jagged
+indexing is data-dependent and does not export (docs/training.md).
 """
 
 import json
@@ -46,7 +32,7 @@ class Scorer(nn.Module):
     """SeqRec on a dense [B, L] batch: the embeddings and mask SeqRec.forward builds from a
     jagged batch (padded to this very layout), then the model's own encode, ln_out and scores,
     as training/evaluate.py calls them through last_hidden, with each item's time when the
-    model is `timed`. tests/test_training_serving.py checks both give the same scores."""
+    model is `timed`: the same scores as evaluation's path."""
 
     def __init__(self, model, timed: bool = False):
         super().__init__()

@@ -1,23 +1,9 @@
 """`TrainState`: everything a step changes, behind one state_dict / load_state_dict.
 
-Checkpoints save it and ftcore's catch-up ships it to a recovering replica group:
-model, optimizer, LR scheduler, committed step, data cursor and the RNG states
-(the global torch generator, used by dropout, and the negative sampler's own
-generator). Loading it makes the next step bitwise identical to an uninterrupted run.
-
-Also builds the optimizer and schedule:
-- AdamW for dense parameters;
-- the item table as its own param group with its own lr and no weight decay, under
-  `optim.item_optimizer`:
-  - "adam": plain (dense) Adam; the table's dense gradient travels in the same flat
-    all-reduce as the dense ones (intra-group and ftcore's cross-group FTAR). Every row
-    moves every step (momentum), so a step costs O(items x dim).
-  - "rowwise_adam": `RowwiseAdamW`, Adam on the rows a step touched only (lazy Adam, as
-    TorchRec's fused embedding optimizers and torch's SparseAdam do): the gradient is the
-    touched rows (training/rows.py carries them across ranks and groups), untouched rows
-    keep their weights and moments, so a step costs O(touched rows x dim). Not numerically
-    equal to dense Adam: a row absent from a step does not coast on its momentum.
-- linear warmup, then cosine (or linear) decay to `min_lr_ratio`, or constant.
+Model, optimizer, scheduler, committed step, data cursor and both RNG states: what a
+checkpoint saves and a recovering group receives; loading it makes the next step bitwise
+identical. Also the optimizer (AdamW; the item table in its own group: dense "adam" or
+`RowwiseAdamW` on the touched rows, not equal to dense Adam) and the lr schedule.
 """
 
 import math

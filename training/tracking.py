@@ -1,18 +1,9 @@
 """MLflow tracking that never slows or kills training.
 
-One `Tracker` per run, used from rank 0 only. Every call only puts an operation on a
-queue; a background thread sends it with tenacity retries. What cannot be sent (an
-unreachable server) stays buffered, in order, and is retried later; `close()` flushes
-with a time bound and reports what is still unsent instead of raising.
-
-Why asynchronous: one synchronous log_metrics costs ~19 ms on the SQLite store and
-opening a store takes seconds, more than a whole training step here.
-
-With `mlflow.system_metrics`, MLflow's SystemMetricsMonitor samples system/* metrics (CPU,
-memory, disk, network, GPU) from the run's creation until close().
-
-Store: `mlflow.tracking_uri`, else MLFLOW_TRACKING_URI, else an embedded SQLite file
-`sqlite:///<out>/mlflow.db` with artifacts under `<out>/mlartifacts`.
+One `Tracker` per run, on rank 0. A call only queues an operation; a background thread
+sends it with retries, keeps what cannot be sent in order, and `close()` flushes with a
+time bound and reports what is unsent instead of raising. Store: mlflow.tracking_uri,
+else MLFLOW_TRACKING_URI, else sqlite:///<out>/mlflow.db.
 """
 
 import importlib.metadata

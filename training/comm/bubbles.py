@@ -1,22 +1,10 @@
 """Bubble accounting: where each rank's step time goes.
 
-Per rank and step, the compute thread's time splits into
-  compute   inside `timeline.compute(...)` (forward, backward, optimizer ...),
-  comm      blocked waiting for a comm op (exposed communication), of which
-  straggler is the part spent waiting for the last rank to arrive in that collective,
-  idle      everything else (data loading, Python between stages).
-compute + comm + idle = step time; idle is measured as the gaps between intervals, not as
-a remainder, so the sum is a check. The bubble fraction of a step is the share of the
-ranks' time not spent computing: 1 - sum(compute) / sum(step time) over ranks; of a run,
-the same sums over all its steps.
-
-Straggler wait needs the other ranks' arrival times in each op: `max_arrivals` all-reduces
-them (MAX) once per window, at a point where no comm op is in flight. Times come from
-time.perf_counter (CLOCK_MONOTONIC), one clock for all processes of a host; across hosts
-the straggler split would need clock offsets (not done; the totals do not need it).
-
-`metrics()` gives the dict the training loop's MLflow tracker logs; `plot_timeline()` the PNG
-(ranks as rows; compute / comm / straggler / idle as colours) for the run's artifacts.
+Per rank and step: compute (inside compute phases), comm (blocked on a comm op; its
+straggler part waits for the last rank to arrive), idle (the gaps). The bubble fraction is
+1 - sum(compute) / sum(step time) over ranks. `max_arrivals` all-reduces arrival times once
+per window; `metrics()` is the MLflow dict, `plot_timeline()` the PNG. Times are one host's
+perf_counter: across hosts the straggler split is not done.
 """
 
 from __future__ import annotations

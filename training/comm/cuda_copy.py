@@ -1,20 +1,9 @@
 """The CUDA half of the `smfree` transport: copy-engine transfers, no communication kernels.
 
-UNVERIFIED: written for CUDA but never run in this repository's CI (no GPU).
-benchmarks/gpu_check.py is the prepared script that checks it on a GPU machine; BENCHMARKS.md marks it unverified.
-
-How: the smfree outboxes live in same-host shared memory (transport.py). Here they are
-page-locked with cudaHostRegister, so `copy_(non_blocking=True)` between a CUDA tensor and
-an outbox is a cudaMemcpyAsync that the DMA copy engines execute; it is issued on a
-dedicated stream from the transport's copy thread, so no kernel occupies the SMs while the
-compute stream runs. Device -> pinned outbox on the sender, pinned outbox -> device on the
-receiver: two PCIe/C2C hops, slower than NVLink peer copies but SM-free and valid for any
-two processes on one host (also two processes sharing one GPU). The all-reduce's sum is
-the one SM user (small elementwise adds); all-to-all, the embedding traffic, has none.
-
-A peer-to-peer variant (CUDA IPC handles or torch symmetric memory, then cudaMemcpyAsync
-device to device between GPUs) would skip the host hop; not written: it needs two GPUs to
-verify and the exchange of IPC handles needs a non-pickle wire format.
+UNVERIFIED: never run in this repository's CI (no GPU); benchmarks/gpu_check.py checks it.
+The shared-memory outboxes are pinned with cudaHostRegister, so a copy between a CUDA tensor
+and an outbox is a cudaMemcpyAsync on a dedicated stream (the DMA copy engines): no kernel
+occupies the SMs. Two hops through the host; a peer-to-peer variant is not written.
 """
 
 from __future__ import annotations

@@ -1,27 +1,10 @@
-"""The training loop's seam to FreeScale communication (one object, `GroupComm`).
+"""The training loop's seam to FreeScale communication: `GroupComm`.
 
-What the trainer (training/train.py) gets from it, selected by the `[comm]` config section:
-- `allreduce_grads(params)`: the replica group's gradient SUM through the configured
-  transport (`collective` = gloo/nccl, `smfree` = shared memory / copy engines, with
-  fallback), recorded as an exposed comm interval;
-- bubble accounting: `step_begin/step_end`, `compute(name)` around the compute stages (or
-  `compute_begin/compute_end`; the trainer's step timer, training/metrics.py `StepTimer`,
-  calls these with its own timestamps, so a phase is timed once for both records),
-  `window_metrics()` (collective) for the MLflow window, `finish(out)` (collective) writes
-  the PNG timeline of a window of steps for the run's artifacts.
-
-The sharded item table (`comm.embedding = "sharded"`) is wired in through item_table.py,
-whose `TrainerTable` interface the trainer calls whatever the table: a step's lookups and
-the next batch's id exchange are submitted before the forward pass, the shard stays out of
-the group all-reduce and the parameter broadcast, clipping uses the global norm (shard
-norms all-reduced), the table is gathered for rank-0 evaluation, model logging and
-checkpoints (which hold the full table; each rank's file adds its shard's optimizer state).
-
-Two channels, so two threads never interleave ops on one: the group's transport runs on a
-process group of its own (`self.group`), fed only by the scheduler's ordered queue (the comm
-thread); the trainer's own collectives (counts, dense all-reduce, norms, gathers) stay on
-the default process group, on the compute thread. Each of the two has its own gloo twin for
-control values when its backend is a device one (ftcore/collectives.py).
+It gives the trainer the replica group's gradient SUM through the configured transport
+(`allreduce_grads`), bubble accounting of each step's phases (fed by metrics.StepTimer),
+`window_metrics()` for the MLflow window and `finish(out)` for the PNG timeline (both
+collective). Two channels: the transport has its own process group, fed only by the
+scheduler's comm thread; the trainer's own collectives stay on the default group.
 """
 
 from __future__ import annotations

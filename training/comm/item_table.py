@@ -1,38 +1,10 @@
-"""The trainer's item table sharded row-wise across the K ranks of a replica group.
+"""The trainer's item table behind one interface, `TrainerTable`, whatever comm.embedding says.
 
-`comm.embedding = "sharded"` swaps SeqRec's `item_emb` (an nn.Embedding) for
-`ShardedItemTable`: rank k keeps rows [k*B, (k+1)*B) of the very table the replicated model
-starts from, and every lookup is an all-to-all through the group's transport.
-
-A step's lookups are submitted before its forward pass, in the order compute consumes them
-(`Stage` HISTORY < CANDIDATE < NEGATIVE): the histories feed the first layer, the targets
-and the step's negatives (drawn up front, training/loss.py) only the loss, so their rows
-arrive while the transformer runs. The id exchange (input dist) of the batch expected next
-is submitted in the same flush and runs during this step's compute; next step reuses it when
-the batch is the expected one (`start_step(key=row group)`; all ranks of the group decide
-alike, from the group-wide key). Rows are always read after the previous optimizer update:
-no stale embeddings. The scheduler's policy (comm.policy) decides what runs async and in
-which order; the results are the same under every policy.
-
-Why the gradients are deferred: the replicated table sums, per row, the dense gradient of
-each lookup in the order autograd delivers them, and the group then SUMs the ranks. Here
-each lookup's per-row gradient is added into one buffer over the step's unique ids in the
-same delivery order, and one all-to-all (`start_grads` after backward, overlapping the dense
-all-reduce; `finish_grads` before the optimizer) sends that buffer to the owners, where rank
-0's part is added before rank 1's. With 2 ranks every float addition happens in the same
-order as in the replicated run: bitwise equal updates.
-
-ftcore: rank k of every replica group holds the same rows, so ft.allreduce (FTAR) averages
-the shard like any dense parameter of rank k, and heal fetches rank k's state from rank k.
-
-The training loop (training/train.py) sees its item table through `TrainerTable`, whatever
-`comm.embedding` says: `ShardedItemTable` owns its lookups (`start_lookups`), its gradient
-exchange (`start_grads`, `finish_grads`), its part of the global gradient norm
-(`clip_grads_`), its comm totals (`summary`) and what a checkpoint needs (the full table,
-per-rank optimizer state); `ReplicatedItemTable` is the nn.Embedding case, where each of
-those is nothing or torch's own; `RowwiseItemTable` (optim.item_optimizer = "rowwise_adam")
-is that nn.Embedding with a sparse gradient of the touched rows, which it sums over the
-group's ranks and packs into FTAR's slots itself (training/rows.py).
+`ShardedItemTable`: rank k keeps rows [k*B, (k+1)*B) and looks rows up by all-to-all,
+submitted before the forward pass in need order; its gradient reaches the owners in one
+deferred all-to-all (bitwise equal to the replicated table with 2 ranks).
+`ReplicatedItemTable`: the model's own nn.Embedding. `RowwiseItemTable`: that embedding with
+a sparse gradient of the touched rows (optim.item_optimizer = "rowwise_adam", training/rows.py).
 """
 
 from __future__ import annotations

@@ -1,23 +1,10 @@
 """The communication scheduler: one ordered queue of comm ops per rank.
 
-Every op carries the compute stage that consumes it (`Stage`, in need order within a step).
-Ops are submitted as the step creates them, handed to the comm thread at `flush()` in
-issue order, and waited on just before the consumer runs. The policies:
-
-- `blocking`: run each op at submit, on the compute thread (the baseline);
-- `overlapped`: async on the comm thread, issued in submission order (FIFO);
-- `prioritized`: async, each flush issued by (stage, submission order): history embeddings
-  before candidate and negative embeddings before the next batch's input dist, forward
-  before backward sync.
-
-Why one ordered queue: a process group runs its ops in order, and every rank must issue
-collectives in the same order or they mismatch. The sort key (stage, submission index) is
-the same on every rank because every rank runs the same step code, so the issue order is
-identical everywhere, independent of timing. Ops run one at a time: the first-needed op
-gets the whole link instead of sharing it.
-
-Each op records when it was submitted, started (its "arrival" in the collective), ended,
-and how long the compute thread waited for it: the exposed communication time.
+Each op carries the compute stage that consumes it (`Stage`); ops go to the comm thread at
+`flush()` and are waited on just before their consumer. Policies: `blocking` (run at
+submit), `overlapped` (async, FIFO), `prioritized` (async, by stage then submission). The
+order is the same on every rank, so collectives never mismatch. Each op records its times;
+the compute thread's wait is the exposed communication.
 """
 
 from __future__ import annotations
@@ -192,7 +179,7 @@ class CommScheduler:
             self._execute(op)
 
     def records(self, step: int | None = None) -> list[dict]:
-        """Per-op timing in issue order (for logs, tests and bubble accounting)."""
+        """Per-op timing in issue order (for logs and bubble accounting)."""
         return [
             {
                 "name": o.name,

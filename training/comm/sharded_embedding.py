@@ -1,29 +1,10 @@
 """Embedding tables sharded across the K ranks of one replica group.
 
-Row-wise (default): rank k holds the contiguous rows [k*B, (k+1)*B), B = ceil(N/K).
-Table-wise (an option when there are several tables, e.g. item ids and a side feature):
-a whole table lives on one owner rank; the others hold zero rows.
-
-A lookup is two all-to-alls (TorchRec calls them input dist and output dist):
-  1. input dist: each rank dedups its ids, sends the split sizes, then the ids, to the
-     owners (`exchange_ids`). It needs no weights, so the pipeline runs it a batch early.
-  2. output dist: owners gather the requested rows and send them back (`exchange_rows`).
-Backward: the gradient of every unique id is summed locally (the kernel nn.Embedding uses),
-sent back to its owner by all-to-all and added into the shard's `.grad` in source-rank order.
-With 2 ranks this is bitwise equal to an unsharded table whose gradients are summed by
-all-reduce (0 + g0 + g1 == g0 + g1); tests/test_comm_sharded.py checks forward and grads.
-
-The shard's gradient is the SUM over the group's ranks, like a SUM all-reduce of a dense
-parameter: do not all-reduce it again inside the group; if the loop averages dense grads
-(divides by K), scale shard grads the same way (`grad_scale`).
-
-Devices: the shard lives where `full_weight` does (the model's device); a lookup's plan is made
-on the host (split sizes are control values), its ids, rows and gradients go to the transport
-on the shard's device (ftcore/collectives.py puts them where the group's backend needs them).
-
-FT-HSDP (ftcore): shard k of every replica group holds the same rows, so FTAR averages
-`weight` of shard rank k across replica groups exactly like a dense parameter of rank k;
-checkpoints are per rank (each rank saves its own shard; `row_range` names it).
+Row-wise (rank k holds rows [k*B, (k+1)*B)) or table-wise (one owner per table). A lookup is
+two all-to-alls: input dist (`exchange_ids`, no weights needed, so it can run a batch early)
+and output dist (`exchange_rows`). Backward sums each unique id's gradient locally and sends
+it to its owner, added in source-rank order: the shard's grad is already the group's SUM
+(not all-reduced again; `grad_scale` if the loop averages).
 """
 
 from __future__ import annotations
@@ -213,7 +194,7 @@ def reference_weight(
 
 
 def gather_full_weight(emb: ShardedEmbedding, group=None) -> torch.Tensor:
-    """All shards concatenated into the unsharded table (tests, checkpoints for eval)."""
+    """All shards concatenated into the unsharded table (checkpoints, evaluation)."""
     sizes = coll.all_gather(torch.tensor([emb.weight.shape[0]]), kind=coll.CONTROL, group=group)
     m = int(max(s.item() for s in sizes))
     w = emb.weight.detach()

@@ -1,7 +1,7 @@
 """Run a function on W real gloo ranks (one process each) on this host, bounded by a timeout.
 
-Used by the comm tests and benchmarks. Every process is ended by its own PID when the time
-is up or a rank fails; results come back over a local multiprocessing queue.
+Every process is ended by its own PID when the time is up or a rank fails; results come
+back over a local multiprocessing queue.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ftcore import collectives as coll
-from training.ports import free_port  # also imported from here (tests/test_collectives_device_rule.py)
+from training.ports import free_port
 
 
 def _entry(fn, rank, world_size, port, q, args, timeout_s, backend="gloo", setup=None):

@@ -1,25 +1,10 @@
-"""The transport: how the bytes of an all-to-all or all-reduce move between the ranks of
-one replica group.
+"""The transport: how the bytes of an all-to-all or all-reduce move inside a replica group.
 
-Two implementations behind one interface, chosen by config and bitwise equal in result:
-
-- `collective`: torch.distributed collectives (gloo on CPU, nccl on GPU), through
-  ftcore/collectives.py: rows and ids on the group's device, split sizes and setup facts as
-  control values on its gloo twin.
-- `smfree`: no communication kernels and no work on the compute thread. On CPU, each rank
-  owns an outbox in same-host shared memory (/dev/shm); a copy thread per rank writes the
-  outgoing rows into its outbox and copies the rows meant for it out of the peers' outboxes.
-  Ranks synchronise through sequence counters in a shared control block. On CUDA the same
-  outboxes are pinned with cudaHostRegister and filled/drained by cudaMemcpyAsync on a
-  dedicated stream, i.e. by the copy engines (see cuda_copy.py; unverified here).
-
-`make_transport` falls back to `collective`, logging the reason, when `smfree` cannot run:
-ranks on different hosts, no writable shared-memory folder, or CUDA tensors without the
-copy-engine path. The decision is taken from facts gathered from every rank, so all ranks
-take the same one (a split decision would hang the group).
-
-Both implementations are asynchronous: calls return a `Handle` at once; `wait()` returns the
-result. Ops run in issue order (gloo: one process group; smfree: one copy thread).
+`collective`: torch.distributed (gloo on CPU, nccl on GPU) through ftcore/collectives.py.
+`smfree`: no communication kernels: per-rank outboxes in same-host shared memory, filled and
+drained by a copy thread (on CUDA by the copy engines, cuda_copy.py). `make_transport` falls
+back to `collective`, saying why, when smfree cannot run; every rank takes the same decision.
+Both are asynchronous (a `Handle`) and bitwise equal; ops run in issue order.
 """
 
 from __future__ import annotations
@@ -62,7 +47,7 @@ class TransportConfig:
     kind: str = "collective"  # "collective" | "smfree"
     shm_dir: str = "/dev/shm"  # where smfree puts its outboxes (must be same-host tmpfs)
     initial_capacity: int = 1 << 20  # bytes per outbox; grows on demand
-    host_id: str | None = None  # None: hostname + boot id (tests override to force fallback)
+    host_id: str | None = None  # None: hostname + boot id (set it to force the fallback)
 
 
 class Handle(Protocol):
