@@ -1,30 +1,10 @@
-"""The manager: the FT-HSDP step protocol inside one rank of one replica group.
+"""The manager: FT-HSDP's step protocol in one rank of one replica group, a transaction that
+commits on every group or on none: `start_quorum()` asks the lighthouse in the background,
+`allreduce()` averages across groups (FTAR; a healing group sends zeros), `should_commit()`
+is the group's vote (a healing group loads its state there). A failed quorum, exchange or heal
+fails the step, never the process; while the lighthouse is silent a committed group goes on
+in its last quorum on a lease (timeouts.LEASE); data-plane errors are reported at once."""
 
-Per step (a transaction: it commits on every group or on none):
-
-    start_quorum()    asynchronous: ask the lighthouse; on a new quorum_id build the
-                      cross-group process group (rank k of every group, on a fresh
-                      store prefix); start a heal fetch or offer a heal snapshot
-    allreduce(ts)     FTAR across groups: SUM / contributors, healing groups send zeros
-    should_commit()   all ranks of the group vote; commit only if every rank succeeded
-                      and the quorum has >= min_replicas groups; a recovering group
-                      loads the healed state here, before the optimizer step
-
-Errors never escape as crashes: a failed quorum, collective or heal makes the step
-fail (should_commit() is False) and the trainer retries the same batch. While the
-lighthouse is silent, a step whose group committed the last one in an unchanged quorum
-runs in that quorum on its lease (timeouts.LEASE) instead of waiting. Data-plane
-errors are reported to the lighthouse at once so the survivors re-form without
-waiting for a heartbeat timeout. Each quorum request carries the compute time of the
-group's last step (fail-slow, ftcore/pace.py); a group the lighthouse holds out as slow
-gets `Standby`: its steps fail without an error report until it is readmitted and heals.
-
-The lighthouse client is a constructor argument (`lighthouse_client`, by default the real
-LighthouseClient), so the step protocol can be driven in one process by a fake
-(tests/test_ftcore_manager.py).
-"""
-
-import datetime
 import json
 import math
 import os
@@ -39,110 +19,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ftcore import auth, netaddr, timeouts
 from ftcore import collectives as coll
 from ftcore import faults as faults_mod
-from ftcore.ftar import DEFAULT_BUCKET_BYTES, FTARError, ftar
+from ftcore import netaddr, timeouts
+from ftcore.crossgroup import CrossGroup
+from ftcore.environment import LR_POLICIES, ManagerConfig, config_from_env, faults_from_env
+from ftcore.ftar import FTARError, ftar
 from ftcore.heal import HealServer, fetch
 from ftcore.lighthouse_client import LighthouseClient, LighthouseError, LighthouseLink, Overtaken, Replaced, Standby
 from ftcore.messages import MAX_ADDRESS, Busy, Identity, Quorum, QuorumRequest, RankInfo
 from ftcore.relay import Relay
 
+__all__ = ["Manager", "ManagerConfig", "StepRecord", "config_from_env", "faults_from_env"]
+
 # makes this rank's lighthouse client: (lighthouse host:port, what the rank reports, token)
 ClientFactory = Callable[[str, RankInfo, str | None], LighthouseLink]
-
-LR_POLICIES = ("none", "linear", "sqrt")
-# A group that has not committed for this long gives up (its process exits non-zero and
-# the launcher restarts it) instead of retrying forever.
-STUCK_TIMEOUT = timeouts._env("FTCORE_STUCK_TIMEOUT", 120.0)
-
-
-@dataclass
-class ManagerConfig:
-    lighthouse: str  # host:port
-    group: int  # this replica group, 0..num_groups-1
-    num_groups: int  # R: replica groups the job was planned with (LR policy, make-up)
-    rank: int = 0  # k: rank within the group
-    world: int = 1  # K: ranks per group
-    incarnation: int | None = 0  # bumps each time the group is restarted; None: agreed at start (see below)
-    min_replicas: int = 1
-    lr_policy: str = "sqrt"
-    token: str | None = None
-    host: str = ""  # where this rank's store, heal server and gloo listen (ftcore/netaddr.py)
-    job: str = "default"  # one lighthouse serves several jobs; their quorums never mix
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES
-    records: str | None = None  # append every StepRecord here as a JSON line ("{incarnation}" is filled in)
-    # cross-group data plane: "gloo" always, CUDA gradients host-staged (ftcore/ftar.py says why).
-    # "nccl" is fenced: opt-in only (FTCORE_BACKEND=nccl), never run on a GPU here, and a hung
-    # peer there is ended by NCCL's watchdog tearing the survivors down, not by FTAR (_new_pg).
-    backend: str = "gloo"
-    # a group of several ranks speaks to the lighthouse through its rank 0 (ftcore/relay.py)
-    relay: bool = True
-
-
-# The environment of one rank: what torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK) plus these,
-# the same under `torchrun` on a cluster and under the local launcher (README, "Running on a
-# cluster"). FTCORE_TOKEN / FTCORE_TOKEN_FILE carry the lighthouse's token (ftcore/auth.py).
-ENV = {
-    "FTCORE_LIGHTHOUSE": "host:port of the lighthouse (required)",
-    "FTREC_REPLICA_GROUP": "this replica group's id, 0..R-1 (default 0)",
-    "FTREC_NUM_REPLICA_GROUPS": "R, the replica groups the job is planned with (default 1)",
-    "FTCORE_JOB_ID": "the job's id on a lighthouse that serves several jobs (default 'default')",
-    "FTCORE_HOST": "address this rank binds and advertises (default: derived, ftcore/netaddr.py)",
-    "FTCORE_INCARNATION": "this start of the group; unset: agreed by the group's ranks at start",
-    "FTCORE_MIN_REPLICAS": "fewest replica groups a step may commit with (default 1)",
-    "FTCORE_LR_POLICY": "none, linear or sqrt (default sqrt)",
-    "FTCORE_BACKEND": "cross-group data plane: gloo (default; CUDA gradients host-staged) or nccl (fenced, unverified)",
-    "FTCORE_RELAY": "1 (default): a group's rank 0 speaks to the lighthouse for its ranks; 0: every rank does",
-}
-
-
-def _env_int(name: str, default: str) -> int:
-    raw = os.environ.get(name, default)
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"ftcore: environment variable {name}={raw!r} is not an integer") from None
-
-
-def config_from_env(**overrides: Any) -> ManagerConfig:
-    """The manager's configuration from the rank's environment (ENV above)."""
-    env = os.environ
-    if not env.get("FTCORE_LIGHTHOUSE"):
-        raise ValueError(
-            "ftcore: FTCORE_LIGHTHOUSE is not set; start ranks with the launcher "
-            "(python -m training launch) or set it to the lighthouse's host:port"
-        )
-    cfg = ManagerConfig(
-        lighthouse=env["FTCORE_LIGHTHOUSE"],
-        group=_env_int("FTREC_REPLICA_GROUP", "0"),
-        num_groups=_env_int("FTREC_NUM_REPLICA_GROUPS", "1"),
-        rank=_env_int("RANK", "0"),
-        world=_env_int("WORLD_SIZE", "1"),
-        # torchrun's restart count is per node (a replaced node starts at 0), so it cannot name
-        # a restart of a group that spans nodes: without FTCORE_INCARNATION the ranks agree.
-        incarnation=_env_int("FTCORE_INCARNATION", "0") if env.get("FTCORE_INCARNATION") else None,
-        min_replicas=_env_int("FTCORE_MIN_REPLICAS", "1"),
-        lr_policy=env.get("FTCORE_LR_POLICY", "sqrt"),
-        token=_job_token(auth.token_from_env(), env.get("FTCORE_JOB_ID") or "default"),
-        host=netaddr.rank_host(env["FTCORE_LIGHTHOUSE"]),
-        job=env.get("FTCORE_JOB_ID") or "default",
-        records=env.get("FTCORE_RECORDS"),
-        backend=env.get("FTCORE_BACKEND", "gloo"),
-        relay=env.get("FTCORE_RELAY", "1") != "0",
-    )
-    for k, v in overrides.items():
-        setattr(cfg, k, v)
-    return cfg
-
-
-def _job_token(token: str | None, job: str) -> str | None:
-    """The credential a rank uses on the wire and serves heals under: its job's token, even when
-    it was handed the lighthouse's secret (ftcore/auth.py)."""
-    try:
-        return auth.job_token(token, job) if token else None
-    except ValueError as e:
-        raise ValueError(f"ftcore: FTCORE_TOKEN / FTCORE_TOKEN_FILE: {e}") from None
 
 
 def agree_incarnation(group_pg: dist.ProcessGroup | None) -> int:
@@ -153,22 +44,6 @@ def agree_incarnation(group_pg: dist.ProcessGroup | None) -> int:
     if group_pg is not None and coll.get(group_pg).size() > 1:
         coll.broadcast(t, 0, kind=coll.CONTROL, group=group_pg)
     return int(t.item())
-
-
-def _new_pg(
-    backend: str, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta, host: str = "127.0.0.1"
-) -> dist.ProcessGroup:
-    """One quorum's cross-group process group, its gloo listening on `host` only (with a gloo
-    twin for control values beside any other backend, ftcore/collectives.py).
-
-    "nccl" is fenced (ManagerConfig.backend): written for CUDA tensors, never run on a GPU here.
-    Its hang handling is NCCL's: the group's timeout arms the watchdog, which with
-    TORCH_NCCL_ASYNC_ERROR_HANDLING=1 aborts a blocked collective by ending the process, so a
-    peer's SIGSTOP restarts the survivors too; FTAR's deadline cannot cancel an NCCL kernel."""
-    try:
-        return coll.new_pg(backend, store, rank, size, timeout, host)
-    except ValueError as e:
-        raise ValueError(f"ftcore: {e} (FTCORE_BACKEND)") from None
 
 
 def _relay(cfg: ManagerConfig, info: RankInfo, group_pg: dist.ProcessGroup | None) -> tuple[Relay | None, str]:
@@ -183,11 +58,6 @@ def _relay(cfg: ManagerConfig, info: RankInfo, group_pg: dist.ProcessGroup | Non
         raw[: len(addr)] = torch.tensor(list(addr), dtype=torch.int64)
     coll.broadcast(raw, 0, kind=coll.CONTROL, group=group_pg)
     return relay, bytes(int(b) for b in raw.tolist() if b).decode()
-
-
-def faults_from_env() -> list[faults_mod.Fault]:
-    path = os.environ.get("FTCORE_FAULTS")
-    return faults_mod.load(path) if path else []
 
 
 @dataclass
@@ -233,6 +103,17 @@ class Round:
     idle: int = -1  # its quorum id if nobody had work in it
 
 
+@dataclass
+class Standing:
+    """Where this group stands between steps."""
+
+    committed: bool = False  # the last step committed (in Manager.quorum)
+    committed_at: float = field(default_factory=time.monotonic)
+    lease_until: float = 0.0  # monotonic: the last granted quorum may be reused until then
+    standby_until: float = 0.0  # monotonic: held out as slow (Standby) until then
+    trained_in: tuple[str, Identity] = ("", ())  # lighthouse id and members of the last quorum applied
+
+
 class Manager:
     """One rank's step protocol. `group_pg`: the process group of this replica group's own
     ranks (None: one rank); `lighthouse_client`: makes the client (the real one by default)."""
@@ -262,18 +143,7 @@ class Manager:
         self._group_pg = group_pg
         self.step = step
         self.injector = faults_mod.Injector(faults or [], cfg.group, cfg.rank, cfg.incarnation)
-        # Rendezvous store for the cross-group groups this rank leads (as rank k of the leader
-        # group), on a socket bound to cfg.host alone (TCPStore's own listens everywhere).
-        fd, port = netaddr.listen_fd(cfg.host)
-        self._store = dist.TCPStore(
-            cfg.host,
-            port,
-            is_master=True,
-            wait_for_workers=False,
-            master_listen_fd=fd,
-            timeout=datetime.timedelta(seconds=timeouts.COLLECTIVE_TIMEOUT),
-        )
-        self._stores: dict[str, dist.TCPStore] = {}
+        self._xg = CrossGroup(cfg.host, cfg.backend)
         self.heal_server = HealServer(cfg.host, cfg.token, on_serve=self._on_serve)
         info = RankInfo(
             group=cfg.group,
@@ -284,7 +154,7 @@ class Manager:
             num_groups=cfg.num_groups,
             min_replicas=cfg.min_replicas,
             step=step,
-            store=f"{cfg.host}:{self._store.port}",
+            store=f"{cfg.host}:{self._xg.store.port}",
             heal=self.heal_server.address,
         )
         self.relay, addr = _relay(cfg, info, group_pg)
@@ -292,17 +162,11 @@ class Manager:
         self.client.start_heartbeats()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftcore-quorum")
         self._heal_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftcore-heal")
-        self._pg: dist.ProcessGroup | None = None  # this quorum's cross-group process group
-        self._pg_id: tuple[str, int] | None = None  # ... and the Quorum.key it was built for
         self._quorum: Quorum | None = None
-        self._trained_in: tuple[str, Identity] = ("", ())  # lighthouse id and members of the last quorum applied
         self._r = Round(QuorumRequest(info), (None, 0.0))  # the current step attempt
-        self._lease_until = 0.0  # monotonic: the last granted quorum may be reused until then
-        self._last_ok = False  # the last step committed (in self._quorum)
+        self._st = Standing()
         self._round_lock = threading.Lock()  # a round either takes its reply or leases, never both
         self._ignored_step = -1  # the step of the last quorum answer given up unapplied (quorum worker only)
-        self._last_commit = time.monotonic()
-        self._standby_until = 0.0  # monotonic: held out as slow (Standby) until then
         # per step of this group's that every member ran: (straggler s: waiting for the slowest
         # group, FTAR s, the slowest group's compute s, the groups' mean compute s); drained by the trainer
         self.pace_log: list[tuple[float, float, float, float]] = []
@@ -315,10 +179,10 @@ class Manager:
         """Begin this step's quorum in the background (the step has work until set_work says not)."""
         if self.client.replaced:
             raise Replaced(f"replica group {self.cfg.group} incarnation {self.cfg.incarnation} was replaced")
-        if time.monotonic() - self._last_commit > STUCK_TIMEOUT:
+        if time.monotonic() - self._st.committed_at > timeouts.STUCK_TIMEOUT:
             raise RuntimeError(
                 f"ftcore: replica group {self.cfg.group} has not committed a step for "
-                f"{STUCK_TIMEOUT:.0f}s (FTCORE_STUCK_TIMEOUT); giving up so it can be restarted"
+                f"{timeouts.STUCK_TIMEOUT:.0f}s (FTCORE_STUCK_TIMEOUT); giving up so it can be restarted"
             )
         self.client.update(step=self.step)
         last = self._r  # its compute and FTAR time ride on this round's request (fail-slow)
@@ -326,14 +190,14 @@ class Manager:
             # The request reports this step even when it goes out late (its thread was still
             # waiting on a leased round's request) and this group has committed meanwhile: a
             # later step in it would make the lighthouse heal the others "up" to it.
-            ask = QuorumRequest(self.client.info, *self._trained_in, busy=last.busy, idle=last.idle)
+            ask = QuorumRequest(self.client.info, *self._st.trained_in, busy=last.busy, idle=last.idle)
             r = self._r = Round(ask, (last.busy, last.t_allreduce))
             r.fut = self._pool.submit(self._run_quorum, r)
 
     def _run_quorum(self, r: Round) -> Quorum | None:
         if r is not self._r:
             return None  # a later step asked already (this one ran on a lease): nothing to do
-        time.sleep(max(self._standby_until - time.monotonic(), 0.0))
+        time.sleep(max(self._st.standby_until - time.monotonic(), 0.0))
         with self._round_lock:  # a request that leaves after its step leased says so (lighthouse _drop_overtaken)
             ask = replace(r.ask, leased=r.leased, again=self._ignored_step == r.ask.info.step)
         try:
@@ -356,49 +220,19 @@ class Manager:
         pace, (busy, allreduce_s) = q.pace, r.sent
         if pace is not None and busy is not None and pace.quorum_id == busy.quorum_id and len(self.pace_log) < 10_000:
             self.pace_log.append((max(pace.slowest_s - busy.seconds, 0.0), allreduce_s, pace.slowest_s, pace.mean_s))
-        self._lease_until = time.monotonic() + min(q.lease_s, timeouts.LEASE)
+        self._st.lease_until = time.monotonic() + min(q.lease_s, timeouts.LEASE)
         self.client.update(quorum_id=q.quorum_id)
-        self._trained_in = (q.lighthouse_id, q.identity)
+        self._st.trained_in = (q.lighthouse_id, q.identity)
         g = self.cfg.group
         if g in q.heal:  # rank k heals from rank k of the source
             r.heal_fut = self._heal_pool.submit(self._fetch_heal, q.heal_from, q.max_step, q.heal[g])
-        if q.key != self._pg_id:
-            self._build_pg(q)
+        if q.key != self._xg.key:
+            self._xg.build(q, g, self.cfg.rank)
         if g in q.heal.values() and self.step == q.max_step:
             # We are a heal source: snapshot before this step's optimizer update.
             self.heal_server.offer(self.step, self._state_dict())
         self._quorum = q
         return q
-
-    def _build_pg(self, q: Quorum) -> None:
-        old, self._pg, self._pg_id = self._pg, None, None
-        if old is not None:
-            _retire(old)
-        groups = q.groups
-        if len(groups) > 1:
-            leader = q.store  # rank k of the first group hosts rank k's rendezvous
-            store = self._stores.get(leader)
-            if store is None:
-                host, _, port = leader.rpartition(":")
-                store = dist.TCPStore(
-                    host,
-                    int(port),
-                    is_master=False,
-                    wait_for_workers=False,
-                    timeout=datetime.timedelta(seconds=timeouts.COLLECTIVE_TIMEOUT),
-                )
-                self._stores[leader] = store
-            prefix = f"ftcore/{q.lighthouse_id}/{q.quorum_id}/{self.cfg.rank}"
-            # A fresh prefix per quorum: the default process group cannot shrink or grow.
-            self._pg = _new_pg(
-                self.cfg.backend,
-                dist.PrefixStore(prefix, store),
-                groups.index(self.cfg.group),
-                len(groups),
-                datetime.timedelta(seconds=timeouts.COLLECTIVE_TIMEOUT),
-                self.cfg.host,
-            )
-        self._pg_id = q.key
 
     def _fetch_heal(self, addr: str, step: int, src: int) -> Any:
         t = time.monotonic()
@@ -426,9 +260,7 @@ class Manager:
         loopback call): the next quorum request must find it recorded."""
         qid = self._quorum.quorum_id if self._quorum else 0
         self.client.report_failure(qid, msg)
-        pg, self._pg, self._pg_id = self._pg, None, None
-        if pg is not None:
-            _retire(pg)
+        self._xg.drop()
 
     def wait_quorum(self) -> Quorum | None:
         """Block until this step's quorum is known: the quorum, or None when the step already
@@ -454,8 +286,8 @@ class Manager:
             raise
         except Standby as e:  # held out as slow: alive, not stuck; the step fails and is retried later
             self._quorum = None
-            self._standby_until = self._last_commit = time.monotonic()
-            self._standby_until += e.retry_s
+            self._st.standby_until = self._st.committed_at = time.monotonic()
+            self._st.standby_until += e.retry_s
             self._r.errors.append(f"standby: {e}")
             return None
         except Exception as e:  # LighthouseError, store/PG construction errors, timeouts
@@ -472,12 +304,12 @@ class Manager:
         q = self._quorum
         return (
             q is not None
-            and self._last_ok
+            and self._st.committed
             and not q.heal
-            and time.monotonic() < self._lease_until
+            and time.monotonic() < self._st.lease_until
             and len(q.groups) >= self.cfg.num_groups
             and self.client.latest_quorum_id <= q.quorum_id
-            and (self._pg is not None or len(q.groups) == 1)
+            and (self._xg.pg is not None or len(q.groups) == 1)
             and self.client.silent_for() > timeouts.LIGHTHOUSE_SILENT
         )
 
@@ -527,7 +359,7 @@ class Manager:
         step = q.max_step if self._r.heal_fut is not None else self.step
         saved = (
             [x.detach().clone() for x in tensors]
-            if same_batch is not None and self._pg is not None and self._r.heal_fut is None
+            if same_batch is not None and self._xg.pg is not None and self._r.heal_fut is None
             else None
         )
         try:
@@ -560,7 +392,7 @@ class Manager:
 
     def _ftar(self, tensors: list[torch.Tensor], contribute: bool, local_error: bool, step: int):
         return ftar(
-            self._pg,
+            self._xg.pg,
             tensors,
             contribute=contribute,
             local_error=local_error,
@@ -617,10 +449,10 @@ class Manager:
         self._r.idle = q.quorum_id if q and not self._r.errors and not self._r.contributors else -1
         ok = self._group_vote(ok, q.quorum_id if q else -1)
         lr = self.lr_scale()
-        self._last_ok = ok
+        self._st.committed = ok
         if ok:
             self.step += 1
-            self._last_commit = time.monotonic()
+            self._st.committed_at = time.monotonic()
             self.client.update(step=self.step)
         r = self._r
         rec = StepRecord(
@@ -691,16 +523,3 @@ class Manager:
         self.heal_server.close()
         if self.relay is not None:
             self.relay.close()
-
-
-_retired: list[dist.ProcessGroup] = []
-
-
-def _retire(pg: dist.ProcessGroup) -> None:
-    """Keep an old cross-group process group referenced for the life of the process.
-
-    Measured here: aborting or destroying a gloo group with a collective still pending
-    (a hung peer) blocks the calling thread, GIL held, until that collective times out,
-    which stalls this rank's training. One leaked group per quorum change is cheap.
-    """
-    _retired.append(pg)

@@ -51,6 +51,9 @@ RPC_TIMEOUT = _env("FTCORE_RPC_TIMEOUT", 2.0)
 # a crash at once; then the survivors wait for the lighthouse as before.
 LEASE = float(os.environ.get("FTCORE_LEASE", "10") or 0)
 LIGHTHOUSE_SILENT = _env("FTCORE_LIGHTHOUSE_SILENT", 0.2)
+# A group that has not committed for this long gives up (its process exits non-zero and is
+# restarted) instead of retrying forever.
+STUCK_TIMEOUT = _env("FTCORE_STUCK_TIMEOUT", 120.0)
 # A lighthouse whose own clock jumped by more than this was paused: before it judges any
 # heartbeat timeout it waits one HEARTBEAT_TIMEOUT, so that nobody is declared dead for its pause.
 PAUSE_JUMP = _env("FTCORE_PAUSE_JUMP", 1.0)

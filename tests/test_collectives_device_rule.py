@@ -41,7 +41,8 @@ def _sanity(rank):
 
 def _ftcore(rank, port):
     from ftcore.ftar import ftar, plan
-    from ftcore.manager import Manager, _new_pg, agree_incarnation
+    from ftcore.crossgroup import new_pg as _new_pg
+    from ftcore.manager import Manager, agree_incarnation
 
     inc = agree_incarnation(dist.group.WORLD)
     stub = types.SimpleNamespace(cfg=types.SimpleNamespace(world=2), _group_pg=dist.group.WORLD, _errors=[])

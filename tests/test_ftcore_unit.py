@@ -447,7 +447,7 @@ def test_unknown_backend_is_refused_by_name():
 
     import torch.distributed as dist
 
-    from ftcore.manager import _new_pg
+    from ftcore.crossgroup import new_pg as _new_pg
 
     store = dist.HashStore()
     with pytest.raises(ValueError, match="FTCORE_BACKEND"):

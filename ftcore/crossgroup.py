@@ -1,0 +1,79 @@
+"""The cross-group process group of this rank's current quorum: rank k of every member group,
+built on the rendezvous store that rank k of the quorum's first group hosts, under a fresh
+prefix per quorum (the default process group cannot shrink or grow)."""
+
+import datetime
+
+import torch.distributed as dist
+
+from ftcore import collectives as coll
+from ftcore import netaddr, timeouts
+from ftcore.messages import Quorum
+
+
+class CrossGroup:
+    """The store this rank hosts (for the quorums its group leads), the stores it joined, and
+    the process group built for one Quorum.key."""
+
+    def __init__(self, host: str, backend: str):
+        self.host, self.backend = host, backend
+        # on a socket bound to `host` alone (TCPStore's own listens everywhere)
+        fd, port = netaddr.listen_fd(host)
+        self.store = dist.TCPStore(
+            host, port, is_master=True, wait_for_workers=False, master_listen_fd=fd, timeout=_timeout()
+        )
+        self._joined: dict[str, dist.TCPStore] = {}
+        self.pg: dist.ProcessGroup | None = None
+        self.key: tuple[str, int] | None = None  # the Quorum.key `pg` was built for
+
+    def build(self, q: Quorum, group: int, rank: int) -> None:
+        """The process group of quorum `q` for this rank (rank k of group `group`)."""
+        self.drop()
+        if len(q.groups) > 1:
+            store = self._joined.get(q.store)  # rank k of the first group hosts rank k's rendezvous
+            if store is None:
+                host, _, port = q.store.rpartition(":")
+                store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=_timeout())
+                self._joined[q.store] = store
+            prefix = dist.PrefixStore(f"ftcore/{q.lighthouse_id}/{q.quorum_id}/{rank}", store)
+            self.pg = new_pg(self.backend, prefix, q.groups.index(group), len(q.groups), _timeout(), self.host)
+        self.key = q.key
+
+    def drop(self) -> None:
+        """Forget the current group (a peer failed it, or a new quorum replaces it)."""
+        pg, self.pg, self.key = self.pg, None, None
+        if pg is not None:
+            _retire(pg)
+
+
+def _timeout() -> datetime.timedelta:
+    return datetime.timedelta(seconds=timeouts.COLLECTIVE_TIMEOUT)
+
+
+def new_pg(
+    backend: str, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta, host: str = "127.0.0.1"
+) -> dist.ProcessGroup:
+    """One quorum's cross-group process group, its gloo listening on `host` only (with a gloo
+    twin for control values beside any other backend, ftcore/collectives.py).
+
+    "nccl" is fenced (ManagerConfig.backend): written for CUDA tensors, never run on a GPU here.
+    Its hang handling is NCCL's: the group's timeout arms the watchdog, which with
+    TORCH_NCCL_ASYNC_ERROR_HANDLING=1 aborts a blocked collective by ending the process, so a
+    peer's SIGSTOP restarts the survivors too; FTAR's deadline cannot cancel an NCCL kernel."""
+    try:
+        return coll.new_pg(backend, store, rank, size, timeout, host)
+    except ValueError as e:
+        raise ValueError(f"ftcore: {e} (FTCORE_BACKEND)") from None
+
+
+_retired: list[dist.ProcessGroup] = []
+
+
+def _retire(pg: dist.ProcessGroup) -> None:
+    """Keep an old cross-group process group referenced for the life of the process.
+
+    Measured here: aborting or destroying a gloo group with a collective still pending
+    (a hung peer) blocks the calling thread, GIL held, until that collective times out,
+    which stalls this rank's training. One leaked group per quorum change is cheap.
+    """
+    _retired.append(pg)
