@@ -78,13 +78,13 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "launch":  # the launcher parses its own flags
         return _launch(argv[1:])
     if argv and argv[0] == "calibrate":  # the configured model's cost model (training/calibrate.py)
-        from training.calibrate import main as calibrate_main
+        from training import calibrate
 
-        return calibrate_main(argv[1:])
+        return calibrate.main(argv[1:])
     if argv and argv[0] == "data":  # the console script `ftrec` also fronts dataprep
-        from dataprep.cli import main as dataprep_main
+        from dataprep import cli
 
-        return dataprep_main(argv[1:])
+        return cli.main(argv[1:])
     p = argparse.ArgumentParser(
         prog="python -m training",
         description=__doc__.splitlines()[0],

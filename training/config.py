@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from training.comm.config import CommConfig
-from training.comm.config import checks as comm_checks
 
 
 class ConfigError(ValueError):
@@ -375,7 +374,7 @@ def validate(cfg: Config) -> Config:
             f"eval.best_metric={cfg.eval.best_metric!r} needs a validation metric (valid/sampled/ndcg@10, "
             "valid/full/hr@10, ...) and eval.periodic=true, eval.final=true",
         ),
-    ] + comm_checks(cfg.comm)
+    ] + cfg.comm.checks()
     for ok, msg in checks:
         if not ok:
             raise ConfigError(msg)

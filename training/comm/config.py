@@ -28,12 +28,11 @@ class CommConfig:
     # "prioritized" the same, issued in the order compute needs them (FreeScale)
     policy: str = "prioritized"
 
-
-def checks(cfg: CommConfig) -> list[tuple[bool, str]]:
-    """(ok, message) pairs for the trainer's config validation."""
-    return [
-        (cfg.transport in TRANSPORTS, f"comm.transport must be one of {', '.join(TRANSPORTS)}"),
-        (cfg.timeline_steps >= 1, "comm.timeline_steps must be >= 1"),
-        (cfg.embedding in EMBEDDINGS, f"comm.embedding must be one of {', '.join(EMBEDDINGS)}"),
-        (cfg.policy in POLICIES, f"comm.policy must be one of {', '.join(POLICIES)}"),
-    ]
+    def checks(self) -> list[tuple[bool, str]]:
+        """(ok, message) pairs for the trainer's config validation."""
+        return [
+            (self.transport in TRANSPORTS, f"comm.transport must be one of {', '.join(TRANSPORTS)}"),
+            (self.timeline_steps >= 1, "comm.timeline_steps must be >= 1"),
+            (self.embedding in EMBEDDINGS, f"comm.embedding must be one of {', '.join(EMBEDDINGS)}"),
+            (self.policy in POLICIES, f"comm.policy must be one of {', '.join(POLICIES)}"),
+        ]
