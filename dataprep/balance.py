@@ -1,22 +1,10 @@
-"""Balancing (FreeScale technique 1): assign each training sample to a (step, rank)
-so that, at every synchronous step, the slowest rank waits as little as possible.
+"""Balancing (FreeScale technique 1): assign each training sample to a (step, rank) so that, at
+every synchronous step, the slowest rank waits as little as possible.
 
-Per-step partitioning alone fails on heavy-tailed lengths: one long history can
-cost more than a rank's whole share of the step. So, for one epoch:
-  1. shuffle the samples with the seed;
-  2. cut the epoch into windows of K steps (K = window_steps);
-  3. inside a window, order samples by cost and cut them into steps, so that
-     each step holds samples of similar cost;
-  4. partition each step's samples across the W ranks minimizing the largest
-     rank cost: greedy LPT (fast path, all steps at once with numpy) and
-     Karmarkar-Karp largest differencing where it is cheap enough, keeping the
-     better of the two;
-  5. shuffle the order of the steps inside the window.
-K = 1 keeps batches fully random (only step 4); larger K removes more bubble but
-makes batches more uniform in length. Every sample lands in exactly one step of
-the epoch (tail "fill": the N mod W*B leftover samples are spread over the steps)
-or is dropped and recorded (tail "drop": every step holds exactly W*B samples).
-Every rank gets >= 1 sample in every step, hence the same number of steps.
+One epoch: shuffle with the seed, cut into windows of K steps, sort each window by cost into
+steps of similar cost, partition each step over the W ranks (LPT, and Karmarkar-Karp where
+cheap, the better kept), shuffle the steps inside the window. Every rank gets >= 1 sample in
+every step. Why and the knobs: docs/dataprep.md.
 """
 
 import heapq
@@ -137,17 +125,8 @@ def _windows(sizes: np.ndarray, k: int):
         yield a, min(a + k, len(sizes))
 
 
-def plan(
-    cost: np.ndarray,
-    *,
-    world_size: int,
-    batch_size: int,
-    window_steps: int | None = None,
-    seed: int = 0,
-    tail: str = "fill",
-    method: str = "auto",
-) -> Plan:
-    """Balanced assignment of samples (by cost) to steps and ranks; see the module doc."""
+def _window_steps(world_size: int, batch_size: int, tail: str, method: str, window_steps: int | None) -> int:
+    """The settings checked; returns K, the steps per cost-sorted window."""
     if world_size < 1:
         raise DataprepError(f"--world-size {world_size}: must be >= 1")
     if batch_size < 1:
@@ -159,6 +138,51 @@ def plan(
     k = DEFAULT_WINDOW_STEPS if window_steps is None else int(window_steps)
     if k < 1:
         raise DataprepError(f"--window-steps {k}: must be >= 1 (1 = no grouping by cost)")
+    return k
+
+
+def _cost_sorted(cost: np.ndarray, perm: np.ndarray, sizes: np.ndarray, starts: np.ndarray, k: int) -> np.ndarray:
+    """The shuffled samples kept for the epoch, each window of k steps sorted by cost descending:
+    step j's samples are ordered[starts[j]:starts[j+1]] (in epoch order, before the step shuffle)."""
+    ordered = perm[: starts[-1]].copy()
+    for a, b in _windows(sizes, k):
+        seg = ordered[starts[a] : starts[b]]
+        ordered[starts[a] : starts[b]] = seg[np.argsort(-cost[seg], kind="stable")]
+    return ordered
+
+
+def _refine_kk(grid: np.ndarray, sizes: np.ndarray, rank_grid: np.ndarray, loads: np.ndarray, method: str) -> None:
+    """Karmarkar-Karp on the steps LPT left furthest above the lower bound (auto: within the work
+    limits), worst first; a step takes KK's ranks where its largest rank cost is lower."""
+    world_size = loads.shape[1]
+    lower = np.maximum(loads.sum(1) / world_size, grid[:, 0])
+    gap = loads.max(1) / lower - 1
+    budget = KK_BUDGET
+    for j in np.argsort(-gap, kind="stable"):  # worst steps first
+        work = int(sizes[j]) * world_size
+        if method == "auto" and (gap[j] <= KK_MIN_GAP or work > KK_MAX_WORK or work > budget):
+            continue
+        budget -= work
+        r = karmarkar_karp(grid[j, : sizes[j]], world_size)
+        if r is not None:
+            kl = np.bincount(r, weights=grid[j, : sizes[j]], minlength=world_size)
+            if kl.max() < loads[j].max():
+                rank_grid[j, : sizes[j]] = r
+                loads[j] = kl
+
+
+def plan(
+    cost: np.ndarray,
+    *,
+    world_size: int,
+    batch_size: int,
+    window_steps: int | None = None,
+    seed: int = 0,
+    tail: str = "fill",
+    method: str = "auto",
+) -> Plan:
+    """Balanced assignment of samples (by cost) to steps and ranks; see the module doc."""
+    k = _window_steps(world_size, batch_size, tail, method, window_steps)
     cost = np.asarray(cost, dtype=np.float64)
     n = len(cost)
     sizes = _step_sizes(n, world_size, batch_size, tail)
@@ -167,33 +191,15 @@ def plan(
     perm = rng.permutation(n)
     starts = np.zeros(s + 1, np.int64)
     np.cumsum(sizes, out=starts[1:])
-    # steps in epoch order before the in-window shuffle; samples of step j: perm_sorted[starts[j]:starts[j+1]]
-    ordered = perm[: starts[-1]].copy()
-    for a, b in _windows(sizes, k):
-        seg = ordered[starts[a] : starts[b]]
-        ordered[starts[a] : starts[b]] = seg[np.argsort(-cost[seg], kind="stable")]
+    ordered = _cost_sorted(cost, perm, sizes, starts, k)
     # within a step the samples are now sorted by cost descending (a window's sort is)
-    m = int(sizes.max())
     pos = np.arange(starts[-1]) - np.repeat(starts[:-1], sizes)
     stp = np.repeat(np.arange(s), sizes)
-    grid = np.zeros((s, m))
+    grid = np.zeros((s, int(sizes.max())))
     grid[stp, pos] = cost[ordered]
     rank_grid, loads = lpt(grid, world_size)
     if method in ("auto", "kk"):
-        lower = np.maximum(loads.sum(1) / world_size, grid[:, 0])
-        gap = loads.max(1) / lower - 1
-        budget = KK_BUDGET
-        for j in np.argsort(-gap, kind="stable"):  # worst steps first
-            work = int(sizes[j]) * world_size
-            if method == "auto" and (gap[j] <= KK_MIN_GAP or work > KK_MAX_WORK or work > budget):
-                continue
-            budget -= work
-            r = karmarkar_karp(grid[j, : sizes[j]], world_size)
-            if r is not None:
-                kl = np.bincount(r, weights=grid[j, : sizes[j]], minlength=world_size)
-                if kl.max() < loads[j].max():
-                    rank_grid[j, : sizes[j]] = r
-                    loads[j] = kl
+        _refine_kk(grid, sizes, rank_grid, loads, method)
     # shuffle the step order inside each window
     step_id = np.empty(s, np.int64)
     for a, b in _windows(sizes, k):
@@ -202,7 +208,6 @@ def plan(
     out_rank = np.full(n, -1, np.int32)
     out_step[ordered] = step_id[stp]
     out_rank[ordered] = rank_grid[stp, pos]
-    dropped = n - int(starts[-1])
     return Plan(
         step=out_step,
         rank=out_rank,
@@ -211,7 +216,7 @@ def plan(
         batch_size=batch_size,
         window_steps=k,
         tail=tail,
-        dropped=dropped,
+        dropped=n - int(starts[-1]),
         filled=int(n - s * world_size * batch_size) if tail == "fill" else 0,
     )
 

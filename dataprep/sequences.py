@@ -1,14 +1,9 @@
 """Sequences: events -> per-user item sequences (dense ids) -> leave-one-out samples.
 
-Group by user, order by time (stable: ties keep input order), drop duplicate
-events, reject users too short for leave-one-out, remap raw ids to dense ids
-(users 1..U, items 1..I, 0 is padding; ids are numbered in sorted raw-id order so
-that already-dense inputs keep their ids), then split:
-train = all but the last two items (its most recent max_len + 1 kept: input
-history + target), validation target = second-to-last, test target = last.
-Inputs with real times (Interactions.has_time) carry each item's time along, in
-epoch seconds (see `seconds`); the others carry none.
-Everything is numpy/pyarrow array arithmetic; no per-user Python loop.
+Group by user, order by time (stable), drop duplicates, reject users too short for
+leave-one-out, remap to dense ids in sorted raw-id order (1-based, 0 is padding), then split:
+train = all but the last two items, validation target = second-to-last, test = last.
+Array arithmetic only, no per-user Python loop; the contract in full: docs/dataprep.md.
 """
 
 from dataclasses import dataclass, field
@@ -111,6 +106,40 @@ def seconds(ts: np.ndarray) -> tuple[np.ndarray, str]:
     return in_seconds(ts, unit), unit
 
 
+def _drop_duplicates(
+    ev: Interactions, order: np.ndarray, u0: np.ndarray, i0: np.ndarray, dedup: str, rejects: list[pa.Table]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`order` (events grouped by user, by time) without the duplicates, which are rejected:
+    (order of the kept events, their user codes, the duplicates' event indices, sorted)."""
+    us = u0[order]
+    dup = _duplicates(us, ev.ts[order], i0[order], dedup, ev.has_time)
+    if not dup.any():
+        return order, us, np.zeros(0, np.int64)
+    same = (
+        "same user, item and time as an earlier event" if dedup == "exact" else "same item as the user's previous event"
+    )
+    rejects.append(_reject_by_event(ev, order[dup], "duplicate_event", same))
+    keep = ~dup
+    return order[keep], us[keep], np.sort(order[dup])
+
+
+def _dense_users(u_sorted: pa.Array, us: np.ndarray, drop_user: np.ndarray) -> tuple[np.ndarray, pa.Array]:
+    """Provisional user code -> dense id (rank among the kept users in sorted raw-id order,
+    1-based, where kept), and the kept raw ids in that order."""
+    keep_user = ~drop_user & (np.bincount(us, minlength=len(drop_user)) > 0)
+    return np.cumsum(keep_user), u_sorted.take(pa.array(np.flatnonzero(keep_user)))
+
+
+def _dense_items(enc: pa.DictionaryArray, it_kept: np.ndarray) -> tuple[np.ndarray, pa.Array]:
+    """Provisional item code -> dense id (rank among the kept items in sorted raw-id order,
+    1-based), and the kept raw ids in that order; from the (small) id table, not the events."""
+    present = np.bincount(it_kept, minlength=len(enc.dictionary)) > 0
+    by_raw = pc.sort_indices(enc.dictionary).to_numpy()  # provisional codes in sorted raw order
+    dense_item = np.empty(len(by_raw), np.int64)
+    dense_item[by_raw] = np.cumsum(present[by_raw])
+    return dense_item, enc.dictionary.take(pa.array(by_raw[present[by_raw]]))
+
+
 def build_sequences(
     ev: Interactions,
     *,
@@ -125,8 +154,7 @@ def build_sequences(
     `raw_times` keeps times in the input's unit (the unit is chosen over all buckets)."""
     if dedup not in DEDUP:
         raise DataprepError(f"--dedup {dedup!r}: unknown; choose one of {', '.join(DEDUP)}")
-    n = len(ev)
-    if n == 0:
+    if len(ev) == 0:
         raise DataprepError(
             f"{', '.join(ev.paths)}: no valid interactions left after rejecting bad rows; "
             "check --format and the rejects listed above"
@@ -135,45 +163,18 @@ def build_sequences(
     u0, u_sorted = _codes(ev.user)  # provisional user codes, already in sorted raw order
     enc = pc.dictionary_encode(ev.item)  # provisional item codes, first-appearance order
     i0 = enc.indices.to_numpy().astype(np.int64)
-    order = _order(u0, ev.ts)
-    us = u0[order]
-    order_all = order
-    dup = _duplicates(us, ev.ts[order], i0[order], dedup, ev.has_time)
-    if dup.any():
-        di = order[dup]
-        rejects.append(
-            _reject_by_event(
-                ev,
-                di,
-                "duplicate_event",
-                "same user, item and time as an earlier event"
-                if dedup == "exact"
-                else "same item as the user's previous event",
-            )
-        )
-        keep = ~dup
-        order, us = order[keep], us[keep]
+    order, us, duplicates = _drop_duplicates(ev, _order(u0, ev.ts), u0, i0, dedup, rejects)
     nu = int(u0.max()) + 1
     drop_user, too_short = _drop_users(ev, us, order, nu, max_events, rejects)
-    keep_ev = ~drop_user[us]
-    order = order[keep_ev]
+    order = order[~drop_user[us]]
     if len(order) == 0 and not part:
         raise DataprepError(
             f"{', '.join(ev.paths)}: no user has the {MIN_EVENTS} events leave-one-out needs "
             f"({too_short} users too short); give more data"
         )
-    # final dense ids: rank among the kept users / items in sorted raw-id order (1-based);
-    # computed on the (small) id tables, not by hashing all events again
-    keep_user = ~drop_user & (np.bincount(us, minlength=nu) > 0)
-    dense_user = np.cumsum(keep_user)  # provisional code -> dense id (where kept)
-    user_raw = u_sorted.take(pa.array(np.flatnonzero(keep_user)))
+    dense_user, user_raw = _dense_users(u_sorted, us, drop_user)
     it_kept = i0[order]
-    present = np.bincount(it_kept, minlength=len(enc.dictionary)) > 0
-    by_raw = pc.sort_indices(enc.dictionary).to_numpy()  # provisional codes in sorted raw order
-    rank_present = np.cumsum(present[by_raw])
-    dense_item = np.empty(len(by_raw), np.int64)
-    dense_item[by_raw] = rank_present
-    item_raw = enc.dictionary.take(pa.array(by_raw[present[by_raw]]))
+    dense_item, item_raw = _dense_items(enc, it_kept)
     cnt = np.bincount(dense_user[u0[order]] - 1, minlength=len(user_raw))
     offsets = np.zeros(len(user_raw) + 1, np.int64)
     np.cumsum(cnt, out=offsets[1:])
@@ -181,7 +182,7 @@ def build_sequences(
     # dense ids follow the same sorted raw order, so the groups are already in place.
     counts = {
         "events_used": int(len(order)),
-        "duplicates": int(dup.sum()),
+        "duplicates": len(duplicates),
         "users_read": int((np.bincount(u0, minlength=nu) > 0).sum()),
         "users_rejected": int(drop_user.sum()),
     }
@@ -197,7 +198,7 @@ def build_sequences(
         counts=counts,
         timestamps=ts_kept,
         time_unit=unit,
-        duplicate_events=np.sort(order_all[dup]) if dup.any() else np.zeros(0, np.int64),
+        duplicate_events=duplicates,
     )
 
 

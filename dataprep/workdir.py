@@ -38,7 +38,7 @@ def scan_rejects(work: Path, files: int) -> list[pa.Table]:
     return out
 
 
-KILL_ENV = "FTREC_DATAPREP_KILL"  # "bucket/1": that stage's process kills itself once, half-written (to exercise retries)
+KILL_ENV = "FTREC_DATAPREP_KILL"  # "bucket/1": that stage's process kills itself once, half-written (retries)
 
 
 def _fault(target: Path, tmp: Path) -> None:
