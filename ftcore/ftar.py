@@ -174,47 +174,26 @@ def ftar(
     """Average `tensors` in place over the replica groups of `pg` (None: this group alone).
 
     Raises FTARError when the collective cannot complete, or when its members were not all
-    at `step` (the meta carries each member's step and a count: a collective left pending on
-    a process group by a member that gave up on it must never be averaged into another
-    step). `during` runs as the exchange starts (fault injection); an exception from it sets
-    the error flag. `stage`: how the buckets reach the group's device (default:
-    collectives.stage_for, a HostStage for CUDA tensors over gloo; tests pass a CPU one).
-    """
+    at `step` (a collective left pending by a member that gave up on it is never averaged
+    into another step). `during` runs as the exchange starts (fault injection; an exception
+    sets the error flag). `stage`: how buckets reach the device (collectives.stage_for)."""
     if not contribute:
         for t in tensors:
             t.zero_()
-    if pg is None:
-        if local_error:
-            return FTARResult(int(contribute), True)
-        during_error = False
-        if during:
-            try:
-                during()
-            except Exception:
-                during_error = True
-        return FTARResult(int(contribute), during_error)
-
-    info = coll.get(pg)
-    deadline = time.monotonic() + timeout
+    if pg is None and local_error:
+        return FTARResult(int(contribute), True)
     if during:  # at the start of the exchange: an injected failure still reaches the meta
         try:
             during()
         except Exception:
             local_error = True
+    if pg is None:
+        return FTARResult(int(contribute), local_error)
+    info = coll.get(pg)
     meta = torch.tensor(
         [1.0 if contribute else 0.0, float(step % STEP_MOD), 1.0, 1.0 if local_error else 0.0], dtype=torch.float64
     )
-    buckets = plan(tensors, bucket_bytes)
-    carrier = next(
-        (b for b in buckets if b.chunk is None and b.tensors[0].dtype in (torch.float32, torch.float64)), None
-    )
-    if carrier is None:
-        carrier = _Bucket([])  # the meta alone: CPU float64, never staged
-        buckets.insert(0, carrier)
-    else:  # issued first: its sum is needed before any bucket is divided
-        buckets.remove(carrier)
-        buckets.insert(0, carrier)
-    carrier.meta = meta
+    buckets = _with_meta(plan(tensors, bucket_bytes), meta)
     stage = stage if stage is not None else coll.stage_for(info, tensors)
     # staged: every copy down is queued at once; bucket i goes out as soon as its copy landed
     hosts = [
@@ -223,26 +202,47 @@ def ftar(
     ]
     futs: list[torch.futures.Future] = []
     try:
-        for i, (buf, landed) in enumerate(hosts):
-            if landed is not None:
-                coll.wait_event(landed, deadline, is_stale, f"FTAR bucket {i} copy to host", FTARError)
-            futs.append(coll.all_reduce(buf, kind=DATA, group=info, async_op=True).get_future())
-        _wait(futs[0], deadline, is_stale, "FTAR bucket 0")
-        n, steps, members, errors = (float(x) for x in hosts[0][0][:META].tolist())
-        if members != info.size() or steps != members * (step % STEP_MOD):
-            raise FTARError(
-                f"FTAR: the members were not all at step {step} (a collective left over from an earlier step or quorum)"
-            )
-        for i, (b, fut) in enumerate(zip(buckets, futs, strict=True)):
-            if i:
-                _wait(fut, deadline, is_stale, f"FTAR bucket {i}")
-            if n > 0 and b.tensors:
-                if stage is not None and hosts[i][1] is not None:  # staged: the sum back to the device, divided there
-                    stage.to_device(b.buffer_view(), hosts[i][0])
-                b.finish(n)
+        n, errors = _exchange(info, buckets, hosts, futs, stage, step, time.monotonic() + timeout, is_stale)
     except FTARError:
         _abandon(futs, (meta, buckets, hosts))
         if stage is not None:
             stage.drop()  # pending collectives may still write into these buffers
         raise
     return FTARResult(int(round(n)), errors > 0)
+
+
+def _with_meta(buckets: list[_Bucket], meta: torch.Tensor) -> list[_Bucket]:
+    """The buckets with the meta riding first: on the first whole float bucket, or alone (CPU
+    float64, never staged). Its sum is needed before any bucket is divided."""
+    carrier = next(
+        (b for b in buckets if b.chunk is None and b.tensors[0].dtype in (torch.float32, torch.float64)), None
+    )
+    if carrier is None:
+        carrier = _Bucket([])
+    else:
+        buckets.remove(carrier)
+    carrier.meta = meta
+    return [carrier, *buckets]
+
+
+def _exchange(info, buckets, hosts, futs, stage, step, deadline, is_stale) -> tuple[float, float]:
+    """Issue every bucket's all-reduce, check the meta, finish each bucket as its sum lands:
+    (contributors, error flags)."""
+    for i, (buf, landed) in enumerate(hosts):
+        if landed is not None:
+            coll.wait_event(landed, deadline, is_stale, f"FTAR bucket {i} copy to host", FTARError)
+        futs.append(coll.all_reduce(buf, kind=DATA, group=info, async_op=True).get_future())
+    _wait(futs[0], deadline, is_stale, "FTAR bucket 0")
+    n, steps, members, errors = (float(x) for x in hosts[0][0][:META].tolist())
+    if members != info.size() or steps != members * (step % STEP_MOD):
+        raise FTARError(
+            f"FTAR: the members were not all at step {step} (a collective left over from an earlier step or quorum)"
+        )
+    for i, (b, fut) in enumerate(zip(buckets, futs, strict=True)):
+        if i:
+            _wait(fut, deadline, is_stale, f"FTAR bucket {i}")
+        if n > 0 and b.tensors:
+            if stage is not None and hosts[i][1] is not None:  # staged: the sum back to the device, divided there
+                stage.to_device(b.buffer_view(), hosts[i][0])
+            b.finish(n)
+    return n, errors
