@@ -1,16 +1,18 @@
 """The trainer's one typed configuration: dataclasses with defaults that train well,
 loaded from a TOML file and overridden on the command line with `--set section.key=value`.
 
-Each section's docstring has one line per setting, `name: what it does`: the setting's
-documentation (`python -m training config --show`). `--set` is one syntax wherever ftrec
-takes it (`parse_overrides`): the value in TOML syntax, or else the text itself.
+A setting's documentation is the string under its field (`config --show` prints it); a
+comment above a field says why its default is what it is. `--set` is one syntax wherever
+ftrec takes it (`parse_overrides`): the value in TOML syntax, or else the text itself.
 `ConfigError` carries a one-line message for the user.
 """
 
+import ast
 import dataclasses
 import inspect
 import json
 import os
+import textwrap
 import tomllib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -25,186 +27,172 @@ class ConfigError(ValueError):
 
 @dataclass
 class DataConfig:
-    """[data] the shard set the trainer reads.
-
-    shards: shard-set folder written by `python -m dataprep shards`
-    prefetch: row groups (steps) read ahead by the background thread
-    pad_to_max_len: pad every batch to the manifest's max_len (the padded baseline)
-    """
+    """[data] the shard set the trainer reads."""
 
     shards: str = ""
+    """shard-set folder written by `python -m dataprep shards`"""
     prefetch: int = 2
+    """row groups (steps) read ahead by the background thread"""
     pad_to_max_len: bool = False
+    """pad every batch to the manifest's max_len (the padded baseline)"""
 
 
 @dataclass
 class ModelConfig:
-    """[model] the sequence recommender (training/model.py).
-
-    attention: "sasrec" (softmax) or "hstu" (pointwise SiLU-gated)
-    dim: width of the item embeddings and of every layer
-    num_layers: attention blocks
-    num_heads: attention heads per block; must divide dim
-    dropout: dropout probability in [0, 1)
-    max_len: longest history the model reads; 0 takes the manifest's (dataprep's max_len)
-    similarity: "dot" or "cosine" (L2-normalized; then use loss.temperature ~0.05)
-    rel_bias: HSTU's relative attention bias: "pos+time", "pos" or "none" (SASRec ignores it)
-    rel_pos_buckets: position buckets; distances below half of this are exact, the rest log-spaced
-    rel_time_buckets: time-gap buckets, floor(ln(gap seconds) / 0.301), capped
-    """
+    """[model] the sequence recommender (training/model.py)."""
 
     attention: str = "sasrec"
+    """"sasrec" (softmax) or "hstu" (pointwise SiLU-gated)"""
     dim: int = 64
+    """width of the item embeddings and of every layer"""
     num_layers: int = 2
+    """attention blocks"""
     num_heads: int = 1
+    """attention heads per block; must divide dim"""
     dropout: float = 0.3
+    """dropout probability in [0, 1)"""
     max_len: int = 0
+    """longest history the model reads; 0 takes the manifest's (dataprep's max_len)"""
     similarity: str = "dot"
+    """"dot" or "cosine" (L2-normalized; then use loss.temperature ~0.05)"""
     # "pos+time": position buckets, plus time-gap buckets when the shards have timestamps
     rel_bias: str = "pos+time"
+    """HSTU's relative attention bias: "pos+time", "pos" or "none" (SASRec ignores it)"""
     rel_pos_buckets: int = 32
+    """position buckets; distances below half of this are exact, the rest log-spaced"""
     rel_time_buckets: int = 128
+    """time-gap buckets, floor(ln(gap seconds) / 0.301), capped"""
 
 
 @dataclass
 class LossConfig:
-    """[loss] the training objective (training/loss.py).
-
-    kind: "sampled_softmax" (shared negatives) or "bce" (one negative per target)
-    num_negatives: shared negatives per step for sampled softmax
-    temperature: logits = similarity / temperature
-    normalize: "epoch": divide by the epoch's mean global target count per step; "step": by this step's
-    """
+    """[loss] the training objective (training/loss.py)."""
 
     kind: str = "sampled_softmax"
+    """"sampled_softmax" (shared negatives) or "bce" (one negative per target)"""
     num_negatives: int = 1024
+    """shared negatives per step for sampled softmax"""
     temperature: float = 1.0
+    """logits = similarity / temperature"""
     # "step" gives the gradient of one big batch; "epoch" makes every token weigh the same
     # over the epoch. Balanced shards sort histories by cost inside windows, so steps differ
     # in token count; "step" then up-weights short-history tokens (BENCHMARKS.md, window K
     # table: beauty HR@10 0.4554 with "step" vs 0.4717 with "epoch" at K=64).
     normalize: str = "epoch"
+    """"epoch": divide by the epoch's mean global target count per step; "step": by this step's"""
 
 
 @dataclass
 class OptimConfig:
-    """[optim] optimizers and learning-rate schedule (training/state.py).
-
-    lr: AdamW learning rate of the dense parameters
-    embedding_lr: Adam learning rate of the item table (its own param group, no weight decay)
-    item_optimizer: the item table's Adam: "adam" (dense: every row, every step) or
-        "rowwise_adam" (only the rows a step touched; lazy Adam semantics, training/state.py)
-    weight_decay: AdamW weight decay of the dense parameters
-    betas: Adam (beta1, beta2) of both optimizers
-    warmup_steps: linear warmup steps (at most a tenth of the run)
-    decay: "cosine", "linear" or "constant" after warmup
-    min_lr_ratio: the learning rate at the end, as a fraction of lr (cosine, linear)
-    grad_clip: max global gradient norm; 0 disables clipping
-    """
+    """[optim] optimizers and learning-rate schedule (training/state.py)."""
 
     lr: float = 3e-3
+    """AdamW learning rate of the dense parameters"""
     embedding_lr: float = 3e-3
+    """Adam learning rate of the item table (its own param group, no weight decay)"""
     item_optimizer: str = "adam"
+    """the item table's Adam: "adam" (dense: every row, every step) or
+    "rowwise_adam" (only the rows a step touched; lazy Adam semantics, training/state.py)"""
     weight_decay: float = 0.0
+    """AdamW weight decay of the dense parameters"""
     betas: tuple[float, float] = (0.9, 0.98)
+    """Adam (beta1, beta2) of both optimizers"""
     warmup_steps: int = 100
+    """linear warmup steps (at most a tenth of the run)"""
     decay: str = "cosine"
+    """"cosine", "linear" or "constant" after warmup"""
     min_lr_ratio: float = 0.1
+    """the learning rate at the end, as a fraction of lr (cosine, linear)"""
     grad_clip: float = 1.0
+    """max global gradient norm; 0 disables clipping"""
 
 
 @dataclass
 class TrainConfig:
-    """[train] the training loop (training/train.py).
-
-    out: work folder: checkpoints/, result.json, the default MLflow store
-    epochs: passes over the shard set
-    max_steps: stop after this many steps; 0: epochs * steps per epoch
-    max_minutes: wall-clock budget; the schedule is fitted to it at 25% (then test)
-    seed: seed of the initial model, dropout, negatives and the order of steps
-    resume: continue from the newest checkpoint under out/checkpoints
-    init_checkpoint: warm start: an earlier run's checkpoint folder (weights only)
-    stop_at_step: leave after committing this step, schedule unchanged (preemption, tests)
-    checkpoint_every: steps between checkpoints; 0: only at the end
-    keep_checkpoints: newest checkpoints kept; older ones are deleted
-    eval_every: steps between validations; 0: once per epoch
-    log_every: steps aggregated into one MLflow log call
-    deterministic: torch's deterministic algorithms (warn where an op has none)
-    memory_budget_gb: a rank's memory for the item table and its optimizer state, checked before
-        the model is built (training/memory.py); 0: 80% of the device's memory (the host's, shared
-        by its ranks); a replicated table over budget is sharded over the group's ranks when that fits
-    """
+    """[train] the training loop (training/train.py)."""
 
     out: str = "work/train"
+    """work folder: checkpoints/, result.json, the default MLflow store"""
     epochs: int = 20
+    """passes over the shard set"""
     max_steps: int = 0
+    """stop after this many steps; 0: epochs * steps per epoch"""
     max_minutes: float = 0.0
+    """wall-clock budget; the schedule is fitted to it at 25% (then test)"""
     seed: int = 0
+    """seed of the initial model, dropout, negatives and the order of steps"""
     resume: bool = False
+    """continue from the newest checkpoint under out/checkpoints"""
     init_checkpoint: str = ""
+    """warm start: an earlier run's checkpoint folder (weights only)"""
     stop_at_step: int = 0
+    """leave after committing this step, schedule unchanged (preemption, tests)"""
     checkpoint_every: int = 500
+    """steps between checkpoints; 0: only at the end"""
     keep_checkpoints: int = 2
+    """newest checkpoints kept; older ones are deleted"""
     eval_every: int = 0
+    """steps between validations; 0: once per epoch"""
     log_every: int = 20
+    """steps aggregated into one MLflow log call"""
     deterministic: bool = True
+    """torch's deterministic algorithms (warn where an op has none)"""
     memory_budget_gb: float = 0.0
+    """a rank's memory for the item table and its optimizer state, checked before
+    the model is built (training/memory.py); 0: 80% of the device's memory (the host's, shared
+    by its ranks); a replicated table over budget is sharded over the group's ranks when that fits"""
 
 
 @dataclass
 class EvalConfig:
-    """[eval] leave-one-out evaluation (training/evaluate.py).
-
-    batch_size: users scored per batch
-    ks: cutoffs of HR@k, NDCG@k
-    num_negatives: sampled protocol: uniform items the user never interacted with
-    seed: seed of the sampled negatives; fixed, so every run ranks against the same ones
-    exclude_history: full ranking: items already in the user's history rank last
-    item_chunk: full ranking: items scored at once; memory is batch_size x item_chunk scores
-    periodic: validate every train.eval_every steps (0: once per epoch)
-    final: valid + test at the end (into result.json)
-    best_metric: "valid/sampled/ndcg@10" etc.: keep the model where it peaked (OUT/best/); "": the last
-    """
+    """[eval] leave-one-out evaluation (training/evaluate.py)."""
 
     batch_size: int = 1024
+    """users scored per batch"""
     ks: tuple[int, ...] = (1, 5, 10, 50)
+    """cutoffs of HR@k, NDCG@k"""
     num_negatives: int = 100
+    """sampled protocol: uniform items the user never interacted with"""
     seed: int = 12345
+    """seed of the sampled negatives; fixed, so every run ranks against the same ones"""
     exclude_history: bool = True
+    """full ranking: items already in the user's history rank last"""
     item_chunk: int = 2048
+    """full ranking: items scored at once; memory is batch_size x item_chunk scores"""
     periodic: bool = True
+    """validate every train.eval_every steps (0: once per epoch)"""
     final: bool = True
+    """valid + test at the end (into result.json)"""
     # the model where this validation metric peaked (periodic validations and the end) is
     # the run's model, written to OUT/best/ when it is not the last
     best_metric: str = ""
+    """"valid/sampled/ndcg@10" etc.: keep the model where it peaked (OUT/best/); "": the last"""
 
 
 @dataclass
 class MlflowConfig:
-    """[mlflow] tracking and the model registry (training/tracking.py).
-
-    enabled: log the run to MLflow
-    tracking_uri: "": MLFLOW_TRACKING_URI, else sqlite:///<out>/mlflow.db
-    experiment: MLflow experiment of the run
-    run_id: resume this MLflow run (a retried task) instead of creating one
-    run_name: name of a new run; "": MLflow's
-    register: register the logged model (log_model) as a new version of model_name
-    model_name: registered model the run's model is added to
-    log_model: log the trained model (an MLflow pyfunc) as the run's "model" artifact
-    plots: log PNG plots of the training curves
-    system_metrics: MLflow's system/* metrics (CPU, memory, GPU) while the run trains
-    """
+    """[mlflow] tracking and the model registry (training/tracking.py)."""
 
     enabled: bool = True
+    """log the run to MLflow"""
     tracking_uri: str = ""
+    """"": MLFLOW_TRACKING_URI, else sqlite:///<out>/mlflow.db"""
     experiment: str = "ftrec"
+    """MLflow experiment of the run"""
     run_id: str = ""
+    """resume this MLflow run (a retried task) instead of creating one"""
     run_name: str = ""
+    """name of a new run; "": MLflow's"""
     register: bool = True
+    """register the logged model (log_model) as a new version of model_name"""
     model_name: str = "ftrec"
+    """registered model the run's model is added to"""
     log_model: bool = True
+    """log the trained model (an MLflow pyfunc) as the run's "model" artifact"""
     plots: bool = True
+    """log PNG plots of the training curves"""
     system_metrics: bool = True
+    """MLflow's system/* metrics (CPU, memory, GPU) while the run trains"""
 
 
 @dataclass
@@ -429,13 +417,14 @@ def _doc(section: type) -> list[str]:
 
 
 def setting_docs(section: type) -> dict[str, str]:
-    """{setting: its one line} from a section's docstring (its `name: what it does` lines)."""
-    names = {f.name for f in dataclasses.fields(section)}
+    """{setting: what it does, on one line}: the string under each field of a section."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(section))).body[0]
+    assert isinstance(body, ast.ClassDef)
     docs = {}
-    for line in _doc(section):
-        name, sep, text = line.partition(": ")
-        if sep and name in names:
-            docs[name] = text.strip()
+    for field_, doc in zip(body.body, body.body[1:], strict=False):
+        if isinstance(field_, ast.AnnAssign) and isinstance(field_.target, ast.Name) and isinstance(doc, ast.Expr):
+            if isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str):
+                docs[field_.target.id] = " ".join(doc.value.value.split())
     return docs
 
 
