@@ -157,6 +157,29 @@ def _check_counts(**counts: int) -> None:
         raise DataprepError(f"--{bad[0].replace('_', '-')} must be >= 1")
 
 
+def _checked_inputs(input: "str | list[str]", fmt: str) -> list[str]:
+    """The input paths, each checked before anything reads it (a device would be read forever)."""
+    paths = [str(p) for p in ([input] if isinstance(input, (str, os.PathLike)) else input)]
+    for path in paths:
+        readers.check_input(path)
+    if fmt not in readers.FORMATS:
+        raise DataprepError(f"--format {fmt!r}: unknown; choose one of {', '.join(readers.FORMATS)}")
+    return paths
+
+
+def _head(paths: list[str], fmt: str, fp: str, config: dict) -> dict:
+    """The manifest's head: format version, input (absolute paths, format, fingerprint), config."""
+    return {
+        "format_version": schema.format_version(fmt in readers.TIME_FORMATS),
+        "input": {
+            "paths": [x if readers.is_uri(x) else str(Path(x).resolve()) for x in paths],
+            "format": fmt,
+            "fingerprint": fp,
+        },
+        "config": config,
+    }
+
+
 def prepare(
     input: "str | list[str]",
     fmt: str,
@@ -179,11 +202,7 @@ def prepare(
 ) -> "Job":
     """Check the inputs and settings and say what to build: the set's config and manifest head,
     and the manifest of an identical set already at `out` (None: build it). See build_shards."""
-    paths = [str(p) for p in ([input] if isinstance(input, (str, os.PathLike)) else input)]
-    for path in paths:
-        readers.check_input(path)  # before anything reads it: a device would be read forever
-    if fmt not in readers.FORMATS:
-        raise DataprepError(f"--format {fmt!r}: unknown; choose one of {', '.join(readers.FORMATS)}")
+    paths = _checked_inputs(input, fmt)
     cm = load_cost_model(cost_model)
     k = balance.DEFAULT_WINDOW_STEPS if window_steps is None else int(window_steps)
     _check_counts(world_size=world_size, batch_size=batch_size, max_len=max_len, window_steps=k)
@@ -204,16 +223,7 @@ def prepare(
     _refuse_input_inside(outp, paths)
     with stage("fingerprint", quiet=quiet):
         fp = fingerprint(paths)
-    version = schema.format_version(fmt in readers.TIME_FORMATS)
-    head = {
-        "format_version": version,
-        "input": {
-            "paths": [x if readers.is_uri(x) else str(Path(x).resolve()) for x in paths],
-            "format": fmt,
-            "fingerprint": fp,
-        },
-        "config": config,
-    }
+    head = _head(paths, fmt, fp, config)
     return Job(
         paths=paths,
         fmt=fmt,
@@ -222,7 +232,7 @@ def prepare(
         head=head,
         reader_options=reader_options,
         max_reject_fraction=max_reject_fraction,
-        existing=_existing(outp, fp, config, version, overwrite),
+        existing=_existing(outp, fp, config, head["format_version"], overwrite),
     )
 
 

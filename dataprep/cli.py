@@ -104,15 +104,8 @@ def _calibrate(a) -> None:
         print(f"wrote {a.out}: c(L) = {m.a:.4g}*L^2 + {m.b:.4g}*L + {m.c0:.4g} us (r2 {m.fit['r2']})")
 
 
-def parser() -> argparse.ArgumentParser:
-    from dataprep.balance import DEFAULT_WINDOW_STEPS, METHODS, TAILS
-    from dataprep.build import MAX_REJECT_FRACTION
-    from dataprep.readers import FORMATS
-    from dataprep.sequences import DEDUP
+def _synth_args(sub) -> None:
     from dataprep.synth import SYNTH_FORMATS
-
-    p = argparse.ArgumentParser(prog="python -m dataprep", description="raw interactions -> length-balanced shards")
-    sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("synth", help="write a synthetic interaction log (Zipf items, lognormal lengths)")
     s.add_argument("--out", required=True, help="file to write")
@@ -128,6 +121,13 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--zipf", type=float, default=1.1, help="item popularity exponent (default 1.1)")
     s.add_argument("--quiet", action="store_true", help="no progress bar or summary")
     s.set_defaults(fn=_synth)
+
+
+def _shards_args(sub) -> None:
+    from dataprep.balance import DEFAULT_WINDOW_STEPS, METHODS, TAILS
+    from dataprep.build import MAX_REJECT_FRACTION
+    from dataprep.readers import FORMATS
+    from dataprep.sequences import DEDUP
 
     s = sub.add_parser("shards", help="build a length-balanced shard set")
     s.add_argument("--input", required=True, nargs="+", help="input file(s); for events also a Parquet folder")
@@ -181,12 +181,16 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--quiet", action="store_true", help="no progress bar or summary")
     s.set_defaults(fn=_shards)
 
+
+def _verify_args(sub) -> None:
     s = sub.add_parser("verify", help="check a shard set (checksums, schema, exactly-once, equal steps)")
     s.add_argument("dir")
     s.add_argument("--no-checksums", action="store_true", help="skip SHA-256 (faster)")
     s.add_argument("--quiet", action="store_true")
     s.set_defaults(fn=_verify)
 
+
+def _calibrate_args(sub) -> None:
     s = sub.add_parser("calibrate", help="fit the cost model c(L) = a*L^2 + b*L + c0 from timings")
     s.add_argument("--out", required=True, help="JSON file to write")
     s.add_argument(
@@ -201,6 +205,13 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--budget", type=float, default=120.0, help="stop timing after this many seconds")
     s.add_argument("--quiet", action="store_true")
     s.set_defaults(fn=_calibrate)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m dataprep", description="raw interactions -> length-balanced shards")
+    sub = p.add_subparsers(dest="command", required=True)
+    for add in (_synth_args, _shards_args, _verify_args, _calibrate_args):
+        add(sub)
     return p
 
 

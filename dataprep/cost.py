@@ -170,6 +170,33 @@ def _standin_step(length: int, batch: int, dim: int = 64, layers: int = 2, items
 MODELS = {"standin": _standin_step}  # the real model: training/calibrate.py
 
 
+def _best_time(step: Callable[[], None], repeats: int) -> float:
+    """The fastest of `repeats` calls, after one warm-up call."""
+    step()
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _timings(make, lengths: list[int], batch: int, repeats: int, budget_s: float, quiet: bool) -> list[tuple]:
+    """(L, n, seconds) at n = batch and 2*batch for each length, until the budget is spent."""
+    from dataprep.progress import Progress
+
+    t_start = time.monotonic()
+    rows = []
+    with Progress("calibrate", len(lengths), quiet=quiet) as bar:
+        for L in lengths:
+            for n in (batch, 2 * batch):
+                rows.append((L, n, _best_time(make(L, n), repeats)))
+            bar.update()
+            if time.monotonic() - t_start > budget_s:
+                break
+    return rows
+
+
 def calibrate(
     lengths=(8, 16, 32, 64, 128, 256, 512, 1024),
     *,
@@ -186,8 +213,6 @@ def calibrate(
     passes its own, training/calibrate.py); without it, the named built-in stand-in."""
     import torch
 
-    from dataprep.progress import Progress
-
     if step is None and model not in MODELS:
         raise DataprepError(
             f"--model {model!r}: unknown; choose one of {sorted(MODELS)} (the training model: `ftrec calibrate`)"
@@ -197,28 +222,10 @@ def calibrate(
     lengths = sorted(int(x) for x in lengths)
     if not lengths or lengths[0] < 1 or len(lengths) < 3:
         raise DataprepError("--lengths: give at least three lengths >= 1")
-    t_start = time.monotonic()
-
-    def best_time(step) -> float:
-        step()  # warm-up
-        best = math.inf
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            step()
-            best = min(best, time.perf_counter() - t0)
-        return best
-
     # time(L, n) = per-call overhead + n * c(L), measured at n = batch and 2*batch and fitted
     # jointly, so that the per-step overhead every rank pays once (which balancing cannot change)
     # does not inflate c0; relative weights keep short lengths from being drowned by long ones
-    rows = []  # (L, n, seconds)
-    with Progress("calibrate", len(lengths), quiet=quiet) as bar:
-        for L in lengths:
-            for n in (batch, 2 * batch):
-                rows.append((L, n, best_time(make(L, n))))
-            bar.update()
-            if time.monotonic() - t_start > budget_s:
-                break
+    rows = _timings(make, lengths, batch, repeats, budget_s, quiet)
     used = sorted({r[0] for r in rows})
     if len(used) < 3:
         raise DataprepError(
