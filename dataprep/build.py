@@ -275,11 +275,8 @@ def build_shards(
 ) -> dict:
     """Build a shard set at `out` and return its manifest (see dataprep.schema).
 
-    `settings`: prepare's (world_size, batch_size, seed, max_len, cost_model, window_steps,
-    tail, method, dedup, max_events, max_reject_fraction, overwrite, reader options).
-    `log` receives one line per stage as it ends (rows read, users, steps balanced, files
-    written): an Airflow task log shows the build's progress, not only its end.
-    Inputs the in-memory build would hold within `memory_budget` (default: a quarter of the
+    `settings`: prepare's. `log` receives one line per stage as it ends (an Airflow task log
+    shows the build's progress). Inputs that fit `memory_budget` (default: a quarter of the
     machine) are built in memory; larger ones, or any with `buckets` or `workers` > 1, by
     dataprep.bucketed, into the same bytes. Raises DataprepError for anything the user can fix.
     """

@@ -1,12 +1,9 @@
 """Atomic file and folder writes, and input fingerprints.
 
-A file written here appears complete or not at all: it is written to a temporary file in
-the same folder (`.NAME.XXXXXXXX.tmp`), flushed and fsynced, then renamed over `path`; on
-any failure the temporary file is removed and `path` is left as it was. The folder itself is
-not fsynced. `perm` is the new file's permission bits, applied when the temporary file is
-created (less the umask, as open() does): 0o600 keeps a file private from its first byte.
-Used by dataprep, training, ftrec_airflow and the benchmarks; ftcore keeps its own copy
-(ftcore/fsutil.py) because it depends on nothing else in the repository.
+A file written here appears complete or not at all: written to `.NAME.XXXXXXXX.tmp` in the
+same folder, flushed and fsynced, then renamed over `path`; on failure the temporary file is
+removed and `path` is left as it was (the folder is not fsynced). `perm` applies when the
+temporary file is created (less the umask): 0o600 keeps a file private from its first byte.
 """
 
 import contextlib

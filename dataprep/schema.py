@@ -1,24 +1,10 @@
-"""The shard-set layout: the one schema shared by dataprep (writer), training
-(reader), ftcore's ledger and the Airflow tasks.
+"""The shard-set layout: the one schema shared by dataprep (writer), training (reader),
+ftcore's ledger and the Airflow tasks.
 
-A shard set is a folder:
-
-    manifest.json            what was built, from what, and SHA-256 of every file
-    shards/rank-00000.parquet  one file per rank; row group i holds step i
-    eval.parquet             one row per user: history and the held-out targets
-    maps/users.parquet       dense user id -> raw user id
-    maps/items.parquet       dense item id -> raw item id (0 is padding)
-    rejects.parquet          rows or users rejected, with the reason
-
-Item ids are dense, 1..num_items; 0 is padding. Each training sample is one
-user's training sequence (all but the last two items, most recent `max_len + 1`
-kept): `items` is the input history (length L) and the next item at position t
-is `items[t + 1]`, or `target` at the last position.
-
-Inputs with real event times (formats movielens, events) add one column, `timestamps`:
-the epoch second of each input item, and eval.parquet adds the history's and the
-validation item's. Such a set is format_version 2; a set without times stays version 1,
-byte for byte what it was before timestamps existed (no empty column).
+A set is a folder: manifest.json, shards/rank-NNNNN.parquet (row group i = step i),
+eval.parquet, maps/users.parquet, maps/items.parquet, rejects.parquet. Item ids are dense,
+1..num_items, 0 is padding. Inputs with real times add a `timestamps` column (format_version
+2); sets without stay version 1, byte for byte. The layout in full: docs/dataprep.md.
 """
 
 import pyarrow as pa

@@ -1,15 +1,9 @@
 """Synthetic interaction logs with the shape of real ones, at any size.
 
-Item popularity follows Zipf's law (p(rank k) ~ k^-s, item ids a seeded
-permutation of the ranks); history lengths are lognormal (heavy-tailed: a
-median of tens and a tail up to thousands), clipped to [min_len, max_history].
-With `markov` > 0 an event is, with that probability, the fixed successor of the
-user's previous item (a seeded permutation), so there is a sequence to learn; 0 (the
-default) draws every event independently, as before.
-Deterministic by seed: users are generated in fixed chunks, each from its own
-seeded generator, and streamed to disk, so memory stays bounded at any size.
-Formats: sasrec (`user item` lines), iclrec (one line per user), events
-(Parquet with user_id, item_id, timestamp) and events-csv.
+Zipf item popularity, lognormal (heavy-tailed) history lengths clipped to [min_len,
+max_history], optionally a Markov successor (`markov`) so there is a sequence to learn.
+Deterministic by seed and streamed in fixed chunks of users, so memory stays bounded.
+Formats: sasrec, iclrec, events (Parquet), events-csv. Details: docs/dataprep.md.
 """
 
 from dataclasses import dataclass

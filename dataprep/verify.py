@@ -1,12 +1,10 @@
 """verify_shards: prove a shard set is what its manifest says, before training trusts it.
 
-Checks: manifest readable and complete; every listed file present with its
-SHA-256 and no unlisted files; Parquet schemas; one file per rank, each with
-exactly `steps` row groups, row group i holding only step i and that rank, and
-never empty; lengths, costs and item ids consistent; timestamps (version 2) one per
-item, in time order within each sample; every training sample
-exactly once (unique sample ids, count = samples written); the eval table and
-maps sized as the manifest says. The first problem raises DataprepError.
+Checks the manifest, every file's SHA-256 (and no unlisted file), the schemas, one file per
+rank with `steps` non-empty row groups each holding only its step and rank, consistent
+lengths, costs, item ids and timestamps, every sample exactly once, and the eval table and
+maps sized as the manifest says (the list: docs/dataprep.md). The first problem raises
+DataprepError.
 """
 
 import json
