@@ -121,7 +121,7 @@ def run_direct(work: Path) -> float:
             max_len=SMALL["max_len"],
         )
     )
-    pipeline_ops.verify_shards(shards["path"])
+    pipeline_ops.check_shards(shards["path"])
     uri = settings.tracking_uri()
     (work / "mlflow").mkdir(parents=True, exist_ok=True)
     _, run_id = mlflow_registry.ensure_run("ftrec", "direct", tracking_uri=uri)
@@ -132,8 +132,8 @@ def run_direct(work: Path) -> float:
         max_steps=SMALL["max_steps"],
         overrides=SMALL["train_overrides"],
     )
-    result = pipeline_ops.train(spec, run_id, uri)
-    metrics = pipeline_ops.evaluate(result["checkpoint"], shards["path"], str(run_dir / "eval.json"))
+    result = pipeline_ops.run_training(spec, run_id, uri)
+    metrics = pipeline_ops.judge(result["checkpoint"], shards["path"], str(run_dir / "eval.json"))["metrics"]
     # as the evaluate task does: only what the trainer did not log already
     mlflow_registry.log_metrics(
         run_id, {mlflow_registry.metric_key(k): v for k, v in metrics.items()}, tracking_uri=uri

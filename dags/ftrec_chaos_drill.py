@@ -16,7 +16,7 @@ from datetime import timedelta
 
 from airflow.sdk import Param, dag, task
 
-from ftrec_airflow import chaos, pipeline
+from ftrec_airflow import chaos, pipeline, tasks
 
 PARAMS = {
     **pipeline.params(
@@ -36,11 +36,7 @@ DRILL = pipeline.TrainingDag("ftrec_chaos_drill", drill=True)  # no retries, no 
 
 @dag(**DRILL.dag_args(__doc__, params=PARAMS, tags=("chaos",), max_active_runs=1))
 def ftrec_chaos_drill():
-    @task
-    def check_recovery(trained: dict, params=None) -> dict:
-        return pipeline.judge_drill(params, trained, float(params["max_stall_s"]))
-
-    check_recovery(DRILL.train(DRILL.shards(), timeout=timedelta(minutes=30)))
+    task(tasks.check_recovery)(DRILL.train(DRILL.shards(), timeout=timedelta(minutes=30)))
 
 
 ftrec_chaos_drill()

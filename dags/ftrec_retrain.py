@@ -16,7 +16,7 @@ from datetime import timedelta
 
 from airflow.sdk import Asset, AssetOrTimeSchedule, CronTriggerTimetable, dag, task
 
-from ftrec_airflow import pipeline
+from ftrec_airflow import pipeline, tasks
 
 INTERACTIONS = Asset(name="ftrec_interactions", uri="ftrec://interactions")
 RETRAIN = pipeline.TrainingDag("ftrec_retrain")
@@ -30,12 +30,8 @@ RETRAIN = pipeline.TrainingDag("ftrec_retrain")
     )
 )
 def ftrec_retrain():
-    @task
-    def base_model(params=None) -> dict:
-        return pipeline.base_model(params)
-
-    shards = RETRAIN.shards(ingest=pipeline.ingest_new_data)
-    trained = RETRAIN.train(shards, base_model(), timeout=timedelta(hours=24))
+    shards = RETRAIN.shards(ingest=tasks.ingest_new_data)
+    trained = RETRAIN.train(shards, task(tasks.base_model)(), timeout=timedelta(hours=24))
     RETRAIN.gate(trained)
 
 

@@ -350,8 +350,8 @@ def test_retrains_on_shifted_data_judge_champion_and_challenger_on_equal_tests(f
 
 
 def test_no_champion_means_training_from_scratch(work, monkeypatch):
-    from ftrec_airflow import pipeline
+    from ftrec_airflow import tasks
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{work / 'mlflow' / 'mlflow.db'}")
     monkeypatch.delenv("AIRFLOW_CONN_FTREC_MLFLOW", raising=False)
-    assert pipeline.base_model({"model_name": "no-such-model"}) == {}
+    assert tasks.base_model(params={"model_name": "no-such-model"}) == {}

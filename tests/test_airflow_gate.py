@@ -2,7 +2,7 @@
 
 Real small models are trained on synthetic data (real trainer, real MLflow store, the real
 `python -m training.gate` subprocess); the evaluate and register_model task bodies
-(ftrec_airflow.pipeline) run with a minimal Airflow task context. The data of the retrain
+(ftrec_airflow.tasks) run with a minimal Airflow task context. The data of the retrain
 is shifted (another seed): the champion was trained on the old data, and its stored
 `gate_value` comes from another test. The gate must ignore that number.
 """
@@ -15,7 +15,7 @@ import pytest
 
 from dataprep.build import build_shards
 from dataprep.synth import write_synthetic
-from ftrec_airflow import mlflow_registry, pipeline, pipeline_ops
+from ftrec_airflow import mlflow_registry, pipeline_ops, tasks
 from training.config import load_config
 from training.train import train
 
@@ -71,11 +71,11 @@ def world(tmp_path_factory):
 
 @pytest.fixture
 def task(monkeypatch, tmp_path):
-    """The Airflow task context pipeline's task bodies read (run folder, outlet events)."""
+    """The Airflow task context the task bodies read (run folder, outlet events)."""
     monkeypatch.setenv("FTREC_WORK", str(tmp_path / "work"))
     monkeypatch.delenv("AIRFLOW_CONN_FTREC_MLFLOW", raising=False)
     ctx = {"ti": SimpleNamespace(dag_id="ftrec_retrain"), "run_id": "r", "outlet_events": defaultdict(SimpleNamespace)}
-    monkeypatch.setattr(pipeline, "get_current_context", lambda: ctx)
+    monkeypatch.setattr(tasks, "get_current_context", lambda: ctx)
     return ctx
 
 
@@ -90,10 +90,10 @@ def _champion(uri: str, name: str, trained: dict, stored: float) -> int:
 
 
 def _retrain(name: str, trained: dict, caplog, run_id: str = "r") -> tuple[dict, dict]:
-    p = {"model_name": name, "gate_metric": METRIC, "gate_min": 0.0, "gate_min_margin": pipeline.GATE_MIN_MARGIN}
-    with caplog.at_level(logging.INFO, logger="ftrec_airflow.pipeline"):
-        ev = pipeline.evaluate(p, trained)
-        return ev, pipeline.register_model(p, trained, ev)
+    p = {"model_name": name, "gate_metric": METRIC, "gate_min": 0.0, "gate_min_margin": tasks.GATE_MIN_MARGIN}
+    with caplog.at_level(logging.INFO, logger="ftrec_airflow.tasks"):
+        ev = tasks.evaluate(trained, params=p)
+        return ev, tasks.register_model(trained, ev, params=p)
 
 
 def test_an_lr0_challenger_loses_although_the_champions_stored_score_is_lower(world, task, caplog):
@@ -102,14 +102,14 @@ def test_an_lr0_challenger_loses_although_the_champions_stored_score_is_lower(wo
     ev, reg = _retrain(name, world["lr0_new"], caplog)
     new, champ = reg["scores"]["challenger"][METRIC], reg["scores"]["champion"][METRIC]
     assert new > 0.0  # the old gate (new score vs stored 0.0) would have promoted it
-    assert champ > new + pipeline.GATE_MIN_MARGIN, reg["scores"]
+    assert champ > new + tasks.GATE_MIN_MARGIN, reg["scores"]
     assert (reg["version"], reg["champion"], reg["promoted"], reg["aliases"]) == (2, v1, False, ["challenger"])
     assert int(mlflow_registry.client(uri).get_model_version_by_alias(name, mlflow_registry.CHAMPION).version) == v1
     # both scores, on both protocols, the split and the verdict: on the run and in the task log
     run = mlflow_registry.client(uri).get_run(world["lr0_new"]["mlflow_run_id"]).data
     assert run.metrics[f"gate/challenger/{METRIC}"] == new and run.metrics[f"gate/champion/{METRIC}"] == champ
     assert f"gate/champion/{SAMPLED}" in run.metrics and f"gate/challenger/{SAMPLED}" in run.metrics
-    fp = pipeline_ops.verify_shards(world["new"])["fingerprint"]
+    fp = pipeline_ops.check_shards(world["new"])["fingerprint"]
     assert ev["split"]["fingerprint"] == fp == run.tags["gate.split_fingerprint"] and len(fp) == 64
     assert run.tags["gate.verdict"] == "kept champion" and run.tags["gate.champion_version"] == str(v1)
     said = caplog.text
@@ -121,7 +121,7 @@ def test_a_better_challenger_wins_although_the_champions_stored_score_is_higher(
     uri, name = world["uri"], "recs-b"
     _champion(uri, name, world["lr0_new"], stored=1.0)  # a perfect score on some other test
     _, reg = _retrain(name, world["good_new"], caplog)
-    assert reg["scores"]["challenger"][METRIC] > reg["scores"]["champion"][METRIC] + pipeline.GATE_MIN_MARGIN
+    assert reg["scores"]["challenger"][METRIC] > reg["scores"]["champion"][METRIC] + tasks.GATE_MIN_MARGIN
     assert (reg["champion"], reg["promoted"], reg["aliases"]) == (2, True, ["challenger", "champion"])
     assert "gate verdict: promoted" in caplog.text
 

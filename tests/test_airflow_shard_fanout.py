@@ -31,7 +31,7 @@ from ftrec_airflow import pipeline
 FANOUT = pipeline.TrainingDag("ftrec_shards_fanout", shard_fanout={"buckets": 4})
 
 
-def ingest(params):
+def ingest(params=None):
     return {"path": os.environ["FANOUT_INPUTS"].split(","), "format": "events"}
 
 

@@ -193,7 +193,7 @@ def test_synthetic_ingest_and_build_shards_are_idempotent(tmp_path):
     assert files == ["rank-00000.parquet", "rank-00001.parquet"]
     retried = pipeline_ops.build_shards(spec)  # a retried task: same set, nothing rebuilt
     assert retried["reused"] is True and retried["fingerprint"] == built["fingerprint"]
-    assert pipeline_ops.verify_shards(built["path"])["steps"] == built["steps"]
+    assert pipeline_ops.check_shards(built["path"])["steps"] == built["steps"]
     # other settings in the same folder (e.g. a cleared run with another world size) replace it
     rebuilt = pipeline_ops.build_shards(pipeline_ops.ShardSpec(**{**spec.__dict__, "world_size": 1}))
     assert rebuilt["reused"] is False and rebuilt["config"]["world_size"] == 1
@@ -207,7 +207,7 @@ def test_verify_reports_a_corrupt_shard_set(tmp_path):
     shard = tmp_path / "s" / "shards" / "rank-00000.parquet"
     shard.write_bytes(shard.read_bytes()[:-100] + b"\0" * 100)
     with pytest.raises(pipeline_ops.UserError):
-        pipeline_ops.verify_shards(built["path"])
+        pipeline_ops.check_shards(built["path"])
 
 
 def test_train_command_is_the_launcher(tmp_path):
@@ -250,6 +250,50 @@ def test_quality_gate_passes_and_fails_with_every_metric():
 
 
 # ---------------------------------------------------------------- local runner: --set
+
+
+def test_trained_run_is_the_train_tasks_xcom_both_ways():
+    """TrainedRun.of gives the XCom the local train task returned (same keys in the same
+    order, JSON-able); from_dict reads it back and ignores keys it does not know."""
+    spec = pipeline_ops.TrainSpec(shards="/s", out="/o", replica_groups=3, ranks_per_group=2, fault_plan="p.toml")
+    result = {"checkpoint": "/o/ck", "steps": 7, "metrics": {"test/full/hr_at_10": 0.5}, "reused": True, "x": 1}
+    ids = {"mlflow_run_id": "r", "experiment_id": "e", "run_url": "http://u", "tracking_uri": "sqlite:///m.db"}
+    xcom = pipeline_ops.TrainedRun.of(spec, result, **ids).to_dict()
+    assert list(xcom) == [
+        *("mlflow_run_id", "experiment_id", "run_url", "tracking_uri", "out", "shards", "checkpoint", "steps"),
+        *("metrics", "replica_groups", "ranks_per_group", "fault_plan", "reused"),
+    ]
+    assert xcom == {
+        **ids,
+        "out": "/o",
+        "shards": "/s",
+        "checkpoint": "/o/ck",
+        "steps": 7,
+        "metrics": result["metrics"],
+    } | {"replica_groups": 3, "ranks_per_group": 2, "fault_plan": "p.toml", "reused": True}
+    back = pipeline_ops.TrainedRun.from_dict(json.loads(json.dumps({**xcom, "added_later": 1})))
+    assert back.to_dict() == xcom
+    fresh = pipeline_ops.TrainedRun.of(spec, {"checkpoint": None}, **ids)  # a result.json without steps or metrics
+    assert (fresh.steps, fresh.metrics, fresh.reused) == (None, {}, False)
+    with pytest.raises(TypeError):
+        pipeline_ops.TrainedRun.from_dict({"mlflow_run_id": "r"})  # no checkpoint, shards, tracking_uri
+
+
+def test_params_table_gives_each_dag_its_own_values():
+    """params() is built from PARAMS: a DAG's default replaces the table's; a mutable default
+    is never shared between two DAGs; an unknown name is refused."""
+    from ftrec_airflow import pipeline
+
+    a, b = pipeline.params(), pipeline.params(max_steps=80, data_source="synthetic")
+    assert list(a) == list(pipeline.PARAMS) and (b["max_steps"].value, b["data_source"].value) == (80, "synthetic")
+    assert a["max_steps"].value == 0 and a["data_format"].schema == {
+        "type": "string",
+        "enum": list(pipeline_ops.FORMATS),
+    }
+    a["train_overrides"].value.append("model.dim=8")
+    assert b["train_overrides"].value == [] and pipeline.params()["train_overrides"].value == []
+    with pytest.raises(TypeError, match="unknown params: \\['max_step'\\]"):
+        pipeline.params(max_step=1)
 
 
 def test_local_run_set_is_the_trainers_syntax():
@@ -544,16 +588,16 @@ def test_operator_links_and_plugin():
 def test_retrain_reads_new_data_from_the_triggering_asset_event(monkeypatch):
     from types import SimpleNamespace
 
-    from ftrec_airflow import pipeline
+    from ftrec_airflow import tasks
 
     p = {"data_source": "auto", "data_format": "iclrec"}
     event = SimpleNamespace(extra={"path": "/data/new.txt", "format": "sasrec"})
     monkeypatch.setattr(
-        pipeline, "get_current_context", lambda: {"triggering_asset_events": {"ftrec_interactions": [event]}}
+        tasks, "get_current_context", lambda: {"triggering_asset_events": {"ftrec_interactions": [event]}}
     )
-    assert pipeline.new_data_source(p) == ("/data/new.txt", "sasrec")
-    monkeypatch.setattr(pipeline, "get_current_context", lambda: {"triggering_asset_events": {}})
-    assert pipeline.new_data_source(p) == ("auto", "iclrec")  # the daily run: the params
+    assert tasks.new_data_source(p) == ("/data/new.txt", "sasrec")
+    monkeypatch.setattr(tasks, "get_current_context", lambda: {"triggering_asset_events": {}})
+    assert tasks.new_data_source(p) == ("auto", "iclrec")  # the daily run: the params
 
 
 ESCAPEE = """
@@ -608,7 +652,7 @@ def test_train_step_joins_a_standing_lighthouse_with_the_workers_token(tmp_path,
     assert cmd[cmd.index("--lighthouse") + 1] == url.removeprefix("http://")
     job = cmd[cmd.index("--job-id") + 1]
     assert job == settings.lighthouse_job_id(run_key) and job.startswith("ftrec_train/manual__2026-12-01")
-    result = pipeline_ops.train(spec, run_id, uri)
+    result = pipeline_ops.run_training(spec, run_id, uri)
     assert result["steps"] == 4 and result["mlflow_run_id"] == run_id
     assert not (out / "token").exists() and not (out / "lighthouse-events.jsonl").exists()
     st = lighthouse_status.fetch_status(url, token_file=token, job=job)
@@ -776,34 +820,34 @@ def test_evaluate_logs_only_what_the_trainer_did_not_and_the_gate_finds_it(tmp_p
     eval/ copies, only a metric the run lacks; the gate reads the run's values."""
     from types import SimpleNamespace
 
-    from ftrec_airflow import pipeline
+    from ftrec_airflow import tasks
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     monkeypatch.setenv("FTREC_WORK", str(tmp_path / "work"))
     monkeypatch.delenv("AIRFLOW_CONN_FTREC_MLFLOW", raising=False)
     monkeypatch.setattr(
-        pipeline, "get_current_context", lambda: {"ti": SimpleNamespace(dag_id="ftrec_train"), "run_id": "r1"}
+        tasks, "get_current_context", lambda: {"ti": SimpleNamespace(dag_id="ftrec_train"), "run_id": "r1"}
     )
     _, run = mlflow_registry.ensure_run("exp", "ftrec_train/r1/train", tracking_uri=uri)
     c = mlflow_registry.client(uri)
     c.log_metric(run, "test/sampled/ndcg_at_10", 0.3125, step=10)  # as the trainer logs its final scores
     c.log_metric(run, "test/full/ndcg_at_10", 0.0625, step=10)
     # the evaluation's result file is there: pipeline_ops.judge reads it instead of evaluating again
-    out = pipeline.run_dir() / "eval.json"
+    out = tasks.run_dir() / "eval.json"
     out.parent.mkdir(parents=True)
     split = {"fingerprint": "f" * 64, "eval_sha256": "e" * 64, "shards": "/shards"}
     metrics = {"test/sampled/ndcg@10": 0.3125, "test/full/ndcg@10": 0.0625, "test/full/mrr": 0.04}
     out.write_text(json.dumps({"metrics": metrics, "champion": None, "champion_error": None, "split": split}))
     trained = {"mlflow_run_id": run, "tracking_uri": uri, "checkpoint": "/ckpt", "shards": "/shards"}
-    ev = pipeline.evaluate({"model_name": "none-yet"}, trained)
+    ev = tasks.evaluate(trained, params={"model_name": "none-yet"})
     assert ev["logged"] == ["test/full/mrr"]
     assert ev["metrics"] == {"test/sampled/ndcg_at_10": 0.3125, "test/full/ndcg_at_10": 0.0625, "test/full/mrr": 0.04}
     assert ev["champion"] == {"version": None, "metrics": None, "error": None} and ev["split"] == split
-    pipeline.evaluate({"model_name": "none-yet"}, trained)  # a retry adds nothing either
+    tasks.evaluate(trained, params={"model_name": "none-yet"})  # a retry adds nothing either
     metrics = mlflow_registry.run_metrics(run, uri)
     assert sorted(metrics) == ["test/full/mrr", "test/full/ndcg_at_10", "test/sampled/ndcg_at_10"]
     assert len(c.get_metric_history(run, "test/sampled/ndcg_at_10")) == 1
-    assert pipeline_ops.check_gate(ev["metrics"], pipeline.GATE_METRIC, 0.06) == 0.0625
+    assert pipeline_ops.check_gate(ev["metrics"], tasks.GATE_METRIC, 0.06) == 0.0625
 
 
 # ---------------------------------------------------------------- registry aliases

@@ -216,13 +216,13 @@ def test_open_run_then_collect_group_zeros_result(k8s_env, tmp_path):
     local train task returns it."""
     from airflow.sdk.exceptions import AirflowFailException
 
-    from ftrec_airflow import lighthouse_status, pipeline, settings
+    from ftrec_airflow import lighthouse_status, pipeline, settings, tasks
 
     k8s_env.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     k8s_env.setenv("FTREC_LIGHTHOUSE_URL", "http://ftcore-lighthouse.recs.svc:29510")
     k8s_env.delenv("AIRFLOW_CONN_FTREC_MLFLOW", raising=False)
     ctx = {"ti": SimpleNamespace(dag_id="ftrec_train_k8s", run_id="manual__1"), "run_id": "manual__1"}
-    k8s_env.setattr(pipeline, "get_current_context", lambda: ctx)
+    k8s_env.setattr(tasks, "get_current_context", lambda: ctx)
     k8s_env.setattr(kubernetes, "get_current_context", lambda: ctx)
     params = {**{k: p.value for k, p in pipeline.params().items()}, "replica_groups": 2, "ranks_per_group": 2}
     shards = {"path": str(tmp_path / "shards")}

@@ -106,7 +106,7 @@ class FaultTolerantTrainOperator(DecoratedOperator):
             )
         try:
             with watcher:
-                result = pipeline_ops.train(
+                result = pipeline_ops.run_training(
                     spec,
                     run_id,
                     uri,
@@ -121,21 +121,10 @@ class FaultTolerantTrainOperator(DecoratedOperator):
             raise AirflowException(str(e)) from None  # retried: the launcher resumes from its checkpoint
         finally:
             self._command = None
-        return {
-            "mlflow_run_id": run_id,
-            "experiment_id": exp_id,
-            "run_url": self.mlflow_run_url,
-            "tracking_uri": uri,
-            "out": spec.out,
-            "shards": spec.shards,
-            "checkpoint": result.get("checkpoint"),
-            "steps": result.get("steps"),
-            "metrics": result.get("metrics", {}),
-            "replica_groups": spec.replica_groups,
-            "ranks_per_group": spec.ranks_per_group,
-            "fault_plan": spec.fault_plan,
-            "reused": result.get("reused", False),
-        }
+        trained = pipeline_ops.TrainedRun.of(
+            spec, result, mlflow_run_id=run_id, experiment_id=exp_id, run_url=self.mlflow_run_url, tracking_uri=uri
+        )
+        return trained.to_dict()
 
     def on_kill(self) -> None:
         if self._command is not None:

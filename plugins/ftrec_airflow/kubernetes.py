@@ -296,9 +296,9 @@ def drop_job_secret(cfg: Config, job: str) -> None:
 def open_run(p: dict, shards: dict) -> dict[str, Any]:
     """Before any pod starts: the TrainSpec, the MLflow run (a retry finds the same one),
     the job id; everything the pods and `collect` need, JSON-able."""
-    from ftrec_airflow import lighthouse_status, mlflow_registry, pipeline
+    from ftrec_airflow import lighthouse_status, mlflow_registry, tasks
 
-    spec = pipeline.train_spec(p, shards)
+    spec = tasks.train_spec(shards, params=p)
     if spec.fault_plan:
         raise AirflowFailException(
             "param fault_plan: fault plans need the local launcher (ftrec_train, "
@@ -351,21 +351,8 @@ def collect(run: dict[str, Any]) -> dict[str, Any]:
     result = json.loads(path.read_text())
     if result.get("mlflow_run_id") != run["mlflow_run_id"]:
         raise RuntimeError(f"{path} is from MLflow run {result.get('mlflow_run_id')}, not {run['mlflow_run_id']}")
-    return {
-        "mlflow_run_id": run["mlflow_run_id"],
-        "experiment_id": run["experiment_id"],
-        "run_url": run["run_url"],
-        "tracking_uri": run["tracking_uri"],
-        "out": spec.out,
-        "shards": spec.shards,
-        "checkpoint": result.get("checkpoint"),
-        "steps": result.get("steps"),
-        "metrics": result.get("metrics", {}),
-        "replica_groups": spec.replica_groups,
-        "ranks_per_group": spec.ranks_per_group,
-        "fault_plan": "",
-        "reused": False,
-    }
+    ids = ("mlflow_run_id", "experiment_id", "run_url", "tracking_uri")
+    return pipeline_ops.TrainedRun.of(spec, result, **{k: run[k] for k in ids}).to_dict()
 
 
 # ---------------------------------------------------------------- the standing lighthouse

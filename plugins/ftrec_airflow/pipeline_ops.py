@@ -14,7 +14,7 @@ module is imported when the DAG processor parses a DAG file.
 import json
 import os
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -171,7 +171,7 @@ def build_shards(spec: ShardSpec, log=None) -> dict[str, Any]:
     return {**_summary(manifest, out), "reused": reused}
 
 
-def verify_shards(path: str) -> dict[str, Any]:
+def check_shards(path: str) -> dict[str, Any]:
     """Check checksums, schema and coverage of a shard set (dataprep's verify)."""
     from dataprep.errors import DataprepError
     from dataprep.verify import verify_shards as _verify
@@ -207,6 +207,52 @@ class TrainSpec:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass(kw_only=True)
+class TrainedRun:
+    """What training produced: the train task's XCom (`to_dict`, JSON-able), read back by
+    evaluate, register_model and the chaos drill (`from_dict`). The local launcher and the
+    Kubernetes pods both report one (`of`)."""
+
+    mlflow_run_id: str
+    experiment_id: str = ""
+    run_url: str = ""
+    tracking_uri: str
+    out: str = ""
+    shards: str
+    checkpoint: str | None
+    steps: int | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    replica_groups: int = 1
+    ranks_per_group: int = 1
+    fault_plan: str = ""
+    reused: bool = False
+
+    @classmethod
+    def of(cls, spec: TrainSpec, result: dict[str, Any], **run: str) -> "TrainedRun":
+        """From the spec trained and the trainer's result.json; `run`: mlflow_run_id,
+        experiment_id, run_url, tracking_uri."""
+        return cls(
+            **run,
+            out=spec.out,
+            shards=spec.shards,
+            checkpoint=result.get("checkpoint"),
+            steps=result.get("steps"),
+            metrics=result.get("metrics", {}),
+            replica_groups=spec.replica_groups,
+            ranks_per_group=spec.ranks_per_group,
+            fault_plan=spec.fault_plan,
+            reused=result.get("reused", False),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TrainedRun":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
 
 
 def _fault_plan_file(spec: TrainSpec) -> str:
@@ -302,7 +348,7 @@ def train_env(tracking_uri: str, credentials: dict[str, str] | None = None) -> d
     return {**os.environ, **(credentials or {}), "MLFLOW_TRACKING_URI": tracking_uri}
 
 
-def train(
+def run_training(
     spec: TrainSpec,
     run_id: str,
     tracking_uri: str,
@@ -361,11 +407,6 @@ def judge(
     data = json.loads(out.read_text())
     data["metrics"] = {k: float(v) for k, v in data.get("metrics", data).items() if isinstance(v, (int, float))}
     return data
-
-
-def evaluate(checkpoint: str, shards: str, out_json: str, *, logger=None, timeout_s: float | None = None) -> dict:
-    """Evaluate a checkpoint on the shard set's held-out targets; return {metric: value}."""
-    return judge(checkpoint, shards, out_json, logger=logger, timeout_s=timeout_s)["metrics"]
 
 
 # ---------------------------------------------------------------- quality gate

@@ -174,19 +174,19 @@ def write(stage: str, r: int) -> Any:
 
 def fanout(
     data: XComArg,
-    spec_fn: Callable[[dict, dict], pipeline_ops.ShardSpec],
+    spec_fn: Callable[..., pipeline_ops.ShardSpec],
     *,
     outlets: list[Asset] | None = None,
     buckets: int | None = None,
     memory_budget: str | None = None,
 ) -> XComArg:
     """The task group `build_shards` (see the module doc) on `data` (ingest's output); returns
-    seal's summary, what `@build_shards_task` returns. `spec_fn(params, data)` says the set."""
+    seal's summary, what `@build_shards_task` returns. `spec_fn(data, params=params)` says the set."""
     with TaskGroup(group_id="build_shards"):
 
         @task
         def prepare_task(data: Any, params=None) -> list[dict]:
-            p = prepare(spec_fn(params, data), buckets=buckets, memory_budget=memory_budget)
+            p = prepare(spec_fn(data, params=params), buckets=buckets, memory_budget=memory_budget)
             return [{"stage": p["stage"], "f": f} for f in p["files"]]
 
         @task
@@ -199,11 +199,11 @@ def fanout(
         def plan_task(files: list[dict], data: Any, params=None) -> list[dict]:
             stage = files[0]["stage"]
             plan(stage)
-            return [{"stage": stage, "r": r} for r in range(spec_fn(params, data).world_size)]
+            return [{"stage": stage, "r": r} for r in range(spec_fn(data, params=params).world_size)]
 
         @task(outlets=outlets or [])
         def seal_task(files: list[dict], data: Any, params=None, outlet_events=None) -> dict:
-            s = seal(files[0]["stage"], spec_fn(params, data).out)
+            s = seal(files[0]["stage"], spec_fn(data, params=params).out)
             for a in outlets or []:
                 outlet_events[a].extra = {k: s[k] for k in ("path", "fingerprint", "steps", "num_samples")}
             return s
