@@ -1,0 +1,105 @@
+"""The launcher's watch: external faults fired on time, a dead lighthouse restarted, hung groups
+replaced (unhealthy on the lighthouse for --replace-after seconds while their processes live)."""
+
+import signal
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from ftcore import faults as faults_mod
+
+if TYPE_CHECKING:
+    from ftcore.launcher.supervisor import Launcher
+
+
+class Watch:
+    """Polls the lighthouse every 20 ms while the launch runs."""
+
+    def __init__(self, launcher: "Launcher", faults: list[faults_mod.Fault]):
+        self.launcher = launcher
+        self.faults = faults
+        self.unhealthy_since: dict[int, float] = {}
+
+    def run(self) -> None:
+        la = self.launcher
+        while not la.stop.wait(0.02):
+            st = la.status()
+            now = time.monotonic()
+            if la.host.died():
+                assert la.host.proc is not None  # died() says so
+                la.log("lighthouse_died", code=la.host.proc.p.returncode)
+                la.start_lighthouse()
+                continue
+            steps = {gr["group"]: gr["step"] for gr in (st or {}).get("groups", [])}
+            for f in self.due(steps, now - la.t0):
+                f.fired = True
+                threading.Thread(target=self.fire, args=(f,), daemon=True).start()
+            if st:
+                self.hangs(st["groups"], now)
+
+    def due(self, steps: dict[int, int], elapsed: float) -> list[faults_mod.Fault]:
+        """The external faults whose step or time has come (a lighthouse fault's step is the
+        job's, any other fault's its group's, in the incarnation it names)."""
+        out = []
+        for f in self.faults:
+            if f.fired or f.in_process:
+                continue
+            on_lighthouse = f.kind in faults_mod.LIGHTHOUSE_KINDS
+            if not on_lighthouse and self.launcher.incarnation.get(f.group) != f.incarnation:
+                continue
+            step = max(steps.values(), default=0) if on_lighthouse else steps.get(f.group, -1)
+            if (f.at_time is not None and elapsed >= f.at_time) or (f.at_step is not None and step >= f.at_step):
+                out.append(f)
+        return out
+
+    def hangs(self, groups: list[dict], now: float) -> None:
+        """Mark a group for replacement once it has been unhealthy while alive for too long."""
+        la = self.launcher
+        for gr in groups:
+            g = gr["group"]
+            alive = g in la.groups and all(p.p.poll() is None for p in la.groups[g]) and g not in la.done
+            if alive and not gr["healthy"] and not gr["left"] and gr["incarnation"] == la.incarnation.get(g):
+                self.unhealthy_since.setdefault(g, now)
+                if now - self.unhealthy_since[g] > la.cfg.replace_after:
+                    la.groups[g][0].replace_group = True
+                    self.unhealthy_since.pop(g)
+            else:
+                self.unhealthy_since.pop(g, None)
+
+    def fire(self, f: faults_mod.Fault) -> None:
+        la = self.launcher
+        lh = la.host.proc
+        if f.kind in faults_mod.LIGHTHOUSE_KINDS and lh is None:
+            la.log("fault_skipped", fault=f.kind, reason="the lighthouse was not started here")
+            return
+        if f.kind == "pause_lighthouse" and lh is not None:
+            la.log("fault", fault="pause_lighthouse", pid=lh.pid, seconds=f.duration_s)
+            lh.signal(signal.SIGSTOP)
+            time.sleep(f.duration_s)
+            lh.signal(signal.SIGCONT)
+            la.log("fault_resumed", fault="pause_lighthouse")
+            return
+        if f.kind == "kill_lighthouse" and lh is not None:
+            lh.planned_kill = True
+            la.log("fault", fault="kill_lighthouse", pid=lh.pid)
+            lh.kill()
+            time.sleep(f.duration_s)
+            la.start_lighthouse()
+            la.log("lighthouse_restarted")
+            return
+        self.signal_ranks(f)
+
+    def signal_ranks(self, f: faults_mod.Fault) -> None:
+        """kill: SIGKILL; stop: SIGSTOP, and SIGCONT after its duration."""
+        la = self.launcher
+        procs = la.groups.get(f.group, [])
+        targets = procs if f.rank == "all" else procs[int(f.rank) : int(f.rank) + 1]
+        sig = signal.SIGKILL if f.kind == "kill" else signal.SIGSTOP
+        for p in targets:
+            la.log("fault", fault=f.kind, group=f.group, rank=f.rank, pid=p.pid)
+            p.signal(sig)
+        if f.kind == "stop" and f.duration_s > 0:
+            time.sleep(f.duration_s)
+            for p in targets:
+                p.signal(signal.SIGCONT)
+            la.log("fault_resumed", fault="stop", group=f.group)
