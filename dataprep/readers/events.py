@@ -120,6 +120,14 @@ def _read_csv(path: str, delimiter: str, cols: tuple[str, ...]) -> tuple[pa.Tabl
     return t, np.flatnonzero(keep), rejects, invalid
 
 
+def _not_parquet(name: str, e: Exception) -> DataprepError:
+    """The error for a Parquet file pyarrow cannot read (`e`: pyarrow's reason)."""
+    return DataprepError(
+        f"{name}: not a readable Parquet file ({str(e).splitlines()[0]}); it may be "
+        "truncated, still being written or not Parquet; check the file and --format"
+    )
+
+
 def _read_parquet(path: str, user_col: str, item_col: str, time_col: str, defaults: bool) -> tuple[pa.Table, tuple]:
     dataset = None
     try:
@@ -134,10 +142,7 @@ def _read_parquet(path: str, user_col: str, item_col: str, time_col: str, defaul
         name = path
         if dataset is not None and Path(path).is_dir():  # which file of the folder (error path only)
             name = next((f for f in dataset.files if not _parquet_readable(f)), path)
-        raise DataprepError(
-            f"{name}: not a readable Parquet file ({str(e).splitlines()[0]}); it may be "
-            "truncated, still being written or not Parquet; check the file and --format"
-        ) from None
+        raise _not_parquet(name, e) from None
 
 
 def _parquet_readable(f: str) -> bool:
@@ -288,10 +293,7 @@ def parquet_dataset(path: str, user_col: str, item_col: str, time_col: str, defa
     except (OSError, ValueError) as e:
         if isinstance(e, OSError) and e.errno is not None:
             raise
-        raise DataprepError(
-            f"{path}: not a readable Parquet file ({str(e).splitlines()[0]}); it may be "
-            "truncated, still being written or not Parquet; check the file and --format"
-        ) from None
+        raise _not_parquet(path, e) from None
 
 
 def parquet_batches(path: str, dataset: pds.Dataset, cols: tuple, batch_rows: int) -> Iterator[tuple]:
@@ -312,10 +314,7 @@ def parquet_batches(path: str, dataset: pds.Dataset, cols: tuple, batch_rows: in
             if isinstance(e, OSError) and e.errno is not None:
                 raise
             name = next((f for f in dataset.files if not _parquet_readable(f)), path)
-            raise DataprepError(
-                f"{name}: not a readable Parquet file ({str(e).splitlines()[0]}); it may be "
-                "truncated, still being written or not Parquet; check the file and --format"
-            ) from None
+            raise _not_parquet(name, e) from None
         if batch is None:
             break
         if batch.num_rows == 0:
