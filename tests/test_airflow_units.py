@@ -296,6 +296,22 @@ def test_params_table_gives_each_dag_its_own_values():
         pipeline.params(max_step=1)
 
 
+def test_local_run_refuses_a_bad_conf_in_one_line_before_airflow_starts(tmp_path, capsys):
+    """`make run` with a --conf that is not a JSON object, or a bad --set: exit code 2, one
+    `error:` line naming the flag, no traceback and nothing written to the work folder."""
+    from ftrec_airflow import local_run
+
+    for args, words in (
+        (["--conf", "{nope"], "error: --conf is not JSON"),
+        (["--conf", "[1]"], "error: --conf must be a JSON object, got '[1]'"),
+        (["--set", "max_steps=10"], "error: --set 'max_steps=10': a DAG param is params.KEY=VALUE"),
+    ):
+        assert local_run.main(["--work", str(tmp_path / "w"), *args]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(words) and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert not (tmp_path / "w").exists()
+
+
 def test_local_run_set_is_the_trainers_syntax():
     """`--set params.KEY=VALUE` is a DAG param (a TOML value, bare text a string); a trainer
     setting joins train_overrides after --conf's; a bad item fails before Airflow starts."""

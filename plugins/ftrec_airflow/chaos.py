@@ -59,11 +59,29 @@ def judge(
     max_stall_s: float,
     artifacts: list[str] | None = None,
 ) -> Verdict:
+    """The three claims of the module doc, checked on the launcher's `timeline` and the
+    run's MLflow metrics and artifacts."""
+    faulted = faulted_groups(plan)
+    survivors = [g for g in range(replica_groups) if g not in faulted]
+    problems = _recovery_problems(run_metrics, plan, artifacts)
+    stalls = _survivor_problems(timeline, survivors, max_stall_s, problems)
+    sums = _replica_problems(timeline, replica_groups, problems)
+    facts = {
+        "survivors": survivors,
+        "faulted": sorted(faulted),
+        "max_commit_gap_s": stalls,
+        "checksums": sums,
+        "summary": timeline.get("summary", {}),
+        "recovery_metrics": {k: v for k, v in run_metrics.items() if k.startswith("ft/")},
+    }
+    return Verdict(not problems, problems, facts)
+
+
+def _recovery_problems(run_metrics: dict[str, float], plan: dict, artifacts: list[str] | None) -> list[str]:
+    """1. MLflow shows the recovery the plan's kinds of fault call for."""
     problems: list[str] = []
     kinds = {f.get("kind") for f in plan.get("faults", [])}
-    faulted = faulted_groups(plan)
 
-    # 1. recovery in MLflow
     def metric(name: str) -> float:
         return float(run_metrics.get(f"ft/{name}", 0.0))
 
@@ -78,9 +96,12 @@ def judge(
             problems.append("MLflow ft/heals = 0 although the plan kills a group (it never caught up)")
     if artifacts is not None and not any(a.endswith("timeline.json") for a in artifacts):
         problems.append("MLflow run has no timeline.json artifact")
+    return problems
 
-    # 2. survivors kept committing
-    survivors = [g for g in range(replica_groups) if g not in faulted]
+
+def _survivor_problems(timeline: dict, survivors: list[int], max_stall_s: float, problems: list[str]) -> dict:
+    """2. Each survivor committed steps 1, 2, 3, ... with no gap over `max_stall_s`; its
+    longest gap per group. Adds to `problems`."""
     stalls = {}
     for g in survivors:
         commits = sorted(
@@ -102,8 +123,12 @@ def judge(
         stalls[g] = max(gaps, default=0.0)
         if stalls[g] > max_stall_s:
             problems.append(f"survivor group {g} stalled {stalls[g]:.1f} s between commits (limit {max_stall_s} s)")
+    return stalls
 
-    # 3. identical final replicas
+
+def _replica_problems(timeline: dict, replica_groups: int, problems: list[str]) -> dict:
+    """3. Every group wrote the same final-state checksum and the launcher exited 0; the
+    checksums. Adds to `problems`."""
     sums = timeline.get("checksums", {})
     if len(sums) < replica_groups:
         problems.append(f"only {len(sums)} of {replica_groups} replica groups wrote a final state")
@@ -111,13 +136,4 @@ def judge(
         problems.append(f"final replicas differ: {sums}")
     if timeline.get("exit_code", 1) != 0:
         problems.append(f"the launcher exited with {timeline.get('exit_code')}")
-
-    facts = {
-        "survivors": survivors,
-        "faulted": sorted(faulted),
-        "max_commit_gap_s": stalls,
-        "checksums": sums,
-        "summary": timeline.get("summary", {}),
-        "recovery_metrics": {k: v for k, v in run_metrics.items() if k.startswith("ft/")},
-    }
-    return Verdict(not problems, problems, facts)
+    return sums

@@ -358,16 +358,12 @@ def collect(run: dict[str, Any]) -> dict[str, Any]:
 # ---------------------------------------------------------------- the standing lighthouse
 
 
-def lighthouse_manifests(cfg: Config | None = None) -> list:
-    """The lighthouse's Deployment and Service (kubernetes client models). One replica,
-    recreated rather than rolled: two lighthouses must never answer for one job at once. It
-    binds the pod's own address (never a wildcard, as everywhere in ftcore)."""
+def _lighthouse_container(cfg: Config):
+    """The lighthouse's one container: it binds the pod's own address (never a wildcard, as
+    everywhere in ftcore) and reads its admin token from the mounted Secret."""
     from kubernetes.client import models as k8s
 
-    cfg = cfg or config()
-    labels = {"app.kubernetes.io/name": LIGHTHOUSE, "app.kubernetes.io/part-of": "ftrec"}
-    meta = k8s.V1ObjectMeta(name=LIGHTHOUSE, namespace=cfg.namespace, labels=labels)
-    container = k8s.V1Container(
+    return k8s.V1Container(
         name="lighthouse",
         image=cfg.image,
         command=["ftcore-lighthouse"],
@@ -386,6 +382,16 @@ def lighthouse_manifests(cfg: Config | None = None) -> list:
         resources=k8s.V1ResourceRequirements(requests={"cpu": "500m", "memory": "256Mi"}),
         volume_mounts=[k8s.V1VolumeMount(name="token", mount_path=TOKEN_DIR, read_only=True)],
     )
+
+
+def lighthouse_manifests(cfg: Config | None = None) -> list:
+    """The lighthouse's Deployment and Service (kubernetes client models). One replica,
+    recreated rather than rolled: two lighthouses must never answer for one job at once."""
+    from kubernetes.client import models as k8s
+
+    cfg = cfg or config()
+    labels = {"app.kubernetes.io/name": LIGHTHOUSE, "app.kubernetes.io/part-of": "ftrec"}
+    meta = k8s.V1ObjectMeta(name=LIGHTHOUSE, namespace=cfg.namespace, labels=labels)
     deployment = k8s.V1Deployment(
         api_version="apps/v1",
         kind="Deployment",
@@ -397,7 +403,7 @@ def lighthouse_manifests(cfg: Config | None = None) -> list:
             template=k8s.V1PodTemplateSpec(
                 metadata=k8s.V1ObjectMeta(labels=labels),
                 spec=k8s.V1PodSpec(
-                    containers=[container],
+                    containers=[_lighthouse_container(cfg)],
                     volumes=[
                         k8s.V1Volume(
                             name="token",

@@ -259,7 +259,7 @@ def report(summary: dict, work: Path, env_file: Path) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m ftrec_airflow.local_run", description=" ".join(__doc__.split("\n\n")[0].split())
     )
@@ -283,19 +283,48 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--logical-date", help="ISO date of the DAG run; the same date again re-runs that run")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    a = p.parse_args(argv)
+    return p
+
+
+def _conf(a: argparse.Namespace) -> dict[str, Any] | str:
+    """The DAG run's conf from --conf and --set, or the error to print."""
     try:
         conf = json.loads(a.conf)
     except ValueError as e:
-        print(f"error: --conf is not JSON ({e})", file=sys.stderr)
-        return 2
+        return f"--conf is not JSON ({e})"
     if not isinstance(conf, dict):
-        print(f"error: --conf must be a JSON object, got {a.conf!r}", file=sys.stderr)
-        return 2
+        return f"--conf must be a JSON object, got {a.conf!r}"
     try:
-        conf = run_conf(conf, a.set)
+        return run_conf(conf, a.set)
     except config.ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        return str(e)
+
+
+def _run_child(a: argparse.Namespace, conf: dict[str, Any], work: Path) -> int | None:
+    """Run this module with --child in the Airflow environment, in its own process group
+    (a timeout or Ctrl-C ends all it started); its exit code, or None when it was stopped
+    (the message printed; main returns 130 or 1)."""
+    env = {**os.environ, **airflow_env(work)}
+    cmd = [sys.executable, "-m", "ftrec_airflow.local_run", "--child", "--work", str(work), "--dag", a.dag]
+    cmd += ["--conf", json.dumps(conf), *(["--logical-date", a.logical_date] if a.logical_date else [])]
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    try:
+        return proc.wait(timeout=a.timeout)
+    except (subprocess.TimeoutExpired, KeyboardInterrupt) as e:
+        runner.stop_group(proc)
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        print(f"error: the DAG run took longer than --timeout {a.timeout:.0f} s; stopped it", file=sys.stderr)
+        return None
+    finally:
+        runner.stop_group(proc)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _parser().parse_args(argv)
+    conf = _conf(a)
+    if isinstance(conf, str):
+        print(f"error: {conf}", file=sys.stderr)
         return 2
     work = Path(a.work).resolve()
     summary_path = work / SUMMARY
@@ -304,37 +333,14 @@ def main(argv: list[str] | None = None) -> int:
 
     work.mkdir(parents=True, exist_ok=True)
     (work / "airflow").mkdir(exist_ok=True)
-    env = {**os.environ, **airflow_env(work)}
     env_file = write_env_file(work, airflow_env(work))
     summary_path.unlink(missing_ok=True)
-    # The child gets its own process group, so a timeout or Ctrl-C ends all it started.
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "ftrec_airflow.local_run",
-            "--child",
-            "--work",
-            str(work),
-            "--dag",
-            a.dag,
-            "--conf",
-            json.dumps(conf),
-            *(["--logical-date", a.logical_date] if a.logical_date else []),
-        ],
-        env=env,
-        start_new_session=True,
-    )
     try:
-        rc = proc.wait(timeout=a.timeout)
-    except (subprocess.TimeoutExpired, KeyboardInterrupt) as e:
-        runner.stop_group(proc)
-        if isinstance(e, KeyboardInterrupt):
-            return 130
-        print(f"error: the DAG run took longer than --timeout {a.timeout:.0f} s; stopped it", file=sys.stderr)
+        rc = _run_child(a, conf, work)
+    except KeyboardInterrupt:
+        return 130
+    if rc is None:
         return 1
-    finally:
-        runner.stop_group(proc)
     if not summary_path.exists():
         print(f"error: the DAG run did not complete (exit code {rc}); see the output above", file=sys.stderr)
         return rc or 1
