@@ -1,12 +1,8 @@
-"""Credentials of every ftcore HTTP request (lighthouse and heal servers).
-
-The lighthouse holds one secret, the admin token. Each job gets a job token derived from it
-(`job_token`: the job id and an HMAC of it), so the lighthouse checks any job's token from the
-header alone and a restarted lighthouse accepts the same ones. A job token opens that job's
-routes and, since every rank of the job serves heals under it, that job's heal servers only.
-Tokens travel in the `Authorization: Bearer <token>` header only (never in a URL) and are
-compared in constant time. Processes find theirs in FTCORE_TOKEN or the file FTCORE_TOKEN_FILE.
-"""
+"""Credentials of every ftcore HTTP request (lighthouse, relay, heal servers). The lighthouse
+holds one admin secret; each job's token is the job id with an HMAC of it (`job_token`), so it
+is checked from the header alone and survives a restart. A job token opens its own job's
+routes and heal servers only. Tokens travel in `Authorization: Bearer` headers only,
+compared in constant time; processes read FTCORE_TOKEN or FTCORE_TOKEN_FILE."""
 
 import base64
 import hashlib

@@ -1,34 +1,8 @@
-"""One rule for where a collective's tensors live. Every collective of ftcore and training
-goes through here; a call site says only what *kind* of value it sends:
-
-    DATA     values the device computes and consumes: gradients, parameters, embedding rows,
-             the item ids and gradients of the sharded table's all-to-all, a gradient norm
-             that feeds clipping. They go on the group's device: the rank's GPU for NCCL, host
-             memory for gloo (a CUDA tensor sent over gloo is staged through host memory).
-    CONTROL  values the host reads or writes: counts, flags, votes, steps, timings, split
-             sizes, JSON bytes, barriers. They always travel as CPU tensors over gloo: the
-             group itself when it is gloo, else a gloo *twin* built beside the device group,
-             collectively and once, when that group is built (`setup_default` right after
-             init_process_group, `new_group`, `new_pg` for ftcore's cross-group groups).
-
-Why control values on a gloo twin rather than on the GPU under NCCL: the host needs each of
-them (`.item()`, `.tolist()`), so on the GPU every one would cost a copy up, a kernel, a copy
-down and a stream synchronize; on the twin it is one small TCP message. A gloo wait is
-bounded by its timeout and can be abandoned (FTAR does), while a blocked NCCL kernel cannot
-be cancelled safely; and ranks waiting at a barrier while rank 0 evaluates sit in gloo, not
-in NCCL's watchdog. The price is one more gloo group (a few sockets) per device group.
-A group and its twin are two ordered channels; every rank issues the same sequence on each.
-
-`HostStage` moves device tensors to pinned host buffers and back on a side stream (the copy
-engines, no SM kernels), ordered by CUDA events; FTAR uses it for gradients on CUDA over its
-always-gloo cross-group group (ftcore/ftar.py says why).
-
-A device backend of one's own (or a test's) is registered with `register_backend`: torch
-learns it for init_process_group/new_group, ftcore for its cross-group groups. While a DATA
-op is issued, `placed()` names the tensors this layer put on the group's device: a test
-backend that accepts only those catches any control value sent to the device group
-(tests/device_rule.py), as NCCL refuses a CPU tensor.
-"""
+"""One rule for where a collective's tensors live: DATA (gradients, parameters, rows) on the
+group's device, CONTROL values the host reads (counts, flags, votes, timings, JSON, barriers)
+as CPU tensors on a gloo twin built beside each device group: a gloo wait can be bounded and
+abandoned, an NCCL kernel cannot. `HostStage` stages device tensors through pinned host
+buffers on a side stream (the copy engines). Why, in full: docs/ftcore.md, "collectives"."""
 
 from __future__ import annotations
 

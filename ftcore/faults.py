@@ -1,48 +1,7 @@
-"""Fault plans: what to break, where and when. One format for tests, benchmarks, the launcher
-and the Airflow chaos DAG.
-
-A plan is a JSON or TOML file with a list of faults:
-
-    [[faults]]
-    kind = "kill"            # SIGKILL a rank's process
-    group = 1
-    rank = 0                 # default 0; "all" for every rank of the group
-    at_step = 5              # or at_time = 2.5 (seconds since the launch)
-    phase = "during_allreduce"   # optional: the process kills itself in that phase
-
-    [[faults]]
-    kind = "stop"            # SIGSTOP, then SIGCONT after duration_s (0: never)
-    group = 2
-    at_step = 8
-    duration_s = 4
-
-    [[faults]]
-    kind = "raise"           # raise inside a phase of the step
-    group = 0
-    at_step = 6
-    phase = "during_allreduce"   # before_allreduce | during_allreduce | after_allreduce | vote | heal_serve
-
-    [[faults]]
-    kind = "kill_lighthouse" # SIGKILL the lighthouse, restart it after duration_s
-    at_step = 10
-    duration_s = 1
-
-    [[faults]]
-    kind = "pause_lighthouse" # SIGSTOP the lighthouse, SIGCONT after duration_s
-    at_step = 10
-    duration_s = 3
-
-    [[faults]]
-    kind = "slow"            # sleep delay_s in every step of [at_step, until_step)
-    group = 1
-    at_step = 3
-    until_step = 9
-    delay_s = 0.2
-
-Each fault fires once, on the group's first incarnation unless `incarnation` says
-otherwise. Signals and lighthouse kills at a step or time are sent by the launcher from
-outside; `raise`, `slow` and kills with a `phase` happen inside the rank.
-"""
+"""Fault plans: what to break, where and when; one JSON or TOML format for tests, benchmarks,
+the launcher and the Airflow chaos DAG. Kinds: kill, stop, raise, slow, kill_lighthouse,
+pause_lighthouse; each fires once, on the group's first incarnation unless `incarnation` says
+otherwise. The format with examples: docs/ftcore.md, "faults"."""
 
 import json
 import os

@@ -1,15 +1,7 @@
-"""The layout of a replica group's final state, as its ranks write it and the launcher reads it.
-
-At the end of a run every replica group leaves its parameters and optimizer state in its
-output folder (OUT/replica_<g>/) as tensor files (ftcore/tensorfile.py, the safetensors
-layout): rank 0's `state.safetensors` is the group's; when the ranks' states differ (a
-sharded item table) every rank k > 0 writes its own `state.rank<k>.safetensors` and rank
-0's metadata says how many there are (`ranks`). Every file's metadata names its `step`.
-The launcher prints one checksum over a group's files, and groups that end identical
-print the same one.
-
-Standard library only (the launcher imports this without torch).
-"""
+"""The layout of a replica group's final state (OUT/replica_<g>/): rank 0's
+`state.safetensors`, and `state.rank<k>.safetensors` per rank k when the ranks' states differ
+(a sharded table); every file's metadata names its `step`, and the launcher prints one
+checksum over a group's files. Standard library only (the launcher reads it without torch)."""
 
 import hashlib
 import json

@@ -1,37 +1,8 @@
-"""FTAR: the fault-tolerant all-reduce across replica groups.
-
-One call averages a list of tensors in place over the groups of the current quorum:
-
-1. the tensors go out in buckets, all issued at once (asynchronous): large contiguous
-   tensors are reduced in place in chunks, small ones are packed together;
-2. the first bucket issued carries four control elements in front of its data (the "meta":
-   whether this group contributes, its step, a member count, an error flag), so a healthy
-   step costs one collective per bucket and nothing more: the sum says how many groups
-   contribute (a healing group, or one with no make-up work, sends zeros and is not
-   counted), whether every member was at the same step, and whether any group failed
-   locally (then every group discards the step);
-3. each bucket is divided by the count as soon as it lands, while later buckets are
-   still on the wire.
-
-The meta rides in a packed float32/float64 bucket (exact for the small integers it sums);
-a call without one (only large or only half-precision tensors) sends it as a bucket of its
-own. A `during` hook (fault injection) runs when the exchange starts, before the meta goes.
-
-Every wait is bounded by a deadline and by `is_stale()` (the lighthouse has declared a
-member dead): a dead or hung peer turns the call into an FTARError, never a hang.
-
-The buckets are data (ftcore/collectives.py), the meta with them: it is four numbers of the
-exchange itself, summed by the same collective. The cross-group process group is gloo
-(ftcore.manager), also when the model is on CUDA: the buckets are then staged through
-pinned host buffers on a side stream (collectives.HostStage, the copy engines, no SM
-kernels): all copies down are queued at once, each bucket's gloo
-all-reduce starts as soon as its copy landed, and each result is copied back and divided on
-the compute stream behind an event, so no step synchronizes the device. Why host-staged gloo
-and not NCCL across groups: cross-group traffic crosses hosts, so the network bounds it, not
-the extra PCIe hop; and the CPU-driven exchange survives a peer's kill -9 (its sockets reset)
-and SIGSTOP (the deadline, the lighthouse's verdict) by abandoning the collective, which a
-blocked NCCL kernel does not allow without tearing the process down.
-"""
+"""FTAR: the fault-tolerant all-reduce across replica groups. Buckets go out at once; the first
+carries the meta (contributes, step, member count, error flag), so a healthy step costs one
+collective per bucket and the sum says who contributed and whether anyone failed. Every wait
+is bounded by a deadline and by `is_stale()`: a dead or hung peer is an FTARError, never a
+hang. CUDA gradients are staged through host memory over gloo: docs/ftcore.md, "ftar"."""
 
 import threading
 import time

@@ -1,18 +1,7 @@
 """Non-blocking catch-up: each rank's background server of heal snapshots, and the fetch.
-
-A healthy rank that the quorum names as a heal source copies its state (tensors cloned
-under the snapshot lock, before its optimizer step) and offers it here; its training
-goes on while the recovering rank downloads. The transfer is the tensor-only format of
-tensorfile.py over HTTP with the shared token; nothing received is unpickled.
-
-    GET /snapshot/<step>   200: the state after <step> committed steps
-                           410: this server has moved past <step>; ask for a new quorum
-                           504: no snapshot for <step> appeared within the heal timeout
-
-Bounded like the lighthouse: at most `max_connections` at once (more get 503), the request
-head within HEAD_S (the token is checked before any work), the whole answer within
-HEAL_TIMEOUT + TRANSFER_S; past its deadline a connection's socket is shut down.
-"""
+A heal source offers its state (cloned before its optimizer step) and trains on while the
+healing rank downloads it (tensorfile format, nothing unpickled): GET /snapshot/<step> is
+200, 410 (moved past it) or 504 (none in time). Bounded like the lighthouse."""
 
 import http.client
 import socket

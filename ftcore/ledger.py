@@ -1,24 +1,6 @@
 """The ledger of committed batches, and the check that every sample was trained once per epoch.
-
-After each committed step every rank appends one JSON line to its own file:
-{step, epoch, row_group, kind, contributors, quorum_id, writer: [group, rank],
-ranges: [[first, last], ...]}. `contributors` are the groups whose gradients were in
-the update; every rank of a contributor trained shard `group * K + rank` at that row
-group. Every surviving writer records every committed step, so a group killed right
-after the vote still has its contribution on record; `ranges` are the writer's own
-sample ids in compact (first, last) form when it contributed. A rank whose state is
-replaced by a heal writes a `healed_to` marker: its records before it are superseded.
-
-Every process writes a `resumed_to` marker at its first quorum, with the step the job
-goes on from (the quorum's max step): the writer's earlier records of that step or later
-are dropped, as the job's history from there on is made after the marker. This keeps a
-whole-job resume exactly-once: every group relaunches from its own newest checkpoint, the
-job goes on from the highest, and the steps after it that the earlier attempt recorded
-are trained again. (A restarted group's record of a step its peers discarded goes the
-same way.) Earlier records stay: current when the writer's own state goes on, superseded
-when it heals. Limit: a writer that never rejoins a resumed job writes no marker, and its
-records after the resume point disagree with the re-trained ones (LedgerError).
-"""
+Every rank appends one JSON line per committed step; `healed_to` and `resumed_to` markers
+supersede records a heal or a resume replaced. The rules: docs/ftcore.md, "ledger"."""
 
 import json
 import os

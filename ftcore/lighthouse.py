@@ -1,17 +1,8 @@
 """The lighthouse: FT-HSDP's control plane, a standing service for every job of a cluster.
-
-Ranks register, heartbeat and ask for a quorum once per step; a round answers every member
-at once with the same `quorum_id`, the highest committed step and who heals from whom
-(ftcore/lighthouse_job.py). This module is the service around the jobs: it creates a job on
-its first message, retires it once it finished or all its ranks have been gone for
-`job_idle_s` (its events stay in the events file; its id may start again from nothing), keeps
-one credential per job (ftcore/auth.py), and notices its own pauses. HTTP lives in
-ftcore/lighthouse_http.py, the page in ftcore/lighthouse_page.py. Nothing that matters is lost
-with a restart: groups re-register on their next heartbeat and the quorum they all report is
-handed out again.
-
-    ftcore-lighthouse --bind HOST:PORT --token-file TOKEN [--min-replicas N]
-"""
+It creates a job on its first message and retires it once it finished or all its ranks have
+been gone for `job_idle_s`, keeps one credential per job, and notices its own pauses; nothing
+that matters is lost with a restart (groups re-register, their quorum is handed out again).
+The CLI and the service's rules: docs/ftcore.md, "lighthouse"."""
 
 import argparse
 import collections

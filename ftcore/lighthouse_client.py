@@ -1,15 +1,7 @@
 """A rank's side of the lighthouse protocol: heartbeats, quorum requests, failure reports.
-
-Heartbeats go out every HEARTBEAT_INTERVAL on one kept-alive connection, so the
-lighthouse sees this process die the moment the kernel closes that connection (a stalled
-one is kept open while beats go on over a new one, see `_beat_loop`); a beat
-is skipped when a quorum request (which refreshes liveness too) went out within the
-interval, so a training job's control traffic is about one request per rank and step. Every
-message carries the full registration (`RankInfo`: group, rank, world, incarnation, step,
-addresses), so a restarted lighthouse relearns the job from the next heartbeat. Every
-answer is parsed into its type from ftcore/messages.py here, once; a malformed one is a
-LighthouseError that names the field.
-"""
+Heartbeats go out on one kept-alive line whose close tells the lighthouse this process died;
+a beat is skipped when a quorum request went out within the interval. Every message carries
+the full registration (RankInfo), so a restarted lighthouse relearns the job."""
 
 import http.client
 import json

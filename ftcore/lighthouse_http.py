@@ -1,12 +1,7 @@
-"""The lighthouse's HTTP/1.1 front end: llhttp parses (httptools), one asyncio loop serves, all bounded.
-
-Each connection is a protocol object (no task, no thread): a rank's heartbeat connection and
-its quorum connection cost no thread, and a quorum request is answered when its round forms.
-The token is checked on the headers, before a byte of body is read, and a refused request
-closes its connection. Bounded: connections (in total, per peer address, and unauthenticated
-per peer), a request's head and body, the time a request takes to arrive whole, the bytes a
-client pipelines behind an unanswered request, and replies it leaves unread.
-"""
+"""The lighthouse's HTTP/1.1 front end: llhttp parses (httptools), one asyncio loop serves.
+A connection is a protocol object (no thread); the token is checked on the headers before any
+body is read. Bounded: connections (in total, per peer, unauthenticated per peer), a request's
+head, body and arrival time, pipelined bytes, and replies left unread."""
 
 from __future__ import annotations
 

@@ -1,27 +1,7 @@
-"""Every message between a rank and the lighthouse, each with one typed definition.
-
-The wire is JSON objects over HTTP/1.1 (ftcore/lighthouse.py serves them,
-ftcore/lighthouse_client.py sends them). Each message is parsed and checked once, where
-it arrives, into one of the frozen dataclasses below; past that edge everyone reads
-attributes. A malformed message is a `MessageError` (a ValueError) that names the field:
-the lighthouse answers it with 400 and changes nothing; the client raises it as a
-LighthouseError.
-
-    rank -> lighthouse                          lighthouse -> rank
-    POST /heartbeat       RankInfo              HeartbeatReply
-    POST /quorum          QuorumRequest         Quorum (200), StandbyReply (200), OvertakenReply (200),
-                                                QuorumRefused (409 stale incarnation, 410 lost rank or
-                                                job finished, 504 timeout or superseded: ask again)
-    POST /report_failure  FailureReport         {}
-    POST /leave           RankInfo              {}
-    POST /event           ClientEvent           {}
-
-Two identifiers are easy to mix up: `quorum_id` numbers the quorums of one job (it grows
-with every membership change); `lighthouse_id` is a random token that each start of a
-lighthouse process draws, so that a quorum id handed out again after a lighthouse restart
-still names a fresh store prefix (ftcore/manager.py builds its process groups under
-"ftcore/<lighthouse_id>/<quorum_id>"). Neither is the data epoch of training.
-"""
+"""Every message between a rank and the lighthouse, each one frozen dataclass parsed and
+checked once where it arrives; a malformed one is a MessageError naming the field (a 400 at
+the lighthouse, a LighthouseError at the client). `quorum_id` numbers one job's quorums;
+`lighthouse_id` names one start of a lighthouse. The routes: docs/ftcore.md, "messages"."""
 
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
 """The quorum decision, as pure functions of a round's inputs (no locks, sockets or clocks).
-
-`decide` answers "form now, with whom, or wait?" from the previous quorum's members, the groups
-whose every rank is asking, the healthy groups, the job's floor and the time the round has
-waited. `plan` answers "at which step, and who heals from whom?" from each member's request.
-`isolated` answers "is their silence my isolation?".
-ftcore/lighthouse_job.py gathers the inputs under the job's lock and acts on the answers;
-tests/test_ftcore_quorum.py checks both from tables.
-"""
+`decide`: form now, with whom, or wait; `plan`: at which step, and who heals from whom;
+`isolated`: is their silence my isolation. ftcore/lighthouse_job.py gathers the inputs
+under the job's lock and acts on the answers."""
 
 from dataclasses import dataclass
 

@@ -1,12 +1,8 @@
-"""A replica group's relay: its leader speaks to the lighthouse for all K ranks (torchft's layout).
-
-Rank 0 of a group serves the lighthouse's own protocol and server (ftcore/lighthouse_http.py) to
-the group's ranks, which run the unchanged LighthouseClient against it, and keeps one heartbeat
-line and one quorum request per round to the lighthouse: the lighthouse's cost grows with
-groups, not ranks. The group's line is open while every rank's line to the relay is, so a
-rank's death still reaches the lighthouse at once; a round goes up once every rank asked; a
-relay's heartbeat replies say how long the lighthouse has been silent, so ranks lease together.
-"""
+"""A replica group's relay: rank 0 speaks to the lighthouse for all K ranks (torchft's layout).
+It serves the lighthouse's own protocol to the group's ranks and keeps one line and one quorum
+request per round upstream: the lighthouse's cost grows with groups, not ranks. The group's
+line is open while every rank's is (a death still shows at once); its heartbeat replies carry
+the lighthouse's silence, so the ranks lease together."""
 
 from __future__ import annotations
 

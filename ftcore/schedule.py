@@ -1,31 +1,7 @@
-"""Exactly-once data across failures: the replicated data schedule with make-up steps.
-
-Every replica group holds an identical copy of this schedule (it travels with the
-healed state), and every group applies the same `commit()` after each committed step,
-so all groups agree on what each step trains without talking about it.
-
-Regular steps walk the epoch: at position (epoch, index) every group trains its own
-shard's row group `order(epoch)[index]`. dataprep made the buckets of one row group
-equal in cost across all ranks, which is why groups must stay on the same row group.
-
-A group that did not contribute to a committed regular step (down, healing, or out of
-the quorum) missed that row group. The miss is queued as a make-up entry
-(epoch, row_group, groups that missed it). At the end of each window (default: the
-epoch) the make-up entries run as extra steps, one row group per step: the groups that
-missed it train it, the others join with zero gradients. Make-up work for one entry is
-the same row group on every group that has it, so it stays balanced against itself.
-An entry whose groups are all absent waits for a later make-up phase; the last epoch
-does not end until every entry is done.
-
-In the real trainer (training/ft.py, `FTReplica`) the schedule uses the trainer's own
-epoch order (`DataCursor.order`) and travels with the healed `TrainState`. Each step,
-after the quorum, it names the batch: a regular step reads the data cursor's batch, a
-make-up step reads (epoch, row group) out of order, and a group with no batch (healing,
-or not owing that make-up entry) backpropagates nothing and sends zero gradients. The
-cursor moves only on committed regular steps, so it always equals the schedule's
-regular position; the loop ends when `done` (every epoch and every make-up entry),
-not after a fixed step count. `Position.index` of a make-up step is its queue index.
-"""
+"""Exactly-once data across failures: the replicated data schedule with make-up steps. Every
+group holds the same copy and applies the same commit(), so all agree on what each step
+trains; a row group a group missed is queued and made up at the end of the window by the
+groups that missed it. The rules: docs/ftcore.md, "schedule"."""
 
 import random
 from collections.abc import Callable

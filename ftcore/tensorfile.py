@@ -1,14 +1,7 @@
-"""A tensor-only serialization of nested state (model, optimizer, scheduler, RNG, cursor).
-
-The byte layout is the safetensors format (8-byte little-endian header length, a JSON
-header naming every tensor's dtype, shape and byte range, then the raw bytes), written
-and read here with the standard library and torch alone, so anyone can load our files
-with the `safetensors` package and nothing is ever unpickled. The non-tensor skeleton
-of the state (dict keys, ints, floats, lists, tuples) is a JSON document stored in the
-header's `__metadata__` under `ftcore.tree`, with `{"$t": name}` where a tensor was.
-
-Used for heal transfers (heal.py) and for the launcher's final per-group state.
-"""
+"""A tensor-only serialization of nested state in the safetensors layout, written and read with
+the standard library and torch alone: nothing is ever unpickled, and the `safetensors` package
+loads our files. The non-tensor skeleton (dicts, numbers, lists) is JSON in the header's
+`__metadata__` under `ftcore.tree`. Used for heals and for the groups' final states."""
 
 import base64
 import io

@@ -1,14 +1,7 @@
-"""Every timeout of ftcore, in one place, each overridable by an environment variable.
-
-Order matters: a hang is detected by the heartbeat before a collective gives up on it
-(the survivors then learn which member failed), and a collective gives up before a quorum
-request does (a step's quorum wait outlasts its exchange):
-
-    HEARTBEAT_INTERVAL < HEARTBEAT_TIMEOUT < COLLECTIVE_TIMEOUT <= QUORUM_TIMEOUT
-
-Crashes do not wait for any of these: a killed peer resets its connections and the
-data plane reports it at once (see manager.py).
-"""
+"""Every timeout of ftcore, in one place, each overridable by an environment variable. A hang
+is seen by the heartbeat before a collective gives up on it, and a collective gives up before
+a quorum request does: HEARTBEAT_INTERVAL < HEARTBEAT_TIMEOUT < COLLECTIVE_TIMEOUT <=
+QUORUM_TIMEOUT. Crashes wait for none of them: a killed peer resets its connections."""
 
 import os
 
