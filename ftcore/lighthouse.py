@@ -259,118 +259,133 @@ def _raise_fd_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
+_D, _PACE = LighthouseConfig(), PacePolicy()
+# the command line as data: (flag, argparse keywords)
+OPTIONS: list[tuple[str, dict[str, Any]]] = [
+    ("--bind", {"default": "127.0.0.1:29510", "help": "host:port to listen on (loopback by default)"}),
+    ("--min-replicas", {"type": int, "default": 1, "help": "fewest replica groups a quorum may have"}),
+    (
+        "--expected-replicas",
+        {
+            "type": int,
+            "default": 0,
+            "help": "groups the job starts with: the first quorum waits for all of them or the join timeout",
+        },
+    ),
+    ("--join-timeout", {"type": float, "default": timeouts.JOIN_TIMEOUT}),
+    ("--heartbeat-timeout", {"type": float, "default": timeouts.HEARTBEAT_TIMEOUT}),
+    (
+        "--token-file",
+        {
+            "help": "file holding the admin secret (else FTCORE_TOKEN / FTCORE_TOKEN_FILE); each job's "
+            "token derives from it: python -m ftcore.auth job-token JOB"
+        },
+    ),
+    (
+        "--insecure",
+        {
+            "action": "store_true",
+            "help": "serve without a token (loopback binds only): anyone who reaches it can steer every job",
+        },
+    ),
+    ("--events-file", {"help": "append every event to this JSON-lines file"}),
+    (
+        "--lease",
+        {
+            "type": float,
+            "default": timeouts.LEASE,
+            "help": "seconds a group may go on in its last quorum while this lighthouse is silent (0: never)",
+        },
+    ),
+    (
+        "--no-pause-grace",
+        {
+            "action": "store_true",
+            "help": "judge heartbeat timeouts at once after this process was paused (for comparison only)",
+        },
+    ),
+    (
+        "--slow-ratio",
+        {
+            "type": float,
+            "default": _PACE.ratio,
+            "help": "fail-slow: exclude a group only from this "
+            "many times its peers' compute (default: R/(R-1) x 1.1 for R groups, which it never goes below; 0: never; "
+            "FTCORE_SLOW_RATIO)",
+        },
+    ),
+    (
+        "--slow-window",
+        {
+            "type": int,
+            "default": _PACE.window,
+            "help": "... measured over this many rounds, time-weighted (FTCORE_SLOW_WINDOW)",
+        },
+    ),
+    (
+        "--slow-probation",
+        {
+            "type": float,
+            "default": _PACE.probation_s,
+            "help": "seconds an excluded group waits before it may rejoin; doubles each time (FTCORE_SLOW_PROBATION)",
+        },
+    ),
+    ("--max-jobs", {"type": int, "default": _D.max_jobs, "help": "live jobs at once (finished jobs retire)"}),
+    (
+        "--job-idle",
+        {"type": float, "default": _D.job_idle_s, "help": "seconds without any rank of a job before it retires"},
+    ),
+    (
+        "--finished-linger",
+        {
+            "type": float,
+            "default": _D.finished_linger_s,
+            "help": "seconds a retired finished job's last step is remembered (a late group is told the job finished)",
+        },
+    ),
+    ("--max-connections", {"type": int, "default": _D.max_connections, "help": "open connections in total"}),
+    (
+        "--max-connections-per-peer",
+        {
+            "type": int,
+            "default": _D.max_connections_per_peer,
+            "help": "open connections from one address (two per rank on that host)",
+        },
+    ),
+    (
+        "--max-unauthenticated-per-peer",
+        {
+            "type": int,
+            "default": _D.max_unauthenticated_per_peer,
+            "help": "connections from one address that sent no valid token yet (past it the oldest is closed)",
+        },
+    ),
+]
+
+
 def _arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m ftcore.lighthouse", description=__doc__.split("\n\n")[0])
-    p.add_argument("--bind", default="127.0.0.1:29510", help="host:port to listen on (loopback by default)")
-    p.add_argument("--min-replicas", type=int, default=1, help="fewest replica groups a quorum may have")
-    p.add_argument(
-        "--expected-replicas",
-        type=int,
-        default=0,
-        help="groups the job starts with: the first quorum waits for all of them or the join timeout",
-    )
-    p.add_argument("--join-timeout", type=float, default=timeouts.JOIN_TIMEOUT)
-    p.add_argument("--heartbeat-timeout", type=float, default=timeouts.HEARTBEAT_TIMEOUT)
-    p.add_argument(
-        "--token-file",
-        help="file holding the admin secret (else FTCORE_TOKEN / FTCORE_TOKEN_FILE); each job's token derives "
-        "from it: python -m ftcore.auth job-token JOB",
-    )
-    p.add_argument(
-        "--insecure",
-        action="store_true",
-        help="serve without a token (loopback binds only): anyone who reaches it can steer every job",
-    )
-    p.add_argument("--events-file", help="append every event to this JSON-lines file")
-    p.add_argument(
-        "--lease",
-        type=float,
-        default=timeouts.LEASE,
-        help="seconds a group may go on in its last quorum while this lighthouse is silent (0: never)",
-    )
-    p.add_argument(
-        "--no-pause-grace",
-        action="store_true",
-        help="judge heartbeat timeouts at once after this process was paused (for comparison only)",
-    )
-    pace = PacePolicy()
-    p.add_argument(
-        "--slow-ratio",
-        type=float,
-        default=pace.ratio,
-        help="fail-slow: exclude a group only from this many times its peers' compute (default: R/(R-1) x 1.1 "
-        "for R groups, which it never goes below; 0: never; FTCORE_SLOW_RATIO)",
-    )
-    p.add_argument(
-        "--slow-window",
-        type=int,
-        default=pace.window,
-        help="... measured over this many rounds, time-weighted (FTCORE_SLOW_WINDOW)",
-    )
-    p.add_argument(
-        "--slow-probation",
-        type=float,
-        default=pace.probation_s,
-        help="seconds an excluded group waits before it may rejoin; doubles each time (FTCORE_SLOW_PROBATION)",
-    )
-    d = LighthouseConfig()
-    p.add_argument("--max-jobs", type=int, default=d.max_jobs, help="live jobs at once (finished jobs retire)")
-    p.add_argument(
-        "--job-idle", type=float, default=d.job_idle_s, help="seconds without any rank of a job before it retires"
-    )
-    p.add_argument(
-        "--finished-linger",
-        type=float,
-        default=d.finished_linger_s,
-        help="seconds a retired finished job's last step is remembered (a late group is told the job finished)",
-    )
-    p.add_argument("--max-connections", type=int, default=d.max_connections, help="open connections in total")
-    p.add_argument(
-        "--max-connections-per-peer",
-        type=int,
-        default=d.max_connections_per_peer,
-        help="open connections from one address (two per rank on that host)",
-    )
-    p.add_argument(
-        "--max-unauthenticated-per-peer",
-        type=int,
-        default=d.max_unauthenticated_per_peer,
-        help="connections from one address that sent no valid token yet (past it the oldest is closed)",
-    )
+    for flag, kw in OPTIONS:
+        p.add_argument(flag, **kw)
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    a = _arg_parser().parse_args(argv)
-    pace = PacePolicy()
+def _config(a: argparse.Namespace) -> LighthouseConfig:
+    """The service's configuration from its command line; ValueError says what to fix."""
     if min(a.min_replicas, a.max_jobs, a.max_connections, a.max_connections_per_peer) < 1:
-        print(
-            "ftcore.lighthouse: --min-replicas, --max-jobs, --max-connections and --max-connections-per-peer "
-            "must be >= 1",
-            file=sys.stderr,
-        )
-        return 2
-    try:
-        pace = PacePolicy(a.slow_ratio, a.slow_window, a.slow_probation, pace.min_excess_s).check()
-    except ValueError as e:
-        print(f"ftcore.lighthouse: {e}", file=sys.stderr)
-        return 2
+        raise ValueError("--min-replicas, --max-jobs, --max-connections and --max-connections-per-peer must be >= 1")
+    pace = PacePolicy(a.slow_ratio, a.slow_window, a.slow_probation, _PACE.min_excess_s).check()
     token = auth.read_token_file(a.token_file) if a.token_file else auth.token_from_env()
     if token is None and not a.insecure:
-        print(
-            "ftcore.lighthouse: no token; give --token-file, or set FTCORE_TOKEN / FTCORE_TOKEN_FILE "
-            "(or --insecure on a loopback --bind for a throwaway run)",
-            file=sys.stderr,
+        raise ValueError(
+            "no token; give --token-file, or set FTCORE_TOKEN / FTCORE_TOKEN_FILE "
+            "(or --insecure on a loopback --bind for a throwaway run)"
         )
-        return 2
     if token is None and not netaddr.is_loopback(a.bind.rpartition(":")[0].strip("[]") or "127.0.0.1"):
-        print(
-            f"ftcore.lighthouse: refusing to serve {a.bind} without a token: --insecure is for loopback "
-            "binds only; give --token-file",
-            file=sys.stderr,
+        raise ValueError(
+            f"refusing to serve {a.bind} without a token: --insecure is for loopback binds only; give --token-file"
         )
-        return 2
-    cfg = LighthouseConfig(
+    return LighthouseConfig(
         a.bind,
         a.min_replicas,
         a.expected_replicas,
@@ -388,6 +403,15 @@ def main(argv: list[str] | None = None) -> int:
         max_connections_per_peer=a.max_connections_per_peer,
         max_unauthenticated_per_peer=max(a.max_unauthenticated_per_peer, 1),
     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _arg_parser().parse_args(argv)
+    try:
+        cfg = _config(a)
+    except ValueError as e:
+        print(f"ftcore.lighthouse: {e}", file=sys.stderr)
+        return 2
     try:
         server, lh = serve(cfg)
     except OSError as e:
