@@ -13,6 +13,7 @@ import threading
 import time
 import urllib.parse
 from collections import Counter
+from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -90,6 +91,17 @@ class _Refused(Exception):
         self.code = code
 
 
+@dataclass
+class _Incoming:
+    """The request a connection is reading, part by part (llhttp's callbacks)."""
+
+    url: bytes = b""
+    headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+    head_bytes: int = 0
+    body: bytearray = field(default_factory=bytearray)
+    scope: str | None = None  # whom it speaks for (its token's job, or ADMIN)
+
+
 class _Connection(asyncio.Protocol):
     """One client connection: llhttp's callbacks queue whole requests, answered in order, one at a time."""
 
@@ -103,11 +115,7 @@ class _Connection(asyncio.Protocol):
         # whole requests not yet answered: (method, target, scope, body, keep-alive, bytes)
         self.queue: collections.deque[tuple[str, str, str | None, bytes, bool, int]] = collections.deque()
         self.queued = 0  # bytes of the requests in the queue
-        self.url = b""
-        self.headers: list[tuple[bytes, bytes]] = []
-        self.head_bytes = 0
-        self.body = bytearray()
-        self.scope: str | None = None  # whom the request being read speaks for
+        self.req = _Incoming()  # the request being read
         self.keep_alive = True  # the request being answered allows another on this connection
         self.receiving_since: float | None = None
         self.beat: tuple[Membership, int, int, int] | None = None  # this connection's heartbeating rank
@@ -166,51 +174,51 @@ class _Connection(asyncio.Protocol):
 
     # ---- llhttp callbacks: one request's parts -------------------------------------------
     def on_message_begin(self) -> None:
-        self.url, self.headers, self.head_bytes, self.body = b"", [], 0, bytearray()
+        self.req = _Incoming()
         self.receiving_since = self.receiving_since or time.monotonic()
 
     def on_url(self, url: bytes) -> None:
-        self.url += url
+        self.req.url += url
         self._count(len(url))
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name.lower(), value))
+        self.req.headers.append((name.lower(), value))
         self._count(len(name) + len(value))
 
     def _count(self, n: int) -> None:
-        self.head_bytes += n
-        if self.head_bytes > MAX_HEAD or len(self.headers) > MAX_HEADERS:
+        self.req.head_bytes += n
+        if self.req.head_bytes > MAX_HEAD or len(self.req.headers) > MAX_HEADERS:
             raise _Refused(431, f"request head over {MAX_HEAD} bytes or {MAX_HEADERS} headers")
 
     def on_headers_complete(self) -> None:
         """Everything a request can be refused for, before its body is read."""
-        names = collections.Counter(n for n, _ in self.headers)
+        names = collections.Counter(n for n, _ in self.req.headers)
         if names[b"transfer-encoding"]:
             raise _Refused(400, "Transfer-Encoding is not accepted here; send a Content-Length")
         if names[b"content-length"] > 1:
             raise _Refused(400, "more than one Content-Length header")
         if self.parser.get_http_version() == "1.1" and not names[b"host"]:
             raise _Refused(400, "an HTTP/1.1 request needs a Host header")
-        length = next((int(v) for n, v in self.headers if n == b"content-length"), 0)
+        length = next((int(v) for n, v in self.req.headers if n == b"content-length"), 0)
         if length > MAX_BODY:
             raise _Refused(413, f"body over {MAX_BODY} bytes")
-        value = next((v for n, v in self.headers if n == b"authorization"), b"").decode("latin-1")
+        value = next((v for n, v in self.req.headers if n == b"authorization"), b"").decode("latin-1")
         # header only: a token in a URL ends up in logs, histories and Referer headers
-        self.scope = auth.scope(self.srv.lh.cfg.token, value or None)
-        if self.scope is None:
+        self.req.scope = auth.scope(self.srv.lh.cfg.token, value or None)
+        if self.req.scope is None:
             raise _Refused(401, "missing or wrong token")
         if not self.authed:
             self.authed = True
             self.srv.forget_unauthed(self)
 
     def on_body(self, data: bytes) -> None:
-        self.body += data
+        self.req.body += data
 
     def on_message_complete(self) -> None:
         method = self.parser.get_method().decode("latin-1")
         keep = self.parser.should_keep_alive()
-        size = len(self.body) + self.head_bytes + REQUEST_OVERHEAD
-        self.queue.append((method, self.url.decode("latin-1"), self.scope, bytes(self.body), keep, size))
+        size = len(self.req.body) + self.req.head_bytes + REQUEST_OVERHEAD
+        self.queue.append((method, self.req.url.decode("latin-1"), self.req.scope, bytes(self.req.body), keep, size))
         self.queued += size
         self.receiving_since = None
 
