@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dataprep.fsutil import atomic_write_json
+from ftcore.util.files import atomic_write_json
 from ftrec_airflow import settings
 
 HEAVY = ("torch", "mlflow", "pyarrow", "numpy", "pandas", "dataprep", "training", "ftcore")

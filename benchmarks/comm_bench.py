@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dataprep.fsutil import atomic_write_json
+from ftcore.util.files import atomic_write_json
 from training.comm.bubbles import Timeline, account, max_arrivals, metrics, per_step_bubble
 from training.comm.item_table import ShardedItemTable
 from training.comm.scheduler import CommScheduler, Stage

@@ -29,8 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from dataprep.fsutil import atomic_write_json
-from training.ports import free_port
+from ftcore.util.files import atomic_write_json
+from ftcore.util.procs import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {

@@ -26,8 +26,8 @@ import tempfile
 import time
 from typing import Any
 
-from dataprep.fsutil import atomic_write_json
-from training.ports import free_port
+from ftcore.util.files import atomic_write_json
+from ftcore.util.procs import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)

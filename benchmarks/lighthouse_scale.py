@@ -41,9 +41,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from dataprep.fsutil import atomic_write_json  # noqa: E402
 from ftcore import timeouts  # noqa: E402
-from training.ports import free_port  # noqa: E402
+from ftcore.util.files import atomic_write_json  # noqa: E402
+from ftcore.util.procs import free_port  # noqa: E402
 
 IDLE_S = 2.0  # heartbeats alone, measured before the rounds
 

@@ -22,11 +22,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from dataprep.fsutil import atomic_write_json  # noqa: E402
 from ftcore import auth  # noqa: E402
 from ftcore.lighthouse_client import LighthouseClient, LighthouseError, call  # noqa: E402
 from ftcore.messages import RankInfo  # noqa: E402
-from training.ports import free_port  # noqa: E402
+from ftcore.util.files import atomic_write_json  # noqa: E402
+from ftcore.util.procs import free_port  # noqa: E402
 
 SECRET = "soak-bench-secret"
 

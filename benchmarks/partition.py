@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import netns  # noqa: E402
 
-from dataprep.fsutil import atomic_write_json  # noqa: E402
+from ftcore.util.files import atomic_write_json  # noqa: E402
 
 STEPS = 400
 CUT = {"lighthouse": "a", "group": "d"}

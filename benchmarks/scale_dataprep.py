@@ -29,7 +29,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from dataprep.fsutil import atomic_write_json  # noqa: E402
+from ftcore.util.files import atomic_write_json  # noqa: E402
 
 SHARD_ARGS: dict[str, Any] = {"world_size": 8, "batch_size": 256, "max_len": 200}
 PROJECT_EVENTS = 1_000_000_000

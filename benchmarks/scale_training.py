@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from dataprep.fsutil import atomic_write_json
+from ftcore.util.files import atomic_write_json
 from training.comm.item_table import ReplicatedItemTable, RowwiseItemTable
 from training.config import EvalConfig, LossConfig, ModelConfig, OptimConfig
 from training.evaluate import rank_targets

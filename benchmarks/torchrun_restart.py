@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.ftcore_bench import bench_failover, failover_figures  # noqa: E402
-from training.ports import free_port  # noqa: E402
+from ftcore.util.procs import free_port  # noqa: E402
 
 GROUPS, STEP_SLEEP, DIM = 3, 0.03, 64
 ENV = {"FTCORE_HEARTBEAT_TIMEOUT": "5.0", "FTCORE_COLLECTIVE_TIMEOUT": "10", "FTCORE_QUORUM_TIMEOUT": "20"}

@@ -38,7 +38,7 @@ import torch
 
 from dataprep import schema
 from dataprep.build import build_shards
-from dataprep.fsutil import atomic_write_json
+from ftcore.util.files import atomic_write_json
 from training.config import EvalConfig, load_config
 from training.evaluate import EvalData, MostPopular, evaluate
 from training.train import train

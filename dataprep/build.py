@@ -29,8 +29,9 @@ import pyarrow.parquet as pq
 from dataprep import balance, bucketed, readers, schema, sequences
 from dataprep.cost import load_cost_model
 from dataprep.errors import DataprepError, DifferentShardSet
-from dataprep.fsutil import fingerprint, sha256_file
+from dataprep.fingerprint import fingerprint
 from dataprep.progress import Progress, stage
+from ftcore.util.files import sha256_file
 
 MAX_REJECT_FRACTION = 0.05
 

@@ -257,6 +257,6 @@ def calibrate(
 
 
 def save(m: CostModel, path: str) -> None:
-    from dataprep.fsutil import atomic_write_text
+    from ftcore.util.files import atomic_write_text
 
     atomic_write_text(path, json.dumps(m.to_dict(), indent=2) + "\n")

@@ -16,8 +16,8 @@ import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 
 from dataprep.errors import DataprepError
-from dataprep.fsutil import atomic_writer
 from dataprep.progress import Progress
+from ftcore.util.files import atomic_writer
 
 SYNTH_FORMATS = ("sasrec", "iclrec", "events", "events-csv")
 CHUNK_USERS = 50_000

@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 
 from dataprep import schema
 from dataprep.errors import DataprepError
-from dataprep.fsutil import sha256_file
+from ftcore.util.files import sha256_file
 
 REQUIRED = (
     "format_version",

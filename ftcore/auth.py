@@ -11,7 +11,7 @@ import os
 import secrets
 import sys
 
-from ftcore.fsutil import atomic_writer
+from ftcore.util.files import atomic_writer
 
 HEADER = "Authorization"
 
@@ -24,7 +24,7 @@ def write_token_file(path: str, token: str | None = None) -> str:
     """`token` (by default a new one) in a new file at `path`, readable by its owner only from
     the first byte."""
     token = token or new_token()
-    with atomic_writer(path, perm=0o600) as f:
+    with atomic_writer(path, "wb", perm=0o600) as f:
         f.write(token.encode())
     return token
 

@@ -12,7 +12,7 @@ from typing import Any, BinaryIO, Protocol
 
 import torch
 
-from ftcore.fsutil import atomic_writer
+from ftcore.util.files import atomic_writer
 
 TREE_KEY = "ftcore.tree"
 _DTYPES = {
@@ -229,7 +229,7 @@ def loads(raw: bytes) -> Any:
 
 def save(tree: Any, path: str, metadata: dict[str, str] | None = None) -> None:
     """Write atomically: a temporary file in the same folder, fsynced, then os.replace."""
-    with atomic_writer(path) as f:
+    with atomic_writer(path, "wb") as f:
         write(tree, f, metadata)
 
 

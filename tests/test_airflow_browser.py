@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 from test_airflow_integration import _call, _token, _wait, airflow_server  # noqa: F401 - the fixture
 
-from training.ports import free_port
+from ftcore.util.procs import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.slow, pytest.mark.integ]

@@ -40,8 +40,8 @@ def _sanity(rank):
 
 
 def _ftcore(rank, port):
-    from ftcore.ftar import ftar, plan
     from ftcore.crossgroup import new_pg as _new_pg
+    from ftcore.ftar import ftar, plan
     from ftcore.manager import Manager, agree_incarnation
 
     inc = agree_incarnation(dist.group.WORLD)

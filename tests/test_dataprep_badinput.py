@@ -414,7 +414,7 @@ def test_a_parquet_folder_builds_and_its_fingerprint_follows_its_content(tmp_pat
     (d / "_SUCCESS").write_text("")  # a marker pyarrow skips: not data
     m = build_shards(str(d), "events", str(tmp_path / "out"), world_size=2, batch_size=2)
     assert m["num_users"] == 20
-    from dataprep.fsutil import fingerprint
+    from dataprep.fingerprint import fingerprint
 
     before = fingerprint([str(d)])
     (d / "_SUCCESS").write_text("changed")

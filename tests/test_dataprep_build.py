@@ -145,7 +145,7 @@ def test_verify_catches_duplicate_sample_even_with_matching_checksums(tmp_path, 
     with pq.ParquetWriter(out / rel, schema.SHARD_SCHEMA) as w:
         for g in groups:
             w.write_table(g)
-    from dataprep.fsutil import sha256_file
+    from ftcore.util.files import sha256_file
 
     m = json.loads((out / schema.MANIFEST).read_text())
     m["files"][rel] = sha256_file(out / rel)

@@ -18,7 +18,7 @@ from benchmarks.sim import balance, calibration
 from benchmarks.sim.config import FailureKind, SimConfig, validate, with_
 from benchmarks.sim.engine import MODES, simulate
 from benchmarks.sim.failures import draw, job_mtbf_s, units
-from dataprep.fsutil import atomic_write_text, atomic_writer
+from ftcore.util.files import atomic_write_text, atomic_writer
 
 PAPER: dict[str, Any] = {
     "gpus": 98_304,

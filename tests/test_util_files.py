@@ -1,5 +1,5 @@
-"""dataprep.fsutil's atomic writes (and ftcore's own copy): whole content or the old file,
-no temporary file left behind, permissions set when the file is created."""
+"""ftcore.util.files' atomic writes: whole content or the old file, no temporary file left
+behind, permissions set when the file is created."""
 
 import json
 import os
@@ -7,9 +7,8 @@ import stat
 
 import pytest
 
-from dataprep.fsutil import atomic_write_bytes, atomic_write_json, atomic_write_text, atomic_writer
 from ftcore import auth
-from ftcore.fsutil import atomic_writer as ftcore_atomic_writer
+from ftcore.util.files import atomic_write_bytes, atomic_write_json, atomic_write_text, atomic_writer
 
 
 def _mode(path) -> int:
@@ -39,7 +38,7 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
         raise RuntimeError("interrupted")
     with pytest.raises(TypeError):
         atomic_write_json(path, {"x": object()})
-    with pytest.raises(RuntimeError), ftcore_atomic_writer(str(path)) as g:
+    with pytest.raises(RuntimeError), atomic_writer(str(path), "wb") as g:
         g.write(b"half")
         raise RuntimeError("interrupted")
     assert path.read_text() == "old"
