@@ -371,13 +371,15 @@ def test_a_slowed_group_is_excluded_in_a_real_job_and_all_groups_end_identical(t
 @pytest.mark.slow
 def test_a_duty_cycled_rank_is_excluded_named_and_rejoins_by_heal(tmp_path):
     """benchmarks/fail_slow.py's duty scenario (one copy of the set-up): group 2's rank is
-    SIGSTOPped 0.25 s and SIGCONTed 0.25 s for 6 s in a job of 3 groups of the toy trainer. Most
-    of its steps are not slow; it is excluded anyway, named, and after the slowdown rejoins by a
-    heal; nobody else is excluded, and every group ends with the same state."""
+    SIGSTOPped 0.25 s and SIGCONTed 0.25 s for 12 s in a job of 3 groups of the toy trainer (a
+    full window of 40 slowed rounds takes ~5 s on a loaded machine). Most of its steps are not
+    slow; it is excluded anyway, named, and after the slowdown rejoins by a heal; nobody else is
+    excluded, and every group ends with the same state."""
     from benchmarks import fail_slow
 
-    a = argparse.Namespace(steps=0, pace=30.0, before=2.0, seconds=6.0, timeout=240.0, ranks_per_group=1, rank=0)
-    tl, duty = fail_slow.launch_duty(str(tmp_path / "run"), a, {"FTCORE_SLOW_PROBATION": "4"})
+    a = argparse.Namespace(steps=0, pace=30.0, before=2.0, seconds=12.0, timeout=300.0, ranks_per_group=1, rank=0)
+    # a probation as long as the slowdown: readmitted after it ends (sooner, it would be measured again)
+    tl, duty = fail_slow.launch_duty(str(tmp_path / "run"), a, {"FTCORE_SLOW_PROBATION": "12"})
     row = fail_slow.duty_phases(tl, duty, 3.0)
     assert row["exclusions"] >= 1 and row["false_exclusions"] == 0, row
     assert row["rank_named"] == 0 and row["rejoined_by_heal_after_s"] is not None, row
