@@ -56,7 +56,7 @@ def test_cli_writes_table_json_and_plots(tmp_path):
     "args, needle",
     [
         (["--set", "job.gpus=abc"], "job.gpus"),
-        (["--config", "/nonexistent/sim.toml"], "config file not found"),
+        (["--config", "/nonexistent/sim.toml"], "config file /nonexistent/sim.toml not found"),
         (["--set", "balance.lengths=/nonexistent/lengths.txt"], "balance.lengths"),
     ],
 )

@@ -209,10 +209,10 @@ def test_config_file_and_overrides(tmp_path):
 @pytest.mark.parametrize(
     "sets, words",
     [
-        (["job.gpu=8"], ["job.gpu", "unknown setting"]),
-        (["job.gpus=abc"], ["job.gpus", "integer"]),
+        (["job.gpu=8"], ["job.gpu", "unknown key"]),
+        (["job.gpus=abc"], ["job.gpus", "as int"]),
         (["job.gpus=12"], ["multiple of job.gpus_per_server"]),
-        (["nosuch.key=1"], ["[nosuch]"]),
+        (["nosuch.key=1"], ["unknown section 'nosuch'"]),
         (["fthsdp.lr_policy=cubic"], ["fthsdp.lr_policy", "sqrt"]),
         (["fthsdp.min_replicas=13"], ["fthsdp.min_replicas"]),
         (["jobgpus"], ["section.key=value"]),

@@ -11,6 +11,7 @@ import ast
 import dataclasses
 import inspect
 import json
+import math
 import os
 import textwrap
 import tomllib
@@ -214,7 +215,7 @@ class Config:
         return {f"{s}.{k}": v for s, d in self.to_dict().items() for k, v in d.items()}
 
 
-def _coerce(value: Any, typ: Any, where: str) -> Any:
+def coerce(value: Any, typ: Any, where: str) -> Any:
     """Turn a TOML value or a command-line string into the field's declared type."""
     origin = getattr(typ, "__origin__", None)
     try:
@@ -231,7 +232,14 @@ def _coerce(value: Any, typ: Any, where: str) -> Any:
                 raise ValueError(value)
             if typ is int and isinstance(value, float):
                 raise ValueError(value)
-            return typ(value)
+            out = typ(value)
+            if typ is float and not math.isfinite(out):
+                raise ValueError(value)
+            return out
+        if typ is list:  # a list setting's items are checked by its section's validation
+            if not isinstance(value, list):
+                raise ValueError(value)
+            return value
         if origin is tuple:
             items = (
                 value
@@ -239,13 +247,13 @@ def _coerce(value: Any, typ: Any, where: str) -> Any:
                 else [v for v in str(value).strip("()[] ").split(",") if v.strip()]
             )
             elem = typ.__args__[0]
-            return tuple(_coerce(v, elem, where) for v in items)
+            return tuple(coerce(v, elem, where) for v in items)
     except (TypeError, ValueError):
         raise ConfigError(f"setting {where}: cannot read {value!r} as {getattr(typ, '__name__', typ)}") from None
     raise ConfigError(f"setting {where}: unsupported type {typ}")
 
 
-def _field_types(cfg: Config, dotted: str) -> dict[str, Any]:
+def _field_types(cfg: Any, dotted: str) -> dict[str, Any]:
     """The field types of the section that `section.key` names (ConfigError if none)."""
     parts = dotted.split(".")
     if len(parts) != 2:
@@ -261,10 +269,10 @@ def _field_types(cfg: Config, dotted: str) -> dict[str, Any]:
     return types
 
 
-def _set(cfg: Config, dotted: str, value: Any) -> None:
+def _set(cfg: Any, dotted: str, value: Any) -> None:
     types = _field_types(cfg, dotted)
     section, key = dotted.split(".")
-    setattr(getattr(cfg, section), key, _coerce(value, types[key], dotted))
+    setattr(getattr(cfg, section), key, coerce(value, types[key], dotted))
 
 
 # ---------------------------------------------------------------- --set section.key=value
@@ -369,22 +377,34 @@ def validate(cfg: Config) -> Config:
     return cfg
 
 
+def read_toml(path: str | os.PathLike) -> dict[str, Any]:
+    """A TOML config file's document (ConfigError when it is missing or not TOML)."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path} not found")
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(f"config file {path}: not valid TOML ({e})") from None
+
+
+def apply_toml(cfg: Any, doc: dict[str, Any], origin: str) -> Any:
+    """Set a TOML document's `[section] key = value` settings on `cfg`, a dataclass of dataclass
+    sections (the trainer's Config, the scale model's SimConfig): every value turned into its
+    field's type; ConfigError names the setting. The one loader of both."""
+    for section, table in doc.items():
+        if not isinstance(table, dict):
+            raise ConfigError(f"{origin}: top-level key {section!r} must be a [section]")
+        for key, value in table.items():
+            _set(cfg, f"{section}.{key}", value)
+    return cfg
+
+
 def load_config(path: str | None = None, overrides: Iterable[str] | None = None) -> Config:
     """Defaults, then the TOML file's sections, then `section.key=value` overrides."""
     cfg = Config()
     if path:
-        if not os.path.isfile(path):
-            raise ConfigError(f"config file {path} not found")
-        try:
-            with open(path, "rb") as f:
-                doc = tomllib.load(f)
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config file {path}: not valid TOML ({e})") from None
-        for section, table in doc.items():
-            if not isinstance(table, dict):
-                raise ConfigError(f"config file {path}: top-level key {section!r} must be a [section]")
-            for key, value in table.items():
-                _set(cfg, f"{section}.{key}", value)
+        apply_toml(cfg, read_toml(path), f"config file {path}")
     return validate(apply_overrides(cfg, overrides or []))
 
 

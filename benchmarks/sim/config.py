@@ -6,12 +6,10 @@ stated totals into model parameters documented in benchmarks/sim/README.md.
 All times are seconds.
 """
 
-import math
-import tomllib
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
-from training.config import ConfigError, parse_overrides
+from training.config import ConfigError, apply_toml, coerce, parse_overrides, read_toml
 
 
 class SimConfigError(ValueError):
@@ -130,31 +128,11 @@ CHOICES = {
 }
 
 
-def _coerce(where: str, value, default):
-    """Check one value against the type of its default."""
-    if isinstance(default, bool):
-        if isinstance(value, bool):
-            return value
-    elif isinstance(default, int):
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-    elif isinstance(default, float):
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            if not math.isfinite(value):
-                raise SimConfigError(f"{where} = {value!r}: must be a finite number")
-            return float(value)
-    elif isinstance(default, str):
-        if isinstance(value, str):
-            return value
-    elif isinstance(default, list):
-        if isinstance(value, list):
-            return value
-    kind = {"bool": "true or false", "int": "an integer", "float": "a number", "str": "a string", "list": "a list"}[
-        type(default).__name__
-    ]
-    raise SimConfigError(f"{where} = {value!r}: expected {kind}")
+def _number(where: str, value) -> float:
+    try:
+        return coerce(value, float, where)
+    except ConfigError as e:
+        raise SimConfigError(str(e)) from None
 
 
 def _kinds(where: str, value) -> list:
@@ -176,34 +154,12 @@ def _kinds(where: str, value) -> list:
         out.append(
             FailureKind(
                 str(k.get("name", f"kind{i}")),
-                _coerce(f"{where}[{i}].share", k["share"], 0.0),
-                _coerce(f"{where}[{i}].detect_s", k["detect_s"], 0.0),
-                _coerce(f"{where}[{i}].ft_detect_s", k.get("ft_detect_s", -1.0), 0.0),
+                _number(f"{where}[{i}].share", k["share"]),
+                _number(f"{where}[{i}].detect_s", k["detect_s"]),
+                _number(f"{where}[{i}].ft_detect_s", k.get("ft_detect_s", -1.0)),
             )
         )
     return out
-
-
-def _apply(cfg: SimConfig, data: dict, origin: str) -> SimConfig:
-    sections = {f.name: f for f in fields(cfg)}
-    for sname, body in data.items():
-        if sname not in sections:
-            raise SimConfigError(f"{origin}: unknown section [{sname}]; known: {', '.join(sections)}")
-        if not isinstance(body, dict):
-            raise SimConfigError(f"{origin}: [{sname}] must be a table of settings")
-        sec = getattr(cfg, sname)
-        known = {f.name: f for f in fields(sec)}
-        changes = {}
-        for key, value in body.items():
-            where = f"{origin}: {sname}.{key}"
-            if key not in known:
-                raise SimConfigError(f"{where}: unknown setting; known in [{sname}]: {', '.join(known)}")
-            if (sname, key) == ("failures", "kinds"):
-                changes[key] = _kinds(where, value)
-            else:
-                changes[key] = _coerce(where, value, getattr(sec, key))
-        cfg = replace(cfg, **{sname: replace(sec, **changes)})
-    return cfg
 
 
 def validate(cfg: SimConfig) -> SimConfig:
@@ -257,22 +213,16 @@ def validate(cfg: SimConfig) -> SimConfig:
 
 
 def load(path: "str | Path | None" = None, overrides: "list[str] | tuple" = ()) -> SimConfig:
-    """Defaults <- TOML file <- `section.key=value` overrides (values in TOML syntax)."""
+    """Defaults <- TOML file <- `section.key=value` overrides (values in TOML syntax), read by
+    the trainer's loader (training/config.py, `apply_toml`)."""
     cfg = SimConfig()
-    if path is not None:
-        try:
-            data = tomllib.loads(Path(path).read_text())
-        except FileNotFoundError:
-            raise SimConfigError(f"{path}: config file not found") from None
-        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
-            raise SimConfigError(f"{path}: not a readable TOML file ({e})") from None
-        cfg = _apply(cfg, data, str(path))
-    try:  # the one --set syntax of ftrec (the trainer's and the local runner's too)
-        data = parse_overrides(overrides)
+    try:
+        if path is not None:
+            apply_toml(cfg, read_toml(path), str(path))
+        apply_toml(cfg, parse_overrides(overrides), "--set")
     except ConfigError as e:
         raise SimConfigError(str(e)) from None
-    if data:
-        cfg = _apply(cfg, data, "--set")
+    cfg.failures.kinds = _kinds("failures.kinds", cfg.failures.kinds)
     return validate(cfg)
 
 
