@@ -14,12 +14,12 @@ import os
 import sys
 from dataclasses import dataclass
 
-from dataprep.fsutil import atomic_write_json
 from ftcore import faults as faults_mod
 from ftcore import final_state
 from ftcore.launcher import TOY, GroupFailed, LaunchError, Proc
 from ftcore.launcher import LaunchConfig as BaseConfig
 from ftcore.launcher import Launcher as BaseLauncher
+from ftcore.util.files import atomic_write_json
 
 __all__ = ["TOY", "TRAINER", "GroupFailed", "LaunchConfig", "LaunchError", "Launcher", "Proc", "main", "parse"]
 

@@ -8,8 +8,9 @@ from collections.abc import Callable
 
 from ftcore import auth
 from ftcore.launcher.config import LaunchConfig, LaunchError
-from ftcore.launcher.procs import Proc, free_port
+from ftcore.launcher.procs import Proc
 from ftcore.lighthouse_client import call
+from ftcore.util.procs import free_port
 
 
 class LighthouseHost:

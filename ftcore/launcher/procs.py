@@ -2,19 +2,11 @@
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 
 SPARE_READY = "ftrec-spare-ready"  # a warm spare's line on stdout once its imports are done
-
-
-def free_port() -> int:
-    """A port on 127.0.0.1 that the OS just handed out and released (free now, not reserved)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Proc:

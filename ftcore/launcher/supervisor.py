@@ -17,9 +17,10 @@ from ftcore import faults as faults_mod
 from ftcore import final_state as final_state_mod
 from ftcore.launcher.config import GroupFailed, LaunchConfig
 from ftcore.launcher.host import LighthouseHost
-from ftcore.launcher.procs import Proc, ProcessTable, free_port
+from ftcore.launcher.procs import Proc, ProcessTable
 from ftcore.launcher.spares import SparePool
 from ftcore.launcher.watch import Watch
+from ftcore.util.procs import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # above ftcore/
 

@@ -6,25 +6,10 @@ import importlib
 import json
 import os
 import runpy
-import signal
 import sys
-import threading
-import time
 
 from ftcore.launcher.procs import SPARE_READY
-
-
-def die_with_parent() -> None:
-    """Children live in their own sessions (so one rank can be signalled alone), which means
-    a killed launcher would leave them running: each child watches its parent instead."""
-    ppid = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == ppid:
-            time.sleep(0.5)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    threading.Thread(target=watch, daemon=True, name="die-with-launcher").start()
+from ftcore.util.procs import die_with_parent
 
 
 def child(argv: list[str]) -> int:
