@@ -20,6 +20,9 @@ first kill to the last returning group's first commit, plus one step), its commi
 Goals (issue #16): extra stall per single failure <= 1 step (median of >= 4 kills); under
 compound faults no survivor waits longer than one failure-detection interval
 (FTCORE_FAILURE_PROBE, 0.2 s), and never a heartbeat timeout (FTCORE_HEARTBEAT_TIMEOUT, 2 s).
+`--partitions S` adds faults that close no connection (benchmarks/partition.py, simulated hosts,
+root only): the lighthouse's host and one group's host cut off for S seconds; each survivor's
+longest wait while the link was down.
 """
 
 import argparse
@@ -180,6 +183,7 @@ def main() -> int:
     p.add_argument("--scenarios", default=",".join(SCENARIOS))
     p.add_argument("--json", default=str(ROOT / "bench-results" / "stall.json"))
     p.add_argument("--keep", metavar="DIR", help="keep each run's folder (timeline.json, logs) under DIR")
+    p.add_argument("--partitions", type=float, default=0.0, metavar="S", help="also cut links for S seconds")
     a = p.parse_args()
     workers = ("toy", "trainer") if a.worker == "both" else (a.worker,)
     results: list[dict] = []
@@ -238,11 +242,30 @@ def main() -> int:
             f"{r['worker']:8} {r['scenario']:12} {step:7.3f} {extra:16.3f} ({extra / step:4.2f}) "
             f"{longest:31.3f} {r['heartbeat_timeouts']:11d} {str(r['identical_states']):>10}  {samples}"
         )
+    cuts = _partitions(a.partitions) if a.partitions else []
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(
-        json.dumps({"failure_probe_s": probe, "heartbeat_timeout_s": hb, "runs": results}, indent=1)
+        json.dumps({"failure_probe_s": probe, "heartbeat_timeout_s": hb, "runs": results, "partitions": cuts}, indent=1)
     )
     return 0
+
+
+def _partitions(seconds: float) -> list[dict]:
+    """The survivors' longest wait under a cut link (toy, single-rank groups on simulated hosts)."""
+    from benchmarks import partition
+
+    rows = []
+    for scenario, survivors in (("lighthouse", (0, 1, 2)), ("group", (0, 1))):
+        with tempfile.TemporaryDirectory() as work:
+            r = partition.run_once(scenario, seconds, Path(work))
+        wait = max(r[f"g{g}_gap_cut_s"] for g in survivors)
+        rows.append({"scenario": f"partition_{scenario}", "survivors_longest_gap_s": wait, **r})
+        print(
+            f"toy      partition_{scenario:10} cut {seconds:.0f} s: survivors' longest gap {wait:.3f} s, "
+            f"failures {r['failures']}, heals {r['heals']}, same state {r['final_states_equal']}",
+            flush=True,
+        )
+    return rows
 
 
 if __name__ == "__main__":
