@@ -1,20 +1,9 @@
 """Fail-slow: hold out a replica group while the job commits more batches a second without it.
-
-Synchronous steps run at the pace of the slowest group. Every rank reports, with its next
-quorum request, its last step's compute (from the step's start to its entry into the FTAR:
-the exchange ends at the same time for everyone); the lighthouse feeds each round's figures,
-one per group (its slowest rank's) and each rank's, to `PaceJudge`. A group is excluded when
-its ratio s to its peers, time-weighted over `window` rounds, reaches `PacePolicy.bound`
-(R/(R-1) with a margin), also with its worst round left out, so a group stopped a quarter
-second every half second counts although most of its steps are not slow, and one long pause
-(a collection, a checkpoint) excludes nobody. The judge never excludes below `min_replicas`
-groups or more than half of the job, one group at a time.
-
-Hysteresis: an excluded group waits on standby for a probation that doubles each time the
-same incarnation is excluded again, then rejoins through a heal (sooner when the only work
-left is its own make-up); its first `settle` rounds back are not measured, and it needs a
-full window again. A replaced group (new incarnation) starts with a clean record.
-"""
+Each rank reports its last step's compute with its next quorum request; a group is excluded
+when its ratio to its peers, time-weighted over `window` rounds, reaches R/(R-1) with a margin
+(`PacePolicy.bound`), also with its worst round left out; never below `min_replicas` or more
+than half of the job. An excluded group waits a probation that doubles per repeat, rejoins by
+heal, and settles before it is measured again. The rules in full: docs/ftcore.md, "pace"."""
 
 import collections
 import os
