@@ -269,26 +269,27 @@ def test_the_lighthouse_holds_a_slow_group_on_standby_and_readmits_it_through_a_
 @pytest.mark.parametrize("relay", [False, True])
 def test_the_exclusion_event_names_the_slow_rank(lighthouse, relay):
     """Groups of 2 ranks; rank 1 of group 2 computes 3x as long. The event names it, with its
-    figure and its group's other rank's; a group whose relay speaks for it sends one figure
-    (its slowest rank's, ftcore/relay.py), so the rank is not known: None."""
+    figure and its group's other rank's, also when a relay speaks for the group (it sends its
+    slowest rank's figure with every rank's, ftcore/relay.py)."""
     addr, lh = lighthouse(pace=PacePolicy(ratio=None, window=4, probation_s=30))
     clients = _clients(addr, world=2, relay=relay)
     try:
         qid = ask_all(clients)[0].quorum_id
         for _ in range(4):
             figures = {(g, r): 0.05 for g in range(3) for r in range(2)} | {(2, 1): 0.15}
+            busy = {k: Busy(qid, v) for k, v in figures.items()}
             if relay:
-                figures = {(g, 0): max(figures[g, 0], figures[g, 1]) for g in range(3)}
-            qs = _ask(clients, busy={k: Busy(qid, v) for k, v in figures.items()})
+                busy = {
+                    (g, 0): Busy(qid, max(figures[g, 0], figures[g, 1]), (figures[g, 0], figures[g, 1]))
+                    for g in range(3)
+                }
+            qs = _ask(clients, busy=busy)
             assert all(isinstance(q, Quorum) for q in qs), qs
             qid = qs[0].quorum_id
         ev = [e for e in lh.status()["events"] if e["kind"] == "group_excluded"]
         assert len(ev) == 1 and ev[0]["group"] == 2 and ev[0]["ratio"] == 3.0 and ev[0]["bound"] == 1.65
         assert ev[0]["busy_s"] == 0.15 and ev[0]["peers_busy_s"] == 0.05
-        if relay:
-            assert (ev[0]["rank"], ev[0]["rank_busy_s"], ev[0]["other_ranks_busy_s"]) == (None, None, None)
-        else:
-            assert (ev[0]["rank"], ev[0]["rank_busy_s"], ev[0]["other_ranks_busy_s"]) == (1, 0.15, 0.05)
+        assert (ev[0]["rank"], ev[0]["rank_busy_s"], ev[0]["other_ranks_busy_s"]) == (1, 0.15, 0.05)
     finally:
         for c in clients:
             c.close()
