@@ -43,7 +43,8 @@ bench: setup
 	$(BIN)/python benchmarks/lighthouse_scale.py
 	$(BIN)/python benchmarks/lighthouse_pause.py
 	$(BIN)/python benchmarks/fail_slow.py
-	$(BIN)/python benchmarks/stall.py
+	$(BIN)/python benchmarks/fail_slow.py --scenario duty --seconds 30
+	$(BIN)/python benchmarks/stall.py --partitions 8
 	$(BIN)/python benchmarks/straggler.py
 	$(BIN)/python benchmarks/lighthouse_abuse.py
 	$(BIN)/python benchmarks/lighthouse_soak.py
