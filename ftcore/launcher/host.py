@@ -51,8 +51,8 @@ class LighthouseHost:
         return [
             sys.executable,
             "-m",
-            "ftcore.launcher.worker",
-            "child",
+            "ftcore.launcher.child",
+            "run",
             "ftcore.lighthouse",
             "--bind",
             self.addr,

@@ -21,7 +21,7 @@ class SparePool:
 
     def start_one(self) -> Proc:
         la = self.launcher
-        argv = [sys.executable, "-m", "ftcore.launcher.worker", "spare", la.cfg.worker, *la.spare_preload()]
+        argv = [sys.executable, "-m", "ftcore.launcher.child", "spare", la.cfg.worker, *la.spare_preload()]
         return la.spawn(argv, la.base_env(), "spare", stdin=True)
 
     def refill(self, delay: float = 0.0) -> None:

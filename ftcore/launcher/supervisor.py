@@ -159,7 +159,7 @@ class Launcher:
                 p = spares[k]
                 self.spares.assign(p, f"g{g}r{k}", env, argv)
             else:
-                child = [sys.executable, "-m", "ftcore.launcher.worker", "child", self.worker_module(), *argv]
+                child = [sys.executable, "-m", "ftcore.launcher.child", "run", self.worker_module(), *argv]
                 p = self.spawn(child, {**self.base_env(), **env}, f"g{g}r{k}")
             procs.append(p)
         self.groups[g], self.incarnation[g] = procs, inc

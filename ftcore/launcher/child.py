@@ -1,5 +1,5 @@
-"""What the launcher's children run: `child MODULE ARGS` (python -m MODULE ARGS, ended with the
-launcher) and `spare WORKER [PRELOAD...]` (a warm process that runs WORKER.main(argv) once told)."""
+"""A launcher child's entry point: `run MODULE ARGS` (python -m MODULE ARGS, ended with the
+launcher) or `spare WORKER [PRELOAD...]` (a warm process that runs WORKER.main(argv) once told)."""
 
 import datetime
 import importlib
@@ -12,7 +12,7 @@ from ftcore.launcher.procs import SPARE_READY
 from ftcore.util.procs import die_with_parent
 
 
-def child(argv: list[str]) -> int:
+def run_module(argv: list[str]) -> int:
     """Run `python -m MODULE ARGS` as a child that ends when the launcher ends."""
     die_with_parent()
     sys.argv = [argv[0], *argv[1:]]
@@ -62,11 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["spare"] and len(argv) >= 2:
         return spare(argv[1], argv[2:])
-    if argv[:1] == ["child"] and len(argv) >= 2:
-        return child(argv[1:])
-    print(
-        "usage: python -m ftcore.launcher.worker {child MODULE [ARGS...] | spare WORKER [PRELOAD...]}", file=sys.stderr
-    )
+    if argv[:1] == ["run"] and len(argv) >= 2:
+        return run_module(argv[1:])
+    print("usage: python -m ftcore.launcher.child {run MODULE [ARGS...] | spare WORKER [PRELOAD...]}", file=sys.stderr)
     return 2
 
 
