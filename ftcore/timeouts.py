@@ -44,6 +44,9 @@ RPC_TIMEOUT = _env("FTCORE_RPC_TIMEOUT", 2.0)
 # a crash at once; then the survivors wait for the lighthouse as before.
 LEASE = float(os.environ.get("FTCORE_LEASE", "10") or 0)
 LIGHTHOUSE_SILENT = _env("FTCORE_LIGHTHOUSE_SILENT", 0.2)
+# One collective inside a replica group (training's NCCL groups and their gloo twins): NCCL's
+# watchdog ends a hung group after it, and ranks waiting at a barrier for rank 0 wait this long.
+GROUP_COLLECTIVE_TIMEOUT = _env("FTREC_COLLECTIVE_TIMEOUT_S", 300.0)
 # A group that has not committed for this long gives up (its process exits non-zero and is
 # restarted) instead of retrying forever.
 STUCK_TIMEOUT = _env("FTCORE_STUCK_TIMEOUT", 120.0)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from training import ports
+from ftcore.util import procs as ports
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED_DATA = ROOT.parent / "shared" / "data"

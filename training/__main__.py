@@ -43,7 +43,7 @@ def _eval(args) -> int:
     scores = evaluate_checkpoint(args.checkpoint, args.shards, overrides)
     text = json.dumps(scores, indent=1, sort_keys=True)
     if args.out:
-        from dataprep.fsutil import atomic_write_text
+        from ftcore.util.files import atomic_write_text
 
         atomic_write_text(args.out, text)
     print(text)

@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 
 from ftcore import collectives as coll
-from ftcore import netaddr
+from ftcore import netaddr, timeouts
 from training.config import ConfigError
 
-COLLECTIVE_TIMEOUT_S = float(os.environ.get("FTREC_COLLECTIVE_TIMEOUT_S", "300"))
+COLLECTIVE_TIMEOUT_S = timeouts.GROUP_COLLECTIVE_TIMEOUT  # FTREC_COLLECTIVE_TIMEOUT_S (ftcore/timeouts.py)
 TRUE = ("1", "true", "yes")
 
 

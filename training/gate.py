@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--champion", default="", help="checkpoint of the registry's champion (none: first model)")
     p.add_argument("--out", required=True, help="JSON result, written atomically")
     a = p.parse_args(argv)
-    from dataprep.fsutil import atomic_write_json
+    from ftcore.util.files import atomic_write_json
     from training.checkpoint import CheckpointError
     from training.data import DataError
 

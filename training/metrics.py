@@ -12,8 +12,8 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from dataprep.fsutil import atomic_writer
 from ftcore import collectives as coll
+from ftcore.util.files import atomic_writer
 from training import distributed
 
 # columns of a rank's per-step record; LOSS is the rank's share of the group's mean loss

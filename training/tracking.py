@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential
 
-from dataprep.fsutil import atomic_write_text
+from ftcore.util.files import atomic_write_text
 from training.config import MlflowConfig
 
 if TYPE_CHECKING:

@@ -13,7 +13,7 @@ from typing import Any, Protocol, cast
 
 import torch
 
-from dataprep.fsutil import atomic_write_json
+from ftcore.util.files import atomic_write_json
 from training import checkpoint, distributed, memory, metrics, rows, serving
 from training.comm.integration import GroupComm
 from training.comm.item_table import ReplicatedItemTable, RowwiseItemTable, ShardedItemTable, TrainerTable

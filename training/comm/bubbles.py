@@ -16,8 +16,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.distributed as dist
 
-from dataprep.fsutil import atomic_writer
 from ftcore import collectives as coll
+from ftcore.util.files import atomic_writer
 
 
 @dataclass

@@ -17,11 +17,11 @@ import torch
 import torch.distributed as dist
 
 from ftcore import collectives as coll
+from ftcore.timeouts import GROUP_COLLECTIVE_TIMEOUT
 from training.comm.bubbles import Timeline, account, max_arrivals, metrics, plot_timeline
 from training.comm.config import CommConfig
 from training.comm.scheduler import CommScheduler, Stage
 from training.comm.transport import TransportConfig, all_gather_json, make_transport
-from training.distributed import COLLECTIVE_TIMEOUT_S
 
 
 class GroupComm:
@@ -29,7 +29,9 @@ class GroupComm:
         self.cfg = cfg
         self.active = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self.group = (
-            coll.new_group(backend=dist.get_backend(), timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S), device=device)
+            coll.new_group(
+                backend=dist.get_backend(), timeout=timedelta(seconds=GROUP_COLLECTIVE_TIMEOUT), device=device
+            )
             if self.active
             else None
         )

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ftcore import collectives as coll
-from training.ports import free_port
+from ftcore.util.procs import free_port
 
 
 def _entry(fn, rank, world_size, port, q, args, timeout_s, backend="gloo", setup=None):
