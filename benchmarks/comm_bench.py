@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ftcore.util.files import atomic_write_json
-from training.comm.bubbles import Timeline, account, max_arrivals, metrics, per_step_bubble
+from training.comm.bubbles import PhaseLog, account, max_arrivals, metrics, per_step_bubble
 from training.comm.item_table import ShardedItemTable
 from training.comm.scheduler import CommScheduler, Stage
 from training.comm.sharded_embedding import reference_weight
@@ -220,7 +220,7 @@ class PipelinedRun:
         cfg = self.cfg = replace(cfg, num_items=max(cfg.num_items, top))  # real data: its largest id
         torch.manual_seed(cfg.seed)
         self.transport = make_transport(TransportConfig(kind=cfg.transport))
-        self.timeline = Timeline(rank)
+        self.timeline = PhaseLog(rank)
         self.sched = CommScheduler(cfg.policy, self.timeline)
         full = reference_weight(cfg.num_items + 1, cfg.dim, seed=cfg.seed, padding_idx=0)
         self.emb = ShardedItemTable(full, self.transport, self.sched, padding_idx=0)
@@ -514,7 +514,7 @@ def bench_e2e(base: RunConfig, out: dict, datasets: list[str], png: str | None =
                 path = png.replace(".png", f"-{data}-{tag}.png")
                 Path(path).parent.mkdir(parents=True, exist_ok=True)
                 plot_timeline(
-                    [Timeline.from_json(r[k][j]["timeline"]) for k in range(2)],
+                    [PhaseLog.from_json(r[k][j]["timeline"]) for k in range(2)],
                     path,
                     arrivals={int(a): v for a, v in r[0][j]["arrivals"].items()},
                     first_step=base.warmup,

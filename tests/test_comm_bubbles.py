@@ -9,9 +9,9 @@ import torch
 from benchmarks.comm_bench import RunConfig, run_training
 from training.comm.bubbles import (
     Interval,
+    PhaseLog,
     StepAccount,
     StepRecord,
-    Timeline,
     account,
     bubble_fraction,
     metrics,
@@ -33,7 +33,7 @@ class FakeClock:
 
 def test_account_exact_on_a_scripted_step():
     clk = FakeClock()
-    tl = Timeline(0, clock=clk)
+    tl = PhaseLog(0, clock=clk)
     sched = CommScheduler("blocking", timeline=tl, clock=clk)
     tl.step_begin(0)
     clk.t = 1.0  # 1.0 idle (data loading)
@@ -102,7 +102,7 @@ def test_sums_on_real_ranks_with_a_straggler(tmp_path):
         m = r["metrics"]
         assert 0 < m["comm/bubble_fraction"] < 1
     assert straggler > 0
-    steps = [Timeline.from_json(r["timeline"]) for r in res]
+    steps = [PhaseLog.from_json(r["timeline"]) for r in res]
     png = plot_timeline(steps, str(tmp_path / "w.png"), arrivals={int(k): v for k, v in res[0]["arrivals"].items()})
     assert open(png, "rb").read(4) == b"\x89PNG"
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from training import metrics
-from training.comm.bubbles import Timeline, account
+from training.comm.bubbles import PhaseLog, account
 from training.components import TimeBudget
 from training.config import OptimConfig, TrainConfig
 from training.distributed import Topology
@@ -29,7 +29,7 @@ class Clock:
 
 def test_one_timer_feeds_the_window_and_the_timeline():
     clock = Clock()
-    timeline = Timeline(rank=0, clock=lambda: pytest.fail("the timeline read its own clock"))
+    timeline = PhaseLog(rank=0, clock=lambda: pytest.fail("the timeline read its own clock"))
     sink = _TimelineSink(timeline)
     timer = metrics.StepTimer(sink, clock=clock)
     timer.step_begin(3)  # t=1
@@ -60,7 +60,7 @@ def test_one_timer_feeds_the_window_and_the_timeline():
 
 
 def test_an_aborted_step_is_recorded_nowhere():
-    timeline = Timeline(rank=0)
+    timeline = PhaseLog(rank=0)
     timer = metrics.StepTimer(_TimelineSink(timeline))
     timer.step_begin(0)
     timer.compute_begin("forward_backward")
@@ -72,9 +72,9 @@ def test_an_aborted_step_is_recorded_nowhere():
 
 
 class _TimelineSink:
-    """GroupComm's phase methods over a bare Timeline (no process group)."""
+    """GroupComm's phase methods over a bare PhaseLog (no process group)."""
 
-    def __init__(self, timeline: Timeline):
+    def __init__(self, timeline: PhaseLog):
         self.timeline = timeline
 
     def step_begin(self, step, t=None):

@@ -53,7 +53,7 @@ class StepAccount:
         return 1.0 - self.compute / self.step_time if self.step_time > 0 else 0.0
 
 
-class Timeline:
+class PhaseLog:
     """Records one rank's compute and comm-wait intervals, step by step (compute thread only)."""
 
     def __init__(self, rank: int = 0, clock=time.perf_counter):

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from ftcore import collectives as coll
 from ftcore.timeouts import GROUP_COLLECTIVE_TIMEOUT
-from training.comm.bubbles import Timeline, account, max_arrivals, metrics, plot_timeline
+from training.comm.bubbles import PhaseLog, account, max_arrivals, metrics, plot_timeline
 from training.comm.config import CommConfig
 from training.comm.scheduler import CommScheduler, Stage
 from training.comm.transport import TransportConfig, all_gather_json, make_transport
@@ -40,7 +40,7 @@ class GroupComm:
             if self.active
             else None
         )
-        self.timeline = Timeline(rank) if cfg.bubbles else None
+        self.timeline = PhaseLog(rank) if cfg.bubbles else None
         self.sched = CommScheduler(cfg.policy, self.timeline)
         self._window_start = 0  # index into timeline.steps of the first step not yet logged
         self._logged_ops = 0
@@ -144,7 +144,7 @@ class GroupComm:
         if self.timeline.rank == 0 and steps:
             os.makedirs(out_dir, exist_ok=True)
             path = plot_timeline(
-                [Timeline.from_json(s) for s in per_rank],
+                [PhaseLog.from_json(s) for s in per_rank],
                 os.path.join(out_dir, "comm_timeline.png"),
                 arrivals=arrivals,
                 first_step=steps[0].step,
