@@ -165,11 +165,11 @@ def log_to_mlflow(out: str, summary: dict, timeline: str) -> None:
         for k, v in summary.items():
             client.log_metric(res["mlflow_run_id"], k if k.startswith("group") else f"ft/{k}", float(v))
         client.log_artifact(res["mlflow_run_id"], timeline)
-        from training import timeline as timeline_chart
+        from training.timeline import png
 
         chart = os.path.join(out, "timeline.png")  # committed steps per group, faults and heals marked
         with open(timeline) as f:
-            if timeline_chart.png(json.load(f), chart):
+            if png(json.load(f), chart):
                 client.log_artifact(res["mlflow_run_id"], chart)
     except Exception as e:  # tracking is best effort; the run itself succeeded
         print(f"[launch] could not log recovery events to MLflow: {e}", flush=True)

@@ -25,10 +25,6 @@ DEFAULT_PLAN = {
 GROUP_FAULTS = ("kill", "stop", "raise", "slow")
 
 
-class DrillFailed(Exception):
-    """The drill's claims do not hold; the message lists every one that failed."""
-
-
 def load_plan(plan: str | dict) -> dict:
     if isinstance(plan, dict):
         return plan

@@ -152,7 +152,7 @@ def write_snapshot(run_dir: Path, url: str, status: dict | None, error: str = ""
             doc["status"], doc["fetched_at"] = old.get("status"), old.get("fetched_at")
         except ValueError:
             pass
-    from dataprep.fsutil import atomic_write_json  # here: DAG parsing imports this module, not dataprep
+    from ftcore.util.files import atomic_write_json  # here: DAG parsing needs none of it
 
     atomic_write_json(path, doc)
 

@@ -30,7 +30,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from dataprep.fsutil import atomic_write_json, atomic_write_text
+from ftcore.util.files import atomic_write_json, atomic_write_text
 from ftrec_airflow import runner, settings
 from training import config  # the trainer's settings and the one --set parser (no torch)
 

@@ -264,7 +264,7 @@ def _fault_plan_file(spec: TrainSpec) -> str:
             json.loads(plan)
         except json.JSONDecodeError as e:
             raise UserError(f"param fault_plan: inline JSON does not parse ({e.msg} at column {e.colno})") from None
-        from dataprep.fsutil import atomic_write_text
+        from ftcore.util.files import atomic_write_text
 
         path = Path(spec.out) / "fault_plan.json"
         atomic_write_text(path, plan)

@@ -38,14 +38,6 @@ class CommandFailed(RuntimeError):
         super().__init__(f"{' '.join(cmd[:4])} ... failed with {how}; last output:\n{last}")
 
 
-def _die_with_parent() -> None:
-    # Linux only: the child gets SIGTERM when the task process dies, even by SIGKILL.
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 def _become_subreaper() -> bool:
     """Linux: orphans of our descendants (a daemon that left the command's process group,
     whose parent then exited) are re-parented to us instead of init, so we can still end
@@ -193,6 +185,8 @@ class Command:
         self.log.info("running: %s", " ".join(self.cmd))
         reaper = _become_subreaper()
         before = _descendants() if reaper else set()
+        from ftcore.util import procs  # here: DAG parsing imports this module, not ftcore
+
         self.proc = subprocess.Popen(
             self.cmd,
             env=self.env,
@@ -203,7 +197,7 @@ class Command:
             bufsize=1,
             errors="replace",
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=procs.exec_with_parent_death_signal,  # SIGTERM when the task process dies
         )
         pump = threading.Thread(target=self._pump, name="ftrec-log-pump", daemon=True)
         pump.start()
