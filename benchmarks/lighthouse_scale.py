@@ -8,8 +8,9 @@ a load generator of N processes (asyncio each) on the other cores, each playing 
 job's speakers. Layouts: `relay`, one speaker per replica group (ftcore/relay.py: one kept-alive
 heartbeat line and one quorum connection per group, carrying its ranks' addresses), and `rank`,
 every rank its own speaker (FTCORE_RELAY=0, the layout before relays). Every speaker heartbeats at
-FTCORE_HEARTBEAT_INTERVAL unless it sent a quorum request within the interval (as the client
-does). Reported per size and layout:
+FTCORE_HEARTBEAT_INTERVAL (a relay: ftcore.relay.UPSTREAM_INTERVAL) unless it sent a quorum request
+within the interval (as the client does), and sends its addresses with a connection's first
+message. Reported per size and layout:
 
 - heartbeats alone (2 s): lighthouse CPU seconds per wall second per 1,000 ranks;
 - training rounds: every speaker asks for a quorum at once, as a job's step does; quorum latency
@@ -42,6 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from ftcore import timeouts  # noqa: E402
+from ftcore.relay import UPSTREAM_INTERVAL  # noqa: E402
 from ftcore.util.files import atomic_write_json  # noqa: E402
 from ftcore.util.procs import free_port  # noqa: E402
 
@@ -124,7 +126,10 @@ async def _play(port: int, infos: list[dict[str, Any]], plan: dict[str, Any], st
     quorum = [await Conn.open(port) for _ in infos]
     last_sent = [0.0] * len(infos)
     failed_seen: dict[int, float] = {}
-    interval = timeouts.HEARTBEAT_INTERVAL
+    interval = UPSTREAM_INTERVAL if infos and infos[0].get("relay") else timeouts.HEARTBEAT_INTERVAL
+    # as ftcore.lighthouse_client does: addresses go with a connection's first message only
+    light = [{**info, "store": "", "heal": ""} for info in infos]
+    asked = [False] * len(infos)
 
     async def heartbeat(i: int) -> None:
         await asyncio.sleep(interval * i / len(infos))  # phases spread, as independent processes are
@@ -134,9 +139,9 @@ async def _play(port: int, infos: list[dict[str, Any]], plan: dict[str, Any], st
             if not first and quiet > 0:
                 await asyncio.sleep(quiet)
                 continue
-            first = False
+            first_beat, first = first, False
             try:
-                code, body, _ = await beats[i].post("/heartbeat", infos[i])
+                code, body, _ = await beats[i].post("/heartbeat", infos[i] if first_beat else light[i])
             except (ConnectionError, asyncio.IncompleteReadError, ValueError):
                 return
             for g in body.get("failed", []) if code == 200 else []:
@@ -148,7 +153,9 @@ async def _play(port: int, infos: list[dict[str, Any]], plan: dict[str, Any], st
 
     async def ask(i: int) -> float:
         last_sent[i] = time.monotonic()
-        code, _, at = await quorum[i].post("/quorum", {**infos[i], "timeout": 10.0}, decode=False)
+        body = {**(light[i] if asked[i] else infos[i]), "step": infos[i]["step"], "timeout": 10.0}
+        asked[i] = True
+        code, _, at = await quorum[i].post("/quorum", body, decode=False)
         return at if code == 200 else float("nan")
 
     rounds = []
@@ -329,7 +336,12 @@ def main() -> int:
             rows.append({"lighthouse": name, **row})
             print(json.dumps(rows[-1]), flush=True)
     _print(rows, bool(a.peer_root))
-    meta = {"heartbeat_interval_s": timeouts.HEARTBEAT_INTERVAL, "procs": a.procs, "pinned": lh_cores is not None}
+    meta = {
+        "heartbeat_interval_s": timeouts.HEARTBEAT_INTERVAL,
+        "relay_interval_s": UPSTREAM_INTERVAL,
+        "procs": a.procs,
+        "pinned": lh_cores is not None,
+    }
     atomic_write_json(a.json, {**meta, "rows": rows}, indent=1)
     return 0
 

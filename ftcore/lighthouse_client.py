@@ -130,8 +130,9 @@ class LighthouseClient:
     """One rank's client. `info` is what this rank reports with every message; `update()`
     replaces it (it is immutable: the heartbeat thread always sends one whole version)."""
 
-    def __init__(self, addr: str, info: RankInfo, token: str | None = None):
+    def __init__(self, addr: str, info: RankInfo, token: str | None = None, interval: float | None = None):
         self.addr = addr
+        self.interval = interval or timeouts.HEARTBEAT_INTERVAL  # between heartbeats
         self.token = token
         self.info = info
         self._info_lock = threading.Lock()  # update() from several threads loses no field
@@ -155,6 +156,9 @@ class LighthouseClient:
             self.info = replace(self.info, **changes)
 
     # ---- heartbeats ---------------------------------------------------------------
+    # A rank's addresses (a relay's: every rank's, kilobytes) go with the first message on each
+    # connection only; the lighthouse keeps them, and a restarted one hears them again at once
+    # (every connection is new to it).
     def start_heartbeats(self) -> None:
         self._thread = threading.Thread(target=self._beat_loop, daemon=True, name="ftcore-heartbeat")
         self._thread.start()
@@ -175,19 +179,20 @@ class LighthouseClient:
                     if old is not None:
                         old.close()
                 conn, stalled = None, []
-                self._stop.wait(timeouts.HEARTBEAT_INTERVAL)
+                self._stop.wait(self.interval)
                 continue
             # A quorum request within the interval told the lighthouse this rank lives: skip this
             # beat (a job whose steps are shorter than the interval then sends no heartbeats at all).
             # The first beat always goes: it makes this connection the one whose close means death.
-            quiet = self._last_sent + timeouts.HEARTBEAT_INTERVAL - time.monotonic()
+            quiet = self._last_sent + self.interval - time.monotonic()
             if conn is not None and quiet > 0:
                 self._stop.wait(quiet)
                 continue
             try:
                 if conn is None:
                     conn = self._live = http.client.HTTPConnection(host, port, timeout=timeouts.RPC_TIMEOUT)
-                conn.request("POST", "/heartbeat", body=json.dumps(self.info.to_wire()).encode(), headers=hdrs)
+                info = self.info if conn.sock is None else replace(self.info, store="", heal="")
+                conn.request("POST", "/heartbeat", body=json.dumps(info.to_wire()).encode(), headers=hdrs)
                 resp = conn.getresponse()
                 data = loads(resp.read())
                 heard = time.monotonic()
@@ -213,7 +218,7 @@ class LighthouseClient:
                 if conn is not None:
                     conn.close()
                 conn = None
-            self._stop.wait(timeouts.HEARTBEAT_INTERVAL)
+            self._stop.wait(self.interval)
         self._conn = conn  # closed by leave()/close(), after the lighthouse knows why
         self._stalled = stalled
 
@@ -304,6 +309,8 @@ class LighthouseClient:
         hdrs = {"Content-Type": "application/json", **auth.headers(self.token)}
         self._last_sent = sent = time.monotonic()
         recovered = self.recovered
+        if self._qconn.sock is not None:  # addresses go with a connection's first message (see the heartbeats' note)
+            request = replace(request, info=replace(request.info, store="", heal=""))
         self._qconn.request("POST", "/quorum", body=json.dumps(request.to_wire()).encode(), headers=hdrs)
         # Wait for the answer; if meanwhile the heartbeats stalled and came back (a partition),
         # this request may sit in its connection's retransmit backoff for seconds longer: resend

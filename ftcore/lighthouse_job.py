@@ -118,18 +118,15 @@ class Job:
         for req in self._pop(g).values():
             req.deliver(QuorumRefused("stale", "stale incarnation"))
 
-    def _is_healthy(self, grp: GroupRecord, now: float) -> bool:
+    def _is_healthy(self, grp: GroupRecord, now: float, report: float | None, members: set[int], silence: bool) -> bool:
+        """`report`: the current quorum's first failure report; `members`: its groups; `silence`:
+        whether silence counts now (all three the sweep's, computed once: O(ranks) per sweep)."""
         if grp.left or len(grp.ranks) < grp.speakers:
             return False
-        report = self.health.reports.get(self.quorum.quorum_id) if self.quorum else None
-        in_quorum = self.quorum is not None and grp.group in self.quorum.groups
-        silence_counts = self._silence_counts(now)
-        for rk in grp.ranks.values():
-            if rk.disconnected or (silence_counts and now - rk.last_beat > self.cfg.heartbeat_timeout):
-                return False
-            if report is not None and in_quorum and rk.last_beat < report and now > report + self.cfg.failure_probe:
-                return False
-        return True
+        # past the probe after a failure report, a member not heard since the report has failed
+        probed = report is not None and grp.group in members and now > report + self.cfg.failure_probe
+        cut, quiet = report if probed and report else -math.inf, self.cfg.heartbeat_timeout if silence else math.inf
+        return not any(r.disconnected or now - r.last_beat > quiet or r.last_beat < cut for r in grp.ranks.values())
 
     def _silence_counts(self, now: float) -> bool:
         """Whether a rank's silence is evidence against it: not while this lighthouse was paused
@@ -163,8 +160,10 @@ class Job:
         self.lh.notice_pause(now)
         self.health.last_sweep = now
         self._notice_isolation(now)
+        report = self.health.reports.get(self.quorum.quorum_id) if self.quorum else None
+        members, silence = set(self.quorum.groups if self.quorum else ()), self._silence_counts(now)
         for grp in self.groups.values():
-            ok = self._is_healthy(grp, now)
+            ok = self._is_healthy(grp, now, report, members, silence)
             if ok != grp.healthy:
                 grp.healthy = ok
                 (self.health.healthy.add if ok else self.health.healthy.discard)(grp.group)

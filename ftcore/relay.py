@@ -28,6 +28,11 @@ from ftcore.messages import (
     parse_quorum_answer,
 )
 
+# A group's beats to the lighthouse: half as often as a rank's (the lighthouse hears groups, and a
+# busy one is spared most of its heartbeats), still under half of LIGHTHOUSE_SILENT so that its
+# ranks never take an answering lighthouse for a silent one.
+UPSTREAM_INTERVAL = min(2 * timeouts.HEARTBEAT_INTERVAL, timeouts.LIGHTHOUSE_SILENT / 2)
+
 
 @dataclass
 class RelayConfig:
@@ -61,7 +66,7 @@ class Relay:
         self.pending: dict[int, tuple[QuorumRequest, Deliver]] = {}
         self.lost = ""  # why this group cannot train on (a rank's line closed for good)
         self.leaving = False  # a rank said goodbye: the group ends cleanly
-        self.upstream = LighthouseClient(lighthouse, replace(info, rank=0, relay=True), token)
+        self.upstream = LighthouseClient(lighthouse, replace(info, rank=0, relay=True), token, UPSTREAM_INTERVAL)
         self._beating = False
         self._rounds = ThreadPoolExecutor(1, thread_name_prefix="ftcore-relay")  # one round at a time
         self._notes = ThreadPoolExecutor(1, thread_name_prefix="ftcore-relay-notes")  # reports, events: in order
@@ -80,7 +85,8 @@ class Relay:
     def _note(self, info: RankInfo) -> _Member:
         """Record a rank's addresses and step; the group's line opens once every rank spoke."""
         m = self.members[info.rank]
-        m.store, m.heal, m.step, m.quorum_id, m.seen = info.store, info.heal, info.step, info.quorum_id, True
+        m.store, m.heal = info.store or m.store, info.heal or m.heal  # a connection's first message has them
+        m.step, m.quorum_id, m.seen = info.step, info.quorum_id, True
         if all(x.seen for x in self.members):
             self.upstream.update(
                 step=min(x.step for x in self.members),
