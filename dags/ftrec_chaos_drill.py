@@ -1,15 +1,7 @@
 """ftrec_chaos_drill: a short fault-tolerant training under a fault plan (by default: kill
 replica group 1, later kill the lighthouse), which fails unless
 
-- MLflow shows the recovery (ft/failures_detected, ft/quorum_changes, ft/heals and the
-  timeline artifact on the training run),
-- the surviving replica groups never stopped committing (no hole in their steps, no gap
-  between commits longer than `max_stall_s`),
-- every replica group ends with identical parameters and optimizer state.
-
-Run it before trusting a new cluster, image or ftcore version. Fault plan format:
-ftcore/faults.py.
-"""
+The long form: docs/airflow.md, "dags/ftrec_chaos_drill"."""
 
 import json
 from datetime import timedelta

@@ -1,15 +1,7 @@
 """ftrec_train: interaction data -> length-balanced shards -> fault-tolerant training ->
 evaluation -> MLflow model registry, behind a quality gate.
 
-A version that reaches gate_min gets the alias `challenger`, and `champion` as well when it
-beats the champion by gate_min_margin, both scored by the same evaluation on this run's test
-split (full ranking by default); each registration is an event on the `ftrec_model` Asset.
-
-Trigger it with params (data source and format, topology, fault plan, MLflow experiment,
-gate). Every task writes under the DAG run's own folder and can be retried: a retry
-reuses finished output and resumes the same MLflow run. The work is in the `ftrec_airflow`,
-`dataprep` and `training` packages.
-"""
+The long form: docs/airflow.md, "dags/ftrec_train"."""
 
 from datetime import timedelta
 

@@ -2,14 +2,7 @@
 interaction data -> shards -> one pod per replica group (torchrun, K GPUs each) against the
 standing lighthouse -> evaluation -> MLflow model registry, behind the same quality gate.
 
-`train_group` is one mapped task, map index = replica group: retrying one of its task
-instances restarts that group's pod only, while the other groups keep committing and the
-new pod heals from them. Shards and checkpoints pass through FTREC_WORK, a volume the
-workers and the pods mount at the same path. Each run's pods get a Secret with their job's
-token alone, made by `job_token` and deleted by `drop_job_token`. Set-up (image, namespace,
-volume, lighthouse Deployment and Service, its admin token Secret): README, "The DAG on
-Kubernetes"; the decisions live in `ftrec_airflow.kubernetes`.
-"""
+The long form: docs/airflow.md, "dags/ftrec_train_k8s"."""
 
 from datetime import timedelta
 

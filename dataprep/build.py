@@ -1,12 +1,6 @@
 """build_shards: raw interactions -> a verified-looking shard set, atomically.
 
-read -> sequences -> leave-one-out samples -> cost -> balance plan -> Parquet files
-and manifest in a temporary folder beside `out` -> rename into place. A crash at
-any point leaves at most a `.NAME.tmp-*` folder, never a set that looks valid.
-Re-running with the same input and config on an existing set returns its
-manifest without rebuilding (Airflow retries are cheap); a different set at
-`out` is refused unless `overwrite=True`.
-"""
+The long form: docs/dataprep.md, "dataprep/build"."""
 
 import glob
 import json

@@ -1,12 +1,6 @@
 """Cost model of one training sample: c(L) = a*L^2 + b*L + c0 (L = history length).
 
-Attention grows with L^2, embeddings/FFN/loss with L, c0 is per-sample overhead.
-`calibrate` fits a, b, c0 by least squares on timed forward+backward passes of
-a model at several lengths: a stand-in causal-attention model here, or the model a
-caller passes in (training/calibrate.py times the configured training model; dataprep
-itself imports nothing of training).
-The balancer only needs costs up to a common factor; units are microseconds.
-"""
+The long form: docs/dataprep.md, "dataprep/cost"."""
 
 import json
 import math

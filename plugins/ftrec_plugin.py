@@ -2,14 +2,7 @@
 `plugins/` folder and Airflow finds the Lighthouse tab here (the class is
 ftrec_airflow.plugin.FtrecPlugin, in the package beside this file).
 
-Airflow imports every .py file in its plugins folder as a top-level module named by its
-stem; `.airflowignore` keeps it out of the package folder (its kubernetes.py would shadow
-the kubernetes client). Airflow puts this folder on sys.path, so `ftrec_airflow` imports.
-
-Where ftrec is installed, its `airflow.plugins` entry point registers the plugin, and this
-file exposes nothing: Airflow registers a plugin name once and reports a second copy as a
-plugin import error.
-"""
+The long form: docs/airflow.md, "plugins/ftrec_plugin"."""
 
 from importlib import metadata
 

@@ -1,13 +1,6 @@
 """A toy data-parallel trainer on ftcore: the whole FT-HSDP step protocol on a tiny MLP.
 
-Used by ftcore's integration tests and benchmarks so they depend on nothing but torch:
-synthetic "shards" (shard s, row group r -> a seeded batch with sample ids
-s * S * B + r * B + i), a replicated MakeupSchedule, a ledger, the manager, and at
-the end the group's parameters and optimizer state in OUT/replica_<g>/state.safetensors.
-
-    FTCORE_LIGHTHOUSE=... FTREC_REPLICA_GROUP=g FTREC_NUM_REPLICA_GROUPS=R \
-        python -m ftcore.examples.toy --out DIR --steps 20 --epochs 1
-"""
+The long form: docs/ftcore.md, "ftcore/examples/toy"."""
 
 import argparse
 import datetime

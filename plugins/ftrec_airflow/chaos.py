@@ -1,16 +1,6 @@
 """The chaos drill's verdict: did fault-tolerant training survive the fault plan?
 
-Reads what the launcher leaves in its output folder (timeline.json: launcher and
-lighthouse events, every rank's step attempts, each group's final-state checksum) and
-the recovery metrics it logged on the MLflow run (ft/...), and checks three claims:
-
-1. MLflow shows the recovery: failures detected, quorum changes, heals (for the kinds
-   of faults the plan injects), and the timeline artifact;
-2. the survivors (groups no fault targets) never stopped committing: their committed
-   steps are 1, 2, 3, ... without a hole, and no gap between two commits is longer
-   than `max_stall_s`;
-3. every replica group ended with the same parameters and optimizer state.
-"""
+The long form: docs/airflow.md, "plugins/ftrec_airflow/chaos"."""
 
 import itertools
 import json

@@ -1,22 +1,6 @@
 """Reusable TaskFlow decorators: `@build_shards_task` and `@ft_train_task`.
 
-Like `@task.bash`, the decorated function says *what* to do by returning a spec, and the
-operator does it the same way in every DAG that uses it:
-
-    @build_shards_task(outlets=[SHARDS])
-    def build_shards(data: dict) -> ShardSpec:
-        return ShardSpec(input=data["path"], fmt=data["format"], out=..., world_size=2)
-
-    @ft_train_task(retries=2)
-    def train(shards: dict) -> TrainSpec:
-        return TrainSpec(shards=shards["path"], out=..., replica_groups=2)
-
-`@build_shards_task` builds (or finds, on a retry) the shard set and records its path and
-fingerprint on the task's Asset events. `@ft_train_task` opens the task's MLflow run before
-training starts (a retry finds the same run), runs the ftcore launcher with its output
-in the task log, ends the launcher's whole process tree when the task is killed or times
-out, and links the task to its MLflow run and lighthouse status page.
-"""
+The long form: docs/airflow.md, "plugins/ftrec_airflow/decorators"."""
 
 from __future__ import annotations
 

@@ -1,42 +1,8 @@
-"""Training off the Airflow worker: `ftrec_train_k8s` runs each replica group as one
-Kubernetes pod (the cncf.kubernetes provider's KubernetesPodOperator) against a standing
-lighthouse, a Deployment behind a Service.
+"""Training off the Airflow worker: `ftrec_train_k8s` runs each replica group as one Kubernetes
+pod (the cncf.kubernetes provider's KubernetesPodOperator) against a standing lighthouse, a
+Deployment behind a Service.
 
-- **One pod per replica group**, running `torchrun --nnodes 1 --nproc-per-node K ...
-  -m training train`: the command `python -m training launch --print-commands` prints for
-  that group, with the same ftcore environment (training/launch.py, `torchrun_command`,
-  `job_env`), and K GPUs. The groups are one mapped task, map index = group: an Airflow
-  retry of one task instance starts that group's pod again and nothing else, which is
-  FT-HSDP's unit of failure; the other groups keep committing and the new pod heals from
-  them. Inside the pod torchrun restarts crashed ranks first (`TORCHRUN_MAX_RESTARTS`).
-  A pod rather than an indexed Job: a Job's own backoff would restart the group behind
-  Airflow's back, and one pod per group is what a group on one node is.
-- **The lighthouse** is standing, not per run: a Deployment of one `ftcore-lighthouse` and a
-  ClusterIP Service (`lighthouse_manifests`; `python -m ftrec_airflow.kubernetes lighthouse
-  | kubectl apply -f -`). It serves every job (each DAG run is its own FTCORE_JOB_ID) and
-  outlives each, so a DAG run has nothing to tear down and a lighthouse restart is the
-  Deployment's business. Its admin secret is the Secret `ftcore-lighthouse-token` (key
-  `token`), mounted in it alone. Each DAG run's pods mount only their job's token: the
-  `job_token` task derives it on the worker (ftcore/auth.py) and writes it to a Secret of the
-  run's own (`job_secret`), which `drop_job_token` deletes when the run's pods are done.
-- **Files** (shards, checkpoints, result.json) go through FTREC_WORK, a ReadWriteMany volume
-  claim mounted at the same path in the Airflow workers and in the pods.
-- **MLflow**: the Airflow task opens the run before any pod starts; the pods get its URI,
-  and credentials only from a Secret (FTREC_K8S_MLFLOW_SECRET), never in a spec.
-
-Configuration, read when the DAG file is parsed (environment, or airflow.cfg's [ftrec]
-section as k8s_image, k8s_namespace, ...): FTREC_K8S_IMAGE (required: an image with ftrec
-installed), FTREC_K8S_NAMESPACE (default), FTREC_K8S_WORK_PVC (ftrec-work),
-FTREC_K8S_TOKEN_SECRET (ftcore-lighthouse-token), FTREC_K8S_MLFLOW_SECRET (none),
-FTREC_K8S_GPU_RESOURCE (nvidia.com/gpu; empty for CPU-only pods), FTREC_K8S_POD_TEMPLATE (a
-pod template file: node selectors, tolerations, service account). The pods' lighthouse is
-FTREC_LIGHTHOUSE_URL when set (the API server's Lighthouse tab reads the same), else the
-Service's cluster DNS name.
-
-The provider is imported only when the path is configured (`unavailable`), so the DAG
-file costs nothing where Kubernetes is not used; the kubernetes client models only inside
-the functions that build objects.
-"""
+The long form: docs/airflow.md, "plugins/ftrec_airflow/kubernetes"."""
 
 from __future__ import annotations
 

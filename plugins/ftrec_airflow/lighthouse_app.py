@@ -1,25 +1,8 @@
-"""The lighthouse status page inside the Airflow UI: a FastAPI app the plugin mounts on
-the API server at /ftrec, shown as a "Lighthouse" tab of each DAG run (an external view)
-and as a menu entry for a standing lighthouse (FTREC_LIGHTHOUSE_URL).
+"""The lighthouse status page inside the Airflow UI: a FastAPI app the plugin mounts on the API
+server at /ftrec, shown as a "Lighthouse" tab of each DAG run (an external view) and as a menu
+entry for a standing lighthouse (FTREC_LIGHTHOUSE_URL).
 
-    GET /ftrec/lighthouse/?dag_id=D&run_id=R   HTML: groups, quorum, recent events
-    GET /ftrec/lighthouse/status?dag_id=D&run_id=R   the same as JSON
-
-While the job runs the page shows the lighthouse live (groups, steps, quorum, heals). Once
-the launcher has written the run's timeline (`<run folder>/train/timeline.json`, the
-pipeline's fixed place) it tells what happened: finished or not, each group's committed
-steps, restarts, heals and exclusions, and a chart of committed steps per group over time
-with faults, failures and heals marked (training/timeline.py, the chart the launcher also
-logs to the MLflow run). A lighthouse that ended with its job is not an error then.
-
-Every route needs an Airflow login with read access to the DAG's runs (the auth manager's
-own checks: 401 without a login, 403 without access). Anyone who can write a run folder
-(any task, any pod on a shared volume) can plant its files, so: the page contacts only the
-standing lighthouse (FTREC_LIGHTHOUSE_URL) or a numeric loopback address (ipaddress, not a
-name), with this server's own token (FTCORE_TOKEN / FTCORE_TOKEN_FILE) and never one from
-a run folder; it follows no symlink inside the work folder (lstat, O_NOFOLLOW); its error
-text is its own words, never a file's or a reply's content. Every value shown is escaped.
-"""
+The long form: docs/airflow.md, "plugins/ftrec_airflow/lighthouse_app"."""
 
 import html
 import ipaddress

@@ -1,12 +1,7 @@
-"""The ftcore lighthouse seen from Airflow: where a training's lighthouse is, its status
-while training runs, and the last snapshot kept in the run folder afterwards.
+"""The ftcore lighthouse seen from Airflow: where a training's lighthouse is, its status while
+training runs, and the last snapshot kept in the run folder afterwards.
 
-The train task watches the lighthouse the launcher started (its address appears in the
-launcher's output, or FTREC_LIGHTHOUSE_URL names a standing one) and writes each status
-it reads to `<run folder>/lighthouse.json` by atomic rename. The plugin's status page reads
-that file, and the lighthouse itself when it still answers, so the page works after the
-training ended and when the API server cannot reach the training's machine.
-"""
+The long form: docs/airflow.md, "plugins/ftrec_airflow/lighthouse_status"."""
 
 import json
 import os

@@ -1,22 +1,7 @@
 """`make run`: run a DAG end to end through Airflow on embedded defaults, then say where
 everything is.
 
-    python -m ftrec_airflow.local_run [--work work] [--dag ftrec_train]
-        [--set section.key=value ...] [--conf '{"param": value}']
-
-`--set` has the trainer's syntax (training.config.parse_overrides: the value in TOML
-syntax, bare text is a string). Section `params` is the DAG's params: `--set
-params.max_steps=50`, `--set params.data_source=synthetic`. Any trainer section is a trainer
-setting, added to the `train_overrides` param: `--set train.epochs=3`, `--set model.dim=32`
-(`python -m training config --show` lists them). `--set` comes after `--conf`.
-
-Sets AIRFLOW_HOME and friends so that Airflow's metadata (SQLite), task logs, the MLflow
-store (SQLite + artifacts) and every run's files live under one work folder; in a child
-process (Airflow reads its configuration once, at import, so the environment must be set
-before it starts) migrates the metadata database as `airflow db migrate` does and runs
-the DAG with `dag.test()`; then prints the test metrics, the registered model, where the MLflow store is, and the
-commands that open the Airflow and MLflow UIs on 127.0.0.1.
-"""
+The long form: docs/airflow.md, "plugins/ftrec_airflow/local_run"."""
 
 import argparse
 import dataclasses

@@ -1,12 +1,8 @@
-"""MLflow from the Airflow side: one run per DAG run's training, found again on retry;
-evaluation metrics on that run; registration behind the quality gate, with the
-`champion`/`challenger` aliases; links to the UI.
+"""MLflow from the Airflow side: one run per DAG run's training, found again on retry; evaluation
+metrics on that run; registration behind the quality gate, with the `champion`/`challenger`
+aliases; links to the UI.
 
-The training processes log their own params, metrics and recovery events on the run;
-the Airflow tasks only create it (so its id exists before training starts and a retried
-task resumes it instead of opening a second one), add evaluation metrics it lacks and register.
-mlflow is imported inside the functions: DAG files import this module at parse time.
-"""
+The long form: docs/airflow.md, "plugins/ftrec_airflow/mlflow_registry"."""
 
 import os
 import re

@@ -111,21 +111,11 @@ def params(**defaults: Any) -> dict[str, Param]:
 
 
 class TrainingDag:
-    """The parts the training DAGs share, for one DAG: its `@dag` arguments and the tasks
-    it builds inside its `@dag` function, each task a body from `tasks`. A DAG file says
-    which of them it has and how they connect:
-
-        TRAIN = pipeline.TrainingDag("ftrec_train")
-
-        @dag(**TRAIN.dag_args(__doc__, max_active_runs=4))
-        def ftrec_train():
-            trained = TRAIN.train(TRAIN.shards(), timeout=timedelta(hours=24))
-            TRAIN.gate(trained)
-
-    Retries are the DAG's `default_args` (RETRY); a task that differs says so here. A
-    `drill` (ftrec_chaos_drill) retries nothing, since a drill that needs a second try has
-    already failed, and announces no shard set (its shards are nobody's input).
-    """
+    """The parts the training DAGs share, for one DAG: its `@dag` arguments and the tasks it
+    builds inside its `@dag` function, each a body from `tasks`; a DAG file says which it has
+    and how they connect (`TRAIN.train(TRAIN.shards())`, `TRAIN.gate(trained)`). Retries are
+    the DAG's `default_args` (RETRY); a `drill` retries nothing (a drill that needs a second
+    try has failed) and announces no shard set. Example: docs/airflow.md, "TrainingDag"."""
 
     def __init__(self, dag_id: str, *, drill: bool = False, shard_fanout: dict[str, Any] | None = None):
         self.dag_id = dag_id

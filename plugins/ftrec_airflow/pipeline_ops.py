@@ -1,15 +1,7 @@
-"""What each pipeline task does, as plain functions: no Airflow in here, so they run and
-test anywhere, and the DAGs stay thin.
+"""What each pipeline task does, as plain functions: no Airflow in here, so they run and test
+anywhere, and the DAGs stay thin.
 
-Each step writes under the DAG run's folder and is idempotent: run twice with the same
-arguments, the second call finds the first one's finished output and returns it (every
-output appears by an atomic rename, so "finished" is "present"). Errors a user can cause
-raise `UserError` with one line naming the file or setting; the tasks turn it into a
-failure that is not retried.
-
-Heavy packages (dataprep/pyarrow, mlflow) are imported inside the functions: this
-module is imported when the DAG processor parses a DAG file.
-"""
+The long form: docs/airflow.md, "plugins/ftrec_airflow/pipeline_ops"."""
 
 import json
 import os

@@ -1,16 +1,6 @@
 """The ftrec Airflow plugin: the lighthouse status page inside the Airflow UI.
 
-- a FastAPI app on the API server at /ftrec (ftrec_airflow.lighthouse_app);
-- a "Lighthouse" tab on every DAG run page and a "ftcore lighthouse" entry in the
-  Browse menu (external views: iframes of that app);
-- the operators' links (MLflow run, lighthouse) are defined on the operators in
-  ftrec_airflow.decorators, so they need no registration here.
-
-Airflow finds it through the `airflow.plugins` entry point of the ftrec distribution
-(pyproject.toml), so installing ftrec is all a deployment does; or, ftrec not installed,
-through plugins/ftrec_plugin.py when the checkout's `plugins/` is Airflow's plugins folder.
-With both, that file defers to the entry point: the plugin is registered once.
-"""
+The long form: docs/airflow.md, "plugins/ftrec_airflow/plugin"."""
 
 from airflow.plugins_manager import AirflowPlugin
 

@@ -1,15 +1,8 @@
-"""Run a command for an Airflow task: its output streams into the task log, and when the
-task ends for any reason (success, failure, timeout, kill from the UI) the command's
-whole process tree ends with it.
+"""Run a command for an Airflow task: its output streams into the task log, and when the task
+ends for any reason (success, failure, timeout, kill from the UI) the command's whole process
+tree ends with it.
 
-The command starts in its own session (so its process group id is its pid and a signal
-to the group reaches every process it started) with a parent-death signal, so even a
-SIGKILLed task process does not leave the launcher running. The task process also becomes
-a child subreaper: a process the command started in a session of its own (a daemon) is
-re-parented to the task when its parent exits, and is ended too. Airflow's task runner turns
-SIGTERM into `on_kill()` and an execution timeout into an exception raised in the main
-thread; both end here in `stop_group`.
-"""
+The long form: docs/airflow.md, "plugins/ftrec_airflow/runner"."""
 
 import collections
 import ctypes

@@ -1,22 +1,6 @@
 """Where the pipeline keeps its files and talks to MLflow: embedded defaults, env overrides.
 
-Embedded defaults put everything under one work folder in the project (the checkout ftrec
-runs from; an installed ftrec uses the current directory):
-
-    work/airflow/               AIRFLOW_HOME (metadata in airflow.db, task logs)
-    work/mlflow/mlflow.db       MLflow tracking store (SQLite)
-    work/mlflow/artifacts/      MLflow artifacts
-    work/runs/<dag>/<run>/      one folder per DAG run: data, shards, training output
-
-Environment overrides (a real deployment sets these; nothing else reads globals):
-FTREC_WORK (the work folder), MLFLOW_TRACKING_URI (a real MLflow server),
-FTREC_MLFLOW_UI (the MLflow UI base URL for links), FTREC_LIGHTHOUSE_URL (a lighthouse
-that is not started by the launcher), FTREC_SHARED_DATA (the folder holding beauty.txt).
-
-At task run time the Airflow Connection `ftrec_mlflow` comes before MLFLOW_TRACKING_URI
-(`mlflow_connection`); where the train task runs (queue, pool, ...) is parse-time
-configuration from FTREC_TRAIN_* or airflow.cfg's [ftrec] section (`train_task_args`).
-"""
+The long form: docs/airflow.md, "plugins/ftrec_airflow/settings"."""
 
 import hashlib
 import json

@@ -1,16 +1,7 @@
-"""The build_shards stage fanned out over Airflow tasks: dataprep.bucketed's stages as a task group.
+"""The build_shards stage fanned out over Airflow tasks: dataprep.bucketed's stages as a task
+group.
 
-    prepare -> read[f] -> ids -> partition[f] -> bucket[b] -> plan -> route[b] -> write[r] -> seal
-
-read and partition are mapped over the input files, bucket and route over the buckets, write
-over the ranks (`.expand`). Every task runs one stage of dataprep.bucketed on a staging folder
-beside the set, named by the input's fingerprint and the settings, so every task and every
-retry finds the same one; the stage runs in a child process (a task's memory is the stage's,
-and a killed stage is a failed try). A stage's outputs replace its earlier ones whole: a
-retried bucket rewrites that bucket only. seal writes eval, maps, rejects and the manifest and
-renames the set into place; the set is the one `python -m dataprep shards` builds, byte for
-byte. An identical set already at `out` is reused (every task then returns at once).
-"""
+The long form: docs/airflow.md, "plugins/ftrec_airflow/shard_tasks"."""
 
 from __future__ import annotations
 
