@@ -15,7 +15,6 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from ftcore import quorum as quorum_rule
 from ftcore.lighthouse_records import (
     Deliver,
     GroupRecord,
@@ -38,6 +37,7 @@ from ftcore.messages import (
     StandbyReply,
 )
 from ftcore.pace import PaceJudge
+from ftcore.quorum import Member, Plan, Round, decide, isolated, plan
 
 if TYPE_CHECKING:
     from ftcore.lighthouse import Lighthouse
@@ -146,10 +146,10 @@ class Job:
             if not any(r.disconnected for r in g.ranks.values())
             and now - max(r.last_beat for r in g.ranks.values()) > quiet
         )
-        isolated = quorum_rule.isolated(silent, len(live))
-        if isolated != self.health.isolated:
-            self.health.isolated = isolated
-            if isolated:
+        cut_off = isolated(silent, len(live))
+        if cut_off != self.health.isolated:
+            self.health.isolated = cut_off
+            if cut_off:
                 self.event("lighthouse_isolated", silent=silent, groups=len(live))
             else:
                 self.health.grace_until = now + self.cfg.heartbeat_timeout
@@ -250,8 +250,8 @@ class Job:
         # a group on standby is not waited for, nor counted
         healthy = frozenset(self.health.healthy - self.excluded.keys())
         round_start = self.round.start if self.round.start is not None else now
-        decision = quorum_rule.decide(
-            quorum_rule.Round(
+        decision = decide(
+            Round(
                 previous=frozenset(self.quorum.groups) if self.quorum else None,
                 requesting=frozenset(self.round.complete & healthy),
                 healthy=healthy,
@@ -352,13 +352,13 @@ class Job:
             return identity, self.quorum_id, self.quorum.lighthouse_id
         return identity, self.quorum_id + 1, self.lh.lighthouse_id
 
-    def _plan(self, members: list[int]) -> quorum_rule.Plan | None:
+    def _plan(self, members: list[int]) -> Plan | None:
         """Where the members meet (quorum.plan); None: training ended (a group finished at a
         later step and left) beyond any state here: no new history from an older one."""
-        return quorum_rule.plan(
+        return plan(
             frozenset(self.quorum.identity) if self.quorum is not None else None,
             [
-                quorum_rule.Member(
+                Member(
                     g,
                     self.groups[g].incarnation,
                     min(req.step for req in self.round.pending[g].values()),

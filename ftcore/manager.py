@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 
 from ftcore import collectives as coll
-from ftcore import faults as faults_mod
 from ftcore import netaddr, timeouts
 from ftcore.crossgroup import CrossGroup
 from ftcore.environment import LR_POLICIES, ManagerConfig, config_from_env, faults_from_env
+from ftcore.faults import Fault, InjectedFault, Injector
 from ftcore.ftar import FTARError, ftar
 from ftcore.heal import HealServer, fetch
 from ftcore.lighthouse_client import LighthouseClient, LighthouseError, LighthouseLink, Overtaken, Replaced, Standby
@@ -125,7 +125,7 @@ class Manager:
         load_state_dict: Callable[[Any], None],
         group_pg: dist.ProcessGroup | None = None,
         step: int = 0,
-        faults: list[faults_mod.Fault] | None = None,
+        faults: list[Fault] | None = None,
         lighthouse_client: ClientFactory = LighthouseClient,
     ):
         if cfg.lr_policy not in LR_POLICIES:
@@ -142,7 +142,7 @@ class Manager:
         self._state_dict, self._load_state_dict = state_dict, load_state_dict
         self._group_pg = group_pg
         self.step = step
-        self.injector = faults_mod.Injector(faults or [], cfg.group, cfg.rank, cfg.incarnation)
+        self.injector = Injector(faults or [], cfg.group, cfg.rank, cfg.incarnation)
         self._xg = CrossGroup(cfg.host, cfg.backend)
         self.heal_server = HealServer(cfg.host, cfg.token, on_serve=self._on_serve)
         info = RankInfo(
@@ -349,7 +349,7 @@ class Manager:
         local_error = False
         try:
             self.injector.phase("before_allreduce", self.step)
-        except faults_mod.InjectedFault as e:
+        except InjectedFault as e:
             local_error = True
             self._r.errors.append(str(e))
         contribute = self._r.has_work and not self.healing
@@ -387,7 +387,7 @@ class Manager:
             self._r.errors.append("this group failed during the all-reduce")
         try:
             self.injector.phase("after_allreduce", self.step)
-        except faults_mod.InjectedFault as e:
+        except InjectedFault as e:
             self._r.errors.append(str(e))
 
     def _ftar(self, tensors: list[torch.Tensor], contribute: bool, local_error: bool, step: int):
@@ -432,7 +432,7 @@ class Manager:
         q = self.wait_quorum()
         try:
             self.injector.phase("vote", self.step)
-        except faults_mod.InjectedFault as e:
+        except InjectedFault as e:
             self._r.errors.append(str(e))
         if self._r.heal_fut is not None and q is not None:
             try:

@@ -14,11 +14,9 @@ import os
 import sys
 from dataclasses import dataclass
 
-from ftcore import faults as faults_mod
-from ftcore import final_state
+from ftcore import final_state, launcher
+from ftcore.faults import PlanError
 from ftcore.launcher import TOY, GroupFailed, LaunchError, Proc
-from ftcore.launcher import LaunchConfig as BaseConfig
-from ftcore.launcher import Launcher as BaseLauncher
 from ftcore.util.files import atomic_write_json
 
 __all__ = ["TOY", "TRAINER", "GroupFailed", "LaunchConfig", "LaunchError", "Launcher", "Proc", "main", "parse"]
@@ -28,11 +26,11 @@ TRAINER = "training.__main__"
 
 
 @dataclass
-class LaunchConfig(BaseConfig):
+class LaunchConfig(launcher.LaunchConfig):
     worker: str = TRAINER
 
 
-class Launcher(BaseLauncher):
+class Launcher(launcher.Launcher):
     """ftcore's launcher running the trainer (or another --worker), with the trainer's consumers
     of its records: checksums of the final states, the timeline, MLflow."""
 
@@ -281,24 +279,24 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         cfg = parse(argv)
-        launcher = Launcher(cfg)
-    except (LaunchError, faults_mod.PlanError) as e:
+        job = Launcher(cfg)
+    except (LaunchError, PlanError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if cfg.print_commands:
-        for g in launcher.mine:
-            print(launcher.torchrun_command(g))
+        for g in job.mine:
+            print(job.torchrun_command(g))
         return 0
     try:
-        return launcher.run()
+        return job.run()
     except LaunchError as e:
         print(f"error: {e}", file=sys.stderr)
-        launcher.stop.set()
-        launcher.end_all()
+        job.stop.set()
+        job.end_all()
         return 2
     except KeyboardInterrupt:
-        launcher.stop.set()
-        launcher.end_all()
+        job.stop.set()
+        job.end_all()
         return 130
 
 

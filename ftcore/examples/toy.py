@@ -14,9 +14,9 @@ import torch.distributed as dist
 
 from ftcore import collectives as coll
 from ftcore import final_state, tensorfile
-from ftcore import ledger as ledger_mod
-from ftcore import manager as manager_mod
+from ftcore.ledger import Ledger
 from ftcore.lighthouse_client import JobFinished, Replaced
+from ftcore.manager import Manager, config_from_env, faults_from_env
 from ftcore.messages import Quorum
 from ftcore.schedule import MakeupSchedule, Position
 
@@ -94,8 +94,8 @@ class Run:
     """Where this process runs: its group's manager and ledger, its shard, its files."""
 
     a: argparse.Namespace
-    mgr: manager_mod.Manager
-    ledger: ledger_mod.Ledger
+    mgr: Manager
+    ledger: Ledger
     rank: int
     world: int
     ckpt: str
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
     if world > 1:
         coll.setup_default()
-    cfg = manager_mod.config_from_env()
+    cfg = config_from_env()
     g, R, K = cfg.group, cfg.num_groups, cfg.world
     os.makedirs(os.path.join(a.out, "records"), exist_ok=True)
     cfg.records = cfg.records or os.path.join(a.out, "records", f"group-{g}-rank-{rank}-inc-{{incarnation}}.jsonl")
@@ -195,15 +195,15 @@ def main(argv: list[str] | None = None) -> int:
             st, meta = tensorfile.read(f)
         toy.load_state_dict(st)
         start_step = int(meta["step"])
-    mgr = manager_mod.Manager(
+    mgr = Manager(
         cfg,
         toy.state_dict,
         toy.load_state_dict,
         group_pg=dist.group.WORLD if world > 1 else None,
         step=start_step,
-        faults=manager_mod.faults_from_env(),
+        faults=faults_from_env(),
     )
-    r = Run(a, mgr, ledger_mod.Ledger(os.path.join(a.out, "ledger"), g, rank), rank, world, ckpt)
+    r = Run(a, mgr, Ledger(os.path.join(a.out, "ledger"), g, rank), rank, world, ckpt)
     print(
         f"toy: group {g}/{R} rank {rank}/{K} incarnation {cfg.incarnation} started "
         f"(main at {t_main:.3f}, ready at {time.time():.3f})",

@@ -13,7 +13,7 @@ import time
 
 from tenacity import RetryError, Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
-from ftcore import faults as faults_mod
+from ftcore import faults
 from ftcore import final_state as final_state_mod
 from ftcore.launcher.config import GroupFailed, LaunchConfig
 from ftcore.launcher.host import LighthouseHost
@@ -45,7 +45,7 @@ class Launcher:
         self.events: list[dict] = []
         self.procs = ProcessTable(self.lock, self.stop)
         self.spares = SparePool(self)
-        self.watch = Watch(self, faults_mod.load(cfg.faults) if cfg.faults else [])
+        self.watch = Watch(self, faults.load(cfg.faults) if cfg.faults else [])
         self.host = LighthouseHost(cfg, self.out, self.log)
 
     # ---- what a rank runs (the subclass's hooks) ----------------------------------------

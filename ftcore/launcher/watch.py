@@ -6,7 +6,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from ftcore import faults as faults_mod
+from ftcore.faults import LIGHTHOUSE_KINDS, Fault
 
 if TYPE_CHECKING:
     from ftcore.launcher.supervisor import Launcher
@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 class Watch:
     """Polls the lighthouse every 20 ms while the launch runs."""
 
-    def __init__(self, launcher: "Launcher", faults: list[faults_mod.Fault]):
+    def __init__(self, launcher: "Launcher", faults: list[Fault]):
         self.launcher = launcher
         self.faults = faults
         self.unhealthy_since: dict[int, float] = {}
@@ -37,14 +37,14 @@ class Watch:
             if st:
                 self.hangs(st["groups"], now)
 
-    def due(self, steps: dict[int, int], elapsed: float) -> list[faults_mod.Fault]:
+    def due(self, steps: dict[int, int], elapsed: float) -> list[Fault]:
         """The external faults whose step or time has come (a lighthouse fault's step is the
         job's, any other fault's its group's, in the incarnation it names)."""
         out = []
         for f in self.faults:
             if f.fired or f.in_process:
                 continue
-            on_lighthouse = f.kind in faults_mod.LIGHTHOUSE_KINDS
+            on_lighthouse = f.kind in LIGHTHOUSE_KINDS
             if not on_lighthouse and self.launcher.incarnation.get(f.group) != f.incarnation:
                 continue
             step = max(steps.values(), default=0) if on_lighthouse else steps.get(f.group, -1)
@@ -66,10 +66,10 @@ class Watch:
             else:
                 self.unhealthy_since.pop(g, None)
 
-    def fire(self, f: faults_mod.Fault) -> None:
+    def fire(self, f: Fault) -> None:
         la = self.launcher
         lh = la.host.proc
-        if f.kind in faults_mod.LIGHTHOUSE_KINDS and lh is None:
+        if f.kind in LIGHTHOUSE_KINDS and lh is None:
             la.log("fault_skipped", fault=f.kind, reason="the lighthouse was not started here")
             return
         if f.kind == "pause_lighthouse" and lh is not None:
@@ -89,7 +89,7 @@ class Watch:
             return
         self.signal_ranks(f)
 
-    def signal_ranks(self, f: faults_mod.Fault) -> None:
+    def signal_ranks(self, f: Fault) -> None:
         """kill: SIGKILL; stop: SIGSTOP, and SIGCONT after its duration."""
         la = self.launcher
         procs = la.groups.get(f.group, [])
