@@ -10,7 +10,7 @@ WORK    ?= work
 # Re-installs only when pyproject.toml changed since the last install.
 # ftrec_airflow moved to plugins/: a folder of bytecode git left at the top would be a namespace
 # package that shadows the installed one; it is removed when it holds no .py file. A build in the
-# checkout (pip wheel .) leaves ftrec.egg-info here: with the checkout on sys.path (python -m from
+# checkout (pip wheel ., and pip install -e . itself) leaves ftrec.egg-info here: with the checkout on sys.path (python -m from
 # it) that is a second ftrec distribution, whose entry point Airflow loads again ("already registered").
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -18,6 +18,7 @@ $(STAMP): pyproject.toml
 	rm -rf ftrec.egg-info
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[airflow,kubernetes,test,bench]'
+	rm -rf ftrec.egg-info  # the editable build leaves it too; the install's metadata is in the venv
 	touch $(STAMP)
 
 setup: $(STAMP)
