@@ -85,15 +85,16 @@ class Relay:
     def _note(self, info: RankInfo) -> _Member:
         """Record a rank's addresses and step; the group's line opens once every rank spoke."""
         m = self.members[info.rank]
+        moved = (info.store or m.store, info.heal or m.heal) != (m.store, m.heal)
         m.store, m.heal = info.store or m.store, info.heal or m.heal  # a connection's first message has them
         m.step, m.quorum_id, m.seen = info.step, info.quorum_id, True
         if all(x.seen for x in self.members):
-            self.upstream.update(
-                step=min(x.step for x in self.members),
-                quorum_id=max(x.quorum_id for x in self.members),
-                store=",".join(x.store for x in self.members),
-                heal=",".join(x.heal for x in self.members),
-            )
+            changes: dict[str, Any] = {"step": min(x.step for x in self.members)}
+            changes["quorum_id"] = max(x.quorum_id for x in self.members)
+            if moved or not self._beating:  # the address lists are joined when one changed only
+                changes["store"] = ",".join(x.store for x in self.members)
+                changes["heal"] = ",".join(x.heal for x in self.members)
+            self.upstream.update(**changes)
             if not self._beating:
                 self._beating = True
                 self.upstream.start_heartbeats()

@@ -110,19 +110,21 @@ def _summary(manifest: dict, path: str | Path) -> dict[str, Any]:
     return out
 
 
-def shard_cost_model(spec: ShardSpec, log=print):
-    """The cost model `spec` balances with: the trained model's own, calibrated once per model
-    config and machine (None: dataprep's default)."""
-    if spec.model_overrides is None:
-        return None
-    from training import calibrate
+def shard_build_args(spec: ShardSpec, log=print) -> dict[str, Any]:
+    """dataprep's build settings for `spec`, the one-process build's and the fanned-out one's
+    alike; the cost model is the trained model's own, calibrated once per model config and
+    machine (None: dataprep's default)."""
+    cost_model = None
+    if spec.model_overrides is not None:
+        from training import calibrate
 
-    cost_model = calibrate.cached(
-        calibrate.model_config(spec.model_overrides), spec.max_len, settings.work_root() / "cost-models"
-    )
-    if log:
-        log(f"cost model: {cost_model}")
-    return cost_model
+        cost_model = calibrate.cached(
+            calibrate.model_config(spec.model_overrides), spec.max_len, settings.work_root() / "cost-models"
+        )
+        if log:
+            log(f"cost model: {cost_model}")
+    keys = ("world_size", "batch_size", "seed", "max_len", "window_steps")
+    return {**{k: getattr(spec, k) for k in keys}, "cost_model": cost_model}
 
 
 def build_shards(spec: ShardSpec, log=None) -> dict[str, Any]:
@@ -141,17 +143,7 @@ def build_shards(spec: ShardSpec, log=None) -> dict[str, Any]:
         return st and (st.st_ino, st.st_mtime_ns)
 
     before = identity()
-    cost_model = shard_cost_model(spec, log)
-    args = dict(
-        world_size=spec.world_size,
-        batch_size=spec.batch_size,
-        seed=spec.seed,
-        max_len=spec.max_len,
-        window_steps=spec.window_steps,
-        quiet=True,
-        log=log,
-        cost_model=cost_model,
-    )
+    args = {**shard_build_args(spec, log), "quiet": True, "log": log}
     try:
         try:
             manifest = _build(spec.input, spec.fmt, str(out), **args)

@@ -37,15 +37,7 @@ def _job(spec: pipeline_ops.ShardSpec, log: Callable[[str], None]):
     from dataprep import build
     from dataprep.errors import DifferentShardSet
 
-    cost_model = pipeline_ops.shard_cost_model(spec, log)
-    kw: dict[str, Any] = dict(
-        world_size=spec.world_size,
-        batch_size=spec.batch_size,
-        seed=spec.seed,
-        max_len=spec.max_len,
-        window_steps=spec.window_steps,
-        cost_model=cost_model,
-    )
+    kw = pipeline_ops.shard_build_args(spec, log)
     try:
         return build.prepare(spec.input, spec.fmt, spec.out, **kw)
     except DifferentShardSet:
