@@ -24,6 +24,7 @@ os.environ.setdefault("AIRFLOW_HOME", str(ROOT / "work" / "test-airflow-home"))
 pytestmark = pytest.mark.slow
 FULL = "test/full/ndcg_at_10"  # the gate's default metric
 GATE_MIN_MARGIN = 0.001
+SEAL = "build_shards.seal"  # the fanned-out build_shards group's last task: the shard set's summary
 
 # group 0 is paced after the kill, so the restarted group 1 is back (and heals) before the
 # 10-step budget runs out: unpaced steps of this tiny model take ~25 ms
@@ -49,6 +50,7 @@ SMALL = [
         "params.batch_size=16",
         "params.max_len=20",
         "params.replica_groups=2",
+        "params.shard_buckets=2",
         "model.dim=16",
         "eval.batch_size=256",
     ),
@@ -94,14 +96,46 @@ def _client(work: Path):
 def test_dag_run_succeeds_and_reports(first, work):
     summary, out = first
     assert summary["state"].endswith("success")
-    assert set(summary["tasks"].values()) == {"success"} and len(summary["tasks"]) == 6
+    assert set(summary["tasks"].values()) == {"success"}
+    # build_shards as mapped tasks: one input file, two buckets (the shard_buckets param), two
+    # ranks (R=2)
+    assert sorted(t for t in summary["tasks"] if t.startswith("build_shards.")) == [
+        "build_shards.bucket[0]",
+        "build_shards.bucket[1]",
+        "build_shards.ids",
+        "build_shards.partition[0]",
+        "build_shards.plan",
+        "build_shards.prepare",
+        "build_shards.read[0]",
+        "build_shards.route[0]",
+        "build_shards.route[1]",
+        "build_shards.seal",
+        "build_shards.write[0]",
+        "build_shards.write[1]",
+    ]
+    others = {t for t in summary["tasks"] if not t.startswith("build_shards.")}
+    assert others == {"ingest_validate", "verify_shards", "train", "evaluate", "register_model"}
     assert "test/sampled/ndcg_at_10" in out and "registered model: ftrec version 1" in out
     assert f"sqlite:///{work / 'mlflow' / 'mlflow.db'}" in out
     assert "mlflow ui --backend-store-uri" in out and "--host 127.0.0.1" in out and "airflow standalone" in out
     assert (work / "airflow" / "airflow.db").exists()
     # the shards were balanced with the trained model's own cost model, calibrated once here
-    assert summary["xcom"]["build_shards"]["cost_model"] == "calibrated:training"
+    assert summary["xcom"][SEAL]["cost_model"] == "calibrated:training"
     assert list((work / "cost-models").glob("cost-*.json"))
+
+
+def test_fanned_out_shards_are_the_one_process_build(first, tmp_path):
+    """The shard set the mapped tasks built is the one `dataprep shards` builds in one process."""
+    from test_dataprep_bucketed import _assert_same
+
+    from dataprep.build import build_shards
+
+    summary, _ = first
+    data, out = summary["xcom"]["ingest_validate"], Path(summary["xcom"][SEAL]["path"])
+    m = json.loads((out / "manifest.json").read_text())
+    kw = {k: m["config"][k] for k in ("world_size", "batch_size", "max_len", "seed", "cost_model")}
+    build_shards(data["path"], data["format"], str(tmp_path / "ref"), memory_budget="64GB", **kw)
+    _assert_same(tmp_path / "ref", out)
 
 
 def test_every_task_writes_the_log_the_ui_reads(first, work):
@@ -115,9 +149,12 @@ def test_every_task_writes_the_log_the_ui_reads(first, work):
     logs = work / "airflow" / "logs" / "dag_id=ftrec_train" / f"run_id={summary['run_id']}"
     text = {}
     for task in summary["tasks"]:
-        lines = (logs / f"task_id={task}" / "attempt=1.log").read_text().splitlines()
+        tid, _, index = task.rstrip("]").partition("[")  # a mapped task's instance: task_id[map_index]
+        mapped = f"map_index={index}" if index else ""
+        lines = (logs / f"task_id={tid}" / mapped / "attempt=1.log").read_text().splitlines()
         text[task] = "\n".join(StructuredLogMessage.model_validate_json(ln).event for ln in lines)
-    assert "shard set" in text["build_shards"] and "MLflow run" in text["train"]
+    assert "shard set" in text[SEAL] and "MLflow run" in text["train"]
+    assert "dataprep bucket 0: " in text["build_shards.bucket[0]"]  # each stage's figures in its own log
     assert "gate verdict: promoted" in text["register_model"] and "gate verdict" not in text["train"]
 
 
@@ -142,7 +179,7 @@ def test_mlflow_run_metrics_and_registered_version(first, work):
     assert [(int(v.version), v.run_id) for v in versions] == [(1, train["mlflow_run_id"])]
     assert versions[0].tags["gate_metric"] == "test/full/ndcg_at_10"
     assert float(versions[0].tags["gate_value"]) == m["test/full/ndcg_at_10"]
-    fp = summary["xcom"]["build_shards"]["fingerprint"]
+    fp = summary["xcom"][SEAL]["fingerprint"]
     assert versions[0].tags["gate_split_fingerprint"] == fp == run.data.tags["gate.split_fingerprint"]
     assert run.data.tags["gate.verdict"] == "promoted" and m["gate/challenger/test/full/ndcg_at_10"] == m[FULL]
     reg = summary["xcom"]["register_model"]
@@ -169,7 +206,7 @@ def test_rerunning_every_task_duplicates_nothing(first, work):
     rc, again, out = local_run(work, "--logical-date", DATE, *SMALL)
     assert rc == 0, out[-3000:]
     assert again["run_id"] == summary["run_id"]  # the same DAG run, every task run a second time
-    assert again["xcom"]["build_shards"]["reused"] is True
+    assert again["xcom"][SEAL]["reused"] is True
     assert again["xcom"]["train"]["reused"] is True and again["xcom"]["train"]["mlflow_run_id"] == run_id
     assert again["xcom"]["register_model"]["reused"] is True
     assert len(c.search_runs([exp])) == 1  # no second MLflow run
@@ -337,7 +374,7 @@ def test_retrains_on_shifted_data_judge_champion_and_challenger_on_equal_tests(f
         )
         assert rc == 0 and summary, out[-4000:]
         reg, tags = _gate(summary, work)
-        fp = summary["xcom"]["build_shards"]["fingerprint"]
+        fp = summary["xcom"][SEAL]["fingerprint"]
         assert tags["gate.split_fingerprint"] == fp and f"gate: split fingerprint {fp}" in out
         ev = summary["xcom"]["evaluate"]
         assert ev["champion"]["version"] == int(tags["gate.champion_version"]) and ev["champion"]["error"] is None

@@ -55,7 +55,7 @@ tis = [
     {"task": ti.task_id, "map": ti.map_index, "state": str(ti.state), "try": ti.try_number}
     for ti in dr.get_task_instances()
 ]
-shards = [ti for ti in dr.get_task_instances() if ti.task_id == "build_shards.seal_task"][0].xcom_pull()
+shards = [ti for ti in dr.get_task_instances() if ti.task_id == "build_shards.seal"][0].xcom_pull()
 print("RESULT " + json.dumps({"state": str(dr.state), "tis": tis, "shards": shards}))
 """
 

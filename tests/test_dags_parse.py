@@ -138,26 +138,54 @@ def test_ftrec_train_structure(parsed):
     d = parsed["dags"]["ftrec_train"]
     t = d["tasks"]
     assert {k: v["downstream"] for k, v in t.items()} == {
-        "ingest_validate": ["build_shards"],
-        "build_shards": ["verify_shards"],
+        "ingest_validate": ["build_shards.plan", "build_shards.prepare", "build_shards.seal"],
+        **SHARD_GROUP,
         "verify_shards": ["train"],
         "train": ["evaluate", "register_model"],
         "evaluate": ["register_model"],
         "register_model": [],
     }
-    assert t["build_shards"]["type"] == "BuildShardsOperator"
-    assert t["build_shards"]["outlets"] == ["ftrec_train_shards"]
+    _assert_fanned_out(t, "ftrec_train_shards")
     assert t["register_model"]["outlets"] == ["ftrec_model"]
     assert t["train"]["type"] == "FaultTolerantTrainOperator"
     assert (t["train"]["queue"], t["train"]["pool"]) == ("default", "default_pool")  # nothing configured
     assert t["train"]["links"] == ["Lighthouse", "MLflow run"]
     assert t["train"]["timeout"] == 24 * 3600
-    for name in ("build_shards", "train", "evaluate", "register_model"):
+    for name in ("build_shards.bucket", "build_shards.seal", "train", "evaluate", "register_model"):
         assert t[name]["retries"] == 2 and t[name]["backoff"], name
     assert t["verify_shards"]["retries"] == 0  # a corrupt shard set does not heal by retrying
     assert t["ingest_validate"]["retries"] == 1 and not t["ingest_validate"]["backoff"]
     assert d["schedule"].startswith("NullTimetable") or "None" in d["schedule"] or "Null" in d["schedule"]
     assert d["doc"] and "ftrec" in d["tags"]
+
+
+# build_shards: a task group of mapped tasks (shard_tasks.fanout), each dataprep.bucketed stage a task
+SHARD_GROUP = {
+    "build_shards.prepare": [
+        "build_shards.ids",
+        "build_shards.partition",
+        "build_shards.plan",
+        "build_shards.read",
+        "build_shards.seal",
+    ],
+    "build_shards.read": ["build_shards.ids"],
+    "build_shards.ids": ["build_shards.bucket", "build_shards.partition", "build_shards.route"],
+    "build_shards.partition": ["build_shards.bucket"],
+    "build_shards.bucket": ["build_shards.plan"],
+    "build_shards.plan": ["build_shards.route", "build_shards.write"],
+    "build_shards.route": ["build_shards.write"],
+    "build_shards.write": ["build_shards.seal"],
+    "build_shards.seal": ["verify_shards"],
+}
+MAPPED = ("read", "partition", "bucket", "route", "write")  # over input files, buckets, ranks
+
+
+def _assert_fanned_out(t: dict, asset: str | None) -> None:
+    assert not [k for k in t if k == "build_shards"]  # no single-task build
+    for name in MAPPED:
+        assert t[f"build_shards.{name}"]["type"].endswith("MappedOperator"), name
+    assert t["build_shards.seal"]["outlets"] == ([asset] if asset else [])
+    assert all(v["outlets"] == [] for k, v in t.items() if k.startswith("build_shards.") and k != "build_shards.seal")
 
 
 def test_ftrec_train_params_have_types_descriptions_and_defaults(parsed):
@@ -172,6 +200,8 @@ def test_ftrec_train_params_have_types_descriptions_and_defaults(parsed):
         "replica_groups",
         "ranks_per_group",
         "world_size",
+        "shard_buckets",
+        "shard_memory_budget",
         "epochs",
         "max_steps",
         "fault_plan",
@@ -193,6 +223,7 @@ def test_ftrec_train_params_have_types_descriptions_and_defaults(parsed):
     assert p["replica_groups"]["value"] == 2  # training always goes through the ftcore launcher
     assert p["world_size"]["schema"]["type"] == ["null", "integer"] and p["world_size"]["value"] is None
     assert p["fault_plan"]["value"] == ""
+    assert p["shard_buckets"]["value"] is None and p["shard_memory_budget"]["value"] == ""
     assert p["mlflow_experiment"]["value"] == "ftrec" and p["model_name"]["value"] == "ftrec"
     assert p["gate_metric"]["value"] == "test/full/ndcg_at_10" and p["gate_min"]["schema"]["type"] == "number"
     assert p["gate_min_margin"]["value"] > 0 and p["gate_min_margin"]["schema"]["minimum"] == 0
@@ -205,7 +236,7 @@ def test_ftrec_retrain_runs_daily_or_on_new_data(parsed):
     t = d["tasks"]
     assert t["base_model"]["downstream"] == ["train"] and t["verify_shards"]["downstream"] == ["train"]
     assert t["train"]["downstream"] == ["evaluate", "register_model"]
-    assert t["build_shards"]["outlets"] == ["ftrec_retrain_shards"]
+    _assert_fanned_out(t, "ftrec_retrain_shards")
     assert t["register_model"]["outlets"] == ["ftrec_model"]
 
 
@@ -219,6 +250,7 @@ def test_ftrec_chaos_drill_defaults_to_a_fault_plan(parsed):
     assert all(v["retries"] == 0 for v in t.values())  # a drill that needs a second try has failed
     assert all(v["outlets"] == [] for v in t.values())  # and its shards are nobody's input
     assert t["train"]["links"] == ["Lighthouse", "MLflow run"]
+    _assert_fanned_out(t, None)
 
 
 def test_train_tasks_run_where_the_deployment_says(tmp_path):
@@ -263,8 +295,8 @@ def test_ftrec_train_k8s_with_the_provider_is_the_training_pipeline_on_pods(tmp_
     d = parsed["dags"]["ftrec_train_k8s"]
     t = d["tasks"]
     assert {k: v["downstream"] for k, v in t.items()} == {
-        "ingest_validate": ["build_shards"],
-        "build_shards": ["verify_shards"],
+        "ingest_validate": ["build_shards.plan", "build_shards.prepare", "build_shards.seal"],
+        **SHARD_GROUP,
         "verify_shards": ["open_run"],
         "open_run": ["drop_job_token", "group_pods", "job_token", "trained"],
         "job_token": ["train_group"],  # the pods mount their job's token Secret: it exists first
@@ -279,6 +311,7 @@ def test_ftrec_train_k8s_with_the_provider_is_the_training_pipeline_on_pods(tmp_
     assert t["train_group"]["type"] == "MappedOperator" and t["train_group"]["operator"] == "GroupPodOperator"
     assert t["train_group"]["retries"] == 2 and t["train_group"]["timeout"] == 24 * 3600
     assert t["register_model"]["outlets"] == ["ftrec_model"]
+    _assert_fanned_out(t, "ftrec_train_k8s_shards")
     assert "kubernetes" in d["tags"] and d["description"] == "replica groups as Kubernetes pods"
     assert set(d["params"]) == set(parsed["dags"]["ftrec_train"]["params"])
 

@@ -199,8 +199,9 @@ def child(dag_id: str, conf: dict, summary_path: Path, logical_date: str | None 
         when["logical_date"] = when["run_after"] = datetime.fromisoformat(logical_date)
     _log_every_task(Path(os.environ["AIRFLOW_HOME"]) / "logs")
     dr = bag.dags[dag_id].test(run_conf=conf, **when)
-    tis = {ti.task_id: ti for ti in dr.get_task_instances()}
-    xcoms = {tid: ti.xcom_pull(task_ids=tid) for tid, ti in tis.items()}
+    # a mapped task's instances by "task_id[map_index]"; a task group's by "group.task"
+    tis = {ti.task_id + (f"[{ti.map_index}]" if ti.map_index >= 0 else ""): ti for ti in dr.get_task_instances()}
+    xcoms = {tid: ti.xcom_pull(task_ids=ti.task_id, map_indexes=ti.map_index) for tid, ti in tis.items()}
     links = {
         tid: {key: ti.xcom_pull(task_ids=tid, key=f"_link_{key}") for key in ("MLflowRunLink", "LighthouseLink")}
         for tid, ti in tis.items()

@@ -7,16 +7,19 @@ decisions (retries, outlets, timeouts) so the DAGs agree.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import datetime, timedelta
+from types import MappingProxyType
 from typing import Any
 
 from airflow.sdk import Asset, Param, XComArg, task
 
-from ftrec_airflow import pipeline_ops, settings, tasks
+from ftrec_airflow import pipeline_ops, settings, shard_tasks, tasks
 from ftrec_airflow.decorators import build_shards_task, ft_train_task
 
 START = datetime(2026, 1, 1)
+# build_shards fanned out (shard_tasks.fanout's keywords): buckets from the memory budget
+FANOUT: Mapping[str, Any] = MappingProxyType({})
 # Every task of a training DAG (its default_args): 10 s, 20 s between tries
 RETRY: dict[str, Any] = {"retries": 2, "retry_delay": timedelta(seconds=10), "retry_exponential_backoff": 2.0}
 # ingest_validate reads a file: one quick retry (a mount that was late), then it is the input
@@ -54,6 +57,17 @@ PARAMS: dict[str, tuple[Any, dict[str, Any], str]] = {
         None,
         {"type": ["null", "integer"], "minimum": 1},
         "Shard count W; empty means R*K (the only value the launcher accepts).",
+    ),
+    "shard_buckets": (
+        None,
+        {"type": ["null", "integer"], "minimum": 1},
+        "Buckets of the fanned-out shard build (one bucket task each); empty: as many as shard_memory_budget needs.",
+    ),
+    "shard_memory_budget": (
+        "",
+        {"type": "string", "pattern": "^$|^[0-9]+(\\.[0-9]+)?\\s*[kKmMgGtT]?[iI]?[bB]?$"},
+        "Memory one shard build task may use, like 512MB or 4GB (sets the bucket count); "
+        "empty: a quarter of the worker's memory.",
     ),
     "epochs": (0, {"type": "integer", "minimum": 0}, "Training epochs; 0 keeps the trainer's default."),
     "max_steps": (0, {"type": "integer", "minimum": 0}, "Stop after this many committed steps; 0: no limit."),
@@ -117,10 +131,11 @@ class TrainingDag:
     the DAG's `default_args` (RETRY); a `drill` retries nothing (a drill that needs a second
     try has failed) and announces no shard set. Example: docs/airflow.md, "TrainingDag"."""
 
-    def __init__(self, dag_id: str, *, drill: bool = False, shard_fanout: dict[str, Any] | None = None):
+    def __init__(self, dag_id: str, *, drill: bool = False, shard_fanout: Mapping[str, Any] | None = FANOUT):
         self.dag_id = dag_id
         self.drill = drill
-        # not None: build_shards as a task group of mapped tasks (shard_tasks.fanout's keywords)
+        # build_shards as a task group of mapped tasks (shard_tasks.fanout's keywords; the
+        # shard_* params come first); None: one build_shards task
         self.shard_fanout = shard_fanout
         # build_shards' outlet: an event per shard set built (path, fingerprint in its extra)
         self.shards_asset = None if drill else Asset(name=f"{dag_id}_shards", uri=f"ftrec://shards/{dag_id}")
@@ -145,9 +160,7 @@ class TrainingDag:
         ingested = task(task_id="ingest_validate", **({} if self.drill else INGEST_RETRY))(ingest)()
         outlets = [self.shards_asset] if self.shards_asset else []
         if self.shard_fanout is not None:
-            from ftrec_airflow import shard_tasks
-
-            built = shard_tasks.fanout(ingested, tasks.shard_spec, outlets=outlets, **self.shard_fanout)
+            built = shard_tasks.fanout(ingested, tasks.shard_spec, outlets=outlets, **dict(self.shard_fanout))
         else:
             built = build_shards_task(tasks.shard_spec, task_id="build_shards", outlets=outlets)(ingested)
         # a corrupt shard set does not heal by retrying

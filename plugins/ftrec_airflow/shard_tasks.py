@@ -81,7 +81,10 @@ def run_stage(name: str, stage: str, index: int | None = None) -> Any:
     t = time.monotonic()
     with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as ex:
         out = _user_errors(lambda: ex.submit(getattr(bucketed, name), *args).result())
-    _took(stage, name, index, time.monotonic() - t)
+    took = time.monotonic() - t
+    _took(stage, name, index, took)
+    figures = ", ".join(f"{k} {v}" for k, v in out.items() if isinstance(v, int | float) and k != "seconds")
+    print(f"dataprep {name}{'' if index is None else f' {index}'}: {figures} ({took:.1f} s)")
     return out
 
 
@@ -155,6 +158,15 @@ def write(stage: str, r: int) -> Any:
     return run_stage("write", stage, r)
 
 
+def _settings(params: dict | None, buckets: int | None, memory_budget: str | None) -> dict[str, Any]:
+    """The bucket count and memory budget: the DAG run's shard_* params, else the DAG's own."""
+    p = params or {}
+    return {
+        "buckets": p.get("shard_buckets") or buckets,
+        "memory_budget": p.get("shard_memory_budget") or memory_budget,
+    }
+
+
 def fanout(
     data: XComArg,
     spec_fn: Callable[..., pipeline_ops.ShardSpec],
@@ -164,12 +176,15 @@ def fanout(
     memory_budget: str | None = None,
 ) -> XComArg:
     """The task group `build_shards` (see the module doc) on `data` (ingest's output); returns
-    seal's summary, what `@build_shards_task` returns. `spec_fn(data, params=params)` says the set."""
+    seal's summary, what `@build_shards_task` returns. `spec_fn(data, params=params)` says the
+    set; the shard_buckets and shard_memory_budget params, when set, replace `buckets` and
+    `memory_budget`."""
     with TaskGroup(group_id="build_shards"):
 
-        @task
+        @task(task_id="prepare")
         def prepare_task(data: Any, params=None) -> list[dict]:
-            p = prepare(spec_fn(data, params=params), buckets=buckets, memory_budget=memory_budget)
+            kw = _settings(params, buckets, memory_budget)
+            p = _user_errors(lambda: prepare(spec_fn(data, params=params), **kw))
             return [{"stage": p["stage"], "f": f} for f in p["files"]]
 
         @task
@@ -178,15 +193,19 @@ def fanout(
             meta = run_stage("ids", stage)
             return [{"stage": stage, "b": b} for b in range(meta["buckets"] if meta else 1)]
 
-        @task
+        @task(task_id="plan")
         def plan_task(files: list[dict], data: Any, params=None) -> list[dict]:
             stage = files[0]["stage"]
             plan(stage)
             return [{"stage": stage, "r": r} for r in range(spec_fn(data, params=params).world_size)]
 
-        @task(outlets=outlets or [])
+        @task(task_id="seal", outlets=outlets or [])
         def seal_task(files: list[dict], data: Any, params=None, outlet_events=None) -> dict:
             s = seal(files[0]["stage"], spec_fn(data, params=params).out)
+            print(
+                f"shard set {s['path']}: {s['steps']} steps, {s['num_samples']} samples, "
+                f"bubble {s['bubble_fraction'] or 0.0:.4f}{' (reused)' if s['reused'] else ''}"
+            )
             for a in outlets or []:
                 outlet_events[a].extra = {k: s[k] for k in ("path", "fingerprint", "steps", "num_samples")}
             return s
