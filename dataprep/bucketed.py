@@ -25,6 +25,7 @@ from dataprep import readers, schema, sequences, workdir
 from dataprep.assemble import finish, write
 from dataprep.cost import load_cost_model
 from dataprep.errors import DataprepError
+from dataprep.readers.events import Restart
 
 BYTES_PER_EVENT = 400  # peak working set of a bucket per event (build_sequences + samples), measured
 IN_MEMORY_BYTES_PER_EVENT = 130  # the in-memory build's peak per event (10M Parquet events: 1.15 GB)
@@ -74,7 +75,15 @@ def estimate(paths: list[str], fmt: str) -> int:
 
 def scan(work: "str | Path", f: int) -> dict:
     """Read input file f: events (raw ids; times, or input positions), ids, counts, rejects."""
-    work = Path(work)
+    again: dict = {}
+    while True:
+        try:
+            return _scan(Path(work), f, again)
+        except Restart as e:  # a CSV file read again from its start (see readers.events.Restart)
+            again = {"kinds": e.kinds, "replace": e.replace}
+
+
+def _scan(work: Path, f: int, again: dict) -> dict:
     ctx = workdir.ctx(work)
     path = ctx["paths"][f]
     counts: dict[str, int] = {}
@@ -82,10 +91,12 @@ def scan(work: "str | Path", f: int) -> dict:
     users: list[pa.Table] = []
     items: list[pa.Array] = []
     types: dict[str, set[str]] = {"user": set(), "item": set()}
-    n = 0
+    n, changed = 0, False
     with workdir.task_dir(work / "scan" / str(f)) as d:
         writer = None
-        for cols, rejects, c in readers.iter_file(path, ctx["fmt"], ctx["batch_rows"], **ctx["reader_options"]):
+        for cols, rejects, c in readers.iter_file(
+            path, ctx["fmt"], ctx["batch_rows"], **ctx["reader_options"], **again
+        ):
             for k, v in c.items():
                 counts[k] = counts.get(k, 0) + v
             for tag, t in rejects:
@@ -97,8 +108,9 @@ def scan(work: "str | Path", f: int) -> dict:
                 continue
             if writer is None:
                 writer, first = pa.ipc.new_stream(str(d / "events.arrow"), ev.schema), ev.schema
-            if ev.schema != first:  # a later part typed its ids otherwise: keep all as text
-                raise DataprepError(f"{path}: id columns change type inside the file; store one type per column")
+            if ev.schema != first:  # a CSV file is read again when its parts end (Restart)
+                changed = True
+                continue
             writer.write_table(ev)
             n += ev.num_rows
             vc = pc.value_counts(ev.column("user").combine_chunks()).flatten()
@@ -108,6 +120,8 @@ def scan(work: "str | Path", f: int) -> dict:
                 users, items = [_sum_counts(users)], [pc.unique(pa.concat_arrays(items))]
         if writer is not None:
             writer.close()
+        if changed:
+            raise DataprepError(f"{path}: id columns change type inside the file; store one type per column")
         if users:
             workdir.write_ipc(d / "users.arrow", _sum_counts(users))
             workdir.write_ipc(d / "items.arrow", pa.table({"i": pc.unique(pa.concat_arrays(items))}))

@@ -228,3 +228,55 @@ def test_sparse_int_ids_same_bytes(tmp_path):
     t = pa.table({"user_id": c["user_id"] * 10**12 + 7, "item_id": c["item_id"] * 10**9, "timestamp": c["timestamp"]})
     pq.write_table(t, tmp_path / "sparse.parquet")
     _both(tmp_path, str(tmp_path / "sparse.parquet"), "events", world_size=2, batch_size=8)
+
+
+def _csv_text(cols: dict, rng: np.random.Generator) -> list[str]:
+    """CSV records of `cols`, with blank lines and lines of the wrong field count here and there."""
+    rows = [f"{u},{i},{t}" for u, i, t in zip(cols["user_id"], cols["item_id"], cols["timestamp"], strict=True)]
+    for k in sorted(rng.choice(len(rows), 40, replace=False), reverse=True):
+        rows.insert(int(k), "" if k % 2 else "7,8")
+    return ["user_id,item_id,timestamp", *rows]
+
+
+@pytest.fixture(scope="module")
+def csv_inputs(tmp_path_factory) -> dict[str, Path]:
+    """CSV files read in parts: clean integers; late text ids, an ISO-time file with a bad time,
+    bytes that are not UTF-8 late in a file (each read again whole-file alike, see Restart)."""
+    d = tmp_path_factory.mktemp("csv")
+    rng = np.random.default_rng(11)
+    lines = _csv_text(_events(rng, 2000, 40_000), rng)
+    (d / "clean.csv").write_text("\n".join(lines) + "\n")
+    late = lines[:-3] + ["u-late,5,1600000000000", *lines[-3:]]  # a text user id in the last part only
+    (d / "late_text.csv").write_text("\n".join(late) + "\n")
+    c = _events(rng, 800, 12_000, first_user=5000)
+    iso = [f"{u},{i},{np.datetime64(int(t), 'ms')}Z" for u, i, t in zip(*c.values(), strict=True)]
+    iso[-20] = iso[-20].rsplit(",", 1)[0] + ",not a time"
+    (d / "iso.csv").write_text("\n".join(["user_id,item_id,timestamp", *iso]) + "\n")
+    (d / "latin1.csv").write_bytes("\n".join(lines[:-5]).encode() + "\n9,caf\xe9,1600000000001\n".encode("latin-1"))
+    return {p.stem: p for p in d.iterdir()}
+
+
+@pytest.mark.parametrize("files", [["clean"], ["late_text", "iso"], ["latin1"]])
+def test_csv_read_in_parts_same_bytes(tmp_path, csv_inputs, monkeypatch, files):
+    """CSV events stream through the bucketed build in parts of a few thousand rows and
+    give the in-memory build's set: reader rejects with their lines, kinds chosen over the whole
+    file (a late text id, ISO times), bytes that are not UTF-8 late in a file."""
+    parts: list[int] = []
+    iter_file = bucketed.readers.iter_file
+
+    def counted(*a, **kw):
+        for part in iter_file(*a, **kw):
+            parts.append(len(part[0]["line"]))
+            yield part
+
+    monkeypatch.setattr(bucketed, "batch_rows", lambda budget: 1000)
+    monkeypatch.setattr(bucketed.readers, "iter_file", counted)
+    ref, _ = _both(tmp_path, [str(csv_inputs[f]) for f in files], "events", world_size=2, batch_size=16, max_len=20)
+    # parts of 64 KB of text (the smallest block), never the whole file at once: two builds
+    assert len(parts) > 2 * 3 * len(files) and max(parts) < 4000
+    r = ref["rejects"]
+    assert r.get("malformed_line", 0) > 10 or files == ["iso"]
+    if "iso" in files:
+        assert r["bad_timestamp"] == 1
+    if "latin1" in files:
+        assert r["not_utf8"] == 1

@@ -132,3 +132,26 @@ def test_csv_row_not_utf8_costs_that_row_not_the_id_type(tmp_path):
     ev = readers.read(str(p), "events")
     assert ev.user.type == pa.int64() and _seqs(ev) == {7: [5, 6, 7]}
     assert [(r["line"], r["reason"]) for t in ev.rejects for r in t.to_pylist()] == [(5, "not_utf8")]
+
+
+def test_csv_events_stream_in_parts_and_restart_when_a_late_part_changes_a_kind(tmp_path):
+    """iter_file reads a CSV in parts (pyarrow's streaming reader) that concatenate to the whole
+    read; a text id in the last part only makes it ask for a second read with the whole file's
+    kinds (events.Restart), and that read types every part as the whole read does."""
+    from dataprep.readers.events import Restart
+
+    rows = [f"{u % 97},{u % 31},{1_600_000_000 + u}" for u in range(30_000)]
+    p = tmp_path / "ev.csv"
+    p.write_text("\n".join(["user_id,item_id,timestamp", *rows, "x7,3,1600000000"]) + "\n")
+    whole = readers.read(str(p), "events")
+    parts = []
+    with pytest.raises(Restart) as e:
+        for part in readers.iter_file(str(p), "events", 1000):
+            parts.append(part)
+    assert len(parts) > 5 and e.value.kinds == ("text", "int", "int64") and not e.value.replace
+    parts = list(readers.iter_file(str(p), "events", 1000, kinds=e.value.kinds))
+    assert len(parts) > 5
+    user = pa.concat_arrays([c["user"] for c, _, _ in parts])
+    assert user.type == pa.string() and user.equals(whole.user)
+    assert np.array_equal(np.concatenate([c["line"] for c, _, _ in parts]), whole.line)
+    assert np.array_equal(np.concatenate([c["ts"] for c, _, _ in parts]), whole.ts)

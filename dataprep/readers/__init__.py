@@ -15,7 +15,13 @@ import numpy as np
 import pyarrow as pa
 
 from dataprep.errors import DataprepError
-from dataprep.readers.events import parquet_batches, parquet_dataset, read_events, streamable
+from dataprep.readers.events import (
+    iter_csv,
+    parquet_batches,
+    parquet_dataset,
+    read_events,
+    streamable,
+)
 from dataprep.readers.text import read_sasrec, token_events
 
 FORMATS = ("sasrec", "iclrec", "movielens", "events")
@@ -143,14 +149,25 @@ def iter_file(
     user_col: str = "user_id",
     item_col: str = "item_id",
     time_col: str = "timestamp",
+    kinds: tuple[str, str, str] | None = None,
+    replace: bool = False,
     **unknown,
 ) -> Iterator[tuple[dict, list[tuple[int, pa.Table]], dict]]:
     """One input file as parts of at most `batch_rows` rows where the format allows (Parquet
-    events), else whole: (event columns, [(check number, reject table)], counts). The parts'
-    events concatenate to `read_file`'s; its rejects are each check's tables concatenated, in
-    check order (see table_events)."""
+    and CSV events), else whole: (event columns, [(check number, reject table)], counts). The
+    parts' events concatenate to `read_file`'s; its rejects are each check's tables
+    concatenated, in check order (see table_events). A CSV file may raise events.Restart: read
+    it again with the Restart's `kinds` and `replace`."""
     defaults = _columns(user_col, item_col, time_col, unknown)
-    parquet = fmt == "events" and not path.endswith((".csv", ".csv.gz", ".tsv"))
+    csv = path.endswith((".csv", ".csv.gz", ".tsv"))
+    if csv and not is_uri(path) and (fmt == "events" or fmt == "movielens" and path.endswith(".csv")):
+        check_input(path)
+        names = (
+            (user_col, item_col, time_col, defaults) if fmt == "events" else ("userId", "movieId", "timestamp", False)
+        )
+        yield from iter_csv(path, *names, batch_rows, kinds, replace)
+        return
+    parquet = fmt == "events" and not csv
     if parquet:
         check_input(path)
         dataset, cols = parquet_dataset(path, user_col, item_col, time_col, defaults)

@@ -3,7 +3,9 @@
 CSV is read as strings and typed here, so one bad row costs that row; Parquet's typed
 columns are used as they are, and a file pyarrow cannot read is an error naming it."""
 
+import codecs
 import csv
+import io
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +17,18 @@ import pyarrow.csv as pcsv
 import pyarrow.dataset as pds
 
 from dataprep.errors import DataprepError
-from dataprep.readers.values import as_bool, as_id, as_time, csv_ids, matches, rejected_rows
+from dataprep.readers.values import (
+    as_bool,
+    as_id,
+    as_time,
+    csv_ids,
+    id_kind,
+    matches,
+    merge_id_kinds,
+    merge_time_kinds,
+    rejected_rows,
+    time_kind,
+)
 
 
 def _find_col(names: list[str], wanted: str, aliases: tuple[str, ...], path: str, flag: str) -> str:
@@ -25,7 +38,7 @@ def _find_col(names: list[str], wanted: str, aliases: tuple[str, ...], path: str
     raise DataprepError(f"{path}: no column {wanted!r} (columns: {', '.join(names)}); set {flag} to the right name")
 
 
-def _event_cols(
+def event_cols(
     names: list[str], user_col: str, item_col: str, time_col: str, defaults: bool, path: str
 ) -> tuple[str, str, str]:
     ua = ("user", "userId", "userid", "uid") if defaults else ()
@@ -38,7 +51,7 @@ def _event_cols(
     )
 
 
-def _csv_header(path: str, delimiter: str) -> list[str]:
+def csv_header(path: str, delimiter: str) -> list[str]:
     with pa.input_stream(path) as f:  # decompresses .gz
         head = f.read(1 << 20)
     first = head.split(b"\n", 1)[0].rstrip(b"\r").decode("utf-8-sig", errors="replace")
@@ -91,6 +104,18 @@ def _csv_read(path: str, delimiter: str, cols: tuple[str, ...]) -> tuple[pa.Tabl
         sys.unraisablehook = hook
 
 
+def _skipped_rows(path: str, bad: list) -> list[tuple[int, pa.Table]]:
+    """The rows pyarrow skipped (wrong field count) as rejects: malformed_line, then not_utf8
+    (a row holding a replaced byte), each with its number in a file's reject order (-2, -1)."""
+    out = []
+    for tag, reason in ((-2, "malformed_line"), (-1, "not_utf8")):
+        rows = [r for r in bad if ("\ufffd" in r.text) == (reason == "not_utf8")]
+        if rows:
+            details = [f"expected {r.expected_columns} fields, got {r.actual_columns}: {r.text[:80]!r}" for r in rows]
+            out.append((tag, rejected_rows(path, [r.number for r in rows], reason, details)))
+    return out
+
+
 def _read_csv(path: str, delimiter: str, cols: tuple[str, ...]) -> tuple[pa.Table, np.ndarray, list, np.ndarray]:
     """The three event columns of a CSV as strings: (table, each row's line number, rejected rows,
     which rows are not UTF-8). A row with the wrong number of fields is rejected (malformed_line),
@@ -102,22 +127,147 @@ def _read_csv(path: str, delimiter: str, cols: tuple[str, ...]) -> tuple[pa.Tabl
     if replaced:
         for c in cols:
             invalid |= matches(t.column(c).combine_chunks(), "\ufffd")
-    rejects = []
-    for reason in ("malformed_line", "not_utf8"):
-        rows = [r for r in bad if ("\ufffd" in r.text) == (reason == "not_utf8")]
-        if rows:
-            rejects.append(
-                rejected_rows(
-                    path,
-                    [r.number for r in rows],
-                    reason,
-                    [f"expected {r.expected_columns} fields, got {r.actual_columns}: {r.text[:80]!r}" for r in rows],
-                )
-            )
+    rejects = [t for _, t in _skipped_rows(path, bad)]
     keep = np.ones(t.num_rows + len(bad) + 2, bool)  # index = line number
     keep[:2] = False
     keep[[r.number for r in bad]] = False
     return t, np.flatnonzero(keep), rejects, invalid
+
+
+class Restart(Exception):
+    """A CSV file read in parts must be read again from its start: with the whole file's kinds
+    (a part's own differed), or with bytes that are not UTF-8 replaced (`replace`)."""
+
+    def __init__(self, kinds: tuple[str, str, str] | None, replace: bool):
+        super().__init__(f"read again: kinds {kinds}, replace {replace}")
+        self.kinds, self.replace = kinds, replace
+
+
+class _Replacing(io.RawIOBase):
+    """A file's bytes with those that are not UTF-8 replaced (U+FFFD), decoded as they stream."""
+
+    def __init__(self, path: str):
+        self.src = pa.input_stream(path)  # decompresses .gz
+        self.dec = codecs.getincrementaldecoder("utf-8")("replace")
+        self.buf, self.eof = b"", False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        while len(self.buf) < len(b) and not self.eof:
+            chunk = self.src.read(1 << 20)
+            self.eof = not chunk
+            self.buf += self.dec.decode(chunk, final=self.eof).encode()
+        n = min(len(b), len(self.buf))
+        b[:n], self.buf = self.buf[:n], self.buf[n:]
+        return n
+
+    def close(self) -> None:
+        self.src.close()
+        super().close()
+
+
+def _csv_failed(path: str, e: Exception, kinds, replace: bool) -> Exception:
+    """What a failed streaming read raises: the system's error, Restart (bytes that are not UTF-8
+    may be the cause: read again with them replaced), or the file's error."""
+    if isinstance(e, OSError) and e.errno is not None:
+        return e
+    if isinstance(e, pa.ArrowInvalid) and not replace:
+        return Restart(kinds, True)
+    return DataprepError(f"{path}: cannot read as CSV events ({str(e).splitlines()[0]}); check --format and the file")
+
+
+def _good_lines(start: int, n: int, skipped: list[int]) -> np.ndarray:
+    """The record numbers of the next n rows read from record `start` on, past `skipped` ones."""
+    cand = np.arange(start, start + n + len(skipped), dtype=np.int64)
+    return cand[~np.isin(cand, skipped)][:n]
+
+
+def csv_batches(
+    path: str, delimiter: str, cols: tuple, batch_rows: int, kinds=None, replace: bool = False
+) -> Iterator[tuple]:
+    """A CSV file in parts of about `batch_rows` rows (pyarrow's streaming reader), as
+    parquet_batches yields them; the parts concatenate to _read_csv + table_events of the whole
+    file. Raises Restart when the file must be read again (then nothing yielded counts)."""
+    chosen, bad, skipped = CsvKinds(kinds), [], []
+    line, rows = 2, 0
+
+    def skip(row):
+        bad.append(row)
+        return "skip"
+
+    hook = sys.unraisablehook  # as in _read_csv: a bad row that is not UTF-8 fails the read quietly
+    sys.unraisablehook = lambda u: None if isinstance(u.exc_value, UnicodeDecodeError) else hook(u)
+    try:
+        try:
+            reader = pcsv.open_csv(
+                io.BufferedReader(_Replacing(path)) if replace else path,
+                read_options=pcsv.ReadOptions(use_threads=False, block_size=max(batch_rows * 16, 1 << 16)),
+                parse_options=pcsv.ParseOptions(
+                    delimiter=delimiter, ignore_empty_lines=False, invalid_row_handler=skip
+                ),
+                convert_options=pcsv.ConvertOptions(
+                    include_columns=list(cols), column_types={c: pa.string() for c in cols}, strings_can_be_null=True
+                ),
+            )
+        except (OSError, ValueError) as e:
+            raise _csv_failed(path, e, kinds, replace) from None
+        while True:
+            try:
+                batch = next(reader, None)
+            except (OSError, ValueError) as e:
+                raise _csv_failed(path, e, kinds, replace) from None
+            if batch is None and not bad:
+                break
+            table = (
+                pa.Table.from_batches([batch])
+                if batch is not None
+                else pa.table({c: pa.array([], pa.string()) for c in cols})
+            )
+            # the reader parses ahead on its own thread: take the rows it skipped so far, once
+            taken = bad[: len(bad)]
+            del bad[: len(taken)]
+            skipped += [r.number for r in taken]
+            lines = _good_lines(line, table.num_rows, skipped)
+            if len(lines):
+                line = int(lines[-1]) + 1
+                skipped = [x for x in skipped if x >= line]
+            part = _csv_part(path, table, cols, lines, taken, replace, chosen)
+            rows += part[2]["lines"]
+            yield part
+            if batch is None:
+                break
+    finally:
+        sys.unraisablehook = hook
+    if rows == 0:
+        raise DataprepError(f"{path}: no rows; nothing to read (give a file with interactions)")
+    if not chosen.exact():
+        raise Restart(chosen.whole(), replace)
+
+
+def _csv_part(path: str, table: pa.Table, cols: tuple, lines: np.ndarray, bad: list, replace: bool, chosen) -> tuple:
+    """One part of a CSV file (`bad`: the rows skipped since the last part) as csv_batches yields it."""
+    invalid = np.zeros(table.num_rows, bool)
+    if replace:
+        for c in cols:
+            invalid |= matches(table.column(c).combine_chunks(), "\ufffd")
+    tagged, calls = _skipped_rows(path, bad), list[int]()
+    out, rejects, counts = table_events(path, table, cols, lines, [t for _, t in tagged], invalid, True, calls, chosen)
+    return out, tagged + list(zip(calls, rejects[len(tagged) :], strict=True)), counts
+
+
+def iter_csv(path: str, user_col: str, item_col: str, time_col: str, defaults: bool, batch_rows: int, kinds, replace):
+    """csv_batches of a CSV events file, its columns found by name as read_events finds them."""
+    delimiter = "\t" if path.endswith(".tsv") else ","
+    try:
+        names = csv_header(path, delimiter)
+    except (OSError, ValueError) as e:
+        raise _csv_failed(path, e, None, True) from None
+    if not names:
+        raise DataprepError(f"{path}: empty file; nothing to read (give a file with interactions)")
+    cols = event_cols(names, user_col, item_col, time_col, defaults, path)
+    yield from csv_batches(path, delimiter, cols, batch_rows, kinds, replace)
 
 
 def _not_parquet(name: str, e: Exception) -> DataprepError:
@@ -132,7 +282,7 @@ def _read_parquet(path: str, user_col: str, item_col: str, time_col: str, defaul
     dataset = None
     try:
         dataset = pds.dataset(path, format="parquet")
-        cols = _event_cols(dataset.schema.names, user_col, item_col, time_col, defaults, path)
+        cols = event_cols(dataset.schema.names, user_col, item_col, time_col, defaults, path)
         return dataset.to_table(columns=list(cols)), cols
     except (OSError, ValueError) as e:
         # pyarrow reports bad content as ArrowInvalid / OSError without errno / UnicodeDecodeError;
@@ -160,10 +310,10 @@ def read_events(path: str, user_col: str, item_col: str, time_col: str, defaults
     if is_csv:
         delimiter = "\t" if path.endswith(".tsv") else ","
         try:
-            names = _csv_header(path, delimiter)
+            names = csv_header(path, delimiter)
             if not names:
                 raise DataprepError(f"{path}: empty file; nothing to read (give a file with interactions)")
-            cols = _event_cols(names, user_col, item_col, time_col, defaults, path)
+            cols = event_cols(names, user_col, item_col, time_col, defaults, path)
             table, line, rejects, invalid = _read_csv(path, delimiter, cols)
         except (OSError, ValueError) as e:  # e.g. a truncated .gz (an OSError with errno is the system's: raised)
             if isinstance(e, OSError) and e.errno is not None:
@@ -200,16 +350,42 @@ class _RowChecks:
             self.bad = self.bad | mask
 
 
-def _csv_strings(raw: list[pa.Array], invalid: np.ndarray) -> tuple[list[pa.Array], np.ndarray]:
+class CsvKinds:
+    """A CSV file's id and time kinds (values.csv_ids, parse_times) when it is read in parts:
+    the whole file's when known (`forced`), else each part's own, with the figures that give
+    the whole file's (`whole`) and whether every part's own was that (`exact`)."""
+
+    def __init__(self, forced: tuple[str, str, str] | None = None):
+        self.forced = forced
+        self.parts: list[tuple] = []
+
+    def choose(self, user: pa.Array, item: pa.Array, time: pa.Array) -> tuple[str | None, ...]:
+        if self.forced or len(user) == 0:  # an empty part is typed alike whatever the kind
+            return self.forced or (None, None, None)
+        self.parts.append((id_kind(user), id_kind(item), time_kind(time)))
+        return tuple(f[0] for f in self.parts[-1])
+
+    def whole(self) -> tuple[str, str, str]:
+        u, i, t = zip(*self.parts, strict=True) if self.parts else ((), (), ())
+        return merge_id_kinds(list(u)), merge_id_kinds(list(i)), merge_time_kinds([f for _, f in t])
+
+    def exact(self) -> bool:
+        return all(tuple(f[0] for f in p) == self.whole() for p in self.parts)
+
+
+def _csv_strings(
+    raw: list[pa.Array], invalid: np.ndarray, kinds: CsvKinds | None
+) -> tuple[list[pa.Array], np.ndarray, str | None]:
     """CSV strings trimmed, "" as missing, values of rows that are not UTF-8 dropped (they must not
-    make a column text), ids typed; and the blank rows (none of the three values)."""
+    make a column text), ids typed; the blank rows (none of the three values); the time kind."""
     drop = pa.array(invalid)
     raw = [
         pc.if_else(pc.or_kleene(pc.equal(a, ""), drop), pa.scalar(None, pa.string()), a)
         for a in (pc.utf8_trim_whitespace(a) for a in raw)
     ]
     blank = np.logical_and.reduce([as_bool(a.is_null()) for a in raw]) & ~invalid
-    return [csv_ids(raw[0]), csv_ids(raw[1]), raw[2]], blank
+    ku, ki, kt = kinds.choose(*raw) if kinds is not None else (None, None, None)
+    return [csv_ids(raw[0], ku), csv_ids(raw[1], ki), raw[2]], blank, kt
 
 
 def _check_rows(chk: _RowChecks, cols, typed, raw_time: pa.Array, bad_ts, ts_what: str, invalid) -> None:
@@ -245,20 +421,22 @@ def table_events(
     invalid: "np.ndarray | None",
     is_csv: bool,
     calls: "list[int] | None" = None,
+    kinds: CsvKinds | None = None,
 ) -> tuple[dict, list, dict]:
     """One file's (or one batch's) typed events and rejects. `calls`, when given, receives for
     each reject table added the number of the check that made it (a batched reader restores
-    the whole file's reject order from them)."""
+    the whole file's reject order from them); `kinds`: a CSV part's (see CsvKinds)."""
     uc, ic, tc = cols
     raw = [table.column(c).combine_chunks() for c in cols]
     n = table.num_rows
     blank = np.zeros(n, bool)
+    kt = None
     if is_csv:
         assert invalid is not None  # _read_csv says of every row whether it is UTF-8
-        raw, blank = _csv_strings(raw, invalid)
+        raw, blank, kt = _csv_strings(raw, invalid, kinds)
     user = as_id(raw[0], path, uc)
     item = as_id(raw[1], path, ic)
-    ts, bad_ts, ts_what = as_time(raw[2], path, tc)
+    ts, bad_ts, ts_what = as_time(raw[2], path, tc, kt)
     skipped = sum(r.num_rows for r in rejects)  # rows the CSV reader rejected
     chk = _RowChecks(path, user, line, blank.copy(), rejects, calls)
     _check_rows(chk, cols, (user, item, ts), raw[2], bad_ts, ts_what, invalid)
@@ -289,7 +467,7 @@ def streamable(dataset: pds.Dataset, cols: tuple[str, str, str]) -> bool:
 def parquet_dataset(path: str, user_col: str, item_col: str, time_col: str, defaults: bool) -> tuple:
     try:
         dataset = pds.dataset(path, format="parquet")
-        return dataset, _event_cols(dataset.schema.names, user_col, item_col, time_col, defaults, path)
+        return dataset, event_cols(dataset.schema.names, user_col, item_col, time_col, defaults, path)
     except (OSError, ValueError) as e:
         if isinstance(e, OSError) and e.errno is not None:
             raise

@@ -57,37 +57,68 @@ _TIME_ISO = (
 _TIME_ZONE = r"[T ][0-9:.]+(Z|[+-][0-9]{2}(:?[0-9]{2})?)$"
 
 
-def parse_times(s: pa.Array, int_only: bool = False) -> tuple[pa.Array, np.ndarray, str]:
+def time_kind(s: pa.Array, int_only: bool = False) -> tuple[str, tuple[bool, bool, int, int, int]]:
+    """parse_times' choice for trimmed strings `s` alone ("int64", "ts": one clean cast; "iso",
+    "int", "num": by counts), and the figures that choose it for a whole column of parts
+    (merge_time_kinds): (int64 cast ok, timestamp cast ok, ISO, number and integer counts)."""
+    ok = []
+    for typ in (pa.int64(), pa.timestamp("us")):
+        try:
+            s.cast(typ)
+            ok.append(True)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+            ok.append(False)
+    if ok[0]:  # every value an integer: no ISO time among them
+        nn = len(s) - s.null_count
+        return "int64", (True, ok[1], 0, nn, nn)
+    iso = 0 if int_only else int(matches(s, _TIME_ISO).sum())
+    num, whole = int(matches(s, _TIME_NUM).sum()), int(matches(s, _TIME_INT).sum())
+    figures = (False, ok[1], iso, num, whole)
+    return merge_time_kinds([figures], int_only), figures
+
+
+def merge_time_kinds(parts: "list[tuple[bool, bool, int, int, int]]", int_only: bool = False) -> str:
+    """The kind parse_times chooses for the column made of parts with these figures (time_kind)."""
+    if all(p[0] for p in parts):
+        return "int64"
+    if not int_only and all(p[1] for p in parts):
+        return "ts"
+    iso, num, whole = (sum(p[k] for p in parts) for k in (2, 3, 4))
+    if iso > num:
+        return "iso"
+    return "int" if int_only or whole == num else "num"
+
+
+def parse_times(s: pa.Array, int_only: bool = False, kind: str | None = None) -> tuple[pa.Array, np.ndarray, str]:
     """String timestamps -> int64, row by row. Returns the values (null where missing or bad),
     which rows are bad, and what a good value looks like. A column holds one kind of time:
     ISO-8601 if more of its values are that than numbers (-> microseconds, UTC; times without a zone
     read as UTC), else numbers: integers if all are (epoch, any unit, kept as they are), else seconds
-    with a fraction (-> microseconds). A value not of the column's kind is a bad row."""
+    with a fraction (-> microseconds). A value not of the column's kind is a bad row. `kind`: the
+    whole column's (time_kind, merge_time_kinds) when `s` is a part of it."""
     s = pc.utf8_trim_whitespace(s)
     n = len(s)
-    for typ in (pa.int64(),) if int_only else (pa.int64(), pa.timestamp("us")):
-        try:  # a clean column: one cast, no per-row work
-            return s.cast(typ).cast(pa.int64()), np.zeros(n, bool), ""
-        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-            pass
+    kind = kind or time_kind(s, int_only)[0]
+    if kind in ("int64", "ts"):  # a clean column: one cast, no per-row work
+        return s.cast(pa.int64() if kind == "int64" else pa.timestamp("us")).cast(pa.int64()), np.zeros(n, bool), ""
     vals, ok = np.zeros(n, np.int64), np.zeros(n, bool)
-    is_int, is_num = matches(s, _TIME_INT), matches(s, _TIME_NUM)
-    is_iso = np.zeros(n, bool) if int_only else matches(s, _TIME_ISO)
 
     def put(mask, typ):
         v, good = cast_rows(pc.filter(s, pa.array(mask)), typ)
         vals[mask] = pc.fill_null(v.cast(pa.int64()), 0).to_numpy()
         ok[mask] = good
 
-    if is_iso.sum() > is_num.sum():
+    if kind == "iso":
+        is_iso = matches(s, _TIME_ISO)
         zoned = is_iso & matches(s, _TIME_ZONE)
         put(is_iso & ~zoned, pa.timestamp("us"))
         put(zoned, pa.timestamp("us", tz="UTC"))
         what = "an ISO-8601 time like the column's others"
-    elif int_only or is_int.sum() == is_num.sum():
-        put(is_int, pa.int64())  # 19 digits may still overflow: cast_rows finds those
+    elif kind == "int":
+        put(matches(s, _TIME_INT), pa.int64())  # 19 digits may still overflow: cast_rows finds those
         what = "an integer (epoch) like the column's others"
     else:
+        is_num = matches(s, _TIME_NUM)
         us = np.round(pc.filter(s, pa.array(is_num)).cast(pa.float64()).to_numpy() * 1e6)
         fits = np.isfinite(us) & (np.abs(us) < 2.0**63)
         vals[is_num] = np.where(fits, us, 0).astype(np.int64)
@@ -129,29 +160,48 @@ def as_id(arr, path: str, col: str) -> pa.Array:
     raise DataprepError(f"{path}: column {col!r} has type {a.type}; ids must be integers or strings")
 
 
-def csv_ids(a: pa.Array) -> pa.Array:
-    """CSV ids typed as pyarrow would infer them, but never lossily: int64 when every id is one,
-    whole floats as integers (see as_id); else opaque strings (an id above int64 stays exact)."""
+def id_kind(a: pa.Array) -> tuple[str, bool]:
+    """csv_ids' choice for `a` alone ("int", "float" or "text") and whether float64 takes every
+    value (merge_id_kinds decides a whole column of parts from these)."""
     try:
-        return a.cast(pa.int64())
+        a.cast(pa.int64())
+        return "int", True
     except pa.ArrowInvalid:
         pass
-    if not pc.all(pc.match_substring_regex(a, r"^[+-]?[0-9]+$")).as_py():
-        try:
-            return a.cast(pa.float64())
-        except pa.ArrowInvalid:
-            pass
-    return a
+    if pc.all(pc.match_substring_regex(a, r"^[+-]?[0-9]+$")).as_py():
+        return "text", True  # integers beyond int64: exact as text
+    try:
+        a.cast(pa.float64())
+        return "float", True
+    except pa.ArrowInvalid:
+        return "text", False
 
 
-def as_time(arr, path: str, col: str) -> tuple[pa.Array, np.ndarray, str]:
-    """Timestamps as int64 (nulls kept) and the rows whose value is not a time (strings only)."""
+def merge_id_kinds(parts: "list[tuple[str, bool]]") -> str:
+    """The kind csv_ids chooses for the column made of parts of these kinds (id_kind)."""
+    if all(k == "int" for k, _ in parts):
+        return "int"
+    integers = all(k == "int" or (k == "text" and floats) for k, floats in parts)
+    return "float" if not integers and all(floats for _, floats in parts) else "text"
+
+
+def csv_ids(a: pa.Array, kind: str | None = None) -> pa.Array:
+    """CSV ids typed as pyarrow would infer them, but never lossily: int64 when every id is one,
+    whole floats as integers (see as_id); else opaque strings (an id above int64 stays exact).
+    `kind`: the whole column's (id_kind, merge_id_kinds) when `a` is a part of it."""
+    kind = kind or id_kind(a)[0]
+    return a.cast(pa.int64()) if kind == "int" else a.cast(pa.float64()) if kind == "float" else a
+
+
+def as_time(arr, path: str, col: str, kind: str | None = None) -> tuple[pa.Array, np.ndarray, str]:
+    """Timestamps as int64 (nulls kept) and the rows whose value is not a time (strings only;
+    `kind`: parse_times')."""
     a = arr.combine_chunks() if isinstance(arr, pa.ChunkedArray) else arr
     if pa.types.is_dictionary(a.type):
         a = a.cast(a.type.value_type)
     t = a.type
     if pa.types.is_string(t) or pa.types.is_large_string(t):
-        return parse_times(a.cast(pa.string()))
+        return parse_times(a.cast(pa.string()), kind=kind)
     none = np.zeros(len(a), bool)
     try:
         if pa.types.is_timestamp(t):
