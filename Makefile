@@ -56,8 +56,7 @@ bench: setup
 	$(BIN)/python benchmarks/comm_trainer_bench.py
 	$(BIN)/python benchmarks/airflow_bench.py
 	$(BIN)/python benchmarks/install_weight.py
-	$(BIN)/python benchmarks/scale_dataprep.py
-	$(BIN)/python benchmarks/scale_training.py
+	$(BIN)/python benchmarks/scale.py  # scale_dataprep.py and scale_training.py at their small sizes
 
 clean:
 	rm -rf $(WORK) bench-results
