@@ -8,9 +8,9 @@ a load generator of N processes (asyncio each) on the other cores, each playing 
 job's speakers. Layouts: `relay`, one speaker per replica group (ftcore/relay.py: one kept-alive
 heartbeat line and one quorum connection per group, carrying its ranks' addresses), and `rank`,
 every rank its own speaker (FTCORE_RELAY=0, the layout before relays). Every speaker heartbeats at
-FTCORE_HEARTBEAT_INTERVAL (a relay: ftcore.relay.UPSTREAM_INTERVAL) unless it sent a quorum request
-within the interval (as the client does), and sends its addresses with a connection's first
-message. Reported per size and layout:
+FTCORE_HEARTBEAT_INTERVAL (a relay: ftcore.relay.UPSTREAM_INTERVAL), or slower when the lighthouse
+asks (its --heartbeat-budget), unless it sent a quorum request within that interval (as the
+client does), and sends its addresses with a connection's first message. Reported per size and layout:
 
 - heartbeats alone (2 s): lighthouse CPU seconds per wall second per 1,000 ranks;
 - training rounds: every speaker asks for a quorum at once, as a job's step does; quorum latency
@@ -43,11 +43,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from ftcore import timeouts  # noqa: E402
+from ftcore.messages import Busy, Quorum, QuorumRequest, RankInfo, identity_key  # noqa: E402
 from ftcore.relay import UPSTREAM_INTERVAL  # noqa: E402
 from ftcore.util.files import atomic_write_json  # noqa: E402
 from ftcore.util.procs import free_port  # noqa: E402
 
 IDLE_S = 2.0  # heartbeats alone, measured before the rounds
+_SINK = object()  # a Conn's waiter when its reply goes to its sink
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -61,8 +63,11 @@ class Conn(asyncio.Protocol):
 
     def __init__(self) -> None:
         self.buf = bytearray()
-        self.waiter: asyncio.Future | None = None
+        self.waiter: Any = None  # a Future, or _SINK
         self.t: asyncio.Transport | None = None
+        # a round's replies go to one sink, not a future each: no task wakes per reply, so the
+        # generator reads every reply as it arrives (its lag is not counted as the lighthouse's)
+        self.sink: Any = None
 
     @classmethod
     async def open(cls, port: int) -> "Conn":
@@ -89,16 +94,25 @@ class Conn(asyncio.Protocol):
         body = bytes(self.buf[end + 4 : end + 4 + length])
         del self.buf[: end + 4 + length]
         waiter, self.waiter = self.waiter, None
+        if waiter is _SINK:
+            return self.sink(int(head[9:12]), time.monotonic(), body)
         waiter.set_result((int(head[9:12]), body, time.monotonic()))
 
-    async def post(self, path: str, body: dict, decode: bool = True) -> tuple[int, dict, float]:
-        """(status, the JSON reply or {} when decode=False, when its last byte was read)."""
+    def send(self, path: str, body: dict) -> None:
+        """A POST whose reply goes to `self.sink(status, when its last byte was read, body)`."""
+        assert self.t is not None
+        raw = json.dumps(body).encode()
+        self.waiter = _SINK
+        self.t.write(f"POST {path} HTTP/1.1\r\nHost: lh\r\nContent-Length: {len(raw)}\r\n\r\n".encode() + raw)
+
+    async def post(self, path: str, body: dict) -> tuple[int, dict, float]:
+        """(status, the JSON reply, when its last byte was read)."""
         assert self.t is not None
         raw = json.dumps(body).encode()
         self.waiter = asyncio.get_running_loop().create_future()
         self.t.write(f"POST {path} HTTP/1.1\r\nHost: lh\r\nContent-Length: {len(raw)}\r\n\r\n".encode() + raw)
         status, reply, at = await self.waiter
-        return status, json.loads(reply) if reply and decode else {}, at
+        return status, json.loads(reply) if reply else {}, at
 
     def close(self) -> None:
         if self.t is not None:
@@ -120,6 +134,43 @@ def _speakers(layout: str, n: int, k: int, job: str) -> list[dict[str, Any]]:
     ]
 
 
+class _Round:
+    """One round's replies: when each arrived (NaN: not a quorum), and the first one's body."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.first = n, b""
+        self.arrived: list[float] = []
+        self.done = asyncio.get_running_loop().create_future()
+
+    def __call__(self, code: int, at: float, body: bytes) -> None:
+        self.arrived.append(at if code == 200 else float("nan"))
+        self.first = self.first or body
+        if len(self.arrived) == self.n:
+            self.done.set_result(None)
+
+
+def _request(info: dict[str, Any], step: int, trained_in: dict[str, Any]) -> dict[str, Any]:
+    """What a speaker's quorum request carries after a round, as ftcore's manager sends it: the
+    quorum it trained in (by name) and its ranks' compute in that step (a relay: each rank's)."""
+    busy = None
+    if trained_in:
+        each = [0.5] * (info["world"] if info.get("relay") else 1)
+        busy = Busy(trained_in["quorum_id"], 0.5, tuple(each) if info.get("relay") else ())
+    ask = QuorumRequest(
+        RankInfo.parse({**info, "step": step, "quorum_id": trained_in.get("quorum_id", 0)}),
+        quorum_lighthouse_id=trained_in.get("lighthouse_id", ""),
+        quorum_key=trained_in.get("key", ""),
+        busy=busy,
+        timeout=10.0,
+    )
+    return ask.to_wire()
+
+
+def _trained_in(reply: bytes) -> dict[str, Any]:
+    q = Quorum.parse(json.loads(reply))
+    return {"quorum_id": q.quorum_id, "lighthouse_id": q.lighthouse_id, "key": identity_key(q.identity)}
+
+
 async def _play(port: int, infos: list[dict[str, Any]], plan: dict[str, Any], stop: Any, out: Any) -> None:
     """One load-generator process: its speakers' heartbeats, then `rounds` quorum rounds."""
     beats = [await Conn.open(port) for _ in infos]
@@ -133,9 +184,9 @@ async def _play(port: int, infos: list[dict[str, Any]], plan: dict[str, Any], st
 
     async def heartbeat(i: int) -> None:
         await asyncio.sleep(interval * i / len(infos))  # phases spread, as independent processes are
-        first = True
+        first, pace = True, interval
         while not stop.is_set():
-            quiet = last_sent[i] + interval - time.monotonic()
+            quiet = last_sent[i] + pace - time.monotonic()
             if not first and quiet > 0:
                 await asyncio.sleep(quiet)
                 continue
@@ -146,24 +197,25 @@ async def _play(port: int, infos: list[dict[str, Any]], plan: dict[str, Any], st
                 return
             for g in body.get("failed", []) if code == 200 else []:
                 failed_seen.setdefault(g, time.monotonic())
-            await asyncio.sleep(interval)
+            pace = max(interval, body.get("beat_s", 0.0))  # a loaded lighthouse asks for slower beats
+            await asyncio.sleep(pace)
 
     tasks = [asyncio.create_task(heartbeat(i)) for i in range(len(infos))]
     await asyncio.sleep(max(plan["rounds_at"] - time.monotonic(), 0))
 
-    async def ask(i: int) -> float:
-        last_sent[i] = time.monotonic()
-        body = {**(light[i] if asked[i] else infos[i]), "step": infos[i]["step"], "timeout": 10.0}
-        asked[i] = True
-        code, _, at = await quorum[i].post("/quorum", body, decode=False)
-        return at if code == 200 else float("nan")
-
-    rounds = []
+    rounds: list = []
+    trained_in: dict[str, Any] = {}
     for _ in range(plan["rounds"]):
-        pending = [asyncio.create_task(ask(i)) for i in range(len(infos))]
-        await asyncio.sleep(0)  # every request written before the clock reads
-        sent = time.monotonic()
-        rounds.append((sent, await asyncio.gather(*pending)))
+        got = _Round(len(infos))
+        for i in range(len(infos)):
+            last_sent[i] = time.monotonic()
+            quorum[i].sink = got
+            quorum[i].send("/quorum", _request(light[i] if asked[i] else infos[i], infos[i]["step"], trained_in))
+            asked[i] = True
+        sent = time.monotonic()  # every request written
+        await got.done
+        rounds.append((sent, got.arrived))
+        trained_in = _trained_in(got.first)
         for info in infos:
             info["step"] += 1
         await asyncio.sleep(0.02)

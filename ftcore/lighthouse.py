@@ -20,6 +20,7 @@ from ftcore.lighthouse_http import LighthouseServer
 from ftcore.lighthouse_job import TICK_S, Job
 from ftcore.messages import DEFAULT_JOB, ClientEvent, FailureReport, RankInfo
 from ftcore.pace import PacePolicy
+from ftcore.quorum import heartbeat_pace, probe_window
 
 
 @dataclass
@@ -42,8 +43,10 @@ class LighthouseConfig:
     max_connections: int = 65536
     max_connections_per_peer: int = 16384
     max_unauthenticated_per_peer: int = 256
+    heartbeat_budget: float = 4000.0  # heartbeats/s of every job together; past it speakers beat slower
 
 
+PACE_S = 1.0  # how often the heartbeat pace is set from the speakers counted
 RETIRED_KEPT = 256  # retired jobs listed by GET /jobs, whose final status GET /status still shows
 RETIRED_EVENTS = 50  # ... with this many of their last events
 
@@ -66,6 +69,8 @@ class Lighthouse:
         self._pause_lock = threading.Lock()
         self.alive_at = time.monotonic()  # the last time this process was seen running
         self.grace_until = 0.0  # after a pause: silence is not judged before this
+        self.beat_s = 0.0  # the heartbeat pace asked of every speaker (0: their own)
+        self.probe_s = cfg.failure_probe  # ... and the failure probe that pace allows
         self._ticker = threading.Thread(target=self._tick, daemon=True, name="lighthouse-tick")
         self._ticker.start()
         self.event("lighthouse_started", lighthouse_id=self.lighthouse_id, min_replicas=cfg.min_replicas)
@@ -136,19 +141,34 @@ class Lighthouse:
     def in_grace(self, now: float) -> bool:
         return now < self.grace_until
 
+    def _pace(self, speakers: int) -> None:
+        """Ask for slower heartbeats when their speakers would exceed the budget (every
+        PACE_S); the probe allows the slower of this pace and the last (a speaker adopts a
+        new pace with its next beat)."""
+        was, self.beat_s = self.beat_s, heartbeat_pace(speakers, self.cfg.heartbeat_budget, self.cfg.heartbeat_timeout)
+        self.probe_s = probe_window(self.cfg.failure_probe, max(was, self.beat_s))
+
     def _tick(self) -> None:
+        paced = 0.0
         while not self._stop.wait(TICK_S):
             self.notice_pause(time.monotonic())
+            count = time.monotonic() - paced >= PACE_S
+            speakers = 0
             for j in list(self.jobs.values()):
                 try:
                     with j.lock:
                         now = time.monotonic()
+                        # its speakers (a relay for its group, or each rank): the heartbeats it sends
+                        speakers += sum(len(g.ranks) for g in j.groups.values() if not g.left) if count else 0
                         j.tick(now)
                         why = j.retirement(now, self.cfg.job_idle_s)
                         if why:
                             self._retire(j, why)
                 except Exception as e:  # never let one job's bad state end every job's rounds
                     self.event("tick_error", job=j.name, error=f"{type(e).__name__}: {e}"[:300])
+            if count:
+                self._pace(speakers)
+                paced = time.monotonic()
 
     # ---- messages for a job that may not exist (never created by them) ----------------------
     def report_failure(self, report: FailureReport) -> None:
@@ -330,6 +350,15 @@ OPTIONS: list[tuple[str, dict[str, Any]]] = [
             "help": "seconds an excluded group waits before it may rejoin; doubles each time (FTCORE_SLOW_PROBATION)",
         },
     ),
+    (
+        "--heartbeat-budget",
+        {
+            "type": float,
+            "default": _D.heartbeat_budget,
+            "help": "heartbeats/s this lighthouse takes from all jobs; past it every speaker is asked to beat "
+            "slower (at most a quarter of the heartbeat timeout apart)",
+        },
+    ),
     ("--max-jobs", {"type": int, "default": _D.max_jobs, "help": "live jobs at once (finished jobs retire)"}),
     (
         "--job-idle",
@@ -372,6 +401,8 @@ def _arg_parser() -> argparse.ArgumentParser:
 
 def _config(a: argparse.Namespace) -> LighthouseConfig:
     """The service's configuration from its command line; ValueError says what to fix."""
+    if not a.heartbeat_budget > 0:
+        raise ValueError(f"--heartbeat-budget must be > 0 heartbeats/s, got {a.heartbeat_budget}")
     if min(a.min_replicas, a.max_jobs, a.max_connections, a.max_connections_per_peer) < 1:
         raise ValueError("--min-replicas, --max-jobs, --max-connections and --max-connections-per-peer must be >= 1")
     pace = PacePolicy(a.slow_ratio, a.slow_window, a.slow_probation, _PACE.min_excess_s).check()
@@ -402,6 +433,7 @@ def _config(a: argparse.Namespace) -> LighthouseConfig:
         max_connections=a.max_connections,
         max_connections_per_peer=a.max_connections_per_peer,
         max_unauthenticated_per_peer=max(a.max_unauthenticated_per_peer, 1),
+        heartbeat_budget=a.heartbeat_budget,
     )
 
 

@@ -1,7 +1,8 @@
 """A rank's side of the lighthouse protocol: heartbeats, quorum requests, failure reports.
 Heartbeats go out on one kept-alive line whose close tells the lighthouse this process died;
-a beat is skipped when a quorum request went out within the interval. Every message carries
-the full registration (RankInfo), so a restarted lighthouse relearns the job."""
+a beat is skipped when a quorum request went out within the interval, and a loaded lighthouse
+may ask for slower beats (HeartbeatReply.beat_s). Every message carries the full registration
+(RankInfo), so a restarted lighthouse relearns the job."""
 
 import http.client
 import json
@@ -132,13 +133,18 @@ class LighthouseClient:
 
     def __init__(self, addr: str, info: RankInfo, token: str | None = None, interval: float | None = None):
         self.addr = addr
-        self.interval = interval or timeouts.HEARTBEAT_INTERVAL  # between heartbeats
+        self.interval = interval or timeouts.HEARTBEAT_INTERVAL  # between heartbeats, as configured
+        self.pace = self.interval  # between heartbeats now: slower when the lighthouse asks
         self.token = token
         self.info = info
         self._info_lock = threading.Lock()  # update() from several threads loses no field
         self._qconn: http.client.HTTPConnection | None = None  # quorum requests, kept alive
         self._last_sent = 0.0  # monotonic time of the last quorum request (it refreshes liveness too)
-        self.last_reply = time.monotonic()  # the lighthouse's last answer of any kind
+        # Silence is measured from the beat the lighthouse left unanswered (None: it answered the
+        # last one), not from its last answer: beats may be half a second apart. An answer of any
+        # kind after that beat went out restarts the count.
+        self._beat_out: float | None = None
+        self._last_answer = 0.0
         self.failed_groups: tuple[int, ...] = ()  # unhealthy members of the current quorum, per the last heartbeat
         self.replaced = False
         self.latest_quorum_id = 0  # the lighthouse's current quorum id, per the last heartbeat
@@ -179,12 +185,12 @@ class LighthouseClient:
                     if old is not None:
                         old.close()
                 conn, stalled = None, []
-                self._stop.wait(self.interval)
+                self._stop.wait(self.pace)
                 continue
             # A quorum request within the interval told the lighthouse this rank lives: skip this
             # beat (a job whose steps are shorter than the interval then sends no heartbeats at all).
             # The first beat always goes: it makes this connection the one whose close means death.
-            quiet = self._last_sent + self.interval - time.monotonic()
+            quiet = self._last_sent + self.pace - time.monotonic()
             if conn is not None and quiet > 0:
                 self._stop.wait(quiet)
                 continue
@@ -192,10 +198,11 @@ class LighthouseClient:
                 if conn is None:
                     conn = self._live = http.client.HTTPConnection(host, port, timeout=timeouts.RPC_TIMEOUT)
                 info = self.info if conn.sock is None else replace(self.info, store="", heal="")
+                self._beat_out = self._beat_out or time.monotonic()
                 conn.request("POST", "/heartbeat", body=json.dumps(info.to_wire()).encode(), headers=hdrs)
                 resp = conn.getresponse()
                 data = loads(resp.read())
-                heard = time.monotonic()
+                silent_s = 0.0
                 if stalled:  # answered on this one: the lighthouse counts it, the old may go
                     self.recovered += 1
                 for old in stalled:
@@ -206,8 +213,10 @@ class LighthouseClient:
                 elif resp.status == 200:
                     beat = HeartbeatReply.parse(data)
                     self.failed_groups, self.latest_quorum_id = beat.failed, beat.quorum_id
-                    heard -= beat.silent_s  # through a relay: when the lighthouse last answered it
-                self.last_reply = heard
+                    self.pace = max(self.interval, min(beat.beat_s, timeouts.HEARTBEAT_TIMEOUT / 4))
+                    silent_s = beat.silent_s  # through a relay: how long the lighthouse has not answered it
+                self._last_answer = time.monotonic() - silent_s
+                self._beat_out = self._last_answer if silent_s else None
             except TimeoutError:  # sent, unanswered: keep it open (bounded), go on over a new one
                 if conn is not None and conn.sock is not None and len(stalled) < MAX_STALLED:
                     stalled.append(conn)
@@ -218,7 +227,7 @@ class LighthouseClient:
                 if conn is not None:
                     conn.close()
                 conn = None
-            self._stop.wait(self.interval)
+            self._stop.wait(self.pace)
         self._conn = conn  # closed by leave()/close(), after the lighthouse knows why
         self._stalled = stalled
 
@@ -323,12 +332,14 @@ class LighthouseClient:
                 raise TimeoutError("no answer to the quorum request")
         resp = self._qconn.getresponse()
         data = resp.read()
-        self.last_reply = time.monotonic()
+        self._last_answer = time.monotonic()  # a relay answers once the lighthouse did
         return resp.status, loads(data)
 
     def silent_for(self) -> float:
-        """Seconds since the lighthouse last answered this rank (heartbeat or quorum)."""
-        return time.monotonic() - self.last_reply
+        """Seconds the lighthouse has left this rank's latest beat unanswered (since it last
+        answered anything, if that was later); 0 while it answers."""
+        out = self._beat_out
+        return 0.0 if out is None else max(time.monotonic() - max(out, self._last_answer), 0.0)
 
     def _fire(self, path: str, body: dict[str, Any]) -> None:
         try:

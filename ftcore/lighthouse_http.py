@@ -192,17 +192,17 @@ class _Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         """Everything a request can be refused for, before its body is read."""
-        names = collections.Counter(n for n, _ in self.req.headers)
+        names, first = _names(self.req.headers)
         if names[b"transfer-encoding"]:
             raise _Refused(400, "Transfer-Encoding is not accepted here; send a Content-Length")
         if names[b"content-length"] > 1:
             raise _Refused(400, "more than one Content-Length header")
         if self.parser.get_http_version() == "1.1" and not names[b"host"]:
             raise _Refused(400, "an HTTP/1.1 request needs a Host header")
-        length = next((int(v) for n, v in self.req.headers if n == b"content-length"), 0)
+        length = int(first.get(b"content-length", 0))
         if length > MAX_BODY:
             raise _Refused(413, f"body over {MAX_BODY} bytes")
-        value = next((v for n, v in self.req.headers if n == b"authorization"), b"").decode("latin-1")
+        value = first.get(b"authorization", b"").decode("latin-1")
         # header only: a token in a URL ends up in logs, histories and Referer headers
         self.req.scope = auth.scope(self.srv.lh.cfg.token, value or None)
         if self.req.scope is None:
@@ -259,6 +259,16 @@ class _Connection(asyncio.Protocol):
             self.t.close()
         else:
             self._process()
+
+
+def _names(headers: list[tuple[bytes, bytes]]) -> tuple[dict[bytes, int], dict[bytes, bytes]]:
+    """How often each header name occurs, and its first value (one pass: this runs per request)."""
+    names: dict[bytes, int] = collections.defaultdict(int)
+    first: dict[bytes, bytes] = {}
+    for n, v in headers:
+        names[n] += 1
+        first.setdefault(n, v)
+    return names, first
 
 
 class LighthouseServer:
@@ -351,13 +361,12 @@ class LighthouseServer:
 
     # ---- routes ----------------------------------------------------------------------------
     def dispatch(self, conn: _Connection, method: str, target: str, scope: str | None, raw: bytes) -> None:
-        url = urllib.parse.urlparse(target)
         try:
             if method == "GET":
-                return self._get(conn, url, scope)
+                return self._get(conn, urllib.parse.urlparse(target), scope)
             if method != "POST":
                 return conn.reply(404, {"error": f"no {method} here"})
-            self._post(conn, url.path, scope, loads(raw))
+            self._post(conn, target.partition("?")[0], scope, loads(raw))
         except StaleIncarnation as e:
             conn.beat = None
             conn.reply(409, {"error": str(e)})

@@ -35,6 +35,7 @@ from ftcore.messages import (
     QuorumRequest,
     RankInfo,
     StandbyReply,
+    identity_key,
 )
 from ftcore.pace import PaceJudge
 from ftcore.quorum import Member, Plan, Round, decide, isolated, plan
@@ -124,7 +125,7 @@ class Job:
         if grp.left or len(grp.ranks) < grp.speakers:
             return False
         # past the probe after a failure report, a member not heard since the report has failed
-        probed = report is not None and grp.group in members and now > report + self.cfg.failure_probe
+        probed = report is not None and grp.group in members and now > report + self.lh.probe_s
         cut, quiet = report if probed and report else -math.inf, self.cfg.heartbeat_timeout if silence else math.inf
         return not any(r.disconnected or now - r.last_beat > quiet or r.last_beat < cut for r in grp.ranks.values())
 
@@ -280,17 +281,9 @@ class Job:
         last trained in, when that quorum had exactly this membership. Resuming it keeps their
         process groups (and a group that went on without this lighthouse, on its lease, in step)."""
         reqs = [r for g in members for r in self.round.pending[g].values()]
-        first = reqs[0]
-        if (
-            first.last_lighthouse_id
-            and first.last_identity == identity
-            and all(
-                (r.last_quorum, r.last_lighthouse_id, r.last_identity)
-                == (first.last_quorum, first.last_lighthouse_id, identity)
-                for r in reqs
-            )
-        ):
-            return first.last_quorum, first.last_lighthouse_id
+        last = {(r.last_quorum, r.last_lighthouse_id, r.last_key) for r in reqs}
+        if len(last) == 1 and reqs[0].last_lighthouse_id and reqs[0].last_key == identity_key(identity):
+            return reqs[0].last_quorum, reqs[0].last_lighthouse_id
         return None
 
     def _form(self, members: list[int]) -> None:
@@ -481,7 +474,7 @@ class Job:
                 now,
                 ask.info.quorum_id,
                 ask.quorum_lighthouse_id,
-                ask.quorum_identity,
+                ask.quorum_key,
                 deliver,
                 now + timeout,
                 ask.busy,
@@ -542,7 +535,8 @@ class Job:
         with self.lock:
             _, rk = self._rank(info)
             rk.beat_lines += new_line
-            return HeartbeatReply(self.quorum.quorum_id if self.quorum else 0, tuple(self.health.failed))
+            qid = self.quorum.quorum_id if self.quorum else 0
+            return HeartbeatReply(qid, tuple(self.health.failed), beat_s=self.lh.beat_s)
 
     def disconnected(self, g: int, r: int, inc: int) -> None:
         """One of the rank's heartbeat connections closed: it is gone once none is left."""

@@ -6,7 +6,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ftcore.messages import Busy, Identity, OvertakenReply, QuorumRefused, StandbyReply
+from ftcore.messages import Busy, OvertakenReply, QuorumRefused, StandbyReply
 
 
 @dataclass
@@ -75,7 +75,7 @@ class Request:
     t: float  # monotonic time of arrival
     last_quorum: int  # the last quorum id this rank trained in
     last_lighthouse_id: str  # ... the lighthouse that formed it, and its members
-    last_identity: Identity
+    last_key: str  # (identity_key of its members)
     deliver: Deliver
     deadline: float = math.inf  # monotonic: past it the request is answered with a timeout
     busy: Busy | None = None  # its last step's compute (ftcore/pace.py)

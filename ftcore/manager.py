@@ -27,7 +27,7 @@ from ftcore.faults import Fault, InjectedFault, Injector
 from ftcore.ftar import FTARError, ftar
 from ftcore.heal import HealServer, fetch
 from ftcore.lighthouse_client import LighthouseClient, LighthouseError, LighthouseLink, Overtaken, Replaced, Standby
-from ftcore.messages import MAX_ADDRESS, Busy, Identity, Quorum, QuorumRequest, RankInfo
+from ftcore.messages import MAX_ADDRESS, Busy, Quorum, QuorumRequest, RankInfo, identity_key
 from ftcore.relay import Relay
 
 __all__ = ["Manager", "ManagerConfig", "StepRecord", "config_from_env", "faults_from_env"]
@@ -111,7 +111,7 @@ class Standing:
     committed_at: float = field(default_factory=time.monotonic)
     lease_until: float = 0.0  # monotonic: the last granted quorum may be reused until then
     standby_until: float = 0.0  # monotonic: held out as slow (Standby) until then
-    trained_in: tuple[str, Identity] = ("", ())  # lighthouse id and members of the last quorum applied
+    trained_in: tuple[str, str] = ("", "")  # lighthouse id and members (identity_key) of the last quorum applied
 
 
 class Manager:
@@ -222,7 +222,7 @@ class Manager:
             self.pace_log.append((max(pace.slowest_s - busy.seconds, 0.0), allreduce_s, pace.slowest_s, pace.mean_s))
         self._st.lease_until = time.monotonic() + min(q.lease_s, timeouts.LEASE)
         self.client.update(quorum_id=q.quorum_id)
-        self._st.trained_in = (q.lighthouse_id, q.identity)
+        self._st.trained_in = (q.lighthouse_id, identity_key(q.identity))
         g = self.cfg.group
         if g in q.heal:  # rank k heals from rank k of the source
             r.heal_fut = self._heal_pool.submit(self._fetch_heal, q.heal_from, q.max_step, q.heal[g])

@@ -5,6 +5,7 @@ the lighthouse, a LighthouseError at the client). `quorum_id` numbers one job's 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -42,16 +43,23 @@ def _no_constant(name: str) -> Any:
     raise MessageError(f"{name} is not JSON")
 
 
+_DECODER = json.JSONDecoder(parse_int=_bounded_int, parse_constant=_no_constant)  # one, not one per message
+
+
 def loads(raw: bytes | str) -> Any:
     """JSON as both ends read it: no NaN/Infinity, no integer past MAX_INT_DIGITS digits
     (an empty body is an empty object)."""
-    return json.loads(raw or "{}", parse_int=_bounded_int, parse_constant=_no_constant)
+    if isinstance(raw, (bytes, bytearray)):
+        raw = raw.decode()  # as json.loads does (UTF-8 here: both ends send it)
+    return _DECODER.decode(raw or "{}")
 
 
 # ---- field checks ----------------------------------------------------------------------------
 def _int(msg: dict[str, Any], key: str, default: int | None = None, lo: int = 0, hi: int = MAX_ID) -> int:
     """msg[key] as an int in [lo, hi) (an integer, or a string of one)."""
     raw = msg.get(key, default)
+    if type(raw) is int and lo <= raw < hi:  # the usual case, first: every message has a dozen
+        return raw
     if isinstance(raw, bool) or not isinstance(raw, (int, str)):
         raise MessageError(f"{key} must be an integer, got {raw!r}"[:200])
     try:
@@ -93,6 +101,13 @@ def job_id(raw: Any) -> str:
     if not isinstance(job, str) or not JOB_ID.fullmatch(job):
         raise MessageError(f"job id {job!r} must match {JOB_ID.pattern}"[:300])
     return job
+
+
+def identity_key(identity: Identity) -> str:
+    """A quorum's members as 16 hex digits: what a rank's request names its last quorum by
+    (the whole list in every request would cost the lighthouse O(groups^2) per round)."""
+    text = ",".join(f"{g}:{i}" for g, i in identity).encode()
+    return hashlib.blake2b(text, digest_size=8).hexdigest() if identity else ""
 
 
 def _identity(raw: Any, key: str) -> Identity:
@@ -204,20 +219,20 @@ class Busy:
     def parse(cls, raw: Any) -> Busy | None:
         if raw is None:
             return None
-        shape = f"busy must be [quorum_id, seconds] or [quorum_id, seconds, [seconds per rank]], got {raw!r}"[:200]
-        if not (isinstance(raw, list) and len(raw) in (2, 3)):
-            raise MessageError(shape)
-        ranks = raw[2] if len(raw) == 3 else []
-        if not isinstance(ranks, list) or len(ranks) > MAX_RELAYED:
-            raise MessageError(shape)
+        ranks = raw[2] if isinstance(raw, list) and len(raw) == 3 else []
         try:
+            if not (isinstance(raw, list) and len(raw) in (2, 3) and isinstance(ranks, list)):
+                raise MessageError("shape")
+            if len(ranks) > MAX_RELAYED:
+                raise MessageError("too many")
             return cls(
                 _int({"quorum_id": raw[0]}, "quorum_id"),
                 _seconds({"busy": raw[1]}, "busy"),
-                tuple(_seconds({"busy": x}, "busy") for x in ranks),
+                tuple(x if type(x) is float and 0 <= x < 1e6 else _seconds({"busy": x}, "busy") for x in ranks),
             )
-        except MessageError:
-            raise MessageError(shape) from None
+        except MessageError:  # the message is built only for a bad one: a relay's has 64 figures
+            shape = "busy must be [quorum_id, seconds] or [quorum_id, seconds, [seconds per rank]]"
+            raise MessageError(f"{shape}, got {raw!r}"[:200]) from None
 
 
 @dataclass(frozen=True)
@@ -229,7 +244,7 @@ class QuorumRequest:
 
     info: RankInfo
     quorum_lighthouse_id: str = ""  # the lighthouse that formed the rank's last quorum ("": none yet)
-    quorum_identity: Identity = ()  # that quorum's members
+    quorum_key: str = ""  # that quorum's members, as identity_key() names them ("": none yet)
     busy: Busy | None = None
     idle: int = -1  # the quorum id of its last step if nobody had work in it, else -1
     leased: bool = False  # sent after its step had gone on without the lighthouse: the reply is ignored
@@ -242,7 +257,7 @@ class QuorumRequest:
         return {
             **self.info.to_wire(),
             "quorum_lighthouse_id": self.quorum_lighthouse_id,
-            "quorum_identity": [list(p) for p in self.quorum_identity],
+            "quorum_key": self.quorum_key,
             "busy": self.busy.to_wire() if self.busy is not None else None,
             "idle": self.idle,
             "leased": self.leased,
@@ -266,7 +281,7 @@ class QuorumRequest:
         return cls(
             info=RankInfo.parse(msg),
             quorum_lighthouse_id=_str(msg, "quorum_lighthouse_id", limit=MAX_LIGHTHOUSE_ID),
-            quorum_identity=_identity(msg.get("quorum_identity"), "quorum_identity"),
+            quorum_key=_str(msg, "quorum_key", limit=MAX_LIGHTHOUSE_ID),
             busy=Busy.parse(msg.get("busy")),
             idle=_int(msg, "idle", -1, lo=-1),
             leased=leased,
@@ -344,19 +359,22 @@ class HeartbeatReply:
     quorum_id: int  # the job's current quorum id (a rank in an older one is stale)
     failed: tuple[int, ...] = ()  # members of the current quorum found unhealthy at the last sweep
     silent_s: float = 0.0  # from a relay: how long the lighthouse has not answered it
+    beat_s: float = 0.0  # from a loaded lighthouse: beat no more often than this (0: as configured)
 
     def to_wire(self) -> dict[str, Any]:
         wire: dict[str, Any] = {"quorum_id": self.quorum_id, "failed": list(self.failed)}
         if self.silent_s:
             wire["silent_s"] = self.silent_s
+        if self.beat_s:
+            wire["beat_s"] = self.beat_s
         return wire
 
     @classmethod
     def parse(cls, body: Any) -> HeartbeatReply:
         body = _object(body, "a heartbeat reply")
-        return cls(
-            _int(body, "quorum_id", 0), _groups(body.get("failed", []), "failed"), _seconds(body, "silent_s", 0.0)
-        )
+        failed = _groups(body.get("failed", []), "failed")
+        silent, beat = _seconds(body, "silent_s", 0.0), _seconds(body, "beat_s", 0.0, hi=60.0)
+        return cls(_int(body, "quorum_id", 0), failed, silent, beat)
 
 
 @dataclass(frozen=True)

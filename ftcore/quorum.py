@@ -85,3 +85,17 @@ def isolated(silent: int, live: int) -> bool:
     most of them at once. A group is then failed only on its own evidence: its connection closed,
     a peer's report, or its silence while the others speak."""
     return live >= 2 and 2 * silent > live
+
+
+def heartbeat_pace(speakers: int, budget: float, heartbeat_timeout: float) -> float:
+    """Seconds between one speaker's heartbeats that keep `speakers` of them within `budget`
+    beats/s of this lighthouse, at most a quarter of the heartbeat timeout (four beats to judge
+    a silence by); 0 while the budget covers every speaker's own pace (at most 20/s each)."""
+    pace = speakers / budget if budget > 0 else 0.0
+    return 0.0 if pace <= 0.05 else round(min(pace, heartbeat_timeout / 4), 3)
+
+
+def probe_window(failure_probe: float, pace: float) -> float:
+    """How long after a failure report a member must be heard from to count as alive: the
+    probe, or one beat at `pace` and half the probe when beats are slower than half of it."""
+    return max(failure_probe, pace + failure_probe / 2)

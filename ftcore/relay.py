@@ -29,8 +29,7 @@ from ftcore.messages import (
 )
 
 # A group's beats to the lighthouse: half as often as a rank's (the lighthouse hears groups, and a
-# busy one is spared most of its heartbeats), still under half of LIGHTHOUSE_SILENT so that its
-# ranks never take an answering lighthouse for a silent one.
+# busy one is spared most of its heartbeats); a loaded lighthouse asks for slower ones.
 UPSTREAM_INTERVAL = min(2 * timeouts.HEARTBEAT_INTERVAL, timeouts.LIGHTHOUSE_SILENT / 2)
 
 

@@ -14,7 +14,7 @@ from conftest import ask_all
 from ftcore import lighthouse as lh_mod
 from ftcore import lighthouse_http, netaddr
 from ftcore.lighthouse_client import GroupLost, LighthouseClient, LighthouseError, call
-from ftcore.messages import Pace, Quorum, QuorumRequest, RankInfo
+from ftcore.messages import Pace, Quorum, QuorumRequest, RankInfo, identity_key
 
 
 def _job(addr, job, steps, world=1):
@@ -93,7 +93,7 @@ def test_one_lighthouse_serves_two_jobs_without_mixing_them(lighthouse):
         {"group": "x", "rank": 0},
         {"group": 0, "rank": 0, "job": "../../etc"},
         {"group": 0, "rank": 0, "timeout": float("nan")},
-        {"group": 0, "rank": 0, "timeout": 1, "quorum_identity": [[0]]},  # a member is [group, incarnation]
+        {"group": 0, "rank": 0, "timeout": 1, "quorum_key": ["0"]},  # the last quorum by name (a string)
         {"group": 0, "rank": 0, "timeout": 1, "quorum_lighthouse_id": 7},
         [1, 2, 3],
     ],
@@ -264,7 +264,9 @@ def test_a_restarted_lighthouse_resumes_the_quorum_its_members_report(lighthouse
     cs = _job(addr2, "default", [4, 4])
     for c in cs:
         c.update(quorum_id=q.quorum_id)
-    last = [QuorumRequest(c.info, quorum_lighthouse_id=q.lighthouse_id, quorum_identity=q.identity) for c in cs]
+    last = [
+        QuorumRequest(c.info, quorum_lighthouse_id=q.lighthouse_id, quorum_key=identity_key(q.identity)) for c in cs
+    ]
     try:
         q2 = _ask_all(cs, last)
         assert q.lighthouse_id != lh2.lighthouse_id  # another lighthouse ...
@@ -272,8 +274,8 @@ def test_a_restarted_lighthouse_resumes_the_quorum_its_members_report(lighthouse
         for c in cs:
             c.update(step=5)
         last = [
-            QuorumRequest(cs[0].info, quorum_lighthouse_id=q.lighthouse_id, quorum_identity=q.identity),
-            QuorumRequest(cs[1].info, quorum_lighthouse_id=q.lighthouse_id, quorum_identity=((0, 0),)),
+            QuorumRequest(cs[0].info, quorum_lighthouse_id=q.lighthouse_id, quorum_key=identity_key(q.identity)),
+            QuorumRequest(cs[1].info, quorum_lighthouse_id=q.lighthouse_id, quorum_key=identity_key(((0, 0),))),
         ]
         q3 = _ask_all(cs, last)  # one member remembers another quorum
         assert q3[0].key == q.key  # kept: same members

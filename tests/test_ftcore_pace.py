@@ -7,6 +7,7 @@ fault plan)."""
 
 import argparse
 import json
+import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -17,7 +18,7 @@ from conftest import TOY, ask_all, run_launch
 from ftcore import pace
 from ftcore.lighthouse_client import LighthouseClient, Standby, call
 from ftcore.messages import Busy, Pace, Quorum, QuorumRequest, RankInfo
-from ftcore.pace import PaceJudge, PacePolicy
+from ftcore.pace import PaceJudge, PacePolicy, median_without
 
 FAST = {0: 0.05, 1: 0.05, 2: 0.15}  # group 2 computes 3x as long
 
@@ -385,3 +386,13 @@ def test_a_duty_cycled_rank_is_excluded_named_and_rejoins_by_heal(tmp_path):
     assert row["exclusions"] >= 1 and row["false_exclusions"] == 0, row
     assert row["rank_named"] == 0 and row["rejoined_by_heal_after_s"] is not None, row
     assert len(set(tl["checksums"].values())) == 1 and len(tl["checksums"]) == 3, tl["checksums"]
+
+
+@pytest.mark.parametrize(
+    "values", [[1.0, 2.0], [3.0, 1.0, 2.0], [5.0, 5.0, 1.0, 9.0], [0.5] * 7, [4.0, 1.0, 3.0, 2.0, 8.0, 8.0]]
+)
+def test_median_without_is_the_median_of_the_others(values):
+    ordered = sorted(values)
+    for i, v in enumerate(values):
+        others = values[:i] + values[i + 1 :]
+        assert median_without(ordered, v) == statistics.median(others)

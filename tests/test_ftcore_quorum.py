@@ -2,7 +2,7 @@
 
 import pytest
 
-from ftcore.quorum import Member, Plan, Round, decide, isolated, plan
+from ftcore.quorum import Member, Plan, Round, decide, heartbeat_pace, isolated, plan, probe_window
 
 
 def _round(previous, requesting, healthy, min_replicas=1, expected=0, waited=False) -> Round:
@@ -86,3 +86,22 @@ def test_plan(previous, members, finished, want):
 )
 def test_isolated(silent, live, want):
     assert isolated(silent, live) is want
+
+
+@pytest.mark.parametrize(
+    "speakers, budget, timeout, want",
+    [
+        (16, 4000.0, 2.0, 0.0),  # within the budget: every speaker keeps its own pace
+        (200, 4000.0, 2.0, 0.0),  # 0.05 s apart is a rank's own pace
+        (1562, 4000.0, 2.0, 0.391),
+        (100_000, 4000.0, 2.0, 0.5),  # never past a quarter of the heartbeat timeout
+        (100_000, 4000.0, 10.0, 2.5),
+    ],
+)
+def test_heartbeat_pace(speakers, budget, timeout, want):
+    assert heartbeat_pace(speakers, budget, timeout) == want
+
+
+@pytest.mark.parametrize("probe, pace, want", [(0.2, 0.0, 0.2), (0.2, 0.1, 0.2), (0.2, 0.5, 0.6), (0.1, 0.5, 0.55)])
+def test_probe_window_covers_one_beat(probe, pace, want):
+    assert probe_window(probe, pace) == pytest.approx(want)

@@ -7,7 +7,7 @@ import pytest
 from conftest import ask_all
 
 from ftcore.lighthouse_client import GroupLost, LighthouseClient, call
-from ftcore.messages import MessageError, QuorumRequest, RankInfo
+from ftcore.messages import FailureReport, MessageError, QuorumRequest, RankInfo
 from ftcore.relay import Relay, group_request
 
 K = 3
@@ -115,6 +115,33 @@ def test_ranks_hear_the_lighthouses_silence_through_their_relay():
         relay.close()
         lh.close()
         srv.shutdown()
+
+
+def test_a_loaded_lighthouse_slows_the_groups_beats_and_waits_for_them_longer(lighthouse):
+    # a budget of 4 beats/s for two speakers: each is asked to beat every 0.5 s
+    addr, lh = lighthouse(heartbeat_timeout=2.0, failure_probe=0.1, join_timeout=2.0, heartbeat_budget=4.0)
+    made = [_group(addr, "paced", g) for g in range(2)]
+    try:
+        quorum = ask_all([c for _, cs in made for c in cs])[0]
+        assert _wait(lambda: all(r.upstream.pace == 0.5 for r, _ in made), 4.0), [r.upstream.pace for r, _ in made]
+        assert lh.beat_s == 0.5 and lh.probe_s == pytest.approx(0.55)
+        silences = []
+        for _ in range(60):  # 1.2 s: beats half a second apart, every one answered
+            silences += [r.upstream.silent_for() for r, _ in made] + [c.silent_for() for _, cs in made for c in cs]
+            time.sleep(0.02)
+        assert max(silences) < 0.2, "an answering lighthouse was taken for a silent one"
+        # a peer's report: each group is heard within the probe its slower beats allow, none fails
+        report = FailureReport("paced", 1, 0, 0, quorum.quorum_id, "peer reset")
+        assert call(addr, "/report_failure", report.to_wire(), None)[0] == 200
+        time.sleep(1.0)
+        j = lh.jobs["paced"]
+        assert j.groups[0].healthy and j.groups[1].healthy
+        assert not [e for e in j.events if e["kind"] == "failure_detected"]
+    finally:
+        for relay, clients in made:
+            for c in clients:
+                c.close()
+            relay.close()
 
 
 def test_a_job_cannot_mix_relayed_and_direct_groups(job):
