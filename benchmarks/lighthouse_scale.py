@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from ftcore import timeouts  # noqa: E402
-from ftcore.messages import Busy, Quorum, QuorumRequest, RankInfo, identity_key  # noqa: E402
+from ftcore.messages import Busy, Quorum, QuorumRequest, RankInfo  # noqa: E402
 from ftcore.relay import UPSTREAM_INTERVAL  # noqa: E402
 from ftcore.util.files import atomic_write_json  # noqa: E402
 from ftcore.util.procs import free_port  # noqa: E402
@@ -168,7 +168,7 @@ def _request(info: dict[str, Any], step: int, trained_in: dict[str, Any]) -> dic
 
 def _trained_in(reply: bytes) -> dict[str, Any]:
     q = Quorum.parse(json.loads(reply))
-    return {"quorum_id": q.quorum_id, "lighthouse_id": q.lighthouse_id, "key": identity_key(q.identity)}
+    return {"quorum_id": q.quorum_id, "lighthouse_id": q.lighthouse_id, "key": q.members_key}
 
 
 async def _play(port: int, infos: list[dict[str, Any]], plan: dict[str, Any], stop: Any, out: Any) -> None:

@@ -37,7 +37,7 @@ from ftcore.messages import (
     StandbyReply,
     identity_key,
 )
-from ftcore.pace import PaceJudge
+from ftcore.pace import Figures, PaceJudge
 from ftcore.quorum import Member, Plan, Round, decide, isolated, plan
 
 if TYPE_CHECKING:
@@ -405,7 +405,8 @@ class Job:
         The judge records them with each rank's (a relay sends them all with its group's)."""
         if self.quorum is None or self.quorum.heal:
             return {}
-        qid, out, ranks = self.quorum.quorum_id, {}, {}
+        qid, out = self.quorum.quorum_id, {}
+        ranks: dict[int, Figures] = {}
         for g in members:
             reqs = self.round.pending[g].values()
             figures = {r.rank: r.busy.seconds for r in reqs if r.busy is not None and r.busy.quorum_id == qid}
@@ -413,9 +414,10 @@ class Job:
                 out[g] = max(figures.values())
                 first = next(iter(reqs)).busy
                 relayed = first.ranks if first is not None and self.groups[g].relay else ()
-                if len(relayed) == self.groups[g].world:  # a relay sends every rank's figure
-                    figures = dict(enumerate(relayed))
-                ranks[g] = figures if len(figures) == self.groups[g].world else {}
+                if len(relayed) == self.groups[g].world:  # a relay sends every rank's figure, in rank order
+                    ranks[g] = relayed
+                else:
+                    ranks[g] = figures if len(figures) == self.groups[g].world else {}
         if len(out) < len(members):
             return {}
         self.pace.observe(out, ranks)

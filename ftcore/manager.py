@@ -27,7 +27,7 @@ from ftcore.faults import Fault, InjectedFault, Injector
 from ftcore.ftar import FTARError, ftar
 from ftcore.heal import HealServer, fetch
 from ftcore.lighthouse_client import LighthouseClient, LighthouseError, LighthouseLink, Overtaken, Replaced, Standby
-from ftcore.messages import MAX_ADDRESS, Busy, Quorum, QuorumRequest, RankInfo, identity_key
+from ftcore.messages import MAX_ADDRESS, Busy, Quorum, QuorumRequest, RankInfo
 from ftcore.relay import Relay
 
 __all__ = ["Manager", "ManagerConfig", "StepRecord", "config_from_env", "faults_from_env"]
@@ -222,7 +222,7 @@ class Manager:
             self.pace_log.append((max(pace.slowest_s - busy.seconds, 0.0), allreduce_s, pace.slowest_s, pace.mean_s))
         self._st.lease_until = time.monotonic() + min(q.lease_s, timeouts.LEASE)
         self.client.update(quorum_id=q.quorum_id)
-        self._st.trained_in = (q.lighthouse_id, identity_key(q.identity))
+        self._st.trained_in = (q.lighthouse_id, q.members_key)
         g = self.cfg.group
         if g in q.heal:  # rank k heals from rank k of the source
             r.heal_fut = self._heal_pool.submit(self._fetch_heal, q.heal_from, q.max_step, q.heal[g])

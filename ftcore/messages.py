@@ -110,19 +110,6 @@ def identity_key(identity: Identity) -> str:
     return hashlib.blake2b(text, digest_size=8).hexdigest() if identity else ""
 
 
-def _identity(raw: Any, key: str) -> Identity:
-    if raw is None:
-        return ()
-    if not (isinstance(raw, list) and len(raw) <= MAX_GROUPS):
-        raise MessageError(f"{key} must be a list of [group, incarnation], got {raw!r}"[:200])
-    out = []
-    for pair in raw:
-        if not (isinstance(pair, list) and len(pair) == 2):
-            raise MessageError(f"{key} must be a list of [group, incarnation], got {pair!r} in it"[:200])
-        out.append((_int({"group": pair[0]}, "group", hi=MAX_GROUPS), _int({"incarnation": pair[1]}, "incarnation")))
-    return tuple(out)
-
-
 def _groups(raw: Any, key: str) -> tuple[int, ...]:
     if not (isinstance(raw, list) and len(raw) <= MAX_GROUPS):
         raise MessageError(f"{key} must be a list of group ids, got {raw!r}"[:200])
@@ -409,7 +396,7 @@ class Quorum:
     quorum_id: int
     lighthouse_id: str  # the lighthouse that formed it (a store prefix per lighthouse start)
     job: str
-    identity: Identity  # (group, incarnation) of every member
+    identity: Identity  # (group, incarnation) of every member (the lighthouse's; a rank knows its key)
     groups: tuple[int, ...]  # the members, in order (rank order of the cross-group group)
     max_step: int  # the step every member is at after this round's heals
     heal: dict[int, int]  # healing group -> the group it heals from
@@ -417,8 +404,15 @@ class Quorum:
     pace: Pace | None = None
     store: str = ""  # this rank's rendezvous: rank k of the first member hosts rank k's
     heal_from: str = ""  # this rank's heal source: rank k of its source group
+    # identity_key(identity): what the wire carries, not the identity (13-digit incarnations of
+    # every member in every reply would be most of a round's bytes at a thousand groups)
+    members_key: str = ""
 
     status: ClassVar[int] = 200
+
+    def __post_init__(self) -> None:
+        if self.identity and not self.members_key:
+            object.__setattr__(self, "members_key", identity_key(self.identity))
 
     def live(self) -> set[int]:
         """The members that train this step (everyone but the healing groups)."""
@@ -435,7 +429,7 @@ class Quorum:
             "quorum_id": self.quorum_id,
             "lighthouse_id": self.lighthouse_id,
             "job": self.job,
-            "identity": [list(p) for p in self.identity],
+            "members_key": self.members_key,
             "groups": list(self.groups),
             "max_step": self.max_step,
             "heal": {str(g): s for g, s in self.heal.items()},
@@ -468,9 +462,9 @@ class Quorum:
         strays = sorted({*heal, *heal.values()} - set(groups))
         if strays:
             raise MessageError(f"heal names groups {strays} that are not members {list(groups)}")
-        identity = _identity(body.get("identity"), "identity")
-        if [g for g, _ in identity] != list(groups):
-            raise MessageError(f"identity {body.get('identity')!r} does not list the members {list(groups)}"[:200])
+        members_key = _str(body, "members_key", limit=MAX_LIGHTHOUSE_ID)
+        if not members_key:
+            raise MessageError("members_key is missing")
         lighthouse_id = _str(body, "lighthouse_id", limit=MAX_LIGHTHOUSE_ID)
         if not lighthouse_id:
             raise MessageError("lighthouse_id is missing")
@@ -478,7 +472,7 @@ class Quorum:
             quorum_id=_int(body, "quorum_id"),
             lighthouse_id=lighthouse_id,
             job=job_id(body.get("job")),
-            identity=identity,
+            identity=(),
             groups=groups,
             max_step=_int(body, "max_step"),
             heal=heal,
@@ -486,6 +480,7 @@ class Quorum:
             pace=Pace.parse(body.get("pace")),
             store=_str(body, "store", limit=MAX_ADDRESS * MAX_RELAYED),
             heal_from=_str(body, "heal_from", limit=MAX_ADDRESS * MAX_RELAYED),
+            members_key=members_key,
         )
 
 

@@ -74,6 +74,10 @@ class Verdict:
     others_busy_s: float | None = None  # the median of the group's other ranks' means
 
 
+# one round's figures of a group's ranks: by rank, or every rank's in rank order (a relay's)
+Figures = dict[int, float] | tuple[float, ...]
+
+
 def median_without(ordered: list[float], value: float) -> float:
     """The median of sorted `ordered` with one `value` left out (any of equal ones: the rest is
     the same), in O(log n): every member's peers' median in one sort, not one sort each."""
@@ -95,8 +99,11 @@ class PaceJudge:
     ranks: dict[int, collections.deque] = field(default_factory=dict)
     settling: dict[int, int] = field(default_factory=dict)  # group -> rounds left unmeasured
     strikes: dict[tuple[int, int], int] = field(default_factory=dict)  # (group, incarnation) -> exclusions
+    # group -> running sums over its window of (its counted figure, its peers' median): a round
+    # tests every member in O(1) and computes `slowness` only for one that may be slow
+    sums: dict[int, list[float]] = field(default_factory=dict)
 
-    def observe(self, busy: dict[int, float], ranks: dict[int, dict[int, float]] | None = None) -> None:
+    def observe(self, busy: dict[int, float], ranks: dict[int, Figures] | None = None) -> None:
         """One round: each member's busy seconds in the step it just finished (all in one
         quorum), and where known each of its ranks' figures."""
         if self.policy.off or len(busy) < 2:
@@ -107,12 +114,25 @@ class PaceJudge:
                 self.settling[g] -= 1
                 continue
             ref = median_without(ordered, b)
-            self.rounds.setdefault(g, collections.deque(maxlen=w)).append((b, ref))
-            self.ranks.setdefault(g, collections.deque(maxlen=w)).append(dict((ranks or {}).get(g, {})))
+            hist = self.rounds.setdefault(g, collections.deque(maxlen=w))
+            sums = self.sums.setdefault(g, [0.0, 0.0])
+            if len(hist) == w:
+                sums[0] -= self._counted(*hist[0])
+                sums[1] -= hist[0][1]
+            hist.append((b, ref))
+            sums[0] += self._counted(b, ref)
+            sums[1] += ref
+            self.ranks.setdefault(g, collections.deque(maxlen=w)).append((ranks or {}).get(g, {}))  # never changed
+
+    def _counted(self, b: float, ref: float) -> float:
+        """A round's figure as slowness counts it: its peers' when it exceeds them by less than
+        min_excess_s (noise)."""
+        return b if b - ref >= self.policy.min_excess_s else ref
 
     def forget(self, g: int) -> None:
         self.rounds.pop(g, None)
         self.ranks.pop(g, None)
+        self.sums.pop(g, None)
 
     def readmit(self, g: int) -> None:
         """A group back from standby: measured afresh after `settle` rounds."""
@@ -124,7 +144,7 @@ class PaceJudge:
         hist = self.rounds.get(g)
         if hist is None or len(hist) < self.policy.window:
             return None
-        seen = [(b if b - ref >= self.policy.min_excess_s else ref, ref) for b, ref in hist]
+        seen = [(self._counted(b, ref), ref) for b, ref in hist]
         total, ref_total = sum(s for s, _ in seen), sum(r for _, r in seen)
         worst, worst_ref = max(seen, key=lambda x: x[0] - x[1])
         if ref_total - worst_ref <= 0:
@@ -141,6 +161,10 @@ class PaceJudge:
         need = self.policy.bound(n)
         worst = None
         for g in members:
+            sums = self.sums.get(g)
+            # s over the window must reach the bound (with room for the running sums' rounding)
+            if sums is None or len(self.rounds[g]) < self.policy.window or sums[0] < 0.999 * need * sums[1]:
+                continue
             s = self.slowness(g)
             if s is not None and min(s) >= need and (worst is None or s[0] > worst[1]):
                 worst = (g, s[0])
@@ -169,7 +193,7 @@ class PaceJudge:
         Named when it is the group's only rank, or when its mean exceeds the others' by the
         policy's margin and `min_excess_s`. Ranks that wait for each other inside the step
         (an all-reduce within the group before the FTAR) report alike: no rank is named."""
-        rounds = [d for d in self.ranks.get(g, ()) if d]
+        rounds = [d if isinstance(d, dict) else dict(enumerate(d)) for d in self.ranks.get(g, ()) if d]
         if not rounds:
             return None, None, None
         layout = set(rounds[-1])

@@ -396,3 +396,20 @@ def test_median_without_is_the_median_of_the_others(values):
     for i, v in enumerate(values):
         others = values[:i] + values[i + 1 :]
         assert median_without(ordered, v) == statistics.median(others)
+
+
+def test_the_running_sums_are_the_windows_sums():
+    """judge() tests every member by the running sums first: they must be the window's own."""
+    import random
+
+    rng = random.Random(7)
+    j = PaceJudge(PacePolicy(window=5))
+    for _ in range(40):
+        j.observe({g: rng.uniform(0.1, 0.5) * (3 if g == 2 else 1) for g in range(4)})
+        if rng.random() < 0.1:
+            j.readmit(1)
+    for g, hist in j.rounds.items():
+        counted = sum(j._counted(b, ref) for b, ref in hist)
+        assert j.sums[g] == [pytest.approx(counted), pytest.approx(sum(r for _, r in hist))]
+    verdict = j.judge([0, 1, 2, 3], dict.fromkeys(range(4), 0), 1, 0)
+    assert verdict is not None and verdict.group == 2  # three times its peers: the filter kept it
