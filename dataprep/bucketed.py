@@ -12,7 +12,7 @@ import re
 import shutil
 import time
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from multiprocessing import get_context
 from pathlib import Path
 
@@ -31,6 +31,7 @@ BYTES_PER_EVENT = 400  # peak working set of a bucket per event (build_sequences
 IN_MEMORY_BYTES_PER_EVENT = 130  # the in-memory build's peak per event (10M Parquet events: 1.15 GB)
 PIECE_ROWS = 16_384  # rows per record batch of a rank piece at most (write(r) holds one per bucket)
 MIN_BATCH_ROWS = 1 << 16  # rows per batch read from Parquet, at least
+THREADS = 2  # stages at once in a one-process build (--workers 1), each with its share of the budget
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 
 
@@ -238,7 +239,10 @@ def split(work: "str | Path", f: int) -> dict:
                         }
                     )
                     pos += n
-                    b = np.searchsorted(starts, u, side="right") - 1
+                    # 16-bit bucket numbers sort stably by radix (an int64 stable sort is a merge sort)
+                    b = (np.searchsorted(starts, u, side="right") - 1).astype(
+                        np.int16 if len(starts) < 1 << 15 else np.int32
+                    )
                     order = np.argsort(b, kind="stable")
                     cuts = np.searchsorted(b[order], np.arange(len(starts) + 1))
                     t = t.take(pa.array(order))
@@ -439,27 +443,26 @@ def batch_rows(budget: int) -> int:
 
 
 class Pool:
-    """Runs a stage over its indices: here, or in `workers` processes (spawned: pyarrow's threads
-    do not survive a fork). Stage functions take (work, index) and return a small dict."""
+    """Runs a stage over its indices: in `workers` processes (spawned: pyarrow's threads do not
+    survive a fork), or with one worker in THREADS threads of this process (the stages are mostly
+    numpy and pyarrow, which release the GIL). Stage functions take (work, index) and return a
+    small dict."""
 
     def __init__(self, workers: int):
-        self.ex = ProcessPoolExecutor(workers, mp_context=get_context("spawn")) if workers > 1 else None
+        self.ex: Executor = (
+            ProcessPoolExecutor(workers, mp_context=get_context("spawn"))
+            if workers > 1
+            else ThreadPoolExecutor(THREADS)
+        )
 
     def map(self, fn: Callable[[str, int], dict], work: Path, n: int, done: Callable[[dict], None]) -> list[dict]:
-        if self.ex is None:
-            out = []
-            for i in range(n):
-                out.append(fn(str(work), i))
-                done(out[-1])
-            return out
         futs = [self.ex.submit(fn, str(work), i) for i in range(n)]
         for fu in futs:
             done(fu.result())
         return [fu.result() for fu in futs]
 
     def close(self) -> None:
-        if self.ex is not None:
-            self.ex.shutdown(cancel_futures=True)
+        self.ex.shutdown(cancel_futures=True)
 
 
 def run(
@@ -477,14 +480,15 @@ def run(
     folder is removed."""
     work = tmp / "_work"
     work.mkdir()
-    ctx = {**ctx, "batch_rows": batch_rows(budget), "budget": budget}
+    lane = budget // (THREADS if workers == 1 else 1)  # a process's threads share its budget
+    ctx = {**ctx, "batch_rows": batch_rows(lane), "budget": lane}
     workdir.write_json(work / "ctx.json", ctx)
     pool = Pool(workers)
     try:
         t = time.monotonic()
         nf = len(ctx["paths"])
         pool.map(scan, work, nf, lambda m: say(f"dataprep: scanned {m['file']}: {m['events']} events"))
-        idm = ids(work, budget, buckets)
+        idm = ids(work, lane, buckets)
         nb = idm["buckets"]
         timings["read_s"] = time.monotonic() - t
         say(
@@ -508,7 +512,7 @@ def run(
         t_write = time.monotonic()
         pool.map(route, work, nb, lambda m: None)
         pool.map(write, work, ctx["config"]["world_size"], lambda m: None)
-        out = finish(work)
+        out = finish(work)  # after the rank files: eval.parquet's row group is held whole
     finally:
         pool.close()
     shutil.rmtree(work)

@@ -81,8 +81,20 @@ def _order(user: np.ndarray, ts: np.ndarray) -> np.ndarray:
     span = t1 - t0 + 1
     nu = int(user.max()) + 1
     if span * nu < (1 << 62):
-        return np.argsort(user * span + (ts - t0), kind="stable")
+        return stable_argsort(user * span + (ts - t0))
     return np.lexsort((ts, user))
+
+
+def stable_argsort(key: np.ndarray) -> np.ndarray:
+    """np.argsort(key, kind="stable") of int64 keys, by the faster unstable sort, then each run
+    of equal keys put back in index order (ties are few: duplicates and same-time events)."""
+    order = np.argsort(key)
+    k = key[order]
+    tie = np.flatnonzero(k[1:] == k[:-1])
+    if len(tie):
+        pos = np.union1d(tie, tie + 1)  # every place in a run of equal keys, in key order
+        order[pos] = order[pos][np.lexsort((order[pos], k[pos]))]
+    return order
 
 
 _UNITS = (("s", 1, 10**11), ("ms", 10**3, 10**14), ("us", 10**6, 10**17), ("ns", 10**9, None))
