@@ -147,3 +147,14 @@ def test_truncation_keeps_most_recent():
     s = sequences.train_samples(sequences.build_sequences(ev), 10)
     assert s.items.to_pylist() == [list(range(91, 101))] and s.target.tolist() == [101]
     assert s.truncated == 1 and s.items_truncated == 90
+
+
+def test_stable_argsort_is_numpys_stable_sort():
+    """The (user, time) order: numpy's stable argsort, ties (equal keys) in index order."""
+    from dataprep.sequences import stable_argsort
+
+    rng = np.random.default_rng(3)
+    for n in (0, 1, 2, 17, 5000):
+        for hi in (1, 3, 1000, 1 << 60):
+            key = rng.integers(0, hi, n)
+            assert np.array_equal(stable_argsort(key), np.argsort(key, kind="stable")), (n, hi)
