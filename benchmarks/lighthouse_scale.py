@@ -374,7 +374,12 @@ def main() -> int:
     resource.setrlimit(resource.RLIMIT_NOFILE, (resource.getrlimit(resource.RLIMIT_NOFILE)[1],) * 2)
     lh_cores, gen_cores = _pin()
     rows = []
+    fds = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     for layout, n, k in _runs(a):
+        speakers = n // k if layout == "relay" else n
+        if 2 * speakers + 64 > fds:  # each speaker's heartbeat and quorum connections, in one generator
+            print(f"skipped: {layout} {n} ranks in groups of {k}: {2 * speakers} sockets, {fds} open files allowed")
+            continue
         roots = [("this", ROOT)] + ([("peer", a.peer_root.resolve())] if a.peer_root and layout == "rank" else [])
         for name, root in roots:
             port = free_port()
