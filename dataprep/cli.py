@@ -1,4 +1,4 @@
-"""`python -m dataprep {synth,shards,verify,calibrate}`: the command line over the Python API.
+"""`python -m dataprep {synth,shards,verify,calibrate,stage}`: the command line over the Python API.
 
 User errors print one line `error: ...` on stderr and exit 1 (no traceback).
 """
@@ -7,6 +7,8 @@ import argparse
 import errno
 import json
 import sys
+import time
+from pathlib import Path
 
 from dataprep.errors import DataprepError
 
@@ -102,6 +104,29 @@ def _calibrate(a) -> None:
     save(m, a.out)
     if not a.quiet:
         print(f"wrote {a.out}: c(L) = {m.a:.4g}*L^2 + {m.b:.4g}*L + {m.c0:.4g} us (r2 {m.fit['r2']})")
+
+
+STAGES = ("scan", "split", "bucket", "route", "write")  # the bucketed build's mapped stages
+
+
+def _stage(a) -> None:
+    if not a.work:  # the shard set was already there (a re-run): nothing to do
+        print("the shard set exists; nothing to do")
+        return
+    from dataprep import bucketed, workdir
+
+    t = time.monotonic()
+    out = getattr(bucketed, a.name)(a.work, a.index)
+    workdir.took(Path(a.work), a.name, a.index, time.monotonic() - t)
+    print(json.dumps(out))
+
+
+def _stage_args(sub) -> None:
+    s = sub.add_parser("stage", help="one stage of the bucketed build on its work folder (a fanned-out task's pod)")
+    s.add_argument("name", choices=STAGES)
+    s.add_argument("work", help="the build's work folder (empty: the set was reused, nothing to do)")
+    s.add_argument("index", type=int, help="the input file, bucket or rank")
+    s.set_defaults(fn=_stage)
 
 
 def _synth_args(sub) -> None:
@@ -210,7 +235,7 @@ def _calibrate_args(sub) -> None:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m dataprep", description="raw interactions -> length-balanced shards")
     sub = p.add_subparsers(dest="command", required=True)
-    for add in (_synth_args, _shards_args, _verify_args, _calibrate_args):
+    for add in (_synth_args, _shards_args, _verify_args, _calibrate_args, _stage_args):
         add(sub)
     return p
 

@@ -88,3 +88,10 @@ def batches_ipc(path: Path) -> list[pa.Table]:
 
 def write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj))
+
+
+def took(work: Path, name: str, index: "int | None", seconds: float) -> None:
+    """Record the seconds a stage task took (a fanned-out build's manifest timings sum them)."""
+    d = work / "took"
+    d.mkdir(exist_ok=True)
+    (d / f"{name}-{index}").write_text(repr(seconds))

@@ -312,6 +312,10 @@ def test_ftrec_train_k8s_with_the_provider_is_the_training_pipeline_on_pods(tmp_
     assert t["train_group"]["retries"] == 2 and t["train_group"]["timeout"] == 24 * 3600
     assert t["register_model"]["outlets"] == ["ftrec_model"]
     _assert_fanned_out(t, "ftrec_train_k8s_shards")
+    # each mapped stage a pod (python -m dataprep stage ...), retried alone like a task
+    for name in MAPPED:
+        assert t[f"build_shards.{name}"]["operator"] == "GroupPodOperator", name
+        assert t[f"build_shards.{name}"]["retries"] == 2, name
     assert "kubernetes" in d["tags"] and d["description"] == "replica groups as Kubernetes pods"
     assert set(d["params"]) == set(parsed["dags"]["ftrec_train"]["params"])
 

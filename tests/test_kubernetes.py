@@ -310,3 +310,60 @@ def test_a_runs_pods_get_a_token_that_opens_their_job_alone(k8s_env, tmp_path):
     assert secret.metadata.namespace == "recs" and len(secret.metadata.name) <= 63
     assert auth.scope("admin-secret", f"Bearer {token}") == job
     assert kubernetes.job_secret_name(job) != kubernetes.job_secret_name(job + "x")
+
+
+STAGE_TASKS = {"read": "scan", "partition": "split", "bucket": "bucket", "route": "route", "write": "write"}
+
+
+@pytest.fixture
+def stage_tasks(k8s_env):
+    """build_shards' mapped stage tasks of the DAG file, parsed as the DAG processor does."""
+    from airflow.dag_processing.dagbag import DagBag
+
+    bag = DagBag(dag_folder=str(ROOT / "dags" / "ftrec_train_k8s.py"))
+    assert bag.import_errors == {}
+    return {t: bag.dags["ftrec_train_k8s"].get_task(f"build_shards.{t}") for t in STAGE_TASKS}
+
+
+def test_shard_stage_pods_run_dataprep_stage_on_the_work_volume(stage_tasks, tmp_path):
+    work = str(tmp_path / "work" / "runs" / "x" / ".shards.stage-0" / "_work")
+    for task_id, stage in STAGE_TASKS.items():
+        pod = stage_tasks[task_id].unmap({"arguments": [work, "1"]}).build_pod_request_obj(dry_run=True)
+        (c,) = pod.spec.containers
+        assert c.command == ["python", "-m", "dataprep", "stage", stage] and c.args == [work, "1"]
+        assert not (c.resources and c.resources.limits)  # no GPU
+        assert kubernetes.config().work in [m.mount_path for m in c.volume_mounts]
+        assert pod.metadata.labels["ftrec/stage"] == stage and pod.metadata.namespace == "recs"
+
+
+def test_shard_stage_pod_commands_build_the_one_process_set(stage_tasks, tmp_path):
+    """The pods' commands, run here in the fanned-out order around the worker's own tasks
+    (prepare, ids, plan, seal), build the set `dataprep shards` builds in one process."""
+    from test_dataprep_bucketed import _assert_same
+
+    from dataprep.build import build_shards
+    from dataprep.synth import write_synthetic
+    from ftrec_airflow import shard_tasks
+
+    data = tmp_path / "ev.txt"
+    write_synthetic(str(data), users=300, items=150, seed=3, fmt="sasrec")
+    spec = pipeline_ops.ShardSpec(input=str(data), fmt="sasrec", out=str(tmp_path / "set"), world_size=2, batch_size=8)
+    stage = shard_tasks.prepare(spec, buckets=3, memory_budget=None, log=lambda line: None)["stage"]
+
+    def pods(task_id: str, n: int) -> None:
+        for kw in shard_tasks._args(stage, range(n)):
+            (c,) = stage_tasks[task_id].unmap(kw).build_pod_request_obj(dry_run=True).spec.containers
+            r = subprocess.run([sys.executable, *c.command[1:], *c.args], capture_output=True, text=True, timeout=120)
+            assert r.returncode == 0, r.stderr
+
+    pods("read", 1)
+    buckets = shard_tasks.run_stage("ids", stage)["buckets"]
+    pods("partition", 1)
+    pods("bucket", buckets)
+    shard_tasks.plan(stage, log=lambda line: None)
+    pods("route", buckets)
+    pods("write", 2)
+    summary = shard_tasks.seal(stage, spec.out, log=lambda line: None)
+    assert buckets == 3 and summary["reused"] is False
+    build_shards(str(data), "sasrec", str(tmp_path / "ref"), world_size=2, batch_size=8)
+    _assert_same(tmp_path / "ref", tmp_path / "set")

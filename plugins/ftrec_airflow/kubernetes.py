@@ -203,6 +203,16 @@ def group_pod_operator(**task_args):
     return GroupPodOperator.partial(**pod_defaults(), **task_args)
 
 
+def stage_pod_operator(*, task_id: str, stage: str, **task_args):
+    """A mapped stage of the fanned-out shard build as pods (shard_tasks.fanout's `pods`): each
+    runs `python -m dataprep stage STAGE WORK INDEX` on the work volume, without a GPU."""
+    from ftrec_airflow.kubernetes_operator import GroupPodOperator
+
+    labels = {"app.kubernetes.io/name": "ftrec", "app.kubernetes.io/component": "shard-build", "ftrec/stage": stage}
+    defaults = {**pod_defaults(), "cmds": ["python", "-m", "dataprep", "stage", stage], "gpu_resource": ""}
+    return GroupPodOperator.partial(task_id=task_id, labels=labels, **defaults, **task_args)
+
+
 # ---------------------------------------------------------------- the job's own credential
 
 

@@ -92,10 +92,9 @@ STAGE_TIMINGS = {"read_s": ("scan", "ids"), "sequences_s": ("split", "bucket"), 
 
 
 def _took(stage: str, name: str, index: int | None, seconds: float) -> None:
-    """Record a stage task's seconds (the manifest's timings sum them per stage)."""
-    d = Path(stage) / "_work" / "took"
-    d.mkdir(exist_ok=True)
-    (d / f"{name}-{index}").write_text(repr(seconds))
+    from dataprep import workdir
+
+    workdir.took(Path(stage) / "_work", name, index, seconds)
 
 
 def _timings(work: Path) -> dict[str, float]:
@@ -132,30 +131,44 @@ def seal(stage: str, out: str, log=print) -> dict[str, Any]:
     return {**pipeline_ops._summary(m, out), "reused": False}
 
 
-# the mapped tasks: one dataprep.bucketed stage each (fanout calls them inside its task group)
-@task
-def read(stage: str, f: int) -> Any:
-    return run_stage("scan", stage, f)
+# the mapped tasks: one dataprep.bucketed stage each (fanout calls them inside its task group).
+# Each takes `arguments` [work folder ("": the set was reused), index], what `python -m dataprep
+# stage NAME` takes: a task here or a pod (fanout's `pods`) is mapped over the same list.
+def _args(stage: str, indices) -> list[dict]:
+    return [{"arguments": [str(Path(stage) / "_work") if stage else "", str(i)]} for i in indices]
+
+
+def _stage(work: str) -> str:
+    return str(Path(work).parent) if work else ""
 
 
 @task
-def partition(stage: str, f: int) -> Any:
-    return run_stage("split", stage, f)
+def read(arguments: list[str]) -> Any:
+    return run_stage("scan", _stage(arguments[0]), int(arguments[1]))
 
 
 @task
-def bucket(stage: str, b: int) -> Any:
-    return run_stage("bucket", stage, b)
+def partition(arguments: list[str]) -> Any:
+    return run_stage("split", _stage(arguments[0]), int(arguments[1]))
 
 
 @task
-def route(stage: str, b: int) -> Any:
-    return run_stage("route", stage, b)
+def bucket(arguments: list[str]) -> Any:
+    return run_stage("bucket", _stage(arguments[0]), int(arguments[1]))
 
 
 @task
-def write(stage: str, r: int) -> Any:
-    return run_stage("write", stage, r)
+def route(arguments: list[str]) -> Any:
+    return run_stage("route", _stage(arguments[0]), int(arguments[1]))
+
+
+@task
+def write(arguments: list[str]) -> Any:
+    return run_stage("write", _stage(arguments[0]), int(arguments[1]))
+
+
+MAPPED = {"read": ("scan", read), "partition": ("split", partition), "bucket": ("bucket", bucket)}
+MAPPED |= {"route": ("route", route), "write": ("write", write)}
 
 
 def _settings(params: dict | None, buckets: int | None, memory_budget: str | None) -> dict[str, Any]:
@@ -174,34 +187,35 @@ def fanout(
     outlets: list[Asset] | None = None,
     buckets: int | None = None,
     memory_budget: str | None = None,
+    pods: Callable[..., Any] | None = None,
 ) -> XComArg:
     """The task group `build_shards` (see the module doc) on `data` (ingest's output); returns
     seal's summary, what `@build_shards_task` returns. `spec_fn(data, params=params)` says the
     set; the shard_buckets and shard_memory_budget params, when set, replace `buckets` and
-    `memory_budget`."""
+    `memory_budget`. `pods(task_id=, stage=)`: the mapped stages as pods (a partial operator)."""
     with TaskGroup(group_id="build_shards"):
 
         @task(task_id="prepare")
         def prepare_task(data: Any, params=None) -> list[dict]:
             kw = _settings(params, buckets, memory_budget)
             p = _user_errors(lambda: prepare(spec_fn(data, params=params), **kw))
-            return [{"stage": p["stage"], "f": f} for f in p["files"]]
+            return _args(p["stage"], p["files"])
 
         @task
         def ids(files: list[dict]) -> list[dict]:
-            stage = files[0]["stage"]
+            stage = _stage(files[0]["arguments"][0])
             meta = run_stage("ids", stage)
-            return [{"stage": stage, "b": b} for b in range(meta["buckets"] if meta else 1)]
+            return _args(stage, range(meta["buckets"] if meta else 1))
 
         @task(task_id="plan")
         def plan_task(files: list[dict], data: Any, params=None) -> list[dict]:
-            stage = files[0]["stage"]
+            stage = _stage(files[0]["arguments"][0])
             plan(stage)
-            return [{"stage": stage, "r": r} for r in range(spec_fn(data, params=params).world_size)]
+            return _args(stage, range(spec_fn(data, params=params).world_size))
 
         @task(task_id="seal", outlets=outlets or [])
         def seal_task(files: list[dict], data: Any, params=None, outlet_events=None) -> dict:
-            s = seal(files[0]["stage"], spec_fn(data, params=params).out)
+            s = seal(_stage(files[0]["arguments"][0]), spec_fn(data, params=params).out)
             print(
                 f"shard set {s['path']}: {s['steps']} steps, {s['num_samples']} samples, "
                 f"bubble {s['bubble_fraction'] or 0.0:.4f}{' (reused)' if s['reused'] else ''}"
@@ -210,14 +224,18 @@ def fanout(
                 outlet_events[a].extra = {k: s[k] for k in ("path", "fingerprint", "steps", "num_samples")}
             return s
 
+        def mapped(task_id: str, over: Any) -> Any:
+            name, fn = MAPPED[task_id]
+            return (pods(task_id=task_id, stage=name) if pods else fn).expand_kwargs(over)
+
         files: Any = prepare_task(data)
-        scanned = read.expand_kwargs(files)
+        scanned = mapped("read", files)
         buckets_ = ids(files)
-        parts = partition.expand_kwargs(files)
-        built = bucket.expand_kwargs(buckets_)
+        parts = mapped("partition", files)
+        built = mapped("bucket", buckets_)
         ranks = plan_task(files, data)
-        routed = route.expand_kwargs(buckets_)
-        written = write.expand_kwargs(ranks)
+        routed = mapped("route", buckets_)
+        written = mapped("write", ranks)
         sealed = seal_task(files, data)
         scanned >> buckets_ >> parts >> built >> ranks >> routed >> written >> sealed
     return sealed
