@@ -140,11 +140,7 @@ class LighthouseClient:
         self._info_lock = threading.Lock()  # update() from several threads loses no field
         self._qconn: http.client.HTTPConnection | None = None  # quorum requests, kept alive
         self._last_sent = 0.0  # monotonic time of the last quorum request (it refreshes liveness too)
-        # Silence is measured from the beat the lighthouse left unanswered (None: it answered the
-        # last one), not from its last answer: beats may be half a second apart. An answer of any
-        # kind after that beat went out restarts the count.
-        self._beat_out: float | None = None
-        self._last_answer = 0.0
+        self._last_answer = time.monotonic()  # the lighthouse's last answer of any kind
         self.failed_groups: tuple[int, ...] = ()  # unhealthy members of the current quorum, per the last heartbeat
         self.replaced = False
         self.latest_quorum_id = 0  # the lighthouse's current quorum id, per the last heartbeat
@@ -198,7 +194,6 @@ class LighthouseClient:
                 if conn is None:
                     conn = self._live = http.client.HTTPConnection(host, port, timeout=timeouts.RPC_TIMEOUT)
                 info = self.info if conn.sock is None else replace(self.info, store="", heal="")
-                self._beat_out = self._beat_out or time.monotonic()
                 conn.request("POST", "/heartbeat", body=json.dumps(info.to_wire()).encode(), headers=hdrs)
                 resp = conn.getresponse()
                 data = loads(resp.read())
@@ -216,7 +211,6 @@ class LighthouseClient:
                     self.pace = max(self.interval, min(beat.beat_s, timeouts.HEARTBEAT_TIMEOUT / 4))
                     silent_s = beat.silent_s  # through a relay: how long the lighthouse has not answered it
                 self._last_answer = time.monotonic() - silent_s
-                self._beat_out = self._last_answer if silent_s else None
             except TimeoutError:  # sent, unanswered: keep it open (bounded), go on over a new one
                 if conn is not None and conn.sock is not None and len(stalled) < MAX_STALLED:
                     stalled.append(conn)
@@ -336,10 +330,9 @@ class LighthouseClient:
         return resp.status, loads(data)
 
     def silent_for(self) -> float:
-        """Seconds the lighthouse has left this rank's latest beat unanswered (since it last
-        answered anything, if that was later); 0 while it answers."""
-        out = self._beat_out
-        return 0.0 if out is None else max(time.monotonic() - max(out, self._last_answer), 0.0)
+        """Seconds since the lighthouse last answered this rank (heartbeat or quorum), less the
+        longer gap between beats it asked for: paced beats never make it look silent."""
+        return max(time.monotonic() - self._last_answer - (self.pace - self.interval), 0.0)
 
     def _fire(self, path: str, body: dict[str, Any]) -> None:
         try:
