@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dataprep import schema
+from training import ranking
 from training.config import EvalConfig, ModelConfig
 from training.evaluate import EvalData, MostPopular, evaluate, ranking_metrics
 from training.model import SeqRec
@@ -150,3 +151,166 @@ def test_ties_across_chunks_count_against_the_target(tiny):
         d = EvalData(tiny, num_items=5, max_len=50, cfg=one)
         chunked = EvalConfig(ks=(1, 5), num_negatives=3, exclude_history=exclude, item_chunk=2)
         assert evaluate(MostPopular(d), d, chunked) == evaluate(MostPopular(d), d, one)
+
+
+# --- bf16-bounded full ranking (training/ranking.py): the reference's ranks, bit for bit
+
+CPU = torch.device("cpu")
+
+
+def _model(num_items: int, dim: int, similarity: str, seed: int = 0) -> SeqRec:
+    torch.manual_seed(seed)
+    cfg = ModelConfig(dim=dim, num_layers=1, num_heads=2, max_len=30, similarity=similarity, dropout=0.0)
+    return SeqRec(num_items, cfg).eval()
+
+
+def _batch(model: SeqRec, num_items: int, B: int, num_neg: int, seed: int):
+    """Hidden states of B random histories, targets, negatives (some = the target) and history."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 31, (B,), generator=g)
+    offsets = torch.zeros(B + 1, dtype=torch.int64)
+    torch.cumsum(lengths, 0, out=offsets[1:])
+    values = torch.randint(1, num_items + 1, (int(offsets[-1]),), generator=g)
+    target = torch.randint(1, num_items + 1, (B,), generator=g)
+    negatives = torch.randint(1, num_items + 1, (B, num_neg), generator=g)
+    negatives[:, 0] = target  # a negative that is the target ties with it
+    rows = torch.repeat_interleave(torch.arange(B), lengths)
+    with torch.no_grad():
+        return model.last_hidden(values, offsets), target, negatives, (rows, values)
+
+
+def _both(model, num_items: int, chunk: int, h, target, negatives, history, fast_chunk: int = ranking.FAST_CHUNK):
+    """(reference ranks, bounded ranks, the bounded ranker)."""
+    with torch.no_grad():
+        ref = ranking.rank_targets(model, h, target, negatives, history, num_items, chunk)
+        ranker = ranking.BoundedRanker(model, num_items, chunk, fast_chunk)
+        got = ranker.rank(h, target, negatives, history)
+    return ref, got, ranker
+
+
+def _bounded_runs_here(rows: int, num_items: int, chunk: int, dim: int):
+    shapes = {min(chunk, num_items), num_items % chunk or chunk}
+    if not ranking.bf16_sound(CPU) or not all(ranking.chain_verified(rows, n, dim, CPU) for n in shapes):
+        pytest.skip("this CPU's float32 matmul is not a plain fma chain (or bf16 is unsound): the reference runs")
+
+
+@pytest.mark.parametrize(
+    "similarity,dim,num_items,chunk,B,exclude",
+    [
+        ("dot", 16, 3000, 37, 48, True),  # reference chunks of 37: fast chunks of 8177, one padded block
+        ("cosine", 16, 3000, 37, 48, False),
+        ("dot", 64, 20011, 2048, 128, True),  # a last chunk of 1579 items
+        ("cosine", 32, 9000, 500, 64, True),
+    ],
+)
+def test_bounded_ranks_equal_the_reference(similarity, dim, num_items, chunk, B, exclude):
+    """Random models and catalogues: the same full and sampled ranks as float32 scoring, with
+    the bounded path taken (no fallback) and some items left to exact rescoring."""
+    _bounded_runs_here(B, num_items, chunk, dim)
+    model = _model(num_items, dim, similarity)
+    h, target, negatives, history = _batch(model, num_items, B, 30, seed=dim)
+    ref, got, ranker = _both(model, num_items, chunk, h, target, negatives, history if exclude else None)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    assert ranker.counts["plain_batches"] == 0 and ranker.counts["band_pairs"] > 0
+    assert len(set(ref[0].tolist())) > B // 2  # ranks spread: a real test of the counting
+
+
+def _adversarial(dim: int = 32, num_items: int = 6000, B: int = 64):
+    """Items tied with or an ulp away from each target's score, duplicates, zero, huge and tiny
+    norms in the same chunks; rows of zero, huge and tiny hidden states."""
+    model = _model(num_items, dim, "dot", seed=5)
+    W = model.item_emb.weight.data
+    g = torch.Generator().manual_seed(7)
+    target = torch.randint(400, num_items // 2, (B,), generator=g)
+    target[-4:] = torch.tensor([3, 150, 250, 399])  # some with huge and tiny norms too
+    for i, t in enumerate(target.tolist()):
+        base = num_items // 2 + 40 * i
+        W[base : base + 10] = W[t]  # exact duplicates: ties
+        W[base + 10 : base + 20] = W[t] * (1 + 2.0**-23 * torch.arange(-5, 5)[:, None])  # an ulp or so apart
+        W[base + 20, :] = W[t]
+        W[base + 20, 0] = torch.nextafter(W[t, 0], torch.tensor(1.0))  # one component an ulp up
+        W[base + 21, :] = 0.0
+    W[1:200] *= 1e6  # huge norms at the catalogue's start, tiny ones after
+    W[200:400] *= 1e-6
+    W[0] = 0.0
+    h = torch.randn(B, dim, generator=g)
+    h[0] = 0.0  # every item scores 0 and ties with the target
+    h[1] *= 1e8
+    h[2] *= 1e-8
+    negatives = torch.randint(1, num_items + 1, (B, 20), generator=g)
+    negatives[:, :5] = num_items // 2 + 40 * torch.arange(B)[:, None] + torch.tensor([0, 10, 15, 20, 21])
+    history = (
+        torch.arange(B).repeat_interleave(3),
+        (num_items // 2 + 40 * torch.arange(B))[:, None].add(torch.tensor([1, 11, 30])).flatten(),
+    )
+    return model, num_items, h, target, negatives, history
+
+
+def test_bounded_ranks_equal_the_reference_on_ties_and_extreme_norms():
+    model, num_items, h, target, negatives, history = _adversarial()
+    _bounded_runs_here(len(target), num_items, 256, 32)
+    ref, got, ranker = _both(model, num_items, 256, h, target, negatives, history, fast_chunk=512)
+    assert ranker.counts["plain_batches"] == 0
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    assert int(ref[0][0]) == num_items - 1 - 3  # the zero row: everything ties, less the target and its 3 history items
+
+
+def test_a_bound_too_tight_is_caught(monkeypatch):
+    """The comparison can fail: a scale 2^12 too large (error bound broken) changes ranks."""
+    model, num_items, h, target, negatives, history = _adversarial()
+    _bounded_runs_here(len(target), num_items, 256, 32)
+    scale = ranking.BoundedRanker._scale
+    monkeypatch.setattr(ranking.BoundedRanker, "_scale", lambda self, rows, s: scale(self, rows, s) * 2.0**12)
+    ref, got, _ = _both(model, num_items, 256, h, target, negatives, history, fast_chunk=512)
+    assert not (torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]))
+
+
+def test_small_batches_fall_back_to_the_reference():
+    """One user: float32 products are gemv-shaped (not fma chains), so the reference ranks it."""
+    model = _model(3000, 16, "dot")
+    h, target, negatives, history = _batch(model, 3000, 1, 10, seed=1)
+    ref, got, ranker = _both(model, 3000, 256, h, target, negatives, history)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    assert ranker.counts["plain_batches"] == int(not ranking.chain_verified(1, 256, 16, CPU)) == 1
+
+
+def test_fma_dot_rounds_once_at_a_float32_midpoint():
+    """1 + a*b whose float64 sum is a float32 midpoint but whose exact value is above it: one
+    fma (and MKL's sgemm) rounds up; rounding the float64 sum again would round to even."""
+    a = torch.tensor([[1.0, 1 + 2.0**-12]] * 16)
+    b = torch.tensor([[1.0, (1 - 2.0**-12 + 2.0**-24) * 2.0**-24]] * 16)
+    assert (torch.tensor(1.0, dtype=torch.float64) + a[0, 1].double() * b[0, 1].double()).float() == 1.0
+    assert ranking.fma_dot(a, b).tolist() == [1 + 2.0**-23] * 16
+    if ranking.chain_verified(16, 16, 2, CPU):
+        assert (a @ b.T).diagonal().tolist() == [1 + 2.0**-23] * 16
+
+
+def test_fma_dot_is_the_float32_matmul():
+    g = torch.Generator().manual_seed(0)
+    q, e = torch.randn(64, 48, generator=g) * 3, torch.randn(300, 48, generator=g) * 0.02
+    if not ranking.chain_verified(64, 300, 48, CPU):
+        pytest.skip("this CPU's float32 matmul is not a plain fma chain")
+    rows, cols = torch.arange(64).repeat_interleave(300), torch.arange(300).repeat(64)
+    assert torch.equal(ranking.fma_dot(q[rows], e[cols]), (q @ e.T).flatten())
+    assert torch.equal(ranking.exact_dot(q[rows], e[cols]), (q @ e.T).flatten())
+
+
+def test_make_ranker_by_precision(tiny):
+    model = _model(100, 16, "dot")
+    assert isinstance(ranking.make_ranker(model, 100, 37, "fp32", CPU), ranking.ReferenceRanker)
+    assert isinstance(ranking.make_ranker(model, 100, 37, "bf16", CPU), ranking.BoundedRanker)
+    auto = ranking.make_ranker(model, 100, 37, "auto", CPU)
+    assert isinstance(auto, ranking.BoundedRanker) == ranking.fast_bf16(CPU)
+    d = EvalData(tiny, num_items=5, max_len=50, cfg=EvalConfig(num_negatives=3))
+    assert isinstance(ranking.make_ranker(MostPopular(d), 5, 37, "bf16", CPU), ranking.ReferenceRanker)
+
+
+@pytest.mark.parametrize("similarity", ["cosine", "dot"])
+def test_evaluate_bf16_equals_fp32(random_eval, similarity):
+    """evaluate() end to end: eval.precision=bf16 gives the fp32 metrics exactly."""
+    model = _model(500, 16, similarity)
+    metrics = {}
+    for precision in ("fp32", "bf16"):
+        cfg = EvalConfig(batch_size=32, item_chunk=37, num_negatives=20, precision=precision)
+        metrics[precision] = evaluate(model, EvalData(random_eval, num_items=500, max_len=30, cfg=cfg), cfg)
+    assert metrics["bf16"] == metrics["fp32"]

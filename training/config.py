@@ -160,6 +160,9 @@ class EvalConfig:
     """full ranking: items already in the user's history rank last"""
     item_chunk: int = 2048
     """full ranking: items scored at once; memory is batch_size x item_chunk scores"""
+    precision: str = "auto"
+    """full ranking: "fp32" scores every item in float32; "bf16" places most items by bounded bf16
+    scores, the same ranks bit for bit; "auto": bf16 where the CPU runs it natively (training/ranking.py)"""
     periodic: bool = True
     """validate every train.eval_every steps (0: once per epoch)"""
     final: bool = True
@@ -364,6 +367,7 @@ def validate(cfg: Config) -> Config:
         (cfg.data.prefetch >= 0, "data.prefetch must be >= 0"),
         (len(cfg.eval.ks) > 0 and all(k >= 1 for k in cfg.eval.ks), "eval.ks must be positive integers"),
         (cfg.eval.item_chunk >= 1 and cfg.eval.batch_size >= 1, "eval.item_chunk and eval.batch_size must be >= 1"),
+        (cfg.eval.precision in ("auto", "fp32", "bf16"), "eval.precision must be 'auto', 'fp32' or 'bf16'"),
         (
             not cfg.eval.best_metric
             or (cfg.eval.best_metric.startswith("valid/") and cfg.eval.periodic and cfg.eval.final),

@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 import torch
 
 from training.config import EvalConfig
+from training.ranking import make_ranker
 
 
 def ranking_metrics(ranks: np.ndarray, ks: tuple[int, ...]) -> dict[str, float]:
@@ -118,6 +119,7 @@ def evaluate(model, data: EvalData, cfg: EvalConfig, splits=("valid", "test")) -
     was_training = model.training
     model.eval()
     dev = next(itertools.chain(model.parameters(), model.buffers())).device
+    ranker = make_ranker(model, data.num_items, cfg.item_chunk, cfg.precision, dev)
     out: dict[str, float] = {}
     for name in splits:
         s = data.splits[name]
@@ -133,7 +135,7 @@ def evaluate(model, data: EvalData, cfg: EvalConfig, splits=("valid", "test")) -
             target, negatives = s.targets[lo:hi].to(dev), s.negatives[lo:hi].to(dev)
             rows = torch.repeat_interleave(torch.arange(hi - lo, device=dev), offsets[1:] - offsets[:-1])
             history = (rows, values) if cfg.exclude_history else None
-            full, sampled = rank_targets(model, h, target, negatives, history, data.num_items, cfg.item_chunk)
+            full, sampled = ranker.rank(h, target, negatives, history)
             full_ranks.append(full.cpu().numpy())
             sampled_ranks.append(sampled.cpu().numpy())
         for proto, ranks in (("full", full_ranks), ("sampled", sampled_ranks)):
@@ -141,56 +143,6 @@ def evaluate(model, data: EvalData, cfg: EvalConfig, splits=("valid", "test")) -
                 out[f"{name}/{proto}/{k}"] = v
     model.train(was_training)
     return out
-
-
-def _by_chunk(rows: torch.Tensor, items: torch.Tensor, chunk: int, num_chunks: int):
-    """(rows, items) sorted by the catalogue chunk of each item, and each chunk's bounds."""
-    key = torch.div(items - 1, chunk, rounding_mode="floor")
-    order = torch.argsort(key, stable=True)
-    key = key[order]
-    bounds = torch.searchsorted(key, torch.arange(num_chunks + 1, device=key.device)).tolist()
-    return rows[order], items[order], order, bounds
-
-
-def rank_targets(
-    model,
-    h: torch.Tensor,
-    target: torch.Tensor,
-    negatives: torch.Tensor,
-    history: tuple[torch.Tensor, torch.Tensor] | None,
-    num_items: int,
-    chunk: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """0-based ranks of each row's target: (full ranking, sampled protocol).
-
-    Streams the catalogue in chunks of `chunk` items: memory is [B, chunk] scores, never
-    [B, num_items]. Full rank = items scoring >= the target (ties count against it) among
-    the items not excluded: the target itself and, given `history` = (row, item) pairs, the
-    items of each row's input. Sampled rank = negatives scoring >= the target; their scores
-    come from the same chunk matmul (negatives are never history items).
-    """
-    B, dev = len(target), target.device
-    t_score = model.scores(h, target).diagonal()[:, None]  # [B, 1]
-    num_chunks = -(-num_items // chunk)
-    rows, items = torch.arange(B, device=dev), target
-    if history is not None:
-        rows, items = torch.cat([history[0], rows]), torch.cat([history[1], items])
-    ex_rows, ex_items, _, ex_bounds = _by_chunk(rows, items, chunk, num_chunks)
-    neg_rows = torch.arange(B, device=dev).repeat_interleave(negatives.shape[1])
-    ng_rows, ng_items, ng_order, ng_bounds = _by_chunk(neg_rows, negatives.reshape(-1), chunk, num_chunks)
-    neg_scores = t_score.new_empty(negatives.numel())
-    full = torch.zeros(B, dtype=torch.int64, device=dev)
-    above = torch.empty(B, min(chunk, num_items), dtype=torch.bool, device=dev)  # reused: no allocation per chunk
-    for c in range(num_chunks):
-        lo = 1 + c * chunk
-        scores = model.scores(h, torch.arange(lo, min(lo + chunk, num_items + 1), device=dev))  # [B, C]
-        a, b = ng_bounds[c], ng_bounds[c + 1]
-        neg_scores[ng_order[a:b]] = scores[ng_rows[a:b], ng_items[a:b] - lo]
-        a, b = ex_bounds[c], ex_bounds[c + 1]
-        scores[ex_rows[a:b], ex_items[a:b] - lo] = float("-inf")
-        full += torch.ge(scores, t_score, out=above[:, : scores.shape[1]]).sum(1)
-    sampled = (neg_scores.view_as(negatives) >= t_score).sum(1)
-    return full, sampled
 
 
 def evaluate_checkpoint(path: str, shards_path: str, overrides: list[str] | None = None) -> dict[str, float]:
