@@ -63,6 +63,9 @@ def time_kind(s: pa.Array, int_only: bool = False) -> tuple[str, tuple[bool, boo
     (merge_time_kinds): (int64 cast ok, timestamp cast ok, ISO, number and integer counts)."""
     ok = []
     for typ in (pa.int64(), pa.timestamp("us")):
+        if ok and ok[0]:  # integers: a timestamp only if there is no value (pyarrow wants YYYY-MM-DD)
+            ok.append(s.null_count == len(s))
+            break
         try:
             s.cast(typ)
             ok.append(True)
