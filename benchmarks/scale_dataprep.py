@@ -1,6 +1,7 @@
 """`python benchmarks/scale_dataprep.py`: dataprep at scale beside DuckDB and polars, same file, one run.
 
-On one synthetic Parquet event file (user_id, item_id, timestamp; `python -m dataprep synth`):
+On one synthetic Parquet event file (user_id, item_id, timestamp; `python -m dataprep synth`), or
+the same events as CSV (`--input-format csv`):
   dataprep in memory        build_shards as before (when the input fits)
   dataprep bucketed         the same shard set in buckets of users, --memory-budget (default 512MB)
   dataprep bucketed, 2 wk   the same with --workers 2
@@ -44,6 +45,7 @@ def _count(text: str) -> int:
 
 def _case(name: str, data: str, out: str, budget: str) -> None:
     """One measured case, in this (child) process."""
+    csv = data.endswith(".csv")
     if name.startswith("dataprep"):
         from dataprep.build import build_shards
 
@@ -57,16 +59,17 @@ def _case(name: str, data: str, out: str, budget: str) -> None:
         con = duckdb.connect()
         if name == "duckdb 1GB":
             con.execute(f"SET memory_limit='1GB'; SET temp_directory='{out}.tmp'")
+        src = f"read_csv('{data}')" if csv else f"read_parquet('{data}')"
         con.execute(
             f"COPY (SELECT user_id, list(item_id ORDER BY timestamp) AS items, "
-            f"list(timestamp ORDER BY timestamp) AS times FROM read_parquet('{data}') GROUP BY user_id) "
+            f"list(timestamp ORDER BY timestamp) AS times FROM {src} GROUP BY user_id) "
             f"TO '{out}.parquet' (FORMAT parquet)"
         )
     elif name == "polars":
         import polars as pl
 
         (
-            pl.scan_parquet(data)
+            (pl.scan_csv(data) if csv else pl.scan_parquet(data))
             .sort(["user_id", "timestamp"])
             .group_by("user_id", maintain_order=True)
             .agg(pl.col("item_id"), pl.col("timestamp"))
@@ -123,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python benchmarks/scale_dataprep.py", description=__doc__.splitlines()[0])
     ap.add_argument("--events", default="2M", help="events in the file: 2M (default), 10M, 100M")
     ap.add_argument("--memory-budget", default="512MB", help="the bucketed cases' --memory-budget")
+    ap.add_argument("--input-format", choices=("parquet", "csv"), default="parquet", help="the event file's format")
     ap.add_argument("--cases", default="all", help="comma-separated case names (default all)")
     ap.add_argument("--data-dir", help="where the event file is made (kept; default a temporary folder)")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds a case may take")
@@ -140,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         {
             "events": events,
             "users": users,
+            "input_format": a.input_format,
             "memory_budget": a.memory_budget,
             "machine": platform.machine(),
             "rows": rows,
@@ -161,6 +166,14 @@ def _run(a: argparse.Namespace, events: int, data_dir: Path, work: Path) -> tupl
         subprocess.run([*gen, "--items", "100000", "--format", "events", "--quiet"], check=True, cwd=ROOT)
     n = pq.ParquetFile(data).metadata.num_rows
     users = len(pc.unique(pq.read_table(data, columns=["user_id"]).column("user_id")))
+    if a.input_format == "csv":  # the same events as CSV text (user_id,item_id,timestamp)
+        csv = data.with_suffix(".csv")
+        if not csv.exists():
+            import pyarrow.csv as pcsv
+
+            pcsv.write_csv(pq.read_table(data), str(csv) + ".tmp")
+            Path(str(csv) + ".tmp").rename(csv)
+        data = csv
     names = [
         "dataprep in memory",
         "dataprep bucketed",
