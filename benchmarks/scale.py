@@ -1,12 +1,10 @@
 """`python benchmarks/scale.py`: production size in one run, dataprep and training side by side.
 
-Runs benchmarks/scale_dataprep.py (dataprep in memory and bucketed beside DuckDB and polars on
-the same Parquet file, 1B projected from the bucketed run) at each `--events` size, and
-benchmarks/scale_training.py (the trainer's step with the dense and the row-wise item
-optimizer, and streamed full-ranking evaluation) at each `--items` size; prints one table and
-writes bench-results/scale.json (`--json`), each script's own JSON beside it. Small by default
-(2M events, 100K items: a few minutes, `make bench`); `--large` is the issue's sizes: 10M and
-100M events, 100K, 1M and 10M items (hours, and ~10 GB of disk at 100M events).
+Runs benchmarks/scale_dataprep.py (dataprep beside DuckDB and polars on one Parquet file, 1B
+projected) at each `--events` size and benchmarks/scale_training.py (dense and row-wise item
+optimizer steps, streamed full-ranking eval) at each `--items` size; prints one table, writes
+bench-results/scale.json (`--json`). Small by default (2M events, 100K items: a few minutes,
+`make bench`); `--large`: 10M and 100M events, 100K, 1M and 10M items (hours, ~10 GB of disk).
 """
 
 import argparse

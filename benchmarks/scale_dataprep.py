@@ -1,7 +1,6 @@
 """`python benchmarks/scale_dataprep.py`: dataprep at scale beside DuckDB and polars, same file, one run.
 
-On one synthetic Parquet event file (user_id, item_id, timestamp; `python -m dataprep synth`), or
-the same events as CSV (`--input-format csv`):
+One synthetic event file (`python -m dataprep synth`; Parquet, or CSV by `--input-format csv`):
   dataprep in memory        build_shards as before (when the input fits)
   dataprep bucketed         the same shard set in buckets of users, --memory-budget (default 512MB)
   dataprep bucketed, 2 wk   the same with --workers 2
