@@ -215,6 +215,22 @@ def test_bounded_ranks_equal_the_reference(similarity, dim, num_items, chunk, B,
     assert len(set(ref[0].tolist())) > B // 2  # ranks spread: a real test of the counting
 
 
+def test_bounded_ranks_equal_the_reference_on_two_threads():
+    """Chunks split between two worker threads (one torch thread each): the same ranks."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _bounded_runs_here(96, 30000, 1000, 32)
+        model = _model(30000, 32, "cosine")
+        h, target, negatives, history = _batch(model, 30000, 96, 30, seed=3)
+        ref, got, ranker = _both(model, 30000, 1000, h, target, negatives, history, fast_chunk=4000)
+        assert len(ranker._workers) == 2 and ranker.counts["plain_batches"] == 0
+        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+        assert torch.get_num_threads() == 2  # the workers' one thread each is undone
+    finally:
+        torch.set_num_threads(before)
+
+
 def _adversarial(dim: int = 32, num_items: int = 6000, B: int = 64):
     """Items tied with or an ulp away from each target's score, duplicates, zero, huge and tiny
     norms in the same chunks; rows of zero, huge and tiny hidden states."""

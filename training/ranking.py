@@ -9,6 +9,7 @@ has the argument.
 
 import logging
 import math
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -223,6 +224,18 @@ class _Pending:
         self.size += len(rows)
 
 
+@dataclass
+class _Worker:
+    """One worker's buffers and tallies: it takes every n-th chunk of the catalogue."""
+
+    z: torch.Tensor  # [B, padded] bf16: the chunk's z, then its classes
+    right: torch.Tensor  # [padded, 3d + 4] bf16: the right operand
+    scaled: torch.Tensor  # [padded, d] float32
+    full: torch.Tensor | None = None  # [B] items surely or exactly >= the target
+    pending: _Pending = field(default_factory=_Pending)
+    band: int = 0  # band pairs of the full ranking rescored
+
+
 class BoundedRanker:
     """`rank_targets`' ranks from bf16 products with a proven error bound (docs/training.md).
 
@@ -244,9 +257,7 @@ class BoundedRanker:
         # flushed subnormals (2^-50, generously) may add
         self.room = 0.9 - self._gamma[self.width] * MID - 2.0**-50
         self._stats: torch.Tensor | None = None
-        self._z: torch.Tensor | None = None
-        self._right: torch.Tensor | None = None
-        self._scaled = torch.empty(0)
+        self._workers: list[_Worker] = []
         self.counts = {"batches": 0, "plain_batches": 0, "band_pairs": 0, "pairs": 0}
 
     def _embed(self, c: int) -> torch.Tensor:
@@ -268,18 +279,23 @@ class BoundedRanker:
         split of an item vector: the item side of the error bound; one pass over the table."""
         if self._stats is None:
             g, gd = self._gamma[self.width], self._gamma[self.dim]
-            stats = []
-            for c in range(self.num_chunks):
+
+            def bounds(c: int) -> torch.Tensor:
                 e = self._embed(c)
                 eh = e.bfloat16().float()
                 rest = e - eh  # exact in float32, and so is rest - el
                 el = rest.bfloat16().float()
                 ne, nh, nl, nr = (torch.linalg.vector_norm(v, dim=1) for v in (e, eh, el, rest.sub_(el)))
-                bounds = [nr.max() + g * (nh.max() + nl.max()), (nl + nr).max() + g * nh.max(), ne.max()]
-                stats.append(torch.stack(bounds))
-            self._stats = torch.stack(stats).double()
-            self._stats = torch.cat([self._stats, gd * self._stats[:, 2:]], dim=1) * (1 + 2.0**-10)  # float32 norms
+                return torch.stack([nr.max() + g * (nh.max() + nl.max()), (nl + nr).max() + g * nh.max(), ne.max()])
+
+            stats = torch.stack(_in_threads(bounds, self.num_chunks, self._threads())).double()
+            self._stats = torch.cat([stats, gd * stats[:, 2:]], dim=1) * (1 + 2.0**-10)  # float32 norms
         return self._stats
+
+    def _threads(self) -> int:
+        """Workers: one per torch thread on CPU, never more than chunks."""
+        cpu = self.model.item_emb.weight.device.type == "cpu"
+        return min(torch.get_num_threads(), self.num_chunks) if cpu else 1
 
     def _rows(self, h: torch.Tensor, target: torch.Tensor, stats: torch.Tensor) -> _Rows | None:
         """The batch's left operand, each row scaled by a power of two lambda that puts its error
@@ -321,13 +337,9 @@ class BoundedRanker:
         f = 2.0**40 if worst == 0 else min(2.0**40, 2.0 ** math.floor(math.log2(self.room / worst)))
         return f if f >= 2.0**-40 and f * float(stats[2]) <= 2.0**60 else None
 
-    def _fill(self, e: torch.Tensor, f: float) -> torch.Tensor:
+    def _fill(self, w: _Worker, e: torch.Tensor, f: float) -> torch.Tensor:
         """The right operand [f eh, f el, f eh, 1, f, f, f] of chunk items, padding rows at -512."""
-        d, n = self.dim, len(e)
-        if self._right is None:
-            self._right = torch.zeros(self.padded, self.width, dtype=torch.bfloat16, device=e.device)
-            self._scaled = torch.empty(self.padded, d, device=e.device)
-        R, es = self._right, self._scaled[:n]
+        d, n, R, es = self.dim, len(e), w.right, w.scaled[: len(e)]
         torch.mul(e, f, out=es)  # exact: f is a power of two
         R[:n, :d].copy_(es)  # rounds to bf16
         R[:n, d : 2 * d].copy_(es.sub_(R[:n, :d]))
@@ -377,28 +389,54 @@ class BoundedRanker:
         neg_rows = torch.arange(B, device=dev).repeat_interleave(negatives.shape[1])
         ng = _by_chunk(neg_rows, negatives.reshape(-1), self.chunk, self.num_chunks)
         neg_class = torch.empty(negatives.numel(), dtype=torch.int16, device=dev)
-        full = torch.zeros(B, dtype=torch.int64, device=dev)
-        pending = _Pending()
-        if self._z is None or len(self._z) < B:
-            self._z = torch.empty(B, self.padded, dtype=torch.bfloat16, device=dev)
-        for c, f in enumerate(scales):
-            lo = 1 + c * self.chunk
-            e = self._embed(c)
-            x = torch.mm(rows.A, self._fill(e, f).T, out=self._z[:B]).view(torch.int16)
-            x.clamp_(BELOW_BITS, ABOVE_BITS)  # bf16 bits order like values for these signs
-            a, b = ng[3][c], ng[3][c + 1]
-            cls = x[ng[0][a:b], ng[1][a:b] - lo]
-            neg_class[ng[2][a:b]] = cls
-            band = (cls == MID_BITS).nonzero().flatten()
-            pending.add(ng[0][a:b][band], self._keep(e, ng[1][a:b][band] - lo, lo), ng[2][a:b][band])
-            a, b = ex[3][c], ex[3][c + 1]
-            x[ex[0][a:b], ex[1][a:b] - lo] = BELOW_BITS
-            full += self._count(x, e, lo, pending)
-            if pending.size >= PENDING:
-                self._resolve(rows, pending, full, neg_class)
-        self._resolve(rows, pending, full, neg_class)
+        workers = self._ready(B, dev)
+
+        def run(k: int) -> None:  # every len(workers)-th chunk, from chunk k
+            w = workers[k]
+            for c in range(k, self.num_chunks, len(workers)):
+                self._chunk(w, c, scales[c], rows, ex, ng, neg_class)
+            self._resolve(rows, w, neg_class)
+
+        _in_threads(run, len(workers), len(workers))
+        full = torch.stack([w.full for w in workers if w.full is not None]).sum(0)
+        self.counts["band_pairs"] += sum(w.band for w in workers)
+        self.counts["pairs"] += B * self.num_chunks * self.padded
         sampled = (neg_class.view_as(negatives) == ABOVE_BITS).sum(1)
         return full, sampled
+
+    def _ready(self, B: int, dev: torch.device) -> list[_Worker]:
+        """Workers (`_threads`) with buffers for B rows."""
+        n = self._threads()
+        if len(self._workers) != n or len(self._workers[0].z) < B:
+            self._workers = [
+                _Worker(
+                    torch.empty(B, self.padded, dtype=torch.bfloat16, device=dev),
+                    torch.zeros(self.padded, self.width, dtype=torch.bfloat16, device=dev),
+                    torch.empty(self.padded, self.dim, device=dev),
+                )
+                for _ in range(n)
+            ]
+        for w in self._workers:
+            w.full, w.band = torch.zeros(B, dtype=torch.int64, device=dev), 0
+        return self._workers
+
+    def _chunk(self, w: _Worker, c: int, f: float, rows: _Rows, ex: tuple, ng: tuple, neg_class: torch.Tensor) -> None:
+        """Chunk c into worker w's tallies: sure counts, band pairs pending, negatives' classes."""
+        B, lo = len(rows.t), 1 + c * self.chunk
+        e = self._embed(c)
+        x = torch.mm(rows.A, self._fill(w, e, f).T, out=w.z[:B]).view(torch.int16)
+        x.clamp_(BELOW_BITS, ABOVE_BITS)  # bf16 bits order like values for these signs
+        a, b = ng[3][c], ng[3][c + 1]
+        cls = x[ng[0][a:b], ng[1][a:b] - lo]  # before the exclusions, as the reference reads them
+        neg_class[ng[2][a:b]] = cls
+        band = (cls == MID_BITS).nonzero().flatten()
+        w.pending.add(ng[0][a:b][band], self._keep(e, ng[1][a:b][band] - lo, lo), ng[2][a:b][band])
+        a, b = ex[3][c], ex[3][c + 1]
+        x[ex[0][a:b], ex[1][a:b] - lo] = BELOW_BITS
+        assert w.full is not None
+        w.full += self._count(x, e, lo, w.pending)
+        if w.pending.size >= PENDING:
+            self._resolve(rows, w, neg_class)
 
     def _count(self, x: torch.Tensor, e: torch.Tensor, lo: int, pending: _Pending) -> torch.Tensor:
         """Items surely above each row's target in this chunk; the band's (row, item) pairs go to
@@ -406,7 +444,7 @@ class BoundedRanker:
         B = len(x)
         x.bitwise_and_(0xFF)
         words = x.view(torch.int64).view(B, -1, BLOCK // 4).sum(-1)  # 4 lanes of 16 bits, no carry
-        lanes = words.view(torch.int16).view(B, -1, 4).sum(-1, dtype=torch.int32)  # 255 below + above
+        lanes = (words * 0x0001000100010001) >> 48  # the 4 lanes summed into the top one: 255 below + above
         below = (lanes * 16449) >> 22  # lanes // 255, exact up to 64 * 255
         above = lanes - 255 * below
         cells = ((below + above) < BLOCK).nonzero()
@@ -415,15 +453,15 @@ class BoundedRanker:
             k, j = (blocks == 0).nonzero(as_tuple=True)
             items = cells[k, 1] * BLOCK + j
             pending.add(cells[k, 0], self._keep(e, items, lo), torch.full_like(items, -1))
-        self.counts["pairs"] += x.numel()
         return above.sum(1)
 
     def _keep(self, e: torch.Tensor, local: torch.Tensor, lo: int) -> torch.Tensor:
         """What a pending pair keeps of its item: the id when e is the table's rows, else e's row."""
         return local + lo if self.model.cfg.similarity == "dot" else e[local]
 
-    def _resolve(self, rows: _Rows, pending: _Pending, full: torch.Tensor, neg_class: torch.Tensor) -> None:
-        """Score the pending band pairs exactly and count those >= their row's target."""
+    def _resolve(self, rows: _Rows, w: _Worker, neg_class: torch.Tensor) -> None:
+        """Score worker w's pending band pairs exactly; count those >= their row's target."""
+        pending = w.pending
         if not pending.size:
             return
         r, vecs, slots = torch.cat(pending.rows), torch.cat(pending.vecs), torch.cat(pending.slots)
@@ -431,11 +469,30 @@ class BoundedRanker:
             vecs = self.model.item_emb.weight[vecs]
         hit = exact_dot(rows.q[r], vecs) >= rows.t[r]
         ranked = slots < 0
-        full += torch.bincount(r[hit & ranked], minlength=len(full))
-        neg = slots[~ranked]
-        neg_class[neg] = torch.where(hit[~ranked], ABOVE_BITS, BELOW_BITS).to(torch.int16)
-        self.counts["band_pairs"] += int(ranked.sum())
-        pending.rows, pending.vecs, pending.slots, pending.size = [], [], [], 0
+        assert w.full is not None
+        w.full += torch.bincount(r[hit & ranked], minlength=len(w.full))
+        neg_class[slots[~ranked]] = torch.where(hit[~ranked], ABOVE_BITS, BELOW_BITS).to(torch.int16)
+        w.band += int(ranked.sum())
+        w.pending = _Pending()
+
+
+def _in_threads(fn, n: int, threads: int) -> list:
+    """[fn(0), ..., fn(n - 1)] on `threads` threads of one torch thread each: whole tasks per
+    thread, no barrier per operation (which a core busy elsewhere stalls)."""
+    if threads <= 1:
+        return [fn(k) for k in range(n)]
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+
+    def task(k: int):
+        with torch.no_grad():  # grad mode is per thread
+            return fn(k)
+
+    try:
+        with ThreadPoolExecutor(threads) as pool:
+            return list(pool.map(task, range(n)))
+    finally:
+        torch.set_num_threads(before)
 
 
 def make_ranker(model, num_items: int, item_chunk: int, precision: str, device: torch.device):
