@@ -17,7 +17,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import scale_dataprep  # noqa: E402  (benchmarks/ is sys.path[0] when this runs as a script)
-import scale_training  # noqa: E402
 
 from ftcore.util.files import atomic_write_json  # noqa: E402
 
@@ -37,6 +36,8 @@ def _dataprep(events: str, a: argparse.Namespace, tmp: Path) -> dict:
 def _training(items: str, a: argparse.Namespace, tmp: Path) -> dict:
     out = tmp / "training.json"
     argv = ["--items", items, "--steps", str(a.steps), "--eval-users", str(a.eval_users), "--json", str(out)]
+    import scale_training  # torch: imported after the dataprep cases, whose children fork from here
+
     scale_training.main(argv)
     return json.loads(out.read_text())
 

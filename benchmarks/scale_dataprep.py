@@ -82,9 +82,10 @@ def _child(argv: list[str]) -> int:
     t = time.perf_counter()
     _case(name, data, out, budget)
     wall = time.perf_counter() - t
-    rss = max(
-        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    )
+    # this process's own peak (VmHWM: ru_maxrss would keep the forking parent's RSS across exec),
+    # and its workers' (getrusage; those may still count what they forked from)
+    hwm = int(next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("VmHWM")).split()[1])
+    rss = max(hwm, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
     print(json.dumps({"wall_s": wall, "peak_rss_mb": rss / 1024}))
     return 0
 
