@@ -166,7 +166,7 @@ class Manager:
         self._r = Round(QuorumRequest(info), (None, 0.0))  # the current step attempt
         self._st = Standing()
         self._round_lock = threading.Lock()  # a round either takes its reply or leases, never both
-        self._ignored_step = -1  # the step of the last quorum answer given up unapplied (quorum worker only)
+        self._ignored_step = -1  # the step of the last quorum answer given up unapplied (under _round_lock)
         # per step of this group's that every member ran: (straggler s: waiting for the slowest
         # group, FTAR s, the slowest group's compute s, the groups' mean compute s); drained by the trainer
         self.pace_log: list[tuple[float, float, float, float]] = []
@@ -417,6 +417,8 @@ class Manager:
         except LighthouseError:  # unreachable, on standby: the step fails, the next one asks again
             return None
         if self.cfg.group in q.heal or q.max_step != self.step:
+            with self._round_lock:  # answered, not applied: the next request asks for this answer again
+                self._ignored_step = self._r.ask.info.step  # (its peers wait for this group in that quorum)
             return None
         try:
             self._apply_quorum(q)

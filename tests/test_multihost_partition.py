@@ -1,4 +1,4 @@
-"""Faults that close no connection, on simulated hosts: the lighthouse's host cut off the network.
+"""Faults that close no connection, on simulated hosts: the lighthouse's host, or a group's, cut off.
 
 Four network namespaces on one switch (benchmarks/partition.py runs the scenario): the lighthouse
 on host a, three single-rank replica groups of the toy trainer on b, c and d. Mid-run, a's port
@@ -32,3 +32,20 @@ def test_a_lighthouse_cut_off_the_network_fails_nobody_and_heals_nobody(tmp_path
     for g in range(3):
         assert row[f"g{g}_committed"] == partition.STEPS, row  # every batch once, none twice
         assert row[f"g{g}_leased"] > 0, row  # it went on without the lighthouse
+
+
+def test_a_group_cut_off_rejoins_by_one_heal_and_the_survivors_lose_no_step(tmp_path):
+    """Group 2's host cut off for 8 s: declared failed once (heartbeat timeout), it rejoins by one
+    heal. Its first request after the link returns is answered with a quorum it must heal into,
+    which its re-run of the failed exchange cannot use: it asks for that same answer again
+    (`again`), so the survivors, who already count it, never wait out a store timeout."""
+    why = netns.unavailable()
+    if why:
+        pytest.skip(f"simulated hosts unavailable: {why}")
+    import partition
+
+    row = partition.run_once("group", 8.0, tmp_path)
+    assert row["exit_codes"] == [0, 0, 0] and row["final_states_equal"], row
+    assert row["failures"] == 1 and row["heals"] == 1, row
+    for g in (0, 1):  # every step attempt of the survivors committed: none waited on group 2 and failed
+        assert row[f"g{g}_failed_attempts"] == 0, row
