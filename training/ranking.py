@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 BLOCK = 64  # items per counted block: 16 int64 words of four int16 classes
 MID = 512.0  # a band score lands on this bf16 value: ulp 2 below it, 4 above
 MID_BITS, BELOW_BITS, ABOVE_BITS = 0x4400, 0x43FF, 0x4401  # 512 and its two bf16 neighbours
-FAST_CHUNK = 8192  # items per bf16 product; a multiple of eval.item_chunk near this
+FAST_CHUNK = 4096  # items per bf16 product (a multiple of eval.item_chunk near this): z is batch x this
 PENDING = 1 << 16  # band pairs rescored together
 _U32 = 2.0**-24
 
