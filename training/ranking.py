@@ -464,10 +464,15 @@ class BoundedRanker:
         pending = w.pending
         if not pending.size:
             return
-        r, vecs, slots = torch.cat(pending.rows), torch.cat(pending.vecs), torch.cat(pending.slots)
+        pad = -pending.size % 16  # gathered whole: exact_dot's 16-pair blocks need no copy
+        first = pending.vecs[0]
+        r = torch.cat(pending.rows + [pending.rows[0].new_zeros(pad)])
+        vecs = torch.cat(pending.vecs + [first.new_zeros((pad, *first.shape[1:]))])  # ids: row 0
+        slots = torch.cat(pending.slots)
         if vecs.dim() == 1:  # item ids: rows of the table
             vecs = self.model.item_emb.weight[vecs]
-        hit = exact_dot(rows.q[r], vecs) >= rows.t[r]
+        hit = (exact_dot(rows.q[r], vecs) >= rows.t[r])[: pending.size]
+        r = r[: pending.size]
         ranked = slots < 0
         assert w.full is not None
         w.full += torch.bincount(r[hit & ranked], minlength=len(w.full))
