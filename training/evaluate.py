@@ -4,6 +4,7 @@ valid: the training sequence -> valid_target; test: that plus valid_target -> te
 full: ranked against every item (eval.exclude_history drops the history, never the target);
 sampled: against 100 uniform items the user never touched (the SASRec paper's protocol).
 Ties count against the target, so a model that scores everything equal ranks worst.
+The counting is training/ranking.py's (eval.precision: float32, or bf16 with the same ranks).
 """
 
 import itertools
