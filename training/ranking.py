@@ -142,8 +142,10 @@ def chain_verified(rows: int, cols: int, dim: int, device: torch.device) -> bool
     if key not in _CHAIN:
         q, e, g = _probe_data(rows, cols, dim, device)
         ref = q @ e.T
-        # every row against the first, last and some middle columns; every column against a few rows
-        cs = torch.cat([torch.arange(min(cols, 24)), torch.arange(max(cols - 24, 0), cols)])
+        # every row against the first and last columns, those around where threads may split the
+        # columns and some others; every column against the first and last rows
+        edges = [torch.arange(max(cols * k // 4 - 8, 0), min(cols * k // 4 + 8, cols)) for k in (1, 2, 3)]
+        cs = torch.cat([torch.arange(min(cols, 24)), torch.arange(max(cols - 24, 0), cols), *edges])
         cs = torch.unique(torch.cat([cs, torch.randint(0, cols, (16,), generator=g)])).to(device)
         rs = torch.unique(torch.cat([torch.arange(min(rows, 4)), torch.arange(max(rows - 4, 0), rows)])).to(device)
         r = torch.cat([torch.arange(rows, device=device).repeat_interleave(len(cs)), rs.repeat_interleave(cols)])
