@@ -338,6 +338,9 @@ def _one_answer_server(body: dict):
         ("max_step", lambda b: b.update(max_step="later")),
         ("heal", lambda b: b.update(heal={"5": 0})),  # a healing group that is not a member
         ("members_key", lambda b: b.update(members_key=[1, 0])),
+        ("groups", lambda b: b.update(groups=[0, 1])),  # members travel as [first, end) runs
+        ("groups", lambda b: b.update(groups=[[1, 1]])),  # an empty run
+        ("groups", lambda b: b.update(groups=[[0, 2], [1, 3]])),  # a group twice
         ("lighthouse_id", lambda b: b.pop("lighthouse_id")),
     ],
 )
@@ -369,3 +372,19 @@ def test_a_malformed_quorum_reply_is_a_lighthouse_error_naming_the_field(field, 
         c.close()
         srv.shutdown()
         srv.server_close()
+
+
+@pytest.mark.parametrize("groups", [(0,), (0, 1, 2), (0, 2, 3, 7), (5, 1, 2, 3), tuple(range(1562)), (9, 8, 7)])
+def test_members_travel_as_runs_and_come_back_in_order(groups):
+    q = Quorum(
+        quorum_id=1,
+        lighthouse_id="ab",
+        job="j",
+        identity=tuple((g, 0) for g in groups),
+        groups=groups,
+        max_step=0,
+        heal={},
+        lease_s=1.0,
+    )
+    wire = json.loads(Quorum.for_rank(q.shared_json(), "", ""))
+    assert len(wire["groups"]) <= len(groups) and Quorum.parse(wire).groups == groups
