@@ -61,7 +61,7 @@ def time_kind(s: pa.Array, int_only: bool = False) -> tuple[str, tuple[bool, boo
     """parse_times' choice for trimmed strings `s` alone ("int64", "ts": one clean cast; "iso",
     "int", "num": by counts), and the figures that choose it for a whole column of parts
     (merge_time_kinds): (int64 cast ok, timestamp cast ok, ISO, number and integer counts)."""
-    ok = []
+    ok: list[bool] = []
     for typ in (pa.int64(), pa.timestamp("us")):
         if ok and ok[0]:  # integers: a timestamp only if there is no value (pyarrow wants YYYY-MM-DD)
             ok.append(s.null_count == len(s))
