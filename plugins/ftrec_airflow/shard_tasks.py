@@ -8,10 +8,10 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import subprocess
+import sys
 import time
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
-from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
@@ -71,21 +71,46 @@ def run_stage(name: str, stage: str, index: int | None = None) -> Any:
     """One dataprep.bucketed stage on `stage`, in a child process; None when the set was reused."""
     if not stage:
         return None
-    from dataprep import bucketed
-
     work = str(Path(stage) / "_work")
     args: tuple = (work,) if index is None else (work, index)
     if name == "ids":
         j = json.loads((Path(stage) / "_work" / JOB).read_text())
         args = (work, j["budget"], j["buckets"])
     t = time.monotonic()
-    with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as ex:
-        out = _user_errors(lambda: ex.submit(getattr(bucketed, name), *args).result())
+    out = _user_errors(_in_child, name, args)
     took = time.monotonic() - t
     _took(stage, name, index, took)
     figures = ", ".join(f"{k} {v}" for k, v in out.items() if isinstance(v, int | float) and k != "seconds")
     print(f"dataprep {name}{'' if index is None else f' {index}'}: {figures} ({took:.1f} s)")
     return out
+
+
+# A stage's child: a fresh interpreter that imports dataprep alone. (A multiprocessing "spawn"
+# child re-runs the parent's __main__, which under Airflow's scheduler is the `airflow` command:
+# it initialises Airflow without the database settings a task is not given, and dies.)
+_CHILD = """import json, sys
+from dataprep import bucketed
+from dataprep.errors import DataprepError
+try:
+    out = getattr(bucketed, sys.argv[1])(*json.loads(sys.argv[2]))
+except DataprepError as e:
+    print(json.dumps({"dataprep_error": str(e)}))
+    sys.exit(3)
+print(json.dumps(out))
+"""
+
+
+def _in_child(name: str, args: tuple) -> dict:
+    """dataprep.bucketed's stage `name`(*args) in a child process: its memory ends with it."""
+    from dataprep.errors import DataprepError
+
+    p = subprocess.run([sys.executable, "-c", _CHILD, name, json.dumps(args)], capture_output=True, text=True)
+    last = p.stdout.strip().rsplit("\n", 1)[-1] if p.stdout.strip() else ""
+    if p.returncode == 3:
+        raise DataprepError(json.loads(last)["dataprep_error"])
+    if p.returncode != 0:
+        raise RuntimeError(f"dataprep stage {name} exited {p.returncode}: {p.stderr[-2000:]}")
+    return json.loads(last)
 
 
 STAGE_TIMINGS = {"read_s": ("scan", "ids"), "sequences_s": ("split", "bucket"), "balance_s": ("plan",)}
