@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import os
 import socket
 import threading
 import time
@@ -271,12 +272,26 @@ def _names(headers: list[tuple[bytes, bytes]]) -> tuple[dict[bytes, int], dict[b
     return names, first
 
 
+def _new_loop() -> asyncio.AbstractEventLoop:
+    """uvloop's event loop (libuv) where it is installed, asyncio's otherwise or with
+    FTCORE_UVLOOP=0: a burst of a thousand connections costs its C accept path a fraction of
+    asyncio's task per connection, time every other client waits (BENCHMARKS.md, abuse)."""
+    if os.environ.get("FTCORE_UVLOOP", "1") != "0":
+        try:
+            import uvloop
+
+            return uvloop.new_event_loop()
+        except ImportError:
+            pass
+    return asyncio.new_event_loop()
+
+
 class LighthouseServer:
     """The lighthouse's HTTP/1.1 front end: one asyncio loop in a daemon thread."""
 
     def __init__(self, lh: Service, host: str, port: int):
         self.lh = lh
-        self.loop = asyncio.new_event_loop()
+        self.loop = _new_loop()
         self.conns: set[_Connection] = set()
         self.per_peer: Counter[str] = Counter()
         # per peer, oldest first: connections that sent no valid token yet
