@@ -397,3 +397,11 @@ def test_a_rank_that_lost_its_quorum_answer_gets_the_same_one_when_it_asks_again
     finally:
         g0.close()
         g1.close()
+
+
+@pytest.mark.parametrize("budget", ["0", "-5"])
+def test_a_heartbeat_budget_that_is_not_positive_is_refused_by_name(budget, capsys):
+    from ftcore import lighthouse
+
+    assert lighthouse.main(["--bind", "127.0.0.1:0", "--insecure", "--heartbeat-budget", budget]) == 2
+    assert "--heartbeat-budget must be > 0" in capsys.readouterr().err
