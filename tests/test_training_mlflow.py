@@ -187,3 +187,23 @@ def test_real_server_with_buffered_metrics(shards, tmp_path, free_port, monkeypa
     finally:
         os.killpg(server.pid, 9)
         server.wait(timeout=30)
+
+
+def test_a_group_killed_while_its_run_was_created_is_found_again_by_its_token(tmp_path, monkeypatch):
+    """The run file names a run that was being created ("pending:" and a token) when group 0
+    died: the restarted group finds that run by its tag instead of opening a second one."""
+    from training import tracking
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    first = Tracker(MlflowConfig(experiment="pending"), str(tmp_path))
+    first.log_params({"a": 1})
+    assert first.close(timeout=60) == 0
+    made = MlflowClient(first.uri).get_run(first.run_id)
+    token = made.data.tags[tracking.TOKEN_TAG]
+    (tmp_path / tracking.RUN_FILE).write_text(tracking.PENDING + token)  # as if killed before the id was written
+    again = Tracker(MlflowConfig(experiment="pending"), str(tmp_path), continue_recorded=True)
+    again.log_params({"b": 2})
+    assert again.close(timeout=60) == 0
+    assert again.run_id == first.run_id
+    runs = MlflowClient(first.uri).search_runs([made.info.experiment_id])
+    assert len(runs) == 1 and runs[0].data.params == {"a": "1", "b": "2"}

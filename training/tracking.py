@@ -14,6 +14,7 @@ import queue
 import subprocess
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -39,6 +40,8 @@ SYSTEM_METRICS_INTERVAL_S = 10.0
 
 # Errors a retry cannot fix: the op is dropped (and reported) instead of blocking the queue.
 RUN_FILE = "mlflow_run_id"  # in the trainer's output folder: the run this job logs into
+PENDING = "pending:"  # ... or, while that run is created, this and the token it is tagged with
+TOKEN_TAG = "ftrec.run_token"
 
 PERMANENT = {"INVALID_PARAMETER_VALUE", "BAD_REQUEST", "RESOURCE_ALREADY_EXISTS", "INVALID_STATE"}
 
@@ -188,7 +191,7 @@ class Tracker:
         from mlflow import MlflowClient
 
         client = MlflowClient(self.uri)
-        run_id = self.cfg.run_id or (self._recorded_run() if self._continue else "")
+        run_id = self.cfg.run_id or (self._recorded_run(client) if self._continue else "")
         if run_id:
             run = client.get_run(run_id)  # a retried task, or a restarted group 0, continues its run
             client.update_run(run.info.run_id, status="RUNNING")
@@ -200,7 +203,10 @@ class Tracker:
                 if exp
                 else client.create_experiment(self.cfg.experiment, artifact_location=self._artifact_location)
             )
-            run_id = client.create_run(exp_id, run_name=self.cfg.run_name or None).info.run_id
+            # recorded before it exists: a group killed while the run is created finds it by this tag
+            token = uuid.uuid4().hex
+            self._record_run(PENDING + token)
+            run_id = client.create_run(exp_id, run_name=self.cfg.run_name or None, tags={TOKEN_TAG: token}).info.run_id
             self._record_run(run_id)
         self._client, self.run_id = client, run_id
         if self.cfg.system_metrics:
@@ -213,12 +219,20 @@ class Tracker:
     def _run_file(self) -> str:
         return os.path.join(self._out, RUN_FILE)
 
-    def _recorded_run(self) -> str:
+    def _recorded_run(self, client) -> str:
+        """The recorded run's id ("" when none): a run still being created when its recorder
+        died is found by its token, or was never created."""
         try:
             with open(self._run_file()) as f:
-                return f.read().strip()
+                recorded = f.read().strip()
         except OSError:
             return ""
+        if not recorded.startswith(PENDING):
+            return recorded
+        exp = client.get_experiment_by_name(self.cfg.experiment)
+        query = f"tags.`{TOKEN_TAG}` = '{recorded[len(PENDING) :]}'"
+        runs = client.search_runs([exp.experiment_id], filter_string=query, max_results=1) if exp else []
+        return runs[0].info.run_id if runs else ""
 
     def _record_run(self, run_id: str) -> None:
         atomic_write_text(self._run_file(), run_id)  # creates the output folder too
