@@ -19,7 +19,7 @@ class _Piece:
     """One bucket's piece of a rank, read a record batch at a time, step after step."""
 
     def __init__(self, path: Path):
-        self.file = pa.OSFile(str(path))
+        self.file = pa.memory_map(str(path))
         self.reader = pa.ipc.open_file(self.file)
         self.next = 0
         self.buf: pa.Table | None = None
@@ -146,17 +146,28 @@ def _gather(group: list[tuple[Path, int, int]], sch: pa.Schema, n: int) -> pa.Ta
     return pa.table(cols, schema=sch)
 
 
-def finish(work: "str | Path") -> tuple[list[pa.Table], dict]:
-    """eval.parquet and the maps into the set's folder; the rejects tables, in order; figures."""
+def write_eval(work: "str | Path", _: int = 0) -> dict:
+    """eval.parquet into the set's folder (finish's first part: a one-process build runs it as a
+    task beside the rank files)."""
+    work = Path(work)
+    ctx, pm = workdir.ctx(work), workdir.meta(work / "plan")
+    _write_eval(
+        work.parent / schema.EVAL_FILE,
+        schema.eval_schema(ctx["has_time"]),
+        [work / "route" / str(b) / "eval.arrow" for b in range(len(pm["users"]) - 1)],
+        pm["users"],
+    )
+    return {"eval": True}
+
+
+def finish(work: "str | Path", eval_written: bool = False) -> tuple[list[pa.Table], dict]:
+    """eval.parquet (unless `eval_written`) and the maps into the set's folder; the rejects
+    tables, in order; figures."""
     work = Path(work)
     ctx, idm, pm = workdir.ctx(work), workdir.meta(work / "ids"), workdir.meta(work / "plan")
     buckets, set_dir = idm["buckets"], work.parent
-    _write_eval(
-        set_dir / schema.EVAL_FILE,
-        schema.eval_schema(ctx["has_time"]),
-        [work / "route" / str(b) / "eval.arrow" for b in range(buckets)],
-        pm["users"],
-    )
+    if not eval_written:
+        write_eval(work)
     um = _RowGroups(set_dir / schema.USER_MAP, schema.MAP_SCHEMA)
     for b in range(buckets):
         u = workdir.read_ipc(work / "bucket" / str(b) / "users.arrow").column("id").combine_chunks()

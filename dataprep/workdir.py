@@ -10,6 +10,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 
 
@@ -26,6 +27,46 @@ def meta(d: Path) -> dict:
 def read_ids(work: Path, name: str) -> pa.Array:
     """The sorted raw user or item ids of the ids stage (index = dense id - 1)."""
     return read_ipc(work / "ids" / f"{name}.arrow").column("id").combine_chunks()
+
+
+SEQ = ("offsets", "values", "items", "length", "ts")  # a bucket's sequence arrays, one .npy each
+
+
+def seq(work: Path, b: int) -> dict[str, np.ndarray]:
+    """Bucket b's sequence arrays (offsets, values, items, length, and ts where times exist), memory-mapped."""
+    d = work / "bucket" / str(b)
+    return {k: np.load(d / f"{k}.npy", mmap_mode="r") for k in SEQ if (d / f"{k}.npy").exists()}
+
+
+LINES = "lines.bin"  # a scanned file's event line numbers, where they do not run on by one
+
+
+def event_lines(work: Path, f: int, ev: np.ndarray) -> np.ndarray:
+    """The input line (or row) numbers of file f's events `ev` (0-based indices in its scan)."""
+    d = work / "scan" / str(f)
+    if (d / LINES).exists():
+        return np.asarray(np.memmap(d / LINES, np.int64, mode="r")[ev])
+    return ev + meta(d)["line0"]
+
+
+def spent(work: Path, stage: str, i: int) -> None:
+    """Remove the work files that only task i of `stage` reads, once it is done (a one-process
+    build: their pages in the page cache are reused, not new ones taken; Airflow keeps them for
+    retries). The small files finish reads (ids, rejects, metas) stay."""
+    if stage == "split":
+        paths = [work / "scan" / str(i) / "events.arrow"]
+    elif stage == "bucket":
+        paths = list(work.glob(f"split/*/b{i}.arrow"))
+    elif stage == "route":
+        paths = [work / "bucket" / str(i) / f"{k}.npy" for k in SEQ]
+    elif stage == "write":
+        paths = list(work.glob(f"route/*/r{i}.arrow"))
+    elif stage == "write_eval":
+        paths = list(work.glob("route/*/eval.arrow"))
+    else:
+        return
+    for p in paths:
+        p.unlink(missing_ok=True)
 
 
 def scan_rejects(work: Path, files: int) -> list[pa.Table]:
@@ -75,13 +116,14 @@ def write_ipc(path: Path, table: pa.Table, rows: int | None = None) -> None:
 
 
 def read_ipc(path: Path) -> pa.Table:
-    with pa.OSFile(str(path)) as f:
+    """An IPC file's table, memory-mapped: its buffers are the page cache's, not copies."""
+    with pa.memory_map(str(path)) as f:
         return pa.ipc.open_file(f).read_all()
 
 
 def batches_ipc(path: Path) -> list[pa.Table]:
-    """An IPC file's record batches, each as a one-chunk table."""
-    with pa.OSFile(str(path)) as f:
+    """An IPC file's record batches, each as a one-chunk table (memory-mapped)."""
+    with pa.memory_map(str(path)) as f:
         r = pa.ipc.open_file(f)
         return [pa.Table.from_batches([r.get_batch(i)]) for i in range(r.num_record_batches)]
 
