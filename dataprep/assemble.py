@@ -11,6 +11,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from dataprep import schema, workdir
+from ftcore.util.files import sha256_file
 
 ROW_GROUP_ROWS = 1 << 20  # pq.write_table's row groups: eval and maps are written in the same ones
 
@@ -57,7 +58,8 @@ def write(work: "str | Path", r: int) -> dict:
         tmp.unlink(missing_ok=True)
         for p in pieces:
             p.file.close()
-    return {"rank": r}
+    # its checksum here, in parallel with the other tasks, not in build.seal after them all
+    return {"rank": r, "sha256": {schema.shard_file(r): sha256_file(out)}}
 
 
 class _RowGroups:
@@ -157,12 +159,13 @@ def write_eval(work: "str | Path", _: int = 0) -> dict:
         [work / "route" / str(b) / "eval.arrow" for b in range(len(pm["users"]) - 1)],
         pm["users"],
     )
-    return {"eval": True}
+    return {"eval": True, "sha256": {schema.EVAL_FILE: sha256_file(work.parent / schema.EVAL_FILE)}}
 
 
 def finish(work: "str | Path", eval_written: bool = False) -> tuple[list[pa.Table], dict]:
     """eval.parquet (unless `eval_written`) and the maps into the set's folder; the rejects
-    tables, in order; figures."""
+    tables, in order; figures. (write and write_eval return their files' checksums, which
+    build.seal takes instead of reading the files again.)"""
     work = Path(work)
     ctx, idm, pm = workdir.ctx(work), workdir.meta(work / "ids"), workdir.meta(work / "plan")
     buckets, set_dir = idm["buckets"], work.parent

@@ -11,11 +11,11 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from multiprocessing import get_context
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -33,6 +33,7 @@ IN_MEMORY_BYTES_PER_EVENT = 130  # the in-memory build's peak per event (10M Par
 PIECE_ROWS = 16_384  # rows per record batch of a rank piece at most (write(r) holds one per bucket)
 MIN_BATCH_ROWS = 1 << 16  # rows per batch read from Parquet, at least
 THREADS = 2  # stages at once in a one-process build (--workers 1), each with its share of the budget
+T = TypeVar("T")
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 
 
@@ -95,9 +96,10 @@ def _scan(work: Path, f: int, again: dict) -> dict:
     types: dict[str, set[str]] = {"user": set(), "item": set()}
     n, changed = 0, False
     with workdir.task_dir(work / "scan" / str(f)) as d:
-        writer, lines = None, _Lines(d / workdir.LINES)
-        for cols, rejects, c in readers.iter_file(
-            path, ctx["fmt"], ctx["batch_rows"], **ctx["reader_options"], **again
+        evs = _Events(d)
+        # the next batch is read and checked in a thread while this one is counted and written
+        for cols, rejects, c in ahead(
+            readers.iter_file(path, ctx["fmt"], ctx["batch_rows"], **ctx["reader_options"], **again)
         ):
             for k, v in c.items():
                 counts[k] = counts.get(k, 0) + v
@@ -108,22 +110,16 @@ def _scan(work: Path, f: int, again: dict) -> dict:
                 types[k].add(str(ev.schema.field(k).type))
             if ev.num_rows == 0:
                 continue
-            if writer is None:
-                writer, first = pa.ipc.new_stream(str(d / "events.arrow"), ev.schema), ev.schema
-            if ev.schema != first:  # a CSV file is read again when its parts end (Restart)
+            if not evs.add(ev, cols["line"]):  # a CSV file is read again when its parts end (Restart)
                 changed = True
                 continue
-            writer.write_table(ev)
-            lines.add(np.asarray(cols["line"], np.int64))
             n += ev.num_rows
             vc = pc.value_counts(ev.column("user").combine_chunks()).flatten()
             users.append(pa.table({"u": vc[0], "n": vc[1]}))
             items.append(pc.unique(ev.column("item").combine_chunks()))
             if len(users) >= 16:
                 users, items = [_sum_counts(users)], [pc.unique(pa.concat_arrays(items))]
-        if writer is not None:
-            writer.close()
-        lines.close()
+        evs.lines.close()
         if changed:
             raise DataprepError(f"{path}: id columns change type inside the file; store one type per column")
         if users:
@@ -141,10 +137,33 @@ def _scan(work: Path, f: int, again: dict) -> dict:
                 "events": n,
                 "rejected": sum(t.num_rows for t in rej),
                 "types": _typenames(types),
-                "line0": lines.first,
+                "line0": evs.lines.first,
             },
         )
     return {"file": path, "events": n}
+
+
+class _Events:
+    """A scanned file's events, one IPC stream file per batch in events/ (split reads them in
+    order; a one-process build removes each once split has cut it: its pages are reused for the
+    next), and their line numbers (_Lines)."""
+
+    def __init__(self, d: Path):
+        self.dir, self.lines = d / workdir.EVENTS, _Lines(d / workdir.LINES)
+        self.parts, self.schema = 0, None
+
+    def add(self, ev: pa.Table, line: np.ndarray) -> bool:
+        """Store a batch; False (nothing stored) when its schema is not the first batch's."""
+        if self.schema is None:
+            self.schema = ev.schema
+            self.dir.mkdir()
+        if ev.schema != self.schema:
+            return False
+        with pa.OSFile(str(self.dir / f"{self.parts:06d}.arrow"), "wb") as fo, pa.ipc.new_stream(fo, ev.schema) as w:
+            w.write_table(ev)
+        self.parts += 1
+        self.lines.add(np.asarray(line, np.int64))
+        return True
 
 
 class _Lines:
@@ -254,41 +273,58 @@ def split(work: "str | Path", f: int) -> dict:
     ctx, idm = workdir.ctx(work), workdir.meta(work / "ids")
     starts = np.load(work / "ids" / "starts.npy")
     user_code, item_code = _lookup(workdir.read_ids(work, "users")), _lookup(workdir.read_ids(work, "items"))
-    off, pos = idm["offsets"][f], 0
     # codes as int32 where every id fits: a third fewer bytes through the work folder
     code = np.int32 if max(idm["users"], idm["items"]) < 1 << 31 else np.int64
-    src = work / "scan" / str(f) / "events.arrow"
+    # 16-bit bucket numbers sort stably by radix (an int64 stable sort is a merge sort)
+    bnum = np.int16 if len(starts) < 1 << 15 else np.int32
+    pos = [idm["offsets"][f]]
+
+    def cut(part: Path) -> tuple[pa.Table, np.ndarray]:
+        """A part's events by bucket, stably, and where each bucket's rows begin."""
+        with pa.memory_map(str(part)) as fi:
+            batch = pa.ipc.open_stream(fi).read_all()
+        n, off = batch.num_rows, pos[0]
+        pos[0] += n
+        u = user_code(batch.column("user"))
+        ts = batch.column("ts").to_numpy()
+        b = (np.searchsorted(starts, u, side="right") - 1).astype(bnum)
+        order = np.argsort(b, kind="stable")
+        t = pa.table(
+            {
+                "ev": order + off,
+                "u": u[order].astype(code, copy=False),
+                "i": item_code(batch.column("item")).astype(code, copy=False)[order],
+                "ts": ts[order] if ctx["has_time"] else ts[order] + idm["offsets"][f],
+            }
+        )
+        if ctx.get("drop_inputs"):  # a one-process build (run): no task is run again
+            part.unlink()
+        return t, np.searchsorted(b[order], np.arange(len(starts) + 1))
+
     with workdir.task_dir(work / "split" / str(f)) as d:
         writers: dict[int, pa.ipc.RecordBatchFileWriter] = {}
-        if src.exists():
-            with pa.memory_map(str(src)) as fi:
-                for batch in pa.ipc.open_stream(fi):
-                    n = batch.num_rows
-                    u = user_code(batch.column("user"))
-                    ts = batch.column("ts").to_numpy()
-                    t = pa.table(
-                        {
-                            "ev": np.arange(off + pos, off + pos + n, dtype=np.int64),
-                            "u": u.astype(code, copy=False),
-                            "i": item_code(batch.column("item")).astype(code, copy=False),
-                            "ts": ts if ctx["has_time"] else ts + off,
-                        }
-                    )
-                    pos += n
-                    # 16-bit bucket numbers sort stably by radix (an int64 stable sort is a merge sort)
-                    b = (np.searchsorted(starts, u, side="right") - 1).astype(
-                        np.int16 if len(starts) < 1 << 15 else np.int32
-                    )
-                    order = np.argsort(b, kind="stable")
-                    cuts = np.searchsorted(b[order], np.arange(len(starts) + 1))
-                    t = t.take(pa.array(order))
-                    for k in np.flatnonzero(np.diff(cuts)).tolist():
-                        if k not in writers:
-                            writers[k] = pa.ipc.new_file(str(d / f"b{k}.arrow"), t.schema)
-                        writers[k].write_table(t.slice(cuts[k], cuts[k + 1] - cuts[k]))
+        # the next part is cut in a thread while this one is written
+        for t, cuts in ahead(map(cut, workdir.event_parts(work, f))):
+            for k in np.flatnonzero(np.diff(cuts)).tolist():
+                if k not in writers:
+                    writers[k] = pa.ipc.new_file(str(d / f"b{k}.arrow"), t.schema)
+                writers[k].write_table(t.slice(cuts[k], cuts[k + 1] - cuts[k]))
         for w in writers.values():
             w.close()
-    return {"file": f, "events": pos}
+    return {"file": f, "events": pos[0] - idm["offsets"][f]}
+
+
+_END = object()
+
+
+def ahead(items: Iterator[T]) -> Iterator[T]:
+    """`items`, the next one made in a thread of its own while the caller works on this one
+    (an iterator's exceptions reach the caller as they are)."""
+    with ThreadPoolExecutor(1) as ex:
+        fut = ex.submit(next, items, _END)
+        while (x := fut.result()) is not _END:
+            fut = ex.submit(next, items, _END)
+            yield x
 
 
 def bucket(work: "str | Path", b: int) -> dict:
@@ -519,14 +555,14 @@ def run(
     workers: int,
     say: Callable[[str], None],
     timings: dict[str, float],
-) -> tuple[list[pa.Table], dict, float]:
+) -> tuple[list[pa.Table], dict, float, dict[str, str]]:
     """Every stage in order over a work folder inside the staging folder `tmp`; returns the
-    rejects tables, the figures (build.seal writes the rest) and when writing began. The work
-    folder is removed."""
+    rejects tables, the figures (build.seal writes the rest), when writing began and the
+    checksums of the files written (shards, eval). The work folder is removed."""
     work = tmp / "_work"
     work.mkdir()
     lane = budget // (THREADS if workers == 1 else 1)  # a process's threads share its budget
-    ctx = {**ctx, "batch_rows": batch_rows(lane), "budget": lane}
+    ctx = {**ctx, "batch_rows": batch_rows(lane), "budget": lane, "drop_inputs": True}
     workdir.write_json(work / "ctx.json", ctx)
     pool = Pool(workers)
     try:
@@ -558,9 +594,11 @@ def run(
         pool.map(route, work, nb, lambda m: None)
         # eval.parquet (the longest task) beside the rank files, then the maps and rejects
         ranks = [(write, r) for r in range(ctx["config"]["world_size"])]
-        pool.tasks([(write_eval, 0), *ranks], work, lambda m: None)
+        sums = {
+            k: v for m in pool.tasks([(write_eval, 0), *ranks], work, lambda m: None) for k, v in m["sha256"].items()
+        }
         out = finish(work, eval_written=True)
     finally:
         pool.close()
     shutil.rmtree(work)
-    return (*out, t_write)
+    return (*out, t_write, sums)

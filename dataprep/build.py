@@ -290,10 +290,12 @@ def build_shards(
             say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
         tmp = new_staging(job.outp)
         try:
-            rejects, fig, t_write = bucketed.run(
+            rejects, fig, t_write, sums = bucketed.run(
                 tmp, job.bucketed_context(), budget=budget, buckets=buckets, workers=workers, say=say, timings=timings
             )
-            return seal(tmp, job.outp, job.head, fig, rejects, timings=timings, t_write=t_write, t_all=t_all, say=say)
+            return seal(
+                tmp, job.outp, job.head, fig, rejects, timings=timings, t_write=t_write, t_all=t_all, say=say, sums=sums
+            )
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -472,12 +474,18 @@ def seal(
     t_write: float,
     t_all: float,
     say: Callable[[str], None],
+    sums: dict[str, str] | None = None,
 ) -> dict:
     """Finish a staged set (shards, eval and maps written): rejects, checksums, manifest, then
-    rename it into place. Returns the manifest."""
+    rename it into place. Returns the manifest. `sums`: checksums of files already taken."""
     rej, by_reason = reject_table(rejects)
     _write_parquet(tmp / schema.REJECTS_FILE, rej)
-    files = {str(f.relative_to(tmp)): sha256_file(f) for f in sorted(tmp.rglob("*")) if f.is_file()}
+    sums = sums or {}
+    files = {}
+    for f in sorted(tmp.rglob("*")):
+        if f.is_file():
+            name = str(f.relative_to(tmp))
+            files[name] = sums[name] if name in sums else sha256_file(f)
     timings["write_s"] = time.monotonic() - t_write
     timings["total_s"] = time.monotonic() - t_all
     manifest = _manifest(head, figures, by_reason, timings, files)

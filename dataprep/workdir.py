@@ -38,7 +38,13 @@ def seq(work: Path, b: int) -> dict[str, np.ndarray]:
     return {k: np.load(d / f"{k}.npy", mmap_mode="r") for k in SEQ if (d / f"{k}.npy").exists()}
 
 
+EVENTS = "events"  # a scanned file's events, one IPC stream file per batch, in order
 LINES = "lines.bin"  # a scanned file's event line numbers, where they do not run on by one
+
+
+def event_parts(work: Path, f: int) -> list[Path]:
+    """Scanned file f's event files, in order."""
+    return sorted((work / "scan" / str(f) / EVENTS).glob("*.arrow"))
 
 
 def event_lines(work: Path, f: int, ev: np.ndarray) -> np.ndarray:
@@ -52,9 +58,11 @@ def event_lines(work: Path, f: int, ev: np.ndarray) -> np.ndarray:
 def spent(work: Path, stage: str, i: int) -> None:
     """Remove the work files that only task i of `stage` reads, once it is done (a one-process
     build: their pages in the page cache are reused, not new ones taken; Airflow keeps them for
-    retries). The small files finish reads (ids, rejects, metas) stay."""
+    retries). The small files finish reads (ids, rejects, metas) stay. (split removes its
+    input files one by one as it goes, where ctx "drop_inputs" says so.)"""
     if stage == "split":
-        paths = [work / "scan" / str(i) / "events.arrow"]
+        shutil.rmtree(work / "scan" / str(i) / EVENTS, ignore_errors=True)
+        return
     elif stage == "bucket":
         paths = list(work.glob(f"split/*/b{i}.arrow"))
     elif stage == "route":
