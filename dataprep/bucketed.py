@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from multiprocessing import get_context
 from pathlib import Path
-from typing import BinaryIO, TypeVar
+from typing import BinaryIO, TypeVar, cast
 
 import numpy as np
 import pyarrow as pa
@@ -97,9 +97,8 @@ def _scan(work: Path, f: int, again: dict) -> dict:
     n, changed = 0, False
     with workdir.task_dir(work / "scan" / str(f)) as d:
         evs = _Events(d)
-        # the next batch is read and checked in a thread while this one is counted and written
-        for cols, rejects, c in ahead(
-            readers.iter_file(path, ctx["fmt"], ctx["batch_rows"], **ctx["reader_options"], **again)
+        for cols, rejects, c in readers.iter_file(
+            path, ctx["fmt"], ctx["batch_rows"], **ctx["reader_options"], **again
         ):
             for k, v in c.items():
                 counts[k] = counts.get(k, 0) + v
@@ -324,7 +323,7 @@ def ahead(items: Iterator[T]) -> Iterator[T]:
         fut = ex.submit(next, items, _END)
         while (x := fut.result()) is not _END:
             fut = ex.submit(next, items, _END)
-            yield x
+            yield cast(T, x)
 
 
 def bucket(work: "str | Path", b: int) -> dict:
@@ -347,8 +346,9 @@ def bucket(work: "str | Path", b: int) -> dict:
     del t, parts
     hi = int(starts[b + 1]) if b + 1 < len(starts) else idm["users"]
     users = workdir.read_ids(work, "users").slice(lo, hi - lo)
+    u_code = col["u"].astype(np.int64) - lo  # every user of the range has events here
     ev = readers.Interactions(
-        user=users.take(pa.array(col["u"] - lo)),
+        user=users.take(pa.array(u_code)),
         item=pa.array(col["i"]),
         ts=col["ts"],
         source=np.concatenate(src),
@@ -356,10 +356,14 @@ def bucket(work: "str | Path", b: int) -> dict:
         paths=ctx["paths"],
         has_time=ctx["has_time"],
     )
+    # items as global codes: their own ids table is 0..items-1
+    codes = (u_code, users, col["i"].astype(np.int64), pa.array(np.arange(idm["items"], dtype=col["i"].dtype)))
     ev_index = col.pop("ev")
     del col
     c = ctx["config"]
-    seq = sequences.build_sequences(ev, dedup=c["dedup"], max_events=c["max_events"], raw_times=True, part=True)
+    seq = sequences.build_sequences(
+        ev, dedup=c["dedup"], max_events=c["max_events"], raw_times=True, part=True, codes=codes
+    )
     return _save_bucket(work, b, seq, ev_index, len(ev), time.monotonic() - t0)
 
 

@@ -11,6 +11,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -193,10 +194,13 @@ def prepare(
     max_events: int | None = None,
     max_reject_fraction: float = MAX_REJECT_FRACTION,
     overwrite: bool = False,
+    defer_fingerprint: bool = False,
     **reader_options,
 ) -> "Job":
     """Check the inputs and settings and say what to build: the set's config and manifest head,
-    and the manifest of an identical set already at `out` (None: build it). See build_shards."""
+    and the manifest of an identical set already at `out` (None: build it). See build_shards.
+    `defer_fingerprint`: where `out` holds no manifest (nothing to reuse), the inputs' hash is
+    taken in a thread beside the build; Job.settle puts it into the head."""
     paths = _checked_inputs(input, fmt)
     cm = load_cost_model(cost_model)
     k = balance.DEFAULT_WINDOW_STEPS if window_steps is None else int(window_steps)
@@ -216,10 +220,18 @@ def prepare(
     }
     outp = Path(out)
     _refuse_input_inside(outp, paths)
-    with stage("fingerprint", quiet=quiet):
-        fp = fingerprint(paths)
+    pending = None
+    if defer_fingerprint and not (outp / schema.MANIFEST).exists():
+        ex = ThreadPoolExecutor(1)
+        pending = ex.submit(fingerprint, paths)
+        ex.shutdown(wait=False)  # its thread ends with the hash
+        fp = ""
+    else:
+        with stage("fingerprint", quiet=quiet):
+            fp = fingerprint(paths)
     head = _head(paths, fmt, fp, config)
     return Job(
+        pending=pending,
         paths=paths,
         fmt=fmt,
         outp=outp,
@@ -243,6 +255,13 @@ class Job:
     reader_options: dict
     max_reject_fraction: float
     existing: dict | None
+    pending: "Future[str] | None" = None  # the deferred fingerprint (prepare's defer_fingerprint)
+
+    def settle(self) -> None:
+        """The head's fingerprint, once a deferred one is taken (raises what hashing raised)."""
+        if self.pending is not None:
+            self.head["input"]["fingerprint"] = self.pending.result()
+            self.pending = None
 
     def bucketed_context(self) -> dict:
         """What every stage of dataprep.bucketed reads (its work folder's ctx.json)."""
@@ -280,7 +299,7 @@ def build_shards(
         raise DataprepError("--buckets and --workers must be >= 1")
     say = log or (lambda line: None)
     t_all = time.monotonic()
-    job = prepare(input, fmt, out, quiet=quiet, **settings)
+    job = prepare(input, fmt, out, quiet=quiet, defer_fingerprint=True, **settings)
     if job.existing is not None:
         say(f"dataprep: {job.outp} already holds this shard set ({job.existing.get('steps')} steps); reused")
         return job.existing
@@ -293,6 +312,7 @@ def build_shards(
             rejects, fig, t_write, sums = bucketed.run(
                 tmp, job.bucketed_context(), budget=budget, buckets=buckets, workers=workers, say=say, timings=timings
             )
+            job.settle()
             return seal(
                 tmp, job.outp, job.head, fig, rejects, timings=timings, t_write=t_write, t_all=t_all, say=say, sums=sums
             )
@@ -308,6 +328,7 @@ def build_shards(
     built = _Built(
         ev=ev, seq=seq, eval_table=ev_table, samples=samples, cost=cost, plan=p, stats=st, stats_random=st_random
     )
+    job.settle()
     return _write_set(job.outp, built, job.head, quiet=quiet, say=say, timings=timings, t_all=t_all)
 
 

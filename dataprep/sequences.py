@@ -142,14 +142,15 @@ def _dense_users(u_sorted: pa.Array, us: np.ndarray, drop_user: np.ndarray) -> t
     return np.cumsum(keep_user), u_sorted.take(pa.array(np.flatnonzero(keep_user)))
 
 
-def _dense_items(enc: pa.DictionaryArray, it_kept: np.ndarray) -> tuple[np.ndarray, pa.Array]:
-    """Provisional item code -> dense id (rank among the kept items in sorted raw-id order,
-    1-based), and the kept raw ids in that order; from the (small) id table, not the events."""
-    present = np.bincount(it_kept, minlength=len(enc.dictionary)) > 0
-    by_raw = pc.sort_indices(enc.dictionary).to_numpy()  # provisional codes in sorted raw order
+def _dense_items(ids: pa.Array, it_kept: np.ndarray) -> tuple[np.ndarray, pa.Array]:
+    """Provisional item code (index into `ids`) -> dense id (rank among the kept items in sorted
+    raw-id order, 1-based), and the kept raw ids in that order; from the (small) id table, not
+    the events."""
+    present = np.bincount(it_kept, minlength=len(ids)) > 0
+    by_raw = pc.sort_indices(ids).to_numpy()  # provisional codes in sorted raw order
     dense_item = np.empty(len(by_raw), np.int64)
     dense_item[by_raw] = np.cumsum(present[by_raw])
-    return dense_item, enc.dictionary.take(pa.array(by_raw[present[by_raw]]))
+    return dense_item, ids.take(pa.array(by_raw[present[by_raw]]))
 
 
 def build_sequences(
@@ -159,11 +160,14 @@ def build_sequences(
     max_events: int | None = None,
     raw_times: bool = False,
     part: bool = False,
+    codes: "tuple[np.ndarray, pa.Array, np.ndarray, pa.Array] | None" = None,
 ) -> Sequences:
     """Group, order, de-duplicate, filter and remap (see module doc).
 
-    For a bucket of users (dataprep.bucketed): `part` lets every user be dropped, and
-    `raw_times` keeps times in the input's unit (the unit is chosen over all buckets)."""
+    For a bucket of users (dataprep.bucketed): `part` lets every user be dropped, `raw_times`
+    keeps times in the input's unit (the unit is chosen over all buckets), and `codes` gives
+    each event's user and item as indices into the sorted unique ids (codes, ids, codes, ids)
+    instead of hashing the ids here."""
     if dedup not in DEDUP:
         raise DataprepError(f"--dedup {dedup!r}: unknown; choose one of {', '.join(DEDUP)}")
     if len(ev) == 0:
@@ -172,9 +176,12 @@ def build_sequences(
             "check --format and the rejects listed above"
         )
     rejects = list(ev.rejects)
-    u0, u_sorted = _codes(ev.user)  # provisional user codes, already in sorted raw order
-    enc = pc.dictionary_encode(ev.item)  # provisional item codes, first-appearance order
-    i0 = enc.indices.to_numpy().astype(np.int64)
+    if codes is None:
+        u0, u_sorted = _codes(ev.user)  # provisional user codes, already in sorted raw order
+        enc = pc.dictionary_encode(ev.item)  # provisional item codes, first-appearance order
+        i0, i_dict = enc.indices.to_numpy().astype(np.int64), enc.dictionary
+    else:
+        u0, u_sorted, i0, i_dict = codes
     order, us, duplicates = _drop_duplicates(ev, _order(u0, ev.ts), u0, i0, dedup, rejects)
     nu = int(u0.max()) + 1
     drop_user, too_short = _drop_users(ev, us, order, nu, max_events, rejects)
@@ -186,7 +193,7 @@ def build_sequences(
         )
     dense_user, user_raw = _dense_users(u_sorted, us, drop_user)
     it_kept = i0[order]
-    dense_item, item_raw = _dense_items(enc, it_kept)
+    dense_item, item_raw = _dense_items(i_dict, it_kept)
     cnt = np.bincount(dense_user[u0[order]] - 1, minlength=len(user_raw))
     offsets = np.zeros(len(user_raw) + 1, np.int64)
     np.cumsum(cnt, out=offsets[1:])
