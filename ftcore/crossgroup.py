@@ -1,6 +1,6 @@
-"""The cross-group process group of this rank's current quorum: rank k of every member group,
-built on the rendezvous store that rank k of the quorum's first group hosts, under a fresh
-prefix per quorum (the default process group cannot shrink or grow)."""
+"""The cross-group process group of this rank's current quorum: rank k of every group in its
+exchange (Quorum.exchange), built on the rendezvous store that rank k of the exchange's first
+group hosts, under a fresh prefix per quorum (the default process group cannot shrink or grow)."""
 
 import datetime
 
@@ -27,16 +27,18 @@ class CrossGroup:
         self.key: tuple[str, int] | None = None  # the Quorum.key `pg` was built for
 
     def build(self, q: Quorum, group: int, rank: int) -> None:
-        """The process group of quorum `q` for this rank (rank k of group `group`)."""
+        """The process group of quorum `q`'s exchange for this rank (rank k of group `group`):
+        none when the exchange is this group alone or the group is aside (Quorum.aside)."""
         self.drop()
-        if len(q.groups) > 1:
+        members = q.exchange()
+        if len(members) > 1 and group in members:
             store = self._joined.get(q.store)  # rank k of the first group hosts rank k's rendezvous
             if store is None:
                 host, _, port = q.store.rpartition(":")
                 store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=_timeout())
                 self._joined[q.store] = store
             prefix = dist.PrefixStore(f"ftcore/{q.lighthouse_id}/{q.quorum_id}/{rank}", store)
-            self.pg = new_pg(self.backend, prefix, q.groups.index(group), len(q.groups), _timeout(), self.host)
+            self.pg = new_pg(self.backend, prefix, members.index(group), len(members), _timeout(), self.host)
         self.key = q.key
 
     def drop(self) -> None:

@@ -1,7 +1,8 @@
 """Non-blocking catch-up: each rank's background server of heal snapshots, and the fetch.
-A heal source offers its state (cloned before its optimizer step) and trains on while the
-healing rank downloads it (tensorfile format, nothing unpickled): GET /snapshot/<step> is
-200, 410 (moved past it) or 504 (none in time). Bounded like the lighthouse."""
+A heal source offers its state (cloned before its optimizer step) while the healing rank
+downloads it (tensorfile format, nothing unpickled): GET /snapshot/<step> is 200, 410 (moved
+past it) or 504 (none in time). The exchange's first member offers a step's average the same
+way (/update/<step>) to the members aside from it (Quorum.aside). Bounded like the lighthouse."""
 
 import http.client
 import socket
@@ -18,6 +19,7 @@ from ftcore import auth, tensorfile, timeouts
 HEAD_S = 5.0  # a client must send its request (and token) within this
 TRANSFER_S = 600.0  # ... and read the whole snapshot within this after it is ready
 MAX_CONNECTIONS = 128
+KINDS = ("snapshot", "update")  # what a server offers, one step of each at a time
 
 
 class HealError(RuntimeError):
@@ -44,7 +46,7 @@ def clone_tree(tree: Any) -> Any:
 
 
 class HealServer:
-    """This rank's snapshot server (one thread per download), offering one step's state at a time."""
+    """This rank's snapshot server (one thread per download), offering one step of each kind at a time."""
 
     def __init__(
         self,
@@ -56,34 +58,34 @@ class HealServer:
         self.token = token
         self.on_serve = on_serve  # fault-injection hook, called before streaming
         self._cond = threading.Condition()
-        self._step = -1
-        self._tree: Any = None
+        self._offers: dict[str, tuple[int, Any]] = dict.fromkeys(KINDS, (-1, None))
         self.served = 0
         handler = type("HealHandler", (_Handler,), {"server_obj": self})
         self.httpd = _BoundedServer((host, 0), handler, max_connections)
         self.address = "{}:{}".format(*self.httpd.server_address[:2])
         threading.Thread(target=self.httpd.serve_forever, daemon=True, name="ftcore-heal").start()
 
-    def offer(self, step: int, tree: Any) -> None:
-        """Make a snapshot of the state after `step` commits available (clones it first)."""
+    def offer(self, step: int, tree: Any, kind: str = "snapshot") -> None:
+        """Make `tree` (the state after `step` commits, or that step's average) available; cloned."""
         snap = clone_tree(tree)
         with self._cond:
-            self._step, self._tree = step, snap
+            self._offers[kind] = (step, snap)
             self._cond.notify_all()
 
-    def wait_for(self, step: int, timeout: float) -> Any | None:
-        """The snapshot of `step` once offered, or None when none came within `timeout`;
+    def wait_for(self, step: int, timeout: float, kind: str = "snapshot") -> Any | None:
+        """The `kind` offer of `step` once made, or None when none came within `timeout`;
         SnapshotGone when a later step is offered instead."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            while self._step < step:
+            while self._offers[kind][0] < step:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return None
                 self._cond.wait(left)
-            if self._step != step:
-                raise SnapshotGone(f"step {step} is gone; this server is past it (at {self._step})")
-            return self._tree
+            at, tree = self._offers[kind]
+            if at != step:
+                raise SnapshotGone(f"step {step} is gone; this server is past it (at {at})")
+            return tree
 
     def close(self) -> None:
         self.httpd.shutdown()
@@ -163,24 +165,25 @@ class _Handler(BaseHTTPRequestHandler):
             self._plain(401, "missing or wrong token")
             return
         parts = self.path.strip("/").split("/")
-        if len(parts) != 2 or parts[0] != "snapshot":
-            self._plain(404, "GET /snapshot/<step>")
+        if len(parts) != 2 or parts[0] not in KINDS:
+            self._plain(404, "GET /snapshot/<step> or /update/<step>")
             return
+        kind = parts[0]
         if not (parts[1].isascii() and parts[1].isdigit() and len(parts[1]) <= 15):
-            self._plain(400, "the step in /snapshot/<step> must be a non-negative integer")
+            self._plain(400, f"the step in /{kind}/<step> must be a non-negative integer")
             return
         step = int(parts[1])
         self._deadline(timeouts.HEAL_TIMEOUT + TRANSFER_S)
         self.connection.settimeout(timeouts.HEAL_TIMEOUT + 5)
         try:
-            tree = srv.wait_for(step, timeouts.HEAL_TIMEOUT)
+            tree = srv.wait_for(step, timeouts.HEAL_TIMEOUT, kind)
         except SnapshotGone as e:
             self._plain(410, str(e))
             return
         if tree is None:
-            self._plain(504, f"no snapshot for step {step} yet")
+            self._plain(504, f"no {kind} for step {step} yet")
             return
-        if srv.on_serve:
+        if srv.on_serve and kind == "snapshot":
             srv.on_serve(step)  # may raise (fault injection): the connection just drops
         self.send_response(200)
         self.send_header("Content-Type", "application/octet-stream")
@@ -189,12 +192,15 @@ class _Handler(BaseHTTPRequestHandler):
         srv.served += 1
 
 
-def fetch(addr: str, step: int, token: str | None, timeout: float = timeouts.HEAL_TIMEOUT) -> Any:
-    """Download the state after `step` commits from the heal server at `addr`."""
+def fetch(
+    addr: str, step: int, token: str | None, timeout: float = timeouts.HEAL_TIMEOUT, kind: str = "snapshot"
+) -> Any:
+    """Download the state after `step` commits (or, kind "update", that step's average) from the
+    heal server at `addr`."""
     host, _, port = addr.rpartition(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
     try:
-        conn.request("GET", f"/snapshot/{step}", headers=auth.headers(token))
+        conn.request("GET", f"/{kind}/{step}", headers=auth.headers(token))
         resp = conn.getresponse()
         if resp.status != 200:
             raise HealError(f"heal server {addr} answered {resp.status}: {resp.read()[:200].decode(errors='replace')}")

@@ -15,19 +15,16 @@ from dataclasses import replace
 from typing import Any, Protocol
 
 from ftcore import auth, timeouts
+from ftcore.answers import OvertakenReply, QuorumRefused, StandbyReply, parse_quorum_answer
 from ftcore.messages import (
     ClientEvent,
     FailureReport,
     HeartbeatReply,
     MessageError,
-    OvertakenReply,
     Quorum,
-    QuorumRefused,
     QuorumRequest,
     RankInfo,
-    StandbyReply,
     loads,
-    parse_quorum_answer,
 )
 
 MAX_STALLED = 4  # unanswered heartbeat connections a rank keeps open (see _beat_loop)

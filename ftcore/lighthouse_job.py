@@ -15,6 +15,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+from ftcore.answers import OvertakenReply, QuorumRefused, StandbyReply
 from ftcore.lighthouse_records import (
     Deliver,
     GroupRecord,
@@ -28,13 +29,11 @@ from ftcore.messages import (
     FailureReport,
     HeartbeatReply,
     Identity,
-    OvertakenReply,
     Pace,
     Quorum,
-    QuorumRefused,
     QuorumRequest,
     RankInfo,
-    StandbyReply,
+    aside_of,
     identity_key,
 )
 from ftcore.pace import Figures, PaceJudge
@@ -288,16 +287,16 @@ class Job:
 
     def _form(self, members: list[int]) -> None:
         """Build the whole quorum and every rank's reply first, then change state."""
-        identity, quorum_id, lighthouse_id = self._name(members)
-        busy = self._busy(members)
-        idle = self.quorum is not None and all(
-            r.idle == self.quorum.quorum_id for g in members for r in self.round.pending[g].values()
-        )
         where = self._plan(members)
         if where is None:
             return self._refuse(
                 members, "finished", f"the job finished at step {self.finished_step}; nothing to rejoin"
             )
+        identity, quorum_id, lighthouse_id = self._name(members, aside_of(members, where.heal))
+        busy = self._busy(members)
+        idle = self.quorum is not None and all(
+            r.idle == self.quorum.quorum_id for g in members for r in self.round.pending[g].values()
+        )
         q = Quorum(
             quorum_id=quorum_id,
             lighthouse_id=lighthouse_id,
@@ -334,15 +333,17 @@ class Job:
             self.excluded = dict.fromkeys(self.excluded, 0.0)
         self._judge_pace(busy, members)
 
-    def _name(self, members: list[int]) -> tuple[Identity, int, str]:
-        """The quorum's identity and ids: the current ones while its membership holds, new ones
-        when it changed or a failure forces them, the resumed ones after a restart."""
+    def _name(self, members: list[int], aside: frozenset[int]) -> tuple[Identity, int, str]:
+        """The quorum's identity and ids: the current ones while its membership and its members
+        aside (so its exchange's process group) hold, new ones when either changed or a failure
+        forces them, the resumed ones after a restart."""
         identity = tuple((g, self.groups[g].incarnation) for g in members)
         resumed = self._resumed(members, identity) if self.quorum is None and not self.health.force_new else None
         if resumed is not None:
             return identity, *resumed
-        if self.quorum is not None and self.quorum.identity == identity and not self.health.force_new:
-            return identity, self.quorum_id, self.quorum.lighthouse_id
+        q = self.quorum
+        if q is not None and q.identity == identity and q.aside() == aside and not self.health.force_new:
+            return identity, self.quorum_id, q.lighthouse_id
         return identity, self.quorum_id + 1, self.lh.lighthouse_id
 
     def _plan(self, members: list[int]) -> Plan | None:
@@ -368,22 +369,24 @@ class Job:
                 req.deliver(QuorumRefused(reason, error))
 
     def _replies(self, q: Quorum) -> list[tuple[Request, str]]:
-        """Every member rank's reply. Each rank k gets only the two addresses it uses: rank k of
-        the first member hosts the rendezvous of every rank k, and a healing rank k fetches
-        from rank k of its source. The part every rank shares is encoded once per round, and each
-        distinct reply once (every rank k that heals from nobody gets the same)."""
-        leader = self.groups[q.groups[0]].ranks
+        """Every member rank's reply. Each rank k gets only the addresses it uses: rank k of the
+        exchange's first member hosts the rendezvous of every rank k and serves the step's average
+        to the members aside, and a healing rank k fetches from rank k of its source. The shared
+        part is encoded once per round, and each distinct reply once."""
+        leader, aside = self.groups[q.exchange()[0]].ranks, q.aside()
         shared = q.shared_json()
         replies = []
-        made: dict[tuple[str, str], str] = {}
+        made: dict[tuple[str, str, str], str] = {}
         for g in q.groups:
             src = self.groups[q.heal[g]].ranks if g in q.heal else None
             for req in self.round.pending[g].values():
-                store = leader[req.rank].store if req.rank in leader else ""
+                lead = leader.get(req.rank)
+                store = lead.store if lead else ""
                 heal_from = src[req.rank].heal if src and req.rank in src else ""
-                reply = made.get((store, heal_from))
+                update_from = lead.heal if lead and g in aside else ""
+                reply = made.get((store, heal_from, update_from))
                 if reply is None:
-                    reply = made[store, heal_from] = Quorum.for_rank(shared, store, heal_from)
+                    reply = made[store, heal_from, update_from] = Quorum.for_rank(shared, store, heal_from, update_from)
                 replies.append((req, reply))
                 if req.rank in self.groups[g].ranks:
                     self.groups[g].ranks[req.rank].answered = (req.step, q.quorum_id, reply)

@@ -6,7 +6,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ftcore.messages import Busy, OvertakenReply, QuorumRefused, StandbyReply
+from ftcore.answers import OvertakenReply, QuorumRefused, StandbyReply
+from ftcore.messages import Busy
 
 
 @dataclass

@@ -24,8 +24,8 @@ from ftcore import netaddr, timeouts
 from ftcore.crossgroup import CrossGroup
 from ftcore.environment import LR_POLICIES, ManagerConfig, config_from_env, faults_from_env
 from ftcore.faults import Fault, InjectedFault, Injector
-from ftcore.ftar import FTARError, ftar
-from ftcore.heal import HealServer, fetch
+from ftcore.ftar import FTARError, FTARResult, ftar
+from ftcore.heal import HealError, HealServer, fetch
 from ftcore.lighthouse_client import LighthouseClient, LighthouseError, LighthouseLink, Overtaken, Replaced, Standby
 from ftcore.messages import MAX_ADDRESS, Busy, Quorum, QuorumRequest, RankInfo
 from ftcore.relay import Relay
@@ -247,7 +247,8 @@ class Manager:
     def _is_stale(self) -> bool:
         q = self._quorum
         return q is not None and (
-            any(g in q.groups for g in self.client.failed_groups) or self.client.latest_quorum_id > q.quorum_id
+            # a member aside that fails (a dying heal source) is no peer of this exchange
+            any(g in q.exchange() for g in self.client.failed_groups) or self.client.latest_quorum_id > q.quorum_id
         )
 
     def _fail(self, msg: str, report: bool = False) -> None:
@@ -357,29 +358,20 @@ class Manager:
             self._r.busy = Busy(q.quorum_id, round(time.monotonic() - self._r.t0, 6))
         # a healing group joins at the step it is about to receive
         step = q.max_step if self._r.heal_fut is not None else self.step
-        saved = (
-            [x.detach().clone() for x in tensors]
-            if same_batch is not None and self._xg.pg is not None and self._r.heal_fut is None
-            else None
-        )
-        try:
+        if self.cfg.group in q.aside():
             try:
-                res = self._ftar(tensors, contribute, local_error, step)
-            except FTARError as e:
-                self._report(str(e))
-                if saved is None or same_batch is None or local_error or self._requorum(same_batch) is None:
-                    self._r.errors.append(str(e))
-                    return
-                for x, keep in zip(tensors, saved, strict=True):  # the step goes on, in the survivors' quorum
-                    x.copy_(keep)
-                self._r.reran = True
-                try:
-                    res = self._ftar(tensors, contribute, False, step)
-                except FTARError as e2:
-                    self._fail(str(e2), report=True)
-                    return
+                self._take_update(tensors, q, step)
+            finally:
+                self._r.t_allreduce = time.monotonic() - t
+            return
+        res = None
+        try:
+            res = self._exchange(tensors, same_batch, contribute, local_error, step)
         finally:
             self._r.t_allreduce = time.monotonic() - t
+            self._serve_update(q, tensors, res, step)
+        if res is None:
+            return
         self._r.contributors = res.contributors
         if res.peer_error and not local_error:
             self._r.errors.append("a replica group flagged a failure during the all-reduce")
@@ -389,6 +381,58 @@ class Manager:
             self.injector.phase("after_allreduce", self.step)
         except InjectedFault as e:
             self._r.errors.append(str(e))
+
+    def _exchange(self, tensors, same_batch, contribute: bool, local_error: bool, step: int) -> FTARResult | None:
+        """FTAR in this step's quorum, re-run once in the survivors' when a peer failed it and
+        the batch is still this group's there; None: the step failed (recorded)."""
+        saved = (
+            [x.detach().clone() for x in tensors]
+            if same_batch is not None and self._xg.pg is not None and self._r.heal_fut is None
+            else None
+        )
+        try:
+            return self._ftar(tensors, contribute, local_error, step)
+        except FTARError as e:
+            self._report(str(e))
+            if saved is None or same_batch is None or local_error or self._requorum(same_batch) is None:
+                self._r.errors.append(str(e))
+                return None
+        for x, keep in zip(tensors, saved, strict=True):  # the step goes on, in the survivors' quorum
+            x.copy_(keep)
+        self._r.reran = True
+        try:
+            return self._ftar(tensors, contribute, False, step)
+        except FTARError as e2:
+            self._fail(str(e2), report=True)
+            return None
+
+    def _serve_update(self, q: Quorum, tensors: list[torch.Tensor], res: FTARResult | None, step: int) -> None:
+        """As the exchange's first member, offer the step's average to the members aside (of the
+        quorum the step began in, or of the survivors' it re-ran in), with [contributors, failed,
+        quorum id]: an aside member takes it only for its own quorum."""
+        final = self._quorum if self._quorum is not None else q
+        if not any(x.aside() and x.exchange()[0] == self.cfg.group for x in (q, final)):
+            return
+        n = res.contributors if res is not None and not res.peer_error else -1  # -1: the exchange failed
+        meta = torch.tensor([max(n, 0), int(n < 0), final.quorum_id], dtype=torch.int64)
+        self.heal_server.offer(step, {"average": list(tensors) if n >= 0 else [], "meta": meta}, kind="update")
+
+    def _take_update(self, tensors: list[torch.Tensor], q: Quorum, step: int) -> None:
+        """An aside member's exchange (Quorum.aside): the step's average, fetched from rank k of
+        the exchange's first member (bounded as FTAR is); a failure fails the step, not theirs."""
+        try:
+            tree = fetch(q.update_from, step, self.cfg.token, timeouts.COLLECTIVE_TIMEOUT, kind="update")
+            average, (n, failed, qid) = tree["average"], tree["meta"].tolist()
+            if failed or qid != q.quorum_id:
+                raise HealError(f"the exchange of step {step} in quorum {q.quorum_id} did not complete")
+            if [(a.shape, a.dtype) for a in average] != [(x.shape, x.dtype) for x in tensors]:
+                raise HealError("the average does not match this group's gradients")
+        except (HealError, KeyError, TypeError, ValueError) as e:
+            self._r.errors.append(f"update: {e}")
+            return
+        for x, a in zip(tensors, average, strict=True):
+            x.copy_(a)
+        self._r.contributors = int(n)
 
     def _ftar(self, tensors: list[torch.Tensor], contribute: bool, local_error: bool, step: int):
         return ftar(
@@ -416,7 +460,7 @@ class Manager:
             raise
         except LighthouseError:  # unreachable, on standby: the step fails, the next one asks again
             return None
-        if self.cfg.group in q.heal or q.max_step != self.step:
+        if self.cfg.group in q.heal or self.cfg.group in q.aside() or q.max_step != self.step:
             with self._round_lock:  # answered, not applied: the next request asks for this answer again
                 self._ignored_step = self._r.ask.info.step  # (its peers wait for this group in that quorum)
             return None

@@ -145,6 +145,12 @@ def _from_runs(raw: Any, key: str) -> tuple[int, ...]:
     return tuple(out)
 
 
+def aside_of(groups: tuple[int, ...] | list[int], heal: dict[int, int]) -> frozenset[int]:
+    """Quorum.aside of these members and heals (the lighthouse names a quorum anew when it changes)."""
+    out = frozenset(heal) | frozenset(heal.values())
+    return out if len(out) < len(groups) else frozenset()
+
+
 # ---- what a rank sends -------------------------------------------------------------------------
 @dataclass(frozen=True)
 class RankInfo:
@@ -433,6 +439,7 @@ class Quorum:
     pace: Pace | None = None
     store: str = ""  # this rank's rendezvous: rank k of the first member hosts rank k's
     heal_from: str = ""  # this rank's heal source: rank k of its source group
+    update_from: str = ""  # an aside member rank's: rank k of the exchange's first member serves the average
     # identity_key(identity): what the wire carries, not the identity (13-digit incarnations of
     # every member in every reply would be most of a round's bytes at a thousand groups)
     members_key: str = ""
@@ -443,9 +450,19 @@ class Quorum:
         if self.identity and not self.members_key:
             object.__setattr__(self, "members_key", identity_key(self.identity))
 
+    def aside(self) -> frozenset[int]:
+        """Healing groups and their sources: out of the step's FTAR (neither can stall it), they fetch
+        its average (`update_from`); none when nobody else is left (the healer then sends zeros)."""
+        return aside_of(self.groups, self.heal)
+
+    def exchange(self) -> tuple[int, ...]:
+        """The members in this step's FTAR, in rank order of its process group."""
+        aside = self.aside()
+        return tuple(g for g in self.groups if g not in aside)
+
     def live(self) -> set[int]:
-        """The members that train this step (everyone but the healing groups)."""
-        return set(self.groups) - self.heal.keys()
+        """The members that train this step (those in the exchange, but a healing group)."""
+        return set(self.exchange()) - self.heal.keys()
 
     @property
     def key(self) -> tuple[str, int]:
@@ -472,9 +489,10 @@ class Quorum:
         return json.dumps({**self.shared(), "groups": to_runs(self.groups)})[:-1]
 
     @staticmethod
-    def for_rank(shared_json: str, store: str, heal_from: str) -> str:
-        """One rank's reply: the shared part and its own two addresses (`store`, `heal_from`)."""
-        return f'{shared_json}, "store": {json.dumps(store)}, "heal_from": {json.dumps(heal_from)}}}'
+    def for_rank(shared_json: str, store: str, heal_from: str, update_from: str = "") -> str:
+        """One rank's reply: the shared part and its own addresses (`store`, `heal_from`, `update_from`)."""
+        own = f'"store": {json.dumps(store)}, "heal_from": {json.dumps(heal_from)}'
+        return f'{shared_json}, {own}, "update_from": {json.dumps(update_from)}}}'
 
     @classmethod
     def parse(cls, body: Any) -> Quorum:
@@ -510,91 +528,6 @@ class Quorum:
             pace=Pace.parse(body.get("pace")),
             store=_str(body, "store", limit=MAX_ADDRESS * MAX_RELAYED),
             heal_from=_str(body, "heal_from", limit=MAX_ADDRESS * MAX_RELAYED),
+            update_from=_str(body, "update_from", limit=MAX_ADDRESS * MAX_RELAYED),
             members_key=members_key,
         )
-
-
-@dataclass(frozen=True)
-class StandbyReply:
-    """This group is held out of the quorum as slower than its peers: ask again after
-    `retry_s` (it is alive, and rejoins through a heal)."""
-
-    retry_s: float
-    reason: str
-
-    status: ClassVar[int] = 200
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"standby": True, "retry_s": self.retry_s, "reason": self.reason}
-
-    @classmethod
-    def parse(cls, body: dict[str, Any]) -> StandbyReply:
-        retry = _seconds(body, "retry_s", 1.0)
-        return cls(max(0.01, min(retry, 5.0)), str(body.get("reason", "standby"))[:500])
-
-
-@dataclass(frozen=True)
-class OvertakenReply:
-    """A leased round's late request: a peer already asks for `step` (the sender has moved on
-    without this answer and asks again in its current round)."""
-
-    step: int
-
-    status: ClassVar[int] = 200
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"overtaken": True, "step": self.step}
-
-    @classmethod
-    def parse(cls, body: dict[str, Any]) -> OvertakenReply:
-        return cls(_int(body, "step", 0))
-
-
-REFUSALS = {"stale": 409, "lost": 410, "finished": 410, "timeout": 504, "superseded": 504}
-
-
-@dataclass(frozen=True)
-class QuorumRefused:
-    """No quorum for this request. `reason`: "stale" (the group incarnation was replaced:
-    exit), "lost" (the group lost a rank: exit so that it restarts whole), "finished" (the
-    job ended before the group could rejoin: exit cleanly), "timeout" or "superseded" (the
-    same rank asked again): ask again."""
-
-    reason: str
-    error: str
-
-    def __post_init__(self) -> None:
-        if self.reason not in REFUSALS:
-            raise MessageError(f"reason {self.reason!r} is not one of {sorted(REFUSALS)}")
-
-    @property
-    def status(self) -> int:
-        return REFUSALS[self.reason]
-
-    def to_wire(self) -> dict[str, Any]:
-        flag = {"lost": True} if self.reason == "lost" else {"finished": True} if self.reason == "finished" else {}
-        return {"error": self.error, **flag}
-
-    @classmethod
-    def parse(cls, status: int, body: Any) -> QuorumRefused:
-        """A refusal from its status and body (a body that is not an object is its error text)."""
-        msg = body if isinstance(body, dict) else {"error": str(body)}
-        error = str(msg.get("error", ""))[:500]
-        if status == 409:
-            return cls("stale", error)
-        if status == 410:
-            return cls("finished" if msg.get("finished") else "lost", error)
-        return cls("superseded" if "superseded" in error else "timeout", error)
-
-
-QuorumAnswer = Quorum | StandbyReply | OvertakenReply
-
-
-def parse_quorum_answer(body: Any) -> QuorumAnswer:
-    """A 200 answer to a quorum request: a quorum, a standby or an overtaken round."""
-    body = _object(body, "a quorum answer")
-    if body.get("overtaken"):
-        return OvertakenReply.parse(body)
-    if body.get("standby"):
-        return StandbyReply.parse(body)
-    return Quorum.parse(body)

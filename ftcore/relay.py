@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ftcore import timeouts
+from ftcore.answers import QuorumRefused, parse_quorum_answer
 from ftcore.lighthouse_client import LighthouseClient, LighthouseError, call
 from ftcore.lighthouse_http import LighthouseServer
 from ftcore.lighthouse_records import Deliver, StaleIncarnation
@@ -22,10 +23,8 @@ from ftcore.messages import (
     HeartbeatReply,
     MessageError,
     Quorum,
-    QuorumRefused,
     QuorumRequest,
     RankInfo,
-    parse_quorum_answer,
 )
 
 # A group's beats to the lighthouse: half as often as a rank's (the lighthouse hears groups, and a
@@ -230,12 +229,9 @@ def split_answer(status: int, body: Any, k: int) -> list[str | Any]:
         answer = parse_quorum_answer(body)
         if not isinstance(answer, Quorum):
             return [answer] * k
-        stores, heals = answer.store.split(","), answer.heal_from.split(",")
+        own = [a.split(",") for a in (answer.store, answer.heal_from, answer.update_from)]
         shared = answer.shared_json()
-        return [
-            Quorum.for_rank(shared, stores[r] if r < len(stores) else "", heals[r] if r < len(heals) else "")
-            for r in range(k)
-        ]
+        return [Quorum.for_rank(shared, *(a[r] if r < len(a) else "" for a in own)) for r in range(k)]
     if status in (409, 410):
         return [QuorumRefused.parse(status, body)] * k
     return [QuorumRefused("timeout", f"the lighthouse refused the group's request ({status}: {body})"[:500])] * k

@@ -65,8 +65,11 @@ def test_one_lighthouse_serves_two_jobs_without_mixing_them(lighthouse):
         assert {q.groups == (0, 1) for q in qa} == {True} and qa[0].heal == {} and qa[0].max_step == 5
         assert qb[0].groups == (0, 1, 2) and qb[0].heal == {1: 0} and qb[0].max_step == 9
         assert qa[0].job == "job-a" and qb[0].job == "job-b"
-        # each rank gets only its own rendezvous (rank k of the first group) and heal source
-        assert qb[1].store == "127.0.0.1:1000" and qb[1].heal_from == "127.0.0.1:2000"
+        # each rank gets only its own addresses: group 1 heals from group 0, so both are aside
+        # and group 2 alone is the exchange, whose rank k hosts the rendezvous and serves the average
+        assert qb[0].aside() == {0, 1} and qb[0].exchange() == (2,) and qb[0].live() == {2}
+        assert qb[1].store == "127.0.0.1:1020" and qb[1].heal_from == "127.0.0.1:2000"
+        assert qb[0].update_from == qb[1].update_from == "127.0.0.1:2020" and qb[2].update_from == ""
         # a failure in job b re-forms job b only
         b[2].close()
         qb2 = ask_all(b[:2])

@@ -72,7 +72,7 @@ class FakeLighthouse:
         pass
 
 
-def quorum(qid=1, groups=(0,), heal=None, max_step=0, lighthouse_id="lh-1", store="", heal_from=""):
+def quorum(qid=1, groups=(0,), heal=None, max_step=0, lighthouse_id="lh-1", store="", heal_from="", update_from=""):
     return Quorum(
         quorum_id=qid,
         lighthouse_id=lighthouse_id,
@@ -84,6 +84,7 @@ def quorum(qid=1, groups=(0,), heal=None, max_step=0, lighthouse_id="lh-1", stor
         lease_s=10.0,
         store=store,
         heal_from=heal_from,
+        update_from=update_from,
     )
 
 
@@ -208,6 +209,61 @@ def test_a_failed_heal_fetch_makes_the_healing_groups_vote_false(groups):
     assert g1.mgr.step == 2 and g1.mgr.healed_step is None  # nothing loaded, nothing committed
     assert torch.equal(g1.state["w"], torch.full((4,), 2.0))
     assert not g1.last_record()["committed"]
+
+
+def _heal_trio(groups, faults0=None, faults2=None):
+    """Group 1 (step 2) heals from group 0 (step 5) while group 2 (step 5) trains: 0 and 1 are
+    aside, group 2 alone is the exchange and serves its average to them; each in a thread."""
+    g0 = groups(num_groups=3, step=5, faults=faults0)
+    g1 = groups(group=1, num_groups=3, step=2)
+    g2 = groups(group=2, num_groups=3, step=5, faults=faults2)
+    kw = {"qid": 3, "groups": (0, 1, 2), "heal": {1: 0}, "max_step": 5, "store": g2.fake.info.store}
+    g0.fake.answers.append(quorum(**kw, update_from=g2.fake.info.heal))
+    g1.fake.answers.append(quorum(**kw, heal_from=g0.fake.info.heal, update_from=g2.fake.info.heal))
+    g2.fake.answers.append(quorum(**kw))
+    g0.state["w"] = g2.state["w"] = torch.tensor([7.0, 8.0, 9.0, 10.0])
+    grads = [torch.tensor([4.0, 6.0]), torch.tensor([100.0, 100.0]), torch.tensor([1.0, 3.0])]
+    votes = [None, None, None]
+
+    def run(i, g):
+        g.mgr.start_quorum()
+        g.mgr.set_work(i == 2)  # the quorum's live members: group 2 alone
+        g.mgr.allreduce([grads[i]])
+        votes[i] = g.mgr.should_commit()
+
+    ts = [threading.Thread(target=run, args=(i, g)) for i, g in enumerate((g0, g1, g2))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(30)
+    return (g0, g1, g2), votes, grads
+
+
+def test_a_healing_group_and_its_source_stand_aside_and_take_the_exchanges_average(groups):
+    (g0, g1, g2), votes, grads = _heal_trio(groups)
+    assert votes == [True, True, True], (g0.mgr.errors, g1.mgr.errors, g2.mgr.errors)
+    assert all(torch.equal(g, torch.tensor([1.0, 3.0])) for g in grads)  # group 2's alone, on all three
+    assert torch.equal(g1.state["w"], torch.tensor([7.0, 8.0, 9.0, 10.0]))  # the source's state
+    assert g0.mgr.step == g1.mgr.step == g2.mgr.step == 6
+    assert [g.last_record()["contributors"] for g in (g0, g1, g2)] == [1, 1, 1]
+    assert g0.mgr._xg.pg is None and g2.mgr._xg.pg is None  # nobody built a group with an aside member
+
+
+def test_a_source_failing_its_heal_costs_the_exchange_nothing(groups):
+    (g0, g1, g2), votes, grads = _heal_trio(groups, faults0=[Fault("raise", group=0, at_step=0, phase="heal_serve")])
+    assert votes == [True, False, True], (g0.mgr.errors, g1.mgr.errors, g2.mgr.errors)
+    assert g1.mgr.errors[0].startswith("heal: HealError") and g1.mgr.step == 2
+    assert torch.equal(grads[0], grads[2]) and g0.mgr.step == g2.mgr.step == 6
+    assert g2.mgr.errors == [] and g2.fake.reports == []
+
+
+def test_a_failed_exchange_fails_the_members_aside_at_once(groups):
+    # group 2 fails in the exchange: it offers "failed" for the step, so nobody aside waits for it
+    (g0, g1, g2), votes, _ = _heal_trio(groups, faults2=[Fault("raise", group=2, at_step=5, phase="before_allreduce")])
+    assert votes == [False, False, False]
+    told = "update: the exchange of step 5 in quorum 3 did not complete"  # told, not timed out
+    assert g0.mgr.errors == [told] and g1.mgr.errors == [told], (g0.mgr.errors, g1.mgr.errors)
+    assert g0.mgr.step == 5 and g1.mgr.step == 5  # group 1's heal still loaded the state (at step 5)
 
 
 def test_a_leased_step_never_applies_its_late_reply(groups):

@@ -322,6 +322,46 @@ def test_lighthouse_restart_resumes_quorum_ids_and_steps(lighthouse):
 
 
 # ---- heal server ------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "groups, heal, aside, exchange, live",
+    [
+        ((0, 1, 2), {}, set(), (0, 1, 2), {0, 1, 2}),
+        ((0, 1, 2), {1: 0}, {0, 1}, (2,), {2}),  # healer and source out of the exchange
+        ((0, 1, 2, 3), {3: 1, 2: 1}, {1, 2, 3}, (0,), {0}),  # two healers, one source
+        ((0, 1), {1: 0}, set(), (0, 1), {0}),  # nobody else: the source trains, the healer sends zeros
+        ((0, 1, 2), {0: 2, 1: 2}, set(), (0, 1, 2), {2}),
+    ],
+)
+def test_the_healing_groups_and_their_sources_stand_aside_when_others_can_exchange(groups, heal, aside, exchange, live):
+    q = Quorum(
+        quorum_id=1,
+        lighthouse_id="lh",
+        job="j",
+        identity=tuple((g, 0) for g in groups),
+        groups=groups,
+        max_step=3,
+        heal=heal,
+        lease_s=1.0,
+    )
+    assert q.aside() == aside and q.exchange() == exchange and q.live() == live
+    wire = Quorum.parse(json.loads(Quorum.for_rank(q.shared_json(), "h:1", "h:2", "h:3")))
+    assert (wire.store, wire.heal_from, wire.update_from) == ("h:1", "h:2", "h:3") and wire.aside() == aside
+
+
+def test_a_heal_server_offers_a_steps_average_beside_its_snapshot():
+    srv = heal.HealServer(token="tok")
+    try:
+        srv.offer(3, {"w": torch.ones(2)})
+        srv.offer(3, {"average": [torch.full((2,), 5.0)]}, kind="update")
+        assert torch.equal(heal.fetch(srv.address, 3, "tok")["w"], torch.ones(2))  # the snapshot stands
+        got = heal.fetch(srv.address, 3, "tok", kind="update")
+        assert torch.equal(got["average"][0], torch.full((2,), 5.0))
+        with pytest.raises(heal.HealError, match="404"):
+            heal.fetch(srv.address, 3, "tok", kind="gradients")
+    finally:
+        srv.close()
+
+
 def test_heal_server_serves_snapshot_to_token_holders_only():
     srv = heal.HealServer(token="tok")
     try:

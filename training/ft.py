@@ -186,7 +186,7 @@ class FTReplica:
                 self._pos = self.schedule.position(self._live)
                 if self._pos is None:
                     time.sleep(0.05)  # only absent groups' make-up work is left: wait for them
-                elif self.schedule.works(self._pos, self.group):
+                elif self.group in self._live and self.schedule.works(self._pos, self.group):
                     e, rg = self._pos.epoch, self._pos.row_group
                     batch = loader.peek((e, loader.cursor.order(e).index(rg)))
                     self._ids = batch.sample_ids.tolist()

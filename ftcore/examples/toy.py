@@ -116,7 +116,7 @@ def _step(r: Run, toy: Toy) -> None:
     pos = toy.sched.position(live) if q is not None else None
     if q is not None and pos is None and not healing:
         time.sleep(0.05)  # only absent groups' make-up work is left: wait for them
-    works = pos is not None and not healing and toy.sched.works(pos, g)
+    works = pos is not None and g in live and toy.sched.works(pos, g)  # not healing, nor aside as a source
     if r.a.step_sleep:
         time.sleep(r.a.step_sleep)
     toy.opt.zero_grad(set_to_none=False)
