@@ -91,8 +91,7 @@ def _scan(work: Path, f: int, again: dict) -> dict:
     path = ctx["paths"][f]
     counts: dict[str, int] = {}
     groups: dict[int, list[pa.Table]] = {}
-    users: list[pa.Table] = []
-    items: list[pa.Array] = []
+    users, items = _Counts(), _Counts()
     types: dict[str, set[str]] = {"user": set(), "item": set()}
     n, changed = 0, False
     with workdir.task_dir(work / "scan" / str(f)) as d:
@@ -113,17 +112,14 @@ def _scan(work: Path, f: int, again: dict) -> dict:
                 changed = True
                 continue
             n += ev.num_rows
-            vc = pc.value_counts(ev.column("user").combine_chunks()).flatten()
-            users.append(pa.table({"u": vc[0], "n": vc[1]}))
-            items.append(pc.unique(ev.column("item").combine_chunks()))
-            if len(users) >= 16:
-                users, items = [_sum_counts(users)], [pc.unique(pa.concat_arrays(items))]
+            users.add(ev.column("user").combine_chunks())
+            items.add(ev.column("item").combine_chunks())
         evs.lines.close()
         if changed:
             raise DataprepError(f"{path}: id columns change type inside the file; store one type per column")
-        if users:
-            workdir.write_ipc(d / "users.arrow", _sum_counts(users))
-            workdir.write_ipc(d / "items.arrow", pa.table({"i": pc.unique(pa.concat_arrays(items))}))
+        if n:
+            workdir.write_ipc(d / "users.arrow", users.table())
+            workdir.write_ipc(d / "items.arrow", pa.table({"i": items.table().column("u")}))
         rej = [pa.concat_tables(groups[k]).combine_chunks() for k in sorted(groups)]
         if rej:
             with pa.OSFile(str(d / "rejects.arrow"), "wb") as fo, pa.ipc.new_file(fo, rej[0].schema) as w:
@@ -140,6 +136,44 @@ def _scan(work: Path, f: int, again: dict) -> dict:
             },
         )
     return {"file": path, "events": n}
+
+
+class _Counts:
+    """Ids and their event counts over a file's batches: in one count array indexed by id while
+    the integer ids span at most twice their number (+1M; np.bincount a batch: no larger than
+    the hashed tables), else hashed (pc.value_counts a batch, summed every 16 batches)."""
+
+    def __init__(self) -> None:
+        self.lo, self.dense, self.parts = 0, np.zeros(0, np.int64), list[pa.Table]()
+        self.hashed, self.distinct = False, 0
+
+    def add(self, a: pa.Array) -> None:
+        if not self.hashed and pa.types.is_integer(a.type) and len(a):
+            x = a.to_numpy()
+            lo, hi = int(x.min()), int(x.max())
+            if not len(self.dense):
+                self.lo = lo
+            top = max(hi - self.lo + 1, len(self.dense))
+            if lo >= self.lo and top <= 2 * max(self.distinct, len(np.unique(x[:4096]))) + (1 << 20):
+                if top > len(self.dense):
+                    self.dense = np.concatenate([self.dense, np.zeros(top - len(self.dense), np.int64)])
+                self.dense += np.bincount(x - self.lo, minlength=top)
+                self.distinct = int(np.count_nonzero(self.dense))
+                return
+        if not self.hashed:  # what was counted densely, if anything (a file's ids are of one type)
+            self.parts, self.hashed = [self._dense_table()] if self.distinct else [], True
+        vc = pc.value_counts(a).flatten()
+        self.parts.append(pa.table({"u": vc[0], "n": vc[1]}))
+        if len(self.parts) >= 16:
+            self.parts = [_sum_counts(self.parts)]
+
+    def _dense_table(self) -> pa.Table:
+        nz = np.flatnonzero(self.dense)
+        return pa.table({"u": pa.array(nz + self.lo, pa.int64()), "n": pa.array(self.dense[nz])})
+
+    def table(self) -> pa.Table:
+        """(u: id, n: its events), one row an id, in no particular order."""
+        return _sum_counts(self.parts) if self.hashed else self._dense_table()
 
 
 class _Events:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 import pytest
@@ -283,3 +284,19 @@ def test_csv_read_in_parts_same_bytes(tmp_path, csv_inputs, monkeypatch, files):
         assert r["bad_timestamp"] == 1
     if "latin1" in files:
         assert r["not_utf8"] == 1
+
+
+def test_scan_counts_dense_then_hashed_agree_with_value_counts():
+    """scan's id counts: a count array while ids are dense, hashed once they spread or are text."""
+    rng = np.random.default_rng(3)
+    parts = [rng.integers(0, 5000, 20_000), rng.integers(0, 9000, 20_000), rng.integers(0, 1 << 40, 3000)]
+    for arrays in (parts[:2], parts, [np.array(["a", "b", "a"])]):
+        c = bucketed._Counts()
+        for a in arrays:
+            c.add(pa.array(a))
+        want = pc.value_counts(pa.concat_arrays([pa.array(a) for a in arrays])).flatten()
+        got = c.table().sort_by("u")
+        assert got.column("u").to_pylist() == sorted(want[0].to_pylist())
+        assert dict(zip(want[0].to_pylist(), want[1].to_pylist(), strict=True)) == dict(
+            zip(got.column("u").to_pylist(), got.column("n").to_pylist(), strict=True)
+        )
