@@ -15,7 +15,9 @@ first kill to the last returning group's first commit, plus one step), its commi
 
 - extra stall: the episode's span minus the steps it committed times the median step time
   (what the failure cost it beyond the steps it trained anyway);
-- longest gap beyond one step: its longest single wait, minus one step time.
+- longest gap beyond one step: its longest single wait, minus one step time;
+- at each failure: its wait across each failure the lighthouse detected (the two commits
+  around it), minus one step time: what that failure itself cost it.
 
 Goals (issue #16): extra stall per single failure <= 1 step (median of >= 4 kills); under
 compound faults no survivor waits longer than one failure-detection interval
@@ -152,9 +154,15 @@ def episodes(tl: dict, groups: int, episode_faults: list[list[dict]]) -> list[di
     rows, touched = [], {f["group"] for ep in episode_faults for f in ep}
     # kills less than 2 s apart are one episode (the launcher fires a step's faults from separate threads)
     starts = [t for i, (t, _) in enumerate(kills) if i == 0 or t - kills[i - 1][0] > 2.0]
+    failed = sorted((e["t"], e["group"]) for e in tl["lighthouse_events"] if e["kind"] == "failure_detected")
     for t_kill, t_next in zip(starts, [*starts[1:], float("inf")], strict=True):
-        hit = {g for t, g in kills + restarts if t_kill - 0.01 <= t < min(t_next, t_kill + 30)}
-        back = [next((t for t in commits.get(g, []) if t > t_kill + 0.05), None) for g in hit]
+        window = [(t, g) for t, g in kills + restarts if t_kill - 0.01 <= t < min(t_next, t_kill + 30)]
+        # a hit group is back at its first commit after its last kill or restart in the episode
+        # (a heal source that dies while serving committed in between: that is not its return)
+        back = [
+            next((t for t in commits.get(g, []) if t > max(t_kill + 0.05, *(u for u, h in window if h == g))), None)
+            for g in {g for _, g in window}
+        ]
         if not back or None in back:
             continue
         end = max(b for b in back if b is not None) + step_s
@@ -163,18 +171,30 @@ def episodes(tl: dict, groups: int, episode_faults: list[list[dict]]) -> list[di
             inside = [t for t in commits[g] if t_kill < t <= end]
             if not before or not inside:
                 continue
-            gaps = [b - a for a, b in zip([before[-1], *inside], inside, strict=False)]
+            done = [before[-1], *inside]
+            gaps = [b - a for a, b in zip(done, inside, strict=False)]
             rows.append(
                 {
                     "t_kill": t_kill,
                     "survivor": g,
-                    "groups_hit": sorted(hit),
+                    "groups_hit": sorted({h for _, h in window}),
                     "step_s": step_s,
                     "extra_stall_s": max(inside[-1] - before[-1] - len(inside) * step_s, 0.0),
                     "longest_gap_beyond_step_s": max(max(gaps) - step_s, 0.0),
+                    # the survivor's wait across each failure the lighthouse detected, beyond a step
+                    "gap_at_failure_s": [
+                        max(_spanning(done, t) - step_s, 0.0) for t, h in failed if t_kill - 0.01 <= t <= end and h != g
+                    ],
                 }
             )
     return rows
+
+
+def _spanning(commits: list[float], t: float) -> float:
+    """The gap between the commits around time t (sorted commits)."""
+    after = next((c for c in commits if c > t), commits[-1])
+    before = max((c for c in commits if c <= t), default=commits[0])
+    return after - before
 
 
 def main() -> int:
@@ -238,9 +258,12 @@ def main() -> int:
             "longest_gap_beyond_step_max_s": longest,
         }
         samples = ", ".join(f"{x['extra_stall_s']:.3f}" for x in rows)
+        at_failure = ", ".join(f"{v:.3f}" for x in rows for v in x["gap_at_failure_s"])
+        r["summary"]["gap_at_failure_s"] = [v for x in rows for v in x["gap_at_failure_s"]]
         print(
             f"{r['worker']:8} {r['scenario']:12} {step:7.3f} {extra:16.3f} ({extra / step:4.2f}) "
             f"{longest:31.3f} {r['heartbeat_timeouts']:11d} {str(r['identical_states']):>10}  {samples}"
+            f"  | at each failure: {at_failure}"
         )
     cuts = _partitions(a.partitions) if a.partitions else []
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
