@@ -1,6 +1,7 @@
 """The manager: FT-HSDP's step protocol in one rank of one replica group, a transaction that
 commits on every group or on none: `start_quorum()` asks the lighthouse in the background,
-`allreduce()` averages across groups (FTAR; a healing group sends zeros), `should_commit()`
+`allreduce()` averages across groups (FTAR; a healing group and its source stand aside and
+fetch the average, or, with nobody else left, the healer sends zeros), `should_commit()`
 is the group's vote (a healing group loads its state there). A failed quorum, exchange or heal
 fails the step, never the process; while the lighthouse is silent a committed group goes on
 in its last quorum on a lease (timeouts.LEASE); data-plane errors are reported at once."""
@@ -317,7 +318,7 @@ class Manager:
     # ---- FTAR -----------------------------------------------------------------------
     @property
     def healing(self) -> bool:
-        """This step, this group receives the state and sends zero gradients. Known once
+        """This step, this group receives the state (and the step's average). Known once
         wait_quorum() returned (before, and in a step without a quorum: False); never blocks."""
         return self._r.heal_fut is not None
 
