@@ -9,6 +9,10 @@ Mid-run one host's switch port goes down for `--seconds`, then comes back:
 - `lighthouse`: host a. Goal: no failure event, no heal, longest gap between commits <= 0.25 s.
 - `group`: host d (group 2). Reported: the survivors' longest gap between commits (goal:
   <= heartbeat timeout + one step), and whether group 2 rejoined by heal with equal states.
+- `source`: as `group`, and group 0, the peer group 2 heals from when it returns, is killed
+  (SIGKILL) while it serves that heal, then started again on its host, as a scheduler would.
+  Group 1 should never notice: the healing group and its source stand aside from its exchange
+  (ftcore/messages.py, Quorum.aside), so none of its exchanges fails or re-runs.
 
 Per run: failure and heal events, each group's longest commit gap that began while the link
 was down and after it came back, committed / leased / failed step attempts, equal final
@@ -33,7 +37,7 @@ import netns  # noqa: E402
 from ftcore.util.files import atomic_write_json  # noqa: E402
 
 STEPS = 400
-CUT = {"lighthouse": "a", "group": "d"}
+CUT = {"lighthouse": "a", "group": "d", "source": "d"}
 
 
 def _records(out: Path, g: int) -> list[dict]:
@@ -60,10 +64,13 @@ def run_once(scenario: str, seconds: float, work: Path) -> dict:
         lh = [sys.executable, "-m", "ftcore.lighthouse", "--bind", lighthouse, "--token-file", str(token)]
         hosts.start("a", [*lh, "--events-file", str(out / "events.jsonl")], env, logs / "a.log")
         toy = [sys.executable, "-m", "ftcore.examples.toy", "--out", str(out), "--steps", str(STEPS)]
-        procs = [
-            hosts.start(h, [*toy, "--step-sleep", "0.03"], {**env, "FTREC_REPLICA_GROUP": str(g)}, logs / f"{h}.log")
-            for g, h in enumerate("bcd")
-        ]
+        toy += ["--step-sleep", "0.03"]
+        envs = [{**env, "FTREC_REPLICA_GROUP": str(g)} for g in range(3)]
+        if scenario == "source":  # group 0 dies as it serves its first heal
+            plan = work / "faults.json"
+            plan.write_text(json.dumps([{"kind": "kill", "group": 0, "phase": "heal_serve", "at_step": 0}]))
+            envs[0] = {**envs[0], "FTCORE_FAULTS": str(plan), "FTCORE_INCARNATION": "0"}  # the plan's
+        procs = [hosts.start(h, toy, envs[g], logs / f"{h}.log") for g, h in enumerate("bcd")]
         deadline = time.monotonic() + 180
         while not all(len(_records(out, g)) >= 30 for g in range(3)):
             if time.monotonic() > deadline:
@@ -74,15 +81,16 @@ def run_once(scenario: str, seconds: float, work: Path) -> dict:
         time.sleep(seconds)
         hosts.cut(CUT[scenario], off=False)
         t_up = time.time()
-        codes = [p.wait(timeout=300) for p in procs]
+        codes = []
+        if scenario == "source":  # the scheduler starts the killed group again, without the fault
+            codes.append(procs[0].wait(timeout=120))
+            envs[0] = {k: v for k, v in envs[0].items() if k not in ("FTCORE_FAULTS", "FTCORE_INCARNATION")}
+            procs[0] = hosts.start("b", toy, envs[0], logs / "b-restarted.log")
+        codes += [p.wait(timeout=300) for p in procs]
     events = [json.loads(x) for x in (out / "events.jsonl").read_text().splitlines()]
     sums = set()
-    for h in "bcd":
-        sums |= {
-            ln.split("checksum ")[1].split()[0]
-            for ln in (logs / f"{h}.log").read_text().splitlines()
-            if " checksum " in ln
-        }
+    for log in logs.glob("[bcd]*.log"):
+        sums |= {ln.split("checksum ")[1].split()[0] for ln in log.read_text().splitlines() if " checksum " in ln}
     row: dict = {"scenario": scenario, "cut_s": seconds, "exit_codes": codes, "final_states_equal": len(sums) == 1}
     row["isolations"] = sum(e["kind"] == "lighthouse_isolated" for e in events)
     row["failures"] = sum(e["kind"] == "failure_detected" for e in events)
@@ -97,6 +105,9 @@ def run_once(scenario: str, seconds: float, work: Path) -> dict:
         row[f"g{g}_committed"] = sum(r["committed"] for r in recs)
         row[f"g{g}_leased"] = sum(r["committed"] and r["leased"] for r in recs)
         row[f"g{g}_failed_attempts"] = sum(not r["committed"] for r in recs)
+        # exchanges re-run after a peer failed them, from when the link came back
+        row[f"g{g}_reran_after"] = sum(r["requorum"] for r in recs if r["t"] >= t_up)
+        row[f"g{g}_failed_after"] = sum(not r["committed"] for r in recs if r["t"] >= t_up)
     return row
 
 

@@ -49,3 +49,19 @@ def test_a_group_cut_off_rejoins_by_one_heal_and_the_survivors_lose_no_step(tmp_
     assert row["failures"] == 1 and row["heals"] == 1, row
     for g in (0, 1):  # every step attempt of the survivors committed: none waited on group 2 and failed
         assert row[f"g{g}_failed_attempts"] == 0, row
+
+
+def test_a_heal_source_killed_while_it_serves_costs_the_other_survivor_nothing(tmp_path):
+    """Group 2 returns from a cut and heals from group 0, which is killed (SIGKILL) as it serves
+    and started again. The healing group and its source stand aside from the step's exchange, so
+    group 1 never waits on either: none of its exchanges fails or re-runs, and all three end with
+    the same state, every batch trained once (the toy checks its ledger)."""
+    why = netns.unavailable()
+    if why:
+        pytest.skip(f"simulated hosts unavailable: {why}")
+    import partition
+
+    row = partition.run_once("source", 8.0, tmp_path)
+    assert row["exit_codes"] == [-9, 0, 0, 0] and row["final_states_equal"], row
+    assert row["failures"] >= 2 and row["heals"] >= 2, row  # the cut group, then the dead source
+    assert row["g1_failed_after"] == 0 and row["g1_reran_after"] == 0, row  # (the cut itself cost a re-run)
