@@ -178,6 +178,23 @@ def test_two_ranks_per_group_kill_one_rank_restarts_the_group(tmp_path):
     check_ledger(out, 2, ranks=2, steps=20)
 
 
+def test_groups_of_two_ranks_heal_aside_from_the_exchange_and_end_identical(tmp_path):
+    """3 groups x 2 ranks (each group's rank 0 relays for it): group 2 is killed and heals while
+    groups 0 and 1 go on; in the heal step the healing group and its source stand aside and
+    each of their ranks takes the step's average from rank k of the exchange's first member."""
+    out = tmp_path / "run"
+    code, log = launch(out, [{"kind": "kill", "group": 2, "rank": 0, "at_step": 8}], groups=3, ranks=2, steps=20)
+    assert code == 0, log[-4000:]
+    events = timeline(out)["lighthouse_events"]
+    healed = [e for e in events if e["kind"] == "heal_assigned" and e["group"] == 2]
+    assert healed, [e["kind"] for e in events]
+    steps = [s for s in timeline(out)["steps"] if s["quorum_id"] == healed[0]["quorum_id"] and s["committed"]]
+    source = healed[0]["source"]  # it committed the heal step without contributing: aside
+    assert any(s["group"] == source and s["contributors"] == 1 for s in steps), steps
+    assert_identical(out, 3)
+    check_ledger(out, 3, ranks=2, steps=20)
+
+
 def test_a_paused_lighthouse_stops_no_group_and_declares_nobody_dead(tmp_path):
     """SIGSTOP the lighthouse for 2 s: the groups go on in their quorum on its lease (the data
     plane still works), and the returning lighthouse grants a grace period instead of
