@@ -72,6 +72,12 @@ class HealServer:
             self._offers[kind] = (step, snap)
             self._cond.notify_all()
 
+    def withdraw(self, kind: str) -> None:
+        """Stop offering `kind` (its memory is freed; a late fetch of that step gets 504)."""
+        with self._cond:
+            if self._offers[kind][1] is not None:
+                self._offers[kind] = (self._offers[kind][0], None)
+
     def wait_for(self, step: int, timeout: float, kind: str = "snapshot") -> Any | None:
         """The `kind` offer of `step` once made, or None when none came within `timeout`;
         SnapshotGone when a later step is offered instead."""

@@ -413,6 +413,7 @@ class Manager:
         quorum id]: an aside member takes it only for its own quorum."""
         final = self._quorum if self._quorum is not None else q
         if not any(x.aside() and x.exchange()[0] == self.cfg.group for x in (q, final)):
+            self.heal_server.withdraw("update")  # the last one offered (a copy of the gradients) is done
             return
         n = res.contributors if res is not None and not res.peer_error else -1  # -1: the exchange failed
         meta = torch.tensor([max(n, 0), int(n < 0), final.quorum_id], dtype=torch.int64)

@@ -358,6 +358,10 @@ def test_a_heal_server_offers_a_steps_average_beside_its_snapshot():
         assert torch.equal(got["average"][0], torch.full((2,), 5.0))
         with pytest.raises(heal.HealError, match="404"):
             heal.fetch(srv.address, 3, "tok", kind="gradients")
+        srv.withdraw("update")  # served: its copy of the gradients is not kept
+        with pytest.raises(heal.HealError, match="504"):
+            heal.fetch(srv.address, 3, "tok", kind="update")
+        assert torch.equal(heal.fetch(srv.address, 3, "tok")["w"], torch.ones(2))
     finally:
         srv.close()
 
