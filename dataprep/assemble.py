@@ -17,27 +17,17 @@ ROW_GROUP_ROWS = 1 << 20  # pq.write_table's row groups: eval and maps are writt
 
 
 class _Piece:
-    """One bucket's piece of a rank, read a record batch at a time, step after step."""
+    """One bucket's piece of a rank (rows in step order), memory-mapped: step s's rows are a
+    slice, cut where each step begins (one search, not one per step)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, steps: int):
         self.file = pa.memory_map(str(path))
-        self.reader = pa.ipc.open_file(self.file)
-        self.next = 0
-        self.buf: pa.Table | None = None
+        self.table = pa.ipc.open_file(self.file).read_all()
+        self.cuts = np.searchsorted(self.table.column("step").to_numpy(), np.arange(steps + 1)).tolist()
 
     def step(self, s: int) -> list[pa.Table]:
-        out: list[pa.Table] = []
-        while True:
-            if self.buf is None or self.buf.num_rows == 0:
-                if self.next == self.reader.num_record_batches:
-                    return out
-                self.buf = pa.Table.from_batches([self.reader.get_batch(self.next)])
-                self.next += 1
-            k = int(np.searchsorted(self.buf.column("step").to_numpy(), s, side="right"))
-            out.append(self.buf.slice(0, k))
-            self.buf = self.buf.slice(k)
-            if self.buf.num_rows:
-                return out
+        n = self.cuts[s + 1] - self.cuts[s]
+        return [self.table.slice(self.cuts[s], n)] if n else []
 
 
 def write(work: "str | Path", r: int) -> dict:
@@ -48,7 +38,7 @@ def write(work: "str | Path", r: int) -> dict:
     out = work.parent / schema.shard_file(r)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{uuid.uuid4().hex[:8]}.tmp")
-    pieces = [_Piece(work / "route" / str(b) / f"r{r}.arrow") for b in range(buckets)]
+    pieces = [_Piece(work / "route" / str(b) / f"r{r}.arrow", pm["steps"]) for b in range(buckets)]
     try:
         with pq.ParquetWriter(tmp, schema.shard_schema(ctx["has_time"])) as w:
             for s in range(pm["steps"]):

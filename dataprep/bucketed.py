@@ -192,6 +192,10 @@ class _Events:
             self.dir.mkdir()
         if ev.schema != self.schema:
             return False
+        for k in ("user", "item"):  # ids as int32 where they fit: a third fewer bytes (each file its own)
+            x = ev.column(k).to_numpy() if pa.types.is_int64(ev.schema.field(k).type) else None
+            if x is not None and len(x) and x.min() >= 0 and x.max() < 1 << 31:
+                ev = ev.set_column(ev.schema.get_field_index(k), k, pa.array(x.astype(np.int32)))
         with pa.OSFile(str(self.dir / f"{self.parts:06d}.arrow"), "wb") as fo, pa.ipc.new_stream(fo, ev.schema) as w:
             w.write_table(ev)
         self.parts += 1
