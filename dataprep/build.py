@@ -11,7 +11,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -24,7 +24,7 @@ import pyarrow.parquet as pq
 from dataprep import balance, bucketed, readers, schema, sequences
 from dataprep.cost import load_cost_model
 from dataprep.errors import DataprepError, DifferentShardSet
-from dataprep.fingerprint import fingerprint
+from dataprep.fingerprint import fingerprint, fingerprint_later
 from dataprep.progress import Progress, stage
 from ftcore.util.files import sha256_file
 
@@ -220,15 +220,9 @@ def prepare(
     }
     outp = Path(out)
     _refuse_input_inside(outp, paths)
-    pending = None
-    if defer_fingerprint and not (outp / schema.MANIFEST).exists():
-        ex = ThreadPoolExecutor(1)
-        pending = ex.submit(fingerprint, paths)
-        ex.shutdown(wait=False)  # its thread ends with the hash
-        fp = ""
-    else:
-        with stage("fingerprint", quiet=quiet):
-            fp = fingerprint(paths)
+    pending = fingerprint_later(paths) if defer_fingerprint and not (outp / schema.MANIFEST).exists() else None
+    with stage("fingerprint", quiet=quiet or pending is not None):
+        fp = fingerprint(paths) if pending is None else ""
     head = _head(paths, fmt, fp, config)
     return Job(
         pending=pending,
@@ -501,12 +495,8 @@ def seal(
     rename it into place. Returns the manifest. `sums`: checksums of files already taken."""
     rej, by_reason = reject_table(rejects)
     _write_parquet(tmp / schema.REJECTS_FILE, rej)
-    sums = sums or {}
-    files = {}
-    for f in sorted(tmp.rglob("*")):
-        if f.is_file():
-            name = str(f.relative_to(tmp))
-            files[name] = sums[name] if name in sums else sha256_file(f)
+    names = [str(f.relative_to(tmp)) for f in sorted(tmp.rglob("*")) if f.is_file()]
+    files = {n: (sums or {}).get(n) or sha256_file(tmp / n) for n in names}
     timings["write_s"] = time.monotonic() - t_write
     timings["total_s"] = time.monotonic() - t_all
     manifest = _manifest(head, figures, by_reason, timings, files)

@@ -2,6 +2,7 @@
 
 import hashlib
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -56,3 +57,12 @@ def fingerprint(paths: list[str]) -> str:
         for f in files:
             h.update(sha256_file(f).encode())
     return h.hexdigest()
+
+
+def fingerprint_later(paths: list[str]) -> "Future[str]":
+    """`fingerprint(paths)` taken in a thread of its own (it ends with the hash)."""
+    ex = ThreadPoolExecutor(1)
+    try:
+        return ex.submit(fingerprint, paths)
+    finally:
+        ex.shutdown(wait=False)

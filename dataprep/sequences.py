@@ -153,6 +153,16 @@ def _dense_items(ids: pa.Array, it_kept: np.ndarray) -> tuple[np.ndarray, pa.Arr
     return dense_item, ids.take(pa.array(by_raw[present[by_raw]]))
 
 
+def _provisional(ev: Interactions, codes: "tuple | None") -> tuple[np.ndarray, pa.Array, np.ndarray, pa.Array]:
+    """Each event's user and item as an index into an id table (user codes, user ids sorted,
+    item codes, item ids): hashed here unless `codes` gives them (a bucket knows them)."""
+    if codes is not None:
+        return codes
+    u0, u_sorted = _codes(ev.user)  # provisional user codes, already in sorted raw order
+    enc = pc.dictionary_encode(ev.item)  # provisional item codes, first-appearance order
+    return u0, u_sorted, enc.indices.to_numpy().astype(np.int64), enc.dictionary
+
+
 def build_sequences(
     ev: Interactions,
     *,
@@ -165,9 +175,7 @@ def build_sequences(
     """Group, order, de-duplicate, filter and remap (see module doc).
 
     For a bucket of users (dataprep.bucketed): `part` lets every user be dropped, `raw_times`
-    keeps times in the input's unit (the unit is chosen over all buckets), and `codes` gives
-    each event's user and item as indices into the sorted unique ids (codes, ids, codes, ids)
-    instead of hashing the ids here."""
+    keeps times in the input's unit (the unit is chosen over all buckets), `codes`: _provisional."""
     if dedup not in DEDUP:
         raise DataprepError(f"--dedup {dedup!r}: unknown; choose one of {', '.join(DEDUP)}")
     if len(ev) == 0:
@@ -176,12 +184,7 @@ def build_sequences(
             "check --format and the rejects listed above"
         )
     rejects = list(ev.rejects)
-    if codes is None:
-        u0, u_sorted = _codes(ev.user)  # provisional user codes, already in sorted raw order
-        enc = pc.dictionary_encode(ev.item)  # provisional item codes, first-appearance order
-        i0, i_dict = enc.indices.to_numpy().astype(np.int64), enc.dictionary
-    else:
-        u0, u_sorted, i0, i_dict = codes
+    u0, u_sorted, i0, i_dict = _provisional(ev, codes)
     order, us, duplicates = _drop_duplicates(ev, _order(u0, ev.ts), u0, i0, dedup, rejects)
     nu = int(u0.max()) + 1
     drop_user, too_short = _drop_users(ev, us, order, nu, max_events, rejects)

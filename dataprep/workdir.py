@@ -9,6 +9,7 @@ import signal
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import pyarrow as pa
@@ -145,3 +146,55 @@ def took(work: Path, name: str, index: "int | None", seconds: float) -> None:
     d = work / "took"
     d.mkdir(exist_ok=True)
     (d / f"{name}-{index}").write_text(repr(seconds))
+
+
+class Events:
+    """A scanned file's events, one IPC stream file per batch in events/ (split reads them in
+    order; a one-process build removes each once split has cut it: its pages are reused for the
+    next), and their line numbers (Lines)."""
+
+    def __init__(self, d: Path):
+        self.dir, self.lines = d / EVENTS, Lines(d / LINES)
+        self.parts, self.schema = 0, None
+
+    def add(self, ev: pa.Table, line: np.ndarray) -> bool:
+        """Store a batch; False (nothing stored) when its schema is not the first batch's."""
+        if self.schema is None:
+            self.schema = ev.schema
+            self.dir.mkdir()
+        if ev.schema != self.schema:
+            return False
+        for k in ("user", "item"):  # ids as int32 where they fit: a third fewer bytes (each file its own)
+            x = ev.column(k).to_numpy() if pa.types.is_int64(ev.schema.field(k).type) else None
+            if x is not None and len(x) and x.min() >= 0 and x.max() < 1 << 31:
+                ev = ev.set_column(ev.schema.get_field_index(k), k, pa.array(x.astype(np.int32)))
+        with pa.OSFile(str(self.dir / f"{self.parts:06d}.arrow"), "wb") as fo, pa.ipc.new_stream(fo, ev.schema) as w:
+            w.write_table(ev)
+        self.parts += 1
+        self.lines.add(np.asarray(line, np.int64))
+        return True
+
+
+class Lines:
+    """A file's event line numbers: none stored while they run on by one from the first (`first`,
+    the usual case), else every event's in `path` (raw int64; see event_lines)."""
+
+    def __init__(self, path: Path):
+        self.path, self.first, self.n = path, 0, 0
+        self.out: BinaryIO | None = None
+
+    def add(self, line: np.ndarray) -> None:
+        if self.n == 0 and self.out is None:
+            self.first = int(line[0])
+        if self.out is None and np.array_equal(line, np.arange(self.first + self.n, self.first + self.n + len(line))):
+            self.n += len(line)
+            return
+        if self.out is None:
+            self.out = open(self.path, "wb")  # closed by close()
+            for a in range(0, self.n, 1 << 20):  # the lines so far ran on by one
+                np.arange(self.first + a, self.first + min(a + (1 << 20), self.n), dtype=np.int64).tofile(self.out)
+        line.tofile(self.out)
+
+    def close(self) -> None:
+        if self.out is not None:
+            self.out.close()
