@@ -8,7 +8,9 @@ Mid-run one host's switch port goes down for `--seconds`, then comes back:
 
 - `lighthouse`: host a. Goal: no failure event, no heal, longest gap between commits <= 0.25 s.
 - `group`: host d (group 2). Reported: the survivors' longest gap between commits (goal:
-  <= heartbeat timeout + one step), and whether group 2 rejoined by heal with equal states.
+  <= heartbeat timeout + one step; their stalled exchange asks the lighthouse after
+  FTCORE_STALL_PROBE, which fails group 2 when it is not heard within the failure probe), and
+  whether group 2 rejoined by heal with equal states.
 - `source`: as `group`, and group 0, the peer group 2 heals from when it returns, is killed
   (SIGKILL) while it serves that heal, then started again on its host, as a scheduler would.
   Group 1 should never notice: the healing group and its source stand aside from its exchange
@@ -94,6 +96,7 @@ def run_once(scenario: str, seconds: float, work: Path) -> dict:
     row: dict = {"scenario": scenario, "cut_s": seconds, "exit_codes": codes, "final_states_equal": len(sums) == 1}
     row["isolations"] = sum(e["kind"] == "lighthouse_isolated" for e in events)
     row["failures"] = sum(e["kind"] == "failure_detected" for e in events)
+    row["stall_reports"] = sum(e["kind"] == "stall_reported" for e in events)
     row["heals"] = sum(e["kind"] == "heal_assigned" for e in events)
     for g in range(3):
         recs = _records(out, g)

@@ -2,8 +2,10 @@
 carries the meta (contributes, step, member count, error flag), so a healthy step costs one
 collective per bucket and the sum says who contributed and whether anyone failed. Every wait
 is bounded by a deadline and by `is_stale()`: a dead or hung peer is an FTARError, never a
-hang. CUDA gradients are staged through host memory over gloo: docs/ftcore.md, "ftar"."""
+hang, and a wait that makes no progress asks the lighthouse early (`on_stall`). CUDA
+gradients are staged through host memory over gloo: docs/ftcore.md, "ftar"."""
 
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -112,21 +114,35 @@ def plan(tensors: list[torch.Tensor], bucket_bytes: int = DEFAULT_BUCKET_BYTES) 
     return buckets
 
 
-def _wait(fut: torch.futures.Future, deadline: float, is_stale: Callable[[], bool], what: str) -> None:
-    # Poll rather than block: a done-callback must win the GIL from the waiting thread,
-    # which measured here costs milliseconds per collective; polling costs microseconds.
-    start = time.monotonic()
-    while not fut.done():
-        now = time.monotonic()
-        if now > deadline:
-            raise FTARError(f"{what}: timed out")
-        if is_stale():
-            raise FTARError(f"{what}: a member of the quorum was declared failed")
-        time.sleep(0.0001 if now - start < 0.005 else 0.0005)
-    try:
-        fut.value()
-    except Exception as e:  # gloo: "Connection reset by peer", "Connection closed by peer", timeouts
-        raise FTARError(f"{what}: {type(e).__name__}: {e}") from None
+@dataclass
+class _Waits:
+    """How every wait of one FTAR is bounded: by its deadline and by `is_stale()`. A wait with
+    no progress for `stall_s` calls `on_stall` once: the lighthouse is asked at once whether a
+    member went silent (a partition closes no connection), not after the whole timeout."""
+
+    deadline: float
+    is_stale: Callable[[], bool]
+    stall_s: float = math.inf
+    on_stall: Callable[[], None] | None = None
+
+    def future(self, fut: torch.futures.Future, what: str) -> None:
+        # Poll rather than block: a done-callback must win the GIL from the waiting thread,
+        # which measured here costs milliseconds per collective; polling costs microseconds.
+        start = time.monotonic()
+        while not fut.done():
+            now = time.monotonic()
+            if now > self.deadline:
+                raise FTARError(f"{what}: timed out")
+            if self.is_stale():
+                raise FTARError(f"{what}: a member of the quorum was declared failed")
+            if self.on_stall is not None and now - start > self.stall_s:
+                self.on_stall()
+                self.on_stall = None
+            time.sleep(0.0001 if now - start < 0.005 else 0.0005)
+        try:
+            fut.value()
+        except Exception as e:  # gloo: "Connection reset by peer", "Connection closed by peer", timeouts
+            raise FTARError(f"{what}: {type(e).__name__}: {e}") from None
 
 
 def ftar(
@@ -137,6 +153,8 @@ def ftar(
     local_error: bool = False,
     timeout: float = 5.0,
     is_stale: Callable[[], bool] = lambda: False,
+    stall_s: float = math.inf,
+    on_stall: Callable[[], None] | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     during: Callable[[], None] | None = None,
     step: int = 0,
@@ -147,7 +165,8 @@ def ftar(
     Raises FTARError when the collective cannot complete, or when its members were not all
     at `step` (a collective left pending by a member that gave up on it is never averaged
     into another step). `during` runs as the exchange starts (fault injection; an exception
-    sets the error flag). `stage`: how buckets reach the device (collectives.stage_for)."""
+    sets the error flag). `stage`: how buckets reach the device (collectives.stage_for).
+    `on_stall`: called once when a wait makes no progress for `stall_s` (_Waits)."""
     if not contribute:
         for t in tensors:
             t.zero_()
@@ -173,7 +192,8 @@ def ftar(
     ]
     futs: list[torch.futures.Future] = []
     try:
-        n, errors = _exchange(info, buckets, hosts, futs, stage, step, time.monotonic() + timeout, is_stale)
+        waits = _Waits(time.monotonic() + timeout, is_stale, stall_s, on_stall)
+        n, errors = _exchange(info, buckets, hosts, futs, stage, step, waits)
     except FTARError:
         _abandon(futs, (meta, buckets, hosts))
         if stage is not None:
@@ -196,14 +216,14 @@ def _with_meta(buckets: list[_Bucket], meta: torch.Tensor) -> list[_Bucket]:
     return [carrier, *buckets]
 
 
-def _exchange(info, buckets, hosts, futs, stage, step, deadline, is_stale) -> tuple[float, float]:
+def _exchange(info, buckets, hosts, futs, stage, step, waits: _Waits) -> tuple[float, float]:
     """Issue every bucket's all-reduce, check the meta, finish each bucket as its sum lands:
     (contributors, error flags)."""
     for i, (buf, landed) in enumerate(hosts):
         if landed is not None:
-            coll.wait_event(landed, deadline, is_stale, f"FTAR bucket {i} copy to host", FTARError)
+            coll.wait_event(landed, waits.deadline, waits.is_stale, f"FTAR bucket {i} copy to host", FTARError)
         futs.append(coll.all_reduce(buf, kind=DATA, group=info, async_op=True).get_future())
-    _wait(futs[0], deadline, is_stale, "FTAR bucket 0")
+    waits.future(futs[0], "FTAR bucket 0")
     n, steps, members, errors = (float(x) for x in hosts[0][0][:META].tolist())
     if members != info.size() or steps != members * (step % STEP_MOD):
         raise FTARError(
@@ -211,7 +231,7 @@ def _exchange(info, buckets, hosts, futs, stage, step, deadline, is_stale) -> tu
         )
     for i, (b, fut) in enumerate(zip(buckets, futs, strict=True)):
         if i:
-            _wait(fut, deadline, is_stale, f"FTAR bucket {i}")
+            waits.future(fut, f"FTAR bucket {i}")
         if n > 0 and b.tensors:
             if stage is not None and hosts[i][1] is not None:  # staged: the sum back to the device, divided there
                 stage.to_device(b.buffer_view(), hosts[i][0])

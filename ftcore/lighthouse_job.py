@@ -2,7 +2,7 @@
 
 Each job has its own lock, so jobs served by one lighthouse never wait on each other. A group
 is failed three ways: its heartbeat connection closes (a killed process: milliseconds), a
-survivor reports a data-plane error and the group does not heartbeat within FAILURE_PROBE, or
+survivor reports a data-plane error or a stall and the group does not heartbeat within FAILURE_PROBE, or
 its heartbeats stop for HEARTBEAT_TIMEOUT (a hang). A fast quorum forms as soon as every
 healthy member of the previous quorum asks; otherwise a round waits up to JOIN_TIMEOUT.
 """
@@ -118,15 +118,19 @@ class Job:
         for req in self._pop(g).values():
             req.deliver(QuorumRefused("stale", "stale incarnation"))
 
-    def _is_healthy(self, grp: GroupRecord, now: float, report: float | None, members: set[int], silence: bool) -> bool:
-        """`report`: the current quorum's first failure report; `members`: its groups; `silence`:
-        whether silence counts now (all three the sweep's, computed once: O(ranks) per sweep)."""
+    def _is_healthy(self, grp: GroupRecord, now: float, cut: float, members: set[int], silence: bool) -> bool:
+        """`cut`: the current quorum's last failure probe that ended (FailureReport); `members`:
+        its groups; `silence`: whether silence counts now (the sweep's, computed once)."""
         if grp.left or len(grp.ranks) < grp.speakers:
             return False
-        # past the probe after a failure report, a member not heard since the report has failed
-        probed = report is not None and grp.group in members and now > report + self.lh.probe_s
-        cut, quiet = report if probed and report else -math.inf, self.cfg.heartbeat_timeout if silence else math.inf
-        return not any(r.disconnected or now - r.last_beat > quiet or r.last_beat < cut for r in grp.ranks.values())
+        # past the probe after a failure report, a member not heard since the report has failed,
+        # and stays failed (out of the quorum too) until it is heard again
+        cut, quiet = max(cut if grp.group in members else -math.inf, grp.probed), self.cfg.heartbeat_timeout
+        quiet = quiet if silence else math.inf
+        if any(r.disconnected or now - r.last_beat > quiet or r.last_beat < cut for r in grp.ranks.values()):
+            grp.probed = cut
+            return False
+        return True
 
     def _silence_counts(self, now: float) -> bool:
         """Whether a rank's silence is evidence against it: not while this lighthouse was paused
@@ -160,19 +164,18 @@ class Job:
         self.lh.notice_pause(now)
         self.health.last_sweep = now
         self._notice_isolation(now)
-        report = self.health.reports.get(self.quorum.quorum_id) if self.quorum else None
+        reports = self.health.reports.get(self.quorum.quorum_id, ()) if self.quorum else ()
+        cut = max((t for t in reports if now > t + self.lh.probe_s), default=-math.inf)
         members, silence = set(self.quorum.groups if self.quorum else ()), self._silence_counts(now)
         for grp in self.groups.values():
-            ok = self._is_healthy(grp, now, report, members, silence)
+            ok = self._is_healthy(grp, now, cut, members, silence)
             if ok != grp.healthy:
                 grp.healthy = ok
                 (self.health.healthy.add if ok else self.health.healthy.discard)(grp.group)
                 if ok:
                     self.event("group_healthy", group=grp.group, incarnation=grp.incarnation, step=grp.step)
                 elif not (grp.left or grp.leaving):
-                    why = (
-                        "connection closed" if any(r.disconnected for r in grp.ranks.values()) else "heartbeat timeout"
-                    )
+                    why = grp.why_failed(now, self.cfg.heartbeat_timeout)
                     self.event("failure_detected", group=grp.group, incarnation=grp.incarnation, reason=why)
         self.health.failed = [
             g for g in (self.quorum.groups if self.quorum else ()) if g in self.groups and not self.groups[g].healthy
@@ -200,11 +203,8 @@ class Job:
         """Whether a tick's formation attempt can do anything an arrival's did not: enough groups
         complete, the join timeout reached, or a pending group unhealthy (lost: told to exit)."""
         waited = self.round.start is not None and now - self.round.start >= self.cfg.join_timeout
-        return (
-            len(self.round.complete) >= self.round.need
-            or waited
-            or not self.round.pending.keys() <= self.health.healthy
-        )
+        unhealthy = not self.round.pending.keys() <= self.health.healthy
+        return len(self.round.complete) >= self.round.need or waited or unhealthy
 
     def _expire(self, now: float) -> None:
         """Answer the requests whose deadline passed (O(pending), only when one has)."""
@@ -240,9 +240,8 @@ class Job:
         self._drop_overtaken(now)
         for g in list(self.round.pending.keys() - self.health.healthy):
             # a group that lost a rank cannot train: its survivors exit now (and restart whole)
-            lost = self.groups[g].lost_rank(
-                now, self.cfg.failure_probe, self.cfg.heartbeat_timeout if self._silence_counts(now) else None
-            )
+            silence = self.cfg.heartbeat_timeout if self._silence_counts(now) else None
+            lost = self.groups[g].lost_rank(now, self.cfg.failure_probe, silence)
             if lost is not None:
                 self._refuse([g], "lost", f"replica group {g} lost rank {lost}; restart the group")
         if not self.round.pending:
@@ -289,9 +288,8 @@ class Job:
         """Build the whole quorum and every rank's reply first, then change state."""
         where = self._plan(members)
         if where is None:
-            return self._refuse(
-                members, "finished", f"the job finished at step {self.finished_step}; nothing to rejoin"
-            )
+            why = f"the job finished at step {self.finished_step}; nothing to rejoin"
+            return self._refuse(members, "finished", why)
         identity, quorum_id, lighthouse_id = self._name(members, aside_of(members, where.heal))
         busy = self._busy(members)
         idle = self.quorum is not None and all(
@@ -560,9 +558,12 @@ class Job:
     def report_failure(self, report: FailureReport) -> None:
         with self.lock:
             qid = report.quorum_id
-            self.event("failure_reported", group=report.group, rank=report.rank, quorum_id=qid, error=report.error)
-            self.health.reports.setdefault(qid, time.monotonic())
-            if self.quorum is not None and qid == self.quorum.quorum_id:
+            kind = "stall_reported" if report.stalled else "failure_reported"
+            self.event(kind, group=report.group, rank=report.rank, quorum_id=qid, error=report.error)
+            now, probes = time.monotonic(), self.health.reports.setdefault(qid, [])
+            if not probes or now > probes[-1] + self.lh.probe_s:  # a new probe (a quorum outlives a stall)
+                probes[:] = [*probes[-1:], now]  # the last one ended stands until this one ends
+            if self.quorum is not None and qid == self.quorum.quorum_id and not report.stalled:
                 self.health.force_new = True  # the reporter's process group is broken: rebuild everyone's
             self.health.last_sweep = 0.0  # probe at the next tick
 

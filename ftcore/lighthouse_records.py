@@ -38,6 +38,7 @@ class GroupRecord:
     left: bool = False
     leaving: bool = False  # a rank said goodbye: the group is ending cleanly, rank by rank
     relay: bool = False  # its relay speaks for all its ranks as rank 0 (ftcore/relay.py)
+    probed: float = -math.inf  # failed by a failure probe begun then: healthy only once heard since
 
     @property
     def speakers(self) -> int:
@@ -58,6 +59,14 @@ class GroupRecord:
             ):
                 return rk.rank
         return None
+
+    def why_failed(self, now: float, heartbeat_timeout: float) -> str:
+        """What the lighthouse saw when it declared this group failed (its failure event)."""
+        if any(r.disconnected for r in self.ranks.values()):
+            return "connection closed"
+        if len(self.ranks) < self.speakers or any(now - r.last_beat > heartbeat_timeout for r in self.ranks.values()):
+            return "heartbeat timeout"
+        return "not heard within the failure probe"
 
 
 Answer = StandbyReply | OvertakenReply | QuorumRefused
@@ -106,7 +115,7 @@ class Health:
 
     healthy: set[int] = field(default_factory=set)  # groups healthy (kept with GroupRecord.healthy)
     failed: list[int] = field(default_factory=list)  # members of the current quorum that are not (for heartbeats)
-    reports: dict[int, float] = field(default_factory=dict)  # quorum_id -> first data-plane failure report
+    reports: dict[int, list[float]] = field(default_factory=dict)  # quorum_id -> its last two failure probes' starts
     force_new: bool = False  # a data-plane failure: the next quorum gets a new id, whoever is in it
     last_sweep: float = 0.0
     isolated: bool = False  # most groups went silent at once: this lighthouse is likely cut off

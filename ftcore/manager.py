@@ -264,6 +264,14 @@ class Manager:
         self.client.report_failure(qid, msg)
         self._xg.drop()
 
+    def _report_stall(self) -> None:
+        """An FTAR wait made no progress for STALL_PROBE: the lighthouse probes the quorum's
+        members now (a partitioned peer closes no connection). Sent from a thread of its own:
+        the wait goes on polling for the verdict meanwhile."""
+        qid = self._quorum.quorum_id if self._quorum else 0
+        why = f"no progress in the exchange for {timeouts.STALL_PROBE} s"
+        threading.Thread(target=self.client.report_failure, args=(qid, why, True), daemon=True).start()
+
     def wait_quorum(self) -> Quorum | None:
         """Block until this step's quorum is known: the quorum, or None when the step already
         failed (the error is recorded once)."""
@@ -444,6 +452,8 @@ class Manager:
             local_error=local_error,
             timeout=timeouts.COLLECTIVE_TIMEOUT,
             is_stale=self._is_stale,
+            stall_s=timeouts.STALL_PROBE,
+            on_stall=self._report_stall,
             bucket_bytes=self.cfg.bucket_bytes,
             during=lambda: self.injector.phase("during_allreduce", self.step),
             step=step,

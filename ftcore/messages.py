@@ -55,6 +55,13 @@ def loads(raw: bytes | str) -> Any:
 
 
 # ---- field checks ----------------------------------------------------------------------------
+def _true_or_false(msg: dict[str, Any], key: str) -> bool:
+    raw = msg.get(key, False)
+    if not isinstance(raw, bool):
+        raise MessageError(f"{key} must be true or false, got {raw!r}"[:200])
+    return raw
+
+
 def _int(msg: dict[str, Any], key: str, default: int | None = None, lo: int = 0, hi: int = MAX_ID) -> int:
     """msg[key] as an int in [lo, hi) (an integer, or a string of one)."""
     raw = msg.get(key, default)
@@ -290,9 +297,7 @@ class QuorumRequest:
     @classmethod
     def parse(cls, msg: Any) -> QuorumRequest:
         msg = _object(msg, "a quorum request")
-        leased, again = msg.get("leased", False), msg.get("again", False)
-        if not isinstance(leased, bool) or not isinstance(again, bool):
-            raise MessageError(f"leased and again must be true or false, got {leased!r}, {again!r}"[:200])
+        leased, again = _true_or_false(msg, "leased"), _true_or_false(msg, "again")
         timeout = msg.get("timeout", timeouts.QUORUM_TIMEOUT)
         if (
             isinstance(timeout, bool)
@@ -315,7 +320,8 @@ class QuorumRequest:
 @dataclass(frozen=True)
 class FailureReport:
     """A rank's data plane failed in `quorum_id` (its peers re-form without waiting for a
-    heartbeat timeout)."""
+    heartbeat timeout), or only `stalled`: it made no progress for a while, and the members
+    not heard from within the failure probe are failed (a partition closes no connection)."""
 
     job: str
     group: int
@@ -323,6 +329,7 @@ class FailureReport:
     incarnation: int
     quorum_id: int
     error: str
+    stalled: bool = False
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -332,6 +339,7 @@ class FailureReport:
             "incarnation": self.incarnation,
             "quorum_id": self.quorum_id,
             "error": self.error,
+            "stalled": self.stalled,
         }
 
     @classmethod
@@ -344,6 +352,7 @@ class FailureReport:
             incarnation=_int(msg, "incarnation", 0),
             quorum_id=_int(msg, "quorum_id", 0),
             error=str(msg.get("error", ""))[:200],
+            stalled=_true_or_false(msg, "stalled"),
         )
 
 

@@ -26,6 +26,10 @@ HEARTBEAT_TIMEOUT = _env("FTCORE_HEARTBEAT_TIMEOUT", 2.0)
 # After a data-plane failure report, members that do not heartbeat within this
 # window are declared failed (a few heartbeat intervals).
 FAILURE_PROBE = _env("FTCORE_FAILURE_PROBE", 0.2)
+# An FTAR wait that makes no progress for this long asks the lighthouse to probe its members
+# at once (FailureReport.stalled): a partitioned peer closes no connection, and its silence
+# would otherwise take HEARTBEAT_TIMEOUT to judge. Above a step's normal skew between groups.
+STALL_PROBE = _env("FTCORE_STALL_PROBE", 0.5)
 # Bound on one cross-group collective (every bucket of an FTAR) and on building a group.
 COLLECTIVE_TIMEOUT = _env("FTCORE_COLLECTIVE_TIMEOUT", 5.0)
 # Bound on one quorum request, including reconnecting to a restarting lighthouse.

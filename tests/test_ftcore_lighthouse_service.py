@@ -375,6 +375,48 @@ def test_one_group_silent_while_the_others_speak_is_failed_by_its_silence():
         srv.shutdown()
 
 
+def test_a_stalled_exchange_gets_a_silent_group_failed_within_the_probe_not_the_heartbeat_timeout():
+    """FailureReport.stalled: the reporter's exchange made no progress. Members that speak stay
+    in the quorum (no new one); a member not heard within the probe is failed long before the
+    heartbeat timeout (a partition closes no connection)."""
+    srv, lh = _lighthouse_with_server(heartbeat_timeout=30.0, failure_probe=0.2)
+    addr = f"127.0.0.1:{srv.server_address[1]}"
+    cs = _clients(addr, "stall", groups=3)
+    try:
+        q1 = ask_all(cs)[0]
+        cs[0].report_failure(q1.quorum_id, "slow peer", stalled=True)  # everyone speaks: nobody fails
+        time.sleep(0.6)
+        assert lh.jobs["stall"].health.healthy == {0, 1, 2}
+        assert {q.quorum_id for q in ask_all(cs)} == {q1.quorum_id}  # the same quorum, no new process group
+        silent = [c for c in list(srv.conns) if c.beat is not None and c.beat[1] == 2]
+        _deafen(srv, silent, True)  # group 2 cut off
+        time.sleep(0.3)  # the others' exchange waits on it, then asks
+        cs[1].report_failure(q1.quorum_id, "no progress", stalled=True)
+        assert _wait(lambda: 2 not in lh.jobs["stall"].health.healthy, timeout=5)  # not 30 s
+        assert _wait(lambda: cs[0].failed_groups == (2,), timeout=3)  # the survivors hear it with a heartbeat
+        time.sleep(0.25)
+        cs[0].report_failure(q1.quorum_id, "FTAR: a member of the quorum was declared failed")  # their exchange ends
+        time.sleep(0.15)  # three sweeps inside the new report's probe: the verdict stands meanwhile
+        assert 2 not in lh.jobs["stall"].health.healthy
+        events = lh.status("stall")["events"]
+        assert [(e["group"], e["reason"]) for e in events if e["kind"] == "failure_detected"] == [
+            (2, "not heard within the failure probe")
+        ]
+        assert [e["kind"] for e in events if e["kind"].endswith("_reported")] == ["stall_reported"] * 2 + [
+            "failure_reported"
+        ]
+        assert ask_all(cs[:2])[0].groups == (0, 1)
+        time.sleep(0.15)  # out of the quorum now: still failed while it is not heard
+        assert 2 not in lh.jobs["stall"].health.healthy
+        _deafen(srv, silent, False)
+        assert _wait(lambda: 2 in lh.jobs["stall"].health.healthy, timeout=3)  # heard again: back
+    finally:
+        for c in cs:
+            c.close()
+        lh.close()
+        srv.shutdown()
+
+
 def test_a_rank_that_lost_its_quorum_answer_gets_the_same_one_when_it_asks_again(lighthouse):
     """Its peers are already in the quorum that counts it (they wait for it there): asking again
     for the same round must not open a new one."""

@@ -59,7 +59,7 @@ class FakeLighthouse:
     def silent_for(self):
         return self.silent
 
-    def report_failure(self, quorum_id, error):
+    def report_failure(self, quorum_id, error, stalled=False):
         self.reports.append((quorum_id, error))
 
     def event(self, kind, **data):

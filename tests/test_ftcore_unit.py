@@ -486,6 +486,29 @@ def test_ftar_times_out_on_a_silent_peer_instead_of_hanging():
         ftar(pgs2[0], [torch.ones(10)], contribute=True, timeout=5.0, is_stale=lambda: True)
 
 
+def test_ftar_asks_once_when_a_wait_makes_no_progress_and_goes_on_waiting():
+    """`on_stall` (the lighthouse's probe) fires once, when a wait has seen no progress for
+    `stall_s`; the wait goes on and completes when the late peer arrives."""
+    store, pgs = _groups(2)
+    asked: list[int] = []
+
+    def run(i):
+        if i == 1:
+            time.sleep(0.6)  # a late peer
+        return ftar(
+            pgs[i], [torch.full((5,), float(i))], contribute=True, stall_s=0.2, on_stall=lambda: asked.append(i)
+        )
+
+    res, errs = _run_all(2, run)
+    assert errs == [None, None] and [r.contributors for r in res] == [2, 2]
+    assert len(asked) == 1 and asked[0] == 0  # once, by the one kept waiting
+    store3, pgs3 = _groups(2)  # a peer in time: nobody asks
+    res, errs = _run_all(
+        2, lambda i: ftar(pgs3[i], [torch.ones(3)], contribute=True, stall_s=5.0, on_stall=asked.append)
+    )
+    assert errs == [None, None] and len(asked) == 1
+
+
 def test_unknown_backend_is_refused_by_name():
     import datetime
 
