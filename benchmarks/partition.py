@@ -96,7 +96,8 @@ def run_once(scenario: str, seconds: float, work: Path) -> dict:
     row: dict = {"scenario": scenario, "cut_s": seconds, "exit_codes": codes, "final_states_equal": len(sums) == 1}
     row["isolations"] = sum(e["kind"] == "lighthouse_isolated" for e in events)
     row["failures"] = sum(e["kind"] == "failure_detected" for e in events)
-    row["stall_reports"] = sum(e["kind"] == "stall_reported" for e in events)
+    row["stall_reports"] = sum(e["kind"] == "stall_reported" for e in events)  # by an exchange ...
+    row["round_probes"] = sum(e["kind"] == "round_stalled" for e in events)  # ... or by a round kept waiting
     row["heals"] = sum(e["kind"] == "heal_assigned" for e in events)
     for g in range(3):
         recs = _records(out, g)

@@ -31,6 +31,7 @@ class LighthouseConfig:
     join_timeout: float = timeouts.JOIN_TIMEOUT
     heartbeat_timeout: float = timeouts.HEARTBEAT_TIMEOUT
     failure_probe: float = timeouts.FAILURE_PROBE
+    stall_probe: float = timeouts.STALL_PROBE  # a round waiting this long on a member probes the quorum
     token: str | None = None  # the admin secret; each job's token derives from it (auth.job_token)
     events_file: str | None = None
     lease: float = timeouts.LEASE  # how long a granted quorum may be reused while this lighthouse is silent

@@ -194,10 +194,24 @@ class Job:
     def tick(self, now: float) -> None:
         if now - self.health.last_sweep >= SWEEP_S:
             self._update_health(now)
+        self._probe_stalled_round(now)
         if self.round.pending and self._worth_trying(now):
             self._maybe_form(now)
         if now >= self.round.deadline:
             self._expire(now)
+
+    def _probe_stalled_round(self, now: float) -> None:
+        """A round kept waiting `stall_probe` by healthy members of the last quorum that have not
+        asked probes the quorum, as a stalled exchange's report does (a partition closes no
+        connection): one not heard within the failure probe is failed. Once per round."""
+        q, start = self.quorum, self.round.start
+        if q is None or start is None or now - start < self.cfg.stall_probe or not self._silence_counts(now):
+            return
+        probes = self.health.reports.setdefault(q.quorum_id, [])
+        missing = sorted(set(q.groups) & self.health.healthy - self.round.pending.keys())
+        if missing and not (probes and probes[-1] >= start):
+            probes[:] = [*probes[-1:], now]
+            self.event("round_stalled", waiting_for=missing, quorum_id=q.quorum_id, seconds=round(now - start, 3))
 
     def _worth_trying(self, now: float) -> bool:
         """Whether a tick's formation attempt can do anything an arrival's did not: enough groups
@@ -432,21 +446,7 @@ class Job:
         if v is None:
             return
         self.excluded[v.group] = time.monotonic() + v.probation_s
-        self.event(
-            "group_excluded",
-            group=v.group,
-            incarnation=self.groups[v.group].incarnation,
-            reason=f"{v.ratio}x its peers' compute over {self.cfg.pace.window} rounds, bound {v.bound}x",
-            ratio=v.ratio,
-            bound=v.bound,
-            busy_s=v.busy_s,
-            peers_busy_s=v.peers_s,
-            window=self.cfg.pace.window,
-            probation_s=v.probation_s,
-            rank=v.rank,  # None: one figure for the group (relayed) or its ranks alike
-            rank_busy_s=v.rank_busy_s,
-            other_ranks_busy_s=v.others_busy_s,
-        )
+        self.event("group_excluded", incarnation=self.groups[v.group].incarnation, **v.event(self.cfg.pace.window))
 
     def _standby(self, grp: GroupRecord, now: float) -> StandbyReply | None:
         """The answer to a quorum request of an excluded group while its probation lasts."""

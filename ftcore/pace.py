@@ -73,6 +73,22 @@ class Verdict:
     rank_busy_s: float | None = None  # that rank's mean compute per round (the slowest rank's if none named)
     others_busy_s: float | None = None  # the median of the group's other ranks' means
 
+    def event(self, window: int) -> dict:
+        """The fields of its `group_excluded` event (rank None: one figure, or ranks alike)."""
+        return {
+            "group": self.group,
+            "reason": f"{self.ratio}x its peers' compute over {window} rounds, bound {self.bound}x",
+            "ratio": self.ratio,
+            "bound": self.bound,
+            "busy_s": self.busy_s,
+            "peers_busy_s": self.peers_s,
+            "window": window,
+            "probation_s": self.probation_s,
+            "rank": self.rank,
+            "rank_busy_s": self.rank_busy_s,
+            "other_ranks_busy_s": self.others_busy_s,
+        }
+
 
 # one round's figures of a group's ranks: by rank, or every rank's in rank order (a relay's)
 Figures = dict[int, float] | tuple[float, ...]

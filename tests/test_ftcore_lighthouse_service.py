@@ -417,6 +417,37 @@ def test_a_stalled_exchange_gets_a_silent_group_failed_within_the_probe_not_the_
         srv.shutdown()
 
 
+def test_a_round_kept_waiting_by_a_silent_member_fails_it_within_the_probe():
+    """The survivors ask for their next quorum and group 2, cut off, never does: after
+    `stall_probe` the round probes the quorum, and group 2, not heard, is failed long before the
+    heartbeat timeout; the survivors' round forms without it. A member that asks late but
+    speaks all along is only waited for."""
+    srv, lh = _lighthouse_with_server(heartbeat_timeout=30.0, failure_probe=0.2, stall_probe=0.3, join_timeout=20)
+    addr = f"127.0.0.1:{srv.server_address[1]}"
+    cs = _clients(addr, "round", groups=3)
+    try:
+        q1 = ask_all(cs)[0]
+        late = threading.Timer(0.8, lambda: cs[2].quorum(5.0))  # slow, not silent
+        late.start()
+        assert [q.groups for q in ask_all(cs[:2])] == [(0, 1, 2)] * 2
+        late.join()
+        silent = [c for c in list(srv.conns) if c.beat is not None and c.beat[1] == 2]
+        _deafen(srv, silent, True)
+        q2 = ask_all(cs[:2], timeout=10.0)
+        assert [q.groups for q in q2] == [(0, 1)] * 2 and q2[0].quorum_id > q1.quorum_id
+        events = lh.status("round")["events"]
+        assert [(e["group"], e["reason"]) for e in events if e["kind"] == "failure_detected"] == [
+            (2, "not heard within the failure probe")
+        ]
+        assert [e["waiting_for"] for e in events if e["kind"] == "round_stalled"] == [[2], [2]]
+        _deafen(srv, silent, False)
+    finally:
+        for c in cs:
+            c.close()
+        lh.close()
+        srv.shutdown()
+
+
 def test_a_rank_that_lost_its_quorum_answer_gets_the_same_one_when_it_asks_again(lighthouse):
     """Its peers are already in the quorum that counts it (they wait for it there): asking again
     for the same round must not open a new one."""
