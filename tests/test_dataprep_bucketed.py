@@ -300,3 +300,17 @@ def test_scan_counts_dense_then_hashed_agree_with_value_counts():
         assert dict(zip(want[0].to_pylist(), want[1].to_pylist(), strict=True)) == dict(
             zip(got.column("u").to_pylist(), got.column("n").to_pylist(), strict=True)
         )
+
+
+def test_heap_kept_for_a_build_then_released():
+    """dataprep.heap: glibc keeps freed memory while a build runs (where the C library is
+    glibc) and takes its default thresholds back after; elsewhere it does nothing."""
+    import platform
+
+    from dataprep import heap
+
+    with heap.kept() as kept:
+        assert kept == (platform.libc_ver()[0] == "glibc")
+        a = np.ones(4 << 20)  # 32 MB: from the heap, not a fresh mapping, while kept
+        del a
+    heap.release()  # twice is harmless
