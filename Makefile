@@ -27,7 +27,7 @@ run: setup
 	$(BIN)/python -m ftrec_airflow.local_run --work $(WORK) $(RUN_ARGS)
 
 test: setup
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=25 tests
 
 # ruff (lint, then the formatter's verdict) and mypy over the whole tree; settings in pyproject.toml.
 lint: setup

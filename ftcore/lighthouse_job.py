@@ -208,7 +208,7 @@ class Job:
         if q is None or start is None or now - start < self.cfg.stall_probe or not self._silence_counts(now):
             return
         probes = self.health.reports.setdefault(q.quorum_id, [])
-        missing = sorted(set(q.groups) & self.health.healthy - self.round.pending.keys())
+        missing = sorted(set(q.groups) & self.health.healthy - self.excluded.keys() - self.round.pending.keys())
         if missing and not (probes and probes[-1] >= start):
             probes[:] = [*probes[-1:], now]
             self.event("round_stalled", waiting_for=missing, quorum_id=q.quorum_id, seconds=round(now - start, 3))
