@@ -1,11 +1,11 @@
 """One job on the lighthouse: its replica groups, their health, and its quorum rounds.
 
 Each job has its own lock, so jobs served by one lighthouse never wait on each other. A group
-is failed three ways: its heartbeat connection closes (a killed process: milliseconds), a
-survivor reports a data-plane error or a stall and the group does not heartbeat within FAILURE_PROBE, or
-its heartbeats stop for HEARTBEAT_TIMEOUT (a hang). A fast quorum forms as soon as every
-healthy member of the previous quorum asks; otherwise a round waits up to JOIN_TIMEOUT.
-"""
+is failed three ways: its heartbeat connection closes (a killed process: milliseconds), it is
+not heard within FAILURE_PROBE of a probe (a survivor's data-plane error or stalled exchange,
+or a round kept waiting STALL_PROBE on it), or its heartbeats stop for HEARTBEAT_TIMEOUT. A
+fast quorum forms as soon as every healthy member of the previous quorum asks; otherwise a
+round waits up to JOIN_TIMEOUT."""
 
 from __future__ import annotations
 
