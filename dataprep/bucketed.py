@@ -26,7 +26,7 @@ from dataprep import heap, readers, schema, sequences, workdir
 from dataprep.assemble import finish, write, write_eval
 from dataprep.cost import load_cost_model
 from dataprep.errors import DataprepError
-from dataprep.scanner import scan, sum_counts
+from dataprep.readers.events import Restart
 
 BYTES_PER_EVENT = 400  # peak working set of a bucket per event (build_sequences + samples), measured
 IN_MEMORY_BYTES_PER_EVENT = 130  # the in-memory build's peak per event (10M Parquet events: 1.15 GB)
@@ -76,6 +76,119 @@ def estimate(paths: list[str], fmt: str) -> int:
     return total * IN_MEMORY_BYTES_PER_EVENT
 
 
+def scan(work: "str | Path", f: int) -> dict:
+    """Read input file f: events (raw ids; times, or input positions), ids, counts, rejects."""
+    again: dict = {}
+    while True:
+        try:
+            return _scan(Path(work), f, again)
+        except Restart as e:  # a CSV file read again from its start (see readers.events.Restart)
+            again = {"kinds": e.kinds, "replace": e.replace}
+
+
+def _scan(work: Path, f: int, again: dict) -> dict:
+    ctx = workdir.ctx(work)
+    path = ctx["paths"][f]
+    counts: dict[str, int] = {}
+    groups: dict[int, list[pa.Table]] = {}
+    users, items = _Counts(), _Counts()
+    types: dict[str, set[str]] = {"user": set(), "item": set()}
+    n, changed = 0, False
+    with workdir.task_dir(work / "scan" / str(f)) as d:
+        evs = workdir.Events(d)
+        for cols, rejects, c in readers.iter_file(
+            path, ctx["fmt"], ctx["batch_rows"], **ctx["reader_options"], **again
+        ):
+            for k, v in c.items():
+                counts[k] = counts.get(k, 0) + v
+            for tag, t in rejects:
+                groups.setdefault(tag, []).append(t)
+            ev = pa.table({k: _arrow(cols[k]) for k in ("user", "item", "ts")})
+            for k in types:
+                types[k].add(str(ev.schema.field(k).type))
+            if ev.num_rows == 0:
+                continue
+            if not evs.add(ev, cols["line"]):  # a CSV file is read again when its parts end (Restart)
+                changed = True
+                continue
+            n += ev.num_rows
+            users.add(ev.column("user").combine_chunks())
+            items.add(ev.column("item").combine_chunks())
+        evs.lines.close()
+        if changed:
+            raise DataprepError(f"{path}: id columns change type inside the file; store one type per column")
+        if n:
+            workdir.write_ipc(d / "users.arrow", users.table())
+            workdir.write_ipc(d / "items.arrow", pa.table({"i": items.table().column("u")}))
+        rej = [pa.concat_tables(groups[k]).combine_chunks() for k in sorted(groups)]
+        if rej:
+            with pa.OSFile(str(d / "rejects.arrow"), "wb") as fo, pa.ipc.new_file(fo, rej[0].schema) as w:
+                for t in rej:
+                    w.write_table(t)
+        workdir.write_json(
+            d / "meta.json",
+            {
+                "counts": counts,
+                "events": n,
+                "rejected": sum(t.num_rows for t in rej),
+                "types": _typenames(types),
+                "line0": evs.lines.first,
+            },
+        )
+    return {"file": path, "events": n}
+
+
+class _Counts:
+    """Ids and their event counts over a file's batches: in one count array indexed by id while
+    the integer ids span at most twice their number (+1M; np.bincount a batch: no larger than
+    the hashed tables), else hashed (pc.value_counts a batch, summed every 16 batches)."""
+
+    def __init__(self) -> None:
+        self.lo, self.dense, self.parts = 0, np.zeros(0, np.int64), list[pa.Table]()
+        self.hashed, self.distinct = False, 0
+
+    def add(self, a: pa.Array) -> None:
+        if not self.hashed and pa.types.is_integer(a.type) and len(a):
+            x = a.to_numpy()
+            lo, hi = int(x.min()), int(x.max())
+            if not len(self.dense):
+                self.lo = lo
+            top = max(hi - self.lo + 1, len(self.dense))
+            if lo >= self.lo and top <= 2 * max(self.distinct, len(np.unique(x[:4096]))) + (1 << 20):
+                if top > len(self.dense):
+                    self.dense = np.concatenate([self.dense, np.zeros(top - len(self.dense), np.int64)])
+                self.dense += np.bincount(x - self.lo, minlength=top)
+                self.distinct = int(np.count_nonzero(self.dense))
+                return
+        if not self.hashed:  # what was counted densely, if anything (a file's ids are of one type)
+            self.parts, self.hashed = [self._dense_table()] if self.distinct else [], True
+        vc = pc.value_counts(a).flatten()
+        self.parts.append(pa.table({"u": vc[0], "n": vc[1]}))
+        if len(self.parts) >= 16:
+            self.parts = [_sum_counts(self.parts)]
+
+    def _dense_table(self) -> pa.Table:
+        nz = np.flatnonzero(self.dense)
+        return pa.table({"u": pa.array(nz + self.lo, pa.int64()), "n": pa.array(self.dense[nz])})
+
+    def table(self) -> pa.Table:
+        """(u: id, n: its events), one row an id, in no particular order."""
+        return _sum_counts(self.parts) if self.hashed else self._dense_table()
+
+
+def _arrow(a: "pa.Array | np.ndarray") -> pa.Array:
+    return a if isinstance(a, pa.Array) else pa.array(np.ascontiguousarray(a, dtype=np.int64))
+
+
+def _typenames(types: dict[str, set[str]]) -> dict[str, str]:
+    return {k: (v.pop() if len(v) == 1 else "string") for k, v in types.items()}
+
+
+def _sum_counts(parts: list[pa.Table]) -> pa.Table:
+    t = pa.concat_tables(parts).group_by("u").aggregate([("n", "sum")])
+    return pa.table({"u": t.column("u"), "n": t.column("n_sum")})
+
+
 def ids(work: "str | Path", budget: int, buckets: int | None) -> dict:
     """Merge the files' ids: users and items sorted (dense-id order), B buckets of users."""
     work = Path(work)
@@ -96,7 +209,7 @@ def ids(work: "str | Path", budget: int, buckets: int | None) -> dict:
     typ = {k: pa.string() if any(m["types"][k] == "string" for m in metas) else pa.int64() for k in ("user", "item")}
     have = [work / "scan" / str(f) for f in range(len(paths)) if metas[f]["events"]]
     uparts = [workdir.read_ipc(d / "users.arrow") for d in have]
-    users = sum_counts([pa.table({"u": t.column("u").cast(typ["user"]), "n": t.column("n")}) for t in uparts])
+    users = _sum_counts([pa.table({"u": t.column("u").cast(typ["user"]), "n": t.column("n")}) for t in uparts])
     users = users.sort_by("u")
     items = pc.unique(
         pa.concat_arrays(
@@ -153,7 +266,8 @@ def split(work: "str | Path", f: int) -> dict:
 
     def cut(part: Path) -> tuple[pa.Table, np.ndarray]:
         """A part's events by bucket, stably, and where each bucket's rows begin."""
-        batch = workdir.take(part, drop=bool(ctx.get("drop_inputs")))  # a one-process build runs no task again
+        with pa.memory_map(str(part)) as fi:
+            batch = pa.ipc.open_stream(fi).read_all()
         n, off = batch.num_rows, pos[0]
         pos[0] += n
         u = user_code(batch.column("user"))
@@ -168,6 +282,8 @@ def split(work: "str | Path", f: int) -> dict:
                 "ts": ts[order] if ctx["has_time"] else ts[order] + idm["offsets"][f],
             }
         )
+        if ctx.get("drop_inputs"):  # a one-process build (run): no task is run again
+            part.unlink()
         return t, np.searchsorted(b[order], np.arange(len(starts) + 1))
 
     with workdir.task_dir(work / "split" / str(f)) as d:
@@ -423,13 +539,6 @@ class Pool:
         heap.release()
 
 
-def _one(files: int, budget: int, workers: int) -> dict:
-    """What a one-process build does that a fanned-out one cannot: a file's parts read at once
-    while files are fewer than threads; half the budget of scanned events held in memory for
-    split, which runs in the same process (not with --workers)."""
-    return {"scan_threads": THREADS // files, "hold_bytes": budget // 2 if workers == 1 else 0}
-
-
 def run(
     tmp: Path,
     ctx: dict,
@@ -446,12 +555,12 @@ def run(
     work = tmp / "_work"
     work.mkdir()
     lane = budget // (THREADS if workers == 1 else 1)  # a process's threads share its budget
-    nf = len(ctx["paths"])
-    ctx = {**ctx, "batch_rows": batch_rows(lane), "budget": lane, "drop_inputs": True, **_one(nf, budget, workers)}
+    ctx = {**ctx, "batch_rows": batch_rows(lane), "budget": lane, "drop_inputs": True}
     workdir.write_json(work / "ctx.json", ctx)
     pool = Pool(workers)
     try:
         t = time.monotonic()
+        nf = len(ctx["paths"])
         pool.map(scan, work, nf, lambda m: say(f"dataprep: scanned {m['file']}: {m['events']} events"))
         idm = ids(work, lane, buckets)
         nb = idm["buckets"]
@@ -484,6 +593,5 @@ def run(
         out = finish(work, eval_written=True)
     finally:
         pool.close()
-        workdir.drop_held(work)
     shutil.rmtree(work)
     return (*out, t_write, sums)

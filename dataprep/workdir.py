@@ -6,7 +6,6 @@ import json
 import os
 import shutil
 import signal
-import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -45,54 +44,8 @@ LINES = "lines.bin"  # a scanned file's event line numbers, where they do not ru
 
 
 def event_parts(work: Path, f: int) -> list[Path]:
-    """Scanned file f's event files, held ones too, in order (read them with take)."""
-    d = work / "scan" / str(f) / EVENTS
-    with _LOCK:
-        held = {Path(k) for k in _HELD if Path(k).parent == d}
-    return sorted(held | set(d.glob("*.arrow")), key=lambda p: p.name)
-
-
-# A one-process build's scanned events kept in memory for split instead of written: by the path
-# their file would have, while the build's bytes held stay within ctx "hold_bytes" (scan and
-# split in one process; a page written and read back costs a fresh page of the page cache).
-_HELD: dict[str, tuple[str, pa.Table]] = {}  # path -> (work folder, table)
-_HELD_BYTES: dict[str, int] = {}  # by work folder
-_LOCK = threading.Lock()
-
-
-def hold(work: Path, path: Path, t: pa.Table, limit: int) -> bool:
-    """Keep `t` under `path` (no file written) if the bytes held for `work` stay within `limit`."""
-    with _LOCK:
-        used = _HELD_BYTES.get(str(work), 0) + t.nbytes
-        if used > limit:
-            return False
-        _HELD_BYTES[str(work)], _HELD[str(path)] = used, (str(work), t)
-        return True
-
-
-def _unhold(key: str) -> pa.Table:
-    work, t = _HELD.pop(key)
-    _HELD_BYTES[work] -= t.nbytes
-    return t
-
-
-def take(path: Path, drop: bool) -> pa.Table:
-    """An event file's table, held or read memory-mapped; gone from memory or disk if `drop`."""
-    with _LOCK:
-        if str(path) in _HELD:
-            return _unhold(str(path)) if drop else _HELD[str(path)][1]
-    with pa.memory_map(str(path)) as f:
-        t = pa.ipc.open_stream(f).read_all()
-    if drop:
-        path.unlink()
-    return t
-
-
-def drop_held(under: Path) -> None:
-    """Forget the events held under folder `under` (a failed or finished build, a file read again)."""
-    with _LOCK:
-        for k in [k for k in _HELD if Path(k).is_relative_to(under)]:
-            _unhold(k)
+    """Scanned file f's event files, in order."""
+    return sorted((work / "scan" / str(f) / EVENTS).glob("*.arrow"))
 
 
 def event_lines(work: Path, f: int, ev: np.ndarray) -> np.ndarray:
@@ -110,7 +63,6 @@ def spent(work: Path, stage: str, i: int) -> None:
     input files one by one as it goes, where ctx "drop_inputs" says so.)"""
     if stage == "split":
         shutil.rmtree(work / "scan" / str(i) / EVENTS, ignore_errors=True)
-        drop_held(work / "scan" / str(i) / EVENTS)
         return
     elif stage == "bucket":
         paths = list(work.glob(f"split/*/b{i}.arrow"))
@@ -199,29 +151,25 @@ def took(work: Path, name: str, index: "int | None", seconds: float) -> None:
 class Events:
     """A scanned file's events, one IPC stream file per batch in events/ (split reads them in
     order; a one-process build removes each once split has cut it: its pages are reused for the
-    next) or held (`held`: work folder, final events folder, bytes; see hold), and their line
-    numbers (Lines). Part k of a file read in parts: files "k-*", lines apart until join_lines."""
+    next), and their line numbers (Lines)."""
 
-    def __init__(self, d: Path, part: "int | None" = None, held: "tuple[Path, Path, int] | None" = None):
-        self.dir, self.lines = d / EVENTS, Lines(d / (LINES if part is None else f"lines-{part}.bin"))
-        self.parts, self.schema, self.prefix = 0, None, "" if part is None else f"{part}-"
-        self.held = held
+    def __init__(self, d: Path):
+        self.dir, self.lines = d / EVENTS, Lines(d / LINES)
+        self.parts, self.schema = 0, None
 
     def add(self, ev: pa.Table, line: np.ndarray) -> bool:
         """Store a batch; False (nothing stored) when its schema is not the first batch's."""
         if self.schema is None:
             self.schema = ev.schema
-            self.dir.mkdir(exist_ok=True)
+            self.dir.mkdir()
         if ev.schema != self.schema:
             return False
         for k in ("user", "item"):  # ids as int32 where they fit: a third fewer bytes (each file its own)
             x = ev.column(k).to_numpy() if pa.types.is_int64(ev.schema.field(k).type) else None
             if x is not None and len(x) and x.min() >= 0 and x.max() < 1 << 31:
                 ev = ev.set_column(ev.schema.get_field_index(k), k, pa.array(x.astype(np.int32)))
-        name = f"{self.prefix}{self.parts:06d}.arrow"
-        if not (self.held and hold(self.held[0], self.held[1] / name, ev, self.held[2])):
-            with pa.OSFile(str(self.dir / name), "wb") as fo, pa.ipc.new_stream(fo, ev.schema) as w:
-                w.write_table(ev)
+        with pa.OSFile(str(self.dir / f"{self.parts:06d}.arrow"), "wb") as fo, pa.ipc.new_stream(fo, ev.schema) as w:
+            w.write_table(ev)
         self.parts += 1
         self.lines.add(np.asarray(line, np.int64))
         return True
@@ -243,41 +191,10 @@ class Lines:
             return
         if self.out is None:
             self.out = open(self.path, "wb")  # closed by close()
-            self._run_on(self.out)  # the lines so far ran on by one
+            for a in range(0, self.n, 1 << 20):  # the lines so far ran on by one
+                np.arange(self.first + a, self.first + min(a + (1 << 20), self.n), dtype=np.int64).tofile(self.out)
         line.tofile(self.out)
-
-    def _run_on(self, out: BinaryIO) -> None:
-        for a in range(0, self.n, 1 << 20):
-            np.arange(self.first + a, self.first + min(a + (1 << 20), self.n), dtype=np.int64).tofile(out)
 
     def close(self) -> None:
         if self.out is not None:
             self.out.close()
-
-    def count(self) -> int:
-        """How many line numbers were added (once closed)."""
-        return self.path.stat().st_size // 8 if self.out is not None else self.n
-
-    def copy_to(self, out: BinaryIO) -> None:
-        """Every line number added, as raw int64 (once closed)."""
-        if self.out is not None:
-            with open(self.path, "rb") as f:
-                shutil.copyfileobj(f, out)
-        else:
-            self._run_on(out)
-
-
-def join_lines(d: Path, parts: list[Lines]) -> int:
-    """The line numbers of a file read in parts, in file order: none stored while they run on
-    by one across the parts, else LINES (each part's in turn); the first line (meta "line0")."""
-    if len(parts) == 1:
-        return parts[0].first
-    have = [p for p in parts if p.count()]
-    if all(p.out is None for p in have) and all(b.first == a.first + a.n for a, b in zip(have, have[1:], strict=False)):
-        return have[0].first if have else 0
-    with open(d / LINES, "wb") as out:
-        for p in have:
-            p.copy_to(out)
-    for p in parts:
-        p.path.unlink(missing_ok=True)
-    return have[0].first

@@ -11,7 +11,7 @@ import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 import pytest
 
-from dataprep import assemble, bucketed, scanner, schema, workdir
+from dataprep import assemble, bucketed, schema, workdir
 from dataprep.build import build_shards
 from dataprep.errors import DataprepError
 
@@ -291,7 +291,7 @@ def test_scan_counts_dense_then_hashed_agree_with_value_counts():
     rng = np.random.default_rng(3)
     parts = [rng.integers(0, 5000, 20_000), rng.integers(0, 9000, 20_000), rng.integers(0, 1 << 40, 3000)]
     for arrays in (parts[:2], parts, [np.array(["a", "b", "a"])]):
-        c = scanner._Counts()
+        c = bucketed._Counts()
         for a in arrays:
             c.add(pa.array(a))
         want = pc.value_counts(pa.concat_arrays([pa.array(a) for a in arrays])).flatten()

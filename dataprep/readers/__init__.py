@@ -19,7 +19,6 @@ from dataprep.readers.events import (
     iter_csv,
     parquet_batches,
     parquet_dataset,
-    parquet_part,
     read_events,
     streamable,
 )
@@ -152,15 +151,13 @@ def iter_file(
     time_col: str = "timestamp",
     kinds: tuple[str, str, str] | None = None,
     replace: bool = False,
-    part: tuple[int, int] = (0, 1),
     **unknown,
 ) -> Iterator[tuple[dict, list[tuple[int, pa.Table]], dict]]:
     """One input file as parts of at most `batch_rows` rows where the format allows (Parquet
     and CSV events), else whole: (event columns, [(check number, reject table)], counts). The
     parts' events concatenate to `read_file`'s; its rejects are each check's tables
     concatenated, in check order (see table_events). A CSV file may raise events.Restart: read
-    it again with the Restart's `kinds` and `replace`. `part` (k, of): part k of a Parquet
-    file read as `of` parts by row groups (events.parquet_part); of other inputs part 0 is all."""
+    it again with the Restart's `kinds` and `replace`."""
     defaults = _columns(user_col, item_col, time_col, unknown)
     csv = path.endswith((".csv", ".csv.gz", ".tsv"))
     if csv and not is_uri(path) and (fmt == "events" or fmt == "movielens" and path.endswith(".csv")):
@@ -168,18 +165,15 @@ def iter_file(
         names = (
             (user_col, item_col, time_col, defaults) if fmt == "events" else ("userId", "movieId", "timestamp", False)
         )
-        yield from iter_csv(path, *names, batch_rows, kinds, replace) if part[0] == 0 else ()
+        yield from iter_csv(path, *names, batch_rows, kinds, replace)
         return
     parquet = fmt == "events" and not csv
     if parquet:
         check_input(path)
         dataset, cols = parquet_dataset(path, user_col, item_col, time_col, defaults)
         if streamable(dataset, cols):
-            at = parquet_part(dataset, *part)
-            yield from parquet_batches(path, at[0], cols, batch_rows, at[1]) if at else ()
+            yield from parquet_batches(path, dataset, cols, batch_rows)
             return
-    if part[0]:
-        return
     cols_, rejects, counts = read_file(path, fmt, user_col, item_col, time_col, defaults)
     yield cols_, list(enumerate(rejects)), counts
 

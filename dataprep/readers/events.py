@@ -474,23 +474,8 @@ def parquet_dataset(path: str, user_col: str, item_col: str, time_col: str, defa
         raise _not_parquet(path, e) from None
 
 
-def parquet_part(dataset: pds.Dataset, k: int, of: int) -> "tuple[pds.Dataset, int] | None":
-    """Part k of `of` of a Parquet input, cut between row groups at about equal rows, and the
-    rows before it (threads read the parts at once; their rows concatenate to the input's).
-    With fewer row groups than parts, part 0 is the whole input and the others None."""
-    groups = [g for f in dataset.get_fragments() for g in f.split_by_row_group()] if of > 1 else []
-    if len(groups) < max(of, 2):
-        return (dataset, 0) if k == 0 else None
-    rows = np.cumsum([0] + [g.row_groups[0].num_rows for g in groups])
-    cut = np.searchsorted(rows, rows[-1] * np.arange(of + 1) / of)
-    cut[0], cut[-1] = 0, len(groups)
-    part = pds.FileSystemDataset(groups[cut[k] : cut[k + 1]], dataset.schema, dataset.format, dataset.filesystem)
-    return part, int(rows[cut[k]])
-
-
-def parquet_batches(path: str, dataset: pds.Dataset, cols: tuple, batch_rows: int, rows: int = 0) -> Iterator[tuple]:
-    """Each batch's events, rejects and counts (a row's line: its number in the input, 1-based,
-    where the part read begins after `rows` rows)."""
+def parquet_batches(path: str, dataset: pds.Dataset, cols: tuple, batch_rows: int) -> Iterator[tuple]:
+    rows = 0
     # no pre-buffering and one batch of read-ahead: pyarrow's defaults hold ~1 GB of a 100M-row file
     batches = dataset.to_batches(
         columns=list(cols),
