@@ -283,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="smaller sizes and runs (a smoke test)")
     p.add_argument("--skip", default="", help="comma list of parts to skip: allreduce,failover,effective")
     p.add_argument("--groups", default="2,3", help="replica groups of the all-reduce part, e.g. 2,3,4")
+    p.add_argument("--sizes", default="1,4,16,64,256", help="tensor sizes of the all-reduce part, MB")
     p.add_argument("--out", default=os.path.join(ROOT, "bench-results", "ftcore.json"))
     a = p.parse_args(argv)
     skip = set(a.skip.split(",")) - {""}
@@ -292,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python benchmarks/ftcore_bench.py" + (" --quick" if a.quick else ""),
     }
     if "allreduce" not in skip:
-        sizes = [1, 16] if a.quick else [1, 4, 16, 64, 256]
+        sizes = [1, 16] if a.quick else [int(x) for x in a.sizes.split(",")]
         rows = bench_allreduce(sizes, [2] if a.quick else [int(x) for x in a.groups.split(",")])
         result["allreduce"] = rows
         print("\nall-reduce, median ms of the slowest group (FTAR includes the vote; quorum overlapped)")
