@@ -137,24 +137,22 @@ class Job:
         or seems cut off, nor for a heartbeat timeout after (it heard nobody: not their fault)."""
         return not (self.lh.in_grace(now) or self.health.isolated or now < self.health.grace_until)
 
+    def _silent_since(self, t: float) -> tuple[int, int]:
+        """(silent, live): complete groups silent since `t` (GroupRecord), all complete groups."""
+        live = [g for g in self.groups.values() if not g.left and len(g.ranks) == g.speakers]
+        return sum(g.silent_since(t) for g in live), len(live)
+
     def _notice_isolation(self, now: float) -> None:
         """Most groups silent at once, none of them gone: the one cut off is most likely this
         lighthouse (ftcore/quorum.py, `isolated`). It holds its verdicts while that lasts, and
         grants everyone a heartbeat timeout to be heard once it ends."""
-        live = [g for g in self.groups.values() if not g.left and len(g.ranks) == g.speakers]
         # half a timeout quiet counts: groups cut off together go silent within an interval of each other
-        quiet = self.cfg.heartbeat_timeout / 2
-        silent = sum(
-            1
-            for g in live
-            if not any(r.disconnected for r in g.ranks.values())
-            and now - max(r.last_beat for r in g.ranks.values()) > quiet
-        )
-        cut_off = isolated(silent, len(live))
+        silent, live = self._silent_since(now - self.cfg.heartbeat_timeout / 2)
+        cut_off = isolated(silent, live)
         if cut_off != self.health.isolated:
             self.health.isolated = cut_off
             if cut_off:
-                self.event("lighthouse_isolated", silent=silent, groups=len(live))
+                self.event("lighthouse_isolated", silent=silent, groups=live)
             else:
                 self.health.grace_until = now + self.cfg.heartbeat_timeout
                 self.event("lighthouse_reconnected", grace_s=self.cfg.heartbeat_timeout)
@@ -164,8 +162,11 @@ class Job:
         self.lh.notice_pause(now)
         self.health.last_sweep = now
         self._notice_isolation(now)
-        reports = self.health.reports.get(self.quorum.quorum_id, ()) if self.quorum else ()
-        cut = max((t for t in reports if now > t + self.lh.probe_s), default=-math.inf)
+        probes = self.health.reports.get(self.quorum.quorum_id, []) if self.quorum else []
+        # a probe that ends having heard most groups not at all says more about this lighthouse than
+        # about them: it is dropped (its verdict would otherwise fall on the last to be heard again)
+        probes[:] = [t for t in probes if now <= t + self.lh.probe_s or not isolated(*self._silent_since(t))]
+        cut = max((t for t in probes if now > t + self.lh.probe_s), default=-math.inf)
         members, silence = set(self.quorum.groups if self.quorum else ()), self._silence_counts(now)
         for grp in self.groups.values():
             ok = self._is_healthy(grp, now, cut, members, silence)
@@ -207,9 +208,9 @@ class Job:
         q, start = self.quorum, self.round.start
         if q is None or start is None or now - start < self.cfg.stall_probe or not self._silence_counts(now):
             return
-        probes = self.health.reports.setdefault(q.quorum_id, [])
         missing = sorted(set(q.groups) & self.health.healthy - self.excluded.keys() - self.round.pending.keys())
-        if missing and not (probes and probes[-1] >= start):
+        if missing and self.round.probed < start:
+            probes, self.round.probed = self.health.reports.setdefault(q.quorum_id, []), now
             probes[:] = [*probes[-1:], now]
             self.event("round_stalled", waiting_for=missing, quorum_id=q.quorum_id, seconds=round(now - start, 3))
 

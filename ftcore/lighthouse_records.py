@@ -60,6 +60,11 @@ class GroupRecord:
                 return rk.rank
         return None
 
+    def silent_since(self, t: float) -> bool:
+        """Not heard since `t`, and no connection closed (a silence, not a crash)."""
+        ranks = self.ranks.values()
+        return not any(r.disconnected for r in ranks) and max((r.last_beat for r in ranks), default=-math.inf) < t
+
     def why_failed(self, now: float, heartbeat_timeout: float) -> str:
         """What the lighthouse saw when it declared this group failed (its failure event)."""
         if any(r.disconnected for r in self.ranks.values()):
@@ -107,6 +112,7 @@ class Pending:
     deadline: float = math.inf  # the earliest deadline among its requests
     need: int = 1  # complete groups before an arrival tries to form it (Job._count_need)
     last_wait_event: float = 0.0
+    probed: float = -math.inf  # when a round last probed the quorum's members (once per round)
 
 
 @dataclass

@@ -448,6 +448,38 @@ def test_a_round_kept_waiting_by_a_silent_member_fails_it_within_the_probe():
         srv.shutdown()
 
 
+def test_a_probe_that_hears_nobody_fails_nobody():
+    """The lighthouse's own link goes dark while a round waits on group 2: the round's probe
+    ends (0.3 s) long before the lighthouse takes the silence as its own isolation (1 s), and it
+    heard most groups not at all since the probe began, so it fails nobody, then or when the
+    groups are heard again one after another."""
+    srv, lh = _lighthouse_with_server(heartbeat_timeout=2.0, failure_probe=0.1, stall_probe=0.2, join_timeout=20)
+    addr = f"127.0.0.1:{srv.server_address[1]}"
+    cs = _clients(addr, "deaf", groups=3)
+    try:
+        q1 = ask_all(cs)[0]
+        asking = threading.Thread(target=ask_all, args=(cs[:2], 10.0))
+        asking.start()  # groups 0 and 1 wait in the round for group 2
+        assert _wait(lambda: len(lh.jobs["deaf"].round.pending) == 2, timeout=3)
+        _deafen(srv, list(srv.conns), True)
+        assert _wait(lambda: any(e["kind"] == "round_stalled" for e in lh.status("deaf")["events"]), timeout=3)
+        time.sleep(0.3)  # the probe has ended; isolation is not noticed yet
+        assert lh.jobs["deaf"].health.healthy == {0, 1, 2}
+        first = [c for c in list(srv.conns) if c.beat is None or c.beat[1] != 2]
+        _deafen(srv, first, False)  # groups 0 and 1 are heard again first ...
+        time.sleep(0.3)
+        assert lh.jobs["deaf"].health.healthy == {0, 1, 2}  # ... and the ended probe does not fall on group 2
+        _deafen(srv, list(srv.conns), False)
+        assert [q.quorum_id for q in ask_all(cs[2:])] == [q1.quorum_id]  # the round forms, nobody failed
+        asking.join(10)
+        assert not any(e["kind"] == "failure_detected" for e in lh.status("deaf")["events"])
+    finally:
+        for c in cs:
+            c.close()
+        lh.close()
+        srv.shutdown()
+
+
 def test_a_rank_that_lost_its_quorum_answer_gets_the_same_one_when_it_asks_again(lighthouse):
     """Its peers are already in the quorum that counts it (they wait for it there): asking again
     for the same round must not open a new one."""
