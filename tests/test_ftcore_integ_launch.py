@@ -184,7 +184,8 @@ def test_groups_of_two_ranks_heal_aside_from_the_exchange_and_end_identical(tmp_
     groups 0 and 1 go on; in the heal step the healing group and its source stand aside and
     each of their ranks takes the step's average from rank k of the exchange's first member."""
     out = tmp_path / "run"
-    code, log = launch(out, [{"kind": "kill", "group": 2, "rank": 0, "at_step": 8}], groups=3, ranks=2, steps=20)
+    # 40 steps: the group's replacement (about a second here) rejoins while the others still train
+    code, log = launch(out, [{"kind": "kill", "group": 2, "rank": 0, "at_step": 8}], groups=3, ranks=2, steps=40)
     assert code == 0, log[-4000:]
     events = timeline(out)["lighthouse_events"]
     healed = [e for e in events if e["kind"] == "heal_assigned" and e["group"] == 2]
@@ -193,7 +194,7 @@ def test_groups_of_two_ranks_heal_aside_from_the_exchange_and_end_identical(tmp_
     source = healed[0]["source"]  # it committed the heal step without contributing: aside
     assert any(s["group"] == source and s["contributors"] == 1 for s in steps), steps
     assert_identical(out, 3)
-    check_ledger(out, 3, ranks=2, steps=20)
+    check_ledger(out, 3, ranks=2, steps=40)
 
 
 def test_a_paused_lighthouse_stops_no_group_and_declares_nobody_dead(tmp_path):
