@@ -7,10 +7,8 @@ threshold) and takes large arrays from fresh mappings (above its mmap threshold)
 bucket faulted its pages in again: 10M events, 157K faults, ~3.5 s of system time. keep()
 raises both thresholds; release() puts glibc's documented defaults back and trims."""
 
-import contextlib
 import ctypes
 import ctypes.util
-from collections.abc import Iterator
 from functools import cache
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
@@ -44,12 +42,3 @@ def release() -> None:
         libc.mallopt(M_MMAP_THRESHOLD, DEFAULT)
         libc.mallopt(M_TRIM_THRESHOLD, DEFAULT)
         libc.malloc_trim(0)
-
-
-@contextlib.contextmanager
-def kept() -> Iterator[bool]:
-    """keep() for the block, release() after it."""
-    try:
-        yield keep()
-    finally:
-        release()

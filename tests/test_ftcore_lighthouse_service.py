@@ -3,6 +3,7 @@ layer that no client can wedge, and heal servers bounded the same way.
 
 Real lighthouse and heal servers on loopback, real clients and raw sockets."""
 
+import contextlib
 import json
 import socket
 import threading
@@ -331,11 +332,23 @@ def _lighthouse_with_server(**kw):
     return serve(LighthouseConfig(bind="127.0.0.1:0", **kw))
 
 
-def test_a_lighthouse_that_hears_nobody_declares_nobody_failed_and_forces_no_heal():
-    srv, lh = _lighthouse_with_server(heartbeat_timeout=0.4, failure_probe=0.1, join_timeout=1.0)
-    addr = f"127.0.0.1:{srv.server_address[1]}"
-    cs = _clients(addr, "cut", groups=3)
+@contextlib.contextmanager
+def _served(job: str, **cfg):
+    """A lighthouse with its server (LighthouseConfig `cfg`) and a heartbeating client for each
+    of the three groups of `job`; all closed after."""
+    srv, lh = _lighthouse_with_server(**cfg)
+    cs = _clients(f"127.0.0.1:{srv.server_address[1]}", job, groups=3)
     try:
+        yield srv, lh, cs
+    finally:
+        for c in cs:
+            c.close()
+        lh.close()
+        srv.shutdown()
+
+
+def test_a_lighthouse_that_hears_nobody_declares_nobody_failed_and_forces_no_heal():
+    with _served("cut", heartbeat_timeout=0.4, failure_probe=0.1, join_timeout=1.0) as (srv, lh, cs):
         q1 = ask_all(cs)[0]
         _deafen(srv, list(srv.conns), True)  # the lighthouse's host drops off the network
         time.sleep(1.5)  # almost four heartbeat timeouts
@@ -347,18 +360,10 @@ def test_a_lighthouse_that_hears_nobody_declares_nobody_failed_and_forces_no_hea
         assert "lighthouse_isolated" in kinds
         assert "failure_detected" not in kinds, kinds
         assert {q.quorum_id for q in q2} == {q1.quorum_id} and q2[0].heal == {}  # nobody heals
-    finally:
-        for c in cs:
-            c.close()
-        lh.close()
-        srv.shutdown()
 
 
 def test_one_group_silent_while_the_others_speak_is_failed_by_its_silence():
-    srv, lh = _lighthouse_with_server(heartbeat_timeout=0.4, failure_probe=0.1)
-    addr = f"127.0.0.1:{srv.server_address[1]}"
-    cs = _clients(addr, "one", groups=3)
-    try:
+    with _served("one", heartbeat_timeout=0.4, failure_probe=0.1) as (srv, lh, cs):
         ask_all(cs)
         silent = [c for c in list(srv.conns) if c.beat is not None and c.beat[1] == 2]  # group 2's heartbeats
         _deafen(srv, silent, True)
@@ -368,21 +373,13 @@ def test_one_group_silent_while_the_others_speak_is_failed_by_its_silence():
         assert not any(k == "lighthouse_isolated" for k, _, _ in kinds)
         assert ask_all(cs[:2])[0].groups == (0, 1)
         _deafen(srv, silent, False)
-    finally:
-        for c in cs:
-            c.close()
-        lh.close()
-        srv.shutdown()
 
 
 def test_a_stalled_exchange_gets_a_silent_group_failed_within_the_probe_not_the_heartbeat_timeout():
     """FailureReport.stalled: the reporter's exchange made no progress. Members that speak stay
     in the quorum (no new one); a member not heard within the probe is failed long before the
     heartbeat timeout (a partition closes no connection)."""
-    srv, lh = _lighthouse_with_server(heartbeat_timeout=30.0, failure_probe=0.2)
-    addr = f"127.0.0.1:{srv.server_address[1]}"
-    cs = _clients(addr, "stall", groups=3)
-    try:
+    with _served("stall", heartbeat_timeout=30.0, failure_probe=0.2) as (srv, lh, cs):
         q1 = ask_all(cs)[0]
         cs[0].report_failure(q1.quorum_id, "slow peer", stalled=True)  # everyone speaks: nobody fails
         time.sleep(0.6)
@@ -410,11 +407,6 @@ def test_a_stalled_exchange_gets_a_silent_group_failed_within_the_probe_not_the_
         assert 2 not in lh.jobs["stall"].health.healthy
         _deafen(srv, silent, False)
         assert _wait(lambda: 2 in lh.jobs["stall"].health.healthy, timeout=3)  # heard again: back
-    finally:
-        for c in cs:
-            c.close()
-        lh.close()
-        srv.shutdown()
 
 
 def test_a_round_kept_waiting_by_a_silent_member_fails_it_within_the_probe():
@@ -422,10 +414,7 @@ def test_a_round_kept_waiting_by_a_silent_member_fails_it_within_the_probe():
     `stall_probe` the round probes the quorum, and group 2, not heard, is failed long before the
     heartbeat timeout; the survivors' round forms without it. A member that asks late but
     speaks all along is only waited for."""
-    srv, lh = _lighthouse_with_server(heartbeat_timeout=30.0, failure_probe=0.2, stall_probe=0.3, join_timeout=20)
-    addr = f"127.0.0.1:{srv.server_address[1]}"
-    cs = _clients(addr, "round", groups=3)
-    try:
+    with _served("round", heartbeat_timeout=30.0, failure_probe=0.2, stall_probe=0.3, join_timeout=20) as (srv, lh, cs):
         q1 = ask_all(cs)[0]
         late = threading.Timer(0.8, lambda: cs[2].quorum(5.0))  # slow, not silent
         late.start()
@@ -441,11 +430,6 @@ def test_a_round_kept_waiting_by_a_silent_member_fails_it_within_the_probe():
         ]
         assert [e["waiting_for"] for e in events if e["kind"] == "round_stalled"] == [[2], [2]]
         _deafen(srv, silent, False)
-    finally:
-        for c in cs:
-            c.close()
-        lh.close()
-        srv.shutdown()
 
 
 def test_a_probe_that_hears_nobody_fails_nobody():
@@ -453,10 +437,7 @@ def test_a_probe_that_hears_nobody_fails_nobody():
     ends (0.3 s) long before the lighthouse takes the silence as its own isolation (1 s), and it
     heard most groups not at all since the probe began, so it fails nobody, then or when the
     groups are heard again one after another."""
-    srv, lh = _lighthouse_with_server(heartbeat_timeout=2.0, failure_probe=0.1, stall_probe=0.2, join_timeout=20)
-    addr = f"127.0.0.1:{srv.server_address[1]}"
-    cs = _clients(addr, "deaf", groups=3)
-    try:
+    with _served("deaf", heartbeat_timeout=2.0, failure_probe=0.1, stall_probe=0.2, join_timeout=20) as (srv, lh, cs):
         q1 = ask_all(cs)[0]
         asking = threading.Thread(target=ask_all, args=(cs[:2], 10.0))
         asking.start()  # groups 0 and 1 wait in the round for group 2
@@ -473,11 +454,6 @@ def test_a_probe_that_hears_nobody_fails_nobody():
         assert [q.quorum_id for q in ask_all(cs[2:])] == [q1.quorum_id]  # the round forms, nobody failed
         asking.join(10)
         assert not any(e["kind"] == "failure_detected" for e in lh.status("deaf")["events"])
-    finally:
-        for c in cs:
-            c.close()
-        lh.close()
-        srv.shutdown()
 
 
 def test_a_rank_that_lost_its_quorum_answer_gets_the_same_one_when_it_asks_again(lighthouse):
