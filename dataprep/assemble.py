@@ -40,7 +40,8 @@ def write(work: "str | Path", r: int) -> dict:
     tmp = out.with_name(f".{out.name}.{uuid.uuid4().hex[:8]}.tmp")
     pieces = [_Piece(work / "route" / str(b) / f"r{r}.arrow", pm["steps"]) for b in range(buckets)]
     try:
-        with pq.ParquetWriter(tmp, schema.shard_schema(ctx["has_time"])) as w:
+        sch = schema.shard_schema(ctx["has_time"])
+        with pq.ParquetWriter(tmp, sch, **schema.write_options(sch)) as w:
             for s in range(pm["steps"]):
                 w.write_table(pa.concat_tables([t for p in pieces for t in p.step(s)]).combine_chunks())
         os.replace(tmp, out)
@@ -84,7 +85,7 @@ def _write_eval(path: Path, sch: pa.Schema, pieces: list[Path], user_off: list[i
     copying its rows into arrays allocated once (a row group and one piece in memory, not two)."""
     group: list[tuple[Path, int, int]] = []  # (piece, first row, rows)
     n = 0
-    with pq.ParquetWriter(path, sch) as w:
+    with pq.ParquetWriter(path, sch, **schema.write_options(sch)) as w:
         for b, piece in enumerate(pieces):
             rows, a = user_off[b + 1] - user_off[b], 0
             while a < rows:

@@ -110,9 +110,9 @@ def _existing(out: Path, fp: str, config: dict, version: int, overwrite: bool) -
     return None
 
 
-def _write_parquet(path: Path, table: pa.Table) -> None:
+def _write_parquet(path: Path, table: pa.Table, **options) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(table, path)
+    pq.write_table(table, path, **options)
 
 
 def _write_shards(tmp: Path, samples: sequences.Samples, cost: np.ndarray, p: balance.Plan, quiet: bool) -> None:
@@ -139,7 +139,7 @@ def _write_shards(tmp: Path, samples: sequences.Samples, cost: np.ndarray, p: ba
     (tmp / schema.SHARDS_DIR).mkdir(parents=True)
     with Progress("write", p.world_size, quiet=quiet, unit=" ranks") as bar:
         for r in range(p.world_size):
-            with pq.ParquetWriter(tmp / schema.shard_file(r), table.schema) as w:
+            with pq.ParquetWriter(tmp / schema.shard_file(r), table.schema, **schema.write_options(table.schema)) as w:
                 for s in range(p.steps):
                     a, b = bounds[r * p.steps + s], bounds[r * p.steps + s + 1]
                     w.write_table(table.slice(a, b - a))  # one call = one row group = one step
@@ -460,7 +460,7 @@ def _write_set(
     t = time.monotonic()
     try:
         _write_shards(tmp, built.samples, built.cost, p, quiet)
-        _write_parquet(tmp / schema.EVAL_FILE, built.eval_table)
+        _write_parquet(tmp / schema.EVAL_FILE, built.eval_table, **schema.write_options(built.eval_table.schema))
         _write_parquet(tmp / schema.USER_MAP, built.seq.user_map())
         _write_parquet(tmp / schema.ITEM_MAP, built.seq.item_map())
         return seal(tmp, outp, head, _figures(built), rejects, timings=timings, t_write=t, t_all=t_all, say=say)

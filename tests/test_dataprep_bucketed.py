@@ -207,7 +207,7 @@ def test_eval_and_maps_keep_write_tables_row_groups(tmp_path, monkeypatch):
         },
         schema=schema.eval_schema(True),
     )
-    pq.write_table(whole, tmp_path / "ref.parquet", row_group_size=1000)
+    pq.write_table(whole, tmp_path / "ref.parquet", row_group_size=1000, **schema.write_options(whole.schema))
     cuts = [0, 1, 999, 1000, 2600, n]
     pieces = []
     for i, (a, b) in enumerate(zip(cuts, cuts[1:], strict=False)):

@@ -107,7 +107,7 @@ def test_an_output_folder_holding_the_input_is_refused(tmp_path, synth_file):
 def test_crash_mid_write_leaves_nothing_valid(tmp_path, synth_file, monkeypatch):
     out = tmp_path / "set"
 
-    def boom(path, table):
+    def boom(path, table, **options):
         raise OSError(28, "No space left on device", str(path))
 
     monkeypatch.setattr(build, "_write_parquet", boom)
