@@ -1,4 +1,4 @@
-"""`python benchmarks/scale_dataprep.py`: dataprep at scale beside DuckDB and polars, same file, one run.
+"""`python benchmarks/scale_dataprep.py`: dataprep at scale beside DuckDB and polars, same file.
 
 One synthetic event file (`python -m dataprep synth`; Parquet, or CSV by `--input-format csv`):
   dataprep in memory        build_shards as before (when the input fits)
@@ -11,7 +11,8 @@ Each case runs in a child process: wall time, and peak RSS of the child and its 
 (getrusage). dataprep does more than the grouping (leave-one-out samples, costs, balance plan,
 rejects, id maps, checksums); the others only group and sort. `--events` sets the size (default
 2M, about a minute in all; 10M, 100M by flag); 1B is a projection from the bucketed run's
-measured rate and peak (printed as such). Writes bench-results/scale_dataprep.json (`--json`).
+measured rate and peak (printed as such). `--repeat N` runs every case N times, in turn: the
+table gives medians, and ratios as the median of each round's own. Writes bench-results/scale_dataprep.json (`--json`).
 """
 
 import argparse
@@ -19,6 +20,7 @@ import json
 import platform
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -129,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--input-format", choices=("parquet", "csv"), default="parquet", help="the event file's format")
     ap.add_argument("--cases", default="all", help="comma-separated case names (default all)")
     ap.add_argument("--data-dir", help="where the event file is made (kept; default a temporary folder)")
+    ap.add_argument("--repeat", type=int, default=1, help="rounds of every case, interleaved (medians reported)")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds a case may take")
     ap.add_argument("--json", default=str(ROOT / "bench-results" / "scale_dataprep.json"))
     a = ap.parse_args(argv)
@@ -184,20 +187,43 @@ def _run(a: argparse.Namespace, events: int, data_dir: Path, work: Path) -> tupl
     ]
     if a.cases != "all":
         names = [x for x in names if x in a.cases.split(",")]
-    rows = []
-    for name in names:
-        r = {**_measure(name, data, work, a.memory_budget, a.timeout), "events": n}
-        print(f"  {name}: {r}", file=sys.stderr)
-        rows.append(r)
+    rounds = []
+    for i in range(a.repeat):  # the cases in turn, round after round: a load change hits them all
+        runs = [{**_measure(name, data, work, a.memory_budget, a.timeout), "events": n} for name in names]
+        rounds.append(_ratios(runs))
+        print(f"  round {i + 1}: {rounds[-1]}", file=sys.stderr)
+    rows = [_median(list(runs)) for runs in zip(*rounds, strict=True)]
+    base = {r["case"]: r for r in rows if "wall_s" in r}
+    if "dataprep bucketed" in base:
+        rows.append(_projection(base["dataprep bucketed"], n, users))
+    return rows, users
+
+
+def _ratios(rows: list[dict]) -> list[dict]:
+    """Each case's wall time and peak RSS over DuckDB's and polars' in the same round."""
     base = {r["case"]: r for r in rows if "wall_s" in r}
     for r in rows:
         for ref in ("duckdb", "polars"):
             if "wall_s" in r and ref in base:
                 r[f"wall_vs_{ref}"] = r["wall_s"] / base[ref]["wall_s"]
                 r[f"rss_vs_{ref}"] = r["peak_rss_mb"] / base[ref]["peak_rss_mb"]
-    if "dataprep bucketed" in base:
-        rows.append(_projection(base["dataprep bucketed"], n, users))
-    return rows, users
+    return rows
+
+
+def _median(runs: list[dict]) -> dict:
+    """One case's rounds: median wall time and peak RSS; against DuckDB and polars, the median of
+    the ratios taken within each round (the load of a moment slows both sides of it)."""
+    ok = [r for r in runs if "wall_s" in r]
+    if len(ok) < len(runs):
+        return next(r for r in runs if "wall_s" not in r)
+    row = {**ok[0], "walls_s": [r["wall_s"] for r in ok]}
+    for k in ("wall_s", "peak_rss_mb"):
+        row[k] = statistics.median(r[k] for r in ok)
+    for ref in ("duckdb", "polars"):
+        if all(f"wall_vs_{ref}" in r for r in ok):
+            vs = [r[f"wall_vs_{ref}"] for r in ok]
+            row[f"wall_vs_{ref}"], row[f"walls_vs_{ref}"] = statistics.median(vs), vs
+    return row
 
 
 def _print(rows: list[dict]) -> None:

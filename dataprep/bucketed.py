@@ -260,6 +260,7 @@ def split(work: "str | Path", f: int) -> dict:
     user_code, item_code = _lookup(workdir.read_ids(work, "users")), _lookup(workdir.read_ids(work, "items"))
     # codes as int32 where every id fits: a third fewer bytes through the work folder
     code = np.int32 if max(idm["users"], idm["items"]) < 1 << 31 else np.int64
+    evt = np.int32 if idm["offsets"][-1] < 1 << 31 else np.int64  # event indices likewise
     # 16-bit bucket numbers sort stably by radix (an int64 stable sort is a merge sort)
     bnum = np.int16 if len(starts) < 1 << 15 else np.int32
     pos = [idm["offsets"][f]]
@@ -276,7 +277,7 @@ def split(work: "str | Path", f: int) -> dict:
         order = np.argsort(b, kind="stable")
         t = pa.table(
             {
-                "ev": order + off,
+                "ev": (order + off).astype(evt, copy=False),
                 "u": u[order].astype(code, copy=False),
                 "i": item_code(batch.column("item")).astype(code, copy=False)[order],
                 "ts": ts[order] if ctx["has_time"] else ts[order] + idm["offsets"][f],
