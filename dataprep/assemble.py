@@ -3,6 +3,7 @@
 
 import os
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -17,17 +18,13 @@ ROW_GROUP_ROWS = 1 << 20  # pq.write_table's row groups: eval and maps are writt
 
 
 class _Piece:
-    """One bucket's piece of a rank (rows in step order), memory-mapped: step s's rows are a
-    slice, cut where each step begins (one search, not one per step)."""
+    """One bucket's piece of a rank (rows in step order), memory-mapped, with where each step's
+    rows begin."""
 
     def __init__(self, path: Path, steps: int):
         self.file = pa.memory_map(str(path))
         self.table = pa.ipc.open_file(self.file).read_all()
-        self.cuts = np.searchsorted(self.table.column("step").to_numpy(), np.arange(steps + 1)).tolist()
-
-    def step(self, s: int) -> list[pa.Table]:
-        n = self.cuts[s + 1] - self.cuts[s]
-        return [self.table.slice(self.cuts[s], n)] if n else []
+        self.cuts = np.searchsorted(self.table.column("step").to_numpy(), np.arange(steps + 1))
 
 
 def write(work: "str | Path", r: int) -> dict:
@@ -39,11 +36,13 @@ def write(work: "str | Path", r: int) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{uuid.uuid4().hex[:8]}.tmp")
     pieces = [_Piece(work / "route" / str(b) / f"r{r}.arrow", pm["steps"]) for b in range(buckets)]
+    bounds = _blocks(np.sum([np.diff(p.cuts) for p in pieces], axis=0), block_rows(ctx))
     try:
         sch = schema.shard_schema(ctx["has_time"])
         with pq.ParquetWriter(tmp, sch, **schema.write_options(sch)) as w:
-            for s in range(pm["steps"]):
-                w.write_table(pa.concat_tables([t for p in pieces for t in p.step(s)]).combine_chunks())
+            for a, b in zip(bounds, bounds[1:], strict=False):
+                for t in _steps(pieces, a, b):
+                    w.write_table(t)  # one call = one row group = one step
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
@@ -51,6 +50,34 @@ def write(work: "str | Path", r: int) -> dict:
             p.file.close()
     # its checksum here, in parallel with the other tasks, not in build.seal after them all
     return {"rank": r, "sha256": {schema.shard_file(r): sha256_file(out)}}
+
+
+def block_rows(ctx: dict) -> int:
+    """Rows write(r) copies at once: an eighth of the budget, each row at its longest."""
+    return max(1, ctx["budget"] // 8 // (64 + (12 if ctx["has_time"] else 4) * ctx["config"]["max_len"]))
+
+
+def _blocks(step_rows: np.ndarray, rows: int) -> list[int]:
+    """Where blocks of steps begin (and the last ends): about `rows` rows a block, one step at least."""
+    bounds, n = [0], 0
+    for s, k in enumerate(step_rows.tolist()):
+        n += k
+        if n >= rows:
+            bounds.append(s + 1)
+            n = 0
+    return bounds if bounds[-1] == len(step_rows) else [*bounds, len(step_rows)]
+
+
+def _steps(pieces: list[_Piece], a: int, b: int) -> Iterator[pa.Table]:
+    """Steps a..b-1 of a rank, each its buckets' rows in bucket order: one copy of the block
+    and a stable sort by step, not a slice of every piece for every step."""
+    parts = [p.table.slice(int(p.cuts[a]), int(p.cuts[b] - p.cuts[a])) for p in pieces if p.cuts[b] > p.cuts[a]]
+    t = pa.concat_tables(parts).combine_chunks()
+    order = np.argsort(t.column("step").to_numpy(), kind="stable")
+    t = t.take(pa.array(order))
+    at = np.searchsorted(t.column("step").to_numpy(), np.arange(a, b + 1)).tolist()
+    for s in range(b - a):
+        yield t.slice(at[s], at[s + 1] - at[s])
 
 
 class _RowGroups:

@@ -96,6 +96,7 @@ def test_shared_data_same_bytes(tmp_path, name):
 def test_parquet_events_same_bytes(tmp_path, parquet_inputs, monkeypatch):
     monkeypatch.setattr(bucketed, "MIN_BATCH_ROWS", 5000)  # many batches per file
     monkeypatch.setattr(bucketed, "PIECE_ROWS", 7)  # and per rank piece: steps span batches
+    monkeypatch.setattr(assemble, "block_rows", lambda ctx: 40)  # a rank file written in blocks of ~3 steps
     ref, _ = _both(
         tmp_path, parquet_inputs, "events", world_size=3, batch_size=16, max_len=20, seed=2, tail="drop", max_events=400
     )
