@@ -913,3 +913,31 @@ def test_champion_moves_only_to_a_winner_judged_against_the_current_champion(tmp
     assert "the champion is version 3, not version 1" in said[-1]
     v5 = _version(c, "recs")  # no champion when judged, one now: kept out too
     assert promote(v5, True, None)["champion"] == 3
+
+
+def test_local_run_stopped_by_sigterm_ends_its_child(tmp_path):
+    """`python -m ftrec_airflow.local_run` runs the DAG in a child of its own session, which a
+    SIGTERM to the parent alone does not reach: the parent must end it before it goes."""
+    cmd = [sys.executable, "-m", "ftrec_airflow.local_run", "--work", str(tmp_path), "--timeout", "120"]
+    parent = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    child = None
+    try:
+        deadline = time.monotonic() + 60
+        while child is None and time.monotonic() < deadline and parent.poll() is None:
+            kids = Path(f"/proc/{parent.pid}/task/{parent.pid}/children").read_text().split()
+            child = int(kids[0]) if kids else None
+            time.sleep(0.05)
+        assert child is not None, "local_run started no child"
+        time.sleep(1.0)  # the child is importing Airflow, well before its DAG run could end
+        parent.send_signal(signal.SIGTERM)
+        assert parent.wait(30) == 130
+        assert _wait_dead(child), "the child outlived its parent"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait(10)
+        if child is not None:
+            try:
+                os.killpg(child, signal.SIGKILL)  # its own session: group id == its pid
+            except ProcessLookupError:
+                pass

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import threading
@@ -294,6 +295,10 @@ def _run_child(a: argparse.Namespace, conf: dict[str, Any], work: Path) -> int |
     cmd = [sys.executable, "-m", "ftrec_airflow.local_run", "--child", "--work", str(work), "--dag", a.dag]
     cmd += ["--conf", json.dumps(conf), *(["--logical-date", a.logical_date] if a.logical_date else [])]
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    # SIGTERM (a supervisor, `timeout`, `kill`) stops the run as Ctrl-C does: the child's process
+    # group ends with it (its own session leaves it out of the signal, and Python's default
+    # SIGTERM would end this process at once, without the finally below)
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         return proc.wait(timeout=a.timeout)
     except (subprocess.TimeoutExpired, KeyboardInterrupt) as e:
@@ -304,6 +309,10 @@ def _run_child(a: argparse.Namespace, conf: dict[str, Any], work: Path) -> int |
         return None
     finally:
         runner.stop_group(proc)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 def main(argv: list[str] | None = None) -> int:
