@@ -232,6 +232,8 @@ class Manager:
         if g in q.heal.values() and self.step == q.max_step:
             # We are a heal source: snapshot before this step's optimizer update.
             self.heal_server.offer(self.step, self._state_dict())
+        elif g not in q.heal.values():  # no heal of this quorum needs the last snapshot: its memory back
+            self.heal_server.withdraw("snapshot")  # (a download under way keeps its own reference)
         self._quorum = q
         return q
 

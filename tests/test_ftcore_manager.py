@@ -201,6 +201,19 @@ def test_a_heal_assignment_loads_the_sources_state_and_meets_it_at_max_step(grou
     assert [k for k, _ in g1.fake.events] == ["heal_started", "heal_fetched", "heal_finished"]
 
 
+def test_a_source_gives_its_snapshot_back_once_no_heal_needs_it(groups):
+    """The snapshot is a copy of the whole state: held on, it would double a source's memory
+    for the rest of the job."""
+    g0, _, votes, _ = _heal_pair(groups)
+    assert votes == [True, True]
+    snapshot = lambda: g0.mgr.heal_server._offers["snapshot"]  # noqa: E731
+    at, snap = snapshot()
+    assert at == 5 and torch.equal(snap["w"], torch.tensor([7.0, 8.0, 9.0, 10.0]))  # held while in use
+    g0.fake.answers.append(quorum(4, groups=(0,), max_step=6))  # group 1 gone again: no heal
+    assert g0.step(torch.ones(2)) and g0.mgr.step == 7
+    assert snapshot()[1] is None
+
+
 def test_a_failed_heal_fetch_makes_the_healing_groups_vote_false(groups):
     # the source breaks the transfer (it raises while serving): the fetch fails
     g0, g1, votes, _ = _heal_pair(groups, faults0=[Fault("raise", group=0, at_step=0, phase="heal_serve")])
