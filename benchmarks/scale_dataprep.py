@@ -12,7 +12,8 @@ Each case runs in a child process: wall time, and peak RSS of the child and its 
 rejects, id maps, checksums); the others only group and sort. `--events` sets the size (default
 2M, about a minute in all; 10M, 100M by flag); 1B is a projection from the bucketed run's
 measured rate and peak (printed as such). `--repeat N` runs every case N times, in turn: the
-table gives medians, and ratios as the median of each round's own. Writes bench-results/scale_dataprep.json (`--json`).
+table gives medians, and ratios as the median of each round's own. Writes
+bench-results/scale_dataprep.json (`--json`).
 """
 
 import argparse
