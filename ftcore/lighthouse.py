@@ -30,6 +30,7 @@ class LighthouseConfig:
     expected_replicas: int = 0  # groups a job starts with when its ranks do not say (they send R)
     join_timeout: float = timeouts.JOIN_TIMEOUT
     heartbeat_timeout: float = timeouts.HEARTBEAT_TIMEOUT
+    start_timeout: float = timeouts.START_TIMEOUT  # a first quorum waits this long for expected groups unheard
     failure_probe: float = timeouts.FAILURE_PROBE
     stall_probe: float = timeouts.STALL_PROBE  # a round waiting this long on a member probes the quorum
     token: str | None = None  # the admin secret; each job's token derives from it (auth.job_token)
@@ -294,6 +295,14 @@ OPTIONS: list[tuple[str, dict[str, Any]]] = [
         },
     ),
     ("--join-timeout", {"type": float, "default": timeouts.JOIN_TIMEOUT}),
+    (
+        "--start-timeout",
+        {
+            "type": float,
+            "default": timeouts.START_TIMEOUT,
+            "help": "seconds a job's first quorum waits for an expected group not yet heard (still starting)",
+        },
+    ),
     ("--heartbeat-timeout", {"type": float, "default": timeouts.HEARTBEAT_TIMEOUT}),
     (
         "--token-file",
@@ -423,6 +432,7 @@ def _config(a: argparse.Namespace) -> LighthouseConfig:
         a.expected_replicas,
         a.join_timeout,
         a.heartbeat_timeout,
+        start_timeout=a.start_timeout,
         token=token,
         events_file=a.events_file,
         lease=max(a.lease, 0.0),

@@ -67,7 +67,7 @@ class Job:
         self.pace = PaceJudge(lh.cfg.pace)
         self.excluded: dict[int, float] = {}  # fail-slow: group -> monotonic end of its standby
         self.events: collections.deque = collections.deque(maxlen=lh.cfg.events_per_job)
-        self.last_heard = time.monotonic()  # the last message of any of its ranks
+        self.created = self.last_heard = time.monotonic()  # its first message; the last of any of its ranks
         self.relay: bool | None = None  # its groups speak through relays (ftcore/relay.py); None: no group yet
 
     def event(self, kind: str, **data: Any) -> None:
@@ -217,9 +217,21 @@ class Job:
     def _worth_trying(self, now: float) -> bool:
         """Whether a tick's formation attempt can do anything an arrival's did not: enough groups
         complete, the join timeout reached, or a pending group unhealthy (lost: told to exit)."""
-        waited = self.round.start is not None and now - self.round.start >= self.cfg.join_timeout
+        waited = self.round.start is not None and self._waited(now, self.round.start)
         unhealthy = not self.round.pending.keys() <= self.health.healthy
         return len(self.round.complete) >= self.round.need or waited or unhealthy
+
+    def _waited(self, now: float, since: float) -> bool:
+        """Whether a round waiting since `since` may form without the groups it lacks: after the
+        join timeout; but a job's first quorum, while a group it expects has not spoken at all
+        (its processes still start), only after the start timeout from the job's first message."""
+        fresh = (
+            self.quorum is None
+            and not self.finished_step
+            and not any(r.last_quorum for g in self.round.pending.values() for r in g.values())
+        )
+        starting = fresh and len(self.groups) < self.expected and now - self.created < self.cfg.start_timeout
+        return now - since >= self.cfg.join_timeout and not starting
 
     def _expire(self, now: float) -> None:
         """Answer the requests whose deadline passed (O(pending), only when one has)."""
@@ -272,7 +284,7 @@ class Job:
                 min_replicas=self.min_replicas,
                 expected=self.expected,
                 # a round does not time out on members this lighthouse cannot hear (isolated, paused)
-                waited=now - round_start >= self.cfg.join_timeout and self._silence_counts(now),
+                waited=self._waited(now, round_start) and self._silence_counts(now),
             )
         )
         if isinstance(decision, tuple):
@@ -470,21 +482,7 @@ class Job:
         with self.lock:
             grp, _ = self._rank(ask.info)
             now = time.monotonic()
-            req = Request(
-                grp.group,
-                ask.info.rank,
-                grp.incarnation,
-                ask.info.step,
-                now,
-                ask.info.quorum_id,
-                ask.quorum_lighthouse_id,
-                ask.quorum_key,
-                deliver,
-                now + timeout,
-                ask.busy,
-                ask.idle,
-                ask.leased,
-            )
+            req = Request.of(ask, grp.incarnation, now, deliver, timeout)
             standby = self._standby(grp, now)
             if standby is not None:
                 deliver(standby)

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ftcore.answers import OvertakenReply, QuorumRefused, StandbyReply
-from ftcore.messages import Busy
+from ftcore.messages import Busy, QuorumRequest
 
 
 @dataclass
@@ -96,6 +96,26 @@ class Request:
     busy: Busy | None = None  # its last step's compute (ftcore/pace.py)
     idle: int = -1  # the quorum id of its last step if nobody had work in it (only absent groups' is left)
     leased: bool = False  # sent after its step had gone on without this lighthouse: its sender ignores the reply
+
+    @classmethod
+    def of(cls, ask: QuorumRequest, incarnation: int, now: float, deliver: Deliver, timeout: float) -> Request:
+        """The pending form of a checked request that arrived `now`."""
+        i = ask.info
+        return cls(
+            i.group,
+            i.rank,
+            incarnation,
+            i.step,
+            now,
+            i.quorum_id,
+            ask.quorum_lighthouse_id,
+            ask.quorum_key,
+            deliver,
+            now + timeout,
+            ask.busy,
+            ask.idle,
+            ask.leased,
+        )
 
 
 class StaleIncarnation(Exception):

@@ -37,6 +37,10 @@ QUORUM_TIMEOUT = _env("FTCORE_QUORUM_TIMEOUT", 10.0)
 # Lighthouse: how long a round waits for a healthy but slow member before going on
 # without it (it must exceed the normal step-time skew between groups).
 JOIN_TIMEOUT = _env("FTCORE_JOIN_TIMEOUT", 5.0)
+# Lighthouse: how long a job's first quorum waits, from the job's first message, for a group it
+# expects that has not spoken yet (processes still starting, a pod still scheduled) before it
+# starts without it (it joins later by heal). A short job could otherwise end before it starts.
+START_TIMEOUT = _env("FTCORE_START_TIMEOUT", 30.0)
 # Bound on fetching a heal snapshot from a healthy peer.
 HEAL_TIMEOUT = _env("FTCORE_HEAL_TIMEOUT", 30.0)
 # Bound on one small control-plane HTTP call (register, heartbeat, report).

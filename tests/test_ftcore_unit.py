@@ -152,25 +152,15 @@ def test_fault_plan_parses_toml_and_rejects_mistakes(tmp_path):
 
 
 # ---- lighthouse over HTTP ------------------------------------------------------------------------
+def _client(addr, g, token=None, step=0):
+    info = RankInfo(group=g, rank=0, world=1, store=f"127.0.0.1:{1000 + g}", heal=f"127.0.0.1:{2000 + g}", step=step)
+    c = LighthouseClient(addr, info, token=token)
+    c.start_heartbeats()
+    return c
+
+
 def _clients(addr, n, token=None, steps=None):
-    cs = [
-        LighthouseClient(
-            addr,
-            RankInfo(
-                group=g,
-                rank=0,
-                world=1,
-                store=f"127.0.0.1:{1000 + g}",
-                heal=f"127.0.0.1:{2000 + g}",
-                step=(steps or [0] * n)[g],
-            ),
-            token=token,
-        )
-        for g in range(n)
-    ]
-    for c in cs:
-        c.start_heartbeats()
-    return cs
+    return [_client(addr, g, token, (steps or [0] * n)[g]) for g in range(n)]
 
 
 def test_lighthouse_quorum_heal_assignment_and_fast_reform(lighthouse):
@@ -285,6 +275,35 @@ def test_lighthouse_min_replicas_majority_and_join_timeout(lighthouse):
     finally:
         for c in cs:
             c.close()
+
+
+def test_a_first_quorum_waits_for_an_expected_group_still_starting(lighthouse):
+    """Group 1 asks while group 0's processes still start (it has not spoken): past the join
+    timeout the round still waits, or a short job could end before group 0 joins (it would find
+    the job finished and report nothing). The start timeout bounds that wait."""
+    addr, lh = lighthouse(expected_replicas=2, join_timeout=0.2, start_timeout=30.0)
+    g1 = _client(addr, 1)  # group 0 has not spoken yet
+    out: list = []
+    asking = threading.Thread(target=lambda: out.append(_quorum_or_error(g1, None)))
+    asking.start()
+    try:
+        time.sleep(1.0)  # five join timeouts
+        assert not out and "quorum_formed" not in [e["kind"] for e in lh.status()["events"]]
+        g0 = _client(addr, 0)
+        try:
+            q0 = g0.quorum(5.0)
+            asking.join(5)
+            assert q0.groups == (0, 1) and out[0].groups == (0, 1), out
+        finally:
+            g0.close()
+    finally:
+        g1.close()
+    addr, _ = lighthouse(expected_replicas=2, join_timeout=0.2, start_timeout=0.6)
+    alone, t0 = _client(addr, 1), time.monotonic()
+    try:
+        assert alone.quorum(5.0).groups == (1,) and time.monotonic() - t0 >= 0.5  # past the start timeout
+    finally:
+        alone.close()
 
 
 def test_lighthouse_refuses_requests_without_the_token(lighthouse):

@@ -362,7 +362,12 @@ def run_training(
     cmd.run(spec.timeout_s)
     result = read_result(spec.out)
     if result is None:
-        raise RuntimeError(f"training exited 0 but wrote no {trainer_out(spec.out) / 'result.json'}")
+        raise RuntimeError(
+            f"training exited 0 but wrote no {trainer_out(spec.out) / 'result.json'}: replica group 0 writes it, "
+            "and a group 0 that first reached the lighthouse after the other groups had finished the job (its "
+            "log says 'the job finished at step N') has nothing to report; retry the task, and if its start "
+            "is that slow raise FTCORE_START_TIMEOUT"
+        )
     return {**result, "reused": False}
 
 
