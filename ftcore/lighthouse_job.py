@@ -225,13 +225,12 @@ class Job:
         """Whether a round waiting since `since` may form without the groups it lacks: after the
         join timeout; but a job's first quorum, while a group it expects has not spoken at all
         (its processes still start), only after the start timeout from the job's first message."""
-        fresh = (
-            self.quorum is None
-            and not self.finished_step
-            and not any(r.last_quorum for g in self.round.pending.values() for r in g.values())
-        )
-        starting = fresh and len(self.groups) < self.expected and now - self.created < self.cfg.start_timeout
-        return now - since >= self.cfg.join_timeout and not starting
+        if now - since < self.cfg.join_timeout:
+            return False
+        if self.quorum is not None or self.finished_step or now - self.created >= self.cfg.start_timeout:
+            return True
+        resumed = any(r.last_quorum for g in self.round.pending.values() for r in g.values())  # a restarted lighthouse
+        return resumed or len(self.groups) >= self.expected
 
     def _expire(self, now: float) -> None:
         """Answer the requests whose deadline passed (O(pending), only when one has)."""
