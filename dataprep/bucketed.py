@@ -25,6 +25,7 @@ import pyarrow.parquet as pq
 from dataprep import heap, readers, schema, sequences, workdir
 from dataprep.assemble import finish, write, write_eval
 from dataprep.cost import load_cost_model
+from dataprep.counts import Counts, sum_counts
 from dataprep.errors import DataprepError
 from dataprep.readers.events import Restart
 
@@ -91,7 +92,7 @@ def _scan(work: Path, f: int, again: dict) -> dict:
     path = ctx["paths"][f]
     counts: dict[str, int] = {}
     groups: dict[int, list[pa.Table]] = {}
-    users, items = _Counts(), _Counts()
+    users, items = Counts(), Counts()
     types: dict[str, set[str]] = {"user": set(), "item": set()}
     n, changed = 0, False
     with workdir.task_dir(work / "scan" / str(f)) as d:
@@ -138,55 +139,12 @@ def _scan(work: Path, f: int, again: dict) -> dict:
     return {"file": path, "events": n}
 
 
-class _Counts:
-    """Ids and their event counts over a file's batches: in one count array indexed by id while
-    the integer ids span at most twice their number (+1M; np.bincount a batch: no larger than
-    the hashed tables), else hashed (pc.value_counts a batch, summed every 16 batches)."""
-
-    def __init__(self) -> None:
-        self.lo, self.dense, self.parts = 0, np.zeros(0, np.int64), list[pa.Table]()
-        self.hashed, self.distinct = False, 0
-
-    def add(self, a: pa.Array) -> None:
-        if not self.hashed and pa.types.is_integer(a.type) and len(a):
-            x = a.to_numpy()
-            lo, hi = int(x.min()), int(x.max())
-            if not len(self.dense):
-                self.lo = lo
-            top = max(hi - self.lo + 1, len(self.dense))
-            if lo >= self.lo and top <= 2 * max(self.distinct, len(np.unique(x[:4096]))) + (1 << 20):
-                if top > len(self.dense):
-                    self.dense = np.concatenate([self.dense, np.zeros(top - len(self.dense), np.int64)])
-                self.dense += np.bincount(x - self.lo, minlength=top)
-                self.distinct = int(np.count_nonzero(self.dense))
-                return
-        if not self.hashed:  # what was counted densely, if anything (a file's ids are of one type)
-            self.parts, self.hashed = [self._dense_table()] if self.distinct else [], True
-        vc = pc.value_counts(a).flatten()
-        self.parts.append(pa.table({"u": vc[0], "n": vc[1]}))
-        if len(self.parts) >= 16:
-            self.parts = [_sum_counts(self.parts)]
-
-    def _dense_table(self) -> pa.Table:
-        nz = np.flatnonzero(self.dense)
-        return pa.table({"u": pa.array(nz + self.lo, pa.int64()), "n": pa.array(self.dense[nz])})
-
-    def table(self) -> pa.Table:
-        """(u: id, n: its events), one row an id, in no particular order."""
-        return _sum_counts(self.parts) if self.hashed else self._dense_table()
-
-
 def _arrow(a: "pa.Array | np.ndarray") -> pa.Array:
     return a if isinstance(a, pa.Array) else pa.array(np.ascontiguousarray(a, dtype=np.int64))
 
 
 def _typenames(types: dict[str, set[str]]) -> dict[str, str]:
     return {k: (v.pop() if len(v) == 1 else "string") for k, v in types.items()}
-
-
-def _sum_counts(parts: list[pa.Table]) -> pa.Table:
-    t = pa.concat_tables(parts).group_by("u").aggregate([("n", "sum")])
-    return pa.table({"u": t.column("u"), "n": t.column("n_sum")})
 
 
 def ids(work: "str | Path", budget: int, buckets: int | None) -> dict:
@@ -209,8 +167,7 @@ def ids(work: "str | Path", budget: int, buckets: int | None) -> dict:
     typ = {k: pa.string() if any(m["types"][k] == "string" for m in metas) else pa.int64() for k in ("user", "item")}
     have = [work / "scan" / str(f) for f in range(len(paths)) if metas[f]["events"]]
     uparts = [workdir.read_ipc(d / "users.arrow") for d in have]
-    users = _sum_counts([pa.table({"u": t.column("u").cast(typ["user"]), "n": t.column("n")}) for t in uparts])
-    users = users.sort_by("u")
+    users = sum_counts([pa.table({"u": t.column("u").cast(typ["user"]), "n": t.column("n")}) for t in uparts])
     items = pc.unique(
         pa.concat_arrays(
             [workdir.read_ipc(d / "items.arrow").column("i").cast(typ["item"]).combine_chunks() for d in have]

@@ -11,7 +11,7 @@ import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 import pytest
 
-from dataprep import assemble, bucketed, schema, workdir
+from dataprep import assemble, bucketed, counts, schema, workdir
 from dataprep.build import build_shards
 from dataprep.errors import DataprepError
 
@@ -292,15 +292,41 @@ def test_scan_counts_dense_then_hashed_agree_with_value_counts():
     rng = np.random.default_rng(3)
     parts = [rng.integers(0, 5000, 20_000), rng.integers(0, 9000, 20_000), rng.integers(0, 1 << 40, 3000)]
     for arrays in (parts[:2], parts, [np.array(["a", "b", "a"])]):
-        c = bucketed._Counts()
+        c = counts.Counts()
         for a in arrays:
             c.add(pa.array(a))
         want = pc.value_counts(pa.concat_arrays([pa.array(a) for a in arrays])).flatten()
-        got = c.table().sort_by("u")
+        got = c.table()  # sorted by id
         assert got.column("u").to_pylist() == sorted(want[0].to_pylist())
         assert dict(zip(want[0].to_pylist(), want[1].to_pylist(), strict=True)) == dict(
             zip(got.column("u").to_pylist(), got.column("n").to_pylist(), strict=True)
         )
+
+
+@pytest.mark.parametrize("kind", ["one sorted file", "dense ids", "sparse ids", "text ids", "an empty file"])
+def test_files_id_counts_merge_as_a_group_by_sorted_by_id(kind):
+    """ids(): every file's (id, events) -> one row an id with its events summed, sorted by id,
+    as Arrow's group-by and sort made them (numpy paths for integer ids: a sorted single table
+    passes as it is, dense ids through a count array, sparse ones through a sort)."""
+    rng = np.random.default_rng(5)
+
+    def part(u):
+        return pa.table({"u": u, "n": rng.integers(1, 50, len(u))})
+
+    ids = {
+        "one sorted file": [np.arange(3, 9000, 2)],
+        "dense ids": [rng.permutation(7000), rng.permutation(np.arange(2000, 12000)), np.arange(5, 50)],
+        "sparse ids": [rng.choice(1 << 50, 4000, replace=False), rng.choice(1 << 50, 3000, replace=False)],
+        "text ids": [np.array(["b", "a", "c"]), np.array(["c", "d"])],
+        "an empty file": [np.zeros(0, np.int64), rng.permutation(100)],
+    }[kind]
+    parts = [part(u) for u in ids]
+    if kind == "sparse ids":
+        parts.append(part(ids[0][:500]))  # ids shared across files
+    want = pa.concat_tables(parts).group_by("u").aggregate([("n", "sum")]).sort_by("u")
+    got = counts.sum_counts(parts)
+    assert got.column("u").equals(want.column("u")) and got.column("n").equals(want.column("n_sum"))
+    assert got.schema.field("n").type == pa.int64()
 
 
 def test_heap_kept_for_a_build_then_released():
