@@ -8,12 +8,14 @@ One synthetic event file (`python -m dataprep synth`; Parquet, or CSV by `--inpu
                             (the second with memory_limit 1GB: it spills)
   polars                    the same grouping and sort, written to Parquet
 Each case runs in a child process: wall time, and peak RSS of the child and its own children
-(getrusage). dataprep does more than the grouping (leave-one-out samples, costs, balance plan,
-rejects, id maps, checksums); the others only group and sort. `--events` sets the size (default
-2M, about a minute in all; 10M, 100M by flag); 1B is a projection from the bucketed run's
-measured rate and peak (printed as such). `--repeat N` runs every case N times, in turn: the
-table gives medians, and ratios as the median of each round's own. Writes
-bench-results/scale_dataprep.json (`--json`).
+(getrusage), and the most disk it took beyond what was in use when it began (work folder and
+output, polled). dataprep does more than the grouping (leave-one-out samples, costs, balance
+plan, rejects, id maps, checksums); the others only group and sort. `--events` sets the size
+(default 2M, about a minute in all; 10M, 100M, 1B by flag: 1B needs ~9 GB for its file and
+~30 GB more while it runs); below 1B a projection to 1B from the bucketed run's measured rate
+and peak is printed as such. `--repeat N` runs every case N times, in turn: the table gives
+medians, and ratios as the median of each round's own. Writes bench-results/scale_dataprep.json
+(`--json`).
 """
 
 import argparse
@@ -26,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -96,16 +99,26 @@ def _child(argv: list[str]) -> int:
 def _measure(name: str, data: Path, work: Path, budget: str, timeout: float) -> dict:
     out = work / name.replace(" ", "_").replace(",", "")
     cmd = [sys.executable, __file__, "--child", name, str(data), str(out), budget]
+    used0, peak = shutil.disk_usage(work).used, 0
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    except subprocess.TimeoutExpired:
-        return {"case": name, "error": f"over {timeout:.0f} s"}
+        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT) as p:
+            with ThreadPoolExecutor(1) as ex:
+                reader = ex.submit(p.communicate)  # its pipes drained while the disk is polled
+                deadline = time.monotonic() + timeout
+                while p.poll() is None and time.monotonic() < deadline:
+                    peak = max(peak, shutil.disk_usage(work).used - used0)
+                    time.sleep(0.2)
+                if p.poll() is None:
+                    p.kill()  # by its own PID
+                    reader.result()
+                    return {"case": name, "error": f"over {timeout:.0f} s"}
+                stdout, stderr = reader.result()
     finally:
         for x in work.glob(out.name + "*"):
             shutil.rmtree(x, ignore_errors=True) if x.is_dir() else x.unlink()
     if p.returncode:
-        return {"case": name, "error": (p.stderr.strip().splitlines() or ["failed"])[-1]}
-    return {"case": name, **json.loads(p.stdout.strip().splitlines()[-1])}
+        return {"case": name, "error": (stderr.strip().splitlines() or ["failed"])[-1]}
+    return {"case": name, **json.loads(stdout.strip().splitlines()[-1]), "peak_disk_mb": peak / 2**20}
 
 
 def _projection(row: dict, events: int, users: int) -> dict:
@@ -160,7 +173,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(a: argparse.Namespace, events: int, data_dir: Path, work: Path) -> tuple[list[dict], int]:
-    import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
     data = data_dir / f"events-{a.events}.parquet"
@@ -169,7 +181,7 @@ def _run(a: argparse.Namespace, events: int, data_dir: Path, work: Path) -> tupl
         gen = [sys.executable, "-m", "dataprep", "synth", "--out", str(data), "--events", str(events)]
         subprocess.run([*gen, "--items", "100000", "--format", "events", "--quiet"], check=True, cwd=ROOT)
     n = pq.ParquetFile(data).metadata.num_rows
-    users = len(pc.unique(pq.read_table(data, columns=["user_id"]).column("user_id")))
+    users = _users(data)
     if a.input_format == "csv":  # the same events as CSV text (user_id,item_id,timestamp)
         csv = data.with_suffix(".csv")
         if not csv.exists():
@@ -195,9 +207,26 @@ def _run(a: argparse.Namespace, events: int, data_dir: Path, work: Path) -> tupl
         print(f"  round {i + 1}: {rounds[-1]}", file=sys.stderr)
     rows = [_median(list(runs)) for runs in zip(*rounds, strict=True)]
     base = {r["case"]: r for r in rows if "wall_s" in r}
-    if "dataprep bucketed" in base:
+    if "dataprep bucketed" in base and n < PROJECT_EVENTS:
         rows.append(_projection(base["dataprep bucketed"], n, users))
     return rows, users
+
+
+def _users(data: Path) -> int:
+    """Distinct users of the synthetic file (ids 1..N), a batch at a time: a billion events'
+    user column read whole would take 8 GB. (Imported here: a child measures its own imports.)"""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    seen = np.zeros(0, bool)
+    for b in pq.ParquetFile(data).iter_batches(batch_size=1 << 22, columns=["user_id"]):
+        u = b.column(0).to_numpy()
+        if len(u) and u.max() >= len(seen):
+            seen = np.concatenate([seen, np.zeros(int(u.max()) + 1 - len(seen), bool)])
+        seen[u] = True
+    pa.default_memory_pool().release_unused()  # the reader's buffers: not held while the cases run
+    return int(seen.sum())
 
 
 def _ratios(rows: list[dict]) -> list[dict]:
@@ -228,15 +257,18 @@ def _median(runs: list[dict]) -> dict:
 
 
 def _print(rows: list[dict]) -> None:
-    print(f"{'case':<38} {'events':>13} {'wall s':>9} {'peak RSS MB':>12} {'x duckdb':>9} {'x polars':>9}")
+    print(
+        f"{'case':<38} {'events':>13} {'wall s':>9} {'peak RSS MB':>12} {'peak disk MB':>13} "
+        f"{'x duckdb':>9} {'x polars':>9}"
+    )
     for r in rows:
         if "error" in r:
             print(f"{r['case']:<38} {r['events']:>13,} {'':>9} {'':>12}  {r['error']}")
             continue
-        x = lambda k, r=r: f"{r[k]:.2f}" if k in r else "-"  # noqa: E731
+        x = lambda k, f=".2f", r=r: format(r[k], f) if k in r else "-"  # noqa: E731
         print(
             f"{r['case']:<38} {r['events']:>13,} {r['wall_s']:>9.1f} {r['peak_rss_mb']:>12.0f} "
-            f"{x('wall_vs_duckdb'):>9} {x('wall_vs_polars'):>9}"
+            f"{x('peak_disk_mb', '.0f'):>13} {x('wall_vs_duckdb'):>9} {x('wall_vs_polars'):>9}"
         )
     print("x duckdb / x polars: wall time over theirs; the (projected) row is an estimate, not a measurement")
 
