@@ -18,13 +18,27 @@ ROW_GROUP_ROWS = 1 << 20  # pq.write_table's row groups: eval and maps are writt
 
 
 class _Piece:
-    """One bucket's piece of a rank (rows in step order), memory-mapped, with where each step's
-    rows begin."""
+    """One bucket's piece of a rank (rows in step order, in record batches), where each step's
+    rows begin, and its rows read a block at a time: a memory map would keep every page read
+    resident until the task ends (a billion events' rank files: 4.2 GB peak RSS)."""
 
     def __init__(self, path: Path, steps: int):
-        self.file = pa.memory_map(str(path))
-        self.table = pa.ipc.open_file(self.file).read_all()
-        self.cuts = np.searchsorted(self.table.column("step").to_numpy(), np.arange(steps + 1))
+        with pa.OSFile(str(path)) as f:  # the step column alone, batch by batch
+            col = pa.ipc.open_file(f, options=_STEP_ONLY).read_all().column("step")
+        self.starts = np.cumsum([0, *(len(c) for c in col.chunks)])
+        self.cuts = np.searchsorted(col.to_numpy(), np.arange(steps + 1)).astype(np.int32)
+        self.file = pa.OSFile(str(path))
+        self.reader = pa.ipc.open_file(self.file)
+
+    def rows(self, lo: int, hi: int) -> pa.Table:
+        """Rows lo..hi-1, read from the batches that hold them."""
+        k0, k1 = int(np.searchsorted(self.starts, lo, "right")) - 1, int(np.searchsorted(self.starts, hi, "left"))
+        t = pa.Table.from_batches([self.reader.get_batch(k) for k in range(k0, k1)])
+        return t.slice(lo - int(self.starts[k0]), hi - lo)
+
+
+# "step" sits at the same place with and without timestamps (they come last)
+_STEP_ONLY = pa.ipc.IpcReadOptions(included_fields=[schema.SHARD_SCHEMA.get_field_index("step")])
 
 
 def write(work: "str | Path", r: int) -> dict:
@@ -35,8 +49,12 @@ def write(work: "str | Path", r: int) -> dict:
     out = work.parent / schema.shard_file(r)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{uuid.uuid4().hex[:8]}.tmp")
+    workdir.open_files(buckets)
     pieces = [_Piece(work / "route" / str(b) / f"r{r}.arrow", pm["steps"]) for b in range(buckets)]
-    bounds = _blocks(np.sum([np.diff(p.cuts) for p in pieces], axis=0), block_rows(ctx))
+    step_rows = np.zeros(pm["steps"], np.int64)
+    for p in pieces:
+        step_rows += np.diff(p.cuts)
+    bounds = _blocks(step_rows, block_rows(ctx))
     try:
         sch = schema.shard_schema(ctx["has_time"])
         with pq.ParquetWriter(tmp, sch, **schema.write_options(sch)) as w:
@@ -71,7 +89,7 @@ def _blocks(step_rows: np.ndarray, rows: int) -> list[int]:
 def _steps(pieces: list[_Piece], a: int, b: int) -> Iterator[pa.Table]:
     """Steps a..b-1 of a rank, each its buckets' rows in bucket order: one copy of the block
     and a stable sort by step, not a slice of every piece for every step."""
-    parts = [p.table.slice(int(p.cuts[a]), int(p.cuts[b] - p.cuts[a])) for p in pieces if p.cuts[b] > p.cuts[a]]
+    parts = [p.rows(int(p.cuts[a]), int(p.cuts[b])) for p in pieces if p.cuts[b] > p.cuts[a]]
     t = pa.concat_tables(parts).combine_chunks()
     order = np.argsort(t.column("step").to_numpy(), kind="stable")
     t = t.take(pa.array(order))

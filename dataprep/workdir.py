@@ -4,6 +4,7 @@ all (task_dir), so a stage re-run by a retry rewrites only its own outputs."""
 import contextlib
 import json
 import os
+import resource
 import shutil
 import signal
 import uuid
@@ -13,6 +14,8 @@ from typing import BinaryIO
 
 import numpy as np
 import pyarrow as pa
+
+from dataprep.errors import DataprepError
 
 
 def ctx(work: Path) -> dict:
@@ -117,6 +120,21 @@ def task_dir(target: Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def open_files(n: int) -> None:
+    """Room for `n` more open files in this process (write(r) holds one per bucket, and a
+    one-process build runs two such tasks at once): the soft limit raised as far as the hard
+    one allows, else a DataprepError that says what to change."""
+    need = 2 * n + 256
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < need:
+        if hard != resource.RLIM_INFINITY and hard < need:
+            raise DataprepError(
+                f"writing a rank file reads {n} bucket files at once, and this process may open only {hard} "
+                f"files (ulimit -n); raise the limit to {need} or give a larger --memory-budget (fewer buckets)"
+            )
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
 
 
 def write_ipc(path: Path, table: pa.Table, rows: int | None = None) -> None:
