@@ -207,7 +207,7 @@ def _run(a: argparse.Namespace, events: int, data_dir: Path, work: Path) -> tupl
         print(f"  round {i + 1}: {rounds[-1]}", file=sys.stderr)
     rows = [_median(list(runs)) for runs in zip(*rounds, strict=True)]
     base = {r["case"]: r for r in rows if "wall_s" in r}
-    if "dataprep bucketed" in base and n < PROJECT_EVENTS:
+    if "dataprep bucketed" in base and events < PROJECT_EVENTS:  # the file holds about `events`
         rows.append(_projection(base["dataprep bucketed"], n, users))
     return rows, users
 
