@@ -343,3 +343,32 @@ def test_heap_kept_for_a_build_then_released():
     finally:
         heap.release()
     heap.release()  # twice is harmless
+
+
+def test_writing_a_rank_file_raises_the_open_files_limit_or_says_what_to_change():
+    """write(r) holds one file per bucket: a low soft limit is raised toward the hard one; a
+    hard limit too low for the buckets is a DataprepError naming ulimit -n and --memory-budget."""
+    import subprocess
+    import sys
+
+    code = (
+        "import resource\n"
+        "from dataprep import workdir\n"
+        "from dataprep.errors import DataprepError\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (300, {hard}))\n"
+        "try:\n"
+        "    workdir.open_files(1000)\n"
+        "    print('soft', resource.getrlimit(resource.RLIMIT_NOFILE)[0])\n"
+        "except DataprepError as e:\n"
+        "    print('error', e)\n"
+    )
+    root = Path(__file__).resolve().parent.parent
+
+    def run(hard: int) -> str:
+        p = subprocess.run([sys.executable, "-c", code.format(hard=hard)], cwd=root, capture_output=True, text=True)
+        assert p.returncode == 0, p.stderr
+        return p.stdout.strip()
+
+    assert run(5000) == "soft 2256"
+    out = run(400)
+    assert out.startswith("error") and "ulimit -n" in out and "--memory-budget" in out and "2256" in out, out
