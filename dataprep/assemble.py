@@ -1,7 +1,6 @@
 """The bucketed build's last stages: each rank's shard file from the buckets' pieces, step by step
 (write), then eval, maps and rejects in the in-memory build's order and row groups (finish)."""
 
-import mmap
 import os
 import uuid
 from collections.abc import Iterator
@@ -19,27 +18,27 @@ ROW_GROUP_ROWS = 1 << 20  # pq.write_table's row groups: eval and maps are writt
 
 
 class _Piece:
-    """One bucket's piece of a rank (rows in step order), memory-mapped, with where each step's
-    rows begin. `release()` after each block: a mapping keeps every page read resident until it
-    is closed (a billion events' rank pieces: 4.2 GB peak RSS); released pages stay in the page
-    cache, and a later read maps them again."""
+    """One bucket's piece of a rank (rows in step order, in record batches), where each step's
+    rows begin, and its rows read a block at a time: a memory map would keep every page read
+    resident until the task ends (a billion events' rank files: 4.2 GB peak RSS)."""
 
     def __init__(self, path: Path, steps: int):
-        with open(path, "rb") as f:
-            self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)  # holds its own descriptor
-        self.table = pa.ipc.open_file(pa.BufferReader(pa.py_buffer(self.map))).read_all()
-        self.cuts = np.searchsorted(self.table.column("step").to_numpy(), np.arange(steps + 1)).astype(np.int32)
-        self.release()
+        with pa.OSFile(str(path)) as f:  # the step column alone, batch by batch
+            col = pa.ipc.open_file(f, options=_STEP_ONLY).read_all().column("step")
+        self.starts = np.cumsum([0, *(len(c) for c in col.chunks)])
+        self.cuts = np.searchsorted(col.to_numpy(), np.arange(steps + 1)).astype(np.int32)
+        self.file = pa.OSFile(str(path))
+        self.reader = pa.ipc.open_file(self.file)
 
-    def release(self) -> None:
-        self.map.madvise(mmap.MADV_DONTNEED)
+    def rows(self, lo: int, hi: int) -> pa.Table:
+        """Rows lo..hi-1, read from the batches that hold them."""
+        k0, k1 = int(np.searchsorted(self.starts, lo, "right")) - 1, int(np.searchsorted(self.starts, hi, "left"))
+        t = pa.Table.from_batches([self.reader.get_batch(k) for k in range(k0, k1)])
+        return t.slice(lo - int(self.starts[k0]), hi - lo)
 
-    def close(self) -> None:
-        del self.table  # its buffers point into the map
-        try:
-            self.map.close()
-        except BufferError:  # a slice still alive somewhere: the map goes with it
-            pass
+
+# "step" sits at the same place with and without timestamps (they come last)
+_STEP_ONLY = pa.ipc.IpcReadOptions(included_fields=[schema.SHARD_SCHEMA.get_field_index("step")])
 
 
 def write(work: "str | Path", r: int) -> dict:
@@ -62,13 +61,11 @@ def write(work: "str | Path", r: int) -> dict:
             for a, b in zip(bounds, bounds[1:], strict=False):
                 for t in _steps(pieces, a, b):
                     w.write_table(t)  # one call = one row group = one step
-                for p in pieces:
-                    p.release()
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
         for p in pieces:
-            p.close()
+            p.file.close()
     # its checksum here, in parallel with the other tasks, not in build.seal after them all
     return {"rank": r, "sha256": {schema.shard_file(r): sha256_file(out)}}
 
@@ -92,7 +89,7 @@ def _blocks(step_rows: np.ndarray, rows: int) -> list[int]:
 def _steps(pieces: list[_Piece], a: int, b: int) -> Iterator[pa.Table]:
     """Steps a..b-1 of a rank, each its buckets' rows in bucket order: one copy of the block
     and a stable sort by step, not a slice of every piece for every step."""
-    parts = [p.table.slice(int(p.cuts[a]), int(p.cuts[b] - p.cuts[a])) for p in pieces if p.cuts[b] > p.cuts[a]]
+    parts = [p.rows(int(p.cuts[a]), int(p.cuts[b])) for p in pieces if p.cuts[b] > p.cuts[a]]
     t = pa.concat_tables(parts).combine_chunks()
     order = np.argsort(t.column("step").to_numpy(), kind="stable")
     t = t.take(pa.array(order))
