@@ -19,8 +19,9 @@ ROW_GROUP_ROWS = 1 << 20  # pq.write_table's row groups: eval and maps are writt
 
 class _Piece:
     """One bucket's piece of a rank (rows in step order, in record batches), where each step's
-    rows begin, and its rows read a block at a time: a memory map would keep every page read
-    resident until the task ends (a billion events' rank files: 4.2 GB peak RSS)."""
+    rows begin, and its rows read a block at a time: memory-mapped, a billion events' pieces
+    peaked at 4.2 GB RSS, even with their pages released after each block (the kernel maps
+    pages around each one read, and a block reads a few rows of each of 1,488 pieces)."""
 
     def __init__(self, path: Path, steps: int):
         with pa.OSFile(str(path)) as f:  # the step column alone, batch by batch
