@@ -46,6 +46,7 @@ bench: setup
 	$(BIN)/python benchmarks/fail_slow.py
 	$(BIN)/python benchmarks/fail_slow.py --scenario duty --seconds 30
 	$(BIN)/python benchmarks/stall.py --partitions 8
+	$(BIN)/python benchmarks/heal_size.py
 	$(BIN)/python benchmarks/straggler.py
 	$(BIN)/python benchmarks/lighthouse_abuse.py
 	$(BIN)/python benchmarks/lighthouse_soak.py
