@@ -1,4 +1,4 @@
-"""Non-blocking catch-up: each rank's background server of heal snapshots, and the fetch.
+"""Catch-up from a peer: each rank's background server of heal snapshots, and the fetch.
 A heal source offers its state (cloned before its optimizer step) while the healing rank
 downloads it (tensorfile format, nothing unpickled): GET /snapshot/<step> is 200, 410 (moved
 past it) or 504 (none in time). The exchange's first member offers a step's average the same

@@ -73,7 +73,7 @@ class Checkpoint:
 class FTHSDP:
     reconfigure_s: float = 120.0  # global stall after detection: quorum change, FTAR reconfiguration
     heal_s: float = 120.0  # a restarted group fetches the live state from a peer (catch-up)
-    join_stall_s: float = 0.0  # global stall when a healed group joins (non-blocking catch-up: ~0)
+    join_stall_s: float = 0.0  # global stall when a healed group joins (0: a catch-up that does not block)
     min_replicas: int = 1  # fewer live groups -> the whole job waits
     step_overhead: float = 0.0  # fraction of step time the FT step protocol adds (FTAR control, vote)
     lr_policy: str = "sqrt"  # lr scale with N_live of N groups: "sqrt", "linear", "constant"
