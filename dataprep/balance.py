@@ -25,6 +25,8 @@ METHODS = ("auto", "lpt", "kk")
 KK_MIN_GAP = 1e-3
 KK_MAX_WORK = 50_000
 KK_BUDGET = 250_000
+# samples per block of windows the plan works on at once (bounds its scratch memory)
+BLOCK_SAMPLES = 1 << 20
 
 
 @dataclass
@@ -141,21 +143,43 @@ def _window_steps(world_size: int, batch_size: int, tail: str, method: str, wind
     return k
 
 
-def _cost_sorted(cost: np.ndarray, perm: np.ndarray, sizes: np.ndarray, starts: np.ndarray, k: int) -> np.ndarray:
-    """The shuffled samples kept for the epoch, each window of k steps sorted by cost descending:
-    step j's samples are ordered[starts[j]:starts[j+1]] (in epoch order, before the step shuffle)."""
-    ordered = perm[: starts[-1]].copy()
-    for a, b in _windows(sizes, k):
-        seg = ordered[starts[a] : starts[b]]
-        ordered[starts[a] : starts[b]] = seg[np.argsort(-cost[seg], kind="stable")]
-    return ordered
+def _blocks(sizes: np.ndarray, k: int):
+    """Runs of whole windows of k steps, each of about BLOCK_SAMPLES samples (at least one window):
+    the plan works a block at a time, so its scratch memory does not grow with the epoch."""
+    a = 0
+    windows = max(1, BLOCK_SAMPLES // (int(sizes.max()) * k))
+    while a < len(sizes):
+        b = min(a + windows * k, len(sizes))
+        yield a, b
+        a = b
 
 
-def _refine_kk(grid: np.ndarray, sizes: np.ndarray, rank_grid: np.ndarray, loads: np.ndarray, method: str) -> None:
+def _grid(cost: np.ndarray, seg: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The costs of consecutive steps as rows [steps, max size], zero-padded, and each sample's
+    (row, column) in it."""
+    starts = np.zeros(len(sizes), np.int64)
+    np.cumsum(sizes[:-1], out=starts[1:])
+    row = np.repeat(np.arange(len(sizes)), sizes)
+    col = np.arange(len(seg)) - starts[row]
+    grid = np.zeros((len(sizes), int(sizes.max())))
+    grid[row, col] = cost[seg]
+    return grid, row, col
+
+
+def _refine_kk(
+    cost: np.ndarray,
+    ordered: np.ndarray,
+    starts: np.ndarray,
+    sizes: np.ndarray,
+    largest: np.ndarray,
+    out_rank: np.ndarray,
+    loads: np.ndarray,
+    method: str,
+) -> None:
     """Karmarkar-Karp on the steps LPT left furthest above the lower bound (auto: within the work
     limits), worst first; a step takes KK's ranks where its largest rank cost is lower."""
     world_size = loads.shape[1]
-    lower = np.maximum(loads.sum(1) / world_size, grid[:, 0])
+    lower = np.maximum(loads.sum(1) / world_size, largest)
     gap = loads.max(1) / lower - 1
     budget = KK_BUDGET
     for j in np.argsort(-gap, kind="stable"):  # worst steps first
@@ -163,11 +187,12 @@ def _refine_kk(grid: np.ndarray, sizes: np.ndarray, rank_grid: np.ndarray, loads
         if method == "auto" and (gap[j] <= KK_MIN_GAP or work > KK_MAX_WORK or work > budget):
             continue
         budget -= work
-        r = karmarkar_karp(grid[j, : sizes[j]], world_size)
+        seg = ordered[starts[j] : starts[j + 1]]
+        r = karmarkar_karp(cost[seg], world_size)
         if r is not None:
-            kl = np.bincount(r, weights=grid[j, : sizes[j]], minlength=world_size)
+            kl = np.bincount(r, weights=cost[seg], minlength=world_size)
             if kl.max() < loads[j].max():
-                rank_grid[j, : sizes[j]] = r
+                out_rank[seg] = r
                 loads[j] = kl
 
 
@@ -181,33 +206,36 @@ def plan(
     tail: str = "fill",
     method: str = "auto",
 ) -> Plan:
-    """Balanced assignment of samples (by cost) to steps and ranks; see the module doc."""
+    """Balanced assignment of samples (by cost) to steps and ranks; see the module doc.
+    Memory: the costs and ~12 bytes per sample, plus one block's scratch."""
     k = _window_steps(world_size, batch_size, tail, method, window_steps)
     cost = np.asarray(cost, dtype=np.float64)
     n = len(cost)
     sizes = _step_sizes(n, world_size, batch_size, tail)
     s = len(sizes)
     rng = np.random.default_rng(seed)
-    perm = rng.permutation(n)
     starts = np.zeros(s + 1, np.int64)
     np.cumsum(sizes, out=starts[1:])
-    ordered = _cost_sorted(cost, perm, sizes, starts, k)
-    # within a step the samples are now sorted by cost descending (a window's sort is)
-    pos = np.arange(starts[-1]) - np.repeat(starts[:-1], sizes)
-    stp = np.repeat(np.arange(s), sizes)
-    grid = np.zeros((s, int(sizes.max())))
-    grid[stp, pos] = cost[ordered]
-    rank_grid, loads = lpt(grid, world_size)
-    if method in ("auto", "kk"):
-        _refine_kk(grid, sizes, rank_grid, loads, method)
-    # shuffle the step order inside each window
-    step_id = np.empty(s, np.int64)
-    for a, b in _windows(sizes, k):
-        step_id[a:b] = a + rng.permutation(b - a)
-    out_step = np.full(n, -1, np.int32)
+    # the shuffled samples kept for the epoch; each window sorted by cost descending below, so
+    # step j's samples are ordered[starts[j]:starts[j+1]], largest first
+    ordered = rng.permutation(n)[: starts[-1]].astype(np.int32 if n < 2**31 else np.int64)
     out_rank = np.full(n, -1, np.int32)
-    out_step[ordered] = step_id[stp]
-    out_rank[ordered] = rank_grid[stp, pos]
+    loads = np.zeros((s, world_size))
+    for a, b in _windows(sizes, k):
+        seg = ordered[starts[a] : starts[b]]
+        seg[:] = seg[np.argsort(-cost[seg], kind="stable")]
+    for a, b in _blocks(sizes, k):
+        seg = ordered[starts[a] : starts[b]]
+        grid, row, col = _grid(cost, seg, sizes[a:b])
+        rank_grid, loads[a:b] = lpt(grid, world_size)
+        out_rank[seg] = rank_grid[row, col]
+    if method in ("auto", "kk"):
+        _refine_kk(cost, ordered, starts, sizes, cost[ordered[starts[:-1]]], out_rank, loads, method)
+    # shuffle the step order inside each window
+    out_step = np.full(n, -1, np.int32)
+    for a, b in _windows(sizes, k):
+        step_id = a + rng.permutation(b - a)
+        out_step[ordered[starts[a] : starts[b]]] = np.repeat(step_id, sizes[a:b])
     return Plan(
         step=out_step,
         rank=out_rank,
@@ -227,15 +255,17 @@ def random_plan(cost: np.ndarray, *, world_size: int, batch_size: int, seed: int
     n = len(cost)
     sizes = _step_sizes(n, world_size, batch_size, tail)
     s = len(sizes)
-    perm = np.random.default_rng(seed).permutation(n)
     starts = np.zeros(s + 1, np.int64)
     np.cumsum(sizes, out=starts[1:])
-    pos = np.arange(starts[-1]) - np.repeat(starts[:-1], sizes)
-    stp = np.repeat(np.arange(s), sizes)
+    perm = np.random.default_rng(seed).permutation(n)[: starts[-1]].astype(np.int32 if n < 2**31 else np.int64)
     out_step = np.full(n, -1, np.int32)
     out_rank = np.full(n, -1, np.int32)
-    out_step[perm[: starts[-1]]] = stp
-    out_rank[perm[: starts[-1]]] = (pos * world_size // sizes[stp]).astype(np.int32)
+    for a, b in _blocks(sizes, 1):
+        seg = perm[starts[a] : starts[b]]
+        row = np.repeat(np.arange(b - a), sizes[a:b])
+        col = np.arange(len(seg)) - (starts[a:b] - starts[a])[row]
+        out_step[seg] = a + row
+        out_rank[seg] = col * world_size // sizes[a:b][row]
     return Plan(
         step=out_step,
         rank=out_rank,
@@ -249,20 +279,29 @@ def random_plan(cost: np.ndarray, *, world_size: int, batch_size: int, seed: int
     )
 
 
+def _kept_chunks(p: Plan, cost: np.ndarray):
+    """(step, rank, cost) of the kept samples, BLOCK_SAMPLES samples at a time."""
+    for lo in range(0, len(cost), BLOCK_SAMPLES):
+        step = p.step[lo : lo + BLOCK_SAMPLES]
+        keep = step >= 0
+        yield step[keep], p.rank[lo : lo + BLOCK_SAMPLES][keep], cost[lo : lo + BLOCK_SAMPLES][keep]
+
+
 def rank_loads(p: Plan, cost: np.ndarray) -> np.ndarray:
-    """[steps, W] total cost per rank per step."""
-    keep = p.step >= 0
-    flat = p.step[keep].astype(np.int64) * p.world_size + p.rank[keep]
-    return np.bincount(flat, weights=cost[keep], minlength=p.steps * p.world_size).reshape(p.steps, p.world_size)
+    """[steps, W] total cost per rank per step (summed in sample order, a chunk at a time)."""
+    loads = np.zeros(p.steps * p.world_size)
+    for step, rank, c in _kept_chunks(p, cost):
+        np.add.at(loads, step.astype(np.int64) * p.world_size + rank, c)
+    return loads.reshape(p.steps, p.world_size)
 
 
 def stats(p: Plan, cost: np.ndarray) -> dict:
     """Per-step imbalance (max/mean rank cost), bubble fraction, and the distance of each
     step's max from its lower bound max(mean, largest sample)."""
     loads = rank_loads(p, cost)
-    keep = p.step >= 0
     largest = np.zeros(p.steps)
-    np.maximum.at(largest, p.step[keep], cost[keep])
+    for step, _, c in _kept_chunks(p, cost):
+        np.maximum.at(largest, step, c)
     mean = loads.mean(1)
     mx = loads.max(1)
     lower = np.maximum(mean, largest)

@@ -386,6 +386,13 @@ def _balance(
     c = config
     t = time.monotonic()
     with stage("balance", quiet=quiet):
+        # the random baseline first, so the two plans are never held at once
+        st_random = balance.stats(
+            balance.random_plan(
+                cost, world_size=c["world_size"], batch_size=c["batch_size"], seed=c["seed"], tail=c["tail"]
+            ),
+            cost,
+        )
         p = balance.plan(
             cost,
             world_size=c["world_size"],
@@ -396,12 +403,6 @@ def _balance(
             method=c["method"],
         )
         st = balance.stats(p, cost)
-        st_random = balance.stats(
-            balance.random_plan(
-                cost, world_size=c["world_size"], batch_size=c["batch_size"], seed=c["seed"], tail=c["tail"]
-            ),
-            cost,
-        )
     timings["balance_s"] = time.monotonic() - t
     say(
         f"dataprep: {p.steps} steps balanced over {c['world_size']} ranks, bubble {st['bubble_fraction']:.4f} "

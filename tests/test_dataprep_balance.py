@@ -121,6 +121,25 @@ def test_windows_group_similar_costs_and_remove_bubble_on_heavy_tail():
     assert np.median(spread) < 0.5 * np.median(spread_r)
 
 
+@pytest.mark.parametrize("method", balance.METHODS)
+def test_plan_does_not_depend_on_its_block_size(monkeypatch, method):
+    # the plan works a block of windows at a time to bound its memory; the block size must change
+    # nothing: not the plan, not the random baseline, not a bit of their stats
+    cost = np.random.default_rng(2).pareto(1.5, 3001) * 10 + 1
+    kw = dict(world_size=5, batch_size=7, seed=1)
+
+    def run():
+        p = balance.plan(cost, window_steps=3, method=method, **kw)
+        q = balance.random_plan(cost, **kw)
+        return p.step, p.rank, q.step, q.rank, balance.stats(p, cost), balance.stats(q, cost)
+
+    whole = run()
+    for block in (1, 40, 500):
+        monkeypatch.setattr(balance, "BLOCK_SAMPLES", block)
+        for a, b in zip(whole, run(), strict=True):
+            assert np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b
+
+
 def test_window_shuffles_step_order():
     cost = np.arange(1, 4097, dtype=float)
     p = balance.plan(cost, world_size=4, batch_size=8, window_steps=128, seed=0)
