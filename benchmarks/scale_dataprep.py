@@ -9,8 +9,9 @@ One synthetic event file (`python -m dataprep synth`; Parquet, or CSV by `--inpu
   polars                    the same grouping and sort, written to Parquet
 Each case runs in a child process: wall time, and peak RSS of the child and its own children
 (getrusage), and the most disk it took beyond what was in use when it began (work folder and
-output, polled). dataprep does more than the grouping (leave-one-out samples, costs, balance
-plan, rejects, id maps, checksums); the others only group and sort. `--events` sets the size
+output, polled); dataprep's cases run its command line (`python -m dataprep shards`) from there.
+dataprep does more than the grouping (leave-one-out samples, costs, balance plan, rejects, id
+maps, checksums); the others only group and sort. `--events` sets the size
 (default 2M, about a minute in all; 10M, 100M, 1B by flag: 1B needs ~9 GB for its file and
 ~30 GB more while it runs); below 1B a projection to 1B from the bucketed run's measured rate
 and peak is printed as such. `--repeat N` runs every case N times, in turn: the table gives
@@ -36,6 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from ftcore.util.files import atomic_write_json  # noqa: E402
+from ftcore.util.procs import exec_with_parent_death_signal  # noqa: E402
 
 SHARD_ARGS: dict[str, Any] = {"world_size": 8, "batch_size": 256, "max_len": 200}
 PROJECT_EVENTS = 1_000_000_000
@@ -52,12 +54,12 @@ def _case(name: str, data: str, out: str, budget: str) -> None:
     """One measured case, in this (child) process."""
     csv = data.endswith(".csv")
     if name.startswith("dataprep"):
-        from dataprep.build import build_shards
-
-        kw: dict = {"memory_budget": "64GB"} if name == "dataprep in memory" else {"memory_budget": budget}
-        if name.endswith("2 workers"):
-            kw["workers"] = 2
-        build_shards(data, "events", out, **SHARD_ARGS, **kw)
+        # the command line users run (its own process: dataprep.process), from its interpreter's start
+        args = [f"--{k.replace('_', '-')}={v}" for k, v in SHARD_ARGS.items()]
+        args += ["--memory-budget", "64GB" if name == "dataprep in memory" else budget]
+        args += ["--workers", "2"] if name.endswith("2 workers") else []
+        cmd = [sys.executable, "-m", "dataprep", "shards", "--input", data, "--format", "events", "--out", out]
+        subprocess.run([*cmd, *args, "--quiet"], check=True, cwd=ROOT, preexec_fn=exec_with_parent_death_signal)
     elif name.startswith("duckdb"):
         import duckdb
 

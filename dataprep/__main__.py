@@ -2,6 +2,10 @@
 
 import sys
 
-from dataprep.cli import main
+from dataprep import process
+
+process.own()  # before pyarrow is imported (dataprep.process)
+
+from dataprep.cli import main  # noqa: E402
 
 sys.exit(main())

@@ -157,7 +157,7 @@ def _gather(group: list[tuple[Path, int, int]], sch: pa.Schema, n: int) -> pa.Ta
     out: dict[str, np.ndarray] = {}
     for f in sch:
         typ = f.type.value_type if f.name in total else f.type
-        out[f.name] = np.empty(total.get(f.name, n), typ.to_pandas_dtype())
+        out[f.name] = np.empty(total.get(f.name, n), pa.array([], typ).to_numpy().dtype)
         if f.name in total:
             out[f.name + "/offsets"] = np.zeros(n + 1, np.int32)
     row, at = 0, dict.fromkeys(lists, 0)

@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from dataprep import heap, readers, schema, sequences, workdir
+from dataprep import heap, process, readers, schema, sequences, workdir
 from dataprep.assemble import finish, write, write_eval
 from dataprep.cost import load_cost_model
 from dataprep.counts import Counts, sum_counts
@@ -469,12 +469,13 @@ class Pool:
     survive a fork), or with one worker in THREADS threads of this process (the stages are mostly
     numpy and pyarrow, which release the GIL). Stage functions take (work, index) and return a
     small dict. A task's inputs that no other task reads are removed when it is done; freed
-    memory is kept for reuse in every process until close (dataprep.heap)."""
+    memory is kept for reuse in every process until close (dataprep.heap); worker processes
+    import no pandas (dataprep.process)."""
 
     def __init__(self, workers: int):
         heap.keep()
         self.ex: Executor = (
-            ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=heap.keep)
+            ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=process.worker)
             if workers > 1
             else ThreadPoolExecutor(THREADS)
         )
