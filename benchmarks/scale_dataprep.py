@@ -1,7 +1,7 @@
 """`python benchmarks/scale_dataprep.py`: dataprep at scale beside DuckDB and polars, same file.
 
 One synthetic event file (`python -m dataprep synth`; Parquet, or CSV by `--input-format csv`):
-  dataprep in memory        build_shards as before (when the input fits)
+  dataprep in memory        the in-memory build (--memory-budget 64GB: the input fits)
   dataprep bucketed         the same shard set in buckets of users, --memory-budget (default 512MB)
   dataprep bucketed, 2 wk   the same with --workers 2
   duckdb / duckdb 1GB       group by user, items and times ordered by time, written to Parquet

@@ -1,8 +1,8 @@
 """Set-up of the processes that run dataprep alone: its command line and its build's workers.
 
 pyarrow imports pandas, where it is installed, when pyarrow.dataset is imported or an array is
-first made from numpy, only to ask whether objects are pandas ones: 0.3 s and ~50 MB in every
-process, a tenth of a 10M-event build. dataprep uses no pandas, so its own processes refuse the
+first made from numpy, only to ask whether objects are pandas ones: ~0.2 s of CPU and ~30 MB in
+every process (BENCHMARKS.md). dataprep uses no pandas, so its own processes refuse the
 import (a finder first on sys.meta_path) and pyarrow goes on without it. A process that imports
 dataprep as a library (an Airflow task, a notebook) is left as it is.
 """
