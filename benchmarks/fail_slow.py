@@ -11,12 +11,12 @@ host is). Modes, interleaved, --reps times each:
 
 - off:   FTCORE_SLOW_RATIO=0, every step waits for the slow group (before this policy);
 - on:    the defaults (ftcore/pace.py): excluded at R/(R-1) x 1.1 over FTCORE_SLOW_WINDOW rounds,
-         held on standby, readmitted through a heal when only its own make-up work is left;
+         held on standby, readmitted through a heal after its probation or when the data is done;
 - clean: the policy on and nobody slowed: it must exclude nobody (false positives).
 
 Reported: group 0's commits per second from its step 30 to its step 200 (the slow
 stretch), the job's wall time (launcher start to end, make-up included: the data stays
-exactly once, so the excluded group's batches are trained after), exclusions, heals, and
+exactly once, so the excluded group's batches are trained after, by every live group), exclusions, heals, and
 whether all groups ended with the same state.
 
 `--scenario duty`: rank --rank of group 2 (of --ranks-per-group) is SIGSTOPped 0.25 s and

@@ -48,7 +48,10 @@ class Ledger:
         contributors: Iterable[int],
         quorum_id: int,
         sample_ids: Iterable[int] | None = None,
+        pieces: Iterable[tuple[int, int, int, int]] = (),
     ) -> None:
+        """One committed step. `pieces` (a make-up step): (helper, owner, epoch, row group),
+        the helper trained the owner's row group; `sample_ids`: what this writer trained."""
         line = {
             "step": step,
             "epoch": epoch,
@@ -59,6 +62,8 @@ class Ledger:
             "writer": [self.group, self.rank],
             "ranges": ranges(sample_ids) if sample_ids is not None else None,
         }
+        if pieces:
+            line["pieces"] = [list(p) for p in pieces]
         self._write(line)
 
     def healed(self, step: int) -> None:
@@ -145,7 +150,7 @@ def check(
     # mid-commit); the heal overwrote that state, so its earlier records count only where
     # no current record exists. Current records must agree exactly.
     for rec, superseded in sorted(records, key=lambda x: x[1]):
-        key = {k: rec[k] for k in ("epoch", "row_group", "kind", "contributors")}
+        key = {k: rec.get(k) for k in ("epoch", "row_group", "kind", "contributors", "pieces")}
         seen = steps.setdefault(rec["step"], key)
         if seen != key:
             if superseded:
@@ -153,7 +158,8 @@ def check(
             raise LedgerError(f"step {rec['step']}: writers disagree: {seen} vs {key}")
         if sample_ids is not None and rec["ranges"] is not None:
             g, k = rec["writer"]
-            want = ranges(sample_ids(g * ranks_per_group + k, rec["row_group"]))
+            o, rg = next(((o, rg) for h, o, _, rg in _pieces(key) if h == g), (g, rec["row_group"]))
+            want = ranges(sample_ids(o * ranks_per_group + k, rg))
             if rec["ranges"] != want:
                 raise LedgerError(
                     f"step {rec['step']}: group {g} rank {k} recorded ids {rec['ranges'][:3]}..., "
@@ -164,9 +170,10 @@ def check(
         raise LedgerError(f"committed steps {missing_steps[:10]} have no ledger record")
     trained: dict[int, Counter] = {e: Counter() for e in range(epochs)}
     for rec in steps.values():
-        for g in rec["contributors"]:
-            for k in range(ranks_per_group):
-                trained.setdefault(rec["epoch"], Counter())[(g * ranks_per_group + k, rec["row_group"])] += 1
+        for h, o, e, rg in _pieces(rec):
+            if h in rec["contributors"]:
+                for k in range(ranks_per_group):
+                    trained.setdefault(e, Counter())[(o * ranks_per_group + k, rg)] += 1
     expected = {(s, rg) for s in range(num_groups * ranks_per_group) for rg in range(steps_per_epoch)}
     for e in range(epochs):
         twice = [x for x, c in trained[e].items() if c > 1]
@@ -184,3 +191,11 @@ def check(
         "epochs": epochs,
         "batches": sum(sum(c.values()) for c in trained.values()),
     }
+
+
+def _pieces(rec: dict) -> list[tuple[int, int, int, int]]:
+    """(helper, owner, epoch, row group) of a step's record: a make-up step's own list, else
+    every contributor trained its own shards' row group (regular steps, and older ledgers)."""
+    if rec.get("pieces"):
+        return [(int(h), int(o), int(e), int(rg)) for h, o, e, rg in rec["pieces"]]
+    return [(g, g, rec["epoch"], rec["row_group"]) for g in rec["contributors"]]

@@ -1,19 +1,31 @@
 """Exactly-once data across failures: the replicated data schedule with make-up steps. Every
 group holds the same copy and applies the same commit(), so all agree on what each step
-trains; a row group a group missed is queued and made up at the end of the window by the
-groups that missed it. The rules: docs/ftcore.md, "schedule"."""
+trains; a row group a group missed is queued and made up at the end of the window, spread
+over every live group (one missed batch each per step). The rules: docs/ftcore.md, "schedule"."""
 
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from ftcore import timeouts
 
 
 @dataclass(frozen=True)
 class Position:
     kind: str  # "regular" or "makeup"
-    epoch: int  # the epoch the row group belongs to
-    row_group: int  # row group (step of the shard files)
-    index: int  # regular: index in the epoch order; makeup: index in the make-up queue
+    epoch: int  # the epoch the row group belongs to (makeup: the first piece's)
+    row_group: int  # row group (step of the shard files) (makeup: the first piece's)
+    index: int  # regular: index in the epoch order; makeup: -1
+    # makeup: (helper, owner, epoch, row group) per live group with work: the helper trains the
+    # row group of the owner's shards (the owner missed it), sorted by helper
+    pieces: tuple[tuple[int, int, int, int], ...] = ()
+
+    def piece(self, group: int) -> tuple[int, int, int] | None:
+        """(owner, epoch, row group) that `group` trains at this position, None when it has none."""
+        if self.kind == "regular":
+            return (group, self.epoch, self.row_group)
+        return next(((o, e, rg) for h, o, e, rg in self.pieces if h == group), None)
 
 
 class MakeupSchedule:
@@ -33,6 +45,7 @@ class MakeupSchedule:
         self._order = order  # a trainer's own epoch order (training.data.DataCursor.order)
         self.epoch, self.index, self.in_makeup = 0, 0, False
         self.makeup: list[list] = []  # [epoch, row_group, [groups that still owe it]]
+        self._done_at = 0.0  # when `finished` first found the data done without every group
 
     def order(self, epoch: int) -> list[int]:
         """Row-group order of an epoch: file order first (dataprep shuffled), then seeded."""
@@ -47,39 +60,59 @@ class MakeupSchedule:
     def done(self) -> bool:
         return self.epoch >= self.epochs and not self.makeup
 
+    def finished(self, live: set[int]) -> bool:
+        """The run may end: the data is done and every group of the job is live, or it has
+        waited END_WAIT for them. Waiting, its steps have no work: a group held out as slow is
+        readmitted in such a round, a restarted one heals in, and all end with one state."""
+        if not self.done:
+            return False
+        if len(live) >= self.num_groups:
+            return True
+        self._done_at = self._done_at or time.monotonic()
+        return time.monotonic() - self._done_at > timeouts.END_WAIT
+
     def position(self, live: set[int]) -> Position | None:
         """What the next step trains, given the groups that can contribute to it.
 
-        None: nothing can run now (only make-up work of absent groups is left): wait.
+        None: nothing can run now (nobody live): wait.
         """
         if self.in_makeup:
-            for j, (e, rg, groups) in enumerate(self.makeup):
-                if set(groups) & live:
-                    return Position("makeup", e, rg, j)
-            if self.epoch + 1 >= self.epochs and self.index >= self.steps:
-                return None  # the run's last make-up work belongs to absent groups
-            e, i = (self.epoch + 1, 0) if self.index >= self.steps else (self.epoch, self.index)
-            return Position("regular", e, self.order(e)[i], i)
+            pieces = self._spread(sorted(live))
+            if pieces:
+                return Position("makeup", pieces[0][2], pieces[0][3], -1, tuple(sorted(pieces)))
+            return None
         if self.epoch >= self.epochs:
             return None
         return Position("regular", self.epoch, self.order(self.epoch)[self.index], self.index)
 
+    def _spread(self, free: list[int]) -> list[tuple[int, int, int, int]]:
+        """One missed batch for each live group, in queue order: the owner trains its own
+        when it is free, else the lowest free group does (it reads the owner's shards). So a
+        group that is away, slow or gone never holds the others up, nor leaves them idle."""
+        pieces = []
+        for e, rg, owners in self.makeup:
+            for o in owners:
+                if not free:
+                    return pieces
+                h = o if o in free else free[0]
+                free.remove(h)
+                pieces.append((h, o, e, rg))
+        return pieces
+
     def works(self, pos: Position, group: int) -> bool:
         """Does `group` train a batch at `pos` (else it joins with zero gradients)?"""
-        return pos.kind == "regular" or group in self.makeup[pos.index][2]
+        return pos.piece(group) is not None
 
     def commit(self, pos: Position, contributors: set[int]) -> None:
         """Apply a committed step at `pos` to which `contributors` sent real gradients."""
         if pos.kind == "makeup":
-            entry = self.makeup[pos.index]
-            entry[2] = [g for g in entry[2] if g not in contributors]
-            if not entry[2]:
-                del self.makeup[pos.index]
+            done = {(o, e, rg) for h, o, e, rg in pos.pieces if h in contributors}
+            for entry in self.makeup:
+                entry[2] = [o for o in entry[2] if (o, entry[0], entry[1]) not in done]
+            self.makeup = [entry for entry in self.makeup if entry[2]]
             if not self.makeup:
                 self._end_makeup()
             return
-        if self.in_makeup:  # make-up work left only for absent groups: move on
-            self._end_makeup()
         missed = sorted(set(range(self.num_groups)) - contributors)
         if missed:
             self.makeup.append([pos.epoch, pos.row_group, missed])

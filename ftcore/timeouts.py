@@ -58,6 +58,9 @@ GROUP_COLLECTIVE_TIMEOUT = _env("FTREC_COLLECTIVE_TIMEOUT_S", 300.0)
 # A group that has not committed for this long gives up (its process exits non-zero and is
 # restarted) instead of retrying forever.
 STUCK_TIMEOUT = _env("FTCORE_STUCK_TIMEOUT", 120.0)
+# When the data is done, how long the groups wait for every group of the job to be back (one
+# held out as slow is readmitted at once, a restarted one heals in) so that all end as one.
+END_WAIT = _env("FTCORE_END_WAIT", 30.0)
 # A lighthouse whose own clock jumped by more than this was paused: before it judges any
 # heartbeat timeout it waits one HEARTBEAT_TIMEOUT, so that nobody is declared dead for its pause.
 PAUSE_JUMP = _env("FTCORE_PAUSE_JUMP", 1.0)

@@ -83,7 +83,8 @@ def _simulate(steps, groups, epochs, down_prob, seed):
         if not contributors:
             continue
         s.commit(pos, contributors)
-        log.append((pos.epoch, pos.row_group, contributors, pos.kind))
+        # what each contributor trained: (owner of the shards, epoch, row group)
+        log.append(([pos.piece(g) for g in sorted(contributors)], pos.kind))
     return log
 
 
@@ -92,10 +93,29 @@ def test_schedule_trains_every_bucket_exactly_once_per_epoch(seed):
     steps, groups, epochs = 7, 3, 2
     log = _simulate(steps, groups, epochs, down_prob=0.3, seed=seed)
     for e in range(epochs):
-        seen = [(g, rg) for (ep, rg, cs, _) in log if ep == e for g in cs]
+        seen = [(o, rg) for pieces, _ in log for o, ep, rg in pieces if ep == e]
         assert sorted(seen) == sorted((g, rg) for g in range(groups) for rg in range(steps))
-    # a make-up step trains one row group only: every contributor trains the same bucket
-    assert all(kind in ("regular", "makeup") for *_, kind in log)
+    assert {kind for _, kind in log} == {"regular", "makeup"}
+
+
+def test_makeup_is_spread_over_the_live_groups_and_does_not_wait_for_the_owner():
+    """Group 2 misses 4 batches and stays away: groups 0 and 1 make them up, two per step,
+    reading group 2's shards; the epoch then ends without it."""
+    s = MakeupSchedule(4, 3, 1, seed=0)
+    for _ in range(4):
+        s.commit(s.position({0, 1}), {0, 1})
+    assert s.in_makeup and s.makeup == [[0, rg, [2]] for rg in range(4)]
+    pos = s.position({0, 1})
+    assert pos.kind == "makeup" and pos.pieces == ((0, 2, 0, 0), (1, 2, 0, 1))
+    assert pos.piece(0) == (2, 0, 0) and pos.piece(2) is None and not s.works(pos, 2)
+    s.commit(pos, {0})  # group 1's piece was not trained (it sent zeros): still owed
+    assert s.makeup == [[0, rg, [2]] for rg in (1, 2, 3)]
+    pos = s.position({0, 1, 2})  # the owner is back: it trains its own first
+    assert pos.pieces == ((0, 2, 0, 2), (1, 2, 0, 3), (2, 2, 0, 1))
+    s.commit(pos, {0, 1, 2})
+    assert s.done and s.finished({0, 1, 2})
+    # the data done without group 2: the others wait for it (a slow one is readmitted in their idle rounds)
+    assert not s.finished({0, 1}) and s.position({0, 1}) is None
 
 
 def test_schedule_without_failures_has_no_makeup_steps_and_survives_state_roundtrip():
@@ -127,6 +147,30 @@ def test_ledger_check_proves_exactly_once_and_catches_duplicates(tmp_path):
     with pytest.raises(ledger.LedgerError, match="twice"):
         ledger.check(str(tmp_path / "bad"), steps_per_epoch=3, num_groups=1, ranks_per_group=1, epochs=1)
     assert ledger.ranges([5, 1, 2, 3, 9]) == [[1, 3], [5, 5], [9, 9]]
+
+
+@pytest.mark.parametrize("mistake", [None, "ids", "twice"])
+def test_ledger_check_credits_makeup_pieces_to_the_shards_trained(tmp_path, mistake):
+    """Group 1 missed row groups 1 and 2; group 0 makes up row group 2 from group 1's shards
+    while group 1 makes up its own row group 1. A helper's ids must be the owner's rows."""
+    steps = 3
+    ids = lambda shard, rg: [shard * 100 + rg]  # noqa: E731
+    w = {g: ledger.Ledger(str(tmp_path), g, 0) for g in range(2)}
+    for g in range(2):
+        w[g].record(0, 0, 0, "regular", {0, 1}, 1, ids(g, 0))
+        for step, rg in ((1, 1), (2, 2)):
+            w[g].record(step, 0, rg, "regular", {0}, 2, ids(0, rg) if g == 0 else None)
+        pieces = [(0, 1, 0, 2), (1, 1, 0, 1)]
+        if mistake == "twice":  # group 0 trains group 1's row group 1 as well
+            pieces = [(0, 1, 0, 1), (1, 1, 0, 1)]
+        theirs = ids(0 if mistake == "ids" and g == 0 else 1, dict((h, rg) for h, _, _, rg in pieces)[g])
+        w[g].record(3, 0, 2, "makeup", {0, 1}, 3, theirs, pieces=pieces)
+    args = {"steps_per_epoch": steps, "num_groups": 2, "ranks_per_group": 1, "epochs": 1, "sample_ids": ids}
+    if mistake is None:
+        assert ledger.check(str(tmp_path), **args) == {"steps": 4, "makeup_steps": 1, "epochs": 1, "batches": 6}
+    else:
+        with pytest.raises(ledger.LedgerError, match="the shard has" if mistake == "ids" else "twice"):
+            ledger.check(str(tmp_path), **args)
 
 
 # ---- fault plans -------------------------------------------------------------------------------

@@ -185,10 +185,12 @@ class FTReplica:
             if not self.manager.healing:  # a healing group's schedule arrives with the state
                 self._pos = self.schedule.position(self._live)
                 if self._pos is None:
-                    time.sleep(0.05)  # only absent groups' make-up work is left: wait for them
-                elif self.group in self._live and self.schedule.works(self._pos, self.group):
-                    e, rg = self._pos.epoch, self._pos.row_group
-                    batch = loader.peek((e, loader.cursor.order(e).index(rg)))
+                    time.sleep(0.05)  # the data is done: waiting for every group to be back
+                elif self.group in self._live and (piece := self._pos.piece(self.group)) is not None:
+                    owner, e, rg = piece
+                    at = (e, loader.cursor.order(e).index(rg))
+                    # a make-up piece of another group's: rank k reads rank k's files of that group
+                    batch = loader.peek(at, shift=(owner - self.group) * self.topo.group_size * len(loader.shard_ranks))
                     self._ids = batch.sample_ids.tolist()
         self.manager.set_work(batch is not None)
         return batch
@@ -210,7 +212,7 @@ class FTReplica:
         # group does; exactly-once then holds for the complete epochs only.
         if steps_total % self.state.cursor.steps_per_epoch:
             return self.schedule.done or step >= steps_total
-        return self.schedule.done
+        return self.schedule.finished(self._live)
 
     def allreduce(self, tensors: Sequence[torch.Tensor | None]) -> None:
         q = self.manager.quorum
@@ -249,6 +251,7 @@ class FTReplica:
                 contributors,
                 q.quorum_id,
                 self._ids if self.group in contributors else None,
+                pieces=pos.pieces,
             )
         self.schedule.commit(pos, contributors)
         self._committed = pos

@@ -100,13 +100,14 @@ class Run:
     world: int
     ckpt: str
 
-    @property
-    def shard(self) -> int:
-        return self.mgr.cfg.group * self.world + self.rank
+    def shard_of(self, group: int) -> int:
+        """The shard this rank reads for `group`'s data (its own, or a make-up piece's owner's)."""
+        return group * self.world + self.rank
 
 
-def _step(r: Run, toy: Toy) -> None:
-    """One step of the protocol: quorum, this group's batch (or none), FTAR, the vote."""
+def _step(r: Run, toy: Toy) -> set[int]:
+    """One step of the protocol: quorum, this group's batch (or none), FTAR, the vote; the
+    groups live in its quorum."""
     mgr, g = r.mgr, r.mgr.cfg.group
     mgr.start_quorum()
     # Every rank of the group runs the same collectives in every branch below.
@@ -115,13 +116,14 @@ def _step(r: Run, toy: Toy) -> None:
     live = q.live() if q is not None else set()
     pos = toy.sched.position(live) if q is not None else None
     if q is not None and pos is None and not healing:
-        time.sleep(0.05)  # only absent groups' make-up work is left: wait for them
-    works = pos is not None and g in live and toy.sched.works(pos, g)  # not healing, nor aside as a source
+        time.sleep(0.05)  # the data is done: waiting for every group to be back
+    piece = pos.piece(g) if pos is not None and g in live else None  # none: healing, or aside as a source
+    works = piece is not None
     if r.a.step_sleep:
         time.sleep(r.a.step_sleep)
     toy.opt.zero_grad(set_to_none=False)
-    if works and pos is not None:
-        x, y = batch(r.shard, pos.row_group, r.a.batch, r.a.dim)
+    if piece is not None:  # (owner, epoch, row group): a make-up piece may be another group's
+        x, y = batch(r.shard_of(piece[0]), piece[2], r.a.batch, r.a.dim)
         loss = torch.nn.functional.mse_loss(toy.model(x), y)
         loss.backward()
     if r.world > 1:
@@ -144,6 +146,7 @@ def _step(r: Run, toy: Toy) -> None:
         _commit(r, toy, q, live, toy.sched.position(live) if healing else pos)  # healed: the schedule just came
     for grad in toy.grads():
         grad.zero_()
+    return live
 
 
 def _commit(r: Run, toy: Toy, q: Quorum, live: set[int], pos: Position | None) -> None:
@@ -158,6 +161,7 @@ def _commit(r: Run, toy: Toy, q: Quorum, live: set[int], pos: Position | None) -
     for param_group in toy.opt.param_groups:
         param_group["lr"] = 1e-2 * scale
     toy.opt.step()
+    piece = pos.piece(g)
     r.ledger.record(
         mgr.step - 1,
         pos.epoch,
@@ -165,7 +169,8 @@ def _commit(r: Run, toy: Toy, q: Quorum, live: set[int], pos: Position | None) -
         pos.kind,
         contributors,
         q.quorum_id,
-        sample_ids(r.shard, pos.row_group, r.a.steps, r.a.batch) if g in contributors else None,
+        sample_ids(r.shard_of(piece[0]), piece[2], r.a.steps, r.a.batch) if piece and g in contributors else None,
+        pieces=pos.pieces,
     )
     toy.sched.commit(pos, contributors)
     if r.a.checkpoint_every and mgr.step % r.a.checkpoint_every == 0 and g == min(live) and r.rank == 0:
@@ -210,8 +215,9 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     try:
-        while not toy.sched.done:
-            _step(r, toy)
+        live: set[int] = set()
+        while not toy.sched.finished(live):
+            live = _step(r, toy)
     except JobFinished as e:
         print(f"toy: {e}; exiting", flush=True)
         mgr.shutdown(leave=False)
