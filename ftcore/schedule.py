@@ -89,7 +89,7 @@ class MakeupSchedule:
         """One missed batch for each live group, in queue order: the owner trains its own
         when it is free, else the lowest free group does (it reads the owner's shards). So a
         group that is away, slow or gone never holds the others up, nor leaves them idle."""
-        pieces = []
+        pieces: list[tuple[int, int, int, int]] = []
         for e, rg, owners in self.makeup:
             for o in owners:
                 if not free:
