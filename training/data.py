@@ -32,6 +32,12 @@ class Batch:
     timestamps: torch.Tensor | None = None  # [N] epoch seconds of each input item; None: the set has none
 
     @property
+    def key(self) -> tuple[int, int]:
+        """Names the batch: its row group and first sample id (an ftcore make-up piece reads the
+        same row group of another group's shards)."""
+        return self.step, int(self.sample_ids[0]) if self.sample_ids.numel() else -1
+
+    @property
     def num_targets(self) -> int:
         return int(self.values.numel())
 

@@ -315,7 +315,7 @@ class Trainer:
         counts, pending = start_global_counts([batch.num_targets, batch.num_samples, padded])  # overlaps fwd
         negatives = draw_negatives(self.shards.num_items, cfg.loss, labels, self.state.generator)
         # a sharded table: this step's lookups and the next batch's id exchange, issued by comm.policy
-        self.table.start_lookups(batch.step, [values, labels, negatives], self._ahead)
+        self.table.start_lookups(batch.key, [values, labels, negatives], self._ahead)
         ts = batch.timestamps.to(dev) if batch.timestamps is not None else None
         h = self.model(values, offsets, self.shape.pad_to, timestamps=ts)
         total = loss_sum(self.model, h, labels, cfg.loss, negatives=negatives)
@@ -326,10 +326,10 @@ class Trainer:
         self.table.start_grads()  # a sharded table's grads to their owners (a SUM over the group)
         return loss, counts
 
-    def _ahead(self) -> tuple[int, list[torch.Tensor]]:
+    def _ahead(self) -> tuple[tuple[int, int], list[torch.Tensor]]:
         """The batch expected next, for a table that prefetches its id exchange."""
         ahead = self.loader.peek_ahead(1)
-        return ahead.step, [ahead.values, ahead.labels]
+        return ahead.key, [ahead.values, ahead.labels]
 
     def optimizer_step(self) -> float:
         """Clip to the global norm, step at ftcore's lr scale; returns the lr the step used."""
