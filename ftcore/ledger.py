@@ -169,11 +169,9 @@ def check(
     if missing_steps:
         raise LedgerError(f"committed steps {missing_steps[:10]} have no ledger record")
     trained: dict[int, Counter] = {e: Counter() for e in range(epochs)}
-    for rec in steps.values():
-        for h, o, e, rg in _pieces(rec):
-            if h in rec["contributors"]:
-                for k in range(ranks_per_group):
-                    trained.setdefault(e, Counter())[(o * ranks_per_group + k, rg)] += 1
+    credited = [(o, e, rg) for rec in steps.values() for h, o, e, rg in _pieces(rec) if h in rec["contributors"]]
+    for o, e, rg in credited:  # the owner's shards (rank k's) at that row group
+        trained.setdefault(e, Counter()).update((o * ranks_per_group + k, rg) for k in range(ranks_per_group))
     expected = {(s, rg) for s in range(num_groups * ranks_per_group) for rg in range(steps_per_epoch)}
     for e in range(epochs):
         twice = [x for x, c in trained[e].items() if c > 1]

@@ -74,7 +74,7 @@ class MakeupSchedule:
     def position(self, live: set[int]) -> Position | None:
         """What the next step trains, given the groups that can contribute to it.
 
-        None: nothing can run now (nobody live): wait.
+        None: nothing to train now (the data is done, or nobody is live): wait.
         """
         if self.in_makeup:
             pieces = self._spread(sorted(live))
