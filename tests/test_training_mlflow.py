@@ -191,7 +191,8 @@ def test_real_server_with_buffered_metrics(shards, tmp_path, free_port, monkeypa
 
 def test_a_group_killed_while_its_run_was_created_is_found_again_by_its_token(tmp_path, monkeypatch):
     """The run file names a run that was being created ("pending:" and a token) when group 0
-    died: the restarted group finds that run by its tag instead of opening a second one."""
+    died: the restarted group finds that run by its tag instead of opening a second one, and
+    records its id (the job's result and the tests read the file)."""
     from training import tracking
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
@@ -207,3 +208,4 @@ def test_a_group_killed_while_its_run_was_created_is_found_again_by_its_token(tm
     assert again.run_id == first.run_id
     runs = MlflowClient(first.uri).search_runs([made.info.experiment_id])
     assert len(runs) == 1 and runs[0].data.params == {"a": "1", "b": "2"}
+    assert (tmp_path / tracking.RUN_FILE).read_text() == first.run_id

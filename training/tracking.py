@@ -191,11 +191,14 @@ class Tracker:
         from mlflow import MlflowClient
 
         client = MlflowClient(self.uri)
-        run_id = self.cfg.run_id or (self._recorded_run(client) if self._continue else "")
+        recorded = self._recorded_run(client) if self._continue and not self.cfg.run_id else ""
+        run_id = self.cfg.run_id or recorded
         if run_id:
             run = client.get_run(run_id)  # a retried task, or a restarted group 0, continues its run
             client.update_run(run.info.run_id, status="RUNNING")
             run_id = run.info.run_id
+            if recorded:  # the file may hold a pending marker its recorder died with: the id now
+                self._record_run(run_id)
         else:
             exp = client.get_experiment_by_name(self.cfg.experiment)
             exp_id = (
