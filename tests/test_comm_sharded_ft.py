@@ -168,6 +168,9 @@ def test_sharded_table_kill9_group_heals_shard_by_shard_exactly_once(shards, tmp
     )
     assert summary["batches"] == 2 * 2 * EPOCHS * steps
     assert summary["makeup_steps"] >= 1, "the killed group missed no step: the make-up path was not exercised"
+    # spread: the survivor trained some of the killed group's missed batches from its shards
+    helped = [pc for rec, _ in ledger.read(str(out / "ledger")) for pc in rec.get("pieces") or [] if pc[0] != pc[1]]
+    assert helped, "every missed batch was made up by its owner alone"
 
 
 def _state(path: Path, tensor: torch.Tensor, **meta: str) -> None:
