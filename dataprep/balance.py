@@ -143,6 +143,11 @@ def _window_steps(world_size: int, batch_size: int, tail: str, method: str, wind
     return k
 
 
+def _kept_order(rng: np.random.Generator, n: int, kept: int) -> np.ndarray:
+    """The epoch's shuffled samples, the first `kept` of them, as int32 where the ids fit."""
+    return rng.permutation(n)[:kept].astype(np.int32 if n < 2**31 else np.int64)
+
+
 def _blocks(sizes: np.ndarray, k: int):
     """Runs of whole windows of k steps, each of about BLOCK_SAMPLES samples (at least one window):
     the plan works a block at a time, so its scratch memory does not grow with the epoch."""
@@ -218,7 +223,7 @@ def plan(
     np.cumsum(sizes, out=starts[1:])
     # the shuffled samples kept for the epoch; each window sorted by cost descending below, so
     # step j's samples are ordered[starts[j]:starts[j+1]], largest first
-    ordered = rng.permutation(n)[: starts[-1]].astype(np.int32 if n < 2**31 else np.int64)
+    ordered = _kept_order(rng, n, starts[-1])
     out_rank = np.full(n, -1, np.int32)
     loads = np.zeros((s, world_size))
     for a, b in _windows(sizes, k):
@@ -257,7 +262,7 @@ def random_plan(cost: np.ndarray, *, world_size: int, batch_size: int, seed: int
     s = len(sizes)
     starts = np.zeros(s + 1, np.int64)
     np.cumsum(sizes, out=starts[1:])
-    perm = np.random.default_rng(seed).permutation(n)[: starts[-1]].astype(np.int32 if n < 2**31 else np.int64)
+    perm = _kept_order(np.random.default_rng(seed), n, starts[-1])
     out_step = np.full(n, -1, np.int32)
     out_rank = np.full(n, -1, np.int32)
     for a, b in _blocks(sizes, 1):

@@ -226,23 +226,24 @@ class BatchLoader:
     def __init__(self, shardset: ShardSet, shard_ranks: list[int], cursor: DataCursor, prefetch: int = 2):
         self.shardset, self.files = shardset, [shardset.open_rank(r) for r in shard_ranks]
         self.shard_ranks, self.cursor, self.prefetch = shard_ranks, cursor, prefetch
-        self._others: dict[int, list[pq.ParquetFile]] = {}  # shift -> other shard files, opened once
+        self._others: dict[tuple[int, ...], list[pq.ParquetFile]] = {}  # another group's files, opened once
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-reader") if prefetch else None
         self._pending: dict[tuple[int, int], Future] = {}
 
     def _read(self, epoch: int, index: int) -> Batch:
         return read_batch(self.files, self.cursor.row_group(epoch, index))
 
-    def peek(self, at: tuple[int, int] | None = None, shift: int = 0) -> Batch:
+    def peek(self, at: tuple[int, int] | None = None, ranks: list[int] | None = None) -> Batch:
         """The batch at the cursor (the cursor does not move); schedules the next ones.
 
         `at` = (epoch, index) other than the cursor's: an ftcore make-up step, read now;
-        `shift`: from the shard files `shift` ranks away (another group's make-up work).
+        `ranks` other than this loader's: from those shard files (another group's make-up work).
         """
-        if shift:
-            if shift not in self._others:
-                self._others[shift] = [self.shardset.open_rank(r + shift) for r in self.shard_ranks]
-            return read_batch(self._others[shift], self.cursor.row_group(*(at or self.cursor.ahead(0))))
+        if ranks is not None and ranks != self.shard_ranks:
+            key = tuple(ranks)
+            if key not in self._others:
+                self._others[key] = [self.shardset.open_rank(r) for r in ranks]
+            return read_batch(self._others[key], self.cursor.row_group(*(at or self.cursor.ahead(0))))
         here = self.cursor.ahead(0)
         if at is not None and at != here:
             return self._read(*at)

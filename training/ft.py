@@ -187,13 +187,18 @@ class FTReplica:
                 if self._pos is None:
                     time.sleep(0.05)  # the data is done: waiting for every group to be back
                 elif self.group in self._live and (piece := self._pos.piece(self.group)) is not None:
-                    owner, e, rg = piece
-                    at = (e, loader.cursor.order(e).index(rg))
-                    # a make-up piece of another group's: rank k reads rank k's files of that group
-                    batch = loader.peek(at, shift=(owner - self.group) * self.topo.group_size * len(loader.shard_ranks))
+                    batch = self._read(loader, *piece)
                     self._ids = batch.sample_ids.tolist()
         self.manager.set_work(batch is not None)
         return batch
+
+    def _read(self, loader: Any, owner: int, epoch: int, row_group: int) -> Any:
+        """This rank's batch of `owner`'s shard files (a make-up piece may be another group's)."""
+        from training.data import shard_ranks_for
+
+        t = self.topo
+        ranks = shard_ranks_for(loader.shardset.world_size, t.num_replica_groups, owner, t.group_size, t.rank)
+        return loader.peek((epoch, loader.cursor.order(epoch).index(row_group)), ranks)
 
     def advance(self, loader: Any) -> None:
         """After a commit: the cursor moves past regular steps only (a make-up step read an
