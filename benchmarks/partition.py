@@ -108,10 +108,10 @@ def run_once(scenario: str, seconds: float, work: Path) -> dict:
         row[f"g{g}_gap_after_s"] = round(max((d for a, d in gaps if a >= t_up), default=0.0), 3)
         row[f"g{g}_committed"] = sum(r["committed"] for r in recs)
         row[f"g{g}_leased"] = sum(r["committed"] and r["leased"] for r in recs)
-        row[f"g{g}_failed_attempts"] = sum(not r["committed"] for r in recs)
+        row[f"g{g}_failed_attempts"] = sum(not r["committed"] and not r.get("idle") for r in recs)
         # exchanges re-run after a peer failed them, from when the link came back
         row[f"g{g}_reran_after"] = sum(r["requorum"] for r in recs if r["t"] >= t_up)
-        row[f"g{g}_failed_after"] = sum(not r["committed"] for r in recs if r["t"] >= t_up)
+        row[f"g{g}_failed_after"] = sum(not r["committed"] and not r.get("idle") for r in recs if r["t"] >= t_up)
     return row
 
 

@@ -135,6 +135,7 @@ class LighthouseClient:
         self.token = token
         self.info = info
         self._info_lock = threading.Lock()  # update() from several threads loses no field
+        self._verdict_lock = threading.Lock()  # heard(): beats and quorum answers from two threads
         self._qconn: http.client.HTTPConnection | None = None  # quorum requests, kept alive
         self._last_sent = 0.0  # monotonic time of the last quorum request (it refreshes liveness too)
         self._last_answer = time.monotonic()  # the lighthouse's last answer of any kind
@@ -204,7 +205,7 @@ class LighthouseClient:
                     self.replaced = True
                 elif resp.status == 200:
                     beat = HeartbeatReply.parse(data)
-                    self.failed_groups, self.latest_quorum_id = beat.failed, beat.quorum_id
+                    self.heard(beat.quorum_id, beat.failed)
                     self.pace = max(self.interval, min(beat.beat_s, timeouts.HEARTBEAT_TIMEOUT / 4))
                     silent_s = beat.silent_s  # through a relay: how long the lighthouse has not answered it
                 self._last_answer = time.monotonic() - silent_s
@@ -221,6 +222,16 @@ class LighthouseClient:
             self._stop.wait(self.pace)
         self._conn = conn  # closed by leave()/close(), after the lighthouse knows why
         self._stalled = stalled
+
+    def heard(self, quorum_id: int, failed: tuple[int, ...] = ()) -> None:
+        """The lighthouse's word on its quorum `quorum_id`: which members failed (a quorum's own
+        answer: none, it holds only healthy ones). A verdict about an older quorum than one
+        already heard of is superseded: a beat answered before a round formed, or a relay's
+        upstream beat from before its group's last round, must not fail a member of this one."""
+        with self._verdict_lock:
+            if quorum_id >= self.latest_quorum_id:
+                self.failed_groups = failed
+            self.latest_quorum_id = max(self.latest_quorum_id, quorum_id)
 
     def hold(self) -> None:
         """Close the heartbeat line now and open none until `resume()`: to the lighthouse this
@@ -292,10 +303,7 @@ class LighthouseClient:
             raise Overtaken(f"a peer asked for step {answer.step} before this leased round's request arrived")
         if isinstance(answer, StandbyReply):
             raise Standby(answer.reason, answer.retry_s)
-        # A new quorum holds only members the lighthouse found healthy: what an older
-        # heartbeat said had failed is superseded (heartbeats pause while steps are short).
-        self.failed_groups = ()
-        self.latest_quorum_id = max(self.latest_quorum_id, answer.quorum_id)
+        self.heard(answer.quorum_id)  # heartbeats pause while steps are short: the answer is newer
         return answer
 
     def _ask_quorum(self, request: QuorumRequest) -> tuple[int, Any]:

@@ -571,8 +571,8 @@ class Job:
             if grp is None or grp.incarnation != info.incarnation:
                 return
             rank = grp.ranks.pop(info.rank, None)
-            if rank is not None:
-                self.finished_step = max(self.finished_step, rank.step)
+            if rank is not None:  # its goodbye carries its last step: no beat may have since it committed
+                self.finished_step = max(self.finished_step, rank.step, info.step)
             grp.leaving = True  # its other ranks leave next: not a failure
             if not grp.ranks and not grp.left:
                 grp.left = True

@@ -78,6 +78,7 @@ class StepRecord:
     error: str = ""
     leased: bool = False  # the lighthouse did not answer: the step ran in the previous quorum
     requorum: bool = False  # a peer failed its exchange: it re-ran in the survivors' quorum (same batch)
+    idle: bool = False  # nobody had work: no step, and no failure (the data done, waiting for every group)
 
 
 @dataclass
@@ -529,6 +530,7 @@ class Manager:
             error="; ".join(r.errors)[:300],
             leased=r.leased,
             requorum=r.reran,
+            idle=r.idle >= 0 and not r.errors,
         )
         if self._records_fd is not None:
             line = {"group": self.cfg.group, "rank": self.cfg.rank, "incarnation": self.cfg.incarnation, **rec.__dict__}

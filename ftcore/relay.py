@@ -164,6 +164,7 @@ class Relay:
             if self.leaving:
                 return
             self.leaving = True
+            self.upstream.update(step=info.step)  # the group's last step (its ranks commit together)
         self._notes.submit(self.upstream.leave)
 
     def status(self, job: str = "", everyone: bool = False) -> dict[str, Any]:
@@ -193,6 +194,8 @@ class Relay:
             answers = split_answer(status, body, len(self.members))
         except (LighthouseError, MessageError) as e:
             answers = [QuorumRefused("timeout", f"relay: {e}"[:500])] * len(self.members)
+        if isinstance(answers[0], str):  # a quorum (parsed, valid): its ranks' beats now hear of it,
+            self.upstream.heard(body["quorum_id"])  # not of an older beat's verdict
         for r, (_, deliver) in asks.items():
             deliver(answers[r])
 
@@ -224,7 +227,8 @@ def group_request(info: RankInfo, asks: list[QuorumRequest]) -> QuorumRequest:
 
 
 def split_answer(status: int, body: Any, k: int) -> list[str | Any]:
-    """The lighthouse's answer to a group's request, as each of its k ranks' answer."""
+    """The lighthouse's answer to a group's request, as each of its k ranks' answer: a quorum as
+    each rank's reply (JSON text), anything else as is."""
     if status == 200:
         answer = parse_quorum_answer(body)
         if not isinstance(answer, Quorum):

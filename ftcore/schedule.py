@@ -46,6 +46,7 @@ class MakeupSchedule:
         self.epoch, self.index, self.in_makeup = 0, 0, False
         self.makeup: list[list] = []  # [epoch, row_group, [groups that still owe it]]
         self._done_at = 0.0  # when `finished` first found the data done without every group
+        self._ended_live: frozenset[int] = frozenset()  # the groups live in a round since the data was done
 
     def order(self, epoch: int) -> list[int]:
         """Row-group order of an epoch: file order first (dataprep shuffled), then seeded."""
@@ -60,13 +61,15 @@ class MakeupSchedule:
     def done(self) -> bool:
         return self.epoch >= self.epochs and not self.makeup
 
-    def finished(self, live: set[int]) -> bool:
-        """The run may end: the data is done and every group of the job is live, or it has
-        waited END_WAIT for them. Waiting, its steps have no work: a group held out as slow is
-        readmitted in such a round, a restarted one heals in, and all end with one state."""
+    def finished(self) -> bool:
+        """The run may end: the data is done and every group of the job was live in a round
+        formed since (`position` saw it), or it has waited END_WAIT for that. The round in which
+        the last batch was trained does not count: a group may have failed that step's vote, and
+        the next round heals it (not live) before all end with one state. Waiting, the steps have
+        no work: a group held out as slow is readmitted in such a round, a restarted one heals in."""
         if not self.done:
             return False
-        if len(live) >= self.num_groups:
+        if len(self._ended_live) >= self.num_groups:
             return True
         self._done_at = self._done_at or time.monotonic()
         return time.monotonic() - self._done_at > timeouts.END_WAIT
@@ -76,12 +79,13 @@ class MakeupSchedule:
 
         None: nothing to train now (the data is done, or nobody is live): wait.
         """
+        if self.done:
+            self._ended_live = frozenset(live)  # a round formed after the data was done
+            return None
         if self.in_makeup:
             pieces = self._spread(sorted(live))
             if pieces:
                 return Position("makeup", pieces[0][2], pieces[0][3], -1, tuple(sorted(pieces)))
-            return None
-        if self.epoch >= self.epochs:
             return None
         return Position("regular", self.epoch, self.order(self.epoch)[self.index], self.index)
 
@@ -150,3 +154,4 @@ class MakeupSchedule:
         self.epoch, self.index, self.in_makeup = int(st["epoch"]), int(st["index"]), bool(st["in_makeup"])
         self.makeup = [[int(e), int(rg), [int(x) for x in g]] for e, rg, g in st["makeup"]]
         self.epochs, self.seed, self.window = int(st["epochs"]), int(st["seed"]), int(st["window"])
+        self._ended_live = frozenset()  # a healed or resumed group has seen no round since

@@ -6,7 +6,7 @@ import time
 import pytest
 from conftest import ask_all
 
-from ftcore.lighthouse_client import GroupLost, LighthouseClient, call
+from ftcore.lighthouse_client import GroupLost, JobFinished, LighthouseClient, call
 from ftcore.messages import FailureReport, MessageError, QuorumRequest, RankInfo
 from ftcore.relay import Relay, group_request
 
@@ -96,6 +96,44 @@ def test_a_ranks_death_reaches_the_lighthouse_at_once_and_its_group_is_lost(job)
     survivors = made[0][1][:2]
     answers = ask_all(survivors)
     assert all(isinstance(a, GroupLost) for a in answers), answers  # they exit; the group restarts
+
+
+def test_a_verdict_older_than_the_last_round_fails_nobody(job):
+    """The relay beats rarely while rounds are frequent: its last beat may date from before
+    its group's last round (group 1 failed then, and has since been healed back in). Its ranks'
+    beats must not hear that verdict after the round: it aborted every exchange with group 1."""
+    addr, lh, made = job
+    clients = [c for _, cs in made for c in cs]
+    first = ask_all(clients)[0].quorum_id
+    relay, ranks = made[0]
+    relay.upstream.heard(first, (1,))  # its last beat's answer, while group 1 was failed
+    assert relay.heartbeat(ranks[1].info).failed == (1,)
+    again = ask_all(clients)[0]
+    assert again.groups == (0, 1)
+    reply = relay.heartbeat(ranks[1].info)
+    assert reply.failed == () and reply.quorum_id == again.quorum_id
+    # a rank's own client: a reply about an older quorum than one it heard of is superseded
+    c = ranks[2]
+    c.heard(first + 1)
+    c.heard(first, (1,))
+    assert (c.failed_groups, c.latest_quorum_id) == ((), first + 1)
+    c.heard(first + 1, (1,))  # about the current quorum: it stands
+    assert c.failed_groups == (1,)
+
+
+def test_a_goodbye_tells_the_lighthouse_the_groups_last_step(job):
+    """A group that committed steps since its last word to the lighthouse (short steps: no beat)
+    and finishes: the job's finished step is its last one, so a group behind it is told the
+    job finished instead of training on alone from an older step."""
+    addr, lh, made = job
+    ask_all([c for _, cs in made for c in cs])
+    for c in made[0][1]:
+        c.update(step=3)
+    made[0][1][0].leave()
+    j = lh.jobs["relayed"]
+    assert _wait(lambda: j.finished_step == 3), j.finished_step
+    behind = ask_all(made[1][1])  # group 1, still at step 0
+    assert all(isinstance(a, JobFinished) and "finished at step 3" in str(a) for a in behind), behind
 
 
 def test_ranks_hear_the_lighthouses_silence_through_their_relay():

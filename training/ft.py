@@ -217,7 +217,7 @@ class FTReplica:
         # group does; exactly-once then holds for the complete epochs only.
         if steps_total % self.state.cursor.steps_per_epoch:
             return self.schedule.done or step >= steps_total
-        return self.schedule.finished(self._live)
+        return self.schedule.finished()
 
     def allreduce(self, tensors: Sequence[torch.Tensor | None]) -> None:
         q = self.manager.quorum

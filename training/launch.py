@@ -126,7 +126,8 @@ def summarize(events: list[dict], steps: list[dict]) -> dict:
         "quorum_changes": len(quorums),
         "heals": len(heals),
         "step_attempts": len(steps),
-        "failed_attempts": sum(1 for s in steps if not s.get("committed")),
+        "failed_attempts": sum(1 for s in steps if not s.get("committed") and not s.get("idle")),
+        "idle_rounds": sum(1 for s in steps if s.get("idle")),
         "committed_steps": len({s["step"] for s in committed}),
         "mean_participants": (sum(s["participants"] for s in committed) / len(committed)) if committed else 0.0,
     }

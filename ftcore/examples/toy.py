@@ -105,9 +105,8 @@ class Run:
         return group * self.world + self.rank
 
 
-def _step(r: Run, toy: Toy) -> set[int]:
-    """One step of the protocol: quorum, this group's batch (or none), FTAR, the vote; the
-    groups live in its quorum."""
+def _step(r: Run, toy: Toy) -> None:
+    """One step of the protocol: quorum, this group's batch (or none), FTAR, the vote."""
     mgr, g = r.mgr, r.mgr.cfg.group
     mgr.start_quorum()
     # Every rank of the group runs the same collectives in every branch below.
@@ -146,7 +145,6 @@ def _step(r: Run, toy: Toy) -> set[int]:
         _commit(r, toy, q, live, toy.sched.position(live) if healing else pos)  # healed: the schedule just came
     for grad in toy.grads():
         grad.zero_()
-    return live
 
 
 def _commit(r: Run, toy: Toy, q: Quorum, live: set[int], pos: Position | None) -> None:
@@ -215,9 +213,8 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     try:
-        live: set[int] = set()
-        while not toy.sched.finished(live):
-            live = _step(r, toy)
+        while not toy.sched.finished():
+            _step(r, toy)
     except JobFinished as e:
         print(f"toy: {e}; exiting", flush=True)
         mgr.shutdown(leave=False)
