@@ -199,6 +199,21 @@ def test_groups_of_two_ranks_heal_aside_from_the_exchange_and_end_identical(tmp_
     check_ledger(out, 3, ranks=2, steps=40)
 
 
+def test_a_group_that_fails_the_last_steps_vote_heals_before_the_job_ends(tmp_path):
+    """Group 0 contributes to the last batch's exchange and then fails its vote: its peers
+    commit the batch (with its gradient) and the data is done. The job does not end on that
+    round: the next one heals group 0 (it is a step behind), and all end with one state."""
+    out = tmp_path / "run"
+    code, log = launch(out, [{"kind": "raise", "group": 0, "at_step": STEPS - 1, "phase": "vote"}])
+    assert code == 0, log[-4000:]
+    tl = timeline(out)
+    assert any(s["group"] == 0 and not s["committed"] and "injected" in s["error"] for s in tl["steps"])
+    healed = [e for e in tl["lighthouse_events"] if e["kind"] == "heal_assigned" and e["group"] == 0]
+    assert healed and healed[0]["step"] == STEPS, healed
+    assert_identical(out, 3)
+    check_ledger(out, 3, steps=STEPS)
+
+
 def test_a_paused_lighthouse_stops_no_group_and_declares_nobody_dead(tmp_path):
     """SIGSTOP the lighthouse for 2 s: the groups go on in their quorum on its lease (the data
     plane still works), and the returning lighthouse grants a grace period instead of
