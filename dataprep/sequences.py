@@ -86,8 +86,14 @@ def _order(user: np.ndarray, ts: np.ndarray) -> np.ndarray:
 
 
 def stable_argsort(key: np.ndarray) -> np.ndarray:
-    """np.argsort(key, kind="stable") of int64 keys, by the faster unstable sort, then each run
-    of equal keys put back in index order (ties are few: duplicates and same-time events)."""
+    """np.argsort(key, kind="stable") of int64 keys. Where a key and its index fit in 63 bits
+    together, one sort of the values (key << bits | index): numpy sorts values with SIMD, about
+    twice as fast as an argsort here, and ties come out in index order by construction. Else
+    the faster unstable argsort, each run of equal keys then put back in index order (ties are
+    few: duplicates and same-time events)."""
+    bits = max(len(key) - 1, 1).bit_length()
+    if len(key) and 0 <= int(key.min()) and int(key.max()) < 1 << (63 - bits):
+        return np.sort((key << bits) | np.arange(len(key))) & ((1 << bits) - 1)
     order = np.argsort(key)
     k = key[order]
     tie = np.flatnonzero(k[1:] == k[:-1])

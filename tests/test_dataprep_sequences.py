@@ -3,6 +3,7 @@
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -151,10 +152,19 @@ def test_truncation_keeps_most_recent():
 
 def test_stable_argsort_is_numpys_stable_sort():
     """The (user, time) order: numpy's stable argsort, ties (equal keys) in index order."""
-    from dataprep.sequences import stable_argsort
-
     rng = np.random.default_rng(3)
     for n in (0, 1, 2, 17, 5000):
         for hi in (1, 3, 1000, 1 << 60):
             key = rng.integers(0, hi, n)
-            assert np.array_equal(stable_argsort(key), np.argsort(key, kind="stable")), (n, hi)
+            assert np.array_equal(sequences.stable_argsort(key), np.argsort(key, kind="stable")), (n, hi)
+
+
+@pytest.mark.parametrize("top", [3, 1 << 20, 1 << 45, 1 << 62])
+def test_stable_argsort_is_numpys_stable_argsort(top):
+    """Both ways (one value sort of key and index packed, where they fit in 63 bits; an
+    unstable argsort with its ties put back in order, where they do not) give numpy's stable
+    order, ties (many at top=3) in index order."""
+    rng = np.random.default_rng(top % 1000)
+    for n in (0, 1, 2, 5000):
+        key = rng.integers(0, top, n, dtype=np.int64)
+        assert np.array_equal(sequences.stable_argsort(key), np.argsort(key, kind="stable")), (top, n)
