@@ -137,6 +137,14 @@ def run_launch(out: "str | os.PathLike", limit: float, env: dict | None = None, 
     return run_python(launch_args(out, **kw), limit, env)
 
 
+def helped_pieces(ledger_dir: "str | os.PathLike") -> list[list[int]]:
+    """The make-up pieces in a job's ledger that a group trained for another, (helper, owner,
+    epoch, row group) each: the spread of a missed group's batches over the live ones."""
+    from ftcore import ledger
+
+    return [pc for rec, _ in ledger.read(str(ledger_dir)) for pc in rec.get("pieces") or [] if pc[0] != pc[1]]
+
+
 def shard_sample_ids(shards: Path):
     """`sample_ids(shard, row_group)` for ftcore.ledger.check, read from a shard set's files."""
     import pyarrow.parquet as pq

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_launch, shard_sample_ids, synthetic_shards
+from conftest import helped_pieces, run_launch, shard_sample_ids, synthetic_shards
 
 from dataprep import schema
 from ftcore import ledger, tensorfile
@@ -169,7 +169,7 @@ def test_sharded_table_kill9_group_heals_shard_by_shard_exactly_once(shards, tmp
     assert summary["batches"] == 2 * 2 * EPOCHS * steps
     assert summary["makeup_steps"] >= 1, "the killed group missed no step: the make-up path was not exercised"
     # spread: the survivor trained some of the killed group's missed batches from its shards
-    helped = [pc for rec, _ in ledger.read(str(out / "ledger")) for pc in rec.get("pieces") or [] if pc[0] != pc[1]]
+    helped = helped_pieces(out / "ledger")
     assert helped, "every missed batch was made up by its owner alone"
 
 

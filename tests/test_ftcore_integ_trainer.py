@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import cli_shard_set, run_launch, shard_sample_ids
+from conftest import cli_shard_set, helped_pieces, run_launch, shard_sample_ids
 
 from dataprep import schema
 from ftcore import ledger
@@ -39,7 +39,7 @@ def test_trainer_kill9_heal_identical_states_and_timeline_in_mlflow(tmp_path):
     assert summary["batches"] == 2 * 2 * steps
     assert summary["makeup_steps"] >= 1, "the killed group missed no step: the make-up path was not exercised"
     # spread: the survivor trained some of the killed group's missed batches from its shards
-    helped = [pc for rec, _ in ledger.read(str(out / "ledger")) for pc in rec.get("pieces") or [] if pc[0] != pc[1]]
+    helped = helped_pieces(out / "ledger")
     assert helped, "every missed batch was made up by its owner alone"
     tl = json.loads((out / "timeline.json").read_text())
     assert tl["restarts"]["1"] == 1
