@@ -45,6 +45,7 @@ def main() -> int:
     ap.add_argument("--input", required=True, help="an event file (Parquet or CSV), as `dataprep synth` writes")
     ap.add_argument("--memory-budget", default="512MB")
     ap.add_argument("--top", type=int, default=30, help="functions to print")
+    ap.add_argument("--sort", default="cumulative", help="pstats order: cumulative, tottime, ...")
     a = ap.parse_args()
     bucketed.ThreadPoolExecutor = Inline  # type: ignore[misc,assignment]  # one thread: cProfile sees every task
     with tempfile.TemporaryDirectory(prefix="ftrec-profile-") as tmp:
@@ -60,7 +61,7 @@ def main() -> int:
                 raise
         finally:
             prof.disable()
-    pstats.Stats(prof).sort_stats("cumulative").print_stats(a.top)
+    pstats.Stats(prof).sort_stats(a.sort).print_stats(a.top)
     return 0
 
 

@@ -204,7 +204,7 @@ def finish(work: "str | Path", eval_written: bool = False) -> tuple[list[pa.Tabl
     tables, in order; figures. (write and write_eval return their files' checksums, which
     build.seal takes instead of reading the files again.)"""
     work = Path(work)
-    ctx, idm, pm = workdir.ctx(work), workdir.meta(work / "ids"), workdir.meta(work / "plan")
+    idm, pm = workdir.meta(work / "ids"), workdir.meta(work / "plan")
     buckets, set_dir = idm["buckets"], work.parent
     if not eval_written:
         write_eval(work)
@@ -222,11 +222,11 @@ def finish(work: "str | Path", eval_written: bool = False) -> tuple[list[pa.Tabl
         ),
         set_dir / schema.ITEM_MAP,
     )
-    return _rejects(work, len(ctx["paths"]), buckets), _figures(work, idm, pm, buckets)
+    return _rejects(work, buckets), _figures(work, idm, pm, buckets)
 
 
-def _rejects(work: Path, files: int, buckets: int) -> list[pa.Table]:
-    out = workdir.scan_rejects(work, files)
+def _rejects(work: Path, buckets: int) -> list[pa.Table]:
+    out = workdir.scan_rejects(work)
     for reason in ("duplicate_event", "too_short", "history_too_long"):
         parts = [work / "bucket" / str(b) / f"rejects-{reason}.arrow" for b in range(buckets)]
         tables = [workdir.read_ipc(p) for p in parts if p.exists()]

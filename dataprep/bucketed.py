@@ -77,28 +77,31 @@ def estimate(paths: list[str], fmt: str) -> int:
     return total * IN_MEMORY_BYTES_PER_EVENT
 
 
-def scan(work: "str | Path", f: int) -> dict:
-    """Read input file f: events (raw ids; times, or input positions), ids, counts, rejects."""
+def scan(work: "str | Path", s: int) -> dict:
+    """Read span s of the inputs (ctx "spans", readers.spans: a file, or a run of a Parquet
+    file's row groups): events (raw ids; times, or input positions), ids, counts, rejects."""
     again: dict = {}
     while True:
         try:
-            return _scan(Path(work), f, again)
+            return _scan(Path(work), s, again)
         except Restart as e:  # a CSV file read again from its start (see readers.events.Restart)
             again = {"kinds": e.kinds, "replace": e.replace}
 
 
-def _scan(work: Path, f: int, again: dict) -> dict:
+def _scan(work: Path, s: int, again: dict) -> dict:
     ctx = workdir.ctx(work)
-    path = ctx["paths"][f]
+    span = ctx["spans"][s]
+    path = ctx["paths"][span["file"]]
     counts: dict[str, int] = {}
     groups: dict[int, list[pa.Table]] = {}
     users, items = Counts(), Counts()
     types: dict[str, set[str]] = {"user": set(), "item": set()}
     n, changed = 0, False
-    with workdir.task_dir(work / "scan" / str(f)) as d:
+    with workdir.task_dir(work / "scan" / str(s)) as d:
         evs = workdir.Events(d)
+        part = span if "groups" in span else None
         for cols, rejects, c in readers.iter_file(
-            path, ctx["fmt"], ctx["batch_rows"], **ctx["reader_options"], **again
+            path, ctx["fmt"], ctx["batch_rows"], **ctx["reader_options"], **again, span=part
         ):
             for k, v in c.items():
                 counts[k] = counts.get(k, 0) + v
@@ -132,11 +135,13 @@ def _scan(work: Path, f: int, again: dict) -> dict:
                 "counts": counts,
                 "events": n,
                 "rejected": sum(t.num_rows for t in rej),
+                "checks": sorted(groups),  # each table's check number in rejects.arrow (scan_rejects)
                 "types": _typenames(types),
                 "line0": evs.lines.first,
             },
         )
-    return {"file": path, "events": n}
+    part = f" rows {span['rows'] + 1}-{span['rows'] + counts.get('lines', 0)}" if "rows" in span else ""
+    return {"file": path + part, "events": n}
 
 
 def _arrow(a: "pa.Array | np.ndarray") -> pa.Array:
@@ -148,16 +153,16 @@ def _typenames(types: dict[str, set[str]]) -> dict[str, str]:
 
 
 def ids(work: "str | Path", budget: int, buckets: int | None) -> dict:
-    """Merge the files' ids: users and items sorted (dense-id order), B buckets of users."""
+    """Merge the spans' ids: users and items sorted (dense-id order), B buckets of users."""
     work = Path(work)
     ctx = workdir.ctx(work)
-    paths = ctx["paths"]
-    metas = [workdir.meta(work / "scan" / str(f)) for f in range(len(paths))]
+    paths, spans = ctx["paths"], len(ctx["spans"])
+    metas = [workdir.meta(work / "scan" / str(s)) for s in range(spans)]
     lines = sum(m["counts"].get("lines", 0) for m in metas)
     if sum(m["rejected"] for m in metas) > ctx["max_reject_fraction"] * max(lines, 1):
         from dataprep.build import check_rejects
 
-        check_rejects(workdir.scan_rejects(work, len(paths)), lines, ctx["max_reject_fraction"])
+        check_rejects(workdir.scan_rejects(work), lines, ctx["max_reject_fraction"])
     events = sum(m["events"] for m in metas)
     if events == 0:
         raise DataprepError(
@@ -165,7 +170,7 @@ def ids(work: "str | Path", budget: int, buckets: int | None) -> dict:
             "check --format and the rejects listed above"
         )
     typ = {k: pa.string() if any(m["types"][k] == "string" for m in metas) else pa.int64() for k in ("user", "item")}
-    have = [work / "scan" / str(f) for f in range(len(paths)) if metas[f]["events"]]
+    have = [work / "scan" / str(s) for s in range(spans) if metas[s]["events"]]
     uparts = [workdir.read_ipc(d / "users.arrow") for d in have]
     users = sum_counts([pa.table({"u": t.column("u").cast(typ["user"]), "n": t.column("n")}) for t in uparts])
     items = pc.unique(
@@ -210,7 +215,7 @@ def _lookup(sorted_ids: pa.Array) -> Callable[[pa.Array], np.ndarray]:
 
 
 def split(work: "str | Path", f: int) -> dict:
-    """File f's events -> one piece per bucket: global event index, user and item codes, time."""
+    """Span f's events -> one piece per bucket: global event index, user and item codes, time."""
     work = Path(work)
     ctx, idm = workdir.ctx(work), workdir.meta(work / "ids")
     starts = np.load(work / "ids" / "starts.npy")
@@ -278,11 +283,11 @@ def bucket(work: "str | Path", b: int) -> dict:
     starts = np.load(work / "ids" / "starts.npy")
     lo = int(starts[b])
     parts, src, line = [], [], []
-    for f in range(len(ctx["paths"])):
+    for f, span in enumerate(ctx["spans"]):
         p = work / "split" / str(f) / f"b{b}.arrow"
         if p.exists():
             parts.append(workdir.read_ipc(p))
-            src.append(np.full(parts[-1].num_rows, f, np.int32))
+            src.append(np.full(parts[-1].num_rows, span["file"], np.int32))
             ev_f = parts[-1].column("ev").to_numpy() - idm["offsets"][f]
             line.append(workdir.event_lines(work, f, ev_f))
     t = pa.concat_tables(parts)
@@ -519,7 +524,7 @@ def run(
     pool = Pool(workers)
     try:
         t = time.monotonic()
-        nf = len(ctx["paths"])
+        nf = len(ctx["spans"])
         pool.map(scan, work, nf, lambda m: say(f"dataprep: scanned {m['file']}: {m['events']} events"))
         idm = ids(work, lane, buckets)
         nb = idm["buckets"]

@@ -261,6 +261,7 @@ class Job:
         """What every stage of dataprep.bucketed reads (its work folder's ctx.json)."""
         return {
             "paths": self.paths,
+            "spans": readers.spans(self.paths, self.fmt, **self.reader_options),
             "fmt": self.fmt,
             "config": self.config,
             "reader_options": self.reader_options,

@@ -42,17 +42,17 @@ def seq(work: Path, b: int) -> dict[str, np.ndarray]:
     return {k: np.load(d / f"{k}.npy", mmap_mode="r") for k in SEQ if (d / f"{k}.npy").exists()}
 
 
-EVENTS = "events"  # a scanned file's events, one IPC stream file per batch, in order
-LINES = "lines.bin"  # a scanned file's event line numbers, where they do not run on by one
+EVENTS = "events"  # a scanned span's events, one IPC stream file per batch, in order
+LINES = "lines.bin"  # a scanned span's event line numbers, where they do not run on by one
 
 
 def event_parts(work: Path, f: int) -> list[Path]:
-    """Scanned file f's event files, in order."""
+    """Scanned span f's event files, in order."""
     return sorted((work / "scan" / str(f) / EVENTS).glob("*.arrow"))
 
 
 def event_lines(work: Path, f: int, ev: np.ndarray) -> np.ndarray:
-    """The input line (or row) numbers of file f's events `ev` (0-based indices in its scan)."""
+    """The input line (or row) numbers of span f's events `ev` (0-based indices in its scan)."""
     d = work / "scan" / str(f)
     if (d / LINES).exists():
         return np.asarray(np.memmap(d / LINES, np.int64, mode="r")[ev])
@@ -81,13 +81,20 @@ def spent(work: Path, stage: str, i: int) -> None:
         p.unlink(missing_ok=True)
 
 
-def scan_rejects(work: Path, files: int) -> list[pa.Table]:
-    """Every input file's reader rejects, file after file, each check's table in check order."""
-    out = []
-    for f in range(files):
-        p = work / "scan" / str(f) / "rejects.arrow"
+def scan_rejects(work: Path) -> list[pa.Table]:
+    """Every input file's reader rejects, file after file, each check's table in check order
+    (a file's spans' tables of one check concatenated, in order)."""
+    out: list[pa.Table] = []
+    by_check: dict[int, list[pa.Table]] = {}
+    spans = ctx(work)["spans"]
+    for s, span in enumerate(spans):
+        p = work / "scan" / str(s) / "rejects.arrow"
         if p.exists():
-            out += batches_ipc(p)
+            for check, t in zip(meta(p.parent)["checks"], batches_ipc(p), strict=True):
+                by_check.setdefault(check, []).append(t)
+        if s + 1 == len(spans) or spans[s + 1]["file"] != span["file"]:  # the file's last span
+            out += [pa.concat_tables(by_check[c]).combine_chunks() for c in sorted(by_check)]
+            by_check = {}
     return out
 
 

@@ -11,7 +11,7 @@ import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 import pytest
 
-from dataprep import assemble, bucketed, counts, schema, workdir
+from dataprep import assemble, bucketed, counts, readers, schema, workdir
 from dataprep.build import build_shards
 from dataprep.errors import DataprepError
 
@@ -106,6 +106,48 @@ def test_parquet_events_same_bytes(tmp_path, parquet_inputs, monkeypatch):
     assert ref["format_version"] == 2 and ref["timestamps"]["input_unit"] == "us"  # b's timestamp column
 
 
+def test_a_parquet_files_row_groups_are_read_in_spans_same_bytes(tmp_path, parquet_inputs, monkeypatch):
+    """A large Parquet file is read in spans of its row groups, each a task of its own: every
+    row group once, in order, rows counted from the file's start; the set is the in-memory
+    build's, byte for byte, rejects' row numbers included (bad rows lie in every span)."""
+    monkeypatch.setattr(readers, "SPAN_ROWS", 10_000)
+    spans = readers.spans(parquet_inputs, "events")
+    for f, path in enumerate(parquet_inputs):
+        md = pq.ParquetFile(path).metadata
+        starts = np.cumsum([0] + [md.row_group(g).num_rows for g in range(md.num_row_groups)]).tolist()
+        mine = [s for s in spans if s["file"] == f]
+        assert len(mine) >= 2
+        assert [g for s in mine for _, a, b in s["groups"] for g in range(a, b)] == list(range(md.num_row_groups))
+        assert [s["rows"] for s in mine] == [starts[s["groups"][0][1]] for s in mine]
+        assert all(len(s["groups"]) == 1 and s["groups"][0][0] == path for s in mine)
+    lines: list[str] = []
+    kw = dict(world_size=3, batch_size=16, max_len=20, seed=2)
+    ref = build_shards(parquet_inputs, "events", str(tmp_path / "ref"), **kw)
+    build_shards(parquet_inputs, "events", str(tmp_path / "spans"), buckets=3, log=lines.append, **kw)
+    _assert_same(tmp_path / "ref", tmp_path / "spans")
+    assert sum(x.startswith("dataprep: scanned") and " rows " in x for x in lines) == len(spans), lines
+    assert ref["rejects"]["missing_value"] > 50 and ref["rejects"]["negative_id"] > 50
+    monkeypatch.setattr(readers, "SPAN_ROWS", 1)
+    monkeypatch.setattr(readers, "MOST_SPANS", 3)  # at most 3 a file, however small SPAN_ROWS is
+    assert [s["file"] for s in readers.spans(parquet_inputs, "events")] == [0, 0, 0, 1, 1, 1]
+
+
+def test_inputs_read_whole_where_spans_do_not_apply(tmp_path, monkeypatch):
+    """One span, the file whole: a file of one row group, a CSV file, a Parquet file whose
+    string times are typed over the whole column, a file with no rows."""
+    monkeypatch.setattr(readers, "SPAN_ROWS", 10)
+    cols = {"user_id": np.arange(100) % 7, "item_id": np.arange(100), "timestamp": np.arange(100)}
+    pq.write_table(pa.table(cols), tmp_path / "one.parquet")
+    pcsv.write_csv(pa.table(cols), tmp_path / "a.csv")
+    text_times = pa.table({**cols, "timestamp": [str(x) for x in cols["timestamp"]]})
+    pq.write_table(text_times, tmp_path / "text.parquet", row_group_size=20)
+    pq.write_table(pa.table(cols).slice(0, 0), tmp_path / "empty.parquet")
+    paths = [str(tmp_path / n) for n in ("one.parquet", "a.csv", "text.parquet", "empty.parquet")]
+    assert readers.spans(paths, "events") == [{"file": f} for f in range(4)]
+    pq.write_table(pa.table(cols), tmp_path / "many.parquet", row_group_size=20)
+    assert len(readers.spans([str(tmp_path / "many.parquet")], "events")) == 5
+
+
 def test_mixed_id_types_and_consecutive_dedup_same_bytes(tmp_path, parquet_inputs):
     rng = np.random.default_rng(9)
     c = _events(rng, 500, 8000, first_user=100)
@@ -164,7 +206,7 @@ def test_user_errors_same_as_in_memory(tmp_path):
     assert not list(tmp_path.glob(".out.tmp-*"))  # the staging folder went with the error
 
 
-def test_uri_input_through_pyarrow_fs(tmp_path, parquet_inputs):
+def test_uri_input_through_pyarrow_fs(tmp_path, parquet_inputs, monkeypatch):
     """A `scheme://` Parquet input (here file://, read through pyarrow.fs like s3:// or gs://)
     gives the local input's set: same fingerprint, every data file byte for byte."""
     folder = tmp_path / "in"
@@ -173,6 +215,8 @@ def test_uri_input_through_pyarrow_fs(tmp_path, parquet_inputs):
         (folder / Path(p).name).write_bytes(Path(p).read_bytes())
     kw = dict(world_size=2, batch_size=16)
     local = build_shards(str(folder), "events", str(tmp_path / "local"), **kw)
+    monkeypatch.setattr(readers, "SPAN_ROWS", 25_000)  # a span across the folder's two files
+    assert any(len(s["groups"]) == 2 for s in readers.spans([folder.as_uri()], "events"))
     for name, extra in (("uri", {}), ("uri_bucketed", {"buckets": 3})):
         m = build_shards(folder.as_uri(), "events", str(tmp_path / name), **kw, **extra)
         assert m["input"]["fingerprint"] == local["input"]["fingerprint"]

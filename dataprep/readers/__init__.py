@@ -19,12 +19,16 @@ from dataprep.readers.events import (
     iter_csv,
     parquet_batches,
     parquet_dataset,
+    parquet_spans,
     read_events,
+    span_dataset,
     streamable,
 )
 from dataprep.readers.text import read_sasrec, token_events
 
 FORMATS = ("sasrec", "iclrec", "movielens", "events")
+SPAN_ROWS = 1 << 20  # rows a span of a Parquet input holds at least (spans: the bucketed build's reads)
+MOST_SPANS = 64  # spans of one input at most (each is a task, and a file per bucket in split)
 TIME_FORMATS = ("movielens", "events")  # real event times; the others order by input position
 
 
@@ -151,13 +155,14 @@ def iter_file(
     time_col: str = "timestamp",
     kinds: tuple[str, str, str] | None = None,
     replace: bool = False,
+    span: dict | None = None,
     **unknown,
 ) -> Iterator[tuple[dict, list[tuple[int, pa.Table]], dict]]:
-    """One input file as parts of at most `batch_rows` rows where the format allows (Parquet
-    and CSV events), else whole: (event columns, [(check number, reject table)], counts). The
-    parts' events concatenate to `read_file`'s; its rejects are each check's tables
-    concatenated, in check order (see table_events). A CSV file may raise events.Restart: read
-    it again with the Restart's `kinds` and `replace`."""
+    """One input file (or a `span` of it, see spans) as parts of at most `batch_rows` rows where
+    the format allows (Parquet and CSV events), else whole: (event columns, [(check number,
+    reject table)], counts). The parts' events concatenate to `read_file`'s; its rejects are
+    each check's tables concatenated, in check order (see table_events). A CSV file may raise
+    events.Restart: read it again with the Restart's `kinds` and `replace`."""
     defaults = _columns(user_col, item_col, time_col, unknown)
     csv = path.endswith((".csv", ".csv.gz", ".tsv"))
     if csv and not is_uri(path) and (fmt == "events" or fmt == "movielens" and path.endswith(".csv")):
@@ -171,11 +176,37 @@ def iter_file(
     if parquet:
         check_input(path)
         dataset, cols = parquet_dataset(path, user_col, item_col, time_col, defaults)
+        if span:
+            part = span_dataset(path, dataset, span["groups"])
+            yield from parquet_batches(path, part, cols, batch_rows, span["rows"])
+            return
         if streamable(dataset, cols):
             yield from parquet_batches(path, dataset, cols, batch_rows)
             return
     cols_, rejects, counts = read_file(path, fmt, user_col, item_col, time_col, defaults)
     yield cols_, list(enumerate(rejects)), counts
+
+
+def spans(
+    paths: list[str],
+    fmt: str,
+    *,
+    user_col: str = "user_id",
+    item_col: str = "item_id",
+    time_col: str = "timestamp",
+    **unknown,
+) -> list[dict]:
+    """The bucketed build's units of reading, in input order: {"file": index in `paths`}, read
+    whole, or with "rows" and "groups" where a Parquet input is cut into runs of its row groups
+    (events.parquet_spans: SPAN_ROWS rows at least, MOST_SPANS a file at most), which are read
+    at once. Reading them in order reads the inputs' rows in order."""
+    defaults = _columns(user_col, item_col, time_col, unknown)
+    out = []
+    for f, path in enumerate(paths):
+        cut = fmt == "events" and not path.endswith((".csv", ".csv.gz", ".tsv"))
+        cols = (user_col, item_col, time_col, defaults)
+        out += [{"file": f, **s} for s in (parquet_spans(path, cols, SPAN_ROWS, MOST_SPANS) if cut else [{}])]
+    return out
 
 
 def read(

@@ -474,8 +474,50 @@ def parquet_dataset(path: str, user_col: str, item_col: str, time_col: str, defa
         raise _not_parquet(path, e) from None
 
 
-def parquet_batches(path: str, dataset: pds.Dataset, cols: tuple, batch_rows: int) -> Iterator[tuple]:
-    rows = 0
+def parquet_spans(path: str, cols: tuple[str, str, str, bool], rows: int, most: int) -> list[dict]:
+    """A Parquet input's row groups, in reading order, cut into spans of about `rows` rows (at
+    most `most` spans): [{"rows": rows before it, "groups": [[file, first group, end], ...]}];
+    [{}] (read whole) where that makes one span, where it is not streamable, or where its row
+    groups cannot be listed (reading it whole then says why)."""
+    dataset, names = parquet_dataset(path, *cols)
+    if not streamable(dataset, names):
+        return [{}]
+    try:
+        groups = [(f.path, g.id, g.num_rows) for f in dataset.get_fragments() for g in f.row_groups]
+    except (OSError, ValueError):
+        return [{}]
+    total = sum(n for _, _, n in groups)
+    size = max(rows, -(-total // most))
+    if total < 2 * size:
+        return [{}]
+    spans: list[dict] = []
+    done = 0
+    for f, g, n in groups:
+        if not spans or done >= len(spans) * size:
+            spans.append({"rows": done, "groups": []})
+        runs = spans[-1]["groups"]
+        if runs and runs[-1][0] == f and runs[-1][2] == g:
+            runs[-1][2] = g + 1
+        else:
+            runs.append([f, g, g + 1])
+        done += n
+    return spans if len(spans) > 1 else [{}]
+
+
+def span_dataset(path: str, dataset: pds.Dataset, groups: list) -> pds.Dataset:
+    """The row groups `groups` (parquet_spans) of a Parquet input, as a dataset of their own."""
+    frags = {f.path: f for f in dataset.get_fragments()}
+    if any(f not in frags for f, _, _ in groups):
+        raise DataprepError(f"{path}: its files changed while the build read them; run the build again")
+    parts = [frags[f].subset(row_group_ids=list(range(a, b))) for f, a, b in groups]
+    return pds.FileSystemDataset(parts, dataset.schema, dataset.format, dataset.filesystem)
+
+
+def parquet_batches(
+    path: str, dataset: pds.Dataset, cols: tuple, batch_rows: int, first_row: "int | None" = None
+) -> Iterator[tuple]:
+    """The events of `dataset` (a Parquet input, or a span of it from row `first_row` on) in batches."""
+    rows = first_row or 0
     # no pre-buffering and one batch of read-ahead: pyarrow's defaults hold ~1 GB of a 100M-row file
     batches = dataset.to_batches(
         columns=list(cols),
@@ -504,5 +546,5 @@ def parquet_batches(path: str, dataset: pds.Dataset, cols: tuple, batch_rows: in
         )
         rows += batch.num_rows
         yield out, list(zip(calls, rejects, strict=True)), counts
-    if rows == 0:
+    if rows == 0 and first_row is None:
         raise DataprepError(f"{path}: no rows; nothing to read (give a file with interactions)")

@@ -45,26 +45,28 @@ def _job(spec: pipeline_ops.ShardSpec, log: Callable[[str], None]):
 
 
 def prepare(spec: pipeline_ops.ShardSpec, *, buckets: int | None, memory_budget: str | None, log=print) -> dict:
-    """The staging folder of `spec`'s set and the input files' indices (for the mapped tasks)."""
+    """The staging folder of `spec`'s set and the indices of its input spans (each file, or a
+    run of a large Parquet file's row groups: readers.spans), which the read and partition
+    tasks are mapped over."""
     from dataprep import bucketed
 
     job = _job(spec, log)
-    files = list(range(len(job.paths)))
     if job.existing is not None:
         log(f"{spec.out} already holds this shard set; reused")
-        return {"stage": "", "files": files}
+        return {"stage": "", "spans": list(range(len(job.paths)))}
     key = hashlib.sha256(json.dumps([job.head, buckets], sort_keys=True).encode()).hexdigest()[:16]
     stage = job.outp.parent / f".{job.outp.name}.stage-{key}"
     work = stage / "_work"
     budget = bucketed.parse_size(memory_budget) if memory_budget else bucketed.default_budget()
     ctx = {**job.bucketed_context(), "batch_rows": bucketed.batch_rows(budget), "budget": budget}
+    spans = list(range(len(ctx["spans"])))
     if not (work / "ctx.json").exists() or json.loads((work / "ctx.json").read_text()) != ctx:
         shutil.rmtree(stage, ignore_errors=True)
         work.mkdir(parents=True)
         (work / JOB).write_text(json.dumps({"head": job.head, "budget": budget, "buckets": buckets}))
         (work / "ctx.json").write_text(json.dumps(ctx))
-    log(f"staging {stage}: {len(files)} input files")
-    return {"stage": str(stage), "files": files}
+    log(f"staging {stage}: {len(job.paths)} input files in {len(spans)} spans")
+    return {"stage": str(stage), "spans": spans}
 
 
 def run_stage(name: str, stage: str, index: int | None = None) -> Any:
@@ -224,7 +226,7 @@ def fanout(
         def prepare_task(data: Any, params=None) -> list[dict]:
             kw = _settings(params, buckets, memory_budget)
             p = _user_errors(lambda: prepare(spec_fn(data, params=params), **kw))
-            return _args(p["stage"], p["files"])
+            return _args(p["stage"], p["spans"])
 
         @task
         def ids(files: list[dict]) -> list[dict]:
