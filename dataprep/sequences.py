@@ -74,15 +74,30 @@ def _codes(values: pa.Array) -> tuple[np.ndarray, pa.Array]:
 
 
 def _order(user: np.ndarray, ts: np.ndarray) -> np.ndarray:
-    """Indices sorting by (user, ts), stable. One int64 key when it fits, else lexsort."""
+    """Indices sorting by (user, ts), stable. Where each user's events come in time order (a
+    log usually does) and the users fit 16 bits (a bucket's do), a stable sort by user alone:
+    numpy sorts 16-bit keys by radix, several times faster than the (user, ts) key's sort.
+    Else one int64 key when it fits, else lexsort."""
     if len(ts) == 0:
         return np.zeros(0, np.int64)
+    nu = int(user.max()) + 1
+    if nu <= 1 << 16 and _in_time_order(user[:4096], ts[:4096]):  # the first events first: a cheap no
+        order = np.argsort(user.astype(np.uint16), kind="stable")
+        if _in_time_order(user, ts, order):
+            return order
     t0, t1 = int(ts.min()), int(ts.max())
     span = t1 - t0 + 1
-    nu = int(user.max()) + 1
     if span * nu < (1 << 62):
         return stable_argsort(user * span + (ts - t0))
     return np.lexsort((ts, user))
+
+
+def _in_time_order(user: np.ndarray, ts: np.ndarray, order: "np.ndarray | None" = None) -> bool:
+    """Whether each user's events come in time order (`order`: the events grouped by user, stably)."""
+    if order is None:
+        order = np.argsort(user, kind="stable")
+    u, t = user[order], ts[order]
+    return not np.any((t[1:] < t[:-1]) & (u[1:] == u[:-1]))
 
 
 def stable_argsort(key: np.ndarray) -> np.ndarray:

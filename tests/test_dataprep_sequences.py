@@ -168,3 +168,22 @@ def test_stable_argsort_is_numpys_stable_argsort(top):
     for n in (0, 1, 2, 5000):
         key = rng.integers(0, top, n, dtype=np.int64)
         assert np.array_equal(sequences.stable_argsort(key), np.argsort(key, kind="stable")), (top, n)
+
+
+@pytest.mark.parametrize("case", ["a log", "time ties", "one user out of order late", "random times", "many users"])
+def test_events_ordered_by_user_then_time_ties_in_input_order(case):
+    """_order: the stable (user, time) order, whichever way it takes (a stable sort by user
+    alone where each user's events already come in time order and users fit 16 bits)."""
+    rng = np.random.default_rng(7)
+    n = 20_000
+    user = rng.integers(0, 300_000 if case == "many users" else 900, n)
+    ts = np.sort(rng.integers(0, 10**6, n))  # a log: in time order
+    if case == "time ties":
+        ts //= 1000
+    elif case == "one user out of order late":
+        last = np.flatnonzero(user == user[-1])
+        ts[last[-2:]] = ts[last[-2:]][::-1] - [0, 1]  # the user's last two events swapped
+    elif case == "random times":
+        ts = rng.integers(0, 10**6, n)
+    want = np.lexsort((np.arange(n), ts, user))
+    assert np.array_equal(sequences._order(user, ts), want)
