@@ -19,12 +19,15 @@ class Counts:
         if not self.hashed and pa.types.is_integer(a.type) and len(a):
             x = a.to_numpy()
             lo, hi = int(x.min()), int(x.max())
-            if not len(self.dense):
-                self.lo = lo
-            top = max(hi - self.lo + 1, len(self.dense))
-            if lo >= self.lo and top <= 2 * max(self.distinct, len(np.unique(x[:4096]))) + (1 << 20):
+            if len(self.dense):  # the array grows either way: a batch may hold ids below the first's
+                lo, hi = min(lo, self.lo), max(hi, self.lo + len(self.dense) - 1)
+            top = hi - lo + 1
+            if top <= 2 * max(self.distinct, len(np.unique(x[:4096]))) + (1 << 20):
                 if top > len(self.dense):
-                    self.dense = np.concatenate([self.dense, np.zeros(top - len(self.dense), np.int64)])
+                    at = self.lo - lo if len(self.dense) else 0
+                    grown = np.zeros(top, np.int64)
+                    grown[at : at + len(self.dense)] = self.dense
+                    self.dense, self.lo = grown, lo
                 self.dense += np.bincount(x - self.lo, minlength=top)
                 self.distinct = int(np.count_nonzero(self.dense))
                 return

@@ -332,13 +332,16 @@ def test_csv_read_in_parts_same_bytes(tmp_path, csv_inputs, monkeypatch, files):
 
 
 def test_scan_counts_dense_then_hashed_agree_with_value_counts():
-    """scan's id counts: a count array while ids are dense, hashed once they spread or are text."""
+    """scan's id counts: a count array while ids are dense (a later batch's ids below the first's
+    too), hashed once they spread or are text."""
     rng = np.random.default_rng(3)
     parts = [rng.integers(0, 5000, 20_000), rng.integers(0, 9000, 20_000), rng.integers(0, 1 << 40, 3000)]
-    for arrays in (parts[:2], parts, [np.array(["a", "b", "a"])]):
+    lower = [rng.integers(3000, 5000, 20_000), rng.integers(10, 4000, 20_000), rng.integers(0, 20, 50)]
+    for arrays, dense in ((parts[:2], True), (lower, True), (parts, False), ([np.array(["a", "b", "a"])], False)):
         c = counts.Counts()
         for a in arrays:
             c.add(pa.array(a))
+        assert c.hashed is not dense
         want = pc.value_counts(pa.concat_arrays([pa.array(a) for a in arrays])).flatten()
         got = c.table()  # sorted by id
         assert got.column("u").to_pylist() == sorted(want[0].to_pylist())
