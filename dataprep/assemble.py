@@ -199,15 +199,24 @@ def write_eval(work: "str | Path", _: int = 0) -> dict:
     return {"eval": True, "sha256": {schema.EVAL_FILE: sha256_file(work.parent / schema.EVAL_FILE)}}
 
 
-def finish(work: "str | Path", eval_written: bool = False) -> tuple[list[pa.Table], dict]:
-    """eval.parquet (unless `eval_written`) and the maps into the set's folder; the rejects
-    tables, in order; figures. (write and write_eval return their files' checksums, which
-    build.seal takes instead of reading the files again.)"""
+def finish(work: "str | Path", written: bool = False) -> tuple[list[pa.Table], dict]:
+    """eval.parquet and the maps into the set's folder (unless `written`: a one-process build
+    runs write_eval and write_maps as tasks beside the rank files); the rejects tables, in
+    order; figures. (write and write_eval return their files' checksums, which build.seal
+    takes instead of reading the files again.)"""
+    work = Path(work)
+    idm, pm = workdir.meta(work / "ids"), workdir.meta(work / "plan")
+    if not written:
+        write_eval(work)
+        write_maps(work)
+    return _rejects(work, idm["buckets"]), _figures(work, idm, pm, idm["buckets"])
+
+
+def write_maps(work: "str | Path", _: int = 0) -> dict:
+    """The user and item maps into the set's folder."""
     work = Path(work)
     idm, pm = workdir.meta(work / "ids"), workdir.meta(work / "plan")
     buckets, set_dir = idm["buckets"], work.parent
-    if not eval_written:
-        write_eval(work)
     um = _RowGroups(set_dir / schema.USER_MAP, schema.MAP_SCHEMA)
     for b in range(buckets):
         u = workdir.read_ipc(work / "bucket" / str(b) / "users.arrow").column("id").combine_chunks()
@@ -222,7 +231,7 @@ def finish(work: "str | Path", eval_written: bool = False) -> tuple[list[pa.Tabl
         ),
         set_dir / schema.ITEM_MAP,
     )
-    return _rejects(work, buckets), _figures(work, idm, pm, buckets)
+    return {"maps": True, "sha256": {}}
 
 
 def _rejects(work: Path, buckets: int) -> list[pa.Table]:

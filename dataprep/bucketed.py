@@ -23,7 +23,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from dataprep import heap, process, readers, schema, sequences, workdir
-from dataprep.assemble import finish, write, write_eval
+from dataprep.assemble import finish, write, write_eval, write_maps
 from dataprep.cost import load_cost_model
 from dataprep.counts import Counts, sum_counts
 from dataprep.errors import DataprepError
@@ -549,12 +549,11 @@ def run(
         plan(work, nb, say, timings)
         t_write = time.monotonic()
         pool.map(route, work, nb, lambda m: None)
-        # eval.parquet (the longest task) beside the rank files, then the maps and rejects
+        # eval.parquet (the longest task) beside the rank files and the maps, then the rejects
         ranks = [(write, r) for r in range(ctx["config"]["world_size"])]
-        sums = {
-            k: v for m in pool.tasks([(write_eval, 0), *ranks], work, lambda m: None) for k, v in m["sha256"].items()
-        }
-        out = finish(work, eval_written=True)
+        written = pool.tasks([(write_eval, 0), *ranks, (write_maps, 0)], work, lambda m: None)
+        sums = {k: v for m in written for k, v in m["sha256"].items()}
+        out = finish(work, written=True)
     finally:
         pool.close()
     shutil.rmtree(work)
