@@ -140,20 +140,24 @@ def seconds(ts: np.ndarray) -> tuple[np.ndarray, str]:
 
 
 def _drop_duplicates(
-    ev: Interactions, order: np.ndarray, u0: np.ndarray, i0: np.ndarray, dedup: str, rejects: list[pa.Table]
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """`order` (events grouped by user, by time) without the duplicates, which are rejected:
-    (order of the kept events, their user codes, the duplicates' event indices, sorted)."""
-    us = u0[order]
-    dup = _duplicates(us, ev.ts[order], i0[order], dedup, ev.has_time)
+    ev: Interactions, cols: list[np.ndarray], dedup: str, rejects: list[pa.Table]
+) -> tuple["np.ndarray | None", np.ndarray]:
+    """Which events of `cols` (event index, user code, time, item code; grouped by user, by
+    time) `dedup` keeps, None for all; and the duplicates' event indices, sorted, which are
+    rejected."""
+    order, us, ts, it = cols
+    dup = _duplicates(us, ts, it, dedup, ev.has_time)
     if not dup.any():
-        return order, us, np.zeros(0, np.int64)
+        return None, np.zeros(0, np.int64)
     same = (
         "same user, item and time as an earlier event" if dedup == "exact" else "same item as the user's previous event"
     )
     rejects.append(_reject_by_event(ev, order[dup], "duplicate_event", same))
-    keep = ~dup
-    return order[keep], us[keep], np.sort(order[dup])
+    return ~dup, np.sort(order[dup])
+
+
+def _kept(cols: list[np.ndarray], keep: "np.ndarray | None") -> list[np.ndarray]:
+    return cols if keep is None else [c[keep] for c in cols]
 
 
 def _dense_users(u_sorted: pa.Array, us: np.ndarray, drop_user: np.ndarray) -> tuple[np.ndarray, pa.Array]:
@@ -206,19 +210,21 @@ def build_sequences(
         )
     rejects = list(ev.rejects)
     u0, u_sorted, i0, i_dict = _provisional(ev, codes)
-    order, us, duplicates = _drop_duplicates(ev, _order(u0, ev.ts), u0, i0, dedup, rejects)
+    order = _order(u0, ev.ts)
+    cols = [order, u0[order], ev.ts[order], i0[order]]  # the events in that order: each gathered once
+    keep, duplicates = _drop_duplicates(ev, cols, dedup, rejects)
+    cols = _kept(cols, keep)
     nu = int(u0.max()) + 1
-    drop_user, too_short = _drop_users(ev, us, order, nu, max_events, rejects)
-    order = order[~drop_user[us]]
+    drop_user, too_short = _drop_users(ev, cols[1], cols[0], nu, max_events, rejects)
+    order, us, ts, it_kept = _kept(cols, ~drop_user[cols[1]] if drop_user.any() else None)
     if len(order) == 0 and not part:
         raise DataprepError(
             f"{', '.join(ev.paths)}: no user has the {MIN_EVENTS} events leave-one-out needs "
             f"({too_short} users too short); give more data"
         )
     dense_user, user_raw = _dense_users(u_sorted, us, drop_user)
-    it_kept = i0[order]
     dense_item, item_raw = _dense_items(i_dict, it_kept)
-    cnt = np.bincount(dense_user[u0[order]] - 1, minlength=len(user_raw))
+    cnt = np.bincount(dense_user[us] - 1, minlength=len(user_raw))
     offsets = np.zeros(len(user_raw) + 1, np.int64)
     np.cumsum(cnt, out=offsets[1:])
     # `order` is grouped by provisional user code, ordered by time inside each user;
@@ -229,9 +235,9 @@ def build_sequences(
         "users_read": int((np.bincount(u0, minlength=nu) > 0).sum()),
         "users_rejected": int(drop_user.sum()),
     }
-    ts_kept, unit = seconds(ev.ts[order]) if ev.has_time and not raw_times else (None, "")
+    ts_kept, unit = seconds(ts) if ev.has_time and not raw_times else (None, "")
     if ev.has_time and raw_times:
-        ts_kept = ev.ts[order]
+        ts_kept = ts
     return Sequences(
         offsets=offsets,
         values=dense_item[it_kept].astype(np.int32),
