@@ -226,6 +226,8 @@ def split(work: "str | Path", f: int) -> dict:
     # 16-bit bucket numbers sort stably by radix (an int64 stable sort is a merge sort)
     bnum = np.int16 if len(starts) < 1 << 15 else np.int32
     pos = [idm["offsets"][f]]
+    # each user code's bucket, looked up (a table of one entry a user) rather than searched for
+    bucket_of = np.repeat(np.arange(len(starts), dtype=bnum), np.diff(np.append(starts, idm["users"])))
 
     def cut(part: Path) -> tuple[pa.Table, np.ndarray]:
         """A part's events by bucket, stably, and where each bucket's rows begin."""
@@ -235,7 +237,7 @@ def split(work: "str | Path", f: int) -> dict:
         pos[0] += n
         u = user_code(batch.column("user"))
         ts = batch.column("ts").to_numpy()
-        b = (np.searchsorted(starts, u, side="right") - 1).astype(bnum)
+        b = bucket_of[u]
         order = np.argsort(b, kind="stable")
         t = pa.table(
             {
