@@ -225,8 +225,7 @@ def build_sequences(
     dense_user, user_raw = _dense_users(u_sorted, us, drop_user)
     dense_item, item_raw = _dense_items(i_dict, it_kept)
     cnt = np.bincount(dense_user[us] - 1, minlength=len(user_raw))
-    offsets = np.zeros(len(user_raw) + 1, np.int64)
-    np.cumsum(cnt, out=offsets[1:])
+    offsets = np.concatenate([[0], np.cumsum(cnt)]).astype(np.int64)
     # `order` is grouped by provisional user code, ordered by time inside each user;
     # dense ids follow the same sorted raw order, so the groups are already in place.
     counts = {
@@ -235,9 +234,7 @@ def build_sequences(
         "users_read": int((np.bincount(u0, minlength=nu) > 0).sum()),
         "users_rejected": int(drop_user.sum()),
     }
-    ts_kept, unit = seconds(ts) if ev.has_time and not raw_times else (None, "")
-    if ev.has_time and raw_times:
-        ts_kept = ts
+    ts_kept, unit = ((ts, "") if raw_times else seconds(ts)) if ev.has_time else (None, "")
     return Sequences(
         offsets=offsets,
         values=dense_item[it_kept].astype(np.int32),
