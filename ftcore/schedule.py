@@ -61,25 +61,27 @@ class MakeupSchedule:
     def done(self) -> bool:
         return self.epoch >= self.epochs and not self.makeup
 
-    def finished(self) -> bool:
-        """The run may end: the data is done and every group of the job was live in a round
-        formed since (`position` saw it), or it has waited END_WAIT for that. The round in which
-        the last batch was trained does not count: a group may have failed that step's vote, and
-        the next round heals it (not live) before all end with one state. Waiting, the steps have
-        no work: a group held out as slow is readmitted in such a round, a restarted one heals in."""
-        if not self.done:
+    def finished(self, spent: bool = False) -> bool:
+        """The run may end: the data is done (or `spent`: a step budget that ends mid-epoch is
+        used up) and every group of the job was live in a round formed since (`position` saw
+        it), or it has waited END_WAIT for that. The round in which the last batch was trained
+        does not count: a group may have failed that step's vote, and the next round heals it
+        (not live) before all end with one state. Waiting, the steps have no work: a group held
+        out as slow is readmitted in such a round, a restarted one heals in."""
+        if not (self.done or spent):
             return False
         if len(self._ended_live) >= self.num_groups:
             return True
         self._done_at = self._done_at or time.monotonic()
         return time.monotonic() - self._done_at > timeouts.END_WAIT
 
-    def position(self, live: set[int]) -> Position | None:
+    def position(self, live: set[int], spent: bool = False) -> Position | None:
         """What the next step trains, given the groups that can contribute to it.
 
-        None: nothing to train now (the data is done, or nobody is live): wait.
+        None: nothing to train now (the data is done or the step budget `spent`, or nobody is
+        live): wait.
         """
-        if self.done:
+        if self.done or spent:
             self._ended_live = frozenset(live)  # a round formed after the data was done
             return None
         if self.in_makeup:

@@ -122,6 +122,18 @@ def test_makeup_is_spread_over_the_live_groups_and_does_not_wait_for_the_owner()
     assert s.position({0, 1, 2}) is None and s.finished()  # a round with every group live
 
 
+def test_a_step_budget_spent_mid_epoch_ends_the_run_only_with_every_group_back():
+    """train.max_steps ending mid-epoch (`spent`): no more work, and the run ends as at the
+    data's end, once a round has had every group live; a group behind is not left alone."""
+    s = MakeupSchedule(10, 2, 1, seed=0)
+    for _ in range(3):
+        s.commit(s.position({0, 1}), {0, 1})
+    assert not s.done and not s.finished() and s.position({1}, spent=False).kind == "regular"
+    assert not s.finished(spent=True)  # the round that trained the last batch does not count
+    assert s.position({1}, spent=True) is None and not s.finished(spent=True)  # group 0 is away
+    assert s.position({0, 1}, spent=True) is None and s.finished(spent=True)
+
+
 def test_schedule_without_failures_has_no_makeup_steps_and_survives_state_roundtrip():
     s = MakeupSchedule(4, 2, 2, seed=1)
     t = MakeupSchedule(4, 2, 2, seed=1)

@@ -119,6 +119,7 @@ class FTReplica:
         self._committed: Position | None = None  # the last committed step's
         self._ids: list[int] | None = None  # sample ids this group trained this step
         self._joined = False  # the ledger's resumed_to marker is written
+        self._budget: int | None = None  # a step budget that ends mid-epoch (data_done)
 
     # ---- the state a recovering group receives ------------------------------------------
     def _state_dict(self) -> dict:
@@ -183,9 +184,9 @@ class FTReplica:
                 self._joined = True
             self._live = q.live()
             if not self.manager.healing:  # a healing group's schedule arrives with the state
-                self._pos = self.schedule.position(self._live)
+                self._pos = self.schedule.position(self._live, self._spent())
                 if self._pos is None:
-                    time.sleep(0.05)  # the data is done: waiting for every group to be back
+                    time.sleep(0.05)  # the data is done (or the budget spent): waiting for every group
                 elif self.group in self._live and (piece := self._pos.piece(self.group)) is not None:
                     batch = self._read(loader, *piece)
                     self._ids = batch.sample_ids.tolist()
@@ -214,10 +215,14 @@ class FTReplica:
     def data_done(self, step: int, steps_total: int) -> bool:
         # Whole epochs end when the schedule, make-up steps included, is done. A step budget
         # that ends mid-epoch (train.max_steps) stops at that many committed steps, as a single
-        # group does; exactly-once then holds for the complete epochs only.
-        if steps_total % self.state.cursor.steps_per_epoch:
-            return self.schedule.done or step >= steps_total
-        return self.schedule.finished()
+        # group does; exactly-once then holds for the complete epochs only. Either way the
+        # groups end together (schedule.finished): one behind is healed first, not left alone.
+        self._budget = steps_total if steps_total % self.state.cursor.steps_per_epoch else None
+        return self.schedule.finished(self._spent())
+
+    def _spent(self) -> bool:
+        """The step budget that ends mid-epoch (data_done's) is used up."""
+        return self._budget is not None and int(self.state.step) >= self._budget
 
     def allreduce(self, tensors: Sequence[torch.Tensor | None]) -> None:
         q = self.manager.quorum
@@ -237,7 +242,7 @@ class FTReplica:
             self.ledger.healed(self.manager.healed_step)
         if not ok:
             return False
-        pos = self._pos if self._pos is not None else self.schedule.position(self._live)  # healed: now known
+        pos = self._pos if self._pos is not None else self.schedule.position(self._live, self._spent())  # healed
         if pos is None:
             raise RuntimeError("ftcore: a committed step has no place in the make-up schedule")
         contributors = {h for h in self._live if self.schedule.works(pos, h)}
