@@ -16,6 +16,7 @@ import pyarrow as pa
 
 from dataprep.errors import DataprepError
 from dataprep.readers.events import (
+    CSV_SUFFIXES,
     iter_csv,
     parquet_batches,
     parquet_dataset,
@@ -130,7 +131,7 @@ def _columns(user_col: str, item_col: str, time_col: str, unknown: dict) -> bool
 def read_file(path: str, fmt: str, user_col: str, item_col: str, time_col: str, defaults: bool) -> tuple:
     """One input file whole: (event columns, rejects, counts), as `read` concatenates them."""
     check_input(path)
-    if is_uri(path) and (fmt != "events" or path.endswith((".csv", ".csv.gz", ".tsv"))):
+    if is_uri(path) and (fmt != "events" or path.endswith(CSV_SUFFIXES)):
         raise DataprepError(
             f"{path}: only Parquet events are read from a URI (--format events); copy other files to a local folder"
         )
@@ -164,7 +165,7 @@ def iter_file(
     each check's tables concatenated, in check order (see table_events). A CSV file may raise
     events.Restart: read it again with the Restart's `kinds` and `replace`."""
     defaults = _columns(user_col, item_col, time_col, unknown)
-    csv = path.endswith((".csv", ".csv.gz", ".tsv"))
+    csv = path.endswith(CSV_SUFFIXES)
     if csv and not is_uri(path) and (fmt == "events" or fmt == "movielens" and path.endswith(".csv")):
         check_input(path)
         names = (
@@ -200,11 +201,10 @@ def spans(
     whole, or with "rows" and "groups" where a Parquet input is cut into runs of its row groups
     (events.parquet_spans: SPAN_ROWS rows at least, MOST_SPANS a file at most), which are read
     at once. Reading them in order reads the inputs' rows in order."""
-    defaults = _columns(user_col, item_col, time_col, unknown)
+    cols = (user_col, item_col, time_col, _columns(user_col, item_col, time_col, unknown))
     out = []
     for f, path in enumerate(paths):
-        cut = fmt == "events" and not path.endswith((".csv", ".csv.gz", ".tsv"))
-        cols = (user_col, item_col, time_col, defaults)
+        cut = fmt == "events" and not path.endswith(CSV_SUFFIXES)
         out += [{"file": f, **s} for s in (parquet_spans(path, cols, SPAN_ROWS, MOST_SPANS) if cut else [{}])]
     return out
 

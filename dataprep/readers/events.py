@@ -303,8 +303,11 @@ def _parquet_readable(f: str) -> bool:
         return False
 
 
+CSV_SUFFIXES = (".csv", ".csv.gz", ".tsv")  # an events file with one of these is text, else Parquet
+
+
 def read_events(path: str, user_col: str, item_col: str, time_col: str, defaults: bool) -> tuple[dict, list, dict]:
-    is_csv = path.endswith((".csv", ".csv.gz", ".tsv"))
+    is_csv = path.endswith(CSV_SUFFIXES)
     rejects: list[pa.Table] = []
     invalid: np.ndarray | None = None
     if is_csv:
