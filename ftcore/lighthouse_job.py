@@ -13,6 +13,7 @@ import collections
 import math
 import threading
 import time
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from ftcore.answers import OvertakenReply, QuorumRefused, StandbyReply
@@ -21,6 +22,7 @@ from ftcore.lighthouse_records import (
     GroupRecord,
     Health,
     Pending,
+    Probe,
     RankRecord,
     Request,
     StaleIncarnation,
@@ -37,7 +39,7 @@ from ftcore.messages import (
     identity_key,
 )
 from ftcore.pace import Figures, PaceJudge
-from ftcore.quorum import Member, Plan, Round, decide, isolated, plan
+from ftcore.quorum import Formed, Hearing, Member, Plan, Round, decide, isolated, plan
 
 if TYPE_CHECKING:
     from ftcore.lighthouse import Lighthouse
@@ -60,6 +62,7 @@ class Job:
         self.groups: dict[int, GroupRecord] = {}
         self.quorum: Quorum | None = None  # the last one formed (its shared part: no rank's addresses)
         self.quorum_id = 0
+        self.lease_until = 0.0  # monotonic: no member of self.quorum leases on it after this
         self.max_step = 0
         self.round = Pending()
         self.health = Health()
@@ -135,24 +138,35 @@ class Job:
     def _silence_counts(self, now: float) -> bool:
         """Whether a rank's silence is evidence against it: not while this lighthouse was paused
         or seems cut off, nor for a heartbeat timeout after (it heard nobody: not their fault)."""
-        return not (self.lh.in_grace(now) or self.health.isolated or now < self.health.grace_until)
+        return not (self._in_grace(now) or self.health.isolated)
 
-    def _silent_since(self, t: float) -> tuple[int, int]:
-        """(silent, live): complete groups silent since `t` (GroupRecord), all complete groups."""
-        live = [g for g in self.groups.values() if not g.left and len(g.ranks) == g.speakers]
-        return sum(g.silent_since(t) for g in live), len(live)
+    def _in_grace(self, now: float) -> bool:
+        """Just after this lighthouse was paused or cut off: nobody is judged by a silence yet."""
+        return self.lh.in_grace(now) or now < self.health.grace_until
+
+    def _hearing(self, since: float, probes: Iterable[Probe]) -> Hearing:
+        """What this lighthouse heard since `since` (quorum.Hearing): of the healthy complete
+        groups, those silent since then, and whether a group heard since began one of `probes`."""
+        live = [g for g in self.groups.values() if g.healthy and not g.left and len(g.ranks) == g.speakers]
+        heard = {g.group for g in live if not g.silent_since(since)}
+        accused = any(p.t >= since and p.by & heard for p in probes)
+        return Hearing(len(live), len(live) - len(heard), accused)
 
     def _notice_isolation(self, now: float) -> None:
-        """Most groups silent at once, none of them gone: the one cut off is most likely this
-        lighthouse (ftcore/quorum.py, `isolated`). It holds its verdicts while that lasts, and
-        grants everyone a heartbeat timeout to be heard once it ends."""
+        """Most groups silent at once, none of them gone, and nobody heard accuses them: the one
+        cut off is most likely this lighthouse (ftcore/quorum.py, `isolated`). It holds its
+        verdicts while that lasts, and grants everyone a heartbeat timeout to be heard once they
+        speak again (not when an accusation ends it: the accused are failed on that evidence)."""
         # half a timeout quiet counts: groups cut off together go silent within an interval of each other
-        silent, live = self._silent_since(now - self.cfg.heartbeat_timeout / 2)
-        cut_off = isolated(silent, live)
+        probes = self.health.reports.get(self.quorum.quorum_id, []) if self.quorum else []
+        hearing = self._hearing(now - self.cfg.heartbeat_timeout / 2, probes)
+        cut_off = isolated(hearing)
         if cut_off != self.health.isolated:
             self.health.isolated = cut_off
             if cut_off:
-                self.event("lighthouse_isolated", silent=silent, groups=live)
+                self.event("lighthouse_isolated", silent=hearing.silent, groups=hearing.live)
+            elif hearing.accused:
+                self.event("lighthouse_not_isolated", reason="a group it hears reports the silent ones stalled")
             else:
                 self.health.grace_until = now + self.cfg.heartbeat_timeout
                 self.event("lighthouse_reconnected", grace_s=self.cfg.heartbeat_timeout)
@@ -163,10 +177,12 @@ class Job:
         self.health.last_sweep = now
         self._notice_isolation(now)
         probes = self.health.reports.get(self.quorum.quorum_id, []) if self.quorum else []
-        # a probe that ends having heard most groups not at all says more about this lighthouse than
-        # about them: it is dropped (its verdict would otherwise fall on the last to be heard again)
-        probes[:] = [t for t in probes if now <= t + self.lh.probe_s or not isolated(*self._silent_since(t))]
-        cut = max((t for t in probes if now > t + self.lh.probe_s), default=-math.inf)
+        # a probe that ends having heard most groups not at all, its accusers among them, says more
+        # about this lighthouse than about them: it is dropped (its verdict would otherwise fall on
+        # the last to be heard again). Its accusers heard, the silent ones fail, however many.
+        end = self.lh.probe_s
+        probes[:] = [p for p in probes if now <= p.t + end or not isolated(self._hearing(p.t, (p,)))]
+        cut = max((p.t for p in probes if now > p.t + end), default=-math.inf)
         members, silence = set(self.quorum.groups if self.quorum else ()), self._silence_counts(now)
         for grp in self.groups.values():
             ok = self._is_healthy(grp, now, cut, members, silence)
@@ -204,14 +220,15 @@ class Job:
     def _probe_stalled_round(self, now: float) -> None:
         """A round kept waiting `stall_probe` by healthy members of the last quorum that have not
         asked probes the quorum, as a stalled exchange's report does (a partition closes no
-        connection): one not heard within the failure probe is failed. Once per round."""
+        connection): one not heard within the failure probe is failed. Once per round. The
+        groups that ask are its accusers: heard, they make it count even when most are silent."""
         q, start = self.quorum, self.round.start
-        if q is None or start is None or now - start < self.cfg.stall_probe or not self._silence_counts(now):
+        if q is None or start is None or now - start < self.cfg.stall_probe or self._in_grace(now):
             return
         missing = sorted(set(q.groups) & self.health.healthy - self.excluded.keys() - self.round.pending.keys())
         if missing and self.round.probed < start:
             probes, self.round.probed = self.health.reports.setdefault(q.quorum_id, []), now
-            probes[:] = [*probes[-1:], now]
+            probes[:] = [*probes[-1:], Probe(now, frozenset(self.round.pending))]
             self.event("round_stalled", waiting_for=missing, quorum_id=q.quorum_id, seconds=round(now - start, 3))
 
     def _worth_trying(self, now: float) -> bool:
@@ -284,21 +301,37 @@ class Job:
                 expected=self.expected,
                 # a round does not time out on members this lighthouse cannot hear (isolated, paused)
                 waited=self._waited(now, round_start) and self._silence_counts(now),
+                leasing=self._leasing(now),
             )
         )
-        if isinstance(decision, tuple):
-            self._form(list(decision))
+        if isinstance(decision, Formed):
+            self._form(list(decision.members))
         elif now - round_start > 1.0 and now - self.round.last_wait_event > 1.0:
             self.round.last_wait_event = now  # say why a round is stuck (status page, timeline)
             self.event(
                 "quorum_waiting",
-                reason=decision,
+                reason=decision.reason,
                 requesting=sorted(self.round.complete & healthy),
                 healthy=sorted(healthy),
                 pending={str(g): sorted(r) for g, r in self.round.pending.items()},
                 previous=list(self.quorum.groups) if self.quorum else None,
                 seconds=round(now - round_start, 2),
             )
+
+    def _leasing(self, now: float) -> frozenset[int]:
+        """Members of the last quorum that may still commit in it on its lease (manager: from
+        before their request, so within `lease_until`): not replaced, left or crashed."""
+        q = self.quorum
+        if q is None or now >= self.lease_until:
+            return frozenset()
+        return frozenset(
+            g
+            for g, inc in q.identity
+            if (grp := self.groups.get(g)) is not None
+            and grp.incarnation == inc
+            and not grp.left
+            and not any(r.disconnected for r in grp.ranks.values())
+        )
 
     def _resumed(self, members: list[int], identity: Identity) -> tuple[int, str] | None:
         """After a restart of this lighthouse: the (quorum id, lighthouse id) its members all
@@ -338,6 +371,7 @@ class Job:
         replies = self._replies(q)
         changed = self.quorum is None or self.quorum.key != q.key
         self.quorum, self.quorum_id, self.health.force_new = q, quorum_id, False
+        self.lease_until = time.monotonic() + q.lease_s  # the members' leases run from before they asked
         self.max_step = max(self.max_step, where.max_step)
         self.health.failed = []
         self._count_need()
@@ -423,7 +457,10 @@ class Job:
         a = rk.answered
         if not ask.again or a is None or self.quorum is None or self.health.force_new:
             return None
-        return a[2] if (ask.info.step, self.quorum.quorum_id) == a[:2] else None
+        if (ask.info.step, self.quorum.quorum_id) != a[:2]:
+            return None
+        self.lease_until = max(self.lease_until, time.monotonic() + self.quorum.lease_s)
+        return a[2]
 
     # ---- fail-slow --------------------------------------------------------------------
     def _busy(self, members: list[int]) -> dict[int, float]:
@@ -559,8 +596,9 @@ class Job:
             kind = "stall_reported" if report.stalled else "failure_reported"
             self.event(kind, group=report.group, rank=report.rank, quorum_id=qid, error=report.error)
             now, probes = time.monotonic(), self.health.reports.setdefault(qid, [])
-            if not probes or now > probes[-1] + self.lh.probe_s:  # a new probe (a quorum outlives a stall)
-                probes[:] = [*probes[-1:], now]  # the last one ended stands until this one ends
+            if not probes or now > probes[-1].t + self.lh.probe_s:  # a new probe (a quorum outlives a stall)
+                # the last one ended stands until this one ends
+                probes[:] = [*probes[-1:], Probe(now, frozenset({report.group}))]
             if self.quorum is not None and qid == self.quorum.quorum_id and not report.stalled:
                 self.health.force_new = True  # the reporter's process group is broken: rebuild everyone's
             self.health.last_sweep = 0.0  # probe at the next tick

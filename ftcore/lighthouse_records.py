@@ -135,13 +135,23 @@ class Pending:
     probed: float = -math.inf  # when a round last probed the quorum's members (once per round)
 
 
+@dataclass(frozen=True)
+class Probe:
+    """A failure probe: begun at `t` by a report (or a round kept waiting) of the groups `by`.
+    The members of its quorum not heard from within the probe fail, unless the accusers went
+    silent too (then the silence says more about this lighthouse: quorum.isolated)."""
+
+    t: float
+    by: frozenset[int]
+
+
 @dataclass
 class Health:
     """The job's health as the last sweep found it, and what changes the next quorum."""
 
     healthy: set[int] = field(default_factory=set)  # groups healthy (kept with GroupRecord.healthy)
     failed: list[int] = field(default_factory=list)  # members of the current quorum that are not (for heartbeats)
-    reports: dict[int, list[float]] = field(default_factory=dict)  # quorum_id -> its last two failure probes' starts
+    reports: dict[int, list[Probe]] = field(default_factory=dict)  # quorum_id -> its last two failure probes
     force_new: bool = False  # a data-plane failure: the next quorum gets a new id, whoever is in it
     last_sweep: float = 0.0
     isolated: bool = False  # most groups went silent at once: this lighthouse is likely cut off

@@ -222,7 +222,8 @@ class Manager:
         pace, (busy, allreduce_s) = q.pace, r.sent
         if pace is not None and busy is not None and pace.quorum_id == busy.quorum_id and len(self.pace_log) < 10_000:
             self.pace_log.append((max(pace.slowest_s - busy.seconds, 0.0), allreduce_s, pace.slowest_s, pace.mean_s))
-        self._st.lease_until = time.monotonic() + min(q.lease_s, timeouts.LEASE)
+        # from before the request went out: it ends before the lighthouse's own count of it does
+        self._st.lease_until = r.t0 + min(q.lease_s, timeouts.LEASE)
         self.client.update(quorum_id=q.quorum_id)
         self._st.trained_in = (q.lighthouse_id, q.members_key)
         g = self.cfg.group
@@ -310,17 +311,17 @@ class Manager:
 
     def _can_lease(self) -> bool:
         """Go on without the lighthouse: it has been silent (not merely slow to form a round:
-        it answers heartbeats at once), the last step committed in a quorum of the whole job
-        (every group: none is down and waiting to rejoin, which only the lighthouse can let
-        it do, nor could the job end while one is away) with nobody to heal, and that
-        quorum's lease has not run out."""
+        it answers heartbeats at once), the last step committed in a quorum with nobody to heal,
+        and that quorum's lease has not run out. Its members commit only together (the FTAR
+        needs every one), and the lighthouse forms no quorum without one of them while the
+        lease may run (quorum.decide): a group standing aside, or down, waits for the
+        lighthouse, and no group commits alone against a quorum it cannot see."""
         q = self._quorum
         return (
             q is not None
             and self._st.committed
             and not q.heal
             and time.monotonic() < self._st.lease_until
-            and len(q.groups) >= self.cfg.num_groups
             and self.client.latest_quorum_id <= q.quorum_id
             and (self._xg.pg is not None or len(q.groups) == 1)
             and self.client.silent_for() > timeouts.LIGHTHOUSE_SILENT

@@ -16,29 +16,47 @@ class Round:
     min_replicas: int
     expected: int  # groups the job starts with (its first quorum waits for them)
     waited: bool  # the round has waited the join timeout
+    # members of the previous quorum that may still train in it on its lease (not known crashed)
+    leasing: frozenset[int] = frozenset()
 
 
-def decide(r: Round) -> tuple[int, ...] | str:
-    """The members to form a quorum of now (sorted), or why the round waits.
+@dataclass(frozen=True)
+class Formed:
+    members: tuple[int, ...]  # sorted
+
+
+@dataclass(frozen=True)
+class Wait:
+    reason: str  # for the quorum_waiting event
+
+
+def decide(r: Round) -> Formed | Wait:
+    """The members to form a quorum of now, or why the round waits.
 
     Fast: every healthy member of the previous quorum asks (a failed member is not waited
     for), or, for a first quorum, every healthy group and at least `expected`. Otherwise the
     round waits up to the join timeout. Always: at least min_replicas groups and a majority
-    of the healthy ones (no split brain)."""
+    of the healthy ones (no split brain); and while the previous quorum's lease may run, a
+    member of it (its members commit only together, so one of them here means none commits
+    there): a quorum of others alone waits out the lease."""
     n = len(r.requesting)
     if not n:
-        return "no healthy group is asking"
+        return Wait("no healthy group is asking")
     if n < r.min_replicas:
-        return f"{n} groups ask, the job needs {r.min_replicas}"
+        return Wait(f"{n} groups ask, the job needs {r.min_replicas}")
     if 2 * n <= len(r.healthy):
-        return f"{n} of {len(r.healthy)} healthy groups ask: not a majority"
+        return Wait(f"{n} of {len(r.healthy)} healthy groups ask: not a majority")
+    if r.leasing and not r.leasing & r.requesting:
+        return Wait(f"groups {sorted(r.leasing)} may still train on the last quorum's lease")
     if r.previous is not None:
         fast = (r.previous & r.healthy) <= r.requesting
     else:
         fast = r.healthy <= r.requesting and n >= r.expected
     if fast or r.waited:
-        return tuple(sorted(r.requesting))
-    return "waiting for healthy groups of the previous quorum" if r.previous is not None else "waiting for the job"
+        return Formed(tuple(sorted(r.requesting)))
+    if r.previous is not None:
+        return Wait("waiting for healthy groups of the previous quorum")
+    return Wait("waiting for the job")
 
 
 @dataclass(frozen=True)
@@ -79,12 +97,24 @@ def plan(previous: frozenset[tuple[int, int]] | None, members: list[Member], fin
     return Plan(max_step, {g: sources[i % len(sources)] for i, g in enumerate(healers)})
 
 
-def isolated(silent: int, live: int) -> bool:
-    """Whether the lighthouse should take `silent` of `live` groups going quiet (no heartbeat
-    for half a timeout, no connection closed) as its own isolation rather than their failure:
-    most of them at once. A group is then failed only on its own evidence: its connection closed,
-    a peer's report, or its silence while the others speak."""
-    return live >= 2 and 2 * silent > live
+@dataclass(frozen=True)
+class Hearing:
+    """What the lighthouse heard of a job's groups over one interval."""
+
+    live: int  # groups it expects to hear: complete, not left, not already failed
+    silent: int  # of them, not heard over the interval (no connection closed: a silence, not a crash)
+    accused: bool  # a group it did hear over the interval reports them (a stalled exchange or round)
+
+
+def isolated(h: Hearing) -> bool:
+    """Whether the lighthouse should take the silence of most of a job's groups at once as its
+    own isolation rather than their failure. Only when nobody it still hears accuses them: a
+    lighthouse that hears a group is not cut off from it, and that group's report that the
+    silent ones stall it is evidence against them, however many they are (a rack switch, a
+    storage stall, a bad driver push hangs several at once). Isolated, it holds its verdicts;
+    a group is then failed only on its own evidence: its connection closed, or its silence
+    while the others speak."""
+    return h.live >= 2 and 2 * h.silent > h.live and not h.accused
 
 
 def heartbeat_pace(speakers: int, budget: float, heartbeat_timeout: float) -> float:

@@ -2,12 +2,24 @@
 
 import pytest
 
-from ftcore.quorum import Member, Plan, Round, decide, heartbeat_pace, isolated, plan, probe_window
+from ftcore.quorum import (
+    Formed,
+    Hearing,
+    Member,
+    Plan,
+    Round,
+    Wait,
+    decide,
+    heartbeat_pace,
+    isolated,
+    plan,
+    probe_window,
+)
 
 
-def _round(previous, requesting, healthy, min_replicas=1, expected=0, waited=False) -> Round:
+def _round(previous, requesting, healthy, min_replicas=1, expected=0, waited=False, leasing=()) -> Round:
     prev = frozenset(previous) if previous is not None else None
-    return Round(prev, frozenset(requesting), frozenset(healthy), min_replicas, expected, waited)
+    return Round(prev, frozenset(requesting), frozenset(healthy), min_replicas, expected, waited, frozenset(leasing))
 
 
 @pytest.mark.parametrize(
@@ -37,9 +49,27 @@ def _round(previous, requesting, healthy, min_replicas=1, expected=0, waited=Fal
 def test_decide(previous, requesting, healthy, min_replicas, expected, waited, want):
     got = decide(_round(previous, requesting, healthy, min_replicas, expected, waited))
     if want == "wait":
-        assert isinstance(got, str) and got, got  # a reason, for the quorum_waiting event
+        assert isinstance(got, Wait) and got.reason, got  # a reason, for the quorum_waiting event
     else:
-        assert got == want
+        assert got == Formed(want)
+
+
+@pytest.mark.parametrize(
+    "previous,requesting,healthy,leasing,want",
+    [
+        # the survivors of a quorum whose others hang: one of its members asks, so none commits there
+        ([0, 1, 2], [0], [0], [0, 1, 2], (0,)),
+        # a group that stood aside while both members of the last quorum hang (or train on without
+        # this lighthouse, cut off): it waits out their lease, never a second history beside theirs
+        ([0, 1], [2], [2], [0, 1], "wait"),
+        ([0, 1], [2], [2], [], (2,)),  # the lease ran out (or its holders crashed)
+        # the lease's holders ask too: they are in the quorum, nobody trains elsewhere
+        ([0, 1], [0, 1, 2], [0, 1, 2], [0, 1], (0, 1, 2)),
+    ],
+)
+def test_decide_never_forms_beside_a_lease(previous, requesting, healthy, leasing, want):
+    got = decide(_round(previous, requesting, healthy, waited=True, leasing=leasing))
+    assert got == Formed(want) if want != "wait" else isinstance(got, Wait) and "lease" in got.reason, got
 
 
 @pytest.mark.parametrize(
@@ -73,19 +103,24 @@ def test_plan(previous, members, finished, want):
 
 
 @pytest.mark.parametrize(
-    "silent,live,want",
+    "silent,live,accused,want",
     [
-        (3, 3, True),  # everyone quiet at once: the lighthouse is the one cut off
-        (2, 3, True),
-        (1, 3, False),  # one quiet while the others speak: its own silence is evidence
-        (1, 2, False),  # a hung group of two is still found by the heartbeat timeout
-        (2, 2, True),
-        (1, 1, False),  # a job of one group: nothing to compare with
-        (0, 4, False),
+        (3, 3, False, True),  # everyone quiet at once: the lighthouse is the one cut off
+        (2, 3, False, True),  # most quiet, and the one it hears says nothing against them
+        (1, 3, False, False),  # one quiet while the others speak: its own silence is evidence
+        (1, 2, False, False),  # a hung group of two is still found by the heartbeat timeout
+        (2, 2, False, True),
+        (1, 1, False, False),  # a job of one group: nothing to compare with
+        (0, 4, False, False),
+        # a group it still hears reports the silent ones stall it: evidence against them,
+        # however many (two of three hung, three of five: a rack switch, a storage stall)
+        (2, 3, True, False),
+        (3, 5, True, False),
+        (4, 5, True, False),
     ],
 )
-def test_isolated(silent, live, want):
-    assert isolated(silent, live) is want
+def test_isolated(silent, live, accused, want):
+    assert isolated(Hearing(live, silent, accused)) is want
 
 
 @pytest.mark.parametrize(
