@@ -211,7 +211,9 @@ def prepare(
         "max_len": max_len,
         "seed": seed,
         "window_steps": k,
-        "cost_model": {"a": cm.a, "b": cm.b, "c0": cm.c0, "source": cm.source},
+        # the device a calibrated model was timed on (training/calibrate.py): the training device
+        "cost_model": {"a": cm.a, "b": cm.b, "c0": cm.c0, "source": cm.source}
+        | ({"device": cm.fit["device"]} if cm.fit.get("device") else {}),
         "tail": tail,
         "method": method,
         "dedup": dedup,

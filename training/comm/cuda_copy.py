@@ -35,7 +35,7 @@ class CopyEngine:
     def _pin(self, host: torch.Tensor):
         # Register the whole mapping once; later slices of it are then pinned too.
         base = host.untyped_storage().data_ptr()
-        if base not in self._pinned:
+        if base not in self._pinned and not host.is_pinned():  # pinned by torch: nothing to register
             size = host.untyped_storage().nbytes()
             rc = torch.cuda.cudart().cudaHostRegister(base, size, 0)
             if int(rc) != 0:

@@ -213,6 +213,7 @@ class SmFreeTransport:
         self._peer_ctrl_seg: dict[int, _Segment] = {}
         self._peer_box: dict[int, tuple[int, _Segment]] = {}
         self._copy_engine: CopyEngine | None = None  # set by cuda_copy when CUDA tensors go through
+        self._acc: torch.Tensor | None = None  # all-reduce's host sum (_host_acc)
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name=f"smfree-copy-{self.rank}", daemon=True)
         self._thread.start()
@@ -376,29 +377,39 @@ class SmFreeTransport:
         return out
 
     def _all_reduce(self, tensor, ready=None):
+        """Sum on the host, in rank order on every rank (all end bitwise identical): the peers'
+        outboxes are host memory already, so the adds run on this copy thread's CPU and the only
+        device work is the two copies (copy engines on CUDA): no SM kernel."""
         k = self.world_size
         self._seq += 1
         seq = self._seq
         src = tensor.contiguous()
         n = src.numel() * src.element_size()
         self._publish(src.reshape(-1).view(torch.uint8), [0] * k, [n] * k, ready)
-        # Sum in rank order on every rank: all ranks end bitwise identical.
-        acc = None
+        acc = self._host_acc(n).view(src.dtype).view(src.shape)
         for p in range(k):
             self._wait_until(p, _READY, seq, "publish")
             peer = self._peer_outbox(p)[:n].view(src.dtype).view(src.shape)
-            if acc is None:
-                acc = torch.empty_like(src)
-                self._copy_out(acc, peer)
-            elif acc.is_cuda:
-                tmp = torch.empty_like(src)
-                self._copy_out(tmp, peer)
-                acc += tmp
+            if p == 0:
+                acc.copy_(peer)
             else:
                 acc += peer
         self._ctrl_np[_DONE] = seq
-        tensor.copy_(acc)
+        if src.is_cuda:
+            self._copy_out(src, acc)  # host -> device on the copy stream
+            if src.data_ptr() != tensor.data_ptr():
+                tensor.copy_(src)  # a non-contiguous input: gather back (a kernel, as the caller's layout asks)
+        else:
+            tensor.copy_(acc)
         return tensor
+
+    def _host_acc(self, n: int) -> torch.Tensor:
+        """The host buffer all-reduce sums into, reused (pinned when CUDA goes through: the
+        copy back to the device is then a copy-engine transfer)."""
+        if self._acc is None or self._acc.numel() < n:
+            pin = self._copy_engine is not None
+            self._acc = torch.empty(max(n, 1 << 16), dtype=torch.uint8, pin_memory=pin)
+        return self._acc[:n]
 
 
 # ----------------------------------------------------------------------------- selection
