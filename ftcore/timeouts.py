@@ -64,7 +64,14 @@ END_WAIT = _env("FTCORE_END_WAIT", 30.0)
 # A lighthouse whose own clock jumped by more than this was paused: before it judges any
 # heartbeat timeout it waits one HEARTBEAT_TIMEOUT, so that nobody is declared dead for its pause.
 PAUSE_JUMP = _env("FTCORE_PAUSE_JUMP", 1.0)
+# The launcher's lease on its run folder (ftcore/launcher/lease.py): its holder rewrites its
+# heartbeat this often; a holder on another host whose heartbeat is older than RUN_LEASE_STALE
+# is dead (its lock may not span hosts). Far above the heartbeat and any clock skew between hosts.
+RUN_LEASE_HEARTBEAT = _env("FTCORE_RUN_LEASE_HEARTBEAT", 5.0)
+RUN_LEASE_STALE = _env("FTCORE_RUN_LEASE_STALE", 60.0)
 
+if not RUN_LEASE_HEARTBEAT < RUN_LEASE_STALE:
+    raise SystemExit("ftcore: FTCORE_RUN_LEASE_HEARTBEAT must be below FTCORE_RUN_LEASE_STALE; fix them")
 if not HEARTBEAT_INTERVAL < HEARTBEAT_TIMEOUT < COLLECTIVE_TIMEOUT <= QUORUM_TIMEOUT:
     raise SystemExit(
         "ftcore: timeouts must satisfy FTCORE_HEARTBEAT_INTERVAL < FTCORE_HEARTBEAT_TIMEOUT < "

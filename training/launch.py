@@ -285,6 +285,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if cfg.print_commands:
+        try:  # the commands name OUT/job-token: written under the run folder's lease
+            job.lease.acquire()
+            job.host.write_tokens()
+        except LaunchError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        finally:
+            job.lease.release()
         for g in job.mine:
             print(job.torchrun_command(g))
         return 0

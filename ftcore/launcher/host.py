@@ -16,7 +16,8 @@ from ftcore.util.procs import free_port
 class LighthouseHost:
     """Our own lighthouse gets a fresh admin secret in OUT/token; a standing one is reached with
     the token we were given (its admin secret or this job's token). Ranks get only this job's
-    token (OUT/job-token): it opens this job's routes and heal servers, nothing else."""
+    token (OUT/job-token): it opens this job's routes and heal servers, nothing else. The files
+    are written once the run folder's lease is held (write_tokens)."""
 
     def __init__(self, cfg: LaunchConfig, out: str, log: Callable[..., None]):
         self.cfg = cfg
@@ -25,7 +26,7 @@ class LighthouseHost:
         self.token_file: str | None = None
         if cfg.lighthouse is None:
             self.token_file = os.path.join(out, "token")
-            self.token: str | None = auth.write_token_file(self.token_file)
+            self.token: str | None = auth.new_token()
         else:
             self.token = auth.token_from_env()
             if self.token is None:
@@ -35,15 +36,23 @@ class LighthouseHost:
                     "only a lighthouse started with --insecure will accept the ranks",
                 )
         self.job_token_file: str | None = None
+        self.job_token: str | None = None
         if self.token is not None:
             try:
-                job_token = auth.job_token(self.token, cfg.job_id)
+                self.job_token = auth.job_token(self.token, cfg.job_id)
             except ValueError as e:
                 raise LaunchError(f"FTCORE_TOKEN_FILE / FTCORE_TOKEN: {e}") from None
             self.job_token_file = os.path.join(out, "job-token")
-            auth.write_token_file(self.job_token_file, job_token)
         self.addr = cfg.lighthouse or f"127.0.0.1:{free_port()}"
         self.status_path = "/status?" + urllib.parse.urlencode({"job": cfg.job_id})
+
+    def write_tokens(self) -> None:
+        """OUT/token (our own lighthouse's) and OUT/job-token (the ranks'): written only by the
+        launcher that holds the run folder's lease, never over a live job's."""
+        if self.token_file is not None and self.token is not None:
+            auth.write_token_file(self.token_file, self.token)
+        if self.job_token_file is not None and self.job_token is not None:
+            auth.write_token_file(self.job_token_file, self.job_token)
 
     def argv(self) -> list[str]:
         if self.token_file is None:

@@ -13,10 +13,11 @@ import time
 
 from tenacity import RetryError, Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
-from ftcore import faults
+from ftcore import faults, timeouts
 from ftcore import final_state as final_state_mod
 from ftcore.launcher.config import GroupFailed, LaunchConfig
 from ftcore.launcher.host import LighthouseHost
+from ftcore.launcher.lease import RunLease
 from ftcore.launcher.procs import Proc, ProcessTable
 from ftcore.launcher.spares import SparePool
 from ftcore.launcher.watch import Watch
@@ -47,6 +48,8 @@ class Launcher:
         self.spares = SparePool(self)
         self.watch = Watch(self, faults.load(cfg.faults) if cfg.faults else [])
         self.host = LighthouseHost(cfg, self.out, self.log)
+        self.lease = RunLease(self.out, self.mine, cfg.job_id)
+        self.lease_lost: str | None = None
 
     # ---- what a rank runs (the subclass's hooks) ----------------------------------------
     def worker_argv(self, g: int) -> list[str]:
@@ -235,8 +238,43 @@ class Launcher:
             self.log("group_gave_up", group=g, attempts=attempts)
             self.stop.set()
 
+    # ---- the run folder's lease --------------------------------------------------------------
+    def claim(self) -> None:
+        """Take the run folder's lease on our groups (LeaseHeld while another launcher's job lives
+        there), then write the files a job owns (tokens)."""
+        me = self.lease.acquire()
+        for taken in self.lease.taken_over:
+            self.log("lease_taken_over", stale=taken)
+        self.log("lease", folder=self.lease.folder, groups=self.mine, pid=me.pid, host=me.host, session=me.session)
+        self.host.write_tokens()
+
+    def keep_lease(self) -> None:
+        """The lease's heartbeat; a lease another launcher took over (this one was presumed dead:
+        paused or cut off beyond FTCORE_RUN_LEASE_STALE) stops the launch at once."""
+        while not self.stop.wait(timeouts.RUN_LEASE_HEARTBEAT):
+            try:
+                lost = self.lease.beat()
+            except OSError as e:
+                self.log("warning", message=f"lease heartbeat not written: {e}")
+                continue
+            if lost:
+                self.lease_lost = lost
+                self.log("lease_lost", reason=lost)
+                self.stop.set()
+                self.end_all()
+                return
+
     # ---- the run ----------------------------------------------------------------------------
     def run(self) -> int:
+        """The launch: claim the run folder, run every group to its end, let go of the folder."""
+        self.claim()
+        try:
+            return self._run()
+        finally:
+            self.lease.release()
+
+    def _run(self) -> int:
+        threading.Thread(target=self.keep_lease, daemon=True).start()
         if self.cfg.lighthouse is None:
             self.start_lighthouse()
         self.log(
@@ -269,6 +307,8 @@ class Launcher:
             code = 1
         if self.failed:
             code = 2 if self.user_error else 1
+        if self.lease_lost:
+            return 1  # the folder is another launcher's now: its records are not ours to write
         return self.finish(code)
 
     def final_state(self, g: int, since: float | None = None) -> list[str] | None:
