@@ -98,6 +98,7 @@ class Job:
         if grp is None or inc > grp.incarnation:
             if grp is not None:
                 self._drop_pending(g)
+                self.pace.readmit(g)  # a restarted group starts up again: measured once settled
             grp = self.groups[g] = GroupRecord(g, inc, world, relay=info.relay)
             self.relay = info.relay
             self.health.healthy.discard(g)  # a new incarnation is healthy once the sweep says so
@@ -484,7 +485,7 @@ class Job:
                     ranks[g] = figures if len(figures) == self.groups[g].world else {}
         if len(out) < len(members):
             return {}
-        self.pace.observe(out, ranks)
+        self.pace.observe(out, ranks, at=time.monotonic())
         return out
 
     def _judge_pace(self, busy: dict[int, float], members: list[int]) -> None:

@@ -1,9 +1,11 @@
 """Fail-slow: hold out a replica group while the job commits more batches a second without it.
 Each rank reports its last step's compute with its next quorum request; a group is excluded
-when its ratio to its peers, time-weighted over `window` rounds, reaches R/(R-1) with a margin
-(`PacePolicy.bound`), also with its worst round left out; never below `min_replicas` or more
-than half of the job. An excluded group waits a probation that doubles per repeat, rejoins by
-heal, and settles before it is measured again. The rules in full: docs/ftcore.md, "pace"."""
+when its ratio to its peers, time-weighted over a window of at least `window` rounds and
+`span_s` seconds, reaches R/(R-1) with a margin (`PacePolicy.bound`), also with its worst round
+left out; never below `min_replicas` or more than half of the job. Every group settles before it
+is measured (its first rounds, after a restart, back from standby): start-up is not slowness,
+and a burst of load on a shared machine is diluted by the span. An excluded group waits a
+probation that doubles per repeat and rejoins by heal. The rules in full: docs/ftcore.md, "pace"."""
 
 import bisect
 import collections
@@ -33,7 +35,11 @@ class PacePolicy:
     min_excess_s: float = _env("FTCORE_SLOW_MIN_EXCESS", 0.005)  # slower by less than this: not slow
     max_probation_s: float = 600.0
     margin: float = 1.1  # over R/(R-1)
-    settle: int = 10  # rounds a readmitted group is not measured (its first steps after the heal)
+    # rounds a group is not measured: its first (start-up, a restart) and its first back from standby
+    settle: int = int(_env("FTCORE_SLOW_SETTLE", 20))
+    # the window spans at least this much of the job's time too (fast steps: more rounds)
+    span_s: float = _env("FTCORE_SLOW_SPAN", 3.0)
+    most_rounds: int = 1024  # ... but holds no more rounds than this (memory), and judges at it
 
     @property
     def off(self) -> bool:
@@ -56,8 +62,10 @@ class PacePolicy:
                 "fail-slow policy: ratio >= 0 (0: off, unset: R/(R-1) with a margin), window >= 1, "
                 f"probation > 0, min excess >= 0 (got {self})"
             )
-        if self.margin < 1 or self.settle < 0:
-            raise ValueError(f"fail-slow policy: margin >= 1 and settle >= 0 (got {self})")
+        if self.margin < 1 or self.settle < 0 or self.span_s < 0 or self.most_rounds < self.window:
+            raise ValueError(
+                f"fail-slow policy: margin >= 1, settle >= 0, span >= 0 and window <= most rounds (got {self})"
+            )
         return self
 
 
@@ -109,7 +117,7 @@ def median_without(ordered: list[float], value: float) -> float:
 @dataclass
 class PaceJudge:
     policy: PacePolicy
-    # group -> (its figure, its peers' median) per measured round
+    # group -> (its figure, its peers' median, when) per measured round, over its window
     rounds: dict[int, collections.deque] = field(default_factory=dict)
     # group -> {rank: figure} per measured round ({}: no per-rank figures, a relayed group)
     ranks: dict[int, collections.deque] = field(default_factory=dict)
@@ -119,26 +127,38 @@ class PaceJudge:
     # tests every member in O(1) and computes `slowness` only for one that may be slow
     sums: dict[int, list[float]] = field(default_factory=dict)
 
-    def observe(self, busy: dict[int, float], ranks: dict[int, Figures] | None = None) -> None:
-        """One round: each member's busy seconds in the step it just finished (all in one
-        quorum), and where known each of its ranks' figures."""
+    def observe(self, busy: dict[int, float], ranks: dict[int, Figures] | None = None, *, at: float) -> None:
+        """One round, formed at monotonic time `at`: each member's busy seconds in the step it
+        just finished (all in one quorum), and where known each of its ranks' figures."""
         if self.policy.off or len(busy) < 2:
             return
         w, ordered = self.policy.window, sorted(busy.values())
         for g, b in busy.items():
+            if g not in self.rounds:
+                self.settling.setdefault(g, self.policy.settle)  # first seen: start-up is not slowness
             if self.settling.get(g, 0) > 0:
                 self.settling[g] -= 1
                 continue
             ref = median_without(ordered, b)
-            hist = self.rounds.setdefault(g, collections.deque(maxlen=w))
+            hist = self.rounds.setdefault(g, collections.deque())
             sums = self.sums.setdefault(g, [0.0, 0.0])
-            if len(hist) == w:
-                sums[0] -= self._counted(*hist[0])
-                sums[1] -= hist[0][1]
-            hist.append((b, ref))
+            hist.append((b, ref, at))
             sums[0] += self._counted(b, ref)
             sums[1] += ref
+            while len(hist) > w and (len(hist) > self.policy.most_rounds or at - hist[1][2] >= self.policy.span_s):
+                old = hist.popleft()  # the window keeps `window` rounds over `span_s` seconds
+                sums[0] -= self._counted(old[0], old[1])
+                sums[1] -= old[1]
             self.ranks.setdefault(g, collections.deque(maxlen=w)).append((ranks or {}).get(g, {}))  # never changed
+
+    def _full(self, hist: collections.deque | None) -> bool:
+        """A window to judge by: `window` rounds over `span_s` seconds (or `most_rounds`)."""
+        p = self.policy
+        return (
+            hist is not None
+            and len(hist) >= p.window
+            and (hist[-1][2] - hist[0][2] >= p.span_s or len(hist) >= p.most_rounds)
+        )
 
     def _counted(self, b: float, ref: float) -> float:
         """A round's figure as slowness counts it: its peers' when it exceeds them by less than
@@ -151,16 +171,16 @@ class PaceJudge:
         self.sums.pop(g, None)
 
     def readmit(self, g: int) -> None:
-        """A group back from standby: measured afresh after `settle` rounds."""
+        """A group back from standby, or restarted: measured afresh after `settle` rounds."""
         self.forget(g)
         self.settling[g] = self.policy.settle
 
     def slowness(self, g: int) -> tuple[float, float] | None:
         """(s over the window, s with its worst round left out); None before a full window."""
         hist = self.rounds.get(g)
-        if hist is None or len(hist) < self.policy.window:
+        if hist is None or not self._full(hist):
             return None
-        seen = [(self._counted(b, ref), ref) for b, ref in hist]
+        seen = [(self._counted(b, ref), ref) for b, ref, _ in hist]
         total, ref_total = sum(s for s, _ in seen), sum(r for _, r in seen)
         worst, worst_ref = max(seen, key=lambda x: x[0] - x[1])
         if ref_total - worst_ref <= 0:
@@ -179,7 +199,7 @@ class PaceJudge:
         for g in members:
             sums = self.sums.get(g)
             # s over the window must reach the bound (with room for the running sums' rounding)
-            if sums is None or len(self.rounds[g]) < self.policy.window or sums[0] < 0.999 * need * sums[1]:
+            if sums is None or not self._full(self.rounds[g]) or sums[0] < 0.999 * need * sums[1]:
                 continue
             s = self.slowness(g)
             if s is not None and min(s) >= need and (worst is None or s[0] > worst[1]):
@@ -195,8 +215,8 @@ class PaceJudge:
             g,
             round(ratio, 3),
             round(need, 3),
-            round(statistics.fmean(b for b, _ in hist), 4),
-            round(statistics.fmean(r for _, r in hist), 4),
+            round(statistics.fmean(b for b, _, _ in hist), 4),
+            round(statistics.fmean(r for _, r, _ in hist), 4),
             probation,
             *self.slow_rank(g),
         )

@@ -23,10 +23,15 @@ from ftcore.pace import PaceJudge, PacePolicy, median_without
 FAST = {0: 0.05, 1: 0.05, 2: 0.15}  # group 2 computes 3x as long
 
 
+def by_rounds(**kw) -> PacePolicy:
+    """The window rule alone: no settling and no time span (their tests set them)."""
+    return PacePolicy(**({"settle": 0, "span_s": 0.0} | kw))
+
+
 def judge_after(rounds: int, busy: dict, policy: PacePolicy, min_replicas: int = 1, excluded: int = 0):
     j = PaceJudge(policy)
     for _ in range(rounds):
-        j.observe(busy)
+        j.observe(busy, at=0.0)
     return j, j.judge(sorted(busy), dict.fromkeys(busy, 0), min_replicas, excluded)
 
 
@@ -34,7 +39,7 @@ def duty_cycle(j: PaceJudge, rounds: int, every: int, pause: float, slow: int = 
     """Rounds of n groups at t seconds; group `slow` is stopped for `pause` seconds in one
     round of every `every` (as SIGSTOP/SIGCONT does): most of its steps are not slow."""
     for i in range(rounds):
-        j.observe({g: t + (pause if g == slow and i % every == every - 1 else 0.0) for g in range(n)})
+        j.observe({g: t + (pause if g == slow and i % every == every - 1 else 0.0) for g in range(n)}, at=0.0)
 
 
 @pytest.mark.parametrize(
@@ -57,7 +62,7 @@ def duty_cycle(j: PaceJudge, rounds: int, every: int, pause: float, slow: int = 
 )
 def test_a_group_is_excluded_at_r_over_r_minus_1_of_its_peers(groups, s, ratio, excluded):
     busy = {g: 0.1 for g in range(groups)} | {groups - 1: 0.1 * s}
-    j, v = judge_after(8, busy, PacePolicy(ratio=ratio, window=8))
+    j, v = judge_after(8, busy, by_rounds(ratio=ratio, window=8))
     assert (v is not None) == excluded, (groups, s, ratio, v)
     if excluded:
         assert v.group == groups - 1 and v.ratio == pytest.approx(s)
@@ -72,71 +77,71 @@ def test_the_bound_table():
 
 
 def test_a_group_three_times_slower_is_excluded_only_after_a_full_window():
-    policy = PacePolicy(ratio=None, window=5, probation_s=10)
+    policy = by_rounds(ratio=None, window=5, probation_s=10)
     assert judge_after(4, FAST, policy)[1] is None
     j, v = judge_after(5, FAST, policy)
     assert v is not None and v.group == 2 and v.ratio == pytest.approx(3.0) and v.probation_s == 10
     for _ in range(5):  # the same incarnation again: twice the probation
-        j.observe(FAST)
+        j.observe(FAST, at=0.0)
     assert j.judge([0, 1, 2], {0: 0, 1: 0, 2: 0}, 1, 0).probation_s == 20
     for _ in range(5):  # a replaced group (new incarnation) starts with a clean record
-        j.observe(FAST)
+        j.observe(FAST, at=0.0)
     assert j.judge([0, 1, 2], {0: 0, 1: 0, 2: 1}, 1, 0).probation_s == 10
 
 
 def test_a_duty_cycled_group_is_excluded_although_most_of_its_steps_are_not_slow():
     """Stopped 0.25 s in one round of 8 (a 50% duty cycle at 35 ms steps): the median step
     ratio is 1 (the rule before), the time-weighted ratio ~1.9, over the 1.65 bound of 3 groups."""
-    j = PaceJudge(PacePolicy(ratio=None, window=40))
+    j = PaceJudge(by_rounds(ratio=None, window=40))
     duty_cycle(j, 40, every=8, pause=0.25)
     s, without_worst = j.slowness(2)
     assert s == pytest.approx((40 * 0.035 + 5 * 0.25) / (40 * 0.035)) and without_worst > 1.65
     v = j.judge([0, 1, 2], dict.fromkeys(range(3), 0), 1, 0)
     assert v is not None and v.group == 2 and v.ratio == pytest.approx(s, abs=1e-3)
     # the same stops in 2 groups of 2: the bound is 2.2, and one group's stops are not enough
-    j2 = PaceJudge(PacePolicy(ratio=None, window=40))
+    j2 = PaceJudge(by_rounds(ratio=None, window=40))
     duty_cycle(j2, 40, every=8, pause=0.25, slow=1, n=2)
     assert j2.slowness(1)[1] < 2.2 and j2.judge([0, 1], {0: 0, 1: 0}, 1, 0) is None
 
 
 def test_one_long_pause_or_an_occasional_slow_step_excludes_nobody():
-    j = PaceJudge(PacePolicy(ratio=None, window=20))
+    j = PaceJudge(by_rounds(ratio=None, window=20))
     duty_cycle(j, 20, every=20, pause=2.0)  # one 2 s pause (a collection, a checkpoint) in the window
     s, without_worst = j.slowness(2)
     assert s > 3 and without_worst == pytest.approx(1.0)
     assert j.judge([0, 1, 2], dict.fromkeys(range(3), 0), 1, 0) is None
-    j = PaceJudge(PacePolicy(ratio=None, window=20))
+    j = PaceJudge(by_rounds(ratio=None, window=20))
     duty_cycle(j, 20, every=5, pause=0.03)  # 4 of 20 steps twice as long: s 1.17
     assert j.judge([0, 1, 2], dict.fromkeys(range(3), 0), 1, 0) is None
     # an excess under min_excess_s never counts (a step of a few milliseconds is all overhead)
-    assert judge_after(20, {0: 0.001, 1: 0.001, 2: 0.004}, PacePolicy(ratio=None, window=20))[1] is None
+    assert judge_after(20, {0: 0.001, 1: 0.001, 2: 0.004}, by_rounds(ratio=None, window=20))[1] is None
 
 
 def test_a_readmitted_group_is_not_excluded_again_on_its_first_rounds():
     """After readmission its first `settle` rounds are not measured (a healed group's warm-up),
     and it needs a full window again; slow again after that, it goes back for twice the probation."""
-    policy = PacePolicy(ratio=None, window=10, settle=4, probation_s=5)
-    j, v = judge_after(10, FAST, policy)
+    policy = by_rounds(ratio=None, window=10, settle=4, probation_s=5)
+    j, v = judge_after(14, FAST, policy)  # its first 4 rounds settle too
     assert v is not None and v.group == 2
     j.readmit(2)
     members, inc = [0, 1, 2], dict.fromkeys(range(3), 0)
     for _ in range(4):  # its first rounds back are slow: not counted
-        j.observe({0: 0.05, 1: 0.05, 2: 0.5})
+        j.observe({0: 0.05, 1: 0.05, 2: 0.5}, at=0.0)
     for _ in range(9):
-        j.observe({0: 0.05, 1: 0.05, 2: 0.05})
+        j.observe({0: 0.05, 1: 0.05, 2: 0.05}, at=0.0)
         assert j.judge(members, inc, 1, 0) is None
     assert len(j.rounds[2]) == 9  # the 4 settling rounds left no trace
-    j.observe({0: 0.05, 1: 0.05, 2: 0.05})
+    j.observe({0: 0.05, 1: 0.05, 2: 0.05}, at=0.0)
     assert j.judge(members, inc, 1, 0) is None  # recovered: stays in
     for _ in range(3):  # slow again: out once its window's time-weighted ratio crosses 1.65 ...
-        j.observe(FAST)
+        j.observe(FAST, at=0.0)
         assert j.judge(members, inc, 1, 0) is None
-    j.observe(FAST)  # 4 rounds of 3x in 10: 1.8, 1.67 without the worst
+    j.observe(FAST, at=0.0)  # 4 rounds of 3x in 10: 1.8, 1.67 without the worst
     assert j.judge(members, inc, 1, 0).probation_s == 10  # ... for twice the probation
 
 
 def test_exclusion_respects_min_replicas_and_the_majority():
-    policy = PacePolicy(ratio=None, window=3)
+    policy = by_rounds(ratio=None, window=3)
     assert judge_after(3, FAST, policy, min_replicas=3)[1] is None  # nobody may leave
     assert judge_after(3, {0: 0.05, 1: 0.15}, policy, excluded=1)[1] is None  # half already out
     assert judge_after(3, {0: 0.05, 1: 0.15}, policy)[1].group == 1
@@ -169,9 +174,9 @@ def test_the_ratio_setting(monkeypatch):
     ],
 )
 def test_the_verdict_names_the_slow_rank(ranks, named, rank_s, others_s):
-    j = PaceJudge(PacePolicy(ratio=None, window=5))
+    j = PaceJudge(by_rounds(ratio=None, window=5))
     for _ in range(5):
-        j.observe(FAST, {0: {0: 0.05}, 1: {0: 0.05}, 2: ranks})
+        j.observe(FAST, {0: {0: 0.05}, 1: {0: 0.05}, 2: ranks}, at=0.0)
     v = j.judge([0, 1, 2], dict.fromkeys(range(3), 0), 1, 0)
     assert v is not None and v.group == 2
     assert (v.rank, v.rank_busy_s, v.others_busy_s) == (named, rank_s, others_s)
@@ -179,10 +184,14 @@ def test_the_verdict_names_the_slow_rank(ranks, named, rank_s, others_s):
 
 def test_the_slow_rank_is_judged_over_the_window_not_its_last_round():
     """A duty-cycled rank is slow in some rounds only; its mean over the window names it."""
-    j = PaceJudge(PacePolicy(ratio=None, window=16))
+    j = PaceJudge(by_rounds(ratio=None, window=16))
     for i in range(16):
         stop = 0.25 if i % 4 == 3 else 0.0
-        j.observe({0: 0.035, 1: 0.035, 2: 0.035 + stop}, {0: {0: 0.035}, 1: {0: 0.035}, 2: {0: 0.036, 1: 0.035 + stop}})
+        j.observe(
+            {0: 0.035, 1: 0.035, 2: 0.035 + stop},
+            {0: {0: 0.035}, 1: {0: 0.035}, 2: {0: 0.036, 1: 0.035 + stop}},
+            at=0.0,
+        )
     v = j.judge([0, 1, 2], dict.fromkeys(range(3), 0), 1, 0)
     assert v is not None and v.rank == 1 and v.rank_busy_s == pytest.approx(0.035 + 0.25 / 4)
 
@@ -234,7 +243,7 @@ def _rejoin_round(clients):
 
 
 def test_the_lighthouse_holds_a_slow_group_on_standby_and_readmits_it_through_a_heal(lighthouse):
-    addr, lh = lighthouse(pace=PacePolicy(ratio=2.0, window=4, probation_s=1.5), join_timeout=30)
+    addr, lh = lighthouse(pace=by_rounds(ratio=2.0, window=4, probation_s=1.5), join_timeout=30)
     clients = _clients(addr)
     try:
         qid = ask_all(clients)[0].quorum_id
@@ -272,7 +281,7 @@ def test_the_exclusion_event_names_the_slow_rank(lighthouse, relay):
     """Groups of 2 ranks; rank 1 of group 2 computes 3x as long. The event names it, with its
     figure and its group's other rank's, also when a relay speaks for the group (it sends its
     slowest rank's figure with every rank's, ftcore/relay.py)."""
-    addr, lh = lighthouse(pace=PacePolicy(ratio=None, window=4, probation_s=30))
+    addr, lh = lighthouse(pace=by_rounds(ratio=None, window=4, probation_s=30))
     clients = _clients(addr, world=2, relay=relay)
     try:
         qid = ask_all(clients)[0].quorum_id
@@ -313,7 +322,7 @@ def test_each_quorum_tells_its_members_the_last_steps_pace(lighthouse):
 
 
 def test_a_standby_ends_when_only_the_excluded_groups_work_is_left(lighthouse):
-    addr, lh = lighthouse(pace=PacePolicy(ratio=2.0, window=3, probation_s=600))
+    addr, lh = lighthouse(pace=by_rounds(ratio=2.0, window=3, probation_s=600))
     clients = _clients(addr)
     try:
         qid = ask_all(clients)[0].quorum_id
@@ -403,13 +412,63 @@ def test_the_running_sums_are_the_windows_sums():
     import random
 
     rng = random.Random(7)
-    j = PaceJudge(PacePolicy(window=5))
+    j = PaceJudge(by_rounds(window=5))
     for _ in range(40):
-        j.observe({g: rng.uniform(0.1, 0.5) * (3 if g == 2 else 1) for g in range(4)})
+        j.observe({g: rng.uniform(0.1, 0.5) * (3 if g == 2 else 1) for g in range(4)}, at=0.0)
         if rng.random() < 0.1:
             j.readmit(1)
     for g, hist in j.rounds.items():
-        counted = sum(j._counted(b, ref) for b, ref in hist)
-        assert j.sums[g] == [pytest.approx(counted), pytest.approx(sum(r for _, r in hist))]
+        counted = sum(j._counted(b, ref) for b, ref, _ in hist)
+        assert j.sums[g] == [pytest.approx(counted), pytest.approx(sum(r for _, r, _ in hist))]
     verdict = j.judge([0, 1, 2, 3], dict.fromkeys(range(4), 0), 1, 0)
     assert verdict is not None and verdict.group == 2  # three times its peers: the filter kept it
+
+
+def test_start_up_is_not_slowness():
+    """Every group settles before it is measured: a group slow in its first rounds (start-up on
+    a loaded machine: 36 ms a step against its peers' 19) is not excluded, at the job's start
+    nor after a restart (a new incarnation is readmitted: it settles again)."""
+    policy = PacePolicy(ratio=None, window=40, settle=20, span_s=0.0)
+    j, t = PaceJudge(policy), 0.0
+    for i in range(60):
+        t += 0.036
+        j.observe({0: 0.019, 1: 0.019, 2: 0.036 if i < 20 else 0.019}, at=t)
+        assert j.judge([0, 1, 2], dict.fromkeys(range(3), 0), 1, 0) is None
+    j.readmit(2)  # restarted: its first rounds again
+    for i in range(20):
+        j.observe({0: 0.019, 1: 0.019, 2: 0.036}, at=t + i)
+    assert 2 not in j.rounds and j.judge([0, 1, 2], dict.fromkeys(range(3), 0), 1, 0) is None
+    # ... while a group that stays slow once settled is out after its window
+    for i in range(40):
+        j.observe({0: 0.019, 1: 0.019, 2: 0.036}, at=t + 20 + i)
+    v = j.judge([0, 1, 2], dict.fromkeys(range(3), 0), 1, 0)
+    assert v is not None and v.group == 2
+
+
+def test_a_burst_of_load_is_diluted_by_the_span_and_a_duty_cycle_is_not():
+    """The window spans `span_s` seconds as well as `window` rounds: 1.5 s of a group at 3x (a
+    burst of load beside the job) reaches the bound in a 40-round window but not over 3 s; a
+    rank stopped 0.25 s of every 0.5 s is still out once 3 s of it are seen."""
+
+    def burst(policy: PacePolicy) -> list[int]:
+        j, t, out = PaceJudge(policy), 0.0, []
+        for i in range(200):
+            slow = 80 <= i < 94
+            t += 0.105 if slow else 0.035
+            j.observe({0: 0.035, 1: 0.035, 2: 0.105 if slow else 0.035}, at=t)
+            v = j.judge([0, 1, 2], dict.fromkeys(range(3), 0), 1, 0)
+            out += [v.group] if v else []
+        return out
+
+    assert burst(by_rounds(ratio=None, window=40)) == [2]  # rounds alone: excluded for a burst
+    assert burst(PacePolicy(ratio=None, window=40, settle=0, span_s=3.0)) == []
+    duty = PaceJudge(PacePolicy(ratio=None, window=40, settle=0, span_s=3.0))
+    t, verdict = 0.0, None
+    for i in range(400):
+        stop = 0.25 if i % 8 == 7 else 0.0
+        t += 0.035 + stop
+        duty.observe({0: 0.035, 1: 0.035, 2: 0.035 + stop}, at=t)
+        verdict = verdict or duty.judge([0, 1, 2], dict.fromkeys(range(3), 0), 1, 0)
+        if verdict is None and t < 3.0:
+            assert duty.slowness(2) is None  # not before 3 s of evidence
+    assert verdict is not None and verdict.group == 2
