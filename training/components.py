@@ -10,14 +10,16 @@ from dataclasses import dataclass
 
 import torch
 
+from ftcore import collectives as coll
 from training import checkpoint, distributed, metrics
 from training.comm.integration import GroupComm
 from training.comm.item_table import TrainerTable
-from training.config import Config, ConfigError, EvalConfig, TrainConfig
+from training.config import Config, EvalConfig, TrainConfig
 from training.data import DataCursor, ShardSet
 from training.distributed import Topology, log
 from training.evaluate import EvalData, evaluate
 from training.ft import ReplicaSync
+from training.selection import Record, Selection
 from training.state import TrainState, WarmupDecay
 from training.tracking import Tracker
 
@@ -111,8 +113,8 @@ class LazyEval:
 
 
 class Validator:
-    """Validation every `every` steps while training goes on (eval.periodic), and rank 0's
-    copy of the best model so far (eval.best_metric)."""
+    """Validation every `every` steps while training goes on (eval.periodic), and the model
+    selection's verdict on it (training/selection.py: the best model, early stopping)."""
 
     def __init__(
         self,
@@ -123,10 +125,12 @@ class Validator:
         topo: Topology,
         eval_data: LazyEval,
         tracker: Tracker | None,
+        selection: Selection | None,
     ):
         self.cfg, self.every, self.enabled = cfg, every, cfg.periodic
         self.model, self.table, self.topo, self.eval_data, self.tracker = model, table, topo, eval_data, tracker
-        self.best = Best(cfg.best_metric) if cfg.best_metric and topo.is_main else None
+        self.selection = selection
+        self.seconds = 0.0  # spent validating (rank 0)
 
     def maybe_validate(self, step: int, more: bool) -> None:
         """`more`: training goes on after this step (the end has its own evaluation)."""
@@ -135,13 +139,45 @@ class Validator:
         full = self.table.full_model(self.model, self.topo.is_main)  # collective with a sharded table
         scores = {}
         if full is not None and self.topo.is_main:
+            t = time.perf_counter()
             scores = evaluate(full, self.eval_data.get(), self.cfg, splits=("valid",))
+            self.seconds += time.perf_counter() - t
             log(self.topo, f"step {step} valid " + brief(scores, "valid"))
+            if self.selection is not None:
+                self.selection.offer(scores, full, step)
+                scores["valid/best"] = self.selection.value or 0.0
             if self.tracker:
-                self.tracker.log_metrics(scores, step)
+                self.tracker.log_metrics({**scores, "valid/seconds_total": self.seconds}, step)
+        if self.selection is not None:
+            self.selection.record = share(self.selection.record)  # collective: rank 0's verdict
+            if self.selection.stopped_at == step:
+                self._stopped(step)
         distributed.barrier()  # the other ranks wait here, not inside the next step's all-reduce
-        if self.best is not None and full is not None:
-            self.best.offer(scores, full, step)
+
+    def _stopped(self, step: int) -> None:
+        sel = self.selection
+        assert sel is not None
+        log(self.topo, f"early stop at step {step}: {sel.reason()}")
+        if self.tracker:
+            self.tracker.log_metrics({"train/early_stop": 1.0}, step)  # the event, on the curves
+            self.tracker.set_tags(
+                {
+                    "ftrec.early_stop_step": str(step),
+                    "ftrec.early_stop_reason": sel.reason(),
+                    "ftrec.best_step": str(sel.step),
+                    "ftrec.best_metric": sel.metric,
+                    "ftrec.best_value": f"{sel.value:.6f}",
+                }
+            )
+
+
+def share(record: Record) -> Record:
+    """Rank 0's record on every rank of the group (collective; one process: itself)."""
+    if not distributed.active():
+        return record
+    t = record.as_tensor()
+    coll.broadcast(t, 0, kind=coll.CONTROL)
+    return Record.from_tensor(t)
 
 
 class Checkpointer:
@@ -215,34 +251,3 @@ def brief(scores: dict, split: str) -> str:
     return " ".join(
         f"{p}/{m} {scores[f'{split}/{p}/{m}']:.4f}" for p in ("full", "sampled") for m in ("hr@10", "ndcg@10")
     )
-
-
-class Best:
-    """Rank 0's copy of the model where validation metric `metric` peaked (eval.best_metric)."""
-
-    def __init__(self, metric: str):
-        self.metric, self.value, self.step = metric, float("-inf"), -1
-        self.state: dict | None = None
-
-    def _value(self, scores: dict) -> float:
-        if self.metric not in scores:
-            raise ConfigError(
-                f"eval.best_metric={self.metric!r} is not a validation metric; choose one of "
-                f"{', '.join(sorted(k for k in scores if k.startswith('valid/')))}"
-            )
-        return scores[self.metric]
-
-    def offer(self, scores: dict, model: torch.nn.Module, step: int) -> None:
-        if self._value(scores) > self.value:
-            self.value, self.step = self._value(scores), step
-            self.state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-
-    def beats(self, final_scores: dict) -> bool:
-        """Strictly better than the final model: a tie keeps the last."""
-        return self.state is not None and self.value > self._value(final_scores)
-
-    def save(self, out: str, meta: dict) -> str:
-        """OUT/best/step-N: a weights-only checkpoint (`training eval` and warm start read it);
-        `meta` is the run's, minus the data position of a state it does not hold."""
-        meta = {**{k: v for k, v in meta.items() if k not in ("epoch", "index")}, "step": self.step}
-        return checkpoint.save(os.path.join(out, "best"), {"model": self.state}, meta, keep=1, distributed=False)

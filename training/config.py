@@ -170,7 +170,12 @@ class EvalConfig:
     # the model where this validation metric peaked (periodic validations and the end) is
     # the run's model, written to OUT/best/ when it is not the last
     best_metric: str = ""
-    """"valid/sampled/ndcg@10" etc.: keep the model where it peaked (OUT/best/); "": the last"""
+    """"valid/full/ndcg@10" etc.: keep the model where it peaked (OUT/best/); "": the last
+    (with eval.patience > 0: valid/full/ndcg@10, the full ranking the retrain gate judges)"""
+    # off by default: a run trains its epochs unless asked to stop (training/selection.py)
+    patience: int = 0
+    """early stopping: end the run after this many validations (train.eval_every) in a row
+    without a better eval.best_metric, and keep the best model; 0: never stop early"""
 
 
 @dataclass
@@ -373,6 +378,11 @@ def validate(cfg: Config) -> Config:
             or (cfg.eval.best_metric.startswith("valid/") and cfg.eval.periodic and cfg.eval.final),
             f"eval.best_metric={cfg.eval.best_metric!r} needs a validation metric (valid/sampled/ndcg@10, "
             "valid/full/hr@10, ...) and eval.periodic=true, eval.final=true",
+        ),
+        (cfg.eval.patience >= 0, "eval.patience must be >= 0 (0: no early stopping)"),
+        (
+            cfg.eval.patience == 0 or (cfg.eval.periodic and cfg.eval.final),
+            f"eval.patience={cfg.eval.patience} needs eval.periodic=true (it counts validations) and eval.final=true",
         ),
     ] + cfg.comm.checks()
     for ok, msg in checks:

@@ -214,10 +214,12 @@ class FTReplica:
 
     def data_done(self, step: int, steps_total: int) -> bool:
         # Whole epochs end when the schedule, make-up steps included, is done. A step budget
-        # that ends mid-epoch (train.max_steps) stops at that many committed steps, as a single
-        # group does; exactly-once then holds for the complete epochs only. Either way the
-        # groups end together (schedule.finished): one behind is healed first, not left alone.
-        self._budget = steps_total if steps_total % self.state.cursor.steps_per_epoch else None
+        # short of them (train.max_steps mid-epoch, early stopping at any step) stops at that
+        # many committed steps, as a single group does; exactly-once then holds for the
+        # complete epochs only. Either way the groups end together (schedule.finished): one
+        # behind is healed first, not left alone.
+        whole = self.schedule.epochs * self.state.cursor.steps_per_epoch
+        self._budget = steps_total if steps_total < whole else None
         return self.schedule.finished(self._spent())
 
     def _spent(self) -> bool:

@@ -1,6 +1,7 @@
 """`TrainState`: everything a step changes, behind one state_dict / load_state_dict.
 
-Model, optimizer, scheduler, committed step, data cursor and both RNG states: what a
+Model, optimizer, scheduler, committed step, data cursor, both RNG states and the model
+selection's record (training/selection.py, when eval.best_metric or eval.patience is on): what a
 checkpoint saves and a recovering group receives; loading it makes the next step bitwise
 identical. Also the optimizer (AdamW; the item table in its own group: dense "adam" or
 `RowwiseAdamW` on the touched rows, not equal to dense Adam) and the lr schedule.
@@ -13,6 +14,7 @@ import torch
 from training.config import OptimConfig
 from training.data import DataCursor
 from training.model import SeqRec
+from training.selection import Selection
 
 
 def build_optimizer(model: SeqRec, cfg: OptimConfig) -> torch.optim.Optimizer:
@@ -105,13 +107,15 @@ class TrainState:
         scheduler: torch.optim.lr_scheduler.LRScheduler,
         cursor: DataCursor,
         generator: torch.Generator,
+        selection: Selection | None = None,
     ):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.cursor, self.generator = cursor, generator
+        self.selection = selection  # eval.best_metric / eval.patience: the verdicts so far
         self.step = 0  # committed steps
 
     def state_dict(self) -> dict:
-        return {
+        sd = {
             "step": self.step,
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
@@ -119,6 +123,9 @@ class TrainState:
             "cursor": self.cursor.state_dict(),
             "rng": {"torch": torch.get_rng_state(), "negatives": self.generator.get_state()},
         }
+        if self.selection is not None:  # only then: checkpoints without it stay as they were
+            sd["selection"] = self.selection.state_dict()
+        return sd
 
     def load_state_dict(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
@@ -128,3 +135,5 @@ class TrainState:
         torch.set_rng_state(state["rng"]["torch"])
         self.generator.set_state(state["rng"]["negatives"])
         self.step = int(state["step"])
+        if self.selection is not None and "selection" in state:
+            self.selection.load_state_dict(state["selection"])

@@ -33,6 +33,7 @@ from training.evaluate import evaluate
 from training.ft import LocalReplica, make_replica
 from training.loss import draw_negatives, loss_sum, start_global_counts
 from training.model import SeqRec
+from training.selection import Selection, make_selection
 from training.state import TrainState, WarmupDecay, build_optimizer
 from training.tracking import Tracker, code_tags
 
@@ -110,6 +111,7 @@ class Trainer:
                 topo,
                 self.eval_data,
                 tracker,
+                state.selection,
             ),
             checkpointer=Checkpointer(cfg, state, self.table, topo, self.shards, self.ft, tracker),
         )
@@ -186,7 +188,7 @@ class Trainer:
         schedule = WarmupDecay(cfg.optim, self.steps_total)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         cursor = DataCursor(self.shards.steps, cfg.train.seed)
-        self.state = TrainState(model, optimizer, scheduler, cursor, generator)
+        self.state = TrainState(model, optimizer, scheduler, cursor, generator, make_selection(cfg.eval))
         return schedule
 
     def _resume(self, path: str) -> None:
@@ -246,7 +248,7 @@ class Trainer:
         self.model.train()
         if not isinstance(self.ft, LocalReplica) and not self.table.sharded:
             self.warm_up()
-        while not stop and not self.ft.data_done(self.state.step, self.steps_total):
+        while not stop and not self.ft.data_done(self.state.step, self._last_step()):
             if not self.train_step():
                 continue  # another replica group failed: the same batch again
             step = self.state.step
@@ -256,6 +258,13 @@ class Trainer:
             parts.validator.maybe_validate(step, more=not stop and step < self.steps_total)
             parts.checkpointer.maybe_save(step)
         return self.finish()
+
+    def _last_step(self) -> int:
+        """steps_total, or the step early stopping ended the run at (eval.patience). The verdict
+        is in the TrainState, so a replica group that healed since has it too: every group ends
+        at the same step, through ftcore's end of a step budget (every group live, then done)."""
+        sel = self.state.selection
+        return sel.last_step(self.steps_total) if sel is not None else self.steps_total
 
     def warm_up(self) -> None:
         """One forward and backward on the cursor's batch, thrown away, before this group first
@@ -372,7 +381,7 @@ class Trainer:
         wall = time.perf_counter() - self.started
         t_eval = time.perf_counter()
         scores, final, last = self._final_eval(model, final)
-        c, best = self.state.cursor, self.parts.validator.best
+        c, best = self.state.cursor, self.state.selection
         result: dict[str, Any] = {
             "mlflow_run_id": None,
             "tracking_uri": self.tracker.uri if self.tracker else None,
@@ -385,12 +394,7 @@ class Trainer:
             "eval_seconds": time.perf_counter() - t_eval,
         }
         if best is not None:
-            result["best"] = {
-                "metric": best.metric,
-                "step": best.step if last else self.state.step,
-                "value": scores.get(best.metric),
-                "last_checkpoint": os.path.abspath(last or final),
-            }
+            result.update(self._selection_result(best, scores, last or final, chosen=last is not None))
         comm = self.table.summary()
         if comm is not None:
             result["comm"] = comm
@@ -404,6 +408,25 @@ class Trainer:
         write_json(os.path.join(self.cfg.train.out, "result.json"), result)
         return result
 
+    def _selection_result(self, sel: Selection, scores: dict, last: str, chosen: bool) -> dict:
+        """result.json's "best" (and "early_stop" when the run stopped early); the chosen step is
+        also the MLflow run's tag ftrec.best_step."""
+        step = sel.step if chosen else self.state.step
+        out: dict[str, Any] = {
+            "best": {
+                "metric": sel.metric,
+                "step": step,
+                "value": scores.get(sel.metric),
+                "last_checkpoint": os.path.abspath(last),
+                "validation_seconds": self.parts.validator.seconds,
+            }
+        }
+        if sel.stopped_at:
+            out["early_stop"] = {"step": sel.stopped_at, "reason": sel.reason(), "patience": sel.patience}
+        if self.tracker:
+            self.tracker.set_tags({"ftrec.best_step": str(step), "ftrec.best_metric": sel.metric})
+        return out
+
     def _final_eval(self, model: torch.nn.Module, final: str) -> tuple[dict, str, str | None]:
         """valid + test of the final model, or of the best validated one when it peaked higher
         (eval.best_metric); returns (scores, the run's checkpoint, the last one if not that)."""
@@ -412,11 +435,11 @@ class Trainer:
             return scores, final, None
         scores = evaluate(model, self.eval_data.get(), self.cfg.eval, splits=("valid", "test"))
         log(self.topo, "valid " + brief(scores, "valid") + " | test " + brief(scores, "test"))
-        best = self.parts.validator.best
-        if best is None or best.state is None or not best.beats(scores):
+        best = self.state.selection
+        if best is None or best.weights is None or not best.beats(scores):
             return scores, final, None
         # an earlier validation peaked higher: that model is the run's (training is over)
-        model.load_state_dict(best.state)
+        model.load_state_dict(best.weights)
         scores = evaluate(model, self.eval_data.get(), self.cfg.eval, splits=("valid", "test"))
         chosen = best.save(self.cfg.train.out, self.parts.checkpointer.meta(with_ft=False))
         log(
