@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 WORK    ?= work
 
-.PHONY: setup run test lint bench clean
+.PHONY: setup run test lint bench clean gpu-wheels
 
 # Re-installs only when pyproject.toml changed since the last install.
 # ftrec_airflow moved to plugins/: a folder of bytecode git left at the top would be a namespace
@@ -58,6 +58,17 @@ bench: setup
 	$(BIN)/python benchmarks/airflow_bench.py
 	$(BIN)/python benchmarks/install_weight.py
 	$(BIN)/python benchmarks/scale.py  # scale_dataprep.py and scale_training.py at their small sizes
+
+# The wheels the offline GPU machine lacks (benchmarks/gpu_check_wheels.txt), for its Python
+# (GPU_PY, 3.12) on manylinux x86-64, into GPU_WHEELS; then one device command runs the check:
+# `bash benchmarks/gpu_check.sh "$$OUT"` (README, "The GPU check"). Uses pip: after `make setup`.
+GPU_PY      ?= 3.12
+GPU_WHEELS  ?= gpu-wheels
+gpu-wheels:
+	$(BIN)/pip download -q --no-deps --only-binary=:all: --implementation cp --python-version $(GPU_PY) \
+		--platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
+		-d $(GPU_WHEELS) -r benchmarks/gpu_check_wheels.txt
+	ls $(GPU_WHEELS)
 
 clean:
 	rm -rf $(WORK) bench-results

@@ -1,26 +1,31 @@
-"""`python benchmarks/gpu_check.py`: the one prepared device script (at most 5 minutes).
+"""`python benchmarks/gpu_check.py`: the one prepared device script; on the offline GPU machine
+through `benchmarks/gpu_check.sh` (about 7 minutes with its default budget).
 
-Three parts, each in its own time box; a part that fails is reported and the others still run:
+Four parts, each in its own time box; a part that fails is reported and the others still run:
 
  1. ft: the real trainer on ftcore, 2 replica groups x 1 rank (2 GPUs, or both groups on
     GPU 0 with --oversubscribe-gpus when one is lent), 50 steps; group 1 is killed with SIGKILL
     at step 20, restarted from a spare and healed; both groups' final states must be bitwise
     identical. Across groups FTAR is gloo with the CUDA gradients staged through pinned host
     buffers (ftcore/ftar.py), so this is also its first run on CUDA.
- 2. slowdown: a bf16 matmul loop on the compute stream, alone and while the same bytes move
+ 2. table: one group of K = 2 ranks (K = 1 on one GPU) with the sharded item table and the
+    row-wise optimizer on the device, then its model's full ranking in bf16 and in float32
+    (gpu_check_claims.py).
+ 3. slowdown: a bf16 matmul loop on the compute stream, alone and while the same bytes move
     beside it by (a) NCCL all-to-all (SM kernels) and (b) the smfree transport (copy engines,
     cudaMemcpyAsync through pinned shared memory), rounds alternating in one run; the comm runs
     for longer than the loop, so the whole loop overlaps it. Plus the CUDA kernels the profiler
-    sees during an smfree all-to-all (none expected: memcpys only).
- 3. throughput: non-padding tokens/s of the trainer on the GPU, sasrec and hstu, at max_len
+    sees during an smfree all-to-all and all-reduce (none expected: memcpys only).
+ 4. throughput: non-padding tokens/s of the trainer on the GPU, sasrec and hstu, at max_len
     50, 200 and 1,024, on balanced shards (dataprep) against randomly assigned ones.
 
+Then the claims (BENCHMARKS.md, "GPU claims"), each PASS / FAIL / SKIP with its figure.
 `--cpu`: the same code on CPU with tiny sizes (gloo instead of NCCL, smfree's shared-memory copy
 thread instead of the copy engines), so the script is known to run before a GPU is lent
-(tests/test_gpu_check_smoke.py). Its figures mean nothing.
+(tests/test_gpu_check_smoke.py); claims about CUDA are SKIP there, its figures mean nothing.
 
-Prints a table per part and writes JSON (--out, default bench-results/gpu_check.json). Exit
-status 0 only if every check passed.
+Prints a table per part and the claims, writes JSON (--out, default bench-results/gpu_check.json)
+and the claims table beside it (.txt). Exit status 0 only if no claim and no part failed.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: `benchmarks.training_bench` (part 3) lives under the root
     sys.path.insert(0, str(ROOT))
-BUDGET_S = float(os.environ.get("FTREC_GPU_CHECK_BUDGET_S", "280"))
+BUDGET_S = float(os.environ.get("FTREC_GPU_CHECK_BUDGET_S", "400"))
 
 SIZES = {  # per mode: what each part runs
     "gpu": {
@@ -92,7 +97,11 @@ def _run(argv: list[str], timeout: float, env: dict | None = None) -> tuple[int,
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+            **(env or {}),
+        },
     )
     try:
         out, _ = p.communicate(timeout=timeout)
@@ -264,21 +273,11 @@ def _slowdown_worker(rank: int, world: int, cuda: bool, sz: dict) -> dict:
             if th is not None:
                 th.join(timeout=120)
                 res[k]["comm_s"].append(box.get("s", float("nan")))
-    kernels = None
-    if cuda:  # what runs on the SMs during an smfree all-to-all: memcpys only, no kernel
-        from torch.profiler import ProfilerActivity, profile
-
+    kernels = reduce_kernels = None
+    if cuda:  # what runs on the SMs during an smfree all-to-all and all-reduce: memcpys only
         t = transports["smfree_copy_engines"]
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            t.all_to_all(x, splits, splits).wait()
-            torch.cuda.synchronize()
-        kernels = sorted(
-            {
-                e.name
-                for e in prof.events()
-                if e.device_type.name == "CUDA" and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()
-            }
-        )
+        kernels = _kernels(lambda: t.all_to_all(x, splits, splits).wait())
+        reduce_kernels = _kernels(lambda: t.all_reduce(x).wait())
     coll.barrier()
     for t in transports.values():
         t.close()
@@ -289,7 +288,22 @@ def _slowdown_worker(rank: int, world: int, cuda: bool, sz: dict) -> dict:
         "n_matmul": n_mm,
         "mbytes_per_op": sz["a2a_mb"],
         "smfree_kernels": kernels,
+        "smfree_allreduce_kernels": reduce_kernels,
     }
+
+
+def _kernels(op) -> list[str]:
+    """The CUDA kernels (not memcpy/memset) the profiler sees while `op()` runs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        op()
+        torch.cuda.synchronize()
+    skip = ("memcpy", "memset")
+    return sorted(
+        {e.name for e in prof.events() if e.device_type.name == "CUDA" and not any(w in e.name.lower() for w in skip)}
+    )
 
 
 class _null:
@@ -326,6 +340,7 @@ def part_slowdown(sz: dict, gpus: int, budget: float) -> dict:
         "mbytes_per_op": sz["a2a_mb"],
         "names": r[0]["names"],
         "smfree_kernels": r[0]["smfree_kernels"],
+        "smfree_allreduce_kernels": r[0]["smfree_allreduce_kernels"],
         "rows": {},
     }
     for k in res0:
@@ -355,6 +370,8 @@ def part_slowdown(sz: dict, gpus: int, budget: float) -> dict:
         fails.append("smfree fell back to the collective transport")
     if cuda and out["smfree_kernels"]:
         fails.append(f"smfree all-to-all launched kernels: {out['smfree_kernels']}")
+    if cuda and out["smfree_allreduce_kernels"]:
+        fails.append(f"smfree all-reduce launched kernels: {out['smfree_allreduce_kernels']}")
     out["fails"] = fails
     return out
 
@@ -455,7 +472,7 @@ def _print(res: dict) -> None:
     sd = res.get("slowdown")
     if isinstance(sd, dict):
         print(
-            f"\n## 2. slowdown of a {sd['matmul']} loop beside {sd['mbytes_per_op']} MB all-to-alls "
+            f"\n## 3. slowdown of a {sd['matmul']} loop beside {sd['mbytes_per_op']} MB all-to-alls "
             f"({sd['world']} rank(s)); smfree kernels: {sd['smfree_kernels']}"
         )
         print(
@@ -476,7 +493,7 @@ def _print(res: dict) -> None:
         )
     tp = res.get("throughput")
     if isinstance(tp, dict):
-        print(f"\n## 3. non-padding tokens/s, {tp['steps']} steps, batch {tp['batch']}")
+        print(f"\n## 4. non-padding tokens/s, {tp['steps']} steps, batch {tp['batch']}")
         print(
             _table(
                 [
@@ -495,14 +512,50 @@ def _print(res: dict) -> None:
         )
 
 
+PARTS = {"ft": 0.30, "table": 0.25, "slowdown": 0.17, "throughput": 0.28}  # shares of the budget
+
+
+def _parts(names: list[str], work: Path, sz: dict, gpus: int, budget: float) -> dict[str, Any]:
+    """Each part in its share of what is left of `budget`; a part that raises is reported
+    ("error: ...") and the others still run."""
+    from benchmarks.gpu_check_claims import part_table
+
+    t0, res = time.monotonic(), {}
+    for name in names:
+        left = budget - (time.monotonic() - t0)
+        box = left * PARTS[name] / sum(PARTS[n] for n in names[names.index(name) :])
+        if box < 20:
+            res[name] = "skipped: time budget spent"
+            continue
+        t = time.monotonic()
+        try:
+            if name == "ft":
+                res[name] = part_ft(work, sz, gpus, box)
+            elif name == "table":
+                res[name] = part_table(work, sz, gpus, box)
+            elif name == "slowdown":
+                res[name] = part_slowdown(sz, gpus, box)
+            else:
+                res[name] = part_throughput(work, sz, box)
+            res[name]["part_s"] = round(time.monotonic() - t, 1)
+        except Exception as e:  # report and go on: one failed part must not hide the others
+            res[name] = f"error: {type(e).__name__}: {e}"
+    return res
+
+
 def main(argv: list[str] | None = None) -> int:
+    from benchmarks.gpu_check_claims import claims, table
+
     p = argparse.ArgumentParser(prog="python benchmarks/gpu_check.py", description=__doc__.splitlines()[0])
     p.add_argument("--cpu", action="store_true", help="tiny sizes on CPU: a smoke test of this script")
-    p.add_argument("--parts", default="ft,slowdown,throughput", help="comma-separated subset")
+    p.add_argument("--parts", default=",".join(PARTS), help="comma-separated subset")
     p.add_argument("--out", default=str(ROOT / "bench-results" / "gpu_check.json"))
     p.add_argument("--work", default=None, help="scratch folder (default: next to --out)")
     p.add_argument("--budget-s", type=float, default=BUDGET_S, help="wall-clock budget of all parts")
     a = p.parse_args(argv)
+    parts = [x for x in a.parts.split(",") if x]
+    if set(parts) - set(PARTS):
+        p.error(f"--parts: unknown {sorted(set(parts) - set(PARTS))}; choose from {','.join(PARTS)}")
     gpus = torch.cuda.device_count() if (torch.cuda.is_available() and not a.cpu) else 0
     if not gpus and not a.cpu:
         print("gpu_check: no CUDA device in this process; run it on a GPU machine, or with --cpu", file=sys.stderr)
@@ -518,36 +571,23 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name(0) if gpus else "cpu",
     }
-    boxes = {"ft": 0.45, "slowdown": 0.25, "throughput": 0.30}  # shares of the budget
-    parts = [x for x in a.parts.split(",") if x]
-    ok = True
-    for name in parts:
-        left = a.budget_s - (time.monotonic() - t0)  # each part: its share of what is left
-        box = left * boxes[name] / sum(boxes[n] for n in parts[parts.index(name) :])
-        if box < 20:
-            res[name], ok = "skipped: time budget spent", False
-            continue
-        t = time.monotonic()
-        try:
-            if name == "ft":
-                res[name] = part_ft(work, sz, gpus, box)
-            elif name == "slowdown":
-                res[name] = part_slowdown(sz, gpus, box)
-            else:
-                res[name] = part_throughput(work, sz, box)
-            res[name]["part_s"] = round(time.monotonic() - t, 1)
-            ok &= not res[name]["fails"]
-        except Exception as e:  # report and go on: one failed part must not hide the others
-            res[name], ok = f"error: {type(e).__name__}: {e}", False
-    res["ok"], res["wall_s"] = bool(ok), round(time.monotonic() - t0, 1)
-    _print(res)
-    fails = {k: v["fails"] for k, v in res.items() if isinstance(v, dict) and v.get("fails")}
+    res.update(_parts(parts, work, sz, gpus, a.budget_s))
+    res["claims"] = claims(res, gpus, parts)
+    failed = [c for c in res["claims"] if c["status"] == "FAIL"]
+    part_fails = {k: v["fails"] for k, v in res.items() if isinstance(v, dict) and v.get("fails")}
     errors = {k: v for k, v in res.items() if isinstance(v, str) and v.startswith(("error", "skipped"))}
-    print(json.dumps({"ok": res["ok"], "wall_s": res["wall_s"], "fails": fails, "errors": errors}, indent=1))
+    res["ok"] = not failed and not part_fails and not errors
+    res["wall_s"] = round(time.monotonic() - t0, 1)
+    _print(res)
+    head = f"GPU check on {res['device']} ({gpus} GPU(s), torch {res['torch']}, {res['mode']}), {res['wall_s']} s"
+    text = head + "\n" + table(res["claims"])
+    print("\n## claims\n" + text)
+    print(json.dumps({"ok": res["ok"], "wall_s": res["wall_s"], "fails": part_fails, "errors": errors}, indent=1))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1, default=str))
-    print(f"wrote {out}")
-    return 0 if ok else 1
+    out.with_suffix(".txt").write_text(text + "\n")
+    print(f"wrote {out} and {out.with_suffix('.txt')}")
+    return 0 if res["ok"] else 1
 
 
 if __name__ == "__main__":
