@@ -44,6 +44,9 @@ class ModelConfig:
 
     attention: str = "sasrec"
     """"sasrec" (softmax) or "hstu" (pointwise SiLU-gated)"""
+    layer: str = "standard"
+    """"standard": the attention kind's own block; "ligr": eSASRec's (gated residuals, pre-norm,
+    SwiGLU feed-forward; softmax attention, model.attention = "sasrec")"""
     dim: int = 64
     """width of the item embeddings and of every layer"""
     num_layers: int = 2
@@ -349,6 +352,11 @@ def validate(cfg: Config) -> Config:
     """Reject settings that cannot work, with the setting's name."""
     checks = [
         (cfg.model.attention in ("sasrec", "hstu"), "model.attention must be 'sasrec' or 'hstu'"),
+        (cfg.model.layer in ("standard", "ligr"), "model.layer must be 'standard' or 'ligr'"),
+        (
+            cfg.model.layer != "ligr" or cfg.model.attention == "sasrec",
+            "model.layer='ligr' is a softmax-attention layer: use it with model.attention='sasrec'",
+        ),
         (cfg.model.similarity in ("cosine", "dot"), "model.similarity must be 'cosine' or 'dot'"),
         (cfg.model.rel_bias in ("pos+time", "pos", "none"), "model.rel_bias must be 'pos+time', 'pos' or 'none'"),
         (

@@ -3,8 +3,9 @@
 A jagged batch is padded to its own longest sample for the blocks and gathered back, so
 nothing after them sees a pad. `model.attention`: "sasrec" (softmax; Kang & McAuley 2018)
 or "hstu" (pointwise SiLU-gated, with a relative attention bias over positions and time
-gaps; Zhai et al. 2024). Positions count back from the newest item (position 0), as
-SASRec's left-padded layout does. docs/training.md gives the bias's buckets.
+gaps; Zhai et al. 2024); `model.layer = "ligr"` swaps SASRec's blocks for eSASRec's gated
+ones. Positions count back from the newest item (position 0), as SASRec's left-padded layout
+does. docs/training.md gives the bias's buckets.
 """
 
 import math
@@ -57,6 +58,37 @@ class SasrecBlock(nn.Module):
         )
         x = x + self.drop(self.proj(a.transpose(1, 2).reshape(B, L, D)))
         return x + self.drop(self.ffn(self.ln2(x)))
+
+
+class LigrBlock(nn.Module):
+    """eSASRec's layer (LiGR, arXiv 2502.03417, as eSASRec uses it: arXiv 2508.06450): pre-norm
+    softmax self-attention and a SwiGLU feed-forward, each added to the residual stream through
+    a sigmoid gate computed from the stream itself (not its norm):
+    x += sigmoid(G1 x) * drop(Attn(LN1 x));  x += sigmoid(G2 x) * drop(W2 drop(SiLU(W1 h) * W3 h)), h = LN2 x."""
+
+    def __init__(self, dim: int, heads: int, dropout: float, ff_mult: int = 4):
+        super().__init__()
+        self.heads, self.dropout = heads, dropout
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.gate1, self.gate2 = nn.Linear(dim, dim), nn.Linear(dim, dim)
+        # SwiGLU without biases, 4x wide: the eSASRec benchmark's feed-forward
+        self.w1 = nn.Linear(dim, ff_mult * dim, bias=False)
+        self.w3 = nn.Linear(dim, ff_mult * dim, bias=False)
+        self.w2 = nn.Linear(ff_mult * dim, dim, bias=False)
+        self.drop, self.ff_drop = nn.Dropout(dropout), nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        B, L, D = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(B, L, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask[:, None], dropout_p=self.dropout if self.training else 0.0
+        )
+        x = x + torch.sigmoid(self.gate1(x)) * self.drop(self.proj(a.transpose(1, 2).reshape(B, L, D)))
+        h = self.ln2(x)
+        f = self.w2(self.ff_drop(F.silu(self.w1(h)) * self.w3(h)))
+        return x + torch.sigmoid(self.gate2(x)) * self.drop(f)
 
 
 TIME_BUCKET_WIDTH = 0.301  # ln-seconds per time bucket: each bucket ~1.35x the previous one
@@ -138,7 +170,9 @@ class SeqRec(nn.Module):
         self.item_emb = nn.Embedding(num_items + 1, cfg.dim, padding_idx=0)  # row 0 = padding
         self.pos_emb = nn.Embedding(cfg.max_len, cfg.dim)
         self.drop = nn.Dropout(cfg.dropout)
-        if cfg.attention == "sasrec":
+        if cfg.layer == "ligr":
+            self.blocks = nn.ModuleList(LigrBlock(cfg.dim, cfg.num_heads, cfg.dropout) for _ in range(cfg.num_layers))
+        elif cfg.attention == "sasrec":
             self.blocks = nn.ModuleList(SasrecBlock(cfg.dim, cfg.num_heads, cfg.dropout) for _ in range(cfg.num_layers))
         else:
             time = cfg.rel_time_buckets if cfg.rel_bias == "pos+time" else 0
