@@ -12,8 +12,15 @@ from airflow.sdk.exceptions import AirflowFailException
 from ftrec_airflow import kubernetes, pipeline
 
 UNAVAILABLE = kubernetes.unavailable()  # "" when the provider and FTREC_K8S_IMAGE are there
-# build_shards' mapped stages are pods too (python -m dataprep stage ...), on the work volume
-K8S_TRAIN = pipeline.TrainingDag("ftrec_train_k8s", shard_fanout={"pods": kubernetes.stage_pod_operator})
+# build_shards' mapped stages are pods too (python -m dataprep stage ...), on the work volume; its
+# cost model is timed first by a pod on the training pool (one GPU), as FreeScale calibrates
+K8S_TRAIN = pipeline.TrainingDag(
+    "ftrec_train_k8s",
+    shard_fanout={
+        "pods": kubernetes.stage_pod_operator,
+        **({} if UNAVAILABLE else {"calibrate": kubernetes.calibration()}),
+    },
+)
 
 
 @dag(

@@ -367,3 +367,41 @@ def test_shard_stage_pod_commands_build_the_one_process_set(stage_tasks, tmp_pat
     assert buckets == 3 and summary["reused"] is False
     build_shards(str(data), "sasrec", str(tmp_path / "ref"), world_size=2, batch_size=8)
     _assert_same(tmp_path / "ref", tmp_path / "set")
+
+
+def test_the_cost_model_is_timed_by_a_pod_on_the_training_pool_and_read_by_the_shard_build(k8s_env, tmp_path):
+    """FreeScale calibrates where it trains: build_shards.calibrate is a one-GPU pod running
+    `python -m training calibrate --pool`, before prepare; prepare balances by what it published
+    (its command run here, on this CPU: the manifest head names the device it timed)."""
+    from airflow.dag_processing.dagbag import DagBag
+
+    from dataprep.synth import write_synthetic
+    from ftrec_airflow import shard_tasks
+    from training import calibrate
+
+    bag = DagBag(dag_folder=str(ROOT / "dags" / "ftrec_train_k8s.py"))
+    assert bag.import_errors == {}
+    dag = bag.dags["ftrec_train_k8s"]
+    pod_task = dag.get_task("build_shards.calibrate")
+    assert "build_shards.prepare" in pod_task.downstream_task_ids
+    data = tmp_path / "ev.txt"
+    write_synthetic(str(data), users=300, items=150, seed=3, fmt="sasrec")
+    spec = pipeline_ops.ShardSpec(
+        input=str(data), fmt="sasrec", out=str(tmp_path / "set"), world_size=2, batch_size=8, max_len=32,
+        model_overrides=["model.dim=32", "train.seed=1"],
+    )  # fmt: skip
+    with pytest.raises(Exception, match="training pool 'k8s-gpu'"):  # before its pod ran
+        shard_tasks.prepare(spec, buckets=2, memory_budget=None, log=lambda line: None, pool=kubernetes.CALIBRATE_POOL)
+    pod = pod_task.unmap(kubernetes.calibrate_pod(spec)).build_pod_request_obj(dry_run=True)
+    (c,) = pod.spec.containers
+    assert c.command == ["python", "-m", "training", "calibrate"] and c.resources.limits == {"nvidia.com/gpu": "1"}
+    assert ["--set", "model.dim=32"] == c.args[-2:] and "train.seed=1" not in c.args
+    assert pod.metadata.labels["app.kubernetes.io/component"] == "calibrate"
+    r = subprocess.run([sys.executable, *c.command[1:], *c.args], capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr
+    stage = shard_tasks.prepare(
+        spec, buckets=2, memory_budget=None, log=lambda line: None, pool=kubernetes.CALIBRATE_POOL
+    )["stage"]
+    head = json.loads((Path(stage) / "_work" / shard_tasks.JOB).read_text())["head"]
+    cm = head["config"]["cost_model"]
+    assert cm["source"] == "calibrated:training" and cm["device"] == calibrate.device_name("cpu")

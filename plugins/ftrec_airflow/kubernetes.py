@@ -213,6 +213,37 @@ def stage_pod_operator(*, task_id: str, stage: str, **task_args):
     return GroupPodOperator.partial(task_id=task_id, labels=labels, **defaults, **task_args)
 
 
+CALIBRATE_POOL = "k8s-gpu"  # the name the calibrate pod publishes its cost model under
+
+
+def calibrate_pod(spec: pipeline_ops.ShardSpec) -> dict[str, Any]:
+    """The calibrate pod's kwargs: the trained model's cost model timed on one GPU of the training
+    pool (training/calibrate.py), cached on the work volume by device, model config and torch
+    version, and published for this DAG's shard build (shard_tasks.PoolCalibration)."""
+    args = ["--max-len", str(spec.max_len), "--cache-dir", str(settings.work_root() / "cost-models")]
+    args += ["--pool", CALIBRATE_POOL]
+    for s in spec.model_overrides or []:
+        if s.startswith("model."):
+            args += ["--set", s]
+    labels = {"app.kubernetes.io/name": "ftrec", "app.kubernetes.io/component": "calibrate"}
+    return {"name": "ftrec-calibrate", "gpus": 1, "arguments": args, "labels": labels}
+
+
+def calibrate_pod_operator(*, task_id: str, **task_args):
+    """The calibrate task as a pod on the training pool (one GPU): `python -m training calibrate`."""
+    from ftrec_airflow.kubernetes_operator import GroupPodOperator
+
+    defaults = {**pod_defaults(), "cmds": ["python", "-m", "training", "calibrate"]}
+    return GroupPodOperator.partial(task_id=task_id, **defaults, **task_args)
+
+
+def calibration():
+    """build_shards' PoolCalibration on Kubernetes (the DAG's shard_fanout `calibrate`)."""
+    from ftrec_airflow.shard_tasks import PoolCalibration
+
+    return PoolCalibration(calibrate_pod_operator, calibrate_pod, CALIBRATE_POOL)
+
+
 # ---------------------------------------------------------------- the job's own credential
 
 

@@ -5,6 +5,7 @@ The long form: docs/airflow.md, "plugins/ftrec_airflow/shard_tasks"."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import shutil
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,25 +34,57 @@ def _user_errors(fn: Callable, *args: Any) -> Any:
         raise AirflowFailException(str(e)) from None
 
 
-def _job(spec: pipeline_ops.ShardSpec, log: Callable[[str], None]):
-    """dataprep's build.prepare for `spec` (an earlier try's set with other settings is replaced)."""
+@dataclass(frozen=True)
+class PoolCalibration:
+    """The cost model timed on the training pool before the build (FreeScale: calibrated where
+    it trains): `operator(task_id=)` a partial pod operator, `kwargs(spec)` its mapped kwargs,
+    `pool` the name it publishes the file under (training/calibrate.py, `--pool`)."""
+
+    operator: Callable[..., Any]
+    kwargs: Callable[[pipeline_ops.ShardSpec], dict[str, Any]]
+    pool: str
+
+
+def pool_cost_model(spec: pipeline_ops.ShardSpec, pool: str, log: Callable[[str], None] = print) -> str:
+    """The cost model file the training pool `pool` published for `spec`'s model and max_len."""
+    from ftrec_airflow import settings
+    from training import calibrate
+
+    cfg = calibrate.model_config(spec.model_overrides or [])
+    try:
+        path = calibrate.from_pool(settings.work_root() / "cost-models", cfg, spec.max_len, pool)
+    except FileNotFoundError as e:
+        raise AirflowFailException(str(e)) from None
+    log(f"cost model: {path} (timed on the training pool {pool!r})")
+    return path
+
+
+def _job(spec: pipeline_ops.ShardSpec, log: Callable[[str], None], cost_model: str | None = None):
+    """dataprep's build.prepare for `spec` (an earlier try's set with other settings is replaced);
+    `cost_model`: a file timed elsewhere (the training pool), instead of calibrating here."""
     from dataprep import build
     from dataprep.errors import DifferentShardSet
 
+    if cost_model is not None:
+        spec = dataclasses.replace(spec, model_overrides=None)
     kw = pipeline_ops.shard_build_args(spec, log)
+    if cost_model is not None:
+        kw["cost_model"] = cost_model
     try:
         return build.prepare(spec.input, spec.fmt, spec.out, **kw)
     except DifferentShardSet:
         return build.prepare(spec.input, spec.fmt, spec.out, overwrite=True, **kw)
 
 
-def prepare(spec: pipeline_ops.ShardSpec, *, buckets: int | None, memory_budget: str | None, log=print) -> dict:
+def prepare(
+    spec: pipeline_ops.ShardSpec, *, buckets: int | None, memory_budget: str | None, log=print, pool: str | None = None
+) -> dict:
     """The staging folder of `spec`'s set and the indices of its input spans (each file, or a
     run of a large Parquet file's row groups: readers.spans), which the read and partition
-    tasks are mapped over."""
+    tasks are mapped over. `pool`: balance by the cost model that training pool published."""
     from dataprep import bucketed
 
-    job = _job(spec, log)
+    job = _job(spec, log, pool_cost_model(spec, pool, log) if pool else None)
     if job.existing is not None:
         log(f"{spec.out} already holds this shard set; reused")
         return {"stage": "", "spans": list(range(len(job.paths)))}
@@ -215,17 +249,20 @@ def fanout(
     buckets: int | None = None,
     memory_budget: str | None = None,
     pods: Callable[..., Any] | None = None,
+    calibrate: PoolCalibration | None = None,
 ) -> XComArg:
     """The task group `build_shards` (see the module doc) on `data` (ingest's output); returns
     seal's summary, what `@build_shards_task` returns. `spec_fn(data, params=params)` says the
     set; the shard_buckets and shard_memory_budget params, when set, replace `buckets` and
-    `memory_budget`. `pods(task_id=, stage=)`: the mapped stages as pods (a partial operator)."""
+    `memory_budget`. `pods(task_id=, stage=)`: the mapped stages as pods (a partial operator);
+    `calibrate`: a pod on the training pool times the cost model first, and prepare reads it."""
     with TaskGroup(group_id="build_shards"):
 
         @task(task_id="prepare")
         def prepare_task(data: Any, params=None) -> list[dict]:
             kw = _settings(params, buckets, memory_budget)
-            p = _user_errors(lambda: prepare(spec_fn(data, params=params), **kw))
+            pool = calibrate.pool if calibrate else None
+            p = _user_errors(lambda: prepare(spec_fn(data, params=params), pool=pool, **kw))
             return _args(p["stage"], p["spans"])
 
         @task
@@ -256,6 +293,13 @@ def fanout(
             return (pods(task_id=task_id, stage=name) if pods else fn).expand_kwargs(over)
 
         files: Any = prepare_task(data)
+        if calibrate is not None:
+
+            @task(task_id="calibrate_args")
+            def calibrate_args(data: Any, params=None) -> list[dict]:
+                return [calibrate.kwargs(spec_fn(data, params=params))]
+
+            calibrate.operator(task_id="calibrate").expand_kwargs(calibrate_args(data)) >> files
         scanned = mapped("read", files)
         buckets_ = ids(files)
         parts = mapped("partition", files)
