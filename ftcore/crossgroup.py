@@ -24,7 +24,7 @@ class CrossGroup:
         )
         self._joined: dict[str, dist.TCPStore] = {}
         self.pg: dist.ProcessGroup | None = None
-        self.key: tuple[str, int] | None = None  # the Quorum.key `pg` was built for
+        self.key: tuple[str, int, bool] | None = None  # the Quorum.key `pg` was built for
 
     def build(self, q: Quorum, group: int, rank: int) -> None:
         """The process group of quorum `q`'s exchange for this rank (rank k of group `group`):
@@ -37,7 +37,8 @@ class CrossGroup:
                 host, _, port = q.store.rpartition(":")
                 store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=_timeout())
                 self._joined[q.store] = store
-            prefix = dist.PrefixStore(f"ftcore/{q.lighthouse_id}/{q.quorum_id}/{rank}", store)
+            settled = "/settled" if q.settled else ""
+            prefix = dist.PrefixStore(f"ftcore/{q.lighthouse_id}/{q.quorum_id}{settled}/{rank}", store)
             self.pg = new_pg(self.backend, prefix, members.index(group), len(members), _timeout(), self.host)
         self.key = q.key
 

@@ -1,7 +1,8 @@
 """Fault plans: what to break, where and when; one JSON or TOML format for tests, benchmarks,
 the launcher and the Airflow chaos DAG. Kinds: kill, stop, raise, slow, kill_lighthouse,
 pause_lighthouse; each fires once, on the group's first incarnation unless `incarnation` says
-otherwise. The format with examples: docs/ftcore.md, "faults"."""
+otherwise; an external one may wait for a state of the job too (`when`: a group on standby,
+a group healing). The format with examples: docs/ftcore.md, "faults"."""
 
 import json
 import os
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 KINDS = ("kill", "stop", "raise", "kill_lighthouse", "pause_lighthouse", "slow")
 LIGHTHOUSE_KINDS = ("kill_lighthouse", "pause_lighthouse")
 PHASES = ("before_allreduce", "during_allreduce", "after_allreduce", "vote", "heal_serve")
+WHEN = ("standby", "healing")  # states of the job an external fault can wait for (launcher/watch.py)
 
 
 class PlanError(ValueError):
@@ -35,6 +37,7 @@ class Fault:
     until_step: int | None = None
     delay_s: float = 0.0
     incarnation: int = 0
+    when: str | None = None  # also wait until the job is in this state (WHEN)
     fired: bool = field(default=False, compare=False)
 
     def targets(self, group: int, rank: int, incarnation: int) -> bool:
@@ -46,6 +49,17 @@ class Fault:
     def in_process(self) -> bool:
         return self.kind in ("raise", "slow") or (self.kind == "kill" and self.phase is not None)
 
+    def due(self, step: int, elapsed: float, states: set[str]) -> bool:
+        """An external fault's trigger: its step or time reached (`step`: its group's, or the
+        job's for a lighthouse fault; `elapsed`: seconds since the launch), and its state seen."""
+        if self.when is not None and self.when not in states:
+            return False
+        if self.at_step is None and self.at_time is None:
+            return True
+        return (self.at_time is not None and elapsed >= self.at_time) or (
+            self.at_step is not None and step >= self.at_step
+        )
+
 
 # What each key must hold: a plan is read once, so `group = "1"` (a fault that would never
 # fire) or `at_step = "5"` (a crash inside the rank at run time) is refused here instead.
@@ -54,7 +68,7 @@ _SECONDS = ("at_time", "duration_s", "delay_s")
 
 
 def _type_problem(key: str, value) -> str | None:
-    if key in ("kind", "phase"):
+    if key in ("kind", "phase", "when"):
         return None if isinstance(value, str) else "must be a string"
     if key == "rank":
         return None if value == "all" or (type(value) is int and value >= 0) else 'must be a rank >= 0 or "all"'
@@ -108,8 +122,12 @@ def parse(doc: dict | list, where: str = "fault plan") -> list[Fault]:
             raise PlanError(f"{where}: fault #{i + 1}: phase {f.phase!r} is not one of {PHASES}")
         if f.kind == "raise" and f.phase is None:
             raise PlanError(f"{where}: fault #{i + 1}: a 'raise' fault needs a phase, one of {PHASES}")
-        if (f.at_step is None) == (f.at_time is None) and f.kind != "slow":
-            raise PlanError(f"{where}: fault #{i + 1}: give exactly one of at_step or at_time")
+        if f.at_step is not None and f.at_time is not None:
+            raise PlanError(f"{where}: fault #{i + 1}: give at most one of at_step or at_time")
+        if f.at_step is None and f.at_time is None and f.when is None and f.kind != "slow":
+            raise PlanError(f"{where}: fault #{i + 1}: give one of at_step or at_time (or when)")
+        if f.when is not None and (f.when not in WHEN or f.in_process):
+            raise PlanError(f"{where}: fault #{i + 1}: when {f.when!r} is not one of {WHEN} (external faults only)")
         if f.kind == "slow" and f.at_step is None:
             raise PlanError(f"{where}: fault #{i + 1}: a 'slow' fault needs at_step (and until_step)")
         out.append(f)
@@ -135,10 +153,13 @@ class Injector:
             f.fired = True
             if f.kind == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            if f.kind == "slow":  # e.g. a heal source that serves slowly: a heal that lasts
+                time.sleep(f.delay_s)
+                continue
             raise InjectedFault(f"injected fault: raise in {phase} at step {step}")
 
     def slow(self, step: int) -> None:
         for f in self.faults:
             until = f.until_step if f.until_step is not None else 1 << 62
-            if f.kind == "slow" and f.at_step is not None and f.at_step <= step < until:
+            if f.kind == "slow" and f.phase is None and f.at_step is not None and f.at_step <= step < until:
                 time.sleep(f.delay_s)

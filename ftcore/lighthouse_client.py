@@ -11,6 +11,8 @@ import socket
 import struct
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import replace
 from typing import Any, Protocol
 
@@ -28,6 +30,7 @@ from ftcore.messages import (
 )
 
 MAX_STALLED = 4  # unanswered heartbeat connections a rank keeps open (see _beat_loop)
+MAX_NOTES = 256  # events waiting to be sent; more are dropped (a note is never worth a stall)
 
 
 class LighthouseError(RuntimeError):
@@ -149,6 +152,10 @@ class LighthouseClient:
         self._live: http.client.HTTPConnection | None = None  # the heartbeat line now (hold() cuts it)
         self._held = threading.Event()
         self.recovered = 0  # times the heartbeats were answered again after going unanswered
+        # events go out in order from a thread of their own: a silent lighthouse never holds up a
+        # heal or a step for a note (each may wait an RPC timeout); a backlog past MAX_NOTES is dropped
+        self._notes = ThreadPoolExecutor(1, thread_name_prefix="ftcore-events")
+        self._noted = threading.Semaphore(MAX_NOTES)
 
     def update(self, **changes: Any) -> None:
         """Report these RankInfo fields from now on (step=..., quorum_id=...)."""
@@ -367,10 +374,23 @@ class LighthouseClient:
             time.sleep(0.05)
 
     def event(self, kind: str, **data: Any) -> None:
-        self._fire(
-            "/event",
-            ClientEvent(kind, self.info.job, {"group": self.info.group, "rank": self.info.rank, **data}).to_wire(),
-        )
+        """Send an event for the timeline, in the background (best effort, in order)."""
+        body = ClientEvent(kind, self.info.job, {"group": self.info.group, "rank": self.info.rank, **data}).to_wire()
+        if self._noted.acquire(blocking=False):
+            self._notes.submit(self._note, body)
+
+    def _note(self, body: dict[str, Any]) -> None:
+        try:
+            self._fire("/event", body)
+        finally:
+            self._noted.release()
+
+    def _flush_notes(self) -> None:
+        """The events sent so far reach the lighthouse first (within an RPC timeout)."""
+        try:
+            self._notes.submit(lambda: None).result(timeout=timeouts.RPC_TIMEOUT)
+        except (FutureTimeout, RuntimeError):  # a silent lighthouse, or already shut down
+            pass
 
     def _stop_beats(self) -> None:
         self._stop.set()
@@ -380,11 +400,13 @@ class LighthouseClient:
     def leave(self) -> None:
         """Say goodbye, so the lighthouse records a clean exit rather than a failure."""
         self._stop_beats()
+        self._flush_notes()
         self._fire("/leave", self.info.to_wire())
         self.close()
 
     def close(self) -> None:
         self._stop_beats()
+        self._notes.shutdown(wait=False, cancel_futures=True)
         for conn in (self._conn, self._qconn, *self._stalled):
             if conn is not None:
                 conn.close()

@@ -242,13 +242,17 @@ class Job:
     def _waited(self, now: float, since: float) -> bool:
         """Whether a round waiting since `since` may form without the groups it lacks: after the
         join timeout; but a job's first quorum, while a group it expects has not spoken at all
-        (its processes still start), only after the start timeout from the job's first message."""
+        (its processes still start), only after the start timeout from the job's first message;
+        and after a restart of this lighthouse only once the lease of the quorum it forgot has
+        run out (its members may train on in it, unseen: quorum.decide's rule, from memory lost)."""
         if now - since < self.cfg.join_timeout:
             return False
         if self.quorum is not None or self.finished_step or now - self.created >= self.cfg.start_timeout:
             return True
         resumed = any(r.last_quorum for g in self.round.pending.values() for r in g.values())  # a restarted lighthouse
-        return resumed or len(self.groups) >= self.expected
+        if resumed:
+            return now - self.created >= self.cfg.lease
+        return len(self.groups) >= self.expected
 
     def _expire(self, now: float) -> None:
         """Answer the requests whose deadline passed (O(pending), only when one has)."""

@@ -293,7 +293,7 @@ class Manager:
                     with self._round_lock:
                         self._r.leased = not self._r.answered and self._can_lease()
                     if self._r.leased:
-                        return self._quorum
+                        return self._settle()
                     if time.monotonic() >= deadline:
                         raise
         except Replaced:
@@ -311,21 +311,37 @@ class Manager:
 
     def _can_lease(self) -> bool:
         """Go on without the lighthouse: it has been silent (not merely slow to form a round:
-        it answers heartbeats at once), the last step committed in a quorum with nobody to heal,
-        and that quorum's lease has not run out. Its members commit only together (the FTAR
-        needs every one), and the lighthouse forms no quorum without one of them while the
-        lease may run (quorum.decide): a group standing aside, or down, waits for the
-        lighthouse, and no group commits alone against a quorum it cannot see."""
+        it answers heartbeats at once), the last step committed, and that quorum's lease has not
+        run out. Its members commit only together (the FTAR needs every one), and the lighthouse
+        forms no quorum without one of them while the lease may run (quorum.decide): a group
+        standing aside, or down, waits for the lighthouse, and no group commits alone against a
+        quorum it cannot see. After a heal step they go on in the settled quorum (`_settle`)."""
         q = self._quorum
         return (
             q is not None
             and self._st.committed
-            and not q.heal
             and time.monotonic() < self._st.lease_until
             and self.client.latest_quorum_id <= q.quorum_id
-            and (self._xg.pg is not None or len(q.groups) == 1)
+            and self._xg.key == q.key  # its exchange stands as built for q (no failure dropped it)
             and self.client.silent_for() > timeouts.LIGHTHOUSE_SILENT
         )
+
+    def _settle(self) -> Quorum | None:
+        """The quorum a leased step goes on in: the last one, or once a heal step committed, the
+        same members with the heal done (Quorum.settle). A heal quorum's layout cannot go on
+        as it is: its exchange would run ahead of the members aside, with no round between them.
+        Its process group is built here, with every member (bounded: a member that healed and did
+        not commit does not lease, and the step fails as one whose exchange failed)."""
+        q = self._quorum
+        if q is None or not q.heal:
+            return q
+        self._quorum = q.settle()
+        try:
+            self._xg.build(self._quorum, self.cfg.group, self.cfg.rank)
+        except Exception as e:  # store or process-group errors: the step fails, the lease is over
+            self._quorum = None
+            self._fail(f"lease: the settled quorum's group: {type(e).__name__}: {e}")
+        return self._quorum
 
     # ---- FTAR -----------------------------------------------------------------------
     @property

@@ -9,7 +9,7 @@ import hashlib
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 from ftcore import timeouts
@@ -452,6 +452,8 @@ class Quorum:
     # identity_key(identity): what the wire carries, not the identity (13-digit incarnations of
     # every member in every reply would be most of a round's bytes at a thousand groups)
     members_key: str = ""
+    # a rank's own: its heals done, the members go on in one exchange without the lighthouse (lease)
+    settled: bool = False
 
     status: ClassVar[int] = 200
 
@@ -474,9 +476,15 @@ class Quorum:
         return set(self.exchange()) - self.heal.keys()
 
     @property
-    def key(self) -> tuple[str, int]:
+    def key(self) -> tuple[str, int, bool]:
         """What names its cross-group process group: a new key, a new group."""
-        return self.lighthouse_id, self.quorum_id
+        return self.lighthouse_id, self.quorum_id, self.settled
+
+    def settle(self) -> Quorum:
+        """The same members once its heals are done: every one in the exchange, on a process
+        group of its own at the same rendezvous (`store`, rank k of the old exchange's first
+        member, a member still). What a lease goes on in after a heal step (manager.py)."""
+        return replace(self, heal={}, heal_from="", update_from="", settled=True) if self.heal else self
 
     def shared(self) -> dict[str, Any]:
         """The part of the reply every rank of every member shares (GET /status shows it)."""

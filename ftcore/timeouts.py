@@ -47,10 +47,12 @@ HEAL_TIMEOUT = _env("FTCORE_HEAL_TIMEOUT", 30.0)
 RPC_TIMEOUT = _env("FTCORE_RPC_TIMEOUT", 2.0)
 # Control plane through trouble: while the lighthouse answers nothing (stopped, overloaded,
 # cut off) for LIGHTHOUSE_SILENT, a group whose last step committed in an unchanged quorum
-# goes on in that quorum for up to LEASE seconds after the lighthouse last granted it
+# goes on in that quorum for up to LEASE seconds after it asked the lighthouse for it
 # (FTCORE_LEASE=0: never; every step waits for the lighthouse). The data plane still sees
-# a crash at once; then the survivors wait for the lighthouse as before.
-LEASE = float(os.environ.get("FTCORE_LEASE", "10") or 0)
+# a crash at once; then the survivors wait for the lighthouse as before. Meanwhile the
+# lighthouse forms no quorum without one of its members (a group that stood aside waits out
+# the lease when they all hang at once): longer rides out longer outages, shorter bounds that wait.
+LEASE = float(os.environ.get("FTCORE_LEASE", "30") or 0)
 LIGHTHOUSE_SILENT = _env("FTCORE_LIGHTHOUSE_SILENT", 0.2)
 # One collective inside a replica group (training's NCCL groups and their gloo twins): NCCL's
 # watchdog ends a hung group after it, and ranks waiting at a barrier for rank 0 wait this long.

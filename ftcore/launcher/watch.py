@@ -12,6 +12,16 @@ if TYPE_CHECKING:
     from ftcore.launcher.supervisor import Launcher
 
 
+def states(status: dict) -> set[str]:
+    """The job's states a fault can wait for (faults.WHEN), from the lighthouse's status."""
+    out = set()
+    if any(gr.get("standby_s") is not None for gr in status.get("groups", [])):
+        out.add("standby")
+    if (status.get("quorum") or {}).get("heal"):
+        out.add("healing")
+    return out
+
+
 class Watch:
     """Polls the lighthouse every 20 ms while the launch runs."""
 
@@ -31,15 +41,16 @@ class Watch:
                 la.start_lighthouse()
                 continue
             steps = {gr["group"]: gr["step"] for gr in (st or {}).get("groups", [])}
-            for f in self.due(steps, now - la.t0):
+            for f in self.due(steps, now - la.t0, states(st or {})):
                 f.fired = True
                 threading.Thread(target=self.fire, args=(f,), daemon=True).start()
             if st:
                 self.hangs(st["groups"], now)
 
-    def due(self, steps: dict[int, int], elapsed: float) -> list[Fault]:
-        """The external faults whose step or time has come (a lighthouse fault's step is the
-        job's, any other fault's its group's, in the incarnation it names)."""
+    def due(self, steps: dict[int, int], elapsed: float, now_in: set[str]) -> list[Fault]:
+        """The external faults whose step or time has come and whose state the job is in (a
+        lighthouse fault's step is the job's, any other fault's its group's, in the incarnation
+        it names)."""
         out = []
         for f in self.faults:
             if f.fired or f.in_process:
@@ -48,7 +59,7 @@ class Watch:
             if not on_lighthouse and self.launcher.incarnation.get(f.group) != f.incarnation:
                 continue
             step = max(steps.values(), default=0) if on_lighthouse else steps.get(f.group, -1)
-            if (f.at_time is not None and elapsed >= f.at_time) or (f.at_step is not None and step >= f.at_step):
+            if f.due(step, elapsed, now_in):
                 out.append(f)
         return out
 
