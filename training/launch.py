@@ -84,8 +84,14 @@ class Launcher(launcher.Launcher):
         # A relaunch into the same OUT (an Airflow retry) appends to the files of the earlier
         # attempts: the timeline is this launch's.
         events = [e for e in events if e.get("t", 0) >= self.started]
-        steps = [s for s in step_records(self.out) if s.get("t", 0) >= self.started]
-        summary = {**summarize(events + self.events, steps), **per_group(events, steps, self.restarts)}
+        records = step_records(self.out)
+        steps = [s for s in records if s.get("t", 0) >= self.started]
+        earlier = [s for s in records if s.get("t", 0) < self.started]
+        summary = {
+            **summarize(events + self.events, steps),
+            **job_steps(steps, earlier),
+            **per_group(events, steps, self.restarts),
+        }
         timeline = {
             "exit_code": code,
             "checksums": {str(g): s for g, s in sums.items()},
@@ -128,8 +134,21 @@ def summarize(events: list[dict], steps: list[dict]) -> dict:
         "step_attempts": len(steps),
         "failed_attempts": sum(1 for s in steps if not s.get("committed") and not s.get("idle")),
         "idle_rounds": sum(1 for s in steps if s.get("idle")),
-        "committed_steps": len({s["step"] for s in committed}),
         "mean_participants": (sum(s["participants"] for s in committed) / len(committed)) if committed else 0.0,
+    }
+
+
+def job_steps(steps: list[dict], earlier: list[dict]) -> dict:
+    """The job's committed steps over all its launches (its step number: a resumed launch goes on
+    from its checkpoint's), this launch's, and those this launch committed again after a resume
+    (an earlier launch of the folder had committed them past the checkpoint it resumed from)."""
+    mine = {s["step"] for s in steps if s.get("committed")}
+    resumed = bool(mine) and min(mine) > 1  # a fresh job commits step 1 first
+    before = {s["step"] for s in earlier if s.get("committed")} if resumed else set()
+    return {
+        "committed_steps": max(mine, default=0),
+        "launch_committed_steps": len(mine),
+        "redone_steps": len(mine & before),
     }
 
 

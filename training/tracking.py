@@ -36,6 +36,7 @@ HTTP_TIMEOUT_S = os.environ.get("FTREC_MLFLOW_HTTP_TIMEOUT_S", "5")
 # system/* metrics every 10 s: enough to see CPU, memory, GPU over a run at a negligible cost
 # (MLflow's MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL overrides it)
 SYSTEM_METRICS_INTERVAL_S = 10.0
+MONITOR_CHECK_S = float(os.environ.get("FTREC_MLFLOW_MONITOR_CHECK_S", "30"))  # is the system-metrics thread alive?
 
 
 # Errors a retry cannot fix: the op is dropped (and reported) instead of blocking the queue.
@@ -110,6 +111,8 @@ class Tracker:
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", HTTP_TIMEOUT_S)
         self._client: MlflowClient | None = None
         self._monitor: SystemMetricsMonitor | None = None  # sampling system metrics, once the run exists
+        self._logged: dict[str, int] = {}  # a continued run's last step per metric, before this process
+        self._next_check = time.monotonic() + MONITOR_CHECK_S  # when _revive_monitor looks next
         self._thread = threading.Thread(target=self._work, name="mlflow-tracker", daemon=True)
         self._thread.start()
 
@@ -127,7 +130,7 @@ class Tracker:
 
         ts = int(time.time() * 1000)
         items = [Metric(metric_name(k), float(v), ts, step) for k, v in metrics.items()]
-        self._put("metrics", lambda c, r: c.log_batch(r, metrics=items))
+        self._put("metrics", lambda c, r: self._send_metrics(c, r, items))
 
     def set_tags(self, tags: dict[str, str]) -> None:
         from mlflow.entities import RunTag
@@ -197,6 +200,9 @@ class Tracker:
             run = client.get_run(run_id)  # a retried task, or a restarted group 0, continues its run
             client.update_run(run.info.run_id, status="RUNNING")
             run_id = run.info.run_id
+            # its newest point per metric: a resumed job redoes the steps after its checkpoint, and
+            # those it had logged before are not logged twice (_send_metrics)
+            self._logged = {m.key: m.step for m in getattr(run.data, "_metric_objs", [])}
             if recorded:  # the file may hold a pending marker its recorder died with: the id now
                 self._record_run(run_id)
         else:
@@ -240,19 +246,42 @@ class Tracker:
     def _record_run(self, run_id: str) -> None:
         atomic_write_text(self._run_file(), run_id)  # creates the output folder too
 
-    def _start_system_metrics(self) -> None:
+    def _send_metrics(self, client, run_id: str, items: list) -> None:
+        """Log the points of steps this run has no point of yet: one point per metric and step,
+        across the resumes of a job (a redone step's point is the first attempt's)."""
+        fresh = [m for m in items if m.step > self._logged.get(m.key, -1)]
+        if fresh:
+            client.log_batch(run_id, metrics=fresh)
+
+    def _start_system_metrics(self, resume: bool = False) -> None:
         try:
             from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
             self._monitor = SystemMetricsMonitor(
                 self.run_id,
                 sampling_interval=SYSTEM_METRICS_INTERVAL_S,
-                resume_logging=bool(self.cfg.run_id),
+                resume_logging=resume or bool(self.cfg.run_id or self._logged),
                 tracking_uri=self.uri,
             )
             self._monitor.start()
         except Exception as e:  # e.g. psutil missing: the run goes on without system metrics
             log.warning("mlflow: no system metrics (%s: %s)", type(e).__name__, e)
+
+    def _revive_monitor(self) -> None:
+        """MLflow's system-metrics thread ends at its first failed call (a tracking outage) and
+        never starts again: once the server answers and the run still runs, start another one,
+        from the next step."""
+        mon = self._monitor
+        thread = getattr(mon, "_process", None)  # the monitor's sampling thread (MLflow's own name)
+        if mon is None or self._client is None or self.run_id is None or thread is None or thread.is_alive():
+            return
+        try:
+            if self._client.get_run(self.run_id).info.status != "RUNNING":
+                return
+        except Exception:  # still down: next time
+            return
+        log.warning("mlflow: system metrics stopped (tracking server unavailable); starting them again")
+        self._start_system_metrics(resume=True)
 
     def _attempt(self, op: _Op) -> bool:
         try:
@@ -288,8 +317,11 @@ class Tracker:
                 self._buffer.pop(0)
             if closing and self._q.empty() and (not self._buffer or self._buffer[0].tries >= 2):
                 return  # flushed, or gave up after one more round; close() reports the rest
+            if not self._buffer and not closing and time.monotonic() >= self._next_check:
+                self._next_check = time.monotonic() + MONITOR_CHECK_S
+                self._revive_monitor()
             try:
-                op = self._q.get(timeout=RETRY_PAUSE_S if self._buffer else None)
+                op = self._q.get(timeout=RETRY_PAUSE_S if self._buffer else MONITOR_CHECK_S)
             except queue.Empty:
                 continue
             if op is None:
