@@ -677,6 +677,13 @@ def test_train_step_joins_a_standing_lighthouse_with_the_workers_token(tmp_path,
     assert [(g["group"], g["left"]) for g in st["groups"]] == [(0, True), (1, True)]
     assert any(e["kind"] == "quorum_formed" for e in st["events"])
     assert lighthouse_status.fetch_status(url, token_file=token)["groups"] == []  # nothing under the default job
+    # the task's end checks the ledger, on a retry too: a batch planted as trained twice fails it
+    assert pipeline_ops.run_training(spec, run_id, uri)["reused"] is True
+    lines = (out / "ledger" / "group-000-rank-000.jsonl").read_text().splitlines()
+    first = next(r for r in map(json.loads, lines) if r.get("step") == 0)
+    (out / "ledger" / "group-000-rank-009.jsonl").write_text(json.dumps({**first, "step": 4}) + "\n")
+    with pytest.raises(pipeline_ops.ExactlyOnceBroken, match=r"trained twice \[\("):
+        pipeline_ops.run_training(spec, run_id, uri)
 
 
 def test_build_step_retries_with_overwrite_only_for_another_shard_set(tmp_path):
@@ -730,7 +737,7 @@ def test_build_step_reports_each_stage_as_it_goes(tmp_path):
 
 @pytest.fixture
 def no_mlflow_env(monkeypatch):
-    for k in ("MLFLOW_TRACKING_URI", "AIRFLOW_CONN_FTREC_MLFLOW", *settings.MLFLOW_CREDENTIALS):
+    for k in ("MLFLOW_TRACKING_URI", "AIRFLOW_CONN_FTREC_MLFLOW", "FTREC_MLFLOW_UI", *settings.MLFLOW_CREDENTIALS):
         monkeypatch.delenv(k, raising=False)  # restored after the test, whatever connect() set
     return monkeypatch
 
@@ -793,8 +800,17 @@ def test_mlflow_connection_then_env_then_embedded_store(tmp_path, no_mlflow_env)
         "s3cret" in a
         for a in pipeline_ops.train_command(pipeline_ops.TrainSpec(shards="/s", out=str(tmp_path / "t")), "RUN", uri)
     )
+    assert mlflow_registry.run_url("7", "abc") == "https://mlflow.internal:5443/#/experiments/7/runs/abc"
     mp.setenv("AIRFLOW_CONN_FTREC_MLFLOW", "http://mlflow.internal:5000")  # URI form, no auth
     assert settings.mlflow_connection() == ("http://mlflow.internal:5000", {})
+    mp.setenv(
+        "AIRFLOW_CONN_FTREC_MLFLOW", json.dumps({"conn_type": "http", "extra": {"tracking_uri": "sqlite:///m.db"}})
+    )
+    assert settings.mlflow_ui() == settings.DEFAULT_MLFLOW_UI  # a file store: the local `mlflow ui`
+    mp.setenv("AIRFLOW_CONN_FTREC_MLFLOW", json.dumps({"host": "mlflow", "extra": {"ui_url": "https://ui.example/"}}))
+    assert settings.mlflow_ui() == "https://ui.example"
+    mp.setenv("FTREC_MLFLOW_UI", "http://127.0.0.1:5055")
+    assert settings.mlflow_ui() == "http://127.0.0.1:5055"
     mp.setenv(
         "AIRFLOW_CONN_FTREC_MLFLOW",
         json.dumps(

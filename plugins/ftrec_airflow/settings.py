@@ -51,6 +51,17 @@ def tracking_uri() -> str:
     return f"sqlite:///{work_root() / 'mlflow' / 'mlflow.db'}"
 
 
+def _mlflow_conn():
+    """The Airflow Connection `ftrec_mlflow`, or None where there is none."""
+    from airflow.sdk import BaseHook
+    from airflow.sdk.exceptions import AirflowNotFoundException
+
+    try:
+        return BaseHook.get_connection(MLFLOW_CONN_ID)
+    except AirflowNotFoundException:
+        return None
+
+
 def mlflow_connection() -> tuple[str, dict[str, str]]:
     """(tracking URI, credential env vars) for a task: the Airflow Connection `ftrec_mlflow`
     when it exists, else `tracking_uri()` with whatever MLFLOW_TRACKING_* credentials the
@@ -60,12 +71,8 @@ def mlflow_connection() -> tuple[str, dict[str, str]]:
     port; login/password are basic auth, `extra.token` (or a password without login) a
     bearer token. Looking it up may ask the metadata DB or a secrets backend: call this
     inside a running task only, never while a DAG file is parsed."""
-    from airflow.sdk import BaseHook
-    from airflow.sdk.exceptions import AirflowNotFoundException
-
-    try:
-        conn = BaseHook.get_connection(MLFLOW_CONN_ID)
-    except AirflowNotFoundException:
+    conn = _mlflow_conn()
+    if conn is None:
         return tracking_uri(), {k: os.environ[k] for k in MLFLOW_CREDENTIALS if os.environ.get(k)}
     extra = conn.extra_dejson
     uri = extra.get("tracking_uri")
@@ -124,7 +131,18 @@ def artifact_root(uri: str | None = None) -> str | None:
 
 
 def mlflow_ui() -> str:
-    return os.environ.get("FTREC_MLFLOW_UI", DEFAULT_MLFLOW_UI).rstrip("/")
+    """The MLflow UI's base URL for links, at task run time: FTREC_MLFLOW_UI; else the
+    `ftrec_mlflow` connection's extra.ui_url; else the tracking server the task logs to (an
+    MLflow server serves its UI where it tracks); else, for a store that is a file, the
+    `mlflow ui` that `make run` prints (DEFAULT_MLFLOW_UI)."""
+    if os.environ.get("FTREC_MLFLOW_UI"):
+        return os.environ["FTREC_MLFLOW_UI"].rstrip("/")
+    try:
+        conn = _mlflow_conn()
+        uri = (conn.extra_dejson.get("ui_url") if conn else None) or mlflow_connection()[0]
+    except Exception:  # outside a task (no Airflow to ask): the environment's store
+        uri = tracking_uri()
+    return uri.rstrip("/") if uri.startswith(("http://", "https://")) else DEFAULT_MLFLOW_UI
 
 
 def lighthouse_url() -> str:
