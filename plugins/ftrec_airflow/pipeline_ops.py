@@ -20,6 +20,11 @@ class UserError(ValueError):
     """Bad input or settings: retrying will not help; the message says what to change."""
 
 
+class ExactlyOnceBroken(UserError):
+    """The job's ledger shows a batch trained twice (or never): the model must not be registered,
+    and retrying cannot mend it, so the task fails at once, as on a user error."""
+
+
 # ---------------------------------------------------------------- ingest_validate
 
 
@@ -349,6 +354,7 @@ def run_training(
     `command_hook(cmd)` receives the `runner.Command` before it starts (for on_kill)."""
     done = read_result(spec.out)
     if done and done.get("mlflow_run_id") == run_id:
+        check_exactly_once(spec, done, logger)
         return {**done, "reused": True}
     Path(spec.out).mkdir(parents=True, exist_ok=True)
     cmd = runner.Command(
@@ -368,7 +374,46 @@ def run_training(
             "log says 'the job finished at step N') has nothing to report; retry the task, and if its start "
             "is that slow raise FTCORE_START_TIMEOUT"
         )
+    check_exactly_once(spec, result, logger)
     return {**result, "reused": False}
+
+
+def check_exactly_once(spec: TrainSpec, result: dict[str, Any], logger=None) -> dict[str, Any]:
+    """ftcore.ledger.check on the job's ledger (OUT/ledger): no batch trained twice, and every
+    batch of every epoch the run completed trained once (a step budget may end the last one
+    midway). Returns the check's summary; raises ExactlyOnceBroken, so that a run that broke
+    exactly-once never ends green."""
+    import math
+
+    from ftcore import ledger
+
+    folder = Path(spec.out) / "ledger"
+    manifest = Path(spec.shards) / "manifest.json"
+    done = float(result.get("epochs_completed") or 0.0)
+    epochs = math.ceil(done - 1e-9)
+    try:
+        steps = int(json.loads(manifest.read_text())["steps"])
+        if not folder.is_dir():
+            raise ledger.LedgerError(f"{folder} is missing: every rank of the launcher's groups writes there")
+        summary = ledger.check(
+            str(folder),
+            steps_per_epoch=steps,
+            num_groups=spec.replica_groups,
+            ranks_per_group=spec.ranks_per_group,
+            epochs=epochs,
+            partial_last=done < epochs,
+        )
+    except (ledger.LedgerError, OSError, KeyError, ValueError) as e:
+        raise ExactlyOnceBroken(
+            f"ledger check failed in {folder}: {e}. A batch was trained more than once (or never), so this "
+            "model is not registered; the ledger's records and timeline.json there say which steps; "
+            "trigger a new DAG run to train again"
+        ) from None
+    (logger.info if logger else print)(
+        f"ledger check passed: {summary['steps']} committed steps, {summary['batches']} batches, each trained "
+        f"once ({done:g} epochs of {steps} steps)"
+    )
+    return summary
 
 
 # ---------------------------------------------------------------- evaluate
