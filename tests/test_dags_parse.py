@@ -295,7 +295,15 @@ def test_ftrec_train_k8s_with_the_provider_is_the_training_pipeline_on_pods(tmp_
     d = parsed["dags"]["ftrec_train_k8s"]
     t = d["tasks"]
     assert {k: v["downstream"] for k, v in t.items()} == {
-        "ingest_validate": ["build_shards.plan", "build_shards.prepare", "build_shards.seal"],
+        "ingest_validate": [
+            "build_shards.calibrate_args",
+            "build_shards.plan",
+            "build_shards.prepare",
+            "build_shards.seal",
+        ],
+        # the cost model is timed on the training pool (a one-GPU pod) before the build reads it
+        "build_shards.calibrate_args": ["build_shards.calibrate"],
+        "build_shards.calibrate": ["build_shards.prepare"],
         **SHARD_GROUP,
         "verify_shards": ["open_run"],
         "open_run": ["drop_job_token", "group_pods", "job_token", "trained"],
@@ -311,6 +319,7 @@ def test_ftrec_train_k8s_with_the_provider_is_the_training_pipeline_on_pods(tmp_
     assert t["train_group"]["type"] == "MappedOperator" and t["train_group"]["operator"] == "GroupPodOperator"
     assert t["train_group"]["retries"] == 2 and t["train_group"]["timeout"] == 24 * 3600
     assert t["register_model"]["outlets"] == ["ftrec_model"]
+    assert t["build_shards.calibrate"]["operator"] == "GroupPodOperator"
     _assert_fanned_out(t, "ftrec_train_k8s_shards")
     # each mapped stage a pod (python -m dataprep stage ...), retried alone like a task
     for name in MAPPED:
