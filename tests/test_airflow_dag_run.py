@@ -117,8 +117,12 @@ def test_dag_run_succeeds_and_reports(first, work):
     assert others == {"ingest_validate", "verify_shards", "train", "evaluate", "register_model"}
     assert "test/sampled/ndcg_at_10" in out and "registered model: ftrec version 1" in out
     assert f"sqlite:///{work / 'mlflow' / 'mlflow.db'}" in out
-    assert "mlflow ui --backend-store-uri" in out and "--host 127.0.0.1" in out and "airflow standalone" in out
+    assert "mlflow ui --backend-store-uri" in out and "--host 127.0.0.1" in out and "-m ftrec_airflow.ui --work" in out
     assert (work / "airflow" / "airflow.db").exists()
+    # a run triggered from the UI afterwards starts: the unscheduled DAGs are unpaused, not the daily one
+    with sqlite3.connect(work / "airflow" / "airflow.db") as db:
+        paused = dict(db.execute("select dag_id, is_paused from dag").fetchall())
+    assert paused["ftrec_train"] == 0 and paused["ftrec_chaos_drill"] == 0 and paused["ftrec_retrain"] == 1, paused
     # the shards were balanced with the trained model's own cost model, calibrated once here
     assert summary["xcom"][SEAL]["cost_model"] == "calibrated:training"
     assert list((work / "cost-models").glob("cost-*.json"))
@@ -254,6 +258,26 @@ def test_quality_gate_fails_on_purpose(first, work):
     out = r.stdout + r.stderr
     assert "AirflowFailException: quality gate failed: test/full/ndcg_at_10=" in out, out[-3000:]
     assert "< 1.5" in out and "test/full/hr_at_10=" in out  # every metric is in the message
+    assert [int(v.version) for v in _client(work).search_model_versions("name = 'ftrec'")] == [1]
+
+
+def test_a_dag_run_whose_ledger_shows_a_batch_trained_twice_ends_failed(first, work):
+    """The same DAG run again with a step planted in its ledger that trains step 0's batches a
+    second time: train (its result reused) fails on the ledger check at once, without retries,
+    nothing downstream runs, the DAG run ends failed and no version is registered."""
+    summary, _ = first
+    ledger = Path(summary["xcom"]["train"]["out"]) / "ledger"
+    records = [json.loads(x) for x in (ledger / "group-000-rank-000.jsonl").read_text().splitlines()]
+    step0, last = next(r for r in records if r.get("step") == 0), max(r.get("step", -1) for r in records)
+    planted = ledger / "group-000-rank-009.jsonl"
+    planted.write_text(json.dumps({**step0, "step": last + 1}) + "\n")
+    try:
+        rc, again, out = local_run(work, "--logical-date", DATE, *SMALL)
+    finally:
+        planted.unlink()
+    assert rc != 0 and again and again["state"].endswith("failed"), out[-3000:]
+    assert again["tasks"]["train"].endswith("failed") and not again["tasks"]["register_model"].endswith("success")
+    assert "ledger check failed in" in out and "trained twice" in out, out[-3000:]
     assert [int(v.version) for v in _client(work).search_model_versions("name = 'ftrec'")] == [1]
 
 
