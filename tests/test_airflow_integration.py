@@ -20,7 +20,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("AIRFLOW_HOME", str(ROOT / "work" / "test-airflow-home"))
 
-from ftrec_airflow import runner  # noqa: E402
+from ftrec_airflow import runner, ui  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.integ]
 
@@ -104,7 +104,7 @@ def airflow_server(tmp_path, free_port):
         for name, argv in (
             ("api-server", ["api-server", "--port", str(free_port), "--host", "127.0.0.1"]),
             ("dag-processor", ["dag-processor"]),
-            ("scheduler", ["scheduler"]),
+            ("scheduler", ["scheduler", *dict(ui.COMPONENTS)["scheduler"]]),  # as `make run`'s UI: no log server
         ):
             logs[name] = open(tmp_path / f"{name}.log", "w")
             procs[name] = subprocess.Popen(
@@ -124,6 +124,30 @@ def airflow_server(tmp_path, free_port):
             f.close()
         for name, p in procs.items():
             assert p.poll() is not None, f"airflow {name} (pid {p.pid}) still running"
+
+
+def _wildcard_listeners(procs: dict[str, subprocess.Popen]) -> list[tuple[str, str, int]]:
+    """(component, address, port) of every socket the components' processes listen on at a
+    wildcard address (a log server, say): every interface, where 127.0.0.1 was meant."""
+    import psutil
+
+    found = []
+    for name, p in procs.items():
+        try:
+            tree = [psutil.Process(p.pid), *psutil.Process(p.pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+        for proc in tree:
+            try:
+                conns = proc.net_connections(kind="inet")
+            except psutil.Error:
+                continue
+            found += [
+                (name, c.laddr.ip, c.laddr.port)
+                for c in conns
+                if c.status == psutil.CONN_LISTEN and c.laddr.ip in ("0.0.0.0", "::")
+            ]
+    return found
 
 
 def _token(base: str, home: Path) -> str:
@@ -162,6 +186,7 @@ def test_trigger_ftrec_train_through_the_rest_api(airflow_server):
     assert state == "success", f"task states: {states}; logs in {tmp}"
     dag_tasks = {t["task_id"] for t in _call(base, "/api/v2/dags/ftrec_train/tasks", token)["tasks"]}
     assert set(states.values()) == {"success"} and set(states) == dag_tasks  # every task ran (shards fanned out)
+    assert _wildcard_listeners(procs) == [], "an Airflow component listens beyond 127.0.0.1"
     assert {"build_shards.prepare", "build_shards.seal", "train"} <= dag_tasks
 
     q = urllib.request.quote(run_id)

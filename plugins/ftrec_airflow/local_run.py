@@ -170,6 +170,24 @@ def _log_every_task(logs: Path) -> None:
     supervisor.run_task_in_process = with_log
 
 
+def unpause_unscheduled(bag) -> list[str]:
+    """Unpause the DAGs without a schedule (they run only when triggered), so that a run
+    triggered later from the UI starts instead of waiting, paused, without a word; a DAG with
+    a schedule (ftrec_retrain's daily run) stays paused (DAGS_ARE_PAUSED_AT_CREATION).
+    dag.test() has written every DAG of the folder to the metadata DB."""
+    from airflow.models.dag import DagModel
+    from airflow.sdk.definitions.timetables.simple import NullTimetable
+    from airflow.utils.session import create_session
+    from sqlalchemy import select
+
+    ids = sorted(d for d, dag in bag.dags.items() if isinstance(dag.timetable, NullTimetable))
+    with create_session() as session:
+        for dm in session.scalars(select(DagModel).where(DagModel.dag_id.in_(ids))):
+            dm.is_paused = False
+    print(f"unpaused (no schedule: they run when triggered): {', '.join(ids)}", flush=True)
+    return ids
+
+
 def child(dag_id: str, conf: dict, summary_path: Path, logical_date: str | None = None) -> int:
     """Inside the configured environment: dag.test() the DAG and write a summary."""
     from airflow.dag_processing.dagbag import DagBag
@@ -200,6 +218,7 @@ def child(dag_id: str, conf: dict, summary_path: Path, logical_date: str | None 
         when["logical_date"] = when["run_after"] = datetime.fromisoformat(logical_date)
     _log_every_task(Path(os.environ["AIRFLOW_HOME"]) / "logs")
     dr = bag.dags[dag_id].test(run_conf=conf, **when)
+    unpaused = unpause_unscheduled(bag)
     # a mapped task's instances by "task_id[map_index]"; a task group's by "group.task"
     tis = {ti.task_id + (f"[{ti.map_index}]" if ti.map_index >= 0 else ""): ti for ti in dr.get_task_instances()}
     xcoms = {tid: ti.xcom_pull(task_ids=ti.task_id, map_indexes=ti.map_index) for tid, ti in tis.items()}
@@ -216,6 +235,7 @@ def child(dag_id: str, conf: dict, summary_path: Path, logical_date: str | None 
         "run_folder": str(settings.run_folder(dag_id, dr.run_id)),
         "xcom": {k: v for k, v in xcoms.items() if isinstance(v, (dict, list, str, int, float))},
         "links": links,
+        "unpaused": unpaused,
     }
     atomic_write_json(summary_path, summary, indent=1, default=str)
     return 0 if summary["state"].endswith("success") else 1
@@ -240,8 +260,9 @@ def report(summary: dict, work: Path, env_file: Path) -> str:
         f"Airflow home:   {work / 'airflow'}  (metadata: {work / 'airflow' / 'airflow.db'})",
         "open the UIs on 127.0.0.1:",
         f"  MLflow:  .venv/bin/mlflow ui --backend-store-uri {uri} --host 127.0.0.1 --port 5000",
-        f"  Airflow: . {env_file} && airflow standalone   # http://127.0.0.1:8080, "
+        f"  Airflow: {sys.executable} -m ftrec_airflow.ui --work {work}   # http://127.0.0.1:8080, "
         f"password in {work / 'airflow' / 'simple_auth_manager_passwords.json.generated'}",
+        f"  (or . {env_file} && airflow standalone, whose log servers listen on every interface)",
     ]
     return "\n".join(lines)
 
