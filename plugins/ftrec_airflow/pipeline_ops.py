@@ -357,15 +357,18 @@ def run_training(
         check_exactly_once(spec, done, logger)
         return {**done, "reused": True}
     Path(spec.out).mkdir(parents=True, exist_ok=True)
-    cmd = runner.Command(
-        train_command(spec, run_id, tracking_uri),
-        logger=logger,
-        on_line=on_line,
-        env=train_env(tracking_uri, credentials),
-    )
-    if command_hook:
-        command_hook(cmd)
-    cmd.run(spec.timeout_s)
+    from ftrec_airflow import tries
+
+    with tries.recorded(spec.out, logger.warning if logger else print):  # and what ended the try before
+        cmd = runner.Command(
+            train_command(spec, run_id, tracking_uri),
+            logger=logger,
+            on_line=on_line,
+            env=train_env(tracking_uri, credentials),
+        )
+        if command_hook:
+            command_hook(cmd)
+        cmd.run(spec.timeout_s)
     result = read_result(spec.out)
     if result is None:
         raise RuntimeError(
