@@ -15,6 +15,7 @@ import torch
 
 from ftcore import collectives as coll
 from training import distributed
+from training.comm import config as comm_config
 from training.config import ConfigError
 
 GB = 1 << 30
@@ -44,10 +45,26 @@ def rank_budget(budget_gb: float, device: torch.device) -> int:
     return budget
 
 
+def lookup_rows(shards, num_negatives: int, groups: int, ranks: int) -> float:
+    """Item rows a replica group looks up a step (inputs, targets, each rank's shared negatives):
+    the sharded table's traffic, for comm.embedding=auto; 0 when the manifest has no token count."""
+    try:
+        return 2 * shards.tokens_per_step / max(groups, 1) + ranks * num_negatives
+    except Exception:  # DataError: an old manifest without counts.tokens
+        return 0.0
+
+
 def choose_embedding(
-    embedding: str, num_items: int, dim: int, item_optimizer: str, ranks: int, budget: int
+    embedding: str, num_items: int, dim: int, item_optimizer: str, ranks: int, budget: int, rows_per_step: float = 0.0
 ) -> tuple[str, str]:
-    """(comm.embedding to use, a line for the log); raises ConfigError when nothing fits."""
+    """(comm.embedding to use, a line for the log); raises ConfigError when nothing fits. "auto"
+    is decided first (comm.config.choose_embedding: large table, or fewer bytes a step)."""
+    if embedding == "auto":
+        embedding, why = comm_config.choose_embedding(
+            "auto", ranks, num_items, dim, rows_per_step, item_optimizer == "adam"
+        )
+        chosen, line = choose_embedding(embedding, num_items, dim, item_optimizer, ranks, budget)
+        return chosen, f"{why}; {line}"
     gb = lambda b: f"{b / GB:.2f} GB"  # noqa: E731
     replicated = table_bytes(num_items, dim, item_optimizer)
     sharded = table_bytes(num_items, dim, item_optimizer, ranks)

@@ -15,6 +15,7 @@ import torch
 from ftcore import collectives as coll
 from ftcore.util.files import atomic_writer
 from training import distributed
+from training.comm.bubbles import fraction  # the one bubble definition
 
 # columns of a rank's per-step record; LOSS is the rank's share of the group's mean loss
 COMPUTE, WAIT, STEP_TIME, DATA_WAIT, LOSS = range(5)
@@ -179,7 +180,7 @@ def summarize(window: Window, per_rank: torch.Tensor) -> dict[str, float]:
         "train/tokens_per_s": window.tokens / wall if wall else 0.0,
         "train/step_time_s": wall / per_rank.shape[1],
         "train/padding_fraction": 1.0 - window.tokens / window.padded if window.padded else 0.0,
-        "train/bubble_fraction": float(1.0 - (compute.mean(0) / compute.max(0).values.clamp_min(1e-12)).mean()),
+        "train/bubble_fraction": fraction(float(compute.sum()), wall * per_rank.shape[0]),
     }
     for k in range(per_rank.shape[0]):
         out[f"rank{k}/compute_s"] = float(per_rank[k, :, COMPUTE].mean())
@@ -224,7 +225,7 @@ def run_summary(history: History) -> dict[str, float]:
         "padding_fraction": 1.0 - history.tokens / history.padded if history.padded else 0.0,
         "compute_s_per_step": float(compute.mean()),
         "wait_s_per_step": float(t[:, :, WAIT].mean()),
-        "bubble_fraction": float(1.0 - (compute.mean(0) / compute.max(0).values.clamp_min(1e-12)).mean()),
+        "bubble_fraction": fraction(float(compute.sum()), wall * t.shape[0]),
     }
 
 

@@ -122,8 +122,9 @@ class Trainer:
         unless a checkpoint to resume from is found; returns that checkpoint."""
         cfg, topo, shards = self.cfg, self.topo, self.shards
         budget = memory.rank_budget(cfg.train.memory_budget_gb, torch.device(topo.device))  # collective
+        rows = memory.lookup_rows(shards, cfg.loss.num_negatives, topo.num_replica_groups, topo.group_size)
         cfg.comm.embedding, line = memory.choose_embedding(
-            cfg.comm.embedding, shards.num_items, cfg.model.dim, cfg.optim.item_optimizer, topo.group_size, budget
+            cfg.comm.embedding, shards.num_items, cfg.model.dim, cfg.optim.item_optimizer, topo.group_size, budget, rows
         )  # before the table exists: a table that cannot fit is refused, not allocated
         log(topo, line)
         torch.manual_seed(cfg.train.seed)  # the same initial model on every rank

@@ -50,7 +50,7 @@ class StepAccount:
 
     @property
     def bubble_fraction(self) -> float:
-        return 1.0 - self.compute / self.step_time if self.step_time > 0 else 0.0
+        return fraction(self.compute, self.step_time)
 
 
 class PhaseLog:
@@ -163,10 +163,17 @@ def account(steps: list[StepRecord], rank: int = 0, arrivals: dict[int, float] |
     return out
 
 
+def fraction(compute_s: float, step_s: float) -> float:
+    """The bubble fraction, ftrec's one definition: the share of the ranks' step time not spent
+    computing, 1 - sum(compute) / sum(step time) over ranks and steps (exposed comm, straggler
+    wait and idle are all bubble; for a pure straggler it is 1 - mean/max). comm/bubble_fraction
+    and the timeline (here), train/bubble_fraction and result.json (training/metrics.py) use it."""
+    return 1.0 - compute_s / step_s if step_s > 0 else 0.0
+
+
 def bubble_fraction(accounts: list[StepAccount]) -> float:
-    """1 - sum(compute) / sum(step time), over whatever ranks and steps are given."""
-    total = sum(a.step_time for a in accounts)
-    return 1.0 - sum(a.compute for a in accounts) / total if total > 0 else 0.0
+    """`fraction` over whatever ranks and steps are given."""
+    return fraction(sum(a.compute for a in accounts), sum(a.step_time for a in accounts))
 
 
 def per_step_bubble(accounts: list[StepAccount]) -> dict[int, float]:
@@ -176,13 +183,12 @@ def per_step_bubble(accounts: list[StepAccount]) -> dict[int, float]:
     return {s: bubble_fraction(v) for s, v in sorted(by_step.items())}
 
 
-def metrics(accounts: list[StepAccount], prefix: str = "comm/") -> dict[str, float]:
-    """Mean per step and rank of each part, and the bubble fraction: for MLflow log_metrics."""
+def metrics(accounts: list[StepAccount], prefix: str = "comm/", straggler: bool = True) -> dict[str, float]:
+    """Mean per step and rank of each part, and the bubble fraction: for MLflow log_metrics.
+    `straggler` False: the layout cannot show one (one rank a group), so it is left out, not 0."""
     n = max(1, len(accounts))
-    m = {
-        f"{prefix}{k}_s": sum(getattr(a, k) for a in accounts) / n
-        for k in ("step_time", "compute", "comm", "straggler", "idle")
-    }
+    parts = [k for k in ("step_time", "compute", "comm", "straggler", "idle") if straggler or k != "straggler"]
+    m = {f"{prefix}{k}_s": sum(getattr(a, k) for a in accounts) / n for k in parts}
     m[f"{prefix}bubble_fraction"] = bubble_fraction(accounts)
     return m
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from ftcore import collectives as coll
 from ftcore.timeouts import GROUP_COLLECTIVE_TIMEOUT
 from training.comm.bubbles import PhaseLog, account, max_arrivals, metrics, plot_timeline
-from training.comm.config import CommConfig
+from training.comm.config import CommConfig, choose_transport
 from training.comm.scheduler import CommScheduler, Stage
 from training.comm.transport import TransportConfig, all_gather_json, make_transport
 
@@ -35,11 +35,16 @@ class GroupComm:
             if self.active
             else None
         )
-        self.transport = (
-            make_transport(TransportConfig(kind=cfg.transport), group=self.group, device=str(device))
-            if self.active
-            else None
+        kind, self.choice = choose_transport(
+            cfg.transport, torch.device(device).type, dist.get_world_size() if self.active else 1
         )
+        self.transport = (
+            make_transport(TransportConfig(kind=kind), group=self.group, device=str(device)) if self.active else None
+        )
+        if kind == "smfree" and self.transport is not None and self.transport.name != "smfree":
+            self.choice += f"; fell back to collective: {getattr(self.transport, 'fallback_reason', '?')}"
+        if self.active and rank == 0:
+            print(f"[comm] {self.choice}", flush=True)
         self.timeline = PhaseLog(rank) if cfg.bubbles else None
         self.sched = CommScheduler(cfg.policy, self.timeline)
         self._window_start = 0  # index into timeline.steps of the first step not yet logged
@@ -104,7 +109,7 @@ class GroupComm:
             return {}
         steps = self.timeline.steps[self._window_start :]
         arrivals = max_arrivals(self.sched, start=self._logged_ops) if self.active else None
-        m = metrics(account(steps, self.timeline.rank, arrivals))
+        m = metrics(account(steps, self.timeline.rank, arrivals), straggler=self.active)
         for r in self.sched.records():  # exposed comm per op name, per step
             if r["issue"] >= self._logged_ops:
                 key = f"comm/exposed/{r['name']}_s"
