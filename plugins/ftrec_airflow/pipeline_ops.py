@@ -360,6 +360,9 @@ def run_training(
     from ftrec_airflow import tries
 
     with tries.recorded(spec.out, logger.warning if logger else print):  # and what ended the try before
+        followed = _follow_live_job(spec, run_id, logger, command_hook)
+        if followed is not None:
+            return followed
         cmd = runner.Command(
             train_command(spec, run_id, tracking_uri),
             logger=logger,
@@ -379,6 +382,27 @@ def run_training(
         )
     check_exactly_once(spec, result, logger)
     return {**result, "reused": False}
+
+
+def _follow_live_job(spec: TrainSpec, run_id: str, logger, command_hook) -> dict[str, Any] | None:
+    """When an earlier try's job still runs in `spec.out`: follow it to its end (the task's
+    on_kill stops it) and return its result, or None to start (resume) the job here."""
+    from ftrec_airflow import follow
+
+    holder = follow.live_job(spec.out)
+    if holder is None:
+        return None
+    say = logger.warning if logger else print
+    follower = follow.Follower(spec.out, holder, say)
+    if command_hook:
+        command_hook(follower)
+    follower.wait(spec.timeout_s)
+    done = read_result(spec.out)
+    if done and done.get("mlflow_run_id") == run_id:
+        check_exactly_once(spec, done, logger)
+        return {**done, "reused": True}
+    say("the followed job ended without a result: resuming it from its checkpoints")
+    return None
 
 
 def check_exactly_once(spec: TrainSpec, result: dict[str, Any], logger=None) -> dict[str, Any]:

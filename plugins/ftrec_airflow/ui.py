@@ -21,7 +21,7 @@ from pathlib import Path
 from ftrec_airflow import local_run, runner, settings
 
 # (airflow subcommand, its arguments): nothing listens beyond 127.0.0.1
-COMPONENTS = (
+COMPONENTS: tuple[tuple[str, list[str]], ...] = (
     ("api-server", []),
     ("scheduler", ["--skip-serve-logs"]),
     ("dag-processor", []),
