@@ -45,7 +45,7 @@ def test_the_next_try_says_a_killed_try_was_killed_and_whether_memory_ran_out(tm
     told: list[str] = []
     with tries.recorded(tmp_path, told.append):
         pass
-    assert f"task process {first.pid} " in told[0] and "killed by SIGKILL" in told[0], told
+    assert f"task process {first.pid} " in told[0] and "killed by a signal it cannot catch (SIGKILL" in told[0], told
     assert ("not out of memory" in told[0]) == (tries.oom_kills() is not None), told
     # a try that ends in a way it sees says how; the next try repeats it
     failing = _try(tmp_path, "fail")

@@ -54,8 +54,9 @@ def explain(prev: dict[str, Any], oom_now: int | None) -> str | None:
         memory = "the kernel's OOM killer did not act in this cgroup since (memory.events oom_kill unchanged)"
         memory += ": not out of memory"
     return (
-        f"{who}) ended without running its cleanup: its process was killed by SIGKILL (kill -9, "
-        f"or the machine was lost); {memory}. Airflow's 'Likely out of memory' on that try is its guess for any SIGKILL"
+        f"{who}) ended without running its cleanup: its process was killed by a signal it cannot catch "
+        f"(SIGKILL: a kill -9, or the OOM killer's) or its machine was lost; {memory}. Airflow's "
+        "'Likely out of memory' on that try (beside the signal's name) is its guess for any SIGKILL"
     )
 
 
