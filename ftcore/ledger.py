@@ -177,22 +177,30 @@ def check(
         trained.setdefault(e, Counter()).update((o * ranks_per_group + k, rg) for k in range(ranks_per_group))
     expected = {(s, rg) for s in range(num_groups * ranks_per_group) for rg in range(steps_per_epoch)}
     for e in sorted(set(range(epochs)) | set(trained)):
-        twice = [x for x, c in trained[e].items() if c > 1]
         complete = e < epochs - 1 or (e == epochs - 1 and not partial_last)
-        never = sorted(expected - set(trained[e])) if complete else []
-        if twice or never:
-            raise LedgerError(f"epoch {e}: (shard, row group) trained twice {twice[:5]}, never {never[:5]}")
-        if sample_ids is not None:
-            ids = Counter(i for s, rg in trained[e] for i in sample_ids(s, rg))
-            dup = [i for i, c in ids.items() if c > 1]
-            if dup:
-                raise LedgerError(f"epoch {e}: sample ids {dup[:5]} trained more than once")
+        _check_epoch(e, trained[e], expected if complete else None, sample_ids)
     return {
         "steps": len(steps),
         "makeup_steps": sum(r["kind"] == "makeup" for r in steps.values()),
         "epochs": epochs,
         "batches": sum(sum(c.values()) for c in trained.values()),
     }
+
+
+def _check_epoch(
+    e: int, trained: Counter, expected: set | None, sample_ids: Callable[[int, int], list[int]] | None
+) -> None:
+    """Epoch e's (shard, row group) counts: none twice, and with `expected` (a complete epoch)
+    none of it missing; with `sample_ids`, no sample id twice either. Raises LedgerError."""
+    twice = [x for x, c in trained.items() if c > 1]
+    never = sorted(expected - set(trained)) if expected is not None else []
+    if twice or never:
+        raise LedgerError(f"epoch {e}: (shard, row group) trained twice {twice[:5]}, never {never[:5]}")
+    if sample_ids is not None:
+        ids = Counter(i for s, rg in trained for i in sample_ids(s, rg))
+        dup = [i for i, c in ids.items() if c > 1]
+        if dup:
+            raise LedgerError(f"epoch {e}: sample ids {dup[:5]} trained more than once")
 
 
 def _pieces(rec: dict) -> list[tuple[int, int, int, int]]:
