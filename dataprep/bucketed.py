@@ -160,7 +160,7 @@ def ids(work: "str | Path", budget: int, buckets: int | None) -> dict:
     metas = [workdir.meta(work / "scan" / str(s)) for s in range(spans)]
     lines = sum(m["counts"].get("lines", 0) for m in metas)
     if sum(m["rejected"] for m in metas) > ctx["max_reject_fraction"] * max(lines, 1):
-        from dataprep.build import check_rejects
+        from dataprep.rejects import check_rejects
 
         check_rejects(workdir.scan_rejects(work), lines, ctx["max_reject_fraction"])
     events = sum(m["events"] for m in metas)
@@ -430,7 +430,7 @@ def route(work: "str | Path", b: int) -> dict:
         rank = np.load(work / "plan" / "rank.npy", mmap_mode="r")[so : so + n]
         dropped = np.flatnonzero(step < 0)
         if len(dropped):
-            from dataprep.build import tail_rejects
+            from dataprep.rejects import tail_rejects
 
             workdir.write_ipc(
                 d / "tail.arrow", tail_rejects(users.take(pa.array(samples.user_id[dropped] - 1)), so + dropped)

@@ -21,28 +21,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from dataprep import balance, bucketed, readers, schema, sequences
-from dataprep.cost import load_cost_model
+from dataprep import balance, bucketed, readers, schema, sequences, temporal
+from dataprep.cost import CostModel, load_cost_model
 from dataprep.errors import DataprepError, DifferentShardSet
 from dataprep.fingerprint import fingerprint, fingerprint_later
 from dataprep.progress import Progress, stage
+from dataprep.rejects import MAX_REJECT_FRACTION, check_rejects, reject_table, tail_rejects
 from ftcore.util.files import sha256_file
-
-MAX_REJECT_FRACTION = 0.05
-
-
-def check_rejects(rejects: list[pa.Table], lines: int, max_fraction: float) -> None:
-    """Fail when more than `max_fraction` of the input lines were rejected, naming the first."""
-    rejected = sum(t.num_rows for t in rejects)
-    lines = max(lines, 1)
-    if rejected and rejected > max_fraction * lines:
-        allr = pa.concat_tables(rejects)
-        first = allr.take(pc.sort_indices(allr, [("source", "ascending"), ("line", "ascending")])[:1]).to_pylist()[0]
-        raise DataprepError(
-            f"{first['source']}: {rejected} of {lines} lines rejected (first: line {first['line']}, "
-            f"{first['reason']}, {first['detail']}); is --format right? "
-            f"Fix the input or raise --max-reject-fraction (now {max_fraction})"
-        )
 
 
 def _refuse_input_inside(out: Path, inputs: list[str]) -> None:
@@ -176,6 +161,24 @@ def _head(paths: list[str], fmt: str, fp: str, config: dict) -> dict:
     }
 
 
+def _config(
+    sizes: dict, cm: CostModel, tail: str, method: str, dedup: str, max_events: int | None, reader_options: dict
+) -> dict:
+    """The set's config: the settings that decide its bytes (the manifest's; a build whose
+    config and input equal an existing set's reuses it), in the manifest's key order."""
+    return {
+        **sizes,
+        # the device a calibrated model was timed on (training/calibrate.py): the training device
+        "cost_model": {"a": cm.a, "b": cm.b, "c0": cm.c0, "source": cm.source}
+        | ({"device": cm.fit["device"]} if cm.fit.get("device") else {}),
+        "tail": tail,
+        "method": method,
+        "dedup": dedup,
+        "max_events": max_events,
+        "reader_options": dict(sorted(reader_options.items())),
+    }
+
+
 def prepare(
     input: "str | list[str]",
     fmt: str,
@@ -195,6 +198,9 @@ def prepare(
     max_reject_fraction: float = MAX_REJECT_FRACTION,
     overwrite: bool = False,
     defer_fingerprint: bool = False,
+    split: str = "leave_one_out",
+    cut: int | None = None,
+    horizon: int | None = None,
     **reader_options,
 ) -> "Job":
     """Check the inputs and settings and say what to build: the set's config and manifest head,
@@ -205,21 +211,9 @@ def prepare(
     cm = load_cost_model(cost_model)
     k = balance.DEFAULT_WINDOW_STEPS if window_steps is None else int(window_steps)
     _check_counts(world_size=world_size, batch_size=batch_size, max_len=max_len, window_steps=k)
-    config = {
-        "world_size": world_size,
-        "batch_size": batch_size,
-        "max_len": max_len,
-        "seed": seed,
-        "window_steps": k,
-        # the device a calibrated model was timed on (training/calibrate.py): the training device
-        "cost_model": {"a": cm.a, "b": cm.b, "c0": cm.c0, "source": cm.source}
-        | ({"device": cm.fit["device"]} if cm.fit.get("device") else {}),
-        "tail": tail,
-        "method": method,
-        "dedup": dedup,
-        "max_events": max_events,
-        "reader_options": dict(sorted(reader_options.items())),
-    }
+    sizes = {"world_size": world_size, "batch_size": batch_size, "max_len": max_len, "seed": seed, "window_steps": k}
+    config = _config(sizes, cm, tail, method, dedup, max_events, reader_options)
+    config |= temporal.settings(split, cut, horizon, fmt, readers.TIME_FORMATS)  # none for leave-one-out
     outp = Path(out)
     _refuse_input_inside(outp, paths)
     pending = fingerprint_later(paths) if defer_fingerprint and not (outp / schema.MANIFEST).exists() else None
@@ -261,6 +255,8 @@ class Job:
 
     def bucketed_context(self) -> dict:
         """What every stage of dataprep.bucketed reads (its work folder's ctx.json)."""
+        if self.config.get("split") == "temporal":  # its cut is taken over all events at once
+            raise DataprepError("--split temporal is built in memory only: raise --memory-budget, drop --buckets")
         return {
             "paths": self.paths,
             "spans": readers.spans(self.paths, self.fmt, **self.reader_options),
@@ -317,14 +313,12 @@ def build_shards(
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     c = job.config
-    ev, seq, ev_table, samples = _samples(
+    ev, seq, ev_table, samples, split = _samples(
         job.paths, fmt, c, job.max_reject_fraction, job.reader_options, quiet=quiet, say=say, timings=timings
     )
     cost = load_cost_model(c["cost_model"])(samples.length)
     p, st, st_random = _balance(cost, c, quiet=quiet, say=say, timings=timings)
-    built = _Built(
-        ev=ev, seq=seq, eval_table=ev_table, samples=samples, cost=cost, plan=p, stats=st, stats_random=st_random
-    )
+    built = _Built(ev, seq, ev_table, samples, cost, p, st, st_random, split)
     job.settle()
     return _write_set(job.outp, built, job.head, quiet=quiet, say=say, timings=timings, t_all=t_all)
 
@@ -341,6 +335,7 @@ class _Built:
     plan: balance.Plan
     stats: dict
     stats_random: dict  # of random shards: what balancing gains
+    split: dict  # the temporal split's figures (dataprep/temporal.py); empty: leave-one-out
 
 
 def _samples(
@@ -353,7 +348,7 @@ def _samples(
     quiet: bool,
     say: Callable[[str], None],
     timings: dict[str, float],
-) -> tuple[readers.Interactions, sequences.Sequences, pa.Table, sequences.Samples]:
+) -> tuple[readers.Interactions, sequences.Sequences, pa.Table, sequences.Samples, dict]:
     """read -> sequences -> leave-one-out samples, each stage timed and logged."""
     t = time.monotonic()
     with stage("read", quiet=quiet):
@@ -367,8 +362,8 @@ def _samples(
     t = time.monotonic()
     with stage("sequences", quiet=quiet):
         seq = sequences.build_sequences(ev, dedup=config["dedup"], max_events=config["max_events"])
-        ev_table = sequences.eval_table(seq)
-        samples = sequences.train_samples(seq, config["max_len"])
+        hold = temporal.holdout(seq, config)  # leave-one-out, or the temporal cut
+        ev_table, samples = sequences.eval_table(seq, hold), sequences.train_samples(seq, config["max_len"], hold)
     timings["sequences_s"] = time.monotonic() - t
     n = len(samples.user_id)
     say(
@@ -379,7 +374,7 @@ def _samples(
             f"{', '.join(paths)}: no user has the 4 events a training sample needs "
             "(history, target, validation, test); give more data"
         )
-    return ev, seq, ev_table, samples
+    return ev, seq, ev_table, samples, hold.info
 
 
 def _balance(
@@ -412,35 +407,6 @@ def _balance(
         f"(random shards: {st_random['bubble_fraction']:.4f}) ({timings['balance_s']:.1f} s)"
     )
     return p, st, st_random
-
-
-def tail_rejects(users: pa.Array, sample_ids: np.ndarray) -> pa.Table:
-    """The rejects rows of samples the tail policy dropped (`users`: their raw user ids)."""
-    n = len(sample_ids)
-    return pa.table(
-        {
-            "source": pa.nulls(n, pa.string()),
-            "line": pa.nulls(n, pa.int64()),
-            "user": users.cast(pa.string()),
-            "reason": pa.array(["tail_dropped"] * n),
-            "detail": pa.array([f"sample_id={i}" for i in sample_ids]),
-        },
-        schema=schema.REJECTS_SCHEMA,
-    )
-
-
-def reject_table(rejects: list[pa.Table]) -> tuple[pa.Table, dict[str, int]]:
-    """All rejects tables as one, and the counts by reason."""
-    rej = (
-        pa.concat_tables([r.cast(schema.REJECTS_SCHEMA) for r in rejects])
-        if rejects
-        else schema.REJECTS_SCHEMA.empty_table()
-    )
-    by_reason = {}
-    if rej.num_rows:
-        vc = pc.value_counts(rej.column("reason")).to_pylist()
-        by_reason = {d["values"]: int(d["counts"]) for d in sorted(vc, key=lambda d: d["values"])}
-    return rej, by_reason
 
 
 def _write_set(
@@ -528,7 +494,7 @@ def _figures(built: _Built) -> dict:
             "rows_rejected": sum(t_.num_rows for t_ in ev.rejects),
             "users_read": seq.counts["users_read"],
             "users_rejected": seq.counts["users_rejected"],
-            "eval_users": seq.num_users,
+            "eval_users": built.eval_table.num_rows,
             "users_without_sample": seq.num_users - n,
             "samples_written": n - p.dropped,
             "samples_dropped_tail": p.dropped,
@@ -541,6 +507,7 @@ def _figures(built: _Built) -> dict:
         "bubble_fraction_random": built.stats_random["bubble_fraction"],
         "total_cost": float(cost[p.step >= 0].sum()),
         "time_unit": seq.time_unit,
+        "split": built.split,
     }
 
 
@@ -571,6 +538,8 @@ def _manifest(
         "timings": {k_: round(v, 3) for k_, v in timings.items()},
         "files": files,
     }
+    if fig.get("split"):
+        manifest["split"] = fig["split"]
     if head["format_version"] == 2:
         manifest["timestamps"] = {"column": schema.TIMESTAMPS, "unit": "s", "input_unit": fig["time_unit"]}
     return manifest

@@ -71,6 +71,9 @@ def _shards(a) -> None:
         memory_budget=a.memory_budget,
         buckets=a.buckets,
         workers=a.workers,
+        split=a.split,
+        cut=a.cut,
+        horizon=a.horizon,
         **reader,
     )
     if a.json:
@@ -150,8 +153,8 @@ def _synth_args(sub) -> None:
 
 def _shards_args(sub) -> None:
     from dataprep.balance import DEFAULT_WINDOW_STEPS, METHODS, TAILS
-    from dataprep.build import MAX_REJECT_FRACTION
     from dataprep.readers import FORMATS
+    from dataprep.rejects import MAX_REJECT_FRACTION
     from dataprep.sequences import DEDUP
 
     s = sub.add_parser("shards", help="build a length-balanced shard set")
@@ -189,6 +192,7 @@ def _shards_args(sub) -> None:
         default=MAX_REJECT_FRACTION,
         help=f"fail when more input lines than this are rejected (default {MAX_REJECT_FRACTION})",
     )
+    _split_args(s)
     s.add_argument("--user-col", help="events: user column (default user_id)")
     s.add_argument("--item-col", help="events: item column (default item_id)")
     s.add_argument("--time-col", help="events: timestamp column (default timestamp)")
@@ -205,6 +209,19 @@ def _shards_args(sub) -> None:
     s.add_argument("--json", action="store_true", help="print the manifest")
     s.add_argument("--quiet", action="store_true", help="no progress bar or summary")
     s.set_defaults(fn=_shards)
+
+
+def _split_args(s) -> None:
+    """How the set holds out what evaluation scores (dataprep/temporal.py)."""
+    s.add_argument(
+        "--split",
+        choices=("leave_one_out", "temporal"),
+        default="leave_one_out",
+        help="leave_one_out: each user's last event tests, the one before validates; temporal: events at "
+        "or before --cut train, each user's first event after it (within --horizon) tests (timed formats)",
+    )
+    s.add_argument("--cut", type=int, help="temporal: the cut time T, epoch seconds (default: 90%% of events before)")
+    s.add_argument("--horizon", type=int, help="temporal: seconds after the cut a test event may be (default: all)")
 
 
 def _verify_args(sub) -> None:

@@ -60,6 +60,24 @@ class Samples:
     timestamps: pa.ListArray | None = None  # list<int64> epoch seconds of each input item, or None
 
 
+@dataclass(frozen=True)
+class Holdout:
+    """Which events of each user train, and which users are evaluated on which events: user u's
+    first train_len[u] events train; eval user users[k] is tested on its event test_at[k],
+    validated on the one before it, and its history is every event before that."""
+
+    train_len: np.ndarray  # [U] per user, in dense order
+    users: np.ndarray  # [E] 0-based dense users of the eval table, ascending
+    test_at: np.ndarray  # [E] index of each eval user's test event in its sequence
+    info: dict = field(default_factory=dict)  # the manifest's "split" (empty: leave-one-out)
+
+
+def leave_one_out(seq: "Sequences") -> Holdout:
+    """Every user: the last event tests, the second-to-last validates, the rest trains."""
+    n = np.diff(seq.offsets)
+    return Holdout(train_len=n - 2, users=np.arange(seq.num_users), test_at=n - 1)
+
+
 def _map_table(raw: pa.Array) -> pa.Table:
     return pa.table(
         {"id": pa.array(np.arange(1, len(raw) + 1, dtype=np.int64)), "raw_id": raw.cast(pa.string())}, schema=MAP_SCHEMA
@@ -330,31 +348,34 @@ def _gather(values: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> tupl
     return offs, values[idx]
 
 
-def eval_table(seq: Sequences) -> pa.Table:
-    """One row per user: full training sequence (untruncated), validation and test targets."""
-    n = np.diff(seq.offsets)
-    hist_off, hist = _gather(seq.values, seq.offsets[:-1], n - 2)
+def eval_table(seq: Sequences, hold: Holdout | None = None) -> pa.Table:
+    """One row per evaluated user (`hold`, default leave-one-out): the history before its
+    validation event (untruncated), the validation and the test targets."""
+    hold = hold or leave_one_out(seq)
+    starts = seq.offsets[:-1][hold.users]
+    valid_at = starts + hold.test_at - 1
+    hist_off, hist = _gather(seq.values, starts, hold.test_at - 1)
     cols = {
-        "user_id": pa.array(np.arange(1, seq.num_users + 1, dtype=np.int64)),
+        "user_id": pa.array((hold.users + 1).astype(np.int64)),
         "history": pa.ListArray.from_arrays(
             pa.array(hist_off.astype(np.int32)), pa.array(hist.astype(np.int32, copy=False))
         ),
-        "valid_target": pa.array(seq.values[seq.offsets[1:] - 2].astype(np.int32)),
-        "test_target": pa.array(seq.values[seq.offsets[1:] - 1].astype(np.int32)),
+        "valid_target": pa.array(seq.values[valid_at].astype(np.int32)),
+        "test_target": pa.array(seq.values[valid_at + 1].astype(np.int32)),
     }
     if seq.timestamps is not None:
-        _, hist_ts = _gather(seq.timestamps, seq.offsets[:-1], n - 2)
+        _, hist_ts = _gather(seq.timestamps, starts, hold.test_at - 1)
         cols["history_timestamps"] = pa.ListArray.from_arrays(pa.array(hist_off.astype(np.int32)), pa.array(hist_ts))
-        cols["valid_timestamp"] = pa.array(seq.timestamps[seq.offsets[1:] - 2])
+        cols["valid_timestamp"] = pa.array(seq.timestamps[valid_at])
     return pa.table(cols, schema=eval_schema(seq.timestamps is not None))
 
 
-def train_samples(seq: Sequences, max_len: int) -> Samples:
-    """Leave-one-out training samples, the most recent `max_len` inputs kept."""
+def train_samples(seq: Sequences, max_len: int, hold: Holdout | None = None) -> Samples:
+    """Training samples of each user's training events (`hold`, default leave-one-out: all but
+    the validation and test items), the most recent `max_len` inputs kept."""
     if max_len < 1:
         raise DataprepError(f"--max-len {max_len}: must be >= 1")
-    n = np.diff(seq.offsets)
-    train_len = n - 2  # all but validation and test items
+    train_len = (hold or leave_one_out(seq)).train_len
     has = train_len >= 2  # need one input and one target
     users = np.flatnonzero(has) + 1
     tl = train_len[has]

@@ -330,3 +330,37 @@ def test_evaluate_bf16_equals_fp32(random_eval, similarity):
         cfg = EvalConfig(batch_size=32, item_chunk=37, num_negatives=20, precision=precision)
         metrics[precision] = evaluate(model, EvalData(random_eval, num_items=500, max_len=30, cfg=cfg), cfg)
     assert metrics["bf16"] == metrics["fp32"]
+
+
+def test_top_k_and_coverage_match_the_full_score_matrix(tmp_path):
+    """top_k streams the catalogue in chunks: the same items as a topk over every item's score
+    with each user's test input excluded; coverage@10 is the share of items anyone is shown."""
+    from training.evaluate import beside, top_k
+
+    rng = np.random.default_rng(0)
+    hist = [rng.choice(np.arange(1, 41), size=int(rng.integers(2, 9)), replace=False).tolist() for _ in range(30)]
+    t = pa.table(
+        {
+            "user_id": list(range(1, 31)),
+            "history": [h[:-2] or [h[0]] for h in hist],
+            "valid_target": [h[-2] for h in hist],
+            "test_target": [h[-1] for h in hist],
+        },
+        schema=schema.EVAL_SCHEMA,
+    )
+    pq.write_table(t, tmp_path / "eval.parquet")
+    cfg = EvalConfig(item_chunk=7, batch_size=8, num_negatives=5)
+    d = EvalData(str(tmp_path / "eval.parquet"), num_items=40, max_len=6, cfg=cfg)
+    torch.manual_seed(0)
+    model = SeqRec(40, ModelConfig(dim=8, num_layers=1, num_heads=1, dropout=0.0, max_len=6)).eval()
+    got = top_k(model, d, cfg, "test", 10)
+    s = d.splits["test"]
+    with torch.no_grad():
+        scores = model.scores(model.last_hidden(s.values, s.offsets))
+    for u in range(len(s.targets)):
+        scores[u, s.values[s.offsets[u] : s.offsets[u + 1]] - 1] = float("-inf")
+    want = scores.topk(10, dim=1).indices + 1
+    assert torch.equal(got.sort(dim=1).values, want.sort(dim=1).values)
+    extra = beside(model, d, cfg)
+    assert extra["test/full/coverage@10"] == len(torch.unique(want)) / 40
+    assert extra["baseline/popular/test/full/hr@1"] == evaluate(MostPopular(d), d, cfg)["test/full/hr@1"]

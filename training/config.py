@@ -170,6 +170,12 @@ class EvalConfig:
     """validate every train.eval_every steps (0: once per epoch)"""
     final: bool = True
     """valid + test at the end (into result.json)"""
+    baseline: bool = True
+    """with the final metrics: test/full/coverage@10 and the most-popular baseline's test metrics
+    (baseline/popular/test/...) on the same users"""
+    split: str = ""
+    """the shard set's split the run expects: "leave_one_out" or "temporal" (dataprep --split);
+    "": whichever it was built with"""
     # the model where this validation metric peaked (periodic validations and the end) is
     # the run's model, written to OUT/best/ when it is not the last
     best_metric: str = ""
@@ -388,6 +394,10 @@ def validate(cfg: Config) -> Config:
             "valid/full/hr@10, ...) and eval.periodic=true, eval.final=true",
         ),
         (cfg.eval.patience >= 0, "eval.patience must be >= 0 (0: no early stopping)"),
+        (
+            cfg.eval.split in ("", "leave_one_out", "temporal"),
+            "eval.split must be 'leave_one_out', 'temporal' or '' (the shard set's)",
+        ),
         (
             cfg.eval.patience == 0 or (cfg.eval.periodic and cfg.eval.final),
             f"eval.patience={cfg.eval.patience} needs eval.periodic=true (it counts validations) and eval.final=true",

@@ -146,6 +146,46 @@ def evaluate(model, data: EvalData, cfg: EvalConfig, splits=("valid", "test")) -
     return out
 
 
+@torch.no_grad()
+def top_k(model, data: "EvalData", cfg: EvalConfig, split: str = "test", k: int = 10) -> torch.Tensor:
+    """[users, k] each user's k best-scored items of the full catalogue (history excluded with
+    eval.exclude_history, as the full ranking does), streamed in chunks of eval.item_chunk."""
+    was_training = model.training
+    model.eval()
+    dev = next(itertools.chain(model.parameters(), model.buffers())).device
+    s, out = data.splits[split], []
+    for lo in range(0, len(s.targets), cfg.batch_size):
+        hi = min(lo + cfg.batch_size, len(s.targets))
+        a, b = int(s.offsets[lo]), int(s.offsets[hi])
+        offsets, values = (s.offsets[lo : hi + 1] - a).to(dev), s.values[a:b].to(dev)
+        ts = s.timestamps[a:b].to(dev) if s.timestamps is not None else None
+        h = model.last_hidden(values, offsets, timestamps=ts)
+        rows = torch.repeat_interleave(torch.arange(hi - lo, device=dev), offsets[1:] - offsets[:-1])
+        best_v = h.new_full((hi - lo, 0), float("-inf"))
+        best_i = torch.zeros(hi - lo, 0, dtype=torch.int64, device=dev)
+        for c in range(1, data.num_items + 1, cfg.item_chunk):
+            items = torch.arange(c, min(c + cfg.item_chunk, data.num_items + 1), device=dev)
+            sc = model.scores(h, items).to(h.dtype)
+            if cfg.exclude_history:
+                inside = (values >= c) & (values < c + len(items))
+                sc[rows[inside], values[inside] - c] = float("-inf")
+            best_v, pick = torch.cat([best_v, sc], 1).topk(min(k, best_v.shape[1] + len(items)), dim=1)
+            best_i = torch.cat([best_i, items.expand(hi - lo, -1)], 1).gather(1, pick)
+        out.append(best_i.cpu())
+    model.train(was_training)
+    return torch.cat(out)
+
+
+def beside(model, data: "EvalData", cfg: EvalConfig) -> dict[str, float]:
+    """What a user reads the model's metrics beside: catalogue coverage@10 of its test
+    recommendations (the share of items in anyone's top 10) and the most-popular baseline's
+    test metrics on the same users (`baseline/popular/test/...`), so the lift shows."""
+    shown = top_k(model, data, cfg, "test", 10)
+    out = {"test/full/coverage@10": float(len(torch.unique(shown))) / data.num_items}
+    popular = evaluate(MostPopular(data), data, cfg, splits=("test",))
+    return out | {f"baseline/popular/{k}": v for k, v in popular.items()}
+
+
 def evaluate_checkpoint(path: str, shards_path: str, overrides: list[str] | None = None) -> dict[str, float]:
     """`python -m training eval`: the checkpoint's model on the shard set's valid and test users."""
     from training import checkpoint
@@ -166,7 +206,7 @@ def evaluate_checkpoint(path: str, shards_path: str, overrides: list[str] | None
     model = SeqRec(shards.num_items, cfg.model)
     model.load_state_dict(state["model"])
     data = EvalData(shards.eval_path, shards.num_items, cfg.model.max_len, cfg.eval)
-    return evaluate(model, data, cfg.eval)
+    return evaluate(model, data, cfg.eval) | (beside(model, data, cfg.eval) if cfg.eval.baseline else {})
 
 
 class MostPopular(torch.nn.Module):

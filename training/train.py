@@ -29,7 +29,7 @@ from training.components import (
 from training.config import Config, ConfigError, to_toml
 from training.data import Batch, BatchLoader, DataCursor, ShardSet, shard_ranks_for
 from training.distributed import Topology, log
-from training.evaluate import evaluate
+from training.evaluate import beside, evaluate
 from training.ft import LocalReplica, make_replica
 from training.loss import draw_negatives, loss_sum, start_global_counts
 from training.model import SeqRec
@@ -223,6 +223,7 @@ class Trainer:
                 "data.steps_per_epoch": shards.steps,
                 "data.world_size": shards.world_size,
                 "data.bubble_fraction": shards.manifest.get("bubble_fraction", ""),
+                **{f"data.split.{k}": v for k, v in (shards.manifest.get("split") or {}).items()},
             }
         )
         path = os.path.abspath(shards.path)
@@ -382,6 +383,8 @@ class Trainer:
         wall = time.perf_counter() - self.started
         t_eval = time.perf_counter()
         scores, final, last = self._final_eval(model, final)
+        if scores and self.cfg.eval.baseline:  # beside the run's model's: coverage, most popular
+            scores.update(beside(model, self.eval_data.get(), self.cfg.eval))
         c, best = self.state.cursor, self.state.selection
         result: dict[str, Any] = {
             "mlflow_run_id": None,
@@ -477,6 +480,12 @@ def _open_shards(cfg: Config, topo: Topology) -> tuple[ShardSet, list[int]]:
     shard_ranks = shard_ranks_for(
         shards.world_size, topo.num_replica_groups, topo.replica_group, topo.group_size, topo.rank
     )
+    built = (shards.manifest.get("split") or {}).get("kind", "leave_one_out")
+    if cfg.eval.split and cfg.eval.split != built:
+        raise ConfigError(
+            f"eval.split={cfg.eval.split!r}, but shard set {cfg.data.shards} was built with {built!r}: rebuild "
+            f"it with `python -m dataprep shards ... --split {cfg.eval.split}`, or leave eval.split empty"
+        )
     cfg.model.max_len = cfg.model.max_len or shards.max_len
     if cfg.model.max_len < shards.max_len:
         raise ConfigError(
