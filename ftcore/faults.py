@@ -1,8 +1,8 @@
 """Fault plans: what to break, where and when; one JSON or TOML format for tests, benchmarks,
 the launcher and the Airflow chaos DAG. Kinds: kill, stop, raise, slow, kill_lighthouse,
 pause_lighthouse; each fires once, on the group's first incarnation unless `incarnation` says
-otherwise; an external one may wait for a state of the job too (`when`: a group on standby,
-a group healing). The format with examples: docs/ftcore.md, "faults"."""
+otherwise; an external one may wait for a state of the job too (`when`: steady, a group on
+standby, a group healing). The format with examples: docs/ftcore.md, "faults"."""
 
 import json
 import os
@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 KINDS = ("kill", "stop", "raise", "kill_lighthouse", "pause_lighthouse", "slow")
 LIGHTHOUSE_KINDS = ("kill_lighthouse", "pause_lighthouse")
 PHASES = ("before_allreduce", "during_allreduce", "after_allreduce", "vote", "heal_serve")
-WHEN = ("standby", "healing")  # states of the job an external fault can wait for (launcher/watch.py)
+# states of the job an external fault can wait for (launcher/watch.py). steady: every group
+# healthy and in the quorum, nobody healing or on standby (the last fault is over)
+WHEN = ("steady", "standby", "healing")
 
 
 class PlanError(ValueError):

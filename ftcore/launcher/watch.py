@@ -12,13 +12,17 @@ if TYPE_CHECKING:
     from ftcore.launcher.supervisor import Launcher
 
 
-def states(status: dict) -> set[str]:
+def states(status: dict, groups: int) -> set[str]:
     """The job's states a fault can wait for (faults.WHEN), from the lighthouse's status."""
     out = set()
-    if any(gr.get("standby_s") is not None for gr in status.get("groups", [])):
+    quorum, seen = status.get("quorum") or {}, status.get("groups", [])
+    if any(gr.get("standby_s") is not None for gr in seen):
         out.add("standby")
-    if (status.get("quorum") or {}).get("heal"):
+    if quorum.get("heal"):
         out.add("healing")
+    healthy = {gr["group"] for gr in seen if gr["healthy"] and not gr["left"]}
+    if not out and len(healthy) == groups and set(quorum.get("groups", ())) == healthy:
+        out.add("steady")
     return out
 
 
@@ -29,6 +33,7 @@ class Watch:
         self.launcher = launcher
         self.faults = faults
         self.unhealthy_since: dict[int, float] = {}
+        self.armed = True  # a fault waiting for a steady job may fire (the last one's effect was seen)
 
     def run(self) -> None:
         la = self.launcher
@@ -41,7 +46,10 @@ class Watch:
                 la.start_lighthouse()
                 continue
             steps = {gr["group"]: gr["step"] for gr in (st or {}).get("groups", [])}
-            for f in self.due(steps, now - la.t0, states(st or {})):
+            now_in = states(st or {}, la.cfg.replica_groups)
+            self.armed = self.armed or "steady" not in now_in
+            for f in self.due(steps, now - la.t0, now_in):
+                self.armed = self.armed and f.when != "steady"
                 f.fired = True
                 threading.Thread(target=self.fire, args=(f,), daemon=True).start()
             if st:
@@ -61,7 +69,11 @@ class Watch:
             step = max(steps.values(), default=0) if on_lighthouse else steps.get(f.group, -1)
             if f.due(step, elapsed, now_in):
                 out.append(f)
-        return out
+        # faults that wait for a steady job fire one step's worth at a time, and the next only once
+        # the job was seen unsteady since and is steady again: however far the steps ran meanwhile
+        steady = [f for f in out if f.when == "steady"] if self.armed else []
+        first = min((f.at_step for f in steady if f.at_step is not None), default=None)
+        return [f for f in out if f.when != "steady" or (self.armed and f.at_step == first)]
 
     def hangs(self, groups: list[dict], now: float) -> None:
         """Mark a group for replacement once it has been unhealthy while alive for too long."""
