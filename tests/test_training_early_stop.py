@@ -3,6 +3,7 @@ plateau and ends with the best validated weights (result.json, OUT/best, MLflow)
 replica groups under ftcore, one killed and healed, that stop on the same step."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -101,6 +102,13 @@ def test_stops_on_a_plateau_and_keeps_the_best_weights(plateau, tmp_path):
     sel = checkpoint.load(best["last_checkpoint"])["selection"]
     assert (sel["step"], sel["stopped_at"]) == (best["step"], stop["step"])
     assert all(torch.equal(sel["weights"][k], at_best[k]) for k in at_best)
+    # resumed one validation before the stop, the run stops where it did with the same best model
+    shutil.rmtree(best["last_checkpoint"])
+    shutil.rmtree(out / "best")
+    again = train(load_config(None, [f"data.shards={plateau}", f"train.out={out}", *settings, "train.resume=true"]))
+    assert (again["steps"], again["early_stop"], again["best"]["step"]) == (res["steps"], stop, best["step"])
+    chosen_again = checkpoint.load(again["checkpoint"])["model"]
+    assert all(torch.equal(chosen_again[k], at_best[k]) for k in at_best)
 
 
 @pytest.mark.integ
