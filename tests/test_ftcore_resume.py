@@ -157,6 +157,10 @@ def test_whole_job_resume_makes_up_missed_batches_exactly_once(tmp_path):
     r = run_launch(out, 180, shards=shards, timeout=150, worker_args=["--set", *TRAIN_ARGS, "train.resume=true"])
     assert r.returncode == 0, r.stdout[-5000:]
     assert f"step-{CKPT:08d} (step {CKPT}," in r.stdout, "group 0 did not resume from its checkpoint"
+    # the job's count covers both attempts; the steps attempt 1 committed past the checkpoint, redone
+    tl = json.loads((out / "timeline.json").read_text())["summary"]
+    assert tl["committed_steps"] == json.loads((out / "replica_0" / "result.json").read_text())["steps"], tl
+    assert tl["launch_committed_steps"] == tl["committed_steps"] - CKPT and tl["redone_steps"] > 0, tl
 
     sample_ids = shard_sample_ids(shards)
 
