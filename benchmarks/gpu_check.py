@@ -173,6 +173,13 @@ def part_ft(work: Path, sz: dict, gpus: int, budget: float) -> dict:
         ),
     }
     fails = [] if rc == 0 else [f"launcher exit {rc}: {log[-1500:]}"]
+    res["fails"] = fails + _ft_outcome(out, res, gpus)
+    return res
+
+
+def _ft_outcome(out: Path, res: dict, gpus: int) -> list[str]:
+    """What the ft run left (final states, timeline), into `res`; returns what failed."""
+    fails = []
     s0, s1 = out / "replica_0" / "state.safetensors", out / "replica_1" / "state.safetensors"
     if s0.exists() and s1.exists():
         res["identical"] = s0.read_bytes() == s1.read_bytes()
@@ -190,8 +197,7 @@ def part_ft(work: Path, sz: dict, gpus: int, budget: float) -> dict:
             fails.append(f"group 1: {res['restarts']} restarts, healed {res['healed']} (want 1, True)")
     if gpus and not res["devices"]:
         fails.append("no rank reported a CUDA device")
-    res["fails"] = fails
-    return res
+    return fails
 
 
 # ---- 2. slowdown: matmul beside NCCL all-to-all and beside the copy engines ---------------------
@@ -216,8 +222,7 @@ def _slowdown_worker(rank: int, world: int, cuda: bool, sz: dict) -> dict:
     from ftcore import collectives as coll
     from training.comm.transport import TransportConfig, make_transport
 
-    dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    dtype = torch.bfloat16 if cuda else torch.float32
+    dev, dtype = (torch.device("cuda", rank), torch.bfloat16) if cuda else (torch.device("cpu"), torch.float32)
     transports = {
         ("nccl" if cuda else "gloo") + "_all_to_all": make_transport("collective", group=coll.new_group()),
         "smfree_copy_engines": make_transport(TransportConfig(kind="smfree"), group=coll.new_group(), device=str(dev)),
@@ -255,24 +260,7 @@ def _slowdown_worker(rank: int, world: int, cuda: bool, sz: dict) -> dict:
         n = torch.tensor([math.ceil(1.3 * alone / t_op[k]) + 1], dtype=torch.int64)
         coll.all_reduce(n, kind=coll.CONTROL, op=torch.distributed.ReduceOp.MAX)
         n_ops[k] = int(n)
-    res: dict[str, dict[str, Any]] = {
-        k: {"matmul_s": [], "comm_s": [], "ops": n_ops.get(k, 0)} for k in ("none", *transports)
-    }
-    for _ in range(sz["rounds"]):
-        for k in res:
-            coll.barrier()
-            box: dict[str, float] = {}
-            th = None
-            if k != "none":
-                th = threading.Thread(
-                    target=lambda box=box, t=transports[k], n=n_ops[k]: box.update(s=ops(t, n)), daemon=True
-                )
-                th.start()
-                time.sleep(0.01)
-            res[k]["matmul_s"].append(_matmul(a, b, n_mm, cuda))
-            if th is not None:
-                th.join(timeout=120)
-                res[k]["comm_s"].append(box.get("s", float("nan")))
+    res = _rounds(transports, ops, n_ops, lambda: _matmul(a, b, n_mm, cuda), sz["rounds"])
     kernels = reduce_kernels = None
     if cuda:  # what runs on the SMs during an smfree all-to-all and all-reduce: memcpys only
         t = transports["smfree_copy_engines"]
@@ -290,6 +278,32 @@ def _slowdown_worker(rank: int, world: int, cuda: bool, sz: dict) -> dict:
         "smfree_kernels": kernels,
         "smfree_allreduce_kernels": reduce_kernels,
     }
+
+
+def _rounds(transports: dict, ops, n_ops: dict, matmul, rounds: int) -> dict[str, dict[str, Any]]:
+    """`rounds` of the matmul loop alone and beside each transport's `ops(t, n)` (a thread),
+    alternating in each round: seconds of each."""
+    from ftcore import collectives as coll
+
+    res: dict[str, dict[str, Any]] = {
+        k: {"matmul_s": [], "comm_s": [], "ops": n_ops.get(k, 0)} for k in ("none", *transports)
+    }
+    for _ in range(rounds):
+        for k in res:
+            coll.barrier()
+            box: dict[str, float] = {}
+            th = None
+            if k != "none":
+                th = threading.Thread(
+                    target=lambda box=box, t=transports[k], n=n_ops[k]: box.update(s=ops(t, n)), daemon=True
+                )
+                th.start()
+                time.sleep(0.01)
+            res[k]["matmul_s"].append(matmul())
+            if th is not None:
+                th.join(timeout=120)
+                res[k]["comm_s"].append(box.get("s", float("nan")))
+    return res
 
 
 def _kernels(op) -> list[str]:
@@ -450,66 +464,53 @@ def _table(rows: list[list], head: list[str]) -> str:
 
 
 def _print(res: dict) -> None:
-    ft = res.get("ft")
-    if isinstance(ft, dict):
-        print("\n## 1. ft: 2 groups x 1 rank, kill -9 group 1, heal")
-        print(
-            _table(
-                [
-                    [
-                        ft.get("steps"),
-                        ft.get("kill_at_step"),
-                        ft.get("restarts"),
-                        ft.get("healed"),
-                        ft.get("identical"),
-                        ",".join(ft.get("devices", [])) or "-",
-                        ft.get("seconds"),
-                    ]
-                ],
-                ["steps", "kill at", "restarts", "healed", "identical", "devices", "s"],
-            )
-        )
-    sd = res.get("slowdown")
-    if isinstance(sd, dict):
-        print(
-            f"\n## 3. slowdown of a {sd['matmul']} loop beside {sd['mbytes_per_op']} MB all-to-alls "
-            f"({sd['world']} rank(s)); smfree kernels: {sd['smfree_kernels']}"
-        )
-        print(
-            _table(
-                [
-                    [
-                        k,
-                        f"{v['matmul_s']:.3f}",
-                        f"{v['slowdown']:.3f}",
-                        v.get("ops", "-"),
-                        f"{v['gbytes_per_s_overlapped']:.2f}" if "comm_s" in v else "-",
-                        f"{v['gbytes_per_s_alone']:.2f}" if "comm_s" in v else "-",
-                    ]
-                    for k, v in sd["rows"].items()
-                ],
-                ["side traffic", "matmul s", "slowdown", "ops", "GB/s overlapped", "GB/s alone"],
-            )
-        )
-    tp = res.get("throughput")
-    if isinstance(tp, dict):
-        print(f"\n## 4. non-padding tokens/s, {tp['steps']} steps, batch {tp['batch']}")
-        print(
-            _table(
-                [
-                    [
-                        r["max_len"],
-                        r["attention"],
-                        r["shards"],
-                        f"{r['tokens_per_s']:,.0f}",
-                        f"{r['padding_fraction']:.3f}",
-                        f"{r['step_ms']:.1f}",
-                    ]
-                    for r in tp["rows"]
-                ],
-                ["max_len", "attention", "shards", "tokens/s", "padding", "ms/step"],
-            )
-        )
+    """A table per part that ran (the claims follow in main)."""
+    for name, show in (("ft", _print_ft), ("slowdown", _print_slowdown), ("throughput", _print_throughput)):
+        if isinstance(res.get(name), dict):
+            show(res[name])
+
+
+def _print_ft(ft: dict) -> None:
+    print("\n## 1. ft: 2 groups x 1 rank, kill -9 group 1, heal")
+    devices = ",".join(ft.get("devices", [])) or "-"
+    keys = ("steps", "kill_at_step", "restarts", "healed", "identical")
+    head = ["steps", "kill at", "restarts", "healed", "identical", "devices", "s"]
+    print(_table([[*(ft.get(k) for k in keys), devices, ft.get("seconds")]], head))
+
+
+def _print_slowdown(sd: dict) -> None:
+    print(
+        f"\n## 3. slowdown of a {sd['matmul']} loop beside {sd['mbytes_per_op']} MB all-to-alls "
+        f"({sd['world']} rank(s)); smfree kernels: {sd['smfree_kernels']}"
+    )
+    rows = [
+        [
+            k,
+            f"{v['matmul_s']:.3f}",
+            f"{v['slowdown']:.3f}",
+            v.get("ops", "-"),
+            f"{v['gbytes_per_s_overlapped']:.2f}" if "comm_s" in v else "-",
+            f"{v['gbytes_per_s_alone']:.2f}" if "comm_s" in v else "-",
+        ]
+        for k, v in sd["rows"].items()
+    ]
+    print(_table(rows, ["side traffic", "matmul s", "slowdown", "ops", "GB/s overlapped", "GB/s alone"]))
+
+
+def _print_throughput(tp: dict) -> None:
+    print(f"\n## 4. non-padding tokens/s, {tp['steps']} steps, batch {tp['batch']}")
+    rows = [
+        [
+            r["max_len"],
+            r["attention"],
+            r["shards"],
+            f"{r['tokens_per_s']:,.0f}",
+            f"{r['padding_fraction']:.3f}",
+            f"{r['step_ms']:.1f}",
+        ]
+        for r in tp["rows"]
+    ]
+    print(_table(rows, ["max_len", "attention", "shards", "tokens/s", "padding", "ms/step"]))
 
 
 PARTS = {"ft": 0.30, "table": 0.25, "slowdown": 0.17, "throughput": 0.28}  # shares of the budget
@@ -520,7 +521,8 @@ def _parts(names: list[str], work: Path, sz: dict, gpus: int, budget: float) -> 
     ("error: ...") and the others still run."""
     from benchmarks.gpu_check_claims import part_table
 
-    t0, res = time.monotonic(), {}
+    t0 = time.monotonic()
+    res: dict[str, Any] = {}
     for name in names:
         left = budget - (time.monotonic() - t0)
         box = left * PARTS[name] / sum(PARTS[n] for n in names[names.index(name) :])

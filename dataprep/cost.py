@@ -75,7 +75,8 @@ def load_cost_model(spec: "str | os.PathLike | dict | CostModel | None") -> Cost
             b=spec["b"],
             c0=spec["c0"],
             source=str(spec.get("source", "file")),
-            fit=dict(spec.get("fit", {})),
+            # a manifest's cost_model names the device timed beside a, b, c0 (build.prepare)
+            fit=dict(spec.get("fit", {})) | ({"device": spec["device"]} if "device" in spec else {}),
         ),
         where,
     )

@@ -241,6 +241,26 @@ def _settings(params: dict | None, buckets: int | None, memory_budget: str | Non
     }
 
 
+def _announce(s: dict[str, Any], outlets: list[Asset], outlet_events: Any) -> None:
+    """seal's log line, and the shard set (path, fingerprint, size) on its outlets' events."""
+    print(
+        f"shard set {s['path']}: {s['steps']} steps, {s['num_samples']} samples, "
+        f"bubble {s['bubble_fraction'] or 0.0:.4f}{' (reused)' if s['reused'] else ''}"
+    )
+    for a in outlets:
+        outlet_events[a].extra = {k: s[k] for k in ("path", "fingerprint", "steps", "num_samples")}
+
+
+def _calibrate_task(calibrate: PoolCalibration, spec_fn: Callable[..., pipeline_ops.ShardSpec], data: XComArg) -> Any:
+    """build_shards.calibrate: the pool's pod (mapped over one kwargs dict, from the run's params)."""
+
+    @task(task_id="calibrate_args")
+    def calibrate_args(data: Any, params=None) -> list[dict]:
+        return [calibrate.kwargs(spec_fn(data, params=params))]
+
+    return calibrate.operator(task_id="calibrate").expand_kwargs(calibrate_args(data))
+
+
 def fanout(
     data: XComArg,
     spec_fn: Callable[..., pipeline_ops.ShardSpec],
@@ -280,12 +300,7 @@ def fanout(
         @task(task_id="seal", outlets=outlets or [])
         def seal_task(files: list[dict], data: Any, params=None, outlet_events=None) -> dict:
             s = seal(_stage(files[0]["arguments"][0]), spec_fn(data, params=params).out)
-            print(
-                f"shard set {s['path']}: {s['steps']} steps, {s['num_samples']} samples, "
-                f"bubble {s['bubble_fraction'] or 0.0:.4f}{' (reused)' if s['reused'] else ''}"
-            )
-            for a in outlets or []:
-                outlet_events[a].extra = {k: s[k] for k in ("path", "fingerprint", "steps", "num_samples")}
+            _announce(s, outlets or [], outlet_events)
             return s
 
         def mapped(task_id: str, over: Any) -> Any:
@@ -294,12 +309,7 @@ def fanout(
 
         files: Any = prepare_task(data)
         if calibrate is not None:
-
-            @task(task_id="calibrate_args")
-            def calibrate_args(data: Any, params=None) -> list[dict]:
-                return [calibrate.kwargs(spec_fn(data, params=params))]
-
-            calibrate.operator(task_id="calibrate").expand_kwargs(calibrate_args(data)) >> files
+            _calibrate_task(calibrate, spec_fn, data) >> files
         scanned = mapped("read", files)
         buckets_ = ids(files)
         parts = mapped("partition", files)
