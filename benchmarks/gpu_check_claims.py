@@ -67,7 +67,11 @@ def _eval_both(result: dict, shards: str, device: torch.device) -> dict:
     model.load_state_dict(checkpoint.load(path)["model"])
     model = model.to(device)
     data = EvalData(s.eval_path, s.num_items, cfg.model.max_len, cfg.eval)
-    out = {}
+    from training.ranking import make_ranker
+
+    out: dict[str, Any] = {
+        "ranker": type(make_ranker(model, s.num_items, cfg.eval.item_chunk, "bf16", device)).__name__
+    }
     for precision in ("fp32", "bf16"):
         t = time.monotonic()
         m = evaluate(model, data, dataclasses.replace(cfg.eval, precision=precision), splits=("test",))
@@ -106,6 +110,8 @@ def part_table(work: Path, sz: dict, gpus: int, budget: float) -> dict:
     dev = torch.device("cuda", 0) if gpus else torch.device("cpu")
     res["eval"] = _eval_both(json.loads(result.read_text()), str(shards), dev)
     res["eval_equal"] = res["eval"]["fp32"]["metrics"] == res["eval"]["bf16"]["metrics"]
+    if res["eval"]["ranker"] != "BoundedRanker":  # eval.precision=bf16 must rank with bf16 products
+        res["fails"].append(f"eval.precision=bf16 ranked with {res['eval']['ranker']}")
     if gpus and not res["devices"]:
         res["fails"].append("no rank reported a CUDA device")
     if ranks > 1 and not res["sharded"]:
@@ -159,8 +165,8 @@ def table_claims(res: dict, gpus: int) -> list[Claim]:
         out.append(_judge(sharded, ran and dv["sharded"], f"2 ranks on {where}, sharded {dv['sharded']}", gpus))
     if ran:
         ev = dv["eval"]
-        fig = f"equal {dv['eval_equal']}; {ev['fp32']['s']:.2f} s fp32, {ev['bf16']['s']:.2f} s bf16"
-        out.append(_judge(bf16, dv["eval_equal"], fig, gpus))
+        fig = f"equal {dv['eval_equal']} ({ev['ranker']}); {ev['fp32']['s']:.2f} s fp32, {ev['bf16']['s']:.2f} s bf16"
+        out.append(_judge(bf16, dv["eval_equal"] and ev["ranker"] == "BoundedRanker", fig, gpus))
     else:
         out.append(Claim(bf16, "FAIL", "-", "the training run failed"))
     return out
