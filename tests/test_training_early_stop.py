@@ -12,7 +12,7 @@ from conftest import run_launch, synthetic_shards
 
 from training import checkpoint
 from training.config import ConfigError, load_config
-from training.selection import Record, judge, selection_metric
+from training.selection import Record, judge, make_selection, selection_metric
 from training.train import train
 
 
@@ -44,6 +44,11 @@ def test_settings(tmp_path):
         load_config(None, [*base, "eval.patience=-1"])
     with pytest.raises(ConfigError, match="eval.patience=2 needs eval.periodic=true"):
         load_config(None, [*base, "eval.patience=2", "eval.periodic=false"])
+    # a metric validation does not report is refused before training, on every rank alike
+    with pytest.raises(ConfigError, match=r"'valid/full/ndcg@10' \(eval.patience's default\) is not a validation"):
+        make_selection(load_config(None, [*base, "eval.patience=2", "eval.ks=[5]"]).eval)
+    with pytest.raises(ConfigError, match="choose one of .*valid/full/ndcg@5"):
+        make_selection(load_config(None, [*base, "eval.best_metric=valid/full/ndgc@5", "eval.ks=[5]"]).eval)
 
 
 @pytest.fixture(scope="module")

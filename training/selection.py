@@ -10,6 +10,7 @@ on the same step. Rank 0 also keeps the best model's weights (they travel with i
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from training import checkpoint
@@ -130,5 +131,17 @@ DEFAULT_METRIC = "valid/full/ndcg@10"
 
 
 def make_selection(cfg: EvalConfig) -> Selection | None:
+    """The run's Selection, None when it keeps the last model. ConfigError before training when
+    the metric is not one validation reports (every rank builds it, so every rank stops alike)."""
+    from training.evaluate import ranking_metrics
+
     metric = selection_metric(cfg)
-    return Selection(metric, cfg.patience) if metric else None
+    if not metric:
+        return None
+    names = [f"valid/{p}/{m}" for p in ("full", "sampled") for m in ranking_metrics(np.zeros(1), tuple(cfg.ks))]
+    if metric not in names:
+        default = "" if cfg.best_metric else " (eval.patience's default)"
+        raise ConfigError(
+            f"eval.best_metric={metric!r}{default} is not a validation metric; choose one of {', '.join(sorted(names))}"
+        )
+    return Selection(metric, cfg.patience)
