@@ -146,3 +146,27 @@ def test_two_replica_groups_stop_on_the_same_step_after_a_heal(plateau, tmp_path
     # the one restart is the kill's: a healed group without its peers' verdicts trains on
     # where they stop, the schedule disagrees with FTAR and the groups fail
     assert tl["restarts"]["1"] == 1 and tl["restarts"].get("0", 0) == 0, tl["restarts"]
+
+
+def test_periodic_validation_on_a_sample_of_users(plateau, tmp_path):
+    """eval.valid_users: validations (and what they select and stop on) score a fixed sample of
+    users; the end scores all of them."""
+    from training.config import EvalConfig
+    from training.evaluate import EvalData, evaluate
+    from training.model import SeqRec
+
+    path = str(plateau / "eval.parquet")
+    a, b = (EvalData(path, 90, 20, EvalConfig(), sample=60) for _ in range(2))
+    assert len(a.splits["valid"].targets) == 60 and torch.equal(a.splits["valid"].targets, b.splits["valid"].targets)
+    out, e = tmp_path / "run", _epoch(plateau)
+    settings = [*SETTINGS, "train.epochs=12", "mlflow.enabled=false", "eval.valid_users=60"]
+    res = train(load_config(None, [f"data.shards={plateau}", f"train.out={out}", *settings]))
+    assert res["early_stop"]["step"] == res["steps"] < 12 * e
+    sel = checkpoint.load(res["best"]["last_checkpoint"])["selection"]
+    cfg = load_config(None, [f"data.shards={plateau}", "model.dim=16", "model.max_len=20"])
+    model = SeqRec(90, cfg.model)
+    model.load_state_dict(checkpoint.load(res["checkpoint"])["model"])
+    # the record is the sample's figure for the chosen model; the result, all users'
+    assert sel["value"] == evaluate(model, a, cfg.eval, splits=("valid",))["valid/full/ndcg@10"]
+    full = evaluate(model, EvalData(path, 90, 20, cfg.eval), cfg.eval, splits=("valid",))["valid/full/ndcg@10"]
+    assert res["best"]["value"] == full != sel["value"]

@@ -100,16 +100,27 @@ class TimeBudget:
 
 
 class LazyEval:
-    """The evaluation users, loaded on first use (rank 0 only evaluates)."""
+    """The evaluation users, loaded on first use (rank 0 only evaluates): all of them, and the
+    periodic validation's (eval.valid_users: a fixed sample; 0: the same data)."""
 
     def __init__(self, shards: ShardSet, cfg: Config):
         self.shards, self.cfg = shards, cfg
         self.data: EvalData | None = None
+        self.sample: EvalData | None = None
 
     def get(self) -> EvalData:
         if self.data is None:
             self.data = EvalData(self.shards.eval_path, self.shards.num_items, self.cfg.model.max_len, self.cfg.eval)
         return self.data
+
+    def periodic(self) -> EvalData:
+        n = self.cfg.eval.valid_users
+        if not n:
+            return self.get()
+        if self.sample is None:
+            path, items, max_len = self.shards.eval_path, self.shards.num_items, self.cfg.model.max_len
+            self.sample = EvalData(path, items, max_len, self.cfg.eval, sample=n)
+        return self.sample
 
 
 class Validator:
@@ -140,7 +151,7 @@ class Validator:
         scores = {}
         if full is not None and self.topo.is_main:
             t = time.perf_counter()
-            scores = evaluate(full, self.eval_data.get(), self.cfg, splits=("valid",))
+            scores = evaluate(full, self.eval_data.periodic(), self.cfg, splits=("valid",))
             self.seconds += time.perf_counter() - t
             log(self.topo, f"step {step} valid " + brief(scores, "valid"))
             if self.selection is not None:

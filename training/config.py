@@ -185,6 +185,11 @@ class EvalConfig:
     patience: int = 0
     """early stopping: end the run after this many validations (train.eval_every) in a row
     without a better eval.best_metric, and keep the best model; 0: never stop early"""
+    # a full ranking costs items x dim per user: with a large catalogue, validating every user
+    # at every train.eval_every can cost more than the training between (docs/training.md)
+    valid_users: int = 0
+    """periodic validation, and the model selection and early stopping it feeds, score a fixed
+    seeded sample of this many users; 0: all of them (the end always scores all)"""
 
 
 @dataclass
@@ -394,6 +399,7 @@ def validate(cfg: Config) -> Config:
             "valid/full/hr@10, ...) and eval.periodic=true, eval.final=true",
         ),
         (cfg.eval.patience >= 0, "eval.patience must be >= 0 (0: no early stopping)"),
+        (cfg.eval.valid_users >= 0, "eval.valid_users must be >= 0 (0: every user)"),
         (
             cfg.eval.split in ("", "leave_one_out", "temporal"),
             "eval.split must be 'leave_one_out', 'temporal' or '' (the shard set's)",

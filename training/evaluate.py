@@ -43,8 +43,11 @@ class Split:
 class EvalData:
     """The evaluation users of a shard set, with inputs and fixed sampled negatives."""
 
-    def __init__(self, eval_path: str, num_items: int, max_len: int, cfg: EvalConfig):
+    def __init__(self, eval_path: str, num_items: int, max_len: int, cfg: EvalConfig, sample: int = 0):
+        """`sample` > 0: a fixed sample of that many users (seeded by eval.seed), in table order."""
         t = pq.read_table(eval_path)
+        if 0 < sample < len(t):
+            t = t.take(np.sort(np.random.default_rng(cfg.seed + 1).choice(len(t), sample, replace=False)))
         hist = t.column("history").combine_chunks()
         self.num_users, self.num_items = len(t), num_items
         lengths = hist.value_lengths().to_numpy().astype(np.int64)

@@ -440,7 +440,11 @@ class Trainer:
         scores = evaluate(model, self.eval_data.get(), self.cfg.eval, splits=("valid", "test"))
         log(self.topo, "valid " + brief(scores, "valid") + " | test " + brief(scores, "test"))
         best = self.state.selection
-        if best is None or best.weights is None or not best.beats(scores):
+        if best is None or best.weights is None:
+            return scores, final, None
+        cfg = self.cfg.eval  # the last model is judged on the users the best was (eval.valid_users)
+        last = evaluate(model, self.eval_data.periodic(), cfg, splits=("valid",)) if cfg.valid_users else scores
+        if not best.beats(last):
             return scores, final, None
         # an earlier validation peaked higher: that model is the run's (training is over)
         model.load_state_dict(best.weights)
