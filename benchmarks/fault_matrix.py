@@ -100,6 +100,7 @@ def _healing(case: str, kind: str, step: int, inc: int, s: float) -> Cell:
     return Cell(case, faults, frozenset({2}), frozenset({0, 1}), s, s + 6)
 
 
+NONE: frozenset[int] = frozenset()
 G3, G01 = frozenset({0, 1, 2}), frozenset({0, 1})
 JOBS = {
     # slow cells first (in-process: they cannot wait for the job to be steady), a short probation
@@ -143,42 +144,41 @@ JOBS = {
         ),
         env={"FTCORE_SLOW_PROBATION": "5"},
     ),
+    # a lease trains on through a pause: hundreds of steps a cell, so many steps, and small
+    # at_step bounds (the cells wait for a steady job, in order)
     "lighthouse": Job(
         "lighthouse",
         3,
-        900,
+        3000,
         (
-            Cell(
-                "lighthouse pause 5 s, all in quorum", (_lighthouse("pause_lighthouse", 40, 5),), frozenset(), G3, 5, 10
-            ),
-            Cell(
-                "lighthouse crash, all in quorum", (_lighthouse("kill_lighthouse", 140, 1.5),), frozenset(), G3, 1.5, 8
-            ),
-            _healing("lighthouse pause 5 s, one healing", "pause_lighthouse", 240, 0, 5),
-            _healing("lighthouse pause 20 s, one healing", "pause_lighthouse", 340, 1, 20),
-            _healing("lighthouse crash, one healing", "kill_lighthouse", 440, 2, 1.5),
-            Cell("slow 1/3", (_slow(2, 540, 700, 3),), frozenset({2}), frozenset({0, 1}), 0, 12),
+            Cell("lighthouse pause 5 s, all in quorum", (_lighthouse("pause_lighthouse", 40, 5),), NONE, G3, 5, 10),
+            Cell("lighthouse crash, all in quorum", (_lighthouse("kill_lighthouse", 50, 1.5),), NONE, G3, 1.5, 8),
+            _healing("lighthouse pause 5 s, one healing", "pause_lighthouse", 60, 0, 5),
+            _healing("lighthouse pause 20 s, one healing", "pause_lighthouse", 70, 1, 20),
+            _healing("lighthouse crash, one healing", "kill_lighthouse", 80, 2, 1.5),
+            # group 2's fourth incarnation is slow from its first step: excluded, on standby
+            Cell("slow 1/3", (_slow(2, 0, 2000, 3),), frozenset({2}), G01, 0, 12),
             Cell(
                 "lighthouse pause 5 s, one on standby",
-                (_lighthouse("pause_lighthouse", 560, 5, "standby"),),
+                (_lighthouse("pause_lighthouse", 90, 5, "standby"),),
                 frozenset({2}),
-                frozenset({0, 1}),
+                G01,
                 5,
                 10,
             ),
             Cell(
                 "lighthouse pause 20 s, one on standby",
-                (_lighthouse("pause_lighthouse", 660, 20, "standby"),),
+                (_lighthouse("pause_lighthouse", 100, 20, "standby"),),
                 frozenset({2}),
-                frozenset({0, 1}),
+                G01,
                 20,
                 25,
             ),
             Cell(
                 "lighthouse crash, one on standby",
-                (_lighthouse("kill_lighthouse", 760, 1.5, "standby"),),
+                (_lighthouse("kill_lighthouse", 110, 1.5, "standby"),),
                 frozenset({2}),
-                frozenset({0, 1}),
+                G01,
                 1.5,
                 8,
             ),
@@ -230,8 +230,9 @@ def verdict(cell: Cell, start: float, end: float, seen: Seen) -> dict:
     quorums = set()  # the quorums a survivor committed in
     for g in cell.survivors:
         mine = [t for t, _ in seen.commits.get(g, [])]
-        before = [t for t in mine if t <= start][-1:]  # its last commit before the fault
-        ts = before + [t for t in mine if start < t <= end]
+        before = [t for t in mine if t <= start][-1:]  # its last commit before the fault ...
+        after = [end] if any(t > end for t in mine) else []  # ... and a wait that runs past the window
+        ts = before + [t for t in mine if start < t <= end] + after
         gap = max([gap, *(b - a for a, b in itertools.pairwise(ts))])
         quorums |= {q for _, q in seen.commits.get(g, [])}
     during = [e for e in seen.events if start <= e["t"] <= end]
@@ -291,7 +292,8 @@ def _starts(job: Job, tl: dict) -> list[float]:
     for c in job.cells:
         f = c.faults[c.marker]
         if f["kind"] == "slow":
-            t = min(s["t"] for s in tl["steps"] if s["group"] == f["group"] and s["step"] >= f["at_step"])
+            mine = [s for s in tl["steps"] if s["group"] == f["group"] and s["incarnation"] == f["incarnation"]]
+            t = min(s["t"] for s in mine if s["step"] >= f["at_step"] and s["t"] > after)
         else:
             lh = f["kind"] in LIGHTHOUSE_KINDS
             match = [
@@ -313,6 +315,7 @@ def run_launched(job: Job, work: Path) -> list[dict]:
     for s in tl["steps"]:
         if s["committed"]:
             commits.setdefault(s["group"], []).append((s["t"], s["quorum_id"]))
+    commits = {g: sorted(c) for g, c in commits.items()}  # the timeline lists each incarnation's in turn
     states = {(out / f"replica_{g}" / "state.safetensors").read_bytes() for g in range(job.groups)}
     seen = Seen(commits, tl["lighthouse_events"], _starts(job, tl), len(states) == 1, check_ledger(out, job))
     return rows(job, seen)

@@ -3,12 +3,18 @@ exchange (Quorum.exchange), built on the rendezvous store that rank k of the exc
 group hosts, under a fresh prefix per quorum (the default process group cannot shrink or grow)."""
 
 import datetime
+import time
+from collections.abc import Callable
 
 import torch.distributed as dist
 
 from ftcore import collectives as coll
 from ftcore import netaddr, timeouts
 from ftcore.messages import Quorum
+
+
+class RendezvousAborted(RuntimeError):
+    """A member of the quorum failed (or a newer quorum formed) before everyone met."""
 
 
 class CrossGroup:
@@ -26,9 +32,10 @@ class CrossGroup:
         self.pg: dist.ProcessGroup | None = None
         self.key: tuple[str, int, bool] | None = None  # the Quorum.key `pg` was built for
 
-    def build(self, q: Quorum, group: int, rank: int) -> None:
+    def build(self, q: Quorum, group: int, rank: int, abort: Callable[[], bool] = lambda: False) -> None:
         """The process group of quorum `q`'s exchange for this rank (rank k of group `group`):
-        none when the exchange is this group alone or the group is aside (Quorum.aside)."""
+        none when the exchange is this group alone or the group is aside (Quorum.aside). The
+        members meet first (`_meet`): RendezvousAborted as soon as `abort()` says one failed."""
         self.drop()
         members = q.exchange()
         if len(members) > 1 and group in members:
@@ -39,6 +46,7 @@ class CrossGroup:
                 self._joined[q.store] = store
             settled = "/settled" if q.settled else ""
             prefix = dist.PrefixStore(f"ftcore/{q.lighthouse_id}/{q.quorum_id}{settled}/{rank}", store)
+            _meet(prefix, members.index(group), len(members), abort)
             self.pg = new_pg(self.backend, prefix, members.index(group), len(members), _timeout(), self.host)
         self.key = q.key
 
@@ -47,6 +55,21 @@ class CrossGroup:
         pg, self.pg, self.key = self.pg, None, None
         if pg is not None:
             _retire(pg)
+
+
+def _meet(store: dist.Store, index: int, size: int, abort: Callable[[], bool]) -> None:
+    """Every member's presence key, polled: a member that died after the quorum formed would
+    otherwise hold the others in the process group's own rendezvous for COLLECTIVE_TIMEOUT,
+    while the lighthouse already says it failed (`abort`)."""
+    store.set(f"present/{index}", "1")
+    keys = [f"present/{i}" for i in range(size)]
+    deadline = time.monotonic() + timeouts.COLLECTIVE_TIMEOUT
+    while not store.check(keys):
+        if abort():
+            raise RendezvousAborted("a member of the quorum failed before the exchange's group was built")
+        if time.monotonic() > deadline:
+            raise RendezvousAborted(f"the quorum's members did not all meet within {timeouts.COLLECTIVE_TIMEOUT} s")
+        time.sleep(0.005)
 
 
 def _timeout() -> datetime.timedelta:

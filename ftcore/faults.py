@@ -157,7 +157,7 @@ class Injector:
                 os.kill(os.getpid(), signal.SIGKILL)
             if f.kind == "slow":  # e.g. a heal source that serves slowly: a heal that lasts
                 time.sleep(f.delay_s)
-                continue
+                return  # one fault a call: the next due one slows the next
             raise InjectedFault(f"injected fault: raise in {phase} at step {step}")
 
     def slow(self, step: int) -> None:

@@ -11,6 +11,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import replace
@@ -119,7 +120,9 @@ class LighthouseLink(Protocol):
 
     def update(self, **changes: Any) -> None: ...
     def start_heartbeats(self) -> None: ...
-    def quorum(self, timeout: float = ..., request: QuorumRequest | None = None) -> Quorum: ...
+    def quorum(
+        self, timeout: float = ..., request: QuorumRequest | None = None, leased: Callable[[], bool] = ...
+    ) -> Quorum: ...
     def silent_for(self) -> float: ...
     def report_failure(self, quorum_id: int, error: str, stalled: bool = False) -> None: ...
     def event(self, kind: str, **data: Any) -> None: ...
@@ -255,11 +258,18 @@ class LighthouseClient:
         self._held.clear()
 
     # ---- requests -------------------------------------------------------------------
-    def quorum(self, timeout: float = timeouts.QUORUM_TIMEOUT, request: QuorumRequest | None = None) -> Quorum:
+    def quorum(
+        self,
+        timeout: float = timeouts.QUORUM_TIMEOUT,
+        request: QuorumRequest | None = None,
+        leased: Callable[[], bool] = lambda: False,
+    ) -> Quorum:
         """Block until the lighthouse answers this round; retries while it is unreachable.
         `request`: what this rank reports for the round (its step...), fixed when the round
-        began; by default one made of the current `info` alone."""
-        status, body = self.exchange(request if request is not None else QuorumRequest(self.info), timeout)
+        began; by default one made of the current `info` alone. `leased`: whether the round has
+        gone on without the lighthouse by now (a retry says so: the answer will be ignored)."""
+        ask = request if request is not None else QuorumRequest(self.info)
+        status, body = self.exchange(ask, timeout, leased)
         if status == 200:
             return self._answer(body)
         if status in (409, 410):
@@ -272,12 +282,20 @@ class LighthouseClient:
             raise GroupLost(f"lighthouse {self.addr}: {refused.error}")
         raise LighthouseError(f"lighthouse {self.addr} refused the quorum request ({status}: {body})")
 
-    def exchange(self, request: QuorumRequest, timeout: float = timeouts.QUORUM_TIMEOUT) -> tuple[int, Any]:
+    def exchange(
+        self,
+        request: QuorumRequest,
+        timeout: float = timeouts.QUORUM_TIMEOUT,
+        leased: Callable[[], bool] = lambda: False,
+    ) -> tuple[int, Any]:
         """A quorum request's final answer as (status, body): 200, a refusal to act on (409,
-        410) or a refused request (400, 401, 403); retried until then, within `timeout`."""
+        410) or a refused request (400, 401, 403); retried until then, within `timeout`, each
+        try saying whether its round went on without the lighthouse meanwhile (`leased`)."""
         deadline = time.monotonic() + timeout
         last = "no attempt"
         while True:
+            if not request.leased and leased():
+                request = replace(request, leased=True)
             left = deadline - time.monotonic()
             if left <= 0:
                 raise LighthouseError(f"no quorum from lighthouse {self.addr} within {timeout:.1f}s ({last})")

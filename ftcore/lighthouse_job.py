@@ -176,7 +176,8 @@ class Job:
         """O(ranks): run every SWEEP_S, and at once after a disconnect or a failure report."""
         self.lh.notice_pause(now)
         self.health.last_sweep = now
-        self._notice_isolation(now)
+        if not self.lh.in_grace(now):  # after its own pause, this lighthouse knows why it heard nobody
+            self._notice_isolation(now)
         probes = self.health.reports.get(self.quorum.quorum_id, []) if self.quorum else []
         # a probe that ends having heard most groups not at all, its accusers among them, says more
         # about this lighthouse than about them: it is dropped (its verdict would otherwise fall on
@@ -267,18 +268,17 @@ class Job:
         self._restart_round()
 
     def _drop_overtaken(self, now: float) -> None:
-        """A leased request (its step went on without this lighthouse) is for a round its group
-        finishes alone: once a peer asks for a later step it leaves the round (forming it would
-        heal the group "up" to a step it reaches anyway), and the group asks again where it is.
-        Just after this lighthouse heard nobody (a pause, a partition), a behind member of the
-        unchanged quorum is taken as such a request too: sent before its group went on under the
-        lease, it arrives late (TCP backoff); one that really fell behind heals after the grace."""
+        """Just after this lighthouse heard nobody (a pause, a partition), a behind member of the
+        unchanged quorum is taken as a leased request (enqueue): sent before its group went on
+        under the lease, it arrives late (TCP backoff), and once a peer asks for a later step it
+        leaves the round (forming it would heal the group "up" to a step it reaches anyway); one
+        that really fell behind heals after the grace."""
         if len(self.round.pending) < 2:
             return
         top = max(r.step for rs in self.round.pending.values() for r in rs.values())
         members = set(self.quorum.identity) if self.quorum is not None and not self._silence_counts(now) else set()
         for g, rs in list(self.round.pending.items()):
-            late = all(r.step < top and (r.leased or (g, r.incarnation) in members) for r in rs.values())
+            late = all(r.step < top and (g, r.incarnation) in members for r in rs.values())
             if late:
                 for req in self._pop(g).values():
                     req.deliver(OvertakenReply(top))
@@ -527,6 +527,9 @@ class Job:
             standby = self._standby(grp, now)
             if standby is not None:
                 deliver(standby)
+                return req
+            if ask.leased:  # its step went on without this lighthouse: a round of it would be a phantom
+                deliver(OvertakenReply(ask.info.step))  # its sender asks again where it is now
                 return req
             again = self._answered_again(grp.ranks[req.rank], ask)
             if again is not None:

@@ -95,7 +95,6 @@ class Request:
     deadline: float = math.inf  # monotonic: past it the request is answered with a timeout
     busy: Busy | None = None  # its last step's compute (ftcore/pace.py)
     idle: int = -1  # the quorum id of its last step if nobody had work in it (only absent groups' is left)
-    leased: bool = False  # sent after its step had gone on without this lighthouse: its sender ignores the reply
 
     @classmethod
     def of(cls, ask: QuorumRequest, incarnation: int, now: float, deliver: Deliver, timeout: float) -> Request:
@@ -114,7 +113,6 @@ class Request:
             now + timeout,
             ask.busy,
             ask.idle,
-            ask.leased,
         )
 
 

@@ -203,7 +203,7 @@ class Manager:
         with self._round_lock:  # a request that leaves after its step leased says so (lighthouse _drop_overtaken)
             ask = replace(r.ask, leased=r.leased, again=self._ignored_step == r.ask.info.step)
         try:
-            q = self.client.quorum(request=ask)
+            q = self.client.quorum(request=ask, leased=lambda: r.leased)
         except Overtaken:
             return None  # only a leased round is overtaken, and a leased round ignores its answer
         with self._round_lock:
@@ -230,7 +230,7 @@ class Manager:
         if g in q.heal:  # rank k heals from rank k of the source
             r.heal_fut = self._heal_pool.submit(self._fetch_heal, q.heal_from, q.max_step, q.heal[g])
         if q.key != self._xg.key:
-            self._xg.build(q, g, self.cfg.rank)
+            self._xg.build(q, g, self.cfg.rank, abort=lambda: self._overtaken(q))
         if g in q.heal.values() and self.step == q.max_step:
             # We are a heal source: snapshot before this step's optimizer update.
             self.heal_server.offer(self.step, self._state_dict())
@@ -250,11 +250,12 @@ class Manager:
         self.injector.phase("heal_serve", step)
 
     def _is_stale(self) -> bool:
-        q = self._quorum
-        return q is not None and (
-            # a member aside that fails (a dying heal source) is no peer of this exchange
-            any(g in q.exchange() for g in self.client.failed_groups) or self.client.latest_quorum_id > q.quorum_id
-        )
+        return self._quorum is not None and self._overtaken(self._quorum)
+
+    def _overtaken(self, q: Quorum) -> bool:
+        """A member of q's exchange failed, or a newer quorum formed (the lighthouse's word)."""
+        # a member aside that fails (a dying heal source) is no peer of this exchange
+        return any(g in q.exchange() for g in self.client.failed_groups) or self.client.latest_quorum_id > q.quorum_id
 
     def _fail(self, msg: str, report: bool = False) -> None:
         self._r.errors.append(msg)
@@ -335,9 +336,9 @@ class Manager:
         q = self._quorum
         if q is None or not q.heal:
             return q
-        self._quorum = q.settle()
+        settled = self._quorum = q.settle()
         try:
-            self._xg.build(self._quorum, self.cfg.group, self.cfg.rank)
+            self._xg.build(settled, self.cfg.group, self.cfg.rank, abort=lambda: self._overtaken(settled))
         except Exception as e:  # store or process-group errors: the step fails, the lease is over
             self._quorum = None
             self._fail(f"lease: the settled quorum's group: {type(e).__name__}: {e}")

@@ -1,6 +1,7 @@
 """The launcher's watch: external faults fired on time, a dead lighthouse restarted, hung groups
 replaced (unhealthy on the lighthouse for --replace-after seconds while their processes live)."""
 
+import itertools
 import signal
 import threading
 import time
@@ -26,6 +27,9 @@ def states(status: dict, groups: int) -> set[str]:
     return out
 
 
+EPISODE_GAP_S = 2.0  # after a fault that lasts (and waited for a state), before the next such fault
+
+
 class Watch:
     """Polls the lighthouse every 20 ms while the launch runs."""
 
@@ -34,6 +38,7 @@ class Watch:
         self.faults = faults
         self.unhealthy_since: dict[int, float] = {}
         self.armed = True  # a fault waiting for a steady job may fire (the last one's effect was seen)
+        self.quiet_until = 0.0  # monotonic: the next batch waiting for a state fires after this
 
     def run(self) -> None:
         la = self.launcher
@@ -49,31 +54,39 @@ class Watch:
             now_in = states(st or {}, la.cfg.replica_groups)
             self.armed = self.armed or "steady" not in now_in
             for f in self.due(steps, now - la.t0, now_in):
-                self.armed = self.armed and f.when != "steady"
+                self.armed = self.armed and f.when is None
+                if f.when is not None and f.duration_s > 0:  # a fault that lasts is over before the next
+                    self.quiet_until = max(self.quiet_until, now + f.duration_s + EPISODE_GAP_S)
                 f.fired = True
                 threading.Thread(target=self.fire, args=(f,), daemon=True).start()
             if st:
                 self.hangs(st["groups"], now)
 
     def due(self, steps: dict[int, int], elapsed: float, now_in: set[str]) -> list[Fault]:
-        """The external faults whose step or time has come and whose state the job is in (a
-        lighthouse fault's step is the job's, any other fault's its group's, in the incarnation
-        it names)."""
-        out = []
-        for f in self.faults:
-            if f.fired or f.in_process:
-                continue
-            on_lighthouse = f.kind in LIGHTHOUSE_KINDS
-            if not on_lighthouse and self.launcher.incarnation.get(f.group) != f.incarnation:
-                continue
-            step = max(steps.values(), default=0) if on_lighthouse else steps.get(f.group, -1)
-            if f.due(step, elapsed, now_in):
-                out.append(f)
-        # faults that wait for a steady job fire one step's worth at a time, and the next only once
-        # the job was seen unsteady since and is steady again: however far the steps ran meanwhile
-        steady = [f for f in out if f.when == "steady"] if self.armed else []
-        first = min((f.at_step for f in steady if f.at_step is not None), default=None)
-        return [f for f in out if f.when != "steady" or (self.armed and f.at_step == first)]
+        """The external faults whose step or time has come (a lighthouse fault's step is the
+        job's, any other fault's its group's, in the incarnation it names). Faults that wait for
+        a state of the job (`when`) go in plan order, one batch at a time (the faults after it
+        with the same trigger: one episode); a batch waiting for a steady job fires only once
+        the job was seen unsteady since the last batch (its effect seen), however far the
+        steps ran meanwhile."""
+        out = [f for f in self.faults if f.when is None and not f.fired and self._ready(f, steps, elapsed, now_in)]
+        queue = [f for f in self.faults if f.when is not None and not f.fired and not f.in_process]
+        if queue and (queue[0].when != "steady" or self.armed) and time.monotonic() >= self.quiet_until:
+            head = queue[0]
+            batch = itertools.takewhile(
+                lambda f: (f.when, f.at_step, f.at_time) == (head.when, head.at_step, head.at_time), queue
+            )
+            out += [f for f in batch if self._ready(f, steps, elapsed, now_in)]
+        return out
+
+    def _ready(self, f: Fault, steps: dict[int, int], elapsed: float, now_in: set[str]) -> bool:
+        if f.in_process:
+            return False
+        on_lighthouse = f.kind in LIGHTHOUSE_KINDS
+        if not on_lighthouse and self.launcher.incarnation.get(f.group) != f.incarnation:
+            return False
+        step = max(steps.values(), default=0) if on_lighthouse else steps.get(f.group, -1)
+        return f.due(step, elapsed, now_in)
 
     def hangs(self, groups: list[dict], now: float) -> None:
         """Mark a group for replacement once it has been unhealthy while alive for too long."""
