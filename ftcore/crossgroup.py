@@ -3,7 +3,7 @@ exchange (Quorum.exchange), built on the rendezvous store that rank k of the exc
 group hosts, under a fresh prefix per quorum (the default process group cannot shrink or grow)."""
 
 import datetime
-import time
+import threading
 from collections.abc import Callable
 
 import torch.distributed as dist
@@ -34,8 +34,8 @@ class CrossGroup:
 
     def build(self, q: Quorum, group: int, rank: int, abort: Callable[[], bool] = lambda: False) -> None:
         """The process group of quorum `q`'s exchange for this rank (rank k of group `group`):
-        none when the exchange is this group alone or the group is aside (Quorum.aside). The
-        members meet first (`_meet`): RendezvousAborted as soon as `abort()` says one failed."""
+        none when the exchange is this group alone or the group is aside (Quorum.aside).
+        RendezvousAborted as soon as `abort()` says a member failed (`_rendezvous`)."""
         self.drop()
         members = q.exchange()
         if len(members) > 1 and group in members:
@@ -46,8 +46,8 @@ class CrossGroup:
                 self._joined[q.store] = store
             settled = "/settled" if q.settled else ""
             prefix = dist.PrefixStore(f"ftcore/{q.lighthouse_id}/{q.quorum_id}{settled}/{rank}", store)
-            _meet(prefix, members.index(group), len(members), abort)
-            self.pg = new_pg(self.backend, prefix, members.index(group), len(members), _timeout(), self.host)
+            args = (self.backend, prefix, members.index(group), len(members), _timeout(), self.host)
+            self.pg = _rendezvous(args, abort)
         self.key = q.key
 
     def drop(self) -> None:
@@ -57,19 +57,35 @@ class CrossGroup:
             _retire(pg)
 
 
-def _meet(store: dist.Store, index: int, size: int, abort: Callable[[], bool]) -> None:
-    """Every member's presence key, polled: a member that died after the quorum formed would
-    otherwise hold the others in the process group's own rendezvous for COLLECTIVE_TIMEOUT,
-    while the lighthouse already says it failed (`abort`)."""
-    store.set(f"present/{index}", "1")
-    keys = [f"present/{i}" for i in range(size)]
-    deadline = time.monotonic() + timeouts.COLLECTIVE_TIMEOUT
-    while not store.check(keys):
+def _rendezvous(args: tuple, abort: Callable[[], bool]) -> dist.ProcessGroup:
+    """new_pg(*args), given up as soon as `abort()`: a member that died just after the quorum
+    formed would otherwise hold the others in the group's rendezvous for COLLECTIVE_TIMEOUT,
+    while the lighthouse already says it failed. An abandoned rendezvous ends on its own (built
+    or timed out, bounded) in its thread, and a group it builds is retired unused."""
+    done = threading.Event()
+    out: list = []
+
+    def build() -> None:
+        try:
+            out.append(new_pg(*args))
+        except Exception as e:  # the store's timeout, a reset: raised below, or dropped once abandoned
+            out.append(e)
+        done.set()
+
+    threading.Thread(target=build, daemon=True, name="ftcore-rendezvous").start()
+    while not done.wait(0.005):
         if abort():
+            threading.Thread(target=_retire_when_built, args=(done, out), daemon=True).start()
             raise RendezvousAborted("a member of the quorum failed before the exchange's group was built")
-        if time.monotonic() > deadline:
-            raise RendezvousAborted(f"the quorum's members did not all meet within {timeouts.COLLECTIVE_TIMEOUT} s")
-        time.sleep(0.005)
+    if isinstance(out[0], Exception):
+        raise out[0]
+    return out[0]
+
+
+def _retire_when_built(done: threading.Event, out: list) -> None:
+    done.wait(timeouts.COLLECTIVE_TIMEOUT * 2)
+    if out and not isinstance(out[0], Exception):
+        _retire(out[0])
 
 
 def _timeout() -> datetime.timedelta:

@@ -48,7 +48,7 @@ class FakeLighthouse:
     def start_heartbeats(self):
         pass
 
-    def quorum(self, timeout=timeouts.QUORUM_TIMEOUT, request=None):
+    def quorum(self, timeout=timeouts.QUORUM_TIMEOUT, request=None, leased=lambda: False):
         self.requests.append(request)
         assert self.gate.wait(10), "the test never released this request"
         answer = self.answers.pop(0)
