@@ -107,7 +107,7 @@ JOBS = {
     "groups3": Job(
         "groups3",
         3,
-        900,
+        1200,
         (
             Cell("slow 2/3", (_slow(1, 30, 130), _slow(2, 30, 130)), frozenset({1, 2}), frozenset({0}), 0, 12),
             Cell("crash 1/3", (_kill(2, 200, 0),), frozenset({2}), frozenset({0, 1})),
@@ -129,7 +129,7 @@ JOBS = {
     "groups5": Job(
         "groups5",
         5,
-        500,
+        900,
         (
             Cell("slow 3/5", tuple(_slow(g, 30, 130) for g in (2, 3, 4)), frozenset({2, 3, 4}), G01, 0, 12),
             Cell("crash 3/5", tuple(_kill(g, 200, 0) for g in (2, 3, 4)), frozenset({2, 3, 4}), frozenset({0, 1})),

@@ -18,7 +18,7 @@ class RendezvousAborted(RuntimeError):
 
 
 class CrossGroup:
-    """The store this rank hosts (for the quorums its group leads), the stores it joined, and
+    """The store this rank hosts (for the quorums its group leads) and
     the process group built for one Quorum.key."""
 
     def __init__(self, host: str, backend: str):
@@ -28,7 +28,6 @@ class CrossGroup:
         self.store = dist.TCPStore(
             host, port, is_master=True, wait_for_workers=False, master_listen_fd=fd, timeout=_timeout()
         )
-        self._joined: dict[str, dist.TCPStore] = {}
         self.pg: dist.ProcessGroup | None = None
         self.key: tuple[str, int, bool] | None = None  # the Quorum.key `pg` was built for
 
@@ -39,11 +38,10 @@ class CrossGroup:
         self.drop()
         members = q.exchange()
         if len(members) > 1 and group in members:
-            store = self._joined.get(q.store)  # rank k of the first group hosts rank k's rendezvous
-            if store is None:
-                host, _, port = q.store.rpartition(":")
-                store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=_timeout())
-                self._joined[q.store] = store
+            # rank k of the first group hosts rank k's rendezvous; a client of its own for each one
+            # (a store client serves one call at a time: an abandoned rendezvous still waits in its own)
+            host, _, port = q.store.rpartition(":")
+            store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=_timeout())
             settled = "/settled" if q.settled else ""
             prefix = dist.PrefixStore(f"ftcore/{q.lighthouse_id}/{q.quorum_id}{settled}/{rank}", store)
             args = (self.backend, prefix, members.index(group), len(members), _timeout(), self.host)
