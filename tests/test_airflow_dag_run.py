@@ -123,9 +123,10 @@ def test_dag_run_succeeds_and_reports(first, work):
     with sqlite3.connect(work / "airflow" / "airflow.db") as db:
         paused = dict(db.execute("select dag_id, is_paused from dag").fetchall())
     assert paused["ftrec_train"] == 0 and paused["ftrec_chaos_drill"] == 0 and paused["ftrec_retrain"] == 1, paused
-    # the shards were balanced with the trained model's own cost model, calibrated once here
+    # the shards were balanced with the trained model's own cost model, calibrated once here (a
+    # noisy fit on a loaded machine is used, and kept aside under noisy/, never found again)
     assert summary["xcom"][SEAL]["cost_model"] == "calibrated:training"
-    assert list((work / "cost-models").glob("cost-*.json"))
+    assert list((work / "cost-models").rglob("cost-*.json"))
 
 
 def test_fanned_out_shards_are_the_one_process_build(first, tmp_path):

@@ -185,4 +185,4 @@ def test_comm_settings_are_checked(tmp_path):
         capture_output=True,
         timeout=120,
     )
-    assert p.returncode != 0 and "comm.embedding must be one of replicated, sharded" in p.stderr
+    assert p.returncode != 0 and "comm.embedding must be one of auto, replicated, sharded" in p.stderr
