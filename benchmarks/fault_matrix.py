@@ -416,9 +416,9 @@ def _drive(h: Hosted, cell: Cell) -> float:
     if cell.case.startswith("link cut"):
         return h.cut(groups, cell.lasts_s)
     if cell.case.endswith("one healing"):  # killed and restarted: cut while it heals (slowly)
+        t = time.time()
         os.killpg(h.procs[2].pid, signal.SIGKILL)
         h.procs[2].wait(timeout=30)
-        t = time.time()
         h.procs[2] = h.start(2)
         h.wait("a heal", lambda: any(e["kind"] == "heal_assigned" and e["t"] > t for e in h.events()))
         h.cut(["lh"], cell.lasts_s)
