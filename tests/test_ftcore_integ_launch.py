@@ -145,33 +145,6 @@ def test_error_mid_allreduce_discards_the_step_on_every_group(tmp_path, baseline
     check_ledger(out, 3)
 
 
-def test_lighthouse_killed_and_restarted_mid_training(tmp_path, baseline):
-    out = tmp_path / "run"
-    code, log = launch(out, [{"kind": "kill_lighthouse", "at_step": 10, "duration_s": 1.5}])
-    assert code == 0, log[-4000:]
-    events = timeline(out)["lighthouse_events"]
-    assert sum(e["kind"] == "lighthouse_started" for e in events) == 2
-    # no committed step lost or repeated, no group excluded: the same result as without the outage
-    assert assert_identical(out, 3) == baseline
-    check_ledger(out, 3)
-
-
-def test_sigstop_is_failed_by_the_stall_probe_then_group_rejoins(tmp_path):
-    """A stopped group closes no connection: its peers, kept waiting (in their exchange or their
-    next round), get it probed and failed before the heartbeat timeout; it rejoins by heal."""
-    out = tmp_path / "run"
-    code, log = launch(out, [{"kind": "stop", "group": 2, "at_step": 6, "duration_s": 4}])
-    assert code == 0, log[-4000:]
-    tl = timeline(out)
-    detected = [e for e in tl["lighthouse_events"] if e["kind"] == "failure_detected" and e["group"] == 2]
-    assert detected and detected[0]["reason"] == "not heard within the failure probe", detected
-    assert any(e["kind"] in ("stall_reported", "round_stalled") for e in tl["lighthouse_events"])
-    assert any(e["kind"] == "quorum_formed" and e["groups"] == [0, 1] for e in tl["lighthouse_events"])
-    assert any(e["kind"] == "heal_finished" and e["group"] == 2 for e in tl["lighthouse_events"])
-    assert_identical(out, 3)
-    check_ledger(out, 3)
-
-
 def test_two_ranks_per_group_kill_one_rank_restarts_the_group(tmp_path):
     out = tmp_path / "run"
     code, log = launch(out, [{"kind": "kill", "group": 0, "rank": 1, "at_step": 8}], groups=2, ranks=2, steps=20)
@@ -212,21 +185,3 @@ def test_a_group_that_fails_the_last_steps_vote_heals_before_the_job_ends(tmp_pa
     assert healed and healed[0]["step"] == STEPS, healed
     assert_identical(out, 3)
     check_ledger(out, 3, steps=STEPS)
-
-
-def test_a_paused_lighthouse_stops_no_group_and_declares_nobody_dead(tmp_path):
-    """SIGSTOP the lighthouse for 2 s: the groups go on in their quorum on its lease (the data
-    plane still works), and the returning lighthouse grants a grace period instead of
-    declaring everyone dead for the silence its own pause caused."""
-    out = tmp_path / "run"
-    code, log = launch(out, [{"kind": "pause_lighthouse", "at_step": 6, "duration_s": 2.0}], steps=90)
-    assert code == 0, log[-4000:]
-    tl = timeline(out)
-    kinds = [e["kind"] for e in tl["lighthouse_events"]]
-    assert "lighthouse_paused" in kinds, kinds
-    # nobody was declared dead for the lighthouse's silence, nor healed to a step it had
-    assert "heal_finished" not in kinds, [e for e in tl["lighthouse_events"] if e["kind"] not in ("register",)]
-    leased = [s for s in tl["steps"] if s.get("leased") and s["committed"]]
-    assert leased, "no group committed while the lighthouse was stopped"
-    assert_identical(out, 3)
-    check_ledger(out, 3, steps=90)
