@@ -2,6 +2,7 @@
 in a few real jobs of the toy trainer (ftcore/examples/toy.py), one verdict per cell.
 
     python benchmarks/fault_matrix.py [--jobs groups3 groups5 lighthouse cuts3 cuts5] [--json PATH]
+    python benchmarks/fault_matrix.py --fault-free 20     # no fault, beside a CPU hog: no verdict
 
 Cells: {crash (kill -9), hang (SIGSTOP), link cut, slow} x {one group, two of three, three of
 five}, and {lighthouse crash, pause, cut} x {every group in the quorum, one on standby, one
@@ -452,6 +453,24 @@ def run(name: str, keep: str | None = None) -> list[dict]:
         return (run_on_hosts if job.on_hosts else run_launched)(job, work)
 
 
+def fault_free(runs: int, steps: int = 300) -> dict:
+    """`runs` jobs of 3 groups with no fault, each beside a CPU hog (a busy loop on one of the
+    two cores): every exclusion or failure the lighthouse declares is a false verdict."""
+    from benchmarks.hog import hog
+
+    verdicts = {"runs": runs, "exclusions": 0, "failures": 0, "equal_states": 0}
+    for _ in range(runs):
+        with tempfile.TemporaryDirectory() as d, hog(procs=1):
+            tl = launch(str(Path(d) / "run"), [], toy(steps, STEP_SLEEP), groups=3, timeout=300)
+            kinds = [e["kind"] for e in tl["lighthouse_events"]]
+            verdicts["exclusions"] += kinds.count("group_excluded")
+            verdicts["failures"] += kinds.count("failure_detected")
+            sums = {(Path(d) / "run" / f"replica_{g}" / "state.safetensors").read_bytes() for g in range(3)}
+            verdicts["equal_states"] += len(sums) == 1
+        print(json.dumps(verdicts), flush=True)
+    return verdicts
+
+
 COLUMNS = ("job", "case", "gap_s", "failed", "false_failures", "false_heals", "false_exclusions", "alone", "ok")
 
 
@@ -460,7 +479,12 @@ def main() -> int:
     p.add_argument("--jobs", nargs="+", choices=sorted(JOBS), default=list(JOBS))
     p.add_argument("--json", default=str(ROOT / "bench-results" / "fault_matrix.json"))
     p.add_argument("--keep", help="leave each job's outputs under this folder")
+    p.add_argument("--fault-free", type=int, default=0, metavar="RUNS", help="RUNS jobs with no fault beside a hog")
     a = p.parse_args()
+    if a.fault_free:
+        v = fault_free(a.fault_free)
+        atomic_write_json(a.json, {"fault_free": v}, indent=1)
+        return 0 if v["exclusions"] == v["failures"] == 0 and v["equal_states"] == v["runs"] else 1
     why = netns.unavailable()
     out = []
     for name in a.jobs:

@@ -12,6 +12,7 @@ import secrets
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +50,9 @@ class LighthouseConfig:
 
 
 PACE_S = 1.0  # how often the heartbeat pace is set from the speakers counted
+# reading its messages later than this (a loaded host, a burst of requests), the lighthouse judges
+# no silence: a message waiting unread in its sockets is not its sender's silence
+BEHIND_S = timeouts.FAILURE_PROBE / 2
 RETIRED_KEPT = 256  # retired jobs listed by GET /jobs, whose final status GET /status still shows
 RETIRED_EVENTS = 50  # ... with this many of their last events
 
@@ -72,7 +76,9 @@ class Lighthouse:
         self.alive_at = time.monotonic()  # the last time this process was seen running
         self.grace_until = 0.0  # after a pause: silence is not judged before this
         self.beat_s = 0.0  # the heartbeat pace asked of every speaker (0: their own)
-        self.probe_s = cfg.failure_probe  # ... and the failure probe that pace allows
+        self.paced_probe_s = cfg.failure_probe  # ... and the failure probe that pace allows
+        self.behind: Callable[[float], float] = lambda now: 0.0  # how late its server reads (serve() wires it)
+        self.late_noted = 0.0  # when a "lighthouse_behind" event was last logged
         self._ticker = threading.Thread(target=self._tick, daemon=True, name="lighthouse-tick")
         self._ticker.start()
         self.event("lighthouse_started", lighthouse_id=self.lighthouse_id, min_replicas=cfg.min_replicas)
@@ -139,16 +145,27 @@ class Lighthouse:
             if gap > timeouts.PAUSE_JUMP and self.cfg.pause_grace:
                 self.grace_until = now + self.cfg.heartbeat_timeout
                 self.event("lighthouse_paused", seconds=round(gap, 3), grace_s=self.cfg.heartbeat_timeout)
+            late = self.behind(now)
+            if late > BEHIND_S and now - self.late_noted > 1.0:  # at most once a second
+                self.late_noted = now
+                self.event("lighthouse_behind", seconds=round(late, 3))
 
     def in_grace(self, now: float) -> bool:
-        return now < self.grace_until
+        """Whether silence is not judged now: just after a pause, or while reading late."""
+        return now < self.grace_until or (self.cfg.pause_grace and self.behind(now) > BEHIND_S)
+
+    @property
+    def probe_s(self) -> float:
+        """How long a failure probe waits to hear a member: as paced, and as long again as this
+        lighthouse reads late (a member heard in time may be unread yet)."""
+        return self.paced_probe_s + self.behind(time.monotonic())
 
     def _pace(self, speakers: int) -> None:
         """Ask for slower heartbeats when their speakers would exceed the budget (every
         PACE_S); the probe allows the slower of this pace and the last (a speaker adopts a
         new pace with its next beat)."""
         was, self.beat_s = self.beat_s, heartbeat_pace(speakers, self.cfg.heartbeat_budget, self.cfg.heartbeat_timeout)
-        self.probe_s = probe_window(self.cfg.failure_probe, max(was, self.beat_s))
+        self.paced_probe_s = probe_window(self.cfg.failure_probe, max(was, self.beat_s))
 
     def _tick(self) -> None:
         paced = 0.0
@@ -253,7 +270,7 @@ def snapshot(j: Job) -> dict[str, Any]:
                 "ranks": g.world if g.relay and g.ranks else len(g.ranks),
                 "world": g.world,
                 "relay": g.relay,
-                "standby_s": round(max(j.excluded[g.group] - now, 0.0), 2) if g.group in j.excluded else None,
+                "standby_s": round(max(j.slow.excluded[g.group] - now, 0.0), 2) if g.group in j.slow.excluded else None,
                 "last_beat_age_s": max((now - r.last_beat for r in g.ranks.values()), default=None),
             }
             for g in sorted(j.groups.values(), key=lambda g: g.group)
@@ -271,6 +288,7 @@ def serve(cfg: LighthouseConfig) -> tuple[LighthouseServer, Lighthouse]:
     except OSError:
         lh.close()
         raise
+    lh.behind = server.behind
     return server, lh
 
 

@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from ftcore.answers import OvertakenReply, QuorumRefused, StandbyReply
+from ftcore.answers import OvertakenReply, QuorumRefused
 from ftcore.lighthouse_records import (
     Deliver,
     GroupRecord,
@@ -27,6 +27,7 @@ from ftcore.lighthouse_records import (
     Request,
     StaleIncarnation,
 )
+from ftcore.lighthouse_slow import SlowGroups
 from ftcore.messages import (
     FailureReport,
     HeartbeatReply,
@@ -38,7 +39,6 @@ from ftcore.messages import (
     aside_of,
     identity_key,
 )
-from ftcore.pace import Figures, PaceJudge
 from ftcore.quorum import Formed, Hearing, Member, Plan, Round, decide, isolated, plan
 
 if TYPE_CHECKING:
@@ -67,8 +67,7 @@ class Job:
         self.round = Pending()
         self.health = Health()
         self.finished_step = 0  # the highest step a group that finished (left) reached
-        self.pace = PaceJudge(lh.cfg.pace)
-        self.excluded: dict[int, float] = {}  # fail-slow: group -> monotonic end of its standby
+        self.slow = SlowGroups(lh.cfg.pace, self.event)  # fail-slow: its judge and the groups on standby
         self.events: collections.deque = collections.deque(maxlen=lh.cfg.events_per_job)
         self.created = self.last_heard = time.monotonic()  # its first message; the last of any of its ranks
         self.relay: bool | None = None  # its groups speak through relays (ftcore/relay.py); None: no group yet
@@ -98,7 +97,7 @@ class Job:
         if grp is None or inc > grp.incarnation:
             if grp is not None:
                 self._drop_pending(g)
-                self.pace.readmit(g)  # a restarted group starts up again: measured once settled
+                self.slow.judge.readmit(g)  # a restarted group starts up again: measured once settled
             grp = self.groups[g] = GroupRecord(g, inc, world, relay=info.relay)
             self.relay = info.relay
             self.health.healthy.discard(g)  # a new incarnation is healthy once the sweep says so
@@ -205,7 +204,7 @@ class Job:
         """The complete groups a round needs before an arrival tries to form it (a majority, and
         the fast path's members: quorum.decide); the ticker tries the rest every TICK_S. One
         attempt per round at arrivals, not one per arrival: O(groups), not O(groups^2)."""
-        healthy = self.health.healthy - self.excluded.keys()
+        healthy = self.health.healthy - self.slow.excluded.keys()
         fast = len(healthy & set(self.quorum.groups)) if self.quorum else max(len(healthy), self.expected)
         self.round.need = max(fast, len(healthy) // 2 + 1, self.min_replicas)
 
@@ -227,7 +226,7 @@ class Job:
         q, start = self.quorum, self.round.start
         if q is None or start is None or now - start < self.cfg.stall_probe or self._in_grace(now):
             return
-        missing = sorted(set(q.groups) & self.health.healthy - self.excluded.keys() - self.round.pending.keys())
+        missing = sorted(set(q.groups) & self.health.healthy - self.slow.excluded.keys() - self.round.pending.keys())
         if missing and self.round.probed < start:
             probes, self.round.probed = self.health.reports.setdefault(q.quorum_id, []), now
             probes[:] = [*probes[-1:], Probe(now, frozenset(self.round.pending))]
@@ -295,7 +294,7 @@ class Job:
         if not self.round.pending:
             return
         # a group on standby is not waited for, nor counted
-        healthy = frozenset(self.health.healthy - self.excluded.keys())
+        healthy = frozenset(self.health.healthy - self.slow.excluded.keys())
         round_start = self.round.start if self.round.start is not None else now
         decision = decide(
             Round(
@@ -355,7 +354,7 @@ class Job:
             why = f"the job finished at step {self.finished_step}; nothing to rejoin"
             return self._refuse(members, "finished", why)
         identity, quorum_id, lighthouse_id = self._name(members, aside_of(members, where.heal))
-        busy = self._busy(members)
+        busy = self.slow.figures(self.quorum, self.round.pending, self.groups, members)
         idle = self.quorum is not None and all(
             r.idle == self.quorum.quorum_id for g in members for r in self.round.pending[g].values()
         )
@@ -392,9 +391,9 @@ class Job:
             )
         for g in where.heal:
             self.event("heal_assigned", group=g, source=q.heal[g], step=q.max_step, quorum_id=quorum_id)
-        if idle and self.excluded:  # the work left is the excluded groups' own: let them do it
-            self.excluded = dict.fromkeys(self.excluded, 0.0)
-        self._judge_pace(busy, members)
+        if idle and self.slow.excluded:  # the work left is the excluded groups' own: let them do it
+            self.slow.release()
+        self.slow.exclude_slow(members, {g: self.groups[g].incarnation for g in members}, self.min_replicas)
 
     def _name(self, members: list[int], aside: frozenset[int]) -> tuple[Identity, int, str]:
         """The quorum's identity and ids: the current ones while its membership and its members
@@ -467,55 +466,6 @@ class Job:
         self.lease_until = max(self.lease_until, time.monotonic() + self.quorum.lease_s)
         return a[2]
 
-    # ---- fail-slow --------------------------------------------------------------------
-    def _busy(self, members: list[int]) -> dict[int, float]:
-        """Each member's compute in the step it just finished in the current quorum (its slowest
-        rank's), for members that all ran that step in it and nobody healed: comparable figures.
-        The judge records them with each rank's (a relay sends them all with its group's)."""
-        if self.quorum is None or self.quorum.heal:
-            return {}
-        qid, out = self.quorum.quorum_id, {}
-        ranks: dict[int, Figures] = {}
-        for g in members:
-            reqs = self.round.pending[g].values()
-            figures = {r.rank: r.busy.seconds for r in reqs if r.busy is not None and r.busy.quorum_id == qid}
-            if figures and len(figures) == len(reqs):
-                out[g] = max(figures.values())
-                first = next(iter(reqs)).busy
-                relayed = first.ranks if first is not None and self.groups[g].relay else ()
-                if len(relayed) == self.groups[g].world:  # a relay sends every rank's figure, in rank order
-                    ranks[g] = relayed
-                else:
-                    ranks[g] = figures if len(figures) == self.groups[g].world else {}
-        if len(out) < len(members):
-            return {}
-        self.pace.observe(out, ranks, at=time.monotonic())
-        return out
-
-    def _judge_pace(self, busy: dict[int, float], members: list[int]) -> None:
-        """Exclude the member the judge finds slow (its figures were recorded by `_busy`)."""
-        v = self.pace.judge(
-            members, {g: self.groups[g].incarnation for g in members}, self.min_replicas, len(self.excluded)
-        )
-        if v is None:
-            return
-        self.excluded[v.group] = time.monotonic() + v.probation_s
-        self.event("group_excluded", incarnation=self.groups[v.group].incarnation, **v.event(self.cfg.pace.window))
-
-    def _standby(self, grp: GroupRecord, now: float) -> StandbyReply | None:
-        """The answer to a quorum request of an excluded group while its probation lasts."""
-        until = self.excluded.get(grp.group)
-        if until is None:
-            return None
-        if now < until and not self.finished_step:  # once the job ends there is nothing to wait for
-            return StandbyReply(
-                round(min(until - now, 1.0), 3), f"excluded as slower than its peers for {until - now:.1f}s more"
-            )
-        del self.excluded[grp.group]
-        self.pace.readmit(grp.group)
-        self.event("group_readmitted", group=grp.group, incarnation=grp.incarnation)
-        return None
-
     def enqueue(self, ask: QuorumRequest, deliver: Deliver, timeout: float) -> Request:
         """A rank's quorum request joins this round; `deliver` gets the reply when it forms
         (maybe at once: this arrival may complete the round; the ticker does the rest), or a
@@ -524,7 +474,7 @@ class Job:
             grp, _ = self._rank(ask.info)
             now = time.monotonic()
             req = Request.of(ask, grp.incarnation, now, deliver, timeout)
-            standby = self._standby(grp, now)
+            standby = self.slow.standby(grp, now, bool(self.finished_step))
             if standby is not None:
                 deliver(standby)
                 return req

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ftcore import aside, netaddr, timeouts
 from ftcore import collectives as coll
-from ftcore import netaddr, timeouts
 from ftcore.crossgroup import CrossGroup
 from ftcore.environment import LR_POLICIES, ManagerConfig, config_from_env, faults_from_env
 from ftcore.faults import Fault, InjectedFault, Injector
@@ -390,7 +390,9 @@ class Manager:
         step = q.max_step if self._r.heal_fut is not None else self.step
         if self.cfg.group in q.aside():
             try:
-                self._take_update(tensors, q, step)
+                self._r.contributors = aside.take_average(tensors, q, step, self.cfg.token)
+            except HealError as e:
+                self._r.errors.append(f"update: {e}")
             finally:
                 self._r.t_allreduce = time.monotonic() - t
             return
@@ -399,7 +401,8 @@ class Manager:
             res = self._exchange(tensors, same_batch, contribute, local_error, step)
         finally:
             self._r.t_allreduce = time.monotonic() - t
-            self._serve_update(q, tensors, res, step)
+            final = self._quorum if self._quorum is not None else q
+            aside.offer_average(self.heal_server, self.cfg.group, (q, final), tensors, res, step)
         if res is None:
             return
         self._r.contributors = res.contributors
@@ -435,35 +438,6 @@ class Manager:
         except FTARError as e2:
             self._fail(str(e2), report=True)
             return None
-
-    def _serve_update(self, q: Quorum, tensors: list[torch.Tensor], res: FTARResult | None, step: int) -> None:
-        """As the exchange's first member, offer the step's average to the members aside (of the
-        quorum the step began in, or of the survivors' it re-ran in), with [contributors, failed,
-        quorum id]: an aside member takes it only for its own quorum."""
-        final = self._quorum if self._quorum is not None else q
-        if not any(x.aside() and x.exchange()[0] == self.cfg.group for x in (q, final)):
-            self.heal_server.withdraw("update")  # the last one offered (a copy of the gradients) is done
-            return
-        n = res.contributors if res is not None and not res.peer_error else -1  # -1: the exchange failed
-        meta = torch.tensor([max(n, 0), int(n < 0), final.quorum_id], dtype=torch.int64)
-        self.heal_server.offer(step, {"average": list(tensors) if n >= 0 else [], "meta": meta}, kind="update")
-
-    def _take_update(self, tensors: list[torch.Tensor], q: Quorum, step: int) -> None:
-        """An aside member's exchange (Quorum.aside): the step's average, fetched from rank k of
-        the exchange's first member (bounded as FTAR is); a failure fails the step, not theirs."""
-        try:
-            tree = fetch(q.update_from, step, self.cfg.token, timeouts.COLLECTIVE_TIMEOUT, kind="update")
-            average, (n, failed, qid) = tree["average"], tree["meta"].tolist()
-            if failed or qid != q.quorum_id:
-                raise HealError(f"the exchange of step {step} in quorum {q.quorum_id} did not complete")
-            if [(a.shape, a.dtype) for a in average] != [(x.shape, x.dtype) for x in tensors]:
-                raise HealError("the average does not match this group's gradients")
-        except (HealError, KeyError, TypeError, ValueError) as e:
-            self._r.errors.append(f"update: {e}")
-            return
-        for x, a in zip(tensors, average, strict=True):
-            x.copy_(a)
-        self._r.contributors = int(n)
 
     def _ftar(self, tensors: list[torch.Tensor], contribute: bool, local_error: bool, step: int):
         return ftar(
