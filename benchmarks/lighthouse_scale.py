@@ -1,23 +1,40 @@
 """The lighthouse under many ranks: quorum latency and lighthouse CPU per 1,000 ranks, up to 100,000 ranks.
 
     python benchmarks/lighthouse_scale.py [--ranks 1024 4096 16384 100000] [--group-size 8 64]
-        [--layout relay rank] [--rounds 20] [--procs N] [--json PATH]
+        [--layout relay upstream rank] [--load quiet hog] [--hog-on any|lighthouse|generators]
+        [--rounds 20] [--procs N] [--relay-max-groups 64] [--json PATH]
 
 One real lighthouse process (`python -m ftcore.lighthouse`, loopback), pinned to one core, and
 a load generator of N processes (asyncio each) on the other cores, each playing a slice of the
-job's speakers. Layouts: `relay`, one speaker per replica group (ftcore/relay.py: one kept-alive
-heartbeat line and one quorum connection per group, carrying its ranks' addresses), and `rank`,
-every rank its own speaker (FTCORE_RELAY=0, the layout before relays). Every speaker heartbeats at
-FTCORE_HEARTBEAT_INTERVAL (a relay: ftcore.relay.UPSTREAM_INTERVAL), or slower when the lighthouse
-asks (its --heartbeat-budget), unless it sent a quorum request within that interval (as the
-client does), and sends its addresses with a connection's first message. Reported per size and layout:
+job's speakers. Layouts:
+
+- `relay`: one real `ftcore.relay.Relay` per replica group (made as rank 0's manager makes it,
+  in the generator processes), its K ranks played beside it: each rank opens its heartbeat line
+  and quorum connection to its relay and beats every RANK_BEAT_S (a relay judges a rank by its
+  line); the relays speak to the lighthouse. Run up to --relay-max-groups (four sockets per rank and
+  four threads per group on this machine); larger sizes say so and are not run.
+- `upstream`: one speaker per group sending what a relay sends upstream (one kept-alive line and
+  one quorum connection, the group's addresses), written by this benchmark, not by ftcore.relay:
+  the lighthouse's load at the sizes the real relays do not fit on this machine.
+- `rank`: every rank its own speaker (FTCORE_RELAY=0, the layout before relays).
+
+A speaker heartbeats at its interval (a rank: FTCORE_HEARTBEAT_INTERVAL, `upstream`:
+ftcore.relay.UPSTREAM_INTERVAL), or slower when the lighthouse asks (its --heartbeat-budget),
+unless it sent a quorum request within that interval (as the client does). Each size runs quiet
+and beside a CPU hog (benchmarks/hog.py: one busy loop, on the core --hog-on names), in turn.
+Reported per size, layout and load:
 
 - heartbeats alone (2 s): lighthouse CPU seconds per wall second per 1,000 ranks;
+- heartbeat p99: a speaker's beat to its answer (a rank's: by its relay);
 - training rounds: every speaker asks for a quorum at once, as a job's step does; quorum latency
   from the moment the last request of a round was sent (the latest of all processes: one
   monotonic clock) to each reply, p50 and p99 over all speakers and rounds, and the
-  lighthouse's CPU per 1,000 ranks;
-- failure detection: one speaker's heartbeat connection closed -> a heartbeat reply names its group.
+  lighthouse's CPU per 1,000 ranks; the generators' own worst lateness (a late generator makes
+  its speakers late);
+- failure detection: group 0's line closed (a rank's, in `relay`) -> the lighthouse's
+  `failure_detected` for it (its events file);
+- false failures: any other `failure_detected` before the speakers hang up (a group not killed,
+  or group 0 before its kill). Any makes the run exit 1; none is ever shown as a detection time.
 
 The rank layout at 16,384 ranks and beyond is skipped (`--layout rank` forces it): two
 connections per rank and a heartbeat each every 50 ms is the load relays exist to remove.
@@ -35,6 +52,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -42,13 +60,24 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks import hog, verdicts  # noqa: E402
 from ftcore import timeouts  # noqa: E402
 from ftcore.messages import Busy, Quorum, QuorumRequest, RankInfo  # noqa: E402
-from ftcore.relay import UPSTREAM_INTERVAL  # noqa: E402
+from ftcore.relay import UPSTREAM_INTERVAL, Relay  # noqa: E402
 from ftcore.util.files import atomic_write_json  # noqa: E402
 from ftcore.util.procs import free_port  # noqa: E402
 
 IDLE_S = 2.0  # heartbeats alone, measured before the rounds
+DETECT_WAIT_S = 5.0  # how long after the kill a verdict against the killed group is awaited
+LAYOUTS = ("relay", "upstream", "rank")
+# A relay judges its ranks by their lines, not by their beats; the ranks beside the real relays
+# beat this often (not every 50 ms) so that their generator keeps up on this machine.
+RANK_BEAT_S = 1.0
+BEATS_KEPT = 50_000  # heartbeat round trips each generator reports (its last)
+RELAYS_PER_PROC = 800  # each takes a low file descriptor (see _worker)
+# the real relays, their ranks beside them, in the generators on one core of this 2-core machine: at
+# 128 relays (1,024 ranks in groups of 8) a generator falls 0.6 s behind and its relays are failed
+RELAY_MAX_GROUPS = 64
 _SINK = object()  # a Conn's waiter when its reply goes to its sink
 
 
@@ -78,7 +107,7 @@ class Conn(asyncio.Protocol):
         self.t = transport  # type: ignore[assignment]
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self.waiter is not None and not self.waiter.done():
+        if self.waiter not in (None, _SINK) and not self.waiter.done():
             self.waiter.set_exception(ConnectionError("closed"))
 
     def data_received(self, data: bytes) -> None:
@@ -96,12 +125,12 @@ class Conn(asyncio.Protocol):
         waiter, self.waiter = self.waiter, None
         if waiter is _SINK:
             return self.sink(int(head[9:12]), time.monotonic(), body)
-        waiter.set_result((int(head[9:12]), body, time.monotonic()))
+        if not waiter.done():  # not cancelled (the run ends)
+            waiter.set_result((int(head[9:12]), body, time.monotonic()))
 
-    def send(self, path: str, body: dict) -> None:
-        """A POST whose reply goes to `self.sink(status, when its last byte was read, body)`."""
+    def send(self, path: str, raw: bytes) -> None:
+        """A POST of JSON `raw` whose reply goes to `self.sink(status, when its last byte was read, body)`."""
         assert self.t is not None
-        raw = json.dumps(body).encode()
         self.waiter = _SINK
         self.t.write(f"POST {path} HTTP/1.1\r\nHost: lh\r\nContent-Length: {len(raw)}\r\n\r\n".encode() + raw)
 
@@ -120,18 +149,36 @@ class Conn(asyncio.Protocol):
 
 
 def _speakers(layout: str, n: int, k: int, job: str) -> list[dict[str, Any]]:
-    """What every speaker sends: a group's relay (its K ranks' addresses) or each rank."""
+    """What every speaker sends: each rank (to its group's relay in `relay`, to the lighthouse in
+    `rank`), or a group's relay upstream message as this benchmark writes it (`upstream`)."""
     groups = n // k
     stores = ",".join(f"127.0.0.1:{1000 + r}" for r in range(k))
     heals = ",".join(f"127.0.0.1:{2000 + r}" for r in range(k))
     common = {"job": job, "world": k, "incarnation": 0, "num_groups": groups, "step": 0, "quorum_id": 0}
-    if layout == "relay":
+    if layout == "upstream":
         return [{**common, "group": g, "rank": 0, "relay": True, "store": stores, "heal": heals} for g in range(groups)]
     return [
         {**common, "group": g, "rank": r, "store": f"127.0.0.1:{1000 + r}", "heal": f"127.0.0.1:{2000 + r}"}
         for g in range(groups)
         for r in range(k)
     ]
+
+
+def _slices(layout: str, infos: list[dict[str, Any]], procs: int) -> list[list[dict[str, Any]]]:
+    """The speakers of each load generator; a relay's ranks all in one (its relay lives there)."""
+    if layout != "relay":
+        return [infos[p::procs] for p in range(procs)]
+    return [[i for i in infos if i["group"] % procs == p] for p in range(procs)]
+
+
+def _generators(layout: str, n: int, k: int, asked: int) -> int:
+    """Load-generator processes: as asked, or more where one would hold more sockets than it may
+    open (a relay's ranks: four sockets each, both ends of two connections)."""
+    per_speaker = 4 if layout == "relay" else 2
+    speakers = n // k if layout == "upstream" else n
+    fds = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    need = max(asked, -(-(per_speaker * speakers + 8 * (n // k)) // int(0.8 * fds)))
+    return max(need, -(-(n // k) // RELAYS_PER_PROC)) if layout == "relay" else need
 
 
 class _Round:
@@ -143,8 +190,9 @@ class _Round:
         self.done = asyncio.get_running_loop().create_future()
 
     def __call__(self, code: int, at: float, body: bytes) -> None:
-        self.arrived.append(at if code == 200 else float("nan"))
-        self.first = self.first or body
+        quorum = code == 200 and b'"members_key"' in body  # not a refusal, nor a standby
+        self.arrived.append(at if quorum else float("nan"))
+        self.first = self.first or (body if quorum else b"")
         if len(self.arrived) == self.n:
             self.done.set_result(None)
 
@@ -171,16 +219,18 @@ def _trained_in(reply: bytes) -> dict[str, Any]:
     return {"quorum_id": q.quorum_id, "lighthouse_id": q.lighthouse_id, "key": q.members_key}
 
 
-async def _play(port: int, infos: list[dict[str, Any]], plan: dict[str, Any], stop: Any, out: Any) -> None:
-    """One load-generator process: its speakers' heartbeats, then `rounds` quorum rounds."""
-    beats = [await Conn.open(port) for _ in infos]
-    quorum = [await Conn.open(port) for _ in infos]
+async def _play(ports: list[int], infos: list[dict[str, Any]], plan: dict[str, Any], stop: Any, out: Any) -> None:
+    """One load-generator process: its speakers' heartbeats, then `rounds` quorum rounds
+    (speaker i speaks to ports[i]: the lighthouse, or its group's relay)."""
+    beats, quorum = [], []
+    for p in ports:  # a speaker's two connections together: a relay evicts lines that stay mute
+        beats.append(await Conn.open(p))
+        quorum.append(await Conn.open(p))
     last_sent = [0.0] * len(infos)
-    failed_seen: dict[int, float] = {}
-    interval = UPSTREAM_INTERVAL if infos and infos[0].get("relay") else timeouts.HEARTBEAT_INTERVAL
+    interval = plan["interval"]
     # as ftcore.lighthouse_client does: addresses go with a connection's first message only
     light = [{**info, "store": "", "heal": ""} for info in infos]
-    asked = [False] * len(infos)
+    beat_rtt: list[float] = []
 
     async def heartbeat(i: int) -> None:
         await asyncio.sleep(interval * i / len(infos))  # phases spread, as independent processes are
@@ -191,44 +241,32 @@ async def _play(port: int, infos: list[dict[str, Any]], plan: dict[str, Any], st
                 await asyncio.sleep(quiet)
                 continue
             first_beat, first = first, False
+            t = time.monotonic()
             try:
-                code, body, _ = await beats[i].post("/heartbeat", infos[i] if first_beat else light[i])
+                code, body, at = await beats[i].post("/heartbeat", infos[i] if first_beat else light[i])
             except (ConnectionError, asyncio.IncompleteReadError, ValueError):
                 return
-            for g in body.get("failed", []) if code == 200 else []:
-                failed_seen.setdefault(g, time.monotonic())
+            if t >= plan["rounds_at"] - IDLE_S:  # every speaker connected: a beat's round trip
+                beat_rtt.append(at - t)
             pace = max(interval, body.get("beat_s", 0.0))  # a loaded lighthouse asks for slower beats
             await asyncio.sleep(pace)
 
     tasks = [asyncio.create_task(heartbeat(i)) for i in range(len(infos))]
+    lag = [0.0]
+    tasks.append(asyncio.create_task(_lag(lag, plan["rounds_at"] - IDLE_S, stop)))
     await asyncio.sleep(max(plan["rounds_at"] - time.monotonic(), 0))
+    for fd in plan.get("spare_fds", ()):
+        os.close(fd)
 
-    rounds: list = []
-    trained_in: dict[str, Any] = {}
-    for _ in range(plan["rounds"]):
-        got = _Round(len(infos))
-        for i in range(len(infos)):
-            last_sent[i] = time.monotonic()
-            quorum[i].sink = got
-            quorum[i].send("/quorum", _request(light[i] if asked[i] else infos[i], infos[i]["step"], trained_in))
-            asked[i] = True
-        sent = time.monotonic()  # every request written
-        await got.done
-        rounds.append((sent, got.arrived))
-        trained_in = _trained_in(got.first)
-        for info in infos:
-            info["step"] += 1
-        await asyncio.sleep(0.02)
-    detect = float("nan")
-    if plan["detect"]:  # this process holds group 0: its first speaker's line closes
-        await asyncio.sleep(0.2)
+    rounds = await _ask_rounds(plan["rounds"], infos, quorum, last_sent)
+    killed_at = None
+    if plan["detect"]:  # this process holds group 0: its first speaker's line closes (the lighthouse
+        await asyncio.sleep(0.2)  # logs its verdict; the run judges it from the events file)
         tasks[0].cancel()
-        t_kill = time.monotonic()
+        killed_at = time.time()
         beats[0].close()
-        while 0 not in failed_seen and time.monotonic() - t_kill < 5:
-            await asyncio.sleep(0.002)
-        detect = failed_seen.get(0, float("nan")) - t_kill
-    out.put({"rounds": rounds, "detect": detect})
+        await asyncio.sleep(DETECT_WAIT_S)
+    out.put({"rounds": rounds, "killed_at": killed_at, "beat_rtt": beat_rtt[-BEATS_KEPT:], "lag": lag[0]})
     while not stop.is_set():  # heartbeats go on until every process is done
         await asyncio.sleep(0.05)
     await asyncio.gather(*tasks, return_exceptions=True)
@@ -236,27 +274,93 @@ async def _play(port: int, infos: list[dict[str, Any]], plan: dict[str, Any], st
         c.close()
 
 
+async def _ask_rounds(n: int, infos: list[dict[str, Any]], quorum: list[Conn], last_sent: list[float]) -> list:
+    """`n` rounds: every speaker asks, the next round once all were answered; per round, when
+    its last request was written and when each reply arrived."""
+    rounds: list = []
+    trained_in: dict[str, Any] = {}
+    light = [{**info, "store": "", "heal": ""} for info in infos]  # a connection's later messages
+    for r in range(n):
+        # each speaker's request made first, then all written at once: in a job every group asks
+        # from its own process; one generator playing thousands must not spread the burst
+        asks = []
+        for i in range(len(infos)):
+            asks.append(json.dumps(_request(light[i] if r else infos[i], infos[i]["step"], trained_in)).encode())
+            if i % 256 == 255:
+                await asyncio.sleep(0)  # the heartbeats go on meanwhile
+        got = _Round(len(infos))
+        for i in range(len(infos)):
+            last_sent[i] = time.monotonic()
+            quorum[i].sink = got
+            quorum[i].send("/quorum", asks[i])
+        sent = time.monotonic()  # every request written
+        await got.done
+        rounds.append((sent, got.arrived))
+        trained_in = _trained_in(got.first) if got.first else {}
+        for info in infos:
+            info["step"] += 1
+        await asyncio.sleep(0.02)
+    return rounds
+
+
+async def _lag(worst: list[float], since: float, stop: Any) -> None:
+    """The generator's own lateness: how much later than asked its loop wakes, at worst (from
+    `since`). A generator late by a failure probe makes its speakers late to the lighthouse."""
+    while not stop.is_set():
+        t = time.monotonic()
+        await asyncio.sleep(0.01)
+        if t >= since:
+            worst[0] = max(worst[0], time.monotonic() - t - 0.01)
+
+
+def _relays(port: int, infos: list[dict[str, Any]]) -> tuple[list[Relay], list[int]]:
+    """One real ftcore.relay.Relay per group of these ranks, made as rank 0's manager makes it
+    (its registration, the lighthouse's address); and the port each rank speaks to."""
+    relays: dict[int, Relay] = {}
+    ports = []
+    for info in infos:
+        g = info["group"]
+        if g not in relays:
+            relays[g] = Relay(f"127.0.0.1:{port}", RankInfo.parse({**info, "rank": 0}), None, "127.0.0.1")
+        ports.append(int(relays[g].address.rsplit(":", 1)[1]))
+    return list(relays.values()), ports
+
+
 def _worker(port: int, infos: list[dict[str, Any]], plan: dict[str, Any], stop: Any, out: Any, cores: Any) -> None:
     if cores:
         os.sched_setaffinity(0, cores)
+    relays: list[Relay] = []
     try:
-        asyncio.run(asyncio.wait_for(_play(port, infos, plan, stop, out), plan["limit_s"]))
+        ports = [port] * len(infos)
+        if plan["layout"] == "relay":
+            relays, ports = _relays(port, infos)
+        # the relays' upstream quorum connections open at the first round, after thousands of the
+        # ranks' sockets; ftcore.lighthouse_client waits on them with select(), which takes fds
+        # below 1024 only: these are kept free for them until then (a relay's own process holds few)
+        plan = {**plan, "spare_fds": [os.open(os.devnull, os.O_RDONLY) for _ in relays]}
+        asyncio.run(asyncio.wait_for(_play(ports, infos, plan, stop, out), plan["limit_s"]))
     except BaseException as e:  # the parent reports it; never hang it
         out.put({"error": f"{type(e).__name__}: {e}"})
+    for r in relays:
+        r.close()
 
 
 def run_size(layout: str, n: int, k: int, port: int, a: argparse.Namespace, gen_cores: Any) -> dict[str, Any]:
+    """One size under the lighthouse at `port`: the generators' results and the lighthouse's CPU."""
     infos = _speakers(layout, n, k, f"bench-{layout}-{n}-{k}")
-    procs = max(1, min(a.procs, len(infos)))
+    procs = min(_generators(layout, n, k, a.procs), len(infos))
     now = time.monotonic()
-    connect_s = 2.0 + len(infos) / 2000  # every speaker connected and heartbeating
-    plan = {"rounds": a.rounds, "rounds_at": now + connect_s + IDLE_S, "detect": False, "limit_s": 900}
+    connect_s = 2.0 + len(infos) / 2000 + (n // k / 200 if layout == "relay" else 0)  # every speaker beating
+    interval = {"relay": RANK_BEAT_S, "upstream": UPSTREAM_INTERVAL}.get(layout, timeouts.HEARTBEAT_INTERVAL)
+    plan = {"rounds": a.rounds, "rounds_at": now + connect_s + IDLE_S, "limit_s": 900}
+    plan |= {"layout": layout, "interval": interval}
     ctx = mp.get_context("fork")
     stop, out = ctx.Event(), ctx.Queue()
     workers = []
-    for p in range(procs):
-        part = {**plan, "detect": p == 0}
-        w = ctx.Process(target=_worker, args=(port, infos[p::procs], part, stop, out, gen_cores), daemon=True)
+    for i, part in enumerate(_slices(layout, infos, procs)):
+        w = ctx.Process(
+            target=_worker, args=(port, part, {**plan, "detect": i == 0}, stop, out, gen_cores), daemon=True
+        )
         w.start()
         workers.append(w)
     time.sleep(max(plan["rounds_at"] - IDLE_S - time.monotonic(), 0))
@@ -272,6 +376,7 @@ def run_size(layout: str, n: int, k: int, port: int, a: argparse.Namespace, gen_
         raise SystemExit(f"{layout} {n} ranks: the load generator did not finish") from None
     finally:
         rounds_cpu = (_cpu_seconds(LH_PID) - cpu0) / (time.monotonic() - t0)
+        ended = time.time()  # the speakers hang up from now: the lighthouse's verdicts after are not judged
         stop.set()
         for w in workers:
             w.join(timeout=10)
@@ -280,41 +385,74 @@ def run_size(layout: str, n: int, k: int, port: int, a: argparse.Namespace, gen_
     errors = [r["error"] for r in results if "error" in r]
     if errors:
         raise SystemExit(f"{layout} {n} ranks: {errors[0]}")
-    return _row(layout, n, k, len(infos), results, idle_cpu, rounds_cpu)
+    return {"speakers": len(infos), "results": results, "idle_cpu": idle_cpu, "rounds_cpu": rounds_cpu, "ended": ended}
 
 
-def _row(layout: str, n: int, k: int, speakers: int, results: list, idle_cpu: float, rounds_cpu: float) -> dict:
-    latencies: list[float] = []
+def _p99(xs: list[float]) -> float | None:
+    return round(1000 * xs[int(0.99 * (len(xs) - 1))], 2) if xs else None
+
+
+def _row(layout: str, n: int, k: int, run: dict[str, Any], events: list[dict]) -> dict[str, Any]:
+    """A size's figures; the kill of group 0 judged from the lighthouse's own events: its first
+    failure_detected of group 0 after the kill is the detection, any other verdict a false one."""
+    results, latencies = run["results"], []
     rounds = len(results[0]["rounds"])
     for i in range(rounds):
         last_sent = max(r["rounds"][i][0] for r in results)  # one clock: CLOCK_MONOTONIC is system-wide
         latencies += [t - last_sent for r in results for t in r["rounds"][i][1]]
     ok = sorted(x for x in latencies if x == x)
-    detect = next(r["detect"] for r in results if r["detect"] == r["detect"]) if results else float("nan")
+    killed = next(r["killed_at"] for r in results if r["killed_at"] is not None)
+    events = [e for e in events if e["t"] < run["ended"]]
+    wrong = verdicts.false_failures(events, {0: [killed]}, within_s=DETECT_WAIT_S)
+    seen = [e["t"] - killed for e in events if e["kind"] == "failure_detected" and e not in wrong]
     return {
         "layout": layout,
         "ranks": n,
         "group_size": k,
-        "speakers": speakers,
-        "heartbeat_cpu_per_1000_ranks": round(idle_cpu / (n / 1000), 4),
+        "speakers": run["speakers"],
+        "heartbeat_cpu_per_1000_ranks": round(run["idle_cpu"] / (n / 1000), 4),
         "rounds": rounds,
         "quorum_p50_ms": round(1000 * statistics.median(ok), 2) if ok else None,
-        "quorum_p99_ms": round(1000 * ok[int(0.99 * (len(ok) - 1))], 2) if ok else None,
+        "quorum_p99_ms": _p99(ok),
+        "heartbeat_p99_ms": _p99(sorted(x for r in results for x in r["beat_rtt"])),
+        "generator_lag_max_ms": round(1000 * max(r["lag"] for r in results), 1),
         "failed_requests": len(latencies) - len(ok),
-        "rounds_cpu_per_1000_ranks": round(rounds_cpu / (n / 1000), 4),
-        "failure_detection_ms": round(1000 * detect, 1),
+        "rounds_cpu_per_1000_ranks": round(run["rounds_cpu"] / (n / 1000), 4),
+        # None: the lighthouse never failed the killed group within DETECT_WAIT_S
+        "failure_detection_ms": round(1000 * min(seen), 1) if seen else None,
+        "false_failures": len(wrong),
+        "false_failure_reasons": sorted({str(e.get("reason")) for e in wrong}),
+        "false_failure_s_before_kill": [round(killed - e["t"], 3) for e in wrong[:3]],
     }
+
+
+def measure(root: Path, layout: str, n: int, k: int, a: argparse.Namespace, cores: tuple) -> dict[str, Any]:
+    """One size on a fresh lighthouse of checkout `root` (its events in a scratch file)."""
+    global LH_PID
+    port = free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        log = Path(tmp, "events.jsonl")
+        lh = _start_lighthouse(root, port, cores[0], log)
+        LH_PID = lh.pid
+        try:
+            run = run_size(layout, n, k, port, a, cores[1])
+        finally:
+            lh.kill()
+            lh.wait()
+        events = [json.loads(x) for x in log.read_text().splitlines() if x.strip()]
+    return _row(layout, n, k, run, events)
 
 
 LH_PID = 0
 
 
-def _start_lighthouse(root: Path, port: int, cores: set[int] | None) -> subprocess.Popen:
+def _start_lighthouse(root: Path, port: int, cores: set[int] | None, events: Path) -> subprocess.Popen:
     # every simulated host shares 127.0.0.1 here: the per-address caps are a real host's times 1,000
     caps = ["--max-connections-per-peer", "65536", "--max-unauthenticated-per-peer", "65536"]
     old = "max-unauthenticated-per-peer" not in (root / "ftcore" / "lighthouse.py").read_text()
     lh = subprocess.Popen(
         [sys.executable, "-m", "ftcore.lighthouse", "--bind", f"127.0.0.1:{port}", "--insecure"]
+        + ["--events-file", str(events)]
         + ([] if old else caps),
         cwd=root,
         stdout=subprocess.DEVNULL,
@@ -341,6 +479,10 @@ def _pin() -> tuple[set[int] | None, set[int] | None]:
     return ({cores[0]}, set(cores[1:])) if len(cores) > 1 else (None, None)
 
 
+def _hog_cores(on: str, cores: tuple) -> set[int] | None:
+    return {"lighthouse": cores[0], "generators": cores[1]}.get(on)
+
+
 def _runs(a: argparse.Namespace) -> list[tuple[str, int, int]]:
     """(layout, ranks, group size) in order; the rank layout stops at 4,096 ranks unless asked for alone."""
     runs = []
@@ -354,14 +496,28 @@ def _runs(a: argparse.Namespace) -> list[tuple[str, int, int]]:
     return runs
 
 
-def main() -> int:
-    global LH_PID
+def _args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, nargs="+", default=[1024, 4096, 16384, 100000])
     p.add_argument("--group-size", type=int, nargs="+", default=[8, 64], help="ranks per replica group")
-    p.add_argument("--layout", nargs="+", choices=("relay", "rank"), default=["relay", "rank"])
+    p.add_argument("--layout", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
+    p.add_argument(
+        "--load", nargs="+", choices=hog.LOADS, default=list(hog.LOADS), help="each size quiet, beside a hog"
+    )
+    p.add_argument(
+        "--hog-on",
+        choices=("any", "lighthouse", "generators"),
+        default="any",
+        help="the hog's core: the scheduler's choice, the lighthouse's or the load generators'",
+    )
     p.add_argument("--rounds", type=int, default=20, help="quorum rounds per size")
     p.add_argument("--procs", type=int, default=max(1, len(os.sched_getaffinity(0)) - 1), help="load generators")
+    p.add_argument(
+        "--relay-max-groups",
+        type=int,
+        default=RELAY_MAX_GROUPS,
+        help="the most real relays (groups) a size runs (their ranks are played beside them, on this machine)",
+    )
     p.add_argument(
         "--peer-root",
         type=Path,
@@ -369,38 +525,37 @@ def main() -> int:
         "against its lighthouse too, and the table gets the ratios",
     )
     p.add_argument("--json", default=str(ROOT / "bench-results" / "lighthouse_scale.json"))
-    a = p.parse_args()
+    return p.parse_args()
+
+
+def main() -> int:
+    a = _args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a killed run still ends its lighthouse
     resource.setrlimit(resource.RLIMIT_NOFILE, (resource.getrlimit(resource.RLIMIT_NOFILE)[1],) * 2)
-    lh_cores, gen_cores = _pin()
+    cores = _pin()
     rows = []
-    fds = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     for layout, n, k in _runs(a):
-        speakers = n // k if layout == "relay" else n
-        if 2 * speakers + 64 > fds:  # each speaker's heartbeat and quorum connections, in one generator
-            print(f"skipped: {layout} {n} ranks in groups of {k}: {2 * speakers} sockets, {fds} open files allowed")
+        if layout == "relay" and n // k > a.relay_max_groups:
+            print(f"not run: {n // k} real relays ({n} ranks in groups of {k}), above --relay-max-groups")
             continue
         roots = [("this", ROOT)] + ([("peer", a.peer_root.resolve())] if a.peer_root and layout == "rank" else [])
-        for name, root in roots:
-            port = free_port()
-            lh = _start_lighthouse(root, port, lh_cores)
-            LH_PID = lh.pid
-            try:
-                row = run_size(layout, n, k, port, a, gen_cores)
-            finally:
-                lh.kill()
-                lh.wait()
-            rows.append({"lighthouse": name, **row})
-            print(json.dumps(rows[-1]), flush=True)
+        for load in a.load:  # interleaved: each size quiet, then beside a hog
+            for name, root in roots:
+                with hog.load(load, cores=_hog_cores(a.hog_on, cores)):
+                    rows.append({"lighthouse": name, "load": load, **measure(root, layout, n, k, a, cores)})
+                print(json.dumps(rows[-1]), flush=True)
     _print(rows, bool(a.peer_root))
     meta = {
         "heartbeat_interval_s": timeouts.HEARTBEAT_INTERVAL,
         "relay_interval_s": UPSTREAM_INTERVAL,
+        "rank_to_relay_beat_s": RANK_BEAT_S,
         "procs": a.procs,
-        "pinned": lh_cores is not None,
+        "pinned": cores[0] is not None,
     }
     atomic_write_json(a.json, {**meta, "rows": rows}, indent=1)
-    return 0
+    wrong = sum(r["false_failures"] for r in rows)
+    print(f"\nfalse failures: {wrong}" + ("" if not wrong else " (a verdict against a group not killed, or before)"))
+    return 1 if wrong else 0
 
 
 def _print(rows: list[dict[str, Any]], peers: bool) -> None:
@@ -408,21 +563,25 @@ def _print(rows: list[dict[str, Any]], peers: bool) -> None:
     print("\n| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
     for r in rows:
         print("| " + " | ".join(str(r[c]) for c in cols) + " |")
-    by = {(r["lighthouse"], r["layout"], r["ranks"], r["group_size"]): r for r in rows}
-    print("\n| ranks | group size | quorum p99, relay / rank layout | lighthouse CPU in rounds, relay / rank |")
-    print("|---|---|---|---|")
-    for (who, layout, n, k), r in by.items():
-        base = next((b for (w, lay, m, _), b in by.items() if (w, lay, m) == ("this", "rank", n)), None)
-        if who == "this" and layout == "relay" and base and r["quorum_p99_ms"] and base["quorum_p99_ms"]:
-            p99 = r["quorum_p99_ms"] / base["quorum_p99_ms"]
-            cpu = r["rounds_cpu_per_1000_ranks"] / max(base["rounds_cpu_per_1000_ranks"], 1e-9)
-            print(f"| {n} | {k} | {p99:.2f} | {cpu:.2f} |")
+    by = {(r["lighthouse"], r["load"], r["layout"], r["ranks"], r["group_size"]): r for r in rows}
+    print(
+        "\n| ranks | group size | layout | heartbeat p99 ms, quiet / hog | quorum p99 ms, quiet / hog | false fails |"
+    )
+    print("|---|---|---|---|---|---|")
+    for (who, load, layout, n, k), r in by.items():
+        hogged = by.get((who, "hog", layout, n, k), {}) if load == "quiet" else {}
+        if who == "this" and (load == "quiet" or (who, "quiet", layout, n, k) not in by):
+            wrong = r["false_failures"] + hogged.get("false_failures", 0)
+            beats = f"{r['heartbeat_p99_ms']} / {hogged.get('heartbeat_p99_ms')}"
+            print(
+                f"| {n} | {k} | {layout} | {beats} | {r['quorum_p99_ms']} / {hogged.get('quorum_p99_ms')} | {wrong} |"
+            )
     if peers:
-        print("\n| ranks | quorum p99 this/peer (rank layout) |\n|---|---|")
-        for (who, layout, n, k), r in by.items():
-            peer = by.get(("peer", layout, n, k))
+        print("\n| ranks | load | quorum p99 this/peer (rank layout) |\n|---|---|---|")
+        for (who, load, layout, n, k), r in by.items():
+            peer = by.get(("peer", load, layout, n, k))
             if who == "this" and peer and r["quorum_p99_ms"] and peer["quorum_p99_ms"]:
-                print(f"| {n} | {r['quorum_p99_ms'] / peer['quorum_p99_ms']:.2f} |")
+                print(f"| {n} | {load} | {r['quorum_p99_ms'] / peer['quorum_p99_ms']:.2f} |")
 
 
 if __name__ == "__main__":

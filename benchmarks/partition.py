@@ -1,6 +1,7 @@
 """Partitions on simulated hosts: what a link that goes dark (no socket closes) costs the job.
 
-    python benchmarks/partition.py [--runs 3] [--seconds 8] [--scenario lighthouse group] [--json PATH]
+    python benchmarks/partition.py [--runs 3] [--seconds 8] [--scenario lighthouse group]
+        [--load quiet hog] [--json PATH]
 
 Four network namespaces on one switch (tests/netns.py): the lighthouse on host a, three
 single-rank replica groups of the toy trainer (ftcore/examples/toy.py, 30 ms steps) on b, c, d.
@@ -18,7 +19,9 @@ Mid-run one host's switch port goes down for `--seconds`, then comes back:
 
 Per run: failure and heal events, each group's longest commit gap that began while the link
 was down and after it came back, committed / leased / failed step attempts, equal final
-states. Needs root and iproute2 (as the tests do).
+states, the survivors' p99 commit gap, and false failures: a `failure_detected` for a group the
+scenario did not cut or kill, or before it did (any: the run exits 1). Each run quiet and beside
+a CPU hog (benchmarks/hog.py), interleaved. Needs root and iproute2 (as the tests do).
 """
 
 import argparse
@@ -36,10 +39,13 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import netns  # noqa: E402
 
+from benchmarks import hog, verdicts  # noqa: E402
 from ftcore.util.files import atomic_write_json  # noqa: E402
 
 STEPS = 400
 CUT = {"lighthouse": "a", "group": "d", "source": "d"}
+FAULTED = {"lighthouse": (), "group": (2,), "source": (2, 0)}  # the groups each scenario cuts or kills
+SURVIVORS = {"lighthouse": (0, 1, 2), "group": (0, 1), "source": (1,)}
 
 
 def _records(out: Path, g: int) -> list[dict]:
@@ -89,6 +95,13 @@ def run_once(scenario: str, seconds: float, work: Path) -> dict:
             envs[0] = {k: v for k, v in envs[0].items() if k not in ("FTCORE_FAULTS", "FTCORE_INCARNATION")}
             procs[0] = hosts.start("b", toy, envs[0], logs / "b-restarted.log")
         codes += [p.wait(timeout=300) for p in procs]
+    return _row(scenario, seconds, work, codes, (t_cut, t_up))
+
+
+def _row(scenario: str, seconds: float, work: Path, codes: list, cut: tuple[float, float]) -> dict:
+    """A run's figures from its events, logs and records; `cut`: when the link went down, came up."""
+    out, logs = work / "run", work / "logs"
+    t_cut, t_up = cut
     events = [json.loads(x) for x in (out / "events.jsonl").read_text().splitlines()]
     sums = set()
     for log in logs.glob("[bcd]*.log"):
@@ -99,6 +112,10 @@ def run_once(scenario: str, seconds: float, work: Path) -> dict:
     row["stall_reports"] = sum(e["kind"] == "stall_reported" for e in events)  # by an exchange ...
     row["round_probes"] = sum(e["kind"] == "round_stalled" for e in events)  # ... or by a round kept waiting
     row["heals"] = sum(e["kind"] == "heal_assigned" for e in events)
+    wrong = verdicts.false_failures(events, {g: [t_cut] for g in FAULTED[scenario]}, within_s=seconds + 60)
+    row["false_failures"] = len(wrong)
+    row["false_failure_reasons"] = sorted({str(e.get("reason")) for e in wrong})
+    row["survivors_gap_p99_s"] = _gap_p99(out, SURVIVORS[scenario], t_cut - 1)
     for g in range(3):
         recs = _records(out, g)
         ts = [r["t"] for r in recs if r["committed"] and r["t"] >= t_cut - 1]
@@ -115,11 +132,22 @@ def run_once(scenario: str, seconds: float, work: Path) -> dict:
     return row
 
 
+def _gap_p99(out: Path, groups: tuple[int, ...], since: float) -> float:
+    """The p99 of these groups' gaps between commits from `since` (the cut's span included)."""
+    gaps = []
+    for g in groups:
+        ts = [r["t"] for r in _records(out, g) if r["committed"] and r["t"] >= since]
+        gaps += [b - a for a, b in itertools.pairwise(ts)]
+    gaps.sort()
+    return round(gaps[int(0.99 * (len(gaps) - 1))], 3) if gaps else 0.0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--seconds", type=float, default=8.0, help="how long the link stays down")
     p.add_argument("--scenario", nargs="+", choices=sorted(CUT), default=["lighthouse", "group"])
+    p.add_argument("--load", nargs="+", choices=hog.LOADS, default=list(hog.LOADS), help="quiet, beside a CPU hog")
     p.add_argument("--json", default=str(ROOT / "bench-results" / "partition.json"))
     a = p.parse_args()
     why = netns.unavailable()
@@ -128,16 +156,18 @@ def main() -> int:
         return 0
     rows = []
     for i in range(a.runs):
-        for scenario in a.scenario:  # interleaved: the machine's noise falls on both alike
-            with tempfile.TemporaryDirectory() as d:
-                rows.append({"run": i, **run_once(scenario, a.seconds, Path(d))})
+        for scenario, load in itertools.product(a.scenario, a.load):  # interleaved: the noise falls on all alike
+            with tempfile.TemporaryDirectory() as d, hog.load(load):
+                rows.append({"run": i, "load": load, **run_once(scenario, a.seconds, Path(d))})
             print(json.dumps(rows[-1]), flush=True)
     cols = list(rows[0])
     print("\n| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
     for r in rows:
         print("| " + " | ".join(str(r[c]) for c in cols) + " |")
     atomic_write_json(a.json, {"rows": rows}, indent=1)
-    return 0
+    wrong = sum(r["false_failures"] for r in rows)
+    print(f"\nfalse failures: {wrong}")
+    return 1 if wrong else 0
 
 
 if __name__ == "__main__":

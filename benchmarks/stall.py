@@ -1,6 +1,6 @@
 """Survivors' stall per failure, with the toy and with the real trainer, under plain and compound faults.
 
-    python benchmarks/stall.py [--worker toy|trainer|both] [--json PATH]
+    python benchmarks/stall.py [--worker toy|trainer|both] [--load quiet hog] [--json PATH]
 
 The launcher runs 3 replica groups (4 for `together`) with warm spares and a fault plan:
 
@@ -22,6 +22,9 @@ first kill to the last returning group's first commit, plus one step), its commi
 Goals (issue #16): extra stall per single failure <= 1 step (median of >= 4 kills); under
 compound faults no survivor waits longer than one failure-detection interval
 (FTCORE_FAILURE_PROBE, 0.2 s), and never a heartbeat timeout (FTCORE_HEARTBEAT_TIMEOUT, 2 s).
+Every run counts false failures: a `failure_detected` for a group the plan did not kill, or
+before it did (any: the benchmark exits 1), and reports the survivors' p99 gap between commits
+over the whole run; each scenario runs quiet and beside a CPU hog (benchmarks/hog.py), in turn.
 `--partitions S` adds faults that close no connection (benchmarks/partition.py, simulated hosts,
 root only): the lighthouse's host and one group's host cut off for S seconds; each survivor's
 longest wait while the link was down.
@@ -40,6 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks import hog, verdicts  # noqa: E402
 from benchmarks.launcher import launch, toy  # noqa: E402
 from ftcore import timeouts  # noqa: E402  (after the repo root is on the path)
 
@@ -190,6 +194,33 @@ def episodes(tl: dict, groups: int, episode_faults: list[list[dict]]) -> list[di
     return rows
 
 
+def judged(tl: dict, groups: int, episode_faults: list[list[dict]]) -> dict:
+    """The run's verdicts and the survivors' commit gaps: false failures (a verdict on a group no
+    fault hit, or before its fault: an in-process fault, which the launcher does not log, counts
+    from its episode's first kill) and the p99 of every untouched group's gaps between commits."""
+    kills = sorted(
+        (e["t"], e["group"]) for e in tl["launcher_events"] if e["kind"] == "fault" and e.get("fault") == "kill"
+    )
+    faulted: dict[int, list[float]] = {}
+    for t, g in kills:
+        faulted.setdefault(g, []).append(t)
+    first = kills[0][0] if kills else float("inf")
+    for f in (f for ep in episode_faults for f in ep if "phase" in f):
+        faulted.setdefault(f["group"], []).append(first)
+    wrong = verdicts.false_failures(tl["lighthouse_events"], faulted)
+    touched = {f["group"] for ep in episode_faults for f in ep}
+    gaps = []
+    for g in sorted(set(range(groups)) - touched):
+        ts = sorted(s["t"] for s in tl["steps"] if s["committed"] and s["group"] == g)
+        gaps += [b - a for a, b in zip(ts, ts[1:], strict=False)]
+    gaps.sort()
+    return {
+        "false_failures": len(wrong),
+        "false_failure_reasons": sorted({str(e.get("reason")) for e in wrong}),
+        "survivor_gap_p99_s": gaps[int(0.99 * (len(gaps) - 1))] if gaps else None,
+    }
+
+
 def _spanning(commits: list[float], t: float) -> float:
     """The gap between the commits around time t (sorted commits)."""
     after = next((c for c in commits if c > t), commits[-1])
@@ -197,14 +228,44 @@ def _spanning(commits: list[float], t: float) -> float:
     return after - before
 
 
-def main() -> int:
+def _args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--worker", choices=("toy", "trainer", "both"), default="both")
     p.add_argument("--scenarios", default=",".join(SCENARIOS))
+    p.add_argument("--load", nargs="+", choices=hog.LOADS, default=list(hog.LOADS), help="quiet, beside a CPU hog")
     p.add_argument("--json", default=str(ROOT / "bench-results" / "stall.json"))
     p.add_argument("--keep", metavar="DIR", help="keep each run's folder (timeline.json, logs) under DIR")
     p.add_argument("--partitions", type=float, default=0.0, metavar="S", help="also cut links for S seconds")
-    a = p.parse_args()
+    return p.parse_args()
+
+
+def _one(worker: str, name: str, load: str, d: str, shards: str | None) -> dict:
+    """One scenario's run and its figures (or the error that ended it)."""
+    groups, eps = SCENARIOS[name]
+    folder = tempfile.mkdtemp(dir=d, prefix=f"{worker}-{name}-{load}-")
+    t = time.time()
+    try:
+        with hog.load(load):
+            tl = run(worker, groups, [f for ep in eps for f in ep], folder, shards)
+    except (RuntimeError, subprocess.TimeoutExpired) as e:  # report it, go on with the others
+        print(f"{worker} {name} {load}: {str(e)[-1500:]}", flush=True)
+        return {"worker": worker, "scenario": name, "load": load, "rows": [], "error": str(e)[-2000:]}
+    rows = episodes(tl, groups, eps)
+    print(f"{worker} {name} {load}: {len(rows)} samples, {time.time() - t:.0f} s", flush=True)
+    return {
+        "worker": worker,
+        "scenario": name,
+        "load": load,
+        "rows": rows,
+        "wall_s": time.time() - t,
+        "identical_states": len(set(tl.get("checksums", {}).values())) <= 1,
+        "heartbeat_timeouts": sum(1 for e in tl["lighthouse_events"] if e.get("reason") == "heartbeat timeout"),
+        **judged(tl, groups, eps),
+    }
+
+
+def main() -> int:
+    a = _args()
     workers = ("toy", "trainer") if a.worker == "both" else (a.worker,)
     results: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -213,40 +274,34 @@ def main() -> int:
         shards = _shards(d) if "trainer" in workers else None
         for worker in workers:
             for name in a.scenarios.split(","):
-                groups, eps = SCENARIOS[name]
-                folder = tempfile.mkdtemp(dir=d, prefix=f"{worker}-{name}-")
-                t = time.time()
-                try:
-                    tl = run(worker, groups, [f for ep in eps for f in ep], folder, shards)
-                except (RuntimeError, subprocess.TimeoutExpired) as e:  # report it, go on with the others
-                    results.append({"worker": worker, "scenario": name, "rows": [], "error": str(e)[-2000:]})
-                    print(f"{worker} {name}: {str(e)[-1500:]}", flush=True)
-                    continue
-                rows = episodes(tl, groups, eps)
-                same = len(set(tl.get("checksums", {}).values())) <= 1
-                results.append(
-                    {
-                        "worker": worker,
-                        "scenario": name,
-                        "rows": rows,
-                        "wall_s": time.time() - t,
-                        "identical_states": same,
-                        "heartbeat_timeouts": sum(
-                            1 for e in tl["lighthouse_events"] if e.get("reason") == "heartbeat timeout"
-                        ),
-                    }
-                )
-                print(f"{worker} {name}: {len(rows)} samples, {time.time() - t:.0f} s", flush=True)
+                results += [_one(worker, name, load, d, shards) for load in a.load]
+    _report(results)
+    cuts = _partitions(a.partitions) if a.partitions else []
     probe, hb = timeouts.FAILURE_PROBE, timeouts.HEARTBEAT_TIMEOUT
-    print(f"failure-detection interval {probe:.2f} s, heartbeat timeout {hb:.1f} s")
+    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.json).write_text(
+        json.dumps({"failure_probe_s": probe, "heartbeat_timeout_s": hb, "runs": results, "partitions": cuts}, indent=1)
+    )
+    wrong = sum(r.get("false_failures", 0) for r in results) + sum(c["false_failures"] for c in cuts)
+    print(f"false failures: {wrong}")
+    return 1 if wrong else 0
+
+
+def _report(results: list[dict]) -> None:
+    """The table; each run's summary is added to it (for the JSON)."""
     print(
-        f"{'worker':8} {'scenario':12} {'step s':>7} {'extra stall, median (steps)':>28} "
-        f"{'longest gap beyond a step, max':>31} {'hb timeouts':>11} {'same state':>10}  samples (s)"
+        f"failure-detection interval {timeouts.FAILURE_PROBE:.2f} s, "
+        f"heartbeat timeout {timeouts.HEARTBEAT_TIMEOUT:.1f} s"
+    )
+    print(
+        f"{'worker':8} {'scenario':12} {'load':5} {'step s':>7} {'extra stall, median (steps)':>28} "
+        f"{'longest gap beyond a step, max':>31} {'gap p99 s':>9} {'hb timeouts':>11} {'false fails':>11} "
+        f"{'same state':>10}  samples (s)"
     )
     for r in results:
         rows = r["rows"]
         if not rows:
-            print(f"{r['worker']:8} {r['scenario']:12} no complete episode")
+            print(f"{r['worker']:8} {r['scenario']:12} {r['load']:5} no complete episode")
             continue
         step = rows[0]["step_s"]
         extra = statistics.median(x["extra_stall_s"] for x in rows)
@@ -256,21 +311,15 @@ def main() -> int:
             "extra_stall_median_s": extra,
             "extra_stall_median_steps": extra / step,
             "longest_gap_beyond_step_max_s": longest,
+            "gap_at_failure_s": [v for x in rows for v in x["gap_at_failure_s"]],
         }
         samples = ", ".join(f"{x['extra_stall_s']:.3f}" for x in rows)
         at_failure = ", ".join(f"{v:.3f}" for x in rows for v in x["gap_at_failure_s"])
-        r["summary"]["gap_at_failure_s"] = [v for x in rows for v in x["gap_at_failure_s"]]
         print(
-            f"{r['worker']:8} {r['scenario']:12} {step:7.3f} {extra:16.3f} ({extra / step:4.2f}) "
-            f"{longest:31.3f} {r['heartbeat_timeouts']:11d} {str(r['identical_states']):>10}  {samples}"
-            f"  | at each failure: {at_failure}"
+            f"{r['worker']:8} {r['scenario']:12} {r['load']:5} {step:7.3f} {extra:16.3f} ({extra / step:4.2f}) "
+            f"{longest:31.3f} {r['survivor_gap_p99_s'] or 0:9.3f} {r['heartbeat_timeouts']:11d} "
+            f"{r['false_failures']:11d} {str(r['identical_states']):>10}  {samples}  | at each failure: {at_failure}"
         )
-    cuts = _partitions(a.partitions) if a.partitions else []
-    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.json).write_text(
-        json.dumps({"failure_probe_s": probe, "heartbeat_timeout_s": hb, "runs": results, "partitions": cuts}, indent=1)
-    )
-    return 0
 
 
 def _partitions(seconds: float) -> list[dict]:
@@ -285,7 +334,8 @@ def _partitions(seconds: float) -> list[dict]:
         rows.append({"scenario": f"partition_{scenario}", "survivors_longest_gap_s": wait, **r})
         print(
             f"toy      partition_{scenario:10} cut {seconds:.0f} s: survivors' longest gap {wait:.3f} s, "
-            f"failures {r['failures']}, heals {r['heals']}, same state {r['final_states_equal']}",
+            f"failures {r['failures']} (false {r['false_failures']}), heals {r['heals']}, "
+            f"same state {r['final_states_equal']}",
             flush=True,
         )
     return rows
