@@ -321,7 +321,9 @@ def _relays(port: int, infos: list[dict[str, Any]]) -> tuple[list[Relay], list[i
     for info in infos:
         g = info["group"]
         if g not in relays:
-            relays[g] = Relay(f"127.0.0.1:{port}", RankInfo.parse({**info, "rank": 0}), None, "127.0.0.1")
+            relays[g] = relay = Relay(f"127.0.0.1:{port}", RankInfo.parse({**info, "rank": 0}), None, "127.0.0.1")
+            # its K ranks all share 127.0.0.1 here (a host's 8 in a job): none is a stranger to evict
+            relay.cfg.max_unauthenticated_per_peer = relay.cfg.max_connections_per_peer
         ports.append(int(relays[g].address.rsplit(":", 1)[1]))
     return list(relays.values()), ports
 
