@@ -2,7 +2,7 @@
 
     python benchmarks/lighthouse_scale.py [--ranks 1024 4096 16384 100000] [--group-size 8 64]
         [--layout relay upstream rank] [--load quiet hog] [--hog-on any|lighthouse|generators]
-        [--rounds 20] [--procs N] [--relay-max-groups 64] [--json PATH]
+        [--rounds 20] [--procs N] [--relay-max-groups 64] [--relay-max-ranks 1024] [--json PATH]
 
 One real lighthouse process (`python -m ftcore.lighthouse`, loopback), pinned to one core, and
 a load generator of N processes (asyncio each) on the other cores, each playing a slice of the
@@ -11,8 +11,9 @@ job's speakers. Layouts:
 - `relay`: one real `ftcore.relay.Relay` per replica group (made as rank 0's manager makes it,
   in the generator processes), its K ranks played beside it: each rank opens its heartbeat line
   and quorum connection to its relay and beats every RANK_BEAT_S (a relay judges a rank by its
-  line); the relays speak to the lighthouse. Run up to --relay-max-groups (four sockets per rank and
-  four threads per group on this machine); larger sizes say so and are not run.
+  line); the relays speak to the lighthouse. Run up to --relay-max-groups relays and
+  --relay-max-ranks ranks (all in the generators, on one core here: beyond, they fall seconds
+  behind and their relays are failed); larger sizes say so and are not run.
 - `upstream`: one speaker per group sending what a relay sends upstream (one kept-alive line and
   one quorum connection, the group's addresses), written by this benchmark, not by ftcore.relay:
   the lighthouse's load at the sizes the real relays do not fit on this machine.
@@ -78,6 +79,8 @@ RELAYS_PER_PROC = 800  # each takes a low file descriptor (see _worker)
 # the real relays, their ranks beside them, in the generators on one core of this 2-core machine: at
 # 128 relays (1,024 ranks in groups of 8) a generator falls 0.6 s behind and its relays are failed
 RELAY_MAX_GROUPS = 64
+# ... and at 4,096 ranks (64 relays of 64) the generators fell 1.4-3 s behind quiet, 14 s beside a hog
+RELAY_MAX_RANKS = 1024
 _SINK = object()  # a Conn's waiter when its reply goes to its sink
 
 
@@ -520,6 +523,7 @@ def _args() -> argparse.Namespace:
         default=RELAY_MAX_GROUPS,
         help="the most real relays (groups) a size runs (their ranks are played beside them, on this machine)",
     )
+    p.add_argument("--relay-max-ranks", type=int, default=RELAY_MAX_RANKS, help="... and the most ranks")
     p.add_argument(
         "--peer-root",
         type=Path,
@@ -537,8 +541,11 @@ def main() -> int:
     cores = _pin()
     rows = []
     for layout, n, k in _runs(a):
-        if layout == "relay" and n // k > a.relay_max_groups:
-            print(f"not run: {n // k} real relays ({n} ranks in groups of {k}), above --relay-max-groups")
+        if layout == "relay" and (n // k > a.relay_max_groups or n > a.relay_max_ranks):
+            print(
+                f"not run: {n // k} real relays ({n} ranks in groups of {k}): "
+                "above --relay-max-groups or --relay-max-ranks on this machine"
+            )
             continue
         roots = [("this", ROOT)] + ([("peer", a.peer_root.resolve())] if a.peer_root and layout == "rank" else [])
         for load in a.load:  # interleaved: each size quiet, then beside a hog
