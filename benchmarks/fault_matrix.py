@@ -146,6 +146,8 @@ JOBS = {
             ),
         ),
         env={"FTCORE_SLOW_PROBATION": "5"},
+        # not in make test: its 3/5 hang went undetected once (10 s) in a fresh-clone CI run
+        tested=False,
     ),
     # a lease trains on through a pause: slower steps (fewer of them a pause), and small at_step
     # bounds (the cells wait for a steady job, in order)

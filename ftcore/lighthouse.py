@@ -12,7 +12,6 @@ import secrets
 import sys
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,9 +49,6 @@ class LighthouseConfig:
 
 
 PACE_S = 1.0  # how often the heartbeat pace is set from the speakers counted
-# reading its messages later than this (a loaded host, a burst of requests), the lighthouse judges
-# no silence: a message waiting unread in its sockets is not its sender's silence
-BEHIND_S = timeouts.FAILURE_PROBE / 2
 RETIRED_KEPT = 256  # retired jobs listed by GET /jobs, whose final status GET /status still shows
 RETIRED_EVENTS = 50  # ... with this many of their last events
 
@@ -77,8 +73,6 @@ class Lighthouse:
         self.grace_until = 0.0  # after a pause: silence is not judged before this
         self.beat_s = 0.0  # the heartbeat pace asked of every speaker (0: their own)
         self.paced_probe_s = cfg.failure_probe  # ... and the failure probe that pace allows
-        self.behind: Callable[[float], float] = lambda now: 0.0  # how late its server reads (serve() wires it)
-        self.late_noted = 0.0  # when a "lighthouse_behind" event was last logged
         self._ticker = threading.Thread(target=self._tick, daemon=True, name="lighthouse-tick")
         self._ticker.start()
         self.event("lighthouse_started", lighthouse_id=self.lighthouse_id, min_replicas=cfg.min_replicas)
@@ -145,20 +139,14 @@ class Lighthouse:
             if gap > timeouts.PAUSE_JUMP and self.cfg.pause_grace:
                 self.grace_until = now + self.cfg.heartbeat_timeout
                 self.event("lighthouse_paused", seconds=round(gap, 3), grace_s=self.cfg.heartbeat_timeout)
-            late = self.behind(now)
-            if late > BEHIND_S and now - self.late_noted > 1.0:  # at most once a second
-                self.late_noted = now
-                self.event("lighthouse_behind", seconds=round(late, 3))
 
     def in_grace(self, now: float) -> bool:
-        """Whether silence is not judged now: just after a pause, or while reading late."""
-        return now < self.grace_until or (self.cfg.pause_grace and self.behind(now) > BEHIND_S)
+        return now < self.grace_until
 
     @property
     def probe_s(self) -> float:
-        """How long a failure probe waits to hear a member: as paced, and as long again as this
-        lighthouse reads late (a member heard in time may be unread yet)."""
-        return self.paced_probe_s + self.behind(time.monotonic())
+        """How long a failure probe waits to hear a member (as paced)."""
+        return self.paced_probe_s
 
     def _pace(self, speakers: int) -> None:
         """Ask for slower heartbeats when their speakers would exceed the budget (every
@@ -288,7 +276,6 @@ def serve(cfg: LighthouseConfig) -> tuple[LighthouseServer, Lighthouse]:
     except OSError:
         lh.close()
         raise
-    lh.behind = server.behind
     return server, lh
 
 

@@ -49,7 +49,6 @@ FIRST_REQUEST_S = 10.0  # a new connection must send its first request within th
 REQUEST_S = 10.0  # a request must arrive whole within this of its first byte
 EVICT_AGE_S = 0.5  # a connection that sent no valid token for this long may make way for a new one
 IDLE_S = 600.0  # a quiet connection that is not a rank's heartbeat line is closed after this
-LOOP_BEAT_S = 0.05  # the loop marks itself awake this often: how late it does is how late it reads
 JSON = "application/json"
 
 
@@ -300,7 +299,6 @@ class LighthouseServer:
         self._started = threading.Event()
         self._error: OSError | None = None
         self.server_address: tuple = ()
-        self.awake_at = time.monotonic()  # the loop's last mark (_awake)
         self._thread = threading.Thread(target=self._run, args=(host, port), daemon=True, name="lighthouse-http")
         self._thread.start()
         self._started.wait()
@@ -319,17 +317,7 @@ class LighthouseServer:
         self._started.set()
         if self._error is None:
             self.loop.call_later(1.0, self._sweep)
-            self.loop.call_soon(self._awake)
             self.loop.run_forever()
-
-    def _awake(self) -> None:
-        self.awake_at = time.monotonic()
-        self.loop.call_later(LOOP_BEAT_S, self._awake)
-
-    def behind(self, now: float) -> float:
-        """Seconds this server's loop is late (0: on time): a message that arrived since may be
-        unread yet, so its sender's silence is this server's, not the sender's."""
-        return max(now - self.awake_at - LOOP_BEAT_S, 0.0)
 
     def admit(self, c: _Connection) -> str:
         """Count a new connection in, or say why it is refused ("" when admitted). Past the cap
