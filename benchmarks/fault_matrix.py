@@ -51,7 +51,7 @@ STEP_SLEEP = 0.03  # the toy's step: about 45 ms with the exchange on this machi
 
 @dataclass(frozen=True)
 class Cell:
-    """One fault episode of a job: its faults (plan entries; `marker` starts the episode) and
+    """One fault episode of a job: its faults (plan entries; the first starts the episode) and
     what a correct verdict looks like."""
 
     case: str
@@ -60,7 +60,6 @@ class Cell:
     survivors: frozenset[int] = frozenset()  # groups that must go on (their gaps are measured)
     lasts_s: float = 0.0  # how long the fault itself lasts (a hang, a pause, a cut)
     span_s: float = 8.0  # measured from its start
-    marker: int = 0  # which of `faults` starts the episode
 
 
 @dataclass(frozen=True)
@@ -302,12 +301,12 @@ def check_ledger(out: Path, job: Job) -> str:
 
 # ---- jobs under the launcher -------------------------------------------------------------------
 def _starts(job: Job, tl: dict) -> list[float]:
-    """When each cell started: its marker fault's launcher event (the first after the previous
+    """When each cell started: its first fault's launcher event (the first after the previous
     cell's), or for a slow fault the first commit of that group at or past its step."""
     starts, after = [], 0.0
     fired = [e for e in tl["launcher_events"] if e["kind"] == "fault"]
     for c in job.cells:
-        f = c.faults[c.marker]
+        f = c.faults[0]
         if f["kind"] == "slow":
             mine = [s for s in tl["steps"] if s["group"] == f["group"] and s["incarnation"] == f["incarnation"]]
             t = min(s["t"] for s in mine if s["step"] >= f["at_step"] and s["t"] > after)

@@ -81,22 +81,23 @@ def torchrun_train(shards: str, out: str, port: int, settings: list[str], nproc:
 def run_python(args: list[str], timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
     """`python *args` from the project root in a process group of its own, bounded: on timeout
     the whole group is SIGKILLed and the test fails with the tail of the output."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
+    return run_bounded([sys.executable, *args], timeout, env)
+
+
+def run_bounded(argv: list[str], timeout: float, env: dict, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """`argv` with exactly `env`, in a process group of its own: on timeout the whole group is
+    SIGKILLed and the test fails with the tail of the output."""
     p = subprocess.Popen(
-        [sys.executable, *args],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})},
+        argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
     try:
         out, _ = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(p.pid, signal.SIGKILL)
         out, _ = p.communicate()
-        pytest.fail(f"{args[:3]} did not finish in {timeout}s:\n{out[-4000:]}")
-    return subprocess.CompletedProcess(args, p.returncode, out)
+        pytest.fail(f"{argv[:3]} did not finish in {timeout}s:\n{out[-4000:]}")
+    return subprocess.CompletedProcess(argv, p.returncode, out)
 
 
 TOY = "ftcore.examples.toy"

@@ -8,7 +8,6 @@ claims about CUDA are SKIP, the rest must PASS, and no part may fail."""
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import zipfile
@@ -16,6 +15,7 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
+from conftest import run_bounded
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
@@ -24,19 +24,6 @@ pytestmark = pytest.mark.integ
 ROOT = Path(__file__).resolve().parents[1]
 MACHINE = ["torch", "numpy", "pyarrow", "uvloop", "psutil", "matplotlib", "pytest"]  # what it has
 OFFLINE = ("NewConnectionError", "Network is unreachable", "Temporary failure in name resolution", "timed out")
-
-
-def _bounded(argv: list[str], timeout: float, env: dict, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    """argv in its own process group; on timeout the group is killed and the test fails."""
-    p = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         start_new_session=True)  # fmt: skip
-    try:
-        out, _ = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, _ = p.communicate()
-        pytest.fail(f"{argv[:3]} did not finish in {timeout}s:\n{out[-4000:]}")
-    return subprocess.CompletedProcess(argv, p.returncode, out)
 
 
 def _needed() -> list[str]:
@@ -87,7 +74,7 @@ def _wheels_from_venv(dst: Path) -> None:
 
 def test_the_wheel_set_resolves_for_python_312(tmp_path):
     env = {**os.environ, "GPU_WHEELS": str(tmp_path / "w")}
-    r = _bounded(["make", "-s", "gpu-wheels", f"GPU_WHEELS={tmp_path / 'w'}"], 180, env)
+    r = run_bounded(["make", "-s", "gpu-wheels", f"GPU_WHEELS={tmp_path / 'w'}"], 180, env)
     if r.returncode != 0 and any(s in r.stdout for s in OFFLINE):
         pytest.skip(f"no package index reachable: {r.stdout[-300:]}")
     assert r.returncode == 0, r.stdout[-3000:]
@@ -115,9 +102,9 @@ def test_gpu_check_sh_runs_on_cpu_with_the_machines_packages_and_the_wheels(tmp_
         "FTREC_GPU_CHECK_LIMIT_S": "420",
         "OMP_NUM_THREADS": "1",
     }
-    missing = _bounded([env["PYTHON"], "-c", "import tenacity"], 60, env)
+    missing = run_bounded([env["PYTHON"], "-c", "import tenacity"], 60, env)
     assert missing.returncode != 0, "the bare interpreter must not see this venv's packages"
-    r = _bounded(["bash", "benchmarks/gpu_check.sh", str(out), "--cpu"], 480, env)
+    r = run_bounded(["bash", "benchmarks/gpu_check.sh", str(out), "--cpu"], 480, env)
     assert r.returncode == 0, r.stdout[-5000:]
     assert f"{len(_needed())} wheel(s)" in r.stdout
     res = json.loads((out / "gpu_check.json").read_text())
@@ -148,5 +135,5 @@ def test_gpu_check_sh_names_the_missing_wheels(tmp_path):
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True, timeout=60)
     env = {"PATH": os.environ["PATH"], "TMPDIR": str(tmp_path), "PYTHON": str(bare / "bin" / "python"),
            "FTREC_GPU_WHEELS": str(tmp_path / "none")}  # fmt: skip
-    r = _bounded(["bash", "benchmarks/gpu_check.sh", str(tmp_path / "out"), "--cpu"], 60, env)
+    r = run_bounded(["bash", "benchmarks/gpu_check.sh", str(tmp_path / "out"), "--cpu"], 60, env)
     assert r.returncode == 3 and "make gpu-wheels" in r.stdout, r.stdout[-2000:]
