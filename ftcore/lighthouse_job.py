@@ -237,7 +237,9 @@ class Job:
         complete, the join timeout reached, or a pending group unhealthy (lost: told to exit)."""
         waited = self.round.start is not None and self._waited(now, self.round.start)
         unhealthy = not self.round.pending.keys() <= self.health.healthy
-        return len(self.round.complete) >= self.round.need or waited or unhealthy
+        # before a first quorum here, a majority may resume the quorum they last trained in
+        resuming = self.quorum is None and 2 * len(self.round.complete) > len(self.health.healthy)
+        return len(self.round.complete) >= self.round.need or waited or unhealthy or resuming
 
     def _waited(self, now: float, since: float) -> bool:
         """Whether a round waiting since `since` may form without the groups it lacks: after the
@@ -296,16 +298,18 @@ class Job:
         # a group on standby is not waited for, nor counted
         healthy = frozenset(self.health.healthy - self.slow.excluded.keys())
         round_start = self.round.start if self.round.start is not None else now
+        requesting = sorted(self.round.complete & healthy)
         decision = decide(
             Round(
                 previous=frozenset(self.quorum.groups) if self.quorum else None,
-                requesting=frozenset(self.round.complete & healthy),
+                requesting=frozenset(requesting),
                 healthy=healthy,
                 min_replicas=self.min_replicas,
                 expected=self.expected,
                 # a round does not time out on members this lighthouse cannot hear (isolated, paused)
                 waited=self._waited(now, round_start) and self._silence_counts(now),
                 leasing=self._leasing(now),
+                resumes=self.quorum is None and self._resumes(requesting),
             )
         )
         if isinstance(decision, Formed):
@@ -337,10 +341,19 @@ class Job:
             and not any(r.disconnected for r in grp.ranks.values())
         )
 
+    def _resumes(self, members: list[int]) -> bool:
+        """Whether `members` are exactly the members of the quorum they all last trained in (its
+        ids are resumed unless a failure since forces new ones): O(their ranks), only before a
+        first quorum here."""
+        identity = tuple((g, self.groups[g].incarnation) for g in members)
+        return bool(members) and self._resumed(members, identity) is not None
+
     def _resumed(self, members: list[int], identity: Identity) -> tuple[int, str] | None:
         """After a restart of this lighthouse: the (quorum id, lighthouse id) its members all
         last trained in, when that quorum had exactly this membership. Resuming it keeps their
         process groups (and a group that went on without this lighthouse, on its lease, in step)."""
+        if not next(iter(self.round.pending[members[0]].values())).last_lighthouse_id:
+            return None  # a first quorum ever (O(1): a job's start tries this at every tick)
         reqs = [r for g in members for r in self.round.pending[g].values()]
         last = {(r.last_quorum, r.last_lighthouse_id, r.last_key) for r in reqs}
         if len(last) == 1 and reqs[0].last_lighthouse_id and reqs[0].last_key == identity_key(identity):
@@ -557,8 +570,10 @@ class Job:
             if not probes or now > probes[-1].t + self.lh.probe_s:  # a new probe (a quorum outlives a stall)
                 # the last one ended stands until this one ends
                 probes[:] = [*probes[-1:], Probe(now, frozenset({report.group}))]
-            if self.quorum is not None and qid == self.quorum.quorum_id and not report.stalled:
-                self.health.force_new = True  # the reporter's process group is broken: rebuild everyone's
+            # the reporter's process group is broken: rebuild everyone's (after a restart of this
+            # lighthouse too: the quorum its members report is not resumed as it was)
+            if not report.stalled and (self.quorum is None or qid == self.quorum.quorum_id):
+                self.health.force_new = True
             self.health.last_sweep = 0.0  # probe at the next tick
 
     def leave(self, info: RankInfo) -> None:

@@ -92,6 +92,7 @@ class Round:
     fut: Future | None = None  # the quorum call
     leased: bool = False  # it went on in the previous quorum without the lighthouse's answer
     answered: bool = False  # its answer was taken: it can no longer lease
+    stalled: bool = False  # its exchange made no progress for STALL_PROBE (reported)
     waited: bool = False  # its quorum is known (wait_quorum ran)
     heal_fut: Future | None = None  # the state fetch, when this group heals this step
     has_work: bool = True
@@ -250,7 +251,16 @@ class Manager:
         self.injector.phase("heal_serve", step)
 
     def _is_stale(self) -> bool:
-        return self._quorum is not None and self._overtaken(self._quorum)
+        return self._quorum is not None and (self._overtaken(self._quorum) or self._lease_lapsed())
+
+    def _lease_lapsed(self) -> bool:
+        """This step went on under the lease, its exchange stalled, and the lighthouse answers
+        again: a peer that heard it back a moment sooner asked it for this step instead of
+        leasing, and waits there. The step fails, reported (its exchange is abandoned mid-way:
+        the lighthouse has every process group rebuilt), and both meet in the next round, not
+        after the whole collective timeout."""
+        r = self._r
+        return r.leased and r.stalled and self.client.silent_for() < timeouts.LIGHTHOUSE_SILENT
 
     def _overtaken(self, q: Quorum) -> bool:
         """A member of q's exchange failed, or a newer quorum formed (the lighthouse's word)."""
@@ -273,6 +283,7 @@ class Manager:
         """An FTAR wait made no progress for STALL_PROBE: the lighthouse probes the quorum's
         members now (a partitioned peer closes no connection). Sent from a thread of its own:
         the wait goes on polling for the verdict meanwhile."""
+        self._r.stalled = True
         qid = self._quorum.quorum_id if self._quorum else 0
         why = f"no progress in the exchange for {timeouts.STALL_PROBE} s"
         threading.Thread(target=self.client.report_failure, args=(qid, why, True), daemon=True).start()
@@ -426,7 +437,7 @@ class Manager:
         try:
             return self._ftar(tensors, contribute, local_error, step)
         except FTARError as e:
-            self._report(str(e))
+            self._report("lease given up: a peer asks the lighthouse for this step" if self._lease_lapsed() else str(e))
             if saved is None or same_batch is None or local_error or self._requorum(same_batch) is None:
                 self._r.errors.append(str(e))
                 return None

@@ -18,6 +18,9 @@ class Round:
     waited: bool  # the round has waited the join timeout
     # members of the previous quorum that may still train in it on its lease (not known crashed)
     leasing: frozenset[int] = frozenset()
+    # no quorum formed here yet (a restarted lighthouse), and the requesters are exactly the
+    # members of the one quorum they all last trained in: nobody of it trains on elsewhere
+    resumes: bool = False
 
 
 @dataclass(frozen=True)
@@ -34,7 +37,9 @@ def decide(r: Round) -> Formed | Wait:
     """The members to form a quorum of now, or why the round waits.
 
     Fast: every healthy member of the previous quorum asks (a failed member is not waited
-    for), or, for a first quorum, every healthy group and at least `expected`. Otherwise the
+    for), or, for a first quorum, every healthy group and at least `expected`, or every
+    member of the quorum the requesters resume (a group on standby when this lighthouse
+    restarted is not waited for: it was not in that quorum). Otherwise the
     round waits up to the join timeout. Always: at least min_replicas groups and a majority
     of the healthy ones (no split brain); and while the previous quorum's lease may run, a
     member of it (its members commit only together, so one of them here means none commits
@@ -51,7 +56,7 @@ def decide(r: Round) -> Formed | Wait:
     if r.previous is not None:
         fast = (r.previous & r.healthy) <= r.requesting
     else:
-        fast = r.healthy <= r.requesting and n >= r.expected
+        fast = (r.healthy <= r.requesting and n >= r.expected) or r.resumes
     if fast or r.waited:
         return Formed(tuple(sorted(r.requesting)))
     if r.previous is not None:

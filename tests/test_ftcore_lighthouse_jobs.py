@@ -285,6 +285,54 @@ def test_a_restarted_lighthouse_resumes_the_quorum_its_members_report(lighthouse
             c.close()
 
 
+def test_a_restarted_lighthouse_forms_the_quorum_its_members_all_ask_for_without_waiting(lighthouse):
+    """Groups 0 and 1 last trained in a quorum of the two of them (group 2 stood aside, on
+    standby: a lighthouse that restarts forgets it). Both ask: the quorum forms at once, not
+    after the 20 s join timeout, and it is the same one. After a failure reported in it (a step
+    given up mid-exchange), the same members form at once again, under new ids (everyone
+    rebuilds its process group). One of them asking with group 2 waits past the join timeout
+    (the other may train on in that quorum under its lease, unseen)."""
+    addr, lh = lighthouse(join_timeout=20.0)
+    cs = _job(addr, "default", [4, 4, 4])
+    for c in cs:
+        c.update(quorum_id=7)
+    old = identity_key(((0, 0), (1, 0)))
+    last = [QuorumRequest(c.info, quorum_lighthouse_id="c0ffee00", quorum_key=old) for c in cs[:2]]
+    try:
+        assert _wait_healthy(lh, "default", 3)
+        t = time.monotonic()
+        q = _ask_all(cs[:2], last)
+        assert [x.groups for x in q] == [(0, 1)] * 2 and time.monotonic() - t < 10, q
+        assert (q[0].quorum_id, q[0].lighthouse_id) == (7, "c0ffee00")  # resumed as it was
+        cs[0].report_failure(7, "FTAR bucket 0: lease given up")
+        q2 = _ask_all(cs[:2], last)
+        assert [x.groups for x in q2] == [(0, 1)] * 2 and q2[0].key != q[0].key, q2
+    finally:
+        for c in cs:
+            c.close()
+    addr, lh = lighthouse(join_timeout=1.0)
+    cs = _job(addr, "default", [4, 4, 4])
+    for c in cs:
+        c.update(quorum_id=7)
+    try:
+        assert _wait_healthy(lh, "default", 3)
+        got = _ask_all(cs[1:], [last[1], QuorumRequest(cs[2].info)], timeout=3.0)
+        assert all(isinstance(x, LighthouseError) for x in got), got
+    finally:
+        for c in cs:
+            c.close()
+
+
+def _wait_healthy(lh, job, n, timeout=5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        j = lh.jobs.get(job)
+        if j is not None and len(j.health.healthy) >= n:
+            return True
+        time.sleep(0.02)
+    return False
+
+
 def test_a_group_restarted_after_the_job_finished_is_told_so_not_started_afresh(lighthouse):
     from ftcore.lighthouse_client import JobFinished
 

@@ -73,6 +73,25 @@ def test_decide_never_forms_beside_a_lease(previous, requesting, healthy, leasin
 
 
 @pytest.mark.parametrize(
+    "requesting,healthy,resumes,want",
+    [
+        # a restarted lighthouse: the members of the quorum they last trained in all ask, and a
+        # group on standby (healthy to it: it forgot the standby) is not waited for
+        ([0, 1], [0, 1, 2], True, (0, 1)),
+        # ... but not a part of that quorum (its others may train on in it under their lease)
+        ([1], [0, 1, 2], False, "wait"),
+        ([0, 1], [0, 1, 2], False, "wait"),
+        # and never a minority of the healthy groups
+        ([0], [0, 1, 2], True, "wait"),
+    ],
+)
+def test_decide_resumes_the_quorum_its_members_all_ask_for(requesting, healthy, resumes, want):
+    r = Round(None, frozenset(requesting), frozenset(healthy), 1, 3, False, resumes=resumes)
+    got = decide(r)
+    assert got == Formed(want) if want != "wait" else isinstance(got, Wait), got
+
+
+@pytest.mark.parametrize(
     "previous,members,finished,want",
     [
         # everyone at the same step in the previous quorum: nobody heals
