@@ -2,6 +2,8 @@
 (rejects.parquet, dataprep/schema.py REJECTS_SCHEMA), counted by reason in the manifest, and
 the limit past which a build fails instead (--max-reject-fraction)."""
 
+import re
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -21,9 +23,15 @@ def check_rejects(rejects: list[pa.Table], lines: int, max_fraction: float) -> N
         first = allr.take(pc.sort_indices(allr, [("source", "ascending"), ("line", "ascending")])[:1]).to_pylist()[0]
         raise DataprepError(
             f"{first['source']}: {rejected} of {lines} lines rejected (first: line {first['line']}, "
-            f"{first['reason']}, {first['detail']}); is --format right? "
+            f"{first['reason']}, {_unquoted(first['detail'])}); is --format right? "
             f"Fix the input or raise --max-reject-fraction (now {max_fraction})"
         )
+
+
+def _unquoted(detail: str | None) -> str:
+    """A reject's detail without the input it quotes (`...: '<text>'`): an error message never
+    shows file content (the file may be a secret posted as data); rejects.parquet keeps it."""
+    return re.sub(r": ['\"].*", ": (value not shown)", detail or "")
 
 
 def tail_rejects(users: pa.Array, sample_ids: np.ndarray) -> pa.Table:

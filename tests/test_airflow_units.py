@@ -163,7 +163,8 @@ def test_runner_sigterm_to_the_task_process_ends_the_tree(tmp_path):
 # ---------------------------------------------------------------- steps
 
 
-def test_ingest_errors_name_the_file_and_the_setting(tmp_path):
+def test_ingest_errors_name_the_file_and_the_setting(tmp_path, monkeypatch):
+    monkeypatch.setenv("FTREC_DATA_ROOTS", str(tmp_path))
     with pytest.raises(pipeline_ops.UserError, match="does not exist"):
         pipeline_ops.ingest(str(tmp_path / "nope.txt"), "sasrec", tmp_path)
     empty = tmp_path / "empty.txt"

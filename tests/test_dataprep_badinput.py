@@ -96,9 +96,7 @@ def test_missing_input(tmp_path):
 def test_events_missing_column_names_it(tmp_path):
     p = tmp_path / "ev.parquet"
     pq.write_table(pa.table({"user_id": [1, 2], "item": [3, 4], "when": [5, 6]}), p)
-    with pytest.raises(
-        DataprepError, match=r"ev\.parquet: no column 'timestamp' \(columns: user_id, item, when\); set --time-col"
-    ):
+    with pytest.raises(DataprepError, match=r"ev\.parquet: no column 'timestamp' among its 3 columns; set --time-col"):
         _build(p, "events")
     with pytest.raises(DataprepError, match="no column 'it'.*--item-col"):
         _build(p, "events", item_col="it", time_col="when")
@@ -157,7 +155,7 @@ def test_csv_all_times_bad_is_an_error_naming_the_first(tmp_path):
     with pytest.raises(
         DataprepError,
         match=r"ev\.csv: 2 of 2 lines rejected \(first: line 2, bad_timestamp, "
-        r"column 'timestamp': 'yesterday' is not",
+        r"column 'timestamp': \(value not shown\)",
     ):
         _build(p, "events")
 

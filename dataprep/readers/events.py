@@ -16,7 +16,7 @@ import pyarrow.compute as pc
 import pyarrow.csv as pcsv
 import pyarrow.dataset as pds
 
-from dataprep.errors import DataprepError
+from dataprep.errors import DataprepError, cause
 from dataprep.readers.values import (
     as_bool,
     as_id,
@@ -35,7 +35,8 @@ def _find_col(names: list[str], wanted: str, aliases: tuple[str, ...], path: str
     for c in (wanted, *aliases):
         if c in names:
             return c
-    raise DataprepError(f"{path}: no column {wanted!r} (columns: {', '.join(names)}); set {flag} to the right name")
+    # the names are not listed: a CSV "header" may be the first line of any file (a secret)
+    raise DataprepError(f"{path}: no column {wanted!r} among its {len(names)} columns; set {flag} to the right name")
 
 
 def event_cols(
@@ -97,7 +98,7 @@ def _csv_read(path: str, delimiter: str, cols: tuple[str, ...]) -> tuple[pa.Tabl
             t, bad = _csv_attempt(buf, delimiter, cols, False)
         except pa.ArrowInvalid as e:
             raise DataprepError(
-                f"{path}: cannot read as CSV events ({str(e).splitlines()[0]}); check --format and the file"
+                f"{path}: cannot read as CSV events ({cause(e)}); check --format and the file"
             ) from None
         return t, bad, True
     finally:
@@ -175,7 +176,7 @@ def _csv_failed(path: str, e: Exception, kinds, replace: bool) -> Exception:
         return e
     if isinstance(e, pa.ArrowInvalid) and not replace:
         return Restart(kinds, True)
-    return DataprepError(f"{path}: cannot read as CSV events ({str(e).splitlines()[0]}); check --format and the file")
+    return DataprepError(f"{path}: cannot read as CSV events ({cause(e)}); check --format and the file")
 
 
 def _good_lines(start: int, n: int, skipped: list[int]) -> np.ndarray:
@@ -273,7 +274,7 @@ def iter_csv(path: str, user_col: str, item_col: str, time_col: str, defaults: b
 def _not_parquet(name: str, e: Exception) -> DataprepError:
     """The error for a Parquet file pyarrow cannot read (`e`: pyarrow's reason)."""
     return DataprepError(
-        f"{name}: not a readable Parquet file ({str(e).splitlines()[0]}); it may be "
+        f"{name}: not a readable Parquet file ({cause(e)}); it may be "
         "truncated, still being written or not Parquet; check the file and --format"
     )
 
@@ -322,7 +323,7 @@ def read_events(path: str, user_col: str, item_col: str, time_col: str, defaults
             if isinstance(e, OSError) and e.errno is not None:
                 raise
             raise DataprepError(
-                f"{path}: cannot read as CSV events ({str(e).splitlines()[0]}); check --format and the file"
+                f"{path}: cannot read as CSV events ({cause(e)}); check --format and the file"
             ) from None
     else:
         table, cols = _read_parquet(path, user_col, item_col, time_col, defaults)

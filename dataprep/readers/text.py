@@ -6,7 +6,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pcsv
 
-from dataprep.errors import DataprepError
+from dataprep.errors import DataprepError, cause
 from dataprep.readers.values import INT64_MAX, as_bool, matches, parse_times, rejected_rows
 
 _INT_TOKEN = r"^[0-9]{1,18}$"  # fits int64 (19 digits are checked against INT64_MAX; more: id_out_of_range)
@@ -33,9 +33,7 @@ def _read_lines(path: str) -> tuple[pa.StringArray, np.ndarray]:
             ),
         )
     except pa.ArrowInvalid as e:
-        raise DataprepError(
-            f"{path}: cannot read as text ({str(e).splitlines()[0]}); is it the right --format?"
-        ) from None
+        raise DataprepError(f"{path}: cannot read as text ({cause(e)}); is it the right --format?") from None
     col = t.column("line")
     raw = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
     try:

@@ -5,7 +5,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from dataprep.errors import DataprepError
+from dataprep.errors import DataprepError, cause
 from dataprep.schema import REJECTS_SCHEMA
 
 INT64_MAX = str(2**63 - 1)
@@ -218,8 +218,7 @@ def as_time(arr, path: str, col: str, kind: str | None = None) -> tuple[pa.Array
             return pc.round(pc.multiply(a, 1e6)).cast(pa.int64()), none, ""
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
         raise DataprepError(
-            f"{path}: column {col!r} is not a readable timestamp ({str(e).splitlines()[0]}); "
-            "use integers (epoch) or ISO-8601 times"
+            f"{path}: column {col!r} is not a readable timestamp ({cause(e)}); use integers (epoch) or ISO-8601 times"
         ) from None
     raise DataprepError(
         f"{path}: column {col!r} has type {t}; timestamps must be integers, floats, dates, times or strings of those"

@@ -9,6 +9,8 @@ import sys
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
+from urllib.request import url2pathname
 
 from ftrec_airflow import runner, settings
 
@@ -33,11 +35,13 @@ def ingest(
 ) -> dict[str, Any]:
     """Resolve the data source and check it can be read.
 
-    `source` is a file or folder path, "synthetic" (generate data into the run folder) or
+    `source` is a file or folder path or file:// URL under settings.data_roots() (else
+    UserError, before anything is opened), "synthetic" (generate data into the run folder) or
     "auto" (the shared Beauty file when present, otherwise synthetic). Returns
     {"path", "format", "bytes", "synthetic"}.
     """
-    if source in ("", "auto"):
+    chosen = source in ("", "auto")  # the deployment's file (FTREC_SHARED_DATA), not the caller's
+    if chosen:
         source = settings.default_source()
         if source != "synthetic":
             fmt = "iclrec"  # the shared Beauty file's format
@@ -51,7 +55,7 @@ def ingest(
 
     if fmt not in FORMATS:
         raise UserError(f"param data_format={fmt!r}: use one of {', '.join(FORMATS)}")
-    path = Path(source).expanduser()
+    path = Path(source) if chosen else data_path(source)
     if not path.exists():
         raise UserError(
             f"param data_source: {path} does not exist; give a readable file or folder, 'synthetic' or 'auto'"
@@ -63,14 +67,44 @@ def ingest(
             _sniff_text(path, fmt)
     elif not any(p.is_file() for p in path.rglob("*")):
         raise UserError(f"{path}: the folder holds no files")
+    else:
+        for p in path.rglob("*"):  # a link in the folder may point outside the roots
+            _under_roots(Path(os.path.realpath(p)), str(p))
     size = path.stat().st_size if path.is_file() else sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
     return {"path": str(path), "format": fmt, "bytes": size, "synthetic": False}
 
 
+def data_path(source: str) -> Path:
+    """The real path (links and `..` resolved) of a local path or file:// URL that a param or
+    an asset event names, refused unless under settings.data_roots(); nothing is opened."""
+    url = urlsplit(source)
+    if url.scheme == "file":
+        if url.netloc not in ("", "localhost"):
+            raise UserError(f"param data_source: {source}: a file:// URL on another host; give a local path")
+        local = url2pathname(url.path)
+    elif "://" in source:
+        raise UserError(f"param data_source: {source}: not a local path; give a file or folder, 'synthetic' or 'auto'")
+    else:
+        local = source
+    return _under_roots(Path(os.path.realpath(Path(local).expanduser())), source)
+
+
+def _under_roots(real: Path, given: str) -> Path:
+    roots = settings.data_roots()
+    if not any(real.is_relative_to(r) for r in roots):
+        raise UserError(
+            f"data source {given} (real path {real}) is outside the allowed data roots "
+            f"({os.pathsep.join(map(str, roots))}); add its folder to FTREC_DATA_ROOTS to read it"
+        )
+    return real
+
+
 def _sniff_text(path: Path, fmt: str) -> None:
-    """Check the first lines of a whitespace-separated id file, so that a wrong format
-    fails in seconds here rather than later inside dataprep."""
+    """Check the first lines of a whitespace-separated id file, so that a wrong format fails
+    in seconds here rather than later inside dataprep. Errors name the line and field, never
+    their text: the file may not be what its poster says (a credentials file, say)."""
     want = "2 fields (user item)" if fmt == "sasrec" else "a user and at least one item"
+    first, bad, lines = None, 0, 0
     with open(path, encoding="utf-8", errors="replace") as f:
         for n, line in enumerate(f, 1):
             if n > SNIFF_LINES:
@@ -84,6 +118,22 @@ def _sniff_text(path: Path, fmt: str) -> None:
                     f"{path}, line {n}: format {fmt} expects {want}, found {len(fields)} "
                     f"field(s); set param data_format to the file's format"
                 )
+            lines += 1
+            col = next((k for k, v in enumerate(fields, 1) if not (v.isascii() and v.lstrip("+").isdigit())), None)
+            if col is not None:
+                first, bad = first or (n, col), bad + 1
+    _check_ids(path, fmt, first, bad, lines)
+
+
+def _check_ids(path: Path, fmt: str, first: tuple[int, int] | None, bad: int, lines: int) -> None:
+    """Fail when more of the sniffed lines hold a non-integer id than dataprep would reject."""
+    from dataprep.rejects import MAX_REJECT_FRACTION
+
+    if first and bad > MAX_REJECT_FRACTION * lines:
+        raise UserError(
+            f"{path}, line {first[0]}, field {first[1]}: format {fmt} expects integer ids "
+            f"({bad} of the first {lines} lines have another value); is this the right file and data_format?"
+        )
 
 
 # ---------------------------------------------------------------- build / verify shards

@@ -36,6 +36,15 @@ def shared_data() -> Path:
     return Path(os.environ.get("FTREC_SHARED_DATA") or PROJECT_ROOT.parent / "shared" / "data")
 
 
+def data_roots() -> list[Path]:
+    """The folders a data_source param or an asset event's path may name (real paths):
+    FTREC_DATA_ROOTS (os.pathsep-separated), else the shared data and the work folder. Whoever
+    may trigger a DAG or post an asset event must not make the worker read any file it can."""
+    given = [r for r in os.environ.get("FTREC_DATA_ROOTS", "").split(os.pathsep) if r.strip()]
+    roots = [Path(r).expanduser() for r in given] or [shared_data(), work_root()]
+    return [Path(os.path.realpath(r)) for r in roots]
+
+
 def default_source() -> str:
     """The shared Beauty file when it is there, otherwise generated data."""
     beauty = shared_data() / "beauty.txt"
