@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from ftcore import auth, tensorfile, timeouts
+from ftcore import auth, preauth, tensorfile, timeouts
 
-HEAD_S = 5.0  # a client must send its request (and token) within this
+HEAD_S = preauth.PREAUTH_S  # a client must send its request line and token within this
 TRANSFER_S = 600.0  # ... and read the whole snapshot within this after it is ready
 MAX_CONNECTIONS = 128
 KINDS = ("snapshot", "update")  # what a server offers, one step of each at a time
@@ -99,30 +99,62 @@ class HealServer:
 
 
 class _BoundedServer(ThreadingHTTPServer):
-    """One thread per connection, at most `max_connections` of them."""
+    """One thread per connection; at most `max_connections` serving (a token shown), and at most
+    preauth.PER_PEER per address still reading their request (the oldest makes way): idle sockets
+    take no serving slot."""
 
     daemon_threads = True
     request_queue_size = 1024  # a whole job's ranks may heal from this one at once: no resets
 
     def __init__(self, addr: tuple[str, int], handler: type, max_connections: int):
         self.slots = threading.BoundedSemaphore(max_connections)
+        self.lock = threading.Lock()
+        self.preauth: preauth.PreauthPool[socket.socket] = preauth.PreauthPool()
+        self.serving: set[socket.socket] = set()
         super().__init__(addr, handler)
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self.slots.acquire(blocking=False):
-            try:
-                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
-            except OSError:
-                pass
-            self.shutdown_request(request)
-            return
+        with self.lock:
+            evicted = self.preauth.admit(client_address[0], request)
+        if evicted is not None:
+            _cut(evicted)  # its handler's read ends; its thread cleans up after it
         super().process_request(request, client_address)
+
+    def authenticated(self, request: socket.socket, peer: str) -> bool:
+        """`request` showed a valid token: it leaves the pre-auth pool and takes a serving slot
+        (False: every slot is busy)."""
+        with self.lock:
+            self.preauth.leave(peer, request)
+        if not self.slots.acquire(blocking=False):
+            return False
+        with self.lock:
+            self.serving.add(request)
+        return True
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self.slots.release()
+            with self.lock:
+                self.preauth.leave(client_address[0], request)
+                held = request in self.serving
+                self.serving.discard(request)
+            if held:
+                self.slots.release()
+
+
+def _refuse(sock: socket.socket) -> None:
+    try:
+        sock.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+    except OSError:
+        pass
+
+
+def _cut(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -144,10 +176,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._watchdog.start()
 
     def _expire(self) -> None:
-        try:
-            self.connection.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        _cut(self.connection)
 
     def finish(self) -> None:
         if self._watchdog is not None:
@@ -169,6 +198,10 @@ class _Handler(BaseHTTPRequestHandler):
         srv = self.server_obj
         if not auth.allowed(srv.token, self.headers.get(auth.HEADER)):
             self._plain(401, "missing or wrong token")
+            return
+        if not self.server.authenticated(self.connection, self.client_address[0]):  # type: ignore[attr-defined]
+            _refuse(self.connection)  # every serving slot is busy (with clients that showed a token)
+            self.close_connection = True
             return
         parts = self.path.strip("/").split("/")
         if len(parts) != 2 or parts[0] not in KINDS:

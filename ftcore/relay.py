@@ -7,11 +7,12 @@ the lighthouse's silence, so the ranks lease together."""
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ftcore import timeouts
+from ftcore import preauth, timeouts
 from ftcore.answers import QuorumRefused, parse_quorum_answer
 from ftcore.lighthouse_client import LighthouseClient, LighthouseError, call
 from ftcore.lighthouse_http import LighthouseServer
@@ -27,6 +28,9 @@ from ftcore.messages import (
     RankInfo,
 )
 
+if TYPE_CHECKING:
+    from ftcore.lighthouse_http import _Connection
+
 # A group's beats to the lighthouse: half as often as a rank's (the lighthouse hears groups, and a
 # busy one is spared most of its heartbeats); a loaded lighthouse asks for slower ones.
 UPSTREAM_INTERVAL = min(2 * timeouts.HEARTBEAT_INTERVAL, timeouts.LIGHTHOUSE_SILENT / 2)
@@ -39,7 +43,7 @@ class RelayConfig:
     token: str | None
     max_connections: int
     max_connections_per_peer: int
-    max_unauthenticated_per_peer: int = 16
+    max_unauthenticated_per_peer: int = 16  # waiting for their token (see _RelayServer)
 
 
 @dataclass
@@ -68,7 +72,7 @@ class Relay:
         self._beating = False
         self._rounds = ThreadPoolExecutor(1, thread_name_prefix="ftcore-relay")  # one round at a time
         self._notes = ThreadPoolExecutor(1, thread_name_prefix="ftcore-relay-notes")  # reports, events: in order
-        self.server = LighthouseServer(self, host, 0)
+        self.server = _RelayServer(self, host)
         self.address = f"{host}:{self.server.server_address[1]}"
 
     # ---- what the HTTP server calls ------------------------------------------------------
@@ -204,6 +208,48 @@ class Relay:
         self._notes.shutdown(wait=True)  # a goodbye (each note is bounded by its RPC timeout)
         self.upstream.close()
         self._rounds.shutdown(wait=False, cancel_futures=True)
+
+
+class _RelayServer(LighthouseServer):
+    """The lighthouse's front end, its caps counting connections that showed a token only: a
+    relay's are sized for its K ranks, and idle sockets must not fill them. One that has not
+    shown a token within preauth.PREAUTH_S is closed; up to max_unauthenticated_per_peer per
+    address wait for theirs (preauth.PreauthPool: the oldest makes way for a new one)."""
+
+    def __init__(self, relay: Relay, host: str):
+        self.preauth: preauth.PreauthPool[_Connection] = preauth.PreauthPool()
+        self.signed_in: Counter[str] = Counter()  # per address: connections that showed a token
+        super().__init__(relay, host, 0)
+
+    def admit(self, c: _Connection) -> str:
+        cfg = self.lh.cfg
+        if self.signed_in.total() >= cfg.max_connections:
+            return f"this relay has {cfg.max_connections} connections open"
+        if self.signed_in[c.peer] >= cfg.max_connections_per_peer:
+            return f"{c.peer} has {cfg.max_connections_per_peer} connections open to this relay"
+        evicted = self.preauth.admit(c.peer, c, cfg.max_unauthenticated_per_peer)
+        if evicted is not None:
+            evicted.t.abort()
+        self.conns.add(c)
+        self.per_peer[c.peer] += 1
+        self.loop.call_later(preauth.PREAUTH_S, self._expire, c)
+        return ""
+
+    def _expire(self, c: _Connection) -> None:
+        if not c.authed:
+            c.t.close()
+
+    def forget_unauthed(self, c: _Connection) -> None:
+        """Called once a connection's token is accepted, and as it closes."""
+        if self.preauth.leave(c.peer, c) and c.authed:
+            self.signed_in[c.peer] += 1
+
+    def release(self, c: _Connection) -> None:
+        if c in self.conns and c.authed:
+            self.signed_in[c.peer] -= 1
+            if self.signed_in[c.peer] <= 0:
+                del self.signed_in[c.peer]
+        super().release(c)
 
 
 def group_request(info: RankInfo, asks: list[QuorumRequest]) -> QuorumRequest:

@@ -257,3 +257,55 @@ def ask_all(clients, timeout: float = 5.0) -> list:
     for t in ts:
         t.join()
     return out
+
+
+class IdleFlood:
+    """`n` idle sockets to `addr` that never send a byte, kept topped up (at most `rate` new ones
+    a second, the pace of the review's probes) from a thread until closed; every one is closed."""
+
+    def __init__(self, addr: str, n: int = 200, rate: float = 50.0):
+        import socket
+        import threading
+
+        self._socket = socket
+        self.host, port = addr.rsplit(":", 1)
+        self.port, self.n, self.rate = int(port), n, rate
+        self.opened = 0
+        self.socks: list = []
+        self.stop = threading.Event()
+        for _ in range(n):
+            self._open()
+        self.thread = threading.Thread(target=self._top_up, daemon=True)
+        self.thread.start()
+
+    def _open(self) -> None:
+        try:
+            s = self._socket.create_connection((self.host, self.port), timeout=2)
+        except OSError:
+            return
+        s.setblocking(False)
+        self.socks.append(s)
+        self.opened += 1
+
+    def _top_up(self) -> None:
+        import select
+
+        while not self.stop.wait(1 / self.rate):
+            ready, _, _ = select.select(self.socks, [], [], 0) if self.socks else ([], [], [])
+            for s in ready[:1]:  # closed (or refused with a 503) by the server: open another
+                self.socks.remove(s)
+                s.close()
+            if len(self.socks) < self.n:
+                self._open()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=5)
+        for s in self.socks:
+            s.close()
+
+    def __enter__(self) -> "IdleFlood":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

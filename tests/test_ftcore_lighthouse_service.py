@@ -11,9 +11,9 @@ import time
 
 import pytest
 import torch
-from conftest import ask_all
+from conftest import IdleFlood, ask_all
 
-from ftcore import auth, heal, lighthouse_http
+from ftcore import auth, heal, lighthouse_http, preauth
 from ftcore.lighthouse_client import JobFinished, LighthouseClient, call
 from ftcore.messages import QuorumRequest, RankInfo
 
@@ -296,7 +296,8 @@ def test_slow_clients_hold_neither_threads_nor_the_heal_server(monkeypatch):
             s.sendall(b"GET /snapshot/1 HTTP/1.1\r\n")  # and then nothing more
             slow.append(s)
         time.sleep(0.2)
-        assert threading.active_count() - base <= 4 * 2 + 1  # a handler and its watchdog per slot
+        # a handler and its watchdog per connection waiting for its token: at most PER_PEER of them
+        assert threading.active_count() - base <= preauth.PER_PEER * 2 + 1
         for s in slow:  # every one is cut off: refused at once (503) or closed at its head deadline
             s.settimeout(3)
             got = b""
@@ -308,6 +309,32 @@ def test_slow_clients_hold_neither_threads_nor_the_heal_server(monkeypatch):
     finally:
         for s in slow:
             s.close()
+        srv.close()
+
+
+def test_idle_sockets_without_a_token_never_turn_a_heal_fetch_away():
+    srv = heal.HealServer(token="tok")
+    try:
+        srv.offer(2, {"w": torch.arange(4.0)})
+        with IdleFlood(srv.address, n=200) as flood:
+            for _ in range(20):  # the review's probe: 19 of these 20 got 503
+                assert torch.equal(heal.fetch(srv.address, 2, "tok", timeout=10)["w"], torch.arange(4.0))
+                time.sleep(0.05)
+            assert flood.opened > 200  # the flood was turned away and kept coming back
+        assert srv.served == 20
+    finally:
+        srv.close()
+
+
+def test_a_heal_client_that_never_shows_its_token_is_closed_at_the_pre_auth_bound():
+    srv = heal.HealServer(token="tok")
+    try:
+        with socket.create_connection(srv.address.rsplit(":", 1), timeout=10) as s:
+            s.sendall(b"GET /snapshot/1 HTTP/1.1\r\n")  # and then nothing more
+            t0 = time.monotonic()
+            assert s.recv(4096) == b""  # a TimeoutError here: the server held it open
+            assert time.monotonic() - t0 < heal.HEAD_S + 2  # well before the old 5 s
+    finally:
         srv.close()
 
 

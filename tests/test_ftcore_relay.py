@@ -1,11 +1,13 @@
 """One heartbeat line and one quorum request per replica group: each group's relay speaks to a
 real lighthouse for its ranks (real servers on loopback, real clients)."""
 
+import socket
 import time
 
 import pytest
-from conftest import ask_all
+from conftest import IdleFlood, ask_all
 
+from ftcore import preauth
 from ftcore.lighthouse_client import GroupLost, JobFinished, LighthouseClient, call
 from ftcore.messages import FailureReport, MessageError, QuorumRequest, RankInfo
 from ftcore.relay import Relay, group_request
@@ -197,6 +199,34 @@ def test_a_relay_serves_only_its_own_group():
         other = RankInfo(group=1, rank=0, world=2, job="a")
         status, body = call(relay.address, "/heartbeat", other.to_wire(), None)
         assert status == 400 and "group 0" in body["error"]
+    finally:
+        relay.close()
+
+
+def test_idle_sockets_without_a_token_never_turn_a_ranks_connection_away():
+    info = RankInfo(group=0, rank=0, world=2, job="a")
+    relay = Relay("127.0.0.1:9", info, "tok", "127.0.0.1")  # caps 4K+16 = 24 connections
+    rank1 = RankInfo(group=0, rank=1, world=2, job="a", store="s:1", heal="h:2")
+    try:
+        with IdleFlood(relay.address, n=200) as flood:
+            for _ in range(30):  # the review's probe: all 30 were refused
+                status, body = call(relay.address, "/heartbeat", rank1.to_wire(), "tok", timeout=10)
+                assert status == 200 and "quorum_id" in body
+                time.sleep(0.05)
+            assert flood.opened > 200  # the flood was turned away and kept coming back
+        assert relay.members[1].seen
+    finally:
+        relay.close()
+
+
+def test_a_relay_closes_a_client_that_never_shows_its_token_at_the_pre_auth_bound():
+    relay = Relay("127.0.0.1:9", RankInfo(group=0, rank=0, world=2, job="a"), "tok", "127.0.0.1")
+    try:
+        with socket.create_connection(relay.address.rsplit(":", 1), timeout=10) as s:
+            s.sendall(b"POST /heartbeat HTTP/1.1\r\n")  # and then nothing more
+            t0 = time.monotonic()
+            assert s.recv(4096) == b""  # a TimeoutError here: the relay held it open
+            assert time.monotonic() - t0 < preauth.PREAUTH_S + 2  # well before the 10 s first-request bound
     finally:
         relay.close()
 
