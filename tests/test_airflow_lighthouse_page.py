@@ -32,8 +32,14 @@ def page(tmp_path, monkeypatch):
 
 
 @pytest.fixture
-def listener(free_port):
-    """A loopback socket that records the first request it gets (what the page would send)."""
+def listener_reply():
+    return b"{}"
+
+
+@pytest.fixture
+def listener(free_port, listener_reply):
+    """A loopback socket that records the first request it gets (what the page would send)
+    and answers `listener_reply`."""
     srv = socket.socket()
     srv.bind(("127.0.0.1", free_port))
     srv.listen(4)
@@ -45,7 +51,8 @@ def listener(free_port):
             conn, _ = srv.accept()
             conn.settimeout(2)
             seen.append(conn.recv(65536))
-            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}")
+            head = f"HTTP/1.1 200 OK\r\nContent-Length: {len(listener_reply)}\r\nConnection: close\r\n\r\n"
+            conn.sendall(head.encode() + listener_reply)
             conn.close()
         except OSError:
             pass
@@ -90,8 +97,11 @@ def test_numeric_loopback_addresses_are_rebuilt_not_echoed():
 
 
 def test_the_token_is_the_servers_never_a_run_folders(page, listener, monkeypatch, tmp_path):
-    """A loopback lighthouse gets this server's FTCORE_TOKEN_FILE token; the run's own
+    """A loopback lighthouse (a launcher's own: one job, "default") gets that job's token
+    derived from this server's FTCORE_TOKEN_FILE secret, never the secret; the run's own
     train/token (anyone's file) is never read."""
+    from ftcore import auth
+
     url, seen, t = listener
     run = settings.run_folder(RUN["dag_id"], RUN["run_id"])
     (run / "train").mkdir(parents=True)
@@ -102,7 +112,9 @@ def test_the_token_is_the_servers_never_a_run_folders(page, listener, monkeypatc
     _plant({"url": url, "status": None})
     page.get("/lighthouse/status", params=RUN)
     t.join(5)
-    assert seen and b"Authorization: Bearer server-secret" in seen[0] and b"planted-run-token" not in seen[0]
+    derived = auth.job_token("server-secret", "default")
+    assert seen and f"Authorization: Bearer {derived}".encode() in seen[0]
+    assert b"server-secret" not in seen[0] and b"planted-run-token" not in seen[0]
 
 
 def test_no_server_token_means_no_authorization_header(page, listener):
@@ -184,3 +196,83 @@ def test_no_standing_lighthouse_is_a_plain_note_not_an_error(page):
     assert doc["error"] == "" and doc["source"] == "none"
     html = page.get("/lighthouse/").text
     assert "No standing lighthouse is configured" in html and "class=bad" not in html
+
+
+JOB = settings.lighthouse_job_id("ftrec_train/probe/train")
+
+
+@pytest.mark.parametrize("listener_reply", [json.dumps({"jobs": ["other/run/train", JOB], "max_step": 7}).encode()])
+def test_the_standing_lighthouse_is_asked_with_the_runs_job_token_and_shows_that_job(page, listener, monkeypatch):
+    """Issue 41: the admin secret would list every live job; the page sends the run's job
+    token (ftcore.auth.job_token), asks for that job, and shows no other job's id."""
+    from ftcore import auth
+
+    url, seen, t = listener
+    monkeypatch.setenv("FTREC_LIGHTHOUSE_URL", url)
+    monkeypatch.setenv("FTCORE_TOKEN", "admin-secret")
+    _plant({"url": url, "status": None, "job": JOB})
+    doc = page.get("/lighthouse/status", params=RUN).json()
+    t.join(5)
+    assert seen and f"Authorization: Bearer {auth.job_token('admin-secret', JOB)}".encode() in seen[0]
+    assert b"admin-secret" not in seen[0] and b"/status?job=" in seen[0].split(b"\r\n")[0]
+    assert doc["live"] and doc["status"]["jobs"] == [JOB] and "other/run/train" not in json.dumps(doc)
+
+
+def test_fetch_status_for_a_job_sends_that_jobs_token_not_the_secret(listener):
+    from ftcore import auth
+
+    url, seen, t = listener
+    lighthouse_status.fetch_status(url, job="j1", token="admin-secret")
+    t.join(5)
+    assert f"Bearer {auth.job_token('admin-secret', 'j1')}".encode() in seen[0] and b"admin-secret" not in seen[0]
+
+
+def _planted_timeline(groups: int, events: int) -> dict:
+    """`groups` groups committing one step each, and `events` events spread over them."""
+    steps = [{"t": 1.0 + g * 1e-4, "group": g, "rank": 0, "step": 1, "committed": True} for g in range(groups)]
+    kinds = ["fault", "group_failed", "heal_finished", "checkpoint"]
+    evs = [{"t": 2.0 + i * 1e-4, "kind": kinds[i % 4], "group": i % groups} for i in range(events)]
+    half = events // 2
+    return {"exit_code": 0, "steps": steps, "launcher_events": evs[:half], "lighthouse_events": evs[half:]}
+
+
+def test_a_planted_huge_timeline_renders_bounded_with_more_notes(page):
+    """Issue 41: 20,000 groups and 200,000 events render in one pass to a bounded page."""
+    run = settings.run_folder(RUN["dag_id"], RUN["run_id"])
+    (run / "train").mkdir(parents=True)
+    raw = json.dumps(_planted_timeline(20_000, 200_000), separators=(",", ":"))
+    assert len(raw) < 20 << 20
+    (run / "train" / "timeline.json").write_text(raw)
+    r = page.get("/lighthouse/", params=RUN)
+    doc = page.get("/lighthouse/status", params=RUN).json()
+    assert r.status_code == 200 and len(r.text) < 120_000, len(r.text)
+    assert len(json.dumps(doc)) < 120_000
+    assert r.text.count("class=group-row") == 64 and "19936 more groups not shown (64 of 20000)" in r.text
+    assert r.text.count("<polyline class='group'") == 16 and "19984 more groups in the chart" in r.text
+    assert r.text.count("class='mark'") <= 201 and "more marks in the chart" in r.text
+    assert "199950 more older events not shown (50 of 200000)" in r.text
+    assert doc["timeline"]["groups_total"] == 20_000 and doc["timeline"]["events_total"] == 200_000
+
+
+def test_a_timeline_over_the_size_bound_is_refused_plainly(page, monkeypatch):
+    from ftrec_airflow import lighthouse_app
+
+    monkeypatch.setattr(lighthouse_app, "TIMELINE_MAX_BYTES", 4096)
+    run = settings.run_folder(RUN["dag_id"], RUN["run_id"])
+    (run / "train").mkdir(parents=True)
+    (run / "train" / "timeline.json").write_text(json.dumps(_planted_timeline(10, 200)))
+    r = page.get("/lighthouse/", params=RUN)
+    doc = page.get("/lighthouse/status", params=RUN).json()
+    assert r.status_code == 200 and "bound of 0.00391 MiB" in r.text
+    assert "timeline.json is" in r.text and "over the page" in r.text and "FTREC_TIMELINE_MAX_MB" in r.text
+    assert doc["timeline"] is None and "over the page's bound" in doc["note"]
+
+
+def test_a_timeline_of_the_wrong_shape_is_a_message_not_a_500(page):
+    run = settings.run_folder(RUN["dag_id"], RUN["run_id"])
+    (run / "train").mkdir(parents=True)
+    (run / "train" / "timeline.json").write_text(
+        json.dumps({"steps": [{"t": 1, "group": "x", "committed": 1, "step": 1}]})
+    )
+    r = page.get("/lighthouse/", params=RUN)
+    assert r.status_code == 200 and "not a timeline the page can read" in r.text

@@ -92,4 +92,4 @@ def test_a_job_without_faults_says_so_instead_of_an_empty_legend(chaos_timeline)
 
     quiet = {k: v for k, v in chaos_timeline.items() if k not in ("launcher_events", "lighthouse_events")}
     assert timeline.series(quiet)["marks"] == [] and timeline.svg(quiet)
-    assert "No faults, failures or heals in this job" in lighthouse_app._chart(quiet)
+    assert "No faults, failures or heals in this job" in lighthouse_app._chart(timeline.summary(quiet))

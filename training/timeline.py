@@ -30,8 +30,16 @@ def _num(v: Any) -> float | None:
 def series(tl: dict[str, Any]) -> dict[str, Any]:
     """{"t0", "groups": {g: [(seconds, step)]}, "marks": [(seconds, group, kind)]}: rank 0's
     commits of each group, and the events worth marking, in seconds since the launch."""
-    events = [e for e in [*tl.get("launcher_events", []), *tl.get("lighthouse_events", [])] if isinstance(e, dict)]
-    times = [t for t in (_num(e.get("t")) for e in events) if t is not None]
+    first = None  # the earliest event of any kind
+    raw = []  # (t, group, kind, rank 0's or a launcher's): marks, in seconds since the epoch
+    for e in (*tl.get("launcher_events", []), *tl.get("lighthouse_events", [])):  # one pass
+        t = _num(e.get("t")) if isinstance(e, dict) else None
+        if t is None:
+            continue
+        first = t if first is None or t < first else first
+        if e.get("kind") in MARKS:
+            who = e.get("group")
+            raw.append((t, int(who) if isinstance(who, int) else None, e["kind"], e.get("rank", 0) == 0))
     steps = [
         s
         for s in tl.get("steps", [])
@@ -42,58 +50,45 @@ def series(tl: dict[str, Any]) -> dict[str, Any]:
         and _num(s.get("step")) is not None
     ]
     # from the first commit (or an earlier fault): the seconds ranks spend starting are not the story
-    t0 = min(
-        [s["t"] for s in steps]
-        + [t for e in events if e.get("kind") in MARKS for t in [_num(e.get("t"))] if t is not None],
-        default=min(times, default=0.0),
-    )
+    t0 = min([s["t"] for s in steps] + [m[0] for m in raw], default=first if first is not None else 0.0)
     groups: dict[int, list[tuple[float, int]]] = {}
     for s in sorted(steps, key=lambda s: s["t"]):
         groups.setdefault(int(s.get("group", 0)), []).append((s["t"] - t0, int(s["step"])))
     for g, pts in groups.items():  # thin evenly, keep the last point
-        if len(pts) > MAX_POINTS:
-            every = len(pts) / MAX_POINTS
-            groups[g] = [pts[int(i * every)] for i in range(MAX_POINTS)] + [pts[-1]]
-    marks = []
-    for e in events:
-        kind, t = e.get("kind"), _num(e.get("t"))
-        if kind in MARKS and t is not None and (kind != "heal_finished" or e.get("rank", 0) == 0):
-            who = e.get("group")
-            marks.append((max(t - t0, 0.0), int(who) if isinstance(who, int) else None, kind))
+        groups[g] = _thin(pts, MAX_POINTS)
+    marks = [(max(t - t0, 0.0), g, kind) for t, g, kind, rank0 in raw if kind != "heal_finished" or rank0]
     return {"t0": t0, "groups": dict(sorted(groups.items())), "marks": sorted(marks, key=lambda m: m[0])}
 
 
-def story(tl: dict[str, Any]) -> list[dict[str, Any]]:
+def story(tl: dict[str, Any], s: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Per group: committed steps (its last), restarts, failures (the launcher's count: a
     group that failed or hung), heals, exclusions, its final state's checksum, and a note
-    saying why there is none."""
-    s = series(tl)
+    saying why there is none. One pass over the events (`s`: series(tl), if already made)."""
+    s = s if s is not None else series(tl)
     restarts = tl.get("restarts", {}) or {}
     checksums = tl.get("checksums", {}) or {}
-    launcher = [e for e in tl.get("launcher_events", []) if isinstance(e, dict)]
+    failures: dict[Any, int] = {}
+    not_needed = set()
+    for e in tl.get("launcher_events", []):
+        if isinstance(e, dict) and e.get("kind") in ("group_failed", "group_replaced"):
+            failures[e.get("group")] = failures.get(e.get("group"), 0) + 1
+        elif isinstance(e, dict) and e.get("kind") == "group_not_needed":
+            not_needed.add(e.get("group"))
+    marked: dict[tuple[Any, str], int] = {}
+    for _, g, kind in s["marks"]:
+        marked[(g, kind)] = marked.get((g, kind), 0) + 1
     out = []
     for g in sorted(set(s["groups"]) | {int(k) for k in restarts if str(k).isdigit()}):
-        mine = [m for m in s["marks"] if m[1] == g]
         final = checksums.get(str(g), checksums.get(g, ""))
-        note = (
-            ""
-            if final
-            else (
-                "not needed: training finished first"
-                if any(e.get("kind") == "group_not_needed" and e.get("group") == g for e in launcher)
-                else "none"
-            )
-        )
+        note = "" if final else "not needed: training finished first" if g in not_needed else "none"
         out.append(
             {
                 "group": g,
                 "last_step": s["groups"].get(g, [(0, 0)])[-1][1],
                 "restarts": restarts.get(str(g), restarts.get(g, 0)),
-                "failures": sum(
-                    e.get("kind") in ("group_failed", "group_replaced") and e.get("group") == g for e in launcher
-                ),
-                "heals": sum(m[2] == "heal_finished" for m in mine),
-                "exclusions": sum(m[2] == "group_excluded" for m in mine),
+                "failures": failures.get(g, 0),
+                "heals": marked.get((g, "heal_finished"), 0),
+                "exclusions": marked.get((g, "group_excluded"), 0),
                 "checksum": final,
                 "note": note,
             }
@@ -101,12 +96,48 @@ def story(tl: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def _thin(items: list, most: int) -> list:
+    """At most `most` + 1 of `items`, evenly spaced, the last kept."""
+    if len(items) <= most:
+        return items
+    every = len(items) / most
+    return [items[int(i * every)] for i in range(most)] + [items[-1]]
+
+
+def summary(tl: dict[str, Any], groups: int = 64, chart_groups: int = 16, marks: int = 200, events: int = 50) -> dict:
+    """What a page shows of a timeline, bounded whatever its size, in time linear in it:
+    the story of the first `groups` groups, a chart series of the first `chart_groups` with
+    at most `marks` marks, the `events` newest events (newest first), and the totals."""
+    import heapq
+
+    s = series(tl)
+    rows = story(tl, s)
+    evs = [e for e in [*tl.get("launcher_events", []), *tl.get("lighthouse_events", [])] if isinstance(e, dict)]
+    kinds: dict[str, int] = {}
+    for e in evs:
+        kinds[str(e.get("kind", ""))] = kinds.get(str(e.get("kind", "")), 0) + 1
+    shown = dict(list(s["groups"].items())[:chart_groups])
+    return {
+        "exit_code": tl.get("exit_code"),
+        "groups": rows[:groups],
+        "groups_total": len(rows),
+        "states": len({r["checksum"] for r in rows if r["checksum"]}),
+        "series": {"t0": s["t0"], "groups": shown, "marks": _thin(s["marks"], marks)},
+        "chart_groups_total": len(s["groups"]),
+        "marks_total": len(s["marks"]),
+        "events": heapq.nlargest(events, evs, key=lambda e: _num(e.get("t")) or 0.0),
+        "events_total": len(evs),
+        "kinds": kinds,
+    }
+
+
 PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"]
 
 
-def svg(tl: dict[str, Any], width: int = 720, height: int = 260) -> str:
-    """Committed steps per group over time as inline SVG (empty string without commits)."""
-    s = series(tl)
+def svg(tl: dict[str, Any], width: int = 720, height: int = 260, s: dict[str, Any] | None = None) -> str:
+    """Committed steps per group over time as inline SVG (empty string without commits);
+    `s`: the series to draw (default series(tl), e.g. summary()'s bounded one)."""
+    s = s if s is not None else series(tl)
     pts = [p for g in s["groups"].values() for p in g]
     if not pts:
         return ""

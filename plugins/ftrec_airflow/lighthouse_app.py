@@ -6,7 +6,10 @@ The long form: docs/airflow.md, "plugins/ftrec_airflow/lighthouse_app"."""
 
 import html
 import ipaddress
+import itertools
 import json
+import os
+import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +19,8 @@ from fastapi import Depends, FastAPI, Query
 from fastapi.responses import HTMLResponse
 
 from ftrec_airflow import lighthouse_status, settings
+
+DEFAULT_JOB = "default"  # ftcore.messages.DEFAULT_JOB: the job the standing lighthouse's menu entry shows
 
 
 def _no_api_server() -> None:
@@ -53,13 +58,45 @@ def loopback_url(url: str) -> str | None:
     return f"http://{ip}:{port}" if ip.version == 4 else f"http://[{ip}]:{port}"
 
 
-def _timeline(run: Path) -> dict[str, Any] | None:
-    raw = lighthouse_status.read_nofollow(run / "train" / "timeline.json", settings.work_root(), limit=64 << 20)
+# a timeline larger than this is not read (the page parses it on the API server)
+TIMELINE_MAX_BYTES = int(float(os.environ.get("FTREC_TIMELINE_MAX_MB", "64")) * (1 << 20))
+
+
+def _too_large(path: Path) -> str:
+    """A refusal naming the file's size when `path` is a regular file over TIMELINE_MAX_BYTES."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return ""
+    if not stat.S_ISREG(st.st_mode) or st.st_size <= TIMELINE_MAX_BYTES:
+        return ""
+    return (
+        f"this run's timeline.json is {st.st_size / (1 << 20):.3g} MiB, over the page's bound of "
+        f"{TIMELINE_MAX_BYTES / (1 << 20):.3g} MiB (FTREC_TIMELINE_MAX_MB): not shown; "
+        "read it from the run folder or the MLflow run's artifacts"
+    )
+
+
+def _timeline(run: Path) -> tuple[dict[str, Any] | None, str]:
+    """(summary, refusal): the run's timeline.json summarized (training.timeline.summary:
+    bounded, in time linear in the file), or None and why it is not shown."""
+    path = run / "train" / "timeline.json"
+    refused = _too_large(path)
+    if refused:
+        return None, refused
+    raw = lighthouse_status.read_nofollow(path, settings.work_root(), limit=TIMELINE_MAX_BYTES)
     try:
         tl = json.loads(raw) if raw is not None else None
-    except ValueError:
-        return None
-    return tl if isinstance(tl, dict) else None
+    except (ValueError, RecursionError):
+        return None, ""
+    if not isinstance(tl, dict):
+        return None, ""
+    from training import timeline
+
+    try:
+        return timeline.summary(tl), ""
+    except (ValueError, TypeError, AttributeError, KeyError, OverflowError, IndexError):
+        return None, "this run's timeline.json is not a timeline the page can read: not shown"
 
 
 def _jobs(dag_id: str, run_id: str) -> list[str]:
@@ -96,12 +133,13 @@ def lookup(dag_id: str | None, run_id: str | None) -> dict[str, Any]:
     lighthouse or a numeric loopback address, with this server's own token (server_token)."""
     standing = settings.lighthouse_url()
     snap = timeline = None
-    source, url, job, note = ("FTREC_LIGHTHOUSE_URL" if standing else "none"), standing, None, ""
+    source, url, job, note, refused = ("FTREC_LIGHTHOUSE_URL" if standing else "none"), standing, DEFAULT_JOB, "", ""
     if dag_id and run_id:
         run = settings.run_folder(dag_id, run_id)
-        snap, timeline = lighthouse_status.read_snapshot(run), _timeline(run)
+        (timeline, refused), snap = _timeline(run), lighthouse_status.read_snapshot(run)
         source = f"run {dag_id} / {run_id}"
         url, job, note = _target(snap, dag_id, run_id, standing) if snap else ("", None, "")
+        job = job or _jobs(dag_id, run_id)[0]  # whose job the page shows (and whose token it sends)
     doc: dict[str, Any] = {
         "source": source,
         "url": url,
@@ -109,24 +147,22 @@ def lookup(dag_id: str | None, run_id: str | None) -> dict[str, Any]:
         "status": None,
         "fetched_at": None,
         "error": "",
-        "note": note,
+        "note": "; ".join(n for n in (note, refused) if n),
         "timeline": timeline,
     }
-    if url and timeline is None:  # a finished job's lighthouse has ended with it: do not ask
+    if url and timeline is None and not refused:  # a finished job's lighthouse has ended with it: do not ask
         try:
-            status = lighthouse_status.fetch_status(
-                url, timeout=1.0, job=job, token=lighthouse_status.server_token() or ""
-            )
-            doc.update(status=status, live=True, fetched_at=time.time())
+            status = _ask(url, job, bool(dag_id and run_id and url != standing))
+            doc.update(status=_own(status, job), live=True, fetched_at=time.time())
             return doc
         except (OSError, ValueError) as e:
             doc["error"] = f"lighthouse at {url} does not answer ({e})"
     if snap:
         at, bad = _fetched_at(snap)
         last = snap.get("status")
-        doc.update(status=last if isinstance(last, dict) else None, fetched_at=at)
+        doc.update(status=_own(last, job) if isinstance(last, dict) else None, fetched_at=at)
         doc["note"] = "; ".join(n for n in (doc["note"], bad) if n)
-    elif not doc["error"] and timeline is None:
+    elif not doc["error"] and timeline is None and not refused:
         doc["note"] = (
             "no lighthouse recorded for this DAG run yet"
             if dag_id
@@ -134,6 +170,24 @@ def lookup(dag_id: str | None, run_id: str | None) -> dict[str, Any]:
             "each training starts its own lighthouse, shown in the Lighthouse tab of its DAG run."
         )
     return doc
+
+
+def _ask(url: str, job: str, loopback: bool) -> dict[str, Any]:
+    """The status of `job` from the lighthouse at `url`, asked with `job`'s token derived from
+    this server's secret (ftcore.auth.job_token): never the secret itself, which would list
+    every job. A run's own (loopback) lighthouse hosts one job, the launcher's default: it is
+    asked for that one with that job's token."""
+    secret = lighthouse_status.server_token()
+    job = DEFAULT_JOB if loopback else job
+    token = lighthouse_status.job_token(secret, job) if secret else ""
+    return lighthouse_status.fetch_status(url, timeout=1.0, job=None if loopback else job, token=token)
+
+
+def _own(status: dict[str, Any], job: str) -> dict[str, Any]:
+    """`status` with its job list cut to `job`: the page shows one job, not the others'."""
+    if isinstance(status.get("jobs"), list):
+        return {**status, "jobs": [j for j in status["jobs"] if j == job]}
+    return status
 
 
 def _num(v: Any) -> float:
@@ -168,12 +222,14 @@ def _group_row(g: dict[str, Any]) -> str:
     )
 
 
-def _finished(tl: dict[str, Any]) -> str:
-    """A finished job's story: outcome, one row per group, the chart."""
-    from training import timeline
+def _more(shown: int, total: int, what: str) -> str:
+    return f"<p class=note>{total - shown} more {what} not shown ({shown} of {total})</p>" if total > shown else ""
 
-    code, story = tl.get("exit_code"), timeline.story(tl)
-    sums = {r["checksum"] for r in story if r["checksum"]}
+
+def _finished(tl: dict[str, Any]) -> str:
+    """A finished job's story from its summary (training.timeline.summary): outcome, one row
+    per group shown, the chart."""
+    code, story, states = tl.get("exit_code"), tl["groups"], tl["states"]
     outcome = (
         "<p class=ok><b>finished</b>"
         if code == 0
@@ -181,9 +237,9 @@ def _finished(tl: dict[str, Any]) -> str:
     )
     outcome += (
         " &middot; all groups ended with the same state</p>"
-        if len(sums) == 1
+        if states == 1
         else " &middot; <span class=bad>groups ended with different states</span></p>"
-        if len(sums) > 1
+        if states > 1
         else "</p>"
     )
     rows = "".join(
@@ -195,7 +251,7 @@ def _finished(tl: dict[str, Any]) -> str:
     return (
         f"{outcome}<table><tr><th>group</th><th>committed steps</th><th>restarts</th><th>failures</th>"
         f"<th>heals</th><th>slow exclusions</th><th>final state</th></tr>{rows}</table>"
-        f"<h3>committed steps per group</h3>{_chart(tl)}"
+        f"{_more(len(story), tl['groups_total'], 'groups')}<h3>committed steps per group</h3>{_chart(tl)}"
     )
 
 
@@ -203,15 +259,18 @@ CHART_W, CHART_H = 720, 260
 
 
 def _chart(tl: dict[str, Any]) -> str:
-    """The timeline chart with its axis titles, and a word when nothing happened to mark."""
+    """The chart of a timeline's summary with its axis titles, and a word when nothing
+    happened to mark."""
     from training import timeline
 
-    chart = timeline.svg(tl, width=CHART_W, height=CHART_H)
+    chart = timeline.svg({}, width=CHART_W, height=CHART_H, s=tl["series"])
     if not chart:
         return "<p class=note>no committed step recorded</p>"
-    quiet = (
+    drawn = _more(len(tl["series"]["groups"]), tl["chart_groups_total"], "groups in the chart")
+    drawn += _more(len(tl["series"]["marks"]), tl["marks_total"], "marks in the chart (thinned evenly)")
+    quiet = drawn + (
         ""
-        if timeline.series(tl)["marks"]
+        if tl["marks_total"]
         else "<p class=note>No faults, failures or heals in this job: nothing to mark. Groups that committed "
         "the same steps at the same times draw one line.</p>"
     )
@@ -231,7 +290,9 @@ def _short(v: Any) -> str:
 
 
 def _detail(ev: dict[str, Any]) -> str:
-    return ", ".join(f"{k} {_short(v)}" for k, v in ev.items() if k not in ("t", "kind"))
+    """At most 12 fields, each cut (`_short`): a planted event with many fields stays one line."""
+    fields = itertools.islice(((k, v) for k, v in ev.items() if k not in ("t", "kind")), 12)
+    return ", ".join(f"{str(k)[:40]} {_short(v)}" for k, v in fields)
 
 
 def render(doc: dict[str, Any]) -> str:
@@ -243,14 +304,8 @@ def render(doc: dict[str, Any]) -> str:
     state = "live" if doc["live"] else "finished job" if tl else f"snapshot of {when}" if st else "no status"
     q = st.get("quorum") or {}
     groups = "".join(_group_row(g) for g in st.get("groups", []) if isinstance(g, dict))
-    evs = (
-        st.get("events", [])
-        if not tl
-        else sorted(
-            (ev for ev in [*tl.get("launcher_events", []), *tl.get("lighthouse_events", [])] if isinstance(ev, dict)),
-            key=lambda ev: _num(ev.get("t")),
-        )
-    )
+    evs = list(reversed(tl["events"])) if tl else st.get("events", [])
+    evs = evs if isinstance(evs, list) else []
     events = "".join(
         f"<tr><td>{time.strftime('%H:%M:%S', time.localtime(_num(ev.get('t'))))}</td>"
         f"<td>{e(str(ev.get('kind', '')))}</td>"
@@ -287,6 +342,7 @@ h2{{font-size:1.15rem}}}}</style></head><body>
 {f"<p class=note>{e(doc['note'])}</p>" if doc.get("note") else ""}
 {body}
 <h3>recent events</h3><table><tr><th>time</th><th>event</th><th>detail</th></tr>{events}</table>
+{_more(min(len(evs), 50), tl["events_total"], "older events") if tl else ""}
 </body></html>"""
 
 

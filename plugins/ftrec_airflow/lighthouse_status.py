@@ -98,6 +98,14 @@ def _token(token_file: str | Path | None = None) -> str | None:
     return server_token()
 
 
+def job_token(token: str, job: str) -> str:
+    """`job`'s credential derived from `token` (ftcore.auth.job_token; a job token that is
+    already `job`'s passes as it is); ValueError when `token` is another job's."""
+    from ftcore import auth  # here: DAG parsing needs none of it
+
+    return auth.job_token(token, job)
+
+
 def _reason(e: Exception) -> str:
     """Why a fetch failed, in words of our own: never the body or a header it was handed."""
     if isinstance(e, urllib.error.HTTPError):
@@ -118,12 +126,15 @@ def fetch_status(
     job: str | None = None,
     token: str | None = None,
 ) -> dict[str, Any]:
-    """GET <url>/status (of `job` on a standing lighthouse) with `token` (default: `_token`);
-    raises OSError, or ValueError for an answer that is no JSON object, with a message of
-    our own (`_reason`)."""
+    """GET <url>/status (of `job` on a standing lighthouse) with `token` (default: `_token`),
+    made `job`'s own token when a job is named (the admin secret would list every job);
+    raises OSError, or ValueError for an answer that is no JSON object or a token of another
+    job, with a message of our own (`_reason`)."""
     query = "?" + urllib.parse.urlencode({"job": job}) if job else ""
     req = urllib.request.Request(url.rstrip("/") + "/status" + query)
     token = token if token is not None else _token(token_file)
+    if token and job:
+        token = job_token(token, job)
     if token:
         req.add_header("Authorization", f"Bearer {token}")
     try:
