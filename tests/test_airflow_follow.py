@@ -33,11 +33,23 @@ if __name__ == "__main__":
 """
 
 
-def _job(out: Path, seconds: float, log: Path) -> subprocess.Popen:
+# a task process: starts the job as the train task does (detached), then waits on it
+TASK = """
+import sys
+from ftrec_airflow import runner
+runner.Command([sys.executable, "-c", sys.argv[1], sys.argv[2], sys.argv[3]], log_file=sys.argv[4]).run()
+"""
+
+
+def _job(out: Path, seconds: float, log: Path, task: bool = False) -> subprocess.Popen:
     (log.parent / "sleeper.py").write_text(SLEEPER)
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{log.parent}", "OMP_NUM_THREADS": "1"}
+    path = os.pathsep.join([str(ROOT), str(ROOT / "plugins"), str(log.parent)])
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
     with open(log, "w") as f:
         argv = [sys.executable, "-c", JOB, str(out), str(seconds)]
+        if task:
+            out.mkdir(parents=True, exist_ok=True)
+            argv = [sys.executable, "-c", TASK, JOB, str(out), str(seconds), str(out / follow.LOG_NAME)]
         return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -71,3 +83,41 @@ def test_a_later_try_follows_the_live_job_to_its_end_and_its_kill_stops_it(tmp_p
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
             job.wait(10)
+
+
+@pytest.mark.integ
+def test_the_job_outlives_its_task_process_killed_and_the_next_try_follows_it(tmp_path):
+    """kill -9 of the task process that started the job (a lost worker, a killed task runner):
+    the detached launcher trains on (no parent-death signal, no pipe to break), and a later
+    try follows it to its end, its log streaming into the try's; nothing is started twice."""
+    out, said, lines = tmp_path / "run", [], []
+    task = _job(out, 6.0, tmp_path / "task.log", task=True)
+    holder = None
+    try:
+        holder = _holder_of_any(out, task, tmp_path / "task.log")
+        assert holder.pid != task.pid and holder.session == holder.pid  # the job, in its own session
+        os.kill(task.pid, signal.SIGKILL)
+        assert task.wait(10) == -signal.SIGKILL
+        assert follow.live_job(out) == holder  # alive after its task process died
+        follow.Follower(out, holder, said.append, echo=lines.append).wait(120)
+        assert (out / "slept").read_text() == "done"  # trained to its end, once
+        assert any("group_finished" in ln for ln in lines), lines  # its last words, said after the kill
+        assert follow.live_job(out) is None
+    finally:
+        if holder is not None and lease_alive(holder):
+            os.killpg(holder.session, signal.SIGKILL)
+
+
+def _holder_of_any(out: Path, proc: subprocess.Popen, log: Path):
+    deadline = time.monotonic() + 60
+    while (h := follow.live_job(out)) is None:
+        if time.monotonic() > deadline or proc.poll() is not None:
+            pytest.fail(f"the job never held {out}:\n{log.read_text()[-3000:]}")
+        time.sleep(0.1)
+    return h
+
+
+def lease_alive(holder) -> bool:
+    from ftcore.launcher import lease
+
+    return lease.start_time(holder.pid) == holder.start

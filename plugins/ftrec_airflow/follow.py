@@ -8,6 +8,7 @@ launcher lives on finds that holder alive and waits for it, and the task's kill 
 stops it: SIGTERM to the launcher's session, SIGKILL after the grace period. Only a job that is
 gone is started again (resumed from its checkpoints)."""
 
+import contextlib
 import os
 import signal
 import socket
@@ -16,7 +17,9 @@ from pathlib import Path
 
 from ftcore import timeouts
 from ftcore.launcher import lease
+from ftrec_airflow import runner
 
+LOG_NAME = "launcher.log"  # in the run folder: the detached launcher's output (runner.Command)
 POLL_S = 1.0  # how often a follower looks at the job
 SAY_EVERY_S = 60.0  # how often it says in the task log that the job still runs
 TERM_GRACE_S = float(os.environ.get("FTREC_TERM_GRACE_S", "10"))  # the runner's SIGTERM -> SIGKILL
@@ -36,8 +39,9 @@ def live_job(out: str | Path) -> lease.Holder | None:
 class Follower:
     """Follows the live job `holder` of run folder `out`; `stop()` ends it (the task's on_kill)."""
 
-    def __init__(self, out: str | Path, holder: lease.Holder, log=print):
+    def __init__(self, out: str | Path, holder: lease.Holder, log=print, echo=None):
         self.out, self.holder, self.log = Path(out), holder, log
+        self.echo = echo  # each new line of the job's log (LOG_NAME), as it follows
         self.local = holder.host == socket.gethostname() and holder.boot_id == lease.boot_id()
 
     def same_job(self) -> bool:
@@ -55,14 +59,23 @@ class Follower:
             f"following the training job already running in {self.out}: launcher pid {h.pid} on {h.host} "
             f"(session {h.session}, job {h.job_id}), started by an earlier try; not starting another"
         )
-        start = said = time.monotonic()
-        while self.same_job():
-            if timeout_s is not None and time.monotonic() - start > timeout_s:
-                raise TimeoutError(f"the followed job (launcher pid {h.pid}) ran past {timeout_s:.0f} s")
-            if time.monotonic() - said > SAY_EVERY_S:
-                self.log(f"the job (launcher pid {h.pid}) still runs, {time.monotonic() - start:.0f} s followed")
-                said = time.monotonic()
-            time.sleep(POLL_S)
+        with contextlib.ExitStack() as stack:
+            path = self.out / LOG_NAME
+            f = stack.enter_context(open(path, "rb")) if self.echo is not None and path.exists() else None
+            if f is not None:
+                f.seek(0, os.SEEK_END)  # from now on: what came before is in the earlier try's log
+            start = said = time.monotonic()
+            while self.same_job():
+                if timeout_s is not None and time.monotonic() - start > timeout_s:
+                    raise TimeoutError(f"the followed job (launcher pid {h.pid}) ran past {timeout_s:.0f} s")
+                if time.monotonic() - said > SAY_EVERY_S:
+                    self.log(f"the job (launcher pid {h.pid}) still runs, {time.monotonic() - start:.0f} s followed")
+                    said = time.monotonic()
+                if f is not None:
+                    runner.drain(f, self.echo)
+                time.sleep(POLL_S)
+            if f is not None:
+                runner.drain(f, self.echo, final=True)
         self.log(f"the followed job (launcher pid {h.pid}) has ended")
 
     def stop(self) -> None:

@@ -138,8 +138,8 @@ def lookup(dag_id: str | None, run_id: str | None) -> dict[str, Any]:
         run = settings.run_folder(dag_id, run_id)
         (timeline, refused), snap = _timeline(run), lighthouse_status.read_snapshot(run)
         source = f"run {dag_id} / {run_id}"
-        url, job, note = _target(snap, dag_id, run_id, standing) if snap else ("", None, "")
-        job = job or _jobs(dag_id, run_id)[0]  # whose job the page shows (and whose token it sends)
+        url, found, note = _target(snap, dag_id, run_id, standing) if snap else ("", None, "")
+        job = found or _jobs(dag_id, run_id)[0]  # whose job the page shows (and whose token it sends)
     doc: dict[str, Any] = {
         "source": source,
         "url": url,

@@ -413,11 +413,14 @@ def run_training(
         followed = _follow_live_job(spec, run_id, logger, command_hook)
         if followed is not None:
             return followed
-        cmd = runner.Command(
+        from ftrec_airflow import follow
+
+        cmd = runner.Command(  # detached: the job outlives a task process lost without a word
             train_command(spec, run_id, tracking_uri),
             logger=logger,
             on_line=on_line,
             env=train_env(tracking_uri, credentials),
+            log_file=Path(spec.out) / follow.LOG_NAME,
         )
         if command_hook:
             command_hook(cmd)
@@ -443,7 +446,7 @@ def _follow_live_job(spec: TrainSpec, run_id: str, logger, command_hook) -> dict
     if holder is None:
         return None
     say = logger.warning if logger else print
-    follower = follow.Follower(spec.out, holder, say)
+    follower = follow.Follower(spec.out, holder, say, echo=logger.info if logger else print)
     if command_hook:
         command_hook(follower)
     follower.wait(spec.timeout_s)

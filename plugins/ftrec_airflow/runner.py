@@ -1,6 +1,8 @@
 """Run a command for an Airflow task: its output streams into the task log, and when the task
-ends for any reason (success, failure, timeout, kill from the UI) the command's whole process
-tree ends with it.
+ends (success, failure, timeout, kill from the UI) the command's whole process tree ends with
+it. A detached command (`log_file`: the training job) outlives a task process that dies
+without a word (kill -9, a lost worker): it writes to its file, not a pipe, and no parent-death
+signal ends it, so a later try follows it (follow.py) instead of starting another.
 
 The long form: docs/airflow.md, "plugins/ftrec_airflow/runner"."""
 
@@ -147,8 +149,10 @@ class Command:
         cwd: str | None = None,
         logger: logging.Logger | None = None,
         on_line=None,
+        log_file: str | os.PathLike | None = None,
     ):
         self.on_line = on_line  # called with every output line (e.g. to spot an address)
+        self.log_file = log_file  # detached: its output is appended here and tailed into the log
         self.cmd = [str(c) for c in cmd]
         self.env = env
         self.cwd = cwd
@@ -159,14 +163,40 @@ class Command:
     def _pump(self) -> None:
         assert self.proc is not None and self.proc.stdout is not None
         for line in self.proc.stdout:
-            line = line.rstrip("\n")
-            self.tail.append(line)
-            self.log.info("%s", line)
-            if self.on_line is not None:
-                try:
-                    self.on_line(line)
-                except Exception:  # a watcher's bug must not stop the log pump
-                    self.log.exception("on_line callback failed")
+            self._line(line.rstrip("\n"))
+
+    def _tail(self, start: int) -> None:
+        """A detached command's pump: its log file from `start` until it exits."""
+        assert self.proc is not None and self.log_file is not None
+        with open(self.log_file, "rb") as f:
+            f.seek(start)
+            while self.proc.poll() is None:
+                drain(f, self._line)
+                time.sleep(0.1)
+            drain(f, self._line, final=True)
+
+    def _line(self, line: str) -> None:
+        self.tail.append(line)
+        self.log.info("%s", line)
+        if self.on_line is not None:
+            try:
+                self.on_line(line)
+            except Exception:  # a watcher's bug must not stop the log pump
+                self.log.exception("on_line callback failed")
+
+    def _start(self) -> tuple[subprocess.Popen, threading.Thread]:
+        """Start the command; it and the thread that streams its output."""
+        from ftcore.util import procs  # here: DAG parsing imports this module, not ftcore
+
+        kw: dict = dict(env=self.env, cwd=self.cwd, stderr=subprocess.STDOUT, start_new_session=True)
+        if self.log_file is None:  # a child of this task: SIGTERM when the task process dies
+            kw.update(stdout=subprocess.PIPE, text=True, bufsize=1, errors="replace")
+            self.proc = subprocess.Popen(self.cmd, preexec_fn=procs.exec_with_parent_death_signal, **kw)
+            return self.proc, threading.Thread(target=self._pump, name="ftrec-log-pump", daemon=True)
+        with open(self.log_file, "ab") as out:  # closed here once the child holds it
+            start = out.tell()
+            self.proc = subprocess.Popen(self.cmd, stdout=out, **kw)
+        return self.proc, threading.Thread(target=self._tail, args=(start,), name="ftrec-log-tail", daemon=True)
 
     def stop(self) -> None:
         if self.proc is not None:
@@ -178,28 +208,14 @@ class Command:
         self.log.info("running: %s", " ".join(self.cmd))
         reaper = _become_subreaper()
         before = _descendants() if reaper else set()
-        from ftcore.util import procs  # here: DAG parsing imports this module, not ftcore
-
-        self.proc = subprocess.Popen(
-            self.cmd,
-            env=self.env,
-            cwd=self.cwd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            bufsize=1,
-            errors="replace",
-            start_new_session=True,
-            preexec_fn=procs.exec_with_parent_death_signal,  # SIGTERM when the task process dies
-        )
-        pump = threading.Thread(target=self._pump, name="ftrec-log-pump", daemon=True)
+        proc, pump = self._start()
         pump.start()
         previous = None
         if threading.current_thread() is threading.main_thread():
             previous = signal.getsignal(signal.SIGTERM)
 
             def _on_term(signum, frame):
-                self.log.warning("task terminated: stopping process group %d", self.proc.pid)
+                self.log.warning("task terminated: stopping process group %d", proc.pid)
                 self.stop()
                 if callable(previous):
                     previous(signum, frame)
@@ -211,20 +227,30 @@ class Command:
             # execution timeout is a SIGALRM that raises here).
             while True:
                 try:
-                    self.proc.wait(timeout=0.5)
+                    proc.wait(timeout=0.5)
                     break
                 except subprocess.TimeoutExpired:
                     if timeout_s is not None and time.monotonic() - start > timeout_s:
                         raise TimeoutError(f"{self.cmd[0]} ran past {timeout_s:.0f} s") from None
         finally:
-            stop_group(self.proc)  # also reaps grandchildren left behind by a clean exit
+            stop_group(proc)  # also reaps grandchildren left behind by a clean exit
             if reaper:  # and whatever escaped the group (its own session) but was ours
-                _end_strays(_descendants() - before - {self.proc.pid}, TERM_GRACE_S, self.log)
+                _end_strays(_descendants() - before - {proc.pid}, TERM_GRACE_S, self.log)
             pump.join(timeout=5)
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
-        if self.proc.returncode != 0:
-            raise CommandFailed(self.cmd, self.proc.returncode, list(self.tail))
+        if proc.returncode != 0:
+            raise CommandFailed(self.cmd, proc.returncode, list(self.tail))
+
+
+def drain(f, emit, final: bool = False) -> None:
+    """Emit each whole line appended to the binary file `f` since the last call; a last
+    partial one only when `final` (until then it is still being written)."""
+    while line := f.readline():
+        if not line.endswith(b"\n") and not final:
+            f.seek(-len(line), os.SEEK_CUR)
+            return
+        emit(line.decode(errors="replace").rstrip("\n"))
 
 
 def run(
