@@ -61,7 +61,7 @@ bench: setup
 
 # The wheels the offline GPU machine lacks (benchmarks/gpu_check_wheels.txt), for its Python
 # (GPU_PY, 3.12) on manylinux x86-64, into GPU_WHEELS; then one device command runs the check:
-# `bash benchmarks/gpu_check.sh "$$OUT"` (README, "The GPU check"). Uses pip: after `make setup`.
+# `bash benchmarks/gpu_check.sh "$$OUT"` (docs/cluster.md, "The GPU check"). Uses pip: after `make setup`.
 GPU_PY      ?= 3.12
 GPU_WHEELS  ?= gpu-wheels
 gpu-wheels:

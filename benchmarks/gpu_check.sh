@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check in one call on an offline GPU machine (README, "The GPU check"; BENCHMARKS.md,
+# The GPU check in one call on an offline GPU machine (docs/cluster.md, "The GPU check"; BENCHMARKS.md,
 # "GPU claims"). Here, once: `make gpu-wheels` (the wheels that machine lacks, into gpu-wheels/).
 # There, from the checkout: `bash benchmarks/gpu_check.sh "$OUT"`: unpacks the wheels into a
 # temporary site, runs benchmarks/gpu_check.py with that machine's own python3 and torch under a

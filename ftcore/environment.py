@@ -1,5 +1,5 @@
 """One rank's configuration: what torchrun sets (RANK, WORLD_SIZE) plus the FTCORE_* and
-FTREC_* variables the README's "Running on a cluster" lists, the same under torchrun on a
+FTREC_* variables docs/cluster.md lists, the same under torchrun on a
 cluster and under the local launcher."""
 
 import os
@@ -45,7 +45,7 @@ def _env_int(name: str, default: str) -> int:
 
 
 def config_from_env(**overrides: Any) -> ManagerConfig:
-    """The manager's configuration from the rank's environment (README, "Running on a cluster")."""
+    """The manager's configuration from the rank's environment (docs/cluster.md)."""
     env = os.environ
     if not env.get("FTCORE_LIGHTHOUSE"):
         raise ValueError(

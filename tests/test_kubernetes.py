@@ -4,7 +4,7 @@ pod with the provider's own `build_pod_request_obj(dry_run=True)`: no API call),
 against the launcher's `torchrun_command` for the same job, their GPUs, volumes and Secrets,
 and round-tripped through the Kubernetes client's models; the lighthouse Deployment and
 Service likewise; the tasks around the pods on a real MLflow store. Whether a cluster runs
-them is not tested here (README, "The DAG on Kubernetes": not run).
+them is not tested here (docs/kubernetes.md: not run).
 
 The DAG file parsing with and without the provider, and unconfigured, is in
 tests/test_dags_parse.py."""

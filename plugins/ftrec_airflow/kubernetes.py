@@ -78,7 +78,7 @@ def unavailable() -> str:
     if not config().image:
         return (
             "set FTREC_K8S_IMAGE (or k8s_image in airflow.cfg's [ftrec] section) to an image with ftrec "
-            "installed; README, 'The DAG on Kubernetes'"
+            "installed; docs/kubernetes.md"
         )
     try:
         import airflow.providers.cncf.kubernetes.operators.pod  # noqa: F401
