@@ -350,6 +350,8 @@ def train_command(spec: TrainSpec, run_id: str, tracking_uri: str) -> list[str]:
         "--out",
         str(out),
     ]
+    if spec.timeout_s:  # its own bound too: it outlives a task process that dies without a word
+        cmd += ["--timeout", str(spec.timeout_s)]
     plan = _fault_plan_file(spec)
     if plan:
         cmd += ["--faults", plan]
