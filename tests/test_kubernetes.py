@@ -134,8 +134,10 @@ def test_group_pods_get_their_gpus_volumes_and_secrets_never_a_token(train_group
         assert mounts[kubernetes.TOKEN_DIR].read_only
         assert {e.name: e.value for e in c.env}["FTCORE_TOKEN_FILE"] == kubernetes.TOKEN_FILE
         assert [e.secret_ref.name for e in c.env_from] == ["mlflow-creds"]
-        work = vols[mounts[str(tmp_path / "work")].name]  # FTREC_WORK, at the workers' path
+        spec = pipeline_ops.TrainSpec(**run["spec"])
+        work = vols[mounts[spec.shards].name]  # its run's shard set, at the workers' path
         assert work.persistent_volume_claim.claim_name == "ftrec-work"
+        assert str(tmp_path / "work") not in mounts  # never the whole work volume
         assert vols[mounts["/dev/shm"].name].empty_dir.medium == "Memory"
         text = yaml.safe_dump(kubernetes.to_dicts([pod]))
         assert WORKER_TOKEN not in text and "name: FTCORE_TOKEN\n" not in text
@@ -225,7 +227,7 @@ def test_open_run_then_collect_group_zeros_result(k8s_env, tmp_path):
     k8s_env.setattr(tasks, "get_current_context", lambda: ctx)
     k8s_env.setattr(kubernetes, "get_current_context", lambda: ctx)
     params = {**{k: p.value for k, p in pipeline.params().items()}, "replica_groups": 2, "ranks_per_group": 2}
-    shards = {"path": str(tmp_path / "shards")}
+    shards = {"path": str(settings.run_folder("ftrec_train_k8s", "manual__1") / "shards")}  # on the volume
     run = kubernetes.open_run(params, shards)
     assert kubernetes.open_run(params, shards)["mlflow_run_id"] == run["mlflow_run_id"]
     assert run["job_id"] == "ftrec_train_k8s/manual__1/train_group"
@@ -326,13 +328,13 @@ def stage_tasks(k8s_env):
 
 
 def test_shard_stage_pods_run_dataprep_stage_on_the_work_volume(stage_tasks, tmp_path):
-    work = str(tmp_path / "work" / "runs" / "x" / ".shards.stage-0" / "_work")
+    work = str(tmp_path / "work" / "runs" / "x" / "r" / ".shards.stage-0" / "_work")
     for task_id, stage in STAGE_TASKS.items():
         pod = stage_tasks[task_id].unmap({"arguments": [work, "1"]}).build_pod_request_obj(dry_run=True)
         (c,) = pod.spec.containers
         assert c.command == ["python", "-m", "dataprep", "stage", stage] and c.args == [work, "1"]
         assert not (c.resources and c.resources.limits)  # no GPU
-        assert kubernetes.config().work in [m.mount_path for m in c.volume_mounts]
+        assert str(Path(work).parent) in [m.mount_path for m in c.volume_mounts]
         assert pod.metadata.labels["ftrec/stage"] == stage and pod.metadata.namespace == "recs"
 
 
@@ -347,7 +349,8 @@ def test_shard_stage_pod_commands_build_the_one_process_set(stage_tasks, tmp_pat
 
     data = tmp_path / "ev.txt"
     write_synthetic(str(data), users=300, items=150, seed=3, fmt="sasrec")
-    spec = pipeline_ops.ShardSpec(input=str(data), fmt="sasrec", out=str(tmp_path / "set"), world_size=2, batch_size=8)
+    out = tmp_path / "work" / "runs" / "ftrec_train_k8s" / "manual__1" / "shards"  # a run's set: what pods mount
+    spec = pipeline_ops.ShardSpec(input=str(data), fmt="sasrec", out=str(out), world_size=2, batch_size=8)
     stage = shard_tasks.prepare(spec, buckets=3, memory_budget=None, log=lambda line: None)["stage"]
 
     def pods(task_id: str, n: int) -> None:
@@ -366,7 +369,7 @@ def test_shard_stage_pod_commands_build_the_one_process_set(stage_tasks, tmp_pat
     summary = shard_tasks.seal(stage, spec.out, log=lambda line: None)
     assert buckets == 3 and summary["reused"] is False
     build_shards(str(data), "sasrec", str(tmp_path / "ref"), world_size=2, batch_size=8)
-    _assert_same(tmp_path / "ref", tmp_path / "set")
+    _assert_same(tmp_path / "ref", out)
 
 
 def test_the_cost_model_is_timed_by_a_pod_on_the_training_pool_and_read_by_the_shard_build(k8s_env, tmp_path):

@@ -17,7 +17,7 @@ from typing import Any
 from airflow.sdk import get_current_context
 from airflow.sdk.exceptions import AirflowFailException
 
-from ftrec_airflow import pipeline_ops, settings
+from ftrec_airflow import kubernetes_volumes, pipeline_ops, settings
 
 PROVIDER = "apache-airflow-providers-cncf-kubernetes"
 LIGHTHOUSE = "ftcore-lighthouse"  # Deployment, Service and its pods' app label
@@ -158,13 +158,15 @@ def group_pods(run: dict[str, Any], cfg: Config | None = None) -> list[dict[str,
             "arguments": group_args(spec, run["job_id"], g, sets),
             "token_secret": job_secret_name(run["job_id"]),
             "token_dir": TOKEN_DIR,
+            "work_mounts": kubernetes_volumes.group_mounts(spec, g, run["tracking_uri"]),
         }
         for g in range(spec.replica_groups)
     ]
 
 
 def pod_defaults(cfg: Config | None = None) -> dict[str, Any]:
-    """What every group pod shares: the operator's partial() arguments."""
+    """What every group pod shares: the operator's partial() arguments. The work volume is there
+    but mounted by no one here: each pod mounts its run's folders (its `work_mounts`)."""
     from airflow.providers.cncf.kubernetes.secret import Secret
     from kubernetes.client import models as k8s
 
@@ -179,15 +181,13 @@ def pod_defaults(cfg: Config | None = None) -> dict[str, Any]:
         "secrets": secrets,
         "volumes": [
             k8s.V1Volume(
-                name="work", persistent_volume_claim=k8s.V1PersistentVolumeClaimVolumeSource(claim_name=cfg.work_pvc)
+                name=kubernetes_volumes.WORK_VOLUME,
+                persistent_volume_claim=k8s.V1PersistentVolumeClaimVolumeSource(claim_name=cfg.work_pvc),
             ),
             # torch's worker processes share tensors through /dev/shm (64 MiB by default)
             k8s.V1Volume(name="dshm", empty_dir=k8s.V1EmptyDirVolumeSource(medium="Memory")),
         ],
-        "volume_mounts": [
-            k8s.V1VolumeMount(name="work", mount_path=cfg.work),
-            k8s.V1VolumeMount(name="dshm", mount_path="/dev/shm"),
-        ],
+        "volume_mounts": [k8s.V1VolumeMount(name="dshm", mount_path="/dev/shm")],
         "gpu_resource": cfg.gpu_resource,
         "pod_template_file": cfg.pod_template or None,
         "get_logs": True,  # the group's output in the task log
@@ -205,12 +205,13 @@ def group_pod_operator(**task_args):
 
 def stage_pod_operator(*, task_id: str, stage: str, **task_args):
     """A mapped stage of the fanned-out shard build as pods (shard_tasks.fanout's `pods`): each
-    runs `python -m dataprep stage STAGE WORK INDEX` on the work volume, without a GPU."""
+    runs `python -m dataprep stage STAGE WORK INDEX` on the work volume, without a GPU, and
+    mounts its run's folder read-only and the staging folder read-write (`stage_pod`)."""
     from ftrec_airflow.kubernetes_operator import GroupPodOperator
 
     labels = {"app.kubernetes.io/name": "ftrec", "app.kubernetes.io/component": "shard-build", "ftrec/stage": stage}
     defaults = {**pod_defaults(), "cmds": ["python", "-m", "dataprep", "stage", stage], "gpu_resource": ""}
-    return GroupPodOperator.partial(task_id=task_id, labels=labels, **defaults, **task_args)
+    return GroupPodOperator.partial(task_id=task_id, labels=labels, stage_pod=True, **defaults, **task_args)
 
 
 CALIBRATE_POOL = "k8s-gpu"  # the name the calibrate pod publishes its cost model under
@@ -226,7 +227,8 @@ def calibrate_pod(spec: pipeline_ops.ShardSpec) -> dict[str, Any]:
         if s.startswith("model."):
             args += ["--set", s]
     labels = {"app.kubernetes.io/name": "ftrec", "app.kubernetes.io/component": "calibrate"}
-    return {"name": "ftrec-calibrate", "gpus": 1, "arguments": args, "labels": labels}
+    mounts = kubernetes_volumes.calibrate_mounts()
+    return {"name": "ftrec-calibrate", "gpus": 1, "arguments": args, "labels": labels, "work_mounts": mounts}
 
 
 def calibrate_pod_operator(*, task_id: str, **task_args):
