@@ -39,7 +39,7 @@ from ftcore.messages import (
     aside_of,
     identity_key,
 )
-from ftcore.quorum import Formed, Hearing, Member, Plan, Round, decide, isolated, plan
+from ftcore.quorum import Formed, Hearing, Member, Plan, Round, decide, isolated, plan, resumed
 
 if TYPE_CHECKING:
     from ftcore.lighthouse import Lighthouse
@@ -309,7 +309,7 @@ class Job:
                 # a round does not time out on members this lighthouse cannot hear (isolated, paused)
                 waited=self._waited(now, round_start) and self._silence_counts(now),
                 leasing=self._leasing(now),
-                resumes=self.quorum is None and self._resumes(requesting),
+                resumes=self.quorum is None and self._resumed(requesting) is not None,
             )
         )
         if isinstance(decision, Formed):
@@ -341,24 +341,12 @@ class Job:
             and not any(r.disconnected for r in grp.ranks.values())
         )
 
-    def _resumes(self, members: list[int]) -> bool:
-        """Whether `members` are exactly the members of the quorum they all last trained in (its
-        ids are resumed unless a failure since forces new ones): O(their ranks), only before a
-        first quorum here."""
+    def _resumed(self, members: list[int]) -> tuple[int, str] | None:
+        """quorum.resumed over the members' requests: O(their ranks), O(1) at a job's start."""
         identity = tuple((g, self.groups[g].incarnation) for g in members)
-        return bool(members) and self._resumed(members, identity) is not None
-
-    def _resumed(self, members: list[int], identity: Identity) -> tuple[int, str] | None:
-        """After a restart of this lighthouse: the (quorum id, lighthouse id) its members all
-        last trained in, when that quorum had exactly this membership. Resuming it keeps their
-        process groups (and a group that went on without this lighthouse, on its lease, in step)."""
-        if not next(iter(self.round.pending[members[0]].values())).last_lighthouse_id:
-            return None  # a first quorum ever (O(1): a job's start tries this at every tick)
-        reqs = [r for g in members for r in self.round.pending[g].values()]
-        last = {(r.last_quorum, r.last_lighthouse_id, r.last_key) for r in reqs}
-        if len(last) == 1 and reqs[0].last_lighthouse_id and reqs[0].last_key == identity_key(identity):
-            return reqs[0].last_quorum, reqs[0].last_lighthouse_id
-        return None
+        reqs = (r for g in members for r in self.round.pending[g].values())
+        last = ((r.last_quorum, r.last_lighthouse_id, r.last_key) for r in reqs)
+        return resumed(last, identity_key(identity))
 
     def _form(self, members: list[int]) -> None:
         """Build the whole quorum and every rank's reply first, then change state."""
@@ -413,9 +401,9 @@ class Job:
         aside (so its exchange's process group) hold, new ones when either changed or a failure
         forces them, the resumed ones after a restart."""
         identity = tuple((g, self.groups[g].incarnation) for g in members)
-        resumed = self._resumed(members, identity) if self.quorum is None and not self.health.force_new else None
-        if resumed is not None:
-            return identity, *resumed
+        again = self._resumed(members) if self.quorum is None and not self.health.force_new else None
+        if again is not None:
+            return identity, *again
         q = self.quorum
         if q is not None and q.identity == identity and q.aside() == aside and not self.health.force_new:
             return identity, self.quorum_id, q.lighthouse_id

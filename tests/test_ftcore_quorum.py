@@ -14,6 +14,7 @@ from ftcore.quorum import (
     isolated,
     plan,
     probe_window,
+    resumed,
 )
 
 
@@ -89,6 +90,21 @@ def test_decide_resumes_the_quorum_its_members_all_ask_for(requesting, healthy, 
     r = Round(None, frozenset(requesting), frozenset(healthy), 1, 3, False, resumes=resumes)
     got = decide(r)
     assert got == Formed(want) if want != "wait" else isinstance(got, Wait), got
+
+
+@pytest.mark.parametrize(
+    "last,key,want",
+    [
+        ([(7, "lh", "k"), (7, "lh", "k")], "k", (7, "lh")),  # every rank names one quorum of exactly them
+        ([(7, "lh", "k"), (6, "lh", "k")], "k", None),  # one rank remembers an older one
+        ([(7, "lh", "k"), (7, "lh", "j")], "k", None),  # ... or other members
+        ([(7, "lh", "j"), (7, "lh", "j")], "k", None),  # that quorum had other members than these
+        ([(0, "", ""), (7, "lh", "k")], "k", None),  # a rank that never trained: a first quorum
+        ([], "k", None),
+    ],
+)
+def test_resumed(last, key, want):
+    assert resumed(iter(last), key) == want
 
 
 @pytest.mark.parametrize(
