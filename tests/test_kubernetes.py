@@ -12,6 +12,7 @@ tests/test_dags_parse.py."""
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("AIRFLOW_HOME", str(ROOT / "work" / "test-airflow-home"))
 pytest.importorskip("airflow.providers.cncf.kubernetes", reason="pip install -e '.[kubernetes]' (make setup does)")
 
+from ftcore import ledger  # noqa: E402
 from ftrec_airflow import kubernetes, pipeline_ops  # noqa: E402
 
 IMAGE = "registry.example/ftrec:0.1.0"
@@ -245,11 +247,30 @@ def test_open_run_then_collect_group_zeros_result(k8s_env, tmp_path):
             {
                 "mlflow_run_id": run["mlflow_run_id"],
                 "checkpoint": "/ckpt",
-                "steps": 20,
+                "steps": 3,
+                "epochs_completed": 1,
                 "metrics": {"test/sampled/ndcg_at_10": 0.25},
             }
         )
     )
+    with pytest.raises(pipeline_ops.ExactlyOnceBroken, match="ledger check failed"):
+        kubernetes.collect(run)  # the pods' ledger is missing: not collected, never registered
+    spec = pipeline_ops.TrainSpec(**run["spec"])
+    Path(spec.shards).mkdir(parents=True)
+    (Path(spec.shards) / "manifest.json").write_text(json.dumps({"steps": 3}))
+    writers = [ledger.Ledger(str(Path(spec.out) / "ledger"), g, k) for g in range(2) for k in range(2)]
+    for step, rg in enumerate((0, 1, 1)):  # a planted double: row group 1 trained twice, 2 never
+        for w in writers:
+            w.record(step, 0, rg, "regular", {0, 1}, 1)
+    with pytest.raises(pipeline_ops.ExactlyOnceBroken, match="twice"):
+        kubernetes.collect(run)
+    for w in writers:
+        w.close()
+    shutil.rmtree(Path(spec.out) / "ledger")
+    writers = [ledger.Ledger(str(Path(spec.out) / "ledger"), g, k) for g in range(2) for k in range(2)]
+    for rg in range(3):
+        for w in writers:
+            w.record(rg, 0, rg, "regular", {0, 1}, 1)
     got = kubernetes.collect(run)
     assert got["checkpoint"] == "/ckpt" and got["mlflow_run_id"] == run["mlflow_run_id"]
     assert got["replica_groups"] == 2 and got["tracking_uri"] == run["tracking_uri"]

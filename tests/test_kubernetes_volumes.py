@@ -36,6 +36,7 @@ def test_each_group_pod_mounts_its_output_rw_and_the_shards_and_champion_ro(trai
         assert _work_mounts(pod) == {
             str(work / RUN / "shards"): (f"{RUN}/shards", True),
             str(work / RUN / "train" / f"replica_{g}"): (f"{RUN}/train/replica_{g}", False),
+            str(work / RUN / "train" / "ledger"): (f"{RUN}/train/ledger", False),  # a file per rank
             str(champion): (str(champion.relative_to(work)), True),
         }
     assert _schema_errors(kubernetes.to_dicts(pods)) == []

@@ -347,7 +347,8 @@ def open_run(p: dict, shards: dict) -> dict[str, Any]:
 
 def collect(run: dict[str, Any]) -> dict[str, Any]:
     """After the pods: group 0's result, as the local train task returns it (evaluate and
-    register_model take either)."""
+    register_model take either), once the job's ledger shows every batch trained once (else
+    ExactlyOnceBroken: a run that broke exactly-once never ends green nor registers a model)."""
     import json
 
     spec = pipeline_ops.TrainSpec(**run["spec"])
@@ -360,6 +361,7 @@ def collect(run: dict[str, Any]) -> dict[str, Any]:
     result = json.loads(path.read_text())
     if result.get("mlflow_run_id") != run["mlflow_run_id"]:
         raise RuntimeError(f"{path} is from MLflow run {result.get('mlflow_run_id')}, not {run['mlflow_run_id']}")
+    pipeline_ops.check_exactly_once(spec, result)
     ids = ("mlflow_run_id", "experiment_id", "run_url", "tracking_uri")
     return pipeline_ops.TrainedRun.of(spec, result, **{k: run[k] for k in ids}).to_dict()
 
