@@ -437,9 +437,10 @@ class Manager:
         try:
             return self._ftar(tensors, contribute, local_error, step)
         except FTARError as e:
-            self._report("lease given up: a peer asks the lighthouse for this step" if self._lease_lapsed() else str(e))
+            why = "lease given up: a peer asks the lighthouse for this step" if self._lease_lapsed() else str(e)
+            self._report(why)
             if saved is None or same_batch is None or local_error or self._requorum(same_batch) is None:
-                self._r.errors.append(str(e))
+                self._r.errors.append(why)
                 return None
         for x, keep in zip(tensors, saved, strict=True):  # the step goes on, in the survivors' quorum
             x.copy_(keep)
