@@ -7,6 +7,7 @@ draws it for the Airflow lighthouse tab (inline, no script, every label escaped)
 """
 
 import html
+from collections import Counter
 from typing import Any
 
 MAX_POINTS = 400  # per group: a day-long job draws as fast as a short one
@@ -67,16 +68,10 @@ def story(tl: dict[str, Any], s: dict[str, Any] | None = None) -> list[dict[str,
     s = s if s is not None else series(tl)
     restarts = tl.get("restarts", {}) or {}
     checksums = tl.get("checksums", {}) or {}
-    failures: dict[Any, int] = {}
-    not_needed = set()
-    for e in tl.get("launcher_events", []):
-        if isinstance(e, dict) and e.get("kind") in ("group_failed", "group_replaced"):
-            failures[e.get("group")] = failures.get(e.get("group"), 0) + 1
-        elif isinstance(e, dict) and e.get("kind") == "group_not_needed":
-            not_needed.add(e.get("group"))
-    marked: dict[tuple[Any, str], int] = {}
-    for _, g, kind in s["marks"]:
-        marked[(g, kind)] = marked.get((g, kind), 0) + 1
+    launcher = [e for e in tl.get("launcher_events", []) if isinstance(e, dict)]
+    failures = Counter(e.get("group") for e in launcher if e.get("kind") in ("group_failed", "group_replaced"))
+    not_needed = {e.get("group") for e in launcher if e.get("kind") == "group_not_needed"}
+    marked = Counter((g, kind) for _, g, kind in s["marks"])
     out = []
     for g in sorted(set(s["groups"]) | {int(k) for k in restarts if str(k).isdigit()}):
         final = checksums.get(str(g), checksums.get(g, ""))
@@ -113,9 +108,7 @@ def summary(tl: dict[str, Any], groups: int = 64, chart_groups: int = 16, marks:
     s = series(tl)
     rows = story(tl, s)
     evs = [e for e in [*tl.get("launcher_events", []), *tl.get("lighthouse_events", [])] if isinstance(e, dict)]
-    kinds: dict[str, int] = {}
-    for e in evs:
-        kinds[str(e.get("kind", ""))] = kinds.get(str(e.get("kind", "")), 0) + 1
+    kinds = Counter(str(e.get("kind", "")) for e in evs)
     shown = dict(list(s["groups"].items())[:chart_groups])
     return {
         "exit_code": tl.get("exit_code"),
@@ -127,7 +120,7 @@ def summary(tl: dict[str, Any], groups: int = 64, chart_groups: int = 16, marks:
         "marks_total": len(s["marks"]),
         "events": heapq.nlargest(events, evs, key=lambda e: _num(e.get("t")) or 0.0),
         "events_total": len(evs),
-        "kinds": kinds,
+        "kinds": dict(kinds),
     }
 
 
