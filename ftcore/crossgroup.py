@@ -4,6 +4,7 @@ group hosts, under a fresh prefix per quorum (the default process group cannot s
 
 import datetime
 import threading
+import time
 from collections.abc import Callable
 
 import torch.distributed as dist
@@ -31,10 +32,18 @@ class CrossGroup:
         self.pg: dist.ProcessGroup | None = None
         self.key: tuple[str, int, bool] | None = None  # the Quorum.key `pg` was built for
 
-    def build(self, q: Quorum, group: int, rank: int, abort: Callable[[], bool] = lambda: False) -> None:
+    def build(
+        self,
+        q: Quorum,
+        group: int,
+        rank: int,
+        abort: Callable[[], bool] = lambda: False,
+        on_stall: Callable[[], None] | None = None,
+    ) -> None:
         """The process group of quorum `q`'s exchange for this rank (rank k of group `group`):
         none when the exchange is this group alone or the group is aside (Quorum.aside).
-        RendezvousAborted as soon as `abort()` says a member failed (`_rendezvous`)."""
+        RendezvousAborted as soon as `abort()` says a member failed; `on_stall()` once when the
+        members have not all met after STALL_PROBE (`_rendezvous`)."""
         self.drop()
         members = q.exchange()
         if len(members) > 1 and group in members:
@@ -45,7 +54,7 @@ class CrossGroup:
             settled = "/settled" if q.settled else ""
             prefix = dist.PrefixStore(f"ftcore/{q.lighthouse_id}/{q.quorum_id}{settled}/{rank}", store)
             args = (self.backend, prefix, members.index(group), len(members), _timeout(), self.host)
-            self.pg = _rendezvous(args, abort)
+            self.pg = _rendezvous(args, abort, on_stall)
         self.key = q.key
 
     def drop(self) -> None:
@@ -55,11 +64,15 @@ class CrossGroup:
             _retire(pg)
 
 
-def _rendezvous(args: tuple, abort: Callable[[], bool]) -> dist.ProcessGroup:
+def _rendezvous(args: tuple, abort: Callable[[], bool], on_stall: Callable[[], None] | None) -> dist.ProcessGroup:
     """new_pg(*args), given up as soon as `abort()`: a member that died just after the quorum
     formed would otherwise hold the others in the group's rendezvous for COLLECTIVE_TIMEOUT,
-    while the lighthouse already says it failed. An abandoned rendezvous ends on its own (built
-    or timed out, bounded) in its thread, and a group it builds is retired unused."""
+    while the lighthouse already says it failed. A member that hangs there closes no
+    connection and the lighthouse may not judge its silence (most groups hung at once look
+    like its own isolation): after STALL_PROBE `on_stall()` asks it to probe them, as a
+    stalled FTAR does. An abandoned rendezvous ends on its own (built or timed out, bounded)
+    in its thread, and a group it builds is retired unused."""
+    stall_at = time.monotonic() + timeouts.STALL_PROBE
     done = threading.Event()
     out: list = []
 
@@ -72,6 +85,9 @@ def _rendezvous(args: tuple, abort: Callable[[], bool]) -> dist.ProcessGroup:
 
     threading.Thread(target=build, daemon=True, name="ftcore-rendezvous").start()
     while not done.wait(0.005):
+        if on_stall is not None and time.monotonic() > stall_at:
+            on_stall()
+            on_stall = None
         if abort():
             threading.Thread(target=_retire_when_built, args=(done, out), daemon=True).start()
             raise RendezvousAborted("a member of the quorum failed before the exchange's group was built")

@@ -92,6 +92,7 @@ class Round:
     fut: Future | None = None  # the quorum call
     leased: bool = False  # it went on in the previous quorum without the lighthouse's answer
     answered: bool = False  # its answer was taken: it can no longer lease
+    answer: Quorum | None = None  # that answer (its exchange's group may yet fail to build)
     stalled: bool = False  # its exchange made no progress for STALL_PROBE (reported)
     waited: bool = False  # its quorum is known (wait_quorum ran)
     heal_fut: Future | None = None  # the state fetch, when this group heals this step
@@ -220,6 +221,7 @@ class Manager:
 
     def _apply_quorum(self, q: Quorum) -> Quorum:
         r = self._r
+        r.answer = q
         pace, (busy, allreduce_s) = q.pace, r.sent
         if pace is not None and busy is not None and pace.quorum_id == busy.quorum_id and len(self.pace_log) < 10_000:
             self.pace_log.append((max(pace.slowest_s - busy.seconds, 0.0), allreduce_s, pace.slowest_s, pace.mean_s))
@@ -231,7 +233,8 @@ class Manager:
         if g in q.heal:  # rank k heals from rank k of the source
             r.heal_fut = self._heal_pool.submit(self._fetch_heal, q.heal_from, q.max_step, q.heal[g])
         if q.key != self._xg.key:
-            self._xg.build(q, g, self.cfg.rank, abort=lambda: self._overtaken(q))
+            abort, on_stall = (lambda: self._overtaken(q)), (lambda: self._report_stall(q))
+            self._xg.build(q, g, self.cfg.rank, abort=abort, on_stall=on_stall)
         if g in q.heal.values() and self.step == q.max_step:
             # We are a heal source: snapshot before this step's optimizer update.
             self.heal_server.offer(self.step, self._state_dict())
@@ -274,18 +277,22 @@ class Manager:
 
     def _report(self, msg: str) -> None:
         """Tell the lighthouse now; do not wait for a heartbeat timeout. Synchronous (a
-        loopback call): the next quorum request must find it recorded."""
-        qid = self._quorum.quorum_id if self._quorum else 0
+        loopback call): the next quorum request must find it recorded. It names the quorum
+        whose exchange failed, its group's rendezvous included (the lighthouse rebuilds it)."""
+        q = self._quorum or self._r.answer
+        qid = q.quorum_id if q else 0
         self.client.report_failure(qid, msg)
         self._xg.drop()
 
-    def _report_stall(self) -> None:
-        """An FTAR wait made no progress for STALL_PROBE: the lighthouse probes the quorum's
-        members now (a partitioned peer closes no connection). Sent from a thread of its own:
-        the wait goes on polling for the verdict meanwhile."""
+    def _report_stall(self, q: Quorum | None = None) -> None:
+        """A wait on the members of quorum q (by default the current one) made no progress for
+        STALL_PROBE, in its FTAR or in the rendezvous that builds its group: the lighthouse
+        probes them now (a partitioned or hung peer closes no connection). Sent from a thread
+        of its own: the wait goes on polling for the verdict meanwhile."""
         self._r.stalled = True
-        qid = self._quorum.quorum_id if self._quorum else 0
-        why = f"no progress in the exchange for {timeouts.STALL_PROBE} s"
+        q = q or self._quorum
+        qid = q.quorum_id if q else 0
+        why = f"no progress in the exchange of quorum {qid} for {timeouts.STALL_PROBE} s"
         threading.Thread(target=self.client.report_failure, args=(qid, why, True), daemon=True).start()
 
     def wait_quorum(self) -> Quorum | None:
@@ -349,7 +356,8 @@ class Manager:
             return q
         settled = self._quorum = q.settle()
         try:
-            self._xg.build(settled, self.cfg.group, self.cfg.rank, abort=lambda: self._overtaken(settled))
+            abort, on_stall = (lambda: self._overtaken(settled)), (lambda: self._report_stall(settled))
+            self._xg.build(settled, self.cfg.group, self.cfg.rank, abort=abort, on_stall=on_stall)
         except Exception as e:  # store or process-group errors: the step fails, the lease is over
             self._quorum = None
             self._fail(f"lease: the settled quorum's group: {type(e).__name__}: {e}")

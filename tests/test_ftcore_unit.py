@@ -601,6 +601,25 @@ def test_unknown_backend_is_refused_by_name():
     assert isinstance(_new_pg("gloo", store, 0, 1, datetime.timedelta(seconds=5)), dist.ProcessGroupGloo)
 
 
+def test_a_rendezvous_a_peer_never_reaches_asks_the_lighthouse_once_then_gives_up_on_its_word(monkeypatch):
+    """The exchange's group waits in its store for a peer that hangs (SIGSTOP: no connection
+    closes): after STALL_PROBE it asks the lighthouse to probe once (a hang of most groups reads
+    as the lighthouse's own isolation otherwise), and it ends as soon as the verdict says so."""
+    from ftcore import crossgroup, timeouts
+
+    monkeypatch.setattr(timeouts, "STALL_PROBE", 0.2)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=5))
+    args = ("gloo", dist.PrefixStore("stall", store), 0, 2, datetime.timedelta(seconds=1), "127.0.0.1")
+    asked: list[float] = []
+    t0 = time.monotonic()
+    verdict = lambda: len(asked) > 0 and time.monotonic() - asked[0] > 0.3  # noqa: E731 (failed 0.3 s later)
+    with pytest.raises(crossgroup.RendezvousAborted):
+        crossgroup._rendezvous(args, verdict, lambda: asked.append(time.monotonic()))
+    assert len(asked) == 1 and 0.2 <= asked[0] - t0 < 2.0  # once, after the stall probe, long before the timeout
+    for t in [t for t in threading.enumerate() if t.name == "ftcore-rendezvous"]:
+        t.join(10)  # the abandoned rendezvous ends on its own, at the store's timeout
+
+
 # ---- hardening: plans, ledgers ---------------------------------------------------------------------
 @pytest.mark.parametrize(
     "fault,msg",
