@@ -1,11 +1,11 @@
 """The fault matrix (benchmarks/fault_matrix.py): every fault class against one group, two of
 three and three of five, and every control-plane fault with the job in each state, in real jobs
-of the toy trainer (real processes, real signals; link cuts on simulated hosts; the 5-group job,
-its 3/5 hang an open defect, and the lighthouse's own cut in the benchmark alone). Each cell
-asserts that the survivors commit again before a heartbeat timeout (found by a probe, or carried
-by the lease: never waited out for as long as the fault lasts), that nobody was failed, healed or
-excluded who was not faulty, and that no faulty group committed in a quorum of its own; each job
-that its groups end bitwise equal with every batch trained once."""
+of the toy trainer (real processes, real signals; link cuts on simulated hosts; the
+lighthouse's own cut in the benchmark alone, for the suite's time). Each cell asserts that the
+survivors commit again before a heartbeat timeout (found by a probe, or carried by the lease:
+never waited out for as long as the fault lasts), that nobody was failed, healed or excluded
+who was not faulty, and that no faulty group committed in a quorum of its own; each job that
+its groups end bitwise equal with every batch trained once."""
 
 import sys
 from pathlib import Path
