@@ -45,7 +45,6 @@ if TYPE_CHECKING:
     from ftcore.lighthouse import Lighthouse
 
 TICK_S = 0.01  # formation rounds: how often a waiting round re-checks its members
-SWEEP_S = 0.05  # health sweeps over every rank (disconnects and reports act at once)
 
 
 class Job:
@@ -112,7 +111,7 @@ class Job:
         rk.last_beat = self.last_heard = time.monotonic()
         if rk.disconnected:
             rk.disconnected = False
-            self.health.last_sweep = 0.0
+            self.health.sweep_asked = True
         self.max_step = max(self.max_step, rk.step)
         self.quorum_id = max(self.quorum_id, info.quorum_id)  # after a restart: above any seen
         return grp, rk
@@ -172,9 +171,13 @@ class Job:
                 self.event("lighthouse_reconnected", grace_s=self.cfg.heartbeat_timeout)
 
     def _update_health(self, now: float) -> None:
-        """O(ranks): run every SWEEP_S, and at once after a disconnect or a failure report."""
+        """O(ranks), on the ticker (never on the loop that answers every job): Health.sweep_due."""
+        t0 = time.perf_counter()
+        self._sweep(now)
+        self.health.swept(now, time.perf_counter() - t0)
+
+    def _sweep(self, now: float) -> None:
         self.lh.notice_pause(now)
-        self.health.last_sweep = now
         if not self.lh.in_grace(now):  # after its own pause, this lighthouse knows why it heard nobody
             self._notice_isolation(now)
         probes = self.health.reports.get(self.quorum.quorum_id, []) if self.quorum else []
@@ -210,7 +213,7 @@ class Job:
 
     # ---- quorum ---------------------------------------------------------------------
     def tick(self, now: float) -> None:
-        if now - self.health.last_sweep >= SWEEP_S:
+        if self.health.sweep_due(now):
             self._update_health(now)
         self._probe_stalled_round(now)
         if self.round.pending and self._worth_trying(now):
@@ -228,7 +231,7 @@ class Job:
             return
         missing = sorted(set(q.groups) & self.health.healthy - self.slow.excluded.keys() - self.round.pending.keys())
         if missing and self.round.probed < start:
-            probes, self.round.probed = self.health.reports.setdefault(q.quorum_id, []), now
+            probes, self.round.probed = self.health.probes(q.quorum_id, q.quorum_id), now
             probes[:] = [*probes[-1:], Probe(now, frozenset(self.round.pending))]
             self.event("round_stalled", waiting_for=missing, quorum_id=q.quorum_id, seconds=round(now - start, 3))
 
@@ -496,9 +499,9 @@ class Job:
                 self.round.start = now
             if len(reqs) == grp.speakers:  # O(groups) formation only when a group is complete
                 self.round.complete.add(grp.group)
-                if not grp.healthy:
-                    self._update_health(now)  # a new or returning group need not wait for the sweep
-                if len(self.round.complete) >= self.round.need:
+                if not grp.healthy:  # a new or returning group: swept, then formed, at the next tick
+                    self.health.sweep_asked = True
+                elif len(self.round.complete) >= self.round.need:
                     self._maybe_form(now)
             return req
 
@@ -545,16 +548,14 @@ class Job:
                 if rk.beat_lines:
                     return
                 rk.disconnected, rk.disconnected_at = True, time.monotonic()
-                self._update_health(time.monotonic())
-                if self.round.pending:
-                    self._maybe_form(time.monotonic())
+                self.health.sweep_asked = True  # the ticker fails it, then forms without it
 
     def report_failure(self, report: FailureReport) -> None:
         with self.lock:
             qid = report.quorum_id
             kind = "stall_reported" if report.stalled else "failure_reported"
             self.event(kind, group=report.group, rank=report.rank, quorum_id=qid, error=report.error)
-            now, probes = time.monotonic(), self.health.reports.setdefault(qid, [])
+            now, probes = time.monotonic(), self.health.probes(qid, self.quorum.quorum_id if self.quorum else None)
             if not probes or now > probes[-1].t + self.lh.probe_s:  # a new probe (a quorum outlives a stall)
                 # the last one ended stands until this one ends
                 probes[:] = [*probes[-1:], Probe(now, frozenset({report.group}))]
@@ -562,7 +563,7 @@ class Job:
             # lighthouse too: the quorum its members report is not resumed as it was)
             if not report.stalled and (self.quorum is None or qid == self.quorum.quorum_id):
                 self.health.force_new = True
-            self.health.last_sweep = 0.0  # probe at the next tick
+            self.health.sweep_asked = True  # probe at the next tick
 
     def leave(self, info: RankInfo) -> None:
         with self.lock:

@@ -9,6 +9,12 @@ from dataclasses import dataclass, field
 from ftcore.answers import OvertakenReply, QuorumRefused, StandbyReply
 from ftcore.messages import Busy, QuorumRequest
 
+SWEEP_S = 0.05  # health sweeps over every rank (disconnects and reports: at the next tick)
+# A job's sweeps take at most this share of the lighthouse's ticker, which serves every job: a
+# job of many ranks is swept less often (its own verdicts come later), not at others' expense.
+SWEEP_SHARE = 0.1
+REPORTED_QUORUMS = 4  # failure probes are kept for this many quorum ids (a report may name any)
+
 
 @dataclass
 class RankRecord:
@@ -152,5 +158,27 @@ class Health:
     reports: dict[int, list[Probe]] = field(default_factory=dict)  # quorum_id -> its last two failure probes
     force_new: bool = False  # a data-plane failure: the next quorum gets a new id, whoever is in it
     last_sweep: float = 0.0
+    sweep_asked: bool = False  # a disconnect, a report, a returning rank: sweep at the next tick
+    sweep_cost: float = 0.0  # seconds the last sweep took (its job's share of the ticker)
     isolated: bool = False  # most groups went silent at once: this lighthouse is likely cut off
     grace_until: float = 0.0  # after an isolation: silence is not judged before this
+
+    def sweep_due(self, now: float) -> bool:
+        """Every SWEEP_S, or at the next tick when asked (a disconnect, a report, a returning
+        group), however many asked meanwhile (one sweep for a burst of closed lines); never
+        sooner than SWEEP_SHARE of the ticker allows the last sweep's cost."""
+        wait = max(0.0 if self.sweep_asked else SWEEP_S, self.sweep_cost * (1 / SWEEP_SHARE - 1))
+        return now - self.last_sweep >= wait
+
+    def swept(self, now: float, cost: float) -> None:
+        self.last_sweep, self.sweep_asked, self.sweep_cost = now, False, cost
+
+    def probes(self, qid: int, current: int | None) -> list[Probe]:
+        """Quorum qid's failure probes. Those of REPORTED_QUORUMS quorum ids are kept: the
+        `current` quorum's always (the sweep reads its), and the last ones reported (a
+        restarted lighthouse may resume the quorum a report names)."""
+        probes = self.reports.setdefault(qid, [])
+        drop = len(self.reports) - REPORTED_QUORUMS
+        for old in sorted(k for k in self.reports if k not in (qid, current))[: max(drop, 0)]:
+            del self.reports[old]
+        return probes

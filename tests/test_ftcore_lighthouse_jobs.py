@@ -439,3 +439,47 @@ def test_members_travel_as_runs_and_come_back_in_order(groups):
     )
     wire = json.loads(Quorum.for_rank(q.shared_json(), "", ""))
     assert len(wire["groups"]) <= len(groups) and Quorum.parse(wire).groups == groups
+
+
+def test_a_burst_of_closed_lines_of_a_big_job_is_swept_by_the_ticker_not_the_loop(lighthouse):
+    """Each closed heartbeat line used to sweep its whole job at once, on the loop that answers
+    every job (200 lines of a 12,000-group job kept another job unanswered for 12.5 s): now a
+    close only asks, and the ticker sweeps (once for a burst, paced by the sweep's own cost),
+    then fails every group gone."""
+    _, lh = lighthouse()
+    n = 3000
+    infos = [RankInfo(group=g, rank=0, world=1, job="big", num_groups=n) for g in range(n)]
+    job = lh.job(infos[0])
+    for info in infos:
+        job.heartbeat(info, new_line=True)
+    deadline = time.monotonic() + 10
+    while len(job.health.healthy) < n and time.monotonic() < deadline:  # healthy once a sweep says so
+        time.sleep(0.02)
+    sweeps: list[str] = []
+    sweep = job._update_health
+    job._update_health = lambda now: (sweeps.append(threading.current_thread().name), sweep(now))[1]
+    for g in range(500):  # as the server's loop does when a line closes
+        job.disconnected(g, 0, 0)
+    deadline = time.monotonic() + 10
+    while sum(e["kind"] == "failure_detected" for e in list(job.events)) < 500 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    failed = {e["group"] for e in list(job.events) if e["kind"] == "failure_detected"}
+    assert failed == set(range(500))  # every group whose last line closed, and nobody else
+    assert sweeps and threading.current_thread().name not in sweeps  # the old code: 500 sweeps here
+
+
+def test_a_jobs_sweeps_are_paced_by_their_cost_and_its_reports_bounded_by_quorum():
+    from ftcore.lighthouse_records import REPORTED_QUORUMS, SWEEP_S, SWEEP_SHARE, Health
+
+    h = Health()
+    h.swept(100.0, 0.001)
+    assert not h.sweep_due(100.0 + SWEEP_S / 2) and h.sweep_due(100.0 + SWEEP_S + 1e-6)  # the periodic sweep
+    h.sweep_asked = True
+    assert h.sweep_due(100.0 + 0.01)  # asked: at the next tick
+    h.swept(200.0, 0.5)  # a sweep that cost 0.5 s: the next waits until it is SWEEP_SHARE of the time
+    wait = 0.5 * (1 / SWEEP_SHARE - 1)
+    h.sweep_asked = True
+    assert not h.sweep_due(200.0 + wait - 0.01) and h.sweep_due(200.0 + wait + 1e-6)
+    for qid in range(1, 1000):  # a report may name any quorum id: kept for a few, and the current one
+        h.probes(qid, current=7)
+    assert len(h.reports) == REPORTED_QUORUMS and {7, 999} <= h.reports.keys()
