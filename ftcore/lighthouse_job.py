@@ -39,7 +39,7 @@ from ftcore.messages import (
     aside_of,
     identity_key,
 )
-from ftcore.quorum import Formed, Hearing, Member, Plan, Round, decide, isolated, plan, resumed
+from ftcore.quorum import Formed, Hearing, Member, Plan, Round, decide, isolated, plan, resumed, waited_for
 
 if TYPE_CHECKING:
     from ftcore.lighthouse import Lighthouse
@@ -304,7 +304,7 @@ class Job:
         requesting = sorted(self.round.complete & healthy)
         decision = decide(
             Round(
-                previous=frozenset(self.quorum.groups) if self.quorum else None,
+                previous=self._previous(),
                 requesting=frozenset(requesting),
                 healthy=healthy,
                 min_replicas=self.min_replicas,
@@ -335,14 +335,14 @@ class Job:
         q = self.quorum
         if q is None or now >= self.lease_until:
             return frozenset()
-        return frozenset(
-            g
-            for g, inc in q.identity
-            if (grp := self.groups.get(g)) is not None
-            and grp.incarnation == inc
-            and not grp.left
-            and not any(r.disconnected for r in grp.ranks.values())
-        )
+        return frozenset(g for g, inc in q.identity if (grp := self.groups.get(g)) is not None and grp.standing(inc))
+
+    def _previous(self) -> frozenset[int] | None:
+        """quorum.waited_for over the last quorum and the round's requests: O(their ranks)."""
+        if (q := self.quorum) is None:
+            return None
+        asked = ((g, r.last_quorum, r.step) for g, rs in self.round.pending.items() for r in rs.values())
+        return waited_for(q.groups, q.heal, q.quorum_id, q.max_step, asked)
 
     def _resumed(self, members: list[int]) -> tuple[int, str] | None:
         """quorum.resumed over the members' requests: O(their ranks), O(1) at a job's start."""

@@ -55,6 +55,12 @@ class GroupRecord:
     def step(self) -> int:
         return min((r.step for r in self.ranks.values()), default=0)
 
+    def standing(self, incarnation: int) -> bool:
+        """Still this incarnation, not left, no rank's connection closed (not known crashed)."""
+        return (
+            self.incarnation == incarnation and not self.left and not any(r.disconnected for r in self.ranks.values())
+        )
+
     def lost_rank(self, now: float, probe: float, heartbeat_timeout: float | None) -> int | None:
         """A rank this incarnation has lost for good (connection closed for longer than a
         reconnect takes, or silent past the heartbeat timeout, None: silence does not count):

@@ -65,6 +65,19 @@ def decide(r: Round) -> Formed | Wait:
     return Wait("waiting for the job")
 
 
+def waited_for(
+    groups: tuple[int, ...], heal: dict[int, int], quorum_id: int, max_step: int, asked: Iterable[tuple[int, int, int]]
+) -> frozenset[int]:
+    """The members of the last quorum (`groups`, its `heal`s, id and step) that the next round
+    waits for: all of them, but its healers when it never ran. It never ran when a member that
+    trained before it asks for a later step without having applied it (`asked`: the last quorum
+    id and step of each request of its other members): it went on under the previous quorum's
+    lease, past this one's step, so nobody served the state the healers wait for."""
+    trained = frozenset(groups) - heal.keys()
+    never_ran = any(last < quorum_id and step > max_step for g, last, step in asked if g in trained)
+    return trained if heal and never_ran else frozenset(groups)
+
+
 @dataclass(frozen=True)
 class Member:
     """One member group's request in the round that forms."""

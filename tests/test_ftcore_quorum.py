@@ -15,6 +15,7 @@ from ftcore.quorum import (
     plan,
     probe_window,
     resumed,
+    waited_for,
 )
 
 
@@ -175,3 +176,23 @@ def test_heartbeat_pace(speakers, budget, timeout, want):
 @pytest.mark.parametrize("probe, pace, want", [(0.2, 0.0, 0.2), (0.2, 0.1, 0.2), (0.2, 0.5, 0.6), (0.1, 0.5, 0.55)])
 def test_probe_window_covers_one_beat(probe, pace, want):
     assert probe_window(probe, pace) == pytest.approx(want)
+
+
+# the last quorum (groups 0-2, group 2 healing from 0, id 3, at step 121); each request's
+# (group, last quorum id applied, step): the members the next round waits for
+@pytest.mark.parametrize(
+    "heal,asked,waits",
+    [
+        # its members went on under quorum 2's lease past step 121: it never ran, nobody offered
+        # group 2 its state, so the round does not wait for group 2 (5 s in the fault matrix)
+        ({2: 0}, [(0, 2, 159), (1, 2, 159)], {0, 1}),
+        ({2: 0}, [(1, 2, 130)], {0, 1}),  # one of them says so: the exchange needed both
+        ({2: 0}, [(0, 3, 122), (1, 3, 122)], {0, 1, 2}),  # it ran: the healer is waited for
+        ({2: 0}, [(0, 2, 121), (1, 2, 121)], {0, 1, 2}),  # a retry of its own step: the same answer again
+        ({2: 0}, [(2, 1, 0)], {0, 1, 2}),  # the healer itself never applied a quorum before: no evidence
+        ({}, [(0, 2, 159), (1, 2, 159)], {0, 1, 2}),  # no healer: every member, as before
+        ({2: 0}, [], {0, 1, 2}),
+    ],
+)
+def test_the_next_round_waits_for_a_heal_quorums_healers_only_if_it_ran(heal, asked, waits):
+    assert waited_for((0, 1, 2), heal, 3, 121, asked) == waits
