@@ -49,6 +49,8 @@ bench: setup
 	$(BIN)/python benchmarks/heal_size.py
 	$(BIN)/python benchmarks/straggler.py
 	$(BIN)/python benchmarks/lighthouse_abuse.py
+	$(BIN)/python benchmarks/big_job.py
+	$(BIN)/python benchmarks/preauth_flood.py
 	$(BIN)/python benchmarks/lighthouse_soak.py
 	$(BIN)/python benchmarks/partition.py
 	$(BIN)/python benchmarks/torchrun_restart.py
