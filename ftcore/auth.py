@@ -11,7 +11,7 @@ import os
 import secrets
 import sys
 
-from ftcore.util.files import atomic_writer
+from ftcore.util.files import atomic_writer, read_secret
 
 HEADER = "Authorization"
 
@@ -31,22 +31,13 @@ def write_token_file(path: str, token: str | None = None) -> str:
 
 def read_token_file(path: str) -> str:
     try:
-        with open(path) as f:
-            token = f.read().strip()
-            mode = os.fstat(f.fileno()).st_mode
+        token = read_secret(path, "ftcore: warning: token file")
     except OSError as e:
         raise SystemExit(
             f"ftcore: cannot read token file {path}: {e.strerror}; create it or pass another --token-file"
         ) from None
     if not token:
         raise SystemExit(f"ftcore: token file {path} is empty; write a secret token into it")
-    if mode & 0o077:
-        print(
-            f"ftcore: warning: token file {path} is readable by its group or others "
-            f"(mode {mode & 0o777:o}); chmod 600 {path}",
-            file=sys.stderr,
-            flush=True,
-        )
     return token
 
 

@@ -1,13 +1,16 @@
-"""Atomic file writes and file hashes. A file written here appears complete or not at all:
-written to `.NAME.XXXXXXXX.tmp` in the same folder (created with `perm` less the umask, so a
-private file is private from its first byte), flushed and fsynced, then renamed over `path`;
-on failure the temporary file is removed and `path` is left as it was."""
+"""Atomic file writes, file hashes, and secret files read with their mode checked.
+
+A file written here appears complete or not at all: written to `.NAME.XXXXXXXX.tmp` in the
+same folder (created with `perm` less the umask, so a private file is private from its first
+byte), flushed and fsynced, then renamed over `path`; on failure the temporary file is
+removed and `path` is left as it was."""
 
 import contextlib
 import hashlib
 import json
 import os
 import secrets
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -76,3 +79,18 @@ def sha256_file(path: "str | os.PathLike", chunk: int = 1 << 22) -> str:
         while b := f.read(chunk):
             h.update(b)
     return h.hexdigest()
+
+
+def read_secret(path: "str | os.PathLike", label: str) -> str:
+    """The stripped text of a secret file (a token, a key); a warning on stderr, `label` naming
+    the file, when its group or others may read it. OSError when it cannot be read."""
+    with open(path) as f:
+        text = f.read().strip()
+        mode = os.fstat(f.fileno()).st_mode
+    if mode & 0o077:
+        print(
+            f"{label} {path} is readable by its group or others (mode {mode & 0o777:o}); chmod 600 {path}",
+            file=sys.stderr,
+            flush=True,
+        )
+    return text
