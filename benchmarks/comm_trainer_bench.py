@@ -31,6 +31,7 @@ from pathlib import Path
 
 from ftcore.util.files import atomic_write_json
 from ftcore.util.procs import free_port
+from training.checkpoint_key import use_default
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {
@@ -106,6 +107,7 @@ def make_shards(work: str, items: int, users: int) -> str:
 
 
 def train_once(shards: str, out: str, settings: list[str], timeout: float) -> dict:
+    use_default(ROOT / "bench-results")  # the ranks' checkpoint key (FTREC_CHECKPOINT_KEY_FILE), unless one is set
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     _run(
         [

@@ -547,6 +547,7 @@ def _parts(names: list[str], work: Path, sz: dict, gpus: int, budget: float) -> 
 
 def main(argv: list[str] | None = None) -> int:
     from benchmarks.gpu_check_claims import claims, table
+    from training.checkpoint_key import use_default
 
     p = argparse.ArgumentParser(prog="python benchmarks/gpu_check.py", description=__doc__.splitlines()[0])
     p.add_argument("--cpu", action="store_true", help="tiny sizes on CPU: a smoke test of this script")
@@ -566,6 +567,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out)
     work = Path(a.work) if a.work else out.parent / "gpu_check_work"
     work.mkdir(parents=True, exist_ok=True)
+    use_default(work)  # the checkpoint key (FTREC_CHECKPOINT_KEY_FILE) of its runs, unless one is set
     t0 = time.monotonic()
     res: dict[str, Any] = {
         "mode": "cpu" if a.cpu else "gpu",

@@ -39,6 +39,7 @@ import torch
 from dataprep import schema
 from dataprep.build import build_shards
 from ftcore.util.files import atomic_write_json
+from training.checkpoint_key import use_default
 from training.config import EvalConfig, load_config
 from training.evaluate import EvalData, MostPopular, evaluate
 from training.train import train
@@ -385,6 +386,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     os.makedirs(args.work, exist_ok=True)
     os.makedirs(args.results, exist_ok=True)
+    use_default(args.work)  # the checkpoint key (FTREC_CHECKPOINT_KEY_FILE), unless one is set
     parts = ["quality", "throughput", "window", "hstu"] if args.part == "all" else [args.part]
     for part in parts:
         res = {"quality": quality, "throughput": throughput, "window": window, "hstu": hstu}[part](args)

@@ -28,6 +28,17 @@ def free_port() -> int:
     return ports.free_port()
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _checkpoint_key(tmp_path_factory):
+    """One checkpoint key (FTREC_CHECKPOINT_KEY_FILE) for every test and every process a test
+    starts, as a deployment's processes share one."""
+    from training.checkpoint_key import KEY_ENV, KEY_NAME, ensure_key_file
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(KEY_ENV, str(ensure_key_file(tmp_path_factory.mktemp("key") / KEY_NAME)))
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _one_thread(monkeypatch):
     # Two cores are shared by every test process; keep torch from oversubscribing them.

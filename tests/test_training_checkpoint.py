@@ -113,6 +113,8 @@ def test_round_trip_and_safe_loading(shards, tmp_path):
     bad.mkdir()
     with open(bad / "state.pt", "wb") as f:
         pickle.dump({"model": Evil()}, f)
+    (bad / "meta.json").write_text('{"step": 0}')
+    checkpoint.rekey(str(bad))  # sealed: even a file the key vouches for is never run
     with pytest.raises(checkpoint.CheckpointError, match="cannot be loaded safely"):
         checkpoint.load(str(bad))
     with pytest.raises(checkpoint.CheckpointError, match="no state.pt"):

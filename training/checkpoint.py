@@ -1,13 +1,19 @@
-"""Atomic checkpoints of `TrainState`, loaded without executing code.
+"""Atomic, keyed checkpoints of `TrainState`, loaded without executing code.
 
 OUT/checkpoints/step-N/ holds state.pt, rng-rank-K.pt (the group's other ranks) and
-meta.json (step, config, fingerprint, topology, every file's sha256). The ranks write into
-a .tmp folder that rank 0 renames into place after a barrier: a crash leaves a complete
-checkpoint or a .tmp that nothing reads. A file is loaded (weights_only) only once its
-sha256 matches; `latest_verified` is the newest checkpoint that verifies.
+meta.json (step, config, fingerprint, topology, every file's sha256), sealed with an
+HMAC-SHA256 under the deployment's key (training/checkpoint_key.py). The ranks write into a
+.tmp folder that rank 0 renames into place after a barrier: a crash leaves a complete
+checkpoint or a .tmp that nothing reads. Every read verifies meta.json's HMAC first, and a
+file is loaded (weights_only, from the very bytes hashed) only once its sha256 matches;
+`latest_verified` is the newest checkpoint that verifies.
+
+    python -m training.checkpoint new-key FILE | rekey FOLDER... [--from-key-file OLD]
 """
 
+import argparse
 import hashlib
+import io
 import json
 import os
 import re
@@ -18,24 +24,26 @@ import torch
 import torch.distributed as dist
 
 from ftcore import collectives as coll
+from ftcore.util.files import atomic_write_json, sha256_file
+from training.checkpoint_key import (
+    KEY_ENV,
+    SEAL,
+    CheckpointError,
+    CheckpointKeyError,
+    Key,
+    ensure_key_file,
+    key,
+    key_from_file,
+    seal,
+    unseal,
+)
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint the user pointed at cannot be read; the message names it."""
+META = "meta.json"
 
 
 def step_dir(root: str, step: int) -> str:
     return os.path.join(root, f"step-{step:08d}")
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _save_durable(obj, path: str) -> None:
@@ -72,7 +80,9 @@ def save(
     unless `distributed=False` (rank 0 alone writes, e.g. a weights-only checkpoint).
     Only rank 0's state carries model/optimizer (replicas are identical); other ranks
     contribute their RNG states (and the keys in `per_rank`: a sharded table's optimizer state).
+    Every rank needs the key (CheckpointKeyError before anything is written, on every rank alike).
     """
+    sealer = key()
     final = step_dir(root, int(meta["step"]))
     tmp = final + ".tmp"
     collective = distributed and _distributed()
@@ -89,11 +99,12 @@ def save(
     if collective:
         coll.barrier()
     if rank == 0:
-        files = {n: _sha256(os.path.join(tmp, n)) for n in sorted(os.listdir(tmp)) if n.endswith(".pt")}
-        with open(os.path.join(tmp, "meta.json"), "w") as f:
-            json.dump({**meta, "files": files}, f, indent=1, default=str)
-            f.flush()
-            os.fsync(f.fileno())
+        _write_meta(
+            tmp,
+            meta,
+            {n: sha256_file(os.path.join(tmp, n)) for n in sorted(os.listdir(tmp)) if n.endswith(".pt")},
+            sealer,
+        )
         _fsync_dir(tmp)
         if os.path.isdir(final):  # the same step saved again (a retried run): replace it
             shutil.rmtree(final)
@@ -103,6 +114,11 @@ def save(
     if collective:
         coll.barrier()
     return final
+
+
+def _write_meta(folder: str, meta: dict, files: dict[str, str], sealer: Key) -> None:
+    """meta.json with every file's sha256, sealed under the key (written whole, fsynced)."""
+    atomic_write_json(os.path.join(folder, META), seal({**meta, "files": files}, sealer), indent=1)
 
 
 def _prune(root: str, keep: int) -> None:
@@ -123,61 +139,112 @@ def latest(root: str) -> str | None:
     return step_dir(root, steps[-1]) if steps else None
 
 
-def verify(folder: str) -> None:
-    """Raise CheckpointError unless every file meta.json lists has the bytes it recorded.
-    Checkpoints written before hashes were recorded (no `files`) pass unchecked."""
-    files = read_meta(folder).get("files")
-    if files is None:
-        return
+def read_meta(path: str, sealer: Key | None = None) -> dict:
+    """A checkpoint's meta.json, once its HMAC verifies under the key (this process's by
+    default); CheckpointError naming the folder when it is missing, unreadable or not sealed
+    under the key."""
+    folder = path if os.path.isdir(path) else os.path.dirname(path)
+    return unseal(_raw_meta(folder), folder, sealer or key())
+
+
+def _raw_meta(folder: str) -> dict:
+    where = os.path.join(folder, META)
+    if not os.path.isfile(where):
+        raise CheckpointError(
+            f"checkpoint {folder}: no {META}, so nothing vouches for its files (its sealed list of "
+            "every file's sha256): refusing it. Give a folder a save wrote whole (OUT/checkpoints/step-N, "
+            "OUT/best/step-N), with its meta.json"
+        )
+    try:
+        with open(where) as f:
+            raw = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"checkpoint {folder}: {META} unreadable ({e})") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"checkpoint {folder}: {META} is not a JSON object")
+    return raw
+
+
+def _files(folder: str, meta: dict) -> dict[str, str]:
+    files = meta.get("files")
     if not isinstance(files, dict) or "state.pt" not in files:
-        raise CheckpointError(f"checkpoint {folder}: meta.json's file list is damaged")
-    for name, want in files.items():
+        raise CheckpointError(f"checkpoint {folder}: {META}'s file list is damaged")
+    return files
+
+
+def _mismatch(folder: str, name: str, size: int) -> CheckpointError:
+    return CheckpointError(
+        f"checkpoint {folder}: {name} does not match the sha256 its sealed {META} recorded when it was "
+        f"written ({size} bytes now): the file is damaged or was rewritten; refusing it"
+    )
+
+
+def verify(folder: str) -> None:
+    """Raise CheckpointError unless meta.json's HMAC verifies and every file it lists has the
+    bytes it recorded."""
+    _check_files(folder, _files(folder, read_meta(folder)))
+
+
+def _check_files(folder: str, files: dict[str, str]) -> None:
+    for name in files:
         path = os.path.join(folder, os.path.basename(name))
         if not os.path.isfile(path):
             raise CheckpointError(f"checkpoint {folder}: {name} is missing")
-        if _sha256(path) != want:
-            raise CheckpointError(
-                f"checkpoint {folder}: {name} does not match the sha256 recorded when it was "
-                f"written ({os.path.getsize(path)} bytes now): the file is damaged"
-            )
+        if sha256_file(path) != files[name]:
+            raise _mismatch(folder, name, os.path.getsize(path))
 
 
 def latest_verified(root: str, log=None) -> str | None:
     """The newest checkpoint under root whose files verify; each one skipped is said, with why.
-    Every rank of a group verifies every file, so they all pick the same one."""
+    Every rank of a group verifies every file, so they all pick the same one. A key problem
+    (none, or checkpoints sealed under another key or none) raises CheckpointKeyError: it
+    would refuse every checkpoint alike, and starting over would hide it."""
     say = log or (lambda m: print(m, file=sys.stderr, flush=True))
     for step in reversed(list_steps(root)):
         folder = step_dir(root, step)
         try:
             verify(folder)
             return folder
+        except CheckpointKeyError:
+            raise
         except CheckpointError as e:
             say(f"skipping {e}; trying an older checkpoint")
     return None
 
 
+def _torch_load(folder: str, name: str, files: dict[str, str]):
+    """`name`'s tensors, unpickled (weights_only) from the very bytes whose sha256 matched the
+    sealed list: nothing can swap the file between the check and the load."""
+    path = os.path.join(folder, name)
+    if name not in files:
+        raise CheckpointError(f"checkpoint {folder}: {name} is not in its sealed {META}: refusing it")
+    with open(path, "rb") as f:
+        data = f.read()
+    if hashlib.sha256(data).hexdigest() != files[name]:
+        raise _mismatch(folder, name, len(data))
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as e:  # a damaged or foreign file: one line, not a traceback
+        raise CheckpointError(f"checkpoint {path} cannot be loaded safely: {str(e).splitlines()[0]}") from None
+
+
 def load(path: str, rank: int = 0, per_rank: tuple = ("rng",)) -> dict:
     """Read a checkpoint folder (or its state.pt) without executing code; rank >= 1 gets its own RNG."""
     folder = path if os.path.isdir(path) else os.path.dirname(path)
-    fpath = os.path.join(folder, "state.pt")
-    if not os.path.isfile(fpath):
+    if not os.path.isfile(os.path.join(folder, "state.pt")):
         raise CheckpointError(
             f"checkpoint {path}: no state.pt there (expected a folder like OUT/checkpoints/step-00000100)"
         )
-    if os.path.isfile(os.path.join(folder, "meta.json")):
-        verify(folder)
-    try:
-        state = torch.load(fpath, map_location="cpu", weights_only=True)
-    except Exception as e:  # a damaged or foreign file: one line, not a traceback
-        raise CheckpointError(f"checkpoint {fpath} cannot be loaded safely: {str(e).splitlines()[0]}") from None
+    files = _files(folder, read_meta(folder))
+    state = _torch_load(folder, "state.pt", files)
     if rank > 0:
-        rpath = os.path.join(folder, f"rng-rank-{rank:05d}.pt")
-        if not os.path.isfile(rpath):
+        name = f"rng-rank-{rank:05d}.pt"
+        if not os.path.isfile(os.path.join(folder, name)):
             raise CheckpointError(
                 f"checkpoint {folder} has no RNG state for rank {rank}: it was written by a "
                 "smaller group; resume with the same number of ranks"
             )
-        mine = torch.load(rpath, map_location="cpu", weights_only=True)
+        mine = _torch_load(folder, name, files)
         missing = [k for k in per_rank if k not in mine]
         if missing:
             raise CheckpointError(
@@ -186,15 +253,6 @@ def load(path: str, rank: int = 0, per_rank: tuple = ("rng",)) -> dict:
             )
         state.update({k: mine[k] for k in per_rank})
     return state
-
-
-def read_meta(path: str) -> dict:
-    folder = path if os.path.isdir(path) else os.path.dirname(path)
-    try:
-        with open(os.path.join(folder, "meta.json")) as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"checkpoint {folder}: meta.json unreadable ({e})") from None
 
 
 def warm_start(model: torch.nn.Module, path: str, shards_path: str) -> int:
@@ -235,3 +293,52 @@ def warm_start(model: torch.nn.Module, path: str, shards_path: str) -> int:
         table[dst] = old["item_emb.weight"][src]
     model.load_state_dict({**{k: old[k] for k in new if k != "item_emb.weight"}, "item_emb.weight": table})
     return len(pairs)
+
+
+def rekey(folder: str, old: Key | None = None) -> str:
+    """Seal FOLDER's meta.json under this process's key: a checkpoint from before keyed
+    checkpoints (the sha256s it recorded checked first, or recorded now when it has none), or
+    one sealed under the key `old` (verified under it first). Returns what it did, in a line.
+    Vouches for the files as they are: re-key only what you trust."""
+    sealer = key()
+    raw = _raw_meta(folder)
+    meta = unseal(raw, folder, old or sealer) if SEAL in raw else raw
+    if meta.get("files") is None:
+        files = {n: sha256_file(os.path.join(folder, n)) for n in sorted(os.listdir(folder)) if n.endswith(".pt")}
+        how = "hashed now (it recorded none)"
+    else:
+        files = _files(folder, meta)
+        _check_files(folder, files)
+        how = "checked against the sha256s it recorded"
+    if "state.pt" not in files:
+        raise CheckpointError(f"checkpoint {folder}: no state.pt there: nothing to re-key")
+    _write_meta(folder, {n: v for n, v in meta.items() if n != "files"}, files, sealer)
+    return f"{folder}: sealed under {KEY_ENV} {sealer.path} (key id {sealer.id}); {len(files)} file(s) {how}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m training.checkpoint", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    n = sub.add_parser("new-key", help=f"make a key file (0600) unless FILE exists; point {KEY_ENV} at it")
+    n.add_argument("file")
+    r = sub.add_parser("rekey", help=f"seal checkpoint folders under the key {KEY_ENV} names")
+    r.add_argument("folders", nargs="+", metavar="FOLDER")
+    r.add_argument("--from-key-file", help="the key they are sealed under now (rotation); default: none or this one")
+    a = p.parse_args(argv)
+    if a.command == "new-key":
+        existed = os.path.exists(a.file)
+        path = ensure_key_file(a.file)
+        print(f"{path}: {'exists, kept' if existed else 'a new key (0600)'}; export {KEY_ENV}={path.resolve()}")
+        return 0
+    try:
+        old = key_from_file(a.from_key_file) if a.from_key_file else None
+        for folder in a.folders:
+            print(rekey(folder, old))
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -295,6 +295,17 @@ def parse(argv: list[str]) -> LaunchConfig:
     )
 
 
+def _checkpoint_key(out: str) -> None:
+    """The ranks' checkpoint key: FTREC_CHECKPOINT_KEY_FILE, else OUT/checkpoint.key (made once)."""
+    from training.checkpoint_key import KEY_ENV, use_default
+
+    if not os.environ.get(KEY_ENV, "").strip():
+        made = use_default(out)
+        print(
+            f"[launch] no {KEY_ENV}: checkpoints are sealed with {made} (reading them elsewhere needs it)", flush=True
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
@@ -303,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     except (LaunchError, PlanError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if cfg.worker == TRAINER:
+        _checkpoint_key(cfg.out)
     if cfg.print_commands:
         try:  # the commands name OUT/job-token: written under the run folder's lease
             job.lease.acquire()

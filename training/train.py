@@ -121,6 +121,7 @@ class Trainer:
         """The seeded model (the same on every rank), warm-started from train.init_checkpoint
         unless a checkpoint to resume from is found; returns that checkpoint."""
         cfg, topo, shards = self.cfg, self.topo, self.shards
+        checkpoint.key()  # every rank, before any collective: no key, no run (nothing could be sealed)
         budget = memory.rank_budget(cfg.train.memory_budget_gb, torch.device(topo.device))  # collective
         rows = memory.lookup_rows(shards, cfg.loss.num_negatives, topo.num_replica_groups, topo.group_size)
         cfg.comm.embedding, line = memory.choose_embedding(

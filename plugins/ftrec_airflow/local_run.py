@@ -18,14 +18,15 @@ from typing import Any
 
 from ftcore.util.files import atomic_write_json, atomic_write_text
 from ftrec_airflow import runner, settings
-from training import config  # the trainer's settings and the one --set parser (no torch)
+from training import checkpoint_key, config  # the trainer's settings, the one --set parser, the key (no torch)
 
 SUMMARY = "last_run.json"
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # terminal colours: not part of a log line
 
 
 def airflow_env(work: Path) -> dict[str, str]:
-    """The environment that points Airflow, MLflow and the DAGs at `work`."""
+    """The environment that points Airflow, MLflow and the DAGs at `work`, and the checkpoint
+    key (FTREC_CHECKPOINT_KEY_FILE) at WORK/checkpoint.key, made on first use, unless set."""
     root = settings.PROJECT_ROOT
     home = work / "airflow"
     env = {
@@ -48,6 +49,8 @@ def airflow_env(work: Path) -> dict[str, str]:
     }
     if not os.environ.get("MLFLOW_TRACKING_URI"):
         env["MLFLOW_TRACKING_URI"] = f"sqlite:///{work / 'mlflow' / 'mlflow.db'}"
+    if not os.environ.get(checkpoint_key.KEY_ENV, "").strip():  # the work folder's own key, made once
+        env[checkpoint_key.KEY_ENV] = str(checkpoint_key.ensure_key_file(work / checkpoint_key.KEY_NAME))
     return env
 
 
