@@ -111,6 +111,7 @@ def test_each_group_pod_runs_the_launchers_torchrun_command(train_group, tmp_pat
         # the same environment, but the token: the launcher's job-token file there, the job's Secret here
         assert want_env.pop("FTCORE_TOKEN_FILE") == str(Path(spec.out) / "job-token")
         assert env.pop("FTCORE_TOKEN_FILE") == kubernetes.TOKEN_FILE
+        assert env.pop("FTREC_CHECKPOINT_KEY_FILE") == kubernetes.KEY_FILE  # the deployment's key, beside it
         assert {k: env.get(k) for k in want_env} == want_env
         assert set(env) - set(want_env) == {"MLFLOW_TRACKING_URI", "PYTHONUNBUFFERED"}
         assert env["FTREC_REPLICA_GROUP"] == str(g) and env["FTCORE_LIGHTHOUSE"] == "ftcore-lighthouse.recs.svc:29510"
@@ -132,7 +133,7 @@ def test_group_pods_get_their_gpus_volumes_and_secrets_never_a_token(train_group
         token = vols[mounts[kubernetes.TOKEN_DIR].name].secret
         # its job's own token, never the lighthouse's admin secret
         assert token.secret_name == kubernetes.job_secret_name(run["job_id"]) != "ftcore-lighthouse-token"
-        assert [i.key for i in token.items] == ["token"]
+        assert [i.key for i in token.items] == ["token", "checkpoint.key"]  # and the checkpoint key beside it
         assert mounts[kubernetes.TOKEN_DIR].read_only
         assert {e.name: e.value for e in c.env}["FTCORE_TOKEN_FILE"] == kubernetes.TOKEN_FILE
         assert [e.secret_ref.name for e in c.env_from] == ["mlflow-creds"]
@@ -305,7 +306,7 @@ def test_every_rendered_object_satisfies_the_kubernetes_schema(train_group, k8s_
     k8s_env.setenv("FTREC_K8S_GPU_RESOURCE", "")
     kw = kubernetes.group_pods(_run(tmp_path, groups=1))[0]
     cpu = GroupPodOperator(task_id="train_group", **kubernetes.pod_defaults(), **kw).build_pod_request_obj(dry_run=True)
-    secret = kubernetes.job_secret(kubernetes.config(), kw["env_vars"]["FTCORE_JOB_ID"], "ftjob1.x.y")
+    secret = kubernetes.job_secret(kubernetes.config(), kw["env_vars"]["FTCORE_JOB_ID"], "ftjob1.x.y", "k" * 43)
     objs += kubernetes.to_dicts([cpu, *kubernetes.lighthouse_manifests(), secret])
     assert [d["kind"] for d in objs] == ["Pod"] * 4 + ["Deployment", "Service", "Secret"]
     assert all(d.get("apiVersion") for d in objs)
@@ -328,8 +329,9 @@ def test_a_runs_pods_get_a_token_that_opens_their_job_alone(k8s_env, tmp_path):
 
     job = _run(tmp_path)["job_id"]
     token = auth.job_token("admin-secret", job)
-    secret = kubernetes.job_secret(kubernetes.config(), job, token)
-    assert secret.metadata.name == kubernetes.job_secret_name(job) and secret.string_data == {"token": token}
+    secret = kubernetes.job_secret(kubernetes.config(), job, token, "the-deployments-checkpoint-key")
+    assert secret.metadata.name == kubernetes.job_secret_name(job)
+    assert secret.string_data == {"token": token, "checkpoint.key": "the-deployments-checkpoint-key"}
     assert secret.metadata.namespace == "recs" and len(secret.metadata.name) <= 63
     assert auth.scope("admin-secret", f"Bearer {token}") == job
     assert kubernetes.job_secret_name(job) != kubernetes.job_secret_name(job + "x")

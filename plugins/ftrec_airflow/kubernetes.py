@@ -24,6 +24,8 @@ LIGHTHOUSE = "ftcore-lighthouse"  # Deployment, Service and its pods' app label
 LIGHTHOUSE_PORT = 29510
 TOKEN_DIR = "/etc/ftcore"  # the token Secret, mounted in the lighthouse and every group pod
 TOKEN_FILE = f"{TOKEN_DIR}/token"
+KEY_ITEM = "checkpoint.key"  # the deployment's checkpoint key: an item of the same Secret
+KEY_FILE = f"{TOKEN_DIR}/{KEY_ITEM}"
 RDZV_ENDPOINT = "127.0.0.1:29400"  # torchrun's rendezvous inside the pod (one node per group)
 TORCHRUN_MAX_RESTARTS = 3  # crashed ranks restarted in place before the pod fails
 STARTUP_TIMEOUT_S = 900  # a GPU node may have to be scaled up first
@@ -97,8 +99,10 @@ def job_id(dag_id: str, run_id: str) -> str:
 
 def group_env(cfg: Config, job: str, groups: int, group: int, tracking_uri: str) -> dict[str, str]:
     """A group pod's environment: the launcher's job_env() with this group's id (the token as
-    a file from the Secret, never its value), the tracking URI, unbuffered output (the pod's
-    log streams into the task log)."""
+    a file from the Secret, never its value), the checkpoint key (a file from the same Secret),
+    the tracking URI, unbuffered output (the pod's log streams into the task log)."""
+    from training.checkpoint_key import KEY_ENV  # not at parse time: the DAG file imports no training
+
     return {
         "FTCORE_LIGHTHOUSE": cfg.lighthouse,
         "FTCORE_JOB_ID": job,
@@ -106,6 +110,7 @@ def group_env(cfg: Config, job: str, groups: int, group: int, tracking_uri: str)
         "FTCORE_MIN_REPLICAS": MIN_REPLICAS,
         "FTCORE_LR_POLICY": LR_POLICY,
         "FTCORE_TOKEN_FILE": TOKEN_FILE,
+        KEY_ENV: KEY_FILE,
         "FTREC_REPLICA_GROUP": str(group),
         "MLFLOW_TRACKING_URI": tracking_uri,
         "PYTHONUNBUFFERED": "1",
@@ -254,22 +259,31 @@ def job_secret_name(job: str) -> str:
     return "ftcore-job-" + hashlib.sha256(job.encode()).hexdigest()[:20]
 
 
-def job_secret(cfg: Config, job: str, token: str):
-    """The job's token as a Secret (key `token`), labelled as ftrec's."""
+def job_secret(cfg: Config, job: str, token: str, key: str):
+    """The job's token (item `token`) and the deployment's checkpoint key (item `checkpoint.key`:
+    a warm start reads the champion's checkpoint, another run's) as a Secret, labelled as ftrec's."""
     from kubernetes.client import models as k8s
 
     labels = {"app.kubernetes.io/name": "ftrec", "app.kubernetes.io/component": "job-token"}
     meta = k8s.V1ObjectMeta(name=job_secret_name(job), namespace=cfg.namespace, labels=labels)
-    return k8s.V1Secret(api_version="v1", kind="Secret", metadata=meta, type="Opaque", string_data={"token": token})
+    return k8s.V1Secret(
+        api_version="v1",
+        kind="Secret",
+        metadata=meta,
+        type="Opaque",
+        string_data={"token": token, KEY_ITEM: key},
+    )
 
 
 def put_job_secret(cfg: Config, job: str) -> None:
     """Create (or, on a retry, replace) the job's token Secret, derived on this worker from the
-    lighthouse's admin secret (FTCORE_TOKEN_FILE / FTCORE_TOKEN): the pods never see that one."""
+    lighthouse's admin secret (FTCORE_TOKEN_FILE / FTCORE_TOKEN): the pods never see that one;
+    with it the worker's checkpoint key (FTREC_CHECKPOINT_KEY_FILE)."""
     from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
     from kubernetes.client.exceptions import ApiException
 
     from ftcore import auth
+    from training import checkpoint_key
 
     secret = auth.token_from_env()
     if secret is None:
@@ -277,8 +291,12 @@ def put_job_secret(cfg: Config, job: str) -> None:
             "no lighthouse token on this worker: set FTCORE_TOKEN_FILE to the lighthouse's admin secret "
             "(each run's pods get only their job's token, derived from it)"
         )
+    try:
+        key = checkpoint_key.key().secret.decode()
+    except checkpoint_key.CheckpointError as e:
+        raise AirflowFailException(f"the pods need the deployment's checkpoint key: {e}") from None
     api = KubernetesHook().core_v1_client
-    body = job_secret(cfg, job, auth.job_token(secret, job))
+    body = job_secret(cfg, job, auth.job_token(secret, job), key)
     try:
         api.create_namespaced_secret(cfg.namespace, body)
     except ApiException as e:

@@ -6,15 +6,17 @@ the Kubernetes path is configured, imports this (ftrec_airflow.kubernetes)."""
 from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
 from kubernetes.client import models as k8s
 
+from ftrec_airflow.kubernetes import KEY_ITEM
 from ftrec_airflow.kubernetes_volumes import stage_mounts, volume_mounts
 
 
 class GroupPodOperator(KubernetesPodOperator):
     """One replica group as one pod: `gpus` of `gpu_resource` (GPUs per pod = ranks per group;
-    an empty resource name: a CPU-only pod), and its job's token Secret `token_secret` mounted
-    at `token_dir` (names only: the mapped task's arguments travel as JSON); `work_mounts`: the
-    parts of the work volume it sees (kubernetes_volumes: each by its own subPath); `stage_pod`:
-    those of the shard-build stage its arguments name."""
+    an empty resource name: a CPU-only pod), and its job's token Secret `token_secret` (the
+    job's token and the deployment's checkpoint key) mounted at `token_dir` (names only: the
+    mapped task's arguments travel as JSON); `work_mounts`: the parts of the work volume it sees
+    (kubernetes_volumes: each by its own subPath); `stage_pod`: those of the shard-build stage
+    its arguments name."""
 
     def __init__(
         self,
@@ -37,7 +39,8 @@ class GroupPodOperator(KubernetesPodOperator):
         if token_secret:
             from airflow.providers.cncf.kubernetes.secret import Secret
 
-            token = Secret("volume", token_dir, token_secret, items=[k8s.V1KeyToPath(key="token", path="token")])
+            items = [k8s.V1KeyToPath(key=k, path=k) for k in ("token", KEY_ITEM)]
+            token = Secret("volume", token_dir, token_secret, items=items)
             kwargs["secrets"] = [token, *(kwargs.get("secrets") or [])]
         super().__init__(**kwargs)
         self.gpus = gpus
