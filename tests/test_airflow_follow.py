@@ -121,3 +121,71 @@ def lease_alive(holder) -> bool:
     from ftcore.launcher import lease
 
     return lease.start_time(holder.pid) == holder.start
+
+
+# a task process whose SIGTERM handler is the task's (decorators._sigterm_asks_airflow): Airflow says
+# it runs the task again, so the handler leaves the detached job running for the next try
+LEAVING_TASK = """
+import signal, sys
+from ftrec_airflow import runner
+cmd = runner.Command([sys.executable, "-c", sys.argv[1], sys.argv[2], sys.argv[3]], log_file=sys.argv[4])
+signal.signal(signal.SIGTERM, lambda signum, frame: cmd.leave("Airflow runs the task again"))
+try:
+    cmd.run()
+except runner.JobLeftRunning as e:
+    print("left running:", e, flush=True)
+    sys.exit(3)
+"""
+
+
+@pytest.mark.integ
+def test_a_try_airflow_stops_for_another_leaves_the_job_to_it(tmp_path):
+    """Airflow's SIGTERM to a try it replaces (a new scheduler reset the task, a retry is due): the
+    task's handler leaves the job running, the try ends at once (JobLeftRunning), and the job, which
+    never held the task's stdin (Airflow's request socket), trains on for the next try to follow."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (tmp_path / "sleeper.py").write_text(SLEEPER)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "plugins"), str(tmp_path)])}
+    argv = [sys.executable, "-c", LEAVING_TASK, JOB, str(out), "3", str(out / follow.LOG_NAME)]
+    with open(tmp_path / "task.log", "w") as log:
+        task = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    holder = None
+    try:
+        holder = _holder_of_any(out, task, tmp_path / "task.log")
+        assert os.readlink(f"/proc/{holder.pid}/fd/0") == "/dev/null"
+        task.send_signal(signal.SIGTERM)
+        assert task.wait(10) == 3, (tmp_path / "task.log").read_text()[-3000:]
+        assert follow.live_job(out) == holder  # left running
+        follow.Follower(out, holder, print).wait(120)
+        assert (out / "slept").read_text() == "done"  # trained to its end, once
+    finally:
+        if holder is not None and lease_alive(holder):
+            os.killpg(holder.session, signal.SIGKILL)
+        if task.poll() is None:
+            os.killpg(task.pid, signal.SIGKILL)
+            task.wait(10)
+
+
+def test_which_task_states_leave_the_job_to_the_next_try():
+    """None (reset by a new scheduler), scheduled, queued, running, up_for_retry: Airflow runs the
+    task again, so its job is left to that try; a person's clear (restarting) or mark (failed,
+    success), or an unanswered question, stops it."""
+    from ftrec_airflow import decorators
+
+    for state in (None, "scheduled", "queued", "running", "up_for_retry", "deferred"):
+        assert follow.left_for_next_try(state), state
+    for state in ("restarting", "failed", "success", "skipped", "upstream_failed", "removed", decorators._UNKNOWN):
+        assert follow.left_for_next_try(state) is None, state
+
+    class TI:
+        dag_id, task_id, run_id, map_index = "d", "train", "r", -1
+
+        @staticmethod
+        def get_task_states(**kw):
+            assert kw == {"dag_id": "d", "task_ids": ["train"], "run_ids": ["r"], "map_index": None}
+            return {"r": {"train": None}}
+
+    assert decorators._state_now(TI()) is None
+    TI.get_task_states = staticmethod(lambda **kw: 1 / 0)  # outside a supervised task, say
+    assert decorators._state_now(TI()) == decorators._UNKNOWN

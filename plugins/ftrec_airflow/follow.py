@@ -23,6 +23,21 @@ LOG_NAME = "launcher.log"  # in the run folder: the detached launcher's output (
 POLL_S = 1.0  # how often a follower looks at the job
 SAY_EVERY_S = 60.0  # how often it says in the task log that the job still runs
 TERM_GRACE_S = float(os.environ.get("FTREC_TERM_GRACE_S", "10"))  # the runner's SIGTERM -> SIGKILL
+# The train task's state when Airflow stops a try by SIGTERM, that says Airflow runs the task again
+# (or still does): a new scheduler reset it as orphaned (None, then scheduled, queued, running as a new
+# try), a retry is due, or the worker is going down under a running try. The job is left to the next
+# try then. Any other state (failed, success, restarting: a person cleared it or marked it) stops it.
+RUNS_AGAIN = frozenset({None, "scheduled", "queued", "running", "up_for_retry", "up_for_reschedule", "deferred"})
+
+
+def left_for_next_try(state: str | None) -> str | None:
+    """Why a try stopped by Airflow in the task state `state` leaves its job running, or None: stop it."""
+    if state not in RUNS_AGAIN:
+        return None
+    return (
+        f"Airflow stopped this try with the task {state or 'reset (no state)'}: it runs the task again, and that "
+        "try follows the training job, which runs on"
+    )
 
 
 def live_job(out: str | Path) -> lease.Holder | None:
@@ -43,6 +58,11 @@ class Follower:
         self.out, self.holder, self.log = Path(out), holder, log
         self.echo = echo  # each new line of the job's log (LOG_NAME), as it follows
         self.local = holder.host == socket.gethostname() and holder.boot_id == lease.boot_id()
+        self.left: str | None = None  # why this try stopped following and left the job running (`leave`)
+
+    def leave(self, why: str) -> None:
+        """Stop following, and leave the job running (`wait` raises runner.JobLeftRunning)."""
+        self.left = why
 
     def same_job(self) -> bool:
         now = live_job(self.out)
@@ -66,6 +86,8 @@ class Follower:
                 f.seek(0, os.SEEK_END)  # from now on: what came before is in the earlier try's log
             start = said = time.monotonic()
             while self.same_job():
+                if self.left is not None:
+                    raise runner.JobLeftRunning(self.left)
                 if timeout_s is not None and time.monotonic() - start > timeout_s:
                     raise TimeoutError(f"the followed job (launcher pid {h.pid}) ran past {timeout_s:.0f} s")
                 if time.monotonic() - said > SAY_EVERY_S:
@@ -79,7 +101,10 @@ class Follower:
         self.log(f"the followed job (launcher pid {h.pid}) has ended")
 
     def stop(self) -> None:
-        """End the job: SIGTERM to the launcher's session, SIGKILL to what is left after the grace."""
+        """End the job: SIGTERM to the launcher's session, SIGKILL to what is left after the grace;
+        nothing once the job was left to the next try (`leave`)."""
+        if self.left is not None:
+            return
         if not self.local:
             self.log(f"cannot stop launcher pid {self.holder.pid} on {self.holder.host} from here")
             return

@@ -22,6 +22,11 @@ TAIL_LINES = 20  # lines of output quoted in the error when the command fails
 log = logging.getLogger(__name__)
 
 
+class JobLeftRunning(RuntimeError):
+    """This try ends and the detached job it started or follows runs on: Airflow will run the task
+    again (a new scheduler reset it, a retry is due), and that try follows the job."""
+
+
 class CommandFailed(RuntimeError):
     """The command exited non-zero; the message holds its last lines of output."""
 
@@ -158,6 +163,7 @@ class Command:
         self.cwd = cwd
         self.log = logger or log
         self.proc: subprocess.Popen | None = None
+        self.left: str | None = None  # why a detached command was left running (`leave`)
         self.tail: collections.deque[str] = collections.deque(maxlen=200)
 
     def _pump(self) -> None:
@@ -170,7 +176,7 @@ class Command:
         assert self.proc is not None and self.log_file is not None
         with open(self.log_file, "rb") as f:
             f.seek(start)
-            while self.proc.poll() is None:
+            while self.proc.poll() is None and self.left is None:
                 drain(f, self._line)
                 time.sleep(0.1)
             drain(f, self._line, final=True)
@@ -188,7 +194,11 @@ class Command:
         """Start the command; it and the thread that streams its output."""
         from ftcore.util import procs  # here: DAG parsing imports this module, not ftcore
 
-        kw: dict = dict(env=self.env, cwd=self.cwd, stderr=subprocess.STDOUT, start_new_session=True)
+        # stdin from /dev/null: a task process's stdin is Airflow's request socket to its supervisor,
+        # and a command holding it open (a detached job outliving the task process) keeps the
+        # supervisor waiting for it to close after the task process died, reporting nothing
+        kw: dict = dict(env=self.env, cwd=self.cwd, stdin=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        kw["start_new_session"] = True
         if self.log_file is None:  # a child of this task: SIGTERM when the task process dies
             kw.update(stdout=subprocess.PIPE, text=True, bufsize=1, errors="replace")
             self.proc = subprocess.Popen(self.cmd, preexec_fn=procs.exec_with_parent_death_signal, **kw)
@@ -199,12 +209,20 @@ class Command:
         return self.proc, threading.Thread(target=self._tail, args=(start,), name="ftrec-log-tail", daemon=True)
 
     def stop(self) -> None:
-        if self.proc is not None:
+        if self.proc is not None and self.left is None:
             stop_group(self.proc)
+
+    def leave(self, why: str) -> None:
+        """Leave a detached command running when this process stops (a SIGTERM from Airflow for a
+        task it will run again): `run()` then raises JobLeftRunning and `stop()` does nothing."""
+        if self.log_file is not None:
+            self.left = why
 
     def run(self, timeout_s: float | None = None) -> None:
         """Run to completion; raise `CommandFailed` on a non-zero exit, `TimeoutError`
-        past `timeout_s`. The process group is gone when this returns or raises."""
+        past `timeout_s`. The process group is gone when this returns or raises, except after
+        `leave` (JobLeftRunning). On SIGTERM a detached command asks the handler it replaces first
+        (the task's: it may `leave` the job to the next try), then stops unless left."""
         self.log.info("running: %s", " ".join(self.cmd))
         reaper = _become_subreaper()
         before = _descendants() if reaper else set()
@@ -215,9 +233,12 @@ class Command:
             previous = signal.getsignal(signal.SIGTERM)
 
             def _on_term(signum, frame):
-                self.log.warning("task terminated: stopping process group %d", proc.pid)
-                self.stop()
-                if callable(previous):
+                if self.log_file is not None and callable(previous):
+                    previous(signum, frame)  # the task's handler may leave the job running (`leave`)
+                if self.left is None:
+                    self.log.warning("task terminated: stopping process group %d", proc.pid)
+                    self.stop()
+                if self.log_file is None and callable(previous):
                     previous(signum, frame)
 
             signal.signal(signal.SIGTERM, _on_term)
@@ -230,12 +251,15 @@ class Command:
                     proc.wait(timeout=0.5)
                     break
                 except subprocess.TimeoutExpired:
+                    if self.left is not None:
+                        raise JobLeftRunning(self.left) from None
                     if timeout_s is not None and time.monotonic() - start > timeout_s:
                         raise TimeoutError(f"{self.cmd[0]} ran past {timeout_s:.0f} s") from None
         finally:
-            stop_group(proc)  # also reaps grandchildren left behind by a clean exit
-            if reaper:  # and whatever escaped the group (its own session) but was ours
-                _end_strays(_descendants() - before - {proc.pid}, TERM_GRACE_S, self.log)
+            if self.left is None:  # (a job left running is the next try's to follow)
+                stop_group(proc)  # also reaps grandchildren left behind by a clean exit
+                if reaper:  # and whatever escaped the group (its own session) but was ours
+                    _end_strays(_descendants() - before - {proc.pid}, TERM_GRACE_S, self.log)
             pump.join(timeout=5)
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
