@@ -1,9 +1,26 @@
-"""A real Airflow: scheduler, DAG processor and API server (SQLite metadata, LocalExecutor,
-127.0.0.1 on a free port). The test logs in through the REST API, triggers ftrec_train with
-small params, waits (bounded) for success, checks the task links and the plugin's
-lighthouse page on the same server, then stops every process it started by its process
-group."""
+"""The production tier: ftrec_train end to end on Airflow as a platform team runs it, with three
+kills mid-training.
 
+PostgreSQL (a fresh cluster, tests/production_tier.py) is Airflow's metadata database and the
+backend store of an MLflow tracking server; the API server, DAG processor, scheduler and triggerer
+are separate processes (LocalExecutor), everything on 127.0.0.1 on free ports; the `ftrec_mlflow`
+connection points the DAG at the MLflow server. Airflow notices a lost task in seconds here
+(heartbeat and orphan timeouts: TIMEOUTS), not minutes. The test logs in through the REST API and
+triggers one run of ftrec_train; while its `train` task trains (STEPS steps, paced by a `slow`
+fault to at least STEP_S each) it kills, one after the other:
+
+  b. the task runner (kill -9 of the process that runs the train task, the launcher's parent);
+  a. the supervisor of the next try (kill -9 of the LocalExecutor worker that runs it);
+  c. the scheduler (kill -9), and starts a new one SCHEDULER_DOWN_S later.
+
+Verdicts: each later try follows the job the first try started (its log says so); the run ends
+`success`; one launcher, started once, trained every step once (each step committed once in the
+ledger, none redone, STEPS in all; the train task's ledger check passed); one MLflow run with one
+train/loss point per logged step; one registered model version; the task links and the plugin's
+page as before. Every process it started is stopped by its PID or group at the end, and the
+figures (time to detect each kill, to follow) are printed and kept in the test's folder."""
+
+import glob
 import json
 import os
 import secrets
@@ -20,22 +37,39 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("AIRFLOW_HOME", str(ROOT / "work" / "test-airflow-home"))
 
-from ftrec_airflow import runner, ui  # noqa: E402
+from production_tier import MlflowServer, Postgres, pg_unavailable  # noqa: E402
+
+from ftcore.util import procs as ports  # noqa: E402
+from ftrec_airflow import follow, runner, settings, ui  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.integ]
 
 START_TIMEOUT_S = 180  # API server up and the DAG parsed
-RUN_TIMEOUT_S = 300  # the DAG run from trigger to success
+RUN_TIMEOUT_S = 420  # the DAG run from trigger to success, three kills included
+STEPS, STEP_S, LOG_EVERY = 180, 0.35, 10  # the training: at least 63 s, however fast the machine
+SCHEDULER_DOWN_S = 5  # kill -9 of the scheduler to the start of a new one (which boots for 10 s or so)
+CLOSE_GRACE_S = 5  # SIGTERM to SIGKILL of the components at the close (the triggerer takes 10 s otherwise)
+TIMEOUTS = {  # a lost task noticed in seconds: Airflow's defaults are 300 s
+    "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": "10",  # 5 missed heartbeats (every 2 s)
+    "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL": "1",
+    "AIRFLOW__WORKERS__MIN_HEARTBEAT_INTERVAL": "2",
+    "AIRFLOW__SCHEDULER__SCHEDULER_HEARTBEAT_SEC": "1",
+    "AIRFLOW__SCHEDULER__SCHEDULER_HEALTH_CHECK_THRESHOLD": "10",  # a scheduler silent this long is dead
+    "AIRFLOW__SCHEDULER__ORPHANED_TASKS_CHECK_INTERVAL": "2",
+    "AIRFLOW__CORE__MAX_TASK_RETRY_DELAY": "1",  # the DAG's 10 s, 20 s backoff, capped
+}
 CONF = {
     "data_source": "synthetic",
     "synth_users": 240,
     "synth_items": 120,
-    "max_steps": 8,
+    "max_steps": STEPS,
     "batch_size": 16,
     "max_len": 20,
     "replica_groups": 1,
-    "train_overrides": ["model.dim=16", "eval.batch_size=256"],
+    "fault_plan": json.dumps({"faults": [{"kind": "slow", "group": 0, "rank": 0, "at_step": 1, "delay_s": STEP_S}]}),
+    "train_overrides": ["model.dim=16", "eval.batch_size=256", f"train.log_every={LOG_EVERY}", "mlflow.plots=false"],
 }
+FOLLOWING = "following the training job already running"  # follow.Follower.wait's first words
 
 
 def _call(base: str, path: str, token: str | None = None, body: dict | None = None, method: str | None = None):
@@ -51,7 +85,7 @@ def _call(base: str, path: str, token: str | None = None, body: dict | None = No
         return json.loads(resp.read().decode() or "null")
 
 
-def _wait(what: str, fn, timeout: float, procs: dict):
+def _wait(what: str, fn, timeout: float, procs: dict, every: float = 1.0):
     deadline = time.monotonic() + timeout
     last = None
     while time.monotonic() < deadline:
@@ -61,21 +95,69 @@ def _wait(what: str, fn, timeout: float, procs: dict):
             value = fn()
             if value:
                 return value
-        except (OSError, urllib.error.HTTPError, ValueError) as e:
+        except (OSError, urllib.error.HTTPError, ValueError, KeyError) as e:
             last = e
-        time.sleep(1)
+        time.sleep(every)
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} (last error: {last})")
 
 
-@pytest.fixture
-def airflow_server(tmp_path, free_port):
-    home = tmp_path / "airflow"
-    home.mkdir()
-    base = f"http://127.0.0.1:{free_port}"
+class Tier:
+    """The running tier: Airflow's components (`procs`, by name), its servers, and what the test
+    must still end at the close: retired components (a killed scheduler's group) and strays
+    (processes a kill orphaned, in groups of their own)."""
+
+    def __init__(self, tmp: Path, api_port: int):
+        self.tmp, self.home = tmp, tmp / "airflow"
+        self.base = f"http://127.0.0.1:{api_port}"
+        self.api_port = api_port
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.retired: list[subprocess.Popen] = []
+        self.strays: list = []  # psutil.Process
+        self.logs: list = []
+        self.env: dict[str, str] = {}
+        self.token = ""
+        self.airflow = str(Path(sys.executable).parent / "airflow")
+
+    def start(self, name: str, argv: list[str]) -> subprocess.Popen:
+        log = open(self.tmp / f"{name}-{len(self.logs)}.log", "w")
+        self.logs.append(log)
+        self.procs[name] = subprocess.Popen(
+            [self.airflow, *argv], env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )  # its own group: stopped whole at the close
+        return self.procs[name]
+
+    def start_scheduler(self) -> subprocess.Popen:
+        return self.start("scheduler", ["scheduler", *dict(ui.COMPONENTS)["scheduler"]])  # no log server
+
+    def close(self) -> None:
+        import psutil
+
+        groups = [*self.procs.values(), *self.retired]
+        for p in groups:  # SIGTERM every group first, so they shut down side by side
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + CLOSE_GRACE_S
+        for p in groups:  # then SIGKILL what is left after the shared grace period
+            runner.stop_group(p, grace_s=max(0.0, deadline - time.monotonic()))
+        for s in self.strays:
+            if s.is_running():  # the same process (psutil compares its start time)
+                s.kill()
+        psutil.wait_procs([s for s in self.strays if s.is_running()], timeout=10)
+        for f in self.logs:
+            f.close()
+        for name, p in self.procs.items():
+            assert p.poll() is not None, f"airflow {name} (pid {p.pid}) still running"
+
+
+def _environment(tier: Tier, pg: Postgres, mlflow_port: int) -> dict[str, str]:
+    base = tier.base
     env = {
         **os.environ,
-        "AIRFLOW_HOME": str(home),
-        "FTREC_WORK": str(tmp_path / "work"),
+        "AIRFLOW_HOME": str(tier.home),
+        "FTREC_WORK": str(tier.tmp / "work"),
+        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": pg.url("airflow"),
         "AIRFLOW__CORE__DAGS_FOLDER": str(ROOT / "dags"),
         # the checkout's plugins/, as `make run` sets it: its ftrec_plugin.py defers to the
         # installed package's `airflow.plugins` entry point (one registration, no import error)
@@ -88,42 +170,59 @@ def airflow_server(tmp_path, free_port):
         "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "False",
         "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{base}/execution/",
         "AIRFLOW__API__HOST": "127.0.0.1",
-        "AIRFLOW__API__PORT": str(free_port),
+        "AIRFLOW__API__PORT": str(tier.api_port),
         "AIRFLOW__API__BASE_URL": base,
         "AIRFLOW__API__WORKERS": "1",
         "AIRFLOW__API_AUTH__JWT_SECRET": secrets.token_urlsafe(32),  # shared by every component
         "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
         "AIRFLOW__SCHEDULER__TASK_QUEUED_TIMEOUT": "300",
+        # the DAG's MLflow: the connection the tasks look up (settings.mlflow_connection)
+        "AIRFLOW_CONN_FTREC_MLFLOW": json.dumps({"conn_type": "http", "host": "127.0.0.1", "port": mlflow_port}),
+        **TIMEOUTS,
     }
     env.pop("MLFLOW_TRACKING_URI", None)
-    airflow = str(Path(sys.executable).parent / "airflow")
-    subprocess.run([airflow, "db", "migrate"], env=env, check=True, capture_output=True, timeout=300)
-    procs: dict[str, subprocess.Popen] = {}
-    logs = {}
+    return env
+
+
+@pytest.fixture
+def production_tier(tmp_path, free_port):
+    reason = pg_unavailable()
+    if reason:
+        pytest.skip(reason)
+    (tmp_path / "airflow").mkdir()
+    tier = Tier(tmp_path, free_port)
+    pg = Postgres(ports.free_port(), ["airflow", "mlflow"])
+    mlflow = None
     try:
-        for name, argv in (
-            ("api-server", ["api-server", "--port", str(free_port), "--host", "127.0.0.1"]),
-            ("dag-processor", ["dag-processor"]),
-            ("scheduler", ["scheduler", *dict(ui.COMPONENTS)["scheduler"]]),  # as `make run`'s UI: no log server
-        ):
-            logs[name] = open(tmp_path / f"{name}.log", "w")
-            procs[name] = subprocess.Popen(
-                [airflow, *argv], env=env, stdout=logs[name], stderr=subprocess.STDOUT, start_new_session=True
-            )  # its own group: stopped whole below
-        yield base, home, procs, tmp_path
+        mlflow_port = ports.free_port()
+        mlflow = MlflowServer(mlflow_port, pg.url("mlflow"), tmp_path / "mlflow-artifacts", tmp_path / "mlflow.log")
+        tier.env = _environment(tier, pg, mlflow_port)
+        migrate = [tier.airflow, "db", "migrate"]
+        subprocess.run(migrate, env=tier.env, check=True, capture_output=True, timeout=300)
+        tier.start("api-server", ["api-server", "--port", str(free_port), "--host", "127.0.0.1"])
+        tier.start("dag-processor", ["dag-processor"])
+        tier.start_scheduler()
+        tier.start("triggerer", ["triggerer", *dict(ui.COMPONENTS)["triggerer"]])
+        yield tier, mlflow
     finally:
-        for p in procs.values():  # SIGTERM every group first, so they shut down side by side
+        try:
+            tier.close()
+        finally:
+            _end_job(tmp_path / "work")
+            if mlflow is not None:
+                mlflow.close()
+            pg.close()
+
+
+def _end_job(work: Path) -> None:
+    """A training job still holding a run folder under `work` (a failed test): its session ends."""
+    for lease_dir in glob.glob(str(work / "runs" / "*" / "*" / "train" / "lease")):
+        holder = follow.live_job(Path(lease_dir).parent)
+        if holder is not None and holder.session == holder.pid:
             try:
-                os.killpg(p.pid, signal.SIGTERM)
+                os.killpg(holder.session, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        deadline = time.monotonic() + 10
-        for p in procs.values():  # then SIGKILL what is left after the shared grace period
-            runner.stop_group(p, grace_s=max(0.0, deadline - time.monotonic()))
-        for f in logs.values():
-            f.close()
-        for name, p in procs.items():
-            assert p.poll() is not None, f"airflow {name} (pid {p.pid}) still running"
 
 
 def _wildcard_listeners(procs: dict[str, subprocess.Popen]) -> list[tuple[str, str, int]]:
@@ -155,10 +254,153 @@ def _token(base: str, home: Path) -> str:
     return _call(base, "/auth/token", body={"username": "admin", "password": passwords["admin"]})["access_token"]
 
 
-def test_trigger_ftrec_train_through_the_rest_api(airflow_server):
-    base, home, procs, tmp = airflow_server
+# ---------------------------------------------------------------- the kills
+
+
+class Run:
+    """One DAG run of ftrec_train on the tier: its train task, its run folder, its tries' logs."""
+
+    def __init__(self, tier: Tier, run_id: str):
+        self.tier, self.run_id = tier, run_id
+        self.q = urllib.request.quote(run_id)
+        self.out = settings.slug("ftrec_train"), settings.slug(run_id)
+        self.train = tier.tmp / "work" / "runs" / self.out[0] / self.out[1] / "train"
+        self.figures: dict[str, dict] = {}
+
+    def api(self, path: str):
+        return _call(self.tier.base, f"/api/v2/dags/ftrec_train/dagRuns/{self.q}{path}", self.tier.token)
+
+    def ti(self) -> dict:
+        return self.api("/taskInstances/train")
+
+    def log(self, attempt: int) -> str:
+        found = glob.glob(
+            str(self.tier.home / "logs" / "**" / "task_id=train" / f"attempt={attempt}.log"), recursive=True
+        )
+        return Path(found[0]).read_text(errors="replace") if found else ""
+
+    def committed(self) -> list[int]:
+        """The steps group 0's rank 0 recorded in the job's ledger, in order, every record counted."""
+        path = self.train / "ledger" / "group-000-rank-000.jsonl"
+        lines = path.read_text().splitlines() if path.exists() else []
+        return [json.loads(line)["step"] for line in lines if line.startswith('{"step"')]
+
+    def wait(self, what: str, fn, timeout: float = 120):
+        return _wait(what, fn, timeout, self.tier.procs, every=0.5)
+
+    def running(self, attempt: int) -> dict:
+        """Try `attempt` of train, once it runs and has a task runner, with enough steps left to kill it."""
+        ti = self.wait(
+            f"try {attempt} to run", lambda: (t := self.ti())["try_number"] == attempt and t["pid"] and t, 300
+        )
+        done = len(self.committed())
+        assert done < STEPS - 20, f"the job is nearly done ({done} of {STEPS} steps) before try {attempt}'s kill"
+        return ti
+
+    def followed(self, attempt: int, since: float) -> float:
+        """Seconds from `since` until try `attempt` runs and follows the live job."""
+        self.wait(f"try {attempt} to follow the job", lambda: self.ti()["try_number"] == attempt and self.log(attempt))
+        self.wait(f"try {attempt} to say it follows the job", lambda: FOLLOWING in self.log(attempt), 60)
+        return time.monotonic() - since
+
+    def note(self, kill: str, **figures) -> None:
+        self.figures[kill] = {k: round(v, 1) if isinstance(v, float) else v for k, v in figures.items()}
+
+
+def _kill_task_runner(run: Run):
+    """b. kill -9 of try 1's task runner, the launcher's parent: its supervisor reports the try
+    failed, and try 2 follows the job. Returns the job's lease holder (the launcher)."""
+    import psutil
+
+    ti = run.running(1)
+    run.wait("the job to commit steps", lambda: len(run.committed()) >= 3, 180)
+    holder = follow.live_job(run.train)
+    assert holder is not None, "the job holds no lease on its run folder"
+    task_runner = psutil.Process(ti["pid"])
+    assert psutil.Process(holder.pid).ppid() == task_runner.pid  # the launcher's parent
+    step, t0 = len(run.committed()), time.monotonic()
+    task_runner.kill()
+    run.wait("Airflow to end try 1", lambda: (t := run.ti())["try_number"] > 1 or t["state"] != "running")
+    run.note("b. task runner", at_step=step, detected_s=time.monotonic() - t0, followed_s=run.followed(2, t0))
+    return holder
+
+
+def _kill_supervisor(run: Run) -> None:
+    """a. kill -9 of try 2's supervisor: its task runner lives on, orphaned; Airflow fails the try
+    after the heartbeat timeout, and try 3 follows the job."""
+    import psutil
+
+    task_runner = psutil.Process(run.running(2)["pid"])
+    supervisor = task_runner.parent()
+    assert supervisor is not None and "LocalExecutor" in " ".join(supervisor.cmdline()), supervisor
+    run.tier.strays.append(task_runner)
+    step, t0 = len(run.committed()), time.monotonic()
+    supervisor.kill()
+    run.wait("Airflow to end try 2", lambda: (t := run.ti())["try_number"] > 2 or t["state"] != "running")
+    run.note("a. supervisor", at_step=step, detected_s=time.monotonic() - t0, followed_s=run.followed(3, t0))
+
+
+def _kill_scheduler(run: Run) -> None:
+    """c. kill -9 of the scheduler, a new one SCHEDULER_DOWN_S later: it resets try 3 as orphaned
+    (the LocalExecutor cannot adopt), try 3's supervisor stops its task runner, which leaves the job
+    to the next try, and try 4 follows it."""
+    import psutil
+
+    tier = run.tier
+    task_runner = psutil.Process(run.running(3)["pid"])
+    tier.strays += [task_runner, task_runner.parent()]
+    old = tier.procs.pop("scheduler")
+    tier.retired.append(old)  # its group holds its LocalExecutor workers: ended at the close
+    step, t0 = len(run.committed()), time.monotonic()
+    os.kill(old.pid, signal.SIGKILL)
+    time.sleep(SCHEDULER_DOWN_S)
+    tier.start_scheduler()
+    t1 = time.monotonic()
+    run.wait("the new scheduler to reset try 3", lambda: run.ti()["try_number"] > 3)
+    reset = time.monotonic() - t1
+    run.wait("try 3 to leave the job running", lambda: "that try follows the training job" in run.log(3), 60)
+    run.note("c. scheduler", at_step=step, reset_after_restart_s=reset, followed_s=run.followed(4, t0))
+
+
+def _job_verdicts(run: Run, holder) -> None:
+    """One launcher, started once, committed every step once: nothing redone."""
+    steps = run.committed()
+    assert steps == list(range(STEPS)), f"steps committed twice or missing: {len(steps)} records"
+    ledger = (run.train / "ledger" / "group-000-rank-000.jsonl").read_text()
+    markers = [line for line in ledger.splitlines() if not line.startswith('{"step"')]
+    assert markers == ['{"resumed_to": 0, "writer": [0, 0]}'], markers  # the rank joined once, at step 0
+    launches = (run.train / follow.LOG_NAME).read_text()
+    assert launches.count("[launch] lease ") == 1, launches[-3000:]  # one launcher took the folder
+    assert launches.count("[launch] group_started") == 1, launches[-3000:]
+    assert f'"pid": {holder.pid},' in launches
+    assert "ledger check passed" in run.log(4)
+    # each try's log says what ended the one before (ftrec_airflow.tries)
+    assert "killed by a signal it cannot catch (SIGKILL" in run.log(2)
+    assert "the previous try (task process" in run.log(3)
+    assert "ended: JobLeftRunning: Airflow stopped this try" in run.log(4)
+
+
+def _mlflow_verdicts(run: Run, mlflow: MlflowServer, mlflow_run: str) -> None:
+    """One MLflow run with one train/loss point per logged step, and one registered version."""
+    exp = _call(mlflow.url, "/api/2.0/mlflow/experiments/get-by-name?experiment_name=ftrec")["experiment"]
+    runs = _call(mlflow.url, "/api/2.0/mlflow/runs/search", body={"experiment_ids": [exp["experiment_id"]]})
+    assert [r["info"]["run_id"] for r in runs["runs"]] == [mlflow_run]
+    q = urllib.request.quote
+    history = _call(mlflow.url, f"/api/2.0/mlflow/metrics/get-history?run_id={mlflow_run}&metric_key={q('train/loss')}")
+    points = [m["step"] for m in history["metrics"]]
+    assert len(points) == len(set(points)) >= STEPS // LOG_EVERY, sorted(points)
+    name = q("name='ftrec'")
+    versions = _call(mlflow.url, f"/api/2.0/mlflow/model-versions/search?filter={name}")
+    assert [(v["version"], v["run_id"]) for v in versions["model_versions"]] == [("1", mlflow_run)]
+    run.note("verdicts", steps=len(run.committed()), loss_points=len(points), versions=1)
+
+
+def _ready(tier: Tier) -> None:
+    """The API server answers, a login works, ftrec_train is parsed (paused) and unpaused, and the
+    ftrec plugin is registered once, through its entry point."""
+    base, procs = tier.base, tier.procs
     _wait("the API server", lambda: _call(base, "/api/v2/monitor/health"), START_TIMEOUT_S, procs)
-    token = _wait("a login token", lambda: _token(base, home), 60, procs)
+    tier.token = token = _wait("a login token", lambda: _token(base, tier.home), 60, procs)
     dag = _wait(
         "ftrec_train to be parsed", lambda: _call(base, "/api/v2/dags/ftrec_train", token), START_TIMEOUT_S, procs
     )
@@ -171,39 +413,61 @@ def test_trigger_ftrec_train_through_the_rest_api(airflow_server):
     assert _call(base, "/api/v2/plugins/importErrors", token)["import_errors"] == []
     assert {v["destination"] for v in ftrec["external_views"]} == {"dag_run", "nav"}
 
-    run = _call(base, "/api/v2/dags/ftrec_train/dagRuns", token, body={"logical_date": None, "conf": CONF})
-    run_id = run["dag_run_id"]
 
-    def finished():
-        state = _call(base, f"/api/v2/dags/ftrec_train/dagRuns/{urllib.request.quote(run_id)}", token)["state"]
-        return state if state in ("success", "failed") else None
+def _finished(run: Run) -> None:
+    """The run ends `success`, every task of the DAG ran, nothing listens beyond 127.0.0.1."""
+    tier = run.tier
+
+    def state():
+        s = run.api("")["state"]
+        return s if s in ("success", "failed") else None
 
     try:
-        state = _wait("the DAG run to finish", finished, RUN_TIMEOUT_S, procs)
+        final = _wait("the DAG run to finish", state, RUN_TIMEOUT_S, tier.procs)
     finally:
-        tis = _call(base, f"/api/v2/dags/ftrec_train/dagRuns/{urllib.request.quote(run_id)}/taskInstances", token)
-        states = {t["task_id"]: t["state"] for t in tis["task_instances"]}
-    assert state == "success", f"task states: {states}; logs in {tmp}"
-    dag_tasks = {t["task_id"] for t in _call(base, "/api/v2/dags/ftrec_train/tasks", token)["tasks"]}
+        states = {t["task_id"]: t["state"] for t in run.api("/taskInstances")["task_instances"]}
+    assert final == "success", f"task states: {states}; logs in {tier.tmp}"
+    dag_tasks = {t["task_id"] for t in _call(tier.base, "/api/v2/dags/ftrec_train/tasks", tier.token)["tasks"]}
     assert set(states.values()) == {"success"} and set(states) == dag_tasks  # every task ran (shards fanned out)
-    assert _wildcard_listeners(procs) == [], "an Airflow component listens beyond 127.0.0.1"
+    assert _wildcard_listeners(tier.procs) == [], "an Airflow component listens beyond 127.0.0.1"
     assert {"build_shards.prepare", "build_shards.seal", "train"} <= dag_tasks
 
-    q = urllib.request.quote(run_id)
-    links = _call(base, f"/api/v2/dags/ftrec_train/dagRuns/{q}/taskInstances/train/links", token)["extra_links"]
-    xcom = _call(base, f"/api/v2/dags/ftrec_train/dagRuns/{q}/taskInstances/train/xcomEntries/return_value", token)
+
+def _links(run: Run, mlflow: MlflowServer) -> str:
+    """The train task's links (its MLflow run on the MLflow server, the lighthouse page), the
+    plugin's page behind Airflow's login, the registered version; returns the MLflow run id."""
+    base, token, q = run.tier.base, run.tier.token, run.q
+    links = run.api("/taskInstances/train/links")["extra_links"]
+    xcom = run.api("/taskInstances/train/xcomEntries/return_value")
     mlflow_run = (
         json.loads(xcom["value"])["mlflow_run_id"] if isinstance(xcom["value"], str) else xcom["value"]["mlflow_run_id"]
     )
-    assert links["MLflow run"].endswith(f"/runs/{mlflow_run}")
+    assert links["MLflow run"].startswith(mlflow.url) and links["MLflow run"].endswith(f"/runs/{mlflow_run}")
     assert links["Lighthouse"].startswith(f"{base}/ftrec/lighthouse/?dag_id=ftrec_train")
     with pytest.raises(urllib.error.HTTPError) as anonymous:  # Airflow's login guards the plugin's page too
         _call(base, f"/ftrec/lighthouse/status?dag_id=ftrec_train&run_id={q}")
     assert anonymous.value.code in (401, 403)
     page = _call(base, f"/ftrec/lighthouse/status?dag_id=ftrec_train&run_id={q}", token)
-    assert page["source"] in (f"run ftrec_train / {run_id}", "none")
-    reg = _call(
-        base, f"/api/v2/dags/ftrec_train/dagRuns/{q}/taskInstances/register_model/xcomEntries/return_value", token
-    )["value"]
+    assert page["source"] in (f"run ftrec_train / {run.run_id}", "none")
+    reg = run.api("/taskInstances/register_model/xcomEntries/return_value")["value"]
     reg = json.loads(reg) if isinstance(reg, str) else reg
     assert reg["version"] == 1 and reg["run_id"] == mlflow_run
+    return mlflow_run
+
+
+def test_ftrec_train_on_the_production_tier_survives_three_kills(production_tier):
+    tier, mlflow = production_tier
+    _ready(tier)
+    body = {"logical_date": None, "conf": CONF}
+    run = Run(tier, _call(tier.base, "/api/v2/dags/ftrec_train/dagRuns", tier.token, body=body)["dag_run_id"])
+    try:  # the MLflow server, started beside Airflow's migration, is needed once train starts
+        _wait("the MLflow server", mlflow.up, 120, tier.procs, every=0.5)
+        holder = _kill_task_runner(run)
+        _kill_supervisor(run)
+        _kill_scheduler(run)
+        _finished(run)
+        _job_verdicts(run, holder)
+        _mlflow_verdicts(run, mlflow, _links(run, mlflow))
+    finally:
+        (tier.tmp / "figures.json").write_text(json.dumps(run.figures, indent=1))
+        print(f"\nproduction tier, {tier.tmp}: {json.dumps(run.figures)}")
