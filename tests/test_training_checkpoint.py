@@ -266,7 +266,9 @@ def _two_checkpoints(tmp_path) -> tuple[str, str]:
 def test_a_checkpoint_records_and_verifies_every_files_sha256(tmp_path):
     _, newest = _two_checkpoints(tmp_path)
     files = checkpoint.read_meta(newest)["files"]
-    assert set(files) == {"state.pt"} and len(files["state.pt"]) == 64
+    size = os.path.getsize(os.path.join(newest, "state.pt"))
+    assert set(files) == {"state.pt"} and files["state.pt"]["bytes"] == size  # one piece: the file's sha256
+    assert [len(h) for h in files["state.pt"]["sha256"]] == [64]
     assert torch.equal(checkpoint.load(newest)["model"]["w"], torch.full((64,), 6.0))
     raw = bytearray(open(os.path.join(newest, "state.pt"), "rb").read())
     raw[len(raw) // 2] ^= 0x01  # one flipped bit in the middle of the tensor bytes

@@ -19,6 +19,7 @@ from conftest import synthetic_shards
 
 from training import checkpoint, checkpoint_key, evaluate, gate
 from training.checkpoint import CheckpointError
+from training.checkpoint_files import digest
 from training.checkpoint_key import KEY_ENV
 from training.config import load_config
 from training.train import Trainer, train
@@ -56,14 +57,15 @@ def _rewrite_manifest(folder: Path) -> None:
     """The unkeyed attack: rewrite a file, then its sha256 in meta.json (the seal left as it was)."""
     _flip(folder / "state.pt")
     meta = json.loads((folder / "meta.json").read_text())
-    meta["files"]["state.pt"] = hashlib.sha256((folder / "state.pt").read_bytes()).hexdigest()
+    meta["files"]["state.pt"] = digest(str(folder / "state.pt"))
     (folder / "meta.json").write_text(json.dumps(meta))
 
 
 def _unkeyed(folder: Path) -> None:
-    """A checkpoint as written before keyed checkpoints: every sha256, no seal."""
+    """A checkpoint as written before keyed checkpoints: each file's sha256, no seal."""
     meta = json.loads((folder / "meta.json").read_text())
     del meta[checkpoint_key.SEAL]
+    meta["files"] = {n: hashlib.sha256((folder / n).read_bytes()).hexdigest() for n in meta["files"]}
     (folder / "meta.json").write_text(json.dumps(meta))
 
 
@@ -189,6 +191,35 @@ def test_every_ranks_file_is_vouched_for(tmp_path):
         checkpoint.load(str(folder), rank=2)
 
 
+def test_a_file_is_checked_piece_by_piece_as_torch_reads_it(tmp_path, monkeypatch):
+    """Pieces of 4 KiB: torch gets only bytes from pieces whose sha256 matched, one piece held
+    at a time; a piece changed on disk after the check is never served, one not yet read is
+    refused when torch reaches it (inside torch.load: the refusal still names the file)."""
+    from training import checkpoint_files
+
+    monkeypatch.setattr(checkpoint_files, "PIECE", 4096)
+    w = torch.arange(50_000, dtype=torch.float32)
+    folder = checkpoint.save(str(tmp_path / "ck"), {"model": {"w": w}, "rng": torch.zeros(2)}, {"step": 1})
+    entry = checkpoint.read_meta(folder)["files"]["state.pt"]
+    assert entry["piece"] == 4096 and len(entry["sha256"]) == -(-os.path.getsize(Path(folder) / "state.pt") // 4096)
+    assert torch.equal(checkpoint.load(folder)["model"]["w"], w)
+    with checkpoint_files.VerifiedFile(folder, "state.pt", entry) as f:
+        first = f.read(100)
+        raw = bytearray((Path(folder) / "state.pt").read_bytes())
+        raw[10] ^= 1  # in the piece already checked and held
+        raw[len(raw) // 2] ^= 1  # in a piece not read yet
+        (Path(folder) / "state.pt").write_bytes(bytes(raw))
+        f.seek(0)
+        assert f.read(100) == first  # the checked bytes, not the file's new ones
+        f.seek(len(raw) // 2)
+        with pytest.raises(CheckpointError, match=r"state\.pt does not match the sha256"):
+            f.read(10)
+    raw[10] ^= 1  # only the piece in the middle differs now: refused from inside torch's reader
+    (Path(folder) / "state.pt").write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match=r"step-00000001: state\.pt does not match the sha256 its sealed meta"):
+        checkpoint.load(folder)
+
+
 def test_rekey_vouches_for_an_old_checkpoint_it_checks_first_and_rotates_keys(tmp_path, monkeypatch, capsys):
     folder = tmp_path / "step-00000001"
     _group_checkpoint(folder)
@@ -196,7 +227,7 @@ def test_rekey_vouches_for_an_old_checkpoint_it_checks_first_and_rotates_keys(tm
     with pytest.raises(checkpoint.CheckpointKeyError, match="predates keyed checkpoints"):
         checkpoint.load(str(folder))
     _flip(folder / "rng-rank-00001.pt")  # damaged before it was re-keyed: rekey refuses to vouch for it
-    with pytest.raises(CheckpointError, match="rng-rank-00001.pt does not match"):
+    with pytest.raises(CheckpointError, match="rng-rank-00001.pt is missing or does not match the sha256 it"):
         checkpoint.rekey(str(folder))
     _flip(folder / "rng-rank-00001.pt")
     assert "2 file(s) checked" in checkpoint.rekey(str(folder))

@@ -1,30 +1,30 @@
 """Atomic, keyed checkpoints of `TrainState`, loaded without executing code.
 
 OUT/checkpoints/step-N/ holds state.pt, rng-rank-K.pt (the group's other ranks) and
-meta.json (step, config, fingerprint, topology, every file's sha256), sealed with an
-HMAC-SHA256 under the deployment's key (training/checkpoint_key.py). The ranks write into a
-.tmp folder that rank 0 renames into place after a barrier: a crash leaves a complete
-checkpoint or a .tmp that nothing reads. Every read verifies meta.json's HMAC first, and a
-file is loaded (weights_only, from the very bytes hashed) only once its sha256 matches;
+meta.json (step, config, fingerprint, topology, every file's size and pieces' sha256), sealed
+with an HMAC-SHA256 under the deployment's key (training/checkpoint_key.py). The ranks write
+into a .tmp folder that rank 0 renames into place after a barrier: a crash leaves a complete
+checkpoint or a .tmp that nothing reads. Every read verifies meta.json's HMAC first; a file is
+unpickled (weights_only) only from pieces whose sha256 matched (training/checkpoint_files.py);
 `latest_verified` is the newest checkpoint that verifies.
 
     python -m training.checkpoint new-key FILE | rekey FOLDER... [--from-key-file OLD]
 """
 
 import argparse
-import hashlib
-import io
 import json
 import os
 import re
 import shutil
 import sys
+from typing import IO, cast
 
 import torch
 import torch.distributed as dist
 
 from ftcore import collectives as coll
 from ftcore.util.files import atomic_write_json, sha256_file
+from training.checkpoint_files import VerifiedFile, digest
 from training.checkpoint_key import (
     KEY_ENV,
     SEAL,
@@ -102,7 +102,7 @@ def save(
         _write_meta(
             tmp,
             meta,
-            {n: sha256_file(os.path.join(tmp, n)) for n in sorted(os.listdir(tmp)) if n.endswith(".pt")},
+            {n: digest(os.path.join(tmp, n)) for n in sorted(os.listdir(tmp)) if n.endswith(".pt")},
             sealer,
         )
         _fsync_dir(tmp)
@@ -116,8 +116,9 @@ def save(
     return final
 
 
-def _write_meta(folder: str, meta: dict, files: dict[str, str], sealer: Key) -> None:
-    """meta.json with every file's sha256, sealed under the key (written whole, fsynced)."""
+def _write_meta(folder: str, meta: dict, files: dict[str, dict], sealer: Key) -> None:
+    """meta.json with every file's entry (its pieces' sha256), sealed under the key (written
+    whole, fsynced)."""
     atomic_write_json(os.path.join(folder, META), seal({**meta, "files": files}, sealer), indent=1)
 
 
@@ -165,18 +166,11 @@ def _raw_meta(folder: str) -> dict:
     return raw
 
 
-def _files(folder: str, meta: dict) -> dict[str, str]:
+def _files(folder: str, meta: dict) -> dict:
     files = meta.get("files")
     if not isinstance(files, dict) or "state.pt" not in files:
         raise CheckpointError(f"checkpoint {folder}: {META}'s file list is damaged")
     return files
-
-
-def _mismatch(folder: str, name: str, size: int) -> CheckpointError:
-    return CheckpointError(
-        f"checkpoint {folder}: {name} does not match the sha256 its sealed {META} recorded when it was "
-        f"written ({size} bytes now): the file is damaged or was rewritten; refusing it"
-    )
 
 
 def verify(folder: str) -> None:
@@ -185,13 +179,12 @@ def verify(folder: str) -> None:
     _check_files(folder, _files(folder, read_meta(folder)))
 
 
-def _check_files(folder: str, files: dict[str, str]) -> None:
-    for name in files:
-        path = os.path.join(folder, os.path.basename(name))
-        if not os.path.isfile(path):
+def _check_files(folder: str, files: dict) -> None:
+    for name, entry in files.items():
+        if not os.path.isfile(os.path.join(folder, os.path.basename(name))):
             raise CheckpointError(f"checkpoint {folder}: {name} is missing")
-        if sha256_file(path) != files[name]:
-            raise _mismatch(folder, name, os.path.getsize(path))
+        with VerifiedFile(folder, os.path.basename(name), entry) as f:
+            f.check_all()
 
 
 def latest_verified(root: str, log=None) -> str | None:
@@ -212,20 +205,20 @@ def latest_verified(root: str, log=None) -> str | None:
     return None
 
 
-def _torch_load(folder: str, name: str, files: dict[str, str]):
-    """`name`'s tensors, unpickled (weights_only) from the very bytes whose sha256 matched the
-    sealed list: nothing can swap the file between the check and the load."""
-    path = os.path.join(folder, name)
+def _torch_load(folder: str, name: str, files: dict):
+    """`name`'s tensors, unpickled (weights_only) from pieces each checked against the sealed
+    list as it is read (checkpoint_files.VerifiedFile)."""
     if name not in files:
         raise CheckpointError(f"checkpoint {folder}: {name} is not in its sealed {META}: refusing it")
-    with open(path, "rb") as f:
-        data = f.read()
-    if hashlib.sha256(data).hexdigest() != files[name]:
-        raise _mismatch(folder, name, len(data))
-    try:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception as e:  # a damaged or foreign file: one line, not a traceback
-        raise CheckpointError(f"checkpoint {path} cannot be loaded safely: {str(e).splitlines()[0]}") from None
+    with VerifiedFile(folder, name, files[name]) as f:
+        try:
+            return torch.load(cast(IO[bytes], f), map_location="cpu", weights_only=True)
+        except Exception as e:  # a damaged or foreign file: one line, not a traceback
+            if f.error is not None:  # a piece that did not match, raised inside torch
+                raise f.error from None
+            raise CheckpointError(
+                f"checkpoint {os.path.join(folder, name)} cannot be loaded safely: {str(e).splitlines()[0]}"
+            ) from None
 
 
 def load(path: str, rank: int = 0, per_rank: tuple = ("rng",)) -> dict:
@@ -303,15 +296,21 @@ def rekey(folder: str, old: Key | None = None) -> str:
     sealer = key()
     raw = _raw_meta(folder)
     meta = unseal(raw, folder, old or sealer) if SEAL in raw else raw
+    how = "checked against the sha256s it recorded"
     if meta.get("files") is None:
-        files = {n: sha256_file(os.path.join(folder, n)) for n in sorted(os.listdir(folder)) if n.endswith(".pt")}
-        how = "hashed now (it recorded none)"
+        names, how = sorted(n for n in os.listdir(folder) if n.endswith(".pt")), "hashed now (it recorded none)"
     else:
-        files = _files(folder, meta)
-        _check_files(folder, files)
-        how = "checked against the sha256s it recorded"
-    if "state.pt" not in files:
+        names = list(_files(folder, meta))
+        for name, entry in meta["files"].items():  # before keyed checkpoints: each file's sha256
+            path = os.path.join(folder, os.path.basename(name))
+            if isinstance(entry, str) and not (os.path.isfile(path) and sha256_file(path) == entry):
+                raise CheckpointError(
+                    f"checkpoint {folder}: {name} is missing or does not match the sha256 it recorded; not re-keyed"
+                )
+        _check_files(folder, {n: e for n, e in meta["files"].items() if not isinstance(e, str)})
+    if "state.pt" not in names:
         raise CheckpointError(f"checkpoint {folder}: no state.pt there: nothing to re-key")
+    files = {n: digest(os.path.join(folder, n)) for n in names}
     _write_meta(folder, {n: v for n, v in meta.items() if n != "files"}, files, sealer)
     return f"{folder}: sealed under {KEY_ENV} {sealer.path} (key id {sealer.id}); {len(files)} file(s) {how}"
 
