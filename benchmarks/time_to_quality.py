@@ -34,6 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from training.checkpoint_key import use_default
+
 ROOT = Path(__file__).resolve().parent.parent
 VIDEO = ROOT.parent / "shared" / "data" / "video.txt"
 EPOCH_LINE = re.compile(
@@ -219,6 +221,7 @@ def main() -> int:
     if not VIDEO.is_file():
         sys.exit(f"error: {VIDEO} not found")
     work = a.work or Path(tempfile.mkdtemp(prefix="ftrec-ttq-"))
+    use_default(work)  # the checkpoint key its `training` runs seal and verify with, unless one is set
     run = ftrec_train(work)  # ftrec first, then the reference: one right after the other
     ref = reference(a.reference, a.reference_log)
     ours = ftrec_reach(work, run, ref["test_hr10"])
