@@ -149,7 +149,9 @@ class MlflowServer:
         argv = [mlflow, "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
         argv += ["--backend-store-uri", backend, "--artifacts-destination", str(artifacts)]
         self.log = open(log, "w")
-        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        # its job runner would leave a store under /dev/shm that nothing removes
+        env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
 
     def up(self) -> bool:
         """Whether it answers (raises when it exited)."""

@@ -1,6 +1,7 @@
 """The Airflow UI and the MLflow UI in a real browser (headless Chromium, driven by
-Playwright), after a real DAG run with a fault: Airflow's scheduler, DAG processor and API
-server, and an MLflow tracking server on the same store, all on loopback.
+Playwright), after a real DAG run with a fault, on the production tier (tests/test_airflow_integration.py:
+PostgreSQL, Airflow's four components, an MLflow tracking server on its own database), all on
+loopback.
 
 ftrec_train runs 2 replica groups and SIGKILLs group 1 at step 4 (the launcher restarts it). Then,
 logged in: the DAG run's "Lighthouse" tab (the plugin's external view, an iframe inside
@@ -16,16 +17,11 @@ Debian's chromium; Playwright uses it, it downloads no browser of its own).
 import json
 import os
 import shutil
-import signal
-import subprocess
-import sys
 import urllib.request
 from pathlib import Path
 
 import pytest
-from test_airflow_integration import _call, _token, _wait, airflow_server  # noqa: F401 - the fixture
-
-from ftcore.util.procs import free_port
+from test_airflow_integration import _call, _token, _wait, production_tier  # noqa: F401 - the fixture
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.slow, pytest.mark.integ]
@@ -54,53 +50,9 @@ def _needs_a_browser():
 
 
 @pytest.fixture
-def mlflow_ui(tmp_path, monkeypatch):
-    """An MLflow tracking server on the store the pipeline uses (FTREC_WORK's SQLite file),
-    and FTREC_MLFLOW_UI pointing at it, so the train task's link opens it."""
+def browser():
+    """Skips before the tier starts when there is no browser to drive."""
     _needs_a_browser()
-    store = tmp_path / "work" / "mlflow"
-    store.mkdir(parents=True)
-    port = str(free_port())
-    base = f"http://127.0.0.1:{port}"
-    log = open(tmp_path / "mlflow-server.log", "w")
-    p = subprocess.Popen(
-        [
-            str(Path(sys.executable).parent / "mlflow"),
-            "server",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            port,
-            "--workers",
-            "1",
-            "--backend-store-uri",
-            f"sqlite:///{store / 'mlflow.db'}",
-            "--default-artifact-root",
-            (store / "artifacts").as_uri(),
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        # its job runner would leave a store under /dev/shm that nothing removes
-        env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
-    )
-    monkeypatch.setenv("FTREC_MLFLOW_UI", base)
-    try:
-        _wait(
-            "the MLflow server",
-            lambda: urllib.request.urlopen(base + "/health", timeout=2).status == 200,
-            120,
-            {"mlflow": p},
-        )
-        yield base
-    finally:
-        try:
-            os.killpg(p.pid, signal.SIGTERM)
-            p.wait(timeout=10)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait(timeout=10)
-        log.close()
 
 
 def _fits(page, view: str) -> None:
@@ -113,10 +65,11 @@ def _fits(page, view: str) -> None:
     assert over <= 1, f"{view}: the tab is {over}px wider than its {width:.0f}px frame"
 
 
-def test_lighthouse_tab_and_mlflow_run_in_a_real_browser(mlflow_ui, airflow_server):  # noqa: F811 - the fixture
+def test_lighthouse_tab_and_mlflow_run_in_a_real_browser(browser, production_tier):  # noqa: F811 - the fixture
     from playwright.sync_api import sync_playwright
 
-    base, home, procs, tmp = airflow_server
+    tier, mlflow = production_tier
+    base, home, procs, tmp, mlflow_ui = tier.base, tier.home, tier.procs, tier.tmp, mlflow.url
     _wait("the API server", lambda: _call(base, "/api/v2/monitor/health"), 180, procs)
     token = _wait("a login token", lambda: _token(base, home), 60, procs)
     _wait("ftrec_train to be parsed", lambda: _call(base, "/api/v2/dags/ftrec_train", token), 180, procs)
