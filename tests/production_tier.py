@@ -85,8 +85,12 @@ class Postgres:
         )
         pwfile.unlink()
         self.log = open(self.dir / "postgres.log", "w")
-        # fsync off: a throwaway cluster; the connection limit covers every Airflow and MLflow process
+        # fsync off: a throwaway cluster; the connection limit covers every Airflow and MLflow process.
+        # A scheduler killed inside a transaction leaves its LocalExecutor workers (forked from it)
+        # holding its connection open, and with it the DAG run's row lock: the next scheduler skips
+        # the run (SKIP LOCKED) until the session ends. Production Airflow databases want this too.
         settings = ["fsync=off", "synchronous_commit=off", "full_page_writes=off", "max_connections=200"]
+        settings += ["idle_in_transaction_session_timeout=10s"]
         self.proc = subprocess.Popen(
             [bindir / "postgres", "-D", data, "-h", "127.0.0.1", "-p", str(self.port), "-k", self.dir]
             + [a for s in settings for a in ("-c", s)],
