@@ -152,7 +152,7 @@ JOBS = {
     "lighthouse": Job(
         "lighthouse",
         3,
-        1300,
+        1000,  # its last cell ends near step 700 here (at most 10 steps/s); group 2's make-up comes after
         (
             Cell("lighthouse pause 5 s, all in quorum", (_lighthouse("pause_lighthouse", 40, 5),), NONE, G3, 5, 10),
             Cell("lighthouse crash, all in quorum", (_lighthouse("kill_lighthouse", 50, 1.5),), NONE, G3, 1.5, 8),
