@@ -377,7 +377,11 @@ def _job_verdicts(run: Run, holder) -> None:
     # each try's log says what ended the one before (ftrec_airflow.tries)
     assert "killed by a signal it cannot catch (SIGKILL" in run.log(2)
     assert "the previous try (task process" in run.log(3)
-    assert "ended: JobLeftRunning: Airflow stopped this try" in run.log(4)
+    # try 4 may start before try 3's supervisor learns of the reset (its next heartbeat): then it
+    # finds try 3 still alive, which then leaves the job to it
+    said = ("ended: JobLeftRunning: Airflow stopped this try", "is still running: its process lives")
+    assert any(s in run.log(4) for s in said), run.log(4)[-3000:]
+    assert "leaves the training job running" in run.log(3)
 
 
 def _mlflow_verdicts(run: Run, mlflow: MlflowServer, mlflow_run: str) -> None:
