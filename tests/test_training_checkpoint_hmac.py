@@ -296,3 +296,22 @@ def test_make_run_and_the_launcher_make_a_key_once_unless_one_is_set(tmp_path, m
     launch._checkpoint_key(str(tmp_path / "launch"))  # the local launcher's ranks inherit it
     assert os.environ[KEY_ENV] == str(tmp_path / "launch" / "checkpoint.key")
     assert KEY_ENV not in local_run.airflow_env(work)  # a deployment's own key wins
+
+
+def test_the_printed_torchrun_commands_carry_the_key_file(tmp_path, monkeypatch, capsys):
+    """A rank started from `launch --print-commands` on another host seals with the launch's key."""
+    import shlex
+
+    from training import launch
+
+    key = checkpoint_key.ensure_key_file(tmp_path / "deploy.key")
+    monkeypatch.setenv(KEY_ENV, str(key))
+    shards = synthetic_shards(tmp_path, users=40, items=30, seed=1, world_size=2, batch_size=4, max_len=8)
+    argv = ["--shards", str(shards), "--out", str(tmp_path / "run"), "--replica-groups", "2"]
+    assert launch.main([*argv, "--print-commands"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 2
+    for line in lines:
+        words = shlex.split(line)
+        env = dict(w.split("=", 1) for w in words[: words.index("torchrun")])
+        assert env[KEY_ENV] == str(key) and env["FTREC_REPLICA_GROUP"] in {"0", "1"}

@@ -11,6 +11,7 @@ prints each group's checksum and writes OUT/timeline.json, logged to the trainer
 import argparse
 import json
 import os
+import shlex
 import sys
 from dataclasses import dataclass
 
@@ -18,6 +19,7 @@ from ftcore import final_state, launcher
 from ftcore.faults import PlanError
 from ftcore.launcher import TOY, GroupFailed, LaunchError, Proc
 from ftcore.util.files import atomic_write_json
+from training.checkpoint_key import KEY_ENV, use_default
 
 __all__ = ["TOY", "TRAINER", "GroupFailed", "LaunchConfig", "LaunchError", "Launcher", "Proc", "main", "parse"]
 
@@ -297,8 +299,6 @@ def parse(argv: list[str]) -> LaunchConfig:
 
 def _checkpoint_key(out: str) -> None:
     """The ranks' checkpoint key: FTREC_CHECKPOINT_KEY_FILE, else OUT/checkpoint.key (made once)."""
-    from training.checkpoint_key import KEY_ENV, use_default
-
     if not os.environ.get(KEY_ENV, "").strip():
         made = use_default(out)
         print(
@@ -325,8 +325,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         finally:
             job.lease.release()
+        # a rank under torchrun seals and reads checkpoints with the key this launch uses
+        key = f"{KEY_ENV}={shlex.quote(os.environ[KEY_ENV])} " if cfg.worker == TRAINER else ""
         for g in job.mine:
-            print(job.torchrun_command(g))
+            print(key + job.torchrun_command(g))
         return 0
     try:
         return job.run()
