@@ -126,14 +126,14 @@ class _RowGroups:
         self.w.close()
 
 
-def _write_eval(path: Path, sch: pa.Schema, pieces: list[Path], user_off: list[int]) -> None:
+def _write_eval(path: Path, sch: pa.Schema, pieces: list[Path], row_off: list[int]) -> None:
     """eval.parquet from the buckets' pieces, in pq.write_table's row groups, each built by
     copying its rows into arrays allocated once (a row group and one piece in memory, not two)."""
     group: list[tuple[Path, int, int]] = []  # (piece, first row, rows)
     n = 0
     with pq.ParquetWriter(path, sch, **schema.write_options(sch)) as w:
         for b, piece in enumerate(pieces):
-            rows, a = user_off[b + 1] - user_off[b], 0
+            rows, a = row_off[b + 1] - row_off[b], 0
             while a < rows:
                 k = min(rows - a, ROW_GROUP_ROWS - n)
                 group.append((piece, a, k))
@@ -194,7 +194,7 @@ def write_eval(work: "str | Path", _: int = 0) -> dict:
         work.parent / schema.EVAL_FILE,
         schema.eval_schema(ctx["has_time"]),
         [work / "route" / str(b) / "eval.arrow" for b in range(len(pm["users"]) - 1)],
-        pm["users"],
+        pm["eval_users"],
     )
     return {"eval": True, "sha256": {schema.EVAL_FILE: sha256_file(work.parent / schema.EVAL_FILE)}}
 
@@ -271,17 +271,18 @@ def _figures(work: Path, idm: dict, pm: dict, buckets: int) -> dict:
             "rows_rejected": c["rows_rejected"],
             "users_read": tot("users_read"),
             "users_rejected": tot("users_rejected"),
-            "eval_users": num_users,
+            "eval_users": pm["eval_users"][-1],
             "users_without_sample": num_users - n,
             "samples_written": n - pm["dropped"],
             "samples_dropped_tail": pm["dropped"],
             "samples_filled_tail": pm["filled"],
-            "samples_truncated": tot("truncated"),
-            "items_truncated": tot("items_truncated"),
+            "samples_truncated": pm["truncated"],
+            "items_truncated": pm["items_truncated"],
             "tokens": pm["tokens"],
         },
         "stats": pm["stats"],
         "bubble_fraction_random": pm["bubble_fraction_random"],
         "total_cost": pm["total_cost"],
         "time_unit": pm["unit"],
+        "split": pm["split"],
     }

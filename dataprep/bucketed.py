@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from dataprep import heap, process, readers, schema, sequences, workdir
+from dataprep import heap, process, readers, schema, sequences, temporal, workdir
 from dataprep.assemble import finish, write, write_eval, write_maps
 from dataprep.cost import load_cost_model
 from dataprep.counts import Counts, sum_counts
@@ -319,12 +319,12 @@ def bucket(work: "str | Path", b: int) -> dict:
 
 
 def _save_bucket(work: Path, b: int, seq: sequences.Sequences, ev_index: np.ndarray, n: int, took: float) -> dict:
-    max_len = workdir.ctx(work)["config"]["max_len"]
-    tl = np.diff(seq.offsets) - 2
-    tl = tl[tl >= 2]
-    length = np.minimum(tl - 1, max_len).astype(np.int32)
+    length, truncated, items_truncated = sequences.sample_lengths(
+        sequences.leave_one_out(seq).train_len, workdir.ctx(work)["config"]["max_len"]
+    )
     with workdir.task_dir(work / "bucket" / str(b)) as d:
-        arrays = {"offsets": seq.offsets, "values": seq.values, "items": seq.item_raw.to_numpy(), "length": length}
+        arrays = {"offsets": seq.offsets, "values": seq.values, "items": seq.item_raw.to_numpy()}
+        arrays["length"] = length.astype(np.int32)
         if seq.timestamps is not None:
             arrays["ts"] = seq.timestamps
         for k, a in arrays.items():  # one .npy each: read back memory-mapped (workdir.seq)
@@ -345,8 +345,8 @@ def _save_bucket(work: Path, b: int, seq: sequences.Sequences, ev_index: np.ndar
             "samples": len(length),
             "too_short": short,
             "max_abs_ts": int(np.abs(ts).max()) if ts is not None and len(ts) else 0,
-            "truncated": int((tl - 1 > max_len).sum()),
-            "items_truncated": int(np.maximum(tl - 1 - max_len, 0).sum()),
+            "truncated": truncated,
+            "items_truncated": items_truncated,
             "events": n,
             "seconds": round(took, 3),
         }
@@ -354,8 +354,21 @@ def _save_bucket(work: Path, b: int, seq: sequences.Sequences, ev_index: np.ndar
     return {"bucket": b, **meta}
 
 
+def _samples_of(z: dict[str, np.ndarray], meta: dict, win: tuple[int, int] | None, unit: str, max_len: int):
+    """A bucket's sample lengths and figures (eval users, truncation, the split's counts): the
+    bucket stage's for leave-one-out, else those of its users' holdout at the window `win`."""
+    if win is None:
+        return np.array(z["length"]), {"eval_users": meta["num_users"]} | {
+            k: meta[k] for k in ("truncated", "items_truncated")
+        }
+    hold = temporal.holdout_at(np.asarray(z["offsets"]), sequences.in_seconds(np.asarray(z["ts"]), unit), *win)
+    length, truncated, items_truncated = sequences.sample_lengths(hold.train_len, max_len)
+    figures = {"eval_users": len(hold.users), "truncated": truncated, "items_truncated": items_truncated}
+    return length.astype(np.int32), figures | hold.info
+
+
 def plan(work: "str | Path", buckets: int, say: Callable[[str], None], timings: dict[str, float]) -> dict:
-    """The item map, the time unit and the balance plan over every bucket's samples."""
+    """The item map, the time unit, the split and the balance plan over every bucket's samples."""
     from dataprep.build import _balance
 
     work = Path(work)
@@ -367,12 +380,8 @@ def plan(work: "str | Path", buckets: int, say: Callable[[str], None], timings: 
             f"{', '.join(paths)}: no user has the {sequences.MIN_EVENTS} events leave-one-out needs "
             f"({sum(m['too_short'] for m in metas)} users too short); give more data"
         )
-    present = np.zeros(len(workdir.read_ids(work, "items")), bool)
-    lengths = []
-    for b in range(buckets):
-        z = workdir.seq(work, b)
-        present[z["items"]] = True
-        lengths.append(np.array(z["length"]))
+    unit = sequences.time_unit(max(m["max_abs_ts"] for m in metas)) if ctx["has_time"] else ""
+    present, lengths, figs, split_ = _samples(work, ctx, metas, unit)
     length = np.concatenate(lengths)
     if len(length) == 0:
         raise DataprepError(
@@ -381,15 +390,17 @@ def plan(work: "str | Path", buckets: int, say: Callable[[str], None], timings: 
         )
     cost = load_cost_model(ctx["config"]["cost_model"])(length)
     p, st, st_random = _balance(cost, ctx["config"], quiet=True, say=say, timings=timings)
+    offsets = lambda xs: np.concatenate([[0], np.cumsum(xs)]).astype(np.int64).tolist()  # noqa: E731
     with workdir.task_dir(work / "plan") as d:
         np.save(d / "dense_items.npy", np.cumsum(present))
         np.save(d / "step.npy", p.step)
         np.save(d / "rank.npy", p.rank)
         np.save(d / "present.npy", present)
         meta = {
-            "users": np.concatenate([[0], np.cumsum([m["num_users"] for m in metas])]).tolist(),
-            "samples": np.concatenate([[0], np.cumsum([m["samples"] for m in metas])]).tolist(),
-            "unit": sequences.time_unit(max(m["max_abs_ts"] for m in metas)) if ctx["has_time"] else "",
+            "users": offsets([m["num_users"] for m in metas]),
+            "samples": offsets([len(x) for x in lengths]),
+            "eval_users": offsets([f["eval_users"] for f in figs]),  # each bucket's rows of eval.parquet
+            "unit": unit,
             "steps": p.steps,
             "dropped": p.dropped,
             "filled": p.filled,
@@ -398,9 +409,34 @@ def plan(work: "str | Path", buckets: int, say: Callable[[str], None], timings: 
             "total_cost": float(cost[p.step >= 0].sum()),
             "tokens": int(length.sum()),
             "num_items": int(present.sum()),
+            "truncated": sum(f["truncated"] for f in figs),
+            "items_truncated": sum(f["items_truncated"] for f in figs),
+            "split": split_,  # the manifest's (temporal.split_info); empty: leave-one-out
         }
         workdir.write_json(d / "meta.json", meta)
     return meta
+
+
+def _samples(work: Path, ctx: dict, metas: list[dict], unit: str) -> tuple[np.ndarray, list, list[dict], dict]:
+    """Which items the kept events hold, each bucket's sample lengths and figures (_samples_of),
+    and the split's figures (temporal.split_info; empty for leave-one-out). A temporal split's
+    cut and window end are the in-memory build's: temporal.window over every bucket's times."""
+    c, win = ctx["config"], None
+    if c.get("split") == "temporal":
+
+        def times() -> Iterator[np.ndarray]:  # every bucket's kept events' times, a bucket at a time
+            return (sequences.in_seconds(np.asarray(workdir.seq(work, b)["ts"]), unit) for b in range(len(metas)))
+
+        win = temporal.window(times, c.get("cut"), c.get("horizon"))
+    present = np.zeros(len(workdir.read_ids(work, "items")), bool)
+    lengths, figs = [], []
+    for b, m in enumerate(metas):
+        z = workdir.seq(work, b)
+        present[z["items"]] = True
+        length, fig = _samples_of(z, m, win, unit, c["max_len"])
+        lengths.append(length)
+        figs.append(fig)
+    return present, lengths, figs, temporal.split_info(*win, c.get("cut"), figs) if win else {}
 
 
 def route(work: "str | Path", b: int) -> dict:
@@ -420,11 +456,13 @@ def route(work: "str | Path", b: int) -> dict:
         timestamps=sequences.in_seconds(ts, pm["unit"]) if ts is not None else None,
     )
     uo, so = pm["users"][b], pm["samples"][b]
+    w, secs = pm["split"], seq.timestamps  # a temporal split's window (plan's), else leave-one-out
+    hold = temporal.holdout_at(seq.offsets, secs, w["cut"], w["cut"] + w["horizon"]) if w and secs is not None else None
     with workdir.task_dir(work / "route" / str(b)) as d:
-        et = sequences.eval_table(seq)
-        uid = pa.array(np.arange(uo + 1, uo + seq.num_users + 1, dtype=np.int64))
-        workdir.write_ipc(d / "eval.arrow", et.set_column(0, et.schema.field(0), uid))
-        samples = sequences.train_samples(seq, c["max_len"])
+        et = sequences.eval_table(seq, hold)
+        uid = et.column(0).combine_chunks().to_numpy() + uo  # global dense user ids
+        workdir.write_ipc(d / "eval.arrow", et.set_column(0, et.schema.field(0), pa.array(uid)))
+        samples = sequences.train_samples(seq, c["max_len"], hold)
         n = len(samples.user_id)
         step = np.load(work / "plan" / "step.npy", mmap_mode="r")[so : so + n]
         rank = np.load(work / "plan" / "rank.npy", mmap_mode="r")[so : so + n]

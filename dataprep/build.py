@@ -255,8 +255,6 @@ class Job:
 
     def bucketed_context(self) -> dict:
         """What every stage of dataprep.bucketed reads (its work folder's ctx.json)."""
-        if self.config.get("split") == "temporal":  # its cut is taken over all events at once
-            raise DataprepError("--split temporal is built in memory only: raise --memory-budget, drop --buckets")
         return {
             "paths": self.paths,
             "spans": readers.spans(self.paths, self.fmt, **self.reader_options),

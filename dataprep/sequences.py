@@ -379,7 +379,7 @@ def train_samples(seq: Sequences, max_len: int, hold: Holdout | None = None) -> 
     has = train_len >= 2  # need one input and one target
     users = np.flatnonzero(has) + 1
     tl = train_len[has]
-    length = np.minimum(tl - 1, max_len)
+    length, truncated, items_truncated = sample_lengths(train_len, max_len)
     end = seq.offsets[:-1][has] + tl - 1  # index of the target
     offs, flat = _gather(seq.values, end - length, length)
     ts = None
@@ -397,7 +397,15 @@ def train_samples(seq: Sequences, max_len: int, hold: Holdout | None = None) -> 
         length=length.astype(np.int32),
         items=items,
         target=seq.values[end].astype(np.int32),
-        truncated=int((tl - 1 > max_len).sum()),
-        items_truncated=int(np.maximum(tl - 1 - max_len, 0).sum()),
+        truncated=truncated,
+        items_truncated=items_truncated,
         timestamps=ts,
     )
+
+
+def sample_lengths(train_len: np.ndarray, max_len: int) -> tuple[np.ndarray, int, int]:
+    """The input length of the sample of each user with `train_len` >= 2 training events (one
+    input and one target), the most recent `max_len` kept; and how many samples and items
+    max_len cuts off."""
+    tl = train_len[train_len >= 2]
+    return np.minimum(tl - 1, max_len), int((tl - 1 > max_len).sum()), int(np.maximum(tl - 1 - max_len, 0).sum())

@@ -8,12 +8,16 @@ import random
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from test_dataprep_bucketed import _assert_same
+from test_dataprep_bucketed import _events as _messy_events
 
-from dataprep import schema
+from dataprep import bucketed, schema, temporal
 from dataprep.build import build_shards
 from dataprep.errors import DataprepError
+from dataprep.synth import write_synthetic
 from dataprep.verify import verify_shards
 
 T0 = 1_700_000_000
@@ -123,26 +127,18 @@ def test_what_a_user_gets_wrong_is_named(tmp_path):
         build_shards(
             str(tmp_path / "plain.txt"), "sasrec", str(tmp_path / "a"), world_size=1, batch_size=4, split="temporal"
         )
-    with pytest.raises(DataprepError, match="built in memory only"):
-        build_shards(
-            str(tmp_path / "events.csv"),
-            "events",
-            str(tmp_path / "b"),
-            world_size=1,
-            batch_size=4,
-            split="temporal",
-            buckets=2,
-        )
-    with pytest.raises(DataprepError, match="no user has 2 events at or before the cut"):
-        build_shards(
-            str(tmp_path / "events.csv"),
-            "events",
-            str(tmp_path / "c"),
-            world_size=1,
-            batch_size=4,
-            split="temporal",
-            cut=T0,
-        )
+    for buckets in (None, 2):  # the bucketed build says it in the same words
+        with pytest.raises(DataprepError, match="no user has 2 events at or before the cut"):
+            build_shards(
+                str(tmp_path / "events.csv"),
+                "events",
+                str(tmp_path / "c"),
+                world_size=1,
+                batch_size=4,
+                split="temporal",
+                cut=T0,
+                buckets=buckets,
+            )
     with pytest.raises(DataprepError, match="--cut and --horizon belong to --split temporal"):
         build_shards(str(tmp_path / "events.csv"), "events", str(tmp_path / "d"), world_size=1, batch_size=4, cut=T0)
 
@@ -177,3 +173,59 @@ def test_the_trainer_scores_the_window_and_tracks_the_cut(built, tmp_path):
     assert (params["data.split.kind"], params["data.split.cut"]) == ("temporal", str(cut))
     assert params["data.split.horizon"] == str(horizon) and params["eval.split"] == "temporal"
     assert params["data.split.test_users"] == str(m["split"]["test_users"])
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        [5],
+        [3, 3, 3],
+        [9, 1, 4, 1, 5, 9, 2, 6],
+        [-7, 0, 7, 1 << 40],
+        list(range(1000)),
+        [T0 + x for x in range(0, 10**7, 997)],
+    ],
+)
+def test_the_cut_over_chunks_is_numpys_lower_quantile(values):
+    """temporal.window's cut, taken a chunk at a time in a few passes (the bucketed build's
+    buckets), is np.quantile(..., 0.9, method="lower") of all the times at once."""
+    ts = np.random.default_rng(len(values)).permutation(np.array(values, np.int64))
+    chunks = np.array_split(ts, 3)
+    t, end = temporal.window(lambda: iter(chunks), None, None)
+    assert (t, end) == (int(np.quantile(ts, temporal.CUT_QUANTILE, method="lower")), int(ts.max()))
+    assert temporal.window(lambda: iter(chunks), 4, 10) == (4, 14)  # given: taken as they are
+    with pytest.raises(DataprepError, match="needs event times"):
+        temporal.window(lambda: iter([ts[:0]]), None, None)
+
+
+def _timed_input(root: Path, which: str) -> str:
+    """A synthetic event log (Parquet, in time order), or a messy one: duplicates, time ties,
+    users too short and too long, times in milliseconds, in several row groups."""
+    if which == "synth":
+        return write_synthetic(str(root / "synth.parquet"), users=700, items=150, seed=4, fmt="events", median_len=8)
+    pq.write_table(
+        pa.table(_messy_events(np.random.default_rng(8), 900, 25_000)), root / "m.parquet", row_group_size=6000
+    )
+    return str(root / "m.parquet")
+
+
+@pytest.mark.parametrize("which", ["synth, default cut", "messy, cut and horizon given"])
+def test_the_bucketed_build_is_the_in_memory_temporal_set_byte_for_byte(tmp_path, monkeypatch, which):
+    """The fanned-out build's stages (dataprep.bucketed, as Airflow runs them) give the in-memory
+    build's temporal set: the same cut and window (the manifest's split), shards, eval table."""
+    monkeypatch.setattr(bucketed, "PIECE_ROWS", 7)  # rank pieces in many batches
+    path = _timed_input(tmp_path, which.split(",")[0])
+    kw = dict(world_size=3, batch_size=8, max_len=12, seed=1, split="temporal")
+    if which.startswith("messy"):  # the window a week into its 11 days
+        kw |= dict(cut=1_600_000_000 + 6 * DAY, horizon=2 * DAY, max_events=300, tail="drop")
+    ref = build_shards(path, "events", str(tmp_path / "ref"), **kw)
+    for buckets in (1, 4):
+        build_shards(path, "events", str(tmp_path / f"b{buckets}"), buckets=buckets, **kw)
+        _assert_same(tmp_path / "ref", tmp_path / f"b{buckets}")
+    split = ref["split"]
+    assert 0 < split["test_users"] == ref["counts"]["eval_users"] < ref["num_users"]
+    if which.startswith("messy"):
+        r = ref["rejects"]
+        assert r["duplicate_event"] and r["too_short"] and r["history_too_long"] and r["tail_dropped"], r
+    assert split["cut_from"] == ("--cut" if "cut" in kw else f"quantile {temporal.CUT_QUANTILE} of the event times")
+    verify_shards(str(tmp_path / "b4"))
