@@ -111,10 +111,12 @@ def test_an_lr0_challenger_loses_although_the_champions_stored_score_is_lower(wo
     assert f"gate/champion/{SAMPLED}" in run.metrics and f"gate/challenger/{SAMPLED}" in run.metrics
     fp = pipeline_ops.check_shards(world["new"])["fingerprint"]
     assert ev["split"]["fingerprint"] == fp == run.tags["gate.split_fingerprint"] and len(fp) == 64
+    assert (run.params["gate.split"], run.params["gate.split_cut"]) == ("leave_one_out", "")  # sasrec: no times
     assert run.tags["gate.verdict"] == "kept champion" and run.tags["gate.champion_version"] == str(v1)
     said = caplog.text
     assert f"gate: champion {METRIC} = {champ:.6f}" in said and f"gate: challenger {METRIC} = {new:.6f}" in said
     assert f"split fingerprint {fp}" in said and "gate verdict: kept champion" in said
+    assert "judged on this run's leave_one_out split" in said
 
 
 def test_a_better_challenger_wins_although_the_champions_stored_score_is_higher(world, task, caplog):

@@ -1,8 +1,9 @@
 """build_shards fanned out over Airflow tasks (ftrec_airflow.shard_tasks), by `dag.test()` of a
 DAG made of the pipeline's own ingest -> build_shards group -> verify_shards: 2 input files
 (2 read and 2 partition tasks), 4 buckets, 2 ranks (2 write tasks). The set is the one the
-single-process build makes, byte for byte; bucket 1's process is SIGKILLed on its first try
-with its output half-written, and that task alone is retried and finishes the set.
+single-process build makes, byte for byte (the inputs carry event times: the split param's
+"auto" is temporal); bucket 1's process is SIGKILLed on its first try with its output
+half-written, and that task alone is retried and finishes the set.
 """
 
 import json
@@ -109,8 +110,8 @@ def test_fanned_out_build_matches_single_process_and_retries_one_bucket(tmp_path
     out = Path(res["shards"]["path"])
     m = json.loads((out / "manifest.json").read_text())
     ref = tmp_path / "ref"
-    build_shards(
-        inputs, "events", str(ref), world_size=2, batch_size=16, max_len=50, cost_model=m["config"]["cost_model"]
-    )
+    cm = m["config"]["cost_model"]
+    build_shards(inputs, "events", str(ref), world_size=2, batch_size=16, max_len=50, cost_model=cm, split="temporal")
     _assert_same(ref, out)
+    assert m["split"]["kind"] == "temporal" and m["split"]["test_users"] > 0
     assert not list(out.parent.glob(f".{out.name}.stage-*"))  # the staging folder became the set

@@ -869,6 +869,7 @@ def test_evaluate_logs_only_what_the_trainer_did_not_and_the_gate_finds_it(tmp_p
     out = tasks.run_dir() / "eval.json"
     out.parent.mkdir(parents=True)
     split = {"fingerprint": "f" * 64, "eval_sha256": "e" * 64, "shards": "/shards"}
+    split |= {"kind": "temporal", "cut": "1700000000", "horizon": "86400"}  # the window both are judged on
     metrics = {"test/sampled/ndcg@10": 0.3125, "test/full/ndcg@10": 0.0625, "test/full/mrr": 0.04}
     out.write_text(json.dumps({"metrics": metrics, "champion": None, "champion_error": None, "split": split}))
     trained = {"mlflow_run_id": run, "tracking_uri": uri, "checkpoint": "/ckpt", "shards": "/shards"}
@@ -880,6 +881,12 @@ def test_evaluate_logs_only_what_the_trainer_did_not_and_the_gate_finds_it(tmp_p
     metrics = mlflow_registry.run_metrics(run, uri)
     assert sorted(metrics) == ["test/full/mrr", "test/full/ndcg_at_10", "test/sampled/ndcg_at_10"]
     assert len(c.get_metric_history(run, "test/sampled/ndcg_at_10")) == 1
+    params = c.get_run(run).data.params
+    assert (params["gate.split"], params["gate.split_cut"], params["gate.split_horizon"]) == (
+        "temporal",
+        "1700000000",
+        "86400",
+    )
     assert pipeline_ops.check_gate(ev["metrics"], tasks.GATE_METRIC, 0.06) == 0.0625
 
 

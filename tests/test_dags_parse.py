@@ -193,6 +193,9 @@ def test_ftrec_train_params_have_types_descriptions_and_defaults(parsed):
     want = {
         "data_source",
         "data_format",
+        "split",
+        "split_cut",
+        "split_horizon",
         "synth_users",
         "synth_items",
         "max_len",
@@ -219,6 +222,8 @@ def test_ftrec_train_params_have_types_descriptions_and_defaults(parsed):
         assert param["description"] and len(param["description"]) > 15, name
     assert p["data_source"]["value"] == "auto"
     assert p["data_format"]["schema"]["enum"] == ["iclrec", "sasrec", "movielens", "events"]
+    assert p["split"]["value"] == "auto" and p["split"]["schema"]["enum"] == ["auto", "leave_one_out", "temporal"]
+    assert p["split_cut"]["value"] is None and p["split_horizon"]["schema"]["minimum"] == 1
     assert p["max_len"]["value"] == 50 and p["ranks_per_group"]["value"] == 1
     assert p["replica_groups"]["value"] == 2  # training always goes through the ftcore launcher
     assert p["world_size"]["schema"]["type"] == ["null", "integer"] and p["world_size"]["value"] is None

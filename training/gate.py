@@ -94,14 +94,19 @@ def score(path: str, shards_path: str, eval_cfg, splits=("valid", "test")) -> di
 
 
 def split_identity(shards_path: str) -> dict[str, str]:
-    """What identifies the test split: the manifest's input fingerprint and eval file's SHA-256."""
+    """What identifies the test split: the manifest's input fingerprint and eval file's SHA-256,
+    and its kind with a temporal split's cut and horizon in seconds ("" for leave-one-out)."""
     from training.data import ShardSet
 
     m = ShardSet(shards_path).manifest
+    split = m.get("split") or {}
     return {
         "fingerprint": str(m.get("input", {}).get("fingerprint", "")),
         "eval_sha256": str(m.get("files", {}).get("eval.parquet", "")),
         "shards": shards_path,
+        "kind": str(split.get("kind", "leave_one_out")),
+        "cut": str(split.get("cut", "")),
+        "horizon": str(split.get("horizon", "")),
     }
 
 

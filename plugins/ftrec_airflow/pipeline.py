@@ -14,7 +14,7 @@ from typing import Any
 
 from airflow.sdk import Asset, Param, XComArg, task
 
-from ftrec_airflow import pipeline_ops, settings, shard_tasks, tasks
+from ftrec_airflow import eval_split, pipeline_ops, settings, shard_tasks, tasks
 from ftrec_airflow.decorators import build_shards_task, ft_train_task
 
 START = datetime(2026, 1, 1)
@@ -38,6 +38,24 @@ PARAMS: dict[str, tuple[Any, dict[str, Any], str]] = {
         {"type": "string", "enum": list(pipeline_ops.FORMATS)},
         "Format of data_source: iclrec (user item item ...), sasrec (user item per line), "
         "movielens (ratings.dat/.csv), events (Parquet/CSV with user, item, timestamp).",
+    ),
+    "split": (
+        "auto",
+        {"type": "string", "enum": list(eval_split.SPLITS)},
+        "How the shard set holds out what the gate judges: temporal (train on the events up to a cut T, "
+        "test each user's first event in the window after it), leave_one_out (each user's last event), or "
+        "auto: temporal where data_format carries event times (events, movielens), else leave_one_out.",
+    ),
+    "split_cut": (
+        None,
+        {"type": ["null", "integer"]},
+        "The temporal split's cut T in epoch seconds; empty: the cut of the ftrec_interactions event "
+        "that triggered the run, else the time before which 90% of the events fall.",
+    ),
+    "split_horizon": (
+        None,
+        {"type": ["null", "integer"], "minimum": 1},
+        "Seconds after the cut a test event may lie; empty: the triggering event's horizon, else to the last event.",
     ),
     "synth_users": (2000, {"type": "integer", "minimum": 10}, "Users of generated data (data_source=synthetic)."),
     "synth_items": (1000, {"type": "integer", "minimum": 10}, "Items of generated data (data_source=synthetic)."),

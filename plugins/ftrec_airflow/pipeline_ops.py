@@ -154,6 +154,11 @@ class ShardSpec:
     # the trainer's `model.KEY=VALUE` settings: the shards are balanced with that model's cost
     # model, calibrated once per model and machine (training/calibrate.py); None: dataprep's default
     model_overrides: list[str] | None = None
+    # dataprep's split: leave_one_out, or temporal at `cut` (epoch seconds) testing up to `horizon`
+    # seconds after it (None: dataprep's defaults); the run's: eval_split.resolve
+    split: str = "leave_one_out"
+    cut: int | None = None
+    horizon: int | None = None
 
 
 def _summary(manifest: dict, path: str | Path) -> dict[str, Any]:
@@ -178,7 +183,7 @@ def shard_build_args(spec: ShardSpec, log=print) -> dict[str, Any]:
         )
         if log:
             log(f"cost model: {cost_model}")
-    keys = ("world_size", "batch_size", "seed", "max_len", "window_steps")
+    keys = ("world_size", "batch_size", "seed", "max_len", "window_steps", "split", "cut", "horizon")
     return {**{k: getattr(spec, k) for k in keys}, "cost_model": cost_model}
 
 

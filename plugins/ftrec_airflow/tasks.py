@@ -16,7 +16,7 @@ from typing import Any
 from airflow.sdk import Asset, get_current_context
 from airflow.sdk.exceptions import AirflowFailException
 
-from ftrec_airflow import pipeline_ops, settings
+from ftrec_airflow import eval_split, pipeline_ops, settings
 from ftrec_airflow.pipeline_ops import TrainedRun
 
 GATE_METRIC = "test/full/ndcg_at_10"  # MLflow spelling of ndcg@10, full ranking (sampled: secondary)
@@ -54,10 +54,15 @@ def topology(p: dict) -> tuple[int, int, int]:
 
 
 def ingest_validate(params=None) -> dict[str, Any]:
-    """Find the data the data_source param names and check it reads."""
-    p = params
+    """Find the data the data_source param names and check it reads, and the split params against its format."""
+    return _ingest(params, {})
+
+
+def _ingest(p: dict, event_window: dict[str, int]) -> dict[str, Any]:
+    """pipeline_ops.ingest of the params' data, with the triggering event's window ("window");
+    the split its shards get (run_split) is checked and logged here, the run's first task."""
     topology(p)
-    return _user_errors(
+    data = _user_errors(
         pipeline_ops.ingest,
         p["data_source"],
         p["data_format"],
@@ -66,11 +71,25 @@ def ingest_validate(params=None) -> dict[str, Any]:
         synth_items=int(p["synth_items"]),
         seed=int(p["seed"]),
     )
+    data = {**data, "window": event_window}
+    split = run_split(data, p)
+    log.info("split: %s (%s)", split.split, eval_split.describe(split))
+    return data
+
+
+def run_split(data: dict, p: dict) -> eval_split.Split:
+    """The split of the shards of ingest's `data` (eval_split.resolve of its format and the
+    triggering event's window, and the split params); AirflowFailException on a bad value."""
+    from dataprep.readers import TIME_FORMATS
+
+    return _user_errors(eval_split.resolve, data["format"], p, data.get("window") or {}, TIME_FORMATS)
 
 
 def shard_spec(data: dict, params=None) -> pipeline_ops.ShardSpec:
-    """The shard set to build from ingest's `data`, balanced for the model trained."""
+    """The shard set to build from ingest's `data`, balanced for the model trained, split as
+    the params and the triggering event say (run_split)."""
     p = params
+    split = run_split(data, p)
     return pipeline_ops.ShardSpec(
         input=data["path"],
         fmt=data["format"],
@@ -80,6 +99,7 @@ def shard_spec(data: dict, params=None) -> pipeline_ops.ShardSpec:
         max_len=int(p["max_len"]),
         seed=int(p["seed"]),
         model_overrides=list(p.get("train_overrides") or []),
+        **split.build_args(),
     )
 
 
@@ -147,6 +167,7 @@ def evaluate(trained: dict, params=None) -> dict[str, Any]:
                 "%s: the trainer logged %.6f, evaluation gives %.6f; keeping the run's value", k, have[k], metrics[k]
             )
     mlflow_registry.log_metrics(run_id, metrics, tracking_uri=uri)
+    _log_judged(run, res.get("split") or {})
     shown = {k: have.get(k, v) for k, v in metrics.items()}
     if champ is not None and not ckpt and error is None:  # the champion is this run's model
         scored = shown
@@ -163,6 +184,20 @@ def evaluate(trained: dict, params=None) -> dict[str, Any]:
         },
         "split": res.get("split", {}),
     }
+
+
+def _log_judged(run: TrainedRun, identity: dict) -> None:
+    """The split and window both models were scored on (eval_split.judged): in the task log
+    and as the run's MLflow params gate.split, gate.split_cut, gate.split_horizon."""
+    from ftrec_airflow import mlflow_registry
+
+    w = eval_split.judged(identity)
+    c = mlflow_registry.client(run.tracking_uri)
+    params = {"gate.split": w["split"], "gate.split_cut": w["cut"], "gate.split_horizon": w["horizon"]}
+    for k, v in params.items():
+        c.log_param(run.mlflow_run_id, k, v)
+    window = f" at cut {w['cut']}, horizon {w['horizon']} s" if w["split"] == "temporal" else ""
+    log.info("gate: champion and challenger judged on this run's %s split%s", w["split"], window)
 
 
 def _log_gate(run: TrainedRun, result: dict, champion: dict, p: dict) -> None:
@@ -259,23 +294,35 @@ def register_model(trained: dict, evaluation: dict, params=None) -> dict[str, An
 # ---------------------------------------------------------------- ftrec_retrain
 
 
+def _triggering_extras() -> list[dict[str, Any]]:
+    """The extras of the Asset events that triggered this run, newest first."""
+    events = get_current_context().get("triggering_asset_events") or {}
+    return [getattr(ev, "extra", None) or {} for evs in events.values() for ev in reversed(list(evs))]
+
+
 def new_data_source(p: dict) -> tuple[str, str]:
     """(source, format): the newest triggering Asset event's {"path", "format"} extra when
     the run was triggered by new interaction data, else the params."""
-    ctx = get_current_context()
-    events = ctx.get("triggering_asset_events") or {}
-    for _asset, evs in events.items():
-        for ev in reversed(list(evs)):
-            extra = getattr(ev, "extra", None) or {}
-            if extra.get("path"):
-                return extra["path"], extra.get("format", p["data_format"])
+    for extra in _triggering_extras():
+        if extra.get("path"):
+            return extra["path"], extra.get("format", p["data_format"])
     return p["data_source"], p["data_format"]
 
 
+def new_data_window() -> dict[str, int]:
+    """The {"cut", "horizon"} (those given) of the newest triggering Asset event that carries
+    either, checked (eval_split.event_window); {} when none does."""
+    for extra in _triggering_extras():
+        if extra.get("cut") is not None or extra.get("horizon") is not None:
+            return _user_errors(eval_split.event_window, extra)
+    return {}
+
+
 def ingest_new_data(params=None) -> dict[str, Any]:
-    """ingest_validate on the data a triggering Asset event announced (else the params')."""
+    """ingest_validate on the data a triggering Asset event announced (else the params'), its
+    shards split at the event's window where it gives one (eval_split: the params' win when set)."""
     source, fmt = new_data_source(params)
-    return ingest_validate({**params, "data_source": source, "data_format": fmt})
+    return _ingest({**params, "data_source": source, "data_format": fmt}, new_data_window())
 
 
 def base_model(params=None) -> dict[str, Any]:
