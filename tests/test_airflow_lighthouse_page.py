@@ -236,8 +236,11 @@ def _planted_timeline(groups: int, events: int) -> dict:
     return {"exit_code": 0, "steps": steps, "launcher_events": evs[:half], "lighthouse_events": evs[half:]}
 
 
-def test_a_planted_huge_timeline_renders_bounded_with_more_notes(page):
+def test_a_planted_huge_timeline_renders_bounded_with_more_notes(page, monkeypatch):
     """Issue 41: 20,000 groups and 200,000 events render in one pass to a bounded page."""
+    from ftrec_airflow import lighthouse_app
+
+    monkeypatch.setattr(lighthouse_app, "INLINE_MAX_BYTES", 32 << 20)  # parsed here, as a small one is
     run = settings.run_folder(RUN["dag_id"], RUN["run_id"])
     (run / "train").mkdir(parents=True)
     raw = json.dumps(_planted_timeline(20_000, 200_000), separators=(",", ":"))
@@ -276,3 +279,160 @@ def test_a_timeline_of_the_wrong_shape_is_a_message_not_a_500(page):
     )
     r = page.get("/lighthouse/", params=RUN)
     assert r.status_code == 200 and "not a timeline the page can read" in r.text
+
+
+def _train_folder():
+    run = settings.run_folder(RUN["dag_id"], RUN["run_id"])
+    (run / "train").mkdir(parents=True, exist_ok=True)
+    return run / "train"
+
+
+def test_the_writers_summary_is_used_and_a_replaced_timeline_is_not_taken_for_it(page, monkeypatch):
+    """Issue 41: the launcher's timeline.summary.json is what the page shows, read and checked
+    instead of the timeline parsed; a timeline replaced beside it (the same size: only the
+    sha256 tells) is summarized afresh, never shown with the other one's summary."""
+    from ftrec_airflow import lighthouse_app
+    from training import timeline_summary
+
+    parsed = []
+    monkeypatch.setattr(
+        lighthouse_app, "_parsed", lambda raw, real=lighthouse_app._parsed: parsed.append(1) or real(raw)
+    )
+    train = _train_folder()
+    timeline_summary.write(str(train), _planted_timeline(3, 10))
+    doc = page.get("/lighthouse/status", params=RUN).json()
+    assert parsed == [] and doc["timeline"]["groups_total"] == 3 and doc["timeline"]["exit_code"] == 0
+    assert "<b>finished</b>" in page.get("/lighthouse/", params=RUN).text and parsed == []
+    raw = (train / "timeline.json").read_bytes()
+    (train / "timeline.json").write_bytes(raw.replace(b'"exit_code": 0', b'"exit_code": 7'))
+    doc = page.get("/lighthouse/status", params=RUN).json()
+    assert parsed == [1] and doc["timeline"]["exit_code"] == 7 and doc["note"] == ""
+
+
+def _bad_summaries() -> list:
+    from training import timeline, timeline_summary
+
+    good = timeline_summary.bounded(timeline.summary(_planted_timeline(3, 10)))
+    return [
+        b"not json",
+        json.dumps({"summary": good}).encode(),  # no stamp
+        {**good, "groups": "everything"},
+        {**good, "groups": [{**good["groups"][0], "checksum": ["a list"]}]},
+        {**good, "series": {**good["series"], "marks": [[1.0, 0, "<script>"]]}},
+        {**good, "series": {**good["series"], "groups": {"x": [[1.0, 1]]}}},
+        {**good, "events_total": -1},
+        {**good, "kinds": {"fault": "many"}},
+        {**good, "exit_code": 1e400},
+        [],
+    ]
+
+
+@pytest.mark.parametrize("bad", range(10))
+def test_a_planted_summary_of_the_wrong_shape_is_a_refusal_not_a_500(page, bad):
+    from training import timeline_summary
+
+    train = _train_folder()
+    data = json.dumps(_planted_timeline(3, 10)).encode()
+    (train / "timeline.json").write_bytes(data)
+    planted = _bad_summaries()[bad]
+    doc = {"timeline": timeline_summary.stamp(data), "summary": planted}
+    (train / timeline_summary.FILE).write_bytes(planted if isinstance(planted, bytes) else json.dumps(doc).encode())
+    r = page.get("/lighthouse/", params=RUN)
+    assert r.status_code == 200 and "not a timeline the page can read" in r.text and "<script>" not in r.text
+
+
+def test_a_planted_summary_is_cut_to_the_pages_bounds(page):
+    """Long lists and long texts in a matching summary are cut, never rendered whole."""
+    from training import timeline, timeline_summary
+
+    train = _train_folder()
+    data = json.dumps(_planted_timeline(3, 10)).encode()
+    (train / "timeline.json").write_bytes(data)
+    s = timeline.summary(_planted_timeline(3, 10))
+    ev = {"t": 5.0, "kind": "k" * 1000, **{f"f{i}": "v" * 500 for i in range(20)}}
+    s.update(events=[ev] * 30, groups=s["groups"] * 2000, kinds={f"kind{i}": i for i in range(2000)})
+    s["groups"][0] = {**s["groups"][0], "checksum": "c" * 100_000}
+    doc = {"timeline": timeline_summary.stamp(data), "summary": s}
+    (train / timeline_summary.FILE).write_text(json.dumps(doc))
+    assert (train / timeline_summary.FILE).stat().st_size > 1 << 20  # over the page's bound: not read
+    assert page.get("/lighthouse/status", params=RUN).json()["timeline"]["groups_total"] == 3  # ignored: parsed
+    s.update(events=[{**ev, "f0": "v" * 5000}] * 52, groups=s["groups"][:100])
+    (train / timeline_summary.FILE).write_text(json.dumps(doc))
+    r = page.get("/lighthouse/", params=RUN)
+    got = page.get("/lighthouse/status", params=RUN).json()
+    assert r.status_code == 200 and len(r.text) < 120_000 and len(json.dumps(got)) < 120_000
+    assert r.text.count("class=group-row") == 64 and len(got["timeline"]["kinds"]) == 32
+    assert len(got["timeline"]["events"]) == 50 and len(got["timeline"]["events"][0]) == 14
+
+
+@pytest.fixture
+def summaries(monkeypatch):
+    """The page with a fresh worker, and a timeline over 1 KiB not parsed on the request."""
+    from ftrec_airflow import lighthouse_app, timeline_cache
+
+    fresh = timeline_cache.Summaries(lambda fd: timeline_cache.in_child(fd, lighthouse_app.TIMELINE_MAX_BYTES))
+    monkeypatch.setattr(lighthouse_app, "SUMMARIES", fresh)
+    monkeypatch.setattr(lighthouse_app, "INLINE_MAX_BYTES", 1024)
+    return fresh
+
+
+def _until_summarized(page, deadline_s: float = 30.0) -> dict:
+    import time
+
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        doc = page.get("/lighthouse/status", params=RUN).json()
+        if not doc["pending"]:
+            return doc
+        time.sleep(0.05)
+    raise AssertionError("the worker did not summarize the timeline in time")
+
+
+def test_a_large_timeline_without_a_summary_renders_at_once_and_is_summarized_off_the_request(page, summaries):
+    train = _train_folder()
+    (train / "timeline.json").write_text(json.dumps(_planted_timeline(20, 2000)))
+    r = page.get("/lighthouse/", params=RUN)
+    assert r.status_code == 200 and "summarizing this run&#x27;s timeline (0 MiB)" in r.text
+    assert "http-equiv='refresh'" in r.text  # and the page asks again by itself
+    doc = page.get("/lighthouse/status", params=RUN).json()
+    assert doc["pending"] and doc["note"] == "summarizing this run's timeline (0 MiB): refresh in a few seconds"
+    doc = _until_summarized(page)
+    assert doc["timeline"]["groups_total"] == 20 and doc["timeline"]["events_total"] == 2000 and doc["note"] == ""
+    assert "<b>finished</b>" in page.get("/lighthouse/", params=RUN).text
+    assert sorted(p.name for p in train.iterdir()) == ["timeline.json"]  # the API server wrote nothing there
+    (train / "timeline.json").write_text("[" * 5000 + "not a timeline" + " " * 2000)  # replaced: summarized again
+    assert page.get("/lighthouse/status", params=RUN).json()["pending"]
+    doc = _until_summarized(page)
+    assert doc["timeline"] is None and "not a timeline the page can read" in doc["note"]
+
+
+def test_the_worker_summarizes_one_timeline_at_a_time_from_a_bounded_queue(tmp_path):
+    import threading
+    import time
+
+    from ftrec_airflow import timeline_cache
+
+    active, most, started, release = [0], [0], threading.Event(), threading.Event()
+
+    def run(fd):
+        active[0] += 1
+        most[0] = max(most[0], active[0])
+        started.set()
+        release.wait(10)
+        time.sleep(0.01)
+        active[0] -= 1
+        return {"fd": os.fstat(fd).st_size}, ""
+
+    s = timeline_cache.Summaries(run, slots=3, queue=2)
+    f = tmp_path / "t.json"
+    f.write_text("{}")
+    keys = [(str(f), 1, 2, 3, i) for i in range(4)]
+    with open(f, "rb") as fh:
+        assert s.submit(keys[0], fh.fileno()) and started.wait(10)  # running: off the queue
+        assert s.submit(keys[1], fh.fileno()) and s.submit(keys[1], fh.fileno()) and s.submit(keys[2], fh.fileno())
+        assert not s.submit(keys[3], fh.fileno())  # the queue holds two
+    release.set()
+    end = time.monotonic() + 10
+    while any(s.get(k) is None for k in keys[:3]) and time.monotonic() < end:
+        time.sleep(0.01)
+    assert [s.get(k) for k in keys] == [({"fd": 2}, "")] * 3 + [None] and most[0] == 1

@@ -24,7 +24,12 @@ def chaos_timeline(tmp_path_factory):
         d / "train", 200, worker=TOY, faults=plan, timeout=150, worker_args=["--steps", "40", "--step-sleep", "0.02"]
     )
     assert r.returncode == 0, r.stdout[-3000:]
-    return json.loads((d / "train" / "timeline.json").read_text())
+    from training import timeline_summary
+
+    raw = (d / "train" / "timeline.json").read_bytes()  # and beside it the summary the Lighthouse tab reads
+    written = json.loads((d / "train" / timeline_summary.FILE).read_text())
+    assert written["timeline"] == timeline_summary.stamp(raw) and written["summary"]["groups_total"] == 2
+    return json.loads(raw)
 
 
 def test_series_and_story_follow_the_timeline(chaos_timeline, tmp_path):

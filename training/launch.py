@@ -5,7 +5,8 @@
 
 The trainer's front end of ftcore's launcher (ftcore/launcher/: supervision, warm spares, the
 hosted lighthouse, faults): it runs `python -m training train` in every rank, and at the end
-prints each group's checksum and writes OUT/timeline.json, logged to the trainer's MLflow run.
+prints each group's checksum and writes OUT/timeline.json (logged to the trainer's MLflow run) and its
+bounded summary OUT/timeline.summary.json (training/timeline_summary.py), which the Lighthouse tab reads.
 """
 
 import argparse
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from ftcore import final_state, launcher
 from ftcore.faults import PlanError
 from ftcore.launcher import TOY, GroupFailed, LaunchError, Proc
-from ftcore.util.files import atomic_write_json
+from training import timeline_summary
 from training.checkpoint_key import KEY_ENV, use_default
 
 __all__ = ["TOY", "TRAINER", "GroupFailed", "LaunchConfig", "LaunchError", "Launcher", "Proc", "main", "parse"]
@@ -103,7 +104,7 @@ class Launcher(launcher.Launcher):
             "lighthouse_events": events,
             "steps": sorted(steps, key=lambda r: r["t"]),
         }
-        atomic_write_json(os.path.join(self.out, "timeline.json"), timeline)
+        timeline_summary.write(self.out, timeline)  # and its bounded summary, which the Lighthouse tab reads
         print(f"[launch] timeline {os.path.join(self.out, 'timeline.json')}: {json.dumps(summary)}", flush=True)
         log_to_mlflow(self.out, summary, os.path.join(self.out, "timeline.json"))
 

@@ -9,16 +9,15 @@ import ipaddress
 import itertools
 import json
 import os
-import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from fastapi import Depends, FastAPI, Query
 from fastapi.responses import HTMLResponse
 
-from ftrec_airflow import lighthouse_status, settings
+from ftrec_airflow import lighthouse_status, settings, timeline_cache
 
 DEFAULT_JOB = "default"  # ftcore.messages.DEFAULT_JOB: the job the standing lighthouse's menu entry shows
 
@@ -58,45 +57,78 @@ def loopback_url(url: str) -> str | None:
     return f"http://{ip}:{port}" if ip.version == 4 else f"http://[{ip}]:{port}"
 
 
-# a timeline larger than this is not read (the page parses it on the API server)
+# a timeline larger than this is not read (the page summarizes it on the API server's machine)
 TIMELINE_MAX_BYTES = int(float(os.environ.get("FTREC_TIMELINE_MAX_MB", "64")) * (1 << 20))
+# a timeline up to this size without the writer's summary is parsed on the request: about
+# 0.25 s of CPU holding the GIL (benchmarks/page_render.py); a larger one goes to the worker
+INLINE_MAX_BYTES = 4 << 20
+SUMMARY_MAX_BYTES = 1 << 20  # the writer's summary file (training.timeline_summary: well under this)
+SUMMARIES = timeline_cache.Summaries(lambda fd: timeline_cache.in_child(fd, TIMELINE_MAX_BYTES))
 
 
-def _too_large(path: Path) -> str:
-    """A refusal naming the file's size when `path` is a regular file over TIMELINE_MAX_BYTES."""
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return ""
-    if not stat.S_ISREG(st.st_mode) or st.st_size <= TIMELINE_MAX_BYTES:
-        return ""
+def _too_large(size: int) -> str:
     return (
-        f"this run's timeline.json is {st.st_size / (1 << 20):.3g} MiB, over the page's bound of "
+        f"this run's timeline.json is {size / (1 << 20):.3g} MiB, over the page's bound of "
         f"{TIMELINE_MAX_BYTES / (1 << 20):.3g} MiB (FTREC_TIMELINE_MAX_MB): not shown; "
         "read it from the run folder or the MLflow run's artifacts"
     )
 
 
-def _timeline(run: Path) -> tuple[dict[str, Any] | None, str]:
-    """(summary, refusal): the run's timeline.json summarized (training.timeline.summary:
-    bounded, in time linear in the file), or None and why it is not shown."""
+def _timeline(run: Path) -> tuple[dict[str, Any] | None, str, bool]:
+    """(summary, note, pending): the run's timeline.json summarized and bounded (training.
+    timeline_summary), or None and why not; pending while the worker summarizes it. From the
+    writer's summary when it matches the timeline, else parsed here when small, else the
+    worker's (timeline_cache): no view parses a large timeline on the request."""
     path = run / "train" / "timeline.json"
-    refused = _too_large(path)
-    if refused:
-        return None, refused
-    raw = lighthouse_status.read_nofollow(path, settings.work_root(), limit=TIMELINE_MAX_BYTES)
+    f = lighthouse_status.open_nofollow(path, settings.work_root())
+    if f is None:
+        return None, "", False
+    with f:
+        st = os.fstat(f.fileno())
+        if st.st_size > TIMELINE_MAX_BYTES:
+            return None, _too_large(st.st_size), False
+        done = _written(run, st.st_size, f)
+        k = timeline_cache.key(path, st)
+        done = done or SUMMARIES.get(k)
+        if done is not None:
+            return done[0], done[1], False
+        if st.st_size <= INLINE_MAX_BYTES:
+            f.seek(0)
+            done = _parsed(f.read(st.st_size + 1))
+            SUMMARIES.put(k, done)
+            return done[0], done[1], False
+        if not SUMMARIES.submit(k, f.fileno()):
+            return None, "the page is summarizing other runs' timelines: refresh in a minute", True
+    return None, f"summarizing this run's timeline ({st.st_size / (1 << 20):.0f} MiB): refresh in a few seconds", True
+
+
+def _written(run: Path, size: int, f: BinaryIO) -> timeline_cache.Result | None:
+    """The writer's summary of the timeline open as `f` (training.timeline_summary.FILE);
+    None when there is none or it summarizes another timeline (stale, or the timeline
+    replaced); the refusal when it is not a summary (types and shapes checked, lists cut)."""
+    from training import timeline_summary
+
+    where = run / "train" / timeline_summary.FILE
+    raw = lighthouse_status.read_nofollow(where, settings.work_root(), limit=SUMMARY_MAX_BYTES)
+    if raw is None:
+        return None
     try:
-        tl = json.loads(raw) if raw is not None else None
+        doc = json.loads(raw)
+        stamp = timeline_summary.stamp_of(doc)
+        if stamp["size"] != size or stamp != timeline_summary.stamp(f):
+            return None
+        return timeline_summary.bounded(doc.get("summary")), ""
     except (ValueError, RecursionError):
-        return None, ""
-    if not isinstance(tl, dict):
-        return None, ""
-    from training import timeline
+        return None, timeline_cache.UNREADABLE
+
+
+def _parsed(raw: bytes) -> timeline_cache.Result:
+    from training import timeline_summary
 
     try:
-        return timeline.summary(tl), ""
-    except (ValueError, TypeError, AttributeError, KeyError, OverflowError, IndexError):
-        return None, "this run's timeline.json is not a timeline the page can read: not shown"
+        return timeline_summary.summarize_json(raw), ""
+    except ValueError:
+        return None, timeline_cache.UNREADABLE
 
 
 def _jobs(dag_id: str, run_id: str) -> list[str]:
@@ -128,15 +160,16 @@ def _fetched_at(snap: dict) -> tuple[float | None, str]:
 
 
 def lookup(dag_id: str | None, run_id: str | None) -> dict[str, Any]:
-    """{"source", "url", "live", "status", "fetched_at", "error", "note", "timeline"} for a DAG
-    run's lighthouse, or for the standing one when no run is given. Asks only the standing
+    """{"source", "url", "live", "status", "fetched_at", "error", "note", "timeline", "pending"}
+    for a DAG run's lighthouse, or for the standing one when no run is given. Asks only the standing
     lighthouse or a numeric loopback address, with this server's own token (server_token)."""
     standing = settings.lighthouse_url()
     snap = timeline = None
     source, url, job, note, refused = ("FTREC_LIGHTHOUSE_URL" if standing else "none"), standing, DEFAULT_JOB, "", ""
+    pending = False
     if dag_id and run_id:
         run = settings.run_folder(dag_id, run_id)
-        (timeline, refused), snap = _timeline(run), lighthouse_status.read_snapshot(run)
+        (timeline, refused, pending), snap = _timeline(run), lighthouse_status.read_snapshot(run)
         source = f"run {dag_id} / {run_id}"
         url, found, note = _target(snap, dag_id, run_id, standing) if snap else ("", None, "")
         job = found or _jobs(dag_id, run_id)[0]  # whose job the page shows (and whose token it sends)
@@ -149,6 +182,7 @@ def lookup(dag_id: str | None, run_id: str | None) -> dict[str, Any]:
         "error": "",
         "note": "; ".join(n for n in (note, refused) if n),
         "timeline": timeline,
+        "pending": pending,
     }
     if url and timeline is None and not refused:  # a finished job's lighthouse has ended with it: do not ask
         try:
@@ -313,7 +347,7 @@ def render(doc: dict[str, Any]) -> str:
         for ev in reversed(evs[-50:])
         if isinstance(ev, dict)
     )
-    refresh = "<meta http-equiv='refresh' content='3'>" if doc["live"] else ""
+    refresh = "<meta http-equiv='refresh' content='3'>" if doc["live"] or doc.get("pending") else ""
     # a finished job's lighthouse ended with it: its address is history, not a place to look
     where = "its lighthouse ended with the job" if tl else doc["url"] or "no address"
     quorum, participants = q.get("quorum_id", "-"), q.get("groups", q.get("participants", "-"))

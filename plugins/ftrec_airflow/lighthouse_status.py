@@ -13,7 +13,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from ftrec_airflow import settings
 
@@ -66,10 +66,10 @@ def server_token() -> str | None:
     return _one_token(raw.decode("ascii", "replace"), f"FTCORE_TOKEN_FILE {path}")
 
 
-def read_nofollow(path: Path, root: Path, limit: int = 1 << 20) -> bytes | None:
-    """The bytes of the regular file `path` under `root`, following no symlink on the way:
-    every folder below `root` is lstat'ed, the file opened with O_NOFOLLOW. None when it is
-    absent, a link, not a regular file or larger than `limit`."""
+def open_nofollow(path: Path, root: Path) -> BinaryIO | None:
+    """The regular file `path` under `root` opened for reading, following no symlink on the
+    way: every folder below `root` is lstat'ed, the file opened with O_NOFOLLOW. None when it
+    is absent, a link or not a regular file."""
     try:
         rel = Path(path).relative_to(root)
     except ValueError:
@@ -83,9 +83,21 @@ def read_nofollow(path: Path, root: Path, limit: int = 1 << 20) -> bytes | None:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
+    f = os.fdopen(fd, "rb")
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        f.close()
+        return None
+    return f
+
+
+def read_nofollow(path: Path, root: Path, limit: int = 1 << 20) -> bytes | None:
+    """The bytes of the regular file `path` under `root` (`open_nofollow`); None when it is
+    absent, a link, not a regular file or larger than `limit`."""
+    f = open_nofollow(path, root)
+    if f is None:
+        return None
+    with f:
+        if os.fstat(f.fileno()).st_size > limit:
             return None
         return f.read(limit + 1)[:limit]
 
