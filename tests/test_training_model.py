@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from training.config import ConfigError, LossConfig, ModelConfig, load_config, to_toml
-from training.loss import loss_sum
+from training.loss import loss_sum, negatives_per
 from training.model import SeqRec, padding_fraction
 
 KINDS = ["sasrec", "hstu"]
@@ -144,6 +144,50 @@ def test_sampled_softmax_masks_accidental_hits():
     assert torch.allclose(s, expect, atol=1e-5)
 
 
+def test_per_token_negatives_are_each_tokens_own_by_either_product():
+    """loss.negatives = "per_token": every target meets its own draw, accidental hits masked;
+    the gather of all items' scores and the gather of the negatives' rows agree."""
+    cfg = LossConfig(num_negatives=8, negatives="per_token", temperature=0.5)
+    values, offsets = _jagged([[1, 2, 3], [4, 5]])
+    labels = torch.tensor([2, 3, 9, 5, 9])
+    for num_items in (50, 200):  # 50 < 8 x 16: scores of all items; 200: the rows gathered
+        m = _model("sasrec", num_items=num_items)
+        h = m(values, offsets)
+        s = loss_sum(m, h, labels, cfg, torch.Generator().manual_seed(3))
+        negs = torch.randint(1, num_items + 1, (5, 8), generator=torch.Generator().manual_seed(3))
+        negs[0, 0] = labels[0]  # an accidental hit, placed
+        s_hit = loss_sum(m, h, labels, cfg, negatives=negs)
+        for got, drawn in (
+            (s, torch.randint(1, num_items + 1, (5, 8), generator=torch.Generator().manual_seed(3))),
+            (s_hit, negs),
+        ):
+            expect = 0.0
+            for i in range(5):
+                own = drawn[i][drawn[i] != labels[i]]
+                logits = (
+                    torch.cat([m.pair_scores(h[i : i + 1], labels[i : i + 1]), m.scores(h[i : i + 1], own)[0]]) / 0.5
+                )
+                expect += torch.logsumexp(logits, 0) - logits[0]
+            assert torch.allclose(got, expect, atol=1e-5)
+
+
+def test_softmax_is_the_full_catalogues_cross_entropy():
+    m = _model("sasrec", num_items=30)
+    values, offsets = _jagged([[1, 2, 3], [4, 5]])
+    labels = torch.tensor([2, 3, 30, 5, 1])
+    h = m(values, offsets)
+    s = loss_sum(m, h, labels, LossConfig(kind="softmax", temperature=0.5))
+    logits = h @ m.item_emb.weight[1:].T / 0.5
+    expect = (torch.logsumexp(logits, 1) - logits[torch.arange(5), labels - 1]).sum()
+    assert torch.allclose(s, expect, atol=1e-5)
+    assert negatives_per(LossConfig(kind="softmax"), 30) == (0, 30)
+    assert negatives_per(LossConfig(negatives="per_token", num_negatives=7), 30) == (7, 0)
+    assert negatives_per(LossConfig(num_negatives=7), 30) == (0, 7) and negatives_per(LossConfig(kind="bce"), 30) == (
+        1,
+        0,
+    )
+
+
 def test_config_toml_and_overrides(tmp_path):
     f = tmp_path / "c.toml"
     f.write_text('[model]\nattention = "hstu"\ndim = 32\n[optim]\nlr = 0.002\n[eval]\nks = [1, 10]\n')
@@ -162,6 +206,8 @@ def test_config_toml_and_overrides(tmp_path):
         (["nosection.x=1"], "unknown section"),
         (["model.dim=abc"], "model.dim"),
         (["model.attention=gru"], "model.attention"),
+        (["loss.negatives=per_step"], "loss.negatives"),
+        (["loss.kind=full"], "loss.kind"),
         (["optim.lr"], "section.key=value"),
     ],
 )

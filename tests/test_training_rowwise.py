@@ -119,7 +119,7 @@ def test_rows_bound_covers_every_step(tmp_path):
     )
     groups, k = 2, 2
     reads = [[r for i in range(k) for r in shard_ranks_for(4, groups, g, k, i)] for g in range(groups)]
-    bound = rows.rows_bound(rows.shard_step_counts(shards), reads, "sampled_softmax", 16, shards.num_items)
+    bound = rows.rows_bound(rows.shard_step_counts(shards), reads, (0, 16), shards.num_items)
     most = 0
     for ranks in reads:
         files = [shards.open_rank(r) for r in ranks]

@@ -73,9 +73,15 @@ class LossConfig:
     """[loss] the training objective (training/loss.py)."""
 
     kind: str = "sampled_softmax"
-    """"sampled_softmax" (shared negatives) or "bce" (one negative per target)"""
+    """"sampled_softmax" (loss.negatives), "softmax" (every item: the full catalogue's cross-entropy,
+    N x items x dim a step; a replicated item table) or "bce" (one negative per target)"""
     num_negatives: int = 1024
-    """shared negatives per step for sampled softmax"""
+    """negatives of sampled softmax: per step (loss.negatives = "shared") or per token ("per_token")"""
+    # per token, every target meets its own negatives: many more items get a gradient a step
+    # (the eSASRec benchmark's recipe), at N x num_negatives x dim floats a step (N: target tokens)
+    negatives: str = "shared"
+    """sampled softmax: "shared" (one draw per step, every token ranks against it) or "per_token"
+    (each target token its own num_negatives uniform items)"""
     temperature: float = 1.0
     """logits = similarity / temperature"""
     # "step" gives the gradient of one big batch; "epoch" makes every token weigh the same
@@ -374,7 +380,11 @@ def validate(cfg: Config) -> Config:
             cfg.model.rel_pos_buckets >= 1 and cfg.model.rel_time_buckets >= 1,
             "model.rel_pos_buckets and model.rel_time_buckets must be >= 1",
         ),
-        (cfg.loss.kind in ("sampled_softmax", "bce"), "loss.kind must be 'sampled_softmax' or 'bce'"),
+        (
+            cfg.loss.kind in ("sampled_softmax", "softmax", "bce"),
+            "loss.kind must be 'sampled_softmax', 'softmax' or 'bce'",
+        ),
+        (cfg.loss.negatives in ("shared", "per_token"), "loss.negatives must be 'shared' or 'per_token'"),
         (cfg.optim.decay in ("cosine", "linear", "constant"), "optim.decay must be 'cosine', 'linear' or 'constant'"),
         (
             cfg.optim.item_optimizer in ("adam", "rowwise_adam"),

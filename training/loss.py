@@ -2,8 +2,8 @@
 
 Each rank divides the SUM of its per-token losses by the replica group's target count, so
 with gradients summed the update is that of one big batch, however shards spread samples.
-Sampled softmax with shared negatives (accidental hits masked; the default) or BCE with one
-negative per token (the SASRec objective).
+Sampled softmax with shared negatives (accidental hits masked; the default) or each token's
+own (loss.negatives), or BCE with one negative per token (the SASRec objective).
 """
 
 import torch
@@ -14,6 +14,16 @@ from training import distributed
 from training.config import LossConfig
 
 
+def negatives_per(cfg: LossConfig, num_items: int) -> tuple[int, int]:
+    """(negatives per target token, negatives per step) that `draw_negatives` draws (softmax:
+    every item, every step)."""
+    if cfg.kind == "bce":
+        return 1, 0
+    if cfg.kind == "softmax":
+        return 0, num_items
+    return (cfg.num_negatives, 0) if cfg.negatives == "per_token" else (0, cfg.num_negatives)
+
+
 def draw_negatives(
     num_items: int, cfg: LossConfig, labels: torch.Tensor, generator: torch.Generator | None
 ) -> torch.Tensor:
@@ -21,19 +31,37 @@ def draw_negatives(
 
     Drawn before the forward pass, so a sharded item table can fetch their rows while the
     transformer runs: shared ones for sampled softmax, one per token for BCE."""
-    shape = (cfg.num_negatives,) if cfg.kind == "sampled_softmax" else tuple(labels.shape)
+    if cfg.kind == "bce":
+        shape = tuple(labels.shape)
+    elif cfg.kind == "softmax":
+        shape = (0,)  # every item is a negative
+    elif cfg.negatives == "per_token":
+        shape = (*labels.shape, cfg.num_negatives)
+    else:
+        shape = (cfg.num_negatives,)
     return torch.randint(1, num_items + 1, shape, generator=generator).to(labels.device)
 
 
 def sampled_softmax_sum(
     model, h: torch.Tensor, labels: torch.Tensor, cfg: LossConfig, negatives: torch.Tensor
 ) -> torch.Tensor:
-    """Sum over tokens of -log softmax(target | target + shared negatives)."""
+    """Sum over tokens of -log softmax(target | target + negatives): `negatives` [K] shared by
+    every token, or [N, K] each token's own."""
     pos = model.pair_scores(h, labels) / cfg.temperature  # [N]
-    neg = model.scores(h, negatives) / cfg.temperature  # [N, K]
-    neg = neg.masked_fill(negatives[None, :] == labels[:, None], float("-inf"))
+    if negatives.dim() == 1:
+        neg = model.scores(h, negatives) / cfg.temperature  # [N, K]
+        hit = negatives[None, :] == labels[:, None]
+    else:
+        neg = model.token_scores(h, negatives) / cfg.temperature
+        hit = negatives == labels[:, None]
+    neg = neg.masked_fill(hit, float("-inf"))  # an accidental hit is not a negative
     logits = torch.cat([pos[:, None], neg], dim=1)
     return (torch.logsumexp(logits, dim=1) - pos).sum()
+
+
+def softmax_sum(model, h: torch.Tensor, labels: torch.Tensor, cfg: LossConfig, negatives: torch.Tensor) -> torch.Tensor:
+    """Sum over tokens of -log softmax(target | every item): the full catalogue's cross-entropy."""
+    return F.cross_entropy(model.scores(h) / cfg.temperature, labels - 1, reduction="sum")
 
 
 def bce_sum(model, h: torch.Tensor, labels: torch.Tensor, cfg: LossConfig, negatives: torch.Tensor) -> torch.Tensor:
@@ -44,7 +72,7 @@ def bce_sum(model, h: torch.Tensor, labels: torch.Tensor, cfg: LossConfig, negat
     return -(F.logsigmoid(pos) + neg_term).sum()
 
 
-LOSSES = {"sampled_softmax": sampled_softmax_sum, "bce": bce_sum}
+LOSSES = {"sampled_softmax": sampled_softmax_sum, "softmax": softmax_sum, "bce": bce_sum}
 
 
 def loss_sum(

@@ -45,11 +45,13 @@ def rank_budget(budget_gb: float, device: torch.device) -> int:
     return budget
 
 
-def lookup_rows(shards, num_negatives: int, groups: int, ranks: int) -> float:
-    """Item rows a replica group looks up a step (inputs, targets, each rank's shared negatives):
-    the sharded table's traffic, for comm.embedding=auto; 0 when the manifest has no token count."""
+def lookup_rows(shards, negatives: tuple[int, int], groups: int, ranks: int) -> float:
+    """Item rows a replica group looks up a step (inputs, targets, the negatives: `negatives` =
+    (per token, per rank and step)): the sharded table's traffic, for comm.embedding=auto; 0
+    when the manifest has no token count."""
+    per_token, per_step = negatives
     try:
-        return 2 * shards.tokens_per_step / max(groups, 1) + ranks * num_negatives
+        return (2 + per_token) * shards.tokens_per_step / max(groups, 1) + ranks * per_step
     except Exception:  # DataError: an old manifest without counts.tokens
         return 0.0
 

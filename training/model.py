@@ -257,6 +257,14 @@ class SeqRec(nn.Module):
         """
         return self._hidden_out(h) @ self._embed_out(items).T
 
+    def token_scores(self, h: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
+        """h [N, d] against each row's own items [N, K] -> [N, K]. With fewer items in the
+        catalogue than K x d, every row's scores against all of them and a gather cost less
+        (two matrix products, no [N, K, d] rows to gather and scatter back)."""
+        if self.num_items < items.shape[-1] * h.shape[-1] and isinstance(self.item_emb, nn.Embedding):
+            return self.scores(h).gather(1, items - 1)
+        return torch.einsum("nd,nkd->nk", self._hidden_out(h), self._embed_out(items))
+
     def pair_scores(self, h: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
         """h [N, d] against one item per row, items [N] -> [N]."""
         return (self._hidden_out(h) * self._embed_out(items)).sum(-1)

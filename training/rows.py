@@ -94,12 +94,13 @@ def shard_step_counts(shards) -> list[list[int]]:
 
 
 def rows_bound(
-    step_counts: list[list[int]], shard_ranks: list[list[int]], loss_kind: str, num_negatives: int, num_items: int
+    step_counts: list[list[int]], shard_ranks: list[list[int]], negatives: tuple[int, int], num_items: int
 ) -> int:
     """Most rows one group can touch in a step, the same number on every group: the largest
-    step of any group (its shards' tokens + samples: inputs and targets), plus the negatives
-    (shared: `num_negatives`; BCE: one per token). `shard_ranks[group]`: the shards it reads."""
+    step of any group (its shards' tokens + samples: inputs and targets), plus the negatives,
+    `negatives` = (per token, per step): loss.negatives_per(cfg). `shard_ranks[group]`: the
+    shards it reads."""
     steps = len(step_counts[0]) if step_counts else 0
     most = max((sum(step_counts[r][s] for r in ranks) for ranks in shard_ranks for s in range(steps)), default=0)
-    negatives = most if loss_kind == "bce" else num_negatives
-    return max(1, min(num_items, most + negatives))
+    per_token, per_step = negatives
+    return max(1, min(num_items, most + most * per_token + per_step))

@@ -31,7 +31,7 @@ from training.data import Batch, BatchLoader, DataCursor, ShardSet, shard_ranks_
 from training.distributed import Topology, log
 from training.evaluate import beside, evaluate
 from training.ft import LocalReplica, make_replica
-from training.loss import draw_negatives, loss_sum, start_global_counts
+from training.loss import draw_negatives, loss_sum, negatives_per, start_global_counts
 from training.model import SeqRec
 from training.selection import Selection, make_selection
 from training.state import TrainState, WarmupDecay, build_optimizer
@@ -123,10 +123,17 @@ class Trainer:
         cfg, topo, shards = self.cfg, self.topo, self.shards
         checkpoint.key()  # every rank, before any collective: no key, no run (nothing could be sealed)
         budget = memory.rank_budget(cfg.train.memory_budget_gb, torch.device(topo.device))  # collective
-        rows = memory.lookup_rows(shards, cfg.loss.num_negatives, topo.num_replica_groups, topo.group_size)
+        rows = memory.lookup_rows(
+            shards, negatives_per(cfg.loss, shards.num_items), topo.num_replica_groups, topo.group_size
+        )
         cfg.comm.embedding, line = memory.choose_embedding(
             cfg.comm.embedding, shards.num_items, cfg.model.dim, cfg.optim.item_optimizer, topo.group_size, budget, rows
         )  # before the table exists: a table that cannot fit is refused, not allocated
+        if cfg.comm.embedding == "sharded" and cfg.loss.kind == "softmax" and topo.group_size > 1:
+            raise ConfigError(
+                "loss.kind='softmax' scores every item on every rank: it needs the replicated item table "
+                f"(comm.embedding=replicated), which does not fit here ({line}); use loss.kind='sampled_softmax'"
+            )
         log(topo, line)
         torch.manual_seed(cfg.train.seed)  # the same initial model on every rank
         self.model = SeqRec(shards.num_items, cfg.model).to(topo.device)
@@ -169,8 +176,9 @@ class Trainer:
             return None
         w = shards.world_size
         reads = [[r for i in range(k) for r in shard_ranks_for(w, groups, g, k, i)] for g in range(groups)]
-        loss = self.cfg.loss
-        cap = rows.rows_bound(rows.shard_step_counts(shards), reads, loss.kind, loss.num_negatives, shards.num_items)
+        cap = rows.rows_bound(
+            rows.shard_step_counts(shards), reads, negatives_per(self.cfg.loss, shards.num_items), shards.num_items
+        )
         return self.topo.replica_group, groups, cap
 
     def _build_state(self) -> WarmupDecay:
