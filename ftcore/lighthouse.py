@@ -45,6 +45,10 @@ class LighthouseConfig:
     max_connections: int = 65536
     max_connections_per_peer: int = 16384
     max_unauthenticated_per_peer: int = 256
+    # a job holds at most max(min_connections_per_job, connections_per_rank x its ranks' heartbeat
+    # lines), and of a full lighthouse its share (ftcore/lighthouse_admission.py)
+    min_connections_per_job: int = 64
+    connections_per_rank: int = 4
     heartbeat_budget: float = 4000.0  # heartbeats/s of every job together; past it speakers beat slower
 
 
@@ -404,6 +408,22 @@ OPTIONS: list[tuple[str, dict[str, Any]]] = [
             "help": "connections from one address that sent no valid token yet (past it the oldest is closed)",
         },
     ),
+    (
+        "--min-connections-per-job",
+        {
+            "type": int,
+            "default": _D.min_connections_per_job,
+            "help": "connections a job may hold however few ranks it has (past its bound its idle ones close)",
+        },
+    ),
+    (
+        "--connections-per-rank",
+        {
+            "type": int,
+            "default": _D.connections_per_rank,
+            "help": "connections a job may hold per heartbeat line of its ranks (a rank holds two)",
+        },
+    ),
 ]
 
 
@@ -449,6 +469,8 @@ def _config(a: argparse.Namespace) -> LighthouseConfig:
         max_connections=a.max_connections,
         max_connections_per_peer=a.max_connections_per_peer,
         max_unauthenticated_per_peer=max(a.max_unauthenticated_per_peer, 1),
+        min_connections_per_job=max(a.min_connections_per_job, 1),
+        connections_per_rank=max(a.connections_per_rank, 1),
         heartbeat_budget=a.heartbeat_budget,
     )
 

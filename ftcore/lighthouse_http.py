@@ -1,7 +1,8 @@
 """The lighthouse's HTTP/1.1 front end: llhttp parses (httptools), one asyncio loop serves.
 A connection is a protocol object (no thread); the token is checked on the headers before any
-body is read. Bounded: connections (in total, per peer, unauthenticated per peer), a request's
-head, body and arrival time, pipelined bytes, and replies left unread."""
+body is read. Bounded: connections (in total, per job, per peer, unauthenticated per peer), a request's
+head, body and arrival time, pipelined bytes, and replies left unread; who makes way for whom
+is ftcore/lighthouse_admission.py's rule (by job, then by address)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ import socket
 import threading
 import time
 import urllib.parse
-from collections import Counter
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, Protocol
@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import httptools
 
 from ftcore import auth, timeouts
+from ftcore.lighthouse_admission import Caps, EvictIdle, EvictWaiting, Ledger, Refuse, admit, settle
 from ftcore.lighthouse_page import status_html
 from ftcore.lighthouse_records import Deliver, StaleIncarnation
 from ftcore.messages import (
@@ -47,8 +48,7 @@ REQUEST_OVERHEAD = 64  # bytes a queued request counts beyond its head and body 
 WRITE_HIGH = 256 << 10  # unread reply bytes past which a connection is not served until it reads
 FIRST_REQUEST_S = 10.0  # a new connection must send its first request within this
 REQUEST_S = 10.0  # a request must arrive whole within this of its first byte
-EVICT_AGE_S = 0.5  # a connection that sent no valid token for this long may make way for a new one
-IDLE_S = 600.0  # a quiet connection that is not a rank's heartbeat line is closed after this
+IDLE_S = 600.0  # a quiet connection that is not a rank's newest heartbeat line is closed after this
 JSON = "application/json"
 
 
@@ -64,7 +64,7 @@ class Membership(Protocol):
 class Service(Protocol):
     """What the server serves: the Lighthouse (ftcore/lighthouse.py) or a Relay (ftcore/relay.py)."""
 
-    cfg: Any  # token, max_connections, max_connections_per_peer, max_unauthenticated_per_peer
+    cfg: Any  # token and the connection caps (lighthouse_admission.Caps.of)
 
     def job(self, info: RankInfo) -> Membership: ...
     def status(self, job: str = DEFAULT_JOB, everyone: bool = True) -> dict[str, Any]: ...
@@ -208,9 +208,12 @@ class _Connection(asyncio.Protocol):
         self.req.scope = auth.scope(self.srv.lh.cfg.token, value or None)
         if self.req.scope is None:
             raise _Refused(401, "missing or wrong token")
-        if not self.authed:
-            self.authed = True
+        if not self.authed:  # it counts for its token's job from now (an admin token's: ADMIN's, until
+            self.authed = True  # a request names a job)
             self.srv.forget_unauthed(self)
+            refusal = self.srv.acts_for(self, self.req.scope)
+            if refusal:
+                raise _Refused(503, refusal)
 
     def on_body(self, data: bytes) -> None:
         self.req.body += data
@@ -251,11 +254,12 @@ class _Connection(asyncio.Protocol):
         if self.t.is_closing():
             return
         raw = (body if isinstance(body, str) else json.dumps(body)).encode()
-        close = code in (400, 401, 403, 413) or not self.keep_alive
+        close = code in (400, 401, 403, 413, 503) or not self.keep_alive
         self.t.write(_response(code, raw, ctype, close))
         self.served += 1
         self.last = time.monotonic()
         self.busy = False
+        self.srv.ledger.busy(self, False)
         if close:
             self.t.close()
         else:
@@ -293,9 +297,7 @@ class LighthouseServer:
         self.lh = lh
         self.loop = _new_loop()
         self.conns: set[_Connection] = set()
-        self.per_peer: Counter[str] = Counter()
-        # per peer, oldest first: connections that sent no valid token yet
-        self.unauthed: dict[str, dict[_Connection, None]] = {}
+        self.ledger: Ledger[_Connection] = Ledger()  # who holds them, by job and by address
         self._started = threading.Event()
         self._error: OSError | None = None
         self.server_address: tuple = ()
@@ -320,45 +322,54 @@ class LighthouseServer:
             self.loop.run_forever()
 
     def admit(self, c: _Connection) -> str:
-        """Count a new connection in, or say why it is refused ("" when admitted). Past the cap
-        of connections without a token from its address, the oldest of those is closed once it
-        has been silent for EVICT_AGE_S: a flood from one address churns itself and never locks
-        out a rank that shares it (a burst of ranks connecting at once is never evicted)."""
-        cfg = self.lh.cfg
-        if len(self.conns) >= cfg.max_connections:
-            return f"this lighthouse has {cfg.max_connections} connections open (--max-connections)"
-        if self.per_peer[c.peer] >= cfg.max_connections_per_peer:
-            return f"{c.peer} has {cfg.max_connections_per_peer} connections open (--max-connections-per-peer)"
-        waiting = self.unauthed.setdefault(c.peer, {})
-        oldest = next(iter(waiting), c)
-        if len(waiting) >= cfg.max_unauthenticated_per_peer and time.monotonic() - oldest.opened > EVICT_AGE_S:
-            self.forget_unauthed(oldest)  # not a rank about to speak: ranks send at once
-            oldest.t.abort()
+        """Count a new connection in, or say why it is refused ("" when admitted): by
+        lighthouse_admission.admit, which may close one connection to make room (one that sent
+        no token for EVICT_AGE_S, or an idle one of a job past its share of a full lighthouse)."""
+        now = time.monotonic()
+        caps = Caps.of(self.lh.cfg)
+        decision = admit(caps, c.peer, self.ledger.load(c.peer, now, full=len(self.ledger) >= caps.total))
+        if isinstance(decision, Refuse):
+            return decision.reason
+        if isinstance(decision, EvictWaiting):
+            self._evict(self.ledger.oldest_waiting(decision.peer))  # not a rank about to speak: ranks send at once
+        elif isinstance(decision, EvictIdle):
+            self._evict(self.ledger.oldest_idle(decision.job))
         self.conns.add(c)
-        self.per_peer[c.peer] += 1
-        waiting[c] = None
+        self.ledger.open(c, c.peer, now)
         return ""
 
+    def acts_for(self, c: _Connection, job: str) -> str:
+        """`c` speaks for `job` (its token's scope, then the job its request names): past the
+        job's bound its least recently used idle connection closes, or with none idle, this
+        request is refused: the reason ("" when it is served)."""
+        load = self.ledger.account(c, job)
+        decision = settle(Caps.of(self.lh.cfg), load) if load is not None else None
+        if isinstance(decision, EvictIdle):
+            self._evict(self.ledger.oldest_idle(decision.job))
+        return decision.reason if isinstance(decision, Refuse) else ""
+
     def forget_unauthed(self, c: _Connection) -> None:
-        waiting = self.unauthed.get(c.peer)
-        if waiting is not None and waiting.pop(c, 0) is None and not waiting:
-            del self.unauthed[c.peer]
+        """Called once a connection's token is accepted, and as it closes."""
+        self.ledger.signed_in(c)
 
     def release(self, c: _Connection) -> None:
         if c in self.conns:
             self.conns.discard(c)
             self.forget_unauthed(c)
-            self.per_peer[c.peer] -= 1
-            if self.per_peer[c.peer] <= 0:
-                del self.per_peer[c.peer]
+            self.ledger.close(c)
+
+    def _evict(self, c: _Connection) -> None:
+        self.release(c)
+        c.t.abort()
 
     def _sweep(self) -> None:
-        """Close connections that never spoke, went quiet (not a rank's heartbeat line: a stopped
-        rank's silence is for the heartbeat timeout to judge) or send a request too slowly."""
+        """Close connections that never spoke, went quiet (not a rank's newest heartbeat line: a
+        stopped rank's silence is for the heartbeat timeout to judge; an older line of a rank that
+        reconnected is not one) or send a request too slowly."""
         now = time.monotonic()
         for c in list(self.conns):
             slow = c.receiving_since is not None and now - c.receiving_since > REQUEST_S
-            quiet = c.beat is None and not c.busy and (now - c.last > IDLE_S)
+            quiet = not c.busy and now - c.last > IDLE_S and not (c.beat is not None and self.ledger.is_line(c))
             if slow or quiet or (c.served == 0 and not c.busy and now - c.opened > FIRST_REQUEST_S):
                 c.t.close()
         self.loop.call_later(1.0, self._sweep)
@@ -376,6 +387,7 @@ class LighthouseServer:
 
     # ---- routes ----------------------------------------------------------------------------
     def dispatch(self, conn: _Connection, method: str, target: str, scope: str | None, raw: bytes) -> None:
+        self.ledger.busy(conn, True)
         try:
             if method == "GET":
                 return self._get(conn, urllib.parse.urlparse(target), scope)
@@ -383,20 +395,22 @@ class LighthouseServer:
                 return conn.reply(404, {"error": f"no {method} here"})
             self._post(conn, target.partition("?")[0], scope, loads(raw))
         except StaleIncarnation as e:
-            conn.beat = None
+            self._line(conn, None)
             conn.reply(409, {"error": str(e)})
         except _Forbidden as e:
             conn.reply(403, {"error": str(e)})
+        except _Crowded as e:
+            conn.reply(503, {"error": str(e)})
         except (MessageError, ValueError, TypeError, UnicodeDecodeError, RecursionError) as e:
             conn.reply(400, {"error": f"bad request: {e}"[:500]})
 
     def _get(self, conn: _Connection, url: urllib.parse.ParseResult, scope: str | None) -> None:
         lh = self.lh
         if url.path == "/jobs":
-            _allow(scope, None)
+            self._speaks(conn, scope, None)
             return conn.reply(200, lh.jobs_report())
         job = job_id(urllib.parse.parse_qs(url.query).get("job", [DEFAULT_JOB])[0])
-        _allow(scope, job)
+        self._speaks(conn, scope, job)
         if url.path == "/status":
             return conn.reply(200, lh.status(job, everyone=scope == auth.ADMIN))
         if url.path in ("/", "/index.html"):
@@ -408,34 +422,47 @@ class LighthouseServer:
         lh = self.lh
         if path == "/heartbeat":
             info = RankInfo.parse(msg)
-            _allow(scope, info.job)
+            self._speaks(conn, scope, info.job)
             job_ = lh.job(info)
             line = (job_, info.group, info.rank, info.incarnation)
             reply = job_.heartbeat(info, new_line=conn.beat != line)  # validates: only then is it a rank's line
             if conn.beat is not None and conn.beat != line:
                 conn.beat[0].disconnected(*conn.beat[1:])  # a line changes hands: count the old one out
-            conn.beat = line
+            self._line(conn, line)
             return conn.reply(200, reply.to_wire())
         if path == "/quorum":
             ask = QuorumRequest.parse(msg)
-            _allow(scope, ask.info.job)
+            self._speaks(conn, scope, ask.info.job)
             return self._quorum(conn, lh.job(ask.info), ask)
         if path == "/report_failure":
             report = FailureReport.parse(msg)
-            _allow(scope, report.job)
+            self._speaks(conn, scope, report.job)
             lh.report_failure(report)
         elif path == "/leave":
             info = RankInfo.parse(msg)
-            _allow(scope, info.job)
+            self._speaks(conn, scope, info.job)
             lh.leave(info)
-            conn.beat = None
+            self._line(conn, None)
         elif path == "/event":
             ev = ClientEvent.parse(msg)
-            _allow(scope, ev.job)
+            self._speaks(conn, scope, ev.job)
             lh.client_event(ev)
         else:
             return conn.reply(404, {"error": f"no such path {path}"})
         conn.reply(200, {})
+
+    def _speaks(self, conn: _Connection, scope: str | None, job: str | None) -> None:
+        """`conn`'s token may act for `job` (else _Forbidden), and it counts as that job's
+        connection (an admin token's counts for the job it names; _Crowded past the job's bound)."""
+        _allow(scope, job)
+        refusal = self.acts_for(conn, job) if job is not None else ""
+        if refusal:
+            raise _Crowded(refusal)
+
+    def _line(self, conn: _Connection, line: tuple[Membership, int, int, int] | None) -> None:
+        """`conn` is now the heartbeat line of (job, group, rank, incarnation), or of no rank."""
+        conn.beat = line
+        self.ledger.line(conn, line[1:3] if line is not None else None)
 
     def _quorum(self, conn: _Connection, job: Membership, ask: QuorumRequest) -> None:
         loop_thread = threading.get_ident()
@@ -457,6 +484,10 @@ class LighthouseServer:
 
 class _Forbidden(Exception):
     """A valid token used beyond its job (403)."""
+
+
+class _Crowded(Exception):
+    """A connection past its job's bound, none of the job's others idle (503)."""
 
 
 def _allow(scope: str | None, job: str | None) -> None:

@@ -231,7 +231,6 @@ class _RelayServer(LighthouseServer):
         if evicted is not None:
             evicted.t.abort()
         self.conns.add(c)
-        self.per_peer[c.peer] += 1
         self.loop.call_later(preauth.PREAUTH_S, self._expire, c)
         return ""
 

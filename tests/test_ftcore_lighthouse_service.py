@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import IdleFlood, ask_all
 
-from ftcore import auth, heal, lighthouse_http, preauth
+from ftcore import auth, heal, lighthouse_admission, lighthouse_http, preauth
 from ftcore.lighthouse_client import JobFinished, LighthouseClient, call
 from ftcore.messages import QuorumRequest, RankInfo
 
@@ -229,18 +229,137 @@ def test_a_request_that_trickles_in_is_cut_off(lighthouse, monkeypatch):
         assert s.recv(100) == b""  # closed by the server's sweep (about a second), not left open
 
 
-def test_connections_are_capped_in_total_and_per_peer(lighthouse):
-    addr, _ = lighthouse(max_connections=5)
+def _connect(addr: str, src: str = "127.0.0.1") -> socket.socket:
     host, port = addr.rsplit(":", 1)
-    held = [socket.create_connection((host, int(port)), timeout=5) for _ in range(5)]
+    return socket.create_connection((host, int(port)), timeout=5, source_address=(src, 0))
+
+
+def _beat(job: str, group: int, token: str | None = None, groups: int = 64) -> bytes:
+    info = RankInfo(group=group, rank=0, world=1, job=job, num_groups=groups, store="127.0.0.1:1")
+    body = json.dumps(info.to_wire()).encode()
+    bearer = f"Authorization: Bearer {token}\r\n" if token else ""
+    return f"POST /heartbeat HTTP/1.1\r\nHost: lh\r\n{bearer}Content-Length: {len(body)}\r\n\r\n".encode() + body
+
+
+def _ask(s: socket.socket, request: bytes) -> bytes:
+    """Send one request on `s` and read its answer's status line (b"" when `s` was closed)."""
     try:
-        for s in held:
-            s.sendall(_get("/status", None))  # authenticated: not the ones evicted
-            assert s.recv(4096).startswith(b"HTTP/1.1 200")
-        with socket.create_connection((host, int(port)), timeout=5) as extra:
+        s.sendall(request)
+        return s.recv(65536).split(b"\r\n", 1)[0]
+    except OSError:
+        return b""
+
+
+def _open(s: socket.socket) -> bool:
+    """Whether the server still holds `s` (it neither answered nor closed it)."""
+    s.setblocking(False)
+    try:
+        s.recv(1, socket.MSG_PEEK)  # a refusal's answer, or the end of a closed one
+        return False
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        s.setblocking(True)
+
+
+def test_a_full_lighthouse_refuses_only_when_every_connection_is_a_ranks_line(lighthouse):
+    addr, _ = lighthouse(max_connections=5)
+    held = [_connect(addr) for _ in range(5)]
+    try:
+        for g, s in enumerate(held):
+            assert _ask(s, _beat("j", g)) == b"HTTP/1.1 200 OK"  # five ranks' heartbeat lines
+        with _connect(addr) as extra:
             assert extra.recv(4096).startswith(b"HTTP/1.1 503")  # refused at once, with the reason
+        assert _ask(held[1], _beat("j", 0)) == b"HTTP/1.1 200 OK"  # rank 0 reconnected: its old line is idle
+        with _connect(addr) as extra:
+            assert _ask(extra, _get("/status?job=j", None)) == b"HTTP/1.1 200 OK"  # ... and made way
+        assert _wait(lambda: not _open(held[0]), timeout=2) and all(_open(s) for s in held[1:])
     finally:
         for s in held:
+            s.close()
+
+
+# The review's probe (issue #41), caps scaled down: one job's lines and idle sockets, and idle
+# sockets without a token from many addresses, fill the lighthouse; another job still gets in.
+CROWDED = dict(
+    token=SECRET,
+    max_connections=64,
+    max_connections_per_peer=32,
+    max_unauthenticated_per_peer=4,
+    min_connections_per_job=8,
+    connections_per_rank=4,
+    heartbeat_timeout=30.0,  # the hog's lines go quiet: no verdict on them while the test runs
+)
+
+
+def _late_job_is_served(addr: str, tries: int = 5) -> None:
+    """Another job's new connections are admitted and answered at once, on their first try."""
+    late = auth.job_token(SECRET, "late")
+    for g in range(tries):
+        s = _connect(addr)
+        try:
+            assert _ask(s, _beat("late", g, late, groups=tries)) == b"HTTP/1.1 200 OK"
+        finally:
+            s.close()
+        with _connect(addr) as s:
+            assert _ask(s, _get("/status?job=late", late)) == b"HTTP/1.1 200 OK"
+    cs = _clients(addr, "late2", groups=2, token=auth.job_token(SECRET, "late2"))
+    try:
+        assert {q.groups for q in ask_all(cs)} == {(0, 1)}  # a whole round, through real clients
+    finally:
+        for c in cs:
+            c.close()
+
+
+def test_one_jobs_lines_and_idle_sockets_never_lock_another_job_out(lighthouse):
+    addr, _ = lighthouse(**CROWDED)
+    hog = auth.job_token(SECRET, "hog")
+    lines, idle, refused = [], [], 0
+    try:
+        for g in range(16):  # four addresses, four ranks' lines each: its bound is the whole lighthouse
+            lines.append(_connect(addr, f"127.0.0.{2 + g % 4}"))
+            assert _ask(lines[-1], _beat("hog", g, hog)) == b"HTTP/1.1 200 OK"
+        for i in range(80):  # then idle connections with its token, and without, until turned away
+            s = _connect(addr, f"127.0.0.{2 + i % 4}")
+            idle.append(s)
+            if i % 2:
+                refused += _ask(s, _get("/status?job=hog", hog)) != b"HTTP/1.1 200 OK"
+        time.sleep(0.2)
+        assert sum(_open(s) for s in lines + idle) >= CROWDED["max_connections"] - 1  # full
+        _late_job_is_served(addr)
+        assert all(_ask(s, _beat("hog", g, hog)) == b"HTTP/1.1 200 OK" for g, s in enumerate(lines))  # none lost
+    finally:
+        for s in lines + idle:
+            s.close()
+
+
+def test_idle_sockets_without_a_token_from_many_addresses_never_lock_a_job_out(lighthouse):
+    addr, _ = lighthouse(**CROWDED)
+    flood = [_connect(addr, f"127.0.0.{2 + i % 20}") for i in range(80)]  # 20 addresses: past the total cap
+    try:
+        time.sleep(0.2)
+        assert sum(_open(s) for s in flood) == CROWDED["max_connections"]  # the rest were refused
+        time.sleep(lighthouse_admission.EVICT_AGE_S)  # old enough to make way
+        _late_job_is_served(addr)
+    finally:
+        for s in flood:
+            s.close()
+
+
+def test_one_address_holds_no_more_sockets_without_a_token_than_its_bound(lighthouse):
+    addr, _ = lighthouse(token=SECRET, max_unauthenticated_per_peer=8)
+    burst = [_connect(addr) for _ in range(40)]  # faster than EVICT_AGE_S: none is old enough to evict
+    try:
+        time.sleep(0.2)
+        assert sum(_open(s) for s in burst) == 8  # the rest refused (503), not held
+        with _connect(addr, "127.0.0.2") as other:  # another address is not held up
+            assert _ask(other, _get("/status", SECRET)) == b"HTTP/1.1 200 OK"
+        time.sleep(lighthouse_admission.EVICT_AGE_S)  # past it the oldest makes way
+        assert call(addr, "/status", None, SECRET, method="GET", timeout=3)[0] == 200
+    finally:
+        for s in burst:
             s.close()
 
 
@@ -248,7 +367,7 @@ def test_connections_without_a_token_cannot_crowd_out_ranks_on_the_same_address(
     addr, _ = lighthouse(token=SECRET)
     host, port = addr.rsplit(":", 1)
     flood = [socket.create_connection((host, int(port)), timeout=5) for _ in range(400)]
-    time.sleep(lighthouse_http.EVICT_AGE_S + 0.1)
+    time.sleep(lighthouse_admission.EVICT_AGE_S + 0.1)
     late = [socket.create_connection((host, int(port)), timeout=5) for _ in range(150)]  # each evicts an old one
     flood += late
     try:
