@@ -1,6 +1,7 @@
 """The lighthouse under abuse while a real job trains against it.
 
     python benchmarks/lighthouse_abuse.py [--json PATH]
+    python benchmarks/lighthouse_abuse.py --case crowd [--json PATH]   # job against job, no training
 
 One standing lighthouse (`python -m ftcore.lighthouse`, an admin secret, loopback). A real
 2-group job (`python -m training launch --lighthouse ... --job-id bench`, the trainer on a small
@@ -21,6 +22,13 @@ Reported: requests tried and how they were answered, the job's outcome (exit cod
 final states equal, heartbeat timeouts), `/status` latency throughout (p50, p99, max,
 failures), the lighthouse's RSS before and after, and connections still open after the
 attack that never sent a token.
+
+`--case crowd` (issue #41, seconds, no training): the connection caps scaled down 128x (512 in
+all, 128 per address, 2 without a token per address); job "hog" fills the lighthouse from four
+addresses with 64 ranks' heartbeat lines, idle connections with its token and idle ones without;
+then another job makes 50 new connections each for a heartbeat and a `/status`. Reported: how
+many of those were answered 200 on their first try, their latency (p50, max), and whether every
+one of the hog's lines still answers. Run from an older tree's copy of this script to compare.
 """
 
 import argparse
@@ -183,10 +191,95 @@ def abuse(port: int, stop: threading.Event, tally: Counter) -> None:
         stop.wait(0.2)
 
 
+def _send(s: socket.socket, data: bytes) -> str:
+    s.sendall(data)
+    head = s.recv(65536)
+    return head.split(b" ")[1].decode() if head.startswith(b"HTTP/1.1 ") else "closed"
+
+
+def _beat(job: str, g: int, token: str) -> bytes:
+    info = {"group": g, "rank": 0, "world": 1, "job": job, "num_groups": 64, "store": "127.0.0.1:1"}
+    return _post("/heartbeat", json.dumps(info).encode(), token)
+
+
+def _fill(port: int, hog: str, lines: list[socket.socket], idle: list[socket.socket]) -> None:
+    """Job "hog" from four addresses: 64 ranks' heartbeat lines, then idle connections (half
+    with its token) until more than fit."""
+    for g in range(64):
+        lines.append(socket.create_connection(("127.0.0.1", port), source_address=(f"127.0.0.{2 + g % 4}", 0)))
+        _send(lines[-1], _beat("hog", g, hog))
+    for i in range(1000):  # more than fit: idle, half with its token
+        try:
+            s = socket.create_connection(("127.0.0.1", port), source_address=(f"127.0.0.{2 + i % 4}", 0))
+            idle.append(s)
+            if i % 2:
+                _send(s, _get("/status?job=hog", hog))
+        except OSError:
+            pass
+
+
+def crowd(json_path: str) -> int:
+    """Job against job at scaled-down caps (module docstring, `--case crowd`)."""
+    import contextlib
+    import io
+    from dataclasses import fields
+
+    from ftcore.lighthouse import LighthouseConfig, serve
+
+    caps: dict[str, Any] = {"max_connections": 512, "max_connections_per_peer": 128, "max_unauthenticated_per_peer": 2}
+    known = {f.name for f in fields(LighthouseConfig)}  # an older tree's config may lack some
+    srv, lh = serve(
+        LighthouseConfig(token=SECRET, heartbeat_timeout=60.0, **{k: v for k, v in caps.items() if k in known})
+    )
+    port, hog, late = srv.server_address[1], auth.job_token(SECRET, "hog"), auth.job_token(SECRET, "late")
+    lines: list[socket.socket] = []
+    idle: list[socket.socket] = []
+    lat: list[float] = []
+    ok = 0
+    quiet = contextlib.redirect_stdout(io.StringIO())  # the lighthouse's events, one line each
+    quiet.__enter__()
+    try:
+        _fill(port, hog, lines, idle)
+        for g in range(50):
+            for req in (_beat("late", g, late), _get("/status?job=late", late)):
+                t = time.monotonic()
+                try:
+                    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+                        ok += _send(s, req) == "200"
+                except OSError:
+                    pass
+                lat.append(time.monotonic() - t)
+        hog_lines = sum(_send(s, _beat("hog", g, hog)) == "200" for g, s in enumerate(lines))
+    finally:
+        for s in lines + idle:
+            s.close()
+        lh.close()
+        srv.shutdown()
+        quiet.__exit__(None, None, None)
+    lat.sort()
+    row = {
+        "case": "crowd",
+        "caps": caps,
+        "late_answered_200": ok,
+        "late_of": len(lat),
+        "late_p50_ms": round(1000 * statistics.median(lat), 2),
+        "late_max_ms": round(1000 * max(lat), 2),
+        "hog_lines_answered": hog_lines,
+        "hog_lines_of": len(lines),
+    }
+    print(json.dumps(row, indent=1))
+    atomic_write_json(json_path, row, indent=1)
+    return 0 if ok == len(lat) and hog_lines == len(lines) else 1
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--json", default=str(ROOT / "bench-results" / "lighthouse_abuse.json"))
+    p.add_argument("--json", default=None, help="default bench-results/lighthouse_abuse[_crowd].json")
+    p.add_argument("--case", choices=["train", "crowd"], default="train", help="crowd: job against job, no training")
     a = p.parse_args()
+    if a.case == "crowd":
+        return crowd(a.json or str(ROOT / "bench-results" / "lighthouse_abuse_crowd.json"))
+    a.json = a.json or str(ROOT / "bench-results" / "lighthouse_abuse.json")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "FTCORE_TOKEN": SECRET}
     port = free_port()
     with tempfile.TemporaryDirectory() as d:
