@@ -1,10 +1,12 @@
 """Model shapes and masking, loss normalization, and the typed config."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from training.config import ConfigError, LossConfig, ModelConfig, load_config, to_toml
-from training.loss import loss_sum, negatives_per
+from training.loss import SOFTMAX_MAX_ITEMS, loss_sum, negatives_per, resolve_kind
 from training.model import SeqRec, padding_fraction
 
 KINDS = ["sasrec", "hstu"]
@@ -128,7 +130,7 @@ def test_bce_normalization_is_a_mean_over_tokens():
 def test_sampled_softmax_masks_accidental_hits():
     """A negative equal to the target must not count against it."""
     m = _model("sasrec", num_items=3)
-    cfg = LossConfig(num_negatives=64, temperature=0.1)
+    cfg = LossConfig(kind="sampled_softmax", num_negatives=64, temperature=0.1)
     values, offsets = _jagged([[1, 2]])
     labels = torch.tensor([2, 3])
     h = m(values, offsets)
@@ -147,7 +149,7 @@ def test_sampled_softmax_masks_accidental_hits():
 def test_per_token_negatives_are_each_tokens_own_by_either_product():
     """loss.negatives = "per_token": every target meets its own draw, accidental hits masked;
     the gather of all items' scores and the gather of the negatives' rows agree."""
-    cfg = LossConfig(num_negatives=8, negatives="per_token", temperature=0.5)
+    cfg = LossConfig(kind="sampled_softmax", num_negatives=8, negatives="per_token", temperature=0.5)
     values, offsets = _jagged([[1, 2, 3], [4, 5]])
     labels = torch.tensor([2, 3, 9, 5, 9])
     for num_items in (50, 200):  # 50 < 8 x 16: scores of all items; 200: the rows gathered
@@ -181,11 +183,28 @@ def test_softmax_is_the_full_catalogues_cross_entropy():
     expect = (torch.logsumexp(logits, 1) - logits[torch.arange(5), labels - 1]).sum()
     assert torch.allclose(s, expect, atol=1e-5)
     assert negatives_per(LossConfig(kind="softmax"), 30) == (0, 30)
-    assert negatives_per(LossConfig(negatives="per_token", num_negatives=7), 30) == (7, 0)
-    assert negatives_per(LossConfig(num_negatives=7), 30) == (0, 7) and negatives_per(LossConfig(kind="bce"), 30) == (
-        1,
-        0,
-    )
+    assert negatives_per(LossConfig(), 30) == (0, 30)  # auto: every item of a small catalogue
+    sampled = LossConfig(kind="sampled_softmax", num_negatives=7)
+    assert negatives_per(sampled, 30) == (0, 7)
+    assert negatives_per(dataclasses.replace(sampled, negatives="per_token"), 30) == (7, 0)
+    assert negatives_per(LossConfig(kind="bce"), 30) == (1, 0)
+
+
+@pytest.mark.parametrize(
+    "kind, items, sharded, chosen",
+    [
+        ("auto", 12101, False, "softmax"),
+        ("auto", SOFTMAX_MAX_ITEMS, False, "softmax"),
+        ("auto", SOFTMAX_MAX_ITEMS + 1, False, "sampled_softmax"),
+        ("auto", 100, True, "sampled_softmax"),
+        ("sampled_softmax", 100, False, "sampled_softmax"),
+        ("softmax", 10**7, False, "softmax"),
+        ("bce", 100, False, "bce"),
+    ],
+)
+def test_auto_scores_every_item_of_a_small_catalogue_on_a_replicated_table(kind, items, sharded, chosen):
+    got, why = resolve_kind(LossConfig(kind=kind), items, sharded)
+    assert got == chosen and chosen in why
 
 
 def test_config_toml_and_overrides(tmp_path):

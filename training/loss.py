@@ -2,8 +2,9 @@
 
 Each rank divides the SUM of its per-token losses by the replica group's target count, so
 with gradients summed the update is that of one big batch, however shards spread samples.
-Sampled softmax with shared negatives (accidental hits masked; the default) or each token's
-own (loss.negatives), or BCE with one negative per token (the SASRec objective).
+The full softmax over every item (loss.kind = "auto" up to SOFTMAX_MAX_ITEMS: the default),
+sampled softmax with shared negatives (accidental hits masked) or each token's own
+(loss.negatives), or BCE with one negative per token (the SASRec objective).
 """
 
 import torch
@@ -14,12 +15,32 @@ from training import distributed
 from training.config import LossConfig
 
 
+# loss.kind = "auto" scores every item up to this catalogue size: a step's logits are its tokens
+# x items floats (Beauty's longest step, 6,400 tokens x 12,101 items: 310 MB, as much again for
+# their gradient) and its cost tokens x items x dim; past it, sampled softmax scales to any size
+SOFTMAX_MAX_ITEMS = 32768
+
+
+def resolve_kind(cfg: LossConfig, num_items: int, sharded: bool = False) -> tuple[str, str]:
+    """(the loss kind to train with, why): loss.kind itself, or what "auto" means here: the full
+    softmax for a catalogue of at most SOFTMAX_MAX_ITEMS on a replicated item table, else
+    sampled softmax. The full softmax reached the public state of the art on Beauty where sampled
+    softmax stayed 5-10% below it (BENCHMARKS.md, "A recipe against the public state of the art")."""
+    if cfg.kind != "auto":
+        return cfg.kind, f"loss.kind={cfg.kind}"
+    if sharded:
+        return "sampled_softmax", "loss.kind=auto: sampled_softmax (a sharded item table)"
+    if num_items > SOFTMAX_MAX_ITEMS:
+        return "sampled_softmax", f"loss.kind=auto: sampled_softmax ({num_items} items > {SOFTMAX_MAX_ITEMS})"
+    return "softmax", f"loss.kind=auto: softmax over all {num_items} items (at most {SOFTMAX_MAX_ITEMS})"
+
+
 def negatives_per(cfg: LossConfig, num_items: int) -> tuple[int, int]:
     """(negatives per target token, negatives per step) that `draw_negatives` draws (softmax:
     every item, every step)."""
     if cfg.kind == "bce":
         return 1, 0
-    if cfg.kind == "softmax":
+    if resolve_kind(cfg, num_items)[0] == "softmax":
         return 0, num_items
     return (cfg.num_negatives, 0) if cfg.negatives == "per_token" else (0, cfg.num_negatives)
 
@@ -31,9 +52,10 @@ def draw_negatives(
 
     Drawn before the forward pass, so a sharded item table can fetch their rows while the
     transformer runs: shared ones for sampled softmax, one per token for BCE."""
-    if cfg.kind == "bce":
+    kind = resolve_kind(cfg, num_items)[0]
+    if kind == "bce":
         shape = tuple(labels.shape)
-    elif cfg.kind == "softmax":
+    elif kind == "softmax":
         shape = (0,)  # every item is a negative
     elif cfg.negatives == "per_token":
         shape = (*labels.shape, cfg.num_negatives)
@@ -81,7 +103,7 @@ def loss_sum(
     """The loss SUM of the step; `negatives` drawn by `draw_negatives`, or drawn here."""
     if negatives is None:
         negatives = draw_negatives(model.num_items, cfg, labels, generator)
-    return LOSSES[cfg.kind](model, h, labels, cfg, negatives)
+    return LOSSES[resolve_kind(cfg, model.num_items)[0]](model, h, labels, cfg, negatives)
 
 
 def start_global_counts(counts: list[float]) -> tuple[torch.Tensor, object]:

@@ -31,7 +31,7 @@ from training.data import Batch, BatchLoader, DataCursor, ShardSet, shard_ranks_
 from training.distributed import Topology, log
 from training.evaluate import beside, evaluate
 from training.ft import LocalReplica, make_replica
-from training.loss import draw_negatives, loss_sum, negatives_per, start_global_counts
+from training.loss import draw_negatives, loss_sum, negatives_per, resolve_kind, start_global_counts
 from training.model import SeqRec
 from training.selection import Selection, make_selection
 from training.state import TrainState, WarmupDecay, build_optimizer
@@ -122,19 +122,7 @@ class Trainer:
         unless a checkpoint to resume from is found; returns that checkpoint."""
         cfg, topo, shards = self.cfg, self.topo, self.shards
         checkpoint.key()  # every rank, before any collective: no key, no run (nothing could be sealed)
-        budget = memory.rank_budget(cfg.train.memory_budget_gb, torch.device(topo.device))  # collective
-        rows = memory.lookup_rows(
-            shards, negatives_per(cfg.loss, shards.num_items), topo.num_replica_groups, topo.group_size
-        )
-        cfg.comm.embedding, line = memory.choose_embedding(
-            cfg.comm.embedding, shards.num_items, cfg.model.dim, cfg.optim.item_optimizer, topo.group_size, budget, rows
-        )  # before the table exists: a table that cannot fit is refused, not allocated
-        if cfg.comm.embedding == "sharded" and cfg.loss.kind == "softmax" and topo.group_size > 1:
-            raise ConfigError(
-                "loss.kind='softmax' scores every item on every rank: it needs the replicated item table "
-                f"(comm.embedding=replicated), which does not fit here ({line}); use loss.kind='sampled_softmax'"
-            )
-        log(topo, line)
+        self._choose_table_and_loss()
         torch.manual_seed(cfg.train.seed)  # the same initial model on every rank
         self.model = SeqRec(shards.num_items, cfg.model).to(topo.device)
         resumed_from = (
@@ -151,6 +139,26 @@ class Trainer:
                 "carried over",
             )
         return resumed_from
+
+    def _choose_table_and_loss(self) -> None:
+        """comm.embedding and loss.kind as this run resolves them ("auto"), before the table
+        exists: a table that cannot fit is refused, not allocated."""
+        cfg, topo, shards = self.cfg, self.topo, self.shards
+        budget = memory.rank_budget(cfg.train.memory_budget_gb, torch.device(topo.device))  # collective
+        rows = memory.lookup_rows(
+            shards, negatives_per(cfg.loss, shards.num_items), topo.num_replica_groups, topo.group_size
+        )
+        cfg.comm.embedding, line = memory.choose_embedding(
+            cfg.comm.embedding, shards.num_items, cfg.model.dim, cfg.optim.item_optimizer, topo.group_size, budget, rows
+        )
+        sharded = cfg.comm.embedding == "sharded" and topo.group_size > 1
+        if sharded and cfg.loss.kind == "softmax":
+            raise ConfigError(
+                "loss.kind='softmax' scores every item on every rank: it needs the replicated item table "
+                f"(comm.embedding=replicated), which does not fit here ({line}); use loss.kind='sampled_softmax'"
+            )
+        cfg.loss.kind, why = resolve_kind(cfg.loss, shards.num_items, sharded)
+        log(topo, f"{line}; {why}")
 
     def _item_table(self) -> TrainerTable:
         """comm.embedding = "sharded" with K > 1 ranks: this rank's rows replace the model's table."""
