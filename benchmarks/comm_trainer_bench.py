@@ -148,6 +148,7 @@ def main(argv=None) -> int:
         f"train.max_steps={a.steps}",
         f"train.log_every={a.steps}",
         f"model.dim={a.dim}",
+        "loss.kind=sampled_softmax",
         f"loss.num_negatives={a.negatives}",
         "mlflow.enabled=false",
         "eval.periodic=false",

@@ -153,6 +153,7 @@ def part_ft(work: Path, sz: dict, gpus: int, budget: float) -> dict:
         "eval.periodic=false",
         "eval.final=false",
         "train.log_every=10",
+        "loss.kind=sampled_softmax",
         "loss.num_negatives=64",
     ]
     t = time.monotonic()

@@ -367,6 +367,7 @@ def main() -> int:
                     "--set",
                     "train.epochs=6",
                     "model.dim=16",
+                    "loss.kind=sampled_softmax",
                     "loss.num_negatives=16",
                     "mlflow.enabled=false",
                     "eval.periodic=false",

@@ -125,6 +125,7 @@ def run(worker: str, groups: int, faults: list[dict], folder: str, shards: str |
                 "--set",
                 f"train.epochs={epochs}",
                 "model.dim=16",
+                "loss.kind=sampled_softmax",
                 "loss.num_negatives=16",
                 "mlflow.enabled=false",
                 "eval.periodic=false",

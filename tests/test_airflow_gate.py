@@ -42,6 +42,7 @@ def _train(d, shards: str, name: str, uri: str, extra=()) -> dict:
         f"train.out={d / name}",
         "train.max_steps=60",
         "model.dim=16",
+        "loss.kind=sampled_softmax",
         "loss.num_negatives=16",
         "eval.periodic=false",
         "mlflow.plots=false",

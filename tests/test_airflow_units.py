@@ -659,6 +659,7 @@ def test_train_step_joins_a_standing_lighthouse_with_the_workers_token(tmp_path,
         timeout_s=240,
         overrides=[
             "model.dim=16",
+            "loss.kind=sampled_softmax",
             "loss.num_negatives=16",
             "mlflow.log_model=false",
             "mlflow.plots=false",

@@ -23,6 +23,7 @@ from training import checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SETTINGS = [
+    "loss.kind=sampled_softmax",  # one loss for both tables (auto: softmax on a replicated one only)
     "train.max_steps=8",
     "model.dropout=0",
     "model.dim=16",

@@ -159,7 +159,13 @@ def test_the_trainer_scores_the_window_and_tracks_the_cut(built, tmp_path):
     from training.train import train
 
     _, cut, horizon, shards, m = built
-    base = [f"data.shards={shards}", f"train.out={tmp_path / 'run'}", "model.dim=16", "loss.num_negatives=16"]
+    base = [
+        f"data.shards={shards}",
+        f"train.out={tmp_path / 'run'}",
+        "model.dim=16",
+        "loss.kind=sampled_softmax",
+        "loss.num_negatives=16",
+    ]
     base += ["train.epochs=1", "mlflow.log_model=false", "mlflow.plots=false", "mlflow.system_metrics=false"]
     with pytest.raises(ConfigError, match="eval.split='leave_one_out', but shard set .* was built with 'temporal'"):
         train(load_config(None, [*base, "eval.split=leave_one_out"]))

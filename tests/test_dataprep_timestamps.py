@@ -118,6 +118,7 @@ def test_hstu_trains_and_evaluates_on_timed_shards(timed, tmp_path):
                 "train.max_steps=3",
                 "model.attention=hstu",
                 "model.dim=16",
+                "loss.kind=sampled_softmax",
                 "loss.num_negatives=16",
                 "eval.periodic=false",
                 "mlflow.enabled=false",

@@ -22,7 +22,13 @@ def test_trainer_kill9_heal_identical_states_and_timeline_in_mlflow(tmp_path):
     shards, out = cli_shard_set(tmp_path), tmp_path / "run"
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"faults": [{"kind": "kill", "group": 1, "at_step": 6}]}))
-    settings = ["train.epochs=2", "model.dim=16", "loss.num_negatives=16", "mlflow.log_model=false"]
+    settings = [
+        "train.epochs=2",
+        "model.dim=16",
+        "loss.kind=sampled_softmax",
+        "loss.num_negatives=16",
+        "mlflow.log_model=false",
+    ]
     settings += ["mlflow.plots=false", "eval.batch_size=256"]
     r = run_launch(out, 260, shards=shards, faults=plan, timeout=220, worker_args=["--set", *settings])
     assert r.returncode == 0, r.stdout[-5000:]

@@ -40,6 +40,7 @@ TRAIN_ARGS = [
     "train.epochs=2",
     f"train.checkpoint_every={CKPT // 2}",
     "model.dim=16",
+    "loss.kind=sampled_softmax",
     "loss.num_negatives=16",
     "mlflow.log_model=false",
     "mlflow.plots=false",

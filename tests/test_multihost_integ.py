@@ -132,6 +132,7 @@ def test_a_lost_host_is_restarted_by_its_scheduler_and_heals_across_hosts(tmp_pa
                 "--set",
                 f"train.epochs={EPOCHS}",
                 "model.dim=16",
+                "loss.kind=sampled_softmax",
                 "loss.num_negatives=16",
                 "mlflow.enabled=false",
                 "eval.periodic=false",

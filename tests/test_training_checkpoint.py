@@ -217,6 +217,7 @@ def test_best_validation_model_is_the_runs(tmp_path):
                 "train.epochs=12",
                 "mlflow.enabled=false",
                 "model.dim=16",
+                "loss.kind=sampled_softmax",
                 "loss.num_negatives=16",
                 "model.dropout=0",
                 "optim.lr=0.01",

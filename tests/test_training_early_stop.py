@@ -66,7 +66,14 @@ def plateau(tmp_path_factory) -> Path:
     )
 
 
-SETTINGS = ["model.dim=16", "loss.num_negatives=16", "model.dropout=0", "optim.lr=0.01", "eval.patience=2"]
+SETTINGS = [
+    "model.dim=16",
+    "loss.kind=sampled_softmax",
+    "loss.num_negatives=16",
+    "model.dropout=0",
+    "optim.lr=0.01",
+    "eval.patience=2",
+]
 
 
 def _epoch(shards: Path) -> int:

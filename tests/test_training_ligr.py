@@ -123,7 +123,14 @@ def test_the_setting_is_checked(tmp_path):
 
 def test_a_ligr_model_trains_evaluates_and_exports(tmp_path):
     shards = synthetic_shards(tmp_path, users=200, items=90, seed=0, world_size=1, batch_size=16, max_len=20)
-    settings = ["model.layer=ligr", "model.dim=16", "loss.num_negatives=16", "model.dropout=0", "optim.lr=0.01"]
+    settings = [
+        "model.layer=ligr",
+        "model.dim=16",
+        "loss.kind=sampled_softmax",
+        "loss.num_negatives=16",
+        "model.dropout=0",
+        "optim.lr=0.01",
+    ]
     settings += ["train.epochs=3", "mlflow.enabled=false", "eval.periodic=false"]
     res = train(load_config(None, [f"data.shards={shards}", f"train.out={tmp_path / 'run'}", *settings]))
     # trained: far above the most popular item's ~0.1 HR@10 on this data, from an untrained ~0.1

@@ -130,12 +130,14 @@ def test_rows_bound_covers_every_step(tmp_path):
 
 
 SETTINGS = [
+    "loss.kind=sampled_softmax",  # one loss for both tables (auto: softmax on a replicated one only)
     "model.dropout=0",
     "model.dim=16",
     "train.log_every=1",
     "mlflow.enabled=false",
     "optim.warmup_steps=2",
     "eval.periodic=false",
+    "loss.kind=sampled_softmax",
     "loss.num_negatives=16",
     "optim.item_optimizer=rowwise_adam",
     "train.max_steps=8",
@@ -198,7 +200,13 @@ def test_rowwise_kill9_heal_identical_states_exactly_once(tmp_path):
     shards, out = cli_shard_set(tmp_path), tmp_path / "run"
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"faults": [{"kind": "kill", "group": 1, "at_step": 6}]}))
-    settings = ["train.epochs=2", "model.dim=16", "loss.num_negatives=16", "mlflow.enabled=false"]
+    settings = [
+        "train.epochs=2",
+        "model.dim=16",
+        "loss.kind=sampled_softmax",
+        "loss.num_negatives=16",
+        "mlflow.enabled=false",
+    ]
     settings += ["optim.item_optimizer=rowwise_adam", "eval.batch_size=256"]
     r = run_launch(out, 260, shards=shards, faults=plan, timeout=220, worker_args=["--set", *settings])
     assert r.returncode == 0, r.stdout[-5000:]
