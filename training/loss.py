@@ -14,7 +14,6 @@ from ftcore import collectives as coll
 from training import distributed
 from training.config import LossConfig
 
-
 # loss.kind = "auto" scores every item up to this catalogue size: a step's logits are its tokens
 # x items floats (Beauty's longest step, 6,400 tokens x 12,101 items: 310 MB, as much again for
 # their gradient) and its cost tokens x items x dim; past it, sampled softmax scales to any size
