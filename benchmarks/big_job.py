@@ -1,7 +1,7 @@
 """One job's size against another job's latency, on one standing lighthouse (issue #41, item 4).
 
     python benchmarks/big_job.py                        # this tree's ftcore, then 3ce79ea's
-    python benchmarks/big_job.py --at HEAD~3 --groups 65536 --lines 200
+    python benchmarks/big_job.py --at HEAD~3 --groups 65535 --lines 200   # the most a job may declare
 
 A real lighthouse process (loopback, a token file) serves job "big", whose ranks register one
 group each over keep-alive heartbeat connections, and job "small", one real LighthouseClient
