@@ -78,18 +78,20 @@ def train(data: Path, groups: int, out: Path, config: list[str], settings: list[
         argv += ["--replica-groups", str(groups), "--ranks-per-group", "1", "--", *config, "--set", *sets]
         ckpt_dir = out / "replica_0" / "checkpoints"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    log = open(out.parent / f"{out.name}.log", "w")
-    p = subprocess.Popen(
-        [sys.executable, *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-    )
+    log_path = out.parent / f"{out.name}.log"
     t0, started = None, time.time()
-    assert p.stdout is not None
-    for line in p.stdout:
-        log.write(line)
-        if t0 is None and "steps/epoch" in line:
-            t0 = time.time()
-    if p.wait(timeout=6 * 3600) != 0 or t0 is None:
-        sys.exit(f"error: training failed; its log: {log.name}")
+    with open(log_path, "w") as log:
+        p = subprocess.Popen(
+            [sys.executable, *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+        )
+        assert p.stdout is not None
+        for line in p.stdout:
+            log.write(line)
+            if t0 is None and "steps/epoch" in line:
+                t0 = time.time()
+        code = p.wait(timeout=6 * 3600)
+    if code != 0 or t0 is None:
+        sys.exit(f"error: training failed; its log: {log_path}")
     ckpts = sorted(c for c in ckpt_dir.glob("step-*") if (c / "meta.json").exists())
     result = json.loads(((out / "replica_0") if groups > 1 else out).joinpath("result.json").read_text())
     return {
@@ -118,14 +120,13 @@ def first_reaching(ckpts: list[Path], value, target: float, best_step: int | Non
     lo, hi = 0, len(upto) - 1
     if value(upto[hi]) < target:
         return None
-    ckpts = upto
     while lo < hi:
         mid = (lo + hi) // 2
-        if value(ckpts[mid]) >= target:
+        if value(upto[mid]) >= target:
             hi = mid
         else:
             lo = mid + 1
-    return ckpts[lo]
+    return upto[lo]
 
 
 def measure(name: str, groups: int, work: Path, config: list[str], settings: list[str], minutes: float) -> dict:

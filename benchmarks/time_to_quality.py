@@ -37,6 +37,10 @@ from pathlib import Path
 from training.checkpoint_key import use_default
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.public_quality import first_reaching  # noqa: E402
+
 VIDEO = ROOT.parent / "shared" / "data" / "video.txt"
 EPOCH_LINE = re.compile(
     r"epoch:(\d+), time: ([\d.]+)\(s\), valid \(NDCG@10: ([\d.]+), HR@10: ([\d.]+)\), "
@@ -190,16 +194,10 @@ def ftrec_reach(work: Path, run: dict, target: float) -> dict:
         m = json.loads(j.read_text())
         return float(m.get("metrics", m)["test/sampled/hr@10"])
 
-    lo, hi = 0, len(ckpts) - 1  # first checkpoint at or above the target, by bisection
-    if hr(ckpts[hi]) < target:
-        return {"reached": False, "best_hr10_last": hr(ckpts[hi]), "train_s": times[ckpts[hi]], "cpu_s": cpu}
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if hr(ckpts[mid]) >= target:
-            hi = mid
-        else:
-            lo = mid + 1
-    c = ckpts[lo]
+    found = first_reaching(ckpts, hr, target, None)  # by bisection over every checkpoint
+    if found is None:
+        return {"reached": False, "best_hr10_last": hr(ckpts[-1]), "train_s": times[ckpts[-1]], "cpu_s": cpu}
+    c = found
     return {
         "reached": True,
         "checkpoint": c.name,
