@@ -966,3 +966,24 @@ def test_local_run_stopped_by_sigterm_ends_its_child(tmp_path):
                 os.killpg(child, signal.SIGKILL)  # its own session: group id == its pid
             except ProcessLookupError:
                 pass
+
+
+def test_a_retry_balances_by_the_cost_model_its_first_try_calibrated(tmp_path, monkeypatch):
+    """A noisy calibration is not cached machine-wide (the next build times the model again, and
+    its figures differ): the build's copy beside its shard set is what a retry of the same build
+    uses, so the set it finds is its own and is reused, not rebuilt. Another model calibrates afresh."""
+    monkeypatch.setenv("FTREC_WORK", str(tmp_path / "work"))
+    spec = pipeline_ops.ShardSpec(
+        input="-", fmt="sasrec", out=str(tmp_path / "run" / "shards"), world_size=2, max_len=20,
+        model_overrides=["model.dim=8", "model.num_layers=1"],
+    )  # fmt: skip
+    first = pipeline_ops.shard_build_args(spec, log=None)["cost_model"]
+    assert Path(first).parent == tmp_path / "run" and json.loads(Path(first).read_text())["a"] > 0
+    written = Path(first).read_text()
+    cache = settings.work_root() / "cost-models"
+    assert list(cache.glob("**/cost-*.json"))  # the machine-wide calibration (or its noisy copy)
+    subprocess.run(["rm", "-r", str(cache)], check=True)  # as if it had been noisy: nothing cached
+    again = pipeline_ops.shard_build_args(spec, log=None)["cost_model"]
+    assert again == first and Path(again).read_text() == written and not cache.exists()  # not timed again
+    other = pipeline_ops.ShardSpec(**{**spec.__dict__, "model_overrides": ["model.dim=16", "model.num_layers=1"]})
+    assert pipeline_ops.shard_build_args(other, log=None)["cost_model"] != first and cache.exists()

@@ -3,6 +3,7 @@ anywhere, and the DAGs stay thin.
 
 The long form: docs/airflow.md, "plugins/ftrec_airflow/pipeline_ops"."""
 
+import hashlib
 import json
 import os
 import sys
@@ -176,15 +177,31 @@ def shard_build_args(spec: ShardSpec, log=print) -> dict[str, Any]:
     machine (None: dataprep's default)."""
     cost_model = None
     if spec.model_overrides is not None:
-        from training import calibrate
-
-        cost_model = calibrate.cached(
-            calibrate.model_config(spec.model_overrides), spec.max_len, settings.work_root() / "cost-models"
-        )
+        cost_model = _calibrated(spec)
         if log:
             log(f"cost model: {cost_model}")
     keys = ("world_size", "batch_size", "seed", "max_len", "window_steps", "split", "cut", "horizon")
     return {**{k: getattr(spec, k) for k in keys}, "cost_model": cost_model}
+
+
+def _calibrated(spec: ShardSpec) -> str:
+    """The cost model file of `spec`'s model (training.calibrate.cached), copied beside its shard
+    set, and that copy from then on: a noisy calibration is not cached machine-wide, so a retry
+    of the same build would time the model again, balance by other figures and rebuild the set
+    it should reuse. The copy is named by the model and max_len; another model calibrates afresh."""
+    from ftcore.util.files import atomic_write_text
+    from training import calibrate
+
+    out = Path(spec.out)
+    doc = json.dumps({"model": sorted(spec.model_overrides or []), "max_len": spec.max_len}, sort_keys=True)
+    pin = out.parent / f".{out.name}.cost-model-{hashlib.sha256(doc.encode()).hexdigest()[:16]}.json"
+    if not pin.is_file():
+        path = calibrate.cached(
+            calibrate.model_config(spec.model_overrides or []), spec.max_len, settings.work_root() / "cost-models"
+        )
+        out.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(pin, Path(path).read_text())
+    return str(pin)
 
 
 def build_shards(spec: ShardSpec, log=None) -> dict[str, Any]:
