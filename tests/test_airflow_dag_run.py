@@ -114,7 +114,17 @@ def test_dag_run_succeeds_and_reports(first, work):
         "build_shards.write[1]",
     ]
     others = {t for t in summary["tasks"] if not t.startswith("build_shards.")}
-    assert others == {"ingest_validate", "verify_shards", "train", "evaluate", "register_model"}
+    assert others == {
+        "ingest_validate",
+        "verify_shards",
+        "train",
+        "evaluate",
+        "register_model",
+        "approve_champion",
+        "promote_champion",
+    }
+    assert summary["xcom"]["approve_champion"] == {"asked": False}  # champion_approval is off: nobody asked
+    assert summary["xcom"]["promote_champion"] == {"asked": False, "champion": 1, "promoted": True}
     assert "test/sampled/ndcg_at_10" in out and "registered model: ftrec version 1" in out
     assert f"sqlite:///{work / 'mlflow' / 'mlflow.db'}" in out
     assert "mlflow ui --backend-store-uri" in out and "--host 127.0.0.1" in out and "-m ftrec_airflow.ui --work" in out

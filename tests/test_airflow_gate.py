@@ -90,8 +90,9 @@ def _champion(uri: str, name: str, trained: dict, stored: float) -> int:
     return int(mv.version)
 
 
-def _retrain(name: str, trained: dict, caplog, run_id: str = "r") -> tuple[dict, dict]:
+def _retrain(name: str, trained: dict, caplog, run_id: str = "r", **extra) -> tuple[dict, dict]:
     p = {"model_name": name, "gate_metric": METRIC, "gate_min": 0.0, "gate_min_margin": tasks.GATE_MIN_MARGIN}
+    p |= extra
     with caplog.at_level(logging.INFO, logger="ftrec_airflow.tasks"):
         ev = tasks.evaluate(trained, params=p)
         return ev, tasks.register_model(trained, ev, params=p)
@@ -127,6 +128,32 @@ def test_a_better_challenger_wins_although_the_champions_stored_score_is_higher(
     assert reg["scores"]["challenger"][METRIC] > reg["scores"]["champion"][METRIC] + tasks.GATE_MIN_MARGIN
     assert (reg["champion"], reg["promoted"], reg["aliases"]) == (2, True, ["challenger", "champion"])
     assert "gate verdict: promoted" in caplog.text
+
+
+def test_with_approval_a_winner_waits_for_approve_and_a_retry_asks_nothing(world, task, caplog):
+    """champion_approval: the better challenger stays challenger until approve_champion's answer
+    (here Approve, as Airflow's HITL hands it on); the production tier answers one in Airflow."""
+    from ftrec_airflow import approval
+
+    uri, name = world["uri"], "recs-d"
+    v1 = _champion(uri, name, world["lr0_new"], stored=1.0)
+    asked = {"champion_approval": True, "champion_approval_hours": 0.5}
+    _, reg = _retrain(name, world["good_new"], caplog, **asked)
+    assert (reg["champion"], reg["promoted"], reg["aliases"]) == (v1, False, ["challenger"])
+    assert reg["approval"]["asked"] and reg["approval"]["judged"] == v1 and "approved" in reg["reason"]
+    run = mlflow_registry.client(uri).get_run(world["good_new"]["mlflow_run_id"]).data
+    assert run.tags["gate.verdict"] == "awaiting approval" and "gate verdict: awaiting approval" in caplog.text
+    question = approval.body(reg)
+    assert f"| challenger | {reg['scores']['challenger'][METRIC]:.6f}" in question and "no answer in 0.5 h" in question
+    answer = {"chosen_options": ["Approve"], "responded_by_user": {"id": "7", "name": "alice"}}
+    task["ti"].xcom_pull = lambda task_ids: answer if task_ids == "approve_champion" else None
+    done = tasks.promote_champion(reg)
+    assert (done["champion"], done["promoted"], done["approved_by"]) == (2, True, "alice")
+    c = mlflow_registry.client(uri)
+    assert c.get_model_version_by_alias(name, mlflow_registry.CHAMPION).tags["champion_approved_by"] == "alice"
+    _, again = _retrain(name, world["good_new"], caplog, **asked)  # the task re-run: nothing left to approve
+    assert again["approval"]["asked"] is False and again["champion"] == 2
+    assert tasks.promote_champion(again)["asked"] is False
 
 
 def test_the_same_model_is_scored_the_same_as_champion_and_as_challenger(world):

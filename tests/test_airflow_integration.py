@@ -16,8 +16,9 @@ fault to at least STEP_S each) it kills, one after the other:
 Verdicts: each later try follows the job the first try started (its log says so); the run ends
 `success`; one launcher, started once, trained every step once (each step committed once in the
 ledger, none redone, STEPS in all; the train task's ledger check passed); one MLflow run with one
-train/loss point per logged step; one registered model version; the task links and the plugin's
-page as before. Every process it started is stopped by its PID or group at the end, and the
+train/loss point per logged step; one registered model version, champion only once the test
+approves it (param champion_approval: Airflow's human-in-the-loop task, answered over REST); the
+task links and the plugin's page as before. Every process it started is stopped by its PID or group at the end, and the
 figures (time to detect each kill, to follow) are printed and kept in the test's folder."""
 
 import glob
@@ -68,6 +69,7 @@ CONF = {
     "replica_groups": 1,
     "fault_plan": json.dumps({"faults": [{"kind": "slow", "group": 0, "rank": 0, "at_step": 1, "delay_s": STEP_S}]}),
     "train_overrides": ["model.dim=16", "eval.batch_size=256", f"train.log_every={LOG_EVERY}", "mlflow.plots=false"],
+    "champion_approval": True,  # approve_champion waits for the test's Approve (_approve)
 }
 FOLLOWING = "following the training job already running"  # follow.Follower.wait's first words
 
@@ -267,8 +269,8 @@ class Run:
         self.train = tier.tmp / "work" / "runs" / self.out[0] / self.out[1] / "train"
         self.figures: dict[str, dict] = {}
 
-    def api(self, path: str):
-        return _call(self.tier.base, f"/api/v2/dags/ftrec_train/dagRuns/{self.q}{path}", self.tier.token)
+    def api(self, path: str, body: dict | None = None, method: str | None = None):
+        return _call(self.tier.base, f"/api/v2/dags/ftrec_train/dagRuns/{self.q}{path}", self.tier.token, body, method)
 
     def ti(self) -> dict:
         return self.api("/taskInstances/train")
@@ -437,6 +439,20 @@ def _finished(run: Run) -> None:
     assert {"build_shards.prepare", "build_shards.seal", "train"} <= dag_tasks
 
 
+def _approve(run: Run) -> None:
+    """champion_approval is on: register_model keeps version 1 challenger only, approve_champion
+    waits in Airflow's human-in-the-loop state, and the test answers Approve through the REST API
+    as the UI's form does; promote_champion then makes version 1 champion."""
+    hitl = "/taskInstances/approve_champion/-1/hitlDetails"
+    asked = run.wait("approve_champion to ask", lambda: run.api(hitl), RUN_TIMEOUT_S)
+    assert asked["options"] == ["Approve", "Reject"] and asked["defaults"] == ["Reject"], asked
+    assert asked["subject"] == "Make version 1 of ftrec champion?" and not asked["response_received"]
+    reg = run.api("/taskInstances/register_model/xcomEntries/return_value")["value"]
+    reg = json.loads(reg) if isinstance(reg, str) else reg
+    assert (reg["promoted"], reg["aliases"], reg["approval"]["asked"]) == (False, ["challenger"], True), reg
+    assert run.api(hitl, body={"chosen_options": ["Approve"]}, method="PATCH")["chosen_options"] == ["Approve"]
+
+
 def _links(run: Run, mlflow: MlflowServer) -> str:
     """The train task's links (its MLflow run on the MLflow server, the lighthouse page), the
     plugin's page behind Airflow's login, the registered version; returns the MLflow run id."""
@@ -456,6 +472,10 @@ def _links(run: Run, mlflow: MlflowServer) -> str:
     reg = run.api("/taskInstances/register_model/xcomEntries/return_value")["value"]
     reg = json.loads(reg) if isinstance(reg, str) else reg
     assert reg["version"] == 1 and reg["run_id"] == mlflow_run
+    promoted = run.api("/taskInstances/promote_champion/xcomEntries/return_value")["value"]
+    promoted = json.loads(promoted) if isinstance(promoted, str) else promoted
+    assert (promoted["champion"], promoted["promoted"], promoted["aliases"]) == (1, True, ["challenger", "champion"])
+    assert promoted["approved_by"] not in ("", "unknown"), promoted  # the API's user, as MLflow's tag says
     return mlflow_run
 
 
@@ -469,6 +489,7 @@ def test_ftrec_train_on_the_production_tier_survives_three_kills(production_tier
         holder = _kill_task_runner(run)
         _kill_supervisor(run)
         _kill_scheduler(run)
+        _approve(run)
         _finished(run)
         _job_verdicts(run, holder)
         _mlflow_verdicts(run, mlflow, _links(run, mlflow))

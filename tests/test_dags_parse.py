@@ -143,10 +143,13 @@ def test_ftrec_train_structure(parsed):
         "verify_shards": ["train"],
         "train": ["evaluate", "register_model"],
         "evaluate": ["register_model"],
-        "register_model": [],
+        "register_model": ["approve_champion", "promote_champion"],
+        "approve_champion": ["promote_champion"],  # a person's Approve, where param champion_approval asks
+        "promote_champion": [],
     }
     _assert_fanned_out(t, "ftrec_train_shards")
     assert t["register_model"]["outlets"] == ["ftrec_model"]
+    assert t["approve_champion"]["type"] == "ChampionApproval"
     assert t["train"]["type"] == "FaultTolerantTrainOperator"
     assert (t["train"]["queue"], t["train"]["pool"]) == ("default", "default_pool")  # nothing configured
     assert t["train"]["links"] == ["Lighthouse", "MLflow run"]
@@ -213,6 +216,8 @@ def test_ftrec_train_params_have_types_descriptions_and_defaults(parsed):
         "gate_metric",
         "gate_min",
         "gate_min_margin",
+        "champion_approval",
+        "champion_approval_hours",
         "train_overrides",
         "seed",
     }
@@ -232,6 +237,7 @@ def test_ftrec_train_params_have_types_descriptions_and_defaults(parsed):
     assert p["mlflow_experiment"]["value"] == "ftrec" and p["model_name"]["value"] == "ftrec"
     assert p["gate_metric"]["value"] == "test/full/ndcg_at_10" and p["gate_min"]["schema"]["type"] == "number"
     assert p["gate_min_margin"]["value"] > 0 and p["gate_min_margin"]["schema"]["minimum"] == 0
+    assert p["champion_approval"]["value"] is False and p["champion_approval_hours"]["schema"]["exclusiveMinimum"] == 0
 
 
 def test_ftrec_retrain_runs_daily_or_on_new_data(parsed):
@@ -318,7 +324,9 @@ def test_ftrec_train_k8s_with_the_provider_is_the_training_pipeline_on_pods(tmp_
         "drop_job_token": [],
         "trained": ["evaluate", "register_model"],
         "evaluate": ["register_model"],
-        "register_model": [],
+        "register_model": ["approve_champion", "promote_champion"],
+        "approve_champion": ["promote_champion"],  # a person's Approve, where param champion_approval asks
+        "promote_champion": [],
     }
     # one mapped task, map index = replica group: a retry is one group's pod again
     assert t["train_group"]["type"] == "MappedOperator" and t["train_group"]["operator"] == "GroupPodOperator"

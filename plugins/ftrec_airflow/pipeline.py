@@ -15,6 +15,7 @@ from typing import Any
 from airflow.sdk import Asset, Param, XComArg, task
 
 from ftrec_airflow import eval_split, pipeline_ops, settings, shard_tasks, tasks
+from ftrec_airflow.approval import ChampionApproval
 from ftrec_airflow.decorators import build_shards_task, ft_train_task
 
 START = datetime(2026, 1, 1)
@@ -122,6 +123,17 @@ PARAMS: dict[str, tuple[Any, dict[str, Any], str]] = {
         "A registered version becomes champion only if its gate_metric beats the champion's, "
         "scored on the same test split, by at least this much.",
     ),
+    "champion_approval": (
+        False,
+        {"type": "boolean"},
+        "A version that beats the champion becomes champion only once a person approves it "
+        "(task approve_champion, answered in the Airflow UI); until then it is challenger.",
+    ),
+    "champion_approval_hours": (
+        24.0,
+        {"type": "number", "exclusiveMinimum": 0},
+        "How long approve_champion waits for an answer; none in time counts as Reject (the champion stays).",
+    ),
     "train_overrides": (
         [],
         {"type": "array", "items": {"type": "string"}},
@@ -193,8 +205,13 @@ class TrainingDag:
         return train(shards) if base is None else train(shards, base)
 
     def gate(self, trained: XComArg) -> XComArg:
-        """evaluate -> register_model behind the quality gate (an event on MODEL per version)."""
+        """evaluate -> register_model behind the quality gate (an event on MODEL per version) ->
+        approve_champion -> promote_champion (a person's approval where param champion_approval
+        asks for one: ftrec_airflow.approval)."""
         # Airflow's stubs type a task's call with its function's parameters; TaskFlow passes XComArgs
         evaluation = task(task_id="evaluate")(tasks.evaluate)(trained)  # type: ignore[arg-type]
         register = task(task_id="register_model", outlets=[tasks.MODEL])(tasks.register_model)
-        return register(trained, evaluation)  # type: ignore[arg-type]
+        registered = register(trained, evaluation)  # type: ignore[arg-type]
+        promoted = task(task_id="promote_champion")(tasks.promote_champion)(registered)  # type: ignore[arg-type]
+        registered >> ChampionApproval(task_id="approve_champion") >> promoted
+        return registered

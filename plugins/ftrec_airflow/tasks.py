@@ -200,6 +200,13 @@ def _log_judged(run: TrainedRun, identity: dict) -> None:
     log.info("gate: champion and challenger judged on this run's %s split%s", w["split"], window)
 
 
+def verdict_words(result: dict) -> str:
+    """register_model's verdict in words: promoted, awaiting approval, or kept champion."""
+    if result["promoted"]:
+        return "promoted"
+    return "awaiting approval" if result["approval"]["asked"] else "kept champion"
+
+
 def _log_gate(run: TrainedRun, result: dict, champion: dict, p: dict) -> None:
     """Both scores, the split's identity and the verdict: on the challenger's MLflow run and in the task log."""
     from ftrec_airflow import mlflow_registry
@@ -213,7 +220,7 @@ def _log_gate(run: TrainedRun, result: dict, champion: dict, p: dict) -> None:
         "gate.split_fingerprint": result["split_fingerprint"],
         "gate.eval_sha256": result["eval_sha256"],
         "gate.champion_version": str(champion.get("version")),
-        "gate.verdict": "promoted" if result["promoted"] else "kept champion",
+        "gate.verdict": verdict_words(result),
         "gate.reason": result["reason"],
         "gate.min": str(p["gate_min"]),
         "gate.min_margin": str(p.get("gate_min_margin", GATE_MIN_MARGIN)),
@@ -269,16 +276,20 @@ def register_model(trained: dict, evaluation: dict, params=None) -> dict[str, An
         "airflow.run_id": ctx["run_id"],
     }
     reg = mlflow_registry.register(run.mlflow_run_id, p["model_name"], tags=tags, tracking_uri=uri)
+    ask = bool(p.get("champion_approval"))  # a winner waits for approve_champion's Approve
     promo = mlflow_registry.promote(
         p["model_name"],
         reg["version"],
-        won=won,
-        reason=why,
+        won=won and not ask,
+        reason=f"{why}; champion once approved (param champion_approval)" if won and ask else why,
         judged=champion.get("version"),
         tracking_uri=uri,
         log=log.info,
     )
     result = {**reg, **promo, "gate_metric": metric, "gate_value": value}
+    asked = ask and won and promo["champion"] != reg["version"]  # a retry after the approval asks nothing
+    result["approval"] = {"asked": asked, "hours": float(p.get("champion_approval_hours") or 0), "reason": why}
+    result["approval"] |= {"judged": champion.get("version"), "tracking_uri": uri} if asked else {}
     result["scores"] = {
         who: {k: (m or {}).get(k) for k in (metric, secondary)}
         for who, m in (("challenger", evaluation["metrics"]), ("champion", champion.get("metrics")))
@@ -289,6 +300,33 @@ def register_model(trained: dict, evaluation: dict, params=None) -> dict[str, An
         k: result[k] for k in ("name", "version", "aliases", "run_id", "champion", "gate_metric", "gate_value")
     }
     return result
+
+
+def promote_champion(registered: dict) -> dict[str, Any]:
+    """After approve_champion's Approve, point `champion` at the version register_model held back
+    (mlflow_registry.promote: never over a champion that moved since it was judged), and tag the
+    version with who approved it. Where no approval was asked, register_model's verdict stands."""
+    from ftrec_airflow import mlflow_registry
+
+    held = registered["approval"]
+    if not held["asked"]:
+        log.info("no approval was asked: register_model's verdict stands (champion %s)", registered["champion"])
+        return {"asked": False, "champion": registered["champion"], "promoted": registered["promoted"]}
+    answer = get_current_context()["ti"].xcom_pull(task_ids="approve_champion") or {}
+    who = (answer.get("responded_by_user") or answer.get("responded_by") or {}).get("name", "unknown")
+    name, version, uri = registered["name"], registered["version"], held["tracking_uri"]
+    mlflow_registry.connect()
+    promo = mlflow_registry.promote(
+        name,
+        version,
+        won=True,
+        reason=f"approved by {who}: {held['reason']}",
+        judged=held["judged"],
+        tracking_uri=uri,
+        log=log.info,
+    )
+    mlflow_registry.client(uri).set_model_version_tag(name, str(version), "champion_approved_by", who)
+    return {"asked": True, "approved_by": who, **promo}
 
 
 # ---------------------------------------------------------------- ftrec_retrain
