@@ -436,3 +436,21 @@ def test_the_worker_summarizes_one_timeline_at_a_time_from_a_bounded_queue(tmp_p
     while any(s.get(k) is None for k in keys[:3]) and time.monotonic() < end:
         time.sleep(0.01)
     assert [s.get(k) for k in keys] == [({"fd": 2}, "")] * 3 + [None] and most[0] == 1
+
+
+def test_the_summarizing_child_is_capped_in_memory(tmp_path):
+    """A planted timeline of tiny objects (6 MB of `{}`: each a dict in memory) costs the child
+    many times its size: past its cap it says so and exits 2 (the page: not shown), no traceback."""
+    import subprocess
+    import sys
+
+    planted = tmp_path / "timeline.json"
+    planted.write_text('{"events": [' + ",".join(["{}"] * 2_000_000) + "]}")
+    child = [sys.executable, "-m", "training.timeline_summary", "--max-bytes", str(8 << 20)]
+    with planted.open("rb") as f:
+        capped = subprocess.run([*child, "--max-memory", str(100 << 20)], stdin=f, capture_output=True, timeout=60)
+    assert capped.returncode == 2 and capped.stdout == b"", capped.stderr
+    assert capped.stderr.decode().strip() == "timeline: summarizing it needs over 100 MiB"
+    with planted.open("rb") as f:  # the default cap (16 x max-bytes + 256 MiB) holds it
+        default = subprocess.run(child, stdin=f, capture_output=True, timeout=60)
+    assert default.returncode == 0 and json.loads(default.stdout)["groups_total"] == 0  # summarized: no groups

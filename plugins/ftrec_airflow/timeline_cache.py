@@ -3,8 +3,8 @@ runs one child at a time (`python -m training.timeline_summary`, the opened file
 behind a bounded queue; results stay in a small LRU keyed by the file's identity.
 
 A child, not the thread itself: json.loads of a 64 MiB timeline holds the GIL for seconds,
-which would stall every request of the API server; a child runs niced, is killed at a
-timeout, and hands its memory back when it exits. Nothing is written to the run folder."""
+which would stall every request of the API server; a child runs niced and capped in memory,
+is killed at a timeout, and hands its memory back when it exits. Nothing is written to the run folder."""
 
 import json
 import os
