@@ -306,6 +306,7 @@ def test_local_run_refuses_a_bad_conf_in_one_line_before_airflow_starts(tmp_path
         (["--conf", "{nope"], "error: --conf is not JSON"),
         (["--conf", "[1]"], "error: --conf must be a JSON object, got '[1]'"),
         (["--set", "max_steps=10"], "error: --set 'max_steps=10': a DAG param is params.KEY=VALUE"),
+        (["--set", "params.champion_approval=true"], "error: params.champion_approval: a person's approval needs"),
     ):
         assert local_run.main(["--work", str(tmp_path / "w"), *args]) == 2
         err = capsys.readouterr().err

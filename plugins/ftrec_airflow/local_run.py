@@ -306,9 +306,15 @@ def _conf(a: argparse.Namespace) -> dict[str, Any] | str:
     if not isinstance(conf, dict):
         return f"--conf must be a JSON object, got {a.conf!r}"
     try:
-        return run_conf(conf, a.set)
+        conf = run_conf(conf, a.set)
     except config.ConfigError as e:
         return str(e)
+    if conf.get("champion_approval"):  # dag.test has no scheduler to hand a person's answer back
+        return (
+            "params.champion_approval: a person's approval needs Airflow's scheduler and UI; this runner "
+            "(dag.test) cannot wait for one. Trigger the DAG under `airflow standalone` or your deployment"
+        )
+    return conf
 
 
 def _run_child(a: argparse.Namespace, conf: dict[str, Any], work: Path) -> int | None:
