@@ -445,6 +445,18 @@ def _approve(run: Run) -> None:
     as the UI's form does; promote_champion then makes version 1 champion."""
     hitl = "/taskInstances/approve_champion/-1/hitlDetails"
     asked = run.wait("approve_champion to ask", lambda: run.api(hitl), RUN_TIMEOUT_S)
+    # a person answers once the question shows and its try has left the worker: an answer within
+    # the second before the scheduler hears that try end is lost to a race in Airflow 3.3.2 (the
+    # try is marked for retry, and the retry asks again; docs/airflow.md)
+    run.wait(
+        "approve_champion to wait for input",
+        lambda: run.api("/taskInstances/approve_champion")["state"] == "awaiting_input",
+    )
+    parked = "TaskInstance Finished: dag_id=ftrec_train, task_id=approve_champion"
+    run.wait(
+        "the scheduler to see its try leave",
+        lambda: any(parked in Path(f).read_text() for f in glob.glob(str(run.tier.tmp / "scheduler-*.log"))),
+    )
     assert asked["options"] == ["Approve", "Reject"] and asked["defaults"] == ["Reject"], asked
     assert asked["subject"] == "Make version 1 of ftrec champion?" and not asked["response_received"]
     reg = run.api("/taskInstances/register_model/xcomEntries/return_value")["value"]
