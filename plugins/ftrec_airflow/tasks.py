@@ -313,7 +313,7 @@ def promote_champion(registered: dict) -> dict[str, Any]:
         log.info("no approval was asked: register_model's verdict stands (champion %s)", registered["champion"])
         return {"asked": False, "champion": registered["champion"], "promoted": registered["promoted"]}
     answer = get_current_context()["ti"].xcom_pull(task_ids="approve_champion") or {}
-    who = (answer.get("responded_by_user") or answer.get("responded_by") or {}).get("name", "unknown")
+    who = (answer.get("responded_by_user") or {}).get("name", "unknown")
     name, version, uri = registered["name"], registered["version"], held["tracking_uri"]
     mlflow_registry.connect()
     promo = mlflow_registry.promote(
@@ -325,7 +325,8 @@ def promote_champion(registered: dict) -> dict[str, Any]:
         tracking_uri=uri,
         log=log.info,
     )
-    mlflow_registry.client(uri).set_model_version_tag(name, str(version), "champion_approved_by", who)
+    if promo["champion"] == version:  # not where the champion moved since it was judged
+        mlflow_registry.client(uri).set_model_version_tag(name, str(version), "champion_approved_by", who)
     return {"asked": True, "approved_by": who, **promo}
 
 
