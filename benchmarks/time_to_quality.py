@@ -194,10 +194,9 @@ def ftrec_reach(work: Path, run: dict, target: float) -> dict:
         m = json.loads(j.read_text())
         return float(m.get("metrics", m)["test/sampled/hr@10"])
 
-    found = first_reaching(ckpts, hr, target, None)  # by bisection over every checkpoint
-    if found is None:
+    c = first_reaching(ckpts, hr, target, None)  # by bisection over every checkpoint
+    if c is None:
         return {"reached": False, "best_hr10_last": hr(ckpts[-1]), "train_s": times[ckpts[-1]], "cpu_s": cpu}
-    c = found
     return {
         "reached": True,
         "checkpoint": c.name,

@@ -18,8 +18,9 @@ Verdicts: each later try follows the job the first try started (its log says so)
 ledger, none redone, STEPS in all; the train task's ledger check passed); one MLflow run with one
 train/loss point per logged step; one registered model version, champion only once the test
 approves it (param champion_approval: Airflow's human-in-the-loop task, answered over REST); the
-task links and the plugin's page as before. Every process it started is stopped by its PID or group at the end, and the
-figures (time to detect each kill, to follow) are printed and kept in the test's folder."""
+task links and the plugin's page as before. Every process it started is stopped by its PID or
+group at the end, and the figures (time to detect each kill, to follow) are printed and kept in
+the test's folder."""
 
 import glob
 import json

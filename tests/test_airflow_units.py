@@ -4,6 +4,7 @@ scheduler (test_airflow_dag_run.py and test_airflow_integration.py run the DAGs)
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -983,7 +984,7 @@ def test_a_retry_balances_by_the_cost_model_its_first_try_calibrated(tmp_path, m
     written = Path(first).read_text()
     cache = settings.work_root() / "cost-models"
     assert list(cache.glob("**/cost-*.json"))  # the machine-wide calibration (or its noisy copy)
-    subprocess.run(["rm", "-r", str(cache)], check=True)  # as if it had been noisy: nothing cached
+    shutil.rmtree(cache)  # as if it had been noisy: nothing cached
     again = pipeline_ops.shard_build_args(spec, log=None)["cost_model"]
     assert again == first and Path(again).read_text() == written and not cache.exists()  # not timed again
     other = pipeline_ops.ShardSpec(**{**spec.__dict__, "model_overrides": ["model.dim=16", "model.num_layers=1"]})

@@ -213,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
         pass
     # a real 64 MiB timeline peaks near 550 MiB; a planted one of tiny objects could take 20x its size
     cap = a.max_memory or 16 * a.max_bytes + (256 << 20)
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    cap = cap if hard == resource.RLIM_INFINITY else min(cap, hard)  # never above a limit set for us
     resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
     try:
         raw = sys.stdin.buffer.read(a.max_bytes + 1)
