@@ -1,8 +1,6 @@
 """The bucketed build's last stages: each rank's shard file from the buckets' pieces, step by step
 (write), then eval, maps and rejects in the in-memory build's order and row groups (finish)."""
 
-import os
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,7 +10,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from dataprep import schema, workdir
-from ftcore.util.files import sha256_file
+from dataprep.files import sha256_file, staged
 
 ROW_GROUP_ROWS = 1 << 20  # pq.write_table's row groups: eval and maps are written in the same ones
 
@@ -48,8 +46,6 @@ def write(work: "str | Path", r: int) -> dict:
     ctx, pm = workdir.ctx(work), workdir.meta(work / "plan")
     buckets = workdir.meta(work / "ids")["buckets"]
     out = work.parent / schema.shard_file(r)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.{uuid.uuid4().hex[:8]}.tmp")
     workdir.open_files(buckets)
     pieces = [_Piece(work / "route" / str(b) / f"r{r}.arrow", pm["steps"]) for b in range(buckets)]
     step_rows = np.zeros(pm["steps"], np.int64)
@@ -58,13 +54,11 @@ def write(work: "str | Path", r: int) -> dict:
     bounds = _blocks(step_rows, block_rows(ctx))
     try:
         sch = schema.shard_schema(ctx["has_time"])
-        with pq.ParquetWriter(tmp, sch, **schema.write_options(sch)) as w:
+        with staged(out) as tmp, pq.ParquetWriter(tmp, sch, **schema.write_options(sch)) as w:
             for a, b in zip(bounds, bounds[1:], strict=False):
                 for t in _steps(pieces, a, b):
                     w.write_table(t)  # one call = one row group = one step
-        os.replace(tmp, out)
     finally:
-        tmp.unlink(missing_ok=True)
         for p in pieces:
             p.file.close()
     # its checksum here, in parallel with the other tasks, not in build.seal after them all

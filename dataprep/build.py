@@ -24,10 +24,10 @@ import pyarrow.parquet as pq
 from dataprep import balance, bucketed, readers, schema, sequences, temporal
 from dataprep.cost import CostModel, load_cost_model
 from dataprep.errors import DataprepError, DifferentShardSet
+from dataprep.files import sha256_file
 from dataprep.fingerprint import fingerprint, fingerprint_later
 from dataprep.progress import Progress, stage
 from dataprep.rejects import MAX_REJECT_FRACTION, check_rejects, reject_table, tail_rejects
-from ftcore.util.files import sha256_file
 
 
 def _refuse_input_inside(out: Path, inputs: list[str]) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dataprep import files
 from dataprep.errors import DataprepError
 
 
@@ -252,6 +253,4 @@ def calibrate(
 
 
 def save(m: CostModel, path: str) -> None:
-    from ftcore.util.files import atomic_write_text
-
-    atomic_write_text(path, json.dumps(m.to_dict(), indent=2) + "\n")
+    files.write_text(path, json.dumps(m.to_dict(), indent=2) + "\n")

@@ -6,7 +6,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from ftcore.util.files import sha256_file
+from dataprep.files import sha256_file
 
 
 def _uri_files(uri: str) -> list[tuple[Any, str]]:

@@ -9,12 +9,18 @@ eval.parquet, maps/users.parquet, maps/items.parquet, rejects.parquet. Item ids 
 
 import pyarrow as pa
 
-FORMAT_VERSION = 2  # the newest version dataprep writes (2 = 1 + timestamps)
 READ_VERSIONS = (1, 2)  # what readers (verify, training) accept
+_TIME_VERSION = 2  # 1 + the timestamps column
 
 
 def format_version(has_time: bool) -> int:
-    return 2 if has_time else 1
+    """The version a writer stamps: 2 when the set carries timestamps, else 1."""
+    return _TIME_VERSION if has_time else 1
+
+
+def has_timestamps(version: int) -> bool:
+    """Whether a set of manifest `format_version` carries the timestamps column."""
+    return version >= _TIME_VERSION
 
 
 MANIFEST = "manifest.json"

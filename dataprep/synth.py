@@ -16,8 +16,8 @@ import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 
 from dataprep.errors import DataprepError
+from dataprep.files import staged
 from dataprep.progress import Progress
-from ftcore.util.files import atomic_writer
 
 SYNTH_FORMATS = ("sasrec", "iclrec", "events", "events-csv")
 CHUNK_USERS = 50_000
@@ -101,7 +101,7 @@ def write_synthetic(
     cfg = SynthConfig(users, items, seed, median_len, sigma, min_len, max_history, zipf, markov)
     out = Path(path)
     writer = None
-    with atomic_writer(out, "wb") as f, Progress("synth", users, quiet=quiet, unit=" users") as bar:
+    with staged(out) as tmp, open(tmp, "wb") as f, Progress("synth", users, quiet=quiet, unit=" users") as bar:
         for uid, off, it, ts in _chunks(cfg):
             ln = np.diff(off)
             if fmt == "sasrec":

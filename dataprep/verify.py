@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 
 from dataprep import schema
 from dataprep.errors import DataprepError
-from ftcore.util.files import sha256_file
+from dataprep.files import sha256_file
 
 REQUIRED = (
     "format_version",
@@ -54,7 +54,7 @@ def verify_shards(path: str, *, checksums: bool = True) -> dict:
     """Verify the shard set at `path`; returns its manifest or raises DataprepError."""
     root = Path(path)
     m = _manifest(root, path)
-    has_time = m["format_version"] == 2
+    has_time = schema.has_timestamps(m["format_version"])
     w, steps = int(m["config"]["world_size"]), int(m["steps"])
     _check_files(root, path, m, checksums)
     ids = [_check_rank(root, r, m, steps, has_time) for r in range(w)]

@@ -78,7 +78,7 @@ class ShardSet:
                     f"{mpath}: format_version {m['format_version']}, this trainer reads "
                     f"{' or '.join(map(str, schema.READ_VERSIONS))}; rebuild the shard set"
                 )
-            self.has_time = m["format_version"] == 2
+            self.has_time = schema.has_timestamps(m["format_version"])
             self.world_size = int(m["config"]["world_size"])
             self.max_len = int(m["config"]["max_len"])
             self.num_items = int(m["num_items"])

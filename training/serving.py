@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import torch
 from torch import nn
 
-from dataprep.schema import ITEM_MAP, MANIFEST
+from dataprep.schema import ITEM_MAP, MANIFEST, has_timestamps
 
 ARTIFACTS = {"program": "program.pt2", "item_ids": "item_ids.json", "readme": "README.md"}
 ITEM_TABLE = "model.item_emb.weight"  # the exported program's item embeddings, read by the pyfunc
@@ -24,9 +24,9 @@ PYFUNC_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ftrec_re
 
 def timed(model, shards_path: str) -> bool:
     """Does the model read each item's time? HSTU with the time-gap bias, trained on a shard
-    set with timestamps (format_version 2): then serving needs the same times evaluation had."""
+    set with timestamps (see has_timestamps): then serving needs the same times evaluation had."""
     with open(os.path.join(shards_path, MANIFEST)) as f:
-        has_time = json.load(f).get("format_version") == 2
+        has_time = has_timestamps(json.load(f).get("format_version", 1))
     return has_time and model.cfg.attention == "hstu" and model.cfg.rel_bias == "pos+time"
 
 

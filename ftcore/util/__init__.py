@@ -1,3 +1,3 @@
-"""Standard-library helpers that every package of the repository may import (ftcore itself,
-dataprep, training, the Airflow plugin, the benchmarks): atomic file writes and file hashes
-(`files`), ports and child processes (`procs`). Nothing here imports torch or pyarrow."""
+"""ftcore's standard-library helpers: atomic file writes and file hashes (`files`), ports and
+child processes (`procs`). What rests on ftcore (training, the Airflow plugin, the benchmarks)
+may use them too; dataprep, which stands beside ftcore, has its own (dataprep/files.py)."""

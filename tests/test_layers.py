@@ -1,0 +1,52 @@
+"""The import graph is the architecture: dataprep and ftcore stand side by side on the ground
+floor (neither imports the other), training rests on both, the Airflow plugin on everything.
+Every import counts, the lazy ones inside functions included; ftcore's docstring names each
+package it needs beyond the standard library."""
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PROJECT = {"dataprep", "training", "ftcore", "ftrec_airflow"}
+FOLDERS = {"dataprep": ROOT / "dataprep", "training": ROOT / "training", "ftcore": ROOT / "ftcore"}
+MAY_IMPORT = {"dataprep": set(), "ftcore": set(), "training": {"dataprep", "ftcore"}}
+
+
+def imports(folder: Path) -> dict[str, set[str]]:
+    """Top-level package name -> the files of `folder` that import it (absolute imports)."""
+    found: dict[str, set[str]] = {}
+    for f in sorted(folder.rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for n in names:
+                found.setdefault(n.split(".")[0], set()).add(str(f.relative_to(folder.parent)))
+    return found
+
+
+@pytest.mark.parametrize("package", sorted(FOLDERS))
+def test_a_package_imports_only_the_floors_below_it(package):
+    found = imports(FOLDERS[package])
+    wrong = {n: sorted(fs) for n, fs in found.items() if n in PROJECT - {package} - MAY_IMPORT[package]}
+    assert not wrong, f"{package} may import {sorted(MAY_IMPORT[package]) or 'no project package'}: {wrong}"
+
+
+def test_ftcore_says_what_it_depends_on():
+    third_party = {n for n in imports(FOLDERS["ftcore"]) if n not in sys.stdlib_module_names and n not in PROJECT}
+    assert third_party, "the scan found no third-party import in ftcore: torch at least"
+    doc = ast.get_docstring(ast.parse((FOLDERS["ftcore"] / "__init__.py").read_text())) or ""
+    omitted = [n for n in sorted(third_party) if n not in doc]
+    assert not omitted, f"ftcore/__init__.py's docstring omits {omitted}"
+
+
+def test_the_scan_sees_lazy_imports(tmp_path):
+    (tmp_path / "m.py").write_text("def f():\n    from ftcore.util import files\n    import training.model\n")
+    got = imports(tmp_path)
+    assert set(got) == {"ftcore", "training"}
