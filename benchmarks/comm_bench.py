@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, replace
@@ -35,15 +36,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ftcore.util.files import atomic_write_json
-from training.comm.bubbles import PhaseLog, account, max_arrivals, metrics, per_step_bubble
-from training.comm.item_table import ShardedItemTable
-from training.comm.scheduler import CommScheduler, Stage
-from training.comm.sharded_embedding import reference_weight
-from training.comm.spawn import run_ranks
-from training.comm.transport import TransportConfig, make_transport
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a script: benchmarks.spawn lives under the root
+
+from benchmarks.spawn import run_ranks  # noqa: E402
+from ftcore.util.files import atomic_write_json  # noqa: E402
+from training.comm.bubbles import PhaseLog, account, max_arrivals, metrics, per_step_bubble  # noqa: E402
+from training.comm.item_table import ShardedItemTable  # noqa: E402
+from training.comm.scheduler import CommScheduler, Stage  # noqa: E402
+from training.comm.sharded_embedding import reference_weight  # noqa: E402
+from training.comm.transport import TransportConfig, make_transport  # noqa: E402
+
 SHARED = ROOT.parent / "shared" / "data"
 
 

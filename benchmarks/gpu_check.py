@@ -334,7 +334,7 @@ def _set_gpu(rank: int) -> None:
 
 
 def part_slowdown(sz: dict, gpus: int, budget: float) -> dict:
-    from training.comm.spawn import run_ranks
+    from benchmarks.spawn import run_ranks
 
     cuda = gpus > 0
     world = min(2, gpus) if cuda else 2

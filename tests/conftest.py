@@ -13,6 +13,8 @@ from ftcore.util import procs as ports
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED_DATA = ROOT.parent / "shared" / "data"
+if str(ROOT) not in sys.path:  # tests reuse the benchmarks' code (`from benchmarks.x import ...`)
+    sys.path.insert(0, str(ROOT))
 
 
 @pytest.fixture

@@ -17,10 +17,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from benchmarks.spawn import free_port, run_ranks
 from dataprep.build import build_shards
 from dataprep.synth import write_synthetic
 from ftcore import collectives as coll
-from training.comm.spawn import free_port, run_ranks
 
 pytestmark = pytest.mark.integ
 

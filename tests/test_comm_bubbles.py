@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from benchmarks.comm_bench import RunConfig, run_training
+from benchmarks.spawn import run_ranks
 from training.comm.bubbles import (
     Interval,
     PhaseLog,
@@ -18,7 +19,6 @@ from training.comm.bubbles import (
     plot_timeline,
 )
 from training.comm.scheduler import CommScheduler, Stage
-from training.comm.spawn import run_ranks
 
 
 class FakeClock:

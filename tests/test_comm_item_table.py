@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from benchmarks.spawn import run_ranks
 from training.comm.item_table import ShardedItemTable
 from training.comm.scheduler import CommScheduler
 from training.comm.sharded_embedding import reference_weight
-from training.comm.spawn import run_ranks
 from training.comm.transport import make_transport
 
 pytestmark = pytest.mark.integ

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from benchmarks.comm_bench import RunConfig, run_interleaved
+from benchmarks.spawn import run_ranks
 from training.comm.scheduler import CommScheduler, Stage
-from training.comm.spawn import run_ranks
 
 pytestmark = pytest.mark.integ
 

@@ -6,13 +6,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from benchmarks.spawn import run_ranks
 from training.comm.sharded_embedding import (
     ShardedEmbedding,
-    ShardedEmbeddingCollection,
     gather_full_weight,
     reference_weight,
 )
-from training.comm.spawn import run_ranks
 from training.comm.transport import make_transport
 
 pytestmark = pytest.mark.integ
@@ -29,15 +28,15 @@ def _batches(rank):
     yield torch.zeros(0, dtype=torch.int64)  # an empty lookup on one step
 
 
-def _equal_all(rank, world_size, cases):
-    return [_equal(rank, world_size, kind, sharding) for kind, sharding in cases]
+def _equal_all(rank, world_size, kinds):
+    return [_equal(rank, world_size, kind) for kind in kinds]
 
 
-def _equal(rank, world_size, kind, sharding):
+def _equal(rank, world_size, kind):
     torch.manual_seed(0)
     t = make_transport(kind)
     ref_w = reference_weight(N, D, seed=7, padding_idx=0)
-    emb = ShardedEmbedding(N, D, t, sharding=sharding, owner=1, seed=7, padding_idx=0)
+    emb = ShardedEmbedding(N, D, t, seed=7, padding_idx=0)
     lo, hi = emb.row_range
     assert torch.equal(emb.weight.detach(), ref_w[lo:hi])
     fails, nonzero_steps = [], 0
@@ -64,13 +63,12 @@ def _equal(rank, world_size, kind, sharding):
     return fails, torch.equal(full, ref_w)
 
 
-CASES = [("collective", "row"), ("smfree", "row"), ("collective", "table"), ("smfree", "table")]
+CASES = ["collective", "smfree"]  # transports
 
 
 def _everything(rank, world_size):
     return {
         "equal": _equal_all(rank, world_size, CASES),
-        "collection": _collection(rank, world_size),
         "bad_ids": _bad_ids(rank, world_size),
     }
 
@@ -86,25 +84,6 @@ def test_sharded_equals_unsharded(ranks):
         for case, (fails, full_ok) in zip(CASES, r["equal"], strict=True):
             assert fails == [], case
             assert full_ok, case
-
-
-def _collection(rank, world_size):
-    t = make_transport("collective")
-    tables = {"item": (50, 4), "category": (7, 3)}
-    col = ShardedEmbeddingCollection(tables, t, sharding="table", seed=1)
-    # table i lives whole on rank i % K
-    shapes = {n: tuple(m.weight.shape) for n, m in col.items()}
-    ids = {"item": torch.tensor([[1, 2, 48], [3, 3, 0]]) + rank, "category": torch.tensor([rank, 6, 6])}
-    outs = {n: col[n](ids[n]) for n in tables}
-    refs = {n: F.embedding(ids[n], reference_weight(*tables[n], seed=1 + i)) for i, n in enumerate(tables)}
-    t.close()
-    return shapes, all(torch.equal(outs[n], refs[n]) for n in tables)
-
-
-def test_table_wise_collection(ranks):
-    (s0, ok0), (s1, ok1) = ranks[0]["collection"], ranks[1]["collection"]
-    assert s0 == {"item": (50, 4), "category": (0, 3)} and s1 == {"item": (0, 4), "category": (7, 3)}
-    assert ok0 and ok1
 
 
 def _bad_ids(rank, world_size):

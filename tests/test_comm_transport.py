@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from training.comm.spawn import run_ranks
+from benchmarks.spawn import run_ranks
 from training.comm.transport import TransportConfig, make_transport
 
 pytestmark = pytest.mark.integ

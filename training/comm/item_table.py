@@ -205,7 +205,6 @@ class ShardedItemTable(TouchedRows, ShardedEmbedding):
             full_weight.shape[0],
             full_weight.shape[1],
             transport,
-            sharding="row",
             padding_idx=padding_idx,
             full_weight=full_weight.detach(),
         )  # on the model's device

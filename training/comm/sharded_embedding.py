@@ -1,6 +1,6 @@
-"""Embedding tables sharded across the K ranks of one replica group.
+"""An embedding table sharded row-wise across the K ranks of one replica group.
 
-Row-wise (rank k holds rows [k*B, (k+1)*B)) or table-wise (one owner per table). A lookup is
+Rank k holds rows [k*B, (k+1)*B). A lookup is
 two all-to-alls: input dist (`exchange_ids`, no weights needed, so it can run a batch early)
 and output dist (`exchange_rows`). Backward sums each unique id's gradient locally and sends
 it to its owner, added in source-rank order: the shard's grad is already the group's SUM
@@ -16,8 +16,6 @@ import torch
 from torch import nn
 
 from ftcore import collectives as coll
-
-SHARDINGS = ("row", "table")
 
 
 @dataclass
@@ -63,8 +61,6 @@ class ShardedEmbedding(nn.Module):
         dim: int,
         transport,
         *,
-        sharding: str = "row",
-        owner: int = 0,
         padding_idx: int | None = None,
         init_std: float = 0.02,
         seed: int = 0,
@@ -72,20 +68,13 @@ class ShardedEmbedding(nn.Module):
         grad_scale: float = 1.0,
     ):
         super().__init__()
-        if sharding not in SHARDINGS:
-            raise ValueError(f"comm.sharding = {sharding!r} is not one of {SHARDINGS}; fix the config")
         self.num_embeddings, self.dim = num_embeddings, dim
         self.transport = transport
         self.rank, self.world_size = transport.rank, transport.world_size
-        self.sharding, self.owner, self.padding_idx = sharding, owner, padding_idx
-        self.grad_scale = grad_scale
-        if sharding == "row":
-            self.block = -(-num_embeddings // self.world_size)
-            lo = min(self.rank * self.block, num_embeddings)
-            hi = min(lo + self.block, num_embeddings)
-        else:
-            self.block = num_embeddings
-            lo, hi = (0, num_embeddings) if self.rank == owner else (0, 0)
+        self.padding_idx, self.grad_scale = padding_idx, grad_scale
+        self.block = -(-num_embeddings // self.world_size)
+        lo = min(self.rank * self.block, num_embeddings)
+        hi = min(lo + self.block, num_embeddings)
         self.row_range = (lo, hi)
         if full_weight is None:
             # Every rank draws the whole table from one seed and keeps its rows, so the
@@ -104,12 +93,8 @@ class ShardedEmbedding(nn.Module):
                 f"[{int(ids.min())}, {int(ids.max())}] (check num_items in the config)"
             )
         unique, inverse = torch.unique(ids.reshape(-1), sorted=True, return_inverse=True)
-        if self.sharding == "row":
-            owner = torch.div(unique, self.block, rounding_mode="floor")
-            local = unique - owner * self.block
-        else:
-            owner = torch.full_like(unique, self.owner)
-            local = unique
+        owner = torch.div(unique, self.block, rounding_mode="floor")
+        local = unique - owner * self.block
         splits = torch.bincount(owner, minlength=self.world_size).tolist()
         dev = self.weight.device
         return LookupPlan(tuple(ids.shape), unique, inverse.to(dev), splits, local.to(dev))
@@ -154,35 +139,6 @@ class ShardedEmbedding(nn.Module):
         return self.attach(plan, self.exchange_rows(plan, self.gather_rows(plan)))
 
 
-class ShardedEmbeddingCollection(nn.ModuleDict):
-    """Several tables (e.g. item ids + a side feature), row-wise or table-wise.
-
-    Table-wise places table i on rank i % K: every rank serves some tables whole, and a
-    lookup of a table only talks to its owner."""
-
-    def __init__(
-        self,
-        tables: dict[str, tuple[int, int]],
-        transport,
-        *,
-        sharding: str = "row",
-        seed: int = 0,
-        padding_idx: int | None = None,
-    ):
-        mods = {}
-        for i, (name, (num, dim)) in enumerate(tables.items()):
-            mods[name] = ShardedEmbedding(
-                num,
-                dim,
-                transport,
-                sharding=sharding,
-                owner=i % transport.world_size,
-                seed=seed + i,
-                padding_idx=padding_idx,
-            )
-        super().__init__(mods)
-
-
 def reference_weight(
     num_embeddings: int, dim: int, seed: int = 0, init_std: float = 0.02, padding_idx: int | None = None
 ) -> torch.Tensor:
@@ -201,7 +157,4 @@ def gather_full_weight(emb: ShardedEmbedding, group=None) -> torch.Tensor:
     pad = w.new_zeros(m, emb.dim)
     pad[: w.shape[0]] = w
     bufs = coll.all_gather(pad, kind=coll.DATA, group=group)
-    parts = [b[: int(s.item())] for b, s in zip(bufs, sizes, strict=True)]
-    if emb.sharding == "table":
-        return parts[emb.owner]
-    return torch.cat(parts)
+    return torch.cat([b[: int(s.item())] for b, s in zip(bufs, sizes, strict=True)])

@@ -1,4 +1,5 @@
-"""Run a function on W real gloo ranks (one process each) on this host, bounded by a timeout.
+"""Run a function on W real gloo ranks (one process each) on this host, bounded by a timeout:
+the comm tests, the comm benchmark and the GPU check (nothing the wheel ships).
 
 Every process is ended by its own PID when the time is up or a rank fails; results come
 back over a local multiprocessing queue.
