@@ -202,11 +202,11 @@ def prepare(
     cut: int | None = None,
     horizon: int | None = None,
     **reader_options,
-) -> "Job":
+) -> "BuildJob":
     """Check the inputs and settings and say what to build: the set's config and manifest head,
     and the manifest of an identical set already at `out` (None: build it). See build_shards.
     `defer_fingerprint`: where `out` holds no manifest (nothing to reuse), the inputs' hash is
-    taken in a thread beside the build; Job.settle puts it into the head."""
+    taken in a thread beside the build; BuildJob.settle puts it into the head."""
     paths = _checked_inputs(input, fmt)
     cm = load_cost_model(cost_model)
     k = balance.DEFAULT_WINDOW_STEPS if window_steps is None else int(window_steps)
@@ -220,7 +220,7 @@ def prepare(
     with stage("fingerprint", quiet=quiet or pending is not None):
         fp = fingerprint(paths) if pending is None else ""
     head = _head(paths, fmt, fp, config)
-    return Job(
+    return BuildJob(
         pending=pending,
         paths=paths,
         fmt=fmt,
@@ -234,7 +234,7 @@ def prepare(
 
 
 @dataclass
-class Job:
+class BuildJob:
     """A shard set to build (see prepare)."""
 
     paths: list[str]

@@ -7,7 +7,7 @@ lighthouse is full. A connection with a token counts for the job it acts for, wh
 most max(floor, per_rank x its ranks' heartbeat lines) and, when the lighthouse is full, its
 share; past it the job's idle connections close, least recently used first. A request in
 flight and a rank's newest line never close, and no job's connections make way for another's
-within its bound. `admit` and `settle` are the rule (pure); `Ledger` keeps the counts they read;
+within its bound. `admit` and `settle` are the rule (pure); `AdmissionCounts` keeps the counts they read;
 ftcore/lighthouse_http.py closes what they name. docs/ftcore.md, "lighthouse_http"."""
 
 from __future__ import annotations
@@ -181,7 +181,7 @@ class _Seat:
     line: Rank | None = None  # the rank whose newest heartbeat line it is
 
 
-class Ledger(Generic[C]):
+class AdmissionCounts(Generic[C]):
     """The counts admission reads, kept as connections open, show a token, act for a job, take
     and finish requests, become a rank's newest heartbeat line, and close; each O(1). A
     connection it never opened (a relay's: the relay counts its own) is ignored."""

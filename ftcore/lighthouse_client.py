@@ -110,7 +110,7 @@ def _abort(conn: http.client.HTTPConnection | None) -> None:
         conn.close()
 
 
-class LighthouseLink(Protocol):
+class LighthouseHandle(Protocol):
     """What the manager needs of its lighthouse client (ftcore/manager.py; tests give it a fake)."""
 
     info: RankInfo

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import httptools
 
 from ftcore import auth, timeouts
-from ftcore.lighthouse_admission import Caps, EvictIdle, EvictWaiting, Ledger, Refuse, admit, settle
+from ftcore.lighthouse_admission import AdmissionCounts, Caps, EvictIdle, EvictWaiting, Refuse, admit, settle
 from ftcore.lighthouse_page import status_html
 from ftcore.lighthouse_records import Deliver, StaleIncarnation
 from ftcore.messages import (
@@ -297,7 +297,7 @@ class LighthouseServer:
         self.lh = lh
         self.loop = _new_loop()
         self.conns: set[_Connection] = set()
-        self.ledger: Ledger[_Connection] = Ledger()  # who holds them, by job and by address
+        self.ledger: AdmissionCounts[_Connection] = AdmissionCounts()  # who holds them, by job and by address
         self._started = threading.Event()
         self._error: OSError | None = None
         self.server_address: tuple = ()

@@ -39,7 +39,7 @@ from ftcore.messages import (
     aside_of,
     identity_key,
 )
-from ftcore.quorum import Formed, Hearing, Member, Plan, Round, decide, isolated, plan, resumed, waited_for
+from ftcore.quorum import FormationRound, Formed, HealPlan, Hearing, Member, decide, isolated, plan, resumed, waited_for
 
 if TYPE_CHECKING:
     from ftcore.lighthouse import Lighthouse
@@ -303,7 +303,7 @@ class Job:
         round_start = self.round.start if self.round.start is not None else now
         requesting = sorted(self.round.complete & healthy)
         decision = decide(
-            Round(
+            FormationRound(
                 previous=self._previous(),
                 requesting=frozenset(requesting),
                 healthy=healthy,
@@ -412,7 +412,7 @@ class Job:
             return identity, self.quorum_id, q.lighthouse_id
         return identity, self.quorum_id + 1, self.lh.lighthouse_id
 
-    def _plan(self, members: list[int]) -> Plan | None:
+    def _plan(self, members: list[int]) -> HealPlan | None:
         """Where the members meet (quorum.plan); None: training ended (a group finished at a
         later step and left) beyond any state here: no new history from an older one."""
         return plan(

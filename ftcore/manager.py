@@ -27,14 +27,14 @@ from ftcore.environment import LR_POLICIES, ManagerConfig, config_from_env, faul
 from ftcore.faults import Fault, InjectedFault, Injector
 from ftcore.ftar import FTARError, FTARResult, ftar
 from ftcore.heal import HealError, HealServer, fetch
-from ftcore.lighthouse_client import LighthouseClient, LighthouseError, LighthouseLink, Overtaken, Replaced, Standby
+from ftcore.lighthouse_client import LighthouseClient, LighthouseError, LighthouseHandle, Overtaken, Replaced, Standby
 from ftcore.messages import MAX_ADDRESS, Busy, Quorum, QuorumRequest, RankInfo
 from ftcore.relay import Relay
 
 __all__ = ["Manager", "ManagerConfig", "StepRecord", "config_from_env", "faults_from_env"]
 
 # makes this rank's lighthouse client: (lighthouse host:port, what the rank reports, token)
-ClientFactory = Callable[[str, RankInfo, str | None], LighthouseLink]
+ClientFactory = Callable[[str, RankInfo, str | None], LighthouseHandle]
 
 
 def agree_incarnation(group_pg: dist.ProcessGroup | None) -> int:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
-class Round:
+class FormationRound:
     """What one formation attempt sees."""
 
     previous: frozenset[int] | None  # members of the last quorum formed (None: none yet)
@@ -34,7 +34,7 @@ class Wait:
     reason: str  # for the quorum_waiting event
 
 
-def decide(r: Round) -> Formed | Wait:
+def decide(r: FormationRound) -> Formed | Wait:
     """The members to form a quorum of now, or why the round waits.
 
     Fast: every healthy member of the previous quorum asks (a failed member is not waited
@@ -89,12 +89,12 @@ class Member:
 
 
 @dataclass(frozen=True)
-class Plan:
+class HealPlan:
     max_step: int  # the step every member is at after this round's heals
     heal: dict[int, int]  # healing group -> the group it heals from
 
 
-def plan(previous: frozenset[tuple[int, int]] | None, members: list[Member], finished_step: int) -> Plan | None:
+def plan(previous: frozenset[tuple[int, int]] | None, members: list[Member], finished_step: int) -> HealPlan | None:
     """Where the members meet; None when the job already finished beyond anything they hold.
 
     Only members of the previous quorum (same incarnation) may serve state: a group that was
@@ -113,7 +113,7 @@ def plan(previous: frozenset[tuple[int, int]] | None, members: list[Member], fin
     sources = [m.group for m in trusted if m.step == max_step]
     serving = set(sources)
     healers = [m.group for m in members if m.group not in serving]
-    return Plan(max_step, {g: sources[i % len(sources)] for i, g in enumerate(healers)})
+    return HealPlan(max_step, {g: sources[i % len(sources)] for i, g in enumerate(healers)})
 
 
 def resumed(last: Iterable[tuple[int, str, str]], key: str) -> tuple[int, str] | None:

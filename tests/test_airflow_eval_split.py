@@ -16,7 +16,7 @@ from dataprep.build import build_shards
 from dataprep.readers import TIME_FORMATS
 from dataprep.synth import write_synthetic
 from ftrec_airflow import eval_split, pipeline, pipeline_ops, shard_tasks, tasks
-from ftrec_airflow.eval_split import Split
+from ftrec_airflow.eval_split import RunSplit
 
 PARAMS = {name: default for name, (default, _, _) in pipeline.PARAMS.items()}  # the DAGs' defaults
 CUT, HORIZON = 1_700_000_000, 86_400
@@ -26,14 +26,19 @@ EVENT = {"cut": CUT, "horizon": HORIZON}
 @pytest.mark.parametrize(
     "fmt, params, event, want",
     [
-        ("iclrec", {}, {}, Split("leave_one_out")),  # the shared Beauty file: `make run` as before
-        ("sasrec", PARAMS, {}, Split("leave_one_out")),
-        ("events", PARAMS, {}, Split("temporal")),  # dataprep's default cut and horizon
-        ("movielens", PARAMS, EVENT, Split("temporal", CUT, HORIZON, "asset event")),
-        ("events", PARAMS | {"split_cut": 5}, EVENT, Split("temporal", 5, HORIZON, "param split_cut")),
-        ("events", PARAMS | {"split_horizon": 60}, EVENT, Split("temporal", CUT, 60, "asset event")),
-        ("events", PARAMS | {"split": "leave_one_out"}, EVENT, Split("leave_one_out")),  # said, so it wins
-        ("events", PARAMS | {"split": "temporal", "split_cut": 7}, {}, Split("temporal", 7, None, "param split_cut")),
+        ("iclrec", {}, {}, RunSplit("leave_one_out")),  # the shared Beauty file: `make run` as before
+        ("sasrec", PARAMS, {}, RunSplit("leave_one_out")),
+        ("events", PARAMS, {}, RunSplit("temporal")),  # dataprep's default cut and horizon
+        ("movielens", PARAMS, EVENT, RunSplit("temporal", CUT, HORIZON, "asset event")),
+        ("events", PARAMS | {"split_cut": 5}, EVENT, RunSplit("temporal", 5, HORIZON, "param split_cut")),
+        ("events", PARAMS | {"split_horizon": 60}, EVENT, RunSplit("temporal", CUT, 60, "asset event")),
+        ("events", PARAMS | {"split": "leave_one_out"}, EVENT, RunSplit("leave_one_out")),  # said, so it wins
+        (
+            "events",
+            PARAMS | {"split": "temporal", "split_cut": 7},
+            {},
+            RunSplit("temporal", 7, None, "param split_cut"),
+        ),
     ],
 )
 def test_the_split_from_the_format_the_params_and_the_event(fmt, params, event, want):

@@ -12,7 +12,7 @@ from training.comm.bubbles import (
     Interval,
     PhaseLog,
     StepAccount,
-    StepRecord,
+    StepPhases,
     account,
     bubble_fraction,
     metrics,
@@ -66,8 +66,8 @@ def test_bubble_fraction_and_metrics():
 
 def test_png_is_written(tmp_path):
     steps = [
-        StepRecord(0, 0.0, 2.0, [Interval("compute", "f", 0.1, 1.0), Interval("comm", "x", 1.0, 1.5, 0, 1.0)]),
-        StepRecord(1, 2.0, 3.0, [Interval("compute", "f", 2.0, 2.9)]),
+        StepPhases(0, 0.0, 2.0, [Interval("compute", "f", 0.1, 1.0), Interval("comm", "x", 1.0, 1.5, 0, 1.0)]),
+        StepPhases(1, 2.0, 3.0, [Interval("compute", "f", 2.0, 2.9)]),
     ]
     p = plot_timeline([steps, steps], str(tmp_path / "t.png"), arrivals={0: 1.2}, num_steps=2)
     assert open(p, "rb").read(8) == b"\x89PNG\r\n\x1a\n"

@@ -28,7 +28,7 @@ from conftest import helped_pieces, run_launch, shard_sample_ids, synthetic_shar
 from dataprep import schema
 from ftcore import ledger, tensorfile
 from training import checkpoint
-from training.launch import TOY, LaunchConfig, Launcher
+from training.launch import TOY, TrainerLaunchConfig, TrainerLauncher
 
 ROOT = Path(__file__).resolve().parent.parent
 ITEMS = 90  # 91 rows with padding: shards of 46 and 45 rows (a mix-up cannot load)
@@ -179,9 +179,9 @@ def _state(path: Path, tensor: torch.Tensor, **meta: str) -> None:
 
 
 def test_launcher_checksum_covers_every_announced_rank_file(tmp_path, capsys):
-    """Launcher.report on real files: shard files count, stale or missing ones are handled."""
+    """TrainerLauncher.report on real files: shard files count, stale or missing ones are handled."""
     out = tmp_path / "launch"
-    launcher = Launcher(LaunchConfig(out=str(out), replica_groups=2, ranks_per_group=2, worker=TOY))
+    launcher = TrainerLauncher(TrainerLaunchConfig(out=str(out), replica_groups=2, ranks_per_group=2, worker=TOY))
     for g in range(2):
         (out / f"replica_{g}").mkdir()
     # single-file groups: the checksum is the file's sha256, as before

@@ -90,11 +90,11 @@ HOLDER = lease.Holder("h1", "boot1", 4242, 777, 4242, "job", (0, 1), NOW - 600, 
     "holder, here, verdict",
     [
         (None, lease.Local("h1", "boot1", None), lease.Take),  # nobody recorded
-        (HOLDER, lease.Local("h1", "boot1", 777), lease.Refuse),  # same host, same process: alive
+        (HOLDER, lease.Local("h1", "boot1", 777), lease.Keep),  # same host, same process: alive
         (HOLDER, lease.Local("h1", "boot1", None), lease.Take),  # same host, pid gone
         (HOLDER, lease.Local("h1", "boot1", 999), lease.Take),  # same host, pid reused by another process
         (HOLDER, lease.Local("h1", "boot2", 777), lease.Take),  # same host name, rebooted since
-        (HOLDER, lease.Local("h2", "boot9", None), lease.Refuse),  # another host, heartbeat 5 s old
+        (HOLDER, lease.Local("h2", "boot9", None), lease.Keep),  # another host, heartbeat 5 s old
         (replace(HOLDER, heartbeat=NOW - 61), lease.Local("h2", "boot9", None), lease.Take),  # ... 61 s old
     ],
 )

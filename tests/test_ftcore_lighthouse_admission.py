@@ -4,12 +4,12 @@ import pytest
 
 from ftcore.lighthouse_admission import (
     EVICT_AGE_S,
+    AdmissionCounts,
     Admit,
     Caps,
     EvictIdle,
     EvictWaiting,
     JobLoad,
-    Ledger,
     Load,
     Refuse,
     Waiting,
@@ -88,7 +88,7 @@ def test_a_jobs_share_of_a_full_lighthouse_leaves_room_for_one_more_job():
 
 
 def test_the_ledger_counts_tokenless_connections_per_address_oldest_first():
-    led: Ledger[str] = Ledger()
+    led: AdmissionCounts[str] = AdmissionCounts()
     for i, peer in enumerate(["a", "b", "b", "c", "b"]):
         led.open(f"{peer}{i}", peer, now=float(i))
     load = led.load("b", now=10.0, full=False)
@@ -101,7 +101,7 @@ def test_the_ledger_counts_tokenless_connections_per_address_oldest_first():
 
 
 def test_the_ledger_keeps_a_ranks_newest_line_and_lists_the_rest_idle_least_recently_used_first():
-    led: Ledger[str] = Ledger()
+    led: AdmissionCounts[str] = AdmissionCounts()
     for c in ["line", "again", "status", "quorum"]:
         led.open(c, "a", 0.0)
         assert led.account(c, "j") is not None and led.account(c, "j") is None  # counted once

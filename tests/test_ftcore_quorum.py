@@ -3,11 +3,11 @@
 import pytest
 
 from ftcore.quorum import (
+    FormationRound,
     Formed,
+    HealPlan,
     Hearing,
     Member,
-    Plan,
-    Round,
     Wait,
     decide,
     heartbeat_pace,
@@ -19,9 +19,11 @@ from ftcore.quorum import (
 )
 
 
-def _round(previous, requesting, healthy, min_replicas=1, expected=0, waited=False, leasing=()) -> Round:
+def _round(previous, requesting, healthy, min_replicas=1, expected=0, waited=False, leasing=()) -> FormationRound:
     prev = frozenset(previous) if previous is not None else None
-    return Round(prev, frozenset(requesting), frozenset(healthy), min_replicas, expected, waited, frozenset(leasing))
+    return FormationRound(
+        prev, frozenset(requesting), frozenset(healthy), min_replicas, expected, waited, frozenset(leasing)
+    )
 
 
 @pytest.mark.parametrize(
@@ -88,7 +90,7 @@ def test_decide_never_forms_beside_a_lease(previous, requesting, healthy, leasin
     ],
 )
 def test_decide_resumes_the_quorum_its_members_all_ask_for(requesting, healthy, resumes, want):
-    r = Round(None, frozenset(requesting), frozenset(healthy), 1, 3, False, resumes=resumes)
+    r = FormationRound(None, frozenset(requesting), frozenset(healthy), 1, 3, False, resumes=resumes)
     got = decide(r)
     assert got == Formed(want) if want != "wait" else isinstance(got, Wait), got
 
@@ -112,26 +114,26 @@ def test_resumed(last, key, want):
     "previous,members,finished,want",
     [
         # everyone at the same step in the previous quorum: nobody heals
-        ({(0, 0), (1, 0)}, [Member(0, 0, 7, 3), Member(1, 0, 7, 3)], 0, Plan(7, {})),
+        ({(0, 0), (1, 0)}, [Member(0, 0, 7, 3), Member(1, 0, 7, 3)], 0, HealPlan(7, {})),
         # a restarted group (new incarnation) heals from a member of the previous quorum
-        ({(0, 0), (1, 0)}, [Member(0, 0, 7, 3), Member(1, 1, 0, 0)], 0, Plan(7, {1: 0})),
+        ({(0, 0), (1, 0)}, [Member(0, 0, 7, 3), Member(1, 1, 0, 0)], 0, HealPlan(7, {1: 0})),
         # a group left out of the previous quorum heals even at an equal (or higher) step:
         # it may hold a step the others discarded
-        ({(0, 0), (1, 0)}, [Member(0, 0, 7, 3), Member(1, 0, 7, 3), Member(2, 0, 8, 2)], 0, Plan(7, {2: 0})),
+        ({(0, 0), (1, 0)}, [Member(0, 0, 7, 3), Member(1, 0, 7, 3), Member(2, 0, 8, 2)], 0, HealPlan(7, {2: 0})),
         # healers spread over the sources in turn
         (
             {(0, 0), (1, 0)},
             [Member(0, 0, 7, 3), Member(1, 0, 7, 3), Member(2, 5, 0, 0), Member(3, 5, 0, 0)],
             0,
-            Plan(7, {2: 0, 3: 1}),
+            HealPlan(7, {2: 0, 3: 1}),
         ),
         # after a lighthouse restart: trust those that report the latest quorum
-        (None, [Member(0, 0, 9, 4), Member(1, 0, 12, 3)], 0, Plan(9, {1: 0})),
+        (None, [Member(0, 0, 9, 4), Member(1, 0, 12, 3)], 0, HealPlan(9, {1: 0})),
         # no trusted member at all: everyone is trusted, the furthest step wins
-        ({(5, 0)}, [Member(0, 0, 3, 1), Member(1, 0, 4, 1)], 0, Plan(4, {0: 1})),
+        ({(5, 0)}, [Member(0, 0, 3, 1), Member(1, 0, 4, 1)], 0, HealPlan(4, {0: 1})),
         # the job finished beyond what these groups hold: no history of their own
         ({(0, 0)}, [Member(1, 2, 0, 0)], 10, None),
-        ({(0, 0)}, [Member(0, 0, 10, 1)], 10, Plan(10, {})),
+        ({(0, 0)}, [Member(0, 0, 10, 1)], 10, HealPlan(10, {})),
     ],
 )
 def test_plan(previous, members, finished, want):

@@ -79,7 +79,7 @@ def _pods(train_group, run) -> list:
 
 
 def test_each_group_pod_runs_the_launchers_torchrun_command(train_group, tmp_path, monkeypatch):
-    from training.launch import LaunchConfig, Launcher
+    from training.launch import TrainerLaunchConfig, TrainerLauncher
 
     run = _run(tmp_path)
     spec = pipeline_ops.TrainSpec(**run["spec"])
@@ -88,8 +88,8 @@ def test_each_group_pod_runs_the_launchers_torchrun_command(train_group, tmp_pat
     # the launcher of the same job against the same standing lighthouse, its token a file there
     monkeypatch.setenv("FTCORE_TOKEN_FILE", kubernetes.TOKEN_FILE)
     sets = pipeline_ops.trainer_settings(spec, run["mlflow_run_id"], run["tracking_uri"])
-    launcher = Launcher(
-        LaunchConfig(
+    launcher = TrainerLauncher(
+        TrainerLaunchConfig(
             shards=spec.shards,
             replica_groups=3,
             ranks_per_group=2,

@@ -1,7 +1,7 @@
 """The import graph is the architecture: dataprep and ftcore stand side by side on the ground
 floor (neither imports the other), training rests on both, the Airflow plugin on everything.
 Every import counts, the lazy ones inside functions included; ftcore's docstring names each
-package it needs beyond the standard library."""
+package it needs beyond the standard library; and a class name is defined once in the library."""
 
 import ast
 import sys
@@ -50,3 +50,16 @@ def test_the_scan_sees_lazy_imports(tmp_path):
     (tmp_path / "m.py").write_text("def f():\n    from ftcore.util import files\n    import training.model\n")
     got = imports(tmp_path)
     assert set(got) == {"ftcore", "training"}
+
+
+def test_one_name_per_class():
+    """A class name means one thing across the library (a reader greps for it and finds it)."""
+    where: dict[str, list[str]] = {}
+    for folder in [*FOLDERS.values(), ROOT / "plugins" / "ftrec_airflow"]:
+        for f in sorted(folder.rglob("*.py")):
+            for node in ast.walk(ast.parse(f.read_text(), str(f))):
+                if isinstance(node, ast.ClassDef):
+                    where.setdefault(node.name, []).append(str(f.relative_to(ROOT)))
+    assert len(where) > 50, "the scan found too few classes: it checks nothing"
+    twice = {name: files for name, files in where.items() if len(files) > 1}
+    assert not twice, f"class names defined more than once: {twice}"

@@ -6,7 +6,7 @@ import torch
 
 from training import distributed
 from training.config import ConfigError
-from training.launch import TOY, LaunchConfig, Launcher, parse
+from training.launch import TOY, TrainerLaunchConfig, TrainerLauncher, parse
 
 
 def _env(local, per_group, slot=None, slots=None, oversubscribe=False):
@@ -56,8 +56,8 @@ def test_the_count_comes_from_torch(monkeypatch):
 
 
 def test_the_launcher_gives_each_of_its_groups_a_slot(tmp_path):
-    launcher = Launcher(
-        LaunchConfig(
+    launcher = TrainerLauncher(
+        TrainerLaunchConfig(
             worker=TOY, replica_groups=4, ranks_per_group=2, groups=[1, 3], lighthouse="127.0.0.1:1", out=str(tmp_path)
         )
     )
@@ -66,4 +66,4 @@ def test_the_launcher_gives_each_of_its_groups_a_slot(tmp_path):
     assert distributed.rank_device(env, device_count=4) == torch.device("cuda", 3)
     assert "FTREC_OVERSUBSCRIBE_GPUS" not in launcher.job_env()
     cfg = parse(["--worker", TOY, "--out", str(tmp_path), "--oversubscribe-gpus"])
-    assert cfg.oversubscribe_gpus and Launcher(cfg).job_env()["FTREC_OVERSUBSCRIBE_GPUS"] == "1"
+    assert cfg.oversubscribe_gpus and TrainerLauncher(cfg).job_env()["FTREC_OVERSUBSCRIBE_GPUS"] == "1"

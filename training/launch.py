@@ -22,18 +22,28 @@ from ftcore.launcher import TOY, GroupFailed, LaunchError, Proc
 from training import timeline_summary
 from training.checkpoint_key import KEY_ENV, use_default
 
-__all__ = ["TOY", "TRAINER", "GroupFailed", "LaunchConfig", "LaunchError", "Launcher", "Proc", "main", "parse"]
+__all__ = [
+    "TOY",
+    "TRAINER",
+    "GroupFailed",
+    "TrainerLaunchConfig",
+    "LaunchError",
+    "TrainerLauncher",
+    "Proc",
+    "main",
+    "parse",
+]
 
 SHM_DIR = "/dev/shm"  # comm.transport=smfree's default shm_dir
 TRAINER = "training.__main__"
 
 
 @dataclass
-class LaunchConfig(launcher.LaunchConfig):
+class TrainerLaunchConfig(launcher.LaunchConfig):
     worker: str = TRAINER
 
 
-class Launcher(launcher.Launcher):
+class TrainerLauncher(launcher.Launcher):
     """ftcore's launcher running the trainer (or another --worker), with the trainer's consumers
     of its records: checksums of the final states, the timeline, MLflow."""
 
@@ -248,7 +258,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse(argv: list[str]) -> LaunchConfig:
+def parse(argv: list[str]) -> TrainerLaunchConfig:
     """The launcher's flags (argv before `--`; what follows goes to every rank), checked."""
     extra = []
     if "--" in argv:
@@ -275,7 +285,7 @@ def parse(argv: list[str]) -> LaunchConfig:
         raise LaunchError("--shards is required to launch the trainer (a folder from `python -m dataprep shards`)")
     if a.shards and not os.path.isfile(os.path.join(a.shards, "manifest.json")):
         raise LaunchError(f"--shards {a.shards}: no manifest.json there; build it with `python -m dataprep shards`")
-    return LaunchConfig(
+    return TrainerLaunchConfig(
         a.shards,
         a.replica_groups,
         a.ranks_per_group,
@@ -311,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         cfg = parse(argv)
-        job = Launcher(cfg)
+        job = TrainerLauncher(cfg)
     except (LaunchError, PlanError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

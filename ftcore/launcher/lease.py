@@ -83,11 +83,13 @@ class Take:
 
 
 @dataclass(frozen=True)
-class Refuse:
+class Keep:
+    """The holder keeps the lease; `reason` says why (it is not provably dead)."""
+
     reason: str
 
 
-def judge(holder: Holder | None, here: Local, now: float, stale_after: float) -> Take | Refuse:
+def judge(holder: Holder | None, here: Local, now: float, stale_after: float) -> Take | Keep:
     """May a launcher that got a group's lock take the lease from its recorded holder? Only
     from a holder that is provably dead; a live one keeps it."""
     if holder is None:
@@ -99,13 +101,13 @@ def judge(holder: Holder | None, here: Local, now: float, stale_after: float) ->
             return Take(
                 f"its pid {holder.pid} is another process now (started at {here.pid_start}, not {holder.start})"
             )
-        return Refuse(f"its pid {holder.pid} is alive on this host")
+        return Keep(f"its pid {holder.pid} is alive on this host")
     if holder.host == here.host:
         return Take("this host rebooted since")
     age = now - holder.heartbeat
     if age > stale_after:
         return Take(f"its heartbeat is {age:.0f}s old, beyond FTCORE_RUN_LEASE_STALE ({stale_after:.0f}s)")
-    return Refuse(f"its heartbeat is {age:.0f}s old, within FTCORE_RUN_LEASE_STALE ({stale_after:.0f}s)")
+    return Keep(f"its heartbeat is {age:.0f}s old, within FTCORE_RUN_LEASE_STALE ({stale_after:.0f}s)")
 
 
 def boot_id() -> str:
@@ -203,7 +205,7 @@ class RunLease:
             return  # this process's own earlier launch
         here = Local(me.host, me.boot_id, start_time(holder.pid) if holder else None)
         verdict = judge(holder, here, time.time(), timeouts.RUN_LEASE_STALE)
-        if isinstance(verdict, Refuse):
+        if isinstance(verdict, Keep):
             raise LeaseHeld(self._refusal(g, verdict.reason))
         if holder is not None:
             self.taken_over.append(f"group {g} from {holder.describe(time.time())}: {verdict.reason}")

@@ -30,7 +30,7 @@ def faulted_groups(plan: dict) -> set[int]:
 
 
 @dataclass
-class Verdict:
+class ChaosVerdict:
     ok: bool
     problems: list[str] = field(default_factory=list)
     facts: dict[str, Any] = field(default_factory=dict)
@@ -44,7 +44,7 @@ def judge(
     replica_groups: int,
     max_stall_s: float,
     artifacts: list[str] | None = None,
-) -> Verdict:
+) -> ChaosVerdict:
     """The three claims of the module doc, checked on the launcher's `timeline` and the
     run's MLflow metrics and artifacts."""
     faulted = faulted_groups(plan)
@@ -60,7 +60,7 @@ def judge(
         "summary": timeline.get("summary", {}),
         "recovery_metrics": {k: v for k, v in run_metrics.items() if k.startswith("ft/")},
     }
-    return Verdict(not problems, problems, facts)
+    return ChaosVerdict(not problems, problems, facts)
 
 
 def _recovery_problems(run_metrics: dict[str, float], plan: dict, artifacts: list[str] | None) -> list[str]:

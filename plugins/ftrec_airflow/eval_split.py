@@ -19,7 +19,7 @@ SPLITS = ("auto", "leave_one_out", "temporal")
 
 
 @dataclass(frozen=True)
-class Split:
+class RunSplit:
     """A run's split: dataprep's `split`, `cut`, `horizon` (None: dataprep's default) and
     where the cut came from (`source`: "param split_cut", "asset event" or "default")."""
 
@@ -54,7 +54,7 @@ def event_window(extra: dict[str, Any]) -> dict[str, int]:
     return {k: v for k, v in window.items() if v is not None}
 
 
-def resolve(fmt: str, params: dict[str, Any], event: dict[str, int], time_formats: tuple[str, ...]) -> Split:
+def resolve(fmt: str, params: dict[str, Any], event: dict[str, int], time_formats: tuple[str, ...]) -> RunSplit:
     """The run's split (see the module doc) for data of format `fmt`, the DAG run's `params`
     (split, split_cut, split_horizon), the triggering event's window (event_window) and the
     formats that carry event times. UserError names the param (or event field) at fault."""
@@ -67,7 +67,7 @@ def resolve(fmt: str, params: dict[str, Any], event: dict[str, int], time_format
     if split == "leave_one_out":
         if cut is not None or horizon is not None:
             raise UserError("params split_cut and split_horizon belong to split=temporal (or auto); clear them")
-        return Split("leave_one_out")
+        return RunSplit("leave_one_out")
     if split == "temporal" and not timed:
         raise UserError(
             f"param split=temporal needs event times, and data_format {fmt} has none; "
@@ -78,14 +78,14 @@ def resolve(fmt: str, params: dict[str, Any], event: dict[str, int], time_format
         given += [f"asset event extra '{k}'" for k in event]
         if given:
             raise UserError(f"{given[0]} asks for a temporal split, and data_format {fmt} has no event times")
-        return Split("leave_one_out")
+        return RunSplit("leave_one_out")
     source = "param split_cut" if cut is not None else "asset event" if "cut" in event else "default"
     cut = cut if cut is not None else event.get("cut")
     horizon = horizon if horizon is not None else event.get("horizon")
-    return Split("temporal", cut, horizon, source)
+    return RunSplit("temporal", cut, horizon, source)
 
 
-def describe(s: Split) -> str:
+def describe(s: RunSplit) -> str:
     """The window of a split in words, for the task log."""
     if s.split != "temporal":
         return "each user's last event tests"

@@ -48,7 +48,7 @@ def live_job(out: str | Path) -> lease.Holder | None:
         return None
     here = lease.Local(socket.gethostname(), lease.boot_id(), lease.start_time(holder.pid))
     verdict = lease.judge(holder, here, time.time(), timeouts.RUN_LEASE_STALE)
-    return holder if isinstance(verdict, lease.Refuse) else None
+    return holder if isinstance(verdict, lease.Keep) else None
 
 
 class Follower:

@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class Config:
+class PodConfig:
     image: str
     namespace: str = "default"
     work_pvc: str = "ftrec-work"
@@ -59,10 +59,10 @@ def _get(key: str, default: str = "") -> str:
     return default if value is None else value.strip()
 
 
-def config() -> Config:
+def config() -> PodConfig:
     ns = _get("namespace", "default") or "default"
     lighthouse = settings.lighthouse_url().split("://", 1)[-1] or f"{LIGHTHOUSE}.{ns}.svc:{LIGHTHOUSE_PORT}"
-    return Config(
+    return PodConfig(
         image=_get("image"),
         namespace=ns,
         work_pvc=_get("work_pvc", "ftrec-work"),
@@ -97,7 +97,7 @@ def job_id(dag_id: str, run_id: str) -> str:
     return settings.lighthouse_job_id(f"{dag_id}/{run_id}/train_group")
 
 
-def group_env(cfg: Config, job: str, groups: int, group: int, tracking_uri: str) -> dict[str, str]:
+def group_env(cfg: PodConfig, job: str, groups: int, group: int, tracking_uri: str) -> dict[str, str]:
     """A group pod's environment: the launcher's job_env() with this group's id (the token as
     a file from the Secret, never its value), the checkpoint key (a file from the same Secret),
     the tracking URI, unbuffered output (the pod's log streams into the task log)."""
@@ -145,7 +145,7 @@ def group_args(spec: pipeline_ops.TrainSpec, job: str, group: int, trainer_sets:
     return args
 
 
-def group_pods(run: dict[str, Any], cfg: Config | None = None) -> list[dict[str, Any]]:
+def group_pods(run: dict[str, Any], cfg: PodConfig | None = None) -> list[dict[str, Any]]:
     """The mapped pod task's kwargs, one dict per replica group (map index = group)."""
     cfg = cfg or config()
     spec = pipeline_ops.TrainSpec(**run["spec"])
@@ -169,7 +169,7 @@ def group_pods(run: dict[str, Any], cfg: Config | None = None) -> list[dict[str,
     ]
 
 
-def pod_defaults(cfg: Config | None = None) -> dict[str, Any]:
+def pod_defaults(cfg: PodConfig | None = None) -> dict[str, Any]:
     """What every group pod shares: the operator's partial() arguments. The work volume is there
     but mounted by no one here: each pod mounts its run's folders (its `work_mounts`)."""
     from airflow.providers.cncf.kubernetes.secret import Secret
@@ -259,7 +259,7 @@ def job_secret_name(job: str) -> str:
     return "ftcore-job-" + hashlib.sha256(job.encode()).hexdigest()[:20]
 
 
-def job_secret(cfg: Config, job: str, token: str, key: str):
+def job_secret(cfg: PodConfig, job: str, token: str, key: str):
     """The job's token (item `token`) and the deployment's checkpoint key (item `checkpoint.key`:
     a warm start reads the champion's checkpoint, another run's) as a Secret, labelled as ftrec's."""
     from kubernetes.client import models as k8s
@@ -275,7 +275,7 @@ def job_secret(cfg: Config, job: str, token: str, key: str):
     )
 
 
-def put_job_secret(cfg: Config, job: str) -> None:
+def put_job_secret(cfg: PodConfig, job: str) -> None:
     """Create (or, on a retry, replace) the job's token Secret, derived on this worker from the
     lighthouse's admin secret (FTCORE_TOKEN_FILE / FTCORE_TOKEN): the pods never see that one;
     with it the worker's checkpoint key (FTREC_CHECKPOINT_KEY_FILE)."""
@@ -305,7 +305,7 @@ def put_job_secret(cfg: Config, job: str) -> None:
         api.replace_namespaced_secret(body.metadata.name, cfg.namespace, body)
 
 
-def drop_job_secret(cfg: Config, job: str) -> None:
+def drop_job_secret(cfg: PodConfig, job: str) -> None:
     """Delete the job's token Secret once its pods are done (gone already: fine)."""
     from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
     from kubernetes.client.exceptions import ApiException
@@ -387,7 +387,7 @@ def collect(run: dict[str, Any]) -> dict[str, Any]:
 # ---------------------------------------------------------------- the standing lighthouse
 
 
-def _lighthouse_container(cfg: Config):
+def _lighthouse_container(cfg: PodConfig):
     """The lighthouse's one container: it binds the pod's own address (never a wildcard, as
     everywhere in ftcore) and reads its admin token from the mounted Secret."""
     from kubernetes.client import models as k8s
@@ -413,7 +413,7 @@ def _lighthouse_container(cfg: Config):
     )
 
 
-def lighthouse_manifests(cfg: Config | None = None) -> list:
+def lighthouse_manifests(cfg: PodConfig | None = None) -> list:
     """The lighthouse's Deployment and Service (kubernetes client models). One replica,
     recreated rather than rolled: two lighthouses must never answer for one job at once."""
     from kubernetes.client import models as k8s

@@ -77,7 +77,7 @@ def _ingest(p: dict, event_window: dict[str, int]) -> dict[str, Any]:
     return data
 
 
-def run_split(data: dict, p: dict) -> eval_split.Split:
+def run_split(data: dict, p: dict) -> eval_split.RunSplit:
     """The split of the shards of ingest's `data` (eval_split.resolve of its format and the
     triggering event's window, and the split params); AirflowFailException on a bad value."""
     from dataprep.readers import TIME_FORMATS

@@ -31,7 +31,7 @@ class Interval:
 
 
 @dataclass
-class StepRecord:
+class StepPhases:
     step: int
     t0: float
     t1: float = 0.0
@@ -58,14 +58,14 @@ class PhaseLog:
 
     def __init__(self, rank: int = 0, clock=time.perf_counter):
         self.rank, self.clock = rank, clock
-        self.steps: list[StepRecord] = []
-        self._cur: StepRecord | None = None
+        self.steps: list[StepPhases] = []
+        self._cur: StepPhases | None = None
         self._compute: list = []  # [name, t0 or None], the outermost open compute interval
         self._depth = 0
 
     # t: a timestamp of this clock taken by the caller (the trainer's step timer), else now
     def step_begin(self, step: int, t: float | None = None):
-        self._cur = StepRecord(step, self.clock() if t is None else t)
+        self._cur = StepPhases(step, self.clock() if t is None else t)
 
     def step_abort(self):
         """Drop the open step (it will be retried)."""
@@ -113,12 +113,12 @@ class PhaseLog:
         if self._cur is not None:
             self._cur.intervals.append(iv)
 
-    def to_json(self, steps: list[StepRecord] | None = None) -> list[dict]:
+    def to_json(self, steps: list[StepPhases] | None = None) -> list[dict]:
         return [asdict(s) for s in (self.steps if steps is None else steps)]
 
     @staticmethod
-    def from_json(steps: list[dict]) -> list[StepRecord]:
-        return [StepRecord(s["step"], s["t0"], s["t1"], [Interval(**i) for i in s["intervals"]]) for s in steps]
+    def from_json(steps: list[dict]) -> list[StepPhases]:
+        return [StepPhases(s["step"], s["t0"], s["t1"], [Interval(**i) for i in s["intervals"]]) for s in steps]
 
 
 def max_arrivals(scheduler, group=None, start: int = 0) -> dict[int, float]:
@@ -142,7 +142,7 @@ def _overlap(a0, a1, b0, b1) -> float:
     return max(0.0, min(a1, b1) - max(a0, b0))
 
 
-def account(steps: list[StepRecord], rank: int = 0, arrivals: dict[int, float] | None = None) -> list[StepAccount]:
+def account(steps: list[StepPhases], rank: int = 0, arrivals: dict[int, float] | None = None) -> list[StepAccount]:
     """Per-step compute / comm / straggler / idle of one rank."""
     out = []
     for s in steps:
@@ -197,7 +197,7 @@ COLOURS = {"compute": "#2e7d32", "comm": "#c62828", "straggler": "#ef6c00", "idl
 
 
 def plot_timeline(
-    steps_by_rank: list[list[StepRecord]],
+    steps_by_rank: list[list[StepPhases]],
     path: str,
     arrivals: dict[int, float] | None = None,
     first_step: int | None = None,
