@@ -2,7 +2,7 @@
 
 Rank k of every replica group holds the same rows of the table, so FTAR averages shard k
 with shard k, and a recovering group heals rank by rank from the same rank of a healthy
-group (ftcore/manager.py). Each rank writes its own final state file (training/ft.py
+group (ftcore/manager.py). Each rank writes its own final state file (training/replica.py
 `finish(per_rank=True)`) and the launcher's checksum covers them all.
 
 - no fault: the sharded run's full table (shards concatenated from the per-rank files) and

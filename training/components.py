@@ -18,7 +18,7 @@ from training.config import Config, EvalConfig, TrainConfig
 from training.data import DataCursor, ShardSet
 from training.distributed import Topology, log
 from training.evaluate import EvalData, evaluate
-from training.ft import ReplicaSync
+from training.replica import ReplicaSync
 from training.selection import Record, Selection
 from training.state import TrainState, WarmupDecay
 from training.tracking import Tracker

@@ -1,7 +1,7 @@
 """The replica group's processes: torch.distributed set-up and the gradient all-reduce.
 
 Under torchrun the ranks of ONE replica group form the default process group (gloo on CPU,
-nccl on CUDA, a gloo twin for control values); across groups training/ft.py averages.
+nccl on CUDA, a gloo twin for control values); across groups training/replica.py averages.
 FTREC_REPLICA_GROUP and FTREC_NUM_REPLICA_GROUPS name this process's group. Collectives
 are bounded by FTREC_COLLECTIVE_TIMEOUT_S (300 s): a hung peer ends its group.
 """

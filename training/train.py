@@ -30,9 +30,9 @@ from training.config import Config, ConfigError, to_toml
 from training.data import Batch, BatchLoader, DataCursor, ShardSet, shard_ranks_for
 from training.distributed import Topology, log
 from training.evaluate import beside, evaluate
-from training.ft import LocalReplica, make_replica
 from training.loss import draw_negatives, loss_sum, negatives_per, resolve_kind, start_global_counts
 from training.model import SeqRec
+from training.replica import LocalReplica, make_replica
 from training.selection import Selection, make_selection
 from training.state import TrainState, WarmupDecay, build_optimizer
 from training.tracking import Tracker, code_tags

@@ -62,7 +62,7 @@ def _local_store(tracking_uri: str) -> Path | None:
 
 def group_mounts(spec: pipeline_ops.TrainSpec, group: int, tracking_uri: str) -> list[dict[str, Any]]:
     """A replica group's pod: its own output folder read-write (<run>/train/replica_<g>), the
-    job's ledger (<run>/train/ledger, a file per rank: training/ft.py writes it beside the output
+    job's ledger (<run>/train/ledger, a file per rank: training/replica.py writes it beside the output
     folder, the train task's ledger check reads it) read-write, the shard set read-only, a warm
     start's checkpoint (train.init_checkpoint) read-only at its own path; a local MLflow store
     on the work volume read-write (a tracking server needs none)."""

@@ -12,9 +12,13 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+from training.data import Batch, BatchLoader
+from training.distributed import Topology
+from training.state import TrainState
 
 if TYPE_CHECKING:
     from ftcore.messages import Quorum
@@ -27,11 +31,11 @@ class ReplicaSync(Protocol):
     """Everything the training loop (training/train.py) calls on its replica object."""
 
     def start_quorum(self) -> None: ...
-    def next_batch(self, loader: Any) -> Any: ...
+    def next_batch(self, loader: BatchLoader) -> Batch | None: ...
     def allreduce(self, tensors: Sequence[torch.Tensor | None]) -> None: ...
     def should_commit(self) -> bool: ...
     def lr_scale(self) -> float: ...
-    def advance(self, loader: Any) -> None: ...
+    def advance(self, loader: BatchLoader) -> None: ...
     def data_done(self, step: int, steps_total: int) -> bool: ...
     def state_for_checkpoint(self) -> dict: ...
     def load_from_checkpoint(self, meta: dict) -> None: ...
@@ -45,10 +49,10 @@ class LocalReplica:
     def start_quorum(self) -> None:
         pass
 
-    def next_batch(self, loader: Any) -> Any:
+    def next_batch(self, loader: BatchLoader) -> Batch | None:
         return loader.peek()
 
-    def advance(self, loader: Any) -> None:
+    def advance(self, loader: BatchLoader) -> None:
         loader.commit()
 
     def data_done(self, step: int, steps_total: int) -> bool:
@@ -79,7 +83,7 @@ class LocalReplica:
 class FTReplica:
     """One rank of one replica group of an FT-HSDP job (ftcore.manager underneath)."""
 
-    def __init__(self, state: Any, topology: Any, out: str | None = None, steps_total: int | None = None):
+    def __init__(self, state: TrainState, topology: Topology, out: str | None = None, steps_total: int | None = None):
         import torch.distributed as dist
 
         from ftcore import ledger, manager
@@ -170,7 +174,7 @@ class FTReplica:
     def start_quorum(self) -> None:
         self.manager.start_quorum()
 
-    def next_batch(self, loader: Any) -> Any:
+    def next_batch(self, loader: BatchLoader) -> Batch | None:
         """This step's batch from the make-up schedule (waits for the quorum: it decides who
         is live), or None: healing, someone else's make-up step, or nothing can run now."""
         self._pos, self._ids = None, None
@@ -193,7 +197,7 @@ class FTReplica:
         self.manager.set_work(batch is not None)
         return batch
 
-    def _read(self, loader: Any, owner: int, epoch: int, row_group: int) -> Any:
+    def _read(self, loader: BatchLoader, owner: int, epoch: int, row_group: int) -> Batch:
         """This rank's batch of `owner`'s shard files (a make-up piece may be another group's)."""
         from training.data import shard_ranks_for
 
@@ -201,7 +205,7 @@ class FTReplica:
         ranks = shard_ranks_for(loader.shardset.world_size, t.num_replica_groups, owner, t.group_size, t.rank)
         return loader.peek((epoch, loader.cursor.order(epoch).index(row_group)), ranks)
 
-    def advance(self, loader: Any) -> None:
+    def advance(self, loader: BatchLoader) -> None:
         """After a commit: the cursor moves past regular steps only (a make-up step read an
         earlier batch), so it stays at the schedule's regular position."""
         if self._committed is not None and self._committed.kind == "regular":
@@ -308,7 +312,9 @@ class FTReplica:
         self.manager.shutdown()
 
 
-def make_replica(state: Any, topology: Any, steps_total: int | None = None, out: str | None = None) -> ReplicaSync:
+def make_replica(
+    state: TrainState, topology: Topology, steps_total: int | None = None, out: str | None = None
+) -> ReplicaSync:
     """ftcore's replica when FTCORE_LIGHTHOUSE names a lighthouse (the launcher, or torchrun
     on a cluster), else the single-group no-op. `out`: this group's output folder."""
     if not os.environ.get("FTCORE_LIGHTHOUSE"):
