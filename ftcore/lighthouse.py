@@ -8,49 +8,17 @@ import argparse
 import collections
 import json
 import resource
-import secrets
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
-from ftcore import auth, netaddr, timeouts
+from ftcore import auth, netaddr, settings
+from ftcore.lighthouse_config import LighthouseConfig
 from ftcore.lighthouse_http import LighthouseServer
 from ftcore.lighthouse_job import TICK_S, Job
+from ftcore.lighthouse_pulse import Pulse
 from ftcore.messages import DEFAULT_JOB, ClientEvent, FailureReport, RankInfo
-from ftcore.pace import PacePolicy
-from ftcore.quorum import heartbeat_pace, probe_window
-
-
-@dataclass
-class LighthouseConfig:
-    bind: str = "127.0.0.1:0"
-    min_replicas: int = 1  # a floor: a job may ask for more (its ranks send FTCORE_MIN_REPLICAS)
-    expected_replicas: int = 0  # groups a job starts with when its ranks do not say (they send R)
-    join_timeout: float = timeouts.JOIN_TIMEOUT
-    heartbeat_timeout: float = timeouts.HEARTBEAT_TIMEOUT
-    start_timeout: float = timeouts.START_TIMEOUT  # a first quorum waits this long for expected groups unheard
-    failure_probe: float = timeouts.FAILURE_PROBE
-    stall_probe: float = timeouts.STALL_PROBE  # a round waiting this long on a member probes the quorum
-    token: str | None = None  # the admin secret; each job's token derives from it (auth.job_token)
-    events_file: str | None = None
-    lease: float = timeouts.LEASE  # how long a granted quorum may be reused while this lighthouse is silent
-    pause_grace: bool = True  # after a pause of its own, wait a heartbeat timeout before judging silence
-    pace: PacePolicy = field(default_factory=PacePolicy)  # fail-slow: exclude a group slower than its peers
-    max_jobs: int = 4096  # live jobs at once (retired ones do not count)
-    job_idle_s: float = 600.0  # a job none of whose ranks was heard for this long is retired
-    finished_linger_s: float = 60.0  # a finished job's step is remembered this long (late groups are told)
-    events_per_job: int = 1000  # the most recent events each live job keeps in memory
-    max_connections: int = 65536
-    max_connections_per_peer: int = 16384
-    max_unauthenticated_per_peer: int = 256
-    # a job holds at most max(min_connections_per_job, connections_per_rank x its ranks' heartbeat
-    # lines), and of a full lighthouse its share (ftcore/lighthouse_admission.py)
-    min_connections_per_job: int = 64
-    connections_per_rank: int = 4
-    heartbeat_budget: float = 4000.0  # heartbeats/s of every job together; past it speakers beat slower
-
 
 PACE_S = 1.0  # how often the heartbeat pace is set from the speakers counted
 RETIRED_KEPT = 256  # retired jobs listed by GET /jobs, whose final status GET /status still shows
@@ -62,8 +30,6 @@ class Lighthouse:
 
     def __init__(self, cfg: LighthouseConfig):
         self.cfg = cfg
-        # this start of the lighthouse (ftcore/messages.py): store prefixes differ across restarts
-        self.lighthouse_id = secrets.token_hex(4)
         self._jobs_lock = threading.Lock()
         self.jobs: dict[str, Job] = {}
         self.retired: collections.OrderedDict[str, dict[str, Any]] = collections.OrderedDict()
@@ -72,14 +38,10 @@ class Lighthouse:
         self.started = time.time()
         self._events_file = open(cfg.events_file, "a") if cfg.events_file else None
         self._stop = threading.Event()
-        self._pause_lock = threading.Lock()
-        self.alive_at = time.monotonic()  # the last time this process was seen running
-        self.grace_until = 0.0  # after a pause: silence is not judged before this
-        self.beat_s = 0.0  # the heartbeat pace asked of every speaker (0: their own)
-        self.paced_probe_s = cfg.failure_probe  # ... and the failure probe that pace allows
+        self.pulse = Pulse(cfg, self.event)  # its own pauses and pace, shared by every job
         self._ticker = threading.Thread(target=self._tick, daemon=True, name="lighthouse-tick")
         self._ticker.start()
-        self.event("lighthouse_started", lighthouse_id=self.lighthouse_id, min_replicas=cfg.min_replicas)
+        self.event("lighthouse_started", lighthouse_id=self.pulse.lighthouse_id, min_replicas=cfg.min_replicas)
 
     def event(self, kind: str, **data: Any) -> None:
         """Log an event: to stdout and the events file always, in memory with its job (or the
@@ -107,7 +69,9 @@ class Lighthouse:
                         f"live: {live}{' ...' if len(self.jobs) > 10 else ''}; jobs retire when they finish "
                         f"or after {self.cfg.job_idle_s:g}s without a rank (--job-idle)"
                     )
-                j = self.jobs[info.job] = Job(self, info.job, info.num_groups, info.min_replicas)
+                j = self.jobs[info.job] = Job(
+                    self.cfg, self.pulse, self.event, info.job, info.num_groups, info.min_replicas
+                )
                 gone = self.retired.get(info.job)
                 if gone is not None and time.monotonic() < gone["remember_until"]:
                     j.finished_step = gone["finished_step"]  # a late group of a finished job is told so
@@ -133,36 +97,10 @@ class Lighthouse:
             while len(self.retired) > RETIRED_KEPT:
                 self.retired.popitem(last=False)
 
-    def notice_pause(self, now: float) -> None:
-        """Called by the ticker every TICK_S and before every health sweep: a gap far longer
-        than a tick means this process was stopped (SIGSTOP, a frozen VM, a long GC) and
-        heard nobody meanwhile, so it grants every rank a heartbeat timeout to be heard again."""
-        with self._pause_lock:
-            gap = now - self.alive_at
-            self.alive_at = max(self.alive_at, now)
-            if gap > timeouts.PAUSE_JUMP and self.cfg.pause_grace:
-                self.grace_until = now + self.cfg.heartbeat_timeout
-                self.event("lighthouse_paused", seconds=round(gap, 3), grace_s=self.cfg.heartbeat_timeout)
-
-    def in_grace(self, now: float) -> bool:
-        return now < self.grace_until
-
-    @property
-    def probe_s(self) -> float:
-        """How long a failure probe waits to hear a member (as paced)."""
-        return self.paced_probe_s
-
-    def _pace(self, speakers: int) -> None:
-        """Ask for slower heartbeats when their speakers would exceed the budget (every
-        PACE_S); the probe allows the slower of this pace and the last (a speaker adopts a
-        new pace with its next beat)."""
-        was, self.beat_s = self.beat_s, heartbeat_pace(speakers, self.cfg.heartbeat_budget, self.cfg.heartbeat_timeout)
-        self.paced_probe_s = probe_window(self.cfg.failure_probe, max(was, self.beat_s))
-
     def _tick(self) -> None:
         paced = 0.0
         while not self._stop.wait(TICK_S):
-            self.notice_pause(time.monotonic())
+            self.pulse.notice_pause(time.monotonic())
             count = time.monotonic() - paced >= PACE_S
             speakers = 0
             for j in list(self.jobs.values()):
@@ -178,7 +116,7 @@ class Lighthouse:
                 except Exception as e:  # never let one job's bad state end every job's rounds
                     self.event("tick_error", job=j.name, error=f"{type(e).__name__}: {e}"[:300])
             if count:
-                self._pace(speakers)
+                self.pulse.pace(speakers)
                 paced = time.monotonic()
 
     # ---- messages for a job that may not exist (never created by them) ----------------------
@@ -210,7 +148,7 @@ class Lighthouse:
             st = {"job": job, "min_replicas": self.cfg.min_replicas, "max_step": 0, "quorum": None, "groups": []}
             st["events"] = []
         return {
-            "lighthouse_id": self.lighthouse_id,
+            "lighthouse_id": self.pulse.lighthouse_id,
             "uptime_s": time.time() - self.started,
             "jobs": sorted(self.jobs) if everyone else [job] if j is not None else [],
             **st,
@@ -290,157 +228,25 @@ def _raise_fd_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
-_D, _PACE = LighthouseConfig(), PacePolicy()
-# the command line as data: (flag, argparse keywords)
-OPTIONS: list[tuple[str, dict[str, Any]]] = [
-    ("--bind", {"default": "127.0.0.1:29510", "help": "host:port to listen on (loopback by default)"}),
-    ("--min-replicas", {"type": int, "default": 1, "help": "fewest replica groups a quorum may have"}),
-    (
-        "--expected-replicas",
-        {
-            "type": int,
-            "default": 0,
-            "help": "groups the job starts with: the first quorum waits for all of them or the join timeout",
-        },
-    ),
-    ("--join-timeout", {"type": float, "default": timeouts.JOIN_TIMEOUT}),
-    (
-        "--start-timeout",
-        {
-            "type": float,
-            "default": timeouts.START_TIMEOUT,
-            "help": "seconds a job's first quorum waits for an expected group not yet heard (still starting)",
-        },
-    ),
-    ("--heartbeat-timeout", {"type": float, "default": timeouts.HEARTBEAT_TIMEOUT}),
-    (
-        "--token-file",
-        {
-            "help": "file holding the admin secret (else FTCORE_TOKEN / FTCORE_TOKEN_FILE); each job's "
-            "token derives from it: python -m ftcore.auth job-token JOB"
-        },
-    ),
-    (
-        "--insecure",
-        {
-            "action": "store_true",
-            "help": "serve without a token (loopback binds only): anyone who reaches it can steer every job",
-        },
-    ),
-    ("--events-file", {"help": "append every event to this JSON-lines file"}),
-    (
-        "--lease",
-        {
-            "type": float,
-            "default": timeouts.LEASE,
-            "help": "seconds a group may go on in its last quorum while this lighthouse is silent (0: never)",
-        },
-    ),
-    (
-        "--no-pause-grace",
-        {
-            "action": "store_true",
-            "help": "judge heartbeat timeouts at once after this process was paused (for comparison only)",
-        },
-    ),
-    (
-        "--slow-ratio",
-        {
-            "type": float,
-            "default": _PACE.ratio,
-            "help": "fail-slow: exclude a group only from this "
-            "many times its peers' compute (default: R/(R-1) x 1.1 for R groups, which it never goes below; 0: never; "
-            "FTCORE_SLOW_RATIO)",
-        },
-    ),
-    (
-        "--slow-window",
-        {
-            "type": int,
-            "default": _PACE.window,
-            "help": "... measured over this many rounds, time-weighted (FTCORE_SLOW_WINDOW)",
-        },
-    ),
-    (
-        "--slow-probation",
-        {
-            "type": float,
-            "default": _PACE.probation_s,
-            "help": "seconds an excluded group waits before it may rejoin; doubles each time (FTCORE_SLOW_PROBATION)",
-        },
-    ),
-    (
-        "--heartbeat-budget",
-        {
-            "type": float,
-            "default": _D.heartbeat_budget,
-            "help": "heartbeats/s this lighthouse takes from all jobs; past it every speaker is asked to beat "
-            "slower (at most a quarter of the heartbeat timeout apart)",
-        },
-    ),
-    ("--max-jobs", {"type": int, "default": _D.max_jobs, "help": "live jobs at once (finished jobs retire)"}),
-    (
-        "--job-idle",
-        {"type": float, "default": _D.job_idle_s, "help": "seconds without any rank of a job before it retires"},
-    ),
-    (
-        "--finished-linger",
-        {
-            "type": float,
-            "default": _D.finished_linger_s,
-            "help": "seconds a retired finished job's last step is remembered (a late group is told the job finished)",
-        },
-    ),
-    ("--max-connections", {"type": int, "default": _D.max_connections, "help": "open connections in total"}),
-    (
-        "--max-connections-per-peer",
-        {
-            "type": int,
-            "default": _D.max_connections_per_peer,
-            "help": "open connections from one address (two per rank on that host)",
-        },
-    ),
-    (
-        "--max-unauthenticated-per-peer",
-        {
-            "type": int,
-            "default": _D.max_unauthenticated_per_peer,
-            "help": "connections from one address that sent no valid token yet (past it the oldest is closed)",
-        },
-    ),
-    (
-        "--min-connections-per-job",
-        {
-            "type": int,
-            "default": _D.min_connections_per_job,
-            "help": "connections a job may hold however few ranks it has (past its bound its idle ones close)",
-        },
-    ),
-    (
-        "--connections-per-rank",
-        {
-            "type": int,
-            "default": _D.connections_per_rank,
-            "help": "connections a job may hold per heartbeat line of its ranks (a rank holds two)",
-        },
-    ),
-]
-
-
 def _arg_parser() -> argparse.ArgumentParser:
+    """The command line: LighthouseConfig's table, and where the admin secret comes from."""
     p = argparse.ArgumentParser(prog="python -m ftcore.lighthouse", description=__doc__.split("\n\n")[0])
-    for flag, kw in OPTIONS:
-        p.add_argument(flag, **kw)
+    settings.add_arguments(p, LighthouseConfig)
+    p.add_argument(
+        "--token-file",
+        help="file holding the admin secret (else FTCORE_TOKEN / FTCORE_TOKEN_FILE); each job's "
+        "token derives from it: python -m ftcore.auth job-token JOB",
+    )
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="serve without a token (loopback binds only): anyone who reaches it can steer every job",
+    )
     return p
 
 
 def _config(a: argparse.Namespace) -> LighthouseConfig:
     """The service's configuration from its command line; ValueError says what to fix."""
-    if not a.heartbeat_budget > 0:
-        raise ValueError(f"--heartbeat-budget must be > 0 heartbeats/s, got {a.heartbeat_budget}")
-    if min(a.min_replicas, a.max_jobs, a.max_connections, a.max_connections_per_peer) < 1:
-        raise ValueError("--min-replicas, --max-jobs, --max-connections and --max-connections-per-peer must be >= 1")
-    pace = PacePolicy(a.slow_ratio, a.slow_window, a.slow_probation, _PACE.min_excess_s).check()
     token = auth.read_token_file(a.token_file) if a.token_file else auth.token_from_env()
     if token is None and not a.insecure:
         raise ValueError(
@@ -451,28 +257,10 @@ def _config(a: argparse.Namespace) -> LighthouseConfig:
         raise ValueError(
             f"refusing to serve {a.bind} without a token: --insecure is for loopback binds only; give --token-file"
         )
-    return LighthouseConfig(
-        a.bind,
-        a.min_replicas,
-        a.expected_replicas,
-        a.join_timeout,
-        a.heartbeat_timeout,
-        start_timeout=a.start_timeout,
-        token=token,
-        events_file=a.events_file,
-        lease=max(a.lease, 0.0),
-        pause_grace=not a.no_pause_grace,
-        pace=pace,
-        max_jobs=a.max_jobs,
-        job_idle_s=max(a.job_idle, 0.0),
-        finished_linger_s=max(a.finished_linger, 0.0),
-        max_connections=a.max_connections,
-        max_connections_per_peer=a.max_connections_per_peer,
-        max_unauthenticated_per_peer=max(a.max_unauthenticated_per_peer, 1),
-        min_connections_per_job=max(a.min_connections_per_job, 1),
-        connections_per_rank=max(a.connections_per_rank, 1),
-        heartbeat_budget=a.heartbeat_budget,
-    )
+    cfg = settings.from_args(LighthouseConfig, vars(a), token=token)
+    settings.check(cfg)
+    cfg.pace.check()
+    return cfg
 
 
 def main(argv: list[str] | None = None) -> int:

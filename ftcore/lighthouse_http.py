@@ -16,14 +16,14 @@ import time
 import urllib.parse
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import httptools
 
 from ftcore import auth, timeouts
 from ftcore.lighthouse_admission import AdmissionCounts, Caps, EvictIdle, EvictWaiting, Refuse, admit, settle
 from ftcore.lighthouse_page import status_html
-from ftcore.lighthouse_records import Deliver, StaleIncarnation
+from ftcore.lighthouse_records import Answer, Deliver, StaleIncarnation
 from ftcore.messages import (
     DEFAULT_JOB,
     ClientEvent,
@@ -36,9 +36,6 @@ from ftcore.messages import (
     job_id,
     loads,
 )
-
-if TYPE_CHECKING:
-    from ftcore.lighthouse_records import Answer
 
 MAX_BODY = 1 << 20  # bytes: larger bodies get 413, unread
 MAX_HEAD = 16 << 10  # bytes of request line and headers
@@ -103,7 +100,7 @@ class _Incoming:
     scope: str | None = None  # whom it speaks for (its token's job, or ADMIN)
 
 
-class _Connection(asyncio.Protocol):
+class Connection(asyncio.Protocol):
     """One client connection: llhttp's callbacks queue whole requests, answered in order, one at a time."""
 
     def __init__(self, server: LighthouseServer):
@@ -296,8 +293,8 @@ class LighthouseServer:
     def __init__(self, lh: Service, host: str, port: int):
         self.lh = lh
         self.loop = _new_loop()
-        self.conns: set[_Connection] = set()
-        self.ledger: AdmissionCounts[_Connection] = AdmissionCounts()  # who holds them, by job and by address
+        self.conns: set[Connection] = set()
+        self.ledger: AdmissionCounts[Connection] = AdmissionCounts()  # who holds them, by job and by address
         self._started = threading.Event()
         self._error: OSError | None = None
         self.server_address: tuple = ()
@@ -311,7 +308,7 @@ class LighthouseServer:
         asyncio.set_event_loop(self.loop)
         try:
             self._srv = self.loop.run_until_complete(
-                self.loop.create_server(lambda: _Connection(self), host, port, backlog=1024)
+                self.loop.create_server(lambda: Connection(self), host, port, backlog=1024)
             )
             self.server_address = self._srv.sockets[0].getsockname()[:2]
         except OSError as e:
@@ -321,7 +318,7 @@ class LighthouseServer:
             self.loop.call_later(1.0, self._sweep)
             self.loop.run_forever()
 
-    def admit(self, c: _Connection) -> str:
+    def admit(self, c: Connection) -> str:
         """Count a new connection in, or say why it is refused ("" when admitted): by
         lighthouse_admission.admit, which may close one connection to make room (one that sent
         no token for EVICT_AGE_S, or an idle one of a job past its share of a full lighthouse)."""
@@ -338,7 +335,7 @@ class LighthouseServer:
         self.ledger.open(c, c.peer, now)
         return ""
 
-    def acts_for(self, c: _Connection, job: str) -> str:
+    def acts_for(self, c: Connection, job: str) -> str:
         """`c` speaks for `job` (its token's scope, then the job its request names): past the
         job's bound its least recently used idle connection closes, or with none idle, this
         request is refused: the reason ("" when it is served)."""
@@ -348,17 +345,17 @@ class LighthouseServer:
             self._evict(self.ledger.oldest_idle(decision.job))
         return decision.reason if isinstance(decision, Refuse) else ""
 
-    def forget_unauthed(self, c: _Connection) -> None:
+    def forget_unauthed(self, c: Connection) -> None:
         """Called once a connection's token is accepted, and as it closes."""
         self.ledger.signed_in(c)
 
-    def release(self, c: _Connection) -> None:
+    def release(self, c: Connection) -> None:
         if c in self.conns:
             self.conns.discard(c)
             self.forget_unauthed(c)
             self.ledger.close(c)
 
-    def _evict(self, c: _Connection) -> None:
+    def _evict(self, c: Connection) -> None:
         self.release(c)
         c.t.abort()
 
@@ -386,7 +383,7 @@ class LighthouseServer:
             self._thread.join(timeout=5)
 
     # ---- routes ----------------------------------------------------------------------------
-    def dispatch(self, conn: _Connection, method: str, target: str, scope: str | None, raw: bytes) -> None:
+    def dispatch(self, conn: Connection, method: str, target: str, scope: str | None, raw: bytes) -> None:
         self.ledger.busy(conn, True)
         try:
             if method == "GET":
@@ -404,7 +401,7 @@ class LighthouseServer:
         except (MessageError, ValueError, TypeError, UnicodeDecodeError, RecursionError) as e:
             conn.reply(400, {"error": f"bad request: {e}"[:500]})
 
-    def _get(self, conn: _Connection, url: urllib.parse.ParseResult, scope: str | None) -> None:
+    def _get(self, conn: Connection, url: urllib.parse.ParseResult, scope: str | None) -> None:
         lh = self.lh
         if url.path == "/jobs":
             self._speaks(conn, scope, None)
@@ -418,7 +415,7 @@ class LighthouseServer:
             return conn.reply(200, page, "text/html; charset=utf-8")
         return conn.reply(404, {"error": f"no such path {url.path}"})
 
-    def _post(self, conn: _Connection, path: str, scope: str | None, msg: Any) -> None:
+    def _post(self, conn: Connection, path: str, scope: str | None, msg: Any) -> None:
         lh = self.lh
         if path == "/heartbeat":
             info = RankInfo.parse(msg)
@@ -451,7 +448,7 @@ class LighthouseServer:
             return conn.reply(404, {"error": f"no such path {path}"})
         conn.reply(200, {})
 
-    def _speaks(self, conn: _Connection, scope: str | None, job: str | None) -> None:
+    def _speaks(self, conn: Connection, scope: str | None, job: str | None) -> None:
         """`conn`'s token may act for `job` (else _Forbidden), and it counts as that job's
         connection (an admin token's counts for the job it names; _Crowded past the job's bound)."""
         _allow(scope, job)
@@ -459,12 +456,12 @@ class LighthouseServer:
         if refusal:
             raise _Crowded(refusal)
 
-    def _line(self, conn: _Connection, line: tuple[Membership, int, int, int] | None) -> None:
+    def _line(self, conn: Connection, line: tuple[Membership, int, int, int] | None) -> None:
         """`conn` is now the heartbeat line of (job, group, rank, incarnation), or of no rank."""
         conn.beat = line
         self.ledger.line(conn, line[1:3] if line is not None else None)
 
-    def _quorum(self, conn: _Connection, job: Membership, ask: QuorumRequest) -> None:
+    def _quorum(self, conn: Connection, job: Membership, ask: QuorumRequest) -> None:
         loop_thread = threading.get_ident()
 
         def answer(reply: str | Answer) -> None:

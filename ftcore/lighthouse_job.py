@@ -13,10 +13,12 @@ import collections
 import math
 import threading
 import time
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from ftcore.answers import OvertakenReply, QuorumRefused
+from ftcore.lighthouse_config import LighthouseConfig
+from ftcore.lighthouse_pulse import Pulse
 from ftcore.lighthouse_records import (
     Deliver,
     GroupRecord,
@@ -41,9 +43,6 @@ from ftcore.messages import (
 )
 from ftcore.quorum import FormationRound, Formed, HealPlan, Hearing, Member, decide, isolated, plan, resumed, waited_for
 
-if TYPE_CHECKING:
-    from ftcore.lighthouse import Lighthouse
-
 TICK_S = 0.01  # formation rounds: how often a waiting round re-checks its members
 
 
@@ -52,11 +51,20 @@ class Job:
 
     Each job has its own lock, so jobs served by one lighthouse never wait on each other."""
 
-    def __init__(self, lh: Lighthouse, name: str, num_groups: int, min_replicas: int):
-        self.lh, self.cfg, self.name = lh, lh.cfg, name
+    def __init__(
+        self,
+        cfg: LighthouseConfig,
+        pulse: Pulse,
+        log: Callable[..., None],
+        name: str,
+        num_groups: int,
+        min_replicas: int,
+    ):
+        """`pulse`: the lighthouse's own (pauses, pace, its id); `log`: its event log."""
+        self.cfg, self.pulse, self._log, self.name = cfg, pulse, log, name
         self.num_groups = num_groups  # 0: not declared by the ranks (any group id up to MAX_GROUPS)
-        self.min_replicas = max(lh.cfg.min_replicas, min_replicas)
-        self.expected = num_groups or lh.cfg.expected_replicas
+        self.min_replicas = max(cfg.min_replicas, min_replicas)
+        self.expected = num_groups or cfg.expected_replicas
         self.lock = threading.Lock()
         self.groups: dict[int, GroupRecord] = {}
         self.quorum: Quorum | None = None  # the last one formed (its shared part: no rank's addresses)
@@ -66,13 +74,13 @@ class Job:
         self.round = Pending()
         self.health = Health()
         self.finished_step = 0  # the highest step a group that finished (left) reached
-        self.slow = SlowGroups(lh.cfg.pace, self.event)  # fail-slow: its judge and the groups on standby
-        self.events: collections.deque = collections.deque(maxlen=lh.cfg.events_per_job)
+        self.slow = SlowGroups(cfg.pace, self.event)  # fail-slow: its judge and the groups on standby
+        self.events: collections.deque = collections.deque(maxlen=cfg.events_per_job)
         self.created = self.last_heard = time.monotonic()  # its first message; the last of any of its ranks
         self.relay: bool | None = None  # its groups speak through relays (ftcore/relay.py); None: no group yet
 
     def event(self, kind: str, **data: Any) -> None:
-        self.lh.event(kind, job=self.name, **data)
+        self._log(kind, job=self.name, **data)
 
     # ---- membership ---------------------------------------------------------------
     def _rank(self, info: RankInfo) -> tuple[GroupRecord, RankRecord]:
@@ -141,7 +149,7 @@ class Job:
 
     def _in_grace(self, now: float) -> bool:
         """Just after this lighthouse was paused or cut off: nobody is judged by a silence yet."""
-        return self.lh.in_grace(now) or now < self.health.grace_until
+        return self.pulse.in_grace(now) or now < self.health.grace_until
 
     def _hearing(self, since: float, probes: Iterable[Probe]) -> Hearing:
         """What this lighthouse heard since `since` (quorum.Hearing): of the healthy complete
@@ -177,14 +185,14 @@ class Job:
         self.health.swept(now, time.perf_counter() - t0)
 
     def _sweep(self, now: float) -> None:
-        self.lh.notice_pause(now)
-        if not self.lh.in_grace(now):  # after its own pause, this lighthouse knows why it heard nobody
+        self.pulse.notice_pause(now)
+        if not self.pulse.in_grace(now):  # after its own pause, this lighthouse knows why it heard nobody
             self._notice_isolation(now)
         probes = self.health.reports.get(self.quorum.quorum_id, []) if self.quorum else []
         # a probe that ends having heard most groups not at all, its accusers among them, says more
         # about this lighthouse than about them: it is dropped (its verdict would otherwise fall on
         # the last to be heard again). Its accusers heard, the silent ones fail, however many.
-        end = self.lh.probe_s
+        end = self.pulse.probe_s
         probes[:] = [p for p in probes if now <= p.t + end or not isolated(self._hearing(p.t, (p,)))]
         cut = max((p.t for p in probes if now > p.t + end), default=-math.inf)
         members, silence = set(self.quorum.groups if self.quorum else ()), self._silence_counts(now)
@@ -410,7 +418,7 @@ class Job:
         q = self.quorum
         if q is not None and q.identity == identity and q.aside() == aside and not self.health.force_new:
             return identity, self.quorum_id, q.lighthouse_id
-        return identity, self.quorum_id + 1, self.lh.lighthouse_id
+        return identity, self.quorum_id + 1, self.pulse.lighthouse_id
 
     def _plan(self, members: list[int]) -> HealPlan | None:
         """Where the members meet (quorum.plan); None: training ended (a group finished at a
@@ -536,7 +544,7 @@ class Job:
             _, rk = self._rank(info)
             rk.beat_lines += new_line
             qid = self.quorum.quorum_id if self.quorum else 0
-            return HeartbeatReply(qid, tuple(self.health.failed), beat_s=self.lh.beat_s)
+            return HeartbeatReply(qid, tuple(self.health.failed), beat_s=self.pulse.beat_s)
 
     def disconnected(self, g: int, r: int, inc: int) -> None:
         """One of the rank's heartbeat connections closed: it is gone once none is left."""
@@ -556,7 +564,7 @@ class Job:
             kind = "stall_reported" if report.stalled else "failure_reported"
             self.event(kind, group=report.group, rank=report.rank, quorum_id=qid, error=report.error)
             now, probes = time.monotonic(), self.health.probes(qid, self.quorum.quorum_id if self.quorum else None)
-            if not probes or now > probes[-1].t + self.lh.probe_s:  # a new probe (a quorum outlives a stall)
+            if not probes or now > probes[-1].t + self.pulse.probe_s:  # a new probe (a quorum outlives a stall)
                 # the last one ended stands until this one ends
                 probes[:] = [*probes[-1:], Probe(now, frozenset({report.group}))]
             # the reporter's process group is broken: rebuild everyone's (after a restart of this

@@ -13,6 +13,8 @@ import os
 import statistics
 from dataclasses import dataclass, field
 
+from ftcore.settings import setting
+
 
 def _env(name: str, default: float) -> float:
     raw = os.environ.get(name, "")
@@ -29,9 +31,29 @@ def _ratio_env() -> float | None:
 
 @dataclass
 class PacePolicy:
-    ratio: float | None = _ratio_env()  # None: R/(R-1) x margin; 0: off; x: at least x as well
-    window: int = int(_env("FTCORE_SLOW_WINDOW", 40))  # rounds a group is measured over before a verdict
-    probation_s: float = _env("FTCORE_SLOW_PROBATION", 30.0)  # first standby; doubles per repeat
+    """The fail-slow rule's settings (a table: ftcore/settings.py); the lighthouse's --slow-*
+    flags set the first three."""
+
+    ratio: float | None = setting(
+        _ratio_env(),
+        "fail-slow: exclude a group only from this many times its peers' compute (unset: R/(R-1) x 1.1 "
+        "for R groups, which it never goes below; 0: never; FTCORE_SLOW_RATIO)",
+        flag="--slow-ratio",
+        kind=float,
+        at_least=0,
+    )
+    window: int = setting(
+        int(_env("FTCORE_SLOW_WINDOW", 40)),
+        "... measured over this many rounds, time-weighted (FTCORE_SLOW_WINDOW)",
+        flag="--slow-window",
+        at_least=1,
+    )
+    probation_s: float = setting(
+        _env("FTCORE_SLOW_PROBATION", 30.0),
+        "seconds an excluded group waits before it may rejoin; doubles each time (FTCORE_SLOW_PROBATION)",
+        flag="--slow-probation",
+        above=0,
+    )
     min_excess_s: float = _env("FTCORE_SLOW_MIN_EXCESS", 0.005)  # slower by less than this: not slow
     max_probation_s: float = 600.0
     margin: float = 1.1  # over R/(R-1)

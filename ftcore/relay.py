@@ -10,12 +10,12 @@ import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ftcore import preauth, timeouts
 from ftcore.answers import QuorumRefused, parse_quorum_answer
 from ftcore.lighthouse_client import LighthouseClient, LighthouseError, call
-from ftcore.lighthouse_http import LighthouseServer
+from ftcore.lighthouse_http import Connection, LighthouseServer
 from ftcore.lighthouse_records import Deliver, StaleIncarnation
 from ftcore.messages import (
     Busy,
@@ -27,9 +27,6 @@ from ftcore.messages import (
     QuorumRequest,
     RankInfo,
 )
-
-if TYPE_CHECKING:
-    from ftcore.lighthouse_http import _Connection
 
 # A group's beats to the lighthouse: half as often as a rank's (the lighthouse hears groups, and a
 # busy one is spared most of its heartbeats); a loaded lighthouse asks for slower ones.
@@ -217,11 +214,11 @@ class _RelayServer(LighthouseServer):
     address wait for theirs (preauth.PreauthPool: the oldest makes way for a new one)."""
 
     def __init__(self, relay: Relay, host: str):
-        self.preauth: preauth.PreauthPool[_Connection] = preauth.PreauthPool()
+        self.preauth: preauth.PreauthPool[Connection] = preauth.PreauthPool()
         self.signed_in: Counter[str] = Counter()  # per address: connections that showed a token
         super().__init__(relay, host, 0)
 
-    def admit(self, c: _Connection) -> str:
+    def admit(self, c: Connection) -> str:
         cfg = self.lh.cfg
         if self.signed_in.total() >= cfg.max_connections:
             return f"this relay has {cfg.max_connections} connections open"
@@ -234,16 +231,16 @@ class _RelayServer(LighthouseServer):
         self.loop.call_later(preauth.PREAUTH_S, self._expire, c)
         return ""
 
-    def _expire(self, c: _Connection) -> None:
+    def _expire(self, c: Connection) -> None:
         if not c.authed:
             c.t.close()
 
-    def forget_unauthed(self, c: _Connection) -> None:
+    def forget_unauthed(self, c: Connection) -> None:
         """Called once a connection's token is accepted, and as it closes."""
         if self.preauth.leave(c.peer, c) and c.authed:
             self.signed_in[c.peer] += 1
 
-    def release(self, c: _Connection) -> None:
+    def release(self, c: Connection) -> None:
         if c in self.conns and c.authed:
             self.signed_in[c.peer] -= 1
             if self.signed_in[c.peer] <= 0:

@@ -270,7 +270,7 @@ def test_a_restarted_lighthouse_resumes_the_quorum_its_members_report(lighthouse
     last = [QuorumRequest(c.info, quorum_lighthouse_id=q.lighthouse_id, quorum_key=q.members_key) for c in cs]
     try:
         q2 = _ask_all(cs, last)
-        assert q.lighthouse_id != lh2.lighthouse_id  # another lighthouse ...
+        assert q.lighthouse_id != lh2.pulse.lighthouse_id  # another lighthouse ...
         assert {x.key for x in q2} == {q.key}  # ... handed out the same quorum
         for c in cs:
             c.update(step=5)

@@ -632,3 +632,44 @@ def test_a_heartbeat_budget_that_is_not_positive_is_refused_by_name(budget, caps
 
     assert lighthouse.main(["--bind", "127.0.0.1:0", "--insecure", "--heartbeat-budget", budget]) == 2
     assert "--heartbeat-budget must be > 0" in capsys.readouterr().err
+
+
+def test_the_command_line_is_derived_from_the_config_table(capsys):
+    """Every setting of LighthouseConfig (and of its fail-slow table) that has a flag is on the
+    command line with its help and default, and parsing nothing gives the table's defaults."""
+    import dataclasses
+
+    from ftcore import lighthouse, settings
+    from ftcore.lighthouse_config import LighthouseConfig
+    from ftcore.pace import PacePolicy
+
+    rows = [(f, LighthouseConfig) for f in dataclasses.fields(LighthouseConfig)]
+    rows += [(f, PacePolicy) for f in dataclasses.fields(PacePolicy)]
+    flagged = [(f, t) for f, t in rows if settings.flag_of(f)]
+    assert len(flagged) >= 20, "the table lost its flags: the test checks too little"
+    text = " ".join(lighthouse._arg_parser().format_help().split())
+    for f, _ in flagged:
+        assert settings.flag_of(f) in text and " ".join(f.metadata["help"].split()) in text, f.name
+    cfg = lighthouse._config(lighthouse._arg_parser().parse_args(["--insecure"]))
+    assert dataclasses.replace(cfg, bind="127.0.0.1:0") == LighthouseConfig()  # only bind's line default differs
+    assert cfg.bind == "127.0.0.1:29510"
+    cfg = lighthouse._config(
+        lighthouse._arg_parser().parse_args(["--insecure", "--no-pause-grace", "--slow-window", "7", "--job-idle", "3"])
+    )
+    assert (cfg.pause_grace, cfg.pace.window, cfg.job_idle_s) == (False, 7, 3.0)
+
+
+@pytest.mark.parametrize(
+    "argv, said",
+    [
+        (["--lease", "-1"], "--lease must be >= 0"),
+        (["--max-connections-per-peer", "0"], "--max-connections-per-peer must be >= 1"),
+        (["--slow-probation", "0"], "--slow-probation must be > 0"),
+        (["--slow-window", "2000"], "window <= most rounds"),
+    ],
+)
+def test_a_setting_below_its_floor_is_refused_by_its_flag(argv, said, capsys):
+    from ftcore import lighthouse
+
+    assert lighthouse.main(["--bind", "127.0.0.1:0", "--insecure", *argv]) == 2
+    assert said in capsys.readouterr().err

@@ -164,7 +164,7 @@ def test_a_loaded_lighthouse_slows_the_groups_beats_and_waits_for_them_longer(li
     try:
         quorum = ask_all([c for _, cs in made for c in cs])[0]
         assert _wait(lambda: all(r.upstream.pace == 0.5 for r, _ in made), 4.0), [r.upstream.pace for r, _ in made]
-        assert lh.beat_s == 0.5 and lh.probe_s == pytest.approx(0.55)
+        assert lh.pulse.beat_s == 0.5 and lh.pulse.probe_s == pytest.approx(0.55)
         silences = []
         for _ in range(60):  # 1.2 s: beats half a second apart, every one answered
             silences += [r.upstream.silent_for() for r, _ in made] + [c.silent_for() for _, cs in made for c in cs]

@@ -63,3 +63,41 @@ def test_one_name_per_class():
     assert len(where) > 50, "the scan found too few classes: it checks nothing"
     twice = {name: files for name, files in where.items() if len(files) > 1}
     assert not twice, f"class names defined more than once: {twice}"
+
+
+def _module(f: Path) -> str:
+    rel = f.relative_to(ROOT / "plugins" if "plugins" in f.parts else ROOT).with_suffix("")
+    return ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+
+
+def test_no_type_only_back_pointers():
+    """An import under `if TYPE_CHECKING:` is for a heavy or optional module, never the way
+    back to a module that imports this one (an owner handing itself down: give the part what
+    it uses instead)."""
+    files = [f for folder in [*FOLDERS.values(), ROOT / "plugins" / "ftrec_airflow"] for f in folder.rglob("*.py")]
+    direct = {_module(f): {n for n, _ in _imported(f)} for f in files}
+    back = []
+    for f in files:
+        for name, type_only in _imported(f):
+            if type_only and _module(f) in direct.get(name, set()):
+                back.append(f"{_module(f)} -> {name}")
+    assert "training.replica" in direct and len(direct) > 100, "the scan found too few modules"
+    assert not back, f"type-only imports of a module that imports this one: {back}"
+
+
+def _imported(f: Path) -> list[tuple[str, bool]]:
+    """(module, under TYPE_CHECKING) for each absolute `from X import` / `import X` of `f`."""
+    out = []
+    tree = ast.parse(f.read_text(), str(f))
+    guarded = {
+        id(n)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
+        for n in ast.walk(node)
+    }
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.append((node.module, id(node) in guarded))
+        elif isinstance(node, ast.Import):
+            out += [(a.name, id(node) in guarded) for a in node.names]
+    return out

@@ -2,39 +2,33 @@
 group is back in well under a second (a cold start spends seconds in imports)."""
 
 import json
-import sys
 import threading
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from ftcore.launcher.procs import Proc
 
-if TYPE_CHECKING:
-    from ftcore.launcher.supervisor import Launcher
-
 
 class SparePool:
-    """Two groups' worth of spares (two failures in a row), refilled after each use."""
+    """Two groups' worth of spares (two failures in a row), refilled after each use. `start`
+    starts one spare; `lock` and `stop` are the launcher's."""
 
-    def __init__(self, launcher: "Launcher"):
-        self.launcher = launcher
+    def __init__(
+        self, start: Callable[[], Proc], per_group: int, enabled: bool, lock: threading.Lock, stop: threading.Event
+    ):
+        self.start, self.per_group, self.enabled = start, per_group, enabled
+        self.lock, self.stop = lock, stop
         self.procs: list[Proc] = []
-
-    def start_one(self) -> Proc:
-        la = self.launcher
-        argv = [sys.executable, "-m", "ftcore.launcher.child", "spare", la.cfg.worker, *la.spare_preload()]
-        return la.spawn(argv, la.base_env(), "spare", stdin=True)
 
     def refill(self, delay: float = 0.0) -> None:
         # After a restart, wait: a new spare's imports would compete with the heal for CPU.
-        la = self.launcher
-        if la.stop.wait(delay):
+        if self.stop.wait(delay):
             return
-        if la.cfg.spares and not la.stop.is_set():
-            with la.lock:
-                need = 2 * la.cfg.ranks_per_group - len(self.procs)
+        if self.enabled and not self.stop.is_set():
+            with self.lock:
+                need = 2 * self.per_group - len(self.procs)
             for _ in range(max(need, 0)):
-                p = self.start_one()
-                with la.lock:
+                p = self.start()
+                with self.lock:
                     self.procs.append(p)
 
     def refill_later(self, delay: float) -> None:
@@ -42,12 +36,11 @@ class SparePool:
 
     def take(self) -> list[Proc] | None:
         """One group's worth of ready spares, or None."""
-        la = self.launcher
-        with la.lock:
+        with self.lock:
             ready = [p for p in self.procs if p.ready.is_set() and p.p.poll() is None]
-            if len(ready) < la.cfg.ranks_per_group:
+            if len(ready) < self.per_group:
                 return None
-            take = ready[: la.cfg.ranks_per_group]
+            take = ready[: self.per_group]
             self.procs = [p for p in self.procs if p not in take]
             return take
 

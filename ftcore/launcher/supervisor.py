@@ -45,7 +45,7 @@ class Launcher:
         self.failed: dict[int, str] = {}
         self.events: list[dict] = []
         self.procs = ProcessTable(self.lock, self.stop)
-        self.spares = SparePool(self)
+        self.spares = SparePool(self.start_spare, cfg.ranks_per_group, cfg.spares, self.lock, self.stop)
         self.watch = Watch(self, faults.load(cfg.faults) if cfg.faults else [])
         self.host = LighthouseHost(cfg, self.out, self.log)
         self.lease = RunLease(self.out, self.mine, cfg.job_id)
@@ -63,6 +63,11 @@ class Launcher:
     def spare_preload(self) -> list[str]:
         """Modules a warm spare imports besides the worker."""
         return []
+
+    def start_spare(self) -> Proc:
+        """A warm spare: a process that imports the worker and waits for its rank on stdin."""
+        argv = [sys.executable, "-m", "ftcore.launcher.child", "spare", self.cfg.worker, *self.spare_preload()]
+        return self.spawn(argv, self.base_env(), "spare", stdin=True)
 
     def after_kill(self) -> None:
         """Clean up what SIGKILLed ranks could not (after a group or the whole launch is killed)."""

@@ -5,12 +5,29 @@ import itertools
 import signal
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from ftcore.faults import LIGHTHOUSE_KINDS, Fault
+from ftcore.launcher.config import LaunchConfig
+from ftcore.launcher.host import LighthouseHost
+from ftcore.launcher.procs import Proc
 
-if TYPE_CHECKING:
-    from ftcore.launcher.supervisor import Launcher
+
+class Watched(Protocol):
+    """What the watch reads of the launch it watches, and the three things it may do to it:
+    log, restart the lighthouse, and (through a group's first Proc) mark a group for replacement."""
+
+    cfg: LaunchConfig
+    stop: threading.Event
+    t0: float
+    host: LighthouseHost
+    groups: dict[int, list[Proc]]
+    incarnation: dict[int, int]
+    done: set[int]
+
+    def status(self) -> dict | None: ...
+    def log(self, msg: str, **data: Any) -> None: ...
+    def start_lighthouse(self) -> None: ...
 
 
 def states(status: dict, groups: int) -> set[str]:
@@ -33,7 +50,7 @@ EPISODE_GAP_S = 2.0  # after a fault that lasts (and waited for a state), before
 class Watch:
     """Polls the lighthouse every 20 ms while the launch runs."""
 
-    def __init__(self, launcher: "Launcher", faults: list[Fault]):
+    def __init__(self, launcher: Watched, faults: list[Fault]):
         self.launcher = launcher
         self.faults = faults
         self.unhealthy_since: dict[int, float] = {}
