@@ -41,7 +41,19 @@ from ftcore.messages import (
     aside_of,
     identity_key,
 )
-from ftcore.quorum import FormationRound, Formed, HealPlan, Hearing, Member, decide, isolated, plan, resumed, waited_for
+from ftcore.quorum import (
+    FormationRound,
+    Formed,
+    HealPlan,
+    Hearing,
+    Member,
+    arrivals_needed,
+    decide,
+    isolated,
+    plan,
+    resumed,
+    waited_for,
+)
 
 TICK_S = 0.01  # formation rounds: how often a waiting round re-checks its members
 
@@ -209,15 +221,13 @@ class Job:
         self.health.failed = [
             g for g in (self.quorum.groups if self.quorum else ()) if g in self.groups and not self.groups[g].healthy
         ]
-        self._count_need()
+        self._refresh_need()
 
-    def _count_need(self) -> None:
-        """The complete groups a round needs before an arrival tries to form it (a majority, and
-        the fast path's members: quorum.decide); the ticker tries the rest every TICK_S. One
-        attempt per round at arrivals, not one per arrival: O(groups), not O(groups^2)."""
-        healthy = self.health.healthy - self.slow.excluded.keys()
-        fast = len(healthy & set(self.quorum.groups)) if self.quorum else max(len(healthy), self.expected)
-        self.round.need = max(fast, len(healthy) // 2 + 1, self.min_replicas)
+    def _refresh_need(self) -> None:
+        """After the health or the quorum changed: what arrivals must reach (quorum.arrivals_needed)."""
+        previous = frozenset(self.quorum.groups) if self.quorum else None
+        healthy = frozenset(self.health.healthy - self.slow.excluded.keys())
+        self.round.need = arrivals_needed(previous, healthy, self.expected, self.min_replicas)
 
     # ---- quorum ---------------------------------------------------------------------
     def tick(self, now: float) -> None:
@@ -390,7 +400,7 @@ class Job:
         self.lease_until = time.monotonic() + q.lease_s  # the members' leases run from before they asked
         self.max_step = max(self.max_step, where.max_step)
         self.health.failed = []
-        self._count_need()
+        self._refresh_need()
         for g in members:
             del self.round.pending[g]
         self.round.complete -= set(members)

@@ -34,6 +34,20 @@ class Wait:
     reason: str  # for the quorum_waiting event
 
 
+def majority(healthy: int) -> int:
+    """The fewest groups that are a majority of `healthy` ones: no two quorums can both have it."""
+    return healthy // 2 + 1
+
+
+def arrivals_needed(previous: frozenset[int] | None, healthy: frozenset[int], expected: int, min_replicas: int) -> int:
+    """The complete groups a round needs before an arrival tries `decide`: the fast path's
+    members (the healthy ones of the previous quorum, or for a first quorum every healthy group
+    and at least `expected`), a majority and min_replicas. Fewer can only wait, so arrivals below
+    it try nothing (O(groups) a round, not a decision per arrival); the ticker tries the rest."""
+    fast = len(healthy & previous) if previous is not None else max(len(healthy), expected)
+    return max(fast, majority(len(healthy)), min_replicas)
+
+
 def decide(r: FormationRound) -> Formed | Wait:
     """The members to form a quorum of now, or why the round waits.
 
@@ -50,7 +64,7 @@ def decide(r: FormationRound) -> Formed | Wait:
         return Wait("no healthy group is asking")
     if n < r.min_replicas:
         return Wait(f"{n} groups ask, the job needs {r.min_replicas}")
-    if 2 * n <= len(r.healthy):
+    if n < majority(len(r.healthy)):
         return Wait(f"{n} of {len(r.healthy)} healthy groups ask: not a majority")
     if r.leasing and not r.leasing & r.requesting:
         return Wait(f"groups {sorted(r.leasing)} may still train on the last quorum's lease")

@@ -9,9 +9,11 @@ from ftcore.quorum import (
     Hearing,
     Member,
     Wait,
+    arrivals_needed,
     decide,
     heartbeat_pace,
     isolated,
+    majority,
     plan,
     probe_window,
     resumed,
@@ -198,3 +200,36 @@ def test_probe_window_covers_one_beat(probe, pace, want):
 )
 def test_the_next_round_waits_for_a_heal_quorums_healers_only_if_it_ran(heal, asked, waits):
     assert waited_for((0, 1, 2), heal, 3, 121, asked) == waits
+
+
+@pytest.mark.parametrize(
+    "previous, healthy, expected, min_replicas, need",
+    [
+        ({0, 1, 2}, {0, 1, 2}, 0, 1, 3),  # steady: every member of the last quorum
+        ({0, 1, 2}, {0, 1}, 0, 1, 2),  # a member failed: not waited for
+        ({0, 1, 2}, {0, 1, 2, 3, 4}, 0, 1, 3),  # two new groups: still a majority of five
+        ({0}, {0, 1, 2, 3}, 0, 1, 3),  # one member of four healthy: a majority is three
+        (None, {0, 1}, 3, 1, 3),  # a first quorum waits for the job's expected groups
+        (None, {0, 1, 2}, 0, 1, 3),  # ... or every healthy group
+        ({0, 1}, {0, 1}, 0, 3, 3),  # min_replicas above everything
+        (None, set(), 0, 1, 1),  # nobody healthy: one arrival is worth a try (it is told why it waits)
+    ],
+)
+def test_arrivals_needed_from_a_table(previous, healthy, expected, min_replicas, need):
+    prev = frozenset(previous) if previous is not None else None
+    assert arrivals_needed(prev, frozenset(healthy), expected, min_replicas) == need
+
+
+def test_fewer_arrivals_than_needed_never_form_on_the_fast_path():
+    """What arrivals_needed promises: below it, decide (not yet waited) never forms; at it, with
+    the fast path's members asking, it does."""
+    for h in range(1, 8):
+        healthy = frozenset(range(h))
+        for prev_n in range(0, h + 1):
+            previous = frozenset(range(prev_n)) if prev_n else None
+            need = arrivals_needed(previous, healthy, 0, 1)
+            for n in range(0, h + 1):
+                asking = frozenset(range(n))
+                got = decide(FormationRound(previous, asking, healthy, 1, 0, False))
+                assert (n >= need) == isinstance(got, Formed), (h, prev_n, n, need, got)
+    assert [majority(h) for h in range(6)] == [1, 1, 2, 2, 3, 3]
