@@ -218,6 +218,7 @@ def serve(cfg: LighthouseConfig) -> tuple[LighthouseServer, Lighthouse]:
     except OSError:
         lh.close()
         raise
+    lh.pulse.read_until = server.read_until
     return server, lh
 
 

@@ -47,6 +47,7 @@ FIRST_REQUEST_S = 10.0  # a new connection must send its first request within th
 REQUEST_S = 10.0  # a request must arrive whole within this of its first byte
 IDLE_S = 600.0  # a quiet connection that is not a rank's newest heartbeat line is closed after this
 JSON = "application/json"
+LOOP_BEAT_S = 0.05  # the loop marks itself awake this often: a late mark is a loop behind on its input
 
 
 class Membership(Protocol):
@@ -296,6 +297,7 @@ class LighthouseServer:
         self.conns: set[Connection] = set()
         self.ledger: AdmissionCounts[Connection] = AdmissionCounts()  # who holds them, by job and by address
         self._started = threading.Event()
+        self.awake_at = time.monotonic()  # the loop's last mark (_awake)
         self._error: OSError | None = None
         self.server_address: tuple = ()
         self._thread = threading.Thread(target=self._run, args=(host, port), daemon=True, name="lighthouse-http")
@@ -316,7 +318,17 @@ class LighthouseServer:
         self._started.set()
         if self._error is None:
             self.loop.call_later(1.0, self._sweep)
+            self.loop.call_soon(self._awake)
             self.loop.run_forever()
+
+    def _awake(self) -> None:
+        self.awake_at = time.monotonic()
+        self.loop.call_later(LOOP_BEAT_S, self._awake)
+
+    def read_until(self) -> float:
+        """Up to when this server has surely read what arrived: a message since may still wait
+        unread in its sockets (a loaded host, a burst), so silence after it is not its sender's."""
+        return self.awake_at + LOOP_BEAT_S
 
     def admit(self, c: Connection) -> str:
         """Count a new connection in, or say why it is refused ("" when admitted): by

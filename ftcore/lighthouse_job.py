@@ -193,11 +193,12 @@ class Job:
     def _update_health(self, now: float) -> None:
         """O(ranks), on the ticker (never on the loop that answers every job): Health.sweep_due."""
         t0 = time.perf_counter()
-        self._sweep(now)
+        self.pulse.notice_pause(now)
+        self._sweep(self.pulse.judged_at(now))
         self.health.swept(now, time.perf_counter() - t0)
 
     def _sweep(self, now: float) -> None:
-        self.pulse.notice_pause(now)
+        """The health of every group as of `now` (the moment silence is judged at)."""
         if not self.pulse.in_grace(now):  # after its own pause, this lighthouse knows why it heard nobody
             self._notice_isolation(now)
         probes = self.health.reports.get(self.quorum.quorum_id, []) if self.quorum else []

@@ -5,6 +5,7 @@ allows."""
 
 from __future__ import annotations
 
+import math
 import secrets
 import threading
 import time
@@ -25,6 +26,8 @@ class Pulse:
         self.grace_until = 0.0  # after a pause: silence is not judged before this
         self.beat_s = 0.0  # the heartbeat pace asked of every speaker (0: their own)
         self.probe_s = cfg.failure_probe  # how long a failure probe waits to hear a member (as paced)
+        # up to when its server has read every message that arrived (serve() wires the server's)
+        self.read_until: Callable[[], float] = lambda: math.inf
 
     def notice_pause(self, now: float) -> None:
         """Called by the ticker every tick and before every health sweep: a gap far longer than
@@ -39,6 +42,12 @@ class Pulse:
 
     def in_grace(self, now: float) -> bool:
         return now < self.grace_until
+
+    def judged_at(self, now: float) -> float:
+        """The moment silence is judged as of: `now`, or earlier while the server reads late (a
+        beat waiting unread in its sockets is not its sender's silence). Verdicts come as much
+        later as it is behind; none is held while it stays behind (a real hang is still failed)."""
+        return min(now, self.read_until())
 
     def pace(self, speakers: int) -> None:
         """Ask for slower heartbeats when their speakers would exceed the budget; the probe

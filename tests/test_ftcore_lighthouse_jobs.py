@@ -3,6 +3,7 @@
 Real lighthouse servers on loopback and real clients, no processes beyond this one."""
 
 import json
+import math
 import socket
 import threading
 import time
@@ -483,3 +484,48 @@ def test_a_jobs_sweeps_are_paced_by_their_cost_and_its_reports_bounded_by_quorum
     for qid in range(1, 1000):  # a report may name any quorum id: kept for a few, and the current one
         h.probes(qid, current=7)
     assert len(h.reports) == REPORTED_QUORUMS and {7, 999} <= h.reports.keys()
+
+
+def test_beats_waiting_unread_behind_a_late_loop_are_not_silence_but_a_real_hang_still_fails():
+    """Silence is judged as of the moment the server had read everything that arrived
+    (Pulse.judged_at): group 2's beats may still wait unread in a loop that runs late (a CPU
+    hog, a burst) while groups 0 and 1, read since, are heard; group 2 is not failed for that.
+    Once the server has read up to now, group 2, silent for real, is failed, and only it."""
+    from ftcore.lighthouse import Lighthouse, LighthouseConfig
+
+    lh = Lighthouse(LighthouseConfig(heartbeat_timeout=0.5))
+    infos = [RankInfo(group=g, rank=0, world=1, job="late", num_groups=3) for g in range(3)]
+    job = lh.job(infos[0])
+    try:
+        read_until = time.monotonic() + 0.2  # what the server had surely read: the first beats
+        lh.pulse.read_until = lambda: read_until
+        for info in infos:
+            job.heartbeat(info, new_line=True)
+        assert _wait_for(lambda: job.health.healthy == {0, 1, 2}), "the groups never became healthy"
+
+        def failed() -> set[int]:
+            return {e["group"] for e in list(job.events) if e["kind"] == "failure_detected"}
+
+        for _ in range(75):  # 1.5 s: three heartbeat timeouts, groups 0 and 1 beating
+            for info in infos[:2]:
+                job.heartbeat(info)
+            time.sleep(0.02)
+        assert failed() == set(), "a beat that may wait unread was judged as its sender's silence"
+        lh.pulse.read_until = lambda: math.inf  # the server caught up: group 2 sent nothing
+        for _ in range(50):
+            for info in infos[:2]:
+                job.heartbeat(info)
+            time.sleep(0.02)
+        assert failed() == {2}
+    finally:
+        lh.close()
+
+
+def _wait_for(pred, timeout: float = 5.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.02)
+    return pred()
