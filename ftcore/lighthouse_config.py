@@ -62,6 +62,11 @@ class LighthouseConfig:
         flag="--finished-linger",
         at_least=0,
     )
+    max_ranks_per_job: int = setting(
+        1 << 17,
+        "ranks one job may register (each group's ranks, summed): one job's token cannot fill this lighthouse",
+        at_least=1,
+    )
     events_per_job: int = setting(1000, "the most recent events each live job keeps in memory", at_least=1)
     max_connections: int = setting(65536, "open connections in total", at_least=1)
     max_connections_per_peer: int = setting(

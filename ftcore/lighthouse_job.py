@@ -90,6 +90,7 @@ class Job:
         self.events: collections.deque = collections.deque(maxlen=cfg.events_per_job)
         self.created = self.last_heard = time.monotonic()  # its first message; the last of any of its ranks
         self.relay: bool | None = None  # its groups speak through relays (ftcore/relay.py); None: no group yet
+        self.ranks_held = 0  # the ranks its groups' incarnations registered (each group's world, summed)
 
     def event(self, kind: str, **data: Any) -> None:
         self._log(kind, job=self.name, **data)
@@ -107,13 +108,21 @@ class Job:
             raise StaleIncarnation(f"group {g} incarnation {inc} was replaced by {grp.incarnation}")
         if grp is not None and inc == grp.incarnation and world != grp.world:
             raise ValueError(f"group {g} incarnation {inc} has {grp.world} ranks, this rank says {world}")
+        new = grp is None or inc > grp.incarnation
+        held = self.ranks_held - (grp.world if grp is not None and new else 0) + (world if new else 0)
+        if held > self.cfg.max_ranks_per_job:  # one job's token cannot fill the lighthouse's memory
+            raise ValueError(
+                f"job {self.name} would hold {held} ranks with group {g}'s {world}: over this lighthouse's "
+                f"--max-ranks-per-job {self.cfg.max_ranks_per_job}"
+            )
         if self.relay is not None and self.relay != info.relay:
             # a quorum's replies hand rank k the addresses of rank k: one layout per job
             raise ValueError(f"job {self.name}: some groups speak through a relay and some do not (FTCORE_RELAY)")
         if not self.num_groups and info.num_groups:  # a job first seen without its size learns it
             self.num_groups = info.num_groups
             self.expected = self.expected or self.num_groups
-        if grp is None or inc > grp.incarnation:
+        if new:
+            self.ranks_held = held
             if grp is not None:
                 self._drop_pending(g)
                 self.slow.judge.readmit(g)  # a restarted group starts up again: measured once settled

@@ -529,3 +529,21 @@ def _wait_for(pred, timeout: float = 5.0):
             return got
         time.sleep(0.02)
     return pred()
+
+
+def test_a_job_holds_no_more_ranks_than_the_lighthouse_allows_one_job(lighthouse):
+    """A job's token lets it register groups, but not past --max-ranks-per-job (each group's
+    ranks, summed over its live incarnations): a 400 that names the setting, and the job keeps
+    what it had. A restarted group replaces its old incarnation's ranks, it does not add to them."""
+    addr, lh = lighthouse(max_ranks_per_job=8)
+
+    def beat(group: int, incarnation: int = 0, world: int = 4) -> tuple[int, dict]:
+        info = RankInfo(group=group, rank=0, world=world, job="capped", num_groups=0, incarnation=incarnation)
+        return call(addr, "/heartbeat", info.to_wire(), None)[:2]
+
+    assert beat(0)[0] == 200 and beat(1)[0] == 200  # 8 ranks: at the cap
+    code, body = beat(2)
+    assert code == 400 and "--max-ranks-per-job 8" in json.dumps(body), body
+    assert beat(1, incarnation=1)[0] == 200  # group 1 restarted: still 8
+    assert beat(0, incarnation=1, world=5)[0] == 400  # 9 would be over
+    assert sorted(lh.jobs["capped"].groups) == [0, 1] and lh.jobs["capped"].ranks_held == 8
