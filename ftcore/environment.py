@@ -84,6 +84,35 @@ def _job_token(token: str | None, job: str) -> str | None:
         raise ValueError(f"ftcore: FTCORE_TOKEN / FTCORE_TOKEN_FILE: {e}") from None
 
 
+# The fault-tolerance settings a run may choose (training's [ft] section: `--set ft.KEY=VALUE`,
+# from a DAG too), each the variable ftcore reads it from. The launcher and the Kubernetes pods
+# write them (ft_env); a rank and the lighthouse the launcher hosts read them as their defaults.
+FT_SETTINGS = {
+    "heartbeat_timeout": "FTCORE_HEARTBEAT_TIMEOUT",
+    "failure_probe": "FTCORE_FAILURE_PROBE",
+    "stall_probe": "FTCORE_STALL_PROBE",
+    "join_timeout": "FTCORE_JOIN_TIMEOUT",
+    "collective_timeout": "FTCORE_COLLECTIVE_TIMEOUT",
+    "quorum_timeout": "FTCORE_QUORUM_TIMEOUT",
+    "heal_timeout": "FTCORE_HEAL_TIMEOUT",
+    "lease": "FTCORE_LEASE",
+    "relay": "FTCORE_RELAY",
+}
+
+
+def ft_env(settings: dict[str, Any]) -> dict[str, str]:
+    """The environment that carries `settings` (FT_SETTINGS' names) to a rank and a lighthouse."""
+    return {FT_SETTINGS[k]: ("1" if v else "0") if isinstance(v, bool) else repr(v) for k, v in settings.items()}
+
+
+def ft_defaults() -> dict[str, Any]:
+    """Each FT setting's value in this process: what its environment sets, else ftcore's default."""
+    from ftcore import timeouts
+
+    values = {k: getattr(timeouts, v.removeprefix("FTCORE_")) for k, v in FT_SETTINGS.items() if k != "relay"}
+    return values | {"relay": os.environ.get("FTCORE_RELAY", "1") != "0"}
+
+
 def faults_from_env() -> list[faults_mod.Fault]:
     path = os.environ.get("FTCORE_FAULTS")
     return faults_mod.load(path) if path else []

@@ -121,7 +121,7 @@ class Job:
         if not self.num_groups and info.num_groups:  # a job first seen without its size learns it
             self.num_groups = info.num_groups
             self.expected = self.expected or self.num_groups
-        if new:
+        if grp is None or inc > grp.incarnation:  # new
             self.ranks_held = held
             if grp is not None:
                 self._drop_pending(g)

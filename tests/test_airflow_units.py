@@ -989,3 +989,34 @@ def test_a_retry_balances_by_the_cost_model_its_first_try_calibrated(tmp_path, m
     assert again == first and Path(again).read_text() == written and not cache.exists()  # not timed again
     other = pipeline_ops.ShardSpec(**{**spec.__dict__, "model_overrides": ["model.dim=16", "model.num_layers=1"]})
     assert pipeline_ops.shard_build_args(other, log=None)["cost_model"] != first and cache.exists()
+
+
+def test_a_dag_sets_fault_tolerance_through_the_trainers_ft_section(tmp_path):
+    """`--set ft.KEY=VALUE` (or the train_overrides param) is a trainer setting; the launcher
+    the train task runs turns it into the FTCORE_* variable of every rank and of the lighthouse
+    it hosts; a bad one fails at the launcher's parse, before any rank starts."""
+    from ftrec_airflow.local_run import run_conf
+    from training import launch
+
+    conf = run_conf({}, ["ft.lease=5", "ft.heartbeat_timeout=1.5"])
+    assert conf["train_overrides"] == ["ft.lease=5", "ft.heartbeat_timeout=1.5"]
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    (shards / "manifest.json").write_text("{}")
+    spec = pipeline_ops.TrainSpec(shards=str(shards), out=str(tmp_path / "t"), overrides=conf["train_overrides"])
+    cmd = pipeline_ops.train_command(spec, "RUN", "sqlite:///x.db")
+    env = launch.TrainerLauncher(launch.parse(cmd[cmd.index("launch") + 1 :])).job_env()
+    assert env["FTCORE_LEASE"] == "5.0" and env["FTCORE_HEARTBEAT_TIMEOUT"] == "1.5"
+    bad = [*cmd[cmd.index("launch") + 1 :], "--set", "ft.heartbeat_timeout=9"]  # not below collective_timeout
+    with pytest.raises(launch.LaunchError, match="ft.heartbeat_timeout < ft.collective_timeout"):
+        launch.parse(bad)
+
+
+def test_a_rank_refuses_ft_settings_its_environment_does_not_carry(tmp_path, capsys):
+    """A rank started without the launcher (torchrun) and without the variables would silently
+    run on other settings: it stops and says which and how to give them."""
+    from training.__main__ import main
+
+    assert main(["train", "--shards", str(tmp_path), "--set", "ft.lease=7"]) == 2
+    err = capsys.readouterr().err
+    assert "ft.lease=7.0 but this rank runs with" in err and "FTCORE_LEASE" in err and "training launch" in err

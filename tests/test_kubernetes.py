@@ -64,7 +64,7 @@ def _run(tmp_path, groups=3, ranks=2) -> dict:
         replica_groups=groups,
         ranks_per_group=ranks,
         max_steps=20,
-        overrides=["model.dim=16", "train.seed=0"],
+        overrides=["model.dim=16", "train.seed=0", "ft.lease=12"],  # [ft] reaches the pods as the launcher's ranks
     )
     return {
         "spec": spec.to_dict(),
@@ -115,6 +115,7 @@ def test_each_group_pod_runs_the_launchers_torchrun_command(train_group, tmp_pat
         assert {k: env.get(k) for k in want_env} == want_env
         assert set(env) - set(want_env) == {"MLFLOW_TRACKING_URI", "PYTHONUNBUFFERED"}
         assert env["FTREC_REPLICA_GROUP"] == str(g) and env["FTCORE_LIGHTHOUSE"] == "ftcore-lighthouse.recs.svc:29510"
+        assert env["FTCORE_LEASE"] == "12.0"  # the run's ft.lease, as the launcher gives its ranks
         assert pod.metadata.labels["ftrec/replica-group"] == str(g)
         assert pod.metadata.name.startswith(f"ftrec-train-g{g}-")
 

@@ -12,6 +12,17 @@ import json
 import sys
 
 
+def ft_not_applied(changed: dict) -> str:
+    from ftcore.environment import FT_SETTINGS, ft_defaults
+
+    now = ft_defaults()
+    said = ", ".join(f"ft.{k}={v!r} but this rank runs with {now[k]!r} ({FT_SETTINGS[k]})" for k, v in changed.items())
+    return (
+        f"{said}: [ft] settings reach a rank through its environment; start the ranks with "
+        "`python -m training launch`, which sets it, or export those variables"
+    )
+
+
 def _train(args) -> int:
     from training.config import load_config
     from training.train import train
@@ -24,6 +35,9 @@ def _train(args) -> int:
         cfg.train.out = args.out
     if args.resume:
         cfg.train.resume = True
+    if cfg.ft.changed():  # [ft] acts through the rank's environment: the launcher sets it, this did not get it
+        print(f"error: {ft_not_applied(cfg.ft.changed())}", file=sys.stderr)
+        return 2
     from ftcore.lighthouse_client import JobFinished
 
     try:

@@ -19,6 +19,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from ftcore import environment
 from training.comm.config import CommConfig
 
 
@@ -229,6 +230,53 @@ class MlflowConfig:
     """MLflow's system/* metrics (CPU, memory, GPU) while the run trains"""
 
 
+_FT = environment.ft_defaults()  # this process's values: its environment's, else ftcore's defaults
+
+
+@dataclass
+class FtConfig:
+    """[ft] fault tolerance across replica groups (ftcore), given to every rank as FTCORE_* variables
+
+    The launcher hands each changed setting to every rank, and to the lighthouse it hosts, as the
+    variable ftcore reads (ftcore/environment.py, FT_SETTINGS); a standing lighthouse keeps its
+    own flags. The defaults are this process's values (its environment's, else ftcore's)."""
+
+    heartbeat_timeout: float = _FT["heartbeat_timeout"]
+    """seconds without a heartbeat before a rank is judged gone (FTCORE_HEARTBEAT_TIMEOUT)"""
+    failure_probe: float = _FT["failure_probe"]
+    """seconds a failure probe waits to hear an accused group (FTCORE_FAILURE_PROBE)"""
+    stall_probe: float = _FT["stall_probe"]
+    """seconds a stalled exchange or round waits before it asks for a probe (FTCORE_STALL_PROBE)"""
+    join_timeout: float = _FT["join_timeout"]
+    """seconds a quorum round waits for a group of the last quorum to ask (FTCORE_JOIN_TIMEOUT)"""
+    collective_timeout: float = _FT["collective_timeout"]
+    """seconds a cross-group exchange may take before it fails (FTCORE_COLLECTIVE_TIMEOUT)"""
+    quorum_timeout: float = _FT["quorum_timeout"]
+    """seconds a rank waits for a quorum reply (FTCORE_QUORUM_TIMEOUT)"""
+    heal_timeout: float = _FT["heal_timeout"]
+    """seconds a healing group waits for the state from its source (FTCORE_HEAL_TIMEOUT)"""
+    lease: float = _FT["lease"]
+    """seconds a group trains on in its last quorum while the lighthouse is silent; 0: never (FTCORE_LEASE)"""
+    relay: bool = _FT["relay"]
+    """a group of several ranks speaks to the lighthouse through its rank 0 (FTCORE_RELAY)"""
+
+    def checks(self) -> list[tuple[bool, str]]:
+        """ftcore's own order of its timeouts (ftcore/timeouts.py), checked before any rank starts."""
+        seconds = [v for k, v in dataclasses.asdict(self).items() if k not in ("lease", "relay")]
+        return [
+            (all(v > 0 for v in seconds) and self.lease >= 0, "ft.* seconds must be > 0 (ft.lease >= 0)"),
+            (
+                self.heartbeat_timeout < self.collective_timeout <= self.quorum_timeout,
+                "ft.heartbeat_timeout < ft.collective_timeout <= ft.quorum_timeout: a hang is seen by the "
+                "heartbeat before an exchange gives up on it, and an exchange gives up before a quorum request",
+            ),
+        ]
+
+    def changed(self) -> dict[str, Any]:
+        """The settings that differ from this process's values: what the ranks must be given."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if v != _FT[k]}
+
+
 @dataclass
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
@@ -239,6 +287,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)
     comm: CommConfig = field(default_factory=CommConfig)  # FreeScale communication (training/comm)
+    ft: FtConfig = field(default_factory=FtConfig)  # fault tolerance across groups (ftcore)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -390,7 +439,10 @@ def validate(cfg: Config) -> Config:
             "loss.kind must be 'auto', 'sampled_softmax', 'softmax' or 'bce'",
         ),
         (cfg.loss.negatives in ("shared", "per_token"), "loss.negatives must be 'shared' or 'per_token'"),
-        (cfg.optim.decay in ("cosine", "linear", "constant"), "optim.decay must be 'cosine', 'linear' or 'constant'"),
+        (
+            cfg.optim.decay in ("cosine", "linear", "constant"),
+            "optim.decay must be 'cosine', 'linear' or 'constant'",
+        ),
         (
             cfg.optim.item_optimizer in ("adam", "rowwise_adam"),
             "optim.item_optimizer must be 'adam' or 'rowwise_adam'",
@@ -423,7 +475,8 @@ def validate(cfg: Config) -> Config:
             cfg.eval.patience == 0 or (cfg.eval.periodic and cfg.eval.final),
             f"eval.patience={cfg.eval.patience} needs eval.periodic=true (it counts validations) and eval.final=true",
         ),
-    ] + cfg.comm.checks()
+    ]
+    checks += cfg.comm.checks() + cfg.ft.checks()
     for ok, msg in checks:
         if not ok:
             raise ConfigError(msg)

@@ -16,10 +16,10 @@ import shlex
 import sys
 from dataclasses import dataclass
 
-from ftcore import final_state, launcher
+from ftcore import environment, final_state, launcher
 from ftcore.faults import PlanError
 from ftcore.launcher import TOY, GroupFailed, LaunchError, Proc
-from training import timeline_summary
+from training import config, timeline_summary
 from training.checkpoint_key import KEY_ENV, use_default
 
 __all__ = [
@@ -55,6 +55,10 @@ class TrainerLauncher(launcher.Launcher):
 
     def worker_module(self) -> str:
         return "training" if self.cfg.worker == TRAINER else self.cfg.worker
+
+    def job_env(self) -> dict[str, str]:
+        """ftcore's, and the trainer's [ft] settings (trainer_ft): the same for every rank."""
+        return {**super().job_env(), **(trainer_ft(self.cfg.extra) if self.cfg.worker == TRAINER else {})}
 
     def spare_preload(self) -> list[str]:
         return ["training.train"] if self.cfg.worker == TRAINER else []
@@ -283,6 +287,8 @@ def parse(argv: list[str]) -> TrainerLaunchConfig:
         raise LaunchError(f"--job-id {a.job_id!r}: use letters, digits and ._:/+@=- (up to 128, FTCORE_JOB_ID)")
     if a.worker == TRAINER and not a.shards:
         raise LaunchError("--shards is required to launch the trainer (a folder from `python -m dataprep shards`)")
+    if a.worker == TRAINER:
+        trainer_ft(extra)  # the trainer's settings are checked here, before any rank starts
     if a.shards and not os.path.isfile(os.path.join(a.shards, "manifest.json")):
         raise LaunchError(f"--shards {a.shards}: no manifest.json there; build it with `python -m dataprep shards`")
     return TrainerLaunchConfig(
@@ -306,6 +312,21 @@ def parse(argv: list[str]) -> TrainerLaunchConfig:
         a.print_commands,
         oversubscribe_gpus=a.oversubscribe_gpus,
     )
+
+
+def trainer_ft(extra: list[str]) -> dict[str, str]:
+    """The [ft] settings the ranks' trainer arguments change (their --config and --set), as the
+    environment that carries them to every rank and to the lighthouse hosted here; the whole
+    trainer config is checked now, before any rank starts."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--config")
+    p.add_argument("--set", action="append", nargs="+", default=[])
+    a, _ = p.parse_known_args(extra)
+    try:
+        cfg = config.load_config(a.config, [kv for group in a.set for kv in group])
+    except config.ConfigError as e:
+        raise LaunchError(f"the trainer's settings after --: {e}") from None
+    return environment.ft_env(cfg.ft.changed())
 
 
 def _checkpoint_key(out: str) -> None:

@@ -150,6 +150,9 @@ def group_pods(run: dict[str, Any], cfg: PodConfig | None = None) -> list[dict[s
     cfg = cfg or config()
     spec = pipeline_ops.TrainSpec(**run["spec"])
     sets = pipeline_ops.trainer_settings(spec, run["mlflow_run_id"], run["tracking_uri"])
+    from training.launch import trainer_ft  # not at parse time: the DAG file imports no training
+
+    ft = trainer_ft([w for s in sets for w in ("--set", s)])  # the trainer's [ft], as the launcher gives it
     return [
         {
             "name": f"ftrec-train-g{g}",
@@ -159,7 +162,7 @@ def group_pods(run: dict[str, Any], cfg: PodConfig | None = None) -> list[dict[s
                 "app.kubernetes.io/component": "replica-group",
                 "ftrec/replica-group": str(g),
             },
-            "env_vars": group_env(cfg, run["job_id"], spec.replica_groups, g, run["tracking_uri"]),
+            "env_vars": {**group_env(cfg, run["job_id"], spec.replica_groups, g, run["tracking_uri"]), **ft},
             "arguments": group_args(spec, run["job_id"], g, sets),
             "token_secret": job_secret_name(run["job_id"]),
             "token_dir": TOKEN_DIR,
