@@ -3,6 +3,7 @@ text a string), errors that name the bad item, and `config --show` generated fro
 sections' docstrings, one line for every setting."""
 
 import dataclasses
+import re
 import subprocess
 import sys
 import tomllib
@@ -110,3 +111,16 @@ def test_config_show_lists_every_setting_as_toml(tmp_path):
         [sys.executable, "-m", "training", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120
     ).stdout
     assert "config --show" in helped
+
+
+@pytest.mark.parametrize("dotted", sorted(config.CHOICES))
+def test_every_choice_setting_refuses_another_value_by_name(dotted):
+    """Choice settings are checked in one place (config.CHOICES): any other value is a
+    ConfigError that names the setting and its choices; each choice itself passes."""
+    with pytest.raises(config.ConfigError, match=f"{re.escape(dotted)} must be "):
+        config.load_config(None, [f"{dotted}=not-a-choice"])
+    for value in config.CHOICES[dotted]:
+        try:
+            config.load_config(None, [f'{dotted}="{value}"'])
+        except config.ConfigError as e:  # another rule may tie it to a second setting (ligr: sasrec)
+            assert dotted not in str(e).split(" must be ")[0], e

@@ -419,38 +419,46 @@ def apply_overrides(cfg: Config, items: Iterable[str]) -> Config:
     return cfg
 
 
+# The settings that name one of a few choices, and those choices: checked here, in one place.
+CHOICES = {
+    "model.attention": ("sasrec", "hstu"),
+    "model.layer": ("standard", "ligr"),
+    "model.similarity": ("cosine", "dot"),
+    "model.rel_bias": ("pos+time", "pos", "none"),
+    "loss.kind": ("auto", "sampled_softmax", "softmax", "bce"),
+    "loss.negatives": ("shared", "per_token"),
+    "loss.normalize": ("step", "epoch"),
+    "optim.decay": ("cosine", "linear", "constant"),
+    "optim.item_optimizer": ("adam", "rowwise_adam"),
+    "eval.precision": ("auto", "fp32", "bf16"),
+    "eval.split": ("leave_one_out", "temporal", ""),  # "": the shard set's
+}
+
+
+def _choice_checks(cfg: Config) -> list[tuple[bool, str]]:
+    out = []
+    for dotted, allowed in CHOICES.items():
+        section, key = dotted.split(".")
+        words = [repr(a) for a in allowed]
+        said = f"{', '.join(words[:-1])} or {words[-1]}"
+        out.append((getattr(getattr(cfg, section), key) in allowed, f"{dotted} must be {said}"))
+    return out
+
+
 def validate(cfg: Config) -> Config:
     """Reject settings that cannot work, with the setting's name."""
-    checks = [
-        (cfg.model.attention in ("sasrec", "hstu"), "model.attention must be 'sasrec' or 'hstu'"),
-        (cfg.model.layer in ("standard", "ligr"), "model.layer must be 'standard' or 'ligr'"),
+    checks = _choice_checks(cfg) + [
         (
             cfg.model.layer != "ligr" or cfg.model.attention == "sasrec",
             "model.layer='ligr' is a softmax-attention layer: use it with model.attention='sasrec'",
         ),
-        (cfg.model.similarity in ("cosine", "dot"), "model.similarity must be 'cosine' or 'dot'"),
-        (cfg.model.rel_bias in ("pos+time", "pos", "none"), "model.rel_bias must be 'pos+time', 'pos' or 'none'"),
         (
             cfg.model.rel_pos_buckets >= 1 and cfg.model.rel_time_buckets >= 1,
             "model.rel_pos_buckets and model.rel_time_buckets must be >= 1",
         ),
-        (
-            cfg.loss.kind in ("auto", "sampled_softmax", "softmax", "bce"),
-            "loss.kind must be 'auto', 'sampled_softmax', 'softmax' or 'bce'",
-        ),
-        (cfg.loss.negatives in ("shared", "per_token"), "loss.negatives must be 'shared' or 'per_token'"),
-        (
-            cfg.optim.decay in ("cosine", "linear", "constant"),
-            "optim.decay must be 'cosine', 'linear' or 'constant'",
-        ),
-        (
-            cfg.optim.item_optimizer in ("adam", "rowwise_adam"),
-            "optim.item_optimizer must be 'adam' or 'rowwise_adam'",
-        ),
         (cfg.model.dim % cfg.model.num_heads == 0, "model.dim must be divisible by model.num_heads"),
         (cfg.model.dim > 0 and cfg.model.num_layers >= 0, "model.dim must be > 0 and model.num_layers >= 0"),
         (0.0 <= cfg.model.dropout < 1.0, "model.dropout must be in [0, 1)"),
-        (cfg.loss.normalize in ("step", "epoch"), "loss.normalize must be 'step' or 'epoch'"),
         (cfg.loss.num_negatives >= 1, "loss.num_negatives must be >= 1"),
         (cfg.loss.temperature > 0, "loss.temperature must be > 0"),
         (cfg.train.epochs >= 1 or cfg.train.max_steps > 0, "train.epochs must be >= 1 (or set train.max_steps)"),
@@ -458,7 +466,6 @@ def validate(cfg: Config) -> Config:
         (cfg.data.prefetch >= 0, "data.prefetch must be >= 0"),
         (len(cfg.eval.ks) > 0 and all(k >= 1 for k in cfg.eval.ks), "eval.ks must be positive integers"),
         (cfg.eval.item_chunk >= 1 and cfg.eval.batch_size >= 1, "eval.item_chunk and eval.batch_size must be >= 1"),
-        (cfg.eval.precision in ("auto", "fp32", "bf16"), "eval.precision must be 'auto', 'fp32' or 'bf16'"),
         (
             not cfg.eval.best_metric
             or (cfg.eval.best_metric.startswith("valid/") and cfg.eval.periodic and cfg.eval.final),
@@ -467,10 +474,6 @@ def validate(cfg: Config) -> Config:
         ),
         (cfg.eval.patience >= 0, "eval.patience must be >= 0 (0: no early stopping)"),
         (cfg.eval.valid_users >= 0, "eval.valid_users must be >= 0 (0: every user)"),
-        (
-            cfg.eval.split in ("", "leave_one_out", "temporal"),
-            "eval.split must be 'leave_one_out', 'temporal' or '' (the shard set's)",
-        ),
         (
             cfg.eval.patience == 0 or (cfg.eval.periodic and cfg.eval.final),
             f"eval.patience={cfg.eval.patience} needs eval.periodic=true (it counts validations) and eval.final=true",
