@@ -974,13 +974,16 @@ def test_a_retry_balances_by_the_cost_model_its_first_try_calibrated(tmp_path, m
     """A noisy calibration is not cached machine-wide (the next build times the model again, and
     its figures differ): the build's copy beside its shard set is what a retry of the same build
     uses, so the set it finds is its own and is reused, not rebuilt. Another model calibrates afresh."""
+    from dataprep.cost import load_cost_model
+
     monkeypatch.setenv("FTREC_WORK", str(tmp_path / "work"))
     spec = pipeline_ops.ShardSpec(
         input="-", fmt="sasrec", out=str(tmp_path / "run" / "shards"), world_size=2, max_len=20,
         model_overrides=["model.dim=8", "model.num_layers=1"],
     )  # fmt: skip
     first = pipeline_ops.shard_build_args(spec, log=None)["cost_model"]
-    assert Path(first).parent == tmp_path / "run" and json.loads(Path(first).read_text())["a"] > 0
+    # a calibrated model, read back (a noisy fit may give a = 0)
+    assert Path(first).parent == tmp_path / "run" and load_cost_model(first).source != "default"
     written = Path(first).read_text()
     cache = settings.work_root() / "cost-models"
     assert list(cache.glob("**/cost-*.json"))  # the machine-wide calibration (or its noisy copy)
