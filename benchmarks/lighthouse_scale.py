@@ -454,7 +454,11 @@ LH_PID = 0
 def _start_lighthouse(root: Path, port: int, cores: set[int] | None, events: Path) -> subprocess.Popen:
     # every simulated host shares 127.0.0.1 here: the per-address caps are a real host's times 1,000
     caps = ["--max-connections-per-peer", "65536", "--max-unauthenticated-per-peer", "65536"]
-    old = "max-unauthenticated-per-peer" not in (root / "ftcore" / "lighthouse.py").read_text()
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    # an older commit's lighthouse (--compare) may lack the flags: its --help says
+    argv = [sys.executable, "-m", "ftcore.lighthouse", "--help"]
+    usage = subprocess.run(argv, cwd=root, env=env, capture_output=True, text=True, timeout=60).stdout
+    old = "--max-unauthenticated-per-peer" not in usage
     lh = subprocess.Popen(
         [sys.executable, "-m", "ftcore.lighthouse", "--bind", f"127.0.0.1:{port}", "--insecure"]
         + ["--events-file", str(events)]
@@ -463,7 +467,7 @@ def _start_lighthouse(root: Path, port: int, cores: set[int] | None, events: Pat
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
-        env={**os.environ, "PYTHONPATH": str(root)},
+        env=env,
         preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None,
     )
     deadline = time.monotonic() + 30
