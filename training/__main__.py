@@ -35,8 +35,9 @@ def _train(args) -> int:
         cfg.train.out = args.out
     if args.resume:
         cfg.train.resume = True
-    if cfg.ft.changed():  # [ft] acts through the rank's environment: the launcher sets it, this did not get it
-        print(f"error: {ft_not_applied(cfg.ft.changed())}", file=sys.stderr)
+    unapplied = cfg.ft.changed()  # [ft] acts through the rank's environment: the launcher sets it
+    if unapplied:
+        print(f"error: {ft_not_applied(unapplied)}", file=sys.stderr)
         return 2
     from ftcore.lighthouse_client import JobFinished
 

@@ -10,6 +10,7 @@ bounded summary OUT/timeline.summary.json (training/timeline_summary.py), which 
 """
 
 import argparse
+import functools
 import json
 import os
 import shlex
@@ -56,9 +57,14 @@ class TrainerLauncher(launcher.Launcher):
     def worker_module(self) -> str:
         return "training" if self.cfg.worker == TRAINER else self.cfg.worker
 
+    @functools.cached_property
+    def ft_env(self) -> dict[str, str]:
+        """The trainer's [ft] settings as its ranks' variables (trainer_ft), read once: every rank
+        of the run, a restarted group's too, gets the same, whatever its --config file says later."""
+        return trainer_ft(self.cfg.extra) if self.cfg.worker == TRAINER else {}
+
     def job_env(self) -> dict[str, str]:
-        """ftcore's, and the trainer's [ft] settings (trainer_ft): the same for every rank."""
-        return {**super().job_env(), **(trainer_ft(self.cfg.extra) if self.cfg.worker == TRAINER else {})}
+        return {**super().job_env(), **self.ft_env}
 
     def spare_preload(self) -> list[str]:
         return ["training.train"] if self.cfg.worker == TRAINER else []
