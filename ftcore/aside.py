@@ -2,6 +2,8 @@
 step's FTAR, so neither can stall it, they take its average from rank k of the exchange's first
 member, which offers it on its heal server with [contributors, failed, quorum id]."""
 
+from collections.abc import Callable
+
 import torch
 
 from ftcore import timeouts
@@ -30,12 +32,15 @@ def offer_average(
     server.offer(step, {"average": list(tensors) if n >= 0 else [], "meta": meta}, kind="update")
 
 
-def take_average(tensors: list[torch.Tensor], q: Quorum, step: int, token: str | None) -> int:
+def take_average(
+    tensors: list[torch.Tensor], q: Quorum, step: int, token: str | None, abort: Callable[[], bool] | None = None
+) -> int:
     """An aside member's exchange: the step's average into `tensors`, fetched from rank k of
-    the exchange's first member (bounded as FTAR is); returns its contributors. HealError (the
-    step fails, not theirs) when it cannot be had or does not fit."""
+    the exchange's first member (bounded as FTAR is, and given up once `abort()`: that member
+    was failed); returns its contributors. HealError (the step fails, not theirs) when it
+    cannot be had or does not fit."""
     try:
-        tree = fetch(q.update_from, step, token, timeouts.COLLECTIVE_TIMEOUT, kind="update")
+        tree = fetch(q.update_from, step, token, timeouts.COLLECTIVE_TIMEOUT, kind="update", abort=abort)
         average, (n, failed, qid) = tree["average"], tree["meta"].tolist()
     except (KeyError, TypeError, ValueError) as e:
         raise HealError(str(e)) from None

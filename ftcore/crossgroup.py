@@ -90,7 +90,9 @@ def _rendezvous(args: tuple, abort: Callable[[], bool], on_stall: Callable[[], N
             on_stall = None
         if abort():
             threading.Thread(target=_retire_when_built, args=(done, out), daemon=True).start()
-            raise RendezvousAborted("a member of the quorum failed before the exchange's group was built")
+            raise RendezvousAborted(
+                "a member of the quorum failed, or gave its exchange up, before its group was built"
+            )
     if isinstance(out[0], Exception):
         raise out[0]
     return out[0]

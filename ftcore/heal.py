@@ -231,13 +231,25 @@ class _Handler(BaseHTTPRequestHandler):
         srv.served += 1
 
 
+WATCH_S = 0.05  # how often a fetch asks whether to give up (a hung source closes nothing)
+
+
 def fetch(
-    addr: str, step: int, token: str | None, timeout: float = timeouts.HEAL_TIMEOUT, kind: str = "snapshot"
+    addr: str,
+    step: int,
+    token: str | None,
+    timeout: float = timeouts.HEAL_TIMEOUT,
+    kind: str = "snapshot",
+    abort: Callable[[], bool] | None = None,
 ) -> Any:
     """Download the state after `step` commits (or, kind "update", that step's average) from the
-    heal server at `addr`."""
+    heal server at `addr`. `abort()`: give up as soon as it says so (the lighthouse failed the
+    source), not after `timeout`: a hung source keeps its connection open."""
     host, _, port = addr.rpartition(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    done, gave_up = threading.Event(), threading.Event()
+    if abort is not None:
+        threading.Thread(target=_watch, args=(conn, abort, done, gave_up), daemon=True, name="ftcore-fetch").start()
     try:
         conn.request("GET", f"/{kind}/{step}", headers=auth.headers(token))
         resp = conn.getresponse()
@@ -248,6 +260,25 @@ def fetch(
             raise HealError(f"heal server {addr} sent step {meta.get('step')}, wanted {step}")
         return tree
     except (OSError, http.client.HTTPException, tensorfile.FormatError) as e:
+        if gave_up.is_set():
+            raise HealError(f"fetching step {step} from {addr} given up: its source failed") from None
         raise HealError(f"fetching step {step} from {addr} failed: {type(e).__name__}: {e}") from None
     finally:
+        done.set()
         conn.close()
+
+
+def _watch(
+    conn: http.client.HTTPConnection, abort: Callable[[], bool], done: threading.Event, gave_up: threading.Event
+) -> None:
+    """Shut the fetch's socket down once `abort()` says so: its blocked read returns at once."""
+    while not done.wait(WATCH_S):
+        if gave_up.is_set() or abort():
+            gave_up.set()
+            sock = conn.sock
+            if sock is not None:  # else not connected yet: shut it down at the next tick
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                return

@@ -117,6 +117,7 @@ class LighthouseHandle(Protocol):
     replaced: bool
     failed_groups: tuple[int, ...]
     latest_quorum_id: int
+    abandoned_quorum_id: int
 
     def update(self, **changes: Any) -> None: ...
     def start_heartbeats(self) -> None: ...
@@ -148,6 +149,7 @@ class LighthouseClient:
         self.failed_groups: tuple[int, ...] = ()  # unhealthy members of the current quorum, per the last heartbeat
         self.replaced = False
         self.latest_quorum_id = 0  # the lighthouse's current quorum id, per the last heartbeat
+        self.abandoned_quorum_id = 0  # the last quorum whose exchange a member reported failed
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._conn: http.client.HTTPConnection | None = None
@@ -215,7 +217,7 @@ class LighthouseClient:
                     self.replaced = True
                 elif resp.status == 200:
                     beat = HeartbeatReply.parse(data)
-                    self.heard(beat.quorum_id, beat.failed)
+                    self.heard(beat.quorum_id, beat.failed, beat.abandoned)
                     self.pace = max(self.interval, min(beat.beat_s, timeouts.HEARTBEAT_TIMEOUT / 4))
                     silent_s = beat.silent_s  # through a relay: how long the lighthouse has not answered it
                 self._last_answer = time.monotonic() - silent_s
@@ -233,14 +235,17 @@ class LighthouseClient:
         self._conn = conn  # closed by leave()/close(), after the lighthouse knows why
         self._stalled = stalled
 
-    def heard(self, quorum_id: int, failed: tuple[int, ...] = ()) -> None:
+    def heard(self, quorum_id: int, failed: tuple[int, ...] = (), abandoned: bool = False) -> None:
         """The lighthouse's word on its quorum `quorum_id`: which members failed (a quorum's own
-        answer: none, it holds only healthy ones). A verdict about an older quorum than one
-        already heard of is superseded: a beat answered before a round formed, or a relay's
-        upstream beat from before its group's last round, must not fail a member of this one."""
+        answer: none, it holds only healthy ones), and whether its exchange was abandoned. A
+        verdict about an older quorum than one already heard of is superseded: a beat answered
+        before a round formed, or a relay's upstream beat from before its group's last round,
+        must not fail a member of this one."""
         with self._verdict_lock:
             if quorum_id >= self.latest_quorum_id:
                 self.failed_groups = failed
+                if abandoned:
+                    self.abandoned_quorum_id = quorum_id
             self.latest_quorum_id = max(self.latest_quorum_id, quorum_id)
 
     def hold(self) -> None:

@@ -564,7 +564,8 @@ class Job:
             _, rk = self._rank(info)
             rk.beat_lines += new_line
             qid = self.quorum.quorum_id if self.quorum else 0
-            return HeartbeatReply(qid, tuple(self.health.failed), beat_s=self.pulse.beat_s)
+            abandoned = self.health.force_new and self.quorum is not None
+            return HeartbeatReply(qid, tuple(self.health.failed), beat_s=self.pulse.beat_s, abandoned=abandoned)
 
     def disconnected(self, g: int, r: int, inc: int) -> None:
         """One of the rank's heartbeat connections closed: it is gone once none is left."""

@@ -246,9 +246,15 @@ class Manager:
     def _fetch_heal(self, addr: str, step: int, src: int) -> Any:
         t = time.monotonic()
         self.client.event("heal_started", source=src, step=step)
-        tree = fetch(addr, step, self.cfg.token)
+        tree = fetch(addr, step, self.cfg.token, abort=self._failed(src))
         self.client.event("heal_fetched", source=src, step=step, seconds=time.monotonic() - t)
         return tree
+
+    def _failed(self, g: int) -> Callable[[], bool]:
+        """Whether the lighthouse has failed group g: a fetch from a hung peer (its connection
+        open, nothing sent) gives up then, within the failure probe, not after its timeout. Not
+        when a newer quorum forms: a large heal may outlast the join timeout and still land."""
+        return lambda: g in self.client.failed_groups
 
     def _on_serve(self, step: int) -> None:
         self.injector.phase("heal_serve", step)
@@ -266,9 +272,16 @@ class Manager:
         return r.leased and r.stalled and self.client.silent_for() < timeouts.LIGHTHOUSE_SILENT
 
     def _overtaken(self, q: Quorum) -> bool:
-        """A member of q's exchange failed, or a newer quorum formed (the lighthouse's word)."""
+        """A member of q's exchange failed, a member reported it failed (it was abandoned: a rank
+        only now reaching its rendezvous would wait for peers who already left), or a newer
+        quorum formed (the lighthouse's word)."""
         # a member aside that fails (a dying heal source) is no peer of this exchange
-        return any(g in q.exchange() for g in self.client.failed_groups) or self.client.latest_quorum_id > q.quorum_id
+        c = self.client
+        return (
+            any(g in q.exchange() for g in c.failed_groups)
+            or 0 < q.quorum_id <= c.abandoned_quorum_id
+            or c.latest_quorum_id > q.quorum_id
+        )
 
     def _fail(self, msg: str, report: bool = False) -> None:
         self._r.errors.append(msg)
@@ -340,7 +353,7 @@ class Manager:
             q is not None
             and self._st.committed
             and time.monotonic() < self._st.lease_until
-            and self.client.latest_quorum_id <= q.quorum_id
+            and not self._overtaken(q)  # no newer quorum, no member failed, not abandoned
             and self._xg.key == q.key  # its exchange stands as built for q (no failure dropped it)
             and self.client.silent_for() > timeouts.LIGHTHOUSE_SILENT
         )
@@ -409,7 +422,8 @@ class Manager:
         step = q.max_step if self._r.heal_fut is not None else self.step
         if self.cfg.group in q.aside():
             try:
-                self._r.contributors = aside.take_average(tensors, q, step, self.cfg.token)
+                src = self._failed(q.exchange()[0])
+                self._r.contributors = aside.take_average(tensors, q, step, self.cfg.token, abort=src)
             except HealError as e:
                 self._r.errors.append(f"update: {e}")
             finally:

@@ -391,6 +391,9 @@ class HeartbeatReply:
     failed: tuple[int, ...] = ()  # members of the current quorum found unhealthy at the last sweep
     silent_s: float = 0.0  # from a relay: how long the lighthouse has not answered it
     beat_s: float = 0.0  # from a loaded lighthouse: beat no more often than this (0: as configured)
+    # a member reported the current quorum's exchange failed: nobody can finish it, so a member
+    # still waiting in it (or only now reaching its rendezvous) leaves now, not after its timeout
+    abandoned: bool = False
 
     def to_wire(self) -> dict[str, Any]:
         wire: dict[str, Any] = {"quorum_id": self.quorum_id, "failed": list(self.failed)}
@@ -398,6 +401,8 @@ class HeartbeatReply:
             wire["silent_s"] = self.silent_s
         if self.beat_s:
             wire["beat_s"] = self.beat_s
+        if self.abandoned:
+            wire["abandoned"] = True
         return wire
 
     @classmethod
@@ -405,7 +410,7 @@ class HeartbeatReply:
         body = _object(body, "a heartbeat reply")
         failed = _groups(body.get("failed", []), "failed")
         silent, beat = _seconds(body, "silent_s", 0.0), _seconds(body, "beat_s", 0.0, hi=60.0)
-        return cls(_int(body, "quorum_id", 0), failed, silent, beat)
+        return cls(_int(body, "quorum_id", 0), failed, silent, beat, _true_or_false(body, "abandoned"))
 
 
 @dataclass(frozen=True)

@@ -105,8 +105,9 @@ class Relay:
             m.lines += new_line
             if all(x.lines for x in self.members) and not self.lost:
                 self.upstream.resume()
-            up = self.upstream
-            return HeartbeatReply(up.latest_quorum_id, up.failed_groups, round(up.silent_for(), 4))
+            up, qid = self.upstream, self.upstream.latest_quorum_id
+            abandoned = up.abandoned_quorum_id == qid > 0
+            return HeartbeatReply(qid, up.failed_groups, round(up.silent_for(), 4), abandoned=abandoned)
 
     def disconnected(self, g: int, r: int, inc: int) -> None:
         """A rank's heartbeat line closed: so does the group's (the lighthouse sees it at once);

@@ -9,6 +9,7 @@ group is the rank's own."""
 
 import json
 import threading
+import time
 from dataclasses import replace
 
 import pytest
@@ -35,6 +36,7 @@ class FakeLighthouse:
         self.replaced = False
         self.failed_groups = ()
         self.latest_quorum_id = 0
+        self.abandoned_quorum_id = 0
         self.reports, self.events = [], []
         self.info = None
 
@@ -224,9 +226,10 @@ def test_a_failed_heal_fetch_makes_the_healing_groups_vote_false(groups):
     assert not g1.last_record()["committed"]
 
 
-def _heal_trio(groups, faults0=None, faults2=None):
+def _heal_trio(groups, faults0=None, faults2=None, meanwhile=None):
     """Group 1 (step 2) heals from group 0 (step 5) while group 2 (step 5) trains: 0 and 1 are
-    aside, group 2 alone is the exchange and serves its average to them; each in a thread."""
+    aside, group 2 alone is the exchange and serves its average to them; each in a thread.
+    `meanwhile(g0, g1, g2)` runs while they step."""
     g0 = groups(num_groups=3, step=5, faults=faults0)
     g1 = groups(group=1, num_groups=3, step=2)
     g2 = groups(group=2, num_groups=3, step=5, faults=faults2)
@@ -247,6 +250,8 @@ def _heal_trio(groups, faults0=None, faults2=None):
     ts = [threading.Thread(target=run, args=(i, g)) for i, g in enumerate((g0, g1, g2))]
     for t in ts:
         t.start()
+    if meanwhile is not None:
+        meanwhile(g0, g1, g2)
     for t in ts:
         t.join(30)
     return (g0, g1, g2), votes, grads
@@ -268,6 +273,36 @@ def test_a_source_failing_its_heal_costs_the_exchange_nothing(groups):
     assert g1.mgr.errors[0].startswith("heal: HealError") and g1.mgr.step == 2
     assert torch.equal(grads[0], grads[2]) and g0.mgr.step == g2.mgr.step == 6
     assert g2.mgr.errors == [] and g2.fake.reports == []
+
+
+def test_a_hung_heal_source_is_left_once_the_lighthouse_fails_it(groups):
+    """The source hangs while it serves (its connection open, nothing sent): the healer gives the
+    fetch up as soon as its lighthouse says the source failed, not after HEAL_TIMEOUT; the
+    exchange, which the source stands aside from, commits."""
+    hang = Fault("slow", group=0, at_step=0, phase="heal_serve", delay_s=timeouts.HEAL_TIMEOUT)
+
+    def verdict(g0, g1, g2):  # the healer's lighthouse fails the source (its heartbeats stopped)
+        time.sleep(0.5)
+        g1.fake.failed_groups = (0,)
+
+    (g0, g1, g2), votes, _ = _heal_trio(groups, faults0=[hang], meanwhile=verdict)
+    assert votes[1] is False and votes[2] is True, (g1.mgr.errors, g2.mgr.errors)
+    assert any("given up: its source failed" in e for e in g1.mgr.errors), g1.mgr.errors
+    assert g1.mgr.step == 2 and g1.mgr.healed_step is None and g2.mgr.step == 6
+
+
+def test_a_rank_reaching_an_abandoned_quorums_rendezvous_leaves_at_once(groups):
+    """Its peers gave quorum 3 up (one reported its exchange failed) and wait for the next round,
+    which needs this group: it must not wait out the join timeout in a rendezvous nobody else
+    will reach. The lighthouse's word that 3 was abandoned ends it, and the step fails."""
+    g0 = groups(num_groups=2)  # hosts the rendezvous, never comes to it
+    g1 = groups(quorum(3, groups=(0, 1), store=g0.fake.info.store), group=1, num_groups=2)
+    told = threading.Timer(0.5, lambda: setattr(g1.fake, "abandoned_quorum_id", 3))
+    told.start()
+    assert not g1.step(torch.ones(2))
+    told.join()
+    assert g1.mgr.errors[0].startswith("quorum: RendezvousAborted"), g1.mgr.errors
+    assert g1.fake.reports[-1][0] == 3 and g1.mgr.step == 0  # reported: the lighthouse rebuilds every group
 
 
 def test_a_failed_exchange_fails_the_members_aside_at_once(groups):

@@ -9,7 +9,7 @@ from conftest import IdleFlood, ask_all
 
 from ftcore import preauth
 from ftcore.lighthouse_client import GroupLost, JobFinished, LighthouseClient, call
-from ftcore.messages import FailureReport, MessageError, QuorumRequest, RankInfo
+from ftcore.messages import FailureReport, HeartbeatReply, MessageError, QuorumRequest, RankInfo
 from ftcore.relay import Relay, group_request
 
 K = 3
@@ -121,6 +121,32 @@ def test_a_verdict_older_than_the_last_round_fails_nobody(job):
     assert (c.failed_groups, c.latest_quorum_id) == ((), first + 1)
     c.heard(first + 1, (1,))  # about the current quorum: it stands
     assert c.failed_groups == (1,)
+
+
+def test_a_quorum_a_member_reported_broken_is_abandoned_on_every_ranks_beat(job):
+    """A member whose exchange failed reports it and drops its process group: nobody can finish
+    that exchange now. Every rank hears so on its next beat (through its relay), so one still
+    waiting in the exchange, or only now reaching its rendezvous, leaves at once instead of
+    waiting out its timeout for peers who already left. A stall report is only a probe."""
+    addr, lh, made = job
+    clients = [c for _, cs in made for c in cs]
+    qid = ask_all(clients)[0].quorum_id
+    (relay, ranks), reporter = made[0], made[1][1][0]
+    reporter.report_failure(qid, "no progress for 0.2 s", stalled=True)
+    time.sleep(0.5)  # several beats of the relay's upstream line and of its ranks
+    assert not relay.heartbeat(ranks[1].info).abandoned and ranks[1].abandoned_quorum_id == 0
+    reporter.report_failure(qid, "gloo: Connection reset by peer")
+    assert _wait(lambda: all(c.abandoned_quorum_id == qid for c in ranks), 2.0), [c.abandoned_quorum_id for c in ranks]
+    again = ask_all(clients)[0]  # the next round forms a new quorum, abandoned by nobody
+    assert again.quorum_id > qid
+    assert _wait(lambda: relay.heartbeat(ranks[1].info).quorum_id == again.quorum_id, 2.0)
+    assert not relay.heartbeat(ranks[1].info).abandoned
+    # on the wire: only when set, and a rank refuses a reply that is not true or false
+    wire = HeartbeatReply(qid, abandoned=True).to_wire()
+    assert wire["abandoned"] is True and HeartbeatReply.parse(wire).abandoned
+    assert "abandoned" not in HeartbeatReply(qid).to_wire()
+    with pytest.raises(MessageError, match="abandoned must be true or false"):
+        HeartbeatReply.parse({**wire, "abandoned": "yes"})
 
 
 def test_a_goodbye_tells_the_lighthouse_the_groups_last_step(job):
