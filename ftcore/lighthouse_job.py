@@ -28,6 +28,7 @@ from ftcore.lighthouse_records import (
     RankRecord,
     Request,
     StaleIncarnation,
+    in_slices,
 )
 from ftcore.lighthouse_slow import SlowGroups
 from ftcore.messages import (
@@ -175,7 +176,7 @@ class Job:
     def _hearing(self, since: float, probes: Iterable[Probe]) -> Hearing:
         """What this lighthouse heard since `since` (quorum.Hearing): of the healthy complete
         groups, those silent since then, and whether a group heard since began one of `probes`."""
-        live = [g for g in self.groups.values() if g.healthy and not g.left and len(g.ranks) == g.speakers]
+        live = [g for g in in_slices(self.groups, self.lock) if g.healthy and not g.left and len(g.ranks) == g.speakers]
         heard = {g.group for g in live if not g.silent_since(since)}
         accused = any(p.t >= since and p.by & heard for p in probes)
         return Hearing(len(live), len(live) - len(heard), accused)
@@ -215,10 +216,12 @@ class Job:
         # about this lighthouse than about them: it is dropped (its verdict would otherwise fall on
         # the last to be heard again). Its accusers heard, the silent ones fail, however many.
         end = self.pulse.probe_s
-        probes[:] = [p for p in probes if now <= p.t + end or not isolated(self._hearing(p.t, (p,)))]
+        # (judged on a copy: a big job's sweep lets its lock go, and a report may add a probe meanwhile)
+        dropped = [p for p in list(probes) if now > p.t + end and isolated(self._hearing(p.t, (p,)))]
+        probes[:] = [p for p in probes if p not in dropped]
         cut = max((p.t for p in probes if now > p.t + end), default=-math.inf)
         members, silence = set(self.quorum.groups if self.quorum else ()), self._silence_counts(now)
-        for grp in self.groups.values():
+        for grp in in_slices(self.groups, self.lock):
             ok = self._is_healthy(grp, now, cut, members, silence)
             if ok != grp.healthy:
                 grp.healthy = ok

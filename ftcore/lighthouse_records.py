@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+import threading
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from ftcore.answers import OvertakenReply, QuorumRefused, StandbyReply
@@ -14,6 +16,22 @@ SWEEP_S = 0.05  # health sweeps over every rank (disconnects and reports: at the
 # job of many ranks is swept less often (its own verdicts come later), not at others' expense.
 SWEEP_SHARE = 0.1
 REPORTED_QUORUMS = 4  # failure probes are kept for this many quorum ids (a report may name any)
+# A sweep lets its job's lock go after this many groups: the loop that answers every job waits
+# on a big job's lock (its heartbeats, its closed lines) for one slice of its sweep, not all of it.
+SWEEP_SLICE = 4096
+
+
+def in_slices(groups: dict[int, GroupRecord], lock: threading.Lock) -> Iterator[GroupRecord]:
+    """The records of `groups`, read under `lock` (the caller holds it), which is let go between
+    slices of SWEEP_SLICE. A record replaced meanwhile (a new incarnation) is skipped: the next
+    sweep judges its successor. A job of fewer groups is read in one hold, as before."""
+    for i, grp in enumerate(list(groups.values())):
+        if i and i % SWEEP_SLICE == 0:
+            lock.release()
+            time.sleep(0)  # a thread waiting for the lock takes it now
+            lock.acquire()
+        if groups.get(grp.group) is grp:
+            yield grp
 
 
 @dataclass
@@ -140,7 +158,7 @@ class Pending:
     complete: set[int] = field(default_factory=set)  # groups all of whose ranks ask: formation looks at these
     start: float | None = None  # arrival of the round's first request
     deadline: float = math.inf  # the earliest deadline among its requests
-    need: int = 1  # complete groups before an arrival tries to form it (Job._count_need)
+    need: int = 1  # complete groups before an arrival tries to form it (quorum.arrivals_needed)
     last_wait_event: float = 0.0
     probed: float = -math.inf  # when a round last probed the quorum's members (once per round)
 

@@ -442,11 +442,14 @@ def test_members_travel_as_runs_and_come_back_in_order(groups):
     assert len(wire["groups"]) <= len(groups) and Quorum.parse(wire).groups == groups
 
 
-def test_a_burst_of_closed_lines_of_a_big_job_is_swept_by_the_ticker_not_the_loop(lighthouse):
+def test_a_burst_of_closed_lines_of_a_big_job_is_swept_by_the_ticker_not_the_loop(lighthouse, monkeypatch):
     """Each closed heartbeat line used to sweep its whole job at once, on the loop that answers
     every job (200 lines of a 12,000-group job kept another job unanswered for 12.5 s): now a
-    close only asks, and the ticker sweeps (once for a burst, paced by the sweep's own cost),
-    then fails every group gone."""
+    close only asks, and the ticker sweeps (once for a burst, paced by the sweep's own cost, its
+    lock let go between slices of groups), then fails every group gone."""
+    from ftcore import lighthouse_records
+
+    monkeypatch.setattr(lighthouse_records, "SWEEP_SLICE", 256)  # 3000 groups: sliced sweeps
     _, lh = lighthouse()
     n = 3000
     infos = [RankInfo(group=g, rank=0, world=1, job="big", num_groups=n) for g in range(n)]
@@ -467,6 +470,37 @@ def test_a_burst_of_closed_lines_of_a_big_job_is_swept_by_the_ticker_not_the_loo
     failed = {e["group"] for e in list(job.events) if e["kind"] == "failure_detected"}
     assert failed == set(range(500))  # every group whose last line closed, and nobody else
     assert sweeps and threading.current_thread().name not in sweeps  # the old code: 500 sweeps here
+
+
+def test_a_big_jobs_sweep_lets_its_lock_go_between_slices(monkeypatch):
+    """At 65,535 groups a sweep holds its job's lock about 100 ms here, and the loop that answers
+    every job waits on that lock for the big job's own beats and closed lines: a sweep lets it go
+    between slices, so a waiting thread gets it before the sweep ends. A record replaced meanwhile
+    (a new incarnation) is not judged as the old one."""
+    from ftcore import lighthouse_records
+    from ftcore.lighthouse_records import GroupRecord, in_slices
+
+    monkeypatch.setattr(lighthouse_records, "SWEEP_SLICE", 1)
+    groups = {g: GroupRecord(g, 0, 1) for g in range(50)}
+    lock = threading.Lock()
+    lock.acquire()  # the ticker's, as Lighthouse._tick holds it
+    seen: list[int] = []
+    took: list[int] = []
+
+    def loop() -> None:  # a heartbeat of the big job, on the loop
+        with lock:
+            took.append(len(seen))
+            groups[40] = GroupRecord(40, 1, 1)
+
+    t = threading.Thread(target=loop)
+    t.start()
+    time.sleep(0.1)  # it waits for the lock
+    for grp in in_slices(groups, lock):
+        seen.append(grp.group)
+    lock.release()
+    t.join(5)
+    assert took and took[0] < len(groups), took  # the old sweep: 50, after every group
+    assert (40 in seen) == (took[0] > 40), (took, seen)  # its replaced record skipped if not yet read
 
 
 def test_a_jobs_sweeps_are_paced_by_their_cost_and_its_reports_bounded_by_quorum():
