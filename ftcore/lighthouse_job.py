@@ -201,7 +201,8 @@ class Job:
                 self.event("lighthouse_reconnected", grace_s=self.cfg.heartbeat_timeout)
 
     def _update_health(self, now: float) -> None:
-        """O(ranks), on the ticker (never on the loop that answers every job): Health.sweep_due."""
+        """O(ranks), on the ticker (never on the loop that answers every job), under the job's
+        lock, let go between slices of groups (lighthouse_records.in_slices): Health.sweep_due."""
         t0 = time.perf_counter()
         self.pulse.notice_pause(now)
         self._sweep(self.pulse.judged_at(now))

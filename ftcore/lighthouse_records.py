@@ -18,7 +18,7 @@ SWEEP_SHARE = 0.1
 REPORTED_QUORUMS = 4  # failure probes are kept for this many quorum ids (a report may name any)
 # A sweep lets its job's lock go after this many groups: the loop that answers every job waits
 # on a big job's lock (its heartbeats, its closed lines) for one slice of its sweep, not all of it.
-SWEEP_SLICE = 4096
+SWEEP_SLICE = 1024
 
 
 def in_slices(groups: dict[int, GroupRecord], lock: threading.Lock) -> Iterator[GroupRecord]:
