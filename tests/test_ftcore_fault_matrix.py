@@ -1,11 +1,11 @@
 """The fault matrix (benchmarks/fault_matrix.py): every fault class against one group, two of
 three and three of five, and every control-plane fault with the job in each state, in real jobs
-of the toy trainer (real processes, real signals; link cuts on simulated hosts; the
-lighthouse's own cut in the benchmark alone, for the suite's time). Each cell asserts that the
-survivors commit again before a heartbeat timeout (found by a probe, or carried by the lease:
-never waited out for as long as the fault lasts), that nobody was failed, healed or excluded
-who was not faulty, and that no faulty group committed in a quorum of its own; each job that
-its groups end bitwise equal with every batch trained once."""
+of the toy trainer (real processes, real signals; link cuts, the lighthouse's own among them,
+on simulated hosts). Each cell asserts that the survivors commit again before a heartbeat
+timeout (found by a probe, or carried by the lease: never waited out for as long as the fault
+lasts), that nobody was failed, healed or excluded who was not faulty, and that no faulty group
+committed in a quorum of its own; each job that its groups end bitwise equal with every batch
+trained once."""
 
 import sys
 from pathlib import Path
@@ -21,7 +21,7 @@ from benchmarks import fault_matrix  # noqa: E402
 pytestmark = [pytest.mark.integ, pytest.mark.slow]
 
 
-@pytest.mark.parametrize("job", sorted(j.name for j in fault_matrix.JOBS.values() if j.tested))
+@pytest.mark.parametrize("job", sorted(fault_matrix.JOBS))
 def test_fault_matrix(job, tmp_path):
     if fault_matrix.JOBS[job].on_hosts:
         why = netns.unavailable()
