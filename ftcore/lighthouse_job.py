@@ -92,6 +92,7 @@ class Job:
         self.created = self.last_heard = time.monotonic()  # its first message; the last of any of its ranks
         self.relay: bool | None = None  # its groups speak through relays (ftcore/relay.py); None: no group yet
         self.ranks_held = 0  # the ranks its groups' incarnations registered (each group's world, summed)
+        self.leader = -1  # the member whose ranks host the current quorum's rendezvous (Job._leader)
 
     def event(self, kind: str, **data: Any) -> None:
         self._log(kind, job=self.name, **data)
@@ -376,11 +377,11 @@ class Job:
         asked = ((g, r.last_quorum, r.step) for g, rs in self.round.pending.items() for r in rs.values())
         return waited_for(q.groups, q.heal, q.quorum_id, q.max_step, asked)
 
-    def _resumed(self, members: list[int]) -> tuple[int, str] | None:
+    def _resumed(self, members: list[int]) -> tuple[int, str, bool] | None:
         """quorum.resumed over the members' requests: O(their ranks), O(1) at a job's start."""
         identity = tuple((g, self.groups[g].incarnation) for g in members)
         reqs = (r for g in members for r in self.round.pending[g].values())
-        last = ((r.last_quorum, r.last_lighthouse_id, r.last_key) for r in reqs)
+        last = ((r.last_quorum, r.last_lighthouse_id, r.last_key, r.last_settled) for r in reqs)
         return resumed(last, identity_key(identity))
 
     def _form(self, members: list[int]) -> None:
@@ -389,7 +390,7 @@ class Job:
         if where is None:
             why = f"the job finished at step {self.finished_step}; nothing to rejoin"
             return self._refuse(members, "finished", why)
-        identity, quorum_id, lighthouse_id = self._name(members, aside_of(members, where.heal))
+        identity, quorum_id, lighthouse_id, settled = self._name(members, where.heal)
         busy = self.slow.figures(self.quorum, self.round.pending, self.groups, members)
         idle = self.quorum is not None and all(
             r.idle == self.quorum.quorum_id for g in members for r in self.round.pending[g].values()
@@ -407,10 +408,12 @@ class Job:
             pace=Pace(self.quorum.quorum_id, round(max(busy.values()), 6), round(sum(busy.values()) / len(busy), 6))
             if busy and self.quorum
             else None,
+            settled=settled,
         )
-        replies = self._replies(q)
+        leader = self._leader(q)
+        replies = self._replies(q, leader)
         changed = self.quorum is None or self.quorum.key != q.key
-        self.quorum, self.quorum_id, self.health.force_new = q, quorum_id, False
+        self.quorum, self.quorum_id, self.leader, self.health.force_new = q, quorum_id, leader, False
         self.lease_until = time.monotonic() + q.lease_s  # the members' leases run from before they asked
         self.max_step = max(self.max_step, where.max_step)
         self.health.failed = []
@@ -422,27 +425,40 @@ class Job:
         for req, reply in replies:
             req.deliver(reply)
         if changed:
-            self.event(
-                "quorum_formed", quorum_id=quorum_id, groups=members, max_step=q.max_step, heal=q.shared()["heal"]
-            )
+            extra = {"settled": True} if q.settled else {}  # the heal quorum's members, its heals done
+            heal = q.shared()["heal"]
+            self.event("quorum_formed", quorum_id=quorum_id, groups=members, max_step=q.max_step, heal=heal, **extra)
         for g in where.heal:
             self.event("heal_assigned", group=g, source=q.heal[g], step=q.max_step, quorum_id=quorum_id)
         if idle and self.slow.excluded:  # the work left is the excluded groups' own: let them do it
             self.slow.release()
         self.slow.exclude_slow(members, {g: self.groups[g].incarnation for g in members}, self.min_replicas)
 
-    def _name(self, members: list[int], aside: frozenset[int]) -> tuple[Identity, int, str]:
-        """The quorum's identity and ids: the current ones while its membership and its members
-        aside (so its exchange's process group) hold, new ones when either changed or a failure
-        forces them, the resumed ones after a restart."""
+    def _name(self, members: list[int], heal: dict[int, int]) -> tuple[Identity, int, str, bool]:
+        """The quorum's identity, ids and whether it is settled: the current ones while its
+        membership and its members aside (so its exchange's process group) hold; once a heal
+        quorum's heals are done, the same members settled (Quorum.settle), which is where a
+        member that missed this answer goes on under its lease: one rendezvous for both; new
+        ones when the members changed or a failure forces them; the resumed ones after a restart."""
         identity = tuple((g, self.groups[g].incarnation) for g in members)
         again = self._resumed(members) if self.quorum is None and not self.health.force_new else None
         if again is not None:
             return identity, *again
-        q = self.quorum
-        if q is not None and q.identity == identity and q.aside() == aside and not self.health.force_new:
-            return identity, self.quorum_id, q.lighthouse_id
-        return identity, self.quorum_id + 1, self.pulse.lighthouse_id
+        q, aside = self.quorum, aside_of(members, heal)
+        if q is not None and q.identity == identity and not self.health.force_new:
+            if q.aside() == aside:
+                return identity, self.quorum_id, q.lighthouse_id, q.settled
+            if q.aside() and not heal:
+                return identity, self.quorum_id, q.lighthouse_id, True
+        return identity, self.quorum_id + 1, self.pulse.lighthouse_id, False
+
+    def _leader(self, q: Quorum) -> int:
+        """The member whose rank k hosts rank k's rendezvous: the exchange's first; a settled
+        quorum's stays that of the heal quorum it settles, as a lease settles it (Quorum.settle)."""
+        prev = self.quorum
+        if not q.settled or prev is None or prev.key[:2] != q.key[:2]:
+            return q.exchange()[0]
+        return self.leader if prev.settled else prev.exchange()[0]
 
     def _plan(self, members: list[int]) -> HealPlan | None:
         """Where the members meet (quorum.plan); None: training ended (a group finished at a
@@ -466,19 +482,19 @@ class Job:
             for req in self._pop(g).values():
                 req.deliver(QuorumRefused(reason, error))
 
-    def _replies(self, q: Quorum) -> list[tuple[Request, str]]:
+    def _replies(self, q: Quorum, leader: int) -> list[tuple[Request, str]]:
         """Every member rank's reply. Each rank k gets only the addresses it uses: rank k of the
-        exchange's first member hosts the rendezvous of every rank k and serves the step's average
-        to the members aside, and a healing rank k fetches from rank k of its source. The shared
-        part is encoded once per round, and each distinct reply once."""
-        leader, aside = self.groups[q.exchange()[0]].ranks, q.aside()
+        exchange's first member (`leader`, Job._leader) hosts the rendezvous of every rank k and
+        serves the step's average to the members aside, and a healing rank k fetches from rank k
+        of its source. The shared part is encoded once per round, and each distinct reply once."""
+        lead_ranks, aside = self.groups[leader].ranks, q.aside()
         shared = q.shared_json()
         replies = []
         made: dict[tuple[str, str, str], str] = {}
         for g in q.groups:
             src = self.groups[q.heal[g]].ranks if g in q.heal else None
             for req in self.round.pending[g].values():
-                lead = leader.get(req.rank)
+                lead = lead_ranks.get(req.rank)
                 store = lead.store if lead else ""
                 heal_from = src[req.rank].heal if src and req.rank in src else ""
                 update_from = lead.heal if lead and g in aside else ""

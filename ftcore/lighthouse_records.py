@@ -125,6 +125,7 @@ class Request:
     deadline: float = math.inf  # monotonic: past it the request is answered with a timeout
     busy: Busy | None = None  # its last step's compute (ftcore/pace.py)
     idle: int = -1  # the quorum id of its last step if nobody had work in it (only absent groups' is left)
+    last_settled: bool = False  # its last quorum was the settled one (Quorum.settled)
 
     @classmethod
     def of(cls, ask: QuorumRequest, incarnation: int, now: float, deliver: Deliver, timeout: float) -> Request:
@@ -143,6 +144,7 @@ class Request:
             now + timeout,
             ask.busy,
             ask.idle,
+            ask.quorum_settled,
         )
 
 

@@ -115,7 +115,8 @@ class Standing:
     committed_at: float = field(default_factory=time.monotonic)
     lease_until: float = 0.0  # monotonic: the last granted quorum may be reused until then
     standby_until: float = 0.0  # monotonic: held out as slow (Standby) until then
-    trained_in: tuple[str, str] = ("", "")  # lighthouse id and members (identity_key) of the last quorum applied
+    # lighthouse id, members (identity_key) and settled (Quorum.settled) of the last quorum applied
+    trained_in: tuple[str, str, bool] = ("", "", False)
 
 
 class Manager:
@@ -228,7 +229,7 @@ class Manager:
         # from before the request went out: it ends before the lighthouse's own count of it does
         self._st.lease_until = r.t0 + min(q.lease_s, timeouts.LEASE)
         self.client.update(quorum_id=q.quorum_id)
-        self._st.trained_in = (q.lighthouse_id, q.members_key)
+        self._st.trained_in = (q.lighthouse_id, q.members_key, q.settled)
         g = self.cfg.group
         if g in q.heal:  # rank k heals from rank k of the source
             r.heal_fut = self._heal_pool.submit(self._fetch_heal, q.heal_from, q.max_step, q.heal[g])
@@ -368,6 +369,9 @@ class Manager:
         if q is None or not q.heal:
             return q
         settled = self._quorum = q.settle()
+        self._st.trained_in = (settled.lighthouse_id, settled.members_key, settled.settled)
+        if settled.key == self._xg.key:  # nobody was aside: its exchange's group holds every member
+            return settled
         try:
             abort, on_stall = (lambda: self._overtaken(settled)), (lambda: self._report_stall(settled))
             self._xg.build(settled, self.cfg.group, self.cfg.rank, abort=abort, on_stall=on_stall)

@@ -274,6 +274,7 @@ class QuorumRequest:
     info: RankInfo
     quorum_lighthouse_id: str = ""  # the lighthouse that formed the rank's last quorum ("": none yet)
     quorum_key: str = ""  # that quorum's members, as identity_key() names them ("": none yet)
+    quorum_settled: bool = False  # ... and whether it was that quorum settled (Quorum.settled)
     busy: Busy | None = None
     idle: int = -1  # the quorum id of its last step if nobody had work in it, else -1
     leased: bool = False  # sent after its step had gone on without the lighthouse: the reply is ignored
@@ -287,6 +288,7 @@ class QuorumRequest:
             **self.info.to_wire(),
             "quorum_lighthouse_id": self.quorum_lighthouse_id,
             "quorum_key": self.quorum_key,
+            "quorum_settled": self.quorum_settled,
             "busy": self.busy.to_wire() if self.busy is not None else None,
             "idle": self.idle,
             "leased": self.leased,
@@ -309,6 +311,7 @@ class QuorumRequest:
             info=RankInfo.parse(msg),
             quorum_lighthouse_id=_str(msg, "quorum_lighthouse_id", limit=MAX_LIGHTHOUSE_ID),
             quorum_key=_str(msg, "quorum_key", limit=MAX_LIGHTHOUSE_ID),
+            quorum_settled=_true_or_false(msg, "quorum_settled"),
             busy=Busy.parse(msg.get("busy")),
             idle=_int(msg, "idle", -1, lo=-1),
             leased=leased,
@@ -457,7 +460,9 @@ class Quorum:
     # identity_key(identity): what the wire carries, not the identity (13-digit incarnations of
     # every member in every reply would be most of a round's bytes at a thousand groups)
     members_key: str = ""
-    # a rank's own: its heals done, the members go on in one exchange without the lighthouse (lease)
+    # a heal quorum with members aside, its heals done: every member in one exchange at its
+    # rendezvous. What a lease goes on in after a heal step, and what the lighthouse forms next
+    # with the same members: one rendezvous for both, whoever missed the lighthouse's answer
     settled: bool = False
 
     status: ClassVar[int] = 200
@@ -488,8 +493,12 @@ class Quorum:
     def settle(self) -> Quorum:
         """The same members once its heals are done: every one in the exchange, on a process
         group of its own at the same rendezvous (`store`, rank k of the old exchange's first
-        member, a member still). What a lease goes on in after a heal step (manager.py)."""
-        return replace(self, heal={}, heal_from="", update_from="", settled=True) if self.heal else self
+        member, a member still). With nobody aside, its exchange already held every member:
+        the same process group goes on (the same key). What a lease goes on in after a heal
+        step (manager.py), and what the lighthouse forms next with the same members."""
+        if not self.heal:
+            return self
+        return replace(self, heal={}, heal_from="", update_from="", settled=bool(self.aside()))
 
     def shared(self) -> dict[str, Any]:
         """The part of the reply every rank of every member shares (GET /status shows it)."""
@@ -498,6 +507,7 @@ class Quorum:
             "lighthouse_id": self.lighthouse_id,
             "job": self.job,
             "members_key": self.members_key,
+            **({"settled": True} if self.settled else {}),
             "groups": list(self.groups),
             "max_step": self.max_step,
             "heal": {str(g): s for g, s in self.heal.items()},
@@ -552,4 +562,5 @@ class Quorum:
             heal_from=_str(body, "heal_from", limit=MAX_ADDRESS * MAX_RELAYED),
             update_from=_str(body, "update_from", limit=MAX_ADDRESS * MAX_RELAYED),
             members_key=members_key,
+            settled=_true_or_false(body, "settled"),
         )

@@ -130,18 +130,19 @@ def plan(previous: frozenset[tuple[int, int]] | None, members: list[Member], fin
     return HealPlan(max_step, {g: sources[i % len(sources)] for i, g in enumerate(healers)})
 
 
-def resumed(last: Iterable[tuple[int, str, str]], key: str) -> tuple[int, str] | None:
-    """After a restart of the lighthouse: the (quorum id, lighthouse id) that every rank of a
-    round's members last trained in, as `last` reports it (quorum id, lighthouse id, members'
-    key), when that quorum had exactly these members (`key`). Forming them resumes it: their
-    process groups stand (and a group that went on without the lighthouse, on its lease, is in
-    step). None otherwise, at the first rank that says so (a job's first quorum: at once)."""
+def resumed(last: Iterable[tuple[int, str, str, bool]], key: str) -> tuple[int, str, bool] | None:
+    """After a restart of the lighthouse: the (quorum id, lighthouse id, settled) that every rank
+    of a round's members last trained in, as `last` reports it (quorum id, lighthouse id,
+    members' key, settled), when that quorum had exactly these members (`key`). Forming them
+    resumes it: their process groups stand (and a group that went on without the lighthouse,
+    on its lease, is in step). None otherwise, at the first rank that says so (a job's first
+    quorum: at once)."""
     first = None
     for x in last:
         first = first or x
         if not x[1] or x != first or x[2] != key:
             return None
-    return (first[0], first[1]) if first is not None else None
+    return (first[0], first[1], first[3]) if first is not None else None
 
 
 @dataclass(frozen=True)

@@ -305,6 +305,68 @@ def test_a_rank_reaching_an_abandoned_quorums_rendezvous_leaves_at_once(groups):
     assert g1.fake.reports[-1][0] == 3 and g1.mgr.step == 0  # reported: the lighthouse rebuilds every group
 
 
+def test_a_member_that_missed_the_settled_answer_meets_the_others_under_its_lease(groups):
+    """After the heal step, the lighthouse answers groups 0 and 1 with the heal quorum settled and
+    goes silent before group 2 hears it: group 2 goes on under its lease in that same quorum
+    settled (Quorum.settle), so all three meet in one rendezvous and commit the step together."""
+    (g0, g1, g2), votes, _ = _heal_trio(groups)
+    assert votes == [True, True, True]
+    settled = replace(quorum(3, groups=(0, 1, 2), max_step=6, store=g2.fake.info.store), settled=True)
+    g0.fake.answers.append(settled)
+    g1.fake.answers.append(replace(settled))
+    g2.fake.gate.clear()  # its answer lost: the lighthouse silent to it
+    g2.fake.silent = 1.0
+    grads = [torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0]), torch.tensor([5.0, 6.0])]
+    out = [None, None, None]
+
+    def run(i, g):
+        out[i] = g.step(grads[i])
+
+    ts = [threading.Thread(target=run, args=(i, g)) for i, g in enumerate((g0, g1, g2))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(30)
+    g2.fake.answers.append(settled)  # its late answer, dropped
+    g2.fake.gate.set()
+    assert out == [True, True, True], (g0.mgr.errors, g1.mgr.errors, g2.mgr.errors)
+    assert all(torch.equal(g, torch.tensor([3.0, 4.0])) for g in grads)  # one exchange of all three
+    recs = [g.last_record() for g in (g0, g1, g2)]
+    assert [r["leased"] for r in recs] == [False, False, True] and {r["quorum_id"] for r in recs} == {3}
+    assert g0.mgr.step == g1.mgr.step == g2.mgr.step == 7
+
+
+def test_with_nobody_aside_a_lease_after_the_heal_goes_on_in_the_heal_quorums_group(groups):
+    """Two groups: the healer and its source were both in the heal step's exchange (nobody else
+    was left to stand aside). The lighthouse's next answer is the same quorum, heals done, and
+    its members keep their process group; one that missed that answer and goes on under its
+    lease must keep it too (before: it built a settled group and waited there alone until the
+    collective timeout)."""
+    g0, g1, votes, _ = _heal_pair(groups)
+    assert votes == [True, True]
+    pg = g0.mgr._xg.pg
+    assert pg is not None
+    g0.fake.answers.append(quorum(3, groups=(0, 1), max_step=6, store=g0.fake.info.store))
+    g1.fake.gate.clear()  # its answer lost: the lighthouse silent to it
+    g1.fake.silent = 1.0
+    grads = [torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0])]
+    out = [None, None]
+
+    def run(i, g):
+        out[i] = g.step(grads[i])
+
+    ts = [threading.Thread(target=run, args=(i, g)) for i, g in enumerate((g0, g1))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(30)
+    g1.fake.answers.append(quorum(3, groups=(0, 1), max_step=6))  # its late answer, dropped
+    g1.fake.gate.set()
+    assert out == [True, True], (g0.mgr.errors, g1.mgr.errors)
+    assert all(torch.equal(g, torch.tensor([2.0, 3.0])) for g in grads)
+    assert g0.mgr._xg.pg is pg and g1.last_record()["leased"] and g0.mgr.step == g1.mgr.step == 7
+
+
 def test_a_failed_exchange_fails_the_members_aside_at_once(groups):
     # group 2 fails in the exchange: it offers "failed" for the step, so nobody aside waits for it
     (g0, g1, g2), votes, _ = _heal_trio(groups, faults2=[Fault("raise", group=2, at_step=5, phase="before_allreduce")])

@@ -100,11 +100,14 @@ def test_decide_resumes_the_quorum_its_members_all_ask_for(requesting, healthy, 
 @pytest.mark.parametrize(
     "last,key,want",
     [
-        ([(7, "lh", "k"), (7, "lh", "k")], "k", (7, "lh")),  # every rank names one quorum of exactly them
-        ([(7, "lh", "k"), (6, "lh", "k")], "k", None),  # one rank remembers an older one
-        ([(7, "lh", "k"), (7, "lh", "j")], "k", None),  # ... or other members
-        ([(7, "lh", "j"), (7, "lh", "j")], "k", None),  # that quorum had other members than these
-        ([(0, "", ""), (7, "lh", "k")], "k", None),  # a rank that never trained: a first quorum
+        # every rank names one quorum of exactly them
+        ([(7, "lh", "k", False), (7, "lh", "k", False)], "k", (7, "lh", False)),
+        ([(7, "lh", "k", True), (7, "lh", "k", True)], "k", (7, "lh", True)),  # ... settled after its heals
+        ([(7, "lh", "k", False), (7, "lh", "k", True)], "k", None),  # one rank in the heal step's group, one settled
+        ([(7, "lh", "k", False), (6, "lh", "k", False)], "k", None),  # one rank remembers an older one
+        ([(7, "lh", "k", False), (7, "lh", "j", False)], "k", None),  # ... or other members
+        ([(7, "lh", "j", False), (7, "lh", "j", False)], "k", None),  # that quorum had other members than these
+        ([(0, "", "", False), (7, "lh", "k", False)], "k", None),  # a rank that never trained: a first quorum
         ([], "k", None),
     ],
 )

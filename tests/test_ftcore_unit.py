@@ -255,6 +255,41 @@ def test_lighthouse_quorum_heal_assignment_and_fast_reform(lighthouse):
             c.close()
 
 
+def test_the_quorum_after_a_heal_is_the_heal_quorum_settled_where_a_lease_goes_on(lighthouse) -> None:
+    """Group 2 heals from group 0 (both aside) while group 1 alone is the exchange. The next round,
+    the heals done, is the heal quorum settled: the same id, every member in one exchange at the
+    same rendezvous (rank k of group 1, the heal quorum's first in its exchange), exactly what a
+    member that missed this answer goes on in under its lease (Quorum.settle). A lighthouse cut
+    just as it answered once kept two members in a new quorum's rendezvous and the third in the
+    settled one, each waiting for the other until the collective timeout."""
+    addr, lh = lighthouse(min_replicas=1, expected_replicas=3, join_timeout=5.0, heartbeat_timeout=2.0)
+    cs = _clients(addr, 3, steps=[10, 10, 7])
+    try:
+        heal = ask_all(cs)
+        assert heal[0].heal == {2: 0} and heal[0].exchange() == (1,), heal[0]
+        assert {q.store for q in heal} == {"127.0.0.1:1001"}
+        for c in cs:
+            c.update(step=11, quorum_id=heal[0].quorum_id)
+        after = ask_all(cs)
+        leased = heal[2].settle()  # what group 2 builds when it misses the answer (the lighthouse silent)
+        for q in after:
+            assert (q.quorum_id, q.settled, q.heal, q.store) == (heal[0].quorum_id, True, {}, "127.0.0.1:1001"), q
+            assert q.key == leased.key and q.exchange() == leased.exchange() == (0, 1, 2)
+        for c in cs:
+            c.update(step=12)
+        again = ask_all(cs)  # the same members again: the settled quorum stands (no rebuild)
+        assert {(q.quorum_id, q.settled, q.store) for q in again} == {(heal[0].quorum_id, True, "127.0.0.1:1001")}
+        formed = [e for e in lh.status()["events"] if e["kind"] == "quorum_formed"]
+        assert [e.get("settled", False) for e in formed] == [False, True], formed
+        # nobody aside (the healer's source the only other member): its exchange already held
+        # every member, and a lease goes on in the same process group
+        two = Quorum(5, "lh", "j", ((0, 0), (1, 0)), (0, 1), 3, {1: 0}, 10.0)
+        assert not two.aside() and two.settle().key == two.key and two.settle().heal == {}
+    finally:
+        for c in cs:
+            c.close()
+
+
 def test_a_leased_rounds_late_request_is_overtaken_not_healed(lighthouse) -> None:
     """As a lighthouse pause ends, groups that finished step 34 on their lease send 34's request
     late, while a peer already asks for 35: forming those together would heal the leased groups
