@@ -169,6 +169,22 @@ def test_no_quorum_is_no_commit_and_no_failure_report(groups):
     assert g.fake.reports == []  # the lighthouse's own trouble is not a data-plane failure to report
 
 
+def _step_all(gs, grads):
+    """One step of each group, each in a thread of its own (their exchange needs them all at
+    once); their votes."""
+    votes = [None] * len(gs)
+
+    def run(i, g):
+        votes[i] = g.step(grads[i])
+
+    ts = [threading.Thread(target=run, args=(i, g)) for i, g in enumerate(gs)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(30)
+    return votes
+
+
 def _heal_pair(groups, faults0=None):
     """Group 0 at step 5 serves group 1 (at step 2) in a quorum of both; each steps in a thread."""
     g0 = groups(num_groups=2, step=5, faults=faults0)
@@ -178,17 +194,7 @@ def _heal_pair(groups, faults0=None):
     g1.fake.answers.append(quorum(3, groups=(0, 1), heal={1: 0}, max_step=5, store=store, heal_from=source))
     g0.state["w"] = torch.tensor([7.0, 8.0, 9.0, 10.0])
     grads = [torch.tensor([4.0, 6.0]), torch.tensor([100.0, 100.0])]
-    votes = [None, None]
-
-    def run(i, g):
-        votes[i] = g.step(grads[i])
-
-    ts = [threading.Thread(target=run, args=(i, g)) for i, g in enumerate((g0, g1))]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(30)
-    return g0, g1, votes, grads
+    return g0, g1, _step_all((g0, g1), grads), grads
 
 
 def test_a_heal_assignment_loads_the_sources_state_and_meets_it_at_max_step(groups):
@@ -317,16 +323,7 @@ def test_a_member_that_missed_the_settled_answer_meets_the_others_under_its_leas
     g2.fake.gate.clear()  # its answer lost: the lighthouse silent to it
     g2.fake.silent = 1.0
     grads = [torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0]), torch.tensor([5.0, 6.0])]
-    out = [None, None, None]
-
-    def run(i, g):
-        out[i] = g.step(grads[i])
-
-    ts = [threading.Thread(target=run, args=(i, g)) for i, g in enumerate((g0, g1, g2))]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(30)
+    out = _step_all((g0, g1, g2), grads)
     g2.fake.answers.append(settled)  # its late answer, dropped
     g2.fake.gate.set()
     assert out == [True, True, True], (g0.mgr.errors, g1.mgr.errors, g2.mgr.errors)
@@ -350,16 +347,7 @@ def test_with_nobody_aside_a_lease_after_the_heal_goes_on_in_the_heal_quorums_gr
     g1.fake.gate.clear()  # its answer lost: the lighthouse silent to it
     g1.fake.silent = 1.0
     grads = [torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0])]
-    out = [None, None]
-
-    def run(i, g):
-        out[i] = g.step(grads[i])
-
-    ts = [threading.Thread(target=run, args=(i, g)) for i, g in enumerate((g0, g1))]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(30)
+    out = _step_all((g0, g1), grads)
     g1.fake.answers.append(quorum(3, groups=(0, 1), max_step=6))  # its late answer, dropped
     g1.fake.gate.set()
     assert out == [True, True], (g0.mgr.errors, g1.mgr.errors)
