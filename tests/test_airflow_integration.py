@@ -6,8 +6,9 @@ backend store of an MLflow tracking server; the API server, DAG processor, sched
 are separate processes (LocalExecutor), everything on 127.0.0.1 on free ports; the `ftrec_mlflow`
 connection points the DAG at the MLflow server. Airflow notices a lost task in seconds here
 (heartbeat and orphan timeouts: TIMEOUTS), not minutes. The test logs in through the REST API and
-triggers one run of ftrec_train; while its `train` task trains (STEPS steps, paced by a `slow`
-fault to at least STEP_S each) it kills, one after the other:
+triggers one run of ftrec_train; while its `train` task trains (STEPS steps on 2 replica groups,
+paced by a `slow` fault to at least STEP_S each; group 1 is killed at step 4 by the fault plan and
+the launcher restarts it) it kills, one after the other:
 
   b. the task runner (kill -9 of the process that runs the train task, the launcher's parent);
   a. the supervisor of the next try (kill -9 of the LocalExecutor worker that runs it);
@@ -20,12 +21,14 @@ train/loss point per logged step; one registered model version, champion only on
 approves it (param champion_approval: Airflow's human-in-the-loop task, answered over REST); the
 task links and the plugin's page as before. Every process it started is stopped by its PID or
 group at the end, and the figures (time to detect each kill, to follow) are printed and kept in
-the test's folder."""
+the test's folder. Then, on the same tier, the finished run in a real browser
+(test_the_run_in_a_real_browser): the Lighthouse tab, a task's log, the MLflow run."""
 
 import glob
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -49,6 +52,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.integ]
 START_TIMEOUT_S = 180  # API server up and the DAG parsed
 RUN_TIMEOUT_S = 420  # the DAG run from trigger to success, three kills included
 STEPS, STEP_S, LOG_EVERY = 180, 0.35, 10  # the training: at least 63 s, however fast the machine
+PACED = [(0, 0), (1, 0), (1, 1)]  # (group, incarnation) that the `slow` fault paces
 SCHEDULER_DOWN_S = 5  # kill -9 of the scheduler to the start of a new one (which boots for 10 s or so)
 CLOSE_GRACE_S = 5  # SIGTERM to SIGKILL of the components at the close (the triggerer takes 10 s otherwise)
 TIMEOUTS = {  # a lost task noticed in seconds: Airflow's defaults are 300 s
@@ -67,12 +71,23 @@ CONF = {
     "max_steps": STEPS,
     "batch_size": 16,
     "max_len": 20,
-    "replica_groups": 1,
-    "fault_plan": json.dumps({"faults": [{"kind": "slow", "group": 0, "rank": 0, "at_step": 1, "delay_s": STEP_S}]}),
+    "replica_groups": 2,
+    "fault_plan": json.dumps(
+        {
+            "faults": [
+                # every group paced alike (group 1 after its restart too): one slower group is
+                # held out by fail-slow, and its ledger would miss those steps
+                *({"kind": "slow", "group": g, "at_step": 1, "delay_s": STEP_S, "incarnation": i} for g, i in PACED),
+                {"kind": "kill", "group": 1, "at_step": 4},  # the launcher restarts it; the tab shows it
+            ]
+        }
+    ),
     "train_overrides": ["model.dim=16", "eval.batch_size=256", f"train.log_every={LOG_EVERY}", "mlflow.plots=false"],
     "champion_approval": True,  # approve_champion waits for the test's Approve (_approve)
 }
 FOLLOWING = "following the training job already running"  # follow.Follower.wait's first words
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+GROUP_STARTED = "[launch] group_started "
 
 
 def _call(base: str, path: str, token: str | None = None, body: dict | None = None, method: str | None = None):
@@ -119,6 +134,7 @@ class Tier:
         self.logs: list = []
         self.env: dict[str, str] = {}
         self.token = ""
+        self.finished: Run | None = None  # the kills' run, once it passed (the browser test looks at it)
         self.airflow = str(Path(sys.executable).parent / "airflow")
 
     def start(self, name: str, argv: list[str]) -> subprocess.Popen:
@@ -187,13 +203,15 @@ def _environment(tier: Tier, pg: Postgres, mlflow_port: int) -> dict[str, str]:
     return env
 
 
-@pytest.fixture
-def production_tier(tmp_path, free_port):
+@pytest.fixture(scope="module")
+def production_tier(tmp_path_factory):
+    """One tier for the module: the kills' run finishes on it, then the browser looks at that run."""
     reason = pg_unavailable()
     if reason:
         pytest.skip(reason)
+    tmp_path = tmp_path_factory.mktemp("tier")
     (tmp_path / "airflow").mkdir()
-    tier = Tier(tmp_path, free_port)
+    tier = Tier(tmp_path, ports.free_port())
     pg = Postgres(ports.free_port(), ["airflow", "mlflow"])
     mlflow = None
     try:
@@ -202,7 +220,7 @@ def production_tier(tmp_path, free_port):
         tier.env = _environment(tier, pg, mlflow_port)
         migrate = [tier.airflow, "db", "migrate"]
         subprocess.run(migrate, env=tier.env, check=True, capture_output=True, timeout=300)
-        tier.start("api-server", ["api-server", "--port", str(free_port), "--host", "127.0.0.1"])
+        tier.start("api-server", ["api-server", "--port", str(tier.api_port), "--host", "127.0.0.1"])
         tier.start("dag-processor", ["dag-processor"])
         tier.start_scheduler()
         tier.start("triggerer", ["triggerer", *dict(ui.COMPONENTS)["triggerer"]])
@@ -374,7 +392,11 @@ def _job_verdicts(run: Run, holder) -> None:
     assert markers == ['{"resumed_to": 0, "writer": [0, 0]}'], markers  # the rank joined once, at step 0
     launches = (run.train / follow.LOG_NAME).read_text()
     assert launches.count("[launch] lease ") == 1, launches[-3000:]  # one launcher took the folder
-    assert launches.count("[launch] group_started") == 1, launches[-3000:]
+    started = [
+        (e["group"], e["incarnation"])
+        for e in map(json.loads, (x.split(" ", 2)[2] for x in launches.splitlines() if x.startswith(GROUP_STARTED)))
+    ]
+    assert sorted(started) == [(0, 0), (1, 0), (1, 1)], started  # each group once, and group 1 after its planned kill
     assert f'"pid": {holder.pid},' in launches
     assert "ledger check passed" in run.log(4)
     # each try's log says what ended the one before (ftrec_airflow.tries)
@@ -506,6 +528,101 @@ def test_ftrec_train_on_the_production_tier_survives_three_kills(production_tier
         _finished(run)
         _job_verdicts(run, holder)
         _mlflow_verdicts(run, mlflow, _links(run, mlflow))
+        tier.finished = run
     finally:
         (tier.tmp / "figures.json").write_text(json.dumps(run.figures, indent=1))
         print(f"\nproduction tier, {tier.tmp}: {json.dumps(run.figures)}")
+
+
+# ---------------------------------------------------------------- the run in a real browser
+
+
+def _fits(page, view: str) -> None:
+    """The tab's iframe holds its content at its width (the plugin's responsive layout): the
+    page never needs a sideways scroll that cuts columns off."""
+    frame = page.frame_locator("iframe").first
+    frame.locator("text=finished").first.wait_for(timeout=60_000)
+    width = page.locator("iframe").first.bounding_box()["width"]
+    over = frame.locator("html").evaluate("e => e.scrollWidth - e.clientWidth")
+    assert over <= 1, f"{view}: the tab is {over}px wider than its {width:.0f}px frame"
+
+
+def test_the_run_in_a_real_browser(production_tier):
+    """The kills' finished run, in headless Chromium driven by Playwright. Logged in: the DAG run's
+    "Lighthouse" tab (the plugin's external view, an iframe inside Airflow's React UI) shows the
+    finished job, both groups, group 1's restart, the chart with the fault and the failure marked,
+    and fits its frame in the grid and in the graph view; a task's Logs tab shows its log; the
+    MLflow run the train task links to renders in the MLflow UI; an anonymous browser is refused.
+    Screenshots of the tab are kept beside the logs. Skips with the reason when Chromium or
+    Playwright is not installed (`.ci/run` installs Debian's chromium; Playwright uses it, it
+    downloads no browser of its own) or when the kills' run did not pass."""
+    if CHROMIUM is None:
+        pytest.skip("no chromium on PATH (apt-get install chromium)")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.skip("playwright is not installed (pip install -e '.[test]')")
+    tier, mlflow = production_tier
+    run = tier.finished
+    if run is None:
+        pytest.skip("the production tier's run did not pass (see its test): nothing finished to look at")
+    base, token, q, tmp = tier.base, tier.token, run.q, tier.tmp
+    links = run.api("/taskInstances/train/links")["extra_links"]
+    assert links["MLflow run"].startswith(mlflow.url)
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"], timeout=60_000)
+        try:
+            # anonymous: Airflow's login guards the plugin's page
+            anon = browser.new_page()
+            resp = anon.goto(f"{base}/ftrec/lighthouse/?dag_id=ftrec_train&run_id={q}")
+            assert resp.status in (401, 403) and "committed steps" not in anon.content()
+
+            ctx = browser.new_context(viewport={"width": 1400, "height": 1000})
+            ctx.add_cookies([{"name": "_token", "value": token, "url": base}])
+            page = ctx.new_page()
+            page.goto(f"{base}/dags/ftrec_train/runs/{q}/plugin/ftrec-lighthouse-run", wait_until="networkidle")
+            tab = page.frame_locator("iframe").first
+            tab.locator("text=finished").first.wait_for(timeout=60_000)
+            assert tab.locator("tr.group-row").count() == 2
+            assert tab.locator("svg.ftrec-timeline polyline.group").count() == 2
+            marks = {
+                tab.locator("svg.ftrec-timeline line.mark").nth(i).get_attribute("data-kind")
+                for i in range(tab.locator("svg.ftrec-timeline line.mark").count())
+            }
+            assert {"fault", "group_failed"} <= marks, marks
+            restarts = tab.locator("tr.group-row").nth(1).locator("td").nth(2).inner_text()
+            assert restarts == "1", restarts
+            assert "does not answer" not in tab.locator("body").inner_text()
+            assert "its lighthouse ended with the job" in tab.locator("body").inner_text()  # no dead address
+            assert "seconds since the launch" in tab.locator("body").inner_text()  # the chart's axis title
+            _fits(page, "grid view")
+            page.screenshot(path=str(tmp / "lighthouse-tab.png"), full_page=True)
+            page.locator("body").press("g")  # Airflow's shortcut: the graph view beside the tab
+            page.wait_for_timeout(1500)
+            _fits(page, "graph view")
+            page.screenshot(path=str(tmp / "lighthouse-tab-graph.png"), full_page=True)
+
+            # Browse -> "ftcore lighthouse" with no standing lighthouse: said plainly, not as an error
+            browse = ctx.new_page()
+            browse.goto(f"{base}/plugin/ftrec-lighthouse", wait_until="networkidle")
+            nav = browse.frame_locator("iframe").first
+            nav.locator("text=No standing lighthouse is configured").first.wait_for(timeout=60_000)
+            assert nav.locator(".bad").count() == 0
+
+            # a task's Logs tab shows its log, not "Log file not found on worker"
+            log_page = ctx.new_page()
+            log_page.goto(f"{base}/dags/ftrec_train/runs/{q}/tasks/register_model", wait_until="networkidle")
+            log_page.locator("text=gate verdict").first.wait_for(timeout=60_000)
+            assert "Log file not found" not in log_page.locator("body").inner_text()
+            if os.environ.get("FTREC_KEEP_SCREENSHOTS"):
+                shutil.copy(tmp / "lighthouse-tab.png", "/tmp/lighthouse-tab.png")
+
+            # the MLflow run the train task links to, in the MLflow UI (a React app: rendered by the browser)
+            mlflow_page = ctx.new_page()
+            mlflow_page.goto(links["MLflow run"], wait_until="domcontentloaded")  # its UI polls: never idle
+            mlflow_page.locator(f"text=ftrec_train {run.run_id}").first.wait_for(timeout=60_000)
+            mlflow_page.screenshot(path=str(tmp / "mlflow-run.png"))
+        finally:
+            browser.close()
+    assert (tmp / "lighthouse-tab.png").stat().st_size > 10_000
