@@ -7,10 +7,10 @@ compared in constant time; processes read FTCORE_TOKEN or FTCORE_TOKEN_FILE."""
 import base64
 import hashlib
 import hmac
-import os
 import secrets
 import sys
 
+from ftcore.environment import RankEnv
 from ftcore.util.files import atomic_writer, read_secret
 
 HEADER = "Authorization"
@@ -43,10 +43,11 @@ def read_token_file(path: str) -> str:
 
 def token_from_env() -> str | None:
     """The token this process should send and require, or None when none is configured."""
-    if os.environ.get("FTCORE_TOKEN"):
-        return os.environ["FTCORE_TOKEN"]
-    if os.environ.get("FTCORE_TOKEN_FILE"):
-        return read_token_file(os.environ["FTCORE_TOKEN_FILE"])
+    told = RankEnv.from_env()
+    if told.token:
+        return told.token
+    if told.token_file:
+        return read_token_file(told.token_file)
     return None
 
 

@@ -1,87 +1,136 @@
-"""One rank's configuration: what torchrun sets (RANK, WORLD_SIZE) plus the FTCORE_* and
-FTREC_* variables docs/cluster.md lists, the same under torchrun on a
-cluster and under the local launcher."""
+"""ftcore's one door to the process environment: every variable ftcore reads is read here, and
+what a rank is told is written here (`RankEnv.to_env`), by the local launcher and by the
+Kubernetes pods alike. The variables are those docs/cluster.md lists: what torchrun sets (RANK,
+WORLD_SIZE) plus the FTCORE_* and FTREC_* ones, the same under torchrun on a cluster and under
+the local launcher. Standard library only: timeouts and pace read their settings through it at
+import time. A test fails on an `os.environ` read anywhere else in ftcore."""
 
+import dataclasses
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ftcore import auth, netaddr
-from ftcore import faults as faults_mod
-from ftcore.ftar import DEFAULT_BUCKET_BYTES
 
-LR_POLICIES = ("none", "linear", "sqrt")
-
-
-@dataclass
-class ManagerConfig:
-    lighthouse: str  # host:port
-    group: int  # this replica group, 0..num_groups-1
-    num_groups: int  # R: replica groups the job was planned with (LR policy, make-up)
-    rank: int = 0  # k: rank within the group
-    world: int = 1  # K: ranks per group
-    incarnation: int | None = 0  # bumps each time the group is restarted; None: agreed at start (see below)
-    min_replicas: int = 1
-    lr_policy: str = "sqrt"
-    token: str | None = None
-    host: str = ""  # where this rank's store, heal server and gloo listen (ftcore/netaddr.py)
-    job: str = "default"  # one lighthouse serves several jobs; their quorums never mix
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES
-    records: str | None = None  # append every StepRecord here as a JSON line ("{incarnation}" is filled in)
-    # cross-group data plane: "gloo" always, CUDA gradients host-staged (ftcore/ftar.py says why).
-    # "nccl" is fenced: opt-in only (FTCORE_BACKEND=nccl), never run on a GPU here, and a hung
-    # peer there is ended by NCCL's watchdog tearing the survivors down, not by FTAR (ftcore/crossgroup.py).
-    backend: str = "gloo"
-    # a group of several ranks speaks to the lighthouse through its rank 0 (ftcore/relay.py)
-    relay: bool = True
+def text(name: str, default: str = "") -> str:
+    """The variable's value as set; `default` when unset or empty."""
+    return os.environ.get(name) or default
 
 
-def _env_int(name: str, default: str) -> int:
-    raw = os.environ.get(name, default)
+def seconds(name: str, default: float) -> float:
+    """A duration in seconds, > 0; `default` when unset or empty."""
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
     try:
-        return int(raw)
+        value = float(raw)
+    except ValueError:
+        raise SystemExit(f"ftcore: environment variable {name}={raw!r} is not a number of seconds") from None
+    if value <= 0:
+        raise SystemExit(f"ftcore: environment variable {name}={raw!r} must be > 0 seconds")
+    return value
+
+
+def number(name: str, default: float) -> float:
+    """A number (0 allowed); `default` when unset or empty."""
+    raw = os.environ.get(name, "")
+    try:
+        return float(raw) if raw else default
+    except ValueError:
+        raise SystemExit(f"ftcore: environment variable {name}={raw!r} is not a number") from None
+
+
+def integer(name: str, default: int) -> int:
+    raw = os.environ.get(name, "")
+    try:
+        return int(raw) if raw else default
     except ValueError:
         raise ValueError(f"ftcore: environment variable {name}={raw!r} is not an integer") from None
 
 
-def config_from_env(**overrides: Any) -> ManagerConfig:
-    """The manager's configuration from the rank's environment (docs/cluster.md)."""
-    env = os.environ
-    if not env.get("FTCORE_LIGHTHOUSE"):
-        raise ValueError(
-            "ftcore: FTCORE_LIGHTHOUSE is not set; start ranks with the launcher "
-            "(python -m training launch) or set it to the lighthouse's host:port"
-        )
-    cfg = ManagerConfig(
-        lighthouse=env["FTCORE_LIGHTHOUSE"],
-        group=_env_int("FTREC_REPLICA_GROUP", "0"),
-        num_groups=_env_int("FTREC_NUM_REPLICA_GROUPS", "1"),
-        rank=_env_int("RANK", "0"),
-        world=_env_int("WORLD_SIZE", "1"),
-        # torchrun's restart count is per node (a replaced node starts at 0), so it cannot name
-        # a restart of a group that spans nodes: without FTCORE_INCARNATION the ranks agree.
-        incarnation=_env_int("FTCORE_INCARNATION", "0") if env.get("FTCORE_INCARNATION") else None,
-        min_replicas=_env_int("FTCORE_MIN_REPLICAS", "1"),
-        lr_policy=env.get("FTCORE_LR_POLICY", "sqrt"),
-        token=_job_token(auth.token_from_env(), env.get("FTCORE_JOB_ID") or "default"),
-        host=netaddr.rank_host(env["FTCORE_LIGHTHOUSE"]),
-        job=env.get("FTCORE_JOB_ID") or "default",
-        records=env.get("FTCORE_RECORDS"),
-        backend=env.get("FTCORE_BACKEND", "gloo"),
-        relay=env.get("FTCORE_RELAY", "1") != "0",
-    )
-    for k, v in overrides.items():
-        setattr(cfg, k, v)
-    return cfg
+def flag(name: str, default: bool) -> bool:
+    """On unless "0" (off unless set and not "0" where `default` is False)."""
+    raw = os.environ.get(name, "")
+    return default if raw == "" else raw != "0"
 
 
-def _job_token(token: str | None, job: str) -> str | None:
-    """The credential a rank uses on the wire and serves heals under: its job's token, even when
-    it was handed the lighthouse's secret (ftcore/auth.py)."""
-    try:
-        return auth.job_token(token, job) if token else None
-    except ValueError as e:
-        raise ValueError(f"ftcore: FTCORE_TOKEN / FTCORE_TOKEN_FILE: {e}") from None
+def inherited(*, without: tuple[str, ...] = ()) -> dict[str, str]:
+    """A copy of this process's environment for a child, less the named variables."""
+    return {k: v for k, v in os.environ.items() if k not in without}
+
+
+def adopt(env: Mapping[str, str]) -> None:
+    """Take on `env` (a spare process told its rank's environment only once it is assigned)."""
+    os.environ.update(env)
+
+
+# RankEnv's fields, each the variable that carries it (None values are not written).
+_VARIABLES = {
+    "lighthouse": "FTCORE_LIGHTHOUSE",
+    "job": "FTCORE_JOB_ID",
+    "num_groups": "FTREC_NUM_REPLICA_GROUPS",
+    "group": "FTREC_REPLICA_GROUP",
+    "incarnation": "FTCORE_INCARNATION",
+    "rank": "RANK",
+    "world": "WORLD_SIZE",
+    "min_replicas": "FTCORE_MIN_REPLICAS",
+    "lr_policy": "FTCORE_LR_POLICY",
+    "token": "FTCORE_TOKEN",
+    "token_file": "FTCORE_TOKEN_FILE",
+    "host": "FTCORE_HOST",
+    "records": "FTCORE_RECORDS",
+    "backend": "FTCORE_BACKEND",
+    "relay": "FTCORE_RELAY",
+    "faults": "FTCORE_FAULTS",
+}
+
+
+@dataclass(frozen=True)
+class RankEnv:
+    """What a rank is told about its job and its place in it: written by whoever starts ranks
+    (`to_env`), read once by the rank (`from_env`). None: not said (the rank's default)."""
+
+    lighthouse: str | None = None  # host:port
+    job: str | None = None
+    num_groups: int | None = None
+    group: int | None = None
+    # bumps each time the group is restarted; unset: the group's ranks agree on it (torchrun's
+    # restart count is per node, a replaced node starts at 0: it cannot name a group's restart)
+    incarnation: int | None = None
+    rank: int | None = None
+    world: int | None = None
+    min_replicas: int | None = None
+    lr_policy: str | None = None
+    token: str | None = None  # never written to a rank: the launcher hands the job's token as a file
+    token_file: str | None = None
+    host: str | None = None  # the address this rank binds and advertises (ftcore/netaddr.py)
+    records: str | None = None
+    backend: str | None = None
+    relay: bool | None = None
+    faults: str | None = None  # a fault plan (ftcore/faults.py)
+
+    @classmethod
+    def from_env(cls) -> "RankEnv":
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            name = _VARIABLES[f.name]
+            if not text(name):
+                continue
+            if f.type == int | None:
+                values[f.name] = integer(name, 0)
+            elif f.type == bool | None:
+                values[f.name] = flag(name, True)
+            else:
+                values[f.name] = text(name)
+        return cls(**values)
+
+    def to_env(self) -> dict[str, str]:
+        out = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if v is not None:
+                out[_VARIABLES[f.name]] = ("1" if v else "0") if isinstance(v, bool) else str(v)
+        return out
 
 
 # The fault-tolerance settings a run may choose (training's [ft] section: `--set ft.KEY=VALUE`,
@@ -110,9 +159,4 @@ def ft_defaults() -> dict[str, Any]:
     from ftcore import timeouts
 
     values = {k: getattr(timeouts, v.removeprefix("FTCORE_")) for k, v in FT_SETTINGS.items() if k != "relay"}
-    return values | {"relay": os.environ.get("FTCORE_RELAY", "1") != "0"}
-
-
-def faults_from_env() -> list[faults_mod.Fault]:
-    path = os.environ.get("FTCORE_FAULTS")
-    return faults_mod.load(path) if path else []
+    return values | {"relay": flag("FTCORE_RELAY", True)}

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
-import os
 import socket
 import threading
 import time
@@ -20,7 +19,7 @@ from typing import Any, Protocol
 
 import httptools
 
-from ftcore import auth, timeouts
+from ftcore import auth, environment, timeouts
 from ftcore.lighthouse_admission import AdmissionCounts, Caps, EvictIdle, EvictWaiting, Refuse, admit, settle
 from ftcore.lighthouse_page import status_html
 from ftcore.lighthouse_records import Answer, Deliver, StaleIncarnation
@@ -278,7 +277,7 @@ def _new_loop() -> asyncio.AbstractEventLoop:
     """uvloop's event loop (libuv) where it is installed, asyncio's otherwise or with
     FTCORE_UVLOOP=0: a burst of a thousand connections costs its C accept path a fraction of
     asyncio's task per connection, time every other client waits (BENCHMARKS.md, abuse)."""
-    if os.environ.get("FTCORE_UVLOOP", "1") != "0":
+    if environment.flag("FTCORE_UVLOOP", True):
         try:
             import uvloop
 

@@ -23,11 +23,11 @@ import torch.distributed as dist
 from ftcore import aside, netaddr, timeouts
 from ftcore import collectives as coll
 from ftcore.crossgroup import CrossGroup
-from ftcore.environment import LR_POLICIES, ManagerConfig, config_from_env, faults_from_env
 from ftcore.faults import Fault, InjectedFault, Injector
 from ftcore.ftar import FTARError, FTARResult, ftar
 from ftcore.heal import HealError, HealServer, fetch
 from ftcore.lighthouse_client import LighthouseClient, LighthouseError, LighthouseHandle, Overtaken, Replaced, Standby
+from ftcore.manager_config import LR_POLICIES, ManagerConfig, config_from_env, faults_from_env
 from ftcore.messages import MAX_ADDRESS, Busy, Quorum, QuorumRequest, RankInfo
 from ftcore.relay import Relay
 

@@ -9,9 +9,10 @@ the unauthenticated data plane (TCPStore, gloo) on every network the host is on.
 
 import fcntl
 import ipaddress
-import os
 import socket
 import struct
+
+from ftcore import environment
 
 _SIOCGIFADDR = 0x8915  # Linux ioctl: the IPv4 address of an interface
 
@@ -43,7 +44,7 @@ def route_to(host: str) -> str:
 
 def rank_host(lighthouse: str) -> str:
     """The address this rank binds and advertises (FTCORE_HOST, or derived as above)."""
-    host = os.environ.get("FTCORE_HOST", "").strip()
+    host = environment.text("FTCORE_HOST").strip()
     if host:
         try:
             ip = ipaddress.ip_address(host)

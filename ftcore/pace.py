@@ -9,24 +9,16 @@ probation that doubles per repeat and rejoins by heal. The rules in full: docs/f
 
 import bisect
 import collections
-import os
 import statistics
 from dataclasses import dataclass, field
 
+from ftcore.environment import number, text
 from ftcore.settings import setting
-
-
-def _env(name: str, default: float) -> float:
-    raw = os.environ.get(name, "")
-    try:
-        return float(raw) if raw else default
-    except ValueError:
-        raise SystemExit(f"ftcore: environment variable {name}={raw!r} is not a number") from None
 
 
 def _ratio_env() -> float | None:
     """FTCORE_SLOW_RATIO: unset or empty -> None (the bound from R alone)."""
-    return _env("FTCORE_SLOW_RATIO", 0.0) if os.environ.get("FTCORE_SLOW_RATIO", "") else None
+    return number("FTCORE_SLOW_RATIO", 0.0) if text("FTCORE_SLOW_RATIO") else None
 
 
 @dataclass
@@ -43,24 +35,24 @@ class PacePolicy:
         at_least=0,
     )
     window: int = setting(
-        int(_env("FTCORE_SLOW_WINDOW", 40)),
+        int(number("FTCORE_SLOW_WINDOW", 40)),
         "... measured over this many rounds, time-weighted (FTCORE_SLOW_WINDOW)",
         flag="--slow-window",
         at_least=1,
     )
     probation_s: float = setting(
-        _env("FTCORE_SLOW_PROBATION", 30.0),
+        number("FTCORE_SLOW_PROBATION", 30.0),
         "seconds an excluded group waits before it may rejoin; doubles each time (FTCORE_SLOW_PROBATION)",
         flag="--slow-probation",
         above=0,
     )
-    min_excess_s: float = _env("FTCORE_SLOW_MIN_EXCESS", 0.005)  # slower by less than this: not slow
+    min_excess_s: float = number("FTCORE_SLOW_MIN_EXCESS", 0.005)  # slower by less than this: not slow
     max_probation_s: float = 600.0
     margin: float = 1.1  # over R/(R-1)
     # rounds a group is not measured: its first (start-up, a restart) and its first back from standby
-    settle: int = int(_env("FTCORE_SLOW_SETTLE", 20))
+    settle: int = int(number("FTCORE_SLOW_SETTLE", 20))
     # the window spans at least this much of the job's time too (fast steps: more rounds)
-    span_s: float = _env("FTCORE_SLOW_SPAN", 3.0)
+    span_s: float = number("FTCORE_SLOW_SPAN", 3.0)
     most_rounds: int = 1024  # ... but holds no more rounds than this (memory), and judges at it
 
     @property

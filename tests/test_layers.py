@@ -101,3 +101,33 @@ def _imported(f: Path) -> list[tuple[str, bool]]:
         elif isinstance(node, ast.Import):
             out += [(a.name, id(node) in guarded) for a in node.names]
     return out
+
+
+def environ_uses(folder: Path) -> list[str]:
+    """`file:line` (under `folder`'s parent) of every touch of the process environment in
+    `folder`: os.environ, os.getenv, os.putenv, os.unsetenv, and `from os import environ`."""
+    touches = {"environ", "getenv", "putenv", "unsetenv", "environb"}
+    found = []
+    for f in sorted(folder.rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            hit = isinstance(node, ast.Attribute) and node.attr in touches and getattr(node.value, "id", "") == "os"
+            hit |= (
+                isinstance(node, ast.ImportFrom) and node.module == "os" and any(a.name in touches for a in node.names)
+            )
+            if hit:
+                found.append(f"{f.relative_to(folder.parent)}:{node.lineno}")
+    return found
+
+
+def test_ftcore_reads_and_writes_its_environment_in_one_place():
+    """ftcore/environment.py is ftcore's one door to the environment (its typed readers, RankEnv's
+    from_env and to_env): a new read or write elsewhere, at import time or not, fails here."""
+    uses = environ_uses(FOLDERS["ftcore"])
+    elsewhere = [u for u in uses if not u.startswith("ftcore/environment.py:")]
+    assert not elsewhere, f"read or write the environment through ftcore/environment.py: {elsewhere}"
+    assert uses, "the scan saw not even the door itself (ftcore/environment.py)"
+
+
+def test_the_environment_scan_sees_each_form(tmp_path):
+    (tmp_path / "m.py").write_text("import os\nfrom os import getenv\nx = os.environ.get('X'), os.getenv('Y')\n")
+    assert environ_uses(tmp_path) == [f"{tmp_path.name}/m.py:{n}" for n in (2, 3, 3)]

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ftcore import collectives as coll
-from ftcore import final_state, tensorfile
+from ftcore import environment, final_state, tensorfile
 from ftcore.ledger import Ledger
 from ftcore.lighthouse_client import JobFinished, Replaced
 from ftcore.manager import Manager, config_from_env, faults_from_env
@@ -180,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     t_main = time.time()
     torch.set_num_threads(1)
 
-    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    told = environment.RankEnv.from_env()
+    rank, world = told.rank or 0, 1 if told.world is None else told.world
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
     if world > 1:

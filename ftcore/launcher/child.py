@@ -4,10 +4,10 @@ launcher) or `spare WORKER [PRELOAD...]` (a warm process that runs WORKER.main(a
 import datetime
 import importlib
 import json
-import os
 import runpy
 import sys
 
+from ftcore import environment
 from ftcore.launcher.procs import SPARE_READY
 from ftcore.util.procs import die_with_parent
 
@@ -54,7 +54,7 @@ def spare(worker: str, preload: list[str]) -> int:
     if not line:
         return 0
     msg = json.loads(line)
-    os.environ.update(msg["env"])
+    environment.adopt(msg["env"])
     return int(mod.main(msg["argv"]) or 0)
 
 

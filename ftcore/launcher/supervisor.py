@@ -4,6 +4,7 @@ Subclasses (the trainer's front end, training/launch.py) say what a rank runs (w
 worker_module, spare_preload), clean up after killed ranks (after_kill) and consume the
 launch's records when it ends (finish): events, restarts, the groups that finished."""
 
+import dataclasses
 import json
 import os
 import shlex
@@ -13,7 +14,7 @@ import time
 
 from tenacity import RetryError, Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
-from ftcore import faults, timeouts
+from ftcore import environment, faults, timeouts
 from ftcore import final_state as final_state_mod
 from ftcore.launcher.config import GroupFailed, LaunchConfig
 from ftcore.launcher.host import LighthouseHost
@@ -87,38 +88,38 @@ class Launcher:
         return self.host.addr
 
     def base_env(self) -> dict[str, str]:
-        env = dict(os.environ)
-        env.pop("FTCORE_TOKEN", None)  # ranks read this job's token from its file (job_env), nothing else
-        env.pop("FTCORE_TOKEN_FILE", None)
+        # ranks read this job's token from its file (job_env), never the lighthouse's secret
+        env = environment.inherited(without=("FTCORE_TOKEN", "FTCORE_TOKEN_FILE"))
         env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         env.update(self.job_env(), OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"), PYTHONUNBUFFERED="1")
         if self.cfg.faults:
-            env["FTCORE_FAULTS"] = os.path.abspath(self.cfg.faults)
+            env |= environment.RankEnv(faults=os.path.abspath(self.cfg.faults)).to_env()
         return env
 
+    def told(self) -> environment.RankEnv:
+        """What every rank of every group of this job is told, as on a cluster."""
+        cfg = self.cfg
+        return environment.RankEnv(
+            lighthouse=self.addr,
+            job=cfg.job_id,
+            num_groups=cfg.replica_groups,
+            min_replicas=cfg.min_replicas,
+            lr_policy=cfg.lr_policy,
+            token_file=self.host.job_token_file or None,
+        )
+
     def job_env(self) -> dict[str, str]:
-        """What every rank of every group of this job gets, as on a cluster."""
-        env = {
-            "FTCORE_LIGHTHOUSE": self.addr,
-            "FTCORE_JOB_ID": self.cfg.job_id,
-            "FTREC_NUM_REPLICA_GROUPS": str(self.cfg.replica_groups),
-            "FTCORE_MIN_REPLICAS": str(self.cfg.min_replicas),
-            "FTCORE_LR_POLICY": self.cfg.lr_policy,
-        }
-        if self.host.job_token_file:
-            env["FTCORE_TOKEN_FILE"] = self.host.job_token_file
+        env = self.told().to_env()
         if self.cfg.oversubscribe_gpus:
             env["FTREC_OVERSUBSCRIBE_GPUS"] = "1"
         return env
 
     def rank_env(self, g: int, k: int, inc: int, master_port: int) -> dict[str, str]:
         K = self.cfg.ranks_per_group
+        told = dataclasses.replace(self.told(), group=g, incarnation=inc, rank=k, world=K)
         return {
-            "FTREC_REPLICA_GROUP": str(g),
-            "FTCORE_INCARNATION": str(inc),
-            "RANK": str(k),
+            **told.to_env(),
             "LOCAL_RANK": str(k),
-            "WORLD_SIZE": str(K),
             "LOCAL_WORLD_SIZE": str(K),
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(master_port),
@@ -131,7 +132,7 @@ class Launcher:
 
     def torchrun_command(self, g: int) -> str:
         """Replica group g as one torchrun job: what this launcher runs, for a cluster."""
-        env = {**self.job_env(), "FTREC_REPLICA_GROUP": str(g)}
+        env = {**self.job_env(), **environment.RankEnv(group=g).to_env()}
         K, job = str(self.cfg.ranks_per_group), self.cfg.job_id
         argv = ["torchrun", "--nnodes", "1", "--nproc-per-node", K, "--rdzv-backend", "c10d"]
         argv += ["--rdzv-endpoint", "HOST:PORT", "--rdzv-id", f"{job}-g{g}", "--max-restarts"]

@@ -17,6 +17,7 @@ from typing import Any
 from airflow.sdk import get_current_context
 from airflow.sdk.exceptions import AirflowFailException
 
+from ftcore.environment import RankEnv
 from ftrec_airflow import kubernetes_volumes, pipeline_ops, settings
 
 PROVIDER = "apache-airflow-providers-cncf-kubernetes"
@@ -29,7 +30,7 @@ KEY_FILE = f"{TOKEN_DIR}/{KEY_ITEM}"
 RDZV_ENDPOINT = "127.0.0.1:29400"  # torchrun's rendezvous inside the pod (one node per group)
 TORCHRUN_MAX_RESTARTS = 3  # crashed ranks restarted in place before the pod fails
 STARTUP_TIMEOUT_S = 900  # a GPU node may have to be scaled up first
-MIN_REPLICAS, LR_POLICY = "1", "sqrt"  # the launcher's defaults (training/launch.py)
+MIN_REPLICAS, LR_POLICY = 1, "sqrt"  # the launcher's defaults (training/launch.py)
 log = logging.getLogger(__name__)
 
 
@@ -103,15 +104,18 @@ def group_env(cfg: PodConfig, job: str, groups: int, group: int, tracking_uri: s
     the tracking URI, unbuffered output (the pod's log streams into the task log)."""
     from training.checkpoint_key import KEY_ENV  # not at parse time: the DAG file imports no training
 
+    told = RankEnv(
+        lighthouse=cfg.lighthouse,
+        job=job,
+        num_groups=groups,
+        min_replicas=MIN_REPLICAS,
+        lr_policy=LR_POLICY,
+        token_file=TOKEN_FILE,
+    )
     return {
-        "FTCORE_LIGHTHOUSE": cfg.lighthouse,
-        "FTCORE_JOB_ID": job,
-        "FTREC_NUM_REPLICA_GROUPS": str(groups),
-        "FTCORE_MIN_REPLICAS": MIN_REPLICAS,
-        "FTCORE_LR_POLICY": LR_POLICY,
-        "FTCORE_TOKEN_FILE": TOKEN_FILE,
+        **told.to_env(),
         KEY_ENV: KEY_FILE,
-        "FTREC_REPLICA_GROUP": str(group),
+        **RankEnv(group=group).to_env(),
         "MLFLOW_TRACKING_URI": tracking_uri,
         "PYTHONUNBUFFERED": "1",
     }
@@ -399,7 +403,14 @@ def _lighthouse_container(cfg: PodConfig):
         name="lighthouse",
         image=cfg.image,
         command=["ftcore-lighthouse"],
-        args=["--bind", f"$(POD_IP):{LIGHTHOUSE_PORT}", "--token-file", TOKEN_FILE, "--min-replicas", MIN_REPLICAS],
+        args=[
+            "--bind",
+            f"$(POD_IP):{LIGHTHOUSE_PORT}",
+            "--token-file",
+            TOKEN_FILE,
+            "--min-replicas",
+            str(MIN_REPLICAS),
+        ],
         env=[
             k8s.V1EnvVar(
                 name="POD_IP",
