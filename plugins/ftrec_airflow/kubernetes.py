@@ -17,7 +17,6 @@ from typing import Any
 from airflow.sdk import get_current_context
 from airflow.sdk.exceptions import AirflowFailException
 
-from ftcore.environment import RankEnv
 from ftrec_airflow import kubernetes_volumes, pipeline_ops, settings
 
 PROVIDER = "apache-airflow-providers-cncf-kubernetes"
@@ -102,7 +101,8 @@ def group_env(cfg: PodConfig, job: str, groups: int, group: int, tracking_uri: s
     """A group pod's environment: the launcher's job_env() with this group's id (the token as
     a file from the Secret, never its value), the checkpoint key (a file from the same Secret),
     the tracking URI, unbuffered output (the pod's log streams into the task log)."""
-    from training.checkpoint_key import KEY_ENV  # not at parse time: the DAG file imports no training
+    from ftcore.environment import RankEnv  # not at parse time: the DAG file imports no ftcore or training
+    from training.checkpoint_key import KEY_ENV
 
     told = RankEnv(
         lighthouse=cfg.lighthouse,
