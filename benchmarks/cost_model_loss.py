@@ -54,10 +54,12 @@ def full_softmax_probe(cfg, num_items: int):
 def lengths_and_items(dataset: str, world_size: int, batch_size: int, tmp: Path) -> tuple[np.ndarray, int]:
     """The training samples' history lengths and the catalogue size of the dataset's shard set."""
     from dataprep.build import build_shards
+    from dataprep.settings import ShardSettings
 
     name, fmt = FILES[dataset]
     out = tmp / "shards"
-    m = build_shards(str(DATA / name), fmt, str(out), world_size=world_size, batch_size=batch_size, max_len=MAX_LEN)
+    settings = ShardSettings(world_size=world_size, batch_size=batch_size, max_len=MAX_LEN)
+    m = build_shards(str(DATA / name), fmt, str(out), settings)
     lengths = [pq.read_table(f, columns=["length"]).column("length").to_numpy() for f in sorted(out.glob("shards/*"))]
     return np.concatenate(lengths), int(m["num_items"])
 

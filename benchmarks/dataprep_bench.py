@@ -222,9 +222,10 @@ def main(argv=None) -> int:
             assert r_pd == r_ours, f"pandas baseline disagrees: {r_pd} vs {r_ours}"
             thr.update({"pandas_s": t_pd, "pandas_events_per_s": n_events / t_pd, "speedup_vs_pandas": t_pd / t_ours})
         from dataprep.build import build_shards
+        from dataprep.settings import ShardSettings
 
         t = time.perf_counter()
-        m = build_shards(path, "sasrec", str(Path(tmp) / "shards"), world_size=8, batch_size=256, max_len=50)
+        m = build_shards(path, "sasrec", str(Path(tmp) / "shards"), ShardSettings(world_size=8, batch_size=256))
         thr["build_shards_s"] = time.perf_counter() - t
         thr["build_shards_timings"] = m["timings"]
     _print_throughput(thr)

@@ -117,13 +117,13 @@ def _run(argv: list[str], timeout: float, env: dict | None = None) -> tuple[int,
 
 def part_ft(work: Path, sz: dict, gpus: int, budget: float) -> dict:
     from dataprep.build import build_shards
+    from dataprep.settings import ShardSettings
     from dataprep.synth import write_synthetic
 
     events, shards, out = work / "ft-events.txt", work / "ft-shards", work / "ft-run"
     write_synthetic(str(events), users=sz["ft_users"], items=300, seed=1, median_len=12, max_history=60)
-    m = build_shards(
-        str(events), "sasrec", str(shards), world_size=2, batch_size=sz["ft_batch"], max_len=50, overwrite=True
-    )
+    settings = ShardSettings(world_size=2, batch_size=sz["ft_batch"], max_len=50)
+    m = build_shards(str(events), "sasrec", str(shards), settings, overwrite=True)
     epochs = max(1, math.ceil(sz["ft_steps"] / m["steps"]))
     plan = work / "ft-plan.json"
     plan.write_text(json.dumps({"faults": [{"kind": "kill", "group": 1, "at_step": sz["ft_kill"]}]}))
@@ -397,6 +397,7 @@ def part_slowdown(sz: dict, gpus: int, budget: float) -> dict:
 def part_throughput(work: Path, sz: dict, budget: float) -> dict:
     from benchmarks.training_bench import randomize
     from dataprep.build import build_shards
+    from dataprep.settings import ShardSettings
     from dataprep.synth import write_synthetic
     from training.config import load_config
     from training.train import train
@@ -411,9 +412,8 @@ def part_throughput(work: Path, sz: dict, budget: float) -> dict:
     sets = {}
     for L in sz["tp_lens"]:
         bal = work / f"tp-{L}"
-        build_shards(
-            str(events), "sasrec", str(bal), world_size=1, batch_size=sz["tp_batch"], max_len=L, overwrite=True
-        )
+        settings = ShardSettings(world_size=1, batch_size=sz["tp_batch"], max_len=L)
+        build_shards(str(events), "sasrec", str(bal), settings, overwrite=True)
         sets[L] = {"balanced": str(bal), "random": randomize(str(bal), str(bal) + "-random")}
 
     def one(shards, attention, steps):

@@ -81,12 +81,14 @@ def _eval_both(result: dict, shards: str, device: torch.device) -> dict:
 
 def part_table(work: Path, sz: dict, gpus: int, budget: float) -> dict:
     from dataprep.build import build_shards
+    from dataprep.settings import ShardSettings
     from dataprep.synth import write_synthetic
 
     ranks = 2 if (gpus >= 2 or not gpus) else 1  # NCCL puts no two ranks of one group on one GPU
     events, shards = work / "dev-events.txt", work / "dev-shards"
     write_synthetic(str(events), users=sz["ft_users"], items=400, seed=3, median_len=12, max_history=60)
-    m = build_shards(str(events), "sasrec", str(shards), world_size=ranks, batch_size=16, max_len=50, overwrite=True)
+    settings = ShardSettings(world_size=ranks, batch_size=16, max_len=50)
+    m = build_shards(str(events), "sasrec", str(shards), settings, overwrite=True)
     sets = [
         f"train.epochs={max(1, math.ceil(sz['ft_steps'] / m['steps']))}",
         f"model.dim={sz['ft_dim']}",

@@ -28,21 +28,16 @@ KEYS = ("ft/straggler_s", "ft/transfer_s", "ft/bubble_fraction", "train/tokens_p
 
 def shards(work: Path, mode: str) -> Path:
     from dataprep.build import build_shards
+    from dataprep.settings import ShardSettings
     from training import calibrate
     from training.config import ModelConfig
 
     out = work / f"shards-{mode}"
     cm = calibrate.cached(ModelConfig(), 50, work / "cost-models")
-    build_shards(
-        str(BEAUTY),
-        "iclrec",
-        str(out),
-        world_size=2,
-        batch_size=128,
-        max_len=50,
-        cost_model=cm,
-        window_steps=1 if mode == "random" else None,
+    settings = ShardSettings(
+        world_size=2, batch_size=128, max_len=50, cost_model=cm, window_steps=1 if mode == "random" else None
     )
+    build_shards(str(BEAUTY), "iclrec", str(out), settings)
     return out
 
 

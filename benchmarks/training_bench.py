@@ -38,6 +38,7 @@ import torch
 
 from dataprep import schema
 from dataprep.build import build_shards
+from dataprep.settings import ShardSettings
 from ftcore.util.files import atomic_write_json
 from training.checkpoint_key import use_default
 from training.config import EvalConfig, load_config
@@ -85,24 +86,18 @@ def shards_for(name: str, work: str, window_steps: int | None = None, world_size
         if not os.path.isfile(path):
             write_synthetic(path, fmt="events", **SYNTH_LONG)
         out = os.path.join(work, f"synth-long-w{world_size}")
-        build_shards(
-            path,
-            "events",
-            out,
-            world_size=world_size,
-            batch_size=SYNTH_LONG_BATCH,
-            max_len=SYNTH_LONG_MAX_LEN,
-            window_steps=window_steps,
+        settings = ShardSettings(
+            world_size=world_size, batch_size=SYNTH_LONG_BATCH, max_len=SYNTH_LONG_MAX_LEN, window_steps=window_steps
         )
+        build_shards(path, "events", out, settings)
         return out
     fname, fmt = DATASETS[name]
     path = os.path.join(DATA, fname)
     if not os.path.isfile(path):
         sys.exit(f"error: {path} not found (the shared datasets live in <project root>/../shared/data)")
     out = os.path.join(work, f"{name}-w{world_size}-k{window_steps or 'default'}")
-    build_shards(
-        path, fmt, out, world_size=world_size, batch_size=BATCH_SIZE, max_len=MAX_LEN, window_steps=window_steps
-    )
+    settings = ShardSettings(world_size=world_size, batch_size=BATCH_SIZE, max_len=MAX_LEN, window_steps=window_steps)
+    build_shards(path, fmt, out, settings)
     return out
 
 

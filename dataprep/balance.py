@@ -13,12 +13,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from dataprep.errors import DataprepError
+from dataprep.settings import check_choice
 
 # Chosen from `python benchmarks/dataprep_bench.py` (see BENCHMARKS.md, "## dataprep"):
 # the smallest K that removes >= 90% of the bubble on heavy-tailed data at W=8..256.
 DEFAULT_WINDOW_STEPS = 64
-TAILS = ("fill", "drop")
-METHODS = ("auto", "lpt", "kk")
 # auto: KK (pure-Python merges, ~items*W work) runs only on steps where LPT ends more than
 # KK_MIN_GAP above the lower bound, items * W <= KK_MAX_WORK, and in total at most KK_BUDGET
 # work per plan (deterministic: a work count, not a clock)
@@ -133,10 +132,8 @@ def _window_steps(world_size: int, batch_size: int, tail: str, method: str, wind
         raise DataprepError(f"--world-size {world_size}: must be >= 1")
     if batch_size < 1:
         raise DataprepError(f"--batch-size {batch_size}: must be >= 1 (samples per rank per step)")
-    if tail not in TAILS:
-        raise DataprepError(f"--tail {tail!r}: choose one of {', '.join(TAILS)}")
-    if method not in METHODS:
-        raise DataprepError(f"--method {method!r}: choose one of {', '.join(METHODS)}")
+    check_choice("tail", tail)
+    check_choice("method", method)
     k = DEFAULT_WINDOW_STEPS if window_steps is None else int(window_steps)
     if k < 1:
         raise DataprepError(f"--window-steps {k}: must be >= 1 (1 = no grouping by cost)")

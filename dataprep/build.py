@@ -27,7 +27,8 @@ from dataprep.errors import DataprepError, DifferentShardSet
 from dataprep.files import sha256_file
 from dataprep.fingerprint import fingerprint, fingerprint_later
 from dataprep.progress import Progress, stage
-from dataprep.rejects import MAX_REJECT_FRACTION, check_rejects, reject_table, tail_rejects
+from dataprep.rejects import check_rejects, reject_table, tail_rejects
+from dataprep.settings import ShardSettings
 
 
 def _refuse_input_inside(out: Path, inputs: list[str]) -> None:
@@ -131,13 +132,6 @@ def _write_shards(tmp: Path, samples: sequences.Samples, cost: np.ndarray, p: ba
             bar.update()
 
 
-def _check_counts(**counts: int) -> None:
-    """Each setting (world_size=...) is >= 1, else a DataprepError naming its flag."""
-    bad = [k for k, v in counts.items() if v < 1]
-    if bad:
-        raise DataprepError(f"--{bad[0].replace('_', '-')} must be >= 1")
-
-
 def _checked_inputs(input: "str | list[str]", fmt: str) -> list[str]:
     """The input paths, each checked before anything reads it (a device would be read forever)."""
     paths = [str(p) for p in ([input] if isinstance(input, (str, os.PathLike)) else input)]
@@ -161,21 +155,26 @@ def _head(paths: list[str], fmt: str, fp: str, config: dict) -> dict:
     }
 
 
-def _config(
-    sizes: dict, cm: CostModel, tail: str, method: str, dedup: str, max_events: int | None, reader_options: dict
-) -> dict:
+def _config(s: ShardSettings, cm: CostModel, fmt: str) -> dict:
     """The set's config: the settings that decide its bytes (the manifest's; a build whose
     config and input equal an existing set's reuses it), in the manifest's key order."""
+    k = balance.DEFAULT_WINDOW_STEPS if s.window_steps is None else int(s.window_steps)
     return {
-        **sizes,
+        "world_size": s.world_size,
+        "batch_size": s.batch_size,
+        "max_len": s.max_len,
+        "seed": s.seed,
+        "window_steps": k,
         # the device a calibrated model was timed on (training/calibrate.py): the training device
         "cost_model": {"a": cm.a, "b": cm.b, "c0": cm.c0, "source": cm.source}
         | ({"device": cm.fit["device"]} if cm.fit.get("device") else {}),
-        "tail": tail,
-        "method": method,
-        "dedup": dedup,
-        "max_events": max_events,
-        "reader_options": dict(sorted(reader_options.items())),
+        "tail": s.tail,
+        "method": s.method,
+        "dedup": s.dedup,
+        "max_events": s.max_events,
+        "reader_options": dict(sorted(s.reader_options.items())),
+        # the split's entries (none for leave-one-out); a temporal split needs a format with times
+        **temporal.settings(s.split, s.cut, s.horizon, fmt, readers.TIME_FORMATS),
     }
 
 
@@ -183,37 +182,19 @@ def prepare(
     input: "str | list[str]",
     fmt: str,
     out: str,
+    settings: ShardSettings,
     *,
-    world_size: int,
-    batch_size: int,
-    seed: int = 0,
-    max_len: int = 50,
-    cost_model: "str | dict | None" = None,
-    window_steps: int | None = None,
     quiet: bool = True,
-    tail: str = "fill",
-    method: str = "auto",
-    dedup: str = "exact",
-    max_events: int | None = None,
-    max_reject_fraction: float = MAX_REJECT_FRACTION,
     overwrite: bool = False,
     defer_fingerprint: bool = False,
-    split: str = "leave_one_out",
-    cut: int | None = None,
-    horizon: int | None = None,
-    **reader_options,
 ) -> "BuildJob":
-    """Check the inputs and settings and say what to build: the set's config and manifest head,
-    and the manifest of an identical set already at `out` (None: build it). See build_shards.
+    """Check the inputs and say what to build with `settings` (checked when it was made): the
+    set's config and manifest head, and the manifest of an identical set already at `out`
+    (None: build it). See build_shards. `overwrite`: replace a different shard set at `out`.
     `defer_fingerprint`: where `out` holds no manifest (nothing to reuse), the inputs' hash is
     taken in a thread beside the build; BuildJob.settle puts it into the head."""
     paths = _checked_inputs(input, fmt)
-    cm = load_cost_model(cost_model)
-    k = balance.DEFAULT_WINDOW_STEPS if window_steps is None else int(window_steps)
-    _check_counts(world_size=world_size, batch_size=batch_size, max_len=max_len, window_steps=k)
-    sizes = {"world_size": world_size, "batch_size": batch_size, "max_len": max_len, "seed": seed, "window_steps": k}
-    config = _config(sizes, cm, tail, method, dedup, max_events, reader_options)
-    config |= temporal.settings(split, cut, horizon, fmt, readers.TIME_FORMATS)  # none for leave-one-out
+    config = _config(settings, load_cost_model(settings.cost_model), fmt)
     outp = Path(out)
     _refuse_input_inside(outp, paths)
     pending = fingerprint_later(paths) if defer_fingerprint and not (outp / schema.MANIFEST).exists() else None
@@ -227,8 +208,8 @@ def prepare(
         outp=outp,
         config=config,
         head=head,
-        reader_options=reader_options,
-        max_reject_fraction=max_reject_fraction,
+        reader_options=dict(settings.reader_options),
+        max_reject_fraction=settings.max_reject_fraction,
         existing=_existing(outp, fp, config, head["format_version"], overwrite),
     )
 
@@ -270,27 +251,32 @@ def build_shards(
     input: "str | list[str]",
     fmt: str,
     out: str,
+    settings: ShardSettings | None = None,
     *,
     quiet: bool = True,
     log: Callable[[str], None] | None = None,
     memory_budget: "str | int | None" = None,
     buckets: int | None = None,
     workers: int = 1,
-    **settings,
+    overwrite: bool = False,
+    **kw,
 ) -> dict:
-    """Build a shard set at `out` and return its manifest (see dataprep.schema).
+    """Build a shard set at `out` with `settings` and return its manifest (see dataprep.schema).
 
-    `settings`: prepare's. `log` receives one line per stage as it ends (an Airflow task log
-    shows the build's progress). Inputs that fit `memory_budget` (default: a quarter of the
-    machine) are built in memory; larger ones, or any with `buckets` or `workers` > 1, by
-    dataprep.bucketed, into the same bytes. Raises DataprepError for anything the user can fix.
+    Without `settings`, the keywords `kw` make the record (ShardSettings.from_kwargs:
+    world_size=..., a reader's user_col=...). `overwrite`: replace a different set at `out`.
+    `log` receives one line per stage as it ends (an Airflow task log shows the build's
+    progress). Inputs that fit `memory_budget` (default: a quarter of the machine) are built in
+    memory; larger ones, or any with `buckets` or `workers` > 1, by dataprep.bucketed, into the
+    same bytes. Raises DataprepError for anything the user can fix.
     """
     budget = bucketed.parse_size(memory_budget) if memory_budget is not None else bucketed.default_budget()
     if buckets is not None and buckets < 1 or workers < 1:
         raise DataprepError("--buckets and --workers must be >= 1")
+    settings = _settings(settings, kw)
     say = log or (lambda line: None)
     t_all = time.monotonic()
-    job = prepare(input, fmt, out, quiet=quiet, defer_fingerprint=True, **settings)
+    job = prepare(input, fmt, out, settings, quiet=quiet, overwrite=overwrite, defer_fingerprint=True)
     if job.existing is not None:
         say(f"dataprep: {job.outp} already holds this shard set ({job.existing.get('steps')} steps); reused")
         return job.existing
@@ -298,18 +284,7 @@ def build_shards(
     if buckets is not None or workers > 1 or bucketed.estimate(job.paths, fmt) > budget:
         if log is None and not quiet:
             say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-        tmp = new_staging(job.outp)
-        try:
-            rejects, fig, t_write, sums = bucketed.run(
-                tmp, job.bucketed_context(), budget=budget, buckets=buckets, workers=workers, say=say, timings=timings
-            )
-            job.settle()
-            return seal(
-                tmp, job.outp, job.head, fig, rejects, timings=timings, t_write=t_write, t_all=t_all, say=say, sums=sums
-            )
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        return _build_bucketed(job, budget, buckets, workers, say=say, timings=timings, t_all=t_all)
     c = job.config
     ev, seq, ev_table, samples, split = _samples(
         job.paths, fmt, c, job.max_reject_fraction, job.reader_options, quiet=quiet, say=say, timings=timings
@@ -319,6 +294,40 @@ def build_shards(
     built = _Built(ev, seq, ev_table, samples, cost, p, st, st_random, split)
     job.settle()
     return _write_set(job.outp, built, job.head, quiet=quiet, say=say, timings=timings, t_all=t_all)
+
+
+def _settings(settings: ShardSettings | None, kw: dict) -> ShardSettings:
+    """build_shards' record: `settings`, or one made of its keyword settings (never both)."""
+    if settings is None:
+        return ShardSettings.from_kwargs(**kw)
+    if kw:
+        raise TypeError(f"build_shards: give a ShardSettings or keyword settings, not both (also got {', '.join(kw)})")
+    return settings
+
+
+def _build_bucketed(
+    job: BuildJob,
+    budget: int,
+    buckets: int | None,
+    workers: int,
+    *,
+    say: Callable[[str], None],
+    timings: dict[str, float],
+    t_all: float,
+) -> dict:
+    """build_shards by dataprep.bucketed, in a temporary folder beside the set, then sealed."""
+    tmp = new_staging(job.outp)
+    try:
+        rejects, fig, t_write, sums = bucketed.run(
+            tmp, job.bucketed_context(), budget=budget, buckets=buckets, workers=workers, say=say, timings=timings
+        )
+        job.settle()
+        return seal(
+            tmp, job.outp, job.head, fig, rejects, timings=timings, t_write=t_write, t_all=t_all, say=say, sums=sums
+        )
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 @dataclass

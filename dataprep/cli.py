@@ -49,32 +49,36 @@ def _synth(a) -> None:
 
 def _shards(a) -> None:
     from dataprep.build import build_shards
+    from dataprep.settings import ShardSettings
 
     reader = {k: v for k, v in (("user_col", a.user_col), ("item_col", a.item_col), ("time_col", a.time_col)) if v}
-    m = build_shards(
-        a.input,
-        a.format,
-        a.out,
+    settings = ShardSettings(
         world_size=a.world_size,
         batch_size=a.batch_size,
         seed=a.seed,
         max_len=a.max_len,
         cost_model=a.cost_model,
         window_steps=a.window_steps,
-        quiet=a.quiet,
         tail=a.tail,
         method=a.method,
         dedup=a.dedup,
         max_events=a.max_events,
         max_reject_fraction=a.max_reject_fraction,
+        split=a.split,
+        cut=a.cut,
+        horizon=a.horizon,
+        reader_options=reader,
+    )
+    m = build_shards(
+        a.input,
+        a.format,
+        a.out,
+        settings,
+        quiet=a.quiet,
         overwrite=a.overwrite,
         memory_budget=a.memory_budget,
         buckets=a.buckets,
         workers=a.workers,
-        split=a.split,
-        cut=a.cut,
-        horizon=a.horizon,
-        **reader,
     )
     if a.json:
         print(json.dumps(m, indent=2))
@@ -152,10 +156,10 @@ def _synth_args(sub) -> None:
 
 
 def _shards_args(sub) -> None:
-    from dataprep.balance import DEFAULT_WINDOW_STEPS, METHODS, TAILS
+    from dataprep.balance import DEFAULT_WINDOW_STEPS
     from dataprep.readers import FORMATS
     from dataprep.rejects import MAX_REJECT_FRACTION
-    from dataprep.sequences import DEDUP
+    from dataprep.settings import DEDUP, METHODS, TAILS
 
     s = sub.add_parser("shards", help="build a length-balanced shard set")
     s.add_argument("--input", required=True, nargs="+", help="input file(s); for events also a Parquet folder")
@@ -213,9 +217,11 @@ def _shards_args(sub) -> None:
 
 def _split_args(s) -> None:
     """How the set holds out what evaluation scores (dataprep/temporal.py)."""
+    from dataprep.settings import SPLITS
+
     s.add_argument(
         "--split",
-        choices=("leave_one_out", "temporal"),
+        choices=SPLITS,
         default="leave_one_out",
         help="leave_one_out: each user's last event tests, the one before validates; temporal: events at "
         "or before --cut train, each user's first event after it (within --horizon) tests (timed formats)",

@@ -15,9 +15,9 @@ import pyarrow.compute as pc
 from dataprep.errors import DataprepError
 from dataprep.readers import Interactions
 from dataprep.schema import MAP_SCHEMA, eval_schema
+from dataprep.settings import check_choice
 
 MIN_EVENTS = 3  # leave-one-out needs a history, a validation and a test item
-DEDUP = ("exact", "consecutive", "none")
 
 
 @dataclass
@@ -219,8 +219,7 @@ def build_sequences(
 
     For a bucket of users (dataprep.bucketed): `part` lets every user be dropped, `raw_times`
     keeps times in the input's unit (the unit is chosen over all buckets), `codes`: _provisional."""
-    if dedup not in DEDUP:
-        raise DataprepError(f"--dedup {dedup!r}: unknown; choose one of {', '.join(DEDUP)}")
+    check_choice("dedup", dedup)
     if len(ev) == 0:
         raise DataprepError(
             f"{', '.join(ev.paths)}: no valid interactions left after rejecting bad rows; "

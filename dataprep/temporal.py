@@ -18,26 +18,20 @@ import numpy as np
 from dataprep.errors import DataprepError
 from dataprep.sequences import Holdout, Sequences, leave_one_out
 
-SPLITS = ("leave_one_out", "temporal")
 CUT_QUANTILE = 0.9  # the default cut: this share of the events is at or before it
 COUNTS = ("test_users", "train_events", "users_without_history", "events_after_cut")  # the split's, summed
 
 
 def settings(split: str, cut: int | None, horizon: int | None, fmt: str, time_formats: tuple) -> dict:
     """The shard set's config entries of the split (none for leave-one-out, so its sets stay as
-    they were); DataprepError names the flag a user got wrong."""
-    if split not in SPLITS:
-        raise DataprepError(f"--split {split!r}: unknown; choose one of {', '.join(SPLITS)}")
+    they were) of settings a ShardSettings checked; DataprepError when a temporal split's
+    format `fmt` has no times."""
     if split == "leave_one_out":
-        if cut is not None or horizon is not None:
-            raise DataprepError("--cut and --horizon belong to --split temporal")
         return {}
     if fmt not in time_formats:
         raise DataprepError(
             f"--split temporal needs event times: --format {fmt} has none; use one of {', '.join(time_formats)}"
         )
-    if horizon is not None and horizon < 1:
-        raise DataprepError(f"--horizon {horizon}: must be >= 1 second")
     return {"split": "temporal", "cut": cut, "horizon": horizon}
 
 

@@ -981,17 +981,17 @@ def test_a_retry_balances_by_the_cost_model_its_first_try_calibrated(tmp_path, m
         input="-", fmt="sasrec", out=str(tmp_path / "run" / "shards"), world_size=2, max_len=20,
         model_overrides=["model.dim=8", "model.num_layers=1"],
     )  # fmt: skip
-    first = pipeline_ops.shard_build_args(spec, log=None)["cost_model"]
+    first = pipeline_ops.shard_settings(spec, log=None).cost_model
     # a calibrated model, read back (a noisy fit may give a = 0)
     assert Path(first).parent == tmp_path / "run" and load_cost_model(first).source != "default"
     written = Path(first).read_text()
     cache = settings.work_root() / "cost-models"
     assert list(cache.glob("**/cost-*.json"))  # the machine-wide calibration (or its noisy copy)
     shutil.rmtree(cache)  # as if it had been noisy: nothing cached
-    again = pipeline_ops.shard_build_args(spec, log=None)["cost_model"]
+    again = pipeline_ops.shard_settings(spec, log=None).cost_model
     assert again == first and Path(again).read_text() == written and not cache.exists()  # not timed again
     other = pipeline_ops.ShardSpec(**{**spec.__dict__, "model_overrides": ["model.dim=16", "model.num_layers=1"]})
-    assert pipeline_ops.shard_build_args(other, log=None)["cost_model"] != first and cache.exists()
+    assert pipeline_ops.shard_settings(other, log=None).cost_model != first and cache.exists()
 
 
 def test_a_dag_sets_fault_tolerance_through_the_trainers_ft_section(tmp_path):

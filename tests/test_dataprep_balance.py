@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from dataprep import balance
 from dataprep.errors import DataprepError
+from dataprep.settings import METHODS, TAILS
 
 
 def _check_plan(p: balance.Plan, cost: np.ndarray) -> None:
@@ -33,8 +34,8 @@ costs_st = st.lists(st.floats(min_value=0.5, max_value=1e4, allow_nan=False), mi
     b=st.integers(1, 8),
     k=st.integers(1, 6),
     seed=st.integers(0, 3),
-    tail=st.sampled_from(balance.TAILS),
-    method=st.sampled_from(balance.METHODS),
+    tail=st.sampled_from(TAILS),
+    method=st.sampled_from(METHODS),
 )
 def test_plan_exactly_once_and_equal_steps(costs, w, b, k, seed, tail, method):
     cost = np.asarray(costs)
@@ -121,7 +122,7 @@ def test_windows_group_similar_costs_and_remove_bubble_on_heavy_tail():
     assert np.median(spread) < 0.5 * np.median(spread_r)
 
 
-@pytest.mark.parametrize("method", balance.METHODS)
+@pytest.mark.parametrize("method", METHODS)
 def test_plan_does_not_depend_on_its_block_size(monkeypatch, method):
     # the plan works a block of windows at a time to bound its memory; the block size must change
     # nothing: not the plan, not the random baseline, not a bit of their stats

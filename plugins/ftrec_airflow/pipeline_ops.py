@@ -9,11 +9,14 @@ import os
 import sys
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 from urllib.request import url2pathname
 
 from ftrec_airflow import runner, settings
+
+if TYPE_CHECKING:
+    from dataprep.settings import ShardSettings
 
 FORMATS = ("iclrec", "sasrec", "movielens", "events")
 SNIFF_LINES = 1000
@@ -171,17 +174,19 @@ def _summary(manifest: dict, path: str | Path) -> dict[str, Any]:
     return out
 
 
-def shard_build_args(spec: ShardSpec, log=print) -> dict[str, Any]:
-    """dataprep's build settings for `spec`, the one-process build's and the fanned-out one's
+def shard_settings(spec: ShardSpec, log=print) -> "ShardSettings":
+    """dataprep's settings record for `spec`, the one-process build's and the fanned-out one's
     alike; the cost model is the trained model's own, calibrated once per model config and
-    machine (None: dataprep's default)."""
+    machine (None: dataprep's default). DataprepError: a setting dataprep refuses."""
+    from dataprep.settings import ShardSettings
+
     cost_model = None
     if spec.model_overrides is not None:
         cost_model = _calibrated(spec)
         if log:
             log(f"cost model: {cost_model}")
     keys = ("world_size", "batch_size", "seed", "max_len", "window_steps", "split", "cut", "horizon")
-    return {**{k: getattr(spec, k) for k in keys}, "cost_model": cost_model}
+    return ShardSettings(**{k: getattr(spec, k) for k in keys}, cost_model=cost_model)
 
 
 def _calibrated(spec: ShardSpec) -> str:
@@ -220,12 +225,12 @@ def build_shards(spec: ShardSpec, log=None) -> dict[str, Any]:
         return st and (st.st_ino, st.st_mtime_ns)
 
     before = identity()
-    args = {**shard_build_args(spec, log), "quiet": True, "log": log}
     try:
+        record = shard_settings(spec, log)
         try:
-            manifest = _build(spec.input, spec.fmt, str(out), **args)
+            manifest = _build(spec.input, spec.fmt, str(out), record, quiet=True, log=log)
         except DifferentShardSet:  # an earlier try's set with other settings: replace it, nothing else
-            manifest = _build(spec.input, spec.fmt, str(out), overwrite=True, **args)
+            manifest = _build(spec.input, spec.fmt, str(out), record, quiet=True, log=log, overwrite=True)
     except DataprepError as e:
         raise UserError(str(e)) from None
     reused = before is not None and before == identity()

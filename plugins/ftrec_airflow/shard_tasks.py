@@ -67,13 +67,13 @@ def _job(spec: pipeline_ops.ShardSpec, log: Callable[[str], None], cost_model: s
 
     if cost_model is not None:
         spec = dataclasses.replace(spec, model_overrides=None)
-    kw = pipeline_ops.shard_build_args(spec, log)
+    record = pipeline_ops.shard_settings(spec, log)
     if cost_model is not None:
-        kw["cost_model"] = cost_model
+        record = dataclasses.replace(record, cost_model=cost_model)
     try:
-        return build.prepare(spec.input, spec.fmt, spec.out, **kw)
+        return build.prepare(spec.input, spec.fmt, spec.out, record)
     except DifferentShardSet:
-        return build.prepare(spec.input, spec.fmt, spec.out, overwrite=True, **kw)
+        return build.prepare(spec.input, spec.fmt, spec.out, record, overwrite=True)
 
 
 def prepare(
