@@ -15,7 +15,7 @@ import pytest
 
 from dataprep.build import build_shards
 from dataprep.synth import write_synthetic
-from ftrec_airflow import mlflow_registry, pipeline_ops, tasks
+from ftrec_airflow import mlflow_registry, pipeline_ops, run_params, tasks
 from training.config import load_config
 from training.train import train
 
@@ -91,7 +91,7 @@ def _champion(uri: str, name: str, trained: dict, stored: float) -> int:
 
 
 def _retrain(name: str, trained: dict, caplog, run_id: str = "r", **extra) -> tuple[dict, dict]:
-    p = {"model_name": name, "gate_metric": METRIC, "gate_min": 0.0, "gate_min_margin": tasks.GATE_MIN_MARGIN}
+    p = {"model_name": name, "gate_metric": METRIC, "gate_min": 0.0, "gate_min_margin": run_params.GATE_MIN_MARGIN}
     p |= extra
     with caplog.at_level(logging.INFO, logger="ftrec_airflow.tasks"):
         ev = tasks.evaluate(trained, params=p)
@@ -104,7 +104,7 @@ def test_an_lr0_challenger_loses_although_the_champions_stored_score_is_lower(wo
     ev, reg = _retrain(name, world["lr0_new"], caplog)
     new, champ = reg["scores"]["challenger"][METRIC], reg["scores"]["champion"][METRIC]
     assert new > 0.0  # the old gate (new score vs stored 0.0) would have promoted it
-    assert champ > new + tasks.GATE_MIN_MARGIN, reg["scores"]
+    assert champ > new + run_params.GATE_MIN_MARGIN, reg["scores"]
     assert (reg["version"], reg["champion"], reg["promoted"], reg["aliases"]) == (2, v1, False, ["challenger"])
     assert int(mlflow_registry.client(uri).get_model_version_by_alias(name, mlflow_registry.CHAMPION).version) == v1
     # both scores, on both protocols, the split and the verdict: on the run and in the task log
@@ -125,7 +125,7 @@ def test_a_better_challenger_wins_although_the_champions_stored_score_is_higher(
     uri, name = world["uri"], "recs-b"
     _champion(uri, name, world["lr0_new"], stored=1.0)  # a perfect score on some other test
     _, reg = _retrain(name, world["good_new"], caplog)
-    assert reg["scores"]["challenger"][METRIC] > reg["scores"]["champion"][METRIC] + tasks.GATE_MIN_MARGIN
+    assert reg["scores"]["challenger"][METRIC] > reg["scores"]["champion"][METRIC] + run_params.GATE_MIN_MARGIN
     assert (reg["champion"], reg["promoted"], reg["aliases"]) == (2, True, ["challenger", "champion"])
     assert "gate verdict: promoted" in caplog.text
 

@@ -2,8 +2,10 @@
 MLflow store, a real ftcore lighthouse and the plugin's real FastAPI app; no Airflow
 scheduler (test_airflow_dag_run.py and test_airflow_integration.py run the DAGs)."""
 
+import dataclasses
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -19,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # Importing airflow creates $AIRFLOW_HOME; keep it inside the (gitignored) work folder.
 os.environ.setdefault("AIRFLOW_HOME", str(ROOT / "work" / "test-airflow-home"))
 
-from ftrec_airflow import chaos, lighthouse_status, mlflow_registry, pipeline_ops, runner, settings  # noqa: E402
+from ftrec_airflow import chaos, lighthouse_status, mlflow_registry, pipeline_ops, run_params, runner, settings  # noqa: E402
 
 
 def _alive(pid: int) -> bool:
@@ -298,6 +300,30 @@ def test_params_table_gives_each_dag_its_own_values():
         pipeline.params(max_step=1)
 
 
+def test_run_params_are_one_typed_record_of_the_table():
+    """RunParams: the table's defaults where a key is missing, each value of its field's type
+    (a wrong one named), a list a tuple, an inline plan JSON text; the table is its fields."""
+    from ftrec_airflow import pipeline
+    from ftrec_airflow.run_params import RunParams
+
+    p = RunParams.of({"max_steps": 80, "train_overrides": ["model.dim=8"], "fault_plan": {"faults": []}})
+    assert (p.max_steps, p.train_overrides, p.fault_plan, p.seed) == (80, ("model.dim=8",), '{"faults": []}', 0)
+    assert RunParams.of(None) == RunParams() and RunParams.of({"world_size": "", "other_dag": 1}).world_size is None
+    assert [f.name for f in dataclasses.fields(RunParams)][: len(pipeline.PARAMS)] == list(pipeline.PARAMS)
+    for bad, why in [
+        ({"batch_size": "many"}, "param batch_size='many': must be a whole number"),
+        ({"batch_size": 2.5}, "param batch_size=2.5: must be a whole number"),
+        ({"champion_approval": "yes"}, "param champion_approval='yes': must be true or false"),
+        ({"gate_min": True}, "param gate_min=True: must be a number"),
+        ({"train_overrides": "model.dim=8"}, "param train_overrides='model.dim=8': must be a list of strings"),
+        ({"seed": None}, "param seed is empty"),
+    ]:
+        with pytest.raises(pipeline_ops.UserError, match=re.escape(why)):
+            RunParams.of(bad)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.seed = 1  # type: ignore[misc]
+
+
 def test_local_run_refuses_a_bad_conf_in_one_line_before_airflow_starts(tmp_path, capsys):
     """`make run` with a --conf that is not a JSON object, or a bad --set: exit code 2, one
     `error:` line naming the flag, no traceback and nothing written to the work folder."""
@@ -348,10 +374,13 @@ def test_local_run_set_is_the_trainers_syntax():
         ("model.nope=1", "unknown key 'nope'"),
         ("train.epochs=x", "train.epochs"),
         ("params.max_steps", "section.key=value"),
+        ("params.max_step=10", "no DAG param 'max_step'"),
     ):
         with pytest.raises(ConfigError, match=words) as e:
             run_conf({}, [item])
         assert repr(item) in str(e.value)
+    with pytest.raises(ConfigError, match="param max_steps='ten': must be a whole number"):
+        run_conf({}, ["params.max_steps=ten"])
 
 
 # ---------------------------------------------------------------- tracking (real MLflow store)
@@ -609,7 +638,7 @@ def test_retrain_reads_new_data_from_the_triggering_asset_event(monkeypatch):
 
     from ftrec_airflow import tasks
 
-    p = {"data_source": "auto", "data_format": "iclrec"}
+    p = run_params.RunParams.of({"data_source": "auto", "data_format": "iclrec"})
     event = SimpleNamespace(extra={"path": "/data/new.txt", "format": "sasrec"})
     monkeypatch.setattr(
         tasks, "get_current_context", lambda: {"triggering_asset_events": {"ftrec_interactions": [event]}}
@@ -890,7 +919,7 @@ def test_evaluate_logs_only_what_the_trainer_did_not_and_the_gate_finds_it(tmp_p
         "1700000000",
         "86400",
     )
-    assert pipeline_ops.check_gate(ev["metrics"], tasks.GATE_METRIC, 0.06) == 0.0625
+    assert pipeline_ops.check_gate(ev["metrics"], run_params.GATE_METRIC, 0.06) == 0.0625
 
 
 # ---------------------------------------------------------------- registry aliases

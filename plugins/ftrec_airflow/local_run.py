@@ -18,6 +18,8 @@ from typing import Any
 
 from ftcore.util.files import atomic_write_json, atomic_write_text
 from ftrec_airflow import runner, settings
+from ftrec_airflow.pipeline_ops import UserError
+from ftrec_airflow.run_params import RunParams
 from training import checkpoint_key, config  # the trainer's settings, the one --set parser, the key (no torch)
 
 SUMMARY = "last_run.json"
@@ -78,6 +80,12 @@ def run_conf(conf: dict[str, Any], sets: list[str]) -> dict[str, Any]:
             raise config.ConfigError(f"--set {item!r}: a DAG param is params.KEY=VALUE: --set params.{item.strip()}")
         ((section, table),) = config.parse_overrides([item]).items()
         if section == PARAMS:
+            unknown = sorted(set(table) - {f.name for f in dataclasses.fields(RunParams)})
+            if unknown:
+                raise config.ConfigError(
+                    f"--set {item!r}: no DAG param {unknown[0]!r}; the params are RunParams' fields "
+                    "(ftrec_airflow/run_params.py)"
+                )
             out.update(table)
         elif section in {f.name for f in dataclasses.fields(config.Config)}:
             trainer.append(item)
@@ -86,6 +94,10 @@ def run_conf(conf: dict[str, Any], sets: list[str]) -> dict[str, Any]:
                 f"--set {item!r}: unknown section {section!r}: use params.<DAG param> (e.g. params.max_steps=50) "
                 f"or a trainer setting (python -m training config --show)"
             )
+    try:
+        RunParams.of(out)  # a value of the wrong type fails now, not in the task that reads it
+    except UserError as e:
+        raise config.ConfigError(f"--set/--conf: {e}") from None
     if trainer:
         config.apply_overrides(config.Config(), trainer)  # a wrong name or type fails now, not in the train task
         out["train_overrides"] = [*(out.get("train_overrides") or []), *trainer]

@@ -1,4 +1,4 @@
-"""The training DAGs' shared parts: the params every training DAG takes (`PARAMS`, a table)
+"""The training DAGs' shared parts: the params every training DAG takes (`PARAMS`, the table of run_params.RunParams)
 and the tasks they share (`TrainingDag`, which makes tasks of the bodies in `tasks` as they
 are). The DAG files only say which tasks they have and wire them; this module holds the
 decisions (retries, outlets, timeouts) so the DAGs agree.
@@ -14,7 +14,7 @@ from typing import Any
 
 from airflow.sdk import Asset, Param, XComArg, task
 
-from ftrec_airflow import eval_split, pipeline_ops, settings, shard_tasks, tasks
+from ftrec_airflow import run_params, settings, shard_tasks, tasks
 from ftrec_airflow.approval import ChampionApproval
 from ftrec_airflow.decorators import build_shards_task, ft_train_task
 
@@ -26,121 +26,8 @@ RETRY: dict[str, Any] = {"retries": 2, "retry_delay": timedelta(seconds=10), "re
 # ingest_validate reads a file: one quick retry (a mount that was late), then it is the input
 INGEST_RETRY: dict[str, Any] = {"retries": 1, "retry_delay": timedelta(seconds=5), "retry_exponential_backoff": 0}
 
-# name: (default, JSON schema, description): one Param each, in the UI's order
-PARAMS: dict[str, tuple[Any, dict[str, Any], str]] = {
-    "data_source": (
-        "auto",
-        {"type": "string"},
-        "Interaction data: a file or folder path, 'synthetic' (generated into the run folder) "
-        "or 'auto' (../shared/data/beauty.txt when present, otherwise synthetic).",
-    ),
-    "data_format": (
-        "iclrec",
-        {"type": "string", "enum": list(pipeline_ops.FORMATS)},
-        "Format of data_source: iclrec (user item item ...), sasrec (user item per line), "
-        "movielens (ratings.dat/.csv), events (Parquet/CSV with user, item, timestamp).",
-    ),
-    "split": (
-        "auto",
-        {"type": "string", "enum": list(eval_split.SPLITS)},
-        "How the shard set holds out what the gate judges: temporal (train on the events up to a cut T, "
-        "test each user's first event in the window after it), leave_one_out (each user's last event), or "
-        "auto: temporal where data_format carries event times (events, movielens), else leave_one_out.",
-    ),
-    "split_cut": (
-        None,
-        {"type": ["null", "integer"]},
-        "The temporal split's cut T in epoch seconds; empty: the cut of the ftrec_interactions event "
-        "that triggered the run, else the time before which 90% of the events fall.",
-    ),
-    "split_horizon": (
-        None,
-        {"type": ["null", "integer"], "minimum": 1},
-        "Seconds after the cut a test event may lie; empty: the triggering event's horizon, else to the last event.",
-    ),
-    "synth_users": (2000, {"type": "integer", "minimum": 10}, "Users of generated data (data_source=synthetic)."),
-    "synth_items": (1000, {"type": "integer", "minimum": 10}, "Items of generated data (data_source=synthetic)."),
-    "max_len": (
-        50,
-        {"type": "integer", "minimum": 2, "maximum": 8192},
-        "Longest history kept per user (most recent items).",
-    ),
-    "batch_size": (128, {"type": "integer", "minimum": 1}, "Samples per rank and step (dataprep --batch-size)."),
-    "replica_groups": (
-        2,
-        {"type": "integer", "minimum": 1},
-        "R: data-parallel replica groups, the unit of fault tolerance (FT-HSDP).",
-    ),
-    "ranks_per_group": (1, {"type": "integer", "minimum": 1}, "K: ranks inside one replica group."),
-    "world_size": (
-        None,
-        {"type": ["null", "integer"], "minimum": 1},
-        "Shard count W; empty means R*K (the only value the launcher accepts).",
-    ),
-    "shard_buckets": (
-        None,
-        {"type": ["null", "integer"], "minimum": 1},
-        "Buckets of the fanned-out shard build (one bucket task each); empty: as many as shard_memory_budget needs.",
-    ),
-    "shard_memory_budget": (
-        "",
-        {"type": "string", "pattern": "^$|^[0-9]+(\\.[0-9]+)?\\s*[kKmMgGtT]?[iI]?[bB]?$"},
-        "Memory one shard build task may use, like 512MB or 4GB (sets the bucket count); "
-        "empty: a quarter of the worker's memory.",
-    ),
-    "epochs": (0, {"type": "integer", "minimum": 0}, "Training epochs; 0 keeps the trainer's default."),
-    "max_steps": (0, {"type": "integer", "minimum": 0}, "Stop after this many committed steps; 0: no limit."),
-    "fault_plan": (
-        "",
-        {"type": "string"},
-        "Faults to inject (ftcore plan): a TOML/JSON file path or inline JSON; empty for none.",
-    ),
-    "mlflow_experiment": (
-        settings.DEFAULT_EXPERIMENT,
-        {"type": "string", "minLength": 1},
-        "MLflow experiment of the training run.",
-    ),
-    "model_name": (
-        settings.DEFAULT_MODEL_NAME,
-        {"type": "string", "minLength": 1},
-        "MLflow registered model the gated model is added to.",
-    ),
-    "gate_metric": (
-        tasks.GATE_METRIC,
-        {"type": "string"},
-        "Evaluation metric of the quality gate, <split>/<protocol>/<metric> as MLflow shows it, "
-        "e.g. test/full/ndcg_at_10 (ndcg@10 is accepted too); champion and challenger are both "
-        "scored on this run's test split, the other protocol is logged beside it.",
-    ),
-    "gate_min": (
-        0.0,
-        {"type": "number"},
-        "The model is registered only if gate_metric >= gate_min; otherwise register_model fails.",
-    ),
-    "gate_min_margin": (
-        tasks.GATE_MIN_MARGIN,
-        {"type": "number", "minimum": 0},
-        "A registered version becomes champion only if its gate_metric beats the champion's, "
-        "scored on the same test split, by at least this much.",
-    ),
-    "champion_approval": (
-        False,
-        {"type": "boolean"},
-        "A version that beats the champion becomes champion only once a person approves it "
-        "(task approve_champion, answered in the Airflow UI); until then it is challenger.",
-    ),
-    "champion_approval_hours": (
-        24.0,
-        {"type": "number", "exclusiveMinimum": 0},
-        "How long approve_champion waits for an answer; none in time counts as Reject (the champion stays).",
-    ),
-    "train_overrides": (
-        [],
-        {"type": "array", "items": {"type": "string"}},
-        "Extra trainer settings section.key=value (training/config.py), e.g. model.dim=32.",
-    ),
-    "seed": (0, {"type": "integer"}, "Seed of data generation, sharding and training."),
-}
+# name: (default, JSON schema, description): one Param each, in the UI's order (run_params.RunParams' fields)
+PARAMS: dict[str, tuple[Any, dict[str, Any], str]] = run_params.table()
 
 
 def params(**defaults: Any) -> dict[str, Param]:

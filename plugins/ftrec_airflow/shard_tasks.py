@@ -12,7 +12,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +21,7 @@ from airflow.sdk import Asset, TaskGroup, XComArg, task
 from airflow.sdk.exceptions import AirflowFailException
 
 from ftrec_airflow import pipeline_ops
+from ftrec_airflow.run_params import RunParams
 
 JOB = "job.json"  # in the work folder: the manifest head, budget and buckets (ids and seal read it)
 
@@ -30,7 +31,7 @@ def _user_errors(fn: Callable, *args: Any) -> Any:
 
     try:
         return fn(*args)
-    except DataprepError as e:
+    except (DataprepError, pipeline_ops.UserError) as e:
         raise AirflowFailException(str(e)) from None
 
 
@@ -232,13 +233,10 @@ MAPPED = {"read": ("scan", read), "partition": ("split", partition), "bucket": (
 MAPPED |= {"route": ("route", route), "write": ("write", write)}
 
 
-def _settings(params: dict | None, buckets: int | None, memory_budget: str | None) -> dict[str, Any]:
+def _settings(params: Mapping[str, Any] | None, buckets: int | None, memory_budget: str | None) -> dict[str, Any]:
     """The bucket count and memory budget: the DAG run's shard_* params, else the DAG's own."""
-    p = params or {}
-    return {
-        "buckets": p.get("shard_buckets") or buckets,
-        "memory_budget": p.get("shard_memory_budget") or memory_budget,
-    }
+    p = RunParams.of(params)
+    return {"buckets": p.shard_buckets or buckets, "memory_budget": p.shard_memory_budget or memory_budget}
 
 
 def _announce(s: dict[str, Any], outlets: list[Asset], outlet_events: Any) -> None:
@@ -280,7 +278,7 @@ def fanout(
 
         @task(task_id="prepare")
         def prepare_task(data: Any, params=None) -> list[dict]:
-            kw = _settings(params, buckets, memory_budget)
+            kw = _user_errors(_settings, params, buckets, memory_budget)
             pool = calibrate.pool if calibrate else None
             p = _user_errors(lambda: prepare(spec_fn(data, params=params), pool=pool, **kw))
             return _args(p["stage"], p["spans"])

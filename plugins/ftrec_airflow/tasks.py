@@ -1,5 +1,6 @@
 """The bodies of the training DAGs' tasks, in TaskFlow form: upstream results in, `params`
-from the task's context, a small JSON-able dict out. `pipeline.TrainingDag` makes tasks of
+from the task's context (made a typed RunParams at once, and only that is handed down), a
+small JSON-able dict out. `pipeline.TrainingDag` makes tasks of
 these functions as they are; the work itself is in `pipeline_ops` (no Airflow there).
 
 A user error becomes `AirflowFailException` (fail now, no retry); anything else raises as
@@ -8,6 +9,7 @@ is and the task's retries apply. Heavy packages are imported inside the function
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -18,9 +20,8 @@ from airflow.sdk.exceptions import AirflowFailException
 
 from ftrec_airflow import eval_split, pipeline_ops, settings
 from ftrec_airflow.pipeline_ops import TrainedRun
+from ftrec_airflow.run_params import RunParams
 
-GATE_METRIC = "test/full/ndcg_at_10"  # MLflow spelling of ndcg@10, full ranking (sampled: secondary)
-GATE_MIN_MARGIN = 0.001  # a challenger must beat the champion by this much on the same split
 # An event per gated registration (register_model's outlet): downstream DAGs schedule on it;
 # its extra says which version, its aliases and gate value (challenger only, or champion too).
 MODEL = Asset(name="ftrec_model", uri="ftrec://model/registered")
@@ -40,10 +41,14 @@ def _user_errors(fn, *args, **kwargs):
         raise AirflowFailException(str(e)) from None
 
 
-def topology(p: dict) -> tuple[int, int, int]:
-    r, k = int(p["replica_groups"]), int(p["ranks_per_group"])
-    w = p.get("world_size")
-    if w not in (None, "", r * k):
+def _params(params: Any) -> RunParams:
+    """The task's params as the typed record; a value of the wrong type fails the task now."""
+    return _user_errors(RunParams.of, params)
+
+
+def topology(p: RunParams) -> tuple[int, int, int]:
+    r, k, w = p.replica_groups, p.ranks_per_group, p.world_size
+    if w not in (None, r * k):
         raise AirflowFailException(
             f"param world_size={w} must equal replica_groups*ranks_per_group={r * k}; leave it empty"
         )
@@ -55,21 +60,21 @@ def topology(p: dict) -> tuple[int, int, int]:
 
 def ingest_validate(params=None) -> dict[str, Any]:
     """Find the data the data_source param names and check it reads, and the split params against its format."""
-    return _ingest(params, {})
+    return _ingest(_params(params), {})
 
 
-def _ingest(p: dict, event_window: dict[str, int]) -> dict[str, Any]:
+def _ingest(p: RunParams, event_window: dict[str, int]) -> dict[str, Any]:
     """pipeline_ops.ingest of the params' data, with the triggering event's window ("window");
     the split its shards get (run_split) is checked and logged here, the run's first task."""
     topology(p)
     data = _user_errors(
         pipeline_ops.ingest,
-        p["data_source"],
-        p["data_format"],
+        p.data_source,
+        p.data_format,
         run_dir(),
-        synth_users=int(p["synth_users"]),
-        synth_items=int(p["synth_items"]),
-        seed=int(p["seed"]),
+        synth_users=p.synth_users,
+        synth_items=p.synth_items,
+        seed=p.seed,
     )
     data = {**data, "window": event_window}
     split = run_split(data, p)
@@ -77,28 +82,28 @@ def _ingest(p: dict, event_window: dict[str, int]) -> dict[str, Any]:
     return data
 
 
-def run_split(data: dict, p: dict) -> eval_split.RunSplit:
+def run_split(data: dict, p: RunParams) -> eval_split.RunSplit:
     """The split of the shards of ingest's `data` (eval_split.resolve of its format and the
     triggering event's window, and the split params); AirflowFailException on a bad value."""
     from dataprep.readers import TIME_FORMATS
 
-    return _user_errors(eval_split.resolve, data["format"], p, data.get("window") or {}, TIME_FORMATS)
+    return _user_errors(eval_split.resolve, data["format"], p.split_params(), data.get("window") or {}, TIME_FORMATS)
 
 
 def shard_spec(data: dict, params=None) -> pipeline_ops.ShardSpec:
     """The shard set to build from ingest's `data`, balanced for the model trained, split as
     the params and the triggering event say (run_split)."""
-    p = params
+    p = _params(params)
     split = run_split(data, p)
     return pipeline_ops.ShardSpec(
         input=data["path"],
         fmt=data["format"],
         out=str(run_dir() / "shards"),
         world_size=topology(p)[2],
-        batch_size=int(p["batch_size"]),
-        max_len=int(p["max_len"]),
-        seed=int(p["seed"]),
-        model_overrides=list(p.get("train_overrides") or []),
+        batch_size=p.batch_size,
+        max_len=p.max_len,
+        seed=p.seed,
+        model_overrides=list(p.train_overrides),
         **split.build_args(),
     )
 
@@ -113,10 +118,9 @@ def verify_shards(shards: dict) -> dict[str, Any]:
 
 def train_spec(shards: dict, base: dict | None = None, params=None) -> pipeline_ops.TrainSpec:
     """What to train on the verified `shards`; `base` (from base_model) warm-starts from an earlier model."""
-    p = params
+    p = _params(params)
     r, k, _ = topology(p)
-    plan = p.get("fault_plan") or ""
-    overrides = list(p.get("train_overrides") or []) + [f"train.seed={int(p['seed'])}"]
+    overrides = [*p.train_overrides, f"train.seed={p.seed}"]
     if base and base.get("checkpoint"):
         overrides.append(f"train.init_checkpoint={base['checkpoint']}")
     return pipeline_ops.TrainSpec(
@@ -124,10 +128,10 @@ def train_spec(shards: dict, base: dict | None = None, params=None) -> pipeline_
         out=str(run_dir() / "train"),
         replica_groups=r,
         ranks_per_group=k,
-        fault_plan=plan if isinstance(plan, str) else json.dumps(plan),
-        max_steps=int(p["max_steps"]),
-        epochs=int(p["epochs"]),
-        experiment=p["mlflow_experiment"],
+        fault_plan=p.fault_plan,
+        max_steps=p.max_steps,
+        epochs=p.epochs,
+        experiment=p.mlflow_experiment,
         overrides=overrides,
     )
 
@@ -135,12 +139,12 @@ def train_spec(shards: dict, base: dict | None = None, params=None) -> pipeline_
 # ---------------------------------------------------------------- the quality gate
 
 
-def _champion(p: dict, run: TrainedRun) -> tuple[dict | None, str, str | None]:
+def _champion(p: RunParams, run: TrainedRun) -> tuple[dict | None, str, str | None]:
     """(the champion version, its checkpoint to score, why it cannot be scored): no checkpoint
     to score when there is no champion or it is this very run (a re-run of the DAG run)."""
     from ftrec_airflow import mlflow_registry
 
-    champ = mlflow_registry.by_alias(p["model_name"], mlflow_registry.CHAMPION, run.tracking_uri)
+    champ = mlflow_registry.by_alias(p.model_name, mlflow_registry.CHAMPION, run.tracking_uri)
     if champ is None or champ["run_id"] == run.mlflow_run_id:
         return champ, "", None
     ckpt = champ["tags"].get(mlflow_registry.CHECKPOINT_TAG, "")
@@ -157,7 +161,7 @@ def evaluate(trained: dict, params=None) -> dict[str, Any]:
     mlflow_registry.connect()
     run = TrainedRun.from_dict(trained)
     uri, run_id = run.tracking_uri, run.mlflow_run_id
-    champ, ckpt, error = _champion(params, run)
+    champ, ckpt, error = _champion(_params(params), run)
     res = _user_errors(pipeline_ops.judge, run.checkpoint, run.shards, str(run_dir() / "eval.json"), champion=ckpt)
     metrics = {mlflow_registry.metric_key(k): v for k, v in res["metrics"].items()}  # the names MLflow shows
     have = mlflow_registry.run_metrics(run_id, uri)
@@ -207,7 +211,7 @@ def verdict_words(result: dict) -> str:
     return "awaiting approval" if result["approval"]["asked"] else "kept champion"
 
 
-def _log_gate(run: TrainedRun, result: dict, champion: dict, p: dict) -> None:
+def _log_gate(run: TrainedRun, result: dict, champion: dict, p: RunParams) -> None:
     """Both scores, the split's identity and the verdict: on the challenger's MLflow run and in the task log."""
     from ftrec_airflow import mlflow_registry
 
@@ -222,8 +226,8 @@ def _log_gate(run: TrainedRun, result: dict, champion: dict, p: dict) -> None:
         "gate.champion_version": str(champion.get("version")),
         "gate.verdict": verdict_words(result),
         "gate.reason": result["reason"],
-        "gate.min": str(p["gate_min"]),
-        "gate.min_margin": str(p.get("gate_min_margin", GATE_MIN_MARGIN)),
+        "gate.min": str(p.gate_min),
+        "gate.min_margin": str(p.gate_min_margin),
     }
     c = mlflow_registry.client(uri)
     for k, v in tags.items():
@@ -235,12 +239,12 @@ def _log_gate(run: TrainedRun, result: dict, champion: dict, p: dict) -> None:
     log.info("gate verdict: %s (%s)", tags["gate.verdict"], result["reason"])
 
 
-def _gate_verdict(p: dict, evaluation: dict) -> tuple[str, str, float, bool, str]:
+def _gate_verdict(p: RunParams, evaluation: dict) -> tuple[str, str, float, bool, str]:
     """(metric, its secondary twin, the challenger's value, promote?, why); fails the task
     below gate_min."""
-    metric, secondary = pipeline_ops.metric_pair(p["gate_metric"])
+    metric, secondary = pipeline_ops.metric_pair(p.gate_metric)
     try:
-        value = pipeline_ops.check_gate(evaluation["metrics"], metric, float(p["gate_min"]))
+        value = pipeline_ops.check_gate(evaluation["metrics"], metric, p.gate_min)
     except (pipeline_ops.GateFailed, pipeline_ops.UserError) as e:
         raise AirflowFailException(str(e)) from None
     champion = evaluation.get("champion") or {}
@@ -248,7 +252,7 @@ def _gate_verdict(p: dict, evaluation: dict) -> tuple[str, str, float, bool, str
     if scored is not None and metric not in scored and not error:
         error = f"it was scored on the test split only, and gate_metric is {metric}"
     champ_value = None if scored is None else scored.get(metric)
-    won, why = pipeline_ops.verdict(value, champ_value, float(p["gate_min_margin"]), error)
+    won, why = pipeline_ops.verdict(value, champ_value, p.gate_min_margin, error)
     return metric, secondary, value, won, why
 
 
@@ -259,7 +263,7 @@ def register_model(trained: dict, evaluation: dict, params=None) -> dict[str, An
     event carries the result."""
     from ftrec_airflow import mlflow_registry
 
-    p, run = params, TrainedRun.from_dict(trained)
+    p, run = _params(params), TrainedRun.from_dict(trained)
     metric, secondary, value, won, why = _gate_verdict(p, evaluation)
     champion = evaluation.get("champion") or {}
     mlflow_registry.connect()
@@ -268,17 +272,17 @@ def register_model(trained: dict, evaluation: dict, params=None) -> dict[str, An
     tags: dict[str, Any] = {
         "gate_metric": metric,
         "gate_value": repr(value),
-        "gate_min": str(p["gate_min"]),
+        "gate_min": str(p.gate_min),
         "gate_split_fingerprint": str(split.get("fingerprint", "")),
         mlflow_registry.CHECKPOINT_TAG: run.checkpoint,
         "shards": run.shards,
         "airflow.dag_id": ctx["ti"].dag_id,
         "airflow.run_id": ctx["run_id"],
     }
-    reg = mlflow_registry.register(run.mlflow_run_id, p["model_name"], tags=tags, tracking_uri=uri)
-    ask = bool(p.get("champion_approval"))  # a winner waits for approve_champion's Approve
+    reg = mlflow_registry.register(run.mlflow_run_id, p.model_name, tags=tags, tracking_uri=uri)
+    ask = p.champion_approval  # a winner waits for approve_champion's Approve
     promo = mlflow_registry.promote(
-        p["model_name"],
+        p.model_name,
         reg["version"],
         won=won and not ask,
         reason=f"{why}; champion once approved (param champion_approval)" if won and ask else why,
@@ -288,7 +292,7 @@ def register_model(trained: dict, evaluation: dict, params=None) -> dict[str, An
     )
     result = {**reg, **promo, "gate_metric": metric, "gate_value": value}
     asked = ask and won and promo["champion"] != reg["version"]  # a retry after the approval asks nothing
-    result["approval"] = {"asked": asked, "hours": float(p.get("champion_approval_hours") or 0), "reason": why}
+    result["approval"] = {"asked": asked, "hours": p.champion_approval_hours, "reason": why}
     result["approval"] |= {"judged": champion.get("version"), "tracking_uri": uri} if asked else {}
     result["scores"] = {
         who: {k: (m or {}).get(k) for k in (metric, secondary)}
@@ -339,13 +343,13 @@ def _triggering_extras() -> list[dict[str, Any]]:
     return [getattr(ev, "extra", None) or {} for evs in events.values() for ev in reversed(list(evs))]
 
 
-def new_data_source(p: dict) -> tuple[str, str]:
+def new_data_source(p: RunParams) -> tuple[str, str]:
     """(source, format): the newest triggering Asset event's {"path", "format"} extra when
     the run was triggered by new interaction data, else the params."""
     for extra in _triggering_extras():
         if extra.get("path"):
-            return extra["path"], extra.get("format", p["data_format"])
-    return p["data_source"], p["data_format"]
+            return extra["path"], extra.get("format", p.data_format)
+    return p.data_source, p.data_format
 
 
 def new_data_window() -> dict[str, int]:
@@ -360,8 +364,9 @@ def new_data_window() -> dict[str, int]:
 def ingest_new_data(params=None) -> dict[str, Any]:
     """ingest_validate on the data a triggering Asset event announced (else the params'), its
     shards split at the event's window where it gives one (eval_split: the params' win when set)."""
-    source, fmt = new_data_source(params)
-    return _ingest({**params, "data_source": source, "data_format": fmt}, new_data_window())
+    p = _params(params)
+    source, fmt = new_data_source(p)
+    return _ingest(dataclasses.replace(p, data_source=source, data_format=fmt), new_data_window())
 
 
 def base_model(params=None) -> dict[str, Any]:
@@ -369,11 +374,11 @@ def base_model(params=None) -> dict[str, Any]:
     (a newer one may have lost to it); {} when there is no champion: train from scratch."""
     from ftrec_airflow import mlflow_registry
 
-    p = params
+    p = _params(params)
     uri, _ = mlflow_registry.connect()
-    champ = mlflow_registry.by_alias(p["model_name"], mlflow_registry.CHAMPION, uri)
+    champ = mlflow_registry.by_alias(p.model_name, mlflow_registry.CHAMPION, uri)
     if not champ:
-        log.info("model %s has no %s: training from scratch", p["model_name"], mlflow_registry.CHAMPION)
+        log.info("model %s has no %s: training from scratch", p.model_name, mlflow_registry.CHAMPION)
         return {}
     ckpt = champ["tags"].get(mlflow_registry.CHECKPOINT_TAG, "")
     if ckpt and not Path(ckpt).exists():
@@ -409,9 +414,15 @@ def check_recovery(trained: dict, params=None) -> dict[str, Any]:
         metrics,
         plan,
         replica_groups=run.replica_groups,
-        max_stall_s=float(params["max_stall_s"]),
+        max_stall_s=_stall_bound(_params(params)),
         artifacts=artifacts,
     )
     if not verdict.ok:
         raise AirflowFailException("chaos drill failed: " + "; ".join(verdict.problems))
     return {"ok": True, **verdict.facts}
+
+
+def _stall_bound(p: RunParams) -> float:
+    if p.max_stall_s is None:
+        raise AirflowFailException("check_recovery needs the max_stall_s param (ftrec_chaos_drill's)")
+    return p.max_stall_s
