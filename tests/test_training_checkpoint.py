@@ -301,7 +301,12 @@ def test_a_warm_up_step_leaves_nothing_behind(shards, tmp_path):
 
     runs = []
     for warm in (False, True):
-        tr = Trainer(_cfg(shards, tmp_path / f"w{warm}"))
+        cfg = _cfg(shards, tmp_path / f"w{warm}")
+        given = cfg.to_dict()
+        tr = Trainer(cfg)
+        # the trainer resolves against the shard set and the machine in a copy of its own
+        assert cfg.to_dict() == given and (cfg.model.max_len, cfg.loss.kind) == (0, "auto")
+        assert tr.cfg.model.max_len > 0 and tr.cfg.loss.kind != "auto"
         tr.model.train()
         if warm:
             tr.warm_up()

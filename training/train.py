@@ -6,6 +6,7 @@ the replica says the data is done or a component stops it. docs/training.md has 
 """
 
 import copy
+import dataclasses
 import os
 import time
 from dataclasses import dataclass
@@ -64,8 +65,9 @@ class Trainer:
     """One rank of one replica group: the set-up, the step transaction, the loop, the end."""
 
     def __init__(self, cfg: Config):
-        self.cfg, self.topo = cfg, distributed.init()
-        self.shards, shard_ranks = _open_shards(cfg, self.topo)
+        self.topo = distributed.init()
+        self.cfg, self.shards, shard_ranks = _open_shards(cfg, self.topo)  # resolved: the caller's cfg as given
+        cfg = self.cfg
         os.makedirs(cfg.train.out, exist_ok=True)
         torch.use_deterministic_algorithms(cfg.train.deterministic, warn_only=True)
         resumed_from = self._build_model()
@@ -75,6 +77,7 @@ class Trainer:
         schedule = self._build_state()
         if resumed_from:
             self._resume(resumed_from)
+            cfg = self.cfg  # with the resumed run's MLflow run
         self.ft = make_replica(self.state, self.topo, self.steps_total, cfg.train.out)
         if resumed_from:  # ftcore: the make-up work still owed at the checkpoint
             self.ft.load_from_checkpoint(checkpoint.read_meta(resumed_from))
@@ -213,7 +216,8 @@ class Trainer:
         state = checkpoint.load(path, self.topo.rank, per_rank=self.table.per_rank)
         self.state.load_state_dict(self.table.from_checkpoint(state))
         # the resumed run logs into the MLflow run it started, unless one is given
-        self.cfg.mlflow.run_id = self.cfg.mlflow.run_id or checkpoint.read_meta(path).get("mlflow_run_id") or ""
+        run_id = self.cfg.mlflow.run_id or checkpoint.read_meta(path).get("mlflow_run_id") or ""
+        self.cfg = dataclasses.replace(self.cfg, mlflow=dataclasses.replace(self.cfg.mlflow, run_id=run_id))
         c = self.state.cursor
         log(self.topo, f"resumed from {path} (step {self.state.step}, epoch {c.epoch}, index {c.index})")
 
@@ -495,8 +499,10 @@ class Trainer:
                 tracker.log_model(exported, cfg.mlflow.register, cfg.mlflow.model_name)
 
 
-def _open_shards(cfg: Config, topo: Topology) -> tuple[ShardSet, list[int]]:
-    """The shard set and the shards this rank reads; model.max_len 0 takes the manifest's."""
+def _open_shards(cfg: Config, topo: Topology) -> tuple[Config, ShardSet, list[int]]:
+    """The run's configuration, the shard set and the shards this rank reads. The configuration
+    is `cfg` resolved against the set (model.max_len 0 takes the manifest's): a copy, the
+    caller's `cfg` is never written."""
     shards = ShardSet(cfg.data.shards)
     shard_ranks = shard_ranks_for(
         shards.world_size, topo.num_replica_groups, topo.replica_group, topo.group_size, topo.rank
@@ -507,10 +513,11 @@ def _open_shards(cfg: Config, topo: Topology) -> tuple[ShardSet, list[int]]:
             f"eval.split={cfg.eval.split!r}, but shard set {cfg.data.shards} was built with {built!r}: rebuild "
             f"it with `python -m dataprep shards ... --split {cfg.eval.split}`, or leave eval.split empty"
         )
-    cfg.model.max_len = cfg.model.max_len or shards.max_len
-    if cfg.model.max_len < shards.max_len:
+    max_len = cfg.model.max_len or shards.max_len
+    if max_len < shards.max_len:
         raise ConfigError(
-            f"model.max_len={cfg.model.max_len} is shorter than the shard set's max_len="
-            f"{shards.max_len}; leave it 0 to take the manifest's"
+            f"model.max_len={max_len} is shorter than the shard set's max_len={shards.max_len}; "
+            "leave it 0 to take the manifest's"
         )
-    return shards, shard_ranks
+    resolved = dataclasses.replace(copy.deepcopy(cfg), model=dataclasses.replace(cfg.model, max_len=max_len))
+    return resolved, shards, shard_ranks
