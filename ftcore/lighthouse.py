@@ -108,7 +108,7 @@ class Lighthouse:
                     with j.lock:
                         now = time.monotonic()
                         # its speakers (a relay for its group, or each rank): the heartbeats it sends
-                        speakers += sum(len(g.ranks) for g in j.groups.values() if not g.left) if count else 0
+                        speakers += sum(g.registered for g in j.groups.values() if not g.left) if count else 0
                         j.tick(now)
                         why = j.retirement(now, self.cfg.job_idle_s)
                         if why:
@@ -174,7 +174,7 @@ def summary(j: Job, now: float) -> dict[str, Any]:
         "job": j.name,
         "groups": len(j.groups),
         "healthy": len(j.health.healthy),
-        "ranks": sum(g.world if g.relay else len(g.ranks) for g in j.groups.values()),
+        "ranks": sum(g.world if g.relay else g.registered for g in j.groups.values()),
         "quorum_id": j.quorum.quorum_id if j.quorum else 0,
         "max_step": j.max_step,
         "finished_step": j.finished_step,
@@ -197,11 +197,11 @@ def snapshot(j: Job) -> dict[str, Any]:
                 "healthy": g.healthy,
                 "left": g.left,
                 "step": g.step,
-                "ranks": g.world if g.relay and g.ranks else len(g.ranks),
+                "ranks": g.world if g.relay and g.present else g.registered,
                 "world": g.world,
                 "relay": g.relay,
                 "standby_s": round(max(j.slow.excluded[g.group] - now, 0.0), 2) if g.group in j.slow.excluded else None,
-                "last_beat_age_s": max((now - r.last_beat for r in g.ranks.values()), default=None),
+                "last_beat_age_s": now - g.last_beat() if g.present else None,
             }
             for g in sorted(j.groups.values(), key=lambda g: g.group)
         ],

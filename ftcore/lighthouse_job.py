@@ -25,7 +25,6 @@ from ftcore.lighthouse_records import (
     Health,
     Pending,
     Probe,
-    RankRecord,
     Request,
     StaleIncarnation,
     in_slices,
@@ -98,8 +97,9 @@ class Job:
         self._log(kind, job=self.name, **data)
 
     # ---- membership ---------------------------------------------------------------
-    def _rank(self, info: RankInfo) -> tuple[GroupRecord, RankRecord]:
-        """Find or register the sender of `info` (checked by RankInfo.parse).
+    def _rank(self, info: RankInfo, new_line: bool = False) -> GroupRecord:
+        """Find or register the sender of `info` (checked by RankInfo.parse), and record what it
+        says; `new_line`: it says so on a heartbeat line of its own (Job.heartbeat). Its group.
 
         Everything is checked before anything changes: a bad message is a 400, never state."""
         g, world, r, inc, step = info.group, info.world, info.rank, info.incarnation, info.step
@@ -133,19 +133,13 @@ class Job:
             self.health.healthy.discard(g)  # a new incarnation is healthy once the sweep says so
             relayed = {"relay": True} if info.relay else {}
             self.event("register", group=g, incarnation=inc, world=world, step=step, **relayed)
-        rk = grp.ranks.get(r)
-        if rk is None:
-            rk = grp.ranks[r] = RankRecord(r)
         grp.left = False
-        rk.store, rk.heal = info.store or rk.store, info.heal or rk.heal
-        rk.step = max(rk.step, step)  # a late heartbeat may carry an older step
-        rk.last_beat = self.last_heard = time.monotonic()
-        if rk.disconnected:
-            rk.disconnected = False
+        self.last_heard = time.monotonic()
+        if grp.beat(r, info.store, info.heal, step, self.last_heard, new_line):  # its line had closed
             self.health.sweep_asked = True
-        self.max_step = max(self.max_step, rk.step)
+        self.max_step = max(self.max_step, grp.rank_step(r))
         self.quorum_id = max(self.quorum_id, info.quorum_id)  # after a restart: above any seen
-        return grp, rk
+        return grp
 
     def _drop_pending(self, g: int) -> None:
         for req in self._pop(g).values():
@@ -154,13 +148,13 @@ class Job:
     def _is_healthy(self, grp: GroupRecord, now: float, cut: float, members: set[int], silence: bool) -> bool:
         """`cut`: the current quorum's last failure probe that ended (FailureReport); `members`:
         its groups; `silence`: whether silence counts now (the sweep's, computed once)."""
-        if grp.left or len(grp.ranks) < grp.speakers:
+        if grp.left or grp.registered < grp.speakers:
             return False
         # past the probe after a failure report, a member not heard since the report has failed,
         # and stays failed (out of the quorum too) until it is heard again
         cut, quiet = max(cut if grp.group in members else -math.inf, grp.probed), self.cfg.heartbeat_timeout
         quiet = quiet if silence else math.inf
-        if any(r.disconnected or now - r.last_beat > quiet or r.last_beat < cut for r in grp.ranks.values()):
+        if not grp.heard_within(now, quiet, cut):
             grp.probed = cut
             return False
         return True
@@ -177,7 +171,7 @@ class Job:
     def _hearing(self, since: float, probes: Iterable[Probe]) -> Hearing:
         """What this lighthouse heard since `since` (quorum.Hearing): of the healthy complete
         groups, those silent since then, and whether a group heard since began one of `probes`."""
-        live = [g for g in in_slices(self.groups, self.lock) if g.healthy and not g.left and len(g.ranks) == g.speakers]
+        live = [g for g in in_slices(self.groups, self.lock) if g.healthy and not g.left and g.registered == g.speakers]
         heard = {g.group for g in live if not g.silent_since(since)}
         accused = any(p.t >= since and p.by & heard for p in probes)
         return Hearing(len(live), len(live) - len(heard), accused)
@@ -487,30 +481,30 @@ class Job:
         exchange's first member (`leader`, Job._leader) hosts the rendezvous of every rank k and
         serves the step's average to the members aside, and a healing rank k fetches from rank k
         of its source. The shared part is encoded once per round, and each distinct reply once."""
-        lead_ranks, aside = self.groups[leader].ranks, q.aside()
+        lead, aside = self.groups[leader], q.aside()
         shared = q.shared_json()
         replies = []
         made: dict[tuple[str, str, str], str] = {}
         for g in q.groups:
-            src = self.groups[q.heal[g]].ranks if g in q.heal else None
+            src = self.groups[q.heal[g]] if g in q.heal else None
             for req in self.round.pending[g].values():
-                lead = lead_ranks.get(req.rank)
-                store = lead.store if lead else ""
-                heal_from = src[req.rank].heal if src and req.rank in src else ""
-                update_from = lead.heal if lead and g in aside else ""
+                k = req.rank
+                store = lead.store(k) if lead.has(k) else ""
+                heal_from = src.heal(k) if src is not None and src.has(k) else ""
+                update_from = lead.heal(k) if lead.has(k) and g in aside else ""
                 reply = made.get((store, heal_from, update_from))
                 if reply is None:
                     reply = made[store, heal_from, update_from] = Quorum.for_rank(shared, store, heal_from, update_from)
                 replies.append((req, reply))
-                if req.rank in self.groups[g].ranks:
-                    self.groups[g].ranks[req.rank].answered = (req.step, q.quorum_id, reply)
+                if self.groups[g].has(k):
+                    self.groups[g].answer(k, (req.step, q.quorum_id, reply))
         return replies
 
-    def _answered_again(self, rk: RankRecord, ask: QuorumRequest) -> str | None:
+    def _answered_again(self, grp: GroupRecord, ask: QuorumRequest) -> str | None:
         """The answer a rank was given for this step in the current quorum, when it says it did
         not apply it (`again`: lost with its connection, or its round given up) and nothing
         failed since: the quorum that counts it stands, and its peers wait for it there."""
-        a = rk.answered
+        a = grp.answered(ask.info.rank)
         if not ask.again or a is None or self.quorum is None or self.health.force_new:
             return None
         if (ask.info.step, self.quorum.quorum_id) != a[:2]:
@@ -523,7 +517,7 @@ class Job:
         (maybe at once: this arrival may complete the round; the ticker does the rest), or a
         timeout error after `timeout` seconds."""
         with self.lock:
-            grp, _ = self._rank(ask.info)
+            grp = self._rank(ask.info)
             now = time.monotonic()
             req = Request.of(ask, grp.incarnation, now, deliver, timeout)
             standby = self.slow.standby(grp, now, bool(self.finished_step))
@@ -533,7 +527,7 @@ class Job:
             if ask.leased:  # its step went on without this lighthouse: a round of it would be a phantom
                 deliver(OvertakenReply(ask.info.step))  # its sender asks again where it is now
                 return req
-            again = self._answered_again(grp.ranks[req.rank], ask)
+            again = self._answered_again(grp, ask)
             if again is not None:
                 deliver(again)
                 return req
@@ -581,8 +575,7 @@ class Job:
         """O(1): the failed list is the last sweep's. `new_line`: the first heartbeat on its
         connection (a rank may open another while one stalls, lighthouse_client.py)."""
         with self.lock:
-            _, rk = self._rank(info)
-            rk.beat_lines += new_line
+            self._rank(info, new_line)
             qid = self.quorum.quorum_id if self.quorum else 0
             abandoned = self.health.force_new and self.quorum is not None
             return HeartbeatReply(qid, tuple(self.health.failed), beat_s=self.pulse.beat_s, abandoned=abandoned)
@@ -591,13 +584,9 @@ class Job:
         """One of the rank's heartbeat connections closed: it is gone once none is left."""
         with self.lock:
             grp = self.groups.get(g)
-            if grp is not None and grp.incarnation == inc and r in grp.ranks and not grp.left:
-                rk = grp.ranks[r]
-                rk.beat_lines = max(rk.beat_lines - 1, 0)
-                if rk.beat_lines:
-                    return
-                rk.disconnected, rk.disconnected_at = True, time.monotonic()
-                self.health.sweep_asked = True  # the ticker fails it, then forms without it
+            if grp is not None and grp.incarnation == inc and grp.has(r) and not grp.left:
+                if grp.line_closed(r, time.monotonic()):
+                    self.health.sweep_asked = True  # the ticker fails it, then forms without it
 
     def report_failure(self, report: FailureReport) -> None:
         with self.lock:
@@ -619,11 +608,11 @@ class Job:
             grp = self.groups.get(info.group)
             if grp is None or grp.incarnation != info.incarnation:
                 return
-            rank = grp.ranks.pop(info.rank, None)
-            if rank is not None:  # its goodbye carries its last step: no beat may have since it committed
-                self.finished_step = max(self.finished_step, rank.step, info.step)
+            step = grp.drop(info.rank)
+            if step is not None:  # its goodbye carries its last step: no beat may have since it committed
+                self.finished_step = max(self.finished_step, step, info.step)
             grp.leaving = True  # its other ranks leave next: not a failure
-            if not grp.ranks and not grp.left:
+            if not grp.present and not grp.left:
                 grp.left = True
                 grp.healthy = False
                 self.health.healthy.discard(grp.group)

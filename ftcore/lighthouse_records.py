@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 from ftcore.answers import OvertakenReply, QuorumRefused, StandbyReply
 from ftcore.messages import Busy, QuorumRequest
@@ -34,36 +35,154 @@ def in_slices(groups: dict[int, GroupRecord], lock: threading.Lock) -> Iterator[
             yield grp
 
 
-@dataclass
-class RankRecord:
-    """What the lighthouse knows of one rank."""
+class RankRecord(NamedTuple):
+    """What the lighthouse knows of one rank, as read from its group's columns (GroupRecord.rank)."""
 
     rank: int
-    store: str = ""  # host:port of this rank's TCPStore (rendezvous for cross-group groups)
-    heal: str = ""  # host:port of this rank's heal server
-    step: int = 0  # committed steps
-    last_beat: float = 0.0
-    disconnected: bool = False
-    disconnected_at: float = 0.0
-    beat_lines: int = 0  # open connections it heartbeats on: it died when the last one closed
-    # its last quorum answer: (its step, quorum id, the reply) (_answered_again)
-    answered: tuple[int, int, str] | None = None
+    store: str  # host:port of this rank's TCPStore (rendezvous for cross-group groups)
+    heal: str  # host:port of this rank's heal server
+    step: int  # committed steps
+    last_beat: float
+    disconnected: bool
+    disconnected_at: float
+    beat_lines: int  # open connections it heartbeats on: it died when the last one closed
+    answered: tuple[int, int, str] | None  # its last quorum answer: (its step, quorum id, the reply)
 
 
-@dataclass
+# A column of a group's ranks' values: a tuple of blocks of BLOCK values, each a tuple, so that
+# a change copies one block and the block list, not every rank's value (a group may have many).
+BLOCK = 64
+
+
+def _column(n: int, value: Any) -> tuple:
+    return tuple((value,) * min(BLOCK, n - i) for i in range(0, n, BLOCK))
+
+
+def _at(column: tuple, r: int) -> Any:
+    return column[r // BLOCK][r % BLOCK]
+
+
+def _put(column: tuple, r: int, value: Any) -> tuple:
+    """`column` with `value` at `r`: new tuples (a sweep between slices may hold the old ones)."""
+    k, i = divmod(r, BLOCK)
+    block = column[k]
+    return (*column[:k], (*block[:i], value, *block[i + 1 :]), *column[k + 1 :])
+
+
+@dataclass(eq=False)
 class GroupRecord:
-    """What the lighthouse knows of one incarnation of a replica group."""
+    """What the lighthouse knows of one incarnation of a replica group, its ranks' values held
+    as columns indexed by rank: tuples of plain values, replaced whole on a change, which
+    CPython's garbage collector stops tracking (arrays, lists and dicts it tracks). A job of
+    65,536 groups is then 65,536 tracked objects, not three times as many, and a full
+    collection, which stops every job, walks a third of them (BENCHMARKS.md, "one job's size")."""
 
     group: int
     incarnation: int
     world: int  # ranks per group (K)
-    ranks: dict[int, RankRecord] = field(default_factory=dict)
     healthy: bool = False
     left: bool = False
     leaving: bool = False  # a rank said goodbye: the group is ending cleanly, rank by rank
     relay: bool = False  # its relay speaks for all its ranks as rank 0 (ftcore/relay.py)
     probed: float = -math.inf  # failed by a failure probe begun then: healthy only once heard since
+    present: int = 0  # the ranks registered, a bit each
+    closed: int = 0  # the ranks whose last heartbeat line closed, a bit each
+    # each rank's values, as columns (_column): its TCPStore's and heal server's host:port, its
+    # committed steps, when it was last heard, when its last heartbeat line closed, its open
+    # heartbeat lines (it died when the last one closed), its last quorum answer (its step,
+    # quorum id, the reply: Job._answered_again)
+    stores: tuple = ()
+    heals: tuple = ()
+    steps: tuple = ()
+    beats: tuple = ()
+    closed_at: tuple = ()
+    lines: tuple = ()
+    answers: tuple = ()
 
+    def __post_init__(self) -> None:
+        n = self.world
+        self.stores, self.heals, self.answers = _column(n, ""), _column(n, ""), _column(n, None)
+        self.steps, self.lines = _column(n, 0), _column(n, 0)
+        self.beats, self.closed_at = _column(n, 0.0), _column(n, 0.0)
+
+    # ---- its ranks -----------------------------------------------------------------------
+    def has(self, r: int) -> bool:
+        return bool(self.present >> r & 1)
+
+    def ranks(self) -> Iterator[int]:
+        """The registered ranks, in order."""
+        m = self.present
+        while m:
+            low = m & -m
+            yield low.bit_length() - 1
+            m ^= low
+
+    @property
+    def registered(self) -> int:
+        return self.present.bit_count()
+
+    def rank(self, r: int) -> RankRecord | None:
+        """Rank r's values together (None: not registered)."""
+        if not self.has(r):
+            return None
+        return RankRecord._make(
+            (r, *(_at(c, r) for c in (self.stores, self.heals, self.steps, self.beats)), bool(self.closed >> r & 1))
+            + tuple(_at(c, r) for c in (self.closed_at, self.lines, self.answers))
+        )
+
+    def beat(self, r: int, store: str, heal: str, step: int, now: float, new_line: bool) -> bool:
+        """Rank r registers or is heard (a heartbeat or a request): True if its line had closed."""
+        if store and store != _at(self.stores, r):
+            self.stores = _put(self.stores, r, store)
+        if heal and heal != _at(self.heals, r):
+            self.heals = _put(self.heals, r, heal)
+        self.present |= 1 << r
+        if step > _at(self.steps, r):  # a late heartbeat may carry an older step
+            self.steps = _put(self.steps, r, step)
+        self.beats = _put(self.beats, r, now)
+        if new_line:
+            self.lines = _put(self.lines, r, _at(self.lines, r) + 1)
+        was_closed = bool(self.closed >> r & 1)
+        self.closed &= ~(1 << r)
+        return was_closed
+
+    def line_closed(self, r: int, now: float) -> bool:
+        """One of rank r's heartbeat lines closed: True once none is left (it is disconnected)."""
+        self.lines = _put(self.lines, r, max(_at(self.lines, r) - 1, 0))
+        if _at(self.lines, r):
+            return False
+        self.closed |= 1 << r
+        self.closed_at = _put(self.closed_at, r, now)
+        return True
+
+    def store(self, r: int) -> str:
+        return _at(self.stores, r)
+
+    def heal(self, r: int) -> str:
+        return _at(self.heals, r)
+
+    def rank_step(self, r: int) -> int:
+        return _at(self.steps, r)
+
+    def answered(self, r: int) -> tuple[int, int, str] | None:
+        return _at(self.answers, r)
+
+    def answer(self, r: int, answered: tuple[int, int, str] | None) -> None:
+        self.answers = _put(self.answers, r, answered)
+
+    def drop(self, r: int) -> int | None:
+        """Rank r said goodbye: forget it; its last step (None: it was not registered)."""
+        if not self.has(r):
+            return None
+        step = _at(self.steps, r)
+        self.present &= ~(1 << r)
+        self.closed &= ~(1 << r)
+        self.steps, self.lines = _put(self.steps, r, 0), _put(self.lines, r, 0)  # registered again: afresh
+        self.beats, self.closed_at = _put(self.beats, r, 0.0), _put(self.closed_at, r, 0.0)
+        self.answer(r, None)
+        return step
+
+    # ---- what the sweep asks ---------------------------------------------------------------
     @property
     def speakers(self) -> int:
         """The ranks that speak to the lighthouse: all of them, or the relay alone."""
@@ -71,35 +190,46 @@ class GroupRecord:
 
     @property
     def step(self) -> int:
-        return min((r.step for r in self.ranks.values()), default=0)
+        return min((_at(self.steps, r) for r in self.ranks()), default=0)
+
+    @property
+    def disconnected(self) -> bool:
+        """A registered rank's last connection closed (known crashed)."""
+        return bool(self.closed & self.present)
+
+    def last_beat(self) -> float:
+        return max((_at(self.beats, r) for r in self.ranks()), default=-math.inf)
 
     def standing(self, incarnation: int) -> bool:
         """Still this incarnation, not left, no rank's connection closed (not known crashed)."""
-        return (
-            self.incarnation == incarnation and not self.left and not any(r.disconnected for r in self.ranks.values())
+        return self.incarnation == incarnation and not self.left and not self.disconnected
+
+    def heard_within(self, now: float, quiet: float, since: float) -> bool:
+        """No rank disconnected, each heard within `quiet` of `now` and at `since` or after."""
+        return not self.disconnected and all(
+            now - _at(self.beats, r) <= quiet and _at(self.beats, r) >= since for r in self.ranks()
         )
 
     def lost_rank(self, now: float, probe: float, heartbeat_timeout: float | None) -> int | None:
         """A rank this incarnation has lost for good (connection closed for longer than a
         reconnect takes, or silent past the heartbeat timeout, None: silence does not count):
         the group must restart."""
-        for rk in self.ranks.values():
-            if (rk.disconnected and now - rk.disconnected_at > probe) or (
-                heartbeat_timeout is not None and now - rk.last_beat > heartbeat_timeout
+        for r in self.ranks():
+            if (self.closed >> r & 1 and now - _at(self.closed_at, r) > probe) or (
+                heartbeat_timeout is not None and now - _at(self.beats, r) > heartbeat_timeout
             ):
-                return rk.rank
+                return r
         return None
 
     def silent_since(self, t: float) -> bool:
         """Not heard since `t`, and no connection closed (a silence, not a crash)."""
-        ranks = self.ranks.values()
-        return not any(r.disconnected for r in ranks) and max((r.last_beat for r in ranks), default=-math.inf) < t
+        return not self.disconnected and self.last_beat() < t
 
     def why_failed(self, now: float, heartbeat_timeout: float) -> str:
         """What the lighthouse saw when it declared this group failed (its failure event)."""
-        if any(r.disconnected for r in self.ranks.values()):
+        if self.disconnected:
             return "connection closed"
-        if len(self.ranks) < self.speakers or any(now - r.last_beat > heartbeat_timeout for r in self.ranks.values()):
+        if self.registered < self.speakers or any(now - _at(self.beats, r) > heartbeat_timeout for r in self.ranks()):
             return "heartbeat timeout"
         return "not heard within the failure probe"
 

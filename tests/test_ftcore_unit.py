@@ -689,3 +689,31 @@ def test_the_ledger_refuses_a_damaged_line_that_no_crash_explains(tmp_path):
     w.record(2, 0, 2, "regular", [0], 2, [2])
     w.close()
     assert [r["step"] for r, _ in ledger.read(str(tmp_path))] == [0, 1, 2]
+
+
+def test_a_groups_ranks_are_columns_the_collector_does_not_track():
+    """GroupRecord keeps its ranks' values as blocks of plain tuples: after a collection none of
+    them is tracked (a job of 65,536 groups is that many objects to the collector, not three
+    times as many), and a rank past the first block of 64 reads back what it was told."""
+    import gc
+
+    from ftcore.lighthouse_records import GroupRecord
+
+    g = GroupRecord(0, 0, world=130)
+    for r in (0, 64, 129):
+        g.beat(r, f"h:{r}", f"h:{r + 1}", step=r, now=float(r), new_line=True)
+    g.answer(129, (5, 3, "reply"))
+    gc.collect()
+    gc.collect()  # a tuple of tuples is untracked once a collection finds its blocks untracked
+    columns = (g.stores, g.heals, g.steps, g.beats, g.closed_at, g.lines, g.answers)
+    assert not any(gc.is_tracked(c) for c in columns)
+    assert list(g.ranks()) == [0, 64, 129] and g.registered == 3 and g.rank(1) is None
+    rk = g.rank(129)
+    assert rk is not None and (rk.store, rk.heal, rk.step, rk.last_beat, rk.beat_lines, rk.answered) == (
+        "h:129", "h:130", 129, 129.0, 1, (5, 3, "reply"),
+    )  # fmt: skip
+    assert g.step == 0 and g.last_beat() == 129.0 and not g.disconnected
+    assert not g.beat(64, "", "", step=3, now=130.0, new_line=False) and g.rank_step(64) == 64  # never back
+    assert g.line_closed(64, 200.0) and g.disconnected and g.rank(64).disconnected_at == 200.0
+    assert g.lost_rank(201.0, probe=0.5, heartbeat_timeout=None) == 64
+    assert g.drop(64) == 64 and not g.disconnected and list(g.ranks()) == [0, 129]
