@@ -197,11 +197,11 @@ def snapshot(j: Job) -> dict[str, Any]:
                 "healthy": g.healthy,
                 "left": g.left,
                 "step": g.step,
-                "ranks": g.world if g.relay and g.present else g.registered,
+                "ranks": g.world if g.relay and g.registered else g.registered,
                 "world": g.world,
                 "relay": g.relay,
                 "standby_s": round(max(j.slow.excluded[g.group] - now, 0.0), 2) if g.group in j.slow.excluded else None,
-                "last_beat_age_s": now - g.last_beat() if g.present else None,
+                "last_beat_age_s": now - g.last_beat() if g.registered else None,
             }
             for g in sorted(j.groups.values(), key=lambda g: g.group)
         ],

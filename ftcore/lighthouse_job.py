@@ -612,7 +612,7 @@ class Job:
             if step is not None:  # its goodbye carries its last step: no beat may have since it committed
                 self.finished_step = max(self.finished_step, step, info.step)
             grp.leaving = True  # its other ranks leave next: not a failure
-            if not grp.present and not grp.left:
+            if not grp.registered and not grp.left:
                 grp.left = True
                 grp.healthy = False
                 self.health.healthy.discard(grp.group)

@@ -75,7 +75,7 @@ class GroupRecord:
     as columns indexed by rank: tuples of plain values, replaced whole on a change, which
     CPython's garbage collector stops tracking (arrays, lists and dicts it tracks). A job of
     65,536 groups is then 65,536 tracked objects, not three times as many, and a full
-    collection, which stops every job, walks a third of them (BENCHMARKS.md, "one job's size")."""
+    collection, which stops every job, is shorter (BENCHMARKS.md, "one job's size")."""
 
     group: int
     incarnation: int
@@ -85,75 +85,45 @@ class GroupRecord:
     leaving: bool = False  # a rank said goodbye: the group is ending cleanly, rank by rank
     relay: bool = False  # its relay speaks for all its ranks as rank 0 (ftcore/relay.py)
     probed: float = -math.inf  # failed by a failure probe begun then: healthy only once heard since
-    present: int = 0  # the ranks registered, a bit each
-    closed: int = 0  # the ranks whose last heartbeat line closed, a bit each
-    # each rank's values, as columns (_column): its TCPStore's and heal server's host:port, its
-    # committed steps, when it was last heard, when its last heartbeat line closed, its open
-    # heartbeat lines (it died when the last one closed), its last quorum answer (its step,
-    # quorum id, the reply: Job._answered_again)
+    registered: int = 0  # its ranks the lighthouse knows (heard, and not gone by a goodbye)
+    # each rank's values, as columns (_column): when it was last heard (None: not registered),
+    # when its last heartbeat line closed (None: one is open, or it never had one), its
+    # TCPStore's and heal server's host:port, its committed steps, its open heartbeat lines (it
+    # died when the last one closed), its last quorum answer (its step, quorum id, the reply:
+    # Job._answered_again)
+    beats: tuple = ()
+    closed_at: tuple = ()
     stores: tuple = ()
     heals: tuple = ()
     steps: tuple = ()
-    beats: tuple = ()
-    closed_at: tuple = ()
     lines: tuple = ()
     answers: tuple = ()
 
     def __post_init__(self) -> None:
         n = self.world
-        self.stores, self.heals, self.answers = _column(n, ""), _column(n, ""), _column(n, None)
-        self.steps, self.lines = _column(n, 0), _column(n, 0)
-        self.beats, self.closed_at = _column(n, 0.0), _column(n, 0.0)
+        self.beats, self.closed_at, self.answers = _column(n, None), _column(n, None), _column(n, None)
+        self.stores, self.heals, self.steps, self.lines = _column(n, ""), _column(n, ""), _column(n, 0), _column(n, 0)
 
     # ---- its ranks -----------------------------------------------------------------------
     def has(self, r: int) -> bool:
-        return bool(self.present >> r & 1)
+        return _at(self.beats, r) is not None
 
     def ranks(self) -> Iterator[int]:
         """The registered ranks, in order."""
-        m = self.present
-        while m:
-            low = m & -m
-            yield low.bit_length() - 1
-            m ^= low
-
-    @property
-    def registered(self) -> int:
-        return self.present.bit_count()
+        for k, block in enumerate(self.beats):
+            for i, t in enumerate(block):
+                if t is not None:
+                    yield k * BLOCK + i
 
     def rank(self, r: int) -> RankRecord | None:
         """Rank r's values together (None: not registered)."""
         if not self.has(r):
             return None
-        return RankRecord._make(
-            (r, *(_at(c, r) for c in (self.stores, self.heals, self.steps, self.beats)), bool(self.closed >> r & 1))
-            + tuple(_at(c, r) for c in (self.closed_at, self.lines, self.answers))
-        )
-
-    def beat(self, r: int, store: str, heal: str, step: int, now: float, new_line: bool) -> bool:
-        """Rank r registers or is heard (a heartbeat or a request): True if its line had closed."""
-        if store and store != _at(self.stores, r):
-            self.stores = _put(self.stores, r, store)
-        if heal and heal != _at(self.heals, r):
-            self.heals = _put(self.heals, r, heal)
-        self.present |= 1 << r
-        if step > _at(self.steps, r):  # a late heartbeat may carry an older step
-            self.steps = _put(self.steps, r, step)
-        self.beats = _put(self.beats, r, now)
-        if new_line:
-            self.lines = _put(self.lines, r, _at(self.lines, r) + 1)
-        was_closed = bool(self.closed >> r & 1)
-        self.closed &= ~(1 << r)
-        return was_closed
-
-    def line_closed(self, r: int, now: float) -> bool:
-        """One of rank r's heartbeat lines closed: True once none is left (it is disconnected)."""
-        self.lines = _put(self.lines, r, max(_at(self.lines, r) - 1, 0))
-        if _at(self.lines, r):
-            return False
-        self.closed |= 1 << r
-        self.closed_at = _put(self.closed_at, r, now)
-        return True
+        closed = _at(self.closed_at, r)
+        return RankRecord(
+            r, self.store(r), self.heal(r), self.rank_step(r), _at(self.beats, r), closed is not None, closed or 0.0,
+            _at(self.lines, r), self.answered(r),
+        )  # fmt: skip
 
     def store(self, r: int) -> str:
         return _at(self.stores, r)
@@ -167,18 +137,43 @@ class GroupRecord:
     def answered(self, r: int) -> tuple[int, int, str] | None:
         return _at(self.answers, r)
 
+    def beat(self, r: int, store: str, heal: str, step: int, now: float, new_line: bool) -> bool:
+        """Rank r registers or is heard (a heartbeat or a request): True if its line had closed."""
+        if store and store != self.store(r):
+            self.stores = _put(self.stores, r, store)
+        if heal and heal != self.heal(r):
+            self.heals = _put(self.heals, r, heal)
+        if step > self.rank_step(r):  # a late heartbeat may carry an older step
+            self.steps = _put(self.steps, r, step)
+        if new_line:
+            self.lines = _put(self.lines, r, _at(self.lines, r) + 1)
+        self.registered += not self.has(r)
+        self.beats = _put(self.beats, r, now)
+        if _at(self.closed_at, r) is None:
+            return False
+        self.closed_at = _put(self.closed_at, r, None)
+        return True
+
+    def line_closed(self, r: int, now: float) -> bool:
+        """One of rank r's heartbeat lines closed: True once none is left (it is disconnected)."""
+        self.lines = _put(self.lines, r, max(_at(self.lines, r) - 1, 0))
+        if _at(self.lines, r):
+            return False
+        self.closed_at = _put(self.closed_at, r, now)
+        return True
+
     def answer(self, r: int, answered: tuple[int, int, str] | None) -> None:
         self.answers = _put(self.answers, r, answered)
 
     def drop(self, r: int) -> int | None:
-        """Rank r said goodbye: forget it; its last step (None: it was not registered)."""
+        """Rank r said goodbye: forget it (registered again, it starts afresh); its last step
+        (None: it was not registered)."""
         if not self.has(r):
             return None
-        step = _at(self.steps, r)
-        self.present &= ~(1 << r)
-        self.closed &= ~(1 << r)
-        self.steps, self.lines = _put(self.steps, r, 0), _put(self.lines, r, 0)  # registered again: afresh
-        self.beats, self.closed_at = _put(self.beats, r, 0.0), _put(self.closed_at, r, 0.0)
+        step = self.rank_step(r)
+        self.registered -= 1
+        self.beats, self.closed_at = _put(self.beats, r, None), _put(self.closed_at, r, None)
+        self.steps, self.lines = _put(self.steps, r, 0), _put(self.lines, r, 0)
         self.answer(r, None)
         return step
 
@@ -190,15 +185,15 @@ class GroupRecord:
 
     @property
     def step(self) -> int:
-        return min((_at(self.steps, r) for r in self.ranks()), default=0)
+        return min((self.rank_step(r) for r in self.ranks()), default=0)
 
     @property
     def disconnected(self) -> bool:
         """A registered rank's last connection closed (known crashed)."""
-        return bool(self.closed & self.present)
+        return any(t is not None for block in self.closed_at for t in block)
 
     def last_beat(self) -> float:
-        return max((_at(self.beats, r) for r in self.ranks()), default=-math.inf)
+        return max((t for block in self.beats for t in block if t is not None), default=-math.inf)
 
     def standing(self, incarnation: int) -> bool:
         """Still this incarnation, not left, no rank's connection closed (not known crashed)."""
@@ -206,16 +201,16 @@ class GroupRecord:
 
     def heard_within(self, now: float, quiet: float, since: float) -> bool:
         """No rank disconnected, each heard within `quiet` of `now` and at `since` or after."""
-        return not self.disconnected and all(
-            now - _at(self.beats, r) <= quiet and _at(self.beats, r) >= since for r in self.ranks()
-        )
+        beats = [t for block in self.beats for t in block if t is not None]
+        return not self.disconnected and all(now - t <= quiet and t >= since for t in beats)
 
     def lost_rank(self, now: float, probe: float, heartbeat_timeout: float | None) -> int | None:
         """A rank this incarnation has lost for good (connection closed for longer than a
         reconnect takes, or silent past the heartbeat timeout, None: silence does not count):
         the group must restart."""
         for r in self.ranks():
-            if (self.closed >> r & 1 and now - _at(self.closed_at, r) > probe) or (
+            closed = _at(self.closed_at, r)
+            if (closed is not None and now - closed > probe) or (
                 heartbeat_timeout is not None and now - _at(self.beats, r) > heartbeat_timeout
             ):
                 return r
@@ -229,9 +224,13 @@ class GroupRecord:
         """What the lighthouse saw when it declared this group failed (its failure event)."""
         if self.disconnected:
             return "connection closed"
-        if self.registered < self.speakers or any(now - _at(self.beats, r) > heartbeat_timeout for r in self.ranks()):
+        if self.registered < self.speakers or now - self.first_beat() > heartbeat_timeout:
             return "heartbeat timeout"
         return "not heard within the failure probe"
+
+    def first_beat(self) -> float:
+        """When its least recently heard rank was heard."""
+        return min((t for block in self.beats for t in block if t is not None), default=math.inf)
 
 
 Answer = StandbyReply | OvertakenReply | QuorumRefused

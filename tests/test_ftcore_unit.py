@@ -716,4 +716,7 @@ def test_a_groups_ranks_are_columns_the_collector_does_not_track():
     assert not g.beat(64, "", "", step=3, now=130.0, new_line=False) and g.rank_step(64) == 64  # never back
     assert g.line_closed(64, 200.0) and g.disconnected and g.rank(64).disconnected_at == 200.0
     assert g.lost_rank(201.0, probe=0.5, heartbeat_timeout=None) == 64
-    assert g.drop(64) == 64 and not g.disconnected and list(g.ranks()) == [0, 129]
+    assert g.drop(64) == 64 and not g.disconnected and list(g.ranks()) == [0, 129] and g.registered == 2
+    big = GroupRecord(1, 0, world=1 << 16)  # the most a group may have: a beat copies one block
+    big.beat(65535, "", "", step=1, now=1.0, new_line=False)
+    assert list(big.ranks()) == [65535] and big.registered == 1 and big.has(65535) and not big.has(0)
