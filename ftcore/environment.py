@@ -7,6 +7,7 @@ import time. A test fails on an `os.environ` read anywhere else in ftcore."""
 
 import dataclasses
 import os
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -112,13 +113,14 @@ class RankEnv:
     @classmethod
     def from_env(cls) -> "RankEnv":
         values: dict[str, Any] = {}
+        kinds = typing.get_type_hints(cls)  # the types, also where annotations are strings
         for f in dataclasses.fields(cls):
             name = _VARIABLES[f.name]
             if not text(name):
                 continue
-            if f.type == int | None:
+            if kinds[f.name] == int | None:
                 values[f.name] = integer(name, 0)
-            elif f.type == bool | None:
+            elif kinds[f.name] == bool | None:
                 values[f.name] = flag(name, True)
             else:
                 values[f.name] = text(name)

@@ -720,3 +720,17 @@ def test_a_groups_ranks_are_columns_the_collector_does_not_track():
     big = GroupRecord(1, 0, world=1 << 16)  # the most a group may have: a beat copies one block
     big.beat(65535, "", "", step=1, now=1.0, new_line=False)
     assert list(big.ranks()) == [65535] and big.registered == 1 and big.has(65535) and not big.has(0)
+
+
+def test_what_a_rank_is_told_reads_back_as_written(monkeypatch):
+    """RankEnv.to_env (the launcher's, the pods') and from_env (the rank's) agree, typed: counts
+    as ints, the relay as a flag, an unset field as None."""
+    from ftcore import environment
+    from ftcore.environment import RankEnv
+
+    told = RankEnv(lighthouse="10.0.0.1:29510", job="j", num_groups=4, group=3, rank=1, world=2, relay=False)
+    for name in environment._VARIABLES.values():  # what this process was told is not the test's
+        monkeypatch.delenv(name, raising=False)
+    for name, value in told.to_env().items():
+        monkeypatch.setenv(name, value)
+    assert told.to_env()["FTCORE_RELAY"] == "0" and RankEnv.from_env() == told
