@@ -44,6 +44,7 @@ bench: setup
 	mkdir -p bench-results
 	$(BIN)/python benchmarks/dataprep_bench.py
 	$(BIN)/python benchmarks/training_bench.py
+	$(BIN)/python benchmarks/time_to_quality.py  # against the public state of the art: about 80 minutes
 	$(BIN)/python benchmarks/ftcore_bench.py
 	$(BIN)/python benchmarks/lighthouse_scale.py
 	$(BIN)/python benchmarks/lighthouse_pause.py

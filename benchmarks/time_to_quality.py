@@ -1,8 +1,16 @@
-"""Time to quality against the reference SASRec in PyTorch (pmixer/SASRec.pytorch), on
-video.txt, one right after the other on this machine, both at maxlen 50.
+"""Time to quality: how soon ftrec's training reaches a quality target, on this machine.
 
+    python benchmarks/time_to_quality.py [--datasets beauty,video] [--groups 1,2]
+        [--config FILE] [--set section.key=value ...] [--minutes 15] [--json PATH]
     python benchmarks/time_to_quality.py --reference DIR [--reference-log FILE] [--json PATH]
 
+The first (the default) is against the public state of the art (issue #39): full ranking with
+history excluded, the public figures as reference lines, and the wall time at which test
+NDCG@10 first reaches 0.95x and 1.0x of the SASRec + sampled softmax figure, per dataset and
+replica-group count (benchmarks/public_quality.py says how).
+
+The second is against the reference SASRec in PyTorch (pmixer/SASRec.pytorch), on video.txt,
+one right after the other on this machine, both at maxlen 50.
 DIR is a checkout of the reference's `python/` folder (main.py, model.py, utils.py),
 obtained by you from its public repository; ftrec ships none of its code. The script:
 
@@ -39,6 +47,7 @@ from training.checkpoint_key import use_default
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks import public_quality  # noqa: E402
 from benchmarks.public_quality import first_reaching  # noqa: E402
 
 VIDEO = ROOT.parent / "shared" / "data" / "video.txt"
@@ -210,11 +219,14 @@ def ftrec_reach(work: Path, run: dict, target: float) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--reference", required=True, type=Path, help="the reference's python/ folder")
+    p.add_argument("--reference", type=Path, help="the reference's python/ folder: compare with it instead")
     p.add_argument("--reference-log", type=Path, help="a finished reference run's log (skip running it)")
+    public_quality.add_arguments(p)
     p.add_argument("--work", type=Path, default=None)
-    p.add_argument("--json", default=str(ROOT / "bench-results" / "time_to_quality.json"))
+    p.add_argument("--json", help="where the results go (default: bench-results/, by comparison)")
     a = p.parse_args()
+    if a.reference is None:
+        return public_quality.run(a)
     if not VIDEO.is_file():
         sys.exit(f"error: {VIDEO} not found")
     work = a.work or Path(tempfile.mkdtemp(prefix="ftrec-ttq-"))
@@ -235,8 +247,9 @@ def main() -> int:
         print(f"\nftrec reaches the reference's 20-epoch test HR@10 {ref['train_s'] / ours['train_s']:.1f}x sooner")
     else:
         print(f"| ftrec | not reached in 20 epochs (last {ours['best_hr10_last']:.4f}) | | |")
-    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.json).write_text(json.dumps({"reference": ref, "ftrec": ours}, indent=1))
+    out = Path(a.json or ROOT / "bench-results" / "time_to_quality.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"reference": ref, "ftrec": ours}, indent=1))
     return 0
 
 

@@ -124,3 +124,26 @@ def test_every_choice_setting_refuses_another_value_by_name(dotted):
             config.load_config(None, [f'{dotted}="{value}"'])
         except config.ConfigError as e:  # another rule may tie it to a second setting (ligr: sasrec)
             assert dotted not in str(e).split(" must be ")[0], e
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.toml")), ids=lambda p: p.name)
+def test_every_shipped_config_loads_and_sets_only_what_it_names(path):
+    """A shipped preset must keep loading as the settings move; the file's own values win."""
+    doc = tomllib.loads(path.read_text())
+    cfg = load_config(str(path))
+    for section, table in doc.items():
+        for key, value in table.items():
+            got = getattr(getattr(cfg, section), key)
+            assert (list(got) if isinstance(got, tuple) else got) == value, f"{path.name}: {section}.{key}"
+
+
+def test_the_public_recipe_is_the_esasrec_benchmarks_sasrec():
+    """configs/public-sasrec-sampled-softmax.toml: the settings of the public figures'
+    SASRec + sampled softmax (d=256, 1 block, 1 head, dropout 0.2, 256 negatives, Adam 1e-3)."""
+    cfg = load_config(str(ROOT / "configs" / "public-sasrec-sampled-softmax.toml"))
+    m, loss, o = cfg.model, cfg.loss, cfg.optim
+    assert (m.attention, m.layer, m.dim, m.num_layers, m.num_heads, m.dropout) == ("sasrec", "standard", 256, 1, 1, 0.2)
+    assert (loss.kind, loss.num_negatives, loss.negatives) == ("sampled_softmax", 256, "per_token")
+    assert (o.lr, o.embedding_lr, o.betas, o.weight_decay) == (1e-3, 1e-3, (0.9, 0.999), 0)  # torch's Adam
+    assert (o.warmup_steps, o.decay, o.grad_clip) == (0, "constant", 0)
+    assert cfg.eval.patience > 0 and cfg.eval.best_metric == "valid/full/ndcg@10"
