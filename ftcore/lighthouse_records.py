@@ -192,12 +192,8 @@ class GroupRecord:
         """A registered rank's last connection closed (known crashed)."""
         return any(t is not None for block in self.closed_at for t in block)
 
-    def _heard(self) -> Iterator[float]:
-        """When each registered rank was last heard."""
-        return (t for block in self.beats for t in block if t is not None)
-
     def last_beat(self) -> float:
-        return max(self._heard(), default=-math.inf)
+        return max((t for block in self.beats for t in block if t is not None), default=-math.inf)
 
     def standing(self, incarnation: int) -> bool:
         """Still this incarnation, not left, no rank's connection closed (not known crashed)."""
@@ -205,7 +201,8 @@ class GroupRecord:
 
     def heard_within(self, now: float, quiet: float, since: float) -> bool:
         """No rank disconnected, each heard within `quiet` of `now` and at `since` or after."""
-        return not self.disconnected and all(now - t <= quiet and t >= since for t in self._heard())
+        beats = [t for block in self.beats for t in block if t is not None]
+        return not self.disconnected and all(now - t <= quiet and t >= since for t in beats)
 
     def lost_rank(self, now: float, probe: float, heartbeat_timeout: float | None) -> int | None:
         """A rank this incarnation has lost for good (connection closed for longer than a
@@ -233,7 +230,7 @@ class GroupRecord:
 
     def first_beat(self) -> float:
         """When its least recently heard rank was heard."""
-        return min(self._heard(), default=math.inf)
+        return min((t for block in self.beats for t in block if t is not None), default=math.inf)
 
 
 Answer = StandbyReply | OvertakenReply | QuorumRefused
